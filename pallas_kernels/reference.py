@@ -1,0 +1,85 @@
+"""Ragged paged attention: the pure-jnp reference that defines the semantics.
+
+The model calls ``pallas_kernels.ragged_paged_attention``; on CPU that is this function, on GPU
+and TPU a Pallas kernel that must agree with it. Every kernel test compares against it.
+
+Layout (one layer of the KV cache):
+  k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim]
+The batch is one flattened ragged batch of S sequences, T tokens in all. Sequence i owns the
+query rows cu_q_lens[i]:cu_q_lens[i+1]; those are its *last* q_len_i tokens, so a query row at
+chunk offset j sits at absolute position kv_lens[i] - q_len_i + j and attends causally to KV
+positions 0..that position (prefill chunks and decode tokens alike). Rows past
+cu_q_lens[num_seqs] are padding and come back as zeros.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [P, page_size, Hkv, D]
+    v_pages: jax.Array,  # [P, page_size, Hkv, D]
+    kv_lens: jax.Array,  # i32[S]  tokens in the cache per sequence, new ones included
+    page_indices: jax.Array,  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [T, Hq, D], q's dtype
+    """Each query row attends to its own sequence's pages, causally; float32 softmax."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    num_slots, pages_per_seq = page_indices.shape
+    max_kv = pages_per_seq * page_size
+    group = num_q_heads // num_kv_heads
+
+    # Which sequence each query row belongs to, and its absolute position.
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_of_row = jnp.searchsorted(cu_q_lens[1:], rows, side="right").astype(jnp.int32)
+    seq_of_row = jnp.minimum(seq_of_row, num_slots - 1)  # i32[T]
+    is_valid_row = rows < cu_q_lens[num_seqs[0]]  # bool[T]
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # i32[S]
+    row_pos = kv_lens[seq_of_row] - q_lens[seq_of_row] + (rows - cu_q_lens[seq_of_row])  # i32[T]
+
+    # Gather every sequence's pages into a dense [S, max_kv, Hkv, D] view.
+    k_seq = k_pages[page_indices].reshape(num_slots, max_kv, num_kv_heads, head_dim)
+    v_seq = v_pages[page_indices].reshape(num_slots, max_kv, num_kv_heads, head_dim)
+    k_rows = k_seq[seq_of_row]  # [T, max_kv, Hkv, D]
+    v_rows = v_seq[seq_of_row]
+
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
+    scores = jnp.einsum("TKGD,TSKD->TKGS", qg, k_rows.astype(jnp.float32)) * sm_scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    kv_pos = jnp.arange(max_kv, dtype=jnp.int32)
+    mask = (kv_pos[None, :] <= row_pos[:, None]) & (kv_pos[None, :] < kv_lens[seq_of_row][:, None])
+    if sliding_window is not None:
+        mask &= kv_pos[None, :] > row_pos[:, None] - sliding_window
+    mask &= is_valid_row[:, None]
+    scores = jnp.where(mask[:, None, None, :], scores, DEFAULT_MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(mask[:, None, None, :], probs, 0.0)
+    out = jnp.einsum("TKGS,TSKD->TKGD", probs, v_rows.astype(jnp.float32))
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def write_kv(
+    k_pages: jax.Array,  # [P, page_size, Hkv, D]
+    v_pages: jax.Array,  # [P, page_size, Hkv, D]
+    k: jax.Array,  # [T, Hkv, D]
+    v: jax.Array,  # [T, Hkv, D]
+    slot_mapping: jax.Array,  # i32[T]  page * page_size + offset; >= P * page_size drops the row
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter the new tokens' K/V into their slots (in place when the cache is donated)."""
+    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
+    flat_shape = (num_pages * page_size, num_kv_heads, head_dim)
+    k_flat = k_pages.reshape(flat_shape).at[slot_mapping].set(k.astype(k_pages.dtype), mode="drop")
+    v_flat = v_pages.reshape(flat_shape).at[slot_mapping].set(v.astype(v_pages.dtype), mode="drop")
+    return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
