@@ -1,0 +1,133 @@
+"""Tokenizer, chat template and incremental detokenization.
+
+The tokenizer comes from the model directory through transformers' ``AutoTokenizer`` (the chat
+template may live in ``tokenizer_config.json`` or ``chat_template.jinja``). Chat templates
+render only in a sandboxed, immutable Jinja environment; requests cannot supply a template and
+only allow-listed template keyword arguments pass through.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# Keyword arguments a request may pass to the chat template (everything else is a 400).
+ALLOWED_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_effort"})
+
+
+class TemplateError(ValueError):
+    """The chat template could not render the given messages."""
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+class Tokenizer:
+    """A model's tokenizer: encode, decode, chat template, special tokens."""
+
+    def __init__(self, model_dir: str | os.PathLike[str]) -> None:
+        from transformers import AutoTokenizer
+
+        self._hf = AutoTokenizer.from_pretrained(str(model_dir))
+        self.vocab_size: int = len(self._hf)
+        self.eos_token_id: int | None = self._hf.eos_token_id
+        self.bos_token_id: int | None = self._hf.bos_token_id
+        self.chat_template: str | None = self._hf.chat_template
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        return self._hf.convert_ids_to_tokens(list(token_ids))
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._hf.all_special_ids
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render messages to the prompt text, in a sandbox."""
+        if self.chat_template is None:
+            raise TemplateError("this model has no chat template; use /v1/completions")
+        unknown = set(template_kwargs) - ALLOWED_TEMPLATE_KWARGS
+        if unknown:
+            raise TemplateError(
+                f"chat_template_kwargs {sorted(unknown)} are not allowed; "
+                f"allowed: {sorted(ALLOWED_TEMPLATE_KWARGS)}"
+            )
+        special = self._hf.special_tokens_map
+        try:
+            return _compile_template(self.chat_template).render(
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=special.get("bos_token", ""),
+                eos_token=special.get("eos_token", ""),
+                **template_kwargs,
+            )
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"chat template failed: {exc}") from exc
+
+    def detokenizer(self, prompt_ids: Sequence[int], skip_special_tokens: bool = True):
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, never half a UTF-8 character.
+
+    Decodes a short window (a few tokens of context + the unread tokens) each time, so a step
+    costs O(new tokens), and holds back text while it ends in U+FFFD (an incomplete byte
+    sequence).
+    """
+
+    CONTEXT_TOKENS = 5
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self.token_ids: list[int] = list(prompt_ids[-self.CONTEXT_TOKENS :])
+        self._prefix_offset = 0  # start of the context window
+        self._read_offset = len(self.token_ids)  # tokens already turned into text
+        self.text = ""
+
+    def add(self, new_ids: Sequence[int]) -> str:
+        """Append tokens; return the newly completed text (possibly empty)."""
+        self.token_ids.extend(new_ids)
+        decode = self._tokenizer.decode
+        prefix = decode(self.token_ids[self._prefix_offset : self._read_offset], self._skip_special)
+        full = decode(self.token_ids[self._prefix_offset :], self._skip_special)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.token_ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,51 @@
+"""The device-side inputs of one model step, and the paged KV cache they index.
+
+The runner builds a ``Batch`` from the scheduler's per-step output (padded numpy arrays, one
+shape bucket) and hands it to ``llama.forward``. Padding tokens have ``slot_mapping`` past the
+end of the cache (their K/V writes are dropped) and rows past ``cu_q_lens[num_seqs]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Batch:
+    input_ids: jax.Array  # i32[T]  token ids, one flattened ragged batch
+    positions: jax.Array  # i32[T]  absolute position of each token in its sequence
+    slot_mapping: jax.Array  # i32[T]  page * page_size + offset; padding >= num_slots
+    kv_lens: jax.Array  # i32[S]  cached tokens per sequence after this step
+    page_indices: jax.Array  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array  # i32[S + 1]  prefix sums of new tokens per sequence
+    num_seqs: jax.Array  # i32[1]
+    logits_indices: jax.Array  # i32[S]  row of each sequence's last new token
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+# One (k_pages, v_pages) pair per layer, each [num_pages, page_size, num_kv_heads, head_dim].
+KVCache = list[tuple[jax.Array, jax.Array]]
+
+
+def make_kv_cache(
+    num_layers: int,
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: jnp.dtype,
+) -> KVCache:
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """Bytes of K and V that one token occupies across all layers."""
+    return 2 * num_layers * num_kv_heads * head_dim * itemsize
