@@ -1,0 +1,154 @@
+"""AsyncEngine: the asyncio face of the engine, used by the HTTP server.
+
+The step loop (``EngineCore``) runs in one dedicated thread. ``generate`` submits a request and
+yields ``RequestOutput`` deltas from a per-request ``asyncio.Queue`` that the engine thread
+fills through ``loop.call_soon_threadsafe``; leaving the iterator early (client disconnect,
+cancellation) aborts the request, which frees its blocks within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from jaxserve.engine.core import EngineCore, EngineDeadError
+from jaxserve.engine.engine_config import EngineConfig
+from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.sampling_params import SamplingParams
+
+_LOG = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its cap (the server answers 429 with Retry-After)."""
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, max_queued_requests: int | None = None) -> None:
+        self.core = core
+        self.config: EngineConfig = core.config
+        self.model_config = core.model_config
+        self.tokenizer = core.tokenizer
+        self.max_model_len: int = core.max_model_len
+        self.max_queued_requests = max_queued_requests
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.dead_error: BaseException | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, max_queued_requests: int | None = None) -> AsyncEngine:
+        return cls(EngineCore(config), max_queued_requests)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_error is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.core.vocab_size
+
+    def num_unfinished(self) -> int:
+        return self.core.num_unfinished()
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        prompt: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield deltas until one with ``finished=True``; validation errors raise ValueError."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"engine loop died: {self.dead_error!r}")
+        if (
+            self.max_queued_requests is not None
+            and self.core.num_waiting() + params.num_samples > self.max_queued_requests
+        ):
+            raise QueueFullError(
+                f"waiting queue is full ({self.max_queued_requests} requests); retry later"
+            )
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (loop, queue)
+        try:
+            self.core.add_request(
+                request_id,
+                list(prompt_token_ids),
+                params,
+                prompt=prompt,
+                priority=priority,
+                cache_salt=cache_salt,
+                arrival_time=time.time(),
+            )
+        except Exception:
+            self._queues.pop(request_id, None)
+            raise
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.core.abort_request(request_id)
+                self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        self.core.abort_request(request_id)
+        self._wake.set()
+
+    # -- the engine thread -----------------------------------------------------------------
+
+    def _deliver(self, output: RequestOutput | BaseException, request_id: str) -> None:
+        entry = self._queues.get(request_id)
+        if entry is None:
+            return
+        loop, queue = entry
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, output)
+        except RuntimeError:  # the event loop is closed
+            pass
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self.core.has_work():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                for output in self.core.step():
+                    self._deliver(output, output.request_id)
+        except BaseException as exc:  # the loop must never die silently
+            _LOG.exception("engine loop died")
+            self.dead_error = exc
+            error = EngineDeadError(f"engine loop died: {exc!r}")
+            for request_id in list(self._queues):
+                self._deliver(error, request_id)

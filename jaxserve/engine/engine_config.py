@@ -1,0 +1,94 @@
+"""EngineConfig: every knob of the engine, frozen and validated where it is made.
+
+Built by ``jaxserve launch`` (from flags) and by ``jaxserve.LLM`` (from keyword arguments), and
+passed down to the scheduler, the KV-cache manager and the runner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+LOAD_FORMATS = ("auto", "dummy")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def default_model_dir() -> Path:
+    """The model served when none is named: the demo model shipped inside the package."""
+    return Path(__file__).resolve().parent.parent / "assets" / "demo"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: str = ""  # a local Hugging Face directory; "" means the embedded demo model
+    served_model_name: str | None = None
+    tokenizer: str | None = None  # defaults to the model directory
+    dtype: str = "auto"
+    load_format: str = "auto"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    compilation_cache_dir: str | None = None
+    warmup: bool = True  # compile every shape bucket at start-up
+    cpu_num_blocks: int = 512  # KV blocks on CPU, where device memory cannot be queried
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={self.load_format!r} must be one of {LOAD_FORMATS}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy={self.scheduling_policy!r} must be one of {SCHEDULING_POLICIES}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} must be at least 2")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be at least 1")
+        if self.max_num_batched_tokens < 16:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least 16"
+            )
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a power of two")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(
+                f"num_gpu_blocks_override={self.num_gpu_blocks_override} must be at least 2"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+
+    @property
+    def model_dir(self) -> Path:
+        return Path(self.model) if self.model else default_model_dir()
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return Path(self.tokenizer) if self.tokenizer else self.model_dir
+
+    @property
+    def model_name(self) -> str:
+        """The id clients send as ``model`` (and the metrics label)."""
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model or "jaxserve-demo"
+
+    @property
+    def cache_dir(self) -> str:
+        return self.compilation_cache_dir or os.environ.get(
+            "JAXSERVE_COMPILATION_CACHE", str(Path.home() / ".cache" / "jaxserve" / "xla")
+        )

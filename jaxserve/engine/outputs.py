@@ -1,0 +1,83 @@
+"""What the engine hands back: ``RequestOutput`` with one ``CompletionOutput`` per sample.
+
+Shaped like vLLM's classes so notebook users know them. The async engine streams *deltas*
+(new text, new token ids and their logprobs since the last output); ``LLM.generate`` and the
+non-streaming server routes merge the deltas with ``RequestOutput.merge``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1-based rank in the model's distribution
+    decoded_token: str | None = None
+
+
+# One dict per generated (or prompt) token: token id -> Logprob (the chosen token + top-k).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    error: str | None = None  # set when the engine failed this request
+
+    def merge(self, delta: RequestOutput) -> None:
+        """Fold a streamed delta into this accumulated output."""
+        by_index = {o.index: o for o in self.outputs}
+        for d in delta.outputs:
+            out = by_index.get(d.index)
+            if out is None:
+                out = CompletionOutput(index=d.index, logprobs=[] if d.logprobs is not None else None)
+                self.outputs.append(out)
+                by_index[d.index] = out
+            out.text += d.text
+            out.token_ids.extend(d.token_ids)
+            if d.logprobs is not None:
+                out.logprobs = (out.logprobs or []) + d.logprobs
+            if d.cumulative_logprob is not None:
+                out.cumulative_logprob = d.cumulative_logprob
+            if d.finish_reason is not None:
+                out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
+        self.outputs.sort(key=lambda o: o.index)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        self.finished = delta.finished
+        self.metrics = delta.metrics or self.metrics
+        self.error = delta.error or self.error

@@ -1,0 +1,106 @@
+"""Host-side request state: one ``Request`` per client request, one ``Sequence`` per sample.
+
+A request with ``n`` (or ``best_of``) > 1 fans out into that many sequences. Sequence 0
+prefills the prompt; the others start once it has, sharing its full prompt blocks (ref
+counted) and recomputing only the partial last block: copy-on-write by recompute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+
+from jaxserve.engine.outputs import Logprob, RequestMetrics
+from jaxserve.engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # in the waiting queue (new or preempted)
+    WAITING_FOR_PARENT = "waiting_for_parent"  # sample i > 0 waits for sample 0's prefill
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """A 32-bit sampling seed for sample ``index`` of a request seeded with ``seed``."""
+    if index == 0 and 0 <= seed < 2**32:
+        return seed
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    seq_id: str
+    request: Request
+    index: int  # the sample index (CompletionOutput.index)
+    seed: int  # 32-bit seed of the sampling key
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    num_preemptions: int = 0
+    # Output bookkeeping (filled by the engine core).
+    text: str = ""
+    num_text_sent: int = 0  # characters of `text` already streamed
+    num_tokens_sent: int = 0
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    detokenizer: object | None = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output."""
+        prompt = self.request.prompt_token_ids
+        n = len(prompt)
+        if stop <= n:
+            return prompt[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        return prompt[start:] + self.output_token_ids[: stop - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+    seqs: list[Sequence] = dataclasses.field(default_factory=list)
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

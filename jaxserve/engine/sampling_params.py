@@ -1,0 +1,175 @@
+"""SamplingParams: how one request is decoded; validated where it is made.
+
+Limits are checked here, before anything is allocated, with errors that name the field and
+the limit (the server turns them into 400s with ``param`` set). Checks that need the model
+(vocabulary size for ``logit_bias`` and ``stop_token_ids``) are in ``verify_for_vocab``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 4
+MAX_TEMPERATURE = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+SEED_RANGE = (-(2**63), 2**64)
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter; ``param`` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    skip_special_tokens: bool = True
+
+    def __init__(self, **kwargs: Any) -> None:
+        # Accept lists / dicts / a single stop string, as vLLM's SamplingParams does.
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        for name, value in kwargs.items():
+            if name not in fields:
+                raise SamplingParamsError(name, f"unknown sampling parameter {name!r}")
+            if name == "stop" and isinstance(value, str):
+                value = (value,)
+            elif name in ("stop", "stop_token_ids") and value is not None:
+                value = tuple(value)
+            elif name == "logit_bias" and value is not None:
+                items = value.items() if isinstance(value, dict) else value
+                value = tuple((k, v) for k, v in items)
+            if value is None and name in ("stop", "stop_token_ids", "logit_bias"):
+                value = ()
+            object.__setattr__(self, name, value)
+        for name, f in fields.items():
+            if name not in kwargs:
+                object.__setattr__(self, name, f.default)
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(param: str, message: str) -> None:
+            raise SamplingParamsError(param, message)
+
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            fail("n", f"n={self.n!r} must be an integer in [1, {MAX_N}]")
+        if self.best_of is not None:
+            if not _is_int(self.best_of) or not self.n <= self.best_of <= MAX_N:
+                fail("best_of", f"best_of={self.best_of!r} must be an integer in [n, {MAX_N}]")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            fail("temperature", f"temperature={self.temperature!r} must be in [0, {MAX_TEMPERATURE}]")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            fail("top_p", f"top_p={self.top_p!r} must be in (0, 1]")
+        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            fail("top_k", f"top_k={self.top_k!r} must be -1 (disabled) or at least 1")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            fail("min_p", f"min_p={self.min_p!r} must be in [0, 1]")
+        if self.seed is not None and (
+            not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]
+        ):
+            fail("seed", f"seed={self.seed!r} must be an integer in [-2**63, 2**64)")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            fail("max_tokens", f"max_tokens={self.max_tokens!r} must be a positive integer")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            fail("min_tokens", f"min_tokens={self.min_tokens!r} must be a non-negative integer")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            fail("stop", f"stop has {len(self.stop)} entries; at most {MAX_STOP_STRINGS} are allowed")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                fail("stop", f"stop entries must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                fail("stop_token_ids", f"stop_token_ids entry {t!r} must be a non-negative integer")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                fail(name, f"{name}={value!r} must be an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                fail(name, f"{name}={value!r} must be in [-2, 2]")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not 0 < rp <= 10:
+            fail("repetition_penalty", f"repetition_penalty={rp!r} must be in (0, 10]")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            fail("logit_bias", f"logit_bias has more than {MAX_LOGIT_BIAS_ENTRIES} entries")
+        for token, bias in self.logit_bias:
+            try:
+                token_id = int(token)
+            except (TypeError, ValueError):
+                fail("logit_bias", f"logit_bias key {token!r} is not a token id")
+            if token_id < 0:
+                fail("logit_bias", f"logit_bias token id {token_id} must be non-negative")
+            if not _is_number(bias) or not -100 <= bias <= 100:
+                fail("logit_bias", f"logit_bias value {bias!r} for token {token} must be in [-100, 100]")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, f"{name} must be a boolean")
+
+    def verify_for_vocab(self, vocab_size: int) -> None:
+        """Checks that need the model: token ids must lie inside the vocabulary."""
+        for token, _ in self.logit_bias:
+            if int(token) >= vocab_size:
+                raise SamplingParamsError(
+                    "logit_bias", f"logit_bias token id {token} is out of vocabulary (size {vocab_size})"
+                )
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise SamplingParamsError(
+                    "stop_token_ids", f"stop_token_ids entry {t} is out of vocabulary (size {vocab_size})"
+                )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated for this request (best_of when it exceeds n)."""
+        return self.best_of or self.n
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values.update(changes)
+        return SamplingParams(**values)

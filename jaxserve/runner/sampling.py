@@ -1,0 +1,155 @@
+"""On-device sampling over a batch, with per-request parameters as arrays.
+
+Order of operations, per row: raw logprobs (log-softmax of the model's logits, what the API
+returns) -> penalties -> logit bias (also the min_tokens EOS mask) -> temperature -> top-k ->
+top-p -> min-p -> Gumbel-max with the request's own key ``fold_in(key(seed), position)``.
+The noise is drawn over vocabulary ids for each row independently, so a seeded request samples
+the same tokens whatever else is in the batch. Greedy rows (temperature 0) take the argmax.
+
+Static flags select the variant (no sort unless some row uses top-k/top-p, no penalties
+unless some row uses them, no logprobs unless requested); each variant compiles once per
+batch bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = float("-inf")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingInputs:
+    temperature: jax.Array  # f32[S]  0 = greedy
+    top_k: jax.Array  # i32[S]  0 = disabled
+    top_p: jax.Array  # f32[S]
+    min_p: jax.Array  # f32[S]
+    seeds: jax.Array  # u32[S]
+    positions: jax.Array  # i32[S]  absolute position of the token being sampled
+    bias_ids: jax.Array  # i32[S, B]  logit-bias token ids; V (out of range) = unused
+    bias_values: jax.Array  # f32[S, B]
+    presence_penalty: jax.Array  # f32[S]
+    frequency_penalty: jax.Array  # f32[S]
+    repetition_penalty: jax.Array  # f32[S]
+    output_ids: jax.Array  # i32[S, L]  generated tokens so far; V = padding
+    prompt_ids: jax.Array  # i32[S, Lp]  prompt tokens (repetition penalty); V = padding
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerFlags:
+    use_sort: bool = False  # some row uses top-k or top-p
+    use_penalties: bool = False
+    use_bias: bool = False
+    num_logprobs: int = -1  # -1: none; else the top-k logprobs to return (0 = chosen only)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplerOutput:
+    token_ids: jax.Array  # i32[S]
+    logprobs: jax.Array | None  # f32[S]  raw logprob of the chosen token
+    ranks: jax.Array | None  # i32[S]  1-based rank of the chosen token
+    top_ids: jax.Array | None  # i32[S, K]
+    top_logprobs: jax.Array | None  # f32[S, K]
+
+
+def _token_counts(ids: jax.Array, vocab_size: int) -> jax.Array:  # i32[S, L] -> i32[S, V]
+    rows = jnp.broadcast_to(jnp.arange(ids.shape[0])[:, None], ids.shape)
+    counts = jnp.zeros((ids.shape[0], vocab_size), jnp.int32)
+    return counts.at[rows, ids].add(1, mode="drop")
+
+
+def apply_penalties(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
+    """vLLM / OpenAI semantics: presence and frequency count generated tokens; repetition
+    divides positive (multiplies negative) logits of any token seen in prompt or output."""
+    vocab_size = logits.shape[-1]
+    out_counts = _token_counts(inputs.output_ids, vocab_size)  # i32[S, V]
+    seen = (out_counts > 0) | (_token_counts(inputs.prompt_ids, vocab_size) > 0)
+    rep = inputs.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - inputs.frequency_penalty[:, None] * out_counts
+    return logits - inputs.presence_penalty[:, None] * (out_counts > 0)
+
+
+def apply_bias(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
+    rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], inputs.bias_ids.shape)
+    return logits.at[rows, inputs.bias_ids].add(inputs.bias_values, mode="drop")
+
+
+def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Mask tokens outside the top-k and outside the smallest set with probability >= top_p.
+
+    Thresholds are taken on sorted values and applied to the unsorted row, so ties at the
+    boundary are kept and no scatter is needed.
+    """
+    vocab_size = logits.shape[-1]
+    sorted_desc = -jnp.sort(-logits, axis=-1)  # f32[S, V]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab_size), vocab_size)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)  # f32[S, 1]
+    logits = jnp.where(logits < kth, NEG_INF, logits)
+    sorted_desc = jnp.where(jnp.arange(vocab_size)[None, :] < k[:, None], sorted_desc, NEG_INF)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability of strictly better tokens
+    keep = mass_before < top_p[:, None]
+    last_kept = jnp.sum(keep, axis=-1) - 1  # i32[S]
+    cutoff = jnp.take_along_axis(sorted_desc, last_kept[:, None], axis=-1)
+    return jnp.where(logits < cutoff, NEG_INF, logits)
+
+
+def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
+    probs = jax.nn.softmax(logits, axis=-1)
+    threshold = min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    return jnp.where(probs < threshold, NEG_INF, logits)
+
+
+def gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
+    def row(seed: jax.Array, position: jax.Array) -> jax.Array:
+        key = jax.random.fold_in(jax.random.key(seed), position)
+        return jax.random.gumbel(key, (vocab_size,), jnp.float32)
+
+    return jax.vmap(row)(seeds, positions)  # f32[S, V]
+
+
+def sample(logits: jax.Array, inputs: SamplingInputs, flags: SamplerFlags) -> SamplerOutput:
+    """logits: f32[S, V] -> one token per row, plus logprobs when asked."""
+    logits = logits.astype(jnp.float32)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1) if flags.num_logprobs >= 0 else None
+    if flags.use_penalties:
+        logits = apply_penalties(logits, inputs)
+    if flags.use_bias:
+        logits = apply_bias(logits, inputs)
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    is_greedy = inputs.temperature <= 0.0
+    temperature = jnp.where(is_greedy, 1.0, inputs.temperature)
+    scaled = logits / temperature[:, None]
+    if flags.use_sort:
+        scaled = apply_top_k_top_p(scaled, inputs.top_k, inputs.top_p)
+    scaled = apply_min_p(scaled, inputs.min_p)
+    noise = gumbel_noise(inputs.seeds, inputs.positions, logits.shape[-1])
+    sampled_ids = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+    token_ids = jnp.where(is_greedy, greedy_ids, sampled_ids)
+
+    if raw_logprobs is None:
+        return SamplerOutput(token_ids, None, None, None, None)
+    chosen = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
+    ranks = jnp.sum(raw_logprobs > chosen[:, None], axis=-1).astype(jnp.int32) + 1
+    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, max(flags.num_logprobs, 1))
+    return SamplerOutput(token_ids, chosen, ranks, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def prompt_logprobs(
+    logits: jax.Array,  # f32[T, V]  logits at every token of the chunk
+    next_ids: jax.Array,  # i32[T]  the token that follows each position
+    num_top: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Logprob and rank of each next prompt token, and the top-``num_top`` alternatives."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, next_ids[:, None], axis=-1)[:, 0]
+    ranks = jnp.sum(lp > chosen[:, None], axis=-1).astype(jnp.int32) + 1
+    top_lp, top_ids = jax.lax.top_k(lp, max(num_top, 1))
+    return chosen, ranks, top_ids.astype(jnp.int32), top_lp

@@ -1,0 +1,394 @@
+"""Build the golden parity fixtures under ``tests/fixtures/models/`` and the built-in 8B configs.
+
+Run with an interpreter that has torch (CPU is enough) and transformers:
+
+    python scripts/make_golden.py
+
+One byte-level BPE tokenizer is trained on ``CORPUS`` and shared by five tiny random fp32 models
+built with transformers' own classes (llama, llama3, qwen2, qwen3, mistral). Each model directory
+gets the HF files (config.json, generation_config.json, model.safetensors, tokenizer files) and a
+``golden.npz`` with the eager-attention logits the jax model must reproduce. The output is
+deterministic: the same torch/transformers versions write the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "tests" / "fixtures" / "models"
+BUILTIN_CONFIGS = REPO / "jaxserve" / "assets" / "configs"
+
+VOCAB_SIZE = 320
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
+NUM_GREEDY = 8
+MIN_MARGIN = 0.1  # top-1 minus top-2 logit at every greedy step
+MAX_SEED_TRIES = 256
+
+# NOTE: the template starts with bos_token (as Llama-3's does) because the models always see bos
+# first; render chat prompts with add_special_tokens=False so bos is not added twice.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+CORPUS = """\
+The serving engine keeps every request in a queue. At each step the scheduler picks the requests
+that fit in the cache, runs one forward pass over all of them, and samples one new token for each.
+A request that reaches its stop token or its length limit leaves the batch, and a waiting request
+takes its place. The key and value cache is split into pages of sixteen tokens, so a long prompt
+uses many pages and a short one uses few. Nothing is copied when a request grows: the engine only
+appends a new page to the request's page table.
+
+The quick brown fox jumps over the lazy dog. A naïve café in Zürich serves crème brûlée; the
+menu also lists 日本語 and 中文 dishes, and the waiter smiles 🙂 at every guest. Prices are
+given in € and £, and the wine list runs from 2019 to 2023.
+
+Attention reads the keys and values of every earlier token. Rotary position embeddings turn the
+query and the key by an angle that grows with the position, so the score between two tokens
+depends on their distance. Grouped query attention lets several query heads share one key head,
+which makes the cache smaller and the decode step faster.
+
+def attention(q, k, v, mask):
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+for step in range(max_new_tokens):
+    logits = model(input_ids, positions)
+    next_token = int(logits[-1].argmax())
+    if next_token == eos_token_id:
+        break
+    output.append(next_token)
+
+{"model": "tiny", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}
+"""
+
+PROMPT = "The scheduler picks the requests that fit."
+PROMPT2 = "A long prompt uses many pages: the engine appends a new page when the request grows 🙂."
+CHAT_MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Hello! How big is a page?"},
+]
+
+
+def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """Byte-level BPE trained on CORPUS: any text round-trips, ``tokenizer(text)`` prepends bos."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS], trainer=trainer)
+    if tok.get_vocab_size() != VOCAB_SIZE:
+        raise RuntimeError(f"trained vocab_size={tok.get_vocab_size()} != {VOCAB_SIZE=}")
+    bos = SPECIAL_TOKENS[0]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
+    )
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        extra_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    for text in (CORPUS, PROMPT, PROMPT2):
+        if hf.decode(hf(text)["input_ids"], skip_special_tokens=True) != text:
+            raise RuntimeError(f"tokenizer does not round-trip {text[:40]!r}")
+    return hf
+
+
+def model_configs(
+    tok: transformers.PreTrainedTokenizerFast,
+) -> dict[str, transformers.PretrainedConfig]:
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        initializer_range=0.15,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        dtype="float32",
+    )
+    # NOTE: with head_dim 16 and theta 5e5 the rotary wavelengths are 6.3, 32.6, 169, ... tokens.
+    # original_max_position_embeddings=64 puts them on all three llama3 branches: below 64/4
+    # (unscaled), between 16 and 64 (smoothly interpolated) and above 64 (divided by factor).
+    llama3_rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    return {
+        "llama": transformers.LlamaConfig(
+            **common,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=False,
+        ),
+        "llama3": transformers.LlamaConfig(
+            **common, rope_parameters=llama3_rope, tie_word_embeddings=False
+        ),
+        "qwen2": transformers.Qwen2Config(
+            **common,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            sliding_window=None,
+        ),
+        "qwen3": transformers.Qwen3Config(
+            **common,
+            head_dim=32,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            sliding_window=None,
+        ),
+        "mistral": transformers.MistralConfig(
+            **common,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=False,
+            sliding_window=None,
+        ),
+    }
+
+
+def check_llama3_bands(config: transformers.PretrainedConfig) -> None:
+    """Fail unless the llama3 rope config exercises its unscaled, smooth and scaled branches."""
+    rope, head_dim = config.rope_parameters, config.head_dim
+    inv_freq = rope["rope_theta"] ** (-np.arange(0, head_dim, 2) / head_dim)  # f64[head_dim/2]
+    wavelen = 2 * np.pi / inv_freq  # f64[head_dim/2]
+    old = rope["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old / rope["low_freq_factor"], old / rope["high_freq_factor"]
+    num_unscaled = int((wavelen < high_wavelen).sum())
+    num_scaled = int((wavelen > low_wavelen).sum())
+    num_smooth = len(wavelen) - num_unscaled - num_scaled
+    if min(num_unscaled, num_smooth, num_scaled) == 0:
+        raise RuntimeError(
+            f"llama3 rope misses a branch: {wavelen=} {low_wavelen=} {high_wavelen=}"
+        )
+
+
+def randomize(model: torch.nn.Module, seed: int, std: float) -> None:
+    """Random weights, biases and RMSNorm scales (1 + 0.1 * randn) so logits are far from flat."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * noise)
+            else:
+                param.copy_(std * noise)
+
+
+def golden(
+    model: torch.nn.Module, prompt_ids: list[int], prompt2_ids: list[int]
+) -> dict[str, np.ndarray]:
+    """Eager fp32 reference outputs: prefill logits, a greedy loop and a second longer prefill."""
+    with torch.no_grad():
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        prefill_logits = out.logits[0]  # f32[P, V]
+        cache = out.cache
+        row = prefill_logits[-1]  # f32[V]
+        greedy_ids, decode_rows = [], []
+        for _ in range(NUM_GREEDY):
+            token = int(row.argmax())
+            greedy_ids.append(token)
+            decode_rows.append(row)
+            out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
+            cache, row = out.cache, out.logits[0, -1]
+        decode_logits = torch.stack(decode_rows)  # f32[N, V]
+        # The cached loop must agree with one uncached forward over prompt + greedy tokens.
+        full = model(torch.tensor([prompt_ids + greedy_ids[:-1]]), use_cache=False).logits[0]
+        torch.testing.assert_close(full[len(prompt_ids) - 1 :], decode_logits, atol=1e-4, rtol=0)
+        prefill2_logits = model(torch.tensor([prompt2_ids]), use_cache=False).logits[0]
+    top2 = decode_logits.topk(2, dim=-1).values  # f32[N, 2]
+    return {
+        "prompt_ids": np.asarray(prompt_ids, np.int32),
+        "prefill_logits": prefill_logits.numpy().astype(np.float32),
+        "greedy_ids": np.asarray(greedy_ids, np.int32),
+        "decode_logits": decode_logits.numpy().astype(np.float32),
+        "greedy_margins": (top2[:, 0] - top2[:, 1]).numpy().astype(np.float32),
+        "prompt2_ids": np.asarray(prompt2_ids, np.int32),
+        "prefill2_logits": prefill2_logits.numpy().astype(np.float32),
+    }
+
+
+def build_model(
+    name: str,
+    index: int,
+    config: transformers.PretrainedConfig,
+    tok: transformers.PreTrainedTokenizerFast,
+    prompt_ids: list[int],
+    prompt2_ids: list[int],
+) -> tuple[torch.nn.Module, dict[str, np.ndarray]]:
+    """First seed whose greedy steps all have a clear winner and emit no special token."""
+    special_ids = set(tok.all_special_ids)
+    for attempt in range(MAX_SEED_TRIES):
+        seed = 1000 * (index + 1) + attempt
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        model = model.to(torch.float32).eval()
+        randomize(model, seed, config.initializer_range)
+        result = golden(model, prompt_ids, prompt2_ids)
+        if result["greedy_margins"].min() > MIN_MARGIN and not special_ids & set(
+            result["greedy_ids"].tolist()
+        ):
+            result["seed"] = np.int64(seed)
+            return model, result
+    raise RuntimeError(
+        f"{name}: no seed in {MAX_SEED_TRIES} tries has greedy margins > {MIN_MARGIN}"
+    )
+
+
+def write_fixture(
+    name: str,
+    index: int,
+    config: transformers.PretrainedConfig,
+    tok: transformers.PreTrainedTokenizerFast,
+    prompt_ids: list[int],
+    prompt2_ids: list[int],
+    chat_ids: list[int],
+) -> None:
+    out = FIXTURES / name
+    if out.exists():
+        shutil.rmtree(out)
+    model, result = build_model(name, index, config, tok, prompt_ids, prompt2_ids)
+    # NOTE: like an instruct checkpoint, generation stops on <|im_end|> as well as on the
+    # config.json eos; the greedy golden tokens contain neither.
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")],
+        pad_token_id=tok.pad_token_id,
+    )
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    result["chat_ids"] = np.asarray(chat_ids, np.int32)
+    result["prompt_text"] = np.array(PROMPT)
+    result["prompt2_text"] = np.array(PROMPT2)
+    np.savez_compressed(out / "golden.npz", **result)
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(
+        f"{name:8s} seed={int(result['seed'])} greedy={result['greedy_ids'].tolist()} "
+        f"min_margin={result['greedy_margins'].min():.3f} size={size / 1024:.0f} KiB"
+    )
+
+
+# Values of the published config.json files (Meta-Llama-3-8B, Qwen3-8B), in their key spelling.
+BUILTIN = {
+    "llama-3-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 8192,
+        "model_type": "llama",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": 128256,
+    },
+    "qwen3-8b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 12288,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 36,
+        "model_type": "qwen3",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+}
+
+
+def write_builtin_configs() -> None:
+    for name, raw in BUILTIN.items():
+        out = BUILTIN_CONFIGS / name
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+        parsed = transformers.AutoConfig.from_pretrained(out)
+        if parsed.rope_parameters["rope_theta"] != raw["rope_theta"]:
+            raise RuntimeError(f"{name}: rope_theta={parsed.rope_parameters} was not parsed")
+
+
+def main() -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # BPE training must not depend on threads
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    tok = build_tokenizer()
+    prompt_ids = tok(PROMPT)["input_ids"]
+    prompt2_ids = tok(PROMPT2)["input_ids"]
+    chat_ids = tok.apply_chat_template(CHAT_MESSAGES, add_generation_prompt=True, tokenize=True)
+    if isinstance(chat_ids, dict) or hasattr(chat_ids, "keys"):
+        chat_ids = chat_ids["input_ids"]
+    print(f"vocab={len(tok)} prompt={len(prompt_ids)} prompt2={len(prompt2_ids)} tokens")
+    if not 16 <= len(prompt_ids) <= 24 or not 49 <= len(prompt2_ids) <= 64:
+        raise RuntimeError(f"{len(prompt_ids)=} {len(prompt2_ids)=} outside 16..24 / 49..64")
+    configs = model_configs(tok)
+    check_llama3_bands(configs["llama3"])
+    for index, (name, config) in enumerate(configs.items()):
+        write_fixture(name, index, config, tok, prompt_ids, prompt2_ids, chat_ids)
+    write_builtin_configs()
+    total = sum(f.stat().st_size for f in FIXTURES.rglob("*") if f.is_file())
+    print(
+        f"fixtures total {total / 1024:.0f} KiB (torch {torch.__version__}, "
+        f"transformers {transformers.__version__})"
+    )
+
+
+if __name__ == "__main__":
+    main()
