@@ -188,12 +188,12 @@ def dummy_weights(
     def make(path: tuple[Any, ...], shape: tuple[int, ...], ones: bool = False) -> jax.Array:
         nonlocal key
         key, sub = jax.random.split(key)
-        sharding = placement(path, shape) if placement is not None else None
         if ones:
-            fn = lambda: jnp.ones(shape, dtype)
+            array = jnp.ones(shape, dtype)
         else:
-            fn = lambda: (scale * jax.random.normal(sub, shape, jnp.float32)).astype(dtype)
-        return jax.jit(fn, out_shardings=sharding)()
+            array = (scale * jax.random.normal(sub, shape, jnp.float32)).astype(dtype)
+        sharding = placement(path, shape) if placement is not None else None
+        return array if sharding is None else jax.device_put(array, sharding)
 
     layers = []
     for layer in range(config.num_layers):

@@ -1,0 +1,162 @@
+"""``jaxserve.LLM``: the offline API, shaped like vLLM's so notebook users know it at once.
+
+    llm = jaxserve.LLM("path/to/model")
+    outputs = llm.generate(["Hello"], jaxserve.SamplingParams(temperature=0.7, max_tokens=64))
+
+It drives ``EngineCore`` directly in the calling thread until every request has finished.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from jaxserve.engine.core import EngineCore
+from jaxserve.engine.engine_config import EngineConfig
+from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.sampling_params import SamplingParams
+
+_LOG = logging.getLogger(__name__)
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        block_size: int = 16,
+        num_gpu_blocks_override: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        load_format: str = "auto",
+        compilation_cache_dir: str | None = None,
+        warmup: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        config = EngineConfig(
+            model=str(model or ""),
+            tokenizer=tokenizer,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            load_format=load_format,
+            compilation_cache_dir=compilation_cache_dir,
+            warmup=warmup,
+            **kwargs,
+        )
+        self.engine = EngineCore(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def _to_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.engine.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            text = prompt["prompt"]
+            return text, self.engine.tokenizer.encode(text)
+        return None, list(prompt)
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Seq[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of the prompts."""
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
+                )
+        request_ids = []
+        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+            text, token_ids = self._to_token_ids(prompt)
+            request_id = str(next(self._ids))
+            self.engine.add_request(
+                request_id, token_ids, params, prompt=text,
+                priority=priority[i] if priority is not None else 0,
+            )
+            request_ids.append(request_id)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenizer = self.engine.tokenizer
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt, **(chat_template_kwargs or {})
+            )
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        pending = set(request_ids)
+        bar = None
+        if use_tqdm and len(request_ids) > 1:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(request_ids), desc="Processed prompts", unit="req")
+        try:
+            while pending:
+                for delta in self.engine.step():
+                    if delta.request_id not in pending:
+                        continue
+                    if delta.request_id in results:
+                        results[delta.request_id].merge(delta)
+                    else:
+                        results[delta.request_id] = delta
+                    if delta.finished:
+                        pending.discard(delta.request_id)
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            for request_id in pending:
+                self.engine.abort_request(request_id)
+        return [results[r] for r in request_ids]

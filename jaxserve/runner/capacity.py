@@ -1,0 +1,138 @@
+"""How much KV cache fits: one function shared by the runner and ``jaxserve capacity``.
+
+The budget is ``memory_utilization`` of the device's memory minus the weights (per device under
+tensor parallelism) and the activation headroom of the largest compiled step; what remains is
+cut into blocks. The capacity lines use vLLM's words so operators read them the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.config import ModelConfig
+from jaxserve.models.batch import kv_bytes_per_token
+
+GiB = 1024**3
+
+# Memory per device of accelerators people plan for (datasheet figures).
+DEVICE_MEMORY_BYTES: dict[str, int] = {
+    "H200": 141 * 10**9,
+    "H100-80GB": 80 * 10**9,
+    "H100-94GB": 94 * 10**9,
+    "A100-80GB": 80 * 10**9,
+    "A100-40GB": 40 * 10**9,
+    "L40S": 48 * 10**9,
+    "L4": 24 * 10**9,
+    "TPU-v4": 32 * GiB,
+    "TPU-v5e": 16 * GiB,
+    "TPU-v5p": 95 * GiB,
+    "TPU-v6e": 32 * GiB,
+}
+
+
+class CapacityError(ValueError):
+    """The model (or one full-length request) does not fit in the memory budget."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    device_memory_bytes: int
+    memory_utilization: float
+    weight_bytes: int  # per device
+    activation_bytes: int  # headroom reserved for the largest step
+    kv_budget_bytes: int
+    kv_bytes_per_token: int  # per device, all layers, K and V
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """Requests of max_model_len tokens that fit at once."""
+        return self.num_tokens / self.max_model_len
+
+    def lines(self) -> list[str]:
+        return [
+            f"Model weights take {self.weight_bytes / GiB:.2f} GiB per device; "
+            f"activation headroom {self.activation_bytes / GiB:.2f} GiB",
+            f"Available KV cache memory: {self.kv_budget_bytes / GiB:.2f} GiB "
+            f"({self.kv_bytes_per_token:,} bytes per token, {self.num_blocks:,} blocks of "
+            f"{self.block_size})",
+            f"KV cache size: {self.num_tokens:,} tokens",
+            f"Maximum concurrency for {self.max_model_len:,} tokens per request: "
+            f"{self.max_concurrency:.2f}x",
+        ]
+
+
+def kv_heads_per_device(num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """KV heads are split over devices, or replicated when there are more devices than heads."""
+    return max(1, num_kv_heads // tensor_parallel_size)
+
+
+def activation_bytes(
+    config: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, dtype_bytes: int
+) -> int:
+    """A conservative estimate of the largest step's temporary buffers."""
+    per_token = (4 * config.intermediate_size + 6 * config.hidden_size) * dtype_bytes
+    sampler = max_num_seqs * config.vocab_size * 4 * 6  # logits, scaled, noise, sort, ...
+    return max_num_batched_tokens * per_token + sampler + 512 * 1024**2
+
+
+def plan_capacity(
+    config: ModelConfig,
+    *,
+    max_model_len: int,
+    device_memory_bytes: int,
+    memory_utilization: float,
+    dtype_bytes: int = 2,
+    kv_dtype_bytes: int | None = None,
+    block_size: int = 16,
+    tensor_parallel_size: int = 1,
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 256,
+    num_blocks_override: int | None = None,
+) -> Capacity:
+    kv_dtype_bytes = kv_dtype_bytes or dtype_bytes
+    weights = config.num_params() * dtype_bytes // tensor_parallel_size
+    activations = activation_bytes(config, max_num_batched_tokens, max_num_seqs, dtype_bytes)
+    per_token = kv_bytes_per_token(
+        config.num_layers,
+        kv_heads_per_device(config.num_kv_heads, tensor_parallel_size),
+        config.head_dim,
+        kv_dtype_bytes,
+    )
+    budget = int(device_memory_bytes * memory_utilization) - weights - activations
+    if num_blocks_override is not None:
+        num_blocks = num_blocks_override
+        budget = num_blocks * block_size * per_token
+    else:
+        if budget <= 0:
+            raise CapacityError(
+                f"the weights ({weights / GiB:.2f} GiB) and activations "
+                f"({activations / GiB:.2f} GiB) do not fit in {memory_utilization:.0%} of "
+                f"{device_memory_bytes / GiB:.2f} GiB; raise --gpu-memory-utilization or "
+                "--tensor-parallel-size"
+            )
+        num_blocks = budget // (block_size * per_token)
+    needed = -(-max_model_len // block_size)
+    if num_blocks < needed:
+        raise CapacityError(
+            f"max_model_len={max_model_len:,} needs {needed:,} KV blocks but only "
+            f"{num_blocks:,} fit ({num_blocks * block_size:,} tokens); lower --max-model-len "
+            "or raise --gpu-memory-utilization"
+        )
+    return Capacity(
+        device_memory_bytes=device_memory_bytes,
+        memory_utilization=memory_utilization,
+        weight_bytes=weights,
+        activation_bytes=activations,
+        kv_budget_bytes=budget,
+        kv_bytes_per_token=per_token,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+    )

@@ -1,0 +1,368 @@
+"""ModelRunner: ``SchedulerOutput`` -> padded arrays -> one jitted model step -> sampled tokens.
+
+The only ``jax.jit`` sites of the engine live here: the model step (one compile per token
+bucket, KV cache donated so it is updated in place), the sampler (one compile per sequence
+bucket and sampler variant) and prompt logprobs. Shapes are padded to powers of two:
+T tokens in ``token_buckets``, S = min(T, max sequences) sequence rows, so the number of
+compiled model shapes is ``len(token_buckets)``; warm-up compiles them all at start-up, with
+JAX's persistent compilation cache so a second start is fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import os
+import time
+from collections.abc import Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.engine.engine_config import EngineConfig
+from jaxserve.engine.request import Sequence
+from jaxserve.engine.scheduler import SchedulerOutput
+from jaxserve.models import llama
+from jaxserve.models.batch import Batch, make_kv_cache
+from jaxserve.models.weights import dummy_weights, load_weights
+from jaxserve.runner import sampling
+from jaxserve.runner.capacity import Capacity, plan_capacity
+from jaxserve.runner.sampling import SamplerFlags, SamplingInputs
+
+_LOG = logging.getLogger(__name__)
+
+MIN_TOKEN_BUCKET = 16
+NUM_TOP_LOGPROBS = 20  # the API's cap; one sampler variant serves every logprobs request
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def resolve_dtype(config: EngineConfig, model_dir_dtype: str | None) -> jnp.dtype:
+    if config.dtype != "auto":
+        return jnp.dtype(config.dtype)
+    if jax.default_backend() == "cpu":
+        return jnp.dtype(jnp.float32)
+    return jnp.dtype(jnp.bfloat16 if model_dir_dtype in (None, "bfloat16", "float32") else model_dir_dtype)
+
+
+def enable_compilation_cache(cache_dir: str) -> None:
+    os.makedirs(cache_dir, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+@dataclasses.dataclass
+class RunnerOutput:
+    token_ids: np.ndarray  # i32[S]
+    logprobs: np.ndarray | None = None  # f32[S]
+    ranks: np.ndarray | None = None  # i32[S]
+    top_ids: np.ndarray | None = None  # i32[S, K]
+    top_logprobs: np.ndarray | None = None  # f32[S, K]
+    # seq_id -> (logprob[n], rank[n], top_ids[n, K], top_lp[n, K]) for the chunk's next tokens
+    prompt_logprobs: dict[str, tuple[np.ndarray, ...]] = dataclasses.field(default_factory=dict)
+
+
+def _model_step(weights, kv_cache, batch, *, config):
+    return llama.forward(weights, kv_cache, batch, config)
+
+
+def _sample_step(head, hidden, logits_indices, inputs, *, tied, flags):
+    weights = llama.Weights(
+        embed=head if tied else None, layers=[], final_norm=None, lm_head=None if tied else head
+    )
+    logits = llama.compute_logits(weights, hidden[logits_indices])  # f32[S, V]
+    return sampling.sample(logits, inputs, flags)
+
+
+def _prompt_logprobs_step(head, hidden, next_ids, *, tied):
+    weights = llama.Weights(
+        embed=head if tied else None, layers=[], final_norm=None, lm_head=None if tied else head
+    )
+    return sampling.prompt_logprobs(llama.compute_logits(weights, hidden), next_ids, NUM_TOP_LOGPROBS)
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, max_model_len: int) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        self.pages_per_seq = -(-max_model_len // config.block_size)
+        top = next_power_of_2(config.max_num_batched_tokens)
+        self.token_buckets = [b for b in (1 << i for i in range(4, 31)) if b <= top]
+        self.max_seq_bucket = next_power_of_2(config.max_num_seqs)
+        enable_compilation_cache(config.cache_dir)
+
+        self.dtype = resolve_dtype(config, None)
+        start = time.perf_counter()
+        if config.load_format == "dummy":
+            self.weights = dummy_weights(model_config, self.dtype, seed=config.seed)
+        else:
+            self.weights = load_weights(config.model_dir, model_config, self.dtype)
+        jax.block_until_ready(self.weights)
+        self.load_seconds = time.perf_counter() - start
+        self.tied = self.weights.lm_head is None
+        self.head = self.weights.embed if self.tied else self.weights.lm_head
+
+        self.capacity = self._plan_capacity()
+        self.num_blocks = self.capacity.num_blocks
+        self.num_slots = self.num_blocks * self.block_size
+        self.kv_cache = make_kv_cache(
+            model_config.num_layers,
+            self.num_blocks,
+            self.block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            self.dtype,
+        )
+        self._step_fn = jax.jit(
+            functools.partial(_model_step, config=model_config), donate_argnames=("kv_cache",)
+        )
+        self._sample_fn = jax.jit(_sample_step, static_argnames=("tied", "flags"))
+        self._prompt_lp_fn = jax.jit(_prompt_logprobs_step, static_argnames=("tied",))
+        self.compile_seconds = 0.0
+        self.eos_token_ids: tuple[int, ...] = model_config.eos_token_ids
+
+    # -- memory ----------------------------------------------------------------------------
+
+    def _plan_capacity(self) -> Capacity:
+        device = jax.devices()[0]
+        stats = device.memory_stats() if device.platform != "cpu" else None
+        common = dict(
+            max_model_len=self.max_model_len,
+            dtype_bytes=self.dtype.itemsize,
+            block_size=self.block_size,
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            max_num_batched_tokens=self.token_buckets[-1],
+            max_num_seqs=self.max_seq_bucket,
+        )
+        if stats is None or "bytes_limit" not in stats:
+            override = self.config.num_gpu_blocks_override or self.config.cpu_num_blocks
+            return plan_capacity(
+                self.model_config, device_memory_bytes=0, memory_utilization=1.0,
+                num_blocks_override=override, **common,
+            )
+        # bytes_limit is what XLA's allocator may hand out; the launcher sets its fraction to
+        # gpu_memory_utilization before the backend starts.
+        return plan_capacity(
+            self.model_config,
+            device_memory_bytes=int(stats["bytes_limit"]),
+            memory_utilization=1.0,
+            num_blocks_override=self.config.num_gpu_blocks_override,
+            **common,
+        )
+
+    # -- shapes ----------------------------------------------------------------------------
+
+    def token_bucket(self, num_tokens: int) -> int:
+        for bucket in self.token_buckets:
+            if bucket >= num_tokens:
+                return bucket
+        raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.token_buckets[-1]}")
+
+    def seq_bucket(self, token_bucket: int) -> int:
+        return min(token_bucket, self.max_seq_bucket)
+
+    def warmup(self) -> int:
+        """Compile every token bucket (and the default sampler); returns shapes compiled."""
+        start = time.perf_counter()
+        for bucket in self.token_buckets:
+            batch = self._empty_batch(bucket)
+            self.kv_cache, hidden = self._step_fn(self.weights, self.kv_cache, batch)
+            inputs = self._sampling_inputs([], self.seq_bucket(bucket), SamplerFlags())
+            out = self._sample_fn(
+                self.head, hidden, batch.logits_indices, inputs, tied=self.tied, flags=SamplerFlags()
+            )
+            jax.block_until_ready(out.token_ids)
+        self.compile_seconds = time.perf_counter() - start
+        return len(self.token_buckets)
+
+    def _empty_batch(self, num_tokens: int) -> Batch:
+        num_seqs = self.seq_bucket(num_tokens)
+        return Batch(
+            input_ids=jnp.zeros(num_tokens, jnp.int32),
+            positions=jnp.zeros(num_tokens, jnp.int32),
+            slot_mapping=jnp.full(num_tokens, self.num_slots, jnp.int32),
+            kv_lens=jnp.zeros(num_seqs, jnp.int32),
+            page_indices=jnp.zeros((num_seqs, self.pages_per_seq), jnp.int32),
+            cu_q_lens=jnp.zeros(num_seqs + 1, jnp.int32),
+            num_seqs=jnp.zeros(1, jnp.int32),
+            logits_indices=jnp.zeros(num_seqs, jnp.int32),
+        )
+
+    # -- one step --------------------------------------------------------------------------
+
+    def build_batch(self, output: SchedulerOutput) -> Batch:
+        """Padded host arrays for the scheduled tokens (numpy, not yet on the device)."""
+        num_tokens = output.num_batched_tokens
+        t_pad = self.token_bucket(num_tokens)
+        s_pad = self.seq_bucket(t_pad)
+        bs = self.block_size
+        input_ids = np.zeros(t_pad, np.int32)
+        positions = np.zeros(t_pad, np.int32)
+        slot_mapping = np.full(t_pad, self.num_slots, np.int32)
+        kv_lens = np.zeros(s_pad, np.int32)
+        page_indices = np.zeros((s_pad, self.pages_per_seq), np.int32)
+        cu_q_lens = np.full(s_pad + 1, num_tokens, np.int32)
+        logits_indices = np.zeros(s_pad, np.int32)
+        offset = 0
+        for i, item in enumerate(output.scheduled):
+            seq, start, n = item.seq, item.start, item.num_new_tokens
+            end = offset + n
+            blocks = seq.block_ids
+            if n == 1:  # decode: plain ints are cheaper than array ops
+                input_ids[offset] = seq.token_ids(start, start + 1)[0]
+                positions[offset] = start
+                slot_mapping[offset] = blocks[start // bs] * bs + start % bs
+            else:
+                pos = np.arange(start, start + n, dtype=np.int32)
+                input_ids[offset:end] = seq.token_ids(start, start + n)
+                positions[offset:end] = pos
+                slot_mapping[offset:end] = np.asarray(blocks, np.int32)[pos // bs] * bs + pos % bs
+            kv_lens[i] = start + n
+            page_indices[i, : len(blocks)] = blocks
+            cu_q_lens[i] = offset
+            logits_indices[i] = end - 1
+            offset = end
+        cu_q_lens[len(output.scheduled)] = offset
+        return Batch(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            kv_lens=kv_lens,
+            page_indices=page_indices,
+            cu_q_lens=cu_q_lens,
+            num_seqs=np.array([len(output.scheduled)], np.int32),
+            logits_indices=logits_indices,
+        )
+
+    def _sampling_inputs(
+        self, seqs: Seq[Sequence], num_rows: int, flags: SamplerFlags
+    ) -> SamplingInputs:
+        vocab = self.model_config.vocab_size
+        temperature = np.zeros(num_rows, np.float32)
+        top_k = np.zeros(num_rows, np.int32)
+        top_p = np.ones(num_rows, np.float32)
+        min_p = np.zeros(num_rows, np.float32)
+        seeds = np.zeros(num_rows, np.uint32)
+        positions = np.zeros(num_rows, np.int32)
+        presence = np.zeros(num_rows, np.float32)
+        frequency = np.zeros(num_rows, np.float32)
+        repetition = np.ones(num_rows, np.float32)
+        bias_rows: list[list[tuple[int, float]]] = []
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            temperature[i] = p.temperature
+            top_k[i] = max(p.top_k, 0)
+            top_p[i] = p.top_p
+            min_p[i] = p.min_p
+            seeds[i] = seq.seed
+            positions[i] = seq.num_tokens
+            presence[i] = p.presence_penalty
+            frequency[i] = p.frequency_penalty
+            repetition[i] = p.repetition_penalty
+            if flags.use_bias:
+                bias_rows.append(self._bias_entries(seq))
+        num_bias = next_power_of_2(max((len(r) for r in bias_rows), default=0)) if flags.use_bias else 0
+        bias_ids = np.full((num_rows, num_bias), vocab, np.int32)
+        bias_values = np.zeros((num_rows, num_bias), np.float32)
+        for i, row in enumerate(bias_rows):
+            for j, (token, value) in enumerate(row):
+                bias_ids[i, j], bias_values[i, j] = token, value
+        if flags.use_penalties:
+            out_len = next_power_of_2(max((len(s.output_token_ids) for s in seqs), default=1))
+            prompt_len = next_power_of_2(max((s.num_prompt_tokens for s in seqs), default=1))
+            output_ids = np.full((num_rows, out_len), vocab, np.int32)
+            prompt_ids = np.full((num_rows, prompt_len), vocab, np.int32)
+            for i, seq in enumerate(seqs):
+                output_ids[i, : len(seq.output_token_ids)] = seq.output_token_ids
+                prompt_ids[i, : seq.num_prompt_tokens] = seq.prompt_token_ids
+        else:
+            output_ids = np.zeros((num_rows, 0), np.int32)
+            prompt_ids = np.zeros((num_rows, 0), np.int32)
+        return SamplingInputs(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
+            positions=positions, bias_ids=bias_ids, bias_values=bias_values,
+            presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
+            output_ids=output_ids, prompt_ids=prompt_ids,
+        )
+
+    def _bias_entries(self, seq: Sequence) -> list[tuple[int, float]]:
+        p = seq.params
+        entries = [(int(t), float(v)) for t, v in p.logit_bias]
+        if len(seq.output_token_ids) < p.min_tokens:
+            # min_tokens: no stop token may end the sequence early.
+            stop_ids = set(p.stop_token_ids)
+            if not p.ignore_eos:
+                stop_ids.update(self.eos_token_ids)
+            entries += [(t, -1e9) for t in sorted(stop_ids)]
+        return entries
+
+    @staticmethod
+    def sampler_flags(seqs: Seq[Sequence]) -> SamplerFlags:
+        use_sort = use_penalties = use_bias = False
+        num_logprobs = -1
+        for seq in seqs:
+            p = seq.params
+            use_sort |= p.top_k > 0 or p.top_p < 1.0
+            use_penalties |= p.has_penalties
+            use_bias |= bool(p.logit_bias) or len(seq.output_token_ids) < p.min_tokens
+            if p.logprobs is not None or (p.best_of or 0) > p.n:
+                num_logprobs = NUM_TOP_LOGPROBS
+        return SamplerFlags(use_sort, use_penalties, use_bias, num_logprobs)
+
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        host_batch = self.build_batch(output)
+        t_pad = host_batch.input_ids.shape[0]
+        s_pad = self.seq_bucket(t_pad)
+        seqs = [item.seq for item in output.scheduled]
+        flags = self.sampler_flags(seqs)
+        inputs = self._sampling_inputs(seqs, s_pad, flags)
+        batch, inputs = jax.device_put((host_batch, inputs))
+        self.kv_cache, hidden = self._step_fn(self.weights, self.kv_cache, batch)
+        out = self._sample_fn(
+            self.head, hidden, batch.logits_indices, inputs, tied=self.tied, flags=flags
+        )
+        prompt_lp = self._prompt_logprobs(output, host_batch, hidden)
+        num = len(seqs)
+        result = RunnerOutput(token_ids=np.asarray(out.token_ids)[:num])
+        if out.logprobs is not None:
+            result.logprobs = np.asarray(out.logprobs)[:num]
+            result.ranks = np.asarray(out.ranks)[:num]
+            result.top_ids = np.asarray(out.top_ids)[:num]
+            result.top_logprobs = np.asarray(out.top_logprobs)[:num]
+        result.prompt_logprobs = prompt_lp
+        return result
+
+    def _prompt_logprobs(
+        self, output: SchedulerOutput, host_batch: Batch, hidden: jax.Array
+    ) -> dict[str, tuple[np.ndarray, ...]]:
+        wanted = [
+            (i, item) for i, item in enumerate(output.scheduled)
+            if item.seq.params.prompt_logprobs is not None and item.start < item.seq.num_prompt_tokens - 1
+        ]
+        if not wanted:
+            return {}
+        next_ids = np.zeros(host_batch.input_ids.shape[0], np.int32)
+        spans = {}
+        for i, item in wanted:
+            seq = item.seq
+            offset = int(host_batch.cu_q_lens[i])
+            # Row for position p scores prompt token p + 1 (prompt tokens only).
+            stop = min(item.start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            n = stop - item.start
+            next_ids[offset : offset + n] = seq.prompt_token_ids[item.start + 1 : stop + 1]
+            spans[seq.seq_id] = (offset, n)
+        lp, ranks, top_ids, top_lp = (
+            np.asarray(a) for a in self._prompt_lp_fn(self.head, hidden, next_ids, tied=self.tied)
+        )
+        return {
+            sid: (lp[o : o + n], ranks[o : o + n], top_ids[o : o + n], top_lp[o : o + n])
+            for sid, (o, n) in spans.items()
+        }
