@@ -1,8 +1,8 @@
 """jaxserve: an LLM serving engine in JAX.
 
-    import jaxserve
-    llm = jaxserve.LLM("path/to/model")
-    outputs = llm.generate(["Hello"], jaxserve.SamplingParams(max_tokens=32))
+import jaxserve
+llm = jaxserve.LLM("path/to/model")
+outputs = llm.generate(["Hello"], jaxserve.SamplingParams(max_tokens=32))
 """
 
 from __future__ import annotations

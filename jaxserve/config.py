@@ -60,8 +60,16 @@ class ModelConfig:
                 f"model_type={self.model_type!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_q_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_q_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
@@ -144,7 +152,9 @@ class ModelConfig:
                 original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
             )
         elif rope_type not in ("default", None):
-            raise ConfigError(f"rope_type={rope_type!r} is not supported; supported: default, llama3")
+            raise ConfigError(
+                f"rope_type={rope_type!r} is not supported; supported: default, llama3"
+            )
         num_q_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_q_heads
         eos = hf.get("eos_token_id")

@@ -41,7 +41,9 @@ class AsyncEngine:
         self.dead_error: BaseException | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig, max_queued_requests: int | None = None) -> AsyncEngine:
+    def from_config(
+        cls, config: EngineConfig, max_queued_requests: int | None = None
+    ) -> AsyncEngine:
         return cls(EngineCore(config), max_queued_requests)
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.engine.kv_cache import KVCacheManager
 from jaxserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxserve.engine.request import Request, Sequence, SeqStatus, derive_seed
+from jaxserve.engine.request import Request, SeqStatus, Sequence, derive_seed
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.tokenizer import Tokenizer
@@ -70,7 +70,7 @@ def generation_eos_ids(model_dir) -> tuple[int, ...]:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         self.config = config
         model_dir = config.model_dir
         self.model_config = ModelConfig.from_hf_dir(model_dir)
@@ -81,7 +81,8 @@ class EngineCore:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.runner = ModelRunner(self.model_config, config, self.max_model_len)
+        # A test may pass its own runner (same interface, hand-computable tokens).
+        self.runner = runner or ModelRunner(self.model_config, config, self.max_model_len)
         self.runner.eos_token_ids = self.eos_token_ids
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
@@ -186,7 +187,9 @@ class EngineCore:
             request.seqs.append(seq)
         with self._lock:
             if request_id in self.requests or any(r.request_id == request_id for r in self._inbox):
-                raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
+                raise RequestError(
+                    f"request id {request_id!r} is already in use", param="request_id"
+                )
             self._inbox.append(request)
 
     def abort_request(self, request_id: str) -> None:
@@ -264,7 +267,9 @@ class EngineCore:
         for i, item in enumerate(sched.scheduled):
             seq = item.seq
             request = seq.request
-            self.prompt_tokens += max(0, min(item.start + item.num_new_tokens, seq.num_prompt_tokens) - item.start)
+            self.prompt_tokens += max(
+                0, min(item.start + item.num_new_tokens, seq.num_prompt_tokens) - item.start
+            )
             if seq.seq_id in result.prompt_logprobs:
                 self._add_prompt_logprobs(seq, item.start, result.prompt_logprobs[seq.seq_id])
             if not item.completes_sequence or seq.is_finished:
@@ -307,7 +312,8 @@ class EngineCore:
             if seq.logprobs is not None:
                 entry = {token: Logprob(float(result.logprobs[row]), int(result.ranks[row]))}
                 for tid, lp in zip(
-                    result.top_ids[row, : params.logprobs], result.top_logprobs[row, : params.logprobs],
+                    result.top_ids[row, : params.logprobs],
+                    result.top_logprobs[row, : params.logprobs],
                     strict=True,
                 ):
                     entry.setdefault(int(tid), Logprob(float(lp), None))
@@ -347,7 +353,9 @@ class EngineCore:
         if best is None:
             return False
         pos, stop = best
-        seq.text = seq.text[: pos + len(stop)] if params.include_stop_str_in_output else seq.text[:pos]
+        seq.text = (
+            seq.text[: pos + len(stop)] if params.include_stop_str_in_output else seq.text[:pos]
+        )
         seq.finish_reason, seq.stop_reason = "stop", stop
         return True
 
@@ -395,7 +403,9 @@ class EngineCore:
                     index=index,
                     text=delta_text,
                     token_ids=new_tokens,
-                    cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
+                    cumulative_logprob=seq.cumulative_logprob
+                    if params.logprobs is not None
+                    else None,
                     logprobs=new_logprobs,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,

@@ -118,7 +118,7 @@ class KVCacheManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else NONE_HASH
             hashes.append(hash_block(parent, seq.token_ids(i * bs, (i + 1) * bs), salt))
-        return hashes
+        return hashes[:num_full_blocks]
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks matching the sequence's leading full blocks (at least one token stays

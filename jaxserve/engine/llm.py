@@ -108,7 +108,10 @@ class LLM:
             text, token_ids = self._to_token_ids(prompt)
             request_id = str(next(self._ids))
             self.engine.add_request(
-                request_id, token_ids, params, prompt=text,
+                request_id,
+                token_ids,
+                params,
+                prompt=text,
                 priority=priority[i] if priority is not None else 0,
             )
             request_ids.append(request_id)

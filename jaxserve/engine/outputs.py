@@ -63,7 +63,9 @@ class RequestOutput:
         for d in delta.outputs:
             out = by_index.get(d.index)
             if out is None:
-                out = CompletionOutput(index=d.index, logprobs=[] if d.logprobs is not None else None)
+                out = CompletionOutput(
+                    index=d.index, logprobs=[] if d.logprobs is not None else None
+                )
                 self.outputs.append(out)
                 by_index[d.index] = out
             out.text += d.text

@@ -88,7 +88,9 @@ class SamplingParams:
             if not _is_int(self.best_of) or not self.n <= self.best_of <= MAX_N:
                 fail("best_of", f"best_of={self.best_of!r} must be an integer in [n, {MAX_N}]")
         if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
-            fail("temperature", f"temperature={self.temperature!r} must be in [0, {MAX_TEMPERATURE}]")
+            fail(
+                "temperature", f"temperature={self.temperature!r} must be in [0, {MAX_TEMPERATURE}]"
+            )
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             fail("top_p", f"top_p={self.top_p!r} must be in (0, 1]")
         if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
@@ -104,9 +106,14 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             fail("min_tokens", f"min_tokens={self.min_tokens!r} must be a non-negative integer")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            fail("min_tokens", f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
+            fail(
+                "min_tokens",
+                f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}",
+            )
         if len(self.stop) > MAX_STOP_STRINGS:
-            fail("stop", f"stop has {len(self.stop)} entries; at most {MAX_STOP_STRINGS} are allowed")
+            fail(
+                "stop", f"stop has {len(self.stop)} entries; at most {MAX_STOP_STRINGS} are allowed"
+            )
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 fail("stop", f"stop entries must be non-empty strings, got {s!r}")
@@ -134,7 +141,10 @@ class SamplingParams:
             if token_id < 0:
                 fail("logit_bias", f"logit_bias token id {token_id} must be non-negative")
             if not _is_number(bias) or not -100 <= bias <= 100:
-                fail("logit_bias", f"logit_bias value {bias!r} for token {token} must be in [-100, 100]")
+                fail(
+                    "logit_bias",
+                    f"logit_bias value {bias!r} for token {token} must be in [-100, 100]",
+                )
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, f"{name} must be a boolean")
@@ -144,12 +154,14 @@ class SamplingParams:
         for token, _ in self.logit_bias:
             if int(token) >= vocab_size:
                 raise SamplingParamsError(
-                    "logit_bias", f"logit_bias token id {token} is out of vocabulary (size {vocab_size})"
+                    "logit_bias",
+                    f"logit_bias token id {token} is out of vocabulary (size {vocab_size})",
                 )
         for t in self.stop_token_ids:
             if t >= vocab_size:
                 raise SamplingParamsError(
-                    "stop_token_ids", f"stop_token_ids entry {t} is out of vocabulary (size {vocab_size})"
+                    "stop_token_ids",
+                    f"stop_token_ids entry {t} is out of vocabulary (size {vocab_size})",
                 )
 
     @property

@@ -13,7 +13,7 @@ import collections
 import dataclasses
 
 from jaxserve.engine.kv_cache import KVCacheManager
-from jaxserve.engine.request import Sequence, SeqStatus
+from jaxserve.engine.request import SeqStatus, Sequence
 
 
 @dataclasses.dataclass

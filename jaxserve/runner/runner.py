@@ -48,7 +48,9 @@ def resolve_dtype(config: EngineConfig, model_dir_dtype: str | None) -> jnp.dtyp
         return jnp.dtype(config.dtype)
     if jax.default_backend() == "cpu":
         return jnp.dtype(jnp.float32)
-    return jnp.dtype(jnp.bfloat16 if model_dir_dtype in (None, "bfloat16", "float32") else model_dir_dtype)
+    return jnp.dtype(
+        jnp.bfloat16 if model_dir_dtype in (None, "bfloat16", "float32") else model_dir_dtype
+    )
 
 
 def enable_compilation_cache(cache_dir: str) -> None:
@@ -84,7 +86,9 @@ def _prompt_logprobs_step(head, hidden, next_ids, *, tied):
     weights = llama.Weights(
         embed=head if tied else None, layers=[], final_norm=None, lm_head=None if tied else head
     )
-    return sampling.prompt_logprobs(llama.compute_logits(weights, hidden), next_ids, NUM_TOP_LOGPROBS)
+    return sampling.prompt_logprobs(
+        llama.compute_logits(weights, hidden), next_ids, NUM_TOP_LOGPROBS
+    )
 
 
 class ModelRunner:
@@ -145,8 +149,11 @@ class ModelRunner:
         if stats is None or "bytes_limit" not in stats:
             override = self.config.num_gpu_blocks_override or self.config.cpu_num_blocks
             return plan_capacity(
-                self.model_config, device_memory_bytes=0, memory_utilization=1.0,
-                num_blocks_override=override, **common,
+                self.model_config,
+                device_memory_bytes=0,
+                memory_utilization=1.0,
+                num_blocks_override=override,
+                **common,
             )
         # bytes_limit is what XLA's allocator may hand out; the launcher sets its fraction to
         # gpu_memory_utilization before the backend starts.
@@ -177,7 +184,12 @@ class ModelRunner:
             self.kv_cache, hidden = self._step_fn(self.weights, self.kv_cache, batch)
             inputs = self._sampling_inputs([], self.seq_bucket(bucket), SamplerFlags())
             out = self._sample_fn(
-                self.head, hidden, batch.logits_indices, inputs, tied=self.tied, flags=SamplerFlags()
+                self.head,
+                hidden,
+                batch.logits_indices,
+                inputs,
+                tied=self.tied,
+                flags=SamplerFlags(),
             )
             jax.block_until_ready(out.token_ids)
         self.compile_seconds = time.perf_counter() - start
@@ -269,7 +281,9 @@ class ModelRunner:
             repetition[i] = p.repetition_penalty
             if flags.use_bias:
                 bias_rows.append(self._bias_entries(seq))
-        num_bias = next_power_of_2(max((len(r) for r in bias_rows), default=0)) if flags.use_bias else 0
+        num_bias = (
+            next_power_of_2(max((len(r) for r in bias_rows), default=0)) if flags.use_bias else 0
+        )
         bias_ids = np.full((num_rows, num_bias), vocab, np.int32)
         bias_values = np.zeros((num_rows, num_bias), np.float32)
         for i, row in enumerate(bias_rows):
@@ -287,10 +301,19 @@ class ModelRunner:
             output_ids = np.zeros((num_rows, 0), np.int32)
             prompt_ids = np.zeros((num_rows, 0), np.int32)
         return SamplingInputs(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
-            positions=positions, bias_ids=bias_ids, bias_values=bias_values,
-            presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
-            output_ids=output_ids, prompt_ids=prompt_ids,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seeds=seeds,
+            positions=positions,
+            bias_ids=bias_ids,
+            bias_values=bias_values,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            output_ids=output_ids,
+            prompt_ids=prompt_ids,
         )
 
     def _bias_entries(self, seq: Sequence) -> list[tuple[int, float]]:
@@ -344,8 +367,10 @@ class ModelRunner:
         self, output: SchedulerOutput, host_batch: Batch, hidden: jax.Array
     ) -> dict[str, tuple[np.ndarray, ...]]:
         wanted = [
-            (i, item) for i, item in enumerate(output.scheduled)
-            if item.seq.params.prompt_logprobs is not None and item.start < item.seq.num_prompt_tokens - 1
+            (i, item)
+            for i, item in enumerate(output.scheduled)
+            if item.seq.params.prompt_logprobs is not None
+            and item.start < item.seq.num_prompt_tokens - 1
         ]
         if not wanted:
             return {}
