@@ -1,0 +1,204 @@
+"""End to end through jaxserve.LLM with a real (tiny) model: batching, caching, preemption,
+chunking and every sampling parameter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jaxserve
+from jaxserve import SamplingParams
+from tests.conftest import fixture_dir
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def make_llm(**overrides) -> jaxserve.LLM:
+    settings = dict(
+        max_model_len=128,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        block_size=4,
+        num_gpu_blocks_override=128,
+        dtype="float32",
+    )
+    settings.update(overrides)
+    return jaxserve.LLM(str(fixture_dir("llama")), **settings)
+
+
+@pytest.fixture(scope="module")
+def llm() -> jaxserve.LLM:
+    return make_llm()
+
+
+@pytest.fixture(scope="module")
+def golden() -> dict:
+    return dict(np.load(fixture_dir("llama") / "golden.npz"))
+
+
+def ids(prompt) -> dict:
+    return {"prompt_token_ids": [int(t) for t in prompt]}
+
+
+PROMPTS = [[0, 5, 9, 11], [0, 17, 3], [0, 40, 41, 42, 43, 44, 45, 46, 47, 48], [0, 99]]
+
+
+def test_greedy_matches_hf(llm, golden) -> None:
+    out = llm.generate(ids(golden["prompt_ids"]), GREEDY)[0]
+    assert out.outputs[0].token_ids == golden["greedy_ids"].tolist()
+
+
+def test_batch_equals_each_prompt_alone(llm) -> None:
+    batched = llm.generate([ids(p) for p in PROMPTS], GREEDY, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, batched, strict=True):
+        alone = llm.generate(ids(prompt), GREEDY)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_chunked_prefill_prompt_logprobs_match_hf(llm, golden) -> None:
+    """A 56-token prompt runs in two chunks (budget 32); its prompt logprobs equal HF's."""
+    prompt = golden["prompt2_ids"].tolist()
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    out = llm.generate(ids(prompt), params)[0]
+    logits = golden["prefill2_logits"]
+    ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    ref -= logits.max(-1, keepdims=True)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for i in range(1, len(prompt)):
+        got = out.prompt_logprobs[i][prompt[i]].logprob
+        assert abs(got - ref[i - 1, prompt[i]]) < 1e-4
+    assert out.outputs[0].token_ids == [int(logits[-1].argmax())]
+
+
+def test_chunked_and_unchunked_prefill_agree(golden) -> None:
+    prompt = golden["prompt2_ids"].tolist()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    small = make_llm(max_num_batched_tokens=16).generate(ids(prompt), params)[0].outputs[0]
+    big = make_llm(max_num_batched_tokens=64).generate(ids(prompt), params)[0].outputs[0]
+    assert small.token_ids == big.token_ids
+    np.testing.assert_allclose(
+        [lp[t].logprob for lp, t in zip(small.logprobs, small.token_ids, strict=True)],
+        [lp[t].logprob for lp, t in zip(big.logprobs, big.token_ids, strict=True)],
+        atol=1e-4,
+    )
+
+
+def test_prefix_cache_hit_gives_identical_logprobs(llm) -> None:
+    prompt = list(range(1, 30))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
+    miss = llm.generate(ids(prompt), params)[0]
+    hit = llm.generate(ids(prompt), params)[0]
+    assert miss.num_cached_tokens == 0 or miss.num_cached_tokens < hit.num_cached_tokens
+    assert hit.num_cached_tokens == 28  # 7 full blocks of 4; the last token is recomputed
+    assert hit.outputs[0].token_ids == miss.outputs[0].token_ids
+    for a, b in zip(hit.outputs[0].logprobs, miss.outputs[0].logprobs, strict=True):
+        assert a.keys() == b.keys()
+        for t in a:
+            assert abs(a[t].logprob - b[t].logprob) < 1e-5
+
+
+def test_forced_preemption_keeps_greedy_output(llm) -> None:
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [ids([0] + [i + 7] * 9) for i in range(6)]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    tight = make_llm(num_gpu_blocks_override=32, enable_prefix_caching=False)  # 128 slots for 6x34
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert got == want
+    assert tight.engine.kv.pool.num_free == 32
+
+
+def test_seed_is_independent_of_batchmates(llm) -> None:
+    seeded = SamplingParams(temperature=1.0, max_tokens=8, seed=1234, ignore_eos=True)
+    alone = llm.generate(ids(PROMPTS[0]), seeded)[0].outputs[0].token_ids
+    others = [
+        SamplingParams(temperature=0.5, top_k=5, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=1.3, top_p=0.8, max_tokens=12, seed=7, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=5, presence_penalty=1.0, ignore_eos=True),
+    ]
+    batch = llm.generate(
+        [ids(PROMPTS[1]), ids(PROMPTS[0]), ids(PROMPTS[2]), ids(PROMPTS[3])],
+        [others[0], seeded, others[1], others[2]],
+        use_tqdm=False,
+    )
+    assert batch[1].outputs[0].token_ids == alone
+    again = llm.generate(ids(PROMPTS[0]), seeded)[0].outputs[0].token_ids
+    assert again == alone
+    other_seed = llm.generate(ids(PROMPTS[0]), seeded.replace(seed=99))[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def sample_tokens(llm, params: SamplingParams, prompt=PROMPTS[0]) -> list[int]:
+    return llm.generate(ids(prompt), params)[0].outputs[0].token_ids
+
+
+def test_top_k_1_top_p_tiny_and_min_p_1_equal_greedy(llm) -> None:
+    greedy = sample_tokens(llm, GREEDY)
+    for extra in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+        params = SamplingParams(temperature=1.5, max_tokens=8, ignore_eos=True, seed=3, **extra)
+        assert sample_tokens(llm, params) == greedy, extra
+
+
+def test_logit_bias_forces_a_token(llm) -> None:
+    params = SamplingParams(temperature=0.8, max_tokens=5, ignore_eos=True, logit_bias={77: 100})
+    assert sample_tokens(llm, params) == [77] * 5
+    banned = sample_tokens(llm, GREEDY)[0]
+    params = GREEDY.replace(logit_bias=((banned, -100.0),))
+    assert sample_tokens(llm, params)[0] != banned
+
+
+def test_penalties_change_greedy_choices(llm) -> None:
+    base = sample_tokens(llm, GREEDY.replace(max_tokens=12))
+    penalised = sample_tokens(llm, GREEDY.replace(max_tokens=12, frequency_penalty=2.0))
+    assert len(set(penalised)) >= len(set(base))
+    rep = sample_tokens(llm, GREEDY.replace(max_tokens=12, repetition_penalty=10.0))
+    assert not set(rep) & set(PROMPTS[0]) or rep != base
+    presence = sample_tokens(llm, GREEDY.replace(max_tokens=12, presence_penalty=2.0))
+    assert presence != base or len(set(base)) == len(base)
+
+
+def test_min_tokens_masks_eos(llm) -> None:
+    eos = llm.engine.eos_token_ids[0]
+    # Bias EOS up so it would win at once; min_tokens must hold it back for 4 tokens.
+    params = SamplingParams(temperature=0, max_tokens=10, min_tokens=4, logit_bias={eos: 50})
+    out = llm.generate(ids(PROMPTS[0]), params)[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.token_ids[-1] == eos and out.finish_reason == "stop"
+    assert eos not in out.token_ids[:4]
+
+
+def test_logprobs_are_raw_log_softmax(llm, golden) -> None:
+    params = SamplingParams(temperature=0, max_tokens=2, logprobs=5, ignore_eos=True)
+    out = llm.generate(ids(golden["prompt_ids"]), params)[0].outputs[0]
+    logits = golden["decode_logits"][0]
+    ref = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    first = out.logprobs[0]
+    assert len(first) == 5  # the chosen token is one of the top 5 here
+    top5 = np.argsort(-ref)[:5]
+    assert set(first) == set(int(t) for t in top5)
+    for t, lp in first.items():
+        assert abs(lp.logprob - ref[t]) < 1e-4
+        assert lp.rank == int(np.sum(ref > ref[t])) + 1
+    assert out.cumulative_logprob == pytest.approx(
+        sum(lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids, strict=True)), abs=1e-4
+    )
+
+
+def test_n_and_best_of(llm) -> None:
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=6, ignore_eos=True, seed=5)
+    out = llm.generate(ids(PROMPTS[2]), params)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    best = SamplingParams(n=1, best_of=4, temperature=1.0, max_tokens=6, ignore_eos=True, seed=5)
+    out = llm.generate(ids(PROMPTS[2]), best)[0]
+    assert len(out.outputs) == 1 and len(out.outputs[0].token_ids) == 6
+
+
+def test_stop_string_cuts_text_and_chat_works(llm) -> None:
+    full = llm.generate("Hello", GREEDY)[0].outputs[0].text
+    assert full
+    stop = full[2:4] if len(full) >= 4 else full[-1]
+    cut = llm.generate("Hello", GREEDY.replace(stop=[stop]))[0].outputs[0]
+    assert cut.text == full[: full.find(stop)] and cut.stop_reason == stop
+    chat = llm.chat([{"role": "user", "content": "hi"}], GREEDY)[0]
+    assert chat.prompt_token_ids[0] == 0 and chat.prompt_token_ids.count(0) == 1  # one BOS
+    assert len(chat.outputs[0].token_ids) == 8
