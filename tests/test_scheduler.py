@@ -37,6 +37,9 @@ class FakeRunner:
     def warmup(self) -> int:
         return 0
 
+    def release(self, seq) -> None:
+        pass
+
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         self.steps.append(output)
         tokens = []

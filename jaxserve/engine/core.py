@@ -238,6 +238,7 @@ class EngineCore:
             for seq in request.seqs:
                 if not seq.is_finished:
                     self.scheduler.remove(seq)
+                    self.runner.release(seq)
                     seq.status = SeqStatus.FINISHED
                     seq.finish_reason = "abort"
             self.num_aborted += 1
@@ -255,6 +256,8 @@ class EngineCore:
             metrics = item.seq.request.metrics
             if metrics is not None and metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
+        for seq in sched.preempted:
+            self.runner.release(seq)
         result = self.runner.execute(sched)
         self.scheduler.update_from_output(sched)
         self.num_steps += 1
@@ -283,6 +286,7 @@ class EngineCore:
                 seq.finish_reason, seq.stop_reason = "error", repr(exc)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
+                self.runner.release(seq)
             if seq.index == 0 and len(seq.output_token_ids) == 1:
                 self.scheduler.release_parked(seq)
             metrics = request.metrics

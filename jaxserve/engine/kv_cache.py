@@ -141,30 +141,38 @@ class KVCacheManager:
 
         Returns False, changing nothing, when the pool cannot hold them.
         """
-        num_cached_tokens = len(cached) * self.block_size
-        total = max(seq.num_computed_tokens, num_cached_tokens) + num_new_tokens
-        need = self.blocks_needed(total) - len(seq.block_ids) - len(cached)
-        # Cached blocks sitting in the free list are taken out of it by touch().
-        reclaimed = sum(1 for b in cached if self.pool.ref_counts[b] == 0)
-        if need > self.pool.num_free - reclaimed:
-            return False
-        for block_id in cached:
-            self.pool.touch(block_id)
-        seq.block_ids.extend(cached)
+        bs = self.block_size
+        if cached:
+            total = max(seq.num_computed_tokens, len(cached) * bs) + num_new_tokens
+            need = -(-total // bs) - len(seq.block_ids) - len(cached)
+            # Cached blocks sitting in the free list are taken out of it by touch().
+            reclaimed = sum(1 for b in cached if self.pool.ref_counts[b] == 0)
+            if need > self.pool.num_free - reclaimed:
+                return False
+            for block_id in cached:
+                self.pool.touch(block_id)
+            seq.block_ids.extend(cached)
+        else:
+            total = seq.num_computed_tokens + num_new_tokens
+            need = -(-total // bs) - len(seq.block_ids)
+            if need > self.pool.num_free:
+                return False
         if need > 0:
             seq.block_ids.extend(self.pool.allocate(need))
-        self._cache_full_blocks(seq, total)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(seq, total)
         return True
 
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register the blocks that will be full of known tokens after this step."""
-        if not self.enable_prefix_caching:
-            return
         num_full = min(num_tokens, seq.num_tokens) // self.block_size
-        for block_id, block_hash in zip(
-            seq.block_ids[:num_full], self._block_hashes(seq, num_full), strict=True
-        ):
-            self.pool.cache(block_id, block_hash)
+        done = seq.num_hashed_blocks
+        if num_full <= done:
+            return
+        hashes = self._block_hashes(seq, num_full)
+        for i in range(done, num_full):
+            self.pool.cache(seq.block_ids[i], hashes[i])
+        seq.num_hashed_blocks = num_full
 
     def share_prefix(self, child: Sequence, parent: Sequence) -> int:
         """Give ``child`` references to ``parent``'s full prompt blocks; returns tokens shared.
@@ -175,12 +183,14 @@ class KVCacheManager:
         for block_id in parent.block_ids[:num_shared]:
             self.pool.touch(block_id)
         child.block_ids = list(parent.block_ids[:num_shared])
+        child.num_hashed_blocks = 0
         return num_shared * self.block_size
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so the LRU evicts a sequence's end before its shared prefix.
         self.pool.release(seq.block_ids[::-1])
         seq.block_ids = []
+        seq.num_hashed_blocks = 0
         self._hashes.pop(seq.seq_id, None)
 
     def forget_hashes(self, seq: Sequence) -> None:

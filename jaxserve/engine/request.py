@@ -41,6 +41,10 @@ class Sequence:
     block_ids: list[int] = dataclasses.field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
+    # The runner's persistent row for this sequence (page table, sampling parameters).
+    row: int | None = None
+    num_synced_blocks: int = 0
+    num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
     # Output bookkeeping (filled by the engine core).
     text: str = ""
     num_text_sent: int = 0  # characters of `text` already streamed
@@ -66,6 +70,14 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.request.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return (
+            self.output_token_ids[-1]
+            if self.output_token_ids
+            else self.request.prompt_token_ids[-1]
+        )
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of prompt + output."""

@@ -101,9 +101,9 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, never half a UTF-8 character.
 
-    Decodes a short window (a few tokens of context + the unread tokens) each time, so a step
-    costs O(new tokens), and holds back text while it ends in U+FFFD (an incomplete byte
-    sequence).
+    Uses the Rust ``tokenizers.decoders.DecodeStream`` (a few microseconds a token), primed
+    with the last prompt tokens so leading spaces decode as they would in context. Slow
+    (Python) tokenizers fall back to decoding a short window each time.
     """
 
     CONTEXT_TOKENS = 5
@@ -113,13 +113,28 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        self.token_ids: list[int] = list(prompt_ids[-self.CONTEXT_TOKENS :])
-        self._prefix_offset = 0  # start of the context window
-        self._read_offset = len(self.token_ids)  # tokens already turned into text
+        context = [int(t) for t in prompt_ids[-self.CONTEXT_TOKENS :]]
+        self._rust = getattr(tokenizer._hf, "_tokenizer", None)
+        self._stream = None
+        if self._rust is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self.token_ids: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
         self.text = ""
 
     def add(self, new_ids: Sequence[int]) -> str:
         """Append tokens; return the newly completed text (possibly empty)."""
+        if self._stream is not None:
+            delta = ""
+            for token in new_ids:
+                chunk = self._stream.step(self._rust, int(token))
+                if chunk:
+                    delta += chunk
+            self.text += delta
+            return delta
         self.token_ids.extend(new_ids)
         decode = self._tokenizer.decode
         prefix = decode(self.token_ids[self._prefix_offset : self._read_offset], self._skip_special)

@@ -1,7 +1,10 @@
 """Host-side step inputs: ``SchedulerOutput`` -> padded numpy arrays for one shape bucket.
 
 Plain Python and numpy, no device work, so the per-step host cost can be measured alone
-(benchmarks/host_overhead.py). The runner puts the result on the device.
+(benchmarks/host_overhead.py). Each running sequence owns a row of persistent tables (its
+page table and its sampling parameters), written when it is first scheduled or gains a block;
+a step gathers the rows it needs with one fancy index, so the per-sequence Python work of a
+decode step is a few attribute reads.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ def next_power_of_2(n: int) -> int:
 
 
 class InputBuilder:
-    """Shape buckets and the padded arrays of one step."""
+    """Shape buckets, per-sequence rows, and the padded arrays of one step."""
 
     def __init__(
         self,
@@ -40,14 +43,31 @@ class InputBuilder:
     ) -> None:
         self.block_size = block_size
         self.pages_per_seq = -(-max_model_len // block_size)
-        top = next_power_of_2(max_num_batched_tokens)
-        self.token_buckets = [
-            b for b in (1 << i for i in range(4, 31)) if MIN_TOKEN_BUCKET <= b <= max(top, 16)
-        ]
+        top = max(next_power_of_2(max_num_batched_tokens), MIN_TOKEN_BUCKET)
+        self.token_buckets = [1 << i for i in range(4, top.bit_length())]
         self.max_seq_bucket = next_power_of_2(max_num_seqs)
         self.num_slots = num_slots
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        # Rows for running sequences (+ preempted ones not yet released) and one padding row.
+        num_rows = 2 * max_num_seqs + 1
+        self.pad_row = num_rows - 1
+        self._free_rows = list(range(num_rows - 2, -1, -1))
+        self.block_table = np.zeros((num_rows, self.pages_per_seq), np.int32)
+        self.temperature = np.zeros(num_rows, np.float32)
+        self.top_k = np.zeros(num_rows, np.int32)
+        self.top_p = np.ones(num_rows, np.float32)
+        self.min_p = np.zeros(num_rows, np.float32)
+        self.seeds = np.zeros(num_rows, np.uint32)
+        self.presence = np.zeros(num_rows, np.float32)
+        self.frequency = np.zeros(num_rows, np.float32)
+        self.repetition = np.ones(num_rows, np.float32)
+        self.min_tokens = np.zeros(num_rows, np.int32)
+        self.prompt_len = np.zeros(num_rows, np.int32)
+        # Per-row sampler needs: sort (top-k/p), penalties, static logit bias, logprobs.
+        self.needs = np.zeros((num_rows, 4), bool)
+
+    # -- buckets ---------------------------------------------------------------------------
 
     def token_bucket(self, num_tokens: int) -> int:
         for bucket in self.token_buckets:
@@ -58,80 +78,119 @@ class InputBuilder:
     def seq_bucket(self, token_bucket: int) -> int:
         return min(token_bucket, self.max_seq_bucket)
 
-    def build_batch(self, output: SchedulerOutput) -> Batch:
-        """Padded host arrays for the scheduled tokens (numpy, not yet on the device)."""
+    # -- rows ------------------------------------------------------------------------------
+
+    def _assign_row(self, seq: Sequence) -> int:
+        row = self._free_rows.pop()
+        p = seq.params
+        self.temperature[row] = p.temperature
+        self.top_k[row] = max(p.top_k, 0)
+        self.top_p[row] = p.top_p
+        self.min_p[row] = p.min_p
+        self.seeds[row] = seq.seed
+        self.presence[row] = p.presence_penalty
+        self.frequency[row] = p.frequency_penalty
+        self.repetition[row] = p.repetition_penalty
+        self.min_tokens[row] = p.min_tokens
+        self.prompt_len[row] = seq.num_prompt_tokens
+        wants_logprobs = p.logprobs is not None or (p.best_of or 0) > p.n
+        self.needs[row] = (
+            p.top_k > 0 or p.top_p < 1.0,
+            p.has_penalties,
+            bool(p.logit_bias),
+            wants_logprobs,
+        )
+        seq.row = row
+        seq.num_synced_blocks = 0
+        return row
+
+    def release(self, seq: Sequence) -> None:
+        """Give back a finished, aborted or preempted sequence's row."""
+        if seq.row is not None:
+            self._free_rows.append(seq.row)
+            seq.row = None
+
+    def _sync(self, seq: Sequence) -> int:
+        row = seq.row if seq.row is not None else self._assign_row(seq)
+        blocks = seq.block_ids
+        synced = seq.num_synced_blocks
+        if len(blocks) != synced:
+            self.block_table[row, synced : len(blocks)] = blocks[synced:]
+            seq.num_synced_blocks = len(blocks)
+        return row
+
+    # -- one step --------------------------------------------------------------------------
+
+    def build_batch(self, output: SchedulerOutput) -> tuple[Batch, np.ndarray]:
+        """Padded host arrays for the scheduled tokens, and each sequence's row (i32[S])."""
+        items = output.scheduled
+        num_seqs = len(items)
         num_tokens = output.num_batched_tokens
         t_pad = self.token_bucket(num_tokens)
         s_pad = self.seq_bucket(t_pad)
         bs = self.block_size
+
+        rows = np.full(s_pad, self.pad_row, np.int32)
+        rows[:num_seqs] = [self._sync(item.seq) for item in items]
+        starts = np.zeros(s_pad, np.int32)
+        starts[:num_seqs] = [item.start for item in items]
+        q_lens = np.zeros(s_pad, np.int32)
+        q_lens[:num_seqs] = [item.num_new_tokens for item in items]
+        cu_q_lens = np.zeros(s_pad + 1, np.int32)
+        np.cumsum(q_lens, out=cu_q_lens[1:])
+
         input_ids = np.zeros(t_pad, np.int32)
+        if num_tokens == num_seqs:  # decode only: each sequence's last token
+            input_ids[:num_seqs] = [item.seq.last_token_id for item in items]
+        else:
+            flat: list[int] = []
+            for item in items:
+                flat += item.seq.token_ids(item.start, item.start + item.num_new_tokens)
+            input_ids[:num_tokens] = flat
+        # Token t belongs to sequence seq_of[t] at position starts + (t - cu_q_lens).
+        seq_of = np.repeat(np.arange(num_seqs, dtype=np.int32), q_lens[:num_seqs])
         positions = np.zeros(t_pad, np.int32)
+        positions[:num_tokens] = (
+            starts[seq_of] + np.arange(num_tokens, dtype=np.int32) - cu_q_lens[seq_of]
+        )
         slot_mapping = np.full(t_pad, self.num_slots, np.int32)
-        kv_lens = np.zeros(s_pad, np.int32)
-        page_indices = np.zeros((s_pad, self.pages_per_seq), np.int32)
-        cu_q_lens = np.full(s_pad + 1, num_tokens, np.int32)
-        logits_indices = np.zeros(s_pad, np.int32)
-        offset = 0
-        for i, item in enumerate(output.scheduled):
-            seq, start, n = item.seq, item.start, item.num_new_tokens
-            end = offset + n
-            blocks = seq.block_ids
-            if n == 1:  # decode: plain ints are cheaper than array ops
-                input_ids[offset] = seq.token_ids(start, start + 1)[0]
-                positions[offset] = start
-                slot_mapping[offset] = blocks[start // bs] * bs + start % bs
-            else:
-                pos = np.arange(start, start + n, dtype=np.int32)
-                input_ids[offset:end] = seq.token_ids(start, start + n)
-                positions[offset:end] = pos
-                slot_mapping[offset:end] = np.asarray(blocks, np.int32)[pos // bs] * bs + pos % bs
-            kv_lens[i] = start + n
-            page_indices[i, : len(blocks)] = blocks
-            cu_q_lens[i] = offset
-            logits_indices[i] = end - 1
-            offset = end
-        cu_q_lens[len(output.scheduled)] = offset
-        return Batch(
+        pos = positions[:num_tokens]
+        slot_mapping[:num_tokens] = self.block_table[rows[seq_of], pos // bs] * bs + pos % bs
+
+        page_indices = self.block_table[rows]
+        page_indices[num_seqs:] = 0
+        batch = Batch(
             input_ids=input_ids,
             positions=positions,
             slot_mapping=slot_mapping,
-            kv_lens=kv_lens,
+            kv_lens=starts + q_lens,
             page_indices=page_indices,
             cu_q_lens=cu_q_lens,
-            num_seqs=np.array([len(output.scheduled)], np.int32),
-            logits_indices=logits_indices,
+            num_seqs=np.array([num_seqs], np.int32),
+            logits_indices=np.maximum(cu_q_lens[1:] - 1, 0),
+        )
+        return batch, rows
+
+    def sampler_flags(self, rows: np.ndarray, kv_lens: np.ndarray) -> SamplerFlags:
+        needs = self.needs[rows].any(axis=0)
+        # min_tokens still holds back EOS for a sequence with fewer outputs than its minimum.
+        num_out = kv_lens - self.prompt_len[rows]
+        min_tokens = self.min_tokens[rows]
+        holds_eos = bool(np.any((min_tokens > 0) & (num_out < min_tokens)))
+        return SamplerFlags(
+            use_sort=bool(needs[0]),
+            use_penalties=bool(needs[1]),
+            use_bias=bool(needs[2]) or holds_eos,
+            num_logprobs=NUM_TOP_LOGPROBS if needs[3] else -1,
         )
 
     def sampling_inputs(
-        self, seqs: Seq[Sequence], num_rows: int, flags: SamplerFlags
+        self, seqs: Seq[Sequence], rows: np.ndarray, kv_lens: np.ndarray, flags: SamplerFlags
     ) -> SamplingInputs:
+        num_rows = rows.shape[0]
         vocab = self.vocab_size
-        temperature = np.zeros(num_rows, np.float32)
-        top_k = np.zeros(num_rows, np.int32)
-        top_p = np.ones(num_rows, np.float32)
-        min_p = np.zeros(num_rows, np.float32)
-        seeds = np.zeros(num_rows, np.uint32)
-        positions = np.zeros(num_rows, np.int32)
-        presence = np.zeros(num_rows, np.float32)
-        frequency = np.zeros(num_rows, np.float32)
-        repetition = np.ones(num_rows, np.float32)
-        bias_rows: list[list[tuple[int, float]]] = []
-        for i, seq in enumerate(seqs):
-            p = seq.params
-            temperature[i] = p.temperature
-            top_k[i] = max(p.top_k, 0)
-            top_p[i] = p.top_p
-            min_p[i] = p.min_p
-            seeds[i] = seq.seed
-            positions[i] = seq.num_tokens
-            presence[i] = p.presence_penalty
-            frequency[i] = p.frequency_penalty
-            repetition[i] = p.repetition_penalty
-            if flags.use_bias:
-                bias_rows.append(self.bias_entries(seq))
-        num_bias = (
-            next_power_of_2(max((len(r) for r in bias_rows), default=0)) if flags.use_bias else 0
-        )
+        bias_rows = [self.bias_entries(seq) for seq in seqs] if flags.use_bias else []
+        num_bias = next_power_of_2(max((len(r) for r in bias_rows), default=0)) if bias_rows else 0
         bias_ids = np.full((num_rows, num_bias), vocab, np.int32)
         bias_values = np.zeros((num_rows, num_bias), np.float32)
         for i, row in enumerate(bias_rows):
@@ -149,17 +208,17 @@ class InputBuilder:
             output_ids = np.zeros((num_rows, 0), np.int32)
             prompt_ids = np.zeros((num_rows, 0), np.int32)
         return SamplingInputs(
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            seeds=seeds,
-            positions=positions,
+            temperature=self.temperature[rows],
+            top_k=self.top_k[rows],
+            top_p=self.top_p[rows],
+            min_p=self.min_p[rows],
+            seeds=self.seeds[rows],
+            positions=kv_lens,  # a token is sampled at position kv_len
             bias_ids=bias_ids,
             bias_values=bias_values,
-            presence_penalty=presence,
-            frequency_penalty=frequency,
-            repetition_penalty=repetition,
+            presence_penalty=self.presence[rows],
+            frequency_penalty=self.frequency[rows],
+            repetition_penalty=self.repetition[rows],
             output_ids=output_ids,
             prompt_ids=prompt_ids,
         )
@@ -174,16 +233,3 @@ class InputBuilder:
                 stop_ids.update(self.eos_token_ids)
             entries += [(t, -1e9) for t in sorted(stop_ids)]
         return entries
-
-    @staticmethod
-    def sampler_flags(seqs: Seq[Sequence]) -> SamplerFlags:
-        use_sort = use_penalties = use_bias = False
-        num_logprobs = -1
-        for seq in seqs:
-            p = seq.params
-            use_sort |= p.top_k > 0 or p.top_p < 1.0
-            use_penalties |= p.has_penalties
-            use_bias |= bool(p.logit_bias) or len(seq.output_token_ids) < p.min_tokens
-            if p.logprobs is not None or (p.best_of or 0) > p.n:
-                num_logprobs = NUM_TOP_LOGPROBS
-        return SamplerFlags(use_sort, use_penalties, use_bias, num_logprobs)

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine.engine_config import EngineConfig
+from jaxserve.engine.request import Sequence
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.models import llama
 from jaxserve.models.batch import Batch, make_kv_cache
@@ -149,6 +150,9 @@ class ModelRunner:
     def seq_bucket(self, token_bucket: int) -> int:
         return self.inputs.seq_bucket(token_bucket)
 
+    def release(self, seq: Sequence) -> None:
+        self.inputs.release(seq)
+
     # -- memory ----------------------------------------------------------------------------
 
     def _plan_capacity(self) -> Capacity:
@@ -187,7 +191,11 @@ class ModelRunner:
         for bucket in self.token_buckets:
             batch = self._empty_batch(bucket)
             self.kv_cache, hidden = self._step_fn(self.weights, self.kv_cache, batch)
-            inputs = self.inputs.sampling_inputs([], self.seq_bucket(bucket), SamplerFlags())
+            s_pad = self.seq_bucket(bucket)
+            rows = np.full(s_pad, self.inputs.pad_row, np.int32)
+            inputs = self.inputs.sampling_inputs(
+                [], rows, np.zeros(s_pad, np.int32), SamplerFlags()
+            )
             out = self._sample_fn(
                 self.head,
                 hidden,
@@ -216,11 +224,10 @@ class ModelRunner:
     # -- one step --------------------------------------------------------------------------
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
-        host_batch = self.inputs.build_batch(output)
-        s_pad = self.seq_bucket(host_batch.input_ids.shape[0])
+        host_batch, rows = self.inputs.build_batch(output)
         seqs = [item.seq for item in output.scheduled]
-        flags = self.inputs.sampler_flags(seqs)
-        inputs = self.inputs.sampling_inputs(seqs, s_pad, flags)
+        flags = self.inputs.sampler_flags(rows, host_batch.kv_lens)
+        inputs = self.inputs.sampling_inputs(seqs, rows, host_batch.kv_lens, flags)
         batch, inputs = jax.device_put((host_batch, inputs))
         self.kv_cache, hidden = self._step_fn(self.weights, self.kv_cache, batch)
         out = self._sample_fn(
