@@ -27,6 +27,12 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
+def token_buckets_for(max_num_batched_tokens: int) -> list[int]:
+    """Padded token counts of the compiled steps: powers of two from 16 up."""
+    top = max(next_power_of_2(max_num_batched_tokens), MIN_TOKEN_BUCKET)
+    return [1 << i for i in range(4, top.bit_length())]
+
+
 class InputBuilder:
     """Shape buckets, per-sequence rows, and the padded arrays of one step."""
 
@@ -43,8 +49,7 @@ class InputBuilder:
     ) -> None:
         self.block_size = block_size
         self.pages_per_seq = -(-max_model_len // block_size)
-        top = max(next_power_of_2(max_num_batched_tokens), MIN_TOKEN_BUCKET)
-        self.token_buckets = [1 << i for i in range(4, top.bit_length())]
+        self.token_buckets = token_buckets_for(max_num_batched_tokens)
         self.max_seq_bucket = next_power_of_2(max_num_seqs)
         self.num_slots = num_slots
         self.vocab_size = vocab_size
@@ -64,8 +69,8 @@ class InputBuilder:
         self.repetition = np.ones(num_rows, np.float32)
         self.min_tokens = np.zeros(num_rows, np.int32)
         self.prompt_len = np.zeros(num_rows, np.int32)
-        # Per-row sampler needs: sort (top-k/p), penalties, static logit bias, logprobs.
-        self.needs = np.zeros((num_rows, 4), bool)
+        # Per-row sampler needs: sort (top-k/p), penalties, static logit bias, logprobs, noise.
+        self.needs = np.zeros((num_rows, 5), bool)
 
     # -- buckets ---------------------------------------------------------------------------
 
@@ -99,6 +104,7 @@ class InputBuilder:
             p.has_penalties,
             bool(p.logit_bias),
             wants_logprobs,
+            p.temperature > 0,
         )
         seq.row = row
         seq.num_synced_blocks = 0
@@ -182,6 +188,7 @@ class InputBuilder:
             use_penalties=bool(needs[1]),
             use_bias=bool(needs[2]) or holds_eos,
             num_logprobs=NUM_TOP_LOGPROBS if needs[3] else -1,
+            all_greedy=not needs[4],
         )
 
     def sampling_inputs(

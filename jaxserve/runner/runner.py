@@ -10,11 +10,13 @@ JAX's persistent compilation cache so a second start is fast.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
 import os
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +31,12 @@ from jaxserve.models.batch import Batch, make_kv_cache
 from jaxserve.models.weights import dummy_weights, load_weights
 from jaxserve.runner import sampling
 from jaxserve.runner.capacity import Capacity, plan_capacity
-from jaxserve.runner.input_builder import NUM_TOP_LOGPROBS, InputBuilder, next_power_of_2
+from jaxserve.runner.input_builder import (
+    NUM_TOP_LOGPROBS,
+    InputBuilder,
+    next_power_of_2,
+    token_buckets_for,
+)
 from jaxserve.runner.sampling import SamplerFlags
 
 _LOG = logging.getLogger(__name__)
@@ -90,14 +97,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.pages_per_seq = -(-max_model_len // config.block_size)
-        self.token_buckets = InputBuilder(
-            block_size=config.block_size,
-            max_model_len=max_model_len,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
-            num_slots=0,
-            vocab_size=model_config.vocab_size,
-        ).token_buckets
+        self.token_buckets = token_buckets_for(config.max_num_batched_tokens)
         self.max_seq_bucket = next_power_of_2(config.max_num_seqs)
         enable_compilation_cache(config.cache_dir)
 
@@ -126,6 +126,7 @@ class ModelRunner:
         self._step_fn = jax.jit(
             functools.partial(_model_step, config=model_config), donate_argnames=("kv_cache",)
         )
+        self._compiled_steps: dict[int, Any] = {}  # token bucket -> ahead-of-time executable
         self._sample_fn = jax.jit(_sample_step, static_argnames=("tied", "flags"))
         self._prompt_lp_fn = jax.jit(_prompt_logprobs_step, static_argnames=("tied",))
         self.compile_seconds = 0.0
@@ -185,28 +186,41 @@ class ModelRunner:
             **common,
         )
 
-    def warmup(self) -> int:
-        """Compile every token bucket (and the default sampler); returns shapes compiled."""
+    def warmup(self, max_workers: int = 8) -> int:
+        """Compile every token bucket ahead of time, in parallel threads (XLA compiles release
+        the GIL), and the two plain sampler variants (greedy, random); returns the number of
+        model shapes compiled. Other sampler variants (top-k/p, penalties, logprobs) are small
+        and compile on first use."""
         start = time.perf_counter()
+        lowered = {
+            bucket: self._step_fn.lower(self.weights, self.kv_cache, self._empty_batch(bucket))
+            for bucket in self.token_buckets
+        }
+        workers = max(1, min(max_workers, len(lowered), os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            compiled = dict(
+                zip(lowered, pool.map(lambda lo: lo.compile(), lowered.values()), strict=True)
+            )
+        self._compiled_steps.update(compiled)
         for bucket in self.token_buckets:
             batch = self._empty_batch(bucket)
-            self.kv_cache, hidden = self._step_fn(self.weights, self.kv_cache, batch)
+            self.kv_cache, hidden = self._run_step(batch)
             s_pad = self.seq_bucket(bucket)
             rows = np.full(s_pad, self.inputs.pad_row, np.int32)
-            inputs = self.inputs.sampling_inputs(
-                [], rows, np.zeros(s_pad, np.int32), SamplerFlags()
-            )
-            out = self._sample_fn(
-                self.head,
-                hidden,
-                batch.logits_indices,
-                inputs,
-                tied=self.tied,
-                flags=SamplerFlags(),
-            )
-            jax.block_until_ready(out.token_ids)
+            for flags in (SamplerFlags(all_greedy=True), SamplerFlags()):
+                inputs = self.inputs.sampling_inputs([], rows, np.zeros(s_pad, np.int32), flags)
+                out = self._sample_fn(
+                    self.head, hidden, batch.logits_indices, inputs, tied=self.tied, flags=flags
+                )
+                jax.block_until_ready(out.token_ids)
         self.compile_seconds = time.perf_counter() - start
         return len(self.token_buckets)
+
+    def _run_step(self, batch: Batch) -> tuple[Any, jax.Array]:
+        step = self._compiled_steps.get(batch.input_ids.shape[0])
+        if step is None:
+            return self._step_fn(self.weights, self.kv_cache, batch)
+        return step(self.weights, self.kv_cache, batch)
 
     def _empty_batch(self, num_tokens: int) -> Batch:
         num_seqs = self.seq_bucket(num_tokens)
@@ -229,7 +243,7 @@ class ModelRunner:
         flags = self.inputs.sampler_flags(rows, host_batch.kv_lens)
         inputs = self.inputs.sampling_inputs(seqs, rows, host_batch.kv_lens, flags)
         batch, inputs = jax.device_put((host_batch, inputs))
-        self.kv_cache, hidden = self._step_fn(self.weights, self.kv_cache, batch)
+        self.kv_cache, hidden = self._run_step(batch)
         out = self._sample_fn(
             self.head, hidden, batch.logits_indices, inputs, tied=self.tied, flags=flags
         )

@@ -45,6 +45,7 @@ class SamplerFlags:
     use_penalties: bool = False
     use_bias: bool = False
     num_logprobs: int = -1  # -1: none; else the top-k logprobs to return (0 = chosen only)
+    all_greedy: bool = False  # every row has temperature 0: no noise, no truncation
 
 
 @jax.tree_util.register_dataclass
@@ -123,6 +124,8 @@ def sample(logits: jax.Array, inputs: SamplingInputs, flags: SamplerFlags) -> Sa
     if flags.use_bias:
         logits = apply_bias(logits, inputs)
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if flags.all_greedy:
+        return _with_logprobs(greedy_ids, raw_logprobs, flags)
 
     is_greedy = inputs.temperature <= 0.0
     temperature = jnp.where(is_greedy, 1.0, inputs.temperature)
@@ -133,7 +136,12 @@ def sample(logits: jax.Array, inputs: SamplingInputs, flags: SamplerFlags) -> Sa
     noise = gumbel_noise(inputs.seeds, inputs.positions, logits.shape[-1])
     sampled_ids = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
     token_ids = jnp.where(is_greedy, greedy_ids, sampled_ids)
+    return _with_logprobs(token_ids, raw_logprobs, flags)
 
+
+def _with_logprobs(
+    token_ids: jax.Array, raw_logprobs: jax.Array | None, flags: SamplerFlags
+) -> SamplerOutput:
     if raw_logprobs is None:
         return SamplerOutput(token_ids, None, None, None, None)
     chosen = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]

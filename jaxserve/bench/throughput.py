@@ -1,0 +1,206 @@
+"""``jaxserve bench throughput``: offline output tokens/s, jaxserve against Hugging Face.
+
+The same random-token prompts go through ``jaxserve.LLM.generate`` and through transformers'
+continuous batching (``generate_batch``), each in its own subprocess (both frameworks want
+the accelerator's memory), one after the other; the table gives output tokens/s of each and
+the ratio. EOS is ignored, so every request produces exactly ``--output-len`` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxserve.config import builtin_config_dir
+
+
+def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(100, min(vocab, 30000), size=(num, length)).tolist()
+
+
+def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=str(builtin_config_dir("llama-3-8b")),
+        help="model directory (weights are random when --load-format dummy)",
+    )
+    parser.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--engine",
+        default="jaxserve",
+        choices=["jaxserve", "hf", "both"],
+        help="which engine(s) to run; 'both' runs each in a subprocess",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-json", default=None, help="write the result here")
+
+
+def run_jaxserve(args: argparse.Namespace) -> dict:
+    import jaxserve
+
+    start = time.perf_counter()
+    llm = jaxserve.LLM(
+        args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        max_model_len=args.input_len + args.output_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    startup = time.perf_counter() - start
+    prompts = make_prompts(args.num_prompts, args.input_len, llm.engine.vocab_size, args.seed)
+    params = jaxserve.SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    start = time.perf_counter()
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {
+        "engine": "jaxserve",
+        "seconds": elapsed,
+        "output_tokens": generated,
+        "output_tokens_per_s": generated / elapsed,
+        "startup_seconds": startup,
+        "num_compiled_shapes": llm.engine.num_compiled_shapes,
+    }
+
+
+def run_hf(args: argparse.Namespace) -> dict:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(args.model)
+    torch.manual_seed(args.seed)
+    attempts = ("paged|sdpa", "sdpa_paged", "paged_attention", "sdpa")
+    model = None
+    for attn in attempts:
+        try:
+            with torch.device("cuda"):
+                model = AutoModelForCausalLM.from_config(
+                    config, torch_dtype=torch.bfloat16, attn_implementation=attn
+                )
+            break
+        except (ValueError, KeyError, ImportError):
+            continue
+    assert model is not None, f"no attention implementation of {attempts} was accepted"
+    model.eval()
+    prompts = make_prompts(args.num_prompts, args.input_len, config.vocab_size, args.seed)
+    gen = GenerationConfig(
+        max_new_tokens=args.output_len,
+        min_new_tokens=args.output_len,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    start = time.perf_counter()
+    with torch.inference_mode():
+        results = model.generate_batch(inputs=prompts, generation_config=gen)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    generated = sum(len(r.generated_tokens) for r in results.values())
+    return {
+        "engine": "hf",
+        "attn_implementation": model.config._attn_implementation,
+        "seconds": elapsed,
+        "output_tokens": generated,
+        "output_tokens_per_s": generated / elapsed,
+    }
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    if args.engine != "both":
+        result = run_jaxserve(args) if args.engine == "jaxserve" else run_hf(args)
+        result.update(
+            num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len
+        )
+        print(json.dumps(result))
+        if args.output_json:
+            Path(args.output_json).write_text(json.dumps(result, indent=2))
+        return 0
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for engine in ("hf", "jaxserve"):
+            out = os.path.join(tmp, f"{engine}.json")
+            cmd = [
+                sys.executable,
+                "-m",
+                "jaxserve.bench.throughput",
+                *_forward(args),
+                "--engine",
+                engine,
+                "--output-json",
+                out,
+            ]
+            proc = subprocess.run(cmd, check=False)
+            if proc.returncode == 0:
+                results[engine] = json.loads(Path(out).read_text())
+            else:
+                results[engine] = {"engine": engine, "error": f"exit code {proc.returncode}"}
+    print_table(results, args)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(results, indent=2))
+    return 0 if "error" not in results.get("jaxserve", {}) else 1
+
+
+def _forward(args: argparse.Namespace) -> list[str]:
+    return [
+        "--model",
+        args.model,
+        "--load-format",
+        args.load_format,
+        "--num-prompts",
+        str(args.num_prompts),
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--dtype",
+        args.dtype,
+        "--seed",
+        str(args.seed),
+    ]
+
+
+def print_table(results: dict, args: argparse.Namespace) -> None:
+    print(
+        f"\nOffline throughput: {args.num_prompts} prompts, {args.input_len} in / "
+        f"{args.output_len} out, EOS ignored"
+    )
+    print(f"{'engine':10s} {'seconds':>9s} {'out tok/s':>11s}")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:10s} {r['error']}")
+        else:
+            print(f"{name:10s} {r['seconds']:9.1f} {r['output_tokens_per_s']:11.1f}")
+    if all("error" not in r for r in results.values()) and len(results) == 2:
+        ratio = results["jaxserve"]["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"]
+        print(f"ratio jaxserve / hf: {ratio:.1f}x")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_throughput_arguments(parser)
+    return run_throughput(parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
