@@ -1,0 +1,191 @@
+"""Decode MBU grid through the real engine path (runner + model + attention kernel).
+
+For each batch x context: B sequences with `context` tokens already in a paged KV cache
+(random contents, shuffled pages) decode one token each. Reported per step:
+  device ms  back-to-back model+sampler steps on the same inputs (host dispatch overlapped),
+  wall ms    ModelRunner.execute end to end (host inputs, dispatch, device, token fetch),
+  floor ms   bytes_step / 4.3 TB/s with bytes_step = weights (less embedding) + KV read,
+  MBU        floor / device,   host gap = wall - device.
+
+    python benchmarks/decode_roofline.py                 # Llama-3-8B shape, dummy bf16 weights
+    python benchmarks/decode_roofline.py --smoke         # tiny CPU run (CI smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig, builtin_config_dir
+from jaxserve.engine.engine_config import EngineConfig
+from jaxserve.engine.request import Request, Sequence
+from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from jaxserve.models.batch import kv_bytes_per_token
+from jaxserve.runner.runner import ModelRunner
+
+BANDWIDTH = 4.3e12  # bytes/s, copy bandwidth measured on the H200
+
+
+def decode_batch(runner: ModelRunner, batch: int, context: int, rng) -> SchedulerOutput:
+    """`batch` sequences with `context` cached tokens each, decoding their next token."""
+    bs = runner.block_size
+    pages_per = -(-(context + 1) // bs)
+    pages = rng.permutation(runner.num_blocks)[: batch * pages_per].reshape(batch, pages_per)
+    params = SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True)
+    items = []
+    for i in range(batch):
+        prompt = rng.integers(100, 20000, size=context + 1).tolist()
+        request = Request(str(i), None, prompt, params, arrival_time=0.0)
+        seq = Sequence(str(i), request, 0, seed=i, block_ids=pages[i].tolist())
+        seq.num_computed_tokens = context
+        request.seqs.append(seq)
+        items.append(ScheduledSeq(seq, 1, context))
+    return SchedulerOutput(items, batch, [])
+
+
+def fill_cache_randomly(runner: ModelRunner, seed: int) -> None:
+    key = jax.random.key(seed)
+    cache = []
+    for k_pages, v_pages in runner.kv_cache:
+        key, a, b = jax.random.split(key, 3)
+        cache.append(
+            (
+                jax.random.normal(a, k_pages.shape, k_pages.dtype),
+                jax.random.normal(b, v_pages.shape, v_pages.dtype),
+            )
+        )
+    runner.kv_cache = jax.block_until_ready(cache)
+
+
+def time_device(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> float:
+    """Seconds per step of model + sampler dispatched back to back."""
+    host_batch, rows = runner.inputs.build_batch(sched)
+    flags = runner.inputs.sampler_flags(rows, host_batch.kv_lens)
+    inputs = runner.inputs.sampling_inputs(
+        [i.seq for i in sched.scheduled], rows, host_batch.kv_lens, flags
+    )
+    batch, inputs = jax.device_put((host_batch, inputs))
+
+    def step():
+        runner.kv_cache, hidden = runner._run_step(batch)
+        return runner._sample_fn(
+            runner.head, hidden, batch.logits_indices, inputs, tied=runner.tied, flags=flags
+        ).token_ids
+
+    jax.block_until_ready(step())
+    samples = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = step()
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / iters)
+    return min(samples)
+
+
+def time_wall(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> float:
+    runner.execute(sched)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        runner.execute(sched)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(builtin_config_dir("llama-3-8b")))
+    parser.add_argument("--batches", default="1,8,32,64,128,256")
+    parser.add_argument("--contexts", default="1024,4096")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--smoke", action="store_true", help="tiny model and grid, on the CPU")
+    parser.add_argument("--output-json", default=None)
+    args = parser.parse_args()
+    if args.smoke:
+        args.model = str(Path(__file__).parents[1] / "tests/fixtures/models/llama")
+        args.batches, args.contexts, args.iters = "1,4", "32", 3
+
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    model_config = ModelConfig.from_hf_dir(args.model)
+    max_len = max(contexts) + 16
+    config = EngineConfig(
+        model=args.model,
+        load_format="dummy",
+        dtype=args.dtype,
+        max_model_len=max_len,
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=max(16, max(batches)),
+        warmup=False,
+        num_gpu_blocks_override=512 if args.smoke else None,
+    )
+    runner = ModelRunner(model_config, config, max_len)
+    fill_cache_randomly(runner, 0)
+    itemsize = runner.dtype.itemsize
+    weight_bytes = model_config.num_params(include_embedding=False) * itemsize
+    per_token = kv_bytes_per_token(
+        model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, itemsize
+    )
+    print(
+        f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+        f"weights {weight_bytes / 1e9:.2f} GB, KV {per_token} B/token, "
+        f"{runner.num_blocks * runner.block_size:,} KV tokens"
+    )
+    rng = np.random.default_rng(0)
+    rows = []
+    for context in contexts:
+        for batch in batches:
+            if batch * (context + 1) > runner.num_blocks * runner.block_size:
+                print(f"skip batch {batch} x context {context}: does not fit")
+                continue
+            sched = decode_batch(runner, batch, context, rng)
+            device = time_device(runner, sched, args.iters)
+            wall = time_wall(runner, sched, args.iters)
+            step_bytes = weight_bytes + batch * (context + 1) * per_token
+            floor = step_bytes / BANDWIDTH
+            rows.append(
+                {
+                    "batch": batch,
+                    "context": context,
+                    "device_ms": device * 1e3,
+                    "wall_ms": wall * 1e3,
+                    "floor_ms": floor * 1e3,
+                    "mbu": floor / device,
+                    "host_gap_ms": (wall - device) * 1e3,
+                    "tokens_per_s": batch / wall,
+                }
+            )
+            for item in sched.scheduled:
+                runner.release(item.seq)
+    print(
+        f"\n{'batch':>5} {'ctx':>5} {'device ms':>9} {'wall ms':>8} {'floor ms':>8} "
+        f"{'MBU':>6} {'gap ms':>7} {'tok/s':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['batch']:5d} {r['context']:5d} {r['device_ms']:9.2f} {r['wall_ms']:8.2f} "
+            f"{r['floor_ms']:8.2f} {r['mbu']:6.1%} {r['host_gap_ms']:7.2f} "
+            f"{r['tokens_per_s']:9.1f}"
+        )
+    if args.output_json:
+        meta = {
+            "device": jax.devices()[0].device_kind,
+            "jax": jax.__version__,
+            "dtype": str(runner.dtype),
+            "model": args.model,
+        }
+        Path(args.output_json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""The benchmark scripts run end to end in their tiny CPU modes (the GPU numbers come from
+the same scripts on the H200)."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import fixture_dir
+
+ROOT = Path(__file__).parents[1]
+
+
+def run_script(path: str, args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", [path, *args])
+    runpy.run_path(str(ROOT / path), run_name="__main__")
+
+
+def test_decode_roofline_smoke(tmp_path, monkeypatch, capsys) -> None:
+    out = tmp_path / "roofline.json"
+    run_script("benchmarks/decode_roofline.py", ["--smoke", "--output-json", str(out)], monkeypatch)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["context"]) for r in rows] == [(1, 32), (4, 32)]
+    assert all(r["device_ms"] > 0 and r["wall_ms"] > 0 for r in rows)
+    assert "MBU" in capsys.readouterr().out
+
+
+def test_host_overhead_smoke(monkeypatch, capsys) -> None:
+    run_script("benchmarks/host_overhead.py", ["--num-seqs", "16", "--steps", "5"], monkeypatch)
+    assert "total" in capsys.readouterr().out
+
+
+def test_throughput_smoke(tmp_path, monkeypatch) -> None:
+    from jaxserve.bench.throughput import main
+
+    out = tmp_path / "t.json"
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "throughput",
+            "--model",
+            str(fixture_dir("llama")),
+            "--load-format",
+            "auto",
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "32",
+            "--output-json",
+            str(out),
+        ],
+    )
+    assert main() == 0
+    result = json.loads(out.read_text())
+    assert result["output_tokens"] == 16 and result["output_tokens_per_s"] > 0
