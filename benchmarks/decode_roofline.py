@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig, builtin_config_dir
