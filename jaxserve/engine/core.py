@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import random
 import threading
 import time
@@ -71,6 +72,9 @@ def generation_eos_ids(model_dir) -> tuple[int, ...]:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+        # XLA's GPU allocator takes its share of memory when the backend starts (no effect if
+        # the process already started it).
+        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(config.gpu_memory_utilization)
         self.config = config
         model_dir = config.model_dir
         self.model_config = ModelConfig.from_hf_dir(model_dir)
@@ -95,7 +99,14 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
         )
+        for line in self.capacity_lines():
+            _LOG.info(line)
         self.num_compiled_shapes = self.runner.warmup() if config.warmup else 0
+        if config.warmup:
+            _LOG.info(
+                "Compiled %d step shapes in %.1f s (compilation cache: %s)",
+                self.num_compiled_shapes, self.runner.compile_seconds, config.cache_dir,
+            )
         self.requests: dict[str, Request] = {}
         self._inbox: collections.deque[Request] = collections.deque()
         self._aborts: collections.deque[str] = collections.deque()

@@ -40,7 +40,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     compilation_cache_dir: str | None = None
     warmup: bool = True  # compile every shape bucket at start-up
-    cpu_num_blocks: int = 512  # KV blocks on CPU, where device memory cannot be queried
+    # Memory the KV budget is a fraction of; None: what the device reports (CPU: 2 GiB).
+    device_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -13,6 +13,9 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.batch import kv_bytes_per_token
 
 GiB = 1024**3
+# The CPU backend reports no memory: its KV budget is a fraction of this (or of
+# --device-memory), so CPU runs stay small and `jaxserve capacity` can reproduce them.
+CPU_DEVICE_MEMORY_BYTES = 2 * GiB
 
 # Memory per device of accelerators people plan for (datasheet figures).
 DEVICE_MEMORY_BYTES: dict[str, int] = {
@@ -28,6 +31,22 @@ DEVICE_MEMORY_BYTES: dict[str, int] = {
     "TPU-v5p": 95 * GiB,
     "TPU-v6e": 32 * GiB,
 }
+
+
+def detect_device_memory() -> int:
+    """Memory of the first device; on GPU, undoes XLA_PYTHON_CLIENT_MEM_FRACTION."""
+    import os
+
+    import jax
+
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return CPU_DEVICE_MEMORY_BYTES
+    limit = int(stats["bytes_limit"])
+    if device.platform == "gpu":
+        return int(limit / float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75)))
+    return limit
 
 
 class CapacityError(ValueError):
@@ -74,12 +93,18 @@ def kv_heads_per_device(num_kv_heads: int, tensor_parallel_size: int) -> int:
 
 
 def activation_bytes(
-    config: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, dtype_bytes: int
+    config: ModelConfig,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    dtype_bytes: int,
+    device_memory_bytes: int,
 ) -> int:
-    """A conservative estimate of the largest step's temporary buffers."""
+    """A conservative estimate of the largest step's temporary buffers, plus a slack for
+    the compiler's workspace (512 MiB, or 1/16 of a small device)."""
     per_token = (4 * config.intermediate_size + 6 * config.hidden_size) * dtype_bytes
     sampler = max_num_seqs * config.vocab_size * 4 * 6  # logits, scaled, noise, sort, ...
-    return max_num_batched_tokens * per_token + sampler + 512 * 1024**2
+    slack = min(512 * 1024**2, device_memory_bytes // 16)
+    return max_num_batched_tokens * per_token + sampler + slack
 
 
 def plan_capacity(
@@ -98,7 +123,9 @@ def plan_capacity(
 ) -> Capacity:
     kv_dtype_bytes = kv_dtype_bytes or dtype_bytes
     weights = config.num_params() * dtype_bytes // tensor_parallel_size
-    activations = activation_bytes(config, max_num_batched_tokens, max_num_seqs, dtype_bytes)
+    activations = activation_bytes(
+        config, max_num_batched_tokens, max_num_seqs, dtype_bytes, device_memory_bytes
+    )
     per_token = kv_bytes_per_token(
         config.num_layers,
         kv_heads_per_device(config.num_kv_heads, tensor_parallel_size),

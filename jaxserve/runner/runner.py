@@ -30,7 +30,7 @@ from jaxserve.models import llama
 from jaxserve.models.batch import Batch, make_kv_cache
 from jaxserve.models.weights import dummy_weights, load_weights
 from jaxserve.runner import sampling
-from jaxserve.runner.capacity import Capacity, plan_capacity
+from jaxserve.runner.capacity import Capacity, detect_device_memory, plan_capacity
 from jaxserve.runner.input_builder import (
     NUM_TOP_LOGPROBS,
     InputBuilder,
@@ -156,34 +156,24 @@ class ModelRunner:
 
     # -- memory ----------------------------------------------------------------------------
 
+    def device_memory_bytes(self) -> int:
+        """The memory the KV budget is a fraction of (``device_memory_bytes`` overrides)."""
+        if self.config.device_memory_bytes is not None:
+            return self.config.device_memory_bytes
+        return detect_device_memory()
+
     def _plan_capacity(self) -> Capacity:
-        device = jax.devices()[0]
-        stats = device.memory_stats() if device.platform != "cpu" else None
-        common = dict(
+        return plan_capacity(
+            self.model_config,
             max_model_len=self.max_model_len,
+            device_memory_bytes=self.device_memory_bytes(),
+            memory_utilization=self.config.gpu_memory_utilization,
             dtype_bytes=self.dtype.itemsize,
             block_size=self.block_size,
             tensor_parallel_size=self.config.tensor_parallel_size,
             max_num_batched_tokens=self.token_buckets[-1],
             max_num_seqs=self.max_seq_bucket,
-        )
-        if stats is None or "bytes_limit" not in stats:
-            override = self.config.num_gpu_blocks_override or self.config.cpu_num_blocks
-            return plan_capacity(
-                self.model_config,
-                device_memory_bytes=0,
-                memory_utilization=1.0,
-                num_blocks_override=override,
-                **common,
-            )
-        # bytes_limit is what XLA's allocator may hand out; the launcher sets its fraction to
-        # gpu_memory_utilization before the backend starts.
-        return plan_capacity(
-            self.model_config,
-            device_memory_bytes=int(stats["bytes_limit"]),
-            memory_utilization=1.0,
             num_blocks_override=self.config.num_gpu_blocks_override,
-            **common,
         )
 
     def warmup(self, max_workers: int = 8) -> int:

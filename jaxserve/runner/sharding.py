@@ -1,0 +1,317 @@
+"""Tensor parallelism: the device mesh and every PartitionSpec of the model, spelled only here.
+
+The runner calls ``prepare_tp(config, tensor_parallel_size)`` once at start-up and gets a
+``TensorParallel``: a weight ``Placement`` for ``load_weights`` / ``dummy_weights``, the KV-cache
+sharding (and a maker that allocates the cache straight into its shards), the jit in/out
+shardings of the model step, and the attention op wrapped in ``shard_map`` so the kernel runs on
+each device's local heads. Model code names no mesh axis: XLA inserts the collectives from the
+shardings of the step's inputs (one all-reduce after each row-parallel projection, a gather of
+the vocab-parallel logits).
+
+The layout (Megatron-style, one mesh axis ``"tp"`` of N devices):
+  column parallel  wq [H, N, D], bq on the query-head axis; w_gate, w_up [H, I] on I
+                   wk, wv [H, K, D], bk, bv on the KV-head axis
+  row parallel     wo [N, D, H] on the query-head axis; w_down [I, H] on I
+  vocab parallel   embed [V, H] on V; lm_head [H, V] on V (replicated when N does not divide V)
+  replicated       the RMSNorm scales (attn_norm, mlp_norm, final_norm, q_norm, k_norm)
+  KV cache         [P, page, K, D] on the KV-head axis
+
+KV heads and the query heads they serve must sit on the same device. With N <= K each device
+holds K / N KV heads. With N > K (more devices than KV heads) each KV head is replicated on
+N / K devices: the KV side lives on a *view* of the same devices in the same order, shaped
+``(kv=K, kv_replica=N / K)``; device d holds query heads [d * Nq / N, (d + 1) * Nq / N) and KV
+head d // (N / K), which is exactly the KV head those query heads read under GQA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pallas_kernels
+from jaxserve.config import ModelConfig
+from jaxserve.models.batch import KVCache
+from jaxserve.models.llama import AttentionFn, LayerWeights, Weights
+from jaxserve.models.weights import Placement
+
+TP_AXIS = "tp"
+KV_AXIS = "kv"  # KV-head groups, on the KV view of the mesh
+KV_REPLICA_AXIS = "kv_replica"  # copies of one KV head group, on the KV view
+
+# Specs on the KV view. Query heads split over both of its axes, which orders the devices
+# exactly as "tp" does, so the two meshes agree and XLA moves no data between them.
+_Q_HEADS_ON_KV_VIEW = P(None, (KV_AXIS, KV_REPLICA_AXIS), None)  # q, attention out [T, N, D]
+_KV_HEADS = P(None, KV_AXIS, None)  # k, v [T, K, D]; wk, wv [H, K, D]
+_KV_PAGES = P(None, None, KV_AXIS, None)  # k_pages, v_pages [P, page, K, D]
+
+
+def validate_tensor_parallel_size(config: ModelConfig, tensor_parallel_size: int) -> None:
+    """Raise ValueError (naming the values) for a degree the model's shapes cannot split into."""
+    n = tensor_parallel_size
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"tensor_parallel_size={n!r} must be a positive integer")
+    if config.num_q_heads % n:
+        raise ValueError(
+            f"tensor_parallel_size={n} must divide num_q_heads={config.num_q_heads} "
+            "(each device computes whole query heads)"
+        )
+    k = config.num_kv_heads
+    if n <= k and k % n:
+        raise ValueError(f"tensor_parallel_size={n} must divide num_kv_heads={k}")
+    if n > k and n % k:
+        raise ValueError(
+            f"tensor_parallel_size={n} exceeds num_kv_heads={k} and must then be a multiple "
+            f"of it (each KV head is replicated on tensor_parallel_size / num_kv_heads devices)"
+        )
+    if config.intermediate_size % n:
+        raise ValueError(
+            f"tensor_parallel_size={n} must divide intermediate_size={config.intermediate_size}"
+        )
+
+
+def make_mesh(
+    tensor_parallel_size: int,
+    config: ModelConfig | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A one-axis ``"tp"`` mesh over the first ``tensor_parallel_size`` devices.
+
+    ``devices`` defaults to ``jax.devices()`` (every process's devices under multi-host).
+    With a ``config`` the degree is also checked against the model's head counts.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = tensor_parallel_size
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"tensor_parallel_size={n!r} must be a positive integer")
+    if n > len(devices):
+        platform = devices[0].platform if devices else "none"
+        raise ValueError(
+            f"tensor_parallel_size={n} exceeds the {len(devices)} available {platform} devices"
+        )
+    if config is not None:
+        validate_tensor_parallel_size(config, n)
+    return jax.make_mesh((n,), (TP_AXIS,), (AxisType.Auto,), devices=devices[:n])
+
+
+def kv_mesh(mesh: Mesh, num_kv_heads: int) -> Mesh:
+    """The KV view of ``mesh``: the same devices in the same order, shaped (kv, kv_replica)."""
+    n = mesh.devices.size
+    groups = min(n, num_kv_heads)
+    return Mesh(
+        mesh.devices.reshape(groups, n // groups),
+        (KV_AXIS, KV_REPLICA_AXIS),
+        axis_types=(AxisType.Auto, AxisType.Auto),
+    )
+
+
+def layer_specs(config: ModelConfig) -> LayerWeights:
+    """PartitionSpecs of one layer, field for field (None where the model has no such tensor)."""
+    column = P(None, TP_AXIS, None)  # [H, N, D]
+    return LayerWeights(
+        attn_norm=P(),
+        wq=column,
+        wk=_KV_HEADS,
+        wv=_KV_HEADS,
+        wo=P(TP_AXIS, None, None),  # [N, D, H]
+        mlp_norm=P(),
+        w_gate=P(None, TP_AXIS),  # [H, I]
+        w_up=P(None, TP_AXIS),
+        w_down=P(TP_AXIS, None),  # [I, H]
+        bq=P(TP_AXIS, None) if config.attention_bias else None,  # [N, D]
+        bk=P(KV_AXIS, None) if config.attention_bias else None,  # [K, D]
+        bv=P(KV_AXIS, None) if config.attention_bias else None,
+        q_norm=P() if config.qk_norm else None,  # [D]
+        k_norm=P() if config.qk_norm else None,
+    )
+
+
+def weight_specs(config: ModelConfig, tensor_parallel_size: int) -> Weights:
+    """A ``Weights`` pytree of PartitionSpecs, parallel to the model's weights."""
+    # NOTE: jax shards only evenly; a vocabulary N does not divide stays replicated.
+    is_vocab_parallel = config.vocab_size % tensor_parallel_size == 0
+    layer = layer_specs(config)
+    return Weights(
+        embed=P(TP_AXIS, None) if is_vocab_parallel else P(),  # [V, H]
+        layers=[layer] * config.num_layers,
+        final_norm=P(),
+        lm_head=None
+        if config.tie_word_embeddings
+        else (P(None, TP_AXIS) if is_vocab_parallel else P()),  # [H, V]
+    )
+
+
+def _is_kv_spec(spec: P) -> bool:
+    """Whether a spec names the KV view's axes (and so belongs on that mesh)."""
+    for entry in spec:
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if KV_AXIS in names:
+            return True
+    return False
+
+
+def placement_from(shardings: Weights) -> Placement:
+    """A ``Placement`` that looks each weight's path up in a ``Weights`` of shardings."""
+
+    def place(path: tuple[Any, ...], shape: tuple[int, ...]) -> NamedSharding:
+        node: Any = shardings
+        for key in path:
+            node = node[key] if isinstance(key, int) else getattr(node, key)
+        if not isinstance(node, NamedSharding):
+            raise KeyError(f"no sharding for weight path {path!r} (shape {list(shape)})")
+        return node
+
+    return place
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """Everything the runner needs to run the model step on a ``"tp"`` mesh."""
+
+    mesh: Mesh
+    kv_mesh: Mesh
+    config: ModelConfig
+    weight_shardings: Weights  # a NamedSharding per weight, parallel to the weights
+    kv_sharding: NamedSharding  # each layer's k_pages and v_pages [P, page, K, D]
+    replicated: NamedSharding  # the batch, sampling inputs, hidden states
+    attention_fn: AttentionFn  # the attention op under shard_map, for llama.forward
+
+    def __post_init__(self) -> None:
+        if self.mesh.axis_names != (TP_AXIS,):
+            raise ValueError(f"mesh.axis_names={self.mesh.axis_names} must be ({TP_AXIS!r},)")
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.mesh.devices.size
+
+    @property
+    def placement(self) -> Placement:
+        """``(path, shape) -> sharding`` for ``load_weights`` / ``dummy_weights``."""
+        return placement_from(self.weight_shardings)
+
+    def kv_cache_shardings(self, num_layers: int) -> list[tuple[NamedSharding, NamedSharding]]:
+        return [(self.kv_sharding, self.kv_sharding)] * num_layers
+
+    def make_kv_cache(self, num_pages: int, page_size: int, dtype: jnp.dtype) -> KVCache:
+        """A zeroed cache allocated directly in its shards (no device ever holds all of it)."""
+        shape = (num_pages, page_size, self.config.num_kv_heads, self.config.head_dim)
+        zeros = jax.jit(
+            lambda: jnp.zeros(shape, dtype), out_shardings=self.kv_sharding
+        )  # [P, page, K, D]
+        return [(zeros(), zeros()) for _ in range(self.config.num_layers)]
+
+    def step_shardings(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """(in_shardings, out_shardings) for ``jit(step(weights, kv_cache, batch))``."""
+        kv = self.kv_cache_shardings(self.config.num_layers)
+        return (self.weight_shardings, kv, self.replicated), (kv, self.replicated)
+
+    def put_replicated(self, tree: Any) -> Any:
+        """Host arrays (the batch, sampling inputs) -> device arrays replicated on the mesh."""
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(self.replicated, np.asarray(x)),
+            tree,
+        )
+
+
+def weight_shardings(mesh: Mesh, config: ModelConfig) -> Weights:
+    """A ``Weights`` pytree of NamedShardings: KV-side specs on the KV view, the rest on "tp"."""
+    view = kv_mesh(mesh, config.num_kv_heads)
+    return jax.tree.map(
+        lambda spec: NamedSharding(view if _is_kv_spec(spec) else mesh, spec),
+        weight_specs(config, mesh.devices.size),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def weight_placement(mesh: Mesh, config: ModelConfig) -> Placement:
+    """The ``Placement`` to pass to ``load_weights`` / ``dummy_weights``."""
+    validate_tensor_parallel_size(config, mesh.devices.size)
+    return placement_from(weight_shardings(mesh, config))
+
+
+def kv_cache_sharding(mesh: Mesh, config: ModelConfig) -> NamedSharding:
+    """[P, page, K, D] split on K; replicated per KV head when the mesh has more devices."""
+    return NamedSharding(kv_mesh(mesh, config.num_kv_heads), _KV_PAGES)
+
+
+def sharded_attention(attention_fn: AttentionFn, mesh: Mesh, config: ModelConfig) -> AttentionFn:
+    """``attention_fn`` run per device on its local query and KV heads (metadata replicated)."""
+    view = kv_mesh(mesh, config.num_kv_heads)
+    meta = P()
+
+    def attention(
+        q: jax.Array,  # [T, N, D]
+        k_pages: jax.Array,  # [P, page, K, D]
+        v_pages: jax.Array,  # [P, page, K, D]
+        kv_lens: jax.Array,  # i32[S]
+        page_indices: jax.Array,  # i32[S, pages_per_seq]
+        cu_q_lens: jax.Array,  # i32[S + 1]
+        num_seqs: jax.Array,  # i32[1]
+        **kwargs: Any,  # sm_scale, sliding_window, soft_cap: static
+    ) -> jax.Array:  # [T, N, D]
+        def local(*args: jax.Array) -> jax.Array:
+            return attention_fn(*args, **kwargs)
+
+        # NOTE: check_vma=False: a Pallas kernel is opaque to shard_map's replication checker;
+        # the specs below are the whole contract (heads split, metadata identical everywhere).
+        return jax.shard_map(
+            local,
+            mesh=view,
+            in_specs=(_Q_HEADS_ON_KV_VIEW, _KV_PAGES, _KV_PAGES, meta, meta, meta, meta),
+            out_specs=_Q_HEADS_ON_KV_VIEW,
+            check_vma=False,
+        )(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+
+    return attention
+
+
+def sharded_write_kv(
+    write_fn: Callable[..., tuple[jax.Array, jax.Array]], mesh: Mesh, config: ModelConfig
+) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """``write_fn(k_pages, v_pages, k, v, slot_mapping)`` run per device on its KV heads.
+
+    A plain scatter (the reference ``write_kv``) is partitioned locally by XLA already; a
+    kernel that writes the cache (a custom call XLA cannot partition) needs this wrapper.
+    """
+    view = kv_mesh(mesh, config.num_kv_heads)
+    return jax.shard_map(
+        write_fn,
+        mesh=view,
+        in_specs=(_KV_PAGES, _KV_PAGES, _KV_HEADS, _KV_HEADS, P()),
+        out_specs=(_KV_PAGES, _KV_PAGES),
+        check_vma=False,
+    )
+
+
+def prepare_tp(
+    config: ModelConfig,
+    tensor_parallel_size: int | None = None,
+    *,
+    mesh: Mesh | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    attention_fn: AttentionFn | None = None,
+) -> TensorParallel:
+    """The mesh (made here unless given), shardings and sharded attention for one model."""
+    if mesh is None:
+        if tensor_parallel_size is None:
+            raise ValueError("prepare_tp needs tensor_parallel_size or a mesh")
+        mesh = make_mesh(tensor_parallel_size, config, devices)
+    else:
+        validate_tensor_parallel_size(config, mesh.devices.size)
+    return TensorParallel(
+        mesh=mesh,
+        kv_mesh=kv_mesh(mesh, config.num_kv_heads),
+        config=config,
+        weight_shardings=weight_shardings(mesh, config),
+        kv_sharding=kv_cache_sharding(mesh, config),
+        replicated=NamedSharding(mesh, P()),
+        attention_fn=sharded_attention(
+            attention_fn or pallas_kernels.ragged_paged_attention, mesh, config
+        ),
+    )
