@@ -44,3 +44,11 @@ def test_sandbox_blocks_attribute_escapes(tok: Tokenizer) -> None:
     template = module._compile_template("{{ ''.__class__.__mro__[1].__subclasses__() }}")
     with pytest.raises(Exception, match="unsafe|access"):
         template.render()
+
+
+def test_dummy_tokenizer_round_trips_every_id() -> None:
+    tok = Tokenizer(None, dummy_vocab_size=1000)
+    assert tok.vocab_size == 1000
+    assert tok.encode("<t5> <t999>", add_special_tokens=False) == [5, 999]
+    detok = tok.detokenizer([5])
+    assert detok.add([7, 999]).split() == ["<t7>", "<t999>"]

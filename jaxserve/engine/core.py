@@ -26,7 +26,7 @@ from jaxserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, R
 from jaxserve.engine.request import Request, SeqStatus, Sequence, derive_seed
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
-from jaxserve.engine.tokenizer import Tokenizer
+from jaxserve.engine.tokenizer import Tokenizer, has_tokenizer_files
 from jaxserve.runner.runner import ModelRunner, RunnerOutput
 
 _LOG = logging.getLogger(__name__)
@@ -78,7 +78,13 @@ class EngineCore:
         self.config = config
         model_dir = config.model_dir
         self.model_config = ModelConfig.from_hf_dir(model_dir)
-        self.tokenizer = Tokenizer(config.tokenizer_dir)
+        if config.load_format == "dummy" and not has_tokenizer_files(config.tokenizer_dir):
+            _LOG.warning(
+                "%s has no tokenizer: using a dummy one (token <tN> per id)", config.tokenizer_dir
+            )
+            self.tokenizer = Tokenizer(None, dummy_vocab_size=self.model_config.vocab_size)
+        else:
+            self.tokenizer = Tokenizer(config.tokenizer_dir)
         self.vocab_size = self.model_config.vocab_size
         eos = set(self.model_config.eos_token_ids) | set(generation_eos_ids(model_dir))
         if self.tokenizer.eos_token_id is not None:
@@ -105,7 +111,9 @@ class EngineCore:
         if config.warmup:
             _LOG.info(
                 "Compiled %d step shapes in %.1f s (compilation cache: %s)",
-                self.num_compiled_shapes, self.runner.compile_seconds, config.cache_dir,
+                self.num_compiled_shapes,
+                self.runner.compile_seconds,
+                config.cache_dir,
             )
         self.requests: dict[str, Request] = {}
         self._inbox: collections.deque[Request] = collections.deque()

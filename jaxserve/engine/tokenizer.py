@@ -41,13 +41,36 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def has_tokenizer_files(model_dir: str | os.PathLike[str]) -> bool:
+    from pathlib import Path
+
+    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+    return any((Path(model_dir) / name).is_file() for name in names)
+
+
+def dummy_hf_tokenizer(vocab_size: int):
+    """A word-level tokenizer with one token ``<t{i}>`` per id, for random-weight models that
+    ship no tokenizer (``--load-format dummy`` with a config-only directory)."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<t{i}>": i for i in range(vocab_size)}
+    rust = RustTokenizer(models.WordLevel(vocab, unk_token="<t0>"))
+    rust.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=rust, unk_token="<t0>", eos_token="<t1>")
+
+
 class Tokenizer:
     """A model's tokenizer: encode, decode, chat template, special tokens."""
 
-    def __init__(self, model_dir: str | os.PathLike[str]) -> None:
-        from transformers import AutoTokenizer
+    def __init__(self, model_dir: str | os.PathLike[str] | None, dummy_vocab_size: int = 0) -> None:
+        if model_dir is None:
+            self._hf = dummy_hf_tokenizer(dummy_vocab_size)
+        else:
+            from transformers import AutoTokenizer
 
-        self._hf = AutoTokenizer.from_pretrained(str(model_dir))
+            self._hf = AutoTokenizer.from_pretrained(str(model_dir))
         self.vocab_size: int = len(self._hf)
         self.eos_token_id: int | None = self._hf.eos_token_id
         self.bos_token_id: int | None = self._hf.bos_token_id
