@@ -219,7 +219,9 @@ class EngineCore:
         return bool(self._inbox or self._aborts or self.scheduler.has_work())
 
     def num_waiting(self) -> int:
-        return len(self._inbox) + self.scheduler.num_waiting
+        """Sequences not yet running (a request with n samples counts n)."""
+        inbox = sum(r.params.num_samples for r in list(self._inbox))
+        return inbox + self.scheduler.num_waiting
 
     def num_unfinished(self) -> int:
         return len(self._inbox) + len(self.requests)
@@ -292,7 +294,7 @@ class EngineCore:
             self.prompt_tokens += max(
                 0, min(item.start + item.num_new_tokens, seq.num_prompt_tokens) - item.start
             )
-            if seq.seq_id in result.prompt_logprobs:
+            if seq.index == 0 and seq.seq_id in result.prompt_logprobs:
                 self._add_prompt_logprobs(seq, item.start, result.prompt_logprobs[seq.seq_id])
             if not item.completes_sequence or seq.is_finished:
                 if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
@@ -437,7 +439,7 @@ class EngineCore:
         prompt_logprobs = None
         if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
             if len(request.prompt_logprobs) == len(request.prompt_token_ids):
-                prompt_logprobs = request.prompt_logprobs
+                prompt_logprobs = list(request.prompt_logprobs)
                 request.prompt_logprobs_sent = True
         if finished and request.metrics is not None:
             request.metrics.finished_time = time.time()

@@ -71,7 +71,9 @@ class RequestOutput:
             out.text += d.text
             out.token_ids.extend(d.token_ids)
             if d.logprobs is not None:
-                out.logprobs = (out.logprobs or []) + d.logprobs
+                if out.logprobs is None:
+                    out.logprobs = []
+                out.logprobs.extend(d.logprobs)
             if d.cumulative_logprob is not None:
                 out.cumulative_logprob = d.cumulative_logprob
             if d.finish_reason is not None:

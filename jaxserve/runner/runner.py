@@ -255,6 +255,7 @@ class ModelRunner:
             (i, item)
             for i, item in enumerate(output.scheduled)
             if item.seq.params.prompt_logprobs is not None
+            and item.seq.index == 0  # samples of one request share the prompt
             and item.start < item.seq.num_prompt_tokens - 1
         ]
         if not wanted:

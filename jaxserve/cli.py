@@ -1,0 +1,83 @@
+"""The ``jaxserve`` command: ``launch`` (the server) and ``bench serve`` (load a server).
+
+Each subcommand's module is imported only when that subcommand runs, so ``jaxserve --help`` and
+``jaxserve launch`` stay light. Add a subcommand with ``_add_command``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every default, except empty ones (whose help text says what happens)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, "", argparse.SUPPRESS):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _add_command(
+    subparsers: argparse._SubParsersAction, name: str, help_text: str
+) -> argparse.ArgumentParser:
+    return subparsers.add_parser(
+        name,
+        help=help_text,
+        description=help_text,
+        formatter_class=_HelpFormatter,
+    )
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    from jaxserve.server.launch import run_launch
+
+    return run_launch(args)
+
+
+def _run_bench_serve(args: argparse.Namespace) -> int:
+    from jaxserve.bench.serve import run_serve
+
+    return run_serve(args)
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    """The parser; only the subcommand named in ``argv`` gets (and imports) its arguments."""
+    parser = argparse.ArgumentParser(
+        prog="jaxserve", description="LLM serving engine in JAX with an OpenAI-compatible server."
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    launch = _add_command(commands, "launch", "serve a model over an OpenAI-compatible HTTP API")
+    launch.set_defaults(handler=_run_launch)
+    if argv[:1] == ["launch"]:
+        from jaxserve.server.launch import add_launch_arguments
+
+        add_launch_arguments(launch)
+
+    bench = commands.add_parser("bench", help="benchmarks", description="benchmarks")
+    bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    serve = _add_command(
+        bench_commands, "serve", "replay prompts against a running server and report latencies"
+    )
+    serve.set_defaults(handler=_run_bench_serve)
+    if argv[:2] == ["bench", "serve"]:
+        from jaxserve.bench.serve import add_serve_arguments
+
+        add_serve_arguments(serve)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    handler: Handler = args.handler
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

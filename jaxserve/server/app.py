@@ -1,0 +1,195 @@
+"""The Starlette app: routes, middleware and error handlers around one ``AsyncEngine``.
+
+``build_app(engine, settings)`` is called by ``launch.py`` (and by tests) with an engine that is
+already started; the app never starts or stops the engine. Its lifespan runs the engine
+watchdog and the periodic stats line. Middleware, outermost first: header count (431), API key
+(401), body size (413); then routing, where every error becomes OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from importlib import metadata
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from jaxserve.engine.sampling_params import SamplingParamsError
+from jaxserve.server.auth import APIKeyMiddleware
+from jaxserve.server.chat import create_chat_completion
+from jaxserve.server.completions import create_completion
+from jaxserve.server.context import ServingContext
+from jaxserve.server.errors import APIError, internal_error, json_response, unavailable
+from jaxserve.server.fields import parse_json_object
+from jaxserve.server.lifecycle import log_stats_periodically, watch_engine
+from jaxserve.server.limits import BodyLimitMiddleware, HeaderLimitMiddleware
+from jaxserve.server.metrics import StatsLogger
+from jaxserve.server.openapi import openapi_spec
+from jaxserve.server.settings import ServerSettings
+from jaxserve.server.tokenization import detokenize, tokenize
+
+_LOG = logging.getLogger(__name__)
+
+
+def server_version() -> str:
+    try:
+        return metadata.version("jaxserve")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def build_app(
+    engine: Any,
+    settings: ServerSettings,
+    on_engine_dead: Callable[[], None] | None = None,
+) -> Starlette:
+    """The app for a started engine; ``on_engine_dead`` runs once if its loop dies."""
+    ctx = ServingContext(engine, settings)
+    created = int(time.time())
+    version = server_version()
+    spec = openapi_spec(
+        settings.served_model_names,
+        ctx.max_model_len,
+        ctx.vocab_size,
+        version,
+        public_paths=settings.public_paths if settings.api_key is not None else None,
+    )
+
+    async def read_body(request: Request) -> dict[str, Any]:
+        ctx.state.admit()
+        return parse_json_object(await request.body())
+
+    async def completions(request: Request) -> Response:
+        return await create_completion(ctx, request, await read_body(request))
+
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(ctx, request, await read_body(request))
+
+    async def tokenize_route(request: Request) -> Response:
+        return json_response(await tokenize(ctx, await read_body(request)))
+
+    async def detokenize_route(request: Request) -> Response:
+        return json_response(detokenize(ctx, await read_body(request)))
+
+    async def models(request: Request) -> Response:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "jaxserve",
+                "root": engine.config.model or settings.model_name,
+                "max_model_len": ctx.max_model_len,
+            }
+            for name in settings.served_model_names
+        ]
+        return json_response({"object": "list", "data": data})
+
+    async def health(request: Request) -> Response:
+        if ctx.state.is_ready:
+            return Response(status_code=200)
+        reason = "The server is shutting down." if ctx.state.is_draining else "Engine not running."
+        return unavailable(reason).response()
+
+    async def metrics(request: Request) -> Response:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def version_route(request: Request) -> Response:
+        return json_response({"version": version})
+
+    async def openapi(request: Request) -> Response:
+        return json_response(spec)
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/tokenize", tokenize_route, methods=["POST"]),
+        Route("/detokenize", detokenize_route, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/version", version_route, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+    ]
+    middleware = [
+        Middleware(
+            HeaderLimitMiddleware,
+            max_header_count=settings.max_header_count,
+            max_header_bytes=settings.max_header_bytes,
+        )
+    ]
+    if settings.api_key is not None:
+        middleware.append(
+            Middleware(
+                APIKeyMiddleware, api_key=settings.api_key, public_paths=settings.public_paths
+            )
+        )
+    middleware.append(
+        Middleware(BodyLimitMiddleware, max_body_bytes=settings.max_request_body_bytes)
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        tasks = [
+            asyncio.create_task(watch_engine(engine, settings.watchdog_interval_s, on_engine_dead)),
+            asyncio.create_task(
+                log_stats_periodically(StatsLogger(engine), settings.stats_log_interval_s)
+            ),
+        ]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={
+            APIError: _api_error,
+            SamplingParamsError: _sampling_error,
+            HTTPException: _http_error,
+            Exception: _unexpected_error,
+        },
+        lifespan=lifespan,
+    )
+    app.state.ctx = ctx
+    return app
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _sampling_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, SamplingParamsError)
+    return APIError(400, str(exc), param=exc.param).response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message, code = f"Route {request.method} {request.url.path} not found.", "not_found"
+    elif exc.status_code == 405:
+        message, code = f"Method {request.method} not allowed on {request.url.path}.", None
+    else:
+        message, code = str(exc.detail), None
+    headers = dict(exc.headers) if exc.headers else None
+    return APIError(exc.status_code, message, code=code, headers=headers).response()
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    _LOG.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return internal_error().response()

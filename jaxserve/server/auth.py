@@ -1,0 +1,46 @@
+"""API-key middleware: ``Authorization: Bearer <key>``, compared in constant time.
+
+Every path is guarded except the explicit public list in ``ServerSettings.public_paths``; the
+check runs before routing, so unknown routes answer 401 (not 404) without a key.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from jaxserve.server.errors import APIError
+
+
+def unauthorized() -> APIError:
+    return APIError(
+        401,
+        "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+class APIKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str, public_paths: frozenset[str]) -> None:
+        self.app = app
+        self.key = api_key.encode()
+        self.public_paths = public_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.public_paths:
+            await self.app(scope, receive, send)
+            return
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                given = value
+                break
+        scheme, _, token = given.partition(b" ")
+        # NOTE: compare_digest runs whatever the scheme, so timing says nothing about the key.
+        is_valid = hmac.compare_digest(token.strip(), self.key)
+        if not (is_valid and scheme.lower() == b"bearer"):
+            await unauthorized().response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

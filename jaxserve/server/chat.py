@@ -1,0 +1,122 @@
+"""``POST /v1/chat/completions``: messages -> chat template (sandboxed) -> one engine request.
+
+Parsed by ``protocol.parse_chat_request``. Streams ``chat.completion.chunk`` events: one
+``{"role": "assistant"}`` chunk per choice first, then content deltas, the finish reason on the
+last delta of each choice, and the usage chunk when ``stream_options.include_usage`` is set.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from jaxserve.engine.outputs import CompletionOutput, RequestOutput
+from jaxserve.server.context import ENGINE_FAILURE, ServingContext, new_id, usage
+from jaxserve.server.errors import internal_error, json_response
+from jaxserve.server.generation import EngineRequest, Generation
+from jaxserve.server.logprobs import prompt_logprobs_json
+from jaxserve.server.protocol import ChatRequest, parse_chat_request
+
+
+async def create_chat_completion(ctx: ServingContext, request: Request, body: dict) -> Response:
+    req = parse_chat_request(body)
+    ctx.check_model(req.model)
+    prompt = ctx.render_chat(
+        req.messages, req.add_generation_prompt, req.tools, req.template_kwargs
+    )
+    token_ids = await ctx.encode(prompt, req.add_special_tokens)
+    max_tokens = ctx.resolve_max_tokens(
+        len(token_ids), req.max_tokens, None, "messages", req.max_tokens_param
+    )
+    params = ctx.params_for_prompt(req.params, max_tokens)
+    chat_id = new_id("chatcmpl")
+    engine_request = EngineRequest(f"{chat_id}-0", token_ids, params, prompt)
+    generation = ctx.new_generation([engine_request], req.priority, req.cache_salt)
+    writer = _ChatWriter(ctx, req, chat_id)
+    if req.stream:
+        return await ctx.stream(generation, request, writer.events)
+    (output,) = await ctx.collect(generation, request)
+    return json_response(writer.response(output))
+
+
+class _ChatWriter:
+    def __init__(self, ctx: ServingContext, req: ChatRequest, chat_id: str) -> None:
+        self.ctx = ctx
+        self.req = req
+        self.id = chat_id
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.ctx.model_name}
+
+    def _logprobs(self, out: CompletionOutput) -> dict[str, Any] | None:
+        if self.req.top_logprobs is None:
+            return None
+        entries = out.logprobs or []
+        return {"content": self.ctx.logprobs.chat(out.token_ids, entries, self.req.top_logprobs)}
+
+    def response(self, output: RequestOutput | None) -> dict[str, Any]:
+        if output is None:  # the client left before anything was generated
+            return self._head("chat.completion")
+        if output.error is not None:
+            raise internal_error(ENGINE_FAILURE)
+        choices = [
+            {
+                "index": out.index,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": self._logprobs(out),
+                "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,
+            }
+            for out in output.outputs
+        ]
+        num_completion = sum(len(out.token_ids) for out in output.outputs)
+        result = {
+            **self._head("chat.completion"),
+            "choices": choices,
+            "usage": usage(len(output.prompt_token_ids), num_completion, output.num_cached_tokens),
+        }
+        if self.req.params.prompt_logprobs is not None:
+            num_prompt = len(output.prompt_token_ids)
+            entries = output.prompt_logprobs
+            result["prompt_logprobs"] = prompt_logprobs_json(entries and entries[:num_prompt])
+        return result
+
+    async def events(self, generation: Generation) -> AsyncGenerator[dict[str, Any]]:
+        head = self._head("chat.completion.chunk")
+        include_usage = self.req.include_usage
+
+        def chunk(choice: dict[str, Any]) -> dict[str, Any]:
+            event = {**head, "choices": [choice]}
+            if include_usage:
+                event["usage"] = None
+            return event
+
+        for index in range(self.req.params.n):
+            role = {"role": "assistant", "content": ""}
+            yield chunk({"index": index, "delta": role, "logprobs": None, "finish_reason": None})
+        num_completion = num_cached = 0
+        async for _, delta in generation.deltas():
+            num_cached = max(num_cached, delta.num_cached_tokens)
+            if delta.error is not None:
+                raise internal_error(ENGINE_FAILURE)
+            for out in delta.outputs:
+                num_completion += len(out.token_ids)
+                if not out.text and out.finish_reason is None and not out.token_ids:
+                    continue
+                yield chunk(
+                    {
+                        "index": out.index,
+                        "delta": {"content": out.text} if out.text else {},
+                        "logprobs": self._logprobs(out),
+                        "finish_reason": out.finish_reason,
+                        "stop_reason": out.stop_reason,
+                    }
+                )
+        if include_usage:
+            num_prompt = len(generation.requests[0].prompt_token_ids)
+            yield {**head, "choices": [], "usage": usage(num_prompt, num_completion, num_cached)}

@@ -1,0 +1,188 @@
+"""``POST /v1/completions``: prompts (text, token ids, or a batch of either) -> text_completion.
+
+Parsed by ``protocol.parse_completion_request``; each prompt becomes one engine request, and
+choice ``i * n + j`` is sample ``j`` of prompt ``i`` (OpenAI's order). Streams as
+``text_completion`` chunks; ``echo`` puts the prompt (and, with ``logprobs``, its logprobs)
+before the first chunk of each choice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from jaxserve.engine.outputs import RequestOutput
+from jaxserve.server.context import ENGINE_FAILURE, ServingContext, new_id, usage
+from jaxserve.server.errors import internal_error, json_response
+from jaxserve.server.generation import EngineRequest, Generation
+from jaxserve.server.logprobs import prompt_logprobs_json
+from jaxserve.server.protocol import CompletionRequest, check_token_ids, parse_completion_request
+
+
+async def create_completion(ctx: ServingContext, request: Request, body: dict) -> Response:
+    req = parse_completion_request(body)
+    ctx.check_model(req.model)
+    completion_id = new_id("cmpl")
+    engine_requests = []
+    for i, prompt in enumerate(req.prompts):
+        if isinstance(prompt, str):
+            token_ids = await ctx.encode(prompt, req.add_special_tokens)
+            text: str | None = prompt
+        else:
+            check_token_ids(prompt, ctx.vocab_size, "prompt")
+            token_ids = list(prompt)
+            text = None
+            if req.echo or ctx.keeps_prompt_text:
+                text = ctx.tokenizer.decode(token_ids, skip_special_tokens=False)
+        max_tokens = ctx.resolve_max_tokens(
+            len(token_ids), req.max_tokens, req.default_max_tokens, "prompt", "max_tokens"
+        )
+        params = ctx.params_for_prompt(req.params, max_tokens)
+        engine_requests.append(EngineRequest(f"{completion_id}-{i}", token_ids, params, text))
+    generation = ctx.new_generation(engine_requests, req.priority, req.cache_salt)
+    writer = _CompletionWriter(ctx, req, completion_id)
+    if req.stream:
+        return await ctx.stream(generation, request, writer.events)
+    outputs = await ctx.collect(generation, request)
+    return json_response(writer.response(engine_requests, outputs))
+
+
+class _CompletionWriter:
+    def __init__(self, ctx: ServingContext, req: CompletionRequest, completion_id: str) -> None:
+        self.ctx = ctx
+        self.req = req
+        self.id = completion_id
+        self.created = int(time.time())
+        self.num_top = req.params.logprobs
+
+    def _head(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.ctx.model_name,
+        }
+
+    def _echo(self, request: EngineRequest, prompt_logprobs: Any) -> tuple[str, Any, int]:
+        """The echoed prompt: its text, its logprobs (or None), and the offset after it."""
+        text = request.prompt or ""
+        if self.num_top is None:
+            return text, None, len(text)
+        num_prompt = len(request.prompt_token_ids)
+        # NOTE: sliced, as the engine may keep appending to the list it delivered.
+        entries = list(prompt_logprobs[:num_prompt]) if prompt_logprobs else [None] * num_prompt
+        logprobs, offset = self.ctx.logprobs.completion(
+            request.prompt_token_ids, entries, self.num_top, 0
+        )
+        return text, logprobs, offset
+
+    # -- one JSON response -----------------------------------------------------------------
+
+    def response(
+        self, requests: list[EngineRequest], outputs: list[RequestOutput | None]
+    ) -> dict[str, Any]:
+        n = self.req.params.n
+        choices = []
+        num_prompt = num_completion = num_cached = 0
+        for i, (request, output) in enumerate(zip(requests, outputs, strict=True)):
+            if output is None:  # the client left before this prompt started
+                continue
+            if output.error is not None:
+                raise internal_error(ENGINE_FAILURE)
+            num_prompt += len(output.prompt_token_ids)
+            num_cached += output.num_cached_tokens
+            for out in output.outputs:
+                num_completion += len(out.token_ids)
+                text, logprobs, offset = "", None, 0
+                if self.req.echo:
+                    text, logprobs, offset = self._echo(request, output.prompt_logprobs)
+                if self.num_top is not None:
+                    generated, _ = self.ctx.logprobs.completion(
+                        out.token_ids, out.logprobs or [], self.num_top, offset
+                    )
+                    if logprobs is None:
+                        logprobs = generated
+                    else:
+                        for key in logprobs:
+                            logprobs[key].extend(generated[key])
+                choice = {
+                    "index": i * n + out.index,
+                    "text": text + out.text,
+                    "logprobs": logprobs,
+                    "finish_reason": out.finish_reason,
+                    "stop_reason": out.stop_reason,
+                }
+                if self.req.return_prompt_logprobs:
+                    entries = output.prompt_logprobs
+                    num_prompt_tokens = len(output.prompt_token_ids)
+                    choice["prompt_logprobs"] = prompt_logprobs_json(
+                        entries and entries[:num_prompt_tokens]
+                    )
+                choices.append(choice)
+        return {
+            **self._head(),
+            "choices": choices,
+            "usage": usage(num_prompt, num_completion, num_cached),
+        }
+
+    # -- server-sent events ----------------------------------------------------------------
+
+    async def events(self, generation: Generation) -> AsyncGenerator[dict[str, Any]]:
+        n = self.req.params.n
+        include_usage = self.req.include_usage
+        echoed: set[int] = set()
+        offsets: dict[int, int] = {}
+        prompt_logprobs: dict[int, Any] = {}
+        num_completion = 0
+        num_cached: dict[int, int] = {}
+        async for i, delta in generation.deltas():
+            request = generation.requests[i]
+            num_cached[i] = delta.num_cached_tokens
+            if delta.prompt_logprobs is not None:
+                prompt_logprobs[i] = delta.prompt_logprobs
+            if delta.error is not None:
+                raise internal_error(ENGINE_FAILURE)
+            for out in delta.outputs:
+                index = i * n + out.index
+                num_completion += len(out.token_ids)
+                text, logprobs = out.text, None
+                offset = offsets.get(index, 0)
+                if self.req.echo and index not in echoed:
+                    echoed.add(index)
+                    prompt_text, logprobs, offset = self._echo(request, prompt_logprobs.get(i))
+                    text = prompt_text + text
+                if self.num_top is not None:
+                    generated, offset = self.ctx.logprobs.completion(
+                        out.token_ids, out.logprobs or [], self.num_top, offset
+                    )
+                    if logprobs is None:
+                        logprobs = generated
+                    else:
+                        for key in logprobs:
+                            logprobs[key].extend(generated[key])
+                offsets[index] = offset
+                if not text and out.finish_reason is None and not out.token_ids:
+                    continue
+                chunk = {
+                    **self._head(),
+                    "choices": [
+                        {
+                            "index": index,
+                            "text": text,
+                            "logprobs": logprobs,
+                            "finish_reason": out.finish_reason,
+                            "stop_reason": out.stop_reason,
+                        }
+                    ],
+                }
+                if include_usage:
+                    chunk["usage"] = None
+                yield chunk
+        if include_usage:
+            num_prompt = sum(len(r.prompt_token_ids) for r in generation.requests)
+            total = usage(num_prompt, num_completion, sum(num_cached.values()))
+            yield {**self._head(), "choices": [], "usage": total}

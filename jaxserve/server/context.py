@@ -1,0 +1,274 @@
+"""ServingContext: what every route shares (engine, settings, state, metrics, logs) and the two
+ways a generation is driven: collected for a JSON response, or streamed as server-sent events.
+
+Built once by ``build_app``; used by ``completions.py``, ``chat.py`` and ``tokenization.py``.
+Both drivers register the generation with ``ServerState`` (so a drain waits for it) and watch
+the client: a disconnect cancels the generation, which aborts it in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from jaxserve.engine.tokenizer import TemplateError
+from jaxserve.server.errors import APIError, internal_error, json_dumps, model_not_found
+from jaxserve.server.generation import EngineRequest, Generation, RequestRecord
+from jaxserve.server.lifecycle import ServerState
+from jaxserve.server.logprobs import LogprobFormatter
+from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.request_log import RequestLogger
+from jaxserve.server.settings import ServerSettings
+
+_LOG = logging.getLogger(__name__)
+
+# Texts at least this long are tokenized in a worker thread.
+OFFLOAD_CHARS = 16_384
+# The message of a 500 for a request the engine failed (details stay in the server log).
+ENGINE_FAILURE = "The request failed in the engine; other requests are unaffected."
+
+
+class ServingContext:
+    def __init__(self, engine: Any, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int = engine.max_model_len
+        self.vocab_size: int = engine.vocab_size
+        self.state = ServerState(engine)
+        self.metrics = ServerMetrics(engine, settings.model_name, self.max_model_len)
+        self.request_logger = (
+            RequestLogger(settings.log_prompts) if settings.enable_log_requests else None
+        )
+        self.logprobs = LogprobFormatter(self.tokenizer)
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.model_name
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.settings.served_model_names:
+            raise model_not_found(model)
+
+    @property
+    def keeps_prompt_text(self) -> bool:
+        return self.request_logger is not None and self.settings.log_prompts
+
+    # -- prompts ---------------------------------------------------------------------------
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Tokenize; long texts off the event loop so other streams keep flowing."""
+        if len(text) < OFFLOAD_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+
+    def render_chat(
+        self,
+        messages: tuple[dict[str, Any], ...],
+        add_generation_prompt: bool,
+        tools: tuple[dict[str, Any], ...] | None,
+        template_kwargs: dict[str, Any],
+    ) -> str:
+        """The model's chat template over validated messages; a failure is the client's 400."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                [dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                tools=list(tools) if tools else None,
+                **template_kwargs,
+            )
+        except (TemplateError, TypeError, KeyError, ValueError) as exc:
+            raise APIError(400, f"The chat template could not render: {exc}", "messages") from None
+
+    def resolve_max_tokens(
+        self, num_prompt: int, requested: int | None, default: int | None, noun: str, param: str
+    ) -> int:
+        """The generation budget of one prompt, or a 400 in OpenAI's words.
+
+        ``noun`` is "prompt" or "messages". ``requested`` is what the client sent; without it
+        the budget is ``default`` clamped to the room left, or all of the room left.
+        """
+        limit = self.max_model_len
+        if num_prompt >= limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"{noun} resulted in {num_prompt} tokens. Please reduce the length of the "
+                f"{noun}.",
+                param=noun,
+                code="context_length_exceeded",
+            )
+        room = limit - num_prompt
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {num_prompt + requested} tokens ({num_prompt} in the {noun}, "
+                f"{requested} in the completion). Please reduce the length of the {noun} or "
+                "completion.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return requested
+
+    def params_for_prompt(self, params: SamplingParams, max_tokens: int) -> SamplingParams:
+        """The request's params with this prompt's budget, checked against the vocabulary."""
+        try:
+            params = params.replace(max_tokens=max_tokens)
+            params.verify_for_vocab(self.vocab_size)
+        except SamplingParamsError as exc:  # e.g. min_tokens above the budget left
+            raise APIError(400, str(exc), param=exc.param) from None
+        return params
+
+    # -- generations -----------------------------------------------------------------------
+
+    def new_generation(
+        self, requests: list[EngineRequest], priority: int, cache_salt: str | None
+    ) -> Generation:
+        return Generation(
+            self.engine,
+            requests,
+            priority=priority,
+            cache_salt=cache_salt,
+            on_finish=self._on_finish,
+            keep_texts=self.keeps_prompt_text,
+        )
+
+    def _on_finish(self, record: RequestRecord) -> None:
+        self.metrics.observe(record)
+        if self.request_logger is not None:
+            self.request_logger.log(record)
+
+    async def collect(self, generation: Generation, request: Request) -> list[RequestOutput | None]:
+        """Run to the end; one merged ``RequestOutput`` per prompt (None: never started)."""
+        self.state.admit()
+        self.state.begin(generation)
+        watcher = asyncio.create_task(watch_disconnect(request.receive, generation.cancel))
+        merged: list[RequestOutput | None] = [None] * len(generation.requests)
+        try:
+            await generation.start()
+            async for index, delta in generation.deltas():
+                so_far = merged[index]
+                if so_far is None:
+                    merged[index] = delta
+                else:
+                    so_far.merge(delta)
+        finally:
+            watcher.cancel()
+            await generation.close()
+            self.state.end(generation)
+        return merged
+
+    async def stream(
+        self,
+        generation: Generation,
+        request: Request,
+        events: Callable[[Generation], AsyncGenerator[dict[str, Any]]],
+    ) -> EventStreamResponse:
+        """Start the generation (admission errors are still plain HTTP errors), then stream."""
+        self.state.admit()
+        self.state.begin(generation)
+        watcher = asyncio.create_task(watch_disconnect(request.receive, generation.cancel))
+        try:
+            await generation.start()
+        except BaseException:
+            await generation.close()
+            self.state.end(generation)
+            raise
+        finally:
+            watcher.cancel()
+
+        async def on_close() -> None:
+            await generation.close()
+            self.state.end(generation)
+
+        return EventStreamResponse(events(generation), generation.cancel, on_close)
+
+
+def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+        "prompt_tokens_details": {"cached_tokens": num_cached},
+    }
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def watch_disconnect(receive: Receive, on_disconnect: Callable[[], None]) -> None:
+    """Wait for ``http.disconnect`` (the body has been read, so nothing else arrives)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            on_disconnect()
+            return
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload.encode() if isinstance(payload, str) else json_dumps(payload)
+    return b"data: " + data + b"\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events, ending with ``data: [DONE]``; stops as soon as the client leaves.
+
+    An ``APIError`` raised by the events (an engine failure mid-stream) becomes one
+    ``data: {"error": ...}`` event before ``[DONE]``, which the ``openai`` SDK raises as
+    ``APIError``.
+    """
+
+    def __init__(
+        self,
+        events: AsyncGenerator[dict[str, Any]],
+        on_disconnect: Callable[[], None],
+        on_close: Callable[[], Any],
+    ) -> None:
+        super().__init__(
+            [],  # the events are sent by __call__ below
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.events = events
+        self.on_disconnect = on_disconnect
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # NOTE: replaces StreamingResponse's loop: this one watches for the disconnect itself
+        # (uvicorn's h11 send() is silent after one) and reports errors as an event.
+        watcher = asyncio.create_task(watch_disconnect(receive, self.on_disconnect))
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            try:
+                async for event in self.events:
+                    await send(
+                        {"type": "http.response.body", "body": sse(event), "more_body": True}
+                    )
+            except APIError as exc:
+                await send(
+                    {"type": "http.response.body", "body": sse(exc.body()), "more_body": True}
+                )
+            except Exception:
+                _LOG.exception("stream failed")
+                error = sse(internal_error().body())
+                await send({"type": "http.response.body", "body": error, "more_body": True})
+            await send({"type": "http.response.body", "body": sse("[DONE]"), "more_body": False})
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(Exception):
+                await self.events.aclose()
+            await self.on_close()

@@ -1,0 +1,333 @@
+"""``jaxserve launch``: flags (vLLM's spelling) -> EngineConfig + ServerSettings -> uvicorn.
+
+Start-up: build the engine (load weights, compile every shape bucket), log the KV capacity
+lines, start the engine loop, then bind the port, so nothing is accepted before it can be
+served. SIGTERM/SIGINT: stop admitting (503 with Retry-After, ``/health`` 503), let in-flight
+requests finish for ``--shutdown-timeout`` seconds, abort the rest, exit 0; a second signal
+exits at once. If the engine loop dies, the watchdog stops the server and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import re
+import signal
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from jaxserve.engine.engine_config import DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES, EngineConfig
+from jaxserve.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
+
+_LOG = logging.getLogger("jaxserve.launch")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+API_KEY_ENV = "JAXSERVE_API_KEY"
+# Flag defaults are EngineConfig's, so the two cannot drift apart.
+_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+def human_int(text: str) -> int:
+    """``8192``, ``8k`` (8,000), ``8K`` (8,192), ``1.5m`` (1,500,000): vLLM's forms."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG]?)", text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number like 8192, 8k or 8K")
+    number, suffix = match.groups()
+    if not suffix:
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"{text!r} must be a whole number")
+        return int(number)
+    power = "kmg".index(suffix.lower()) + 1
+    if suffix.isupper():
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"{text!r}: binary suffixes take whole numbers")
+        return int(number) * 1024**power
+    value = float(number) * 1000**power
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
+    return int(value)
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add(
+        "model",
+        nargs="?",
+        default="",
+        metavar="MODEL_DIR",
+        help="local Hugging Face model directory; omitted: the embedded demo model",
+    )
+    add("--host", default="0.0.0.0", help="address to bind")
+    add("--port", type=int, default=8000, help="port to bind")
+    add(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients send as `model` (the first is the metrics label); "
+        "default: MODEL_DIR, or jaxserve-demo",
+    )
+    add(
+        "--max-model-len",
+        type=human_int,
+        default=None,
+        help="context length in tokens (8192, 8k = 8000, 8K = 8192); default: the model's",
+    )
+    add(
+        "--gpu-memory-utilization",
+        "--memory-utilization",
+        dest="gpu_memory_utilization",
+        type=float,
+        default=_ENGINE_DEFAULTS["gpu_memory_utilization"],
+        help="fraction of device memory for weights + KV cache",
+    )
+    add(
+        "--max-num-seqs",
+        type=int,
+        default=_ENGINE_DEFAULTS["max_num_seqs"],
+        help="sequences in one batch at most",
+    )
+    add(
+        "--max-num-batched-tokens",
+        type=int,
+        default=_ENGINE_DEFAULTS["max_num_batched_tokens"],
+        help="tokens in one step at most",
+    )
+    add(
+        "--block-size",
+        type=int,
+        default=_ENGINE_DEFAULTS["block_size"],
+        help="tokens per KV-cache block",
+    )
+    add(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        help="KV-cache blocks to allocate, ignoring the memory budget (testing)",
+    )
+    add(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=_ENGINE_DEFAULTS["enable_prefix_caching"],
+        help="reuse KV blocks of shared prompt prefixes",
+    )
+    add(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=_ENGINE_DEFAULTS["enable_chunked_prefill"],
+        help="split long prompts over several steps",
+    )
+    add(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default=_ENGINE_DEFAULTS["scheduling_policy"],
+        help="waiting-queue order",
+    )
+    add(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=_ENGINE_DEFAULTS["tensor_parallel_size"],
+        help="devices per model replica",
+    )
+    add(
+        "--dtype",
+        choices=DTYPES,
+        default=_ENGINE_DEFAULTS["dtype"],
+        help="weights and activations dtype",
+    )
+    add(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        default=_ENGINE_DEFAULTS["load_format"],
+        help="auto: safetensors from MODEL_DIR; dummy: random weights (benchmarks)",
+    )
+    add(
+        "--seed",
+        type=int,
+        default=_ENGINE_DEFAULTS["seed"],
+        help="seed for requests that send none",
+    )
+    add(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer <key>' (also read from ${API_KEY_ENV})",
+    )
+    add(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="waiting requests (n>1 counts n) before new ones get 429; default: unbounded",
+    )
+    add(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM before they are aborted",
+    )
+    add("--ssl-keyfile", default=None, help="TLS private key (with --ssl-certfile)")
+    add("--ssl-certfile", default=None, help="TLS certificate (with --ssl-keyfile)")
+    add(
+        "--compilation-cache-dir",
+        default=None,
+        help="persistent XLA compilation cache; default: $JAXSERVE_COMPILATION_CACHE or "
+        "~/.cache/jaxserve/xla",
+    )
+    add("--log-level", choices=LOG_LEVELS, default="info", help="log level")
+    add(
+        "--metrics-require-key",
+        action="store_true",
+        help="guard /metrics with the API key too (default: /metrics is public)",
+    )
+    add(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each request's id, sizes, timings and finish reason (no text)",
+    )
+    add(
+        "--log-prompts",
+        action="store_true",
+        help="also log prompt and output text (implies --enable-log-requests)",
+    )
+    add(
+        "--max-request-body-bytes",
+        type=human_int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="larger bodies get 413 before they are read",
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name[0] if args.served_model_name else None,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        scheduling_policy=args.scheduling_policy,
+        seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        compilation_cache_dir=args.compilation_cache_dir,
+    )
+
+
+def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSettings:
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    return ServerSettings(
+        served_model_names=tuple(args.served_model_name or [model_name]),
+        api_key=api_key,
+        metrics_require_key=args.metrics_require_key,
+        enable_log_requests=args.enable_log_requests or args.log_prompts,
+        log_prompts=args.log_prompts,
+        max_request_body_bytes=args.max_request_body_bytes,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM (exit 0) or until the engine loop dies (exit 1)."""
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+    )
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        _LOG.error("--ssl-keyfile and --ssl-certfile must be given together")
+        return 2
+    try:
+        config = engine_config_from_args(args)
+        settings = settings_from_args(args, config.model_name)
+        if args.max_queued_requests is not None and args.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests={args.max_queued_requests} must be >= 1")
+    except ValueError as exc:
+        _LOG.error("%s", exc)
+        return 2
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.server.app import build_app
+
+    _LOG.info("Loading %s", config.model_dir)
+    try:
+        engine = AsyncEngine.from_config(config, max_queued_requests=args.max_queued_requests)
+    except (OSError, ValueError) as exc:  # a missing or unusable model directory
+        _LOG.error("Could not load %s: %s", config.model_dir, exc)
+        return 1
+    # The engine core has logged the capacity lines and the compiled shapes.
+    engine.start()
+    holder: dict[str, DrainingServer] = {}
+    app = build_app(
+        engine, settings, on_engine_dead=lambda: holder["server"].stop_on_engine_death()
+    )
+    uvicorn_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        http="h11",
+        h11_max_incomplete_event_size=settings.max_header_bytes,
+        lifespan="on",
+        log_config=None,
+        log_level=args.log_level,
+        access_log=settings.enable_log_requests,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        timeout_graceful_shutdown=5,
+    )
+    server = DrainingServer(uvicorn_config, app.state.ctx.state, settings.shutdown_timeout_s)
+    holder["server"] = server
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    if server.engine_died or engine.dead_error is not None:
+        _LOG.error("Exiting with status 1: the engine loop died")
+        return 1
+    _LOG.info("Shut down cleanly")
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's Server, with SIGTERM/SIGINT draining instead of closing the port at once."""
+
+    def __init__(self, config: Any, state: Any, shutdown_timeout_s: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.engine_died = False
+        self.is_draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # NOTE: uvicorn's own handler closes the listening socket at once (new clients would get
+        # "connection refused", not a 503) and re-raises the signal after shutdown (exit -15).
+        if self.is_draining or self._loop is None:
+            _LOG.warning("Second %s: exiting now", signal.Signals(sig).name)
+            self.force_exit = True
+            self.should_exit = True
+            return
+        _LOG.info("Received %s: draining", signal.Signals(sig).name)
+        self.is_draining = True
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        await self.state.drain(self.shutdown_timeout_s)
+        self.should_exit = True
+
+    def stop_on_engine_death(self) -> None:
+        self.engine_died = True
+        self.should_exit = True

@@ -1,0 +1,179 @@
+"""Chat messages and the chat-only fields around them (tools, response_format, ...).
+
+Validates OpenAI's message shapes (roles, string or text-part content, assistant ``tool_calls``,
+tool results) and flattens them to what chat templates expect. Fields the server cannot honour
+(tool execution, structured output, multimodal content) are a 400 naming the field; their
+neutral values (``tool_choice: "none"``, ``response_format: {"type": "text"}``) are accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxserve.server.errors import bad_request, unsupported
+from jaxserve.server.fields import json_type, optional
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+# Sampling fields both generation routes accept, passed to SamplingParams under the same name.
+def check_chat_extras(body: dict[str, Any]) -> tuple[dict[str, Any], ...] | None:
+    """Fields we accept only where they change nothing; returns the tools to render."""
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind in ("json_object", "json_schema"):
+            raise unsupported("response_format", f"structured output ({kind}) is not available")
+        if kind != "text" or set(response_format) != {"type"}:
+            raise bad_request(
+                'response_format must be {"type": "text"} (structured output is not available)',
+                param="response_format",
+            )
+    tools = body.get("tools")
+    tool_choice = body.get("tool_choice")
+    if tool_choice is not None and tool_choice not in ("none", "auto"):
+        raise unsupported("tool_choice", 'tool calling is not available; use "none"')
+    if tools is not None and not isinstance(tools, list):
+        raise bad_request("tools must be an array", param="tools")
+    if tools and tool_choice != "none":
+        raise unsupported(
+            "tools", 'tool calling is not available; send tool_choice "none" to only show them'
+        )
+    for i, tool in enumerate(tools or []):
+        _check_tool(tool, f"tools[{i}]")
+    if body.get("functions"):
+        raise unsupported("functions", "function calling is not available")
+    if body.get("function_call") not in (None, "none"):
+        raise unsupported("function_call", "function calling is not available")
+    optional(body, "parallel_tool_calls", bool, "a boolean")
+    if body.get("store"):
+        raise unsupported("store", "stored completions are not available")
+    optional(body, "metadata", dict, "an object")
+    if body.get("service_tier") not in (None, "auto", "default"):
+        raise unsupported("service_tier")
+    if body.get("modalities") not in (None, ["text"]):
+        raise unsupported("modalities", "only text output is available")
+    for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):
+        if body.get(name) is not None:
+            raise unsupported(name)
+    return tuple(tools) if tools else None
+
+
+def _check_tool(tool: Any, path: str) -> None:
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or tool.get("type") != "function":
+        raise bad_request(f'{path} must be {{"type": "function", "function": {{...}}}}', path)
+    if not isinstance(function.get("name"), str) or not function["name"]:
+        raise bad_request(f"{path}.function.name must be a non-empty string", param=path)
+    if not isinstance(function.get("description", ""), str):
+        raise bad_request(f"{path}.function.description must be a string", param=path)
+    if not isinstance(function.get("parameters", {}), dict):
+        raise bad_request(f"{path}.function.parameters must be an object", param=path)
+
+
+MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "tool_call_id", "refusal"))
+
+
+def parse_messages(messages: Any) -> tuple[dict[str, Any], ...]:
+    """Validate OpenAI chat messages and flatten them to what chat templates expect."""
+    if messages is None:
+        raise bad_request("you must provide messages", param="messages")
+    if not isinstance(messages, list):
+        raise bad_request(f"messages must be an array, got {json_type(messages)}", "messages")
+    if not messages:
+        raise bad_request("messages must contain at least one message", param="messages")
+    return tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages))
+
+
+def _message(message: Any, path: str) -> dict[str, Any]:
+    if not isinstance(message, dict):
+        raise bad_request(f"{path} must be an object, got {json_type(message)}", param=path)
+    for key in message:
+        if key not in MESSAGE_FIELDS:
+            raise bad_request(f"Unrecognized field {path}.{key}", param=f"{path}.{key}")
+    role = message.get("role")
+    if role not in ROLES:
+        raise bad_request(
+            f"{path}.role must be one of {', '.join(ROLES)}; got {role!r}", param=f"{path}.role"
+        )
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role}
+    content = message.get("content")
+    tool_calls = message.get("tool_calls")
+    if content is None and not (role == "assistant" and tool_calls):
+        raise bad_request(f"{path}.content is required", param=f"{path}.content")
+    out["content"] = _content(content, f"{path}.content") if content is not None else ""
+    name = message.get("name")
+    if name is not None:
+        if not isinstance(name, str):
+            raise bad_request(f"{path}.name must be a string", param=f"{path}.name")
+        out["name"] = name
+    if tool_calls is not None:
+        if role != "assistant":
+            raise bad_request(f"{path}.tool_calls is only valid on assistant messages", path)
+        out["tool_calls"] = _tool_calls(tool_calls, f"{path}.tool_calls")
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise bad_request(f"{path}.tool_call_id is required on tool messages", param=path)
+        out["tool_call_id"] = call_id
+    elif message.get("tool_call_id") is not None:
+        raise bad_request(f"{path}.tool_call_id is only valid on tool messages", param=path)
+    refusal = message.get("refusal")
+    if refusal is not None and not isinstance(refusal, str):
+        raise bad_request(f"{path}.refusal must be a string", param=f"{path}.refusal")
+    return out
+
+
+def _content(content: Any, path: str) -> str:
+    """A string, or an array of text parts joined by newlines (vLLM's "string" format)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(
+            f"{path} must be a string or an array of content parts, got {json_type(content)}",
+            param=path,
+        )
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("image_url", "input_audio", "file", "input_image", "video_url"):
+            raise unsupported(f"{path}[{i}].type", f"{kind} content needs a multimodal model")
+        if kind not in ("text", "refusal") or set(part) != {"type", kind}:
+            raise bad_request(
+                f'{path}[{i}] must be {{"type": "text", "text": "..."}}', param=f"{path}[{i}]"
+            )
+        if not isinstance(part[kind], str):
+            raise bad_request(f"{path}[{i}].{kind} must be a string", param=f"{path}[{i}]")
+        texts.append(part[kind])
+    return "\n".join(texts)
+
+
+def _tool_calls(tool_calls: Any, path: str) -> list[dict[str, Any]]:
+    if not isinstance(tool_calls, list):
+        raise bad_request(f"{path} must be an array", param=path)
+    calls = []
+    for i, call in enumerate(tool_calls):
+        where = f"{path}[{i}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(function, dict)
+            or not set(call) <= {"id", "type", "function"}
+            or not set(function) <= {"name", "arguments"}
+            or not isinstance(call.get("id"), str)
+            or call.get("type", "function") != "function"
+            or not isinstance(function.get("name"), str)
+            or not isinstance(function.get("arguments"), str)
+        ):
+            raise bad_request(
+                f'{where} must be {{"id": str, "type": "function", "function": '
+                '{"name": str, "arguments": str}}',
+                param=where,
+            )
+        calls.append(
+            {
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": function["name"], "arguments": function["arguments"]},
+            }
+        )
+    return calls

@@ -1,0 +1,58 @@
+"""ServerSettings: the HTTP side's knobs, frozen and validated (the engine's are in EngineConfig).
+
+Built by ``launch.py`` from the command line (or by tests directly) and read by ``app.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 2 * 1024 * 1024
+DEFAULT_MAX_HEADER_COUNT = 100
+DEFAULT_MAX_HEADER_BYTES = 16 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    served_model_names: tuple[str, ...]  # the first is the metrics label
+    api_key: str | None = None
+    metrics_require_key: bool = False
+    enable_log_requests: bool = False
+    log_prompts: bool = False
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    max_header_count: int = DEFAULT_MAX_HEADER_COUNT
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # names + values, all headers
+    shutdown_timeout_s: float = 30.0
+    stats_log_interval_s: float = 10.0
+    watchdog_interval_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names or not all(self.served_model_names):
+            raise ValueError(f"served_model_names={self.served_model_names!r} must be non-empty")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be None (no auth) or a non-empty string")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError(
+                f"max_request_body_bytes={self.max_request_body_bytes} must be at least 1024"
+            )
+        if self.max_header_count < 8:
+            raise ValueError(f"max_header_count={self.max_header_count} must be at least 8")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes={self.max_header_bytes} must be at least 1024")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout_s={self.shutdown_timeout_s} must be >= 0")
+        if self.stats_log_interval_s <= 0:
+            raise ValueError(f"stats_log_interval_s={self.stats_log_interval_s} must be > 0")
+        if self.watchdog_interval_s <= 0:
+            raise ValueError(f"watchdog_interval_s={self.watchdog_interval_s} must be > 0")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def public_paths(self) -> frozenset[str]:
+        """Paths served without the API key; everything else is guarded."""
+        if self.metrics_require_key:
+            return frozenset({"/health"})
+        return frozenset({"/health", "/metrics"})

@@ -1,0 +1,205 @@
+"""``jaxserve launch``: flag parsing, and one real process drained by SIGTERM.
+
+The subprocess test runs ``python -m jaxserve.cli launch`` on the tiny Llama fixture (start-up
+compiles, so there is only one) and checks RELIABILITY.md's shutdown scenario: readiness and new
+requests answer 503 with Retry-After, a request that can finish within ``--shutdown-timeout``
+finishes, the rest end with ``finish_reason="abort"``, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from jaxserve.cli import build_parser, main
+from jaxserve.server.launch import engine_config_from_args, human_int, settings_from_args
+
+FIXTURE = Path(__file__).parent / "fixtures" / "models" / "llama"
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("8192", 8192),
+        ("8k", 8000),
+        ("8K", 8192),
+        ("1.5k", 1500),
+        ("2M", 2 * 1024**2),
+        ("1m", 10**6),
+    ],
+)
+def test_human_int(text, value):
+    assert human_int(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "k", "1.5K", "1.0001k", "-1", "8 k", "1e3"])
+def test_human_int_rejects(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        human_int(text)
+
+
+def parse_launch(*flags: str) -> argparse.Namespace:
+    argv = ["launch", *flags]
+    return build_parser(argv).parse_args(argv)
+
+
+def test_launch_flags_map_to_configs(monkeypatch):
+    monkeypatch.setenv("JAXSERVE_API_KEY", "from-env")
+    args = parse_launch(
+        str(FIXTURE), "--max-model-len", "1k", "--memory-utilization", "0.5", "-tp", "2",
+        "--no-enable-prefix-caching", "--served-model-name", "a", "b", "--log-prompts",
+        "--max-request-body-bytes", "1M", "--dtype", "float32", "--load-format", "dummy",
+    )  # fmt: skip
+    config = engine_config_from_args(args)
+    assert config.max_model_len == 1000 and config.gpu_memory_utilization == 0.5
+    assert config.tensor_parallel_size == 2 and not config.enable_prefix_caching
+    assert config.served_model_name == "a" and config.load_format == "dummy"
+    settings = settings_from_args(args, config.model_name)
+    assert settings.served_model_names == ("a", "b") and settings.api_key == "from-env"
+    assert settings.log_prompts and settings.enable_log_requests  # --log-prompts implies it
+    assert settings.max_request_body_bytes == 1024**2
+    flag_key = settings_from_args(parse_launch("--api-key", "flag"), "m")
+    assert flag_key.api_key == "flag" and flag_key.model_name == "m"
+    demo = engine_config_from_args(parse_launch())
+    assert demo.model == "" and demo.model_name == "jaxserve-demo"
+
+
+def test_launch_help_documents_defaults(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["launch", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for flag, default in (
+        ("--port", "8000"),
+        ("--gpu-memory-utilization", "0.9"),
+        ("--max-num-seqs", "256"),
+        ("--max-num-batched-tokens", "2048"),
+        ("--block-size", "16"),
+        ("--shutdown-timeout", "30.0"),
+        ("--max-request-body-bytes", "2097152"),
+        ("--enable-prefix-caching", "True"),
+        ("--load-format", "auto"),
+    ):
+        assert flag in text and f"(default: {default})" in text, flag
+    for flag in ("--api-key", "--ssl-keyfile", "--ssl-certfile", "--compilation-cache-dir",
+                 "--metrics-require-key", "--enable-log-requests", "--log-prompts",
+                 "--max-queued-requests", "--served-model-name", "--seed", "--dtype"):  # fmt: skip
+        assert flag in text, flag
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stream_completion(url: str, body: dict, first_chunk: threading.Event, out: dict) -> None:
+    """Read one SSE completion stream; record finish reasons, usage and [DONE] (or the error)."""
+    out["finish"], out["done"] = {}, False
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+            out["status"] = response.status_code
+            if response.status_code != 200:
+                out["error"] = response.read()
+                first_chunk.set()
+                return
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                first_chunk.set()
+                if line == "data: [DONE]":
+                    out["done"] = True
+                    continue
+                event = json.loads(line[len("data: ") :])
+                for choice in event.get("choices", []):
+                    if choice["finish_reason"]:
+                        out["finish"][choice["index"]] = choice["finish_reason"]
+                if event.get("usage"):
+                    out["usage"] = event["usage"]
+    except Exception as exc:  # reported by the test, not lost in the thread
+        out["error"] = exc
+        first_chunk.set()
+
+
+def test_sigterm_drains_then_exits_zero(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "server.log"
+    command = [
+        sys.executable, "-m", "jaxserve.cli", "launch", str(FIXTURE),
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
+        "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
+        "--max-num-batched-tokens", "64", "--num-gpu-blocks-override", "64",
+        "--shutdown-timeout", "0.5", "--compilation-cache-dir", str(tmp_path / "xla"),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "JAXSERVE_API_KEY"}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        startup_log = log_path.read_text()
+        assert "KV cache size: 1,024 tokens" in startup_log
+        assert "Maximum concurrency for 256 tokens per request: 4.00x" in startup_log
+
+        base = {"model": "tiny", "prompt": "quokka secret", "stream": True, "ignore_eos": True,
+                "temperature": 0, "stream_options": {"include_usage": True}}  # fmt: skip
+        long_started, short_started = threading.Event(), threading.Event()
+        long_out: dict = {}
+        short_out: dict = {}
+        long = threading.Thread(
+            target=stream_completion,
+            args=(url, {**base, "max_tokens": 240, "n": 4}, long_started, long_out),
+        )
+        short = threading.Thread(
+            target=stream_completion,
+            args=(url, {**base, "max_tokens": 8}, short_started, short_out),
+        )
+        long.start()
+        assert long_started.wait(30) and "error" not in long_out, long_out
+        short.start()
+        assert short_started.wait(30) and "error" not in short_out, short_out
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.05)  # let the signal land
+
+        health = httpx.get(f"{url}/health", timeout=5)
+        assert health.status_code == 503 and health.headers["retry-after"]
+        refused = httpx.post(f"{url}/v1/completions", json={**base, "stream": False}, timeout=5)
+        assert refused.status_code == 503 and refused.headers["retry-after"]
+        assert refused.json()["error"]["code"] == "service_unavailable"
+
+        short.join(30)
+        long.join(30)
+        assert short_out["status"] == 200 and short_out["done"]
+        assert short_out["finish"] == {0: "length"}
+        assert short_out["usage"]["completion_tokens"] == 8
+        assert long_out["status"] == 200 and long_out["done"]
+        assert long_out["finish"] == {i: "abort" for i in range(4)}
+        assert long_out["usage"]["completion_tokens"] < 4 * 240
+        assert process.wait(timeout=30) == 0, log_path.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    shutdown_log = log_path.read_text()
+    assert "Shutdown timeout reached: aborting 1 requests" in shutdown_log
+    assert "quokka" not in shutdown_log  # no prompt text in the logs by default
