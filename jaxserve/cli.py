@@ -1,4 +1,5 @@
-"""The ``jaxserve`` command: ``launch`` (the server) and ``bench serve`` (load a server).
+"""The ``jaxserve`` command: ``launch`` (the server), ``capacity`` (how much KV cache fits),
+``bench serve`` (load a running server) and ``bench throughput`` (offline tokens/s).
 
 Each subcommand's module is imported only when that subcommand runs, so ``jaxserve --help`` and
 ``jaxserve launch`` stay light. Add a subcommand with ``_add_command``.
@@ -7,6 +8,7 @@ Each subcommand's module is imported only when that subcommand runs, so ``jaxser
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -45,6 +47,18 @@ def _run_bench_serve(args: argparse.Namespace) -> int:
     return run_serve(args)
 
 
+def _run_capacity(args: argparse.Namespace) -> int:
+    from jaxserve.bench.capacity import run_capacity
+
+    return run_capacity(args)
+
+
+def _run_bench_throughput(args: argparse.Namespace) -> int:
+    from jaxserve.bench.throughput import run_throughput
+
+    return run_throughput(args)
+
+
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     """The parser; only the subcommand named in ``argv`` gets (and imports) its arguments."""
     parser = argparse.ArgumentParser(
@@ -59,6 +73,15 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
         add_launch_arguments(launch)
 
+    capacity = _add_command(
+        commands, "capacity", "print KV cache capacity and max concurrency without loading weights"
+    )
+    capacity.set_defaults(handler=_run_capacity)
+    if argv[:1] == ["capacity"]:
+        from jaxserve.bench.capacity import add_capacity_arguments
+
+        add_capacity_arguments(capacity)
+
     bench = commands.add_parser("bench", help="benchmarks", description="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
     serve = _add_command(
@@ -69,10 +92,20 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         from jaxserve.bench.serve import add_serve_arguments
 
         add_serve_arguments(serve)
+    throughput = _add_command(
+        bench_commands, "throughput", "offline output tokens/s, against Hugging Face transformers"
+    )
+    throughput.set_defaults(handler=_run_bench_throughput)
+    if argv[:2] == ["bench", "throughput"]:
+        from jaxserve.bench.throughput import add_throughput_arguments
+
+        add_throughput_arguments(throughput)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # transformers warns at import that PyTorch is absent; jaxserve never needs it.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     handler: Handler = args.handler
