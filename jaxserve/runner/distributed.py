@@ -1,4 +1,4 @@
-"""Multi-host start-up: ``jax.distributed`` from flags or ``JAXSERVE_*`` variables, and the
+"""Multi-host start-up: ``jax.distributed`` from arguments or ``JAXSERVE_*`` variables, and the
 broadcast of each step's inputs from the process that runs the scheduler.
 
 One model replica may span several hosts (a TPU pod slice, or GPU nodes joined by NCCL). Every
@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
 import numpy as np
@@ -31,8 +31,6 @@ ENV_COORDINATOR_ADDRESS = "JAXSERVE_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAXSERVE_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXSERVE_PROCESS_ID"
 AUTO = "auto"  # let jax detect the cluster (Cloud TPU, Slurm, Open MPI)
-
-T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +56,7 @@ class DistributedConfig:
         if self.num_processes > 1 and address is None:
             raise ValueError(
                 f"num_processes={self.num_processes} needs a coordinator_address "
-                f"(--coordinator-address or ${ENV_COORDINATOR_ADDRESS})"
+                f"(or ${ENV_COORDINATOR_ADDRESS})"
             )
 
     @property
@@ -73,7 +71,7 @@ class DistributedConfig:
         process_id: int | None = None,
         env: Mapping[str, str] | None = None,
     ) -> DistributedConfig:
-        """Flags first, then ``JAXSERVE_*`` variables; nothing set means one process."""
+        """Arguments first, then ``JAXSERVE_*`` variables; nothing set means one process."""
         env = os.environ if env is None else env
         address = coordinator_address or env.get(ENV_COORDINATOR_ADDRESS) or None
         if address == AUTO:
@@ -104,7 +102,8 @@ def initialize_distributed(
     *,
     env: Mapping[str, str] | None = None,
 ) -> DistributedConfig:
-    """Join the process group described by flags or ``JAXSERVE_*``; a no-op for one process.
+    """Join the process group described by the arguments or ``JAXSERVE_*``; a no-op for one
+    process.
 
     ``coordinator_address="auto"`` leaves every argument to jax's cluster detection (Cloud TPU
     pod slices, Slurm, Open MPI).
@@ -147,7 +146,7 @@ def broadcast_ints(values: Sequence[int] | None, size: int) -> tuple[int, ...]:
     return tuple(int(v) for v in out)
 
 
-def broadcast_step_inputs(tree: T) -> T:
+def broadcast_step_inputs[T](tree: T) -> T:
     """Process 0's values of ``tree`` (numpy leaves) on every process.
 
     Every process passes a tree of the same structure, shapes and dtypes (the others pass

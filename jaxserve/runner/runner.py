@@ -38,6 +38,7 @@ from jaxserve.runner.input_builder import (
     token_buckets_for,
 )
 from jaxserve.runner.sampling import SamplerFlags
+from jaxserve.runner.sharding import prepare_tp
 
 _LOG = logging.getLogger(__name__)
 
@@ -69,8 +70,8 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[np.ndarray, ...]] = dataclasses.field(default_factory=dict)
 
 
-def _model_step(weights, kv_cache, batch, *, config):
-    return llama.forward(weights, kv_cache, batch, config)
+def _model_step(weights, kv_cache, batch, *, config, attention_fn=None):
+    return llama.forward(weights, kv_cache, batch, config, attention_fn)
 
 
 def _sample_step(head, hidden, logits_indices, inputs, *, tied, flags):
@@ -102,11 +103,22 @@ class ModelRunner:
         enable_compilation_cache(config.cache_dir)
 
         self.dtype = resolve_dtype(config, None)
+        # Tensor parallelism: shardings from sharding.py; TP=1 keeps the plain program.
+        self.tp = (
+            prepare_tp(model_config, config.tensor_parallel_size)
+            if config.tensor_parallel_size > 1
+            else None
+        )
+        placement = self.tp.placement if self.tp is not None else None
         start = time.perf_counter()
         if config.load_format == "dummy":
-            self.weights = dummy_weights(model_config, self.dtype, seed=config.seed)
+            self.weights = dummy_weights(
+                model_config, self.dtype, seed=config.seed, placement=placement
+            )
         else:
-            self.weights = load_weights(config.model_dir, model_config, self.dtype)
+            self.weights = load_weights(
+                config.model_dir, model_config, self.dtype, placement=placement
+            )
         jax.block_until_ready(self.weights)
         self.load_seconds = time.perf_counter() - start
         self.tied = self.weights.lm_head is None
@@ -115,17 +127,30 @@ class ModelRunner:
         self.capacity = self._plan_capacity()
         self.num_blocks = self.capacity.num_blocks
         self.num_slots = self.num_blocks * self.block_size
-        self.kv_cache = make_kv_cache(
-            model_config.num_layers,
-            self.num_blocks,
-            self.block_size,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-            self.dtype,
-        )
-        self._step_fn = jax.jit(
-            functools.partial(_model_step, config=model_config), donate_argnames=("kv_cache",)
-        )
+        if self.tp is not None:
+            self.kv_cache = self.tp.make_kv_cache(self.num_blocks, self.block_size, self.dtype)
+            in_shardings, out_shardings = self.tp.step_shardings()
+            self._step_fn = jax.jit(
+                functools.partial(
+                    _model_step, config=model_config, attention_fn=self.tp.attention_fn
+                ),
+                in_shardings=in_shardings,
+                out_shardings=out_shardings,
+                donate_argnames=("kv_cache",),
+            )
+        else:
+            self.kv_cache = make_kv_cache(
+                model_config.num_layers,
+                self.num_blocks,
+                self.block_size,
+                model_config.num_kv_heads,
+                model_config.head_dim,
+                self.dtype,
+            )
+            self._step_fn = jax.jit(
+                functools.partial(_model_step, config=model_config),
+                donate_argnames=("kv_cache",),
+            )
         self._compiled_steps: dict[int, Any] = {}  # token bucket -> ahead-of-time executable
         self._sample_fn = jax.jit(_sample_step, static_argnames=("tied", "flags"))
         self._prompt_lp_fn = jax.jit(_prompt_logprobs_step, static_argnames=("tied",))
@@ -232,7 +257,10 @@ class ModelRunner:
         seqs = [item.seq for item in output.scheduled]
         flags = self.inputs.sampler_flags(rows, host_batch.kv_lens)
         inputs = self.inputs.sampling_inputs(seqs, rows, host_batch.kv_lens, flags)
-        batch, inputs = jax.device_put((host_batch, inputs))
+        if self.tp is not None:
+            batch, inputs = self.tp.put_replicated((host_batch, inputs))
+        else:
+            batch, inputs = jax.device_put((host_batch, inputs))
         self.kv_cache, hidden = self._run_step(batch)
         out = self._sample_fn(
             self.head, hidden, batch.logits_indices, inputs, tied=self.tied, flags=flags

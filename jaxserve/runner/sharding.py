@@ -97,7 +97,11 @@ def make_mesh(
         )
     if config is not None:
         validate_tensor_parallel_size(config, n)
-    return jax.make_mesh((n,), (TP_AXIS,), (AxisType.Auto,), devices=devices[:n])
+    if n == len(devices):
+        # All devices: jax orders them along the interconnect (rings on a TPU slice).
+        return jax.make_mesh((n,), (TP_AXIS,), (AxisType.Auto,), devices=devices)
+    # NOTE: a subset keeps the given order; jax's topology-aware ordering wants a whole slice.
+    return Mesh(np.asarray(devices[:n]), (TP_AXIS,), axis_types=(AxisType.Auto,))
 
 
 def kv_mesh(mesh: Mesh, num_kv_heads: int) -> Mesh:
@@ -113,38 +117,38 @@ def kv_mesh(mesh: Mesh, num_kv_heads: int) -> Mesh:
 
 def layer_specs(config: ModelConfig) -> LayerWeights:
     """PartitionSpecs of one layer, field for field (None where the model has no such tensor)."""
-    column = P(None, TP_AXIS, None)  # [H, N, D]
-    return LayerWeights(
-        attn_norm=P(),
-        wq=column,
-        wk=_KV_HEADS,
-        wv=_KV_HEADS,
-        wo=P(TP_AXIS, None, None),  # [N, D, H]
-        mlp_norm=P(),
-        w_gate=P(None, TP_AXIS),  # [H, I]
-        w_up=P(None, TP_AXIS),
-        w_down=P(TP_AXIS, None),  # [I, H]
-        bq=P(TP_AXIS, None) if config.attention_bias else None,  # [N, D]
-        bk=P(KV_AXIS, None) if config.attention_bias else None,  # [K, D]
-        bv=P(KV_AXIS, None) if config.attention_bias else None,
-        q_norm=P() if config.qk_norm else None,  # [D]
-        k_norm=P() if config.qk_norm else None,
-    )
+    has_bias, has_qk_norm = config.attention_bias, config.qk_norm
+    # A pytree of specs in the weights' own dataclass (its leaves are specs, not arrays).
+    specs: dict[str, Any] = {
+        "attn_norm": P(),  # [H]
+        "wq": P(None, TP_AXIS, None),  # [H, N, D]
+        "wk": _KV_HEADS,  # [H, K, D]
+        "wv": _KV_HEADS,
+        "wo": P(TP_AXIS, None, None),  # [N, D, H]
+        "mlp_norm": P(),
+        "w_gate": P(None, TP_AXIS),  # [H, I]
+        "w_up": P(None, TP_AXIS),
+        "w_down": P(TP_AXIS, None),  # [I, H]
+        "bq": P(TP_AXIS, None) if has_bias else None,  # [N, D]
+        "bk": P(KV_AXIS, None) if has_bias else None,  # [K, D]
+        "bv": P(KV_AXIS, None) if has_bias else None,
+        "q_norm": P() if has_qk_norm else None,  # [D]
+        "k_norm": P() if has_qk_norm else None,
+    }
+    return LayerWeights(**specs)
 
 
 def weight_specs(config: ModelConfig, tensor_parallel_size: int) -> Weights:
     """A ``Weights`` pytree of PartitionSpecs, parallel to the model's weights."""
     # NOTE: jax shards only evenly; a vocabulary N does not divide stays replicated.
-    is_vocab_parallel = config.vocab_size % tensor_parallel_size == 0
-    layer = layer_specs(config)
-    return Weights(
-        embed=P(TP_AXIS, None) if is_vocab_parallel else P(),  # [V, H]
-        layers=[layer] * config.num_layers,
-        final_norm=P(),
-        lm_head=None
-        if config.tie_word_embeddings
-        else (P(None, TP_AXIS) if is_vocab_parallel else P()),  # [H, V]
-    )
+    vocab = TP_AXIS if config.vocab_size % tensor_parallel_size == 0 else None
+    specs: dict[str, Any] = {
+        "embed": P(vocab, None),  # [V, H]
+        "layers": [layer_specs(config)] * config.num_layers,
+        "final_norm": P(),  # [H]
+        "lm_head": None if config.tie_word_embeddings else P(None, vocab),  # [H, V]
+    }
+    return Weights(**specs)
 
 
 def _is_kv_spec(spec: P) -> bool:
