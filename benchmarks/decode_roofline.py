@@ -13,6 +13,10 @@ For each batch x context: B sequences with `context` tokens already in a paged K
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # before JAX starts
+
 import argparse
 import json
 import statistics
@@ -118,6 +122,9 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     model_config = ModelConfig.from_hf_dir(args.model)
     max_len = max(contexts) + 16
+    # KV for the largest batch x context that fits next to the weights (B=256 x 4096 does not).
+    fits = [b * (c + 16) for b in batches for c in contexts if b * (c + 16) <= 600_000]
+    num_blocks = 512 if args.smoke else max(fits) // 16 + 64
     config = EngineConfig(
         model=args.model,
         load_format="dummy",
@@ -126,7 +133,7 @@ def main() -> None:
         max_num_seqs=max(batches),
         max_num_batched_tokens=max(16, max(batches)),
         warmup=False,
-        num_gpu_blocks_override=512 if args.smoke else None,
+        num_gpu_blocks_override=num_blocks,
     )
     runner = ModelRunner(model_config, config, max_len)
     fill_cache_randomly(runner, 0)
