@@ -173,6 +173,12 @@ def main() -> None:
             )
             for item in sched.scheduled:
                 runner.release(item.seq)
+            r = rows[-1]
+            print(f"row batch={batch} ctx={context} device_ms={r['device_ms']:.2f} "
+                  f"wall_ms={r['wall_ms']:.2f} floor_ms={r['floor_ms']:.2f} mbu={r['mbu']:.1%}",
+                  flush=True)
+            if args.output_json:
+                Path(args.output_json).write_text(json.dumps({"rows": rows}, indent=2))
     print(
         f"\n{'batch':>5} {'ctx':>5} {'device ms':>9} {'wall ms':>8} {'floor ms':>8} "
         f"{'MBU':>6} {'gap ms':>7} {'tok/s':>9}"

@@ -25,7 +25,7 @@ timeout 90 python3 -m pytest -q -m gpu tests/test_kernel_gpu.py -x 2>&1 | tail -
 
 echo "== 2. decode roofline ($(left) s left)"
 timeout $(( $(left) - 330 )) python3 benchmarks/decode_roofline.py --iters 10 \
-  --output-json "$OUT/roofline.json" > "$OUT/roofline.log" 2>&1
+  --batches 1,8,64,128,256 --output-json "$OUT/roofline.json" > "$OUT/roofline.log" 2>&1
 grep -v -i warn "$OUT/roofline.log" | tail -16
 
 echo "== 3. throughput jaxserve ($(left) s left)"
@@ -59,7 +59,7 @@ print(json.dumps({"phase": phase, "ready_s": round(sent - t0, 1),
 PY
   if [ "$phase" = cold ]; then
     timeout $(( $(left) - 120 )) python3 -m jaxserve.cli bench serve --base-url http://localhost:8011 \
-      --request-rates 2,4,8,16,inf --num-prompts 48 --random-input-len 512 --random-output-len 128 \
+      --request-rates 2,4,8,16,inf --num-prompts 40 --random-input-len 512 --random-output-len 128 \
       --ignore-eos --result-dir "$OUT/serve" --disable-tqdm > "$OUT/serve.log" 2>&1
     grep -E "Request rate|Successful|Output token|Median TTFT|P95 TTFT|P95 ITL|Median ITL" "$OUT/serve.log"
   fi

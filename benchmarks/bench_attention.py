@@ -1,0 +1,273 @@
+"""Ragged paged attention: the Mosaic GPU kernel against its KV-read floor and the XLA reference.
+
+Llama-3-8B attention shape (32 query heads, 8 KV heads, head_dim 128, bf16, page 16, shuffled
+page tables). Decode at batch {1, 8, 64, 256} x context {1024, 4096}, and mixed batches of one
+2048-token prefill chunk (a fresh prompt) plus 63 decodes.
+
+Timing: device time from CUPTI (the sum of the call's kernel durations: the tile plan, the
+attention kernel, the split merge), median over ``--reps`` calls, each call with its own random
+page table over a KV pool of at least ``--pool-mib`` so that small cases are not served from L2.
+The wall time of one call (dispatch included) is reported beside it. Floor: (KV read + Q read +
+O write) bytes at 4.3 TB/s, the device-to-device copy rate measured on the H200 (the script also
+measures a 1 GiB copy in the same run).
+
+  PYTHONPATH=. python3 benchmarks/bench_attention.py --out /tmp/attn.json   # on the GPU
+  python benchmarks/bench_attention.py --smoke                             # tiny, CPU interpret
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import gpu, reference
+
+FLOOR_BYTES_PER_S = 4.3e12
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    num_q_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    page_size: int = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    name: str
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+
+
+def decode_batch(batch: int, context: int) -> Batch:
+    return Batch(f"decode b={batch} ctx={context}", (1,) * batch, (context,) * batch)
+
+
+def mixed_batch(prefill: int, decodes: int, context: int) -> Batch:
+    return Batch(
+        f"mixed {prefill}+{decodes}x{context}",
+        (prefill,) + (1,) * decodes,
+        (prefill,) + (context,) * decodes,
+    )
+
+
+def make_inputs(rng, shape: Shape, batch: Batch, num_calls: int, pool_bytes: int):
+    """q, a KV pool, and one shuffled page table per call (disjoint pages when the pool allows)."""
+    page = shape.page_size
+    seq_pages = [-(-kv // page) for kv in batch.kv_lens]
+    pages_per_seq = max(seq_pages)
+    needed = sum(seq_pages)
+    page_bytes = page * shape.num_kv_heads * shape.head_dim * 2 * 2
+    num_pages = max(needed, pool_bytes // page_bytes)
+    tables = np.zeros((num_calls, len(seq_pages), pages_per_seq), np.int32)
+    for c in range(num_calls):
+        order = rng.permutation(num_pages)[:needed]
+        first = 0
+        for i, n in enumerate(seq_pages):
+            tables[c, i, :n] = order[first : first + n]
+            tables[c, i, n:] = order[first]
+            first += n
+    num_tokens = sum(batch.q_lens)
+    kv_shape = (num_pages, page, shape.num_kv_heads, shape.head_dim)
+    key_q, key_k, key_v = jax.random.split(jax.random.key(int(rng.integers(2**31))), 3)
+    q = jax.random.normal(key_q, (num_tokens, shape.num_q_heads, shape.head_dim), jnp.bfloat16)
+    k = jax.random.normal(key_k, kv_shape, jnp.bfloat16)  # [P, page_size, Hkv, D]
+    v = jax.random.normal(key_v, kv_shape, jnp.bfloat16)
+    cu_q_lens = jnp.asarray(np.concatenate([[0], np.cumsum(batch.q_lens)]), jnp.int32)
+    kv_lens = jnp.asarray(batch.kv_lens, jnp.int32)
+    num_seqs = jnp.asarray([len(batch.q_lens)], jnp.int32)
+    return q, k, v, kv_lens, jnp.asarray(tables), cu_q_lens, num_seqs
+
+
+def count_bytes(shape: Shape, batch: Batch) -> tuple[int, int]:
+    """(KV bytes read, all bytes moved: KV read + Q read + O write), each element once."""
+    kv = sum(batch.kv_lens) * shape.num_kv_heads * shape.head_dim * 2 * 2
+    qo = sum(batch.q_lens) * shape.num_q_heads * shape.head_dim * 2 * 2
+    return kv, kv + qo
+
+
+def _cupti():
+    """The CUPTI hooks of jaxlib's Mosaic GPU extension, or None (CPU, or not built in)."""
+    try:
+        from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+        ext = mosaic_gpu_lib._mosaic_gpu_ext
+        return ext if hasattr(ext, "_cupti_init") else None
+    except (ImportError, AttributeError):
+        return None
+
+
+def time_calls(attention, inputs, reps: int) -> tuple[dict, jax.Array]:
+    """Median device and wall seconds per call over `reps` calls with different page tables."""
+    q, k, v, kv_lens, tables, cu_q_lens, num_seqs = inputs
+    fn = jax.jit(attention)
+    arg_sets = [(q, k, v, kv_lens, tables[r], cu_q_lens, num_seqs) for r in range(reps)]
+    out = jax.block_until_ready(fn(*arg_sets[0]))  # compile and warm up
+    walls = []
+    for args in arg_sets:
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        walls.append(time.perf_counter() - start)
+    result = dict(wall_s=statistics.median(walls))
+    ext = _cupti()
+    if ext is None:
+        return result, out
+    ext._cupti_init()
+    try:
+        for args in arg_sets:
+            jax.block_until_ready(fn(*args))
+    finally:
+        timings = ext._cupti_get_timings(True)  # [(kernel name, ms)], launch order
+    per_call = len(timings) // reps
+    calls = [timings[r * per_call : (r + 1) * per_call] for r in range(reps)]
+    total = [sum(ms for _, ms in c) * 1e-3 for c in calls]
+    attn = [sum(ms for name, ms in c if "ragged_paged_attention" in name) * 1e-3 for c in calls]
+    result.update(
+        seconds=statistics.median(total),
+        kernel_s=statistics.median(attn),
+        num_kernels=per_call,
+        kernels=sorted({name[:60] for name, _ in calls[0]}),
+    )
+    return result, out
+
+
+def copy_rate(num_bytes: int = 1 << 30) -> float | None:
+    """Bytes read + written per second by a large device-to-device copy (XLA negate)."""
+    ext = _cupti()
+    if ext is None:
+        return None
+    x = jnp.ones((num_bytes // 2,), jnp.bfloat16)
+    fn = jax.jit(lambda x: -x)
+    jax.block_until_ready(fn(x))
+    ext._cupti_init()
+    try:
+        for _ in range(5):
+            jax.block_until_ready(fn(x))
+    finally:
+        timings = ext._cupti_get_timings(True)
+    return 2 * num_bytes / (statistics.median(ms for _, ms in timings) * 1e-3)
+
+
+def run_case(rng, shape, batch, *, variants, reps, pool_bytes, interpret):
+    inputs = make_inputs(rng, shape, batch, reps, pool_bytes)
+    kv_bytes, all_bytes = count_bytes(shape, batch)
+    floor_s = all_bytes / FLOOR_BYTES_PER_S
+    sm_scale = shape.head_dim**-0.5
+    ref_fn = lambda *a: reference.ragged_paged_attention(*a, sm_scale=sm_scale)
+    ref_time, ref_out = time_calls(ref_fn, inputs, reps)
+    rows = [dict(kernel="xla-reference", **ref_time)]
+    for label, config in variants:
+        q, k, v = inputs[:3]
+        call_inputs = inputs
+        if config.head_major_kv:
+            k_hm, v_hm = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+            call_inputs = (q, k_hm, v_hm, *inputs[3:])
+
+        def kernel_fn(*a, config=config):
+            return gpu.ragged_paged_attention(
+                *a, sm_scale=sm_scale, config=config, interpret=interpret
+            )
+
+        try:
+            timing, out = time_calls(kernel_fn, call_inputs, reps)
+        except Exception as e:  # noqa: BLE001  a failing variant must not end the sweep
+            rows.append(dict(kernel=label, error=f"{type(e).__name__}: {str(e)[:300]}"))
+            continue
+        diff = out.astype(jnp.float32) - ref_out.astype(jnp.float32)
+        err = float(jnp.linalg.norm(diff.ravel()) / jnp.linalg.norm(ref_out.astype(jnp.float32)))
+        rows.append(dict(kernel=label, rel_err=err, **timing))
+    ref_s = ref_time.get("seconds", ref_time["wall_s"])
+    for row in rows:
+        row.update(case=batch.name, kv_bytes=kv_bytes, all_bytes=all_bytes, floor_s=floor_s)
+        seconds = row.get("seconds", row.get("wall_s"))
+        if seconds:
+            row["tb_per_s"] = all_bytes / seconds / 1e12
+            row["floor_frac"] = floor_s / seconds
+            row["vs_ref"] = ref_s / seconds
+    return rows
+
+
+def format_table(rows) -> str:
+    lines = [
+        "| case | kernel | device us | attn kernel us | wall us | KV MB | TB/s | of floor"
+        " | x XLA ref | rel err |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r['kernel']} | error: {r['error'][:80]} |||||||")
+            continue
+        us = lambda key, r=r: f"{r[key] * 1e6:.1f}" if r.get(key) else "-"
+        err = f"{r['rel_err']:.1e}" if "rel_err" in r else ""
+        lines.append(
+            f"| {r['case']} | {r['kernel']} | {us('seconds')} | {us('kernel_s')} | {us('wall_s')}"
+            f" | {r['kv_bytes'] / 1e6:.1f} | {r['tb_per_s']:.2f} | {r['floor_frac']:.0%}"
+            f" | {r['vs_ref']:.2f} | {err} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode")
+    parser.add_argument("--sweep", action="store_true", help="also time config variants")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--pool-mib", type=int, default=512)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+
+    rng = np.random.default_rng()
+    base = gpu.KernelConfig()
+    if args.smoke:
+        shape = Shape(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+        batches = [decode_batch(2, 40), mixed_batch(20, 2, 50)]
+        reps, pool = 1, 1 << 20
+    else:
+        shape = Shape()
+        batches = [decode_batch(b, c) for c in (1024, 4096) for b in (1, 8, 64, 256)]
+        batches += [mixed_batch(2048, 63, 4096), mixed_batch(2048, 63, 1024)]
+        reps, pool = args.reps, args.pool_mib << 20
+    sweep = {"decode b=8 ctx=4096", "decode b=64 ctx=4096", "mixed 2048+63x4096"}
+    rows = []
+    for batch in batches:
+        variants = [("mosaic", base)]
+        if args.sweep and batch.name in sweep:
+            variants += [
+                ("bk64 s3", dataclasses.replace(base, num_stages=3)),
+                ("bk64 s4", dataclasses.replace(base, num_stages=4)),
+                ("bk128 s2", dataclasses.replace(base, block_kv=128)),
+                ("head-major kv", dataclasses.replace(base, head_major_kv=True)),
+            ]
+        rows += run_case(
+            rng, shape, batch, variants=variants, reps=reps, pool_bytes=pool,
+            interpret=args.smoke,
+        )  # fmt: skip
+        print("\n".join(format_table(rows[-len(variants) - 1 :]).splitlines()[2:]), flush=True)
+    device = jax.devices()[0]
+    rate = None if args.smoke else copy_rate()
+    header = (
+        f"{datetime.date.today()} | {getattr(device, 'device_kind', device.platform)}"
+        f" | jax {jax.__version__}"
+        + (f" | 1 GiB copy: {rate / 1e12:.2f} TB/s (read + write)" if rate else "")
+    )
+    table = format_table(rows)
+    print(header)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(header=header, rows=rows, table=table), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
