@@ -224,6 +224,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--pool-mib", type=int, default=512)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--only", default="", help="comma-separated case names to run")
     args = parser.parse_args(argv)
 
     rng = np.random.default_rng()
@@ -237,6 +238,8 @@ def main(argv=None) -> int:
         batches = [decode_batch(b, c) for c in (1024, 4096) for b in (1, 8, 64, 256)]
         batches += [mixed_batch(2048, 63, 4096), mixed_batch(2048, 63, 1024)]
         reps, pool = args.reps, args.pool_mib << 20
+    if args.only:
+        batches = [b for b in batches if b.name in args.only.split(",")]
     sweep = {"decode b=8 ctx=4096", "decode b=64 ctx=4096", "mixed 2048+63x4096"}
     rows = []
     for batch in batches:

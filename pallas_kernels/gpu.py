@@ -1,0 +1,465 @@
+"""Ragged paged attention as a Pallas Mosaic GPU kernel (Hopper and newer).
+
+Same signature and semantics as ``pallas_kernels.reference.ragged_paged_attention``. The caller
+(the model, through ``pallas_kernels.ragged_paged_attention``) passes one flattened ragged batch
+in which prefill chunks and decode tokens sit side by side; this module plans the work in plain
+XLA, runs one kernel launch over it and, when the KV length is split, merges the partial results.
+
+Work decomposition. A *tile* is up to ``block_q`` consecutive query tokens of one sequence; one
+program handles one tile for one KV head, so its ``G = Hq / Hkv`` query heads x ``block_q``
+tokens fill the 64 rows of one wgmma (rows ordered head-major: row = g * block_q + j). The
+program streams the sequence's KV pages through shared memory with TMA, ``block_kv`` tokens a
+step, ``num_stages`` steps in flight, and keeps an online (flash) softmax in registers. Pages
+are gathered per step from the page table; a page index past the sequence is replaced by an
+out-of-range one, which TMA fills with zeros without touching memory. Rows past the end of the
+query batch (padding) form one extra group of tiles with no KV, so they come back as zeros.
+
+When there are too few (tile, head) programs to fill the GPU (small decode batches) the KV range
+of each tile is split ``num_splits`` ways; each split writes its normalised partial output and
+its log-sum-exp (both token-indexed), and ``_merge_splits`` combines them in one XLA fusion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+ROWS = 64  # query rows per program: one wgmma M tile
+LOG2E = math.log2(math.e)
+MASK_VALUE = -1e30  # finite, so fully masked rows never produce inf - inf
+LSE_COLS = 32  # the log-sum-exp is stored 32 times per row: TMA wants 128-byte smem rows
+NUM_SMS = 132  # H100 / H200
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Static tuning knobs; ``num_splits=None`` picks the KV split count from the shapes."""
+
+    block_kv: int = 64
+    num_stages: int = 2
+    num_splits: int | None = None
+    head_major_kv: bool = False  # KV pages laid out [P, Hkv, page_size, D] (benchmark only)
+
+    def __post_init__(self):
+        if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
+            raise ValueError(f"{self.block_kv=} must be 64, 128, 192 or 256")
+        if not 1 <= self.num_stages <= 8:
+            raise ValueError(f"{self.num_stages=} must be in [1, 8]")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"{self.num_splits=} must be >= 1")
+
+
+def block_q_for(group: int) -> int:
+    """Query tokens per tile: a multiple of 8 (the smem tiling) with block_q * group <= 64."""
+    if not 1 <= group <= 8:
+        raise ValueError(f"{group=} (query heads per KV head) must be in [1, 8]")
+    return 8 * (8 // group)
+
+
+def unsupported_reason(
+    q, k_pages, sliding_window, soft_cap, *, head_major_kv: bool = False
+) -> str | None:
+    """Why this call cannot run on the kernel (the caller falls back to the reference)."""
+    del sliding_window, soft_cap  # both are handled in the kernel
+    _, num_q_heads, head_dim = q.shape
+    if head_major_kv:
+        _, num_kv_heads, page_size, _ = k_pages.shape
+    else:
+        _, page_size, num_kv_heads, _ = k_pages.shape
+    if q.dtype != jnp.bfloat16 or k_pages.dtype != jnp.bfloat16:
+        return f"dtypes {q.dtype}/{k_pages.dtype}: the kernel takes bfloat16"
+    if head_dim not in (64, 128):
+        return f"{head_dim=}: the kernel takes 64 or 128"
+    if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= 8:
+        return f"{num_q_heads=}, {num_kv_heads=}: GQA ratio must be an integer in [1, 8]"
+    if page_size % 8 or (page_size & (page_size - 1)):
+        return f"{page_size=}: must be a power of two >= 8"
+    return None
+
+
+def default_num_splits(
+    num_tokens: int, num_slots: int, num_kv_heads: int, max_kv: int, block_kv: int
+) -> int:
+    """Split the KV length when the (tile, head) programs would leave the GPU half empty."""
+    programs = min(num_tokens, num_slots) * num_kv_heads
+    splits = 1
+    while programs * splits * 2 <= 2 * NUM_SMS and max_kv >= 2 * splits * 2 * block_kv:
+        splits *= 2
+    return splits
+
+
+def plan_tiles(
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    kv_lens: jax.Array,  # i32[S]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    num_tokens: int,
+    block_q: int,
+    max_tiles: int,
+    with_padding: bool,
+) -> jax.Array:  # i32[5, max_tiles]: seq, first token, tokens, first position, kv_len
+    """Cut each sequence's query rows (and the padding rows) into tiles of block_q tokens."""
+    num_slots = kv_lens.shape[0]
+    n = num_seqs[0]
+    is_live = jnp.arange(num_slots, dtype=jnp.int32) < n  # bool[S]
+    q_lens = jnp.where(is_live, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # i32[S]
+    live_end = cu_q_lens[n]
+    pad_len = (num_tokens - live_end) if with_padding else jnp.int32(0)
+    g_start = jnp.concatenate([cu_q_lens[:-1], live_end[None]])  # i32[S + 1]
+    g_len = jnp.concatenate([q_lens, pad_len[None]]).astype(jnp.int32)  # i32[S + 1]
+    g_kv = jnp.concatenate([jnp.where(is_live, kv_lens, 0), jnp.zeros(1, jnp.int32)])
+    g_tiles = (g_len + block_q - 1) // block_q  # i32[S + 1]
+    cu_tiles = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(g_tiles, dtype=jnp.int32)])
+    tile = jnp.arange(max_tiles, dtype=jnp.int32)  # i32[max_tiles]
+    # compare_all: one fusion (the default binary search is a loop, slow on GPU).
+    grp = jnp.searchsorted(cu_tiles[1:], tile, side="right", method="compare_all")
+    grp = grp.astype(jnp.int32)
+    grp = jnp.minimum(grp, num_slots)  # i32[max_tiles]
+    first = (tile - cu_tiles[grp]) * block_q  # i32[max_tiles]  offset inside the group
+    size = jnp.clip(g_len[grp] - first, 0, block_q)
+    size = jnp.where(tile < cu_tiles[-1], size, 0)
+    pos0 = g_kv[grp] - g_len[grp] + first
+    seq = jnp.minimum(grp, num_slots - 1)
+    return jnp.stack([seq, g_start[grp] + first, size, pos0, g_kv[grp]]).astype(jnp.int32)
+
+
+def max_tiles_for(num_tokens: int, num_slots: int, block_q: int) -> int:
+    """Upper bound on the tile count: every group adds at most one partial tile."""
+    return max(1, min(num_tokens // block_q + num_slots + 1, num_tokens))
+
+
+def _attention_kernel(
+    plan_ref,  # i32[5, max_tiles] (GMEM)
+    pages_ref,  # i32[S, pages_per_seq] (GMEM)
+    q_ref,  # [T, Hq, D]
+    k_ref,  # [P, page_size, Hkv, D] or [P, Hkv, page_size, D]
+    v_ref,
+    o_ref,  # [T, Hq, D] (q dtype) or f32[num_splits, T, Hq, D]
+    lse_ref,  # f32[num_splits, T, Hq, LSE_COLS] or None
+    q_smem,  # [ROWS, D] tiled for wgmma
+    kv_or_out,  # ((k_smem, v_smem) [num_stages, block_kv, D] tiled, o_smem [ROWS, D] untiled)
+    q_or_p,  # (q_raw [ROWS, D] untiled, p_smem [ROWS, block_kv] tiled)
+    lse_smem,  # f32[ROWS, LSE_COLS] untiled, or None
+    q_bar,
+    k_bar,  # [num_stages]
+    v_bar,
+    *,
+    cfg: KernelConfig,
+    num_splits: int,
+    group: int,
+    block_q: int,
+    page_size: int,
+    num_pages: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
+    # Shared memory reused across phases: KV stages and P live in the loop, Q arrives untiled
+    # before it, the output leaves after it.
+    (k_smem, v_smem), o_smem = kv_or_out
+    q_raw, p_smem = q_or_p
+    tile = lax.axis_index("tile")
+    split = lax.axis_index("split")
+    head = lax.axis_index("head")
+    block_kv, stages = cfg.block_kv, cfg.num_stages
+    head_dim = q_smem.shape[-1]
+    pages_per_seq = pages_ref.shape[1]
+    rows_per_copy = min(page_size, block_kv)
+    copies = block_kv // rows_per_copy
+
+    seq = plan_ref[0, tile]
+    t0 = plan_ref[1, tile]
+    size = plan_ref[2, tile]
+    pos0 = plan_ref[3, tile]
+    kv_len = plan_ref[4, tile]
+
+    @pl.when(size > 0)
+    def _():
+        pos_last = pos0 + size - 1
+        kv_hi = jnp.clip(pos_last + 1, 0, kv_len)
+        kb_hi = (kv_hi + block_kv - 1) // block_kv
+        kb_lo = jnp.int32(0)
+        if sliding_window is not None:
+            kb_lo = jnp.clip(pos0 - sliding_window + 1, 0, kv_hi) // block_kv
+        num_blocks = kb_hi - kb_lo
+        s_lo = kb_lo + num_blocks * split // num_splits
+        s_hi = kb_lo + num_blocks * (split + 1) // num_splits
+        # Blocks [u_lo, u_hi) need no mask: every row sees every token in them. The masked
+        # blocks on either side are processed first, then the open ones (the online softmax
+        # does not care about order); step i works on block_of(i) in slot i % num_stages.
+        u_lo = kb_lo
+        if sliding_window is not None:
+            u_lo = (jnp.maximum(pos_last - sliding_window + 1, 0) + block_kv - 1) // block_kv
+        u_lo = jnp.clip(u_lo, s_lo, s_hi)
+        u_hi = jnp.clip(jnp.minimum(pos0 + 1, kv_hi) // block_kv, u_lo, s_hi)
+        num_front = u_lo - s_lo
+        num_masked = num_front + s_hi - u_hi
+        num_steps = s_hi - s_lo
+
+        def block_of(i):
+            back = jnp.where(i < num_masked, u_hi + i - num_front, u_lo + i - num_masked)
+            return jnp.where(i < num_front, s_lo + i, back)
+
+        num_seq_pages = (kv_len + page_size - 1) // page_size
+
+        # Tiled smem needs 8-aligned source rows, so Q lands untiled and is retiled through
+        # registers (rows past G * block_q stay unused: their results are never stored).
+        for g in range(group):
+            plgpu.copy_gmem_to_smem(
+                q_ref.at[pl.ds(t0, block_q), head * group + g],
+                q_raw.at[pl.ds(g * block_q, block_q)],
+                q_bar,
+            )
+
+        def lookup_pages(block):  # the page of each copy of KV block `block`
+            pages = []
+            for c in range(copies):
+                page_slot = (block * block_kv + c * rows_per_copy) // page_size
+                page = pages_ref[seq, jnp.minimum(page_slot, pages_per_seq - 1)]
+                # Past the sequence: an out-of-range page, which TMA fills with zeros.
+                pages.append(jnp.where(page_slot < num_seq_pages, page, num_pages))
+            return pages
+
+        def issue(block, slot, pages):
+            if page_size > block_kv:
+                first_row = lax.rem(block, page_size // block_kv) * block_kv
+            else:
+                first_row = 0
+            rows = pl.ds(first_row, rows_per_copy)
+            for c, page in enumerate(pages):
+                dst = pl.ds(c * rows_per_copy, rows_per_copy)
+                for src, dst_smem, bar in ((k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)):
+                    view = (
+                        src.at[page, head, rows] if cfg.head_major_kv else src.at[page, rows, head]
+                    )
+                    plgpu.copy_gmem_to_smem(view, dst_smem.at[slot, dst], bar.at[slot])
+
+        for i in range(stages):
+            pl.when(i < num_steps)(lambda i=i: issue(block_of(i), i, lookup_pages(block_of(i))))
+        plgpu.barrier_wait(q_bar)
+        q_smem[...] = q_raw[...]
+        plgpu.commit_smem()
+
+        row_ids = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
+        col_ids = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
+        row_pos = pos0 + lax.rem(row_ids, block_q)  # i32[ROWS, block_kv]
+
+        def step(i, carry, *, masked):
+            acc, m_i, l_i = carry
+            block = block_of(i)
+            slot = lax.rem(i, stages)
+            # Read the page table for the block issued at the end of this step now, so the
+            # scalar loads overlap this step's math.
+            next_block = block_of(i + stages)
+            next_pages = lookup_pages(next_block)
+            plgpu.barrier_wait(k_bar.at[slot])
+
+            def qk_scope(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, block_kv), jnp.float32))
+            if soft_cap is not None:
+                s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2E)
+            else:
+                s = s * (sm_scale * LOG2E)
+            if masked:
+                kv_pos = block * block_kv + col_ids
+                mask = (kv_pos <= row_pos) & (kv_pos < kv_len)
+                if sliding_window is not None:
+                    mask = mask & (kv_pos > row_pos - sliding_window)
+                s = jnp.where(mask, s, MASK_VALUE)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+            p_smem[...] = p.astype(p_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_wait(v_bar.at[slot])
+
+            def pv_scope(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                return acc_ref[...]
+
+            pv = pl.run_scoped(pv_scope, plgpu.ACC((ROWS, head_dim), jnp.float32))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+            pl.when(i + stages < num_steps)(lambda: issue(next_block, slot, next_pages))
+            return acc, m_new, l_i
+
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        carry = (
+            plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), row_layout),
+            plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout),
+        )
+        masked_step = functools.partial(step, masked=True)
+        open_step = functools.partial(step, masked=False)
+        carry = lax.fori_loop(0, num_masked, masked_step, carry)
+        acc, m_i, l_i = lax.fori_loop(num_masked, num_steps, open_step, carry)
+
+        is_empty = l_i == 0.0
+        inv_l = 1.0 / jnp.where(is_empty, 1.0, l_i)
+        o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_smem.dtype)
+        if lse_smem is not None:
+            lse = jnp.where(is_empty, MASK_VALUE, m_i + jnp.log2(l_i))
+            lse_smem[...] = lax.broadcast_in_dim(lse, lse_smem.shape, [0])
+        plgpu.commit_smem()
+        outs = [(o_smem, o_ref.at[split] if lse_ref is not None else o_ref)]
+        if lse_ref is not None:
+            outs.append((lse_smem, lse_ref.at[split]))
+        for g in range(group):
+            start = jnp.int32(0)
+            chunk = block_q
+            while chunk:
+                # TMA boxes have static shapes: store `size` rows as a sum of powers of two.
+                @pl.when(size & chunk != 0)
+                def _(start=start, chunk=chunk, g=g):
+                    for src, dst in outs:
+                        plgpu.copy_smem_to_gmem(
+                            src.at[pl.ds(g * block_q + start, chunk)],
+                            dst.at[pl.ds(t0 + start, chunk), head * group + g],
+                        )
+
+                start = start + (size & chunk)
+                chunk //= 2
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _merge_splits(
+    o_parts: jax.Array,  # f32[NS, T, Hq, D]
+    lse_parts: jax.Array,  # f32[NS, T, Hq, LSE_COLS]  log2-domain, columns all equal
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    out_dtype,
+) -> jax.Array:  # [T, Hq, D]
+    """Weight each split's partial output by its share of the softmax mass.
+
+    Written as elementwise ops over the (small, static) split axis so that XLA emits one
+    fusion. Rows past cu_q_lens[num_seqs] were never written and come back as zeros.
+    """
+    num_splits, num_tokens = o_parts.shape[:2]
+    lse = [lse_parts[s, :, :, :1] for s in range(num_splits)]  # f32[T, Hq, 1] each
+    top = functools.reduce(jnp.maximum, lse)
+    weights = [jnp.exp2(x - top) for x in lse]
+    out = functools.reduce(jnp.add, [w * o_parts[s] for s, w in enumerate(weights)])
+    out = out / functools.reduce(jnp.add, weights)
+    is_valid = jnp.arange(num_tokens, dtype=jnp.int32) < cu_q_lens[num_seqs[0]]  # bool[T]
+    return jnp.where(is_valid[:, None, None], out, 0.0).astype(out_dtype)
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [P, page_size, Hkv, D]
+    v_pages: jax.Array,  # [P, page_size, Hkv, D]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    config: KernelConfig = KernelConfig(),
+    interpret: bool | plgpu.InterpretGPUParams = False,
+) -> jax.Array:  # [T, Hq, D], q's dtype
+    """Mosaic GPU ragged paged attention; see the module docstring for the work layout."""
+    reason = unsupported_reason(
+        q, k_pages, sliding_window, soft_cap, head_major_kv=config.head_major_kv
+    )
+    if reason is not None:
+        raise ValueError(f"ragged_paged_attention on Mosaic GPU: {reason}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"{sliding_window=} must be >= 1")
+    num_tokens, num_q_heads, head_dim = q.shape
+    if config.head_major_kv:
+        num_pages, num_kv_heads, page_size, _ = k_pages.shape
+    else:
+        num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    num_slots, pages_per_seq = page_indices.shape
+    group = num_q_heads // num_kv_heads
+    block_q = block_q_for(group)
+    block_kv = config.block_kv
+    if page_size > block_kv and page_size % block_kv:
+        raise ValueError(f"{page_size=} must be a multiple of {block_kv=}")
+    num_splits = config.num_splits or default_num_splits(
+        num_tokens, num_slots, num_kv_heads, pages_per_seq * page_size, block_kv
+    )
+    is_split = num_splits > 1
+    max_tiles = max_tiles_for(num_tokens, num_slots, block_q)
+    plan = plan_tiles(
+        cu_q_lens.astype(jnp.int32),
+        kv_lens.astype(jnp.int32),
+        num_seqs.astype(jnp.int32),
+        num_tokens=num_tokens,
+        block_q=block_q,
+        max_tiles=max_tiles,
+        with_padding=not is_split,
+    )
+
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    stages = config.num_stages
+    o_dtype = jnp.float32 if is_split else q.dtype
+    kv_stage = plgpu.SMEM((stages, block_kv, head_dim), k_pages.dtype, transforms=tiled)
+    scratch = [
+        plgpu.SMEM((ROWS, head_dim), q.dtype, transforms=tiled),
+        plgpu.RefUnion((kv_stage, kv_stage), plgpu.SMEM((ROWS, head_dim), o_dtype)),
+        plgpu.RefUnion(
+            plgpu.SMEM((ROWS, head_dim), q.dtype),
+            plgpu.SMEM((ROWS, block_kv), q.dtype, transforms=tiled),
+        ),
+        plgpu.SMEM((ROWS, LSE_COLS), jnp.float32) if is_split else None,
+        plgpu.Barrier(num_arrivals=group),
+        plgpu.Barrier(num_arrivals=block_kv // min(page_size, block_kv), num_barriers=stages),
+        plgpu.Barrier(num_arrivals=block_kv // min(page_size, block_kv), num_barriers=stages),
+    ]
+    if is_split:
+        out_type = (
+            jax.ShapeDtypeStruct((num_splits, num_tokens, num_q_heads, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, num_tokens, num_q_heads, LSE_COLS), jnp.float32),
+        )
+    else:
+        out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype),)
+    body = functools.partial(
+        _attention_kernel,
+        cfg=config,
+        num_splits=num_splits,
+        group=group,
+        block_q=block_q,
+        page_size=page_size,
+        num_pages=num_pages,
+        sm_scale=float(sm_scale),
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+    if not is_split:
+        body = _with_no_lse(body)
+    outs = plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(max_tiles, num_splits, num_kv_heads),
+        grid_names=("tile", "split", "head"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        kernel_name="ragged_paged_attention",
+        interpret=plgpu.InterpretGPUParams() if interpret is True else interpret,
+    )(plan, page_indices.astype(jnp.int32), q, k_pages, v_pages)
+    if not is_split:
+        return outs[0]
+    return _merge_splits(outs[0], outs[1], cu_q_lens, num_seqs, out_dtype=q.dtype)
+
+
+def _with_no_lse(body):
+    """Adapt the kernel body to the single-output launch (no lse output, no lse scratch)."""
+
+    def wrapped(plan, pages, q, k, v, o, *scratch):
+        return body(plan, pages, q, k, v, o, None, *scratch)
+
+    return wrapped

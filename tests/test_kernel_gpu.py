@@ -1,0 +1,225 @@
+"""The Mosaic GPU ragged paged attention kernel against the pure-jnp reference.
+
+On CPU (CI) the kernel runs in Mosaic GPU interpret mode on tiny shapes. The ``gpu`` tests run it
+natively on a Hopper GPU over the same grid plus larger shapes, with the outputs poisoned before
+each run. Every case draws fresh random inputs and a shuffled page table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import pallas_kernels
+from pallas_kernels import gpu, reference
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    q_lens: tuple[int, ...]  # query tokens per live sequence
+    kv_lens: tuple[int, ...]  # cached tokens per live sequence, new ones included
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int = 16
+    num_pad_tokens: int = 0  # rows past the last sequence: must come back as zeros
+    num_dead_slots: int = 0  # page-table rows past num_seqs: must be ignored
+    num_splits: int | None = None
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    head_major_kv: bool = False
+
+
+def make_inputs(rng: np.random.Generator, case: Case):
+    """Random bf16 q/k/v and a shuffled page table; unused table entries point at live pages."""
+    page = case.page_size
+    num_live = len(case.q_lens)
+    num_slots = num_live + case.num_dead_slots
+    seq_pages = [-(-kv // page) for kv in case.kv_lens]
+    pages_per_seq = max(seq_pages) + 1
+    num_pages = sum(seq_pages) + 3
+    order = rng.permutation(num_pages)
+    page_indices = rng.integers(0, num_pages, (num_slots, pages_per_seq)).astype(np.int32)
+    first = 0
+    for i, n in enumerate(seq_pages):
+        page_indices[i, :n] = order[first : first + n]
+        first += n
+    cu_q_lens = np.zeros(num_slots + 1, np.int32)  # i32[S + 1]
+    cu_q_lens[1 : num_live + 1] = np.cumsum(case.q_lens)
+    cu_q_lens[num_live + 1 :] = cu_q_lens[num_live]
+    kv_lens = np.zeros(num_slots, np.int32)  # i32[S]
+    kv_lens[:num_live] = case.kv_lens
+    kv_lens[num_live:] = rng.integers(1, page * pages_per_seq, case.num_dead_slots)
+    num_tokens = sum(case.q_lens) + case.num_pad_tokens
+    kv_shape = (num_pages, page, case.num_kv_heads, case.head_dim)
+    q = rng.standard_normal((num_tokens, case.num_q_heads, case.head_dim))  # [T, Hq, D]
+    k = rng.standard_normal(kv_shape)  # [P, page_size, Hkv, D]
+    v = rng.standard_normal(kv_shape)
+    return (
+        jnp.asarray(q, jnp.bfloat16),
+        jnp.asarray(k, jnp.bfloat16),
+        jnp.asarray(v, jnp.bfloat16),
+        jnp.asarray(kv_lens),
+        jnp.asarray(page_indices),
+        jnp.asarray(cu_q_lens),
+        jnp.asarray([num_live], jnp.int32),
+    )
+
+
+def attention_kwargs(case: Case) -> dict:
+    return dict(
+        sm_scale=case.head_dim**-0.5,
+        sliding_window=case.sliding_window,
+        soft_cap=case.soft_cap,
+    )
+
+
+def kernel_call(case: Case, *, interpret: bool | plgpu.InterpretGPUParams):
+    config = gpu.KernelConfig(num_splits=case.num_splits, head_major_kv=case.head_major_kv)
+
+    def call(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs):
+        if case.head_major_kv:
+            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        return gpu.ragged_paged_attention(
+            q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs,
+            **attention_kwargs(case), config=config, interpret=interpret,
+        )  # fmt: skip
+
+    return call
+
+
+def assert_matches(case: Case, out: jax.Array, ref: jax.Array, seed: int = -1) -> None:
+    """bf16 tolerance on the live rows, exact zeros on the padding rows, never NaN."""
+    what = f"{case.name} (seed {seed})"
+    out = np.asarray(out, np.float32)
+    ref = np.asarray(ref, np.float32)
+    assert out.shape == ref.shape
+    assert np.isfinite(out).all(), f"{what}: non-finite output"
+    num_live = sum(case.q_lens)
+    np.testing.assert_array_equal(out[num_live:], 0.0, err_msg=f"{what}: padding rows")
+    rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert rel < 1e-2, f"{what}: relative error {rel:.2e}"
+    np.testing.assert_allclose(out, ref, atol=3e-2, rtol=3e-2, err_msg=what)
+
+
+# Tiny shapes: interpret mode simulates every program and copy on the CPU.
+CPU_CASES = [
+    # Prefill chunks over cached pages next to decodes: kv lengths 1, page, page+1, longer.
+    Case("mixed_g4_d128", (1, 17, 1, 5), (1, 40, 16, 21), 4, 1, 128, num_pad_tokens=3,
+         num_dead_slots=1),
+    Case("decode_g1_d64", (1, 1, 1), (15, 16, 17), 2, 2, 64, num_pad_tokens=2),
+    Case("split_g8_d64", (1, 9, 1), (70, 9, 100), 8, 1, 64, num_splits=2, num_dead_slots=1),
+    Case("g3_page32", (3, 1), (33, 31), 6, 2, 64, page_size=32, num_pad_tokens=1),
+    Case("page128_g2", (1, 2), (200, 129), 4, 2, 64, page_size=128),
+    Case("window_softcap", (20, 1), (90, 75), 4, 2, 64, sliding_window=24, soft_cap=30.0,
+         num_splits=2),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
+def test_interpret_matches_reference(case: Case, capfd):
+    seed = int(np.random.default_rng().integers(2**31))  # fresh inputs every run
+    args = make_inputs(np.random.default_rng(seed), case)
+    # The race detector also checks the TMA / wgmma / shared-memory ordering and that each
+    # RefUnion member is read only through the ref that wrote it.
+    out = kernel_call(case, interpret=plgpu.InterpretGPUParams(detect_races=True))(*args)
+    ref = reference.ragged_paged_attention(*args, **attention_kwargs(case))
+    assert_matches(case, out, ref, seed)
+    assert "RACE DETECTED" not in capfd.readouterr().out
+
+
+def test_plan_tiles_covers_every_row_once():
+    cu_q_lens = jnp.asarray([0, 1, 18, 18, 23, 23], jnp.int32)  # a zero-length sequence inside
+    kv_lens = jnp.asarray([5, 40, 3, 21, 9], jnp.int32)
+    num_seqs = jnp.asarray([4], jnp.int32)
+    plan = gpu.plan_tiles(
+        cu_q_lens, kv_lens, num_seqs, num_tokens=30, block_q=8, max_tiles=10, with_padding=True
+    )
+    seq, first, size, pos0, kv = np.asarray(plan)
+    covered = np.zeros(30, np.int32)
+    for t in range(10):
+        covered[first[t] : first[t] + size[t]] += 1
+    np.testing.assert_array_equal(covered, 1)
+    # Sequence 1 (17 rows at kv 40): tiles of 8, 8, 1 rows starting at absolute position 23.
+    live = size > 0
+    np.testing.assert_array_equal(size[live], [1, 8, 8, 1, 5, 7])
+    np.testing.assert_array_equal(pos0[live][:4], [4, 23, 31, 39])
+    np.testing.assert_array_equal(kv[live], [5, 40, 40, 40, 21, 0])
+
+
+def test_entry_point_on_cpu_is_the_reference():
+    case = CPU_CASES[0]
+    args = make_inputs(np.random.default_rng(1), case)
+    out = pallas_kernels.ragged_paged_attention(*args, **attention_kwargs(case))
+    ref = reference.ragged_paged_attention(*args, **attention_kwargs(case))
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+    else:
+        assert_matches(case, out, ref)
+
+
+def _is_hopper() -> bool:
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return False
+    return int(str(getattr(device, "compute_capability", "0")).split(".")[0]) >= 9
+
+
+def _gpu_cases() -> list[Case]:
+    rng = np.random.default_rng(7)
+    ragged = tuple(int(x) for x in rng.integers(1, 3000, 24))
+    return CPU_CASES + [
+        Case("llama_decode_ragged", (1,) * 24, ragged, 32, 8, 128, num_pad_tokens=5,
+             num_dead_slots=3),
+        Case("llama_decode_split4", (1,) * 6, ragged[:6], 32, 8, 128, num_splits=4),
+        Case("llama_mixed", (300, 1, 1, 77, 1), (300, 2049, 17, 500, 64), 32, 8, 128,
+             num_pad_tokens=11),
+        Case("llama_mixed_split3", (300, 1, 1, 77, 1), (300, 2049, 17, 500, 64), 32, 8, 128,
+             num_splits=3),
+        Case("g1_d128_page32", (1, 40, 1), (1000, 40, 33), 8, 8, 128, page_size=32),
+        Case("g5_d64_page64", (65, 1, 33), (130, 513, 100), 10, 2, 64, page_size=64,
+             num_pad_tokens=4),
+        Case("g7_d128_page128", (9, 1, 130), (9, 1000, 258), 7, 1, 128, page_size=128),
+        Case("window_softcap_llama", (200, 1, 1), (1200, 700, 33), 32, 8, 128,
+             sliding_window=128, soft_cap=50.0),
+        Case("head_major_kv", (1, 30, 1), (900, 60, 17), 32, 8, 128, head_major_kv=True),
+    ]  # fmt: skip
+
+
+def _poisoned_run(fn, args, out_shape, dtype):
+    """Run fn(*args) with NaN left in the allocator and a NaN donor aliased to the output."""
+    scrub = jnp.full((1 << 26,), jnp.nan, jnp.float32)  # 256 MiB of NaN, freed for reuse
+    scrub.block_until_ready()
+    del scrub
+    donor = jnp.full(out_shape, jnp.nan, dtype)
+    return jax.jit(lambda donor, *a: fn(*a), donate_argnums=0)(donor, *args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper (sm_90+) NVIDIA GPU")
+@pytest.mark.parametrize("case", _gpu_cases(), ids=lambda c: c.name)
+def test_native_matches_reference(case: Case):
+    seed = int(np.random.default_rng().integers(2**31))
+    args = make_inputs(np.random.default_rng(seed), case)
+    ref = jax.jit(lambda *a: reference.ragged_paged_attention(*a, **attention_kwargs(case)))(*args)
+    out = _poisoned_run(kernel_call(case, interpret=False), args, ref.shape, ref.dtype)
+    assert_matches(case, out, ref, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper (sm_90+) NVIDIA GPU")
+def test_entry_point_on_hopper_runs_the_kernel():
+    case = CPU_CASES[0]
+    args = make_inputs(np.random.default_rng(), case)
+    jaxpr = jax.make_jaxpr(
+        lambda *a: pallas_kernels.ragged_paged_attention(*a, **attention_kwargs(case))
+    )(*args)
+    assert "kernel_name='ragged_paged_attention'" in str(jaxpr)  # the Mosaic GPU kernel ran
+    out = pallas_kernels.ragged_paged_attention(*args, **attention_kwargs(case))
+    assert_matches(case, out, reference.ragged_paged_attention(*args, **attention_kwargs(case)))
