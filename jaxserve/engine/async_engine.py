@@ -57,6 +57,8 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            self.core.shutdown()
 
     @property
     def is_alive(self) -> bool:

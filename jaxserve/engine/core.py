@@ -126,6 +126,12 @@ class EngineCore:
         self.num_aborted = 0
         self.num_steps = 0
 
+    def shutdown(self) -> None:
+        """Release follower processes of a multi-host replica (a no-op on one host)."""
+        stop = getattr(self.runner, "stop_followers", None)
+        if stop is not None:
+            stop()
+
     # -- capacity --------------------------------------------------------------------------
 
     def capacity_lines(self) -> list[str]:

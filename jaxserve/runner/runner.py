@@ -31,13 +31,14 @@ from jaxserve.models.batch import Batch, make_kv_cache
 from jaxserve.models.weights import dummy_weights, load_weights
 from jaxserve.runner import sampling
 from jaxserve.runner.capacity import Capacity, detect_device_memory, plan_capacity
+from jaxserve.runner.distributed import broadcast_ints, broadcast_step_inputs
 from jaxserve.runner.input_builder import (
     NUM_TOP_LOGPROBS,
     InputBuilder,
     next_power_of_2,
     token_buckets_for,
 )
-from jaxserve.runner.sampling import SamplerFlags
+from jaxserve.runner.sampling import SamplerFlags, SamplerOutput, SamplingInputs
 from jaxserve.runner.sharding import prepare_tp
 
 _LOG = logging.getLogger(__name__)
@@ -155,6 +156,8 @@ class ModelRunner:
         self._sample_fn = jax.jit(_sample_step, static_argnames=("tied", "flags"))
         self._prompt_lp_fn = jax.jit(_prompt_logprobs_step, static_argnames=("tied",))
         self.compile_seconds = 0.0
+        # Several processes (hosts) share this model: process 0 broadcasts each step.
+        self.multihost = jax.process_count() > 1
         self.inputs = InputBuilder(
             block_size=config.block_size,
             max_model_len=max_model_len,
@@ -257,6 +260,34 @@ class ModelRunner:
         seqs = [item.seq for item in output.scheduled]
         flags = self.inputs.sampler_flags(rows, host_batch.kv_lens)
         inputs = self.inputs.sampling_inputs(seqs, rows, host_batch.kv_lens, flags)
+        next_ids, spans = self._prompt_logprob_targets(output, host_batch)
+        if self.multihost:  # followers join the same step with process 0's inputs
+            broadcast_ints(_encode_header(host_batch, inputs, flags, next_ids), HEADER_SIZE)
+            host_batch, inputs, next_ids = broadcast_step_inputs((host_batch, inputs, next_ids))
+        out, prompt_out = self._device_step(host_batch, inputs, flags, next_ids)
+        num = len(seqs)
+        result = RunnerOutput(token_ids=np.asarray(out.token_ids)[:num])
+        if out.logprobs is not None:
+            result.logprobs = np.asarray(out.logprobs)[:num]
+            result.ranks = np.asarray(out.ranks)[:num]
+            result.top_ids = np.asarray(out.top_ids)[:num]
+            result.top_logprobs = np.asarray(out.top_logprobs)[:num]
+        if prompt_out is not None:
+            lp, ranks, top_ids, top_lp = (np.asarray(a) for a in prompt_out)
+            result.prompt_logprobs = {
+                sid: (lp[o : o + n], ranks[o : o + n], top_ids[o : o + n], top_lp[o : o + n])
+                for sid, (o, n) in spans.items()
+            }
+        return result
+
+    def _device_step(
+        self,
+        host_batch: Batch,
+        inputs: SamplingInputs,
+        flags: SamplerFlags,
+        next_ids: np.ndarray | None,
+    ) -> tuple[SamplerOutput, tuple[jax.Array, ...] | None]:
+        """Model step, sampler and (when asked) prompt logprobs on the device."""
         if self.tp is not None:
             batch, inputs = self.tp.put_replicated((host_batch, inputs))
         else:
@@ -265,20 +296,16 @@ class ModelRunner:
         out = self._sample_fn(
             self.head, hidden, batch.logits_indices, inputs, tied=self.tied, flags=flags
         )
-        prompt_lp = self._prompt_logprobs(output, host_batch, hidden)
-        num = len(seqs)
-        result = RunnerOutput(token_ids=np.asarray(out.token_ids)[:num])
-        if out.logprobs is not None:
-            result.logprobs = np.asarray(out.logprobs)[:num]
-            result.ranks = np.asarray(out.ranks)[:num]
-            result.top_ids = np.asarray(out.top_ids)[:num]
-            result.top_logprobs = np.asarray(out.top_logprobs)[:num]
-        result.prompt_logprobs = prompt_lp
-        return result
+        prompt_out = None
+        if next_ids is not None:
+            prompt_out = self._prompt_lp_fn(self.head, hidden, next_ids, tied=self.tied)
+        return out, prompt_out
 
-    def _prompt_logprobs(
-        self, output: SchedulerOutput, host_batch: Batch, hidden: jax.Array
-    ) -> dict[str, tuple[np.ndarray, ...]]:
+    def _prompt_logprob_targets(
+        self, output: SchedulerOutput, host_batch: Batch
+    ) -> tuple[np.ndarray | None, dict[str, tuple[int, int]]]:
+        """The next prompt token of every row that needs a prompt logprob, and each
+        sequence's (offset, count) among the rows; None when no sequence asked."""
         wanted = [
             (i, item)
             for i, item in enumerate(output.scheduled)
@@ -287,7 +314,7 @@ class ModelRunner:
             and item.start < item.seq.num_prompt_tokens - 1
         ]
         if not wanted:
-            return {}
+            return None, {}
         next_ids = np.zeros(host_batch.input_ids.shape[0], np.int32)
         spans = {}
         for i, item in wanted:
@@ -298,10 +325,83 @@ class ModelRunner:
             n = stop - item.start
             next_ids[offset : offset + n] = seq.prompt_token_ids[item.start + 1 : stop + 1]
             spans[seq.seq_id] = (offset, n)
-        lp, ranks, top_ids, top_lp = (
-            np.asarray(a) for a in self._prompt_lp_fn(self.head, hidden, next_ids, tied=self.tied)
-        )
-        return {
-            sid: (lp[o : o + n], ranks[o : o + n], top_ids[o : o + n], top_lp[o : o + n])
-            for sid, (o, n) in spans.items()
-        }
+        return next_ids, spans
+
+    # -- multi-host ------------------------------------------------------------------------
+
+    def follow(self) -> None:
+        """On processes other than 0: join every step process 0 runs, until it stops."""
+        while True:
+            header = broadcast_ints(None, HEADER_SIZE)
+            if header[0] == 0:
+                return
+            host_batch, inputs, flags, next_ids = _placeholders(header, self)
+            host_batch, inputs, next_ids = broadcast_step_inputs((host_batch, inputs, next_ids))
+            self._device_step(host_batch, inputs, flags, next_ids)
+
+    def stop_followers(self) -> None:
+        if self.multihost:
+            broadcast_ints([0] * HEADER_SIZE, HEADER_SIZE)
+            self.multihost = False
+
+
+# The step header process 0 broadcasts: the shapes and sampler variant of the next step.
+HEADER_SIZE = 8
+
+
+def _encode_header(
+    batch: Batch, inputs: SamplingInputs, flags: SamplerFlags, next_ids: np.ndarray | None
+) -> list[int]:
+    return [
+        batch.input_ids.shape[0],
+        inputs.bias_ids.shape[1],
+        inputs.output_ids.shape[1],
+        inputs.prompt_ids.shape[1],
+        flags.num_logprobs,
+        int(flags.use_sort) | int(flags.use_penalties) << 1 | int(flags.use_bias) << 2,
+        int(flags.all_greedy),
+        int(next_ids is not None),
+    ]
+
+
+def _placeholders(
+    header: tuple[int, ...], runner: ModelRunner
+) -> tuple[Batch, SamplingInputs, SamplerFlags, np.ndarray | None]:
+    """Arrays of the shapes process 0 announced (their values arrive by broadcast)."""
+    t_pad, num_bias, out_len, prompt_len, num_logprobs, bits, all_greedy, has_lp = header
+    s_pad = runner.seq_bucket(t_pad)
+    zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+    batch = Batch(
+        input_ids=zeros(t_pad),
+        positions=zeros(t_pad),
+        slot_mapping=zeros(t_pad),
+        kv_lens=zeros(s_pad),
+        page_indices=zeros(s_pad, runner.pages_per_seq),
+        cu_q_lens=zeros(s_pad + 1),
+        num_seqs=zeros(1),
+        logits_indices=zeros(s_pad),
+    )
+    f32 = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
+    inputs = SamplingInputs(
+        temperature=f32(s_pad),
+        top_k=zeros(s_pad),
+        top_p=f32(s_pad),
+        min_p=f32(s_pad),
+        seeds=np.zeros(s_pad, np.uint32),
+        positions=zeros(s_pad),
+        bias_ids=zeros(s_pad, num_bias),
+        bias_values=f32(s_pad, num_bias),
+        presence_penalty=f32(s_pad),
+        frequency_penalty=f32(s_pad),
+        repetition_penalty=f32(s_pad),
+        output_ids=zeros(s_pad, out_len),
+        prompt_ids=zeros(s_pad, prompt_len),
+    )
+    flags = SamplerFlags(
+        use_sort=bool(bits & 1),
+        use_penalties=bool(bits & 2),
+        use_bias=bool(bits & 4),
+        num_logprobs=num_logprobs,
+        all_greedy=bool(all_greedy),
+    )
+    return batch, inputs, flags, zeros(t_pad) if has_lp else None
