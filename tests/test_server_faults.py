@@ -57,6 +57,9 @@ class FakeCore:
         self._lock = threading.Lock()
         self.generation_tokens = 0
 
+    def shutdown(self) -> None:
+        pass
+
     def capacity_lines(self) -> list[str]:
         return ["KV cache size: 1,024 tokens"]
 

@@ -2,8 +2,10 @@
 
 ``build_app(engine, settings)`` is called by ``launch.py`` (and by tests) with an engine that is
 already started; the app never starts or stops the engine. Its lifespan runs the engine
-watchdog and the periodic stats line. Middleware, outermost first: header count (431), API key
-(401), body size (413); then routing, where every error becomes OpenAI's error shape.
+watchdog and the periodic stats line. Middleware, outermost first: header count (431), slow
+reader (send timeout), API key (401), body size (413) and body time (408); then routing, where
+every error becomes OpenAI's error shape. Generation routes are rate limited when
+``--rate-limit-rpm`` / ``--rate-limit-tpm`` are set (``ratelimit.py``).
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ from jaxserve.server.context import ServingContext
 from jaxserve.server.errors import APIError, internal_error, json_response, unavailable
 from jaxserve.server.fields import parse_json_object
 from jaxserve.server.lifecycle import log_stats_periodically, watch_engine
-from jaxserve.server.limits import BodyLimitMiddleware, HeaderLimitMiddleware
+from jaxserve.server.limits import BodyLimitMiddleware, HeaderLimitMiddleware, SendTimeoutMiddleware
 from jaxserve.server.metrics import StatsLogger
 from jaxserve.server.openapi import openapi_spec
+from jaxserve.server.ratelimit import RateLimitedContext, RateLimiter
 from jaxserve.server.settings import ServerSettings
 from jaxserve.server.tokenization import detokenize, tokenize
 
@@ -54,7 +57,12 @@ def build_app(
     on_engine_dead: Callable[[], None] | None = None,
 ) -> Starlette:
     """The app for a started engine; ``on_engine_dead`` runs once if its loop dies."""
-    ctx = ServingContext(engine, settings)
+    limiter = RateLimiter.from_settings(settings)
+    ctx = (
+        ServingContext(engine, settings)
+        if limiter is None
+        else RateLimitedContext(engine, settings, limiter)
+    )
     created = int(time.time())
     version = server_version()
     spec = openapi_spec(
@@ -65,15 +73,17 @@ def build_app(
         public_paths=settings.public_paths if settings.api_key is not None else None,
     )
 
-    async def read_body(request: Request) -> dict[str, Any]:
+    async def read_body(request: Request, is_generation: bool = False) -> dict[str, Any]:
         ctx.state.admit()
+        if is_generation and limiter is not None:
+            limiter.charge_request(request)
         return parse_json_object(await request.body())
 
     async def completions(request: Request) -> Response:
-        return await create_completion(ctx, request, await read_body(request))
+        return await create_completion(ctx, request, await read_body(request, True))
 
     async def chat_completions(request: Request) -> Response:
-        return await create_chat_completion(ctx, request, await read_body(request))
+        return await create_chat_completion(ctx, request, await read_body(request, True))
 
     async def tokenize_route(request: Request) -> Response:
         return json_response(await tokenize(ctx, await read_body(request)))
@@ -126,7 +136,8 @@ def build_app(
             HeaderLimitMiddleware,
             max_header_count=settings.max_header_count,
             max_header_bytes=settings.max_header_bytes,
-        )
+        ),
+        Middleware(SendTimeoutMiddleware, send_timeout_s=settings.send_timeout_s),
     ]
     if settings.api_key is not None:
         middleware.append(
@@ -135,7 +146,11 @@ def build_app(
             )
         )
     middleware.append(
-        Middleware(BodyLimitMiddleware, max_body_bytes=settings.max_request_body_bytes)
+        Middleware(
+            BodyLimitMiddleware,
+            max_body_bytes=settings.max_request_body_bytes,
+            body_timeout_s=settings.request_body_timeout_s,
+        )
     )
 
     @contextlib.asynccontextmanager
@@ -170,6 +185,8 @@ def build_app(
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
+    if exc.status == 429:  # a rate limit names its reason; else the engine's queue was full
+        request.app.state.ctx.metrics.count_rate_limited(getattr(exc, "reason", "queue_full"))
     return exc.response()
 
 

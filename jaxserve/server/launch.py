@@ -22,7 +22,12 @@ from typing import Any
 import uvicorn
 
 from jaxserve.engine.engine_config import DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES, EngineConfig
-from jaxserve.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
+from jaxserve.server.settings import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_REQUEST_BODY_TIMEOUT_S,
+    DEFAULT_SEND_TIMEOUT_S,
+    ServerSettings,
+)
 
 _LOG = logging.getLogger("jaxserve.launch")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -198,6 +203,33 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         help="larger bodies get 413 before they are read",
     )
+    add(
+        "--request-body-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
+        help="seconds from the headers to the end of the body; a slower body gets 408",
+    )
+    add(
+        "--send-timeout",
+        type=float,
+        default=DEFAULT_SEND_TIMEOUT_S,
+        help="seconds a response may wait for a client that stopped reading; then the "
+        "response ends and its request is aborted",
+    )
+    add(
+        "--rate-limit-rpm",
+        type=int,
+        default=None,
+        help="requests per minute per API key (per client address without --api-key); "
+        "past it: 429 with Retry-After; default: unlimited",
+    )
+    add(
+        "--rate-limit-tpm",
+        type=human_int,
+        default=None,
+        help="tokens per minute per API key or address, counted as prompt + n * max_tokens "
+        "when a request is admitted; default: unlimited",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -231,6 +263,10 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
         log_prompts=args.log_prompts,
         max_request_body_bytes=args.max_request_body_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
+        request_body_timeout_s=args.request_body_timeout,
+        send_timeout_s=args.send_timeout,
+        rate_limit_rpm=args.rate_limit_rpm,
+        rate_limit_tpm=args.rate_limit_tpm,
     )
 
 

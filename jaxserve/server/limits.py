@@ -1,19 +1,30 @@
-"""Size limits on what a client declares: headers (431) and body bytes (413).
+"""Limits on what a client declares and on how slowly it talks: headers (431), body bytes
+(413), body time (408) and a client that stops reading a response.
 
 Header count and total header bytes are checked before routing; uvicorn's h11 parser also
 refuses (400) a header block that arrives in pieces larger than ``h11_max_incomplete_event_size``.
 The body limit holds before anything is buffered: a declared ``Content-Length`` over the limit
 is refused at once, and a chunked body is counted as it is read, failing as soon as it passes
-the limit. Either way the connection is closed afterwards, so the rest is never read.
+the limit. The whole body must also arrive within ``request_body_timeout_s`` of the headers, so
+a slowloris body is answered 408. Either way the connection is closed afterwards, so the rest is
+never read. A response write waits for the client only while uvicorn's transport buffer is
+above its high-water mark (64 KiB), so what a slow reader holds is bounded; a write blocked for
+``send_timeout_s`` ends the response as if the client had left, which aborts its request in the
+engine and frees its KV blocks.
 """
 
 from __future__ import annotations
+
+import asyncio
+import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jaxserve.server.errors import APIError
 
+_LOG = logging.getLogger(__name__)
 CLOSE = {"Connection": "close"}
+DISCONNECT: Message = {"type": "http.disconnect"}
 
 
 def body_too_large(limit: int) -> APIError:
@@ -52,10 +63,20 @@ class HeaderLimitMiddleware:
         await self.app(scope, receive, send)
 
 
+def body_too_slow(timeout_s: float) -> APIError:
+    return APIError(
+        408,
+        f"The request body did not arrive within {timeout_s:g} seconds.",
+        code="request_timeout",
+        headers=CLOSE,
+    )
+
+
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -72,14 +93,75 @@ class BodyLimitMiddleware:
                     await body_too_large(limit).response()(scope, receive, send)
                     return
         num_read = 0
+        is_body_read = False
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
 
         async def counting_receive() -> Message:
-            nonlocal num_read
-            message = await receive()
+            nonlocal num_read, is_body_read
+            if is_body_read:  # only a disconnect can come now: no deadline
+                return await receive()
+            try:
+                message = await asyncio.wait_for(
+                    receive(), deadline - asyncio.get_running_loop().time()
+                )
+            except TimeoutError:
+                raise body_too_slow(self.body_timeout_s) from None
             if message["type"] == "http.request":
                 num_read += len(message.get("body", b""))
                 if num_read > limit:
                     raise body_too_large(limit)  # answered by the app's APIError handler
+                is_body_read = not message.get("more_body", False)
             return message
 
         await self.app(scope, counting_receive, send)
+
+
+class SendTimeoutMiddleware:
+    """Ends a response whose client has not read for ``send_timeout_s`` (a slow reader).
+
+    After the timeout every later write is dropped and the app's next ``receive`` reports a
+    disconnect, so a stream is cancelled (its engine request aborted) exactly as if the client
+    had closed the connection; uvicorn then closes it, as the response never completed.
+    """
+
+    def __init__(self, app: ASGIApp, send_timeout_s: float) -> None:
+        self.app = app
+        self.send_timeout_s = send_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        gone = asyncio.Event()
+
+        async def timed_send(message: Message) -> None:
+            if gone.is_set():
+                return
+            try:
+                # NOTE: uvicorn waits for the buffer to drain before it writes anything, so a
+                # write cancelled here has sent nothing.
+                await asyncio.wait_for(send(message), self.send_timeout_s)
+            except TimeoutError:
+                _LOG.warning(
+                    "%s %s: the client read nothing for %gs; ending the response",
+                    scope["method"],
+                    scope["path"],
+                    self.send_timeout_s,
+                )
+                gone.set()
+
+        async def receive_or_gone() -> Message:
+            if gone.is_set():
+                return DISCONNECT
+            received = asyncio.ensure_future(receive())
+            timed_out = asyncio.ensure_future(gone.wait())
+            try:
+                await asyncio.wait((received, timed_out), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                received.cancel()
+                timed_out.cancel()
+            if received.done() and not received.cancelled():
+                return received.result()
+            return DISCONNECT
+
+        await self.app(scope, receive_or_gone, timed_send)

@@ -37,6 +37,8 @@ REQUEST_LATENCY_BUCKETS = (
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )
 # fmt: on
+# Why a request got 429: a rate limit (ratelimit.py) or the engine's waiting queue.
+RATE_LIMIT_REASONS = ("requests", "tokens", "queue_full")
 
 
 def token_buckets(max_value: int) -> list[int]:
@@ -126,6 +128,14 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        self.rate_limited = Counter(
+            "jaxserve:rate_limited_requests",
+            "Requests refused with 429, by reason (requests, tokens, queue_full).",
+            ["model_name", "reason"],
+            registry=self.registry,
+        )
+        for reason in RATE_LIMIT_REASONS:
+            self.rate_limited.labels(model_name, reason)
         self.ttft = histogram(
             "time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
         )
@@ -175,6 +185,9 @@ class ServerMetrics:
             self.queue_time.observe(max(0.0, metrics.first_scheduled_time - arrival))
         finished = (metrics and metrics.finished_time) or now
         self.e2e.observe(max(0.0, finished - arrival))
+
+    def count_rate_limited(self, reason: str) -> None:
+        self.rate_limited.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,6 +10,8 @@ import dataclasses
 DEFAULT_MAX_REQUEST_BODY_BYTES = 2 * 1024 * 1024
 DEFAULT_MAX_HEADER_COUNT = 100
 DEFAULT_MAX_HEADER_BYTES = 16 * 1024
+DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
+DEFAULT_SEND_TIMEOUT_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +27,12 @@ class ServerSettings:
     shutdown_timeout_s: float = 30.0
     stats_log_interval_s: float = 10.0
     watchdog_interval_s: float = 0.5
+    # The whole body must arrive within this many seconds of the headers (else 408).
+    request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S
+    # A response write blocked this long by a client that stopped reading ends the response.
+    send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
+    rate_limit_rpm: int | None = None  # requests per minute per client; None: unlimited
+    rate_limit_tpm: int | None = None  # prompt + n * max_tokens per minute per client
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -45,6 +53,14 @@ class ServerSettings:
             raise ValueError(f"stats_log_interval_s={self.stats_log_interval_s} must be > 0")
         if self.watchdog_interval_s <= 0:
             raise ValueError(f"watchdog_interval_s={self.watchdog_interval_s} must be > 0")
+        if self.request_body_timeout_s <= 0:
+            raise ValueError(f"request_body_timeout_s={self.request_body_timeout_s} must be > 0")
+        if self.send_timeout_s <= 0:
+            raise ValueError(f"send_timeout_s={self.send_timeout_s} must be > 0")
+        for name in ("rate_limit_rpm", "rate_limit_tpm"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"{name}={value!r} must be None (no limit) or an integer >= 1")
 
     @property
     def model_name(self) -> str:
