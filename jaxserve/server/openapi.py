@@ -28,8 +28,9 @@ def _errors(*statuses: int) -> dict[str, Any]:
         401: "Missing or wrong API key",
         404: "Unknown model or route",
         405: "Method not allowed",
+        408: "Request body not received within the body timeout",
         413: "Request body over the limit",
-        429: "Waiting queue full; retry after Retry-After seconds",
+        429: "Waiting queue full or rate limit reached; retry after Retry-After seconds",
         431: "Too many request headers",
         500: "Engine failure",
         503: "Shutting down or engine not running; retry after Retry-After seconds",
@@ -38,7 +39,14 @@ def _errors(*statuses: int) -> dict[str, Any]:
     return {str(s): {"description": reasons[s], "content": content} for s in statuses}
 
 
-GENERATION_ERRORS = (400, 401, 404, 413, 429, 431, 500, 503)
+GENERATION_ERRORS = (400, 401, 404, 408, 413, 429, 431, 500, 503)
+
+# One server-sent event as a client parses it (the data line carries a JSON chunk or [DONE]).
+SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+}
 
 
 def _sampling_properties(max_model_len: int, vocab_size: int) -> dict[str, Any]:
@@ -331,7 +339,7 @@ def openapi_spec(
         "description": "A JSON response, or server-sent events when stream is true",
         "content": {
             "application/json": {"schema": _ref("CompletionResponse")},
-            "text/event-stream": {"schema": {"type": "string"}},
+            "text/event-stream": {"schema": SSE_EVENT},
         },
     }
 
@@ -389,13 +397,13 @@ def openapi_spec(
                 "Tokenize a prompt or chat messages",
                 "TokenizeRequest",
                 tokenize_ok,
-                (400, 401, 404, 413, 431, 503),
+                (400, 401, 404, 408, 413, 431, 503),
             ),
             "/detokenize": _post(
                 "Token ids to text",
                 "DetokenizeRequest",
                 detokenize_ok,
-                (400, 401, 404, 413, 431, 503),
+                (400, 401, 404, 408, 413, 431, 503),
             ),
             "/v1/models": _get("Served models", {"type": "object", "required": ["data"]}),
             "/version": _get("Server version", {"type": "object", "required": ["version"]}),
