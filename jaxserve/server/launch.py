@@ -139,6 +139,26 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         help="devices per model replica",
     )
     add(
+        "--coordinator-address",
+        default=None,
+        help="multi-host replica: host:port of process 0 ('auto': detect on TPU pods, Slurm); "
+        "also $JAXSERVE_COORDINATOR_ADDRESS",
+    )
+    add(
+        "--num-processes",
+        type=int,
+        default=None,
+        help="multi-host replica: number of processes, one per host "
+        "(also $JAXSERVE_NUM_PROCESSES)",
+    )
+    add(
+        "--process-id",
+        type=int,
+        default=None,
+        help="multi-host replica: this process's index; 0 serves HTTP, the others follow "
+        "(also $JAXSERVE_PROCESS_ID)",
+    )
+    add(
         "--dtype",
         choices=DTYPES,
         default=_ENGINE_DEFAULTS["dtype"],
@@ -288,8 +308,19 @@ def run_launch(args: argparse.Namespace) -> int:
         _LOG.error("%s", exc)
         return 2
     from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.runner.distributed import initialize_distributed, is_coordinator
     from jaxserve.server.app import build_app
 
+    try:  # before anything touches a device
+        initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
+    except ValueError as exc:
+        _LOG.error("%s", exc)
+        return 2
+    if not is_coordinator():
+        from jaxserve.engine.follower import run_follower
+
+        run_follower(config)  # returns when process 0 shuts down
+        return 0
     _LOG.info("Loading %s", config.model_dir)
     try:
         engine = AsyncEngine.from_config(config, max_queued_requests=args.max_queued_requests)
