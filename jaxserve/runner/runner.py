@@ -128,8 +128,12 @@ class ModelRunner:
         self.capacity = self._plan_capacity()
         self.num_blocks = self.capacity.num_blocks
         self.num_slots = self.num_blocks * self.block_size
+        # NOTE: with warm-up on, the cache is allocated after the step buckets are compiled,
+        # so XLA's autotuner compiles with the memory the cache will take still free.
+        self.kv_cache: Any = None
+        if not config.warmup:
+            self.allocate_kv_cache()
         if self.tp is not None:
-            self.kv_cache = self.tp.make_kv_cache(self.num_blocks, self.block_size, self.dtype)
             in_shardings, out_shardings = self.tp.step_shardings()
             self._step_fn = jax.jit(
                 functools.partial(
@@ -140,14 +144,6 @@ class ModelRunner:
                 donate_argnames=("kv_cache",),
             )
         else:
-            self.kv_cache = make_kv_cache(
-                model_config.num_layers,
-                self.num_blocks,
-                self.block_size,
-                model_config.num_kv_heads,
-                model_config.head_dim,
-                self.dtype,
-            )
             self._step_fn = jax.jit(
                 functools.partial(_model_step, config=model_config),
                 donate_argnames=("kv_cache",),
@@ -204,14 +200,49 @@ class ModelRunner:
             num_blocks_override=self.config.num_gpu_blocks_override,
         )
 
+    def kv_cache_shape(self) -> tuple[int, int, int, int]:
+        c = self.model_config
+        return (self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+
+    def allocate_kv_cache(self) -> None:
+        if self.kv_cache is not None:
+            return
+        if self.tp is not None:
+            self.kv_cache = self.tp.make_kv_cache(self.num_blocks, self.block_size, self.dtype)
+        else:
+            self.kv_cache = make_kv_cache(
+                self.model_config.num_layers,
+                *self.kv_cache_shape()[:2],
+                self.model_config.num_kv_heads,
+                self.model_config.head_dim,
+                self.dtype,
+            )
+
+    def _abstract_kv_cache(self) -> list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]:
+        """The cache's shapes (and shardings) only: enough to compile against."""
+        shardings = (
+            self.tp.kv_cache_shardings(self.model_config.num_layers)
+            if self.tp is not None
+            else [(None, None)] * self.model_config.num_layers
+        )
+        shape = self.kv_cache_shape()
+        return [
+            (
+                jax.ShapeDtypeStruct(shape, self.dtype, sharding=k),
+                jax.ShapeDtypeStruct(shape, self.dtype, sharding=v),
+            )
+            for k, v in shardings
+        ]
+
     def warmup(self, max_workers: int = 8) -> int:
         """Compile every token bucket ahead of time, in parallel threads (XLA compiles release
-        the GIL), and the two plain sampler variants (greedy, random); returns the number of
-        model shapes compiled. Other sampler variants (top-k/p, penalties, logprobs) are small
-        and compile on first use."""
+        the GIL), then allocate the KV cache and run each bucket once with the two plain
+        sampler variants (greedy, random); returns the number of model shapes compiled. Other
+        sampler variants (top-k/p, penalties, logprobs) are small and compile on first use."""
         start = time.perf_counter()
+        kv_cache = self.kv_cache if self.kv_cache is not None else self._abstract_kv_cache()
         lowered = {
-            bucket: self._step_fn.lower(self.weights, self.kv_cache, self._empty_batch(bucket))
+            bucket: self._step_fn.lower(self.weights, kv_cache, self._empty_batch(bucket))
             for bucket in self.token_buckets
         }
         workers = max(1, min(max_workers, len(lowered), os.cpu_count() or 1))
@@ -220,6 +251,7 @@ class ModelRunner:
                 zip(lowered, pool.map(lambda lo: lo.compile(), lowered.values()), strict=True)
             )
         self._compiled_steps.update(compiled)
+        self.allocate_kv_cache()
         for bucket in self.token_buckets:
             batch = self._empty_batch(bucket)
             self.kv_cache, hidden = self._run_step(batch)
