@@ -54,6 +54,17 @@ def decode_batch(runner: ModelRunner, batch: int, context: int, rng) -> Schedule
     return SchedulerOutput(items, batch, [])
 
 
+def log_memory(stage: str) -> None:
+    """Device memory in use after each stage (the first H200 run ran out of memory here)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_in_use" in stats:
+        print(
+            f"memory after {stage}: {stats['bytes_in_use'] / 2**30:.2f} GiB in use of "
+            f"{stats.get('bytes_limit', 0) / 2**30:.2f} GiB",
+            flush=True,
+        )
+
+
 def fill_cache_randomly(runner: ModelRunner, seed: int) -> None:
     key = jax.random.key(seed)
     cache = []
@@ -136,7 +147,9 @@ def main() -> None:
         num_gpu_blocks_override=num_blocks,
     )
     runner = ModelRunner(model_config, config, max_len)
+    log_memory("weights and KV cache")
     fill_cache_randomly(runner, 0)
+    log_memory("random KV fill")
     itemsize = runner.dtype.itemsize
     weight_bytes = model_config.num_params(include_embedding=False) * itemsize
     per_token = kv_bytes_per_token(
@@ -174,9 +187,11 @@ def main() -> None:
             for item in sched.scheduled:
                 runner.release(item.seq)
             r = rows[-1]
-            print(f"row batch={batch} ctx={context} device_ms={r['device_ms']:.2f} "
-                  f"wall_ms={r['wall_ms']:.2f} floor_ms={r['floor_ms']:.2f} mbu={r['mbu']:.1%}",
-                  flush=True)
+            print(
+                f"row batch={batch} ctx={context} device_ms={r['device_ms']:.2f} "
+                f"wall_ms={r['wall_ms']:.2f} floor_ms={r['floor_ms']:.2f} mbu={r['mbu']:.1%}",
+                flush=True,
+            )
             if args.output_json:
                 Path(args.output_json).write_text(json.dumps({"rows": rows}, indent=2))
     print(
