@@ -22,3 +22,15 @@ def fixture_dir(family: str) -> Path:
 @pytest.fixture(scope="session")
 def llama_dir() -> Path:
     return fixture_dir("llama")
+
+
+def tiny_engine_config(served_model_name: str, **overrides):
+    """EngineConfig for the llama fixture in float32: what the server tests run on."""
+    from jaxserve.engine.engine_config import EngineConfig
+
+    return EngineConfig(
+        model=str(fixture_dir("llama")),
+        served_model_name=served_model_name,
+        dtype="float32",
+        **overrides,
+    )

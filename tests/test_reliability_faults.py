@@ -29,12 +29,12 @@ import pytest
 
 from jaxserve.cli import build_parser
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.server.app import build_app
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.launch import settings_from_args
 from jaxserve.server.ratelimit import RateLimiter, TokenBucket
 from jaxserve.server.settings import ServerSettings
+from tests.conftest import tiny_engine_config
 
 FIXTURE = Path(__file__).parent / "fixtures" / "models" / "llama"
 MODEL = "tiny"
@@ -45,10 +45,8 @@ NUM_BLOCKS = 64
 
 @pytest.fixture(scope="module")
 def engine():
-    config = EngineConfig(
-        model=str(FIXTURE),
-        served_model_name=MODEL,
-        dtype="float32",
+    config = tiny_engine_config(
+        MODEL,
         max_model_len=256,
         max_num_seqs=MAX_SEQS,
         max_num_batched_tokens=64,
@@ -331,7 +329,10 @@ def test_burst_past_capacity_gets_429_and_admitted_requests_finish(engine):
         admitted = [(out, ttft) for status, out, ttft in results if status == 200]
         refused = [out for status, out, _ in results if status == 429]
         assert len(admitted) + len(refused) == len(results)
-        assert len(admitted) >= capacity and len(refused) >= len(results) // 2
+        # Every queue slot is used; how many more got in depends on how fast the engine thread
+        # moved requests from the queue to running while the burst arrived (up to MAX_SEQS).
+        assert MAX_QUEUED <= len(admitted) <= capacity + MAX_SEQS
+        assert len(refused) >= len(results) // 2
         for out in refused:
             assert out["retry-after"] == "1" and out["error"]["code"] == "rate_limit_exceeded"
         for out, _ in admitted:

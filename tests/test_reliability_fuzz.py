@@ -24,10 +24,10 @@ from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.server.app import build_app
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.settings import ServerSettings
+from tests.conftest import tiny_engine_config
 
 FIXTURE = Path(__file__).parent / "fixtures" / "models" / "llama"
 MODEL = "tiny-llama"
@@ -54,10 +54,8 @@ FUZZ_SETTINGS = hypothesis.settings(
 
 @pytest.fixture(scope="module")
 def server():
-    config = EngineConfig(
-        model=str(FIXTURE),
-        served_model_name=MODEL,
-        dtype="float32",
+    config = tiny_engine_config(
+        MODEL,
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=16,
         max_num_batched_tokens=64,

@@ -32,11 +32,11 @@ import pytest
 import jaxserve
 from jaxserve import SamplingParams
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.engine.sampling_params import MAX_N
 from jaxserve.server.app import build_app
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.settings import ServerSettings
+from tests.conftest import tiny_engine_config
 
 FIXTURE = Path(__file__).parent / "fixtures" / "models" / "llama"
 MODEL = "tiny"
@@ -366,10 +366,8 @@ MAX_SEQS = 16
 
 @pytest.fixture(scope="module")
 def tiny_pool():
-    config = EngineConfig(
-        model=str(FIXTURE),
-        served_model_name=MODEL,
-        dtype="float32",
+    config = tiny_engine_config(
+        MODEL,
         max_model_len=256,
         max_num_seqs=MAX_SEQS,
         max_num_batched_tokens=64,

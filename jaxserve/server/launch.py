@@ -148,8 +148,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-processes",
         type=int,
         default=None,
-        help="multi-host replica: number of processes, one per host "
-        "(also $JAXSERVE_NUM_PROCESSES)",
+        help="multi-host replica: number of processes, one per host (also $JAXSERVE_NUM_PROCESSES)",
     )
     add(
         "--process-id",
