@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 benchmark suite in one device call (results under $OUT; see benchmarks/RESULTS.md):
-#   1. attention kernel check against the reference (native, bf16)
+#   1. attention kernel check against the reference (native, bf16); compile time per bucket
 #   2. decode MBU grid through the runner (scenario 1)
 #   3. offline throughput, jaxserve (scenario 3)
 #   4. jaxserve launch: cold start, first-request TTFT, bench serve sweep, warm start (4, 5)
@@ -22,6 +22,9 @@ git log -1 --format=%h 2>/dev/null | tee -a "$OUT/device.txt"
 
 echo "== 1. kernel check"
 timeout 90 python3 -m pytest -q -m gpu tests/test_kernel_gpu.py -x 2>&1 | tail -3
+
+echo "== 1b. compile time of one small and one large bucket ($(left) s left)"
+timeout 150 python3 benchmarks/compile_time.py --output-json "$OUT/compile_time.json" 2>&1 | grep -E "^bucket|^all"
 
 echo "== 2. decode roofline ($(left) s left)"
 timeout $(( $(left) - 330 )) python3 benchmarks/decode_roofline.py --iters 10 \

@@ -64,3 +64,11 @@ def test_throughput_smoke(tmp_path, monkeypatch) -> None:
     assert main() == 0
     result = json.loads(out.read_text())
     assert result["output_tokens"] == 16 and result["output_tokens_per_s"] > 0
+
+
+def test_compile_time_smoke(tmp_path, monkeypatch) -> None:
+    out = tmp_path / "compile.json"
+    run_script("benchmarks/compile_time.py", ["--smoke", "--output-json", str(out)], monkeypatch)
+    result = json.loads(out.read_text())
+    assert [r["bucket"] for r in result["rows"]] == [16, 32]
+    assert all(r["compile_kernel_s"] > 0 and r["compile_reference_s"] > 0 for r in result["rows"])
