@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import json
 import logging
 import os
@@ -120,7 +119,6 @@ class EngineCore:
         self._aborts: collections.deque[str] = collections.deque()
         self._lock = threading.Lock()
         self._seed_rng = random.Random(config.seed)
-        self._ids = itertools.count()
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.num_aborted = 0

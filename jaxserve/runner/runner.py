@@ -44,14 +44,11 @@ from jaxserve.runner.sharding import prepare_tp
 _LOG = logging.getLogger(__name__)
 
 
-def resolve_dtype(config: EngineConfig, model_dir_dtype: str | None) -> jnp.dtype:
+def resolve_dtype(config: EngineConfig) -> jnp.dtype:
+    """``auto``: bfloat16 on accelerators, float32 on the CPU (exact parity in tests)."""
     if config.dtype != "auto":
         return jnp.dtype(config.dtype)
-    if jax.default_backend() == "cpu":
-        return jnp.dtype(jnp.float32)
-    return jnp.dtype(
-        jnp.bfloat16 if model_dir_dtype in (None, "bfloat16", "float32") else model_dir_dtype
-    )
+    return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
 
 
 def enable_compilation_cache(cache_dir: str) -> None:
@@ -103,7 +100,7 @@ class ModelRunner:
         self.max_seq_bucket = next_power_of_2(config.max_num_seqs)
         enable_compilation_cache(config.cache_dir)
 
-        self.dtype = resolve_dtype(config, None)
+        self.dtype = resolve_dtype(config)
         # Tensor parallelism: shardings from sharding.py; TP=1 keeps the plain program.
         self.tp = (
             prepare_tp(model_config, config.tensor_parallel_size)
