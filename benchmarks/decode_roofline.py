@@ -66,17 +66,22 @@ def log_memory(stage: str) -> None:
 
 
 def fill_cache_randomly(runner: ModelRunner, seed: int) -> None:
+    """Layer by layer, freeing each old layer first: the cache is most of the device memory, and
+    a second copy of it does not fit (the first H200 run ran out of memory here)."""
     key = jax.random.key(seed)
-    cache = []
-    for k_pages, v_pages in runner.kv_cache:
+    runner.kv_cache = list(runner.kv_cache)
+    for layer, (k_pages, v_pages) in enumerate(runner.kv_cache):
+        shape, dtype, sharding = k_pages.shape, k_pages.dtype, k_pages.sharding
+        runner.kv_cache[layer] = None
+        k_pages.delete()
+        v_pages.delete()
         key, a, b = jax.random.split(key, 3)
-        cache.append(
+        runner.kv_cache[layer] = jax.block_until_ready(
             (
-                jax.random.normal(a, k_pages.shape, k_pages.dtype),
-                jax.random.normal(b, v_pages.shape, v_pages.dtype),
+                jax.device_put(jax.random.normal(a, shape, dtype), sharding),
+                jax.device_put(jax.random.normal(b, shape, dtype), sharding),
             )
         )
-    runner.kv_cache = jax.block_until_ready(cache)
 
 
 def time_device(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> float:

@@ -1,51 +1,43 @@
 #!/usr/bin/env bash
-# The H200 benchmark suite in one device call (results under $OUT; see benchmarks/RESULTS.md):
-#   1. attention kernel check against the reference (native, bf16); compile time per bucket
-#   2. decode MBU grid through the runner (scenario 1)
-#   3. offline throughput, jaxserve (scenario 3)
-#   4. jaxserve launch: cold start, first-request TTFT, bench serve sweep, warm start (4, 5)
-#   5. offline throughput, Hugging Face generate_batch, if time remains (scenario 3)
-# Uses the machine's own jax; carry .whl (starlette, uvicorn wheels).
-# Usage: bash benchmarks/run_h200.sh [seconds budget, default 540]
+# The H200 benchmark suite, stage by stage (results under $OUT; see benchmarks/RESULTS.md).
+# Each argument is STAGE[:SECONDS], run in order, each under its own time limit:
+#   kernel       attention kernel against the reference, native bf16 (pytest -m gpu)
+#   compile      compile time of one small and one large step bucket (benchmarks/compile_time.py)
+#   launch       jaxserve launch, dummy Llama-3-8B: cold start on an empty compilation cache,
+#                first-request TTFT, bench serve sweep at 2,4,8,16,inf req/s, then warm start
+#   throughput   offline throughput through jaxserve.LLM: 256 x 512/256 and 1000 x 1024/128,
+#                with launch's shapes (a warm compilation cache after `launch`)
+#   hf           offline throughput, Hugging Face generate_batch, 256 x 512/256
+#   roofline     decode MBU grid through the runner (scenario 1)
+#   reliability  the reliability suite at full scale (JAXSERVE_RELIABILITY_SCALE=full)
+# Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
+#   bash benchmarks/run_h200.sh launch:330 throughput:200
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-budget=${1:-540}
-start=$(date +%s)
-left() { echo $(( budget - ($(date +%s) - start) )); }
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
 export JAXSERVE_COMPILATION_CACHE=/tmp/jaxserve-xla XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/device.txt"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+  export PYTHONPATH=/tmp/site:$PYTHONPATH
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader |
+  tee "$OUT/device.txt"
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' | tee -a "$OUT/device.txt"
 git log -1 --format=%h 2>/dev/null | tee -a "$OUT/device.txt"
 
-echo "== 1. kernel check"
-timeout 90 python3 -m pytest -q -m gpu tests/test_kernel_gpu.py -x 2>&1 | tail -3
+MODEL=jaxserve/assets/configs/llama-3-8b
+SHAPES="--max-model-len 4096 --max-num-batched-tokens 2048"  # launch and throughput alike
 
-echo "== 1b. compile time of one small and one large bucket ($(left) s left)"
-timeout 150 python3 benchmarks/compile_time.py --output-json "$OUT/compile_time.json" 2>&1 | grep -E "^bucket|^all"
+stage_kernel() {
+  python3 -m pytest -q -m gpu tests/test_kernel_gpu.py -x 2>&1 | tail -3
+}
 
-echo "== 2. decode roofline ($(left) s left)"
-timeout $(( $(left) - 330 )) python3 benchmarks/decode_roofline.py --iters 10 \
-  --batches 1,8,64,128,256 --output-json "$OUT/roofline.json" > "$OUT/roofline.log" 2>&1
-grep -v -i warn "$OUT/roofline.log" | tail -16
+stage_compile() {
+  python3 benchmarks/compile_time.py --output-json "$OUT/compile_time.json" 2>&1 |
+    grep -E "^bucket|^all"
+}
 
-echo "== 3. throughput jaxserve ($(left) s left)"
-timeout $(( $(left) - 230 )) python3 -m jaxserve.bench.throughput --engine jaxserve \
-  --max-num-batched-tokens 2048 --output-json "$OUT/throughput_jaxserve.json" > "$OUT/throughput_jaxserve.log" 2>&1
-tail -1 "$OUT/throughput_jaxserve.log"
-
-echo "== 4. launch + serve ($(left) s left)"
-model=jaxserve/assets/configs/llama-3-8b
-flags="--load-format dummy --max-model-len 4096 --port 8011 --max-num-batched-tokens 2048"
-for phase in cold warm; do
-  [ "$(left)" -lt 60 ] && break
-  t0=$(date +%s.%N)
-  python3 -m jaxserve.cli launch $model $flags > "$OUT/launch_$phase.log" 2>&1 &
-  pid=$!
-  until curl -sf localhost:8011/health >/dev/null; do sleep 0.5; kill -0 $pid 2>/dev/null || break; done
-  python3 - "$t0" "$phase" <<'PY' | tee -a "$OUT/startup.jsonl"
+first_token() {  # $1: launch start time, $2: phase; prints one JSON line
+  python3 - "$1" "$2" <<'PY' | tee -a "$OUT/startup.jsonl"
 import json, sys, time, httpx
 t0, phase = float(sys.argv[1]), sys.argv[2]
 model = httpx.get("http://localhost:8011/v1/models").json()["data"][0]["id"]
@@ -60,22 +52,76 @@ with httpx.stream("POST", "http://localhost:8011/v1/completions", json=body, tim
 print(json.dumps({"phase": phase, "ready_s": round(sent - t0, 1),
                   "first_token_s": round(first - t0, 1), "ttft_ms": round((first - sent) * 1e3, 1)}))
 PY
-  if [ "$phase" = cold ]; then
-    timeout $(( $(left) - 120 )) python3 -m jaxserve.cli bench serve --base-url http://localhost:8011 \
-      --request-rates 2,4,8,16,inf --num-prompts 40 --random-input-len 512 --random-output-len 128 \
-      --ignore-eos --result-dir "$OUT/serve" --disable-tqdm > "$OUT/serve.log" 2>&1
-    grep -E "Request rate|Successful|Output token|Median TTFT|P95 TTFT|P95 ITL|Median ITL" "$OUT/serve.log"
-  fi
-  kill -TERM $pid; wait $pid
-  grep -E "KV cache size|Maximum concurrency|Compiled" "$OUT/launch_$phase.log"
-done
+}
 
-echo "== 5. throughput hf ($(left) s left)"
-if [ "$(left)" -gt 150 ]; then
-  timeout $(( $(left) - 10 )) python3 -m jaxserve.bench.throughput --engine hf \
-    --output-json "$OUT/throughput_hf.json" > "$OUT/throughput_hf.log" 2>&1
+stage_launch() {
+  rm -rf "$JAXSERVE_COMPILATION_CACHE"
+  for phase in cold warm; do
+    t0=$(date +%s.%N)
+    python3 -m jaxserve.cli launch $MODEL --load-format dummy $SHAPES --port 8011 \
+      > "$OUT/launch_$phase.log" 2>&1 &
+    local pid=$!
+    until curl -sf localhost:8011/health >/dev/null; do
+      sleep 0.5
+      kill -0 $pid 2>/dev/null || break
+    done
+    kill -0 $pid 2>/dev/null && first_token "$t0" $phase
+    if [ $phase = cold ] && kill -0 $pid 2>/dev/null; then
+      python3 -m jaxserve.cli bench serve --base-url http://localhost:8011 \
+        --request-rates 2,4,8,16,inf --num-prompts 40 --random-input-len 512 \
+        --random-output-len 128 --ignore-eos --result-dir "$OUT/serve" --disable-tqdm \
+        > "$OUT/serve.log" 2>&1
+      grep -E "Request rate|Successful|Output token|Median TTFT|P95 TTFT|Median ITL|P95 ITL" \
+        "$OUT/serve.log"
+    fi
+    kill -TERM $pid 2>/dev/null
+    wait $pid
+    grep -E "KV cache size|Maximum concurrency|Compil|Error|error" "$OUT/launch_$phase.log" | head -20
+  done
+}
+
+stage_throughput() {
+  python3 -m jaxserve.bench.throughput --engine jaxserve $SHAPES \
+    --output-json "$OUT/throughput_jaxserve.json" > "$OUT/throughput_jaxserve.log" 2>&1
+  tail -1 "$OUT/throughput_jaxserve.log"
+  python3 -m jaxserve.bench.throughput --engine jaxserve $SHAPES --num-prompts 1000 \
+    --input-len 1024 --output-len 128 --output-json "$OUT/throughput_jaxserve_1000.json" \
+    > "$OUT/throughput_jaxserve_1000.log" 2>&1
+  tail -1 "$OUT/throughput_jaxserve_1000.log"
+}
+
+stage_hf() {
+  python3 -m jaxserve.bench.throughput --engine hf --output-json "$OUT/throughput_hf.json" \
+    > "$OUT/throughput_hf.log" 2>&1
   tail -1 "$OUT/throughput_hf.log"
-else
-  echo "skipped: not enough time left"
-fi
+}
+
+stage_roofline() {
+  python3 benchmarks/decode_roofline.py --iters 10 --output-json "$OUT/roofline.json" \
+    > "$OUT/roofline.log" 2>&1
+  grep -v -i warn "$OUT/roofline.log" | tail -20
+}
+
+stage_reliability() {  # carry .whl/rel too: openai, schemathesis and their dependencies
+  python3 -m pip install -q --no-index --find-links .whl/rel --target /tmp/site-rel \
+    openai schemathesis pytest-timeout
+  PYTHONPATH=/tmp/site-rel:$PYTHONPATH XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  JAXSERVE_RELIABILITY_SCALE=full python3 -m pytest -q -p no:cacheprovider \
+    tests/test_reliability_load.py tests/test_reliability_faults.py \
+    tests/test_reliability_fuzz.py 2>&1 | tail -15 | tee "$OUT/reliability.log"
+}
+
+start=$(date +%s)
+for arg in "$@"; do
+  stage=${arg%%:*}
+  limit=${arg#*:}
+  [ "$limit" = "$arg" ] && limit=600
+  echo "== $stage (limit ${limit} s, at $(( $(date +%s) - start )) s)"
+  export -f "stage_$stage" first_token
+  export OUT MODEL SHAPES
+  timeout --kill-after=10 "$limit" bash -c "stage_$stage"
+  rc=$?
+  [ $rc = 124 ] && echo "   $stage: stopped at its limit"
+  pkill -f "jaxserve.cli launch" 2>/dev/null
+done
 echo "== done in $(( $(date +%s) - start )) s"

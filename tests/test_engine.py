@@ -202,3 +202,30 @@ def test_stop_string_cuts_text_and_chat_works(llm) -> None:
     chat = llm.chat([{"role": "user", "content": "hi"}], GREEDY)[0]
     assert chat.prompt_token_ids[0] == 0 and chat.prompt_token_ids.count(0) == 1  # one BOS
     assert len(chat.outputs[0].token_ids) == 8
+
+
+def test_step_lowers_attention_once_for_all_layers(monkeypatch) -> None:
+    """The model step traces the attention op once per bucket, not once per layer: a Mosaic GPU
+    kernel costs about a second to lower, and an 8B model has 32 layers and 8 buckets."""
+    import jax
+
+    import pallas_kernels
+    from jaxserve.config import ModelConfig
+    from jaxserve.runner.runner import ModelRunner
+    from tests.conftest import tiny_engine_config
+
+    traces = []
+
+    def counting_attention(*args, **kwargs):
+        traces.append(args[0].shape)
+        return pallas_kernels.reference_attention(*args, **kwargs)
+
+    monkeypatch.setattr(pallas_kernels, "ragged_paged_attention", counting_attention)
+    config = tiny_engine_config("t", max_num_batched_tokens=32, max_num_seqs=4, warmup=False)
+    model_config = ModelConfig.from_hf_dir(config.model)
+    assert model_config.num_layers > 1
+    runner = ModelRunner(model_config, config, 128)
+    for bucket in runner.token_buckets:
+        runner._step_fn.lower(runner.weights, runner.kv_cache, runner._empty_batch(bucket))
+    jax.clear_caches()
+    assert len(traces) == len(runner.token_buckets)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels
 from jaxserve.config import ModelConfig
 from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.engine.request import Sequence
@@ -70,6 +71,16 @@ class RunnerOutput:
 
 def _model_step(weights, kv_cache, batch, *, config, attention_fn=None):
     return llama.forward(weights, kv_cache, batch, config, attention_fn)
+
+
+def shared_attention(attention_fn: Any) -> Any:
+    """``attention_fn`` under one ``jax.jit``, so every layer's call shares one lowering.
+
+    Lowering a Mosaic GPU kernel takes about a second of Python; called bare, each of the 32
+    layers of an 8B model lowers (and embeds) its own copy in every bucket. Behind one jit the
+    layers' calls have the same traced function and JAX lowers it once per bucket.
+    """
+    return jax.jit(attention_fn, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
 
 
 def _sample_step(head, hidden, logits_indices, inputs, *, tied, flags):
@@ -134,7 +145,9 @@ class ModelRunner:
             in_shardings, out_shardings = self.tp.step_shardings()
             self._step_fn = jax.jit(
                 functools.partial(
-                    _model_step, config=model_config, attention_fn=self.tp.attention_fn
+                    _model_step,
+                    config=model_config,
+                    attention_fn=shared_attention(self.tp.attention_fn),
                 ),
                 in_shardings=in_shardings,
                 out_shardings=out_shardings,
@@ -142,7 +155,11 @@ class ModelRunner:
             )
         else:
             self._step_fn = jax.jit(
-                functools.partial(_model_step, config=model_config),
+                functools.partial(
+                    _model_step,
+                    config=model_config,
+                    attention_fn=shared_attention(pallas_kernels.ragged_paged_attention),
+                ),
                 donate_argnames=("kv_cache",),
             )
         self._compiled_steps: dict[int, Any] = {}  # token bucket -> ahead-of-time executable
@@ -238,16 +255,30 @@ class ModelRunner:
         sampler variants (top-k/p, penalties, logprobs) are small and compile on first use."""
         start = time.perf_counter()
         kv_cache = self.kv_cache if self.kv_cache is not None else self._abstract_kv_cache()
-        lowered = {
-            bucket: self._step_fn.lower(self.weights, kv_cache, self._empty_batch(bucket))
-            for bucket in self.token_buckets
-        }
-        workers = max(1, min(max_workers, len(lowered), os.cpu_count() or 1))
+        total = len(self.token_buckets)
+        _LOG.info(
+            "Compiling the model step for %d token buckets: %s",
+            total,
+            ", ".join(map(str, self.token_buckets)),
+        )
+        workers = max(1, min(max_workers, total, os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            compiled = dict(
-                zip(lowered, pool.map(lambda lo: lo.compile(), lowered.values()), strict=True)
-            )
-        self._compiled_steps.update(compiled)
+            # Lowering holds the GIL, compiling does not: each bucket's compile starts as soon
+            # as it is lowered, while the next one lowers.
+            futures = {}
+            for bucket in self.token_buckets:
+                lowered = self._step_fn.lower(self.weights, kv_cache, self._empty_batch(bucket))
+                futures[pool.submit(lowered.compile)] = bucket
+            for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+                bucket = futures[future]
+                self._compiled_steps[bucket] = future.result()
+                _LOG.info(
+                    "Compiled model step for %d tokens (%d/%d) at %.1f s",
+                    bucket,
+                    done,
+                    total,
+                    time.perf_counter() - start,
+                )
         self.allocate_kv_cache()
         for bucket in self.token_buckets:
             batch = self._empty_batch(bucket)
