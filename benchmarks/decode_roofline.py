@@ -129,6 +129,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--smoke", action="store_true", help="tiny model and grid, on the CPU")
     parser.add_argument("--output-json", default=None)
+    parser.add_argument(
+        "--profile-dir",
+        default=None,
+        help="also write a Perfetto trace of a few steps of each --profile-batches cell here",
+    )
+    parser.add_argument("--profile-batches", default="1,64")
     args = parser.parse_args()
     if args.smoke:
         args.model = str(Path(__file__).parents[1] / "tests/fixtures/models/llama")
@@ -175,6 +181,10 @@ def main() -> None:
             sched = decode_batch(runner, batch, context, rng)
             device = time_device(runner, sched, args.iters)
             wall = time_wall(runner, sched, args.iters)
+            if args.profile_dir and str(batch) in args.profile_batches.split(","):
+                trace_dir = Path(args.profile_dir) / f"b{batch}_ctx{context}"
+                with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+                    time_wall(runner, sched, 3)
             step_bytes = weight_bytes + batch * (context + 1) * per_token
             floor = step_bytes / BANDWIDTH
             rows.append(

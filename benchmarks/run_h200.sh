@@ -98,7 +98,8 @@ stage_hf() {
 
 stage_roofline() {
   python3 benchmarks/decode_roofline.py --iters 10 --output-json "$OUT/roofline.json" \
-    > "$OUT/roofline.log" 2>&1
+    --profile-dir "$OUT/profile" > "$OUT/roofline.log" 2>&1
+  find "$OUT/profile" -name "*.xplane.pb" -delete
   grep -v -i warn "$OUT/roofline.log" | tail -20
 }
 
@@ -125,3 +126,5 @@ for arg in "$@"; do
   pkill -f "jaxserve.cli launch" 2>/dev/null
 done
 echo "== done in $(( $(date +%s) - start )) s"
+# Everything in one archive: only a few files come back from the device machine.
+tar czf /tmp/results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tgz "$OUT/"

@@ -7,6 +7,7 @@ middle of the stream. Its /metrics reports the requests in flight as ``num_reque
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import socket
@@ -139,16 +140,19 @@ def _config(base_url: str, **overrides: object) -> serve.ServeBenchConfig:
 
 def test_sweep_accounts_for_every_request_and_token() -> None:
     config = _config("http://unused")
-    samples = sample_requests(config.dataset_spec())
-    fail_http = {json.dumps(samples[i].prompt) for i in (2, 7)}
-    fail_stream = {json.dumps(samples[5].prompt)}
+    spec = config.dataset_spec()
+    # Each rate draws fresh prompts (no prefix-cache reuse across rates).
+    per_rate = [sample_requests(dataclasses.replace(spec, rate_index=i)) for i in range(2)]
+    assert per_rate[0][0].prompt != per_rate[1][0].prompt
+    fail_http = {json.dumps(samples[i].prompt) for samples in per_rate for i in (2, 7)}
+    fail_stream = {json.dumps(samples[5].prompt) for samples in per_rate}
     with running(fake_app(fail_http, fail_stream)) as url:
         config = _config(url, goodput={"ttft": 10_000.0})
         sweep = asyncio.run(serve.benchmark(config))
 
     assert sweep.model == MODEL
     assert [r.request_rate for r in sweep.rates] == [50.0, math.inf]
-    for rate in sweep.rates:
+    for rate, samples in zip(sweep.rates, per_rate, strict=True):
         m = rate.metrics
         assert len(rate.outputs) == config.num_prompts
         assert (m.completed, m.failed) == (9, 3)

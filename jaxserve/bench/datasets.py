@@ -74,6 +74,9 @@ class DatasetSpec:
     as_text: bool = False  # True for the chat endpoint: words instead of token ids
     path: str | None = None  # the JSONL file for name="jsonl"
     seed: int = 0
+    # A sweep draws fresh prompts for each rate (its index here), so that no rate is served
+    # from the prefix cache that an earlier rate filled; None: the plain seed.
+    rate_index: int | None = None
 
     def __post_init__(self) -> None:
         if self.name not in DATASET_NAMES:
@@ -110,7 +113,9 @@ def sample_requests(spec: DatasetSpec) -> list[SampleRequest]:
     if spec.name == "jsonl":
         assert spec.path is not None
         return _jsonl_requests(spec, Path(spec.path))
-    rng = np.random.default_rng(spec.seed)
+    rng = np.random.default_rng(
+        spec.seed if spec.rate_index is None else [spec.seed, spec.rate_index]
+    )
     input_lens = _lengths(rng, spec.input_len, spec.range_ratio, spec.num_prompts)  # i64[N]
     output_lens = _lengths(rng, spec.output_len, spec.range_ratio, spec.num_prompts)  # i64[N]
     prefixes: list[list[int]] = []

@@ -328,7 +328,9 @@ async def benchmark(
     config: ServeBenchConfig, on_progress: Callable[[SweepResult], None] | None = None
 ) -> SweepResult:
     """Runs the sweep; `on_progress` gets the partial result after each rate."""
-    requests = sample_requests(config.dataset_spec())
+    spec = config.dataset_spec()
+    requests = sample_requests(spec)  # the probe's; each rate of a synthetic set draws its own
+    requests_per_rate = spec.name != "jsonl"
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     async with httpx.AsyncClient(
@@ -344,6 +346,8 @@ async def benchmark(
             raise BenchmarkError(f"the first test request failed: {probe.error}")
         sweep = SweepResult(config.to_dict(), model, date, ())
         for index, rate in enumerate(config.request_rates):
+            if requests_per_rate:
+                requests = sample_requests(dataclasses.replace(spec, rate_index=index))
             result = await run_rate(client, config, model, requests, rate, index)
             sweep = dataclasses.replace(sweep, rates=(*sweep.rates, result))
             if on_progress:
