@@ -115,11 +115,16 @@ def run_hf(args: argparse.Namespace) -> dict:
         pad_token_id=0,
     )
     start = time.perf_counter()
-    with torch.inference_mode():
+    # NOTE: no_grad, not inference_mode: generate_batch fills its static tensors from a worker
+    # thread, which may not update inference tensors made here.
+    with torch.no_grad():
         results = model.generate_batch(inputs=prompts, generation_config=gen)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     generated = sum(len(r.generated_tokens) for r in results.values())
+    expected = args.num_prompts * args.output_len
+    if generated != expected:
+        raise RuntimeError(f"generate_batch produced {generated} of {expected} tokens")
     return {
         "engine": "hf",
         "attn_implementation": model.config._attn_implementation,

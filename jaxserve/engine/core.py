@@ -22,11 +22,11 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.engine.kv_cache import KVCacheManager
 from jaxserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxserve.engine.request import Request, SeqStatus, Sequence, derive_seed
+from jaxserve.engine.request import PENDING_TOKEN, Request, SeqStatus, Sequence, derive_seed
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.tokenizer import Tokenizer, has_tokenizer_files
-from jaxserve.runner.runner import ModelRunner, RunnerOutput
+from jaxserve.runner.runner import InFlight, ModelRunner, RunnerOutput
 
 _LOG = logging.getLogger(__name__)
 
@@ -123,6 +123,17 @@ class EngineCore:
         self.generation_tokens = 0
         self.num_aborted = 0
         self.num_steps = 0
+        # Asynchronous scheduling: step n + 1 is scheduled and dispatched before step n's
+        # tokens are read back, so the host's work overlaps the device's. Sequences with
+        # penalties need their full output history on the host, so while any such request
+        # is live the engine reads each step back before scheduling the next.
+        self.async_scheduling = (
+            config.async_scheduling
+            and hasattr(self.runner, "dispatch")
+            and not getattr(self.runner, "multihost", False)
+        )
+        self._in_flight: tuple[SchedulerOutput, InFlight] | None = None
+        self._num_sync_requests = 0
 
     def shutdown(self) -> None:
         """Release follower processes of a multi-host replica (a no-op on one host)."""
@@ -220,7 +231,7 @@ class EngineCore:
             self._aborts.append(request_id)
 
     def has_work(self) -> bool:
-        return bool(self._inbox or self._aborts or self.scheduler.has_work())
+        return bool(self._inbox or self._aborts or self._in_flight or self.scheduler.has_work())
 
     def num_waiting(self) -> int:
         """Sequences not yet running (a request with n samples counts n)."""
@@ -253,6 +264,7 @@ class EngineCore:
             aborts, self._aborts = list(self._aborts), collections.deque()
         for request in new:
             self.requests[request.request_id] = request
+            self._num_sync_requests += request.params.has_penalties
             for seq in request.seqs:
                 self.scheduler.add(seq)
         outputs = []
@@ -264,6 +276,7 @@ class EngineCore:
                 if not seq.is_finished:
                     self.scheduler.remove(seq)
                     self.runner.release(seq)
+                    seq.drop_pending()
                     seq.status = SeqStatus.FINISHED
                     seq.finish_reason = "abort"
             self.num_aborted += 1
@@ -273,9 +286,12 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         outputs = self._drain_inbox()
+        overlap = self.async_scheduling and self._num_sync_requests == 0
+        if not overlap:
+            outputs += self._read_in_flight()
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return outputs
+            return outputs + self._read_in_flight()
         now = time.time()
         for item in sched.scheduled:
             metrics = item.seq.request.metrics
@@ -283,11 +299,30 @@ class EngineCore:
                 metrics.first_scheduled_time = now
         for seq in sched.preempted:
             self.runner.release(seq)
-        result = self.runner.execute(sched)
+        if not overlap:
+            result = self.runner.execute(sched)
+            self.scheduler.update_from_output(sched)
+            self.num_steps += 1
+            return outputs + self._process(sched, result)
+        previous = self._in_flight[1] if self._in_flight else None
+        step = self.runner.dispatch(sched, previous)
         self.scheduler.update_from_output(sched)
         self.num_steps += 1
-        outputs += self._process(sched, result)
+        for item in sched.scheduled:
+            if item.completes_sequence:  # its token is read back after the next dispatch
+                item.seq.output_token_ids.append(PENDING_TOKEN)
+                item.seq.num_pending += 1
+        outputs += self._read_in_flight()
+        self._in_flight = (sched, step)
         return outputs
+
+    def _read_in_flight(self) -> list[RequestOutput]:
+        """Wait for the dispatched step, if any, and process its tokens."""
+        if self._in_flight is None:
+            return []
+        sched, step = self._in_flight
+        self._in_flight = None
+        return self._process(sched, self.runner.collect(step))
 
     def _process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         now = time.time()
@@ -310,9 +345,10 @@ class EngineCore:
                 _LOG.exception("request %s failed while processing its output", request.request_id)
                 seq.finish_reason, seq.stop_reason = "error", repr(exc)
             if seq.finish_reason is not None:
+                seq.drop_pending()  # a token sampled past the end is discarded
                 self.scheduler.finish(seq)
                 self.runner.release(seq)
-            if seq.index == 0 and len(seq.output_token_ids) == 1:
+            if seq.index == 0 and seq.num_resolved_outputs == 1:
                 self.scheduler.release_parked(seq)
             metrics = request.metrics
             if metrics is not None:
@@ -334,7 +370,11 @@ class EngineCore:
     def _append_token(self, seq: Sequence, result: RunnerOutput, row: int) -> None:
         token = int(result.token_ids[row])
         params = seq.params
-        seq.output_token_ids.append(token)
+        if seq.num_pending:  # the oldest pending token is this one
+            seq.output_token_ids[seq.num_resolved_outputs] = token
+            seq.num_pending -= 1
+        else:
+            seq.output_token_ids.append(token)
         self.generation_tokens += 1
         if result.logprobs is not None:
             seq.cumulative_logprob += float(result.logprobs[row])
@@ -354,7 +394,7 @@ class EngineCore:
                 for tid, lp in entry.items():
                     lp.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
                 seq.logprobs.append(entry)
-        num_out = len(seq.output_token_ids)
+        num_out = seq.num_resolved_outputs
         is_stop_token = token in params.stop_token_ids or (
             not params.ignore_eos and token in self.eos_token_ids
         )
@@ -365,7 +405,7 @@ class EngineCore:
         seq.text += seq.detokenizer.add([token])
         if params.stop and num_out >= params.min_tokens and self._check_stop_strings(seq):
             return
-        if num_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_out >= params.max_tokens or seq.num_prompt_tokens + num_out >= self.max_model_len:
             seq.finish_reason = "length"
 
     @staticmethod
@@ -417,12 +457,12 @@ class EngineCore:
                 hold = max(len(s) for s in params.stop) - 1  # a stop string may be starting
             text_end = max(seq.num_text_sent, len(seq.text) - hold)
             delta_text = seq.text[seq.num_text_sent : text_end]
-            new_tokens = seq.output_token_ids[seq.num_tokens_sent :]
+            new_tokens = seq.output_token_ids[seq.num_tokens_sent : seq.num_resolved_outputs]
             new_logprobs = None
             if seq.logprobs is not None:
                 new_logprobs = seq.logprobs[seq.num_tokens_sent :]
             seq.num_text_sent = text_end
-            seq.num_tokens_sent = len(seq.output_token_ids)
+            seq.num_tokens_sent = seq.num_resolved_outputs
             if seq.is_finished and seq.num_text_sent < len(seq.text):
                 delta_text += seq.text[seq.num_text_sent :]
                 seq.num_text_sent = len(seq.text)
@@ -463,6 +503,7 @@ class EngineCore:
         )
 
     def _retire(self, request: Request) -> None:
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None:
+            self._num_sync_requests -= request.params.has_penalties
         for seq in request.seqs:
             self.kv.forget_hashes(seq)

@@ -40,6 +40,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     compilation_cache_dir: str | None = None
     warmup: bool = True  # compile every shape bucket at start-up
+    # Schedule and dispatch step n + 1 before reading step n's tokens back (host work
+    # overlaps the device); off: every step is read back before the next is scheduled.
+    async_scheduling: bool = True
     # Memory the KV budget is a fraction of; None: what the device reports (CPU: 2 GiB).
     device_memory_bytes: int | None = None
 

@@ -165,7 +165,8 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register the blocks that will be full of known tokens after this step."""
-        num_full = min(num_tokens, seq.num_tokens) // self.block_size
+        # Pending tokens are not known yet: their block is hashed once they are.
+        num_full = min(num_tokens, seq.num_tokens - seq.num_pending) // self.block_size
         done = seq.num_hashed_blocks
         if num_full <= done:
             return

@@ -14,6 +14,10 @@ import hashlib
 from jaxserve.engine.outputs import Logprob, RequestMetrics
 from jaxserve.engine.sampling_params import SamplingParams
 
+# An output token that a dispatched step will produce but that has not been read back yet
+# (asynchronous scheduling); the next step reads it on the device.
+PENDING_TOKEN = -1
+
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # in the waiting queue (new or preempted)
@@ -45,6 +49,9 @@ class Sequence:
     row: int | None = None
     num_synced_blocks: int = 0
     num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
+    # Trailing PENDING_TOKEN entries of output_token_ids (0 or 1 in flight, 2 while the engine
+    # reads one step back after dispatching the next).
+    num_pending: int = 0
     # Output bookkeeping (filled by the engine core).
     text: str = ""
     num_text_sent: int = 0  # characters of `text` already streamed
@@ -70,6 +77,17 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.request.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_resolved_outputs(self) -> int:
+        """Output tokens known on the host (the pending ones excluded)."""
+        return len(self.output_token_ids) - self.num_pending
+
+    def drop_pending(self) -> None:
+        """Forget tokens still in flight (the sequence finished or was aborted)."""
+        if self.num_pending:
+            del self.output_token_ids[-self.num_pending :]
+            self.num_pending = 0
 
     @property
     def last_token_id(self) -> int:

@@ -21,11 +21,12 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     start: int  # num_computed_tokens before this step
+    # True when this step reaches the end of the known tokens (a token gets sampled); fixed
+    # when scheduled, since the sequence may gain a pending token before the step is read.
+    completes_sequence: bool = dataclasses.field(init=False)
 
-    @property
-    def completes_sequence(self) -> bool:
-        """True when this step reaches the end of the known tokens (a token gets sampled)."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.completes_sequence = self.start + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclasses.dataclass
@@ -109,6 +110,9 @@ class Scheduler:
         return candidates[-1]
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        max_tokens = seq.params.max_tokens
+        if max_tokens is not None and len(seq.output_token_ids) >= max_tokens:
+            return 0  # its pending last token ends it: nothing more to compute
         remaining = min(seq.num_tokens, self.max_model_len) - seq.num_computed_tokens
         return min(remaining, budget)
 
@@ -181,7 +185,6 @@ class Scheduler:
             self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-        self.kv.free(seq)
+        # A sequence preempted while its last token was in flight finishes from `waiting`.
+        self.remove(seq)
         seq.status = SeqStatus.FINISHED

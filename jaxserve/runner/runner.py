@@ -25,7 +25,7 @@ import numpy as np
 import pallas_kernels
 from jaxserve.config import ModelConfig
 from jaxserve.engine.engine_config import EngineConfig
-from jaxserve.engine.request import Sequence
+from jaxserve.engine.request import PENDING_TOKEN, Sequence
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.models import llama
 from jaxserve.models.batch import Batch, make_kv_cache
@@ -59,6 +59,17 @@ def enable_compilation_cache(cache_dir: str) -> None:
 
 
 @dataclasses.dataclass
+class InFlight:
+    """A dispatched step: its device outputs, not yet read back."""
+
+    out: SamplerOutput
+    prompt_out: tuple[jax.Array, ...] | None
+    spans: dict[str, tuple[int, int]]  # seq_id -> (offset, count) of its prompt logprob rows
+    num_seqs: int
+    sampled_row: dict[str, int]  # seq_id -> its row in out.token_ids
+
+
+@dataclasses.dataclass
 class RunnerOutput:
     token_ids: np.ndarray  # i32[S]
     logprobs: np.ndarray | None = None  # f32[S]
@@ -89,6 +100,12 @@ def _sample_step(head, hidden, logits_indices, inputs, *, tied, flags):
     )
     logits = llama.compute_logits(weights, hidden[logits_indices])  # f32[S, V]
     return sampling.sample(logits, inputs, flags)
+
+
+def _feed_pending(input_ids, source, previous_ids):
+    """Input ids with each pending token (source >= 0) taken from the previous step's samples."""
+    taken = previous_ids[jnp.clip(source, 0, previous_ids.shape[0] - 1)]
+    return jnp.where(source >= 0, taken, input_ids)
 
 
 def _prompt_logprobs_step(head, hidden, next_ids, *, tied):
@@ -165,6 +182,7 @@ class ModelRunner:
         self._compiled_steps: dict[int, Any] = {}  # token bucket -> ahead-of-time executable
         self._sample_fn = jax.jit(_sample_step, static_argnames=("tied", "flags"))
         self._prompt_lp_fn = jax.jit(_prompt_logprobs_step, static_argnames=("tied",))
+        self._feed_fn = jax.jit(_feed_pending)
         self.compile_seconds = 0.0
         # Several processes (hosts) share this model: process 0 broadcasts each step.
         self.multihost = jax.process_count() > 1
@@ -316,6 +334,16 @@ class ModelRunner:
     # -- one step --------------------------------------------------------------------------
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        """One step, start to finish: dispatch, then wait for the sampled tokens."""
+        return self.collect(self.dispatch(output))
+
+    def dispatch(self, output: SchedulerOutput, previous: InFlight | None = None) -> InFlight:
+        """Queue one step on the device and return without waiting for it.
+
+        A sequence may decode a token that ``previous`` (the step dispatched just before, not
+        yet collected) is still sampling: its input id is ``PENDING_TOKEN`` on the host and
+        is read from ``previous``'s sampled ids on the device.
+        """
         host_batch, rows = self.inputs.build_batch(output)
         seqs = [item.seq for item in output.scheduled]
         flags = self.inputs.sampler_flags(rows, host_batch.kv_lens)
@@ -324,21 +352,41 @@ class ModelRunner:
         if self.multihost:  # followers join the same step with process 0's inputs
             broadcast_ints(_encode_header(host_batch, inputs, flags, next_ids), HEADER_SIZE)
             host_batch, inputs, next_ids = broadcast_step_inputs((host_batch, inputs, next_ids))
-        out, prompt_out = self._device_step(host_batch, inputs, flags, next_ids)
-        num = len(seqs)
+        feed = self._pending_feed(output, host_batch, previous)
+        out, prompt_out = self._device_step(host_batch, inputs, flags, next_ids, feed)
+        sampled_row = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
+        return InFlight(out, prompt_out, spans, len(seqs), sampled_row)
+
+    def collect(self, step: InFlight) -> RunnerOutput:
+        """Wait for a dispatched step and copy its sampled tokens (and logprobs) to the host."""
+        out, num = step.out, step.num_seqs
         result = RunnerOutput(token_ids=np.asarray(out.token_ids)[:num])
         if out.logprobs is not None:
             result.logprobs = np.asarray(out.logprobs)[:num]
             result.ranks = np.asarray(out.ranks)[:num]
             result.top_ids = np.asarray(out.top_ids)[:num]
             result.top_logprobs = np.asarray(out.top_logprobs)[:num]
-        if prompt_out is not None:
-            lp, ranks, top_ids, top_lp = (np.asarray(a) for a in prompt_out)
+        if step.prompt_out is not None:
+            lp, ranks, top_ids, top_lp = (np.asarray(a) for a in step.prompt_out)
             result.prompt_logprobs = {
                 sid: (lp[o : o + n], ranks[o : o + n], top_ids[o : o + n], top_lp[o : o + n])
-                for sid, (o, n) in spans.items()
+                for sid, (o, n) in step.spans.items()
             }
         return result
+
+    def _pending_feed(
+        self, output: SchedulerOutput, host_batch: Batch, previous: InFlight | None
+    ) -> tuple[np.ndarray, jax.Array] | None:
+        """(source row in ``previous``'s sampled ids, or -1, per token; those ids) or None."""
+        pending = np.flatnonzero(host_batch.input_ids == PENDING_TOKEN)
+        if pending.size == 0:
+            return None
+        if previous is None:
+            raise RuntimeError("a pending input token without the step that samples it")
+        owners = np.searchsorted(host_batch.cu_q_lens, pending, side="right") - 1
+        source = np.full(host_batch.input_ids.shape[0], -1, np.int32)
+        source[pending] = [previous.sampled_row[output.scheduled[i].seq.seq_id] for i in owners]
+        return source, previous.out.token_ids
 
     def _device_step(
         self,
@@ -346,12 +394,18 @@ class ModelRunner:
         inputs: SamplingInputs,
         flags: SamplerFlags,
         next_ids: np.ndarray | None,
+        feed: tuple[np.ndarray, jax.Array] | None = None,
     ) -> tuple[SamplerOutput, tuple[jax.Array, ...] | None]:
         """Model step, sampler and (when asked) prompt logprobs on the device."""
         if self.tp is not None:
             batch, inputs = self.tp.put_replicated((host_batch, inputs))
         else:
             batch, inputs = jax.device_put((host_batch, inputs))
+        if feed is not None:
+            source, previous_ids = feed
+            batch = dataclasses.replace(
+                batch, input_ids=self._feed_fn(batch.input_ids, source, previous_ids)
+            )
         self.kv_cache, hidden = self._run_step(batch)
         out = self._sample_fn(
             self.head, hidden, batch.logits_indices, inputs, tied=self.tied, flags=flags

@@ -126,6 +126,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         help="split long prompts over several steps",
     )
     add(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=_ENGINE_DEFAULTS["async_scheduling"],
+        help="schedule and dispatch the next step before the current one's tokens are read "
+        "back, so host work overlaps the device (off while a request uses penalties)",
+    )
+    add(
         "--scheduling-policy",
         choices=SCHEDULING_POLICIES,
         default=_ENGINE_DEFAULTS["scheduling_policy"],
@@ -265,6 +272,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        async_scheduling=args.async_scheduling,
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
