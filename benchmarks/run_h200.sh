@@ -9,6 +9,7 @@
 #                with launch's shapes (a warm compilation cache after `launch`)
 #   hf           offline throughput, Hugging Face generate_batch, 256 x 512/256
 #   roofline     decode MBU grid through the runner (scenario 1)
+#   cublas       a few roofline cells with XLA's Triton GEMMs off (cuBLAS for every matmul)
 #   reliability  the reliability suite at full scale (JAXSERVE_RELIABILITY_SCALE=full)
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
 #   bash benchmarks/run_h200.sh launch:330 throughput:200
@@ -101,6 +102,13 @@ stage_roofline() {
     --profile-dir "$OUT/profile" > "$OUT/roofline.log" 2>&1
   find "$OUT/profile" -name "*.xplane.pb" -delete
   grep -v -i warn "$OUT/roofline.log" | tail -20
+}
+
+stage_cublas() {  # the same decode cells with every GEMM on cuBLAS instead of Triton
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" \
+    python3 benchmarks/decode_roofline.py --iters 10 --batches 1,8,64 --contexts 1024 \
+    --output-json "$OUT/roofline_cublas.json" > "$OUT/roofline_cublas.log" 2>&1
+  grep -v -i warn "$OUT/roofline_cublas.log" | tail -5
 }
 
 stage_reliability() {  # carry .whl/rel too: openai, schemathesis and their dependencies
