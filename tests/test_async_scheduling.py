@@ -7,6 +7,7 @@ overlap must really happen: the runner sees dispatch(n + 1) before collect(n).
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 from jaxserve import SamplingParams
@@ -129,3 +130,17 @@ def test_launch_flag() -> None:
 
     for argv, want in ((["launch"], True), (["launch", "--no-async-scheduling"], False)):
         assert engine_config_from_args(build_parser(argv).parse_args(argv)).async_scheduling is want
+
+
+def test_warm_up_compiles_the_token_feed() -> None:
+    """No compile on the serving path: the pending-token feed has one shape per token bucket,
+    and warm-up runs each."""
+    jax.clear_caches()  # jit caches are per function: start from none
+    llm = make_llm(warmup=True, max_num_seqs=4)
+    runner = llm.engine.runner
+    compiled = runner._feed_fn._cache_size()
+    assert compiled == len(runner.token_buckets)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for count in (1, 3, 6):  # 6 > max_num_seqs: batches of several sizes, prefill + decode
+        llm.generate([ids(p) for p in (PROMPTS * 2)[:count]], params, use_tqdm=False)
+    assert runner._feed_fn._cache_size() == compiled

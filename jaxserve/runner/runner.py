@@ -94,12 +94,16 @@ def shared_attention(attention_fn: Any) -> Any:
     return jax.jit(attention_fn, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
 
 
-def _sample_step(head, hidden, logits_indices, inputs, *, tied, flags):
+def _sample_step(head, hidden, logits_indices, inputs, *, tied, flags, num_rows):
     weights = llama.Weights(
         embed=head if tied else None, layers=[], final_norm=None, lm_head=None if tied else head
     )
     logits = llama.compute_logits(weights, hidden[logits_indices])  # f32[S, V]
-    return sampling.sample(logits, inputs, flags)
+    out = sampling.sample(logits, inputs, flags)
+    # Token ids padded to the largest sequence bucket: the next step's on-device feed of
+    # pending tokens then has one shape per token bucket, all compiled at warm-up.
+    padding = num_rows - out.token_ids.shape[0]
+    return dataclasses.replace(out, token_ids=jnp.pad(out.token_ids, (0, padding)))
 
 
 def _feed_pending(input_ids, source, previous_ids):
@@ -180,7 +184,10 @@ class ModelRunner:
                 donate_argnames=("kv_cache",),
             )
         self._compiled_steps: dict[int, Any] = {}  # token bucket -> ahead-of-time executable
-        self._sample_fn = jax.jit(_sample_step, static_argnames=("tied", "flags"))
+        self._sample_fn = jax.jit(
+            functools.partial(_sample_step, num_rows=self.max_seq_bucket),
+            static_argnames=("tied", "flags"),
+        )
         self._prompt_lp_fn = jax.jit(_prompt_logprobs_step, static_argnames=("tied",))
         self._feed_fn = jax.jit(_feed_pending)
         self.compile_seconds = 0.0
@@ -309,6 +316,8 @@ class ModelRunner:
                     self.head, hidden, batch.logits_indices, inputs, tied=self.tied, flags=flags
                 )
                 jax.block_until_ready(out.token_ids)
+            source = np.full(bucket, -1, np.int32)
+            jax.block_until_ready(self._feed_fn(batch.input_ids, source, out.token_ids))
         self.compile_seconds = time.perf_counter() - start
         return len(self.token_buckets)
 
