@@ -116,7 +116,8 @@ stage_reliability() {  # carry .whl/rel too: openai, schemathesis and their depe
   # The load scenarios are the ones that scale (1,000 clients); the rest run in CI as they are.
   PYTHONPATH=/tmp/site-rel:$PYTHONPATH XLA_PYTHON_CLIENT_PREALLOCATE=false \
   JAXSERVE_RELIABILITY_SCALE=full python3 -m pytest -q -p no:cacheprovider -rA \
-    tests/test_reliability_load.py 2>&1 | tail -25 | tee "$OUT/reliability.log"
+    tests/test_reliability_load.py > "$OUT/reliability.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^E " "$OUT/reliability.log" | tail -30
 }
 
 start=$(date +%s)

@@ -11,6 +11,7 @@ JAX's persistent compilation cache so a second start is fast.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -273,11 +274,21 @@ class ModelRunner:
             for k, v in shardings
         ]
 
+    def _precision(self) -> contextlib.AbstractContextManager:
+        """float32 means float32: on GPUs XLA would otherwise multiply f32 in TF32."""
+        if self.dtype == jnp.float32:
+            return jax.default_matmul_precision("highest")
+        return contextlib.nullcontext()
+
     def warmup(self, max_workers: int = 8) -> int:
         """Compile every token bucket ahead of time, in parallel threads (XLA compiles release
         the GIL), then allocate the KV cache and run each bucket once with the two plain
         sampler variants (greedy, random); returns the number of model shapes compiled. Other
         sampler variants (top-k/p, penalties, logprobs) are small and compile on first use."""
+        with self._precision():
+            return self._warmup(max_workers)
+
+    def _warmup(self, max_workers: int) -> int:
         start = time.perf_counter()
         kv_cache = self.kv_cache if self.kv_cache is not None else self._abstract_kv_cache()
         total = len(self.token_buckets)
@@ -406,6 +417,17 @@ class ModelRunner:
         feed: tuple[np.ndarray, jax.Array] | None = None,
     ) -> tuple[SamplerOutput, tuple[jax.Array, ...] | None]:
         """Model step, sampler and (when asked) prompt logprobs on the device."""
+        with self._precision():
+            return self._device_step_traced(host_batch, inputs, flags, next_ids, feed)
+
+    def _device_step_traced(
+        self,
+        host_batch: Batch,
+        inputs: SamplingInputs,
+        flags: SamplerFlags,
+        next_ids: np.ndarray | None,
+        feed: tuple[np.ndarray, jax.Array] | None,
+    ) -> tuple[SamplerOutput, tuple[jax.Array, ...] | None]:
         if self.tp is not None:
             batch, inputs = self.tp.put_replicated((host_batch, inputs))
         else:
