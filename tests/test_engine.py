@@ -229,3 +229,11 @@ def test_step_lowers_attention_once_for_all_layers(monkeypatch) -> None:
         runner._step_fn.lower(runner.weights, runner.kv_cache, runner._empty_batch(bucket))
     jax.clear_caches()
     assert len(traces) == len(runner.token_buckets)
+
+
+def test_float32_steps_use_full_precision_matmuls() -> None:
+    """XLA multiplies float32 in TF32 on GPUs unless asked: the float32 engine asks."""
+    f32 = make_llm(warmup=True, max_num_seqs=4).engine.runner
+    bf16 = make_llm(warmup=True, max_num_seqs=4, dtype="bfloat16").engine.runner
+    assert "operand_precision={highest" in f32._compiled_steps[16].as_text()
+    assert "highest" not in bf16._compiled_steps[16].as_text()
