@@ -144,3 +144,14 @@ def test_warm_up_compiles_the_token_feed() -> None:
     for count in (1, 3, 6):  # 6 > max_num_seqs: batches of several sizes, prefill + decode
         llm.generate([ids(p) for p in (PROMPTS * 2)[:count]], params, use_tqdm=False)
     assert runner._feed_fn._cache_size() == compiled
+
+
+def test_shutdown_waits_for_the_step_in_flight() -> None:
+    llm = make_llm(async_scheduling=True)
+    engine = llm.engine
+    engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=50))
+    for _ in range(3):
+        engine.step()
+    assert engine._in_flight is not None
+    engine.shutdown()
+    assert engine._in_flight is None

@@ -136,7 +136,10 @@ class EngineCore:
         self._num_sync_requests = 0
 
     def shutdown(self) -> None:
-        """Release follower processes of a multi-host replica (a no-op on one host)."""
+        """Wait for a step still on the device, then release the follower processes of a
+        multi-host replica (a no-op on one host). Call it once the step loop has stopped."""
+        if self._in_flight is not None:
+            self._read_in_flight()
         stop = getattr(self.runner, "stop_followers", None)
         if stop is not None:
             stop()
