@@ -36,7 +36,7 @@ from jaxserve.engine.sampling_params import MAX_N
 from jaxserve.server.app import build_app
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.settings import ServerSettings
-from tests.conftest import tiny_engine_config
+from tests.conftest import paced_launch_command, tiny_engine_config
 
 FIXTURE = Path(__file__).parent / "fixtures" / "models" / "llama"
 MODEL = "tiny"
@@ -81,14 +81,16 @@ def rss_bytes(pid: int) -> int:
 def launched(tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("launch") / "server.log"
+    # Steps of at least 2 ms (the CPU takes longer anyway): on a fast GPU the SIGTERM test's
+    # 200-token streams would otherwise all finish within the drain, and none be aborted.
+    launch, env = paced_launch_command(0.002)
     command = [
-        sys.executable, "-m", "jaxserve.cli", "launch", str(FIXTURE),
+        *launch, str(FIXTURE),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL,
         "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "32",
         "--max-num-batched-tokens", "64", "--num-gpu-blocks-override", "512",
         "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--log-level", "warning",
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "JAXSERVE_API_KEY"}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"

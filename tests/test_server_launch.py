@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ import pytest
 
 from jaxserve.cli import build_parser, main
 from jaxserve.server.launch import engine_config_from_args, human_int, settings_from_args
+from tests.conftest import paced_launch_command
 
 FIXTURE = Path(__file__).parent / "fixtures" / "models" / "llama"
 
@@ -136,14 +135,15 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "server.log"
+    # Steps of at least 5 ms: the 240-token streams outlast the 0.5 s drain on any device.
+    launch, env = paced_launch_command(0.005)
     command = [
-        sys.executable, "-m", "jaxserve.cli", "launch", str(FIXTURE),
+        *launch, str(FIXTURE),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
         "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
         "--max-num-batched-tokens", "64", "--num-gpu-blocks-override", "64",
         "--shutdown-timeout", "0.5", "--compilation-cache-dir", str(tmp_path / "xla"),
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "JAXSERVE_API_KEY"}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
