@@ -1,11 +1,17 @@
-"""Shared test set-up: fixture model paths and a persistent compilation cache."""
+"""Shared test set-up: fixture model paths, a persistent compilation cache, and helpers for the
+tests that start servers and processes."""
 
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 import sys
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import httpx
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
@@ -16,15 +22,20 @@ os.environ.setdefault("JAXSERVE_COMPILATION_CACHE", str(Path.home() / ".cache/ja
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-# ``jaxserve launch`` whose engine steps take at least $JAXSERVE_TEST_MIN_STEP_S seconds: a
-# drain test needs streams that outlast ``--shutdown-timeout`` on any device, however fast.
+# ``jaxserve launch`` whose engine steps take at least $JAXSERVE_TEST_MIN_STEP_S seconds (a
+# test that needs streams still running at some moment gets them on any device, however fast)
+# and raise once the file named by $JAXSERVE_TEST_CRASH_FILE exists (an injected failure).
 PACED_LAUNCH = """
 import os, sys, time
+from pathlib import Path
 from jaxserve.cli import main
 from jaxserve.engine import core
 min_step_s = float(os.environ["JAXSERVE_TEST_MIN_STEP_S"])
+crash_file = os.environ.get("JAXSERVE_TEST_CRASH_FILE")
 step = core.EngineCore.step
 def paced_step(self):
+    if crash_file and Path(crash_file).exists():
+        raise RuntimeError("injected device failure")
     start = time.perf_counter()
     outputs = step(self)
     time.sleep(max(0.0, min_step_s - (time.perf_counter() - start)))
@@ -34,10 +45,14 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def paced_launch_command(min_step_s: float) -> tuple[list[str], dict[str, str]]:
+def paced_launch_command(
+    min_step_s: float, crash_file: Path | None = None
+) -> tuple[list[str], dict[str, str]]:
     """The argv prefix and environment of a launch with paced steps (see PACED_LAUNCH)."""
     env = {k: v for k, v in os.environ.items() if k != "JAXSERVE_API_KEY"}
     env["JAXSERVE_TEST_MIN_STEP_S"] = str(min_step_s)
+    if crash_file is not None:
+        env["JAXSERVE_TEST_CRASH_FILE"] = str(crash_file)
     return [sys.executable, "-c", PACED_LAUNCH, "launch"], env
 
 
@@ -60,3 +75,68 @@ def tiny_engine_config(served_model_name: str, **overrides):
         dtype="float32",
         **overrides,
     )
+
+
+# -- servers and processes the tests start ------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def metric(url: str, name: str, label: str = "") -> float:
+    """Sum of the samples of a Prometheus series in /metrics (those whose labels hold `label`)."""
+    total, found = 0.0, False
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if (line.startswith(name + "{") and label in line) or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    assert found, f"{name}{label} not in /metrics"
+    return total
+
+
+def start_server(
+    command: Sequence[str], env: dict[str, str], log_path: Path, url: str, timeout_s: float = 180
+) -> subprocess.Popen:
+    """Start a server process logging to `log_path`; return once its /health answers 200."""
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            assert process.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    return process
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+    except BaseException:
+        process.kill()
+        process.wait(10)
+        raise
+
+
+def wait_for_all(procs: Sequence[subprocess.Popen], timeout_s: float) -> None:
+    """Wait for cooperating processes; one failing stops the wait (the others would block at a
+    collective forever), and any still running at the end are killed."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):
+                break
+            time.sleep(0.2)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()

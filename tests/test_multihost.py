@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
+
+from tests.conftest import free_port, wait_for_all
 
 ROOT = Path(__file__).parents[1]
 
@@ -44,9 +44,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_two_process_replica_serves_golden_tokens() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(
         os.environ,
         XLA_FLAGS="--xla_force_host_platform_device_count=1",
@@ -63,16 +61,7 @@ def test_two_process_replica_serves_golden_tokens() -> None:
         )
         for pid in (0, 1)
     ]
-    try:
-        deadline = time.monotonic() + 240
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
-                break  # one failed: the other would wait at a collective forever
-            time.sleep(0.2)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+    wait_for_all(procs, 240)
     outputs = [proc.communicate() for proc in procs]
     for proc, (_, err) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, err[-4000:]

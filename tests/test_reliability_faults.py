@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import select
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -34,7 +32,7 @@ from jaxserve.server.background import BackgroundServer
 from jaxserve.server.launch import settings_from_args
 from jaxserve.server.ratelimit import RateLimiter, TokenBucket
 from jaxserve.server.settings import ServerSettings
-from tests.conftest import tiny_engine_config
+from tests.conftest import free_port, metric, paced_launch_command, tiny_engine_config, wait_for
 
 FIXTURE = Path(__file__).parent / "fixtures" / "models" / "llama"
 MODEL = "tiny"
@@ -62,23 +60,6 @@ def serve(engine, **settings) -> BackgroundServer:
     return BackgroundServer(
         build_app(engine, ServerSettings(served_model_names=(MODEL,), **settings))
     )
-
-
-def metric(url: str, name: str, label: str = "") -> float:
-    total, found = 0.0, False
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if (line.startswith(name + "{") and label in line) or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-            found = True
-    assert found, f"{name}{label} not in /metrics"
-    return total
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def wait_idle(engine) -> None:
@@ -348,28 +329,6 @@ def test_burst_past_capacity_gets_429_and_admitted_requests_finish(engine):
 
 # -- scenario 6: an engine exception in a launched server -----------------------------------
 
-# ``jaxserve launch`` whose step loop raises once the file named by $CRASH_FILE exists.
-CRASHING_LAUNCH = """
-import os, sys
-from pathlib import Path
-from jaxserve.cli import main
-from jaxserve.engine import core
-trigger = Path(os.environ["CRASH_FILE"])
-step = core.EngineCore.step
-def crashing_step(self):
-    if trigger.exists():
-        raise RuntimeError("injected device failure")
-    return step(self)
-core.EngineCore.step = crashing_step
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def read_events(url: str, body: dict, out: dict, started: threading.Event) -> None:
     try:
@@ -399,14 +358,15 @@ def test_engine_exception_fails_every_waiter_and_exits_nonzero(tmp_path):
     url = f"http://127.0.0.1:{port}"
     crash_file = tmp_path / "crash"
     log_path = tmp_path / "server.log"
+    # The step loop raises once `crash_file` exists; steps of at least 5 ms keep the 240-token
+    # streams running until then on any device.
+    launch, env = paced_launch_command(0.005, crash_file=crash_file)
     command = [
-        sys.executable, "-c", CRASHING_LAUNCH, "launch", str(FIXTURE), "--host", "127.0.0.1",
+        *launch, str(FIXTURE), "--host", "127.0.0.1",
         "--port", str(port), "--served-model-name", MODEL, "--dtype", "float32",
         "--max-model-len", "256", "--max-num-seqs", str(MAX_SEQS),
         "--max-num-batched-tokens", "64", "--num-gpu-blocks-override", str(NUM_BLOCKS),
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "JAXSERVE_API_KEY"}
-    env["CRASH_FILE"] = str(crash_file)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:

@@ -36,7 +36,14 @@ from jaxserve.engine.sampling_params import MAX_N
 from jaxserve.server.app import build_app
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.settings import ServerSettings
-from tests.conftest import paced_launch_command, tiny_engine_config
+from tests.conftest import (
+    free_port,
+    metric,
+    paced_launch_command,
+    start_server,
+    tiny_engine_config,
+    wait_for,
+)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "models" / "llama"
 MODEL = "tiny"
@@ -44,30 +51,6 @@ IS_FULL_SCALE = os.environ.get("JAXSERVE_RELIABILITY_SCALE", "") == "full"
 NUM_CLIENTS = 1000 if IS_FULL_SCALE else 200
 BODY_LIMIT = 2 * 1024 * 1024  # the default --max-request-body-bytes
 SHUTDOWN_TIMEOUT_S = 1.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def metric(url: str, name: str) -> float:
-    """Sum of every sample of a Prometheus series in /metrics."""
-    total, found = 0.0, False
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-            found = True
-    assert found, f"{name} not in /metrics"
-    return total
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def rss_bytes(pid: int) -> int:
@@ -91,20 +74,9 @@ def launched(tmp_path_factory):
         "--max-num-batched-tokens", "64", "--num-gpu-blocks-override", "512",
         "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--log-level", "warning",
     ]  # fmt: skip
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
+    process = start_server(command, env, log_path, url)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
         yield SimpleNamespace(url=url, port=port, process=process, log_path=log_path)
     finally:
         if process.poll() is None:

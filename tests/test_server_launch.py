@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import socket
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -22,7 +20,7 @@ import pytest
 
 from jaxserve.cli import build_parser, main
 from jaxserve.server.launch import engine_config_from_args, human_int, settings_from_args
-from tests.conftest import paced_launch_command
+from tests.conftest import free_port, paced_launch_command, start_server
 
 FIXTURE = Path(__file__).parent / "fixtures" / "models" / "llama"
 
@@ -97,12 +95,6 @@ def test_launch_help_documents_defaults(capsys):
         assert flag in text, flag
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def stream_completion(url: str, body: dict, first_chunk: threading.Event, out: dict) -> None:
     """Read one SSE completion stream; record finish reasons, usage and [DONE] (or the error)."""
     out["finish"], out["done"] = {}, False
@@ -144,19 +136,8 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
         "--max-num-batched-tokens", "64", "--num-gpu-blocks-override", "64",
         "--shutdown-timeout", "0.5", "--compilation-cache-dir", str(tmp_path / "xla"),
     ]  # fmt: skip
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    process = start_server(command, env, log_path, url, timeout_s=120)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
         startup_log = log_path.read_text()
         assert "KV cache size: 1,024 tokens" in startup_log
         assert "Maximum concurrency for 256 tokens per request: 4.00x" in startup_log

@@ -13,10 +13,8 @@ import functools
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -445,9 +443,9 @@ def test_sharded_kv_write_stays_local(tp_results):
 
 
 def test_two_process_distributed_matches_one_process():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tests.conftest import free_port, wait_for_all  # this file also runs as a script
+
+    port = free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "dist", str(port), str(pid)],
@@ -458,17 +456,7 @@ def test_two_process_distributed_matches_one_process():
         )
         for pid in (0, 1)
     ]
-    try:
-        # One process failing leaves the other waiting at a barrier: stop both at once.
-        deadline = time.monotonic() + 180
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(0.2)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+    wait_for_all(procs, 180)
     outputs = [proc.communicate() for proc in procs]
     for proc, (_, err) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, err[-4000:]
