@@ -1,7 +1,9 @@
 """Where start-up compile time goes: one model step bucket, lowered and compiled several ways.
 
 The first H200 run of `jaxserve launch` (dummy Llama-3-8B) had not finished compiling its 8 token
-buckets after 4 min 20 s. This script times, for the buckets given:
+buckets after 4 min 20 s: every layer lowered its own copy of the Mosaic GPU kernel (fixed; the 8
+buckets now compile in about 40 s cold, 18 s from the cache). This script times, for the buckets
+given:
   lower            tracing + lowering to StableHLO,
   compile kernel   XLA compile with the default attention (Mosaic GPU kernel on Hopper),
   compile ref      XLA compile with the pure-jnp reference attention instead,
