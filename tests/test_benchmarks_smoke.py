@@ -29,6 +29,17 @@ def test_decode_roofline_smoke(tmp_path, monkeypatch, capsys) -> None:
     assert "MBU" in capsys.readouterr().out
 
 
+def test_throughput_script_is_the_cli(tmp_path, monkeypatch) -> None:
+    out = tmp_path / "t.json"
+    args = ["--model", str(fixture_dir("llama")), "--load-format", "auto", "--num-prompts", "2",
+            "--input-len", "8", "--output-len", "3", "--max-num-seqs", "2",
+            "--max-num-batched-tokens", "16", "--output-json", str(out)]  # fmt: skip
+    with pytest.raises(SystemExit) as done:
+        run_script("benchmarks/throughput.py", args, monkeypatch)
+    assert done.value.code == 0
+    assert json.loads(out.read_text())["output_tokens"] == 2 * 3
+
+
 def test_host_overhead_smoke(monkeypatch, capsys) -> None:
     run_script("benchmarks/host_overhead.py", ["--num-seqs", "16", "--steps", "5"], monkeypatch)
     assert "total" in capsys.readouterr().out
