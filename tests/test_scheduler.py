@@ -24,6 +24,7 @@ class FakeRunner:
     def __init__(self, num_blocks: int, block_size: int, model_config) -> None:
         self.num_blocks = num_blocks
         self.eos_token_ids: tuple[int, ...] = ()
+        self.multihost = False
         self.steps: list[SchedulerOutput] = []
         self.capacity = plan_capacity(
             model_config,
@@ -41,7 +42,13 @@ class FakeRunner:
         pass
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        return self.collect(self.dispatch(output))
+
+    def dispatch(self, output: SchedulerOutput, previous=None) -> SchedulerOutput:
         self.steps.append(output)
+        return output
+
+    def collect(self, output: SchedulerOutput) -> RunnerOutput:
         tokens = []
         for item in output.scheduled:
             # The model reads all tokens up to the end of this chunk; the last one decides.
@@ -60,6 +67,7 @@ def make_core(num_blocks: int = 64, **overrides) -> tuple[EngineCore, FakeRunner
         max_num_batched_tokens=16,
         block_size=4,
         warmup=False,
+        async_scheduling=False,  # one step at a time: the tests read each step's schedule
     )
     settings.update(overrides)
     config = EngineConfig(**settings)

@@ -127,11 +127,7 @@ class EngineCore:
         # tokens are read back, so the host's work overlaps the device's. Sequences with
         # penalties need their full output history on the host, so while any such request
         # is live the engine reads each step back before scheduling the next.
-        self.async_scheduling = (
-            config.async_scheduling
-            and hasattr(self.runner, "dispatch")
-            and not getattr(self.runner, "multihost", False)
-        )
+        self.async_scheduling = config.async_scheduling and not self.runner.multihost
         self._in_flight: tuple[SchedulerOutput, InFlight] | None = None
         self._num_sync_requests = 0
 

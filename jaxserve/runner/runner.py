@@ -66,8 +66,7 @@ class InFlight:
     out: SamplerOutput
     prompt_out: tuple[jax.Array, ...] | None
     spans: dict[str, tuple[int, int]]  # seq_id -> (offset, count) of its prompt logprob rows
-    num_seqs: int
-    sampled_row: dict[str, int]  # seq_id -> its row in out.token_ids
+    sampled_row: dict[str, int]  # seq_id -> its row in out.token_ids, one per scheduled seq
 
 
 @dataclasses.dataclass
@@ -375,11 +374,11 @@ class ModelRunner:
         feed = self._pending_feed(output, host_batch, previous)
         out, prompt_out = self._device_step(host_batch, inputs, flags, next_ids, feed)
         sampled_row = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
-        return InFlight(out, prompt_out, spans, len(seqs), sampled_row)
+        return InFlight(out, prompt_out, spans, sampled_row)
 
     def collect(self, step: InFlight) -> RunnerOutput:
         """Wait for a dispatched step and copy its sampled tokens (and logprobs) to the host."""
-        out, num = step.out, step.num_seqs
+        out, num = step.out, len(step.sampled_row)
         result = RunnerOutput(token_ids=np.asarray(out.token_ids)[:num])
         if out.logprobs is not None:
             result.logprobs = np.asarray(out.logprobs)[:num]
@@ -417,33 +416,23 @@ class ModelRunner:
         feed: tuple[np.ndarray, jax.Array] | None = None,
     ) -> tuple[SamplerOutput, tuple[jax.Array, ...] | None]:
         """Model step, sampler and (when asked) prompt logprobs on the device."""
-        with self._precision():
-            return self._device_step_traced(host_batch, inputs, flags, next_ids, feed)
-
-    def _device_step_traced(
-        self,
-        host_batch: Batch,
-        inputs: SamplingInputs,
-        flags: SamplerFlags,
-        next_ids: np.ndarray | None,
-        feed: tuple[np.ndarray, jax.Array] | None,
-    ) -> tuple[SamplerOutput, tuple[jax.Array, ...] | None]:
         if self.tp is not None:
             batch, inputs = self.tp.put_replicated((host_batch, inputs))
         else:
             batch, inputs = jax.device_put((host_batch, inputs))
-        if feed is not None:
-            source, previous_ids = feed
-            batch = dataclasses.replace(
-                batch, input_ids=self._feed_fn(batch.input_ids, source, previous_ids)
+        with self._precision():  # also keys the jit caches: warm-up runs under it too
+            if feed is not None:
+                source, previous_ids = feed
+                batch = dataclasses.replace(
+                    batch, input_ids=self._feed_fn(batch.input_ids, source, previous_ids)
+                )
+            self.kv_cache, hidden = self._run_step(batch)
+            out = self._sample_fn(
+                self.head, hidden, batch.logits_indices, inputs, tied=self.tied, flags=flags
             )
-        self.kv_cache, hidden = self._run_step(batch)
-        out = self._sample_fn(
-            self.head, hidden, batch.logits_indices, inputs, tied=self.tied, flags=flags
-        )
-        prompt_out = None
-        if next_ids is not None:
-            prompt_out = self._prompt_lp_fn(self.head, hidden, next_ids, tied=self.tied)
+            prompt_out = None
+            if next_ids is not None:
+                prompt_out = self._prompt_lp_fn(self.head, hidden, next_ids, tied=self.tied)
         return out, prompt_out
 
     def _prompt_logprob_targets(
