@@ -56,6 +56,20 @@ def paced_launch_command(
     return [sys.executable, "-c", PACED_LAUNCH, "launch"], env
 
 
+def pace_steps(core, min_step_s: float) -> None:
+    """Make an in-process engine's steps take at least `min_step_s` (PACED_LAUNCH's in-process
+    twin): a test that needs a request still running at some moment gets it on any device."""
+    step = core.step
+
+    def paced_step():
+        start = time.perf_counter()
+        outputs = step()
+        time.sleep(max(0.0, min_step_s - (time.perf_counter() - start)))
+        return outputs
+
+    core.step = paced_step
+
+
 def fixture_dir(family: str) -> Path:
     return FIXTURES / family
 

@@ -32,7 +32,14 @@ from jaxserve.server.background import BackgroundServer
 from jaxserve.server.launch import settings_from_args
 from jaxserve.server.ratelimit import RateLimiter, TokenBucket
 from jaxserve.server.settings import ServerSettings
-from tests.conftest import free_port, metric, paced_launch_command, tiny_engine_config, wait_for
+from tests.conftest import (
+    free_port,
+    metric,
+    pace_steps,
+    paced_launch_command,
+    tiny_engine_config,
+    wait_for,
+)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "models" / "llama"
 MODEL = "tiny"
@@ -51,6 +58,9 @@ def engine():
         num_gpu_blocks_override=NUM_BLOCKS,
     )
     engine = AsyncEngine.from_config(config, max_queued_requests=MAX_QUEUED)
+    # Steps of at least 5 ms: the slow reader's 240-token request must still be generating
+    # when its writes time out, however fast the device.
+    pace_steps(engine.core, 0.005)
     engine.start()
     yield engine
     engine.shutdown()

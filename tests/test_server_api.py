@@ -21,7 +21,7 @@ from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.server.app import build_app
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.settings import ServerSettings
-from tests.conftest import tiny_engine_config
+from tests.conftest import pace_steps, tiny_engine_config
 
 FIXTURE = Path(__file__).parent / "fixtures" / "models" / "llama"
 MODEL = "tiny-llama"
@@ -42,6 +42,9 @@ def server():
         num_gpu_blocks_override=64,
     )
     engine = AsyncEngine.from_config(config)
+    # Steps of at least 2 ms: a 240-token stream is still running when its client disconnects,
+    # however fast the device.
+    pace_steps(engine.core, 0.002)
     engine.start()
     settings = ServerSettings(
         served_model_names=(MODEL, "alias"),
