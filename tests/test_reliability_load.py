@@ -381,6 +381,21 @@ def texts(responses: list[httpx.Response]) -> list[str]:
     return [r.json()["choices"][0]["text"] for r in responses]
 
 
+def divergences(expected: list[httpx.Response], actual: list[httpx.Response]) -> list[str]:
+    """Where each pair of greedy completions (requested with ``logprobs``: 2) first differs,
+    with the expected run's margin between its top two tokens there."""
+    found = []
+    for i, (a, b) in enumerate(zip(expected, actual)):
+        la, lb = a.json()["choices"][0]["logprobs"], b.json()["choices"][0]["logprobs"]
+        for t, (ta, tb) in enumerate(zip(la["tokens"], lb["tokens"])):
+            if ta != tb:
+                top = sorted(la["top_logprobs"][t].values(), reverse=True)
+                margin = top[0] - top[1] if len(top) > 1 else float("inf")
+                found.append(f"request {i} token {t}: {ta!r} vs {tb!r}, top-2 margin {margin:.2e}")
+                break
+    return found
+
+
 @pytest.mark.slow
 def test_cache_exhaustion_preempts_and_keeps_greedy_output(tiny_pool):
     rng = random.Random(2)
@@ -392,15 +407,17 @@ def test_cache_exhaustion_preempts_and_keeps_greedy_output(tiny_pool):
             "max_tokens": 96,
             "temperature": 0,
             "ignore_eos": True,
+            "logprobs": 2,  # a mismatch reports how close the top two tokens were
         }
         for _ in range(num_requests)
     ]
     # Unpressured: one at a time, each fits the pool alone.
-    alone = [texts(asyncio.run(post_all(tiny_pool.url, [b])))[0] for b in bodies]
+    alone = [asyncio.run(post_all(tiny_pool.url, [b]))[0] for b in bodies]
     preemptions_before = metric(tiny_pool.url, "jaxserve:num_preemptions_total")
-    pressured = texts(asyncio.run(post_all(tiny_pool.url, bodies)))
+    pressured = asyncio.run(post_all(tiny_pool.url, bodies))
     assert metric(tiny_pool.url, "jaxserve:num_preemptions_total") > preemptions_before
-    assert pressured == alone  # every request finished, greedy output unchanged
+    # Every request finished and its greedy output is unchanged.
+    assert texts(pressured) == texts(alone), divergences(alone, pressured)
     wait_idle(tiny_pool.core)
 
 
