@@ -471,7 +471,7 @@ def tokens_and_logprobs(response: httpx.Response) -> tuple[list[str], list[float
     return logprobs["tokens"], logprobs["token_logprobs"]
 
 
-def test_same_seed_twice_over_http_is_bitwise_identical(tiny_pool):
+def test_same_seed_and_cache_state_over_http_is_bitwise_identical(tiny_pool):
     body = seeded("the river and the stone", 42)
     first = tokens_and_logprobs(httpx.post(f"{tiny_pool.url}/v1/completions", json=body))
     second = tokens_and_logprobs(httpx.post(f"{tiny_pool.url}/v1/completions", json=body))
@@ -489,11 +489,27 @@ def test_same_seed_twice_over_http_is_bitwise_identical(tiny_pool):
         "logprobs": True,
         "top_logprobs": 2,
     }
-    replies = [
-        httpx.post(f"{tiny_pool.url}/v1/chat/completions", json=chat).json()["choices"][0]
-        for _ in range(2)
-    ]
-    assert replies[0] == replies[1]
+
+    def reply(cache_salt: str) -> tuple[dict, int]:
+        response = httpx.post(
+            f"{tiny_pool.url}/v1/chat/completions", json={**chat, "cache_salt": cache_salt}
+        )
+        assert response.status_code == 200, response.text
+        body = response.json()
+        return body["choices"][0], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    # The chat prompt (30 tokens) fills a KV block, so a plain repeat reuses it from the prefix
+    # cache and computes fewer prompt tokens: another step shape. Own salts: two misses.
+    (miss, cached), (other_miss, other_cached) = reply("replay-1"), reply("replay-2")
+    assert cached == other_cached == 0
+    assert miss == other_miss
+    (hit, cached), (other_hit, other_cached) = reply("replay-1"), reply("replay-1")
+    assert cached == other_cached > 0
+    assert hit == other_hit
+    # A hit against a miss: promised only up to rounding (on an H200 logprobs moved by 7e-7).
+    hit_logprobs, miss_logprobs = hit["logprobs"]["content"], miss["logprobs"]["content"]
+    assert [t["token"] for t in hit_logprobs] == [t["token"] for t in miss_logprobs]
+    assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(hit_logprobs, miss_logprobs)) < 1e-4
 
 
 def test_same_seed_alone_and_in_a_concurrent_batch(tiny_pool):

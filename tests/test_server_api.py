@@ -256,6 +256,18 @@ def test_streaming_completion_matches_and_ends_with_done(client, http):
     assert raw.text.rstrip().endswith("data: [DONE]")
 
 
+def test_stream_events_stay_one_line_whatever_the_text(http):
+    # U+0085, U+2028 and U+2029 end a line for str.splitlines, so for httpx's iter_lines too; a
+    # model can generate them (byte tokens C2 85, E2 80 A8), and raw they split an event in two.
+    prompt = "a\x85b\u2028c\u2029d"
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "stream": True, "max_tokens": 2}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks).startswith(prompt)
+
+
 def test_chat_stream_matches_non_stream(client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     full = client.chat.completions.create(model=MODEL, messages=messages, **greedy())

@@ -101,10 +101,15 @@ def finite(value: float) -> float:
     return value if math.isfinite(value) else -9999.0
 
 
+# Line breaks to Python's str.splitlines (httpx's iter_lines among its users) that JSON leaves
+# raw: a generated U+2028 would split one server-sent event into two broken lines.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def json_dumps(content: Any) -> bytes:
-    return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(
-        "utf-8", errors="replace"
-    )
+    """Compact UTF-8 JSON whose text holds no line break of any kind (they are escaped)."""
+    text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return text.translate(_LINE_BREAKS).encode("utf-8", errors="replace")
 
 
 def json_response(
