@@ -4,7 +4,8 @@
 #   kernel       attention kernel against the reference, native bf16 (pytest -m gpu)
 #   compile      compile time of one small and one large step bucket (benchmarks/compile_time.py)
 #   launch       jaxserve launch, dummy Llama-3-8B: cold start on an empty compilation cache,
-#                first-request TTFT, bench serve sweep at 2,4,8,16,inf req/s, then warm start
+#                first-request TTFT, bench serve sweep at 2,4,8,16,inf req/s ($SERVE_PROMPTS
+#                prompts per rate, 200 unless set: about 4 minutes), then warm start
 #   throughput   offline throughput through jaxserve.LLM: 256 x 512/256 and 1000 x 1024/128
 #   hf           offline throughput, Hugging Face generate_batch, 256 x 512/256
 #   roofline     decode MBU grid through the runner (scenario 1)
@@ -26,6 +27,7 @@ git log -1 --format=%h 2>/dev/null | tee -a "$OUT/device.txt"
 
 MODEL=jaxserve/assets/configs/llama-3-8b
 SHAPES="--max-model-len 4096 --max-num-batched-tokens 2048"  # launch: vLLM's online default
+SERVE_PROMPTS=${SERVE_PROMPTS:-200}
 
 stage_kernel() {
   python3 -m pytest -q -m gpu tests/test_kernel_gpu.py -x 2>&1 | tail -3
@@ -68,7 +70,7 @@ stage_launch() {
     kill -0 $pid 2>/dev/null && first_token "$t0" $phase
     if [ $phase = cold ] && kill -0 $pid 2>/dev/null; then
       python3 -m jaxserve.cli bench serve --base-url http://localhost:8011 \
-        --request-rates 2,4,8,16,inf --num-prompts 40 --random-input-len 512 \
+        --request-rates 2,4,8,16,inf --num-prompts $SERVE_PROMPTS --random-input-len 512 \
         --random-output-len 128 --ignore-eos --result-dir "$OUT/serve" --disable-tqdm \
         > "$OUT/serve.log" 2>&1
       grep -E "Request rate|Successful|Output token|Median TTFT|P95 TTFT|Median ITL|P95 ITL" \
@@ -127,7 +129,7 @@ for arg in "$@"; do
   [ "$limit" = "$arg" ] && limit=600
   echo "== $stage (limit ${limit} s, at $(( $(date +%s) - start )) s)"
   export -f "stage_$stage" first_token
-  export OUT MODEL SHAPES
+  export OUT MODEL SHAPES SERVE_PROMPTS
   timeout --kill-after=10 "$limit" bash -c "stage_$stage"
   rc=$?
   [ $rc = 124 ] && echo "   $stage: stopped at its limit"
