@@ -191,6 +191,12 @@ def test_capacity_knee_from_flat_throughput_and_failures() -> None:
     assert a.trigger_rate == 4.0 and a.trigger_queue == 11  # peak in flight at 4 req/s
     assert a.trigger_metric.startswith("`jaxserve:num_requests_running` +")
 
+    burst = report.summary(_sweep([_row("2", 100.0, 2.0), _row("inf", 2500.0, 9.0)]))
+    assert "Every finite rate tested is within target" in burst
+    assert "the burst breaks the target (TTFT 2,500 > 2,000 ms)." in burst
+    calm = report.summary(_sweep([_row("2", 100.0, 2.0), _row("inf", 900.0, 9.0)]))
+    assert "p95 TTFT 900 ms.\n" in calm
+
     broken = report.analyze(_sweep([_row("2", 100.0, 2.0, failed=1), _row("4", 100.0, 4.0)]))
     assert broken.highest_within is None and broken.first_breaking.verdict == "1 failed"
     assert broken.trigger_rate is None and broken.knee is None

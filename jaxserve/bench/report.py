@@ -198,7 +198,7 @@ def _findings(a: CapacityAnalysis) -> list[str]:
         )
     elif a.highest_within:
         lines.append(
-            "- Every tested rate is within target: the capacity is at least the highest "
+            "- Every finite rate tested is within target: the capacity is at least the highest "
             "one; test higher rates to find where it breaks."
         )
     if a.knee:
@@ -211,7 +211,8 @@ def _findings(a: CapacityAnalysis) -> list[str]:
         lines.append(
             f"- **Saturation** (all {s.num_prompts} prompts at once): "
             f"{s.request_throughput:.2f} req/s, {s.output_throughput:,.0f} output tok/s, "
-            f"p95 TTFT {s.p95_ttft:,.0f} ms."
+            f"p95 TTFT {s.p95_ttft:,.0f} ms"
+            + ("." if s.within_target else f"; the burst breaks the target ({s.verdict}).")
         )
     if a.trigger_rate is not None:
         lines.append(
