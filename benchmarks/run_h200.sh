@@ -10,7 +10,8 @@
 #   hf           offline throughput, Hugging Face generate_batch, 256 x 512/256
 #   roofline     decode MBU grid through the runner (scenario 1)
 #   cublas       a few roofline cells with XLA's Triton GEMMs off (cuBLAS for every matmul)
-#   reliability  the reliability load scenarios at full scale (JAXSERVE_RELIABILITY_SCALE=full)
+#   reliability  the reliability suite: load scenarios at full scale (JAXSERVE_RELIABILITY_SCALE=full),
+#                schema fuzzing, hostile input and faults
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
 #   bash benchmarks/run_h200.sh launch:330 throughput:200
 set -uo pipefail
@@ -115,10 +116,11 @@ stage_cublas() {  # the same decode cells with every GEMM on cuBLAS instead of T
 stage_reliability() {  # carry .whl/rel too: openai, schemathesis and their dependencies
   python3 -m pip install -q --no-index --find-links .whl/rel --target /tmp/site-rel \
     openai schemathesis pytest-timeout
-  # The load scenarios are the ones that scale (1,000 clients); the rest run in CI as they are.
+  # The load scenarios are the ones that scale (1,000 clients); the rest run as in CI.
   PYTHONPATH=/tmp/site-rel:$PYTHONPATH XLA_PYTHON_CLIENT_PREALLOCATE=false \
   JAXSERVE_RELIABILITY_SCALE=full python3 -m pytest -q -p no:cacheprovider -rA \
-    tests/test_reliability_load.py > "$OUT/reliability.log" 2>&1
+    tests/test_reliability_load.py tests/test_reliability_fuzz.py tests/test_reliability_faults.py \
+    > "$OUT/reliability.log" 2>&1
   grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^E " "$OUT/reliability.log" | tail -30
 }
 
