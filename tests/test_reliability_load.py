@@ -385,9 +385,9 @@ def divergences(expected: list[httpx.Response], actual: list[httpx.Response]) ->
     """Where each pair of greedy completions (requested with ``logprobs``: 2) first differs,
     with the expected run's margin between its top two tokens there."""
     found = []
-    for i, (a, b) in enumerate(zip(expected, actual)):
+    for i, (a, b) in enumerate(zip(expected, actual, strict=True)):
         la, lb = a.json()["choices"][0]["logprobs"], b.json()["choices"][0]["logprobs"]
-        for t, (ta, tb) in enumerate(zip(la["tokens"], lb["tokens"])):
+        for t, (ta, tb) in enumerate(zip(la["tokens"], lb["tokens"], strict=False)):  # any length
             if ta != tb:
                 top = sorted(la["top_logprobs"][t].values(), reverse=True)
                 margin = top[0] - top[1] if len(top) > 1 else float("inf")
@@ -509,7 +509,8 @@ def test_same_seed_and_cache_state_over_http_is_bitwise_identical(tiny_pool):
     # A hit against a miss: promised only up to rounding (on an H200 logprobs moved by 7e-7).
     hit_logprobs, miss_logprobs = hit["logprobs"]["content"], miss["logprobs"]["content"]
     assert [t["token"] for t in hit_logprobs] == [t["token"] for t in miss_logprobs]
-    assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(hit_logprobs, miss_logprobs)) < 1e-4
+    pairs = zip(hit_logprobs, miss_logprobs, strict=True)
+    assert max(abs(a["logprob"] - b["logprob"]) for a, b in pairs) < 1e-4
 
 
 def test_same_seed_alone_and_in_a_concurrent_batch(tiny_pool):
