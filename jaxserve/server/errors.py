@@ -101,15 +101,14 @@ def finite(value: float) -> float:
     return value if math.isfinite(value) else -9999.0
 
 
-# Line breaks to Python's str.splitlines (httpx's iter_lines among its users) that JSON leaves
-# raw: a generated U+2028 would split one server-sent event into two broken lines.
-_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
 def json_dumps(content: Any) -> bytes:
     """Compact UTF-8 JSON whose text holds no line break of any kind (they are escaped)."""
     text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    return text.translate(_LINE_BREAKS).encode("utf-8", errors="replace")
+    # NOTE: U+0085, U+2028 and U+2029 end a line for str.splitlines (so for httpx's iter_lines)
+    # and JSON leaves them raw: a generated one would split a server-sent event in two.
+    # str.replace, not str.translate: 0.2 us against 26 us per streamed chunk.
+    text = text.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+    return text.encode("utf-8", errors="replace")
 
 
 def json_response(
