@@ -157,7 +157,7 @@ class EngineCore:
                 f"prompt token id {bad[0]} is out of vocabulary (size {self.vocab_size})",
                 param="prompt",
             )
-        params.verify_for_vocab(self.vocab_size)
+        params = params.for_vocab(self.vocab_size)
         num_prompt = len(prompt_token_ids)
         if num_prompt >= self.max_model_len:
             raise RequestError(

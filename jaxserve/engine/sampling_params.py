@@ -2,7 +2,8 @@
 
 Limits are checked here, before anything is allocated, with errors that name the field and
 the limit (the server turns them into 400s with ``param`` set). Checks that need the model
-(vocabulary size for ``logit_bias`` and ``stop_token_ids``) are in ``verify_for_vocab``.
+(vocabulary size for ``logit_bias`` and ``stop_token_ids``; ``top_k`` clamped to it) are in
+``for_vocab``.
 """
 
 from __future__ import annotations
@@ -149,8 +150,10 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 fail(name, f"{name} must be a boolean")
 
-    def verify_for_vocab(self, vocab_size: int) -> None:
-        """Checks that need the model: token ids must lie inside the vocabulary."""
+    def for_vocab(self, vocab_size: int) -> SamplingParams:
+        """Checks that need the model: token ids must lie inside the vocabulary. Returns the
+        params with ``top_k`` clamped to it (a top-k of the whole vocabulary keeps every token,
+        as vLLM treats it), so no client-sized integer reaches a device array."""
         for token, _ in self.logit_bias:
             if int(token) >= vocab_size:
                 raise SamplingParamsError(
@@ -163,6 +166,9 @@ class SamplingParams:
                     "stop_token_ids",
                     f"stop_token_ids entry {t} is out of vocabulary (size {vocab_size})",
                 )
+        if self.top_k >= vocab_size:
+            return self.replace(top_k=-1)
+        return self
 
     @property
     def is_greedy(self) -> bool:

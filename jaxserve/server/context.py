@@ -126,8 +126,7 @@ class ServingContext:
     def params_for_prompt(self, params: SamplingParams, max_tokens: int) -> SamplingParams:
         """The request's params with this prompt's budget, checked against the vocabulary."""
         try:
-            params = params.replace(max_tokens=max_tokens)
-            params.verify_for_vocab(self.vocab_size)
+            params = params.replace(max_tokens=max_tokens).for_vocab(self.vocab_size)
         except SamplingParamsError as exc:  # e.g. min_tokens above the budget left
             raise APIError(400, str(exc), param=exc.param) from None
         return params
