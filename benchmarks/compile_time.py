@@ -29,8 +29,9 @@ import jax
 
 import pallas_kernels
 from jaxserve.config import ModelConfig, builtin_config_dir
-from jaxserve.engine.engine_config import EngineConfig
-from jaxserve.runner.runner import ModelRunner, _model_step
+from jaxserve.engine_config import EngineConfig
+from jaxserve.runner.programs import model_step
+from jaxserve.runner.runner import ModelRunner
 
 
 def timed(fn):
@@ -63,25 +64,25 @@ def main() -> None:
         warmup=True,
         num_gpu_blocks_override=1024,
     )
-    runner = ModelRunner(model_config, config, args.max_model_len)
+    runner = ModelRunner(model_config, config)
     # Every compile below must really compile: an empty cache directory that nothing is
     # written to, and no in-memory reuse (``timed`` clears the caches).
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
-    kv = runner._abstract_kv_cache()
+    kv = runner.abstract_kv_cache()
     reference_step = jax.jit(
         functools.partial(
-            _model_step, config=model_config, attention_fn=pallas_kernels.reference_attention
+            model_step, config=model_config, attention_fn=pallas_kernels.reference_attention
         ),
         donate_argnames=("kv_cache",),
     )
     rows = []
     for bucket in buckets:
-        batch = runner._empty_batch(bucket)
-        lowered, t_lower = timed(lambda b=batch: runner._step_fn.lower(runner.weights, kv, b))
+        batch = runner.inputs.padding_step(bucket)[0]
+        lowered, t_lower = timed(lambda b=batch: runner.step_fn.lower(runner.weights, kv, b))
         _, t_kernel = timed(lowered.compile)
         ref_lowered = reference_step.lower(runner.weights, kv, batch)
         _, t_ref = timed(ref_lowered.compile)
-        lowered, _ = timed(lambda b=batch: runner._step_fn.lower(runner.weights, kv, b))
+        lowered, _ = timed(lambda b=batch: runner.step_fn.lower(runner.weights, kv, b))
         rows.append(
             {
                 "bucket": bucket,
@@ -96,7 +97,9 @@ def main() -> None:
             flush=True,
         )
     jax.clear_caches()
-    lowered = [runner._step_fn.lower(runner.weights, kv, runner._empty_batch(b)) for b in buckets]
+    lowered = [
+        runner.step_fn.lower(runner.weights, kv, runner.inputs.padding_step(b)[0]) for b in buckets
+    ]
     with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
         _, t_parallel = timed(lambda: list(pool.map(lambda lo: lo.compile(), lowered)))
     print(

@@ -29,12 +29,12 @@ import jax
 import numpy as np
 
 from jaxserve.config import ModelConfig, builtin_config_dir
-from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.engine.request import Request, Sequence
-from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from jaxserve.engine_config import EngineConfig
 from jaxserve.models.batch import kv_bytes_per_token
 from jaxserve.runner.runner import ModelRunner
+from jaxserve.runner.step import ScheduledSeq, SchedulerOutput
+from jaxserve.sampling_params import SamplingParams
 
 BANDWIDTH = 4.3e12  # bytes/s, copy bandwidth measured on the H200
 
@@ -52,8 +52,11 @@ def decode_batch(runner: ModelRunner, batch: int, context: int, rng) -> Schedule
         seq = Sequence(str(i), request, 0, seed=i, block_ids=pages[i].tolist())
         seq.num_computed_tokens = context
         request.seqs.append(seq)
-        items.append(ScheduledSeq(seq, 1, context))
-    return SchedulerOutput(items, batch, [])
+        items.append(ScheduledSeq(seq, 1, context, is_new=True))
+    runner.inputs.update_states(SchedulerOutput(items, batch))  # rows for the sequences
+    for item in items:
+        item.is_new = False  # every timed step below reuses this schedule
+    return SchedulerOutput(items, batch)
 
 
 def log_memory(stage: str) -> None:
@@ -96,8 +99,8 @@ def time_device(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> floa
     batch, inputs = jax.device_put((host_batch, inputs))
 
     def step():
-        runner.kv_cache, hidden = runner._run_step(batch)
-        return runner._sample_fn(
+        runner.kv_cache, hidden = runner.run_step(batch)
+        return runner.sample_fn(
             runner.head, hidden, batch.logits_indices, inputs, tied=runner.tied, flags=flags
         ).token_ids
 
@@ -173,7 +176,7 @@ def main() -> None:
         warmup=False,
         num_gpu_blocks_override=num_blocks,
     )
-    runner = ModelRunner(model_config, config, max_len)
+    runner = ModelRunner(model_config, config)
     log_memory("weights and KV cache")
     fill_cache_randomly(runner, 0)
     log_memory("random KV fill")
@@ -217,8 +220,8 @@ def main() -> None:
                     "tokens_per_s": batch / wall,
                 }
             )
-            for item in sched.scheduled:
-                runner.release(item.seq)
+            finished = [item.seq.seq_id for item in sched.scheduled]
+            runner.inputs.update_states(SchedulerOutput([], 0, finished_seq_ids=finished))
             r = rows[-1]
             print(
                 f"row batch={batch} ctx={context} device_ms={r['device_ms']:.2f} "

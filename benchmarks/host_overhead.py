@@ -15,9 +15,9 @@ import time
 
 from jaxserve.engine.kv_cache import KVCacheManager
 from jaxserve.engine.request import Request, Sequence
-from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.runner.input_builder import InputBuilder
+from jaxserve.sampling_params import SamplingParams
 
 
 def main() -> None:
@@ -50,6 +50,7 @@ def main() -> None:
     # Prefill everything (untimed), then time decode steps.
     while any(s.num_computed_tokens < s.num_tokens for s in scheduler.waiting) or scheduler.waiting:
         out = scheduler.schedule()
+        builder.update_states(out)
         scheduler.update_from_output(out)
         for item in out.scheduled:
             if item.completes_sequence:
@@ -60,6 +61,7 @@ def main() -> None:
         t0 = time.perf_counter()
         out = scheduler.schedule()
         t1 = time.perf_counter()
+        builder.update_states(out)
         batch, rows = builder.build_batch(out)
         seqs = [item.seq for item in out.scheduled]
         flags = builder.sampler_flags(rows, batch.kv_lens)

@@ -13,11 +13,11 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "jaxserve.engine.llm",
-    "SamplingParams": "jaxserve.engine.sampling_params",
+    "SamplingParams": "jaxserve.sampling_params",
     "RequestOutput": "jaxserve.engine.outputs",
     "CompletionOutput": "jaxserve.engine.outputs",
     "Logprob": "jaxserve.engine.outputs",
-    "EngineConfig": "jaxserve.engine.engine_config",
+    "EngineConfig": "jaxserve.engine_config",
     "ModelConfig": "jaxserve.config",
 }
 

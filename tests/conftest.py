@@ -81,7 +81,7 @@ def llama_dir() -> Path:
 
 def tiny_engine_config(served_model_name: str, **overrides):
     """EngineConfig for the llama fixture in float32: what the server tests run on."""
-    from jaxserve.engine.engine_config import EngineConfig
+    from jaxserve.engine_config import EngineConfig
 
     return EngineConfig(
         model=str(fixture_dir("llama")),

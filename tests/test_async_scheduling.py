@@ -138,12 +138,12 @@ def test_warm_up_compiles_the_token_feed() -> None:
     jax.clear_caches()  # jit caches are per function: start from none
     llm = make_llm(warmup=True, max_num_seqs=4)
     runner = llm.engine.runner
-    compiled = runner._feed_fn._cache_size()
+    compiled = runner.feed_fn._cache_size()
     assert compiled == len(runner.token_buckets)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for count in (1, 3, 6):  # 6 > max_num_seqs: batches of several sizes, prefill + decode
         llm.generate([ids(p) for p in (PROMPTS * 2)[:count]], params, use_tqdm=False)
-    assert runner._feed_fn._cache_size() == compiled
+    assert runner.feed_fn._cache_size() == compiled
 
 
 def test_shutdown_waits_for_the_step_in_flight() -> None:

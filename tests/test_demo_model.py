@@ -18,8 +18,8 @@ import pytest
 
 import jaxserve
 from jaxserve.config import ModelConfig
-from jaxserve.engine.engine_config import default_model_dir
 from jaxserve.engine.tokenizer import Tokenizer
+from jaxserve.engine_config import default_model_dir
 from jaxserve.models import llama
 from jaxserve.models.batch import Batch, make_kv_cache
 from jaxserve.models.weights import load_weights

@@ -221,12 +221,14 @@ def test_step_lowers_attention_once_for_all_layers(monkeypatch) -> None:
         return pallas_kernels.reference_attention(*args, **kwargs)
 
     monkeypatch.setattr(pallas_kernels, "ragged_paged_attention", counting_attention)
-    config = tiny_engine_config("t", max_num_batched_tokens=32, max_num_seqs=4, warmup=False)
+    config = tiny_engine_config(
+        "t", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, warmup=False
+    )
     model_config = ModelConfig.from_hf_dir(config.model)
     assert model_config.num_layers > 1
-    runner = ModelRunner(model_config, config, 128)
+    runner = ModelRunner(model_config, config)
     for bucket in runner.token_buckets:
-        runner._step_fn.lower(runner.weights, runner.kv_cache, runner._empty_batch(bucket))
+        runner.step_fn.lower(runner.weights, runner.kv_cache, runner.inputs.padding_step(bucket)[0])
     jax.clear_caches()
     assert len(traces) == len(runner.token_buckets)
 
@@ -235,5 +237,5 @@ def test_float32_steps_use_full_precision_matmuls() -> None:
     """XLA multiplies float32 in TF32 on GPUs unless asked: the float32 engine asks."""
     f32 = make_llm(warmup=True, max_num_seqs=4).engine.runner
     bf16 = make_llm(warmup=True, max_num_seqs=4, dtype="bfloat16").engine.runner
-    assert "operand_precision={highest" in f32._compiled_steps[16].as_text()
-    assert "highest" not in bf16._compiled_steps[16].as_text()
+    assert "operand_precision={highest" in f32.compiled_steps[16].as_text()
+    assert "highest" not in bf16.compiled_steps[16].as_text()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from jaxserve.engine.kv_cache import NONE_HASH, BlockPool, KVCacheManager, hash_block
 from jaxserve.engine.request import Request, Sequence
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 
 
 def make_seq(tokens: list[int], seq_id: str = "r", salt: str | None = None) -> Sequence:

@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent("""
     from jaxserve.runner.distributed import initialize_distributed
     port, pid = int(sys.argv[1]), int(sys.argv[2])
     initialize_distributed(f"127.0.0.1:{port}", 2, pid)
-    from jaxserve.engine.engine_config import EngineConfig
+    from jaxserve.engine_config import EngineConfig
     settings = dict(model="tests/fixtures/models/llama", tensor_parallel_size=2,
                     max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
                     num_gpu_blocks_override=64, dtype="float32")

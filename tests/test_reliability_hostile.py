@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.app import build_app
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.settings import ServerSettings

@@ -32,7 +32,7 @@ import pytest
 import jaxserve
 from jaxserve import SamplingParams
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.engine.sampling_params import MAX_N
+from jaxserve.sampling_params import MAX_N
 from jaxserve.server.app import build_app
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.settings import ServerSettings

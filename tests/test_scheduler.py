@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 from jaxserve.engine.core import EngineCore, RequestError
-from jaxserve.engine.engine_config import EngineConfig
-from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.engine.scheduler import SchedulerOutput
+from jaxserve.engine_config import EngineConfig
 from jaxserve.runner.capacity import plan_capacity
-from jaxserve.runner.runner import RunnerOutput
+from jaxserve.runner.step import RunnerOutput, SchedulerOutput
+from jaxserve.sampling_params import SamplingParams
 from tests.conftest import fixture_dir
 
 VOCAB = 320  # the fixture tokenizer's vocabulary
@@ -23,7 +22,6 @@ VOCAB = 320  # the fixture tokenizer's vocabulary
 class FakeRunner:
     def __init__(self, num_blocks: int, block_size: int, model_config) -> None:
         self.num_blocks = num_blocks
-        self.eos_token_ids: tuple[int, ...] = ()
         self.multihost = False
         self.steps: list[SchedulerOutput] = []
         self.capacity = plan_capacity(
@@ -38,7 +36,7 @@ class FakeRunner:
     def warmup(self) -> int:
         return 0
 
-    def release(self, seq) -> None:
+    def stop_followers(self) -> None:
         pass
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
@@ -161,7 +159,7 @@ def test_abort_frees_blocks_in_the_same_step() -> None:
 
 def test_finish_reasons() -> None:
     core, _ = make_core()
-    core.eos_token_ids = (20,)
+    core.outputs.eos_token_ids = (20,)
     core.add_request("eos", [17], SamplingParams(temperature=0, max_tokens=10))
     core.add_request("ignore", [17], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     core.add_request(
@@ -274,3 +272,127 @@ def test_stop_strings_cut_the_text() -> None:
     assert out["s"].outputs[0].text == full[: full.find(stop)]
     assert out["s"].outputs[0].stop_reason == stop and out["s"].outputs[0].finish_reason == "stop"
     assert out["k"].outputs[0].text == full[: full.find(stop) + len(stop)]
+
+
+# -- fairness: one request with many samples must not hold back a later one ------------------
+
+
+def test_round_robin_admits_a_later_request_before_a_many_sample_one_is_done() -> None:
+    core, runner = make_core(max_num_seqs=4, max_num_batched_tokens=64)
+    big = SamplingParams(temperature=1.0, seed=1, n=8, max_tokens=20, ignore_eos=True)
+    core.add_request("big", [1, 2, 3], big)
+    run_steps(core, {}, 1)  # sample 0 prefills; its 7 siblings join the waiting queue
+    core.add_request("small", [5, 6], GREEDY)
+    run_steps(core, {}, 1)
+    admitted = [item.seq.seq_id for item in runner.steps[-1].scheduled if item.is_new]
+    assert "small" in admitted, admitted  # first come, first served would admit big#1..#3
+    assert len(core.scheduler.running) == 4
+    run_all(core)
+
+
+def test_prompts_of_one_call_share_one_admission_turn() -> None:
+    """The prompts of one API call (one group) take one slot per round together: a call with
+    many prompts is one turn, like a call with many samples."""
+    core, runner = make_core(max_num_seqs=3, max_num_batched_tokens=64)
+    for i in range(6):
+        core.add_request(f"many-{i}", [1, 2, i], GREEDY, group_id="many")
+    core.add_request("other", [7, 8], GREEDY)
+    run_steps(core, {}, 1)
+    admitted = [item.seq.seq_id for item in runner.steps[-1].scheduled if item.is_new]
+    assert admitted == ["many-0", "other", "many-1"]
+    run_all(core)
+
+
+# -- the step's lifecycle: the runner creates and frees its state from it alone --------------
+
+
+class RowKeepingRunner(FakeRunner):
+    """Keeps a row per sequence exactly as ModelRunner does: created when the scheduler names
+    a sequence new, dropped when it names it preempted or finished."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rows: set[str] = set()
+
+    def dispatch(self, output: SchedulerOutput, previous=None) -> SchedulerOutput:
+        self.rows -= {*output.preempted_seq_ids, *output.finished_seq_ids}
+        for item in output.scheduled:
+            if item.is_new:
+                assert item.seq.seq_id not in self.rows, f"{item.seq.seq_id} is new twice"
+                self.rows.add(item.seq.seq_id)
+            else:
+                assert item.seq.seq_id in self.rows, f"{item.seq.seq_id} has no row"
+        return super().dispatch(output, previous)
+
+
+def make_row_core(num_blocks: int, **overrides) -> tuple[EngineCore, RowKeepingRunner]:
+    from jaxserve.config import ModelConfig
+
+    core, fake = make_core(num_blocks, **overrides)
+    runner = RowKeepingRunner(num_blocks, 4, ModelConfig.from_hf_dir(fixture_dir("llama")))
+    core.runner = runner
+    return core, runner
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_runner_state_follows_the_lifecycle_through_preemption_and_abort(
+    async_scheduling,
+) -> None:
+    core, runner = make_row_core(8, async_scheduling=async_scheduling)  # 8 blocks: preemption
+    for i in range(4):
+        core.add_request(str(i), list(range(10 + i, 16 + i)), GREEDY.replace(max_tokens=12))
+    core.add_request("n", [3, 4, 5], SamplingParams(temperature=1.0, seed=2, n=3, max_tokens=4))
+    run_steps(core, {}, 3)
+    core.abort_request("1")
+    results = run_all(core)
+    assert core.scheduler.num_preemptions > 0
+    assert results["1"].outputs[0].finish_reason == "abort"
+    # Finished sequences are named with the next step that runs: one more request flushes them.
+    core.add_request("last", [9], GREEDY.replace(max_tokens=1))
+    run_all(core)
+    assert runner.rows <= {"last"}
+
+
+# -- one request's failure inside the step is that request's alone --------------------------
+
+
+class PoisonRunner(FakeRunner):
+    """Fails to build a step that holds a request seeded 666 (as a bad parameter would)."""
+
+    def dispatch(self, output: SchedulerOutput, previous=None) -> SchedulerOutput:
+        if any(item.seq.params.seed == 666 for item in output.scheduled):
+            raise OverflowError("Python integer out of bounds for int32")
+        return super().dispatch(output, previous)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_that_breaks_its_step_fails_alone(async_scheduling) -> None:
+    from jaxserve.config import ModelConfig
+
+    core, _ = make_core(async_scheduling=async_scheduling)
+    core.runner = PoisonRunner(64, 4, ModelConfig.from_hf_dir(fixture_dir("llama")))
+    core.add_request("ok", [1, 2, 3], GREEDY)
+    results: dict = {}
+    run_steps(core, results, 2)  # "ok" is running when the poisoned request arrives
+    core.add_request("poison", [4, 5], SamplingParams(temperature=1.0, seed=666, max_tokens=3))
+    run_steps(core, results, 1)  # NOTE: every request new in the failing step fails with it
+    core.add_request("after", [6, 7], GREEDY)
+    results = run_all(core, results)
+    assert results["poison"].finished and results["poison"].outputs[0].finish_reason == "error"
+    assert "OverflowError" in results["poison"].error
+    for name in ("ok", "after"):
+        assert results[name].outputs[0].finish_reason == "length", name
+        assert len(results[name].outputs[0].token_ids) == GREEDY.max_tokens
+    assert core.kv.pool.num_free == core.kv.num_blocks
+
+
+def test_a_step_failure_with_no_new_request_still_stops_the_engine() -> None:
+    from jaxserve.config import ModelConfig
+
+    core, _ = make_core()
+    core.runner = PoisonRunner(64, 4, ModelConfig.from_hf_dir(fixture_dir("llama")))
+    core.add_request("ok", [1, 2, 3], GREEDY)
+    run_steps(core, {}, 1)
+    core.requests["ok"].params.__dict__["seed"] = 666  # its step now breaks, nobody new to blame
+    with pytest.raises(OverflowError):
+        run_steps(core, {}, 1)

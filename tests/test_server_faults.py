@@ -24,10 +24,10 @@ import uvicorn
 
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.core import EngineStats
-from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.tokenizer import Tokenizer
+from jaxserve.engine_config import EngineConfig
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.app import build_app
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.generation import EngineRequest, Generation
@@ -64,7 +64,7 @@ class FakeCore:
         return ["KV cache size: 1,024 tokens"]
 
     def add_request(self, request_id, prompt_token_ids, params, prompt=None, priority=0,
-                    cache_salt=None, arrival_time=None):  # fmt: skip
+                    cache_salt=None, arrival_time=None, group_id=None):  # fmt: skip
         request = {
             "id": request_id,
             "prompt": list(prompt_token_ids),

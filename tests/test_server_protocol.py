@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.engine.sampling_params import MAX_LOGPROBS
+from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.server.errors import APIError
 from jaxserve.server.fields import parse_json_object
 from jaxserve.server.messages import parse_messages

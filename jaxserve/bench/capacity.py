@@ -13,7 +13,7 @@ import re
 import sys
 
 from jaxserve.config import ModelConfig
-from jaxserve.engine.engine_config import default_model_dir
+from jaxserve.engine_config import default_model_dir
 from jaxserve.runner.capacity import (
     DEVICE_MEMORY_BYTES,
     CapacityError,

@@ -12,12 +12,12 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
-from jaxserve.engine.core import EngineCore, EngineDeadError
-from jaxserve.engine.engine_config import EngineConfig
+from jaxserve.engine.core import EngineCore, EngineDeadError, EngineStats
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine_config import EngineConfig
+from jaxserve.sampling_params import SamplingParams
 
 _LOG = logging.getLogger(__name__)
 
@@ -71,6 +71,9 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         return self.core.num_unfinished()
 
+    def stats(self) -> EngineStats:
+        return self.core.stats
+
     # -- requests --------------------------------------------------------------------------
 
     async def generate(
@@ -81,7 +84,8 @@ class AsyncEngine:
         prompt: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+        group_id: str | None = None,
+    ) -> AsyncGenerator[RequestOutput]:
         """Yield deltas until one with ``finished=True``; validation errors raise ValueError."""
         if self.dead_error is not None:
             raise EngineDeadError(f"engine loop died: {self.dead_error!r}")
@@ -104,6 +108,7 @@ class AsyncEngine:
                 priority=priority,
                 cache_salt=cache_salt,
                 arrival_time=time.time(),
+                group_id=group_id,
             )
         except Exception:
             self._queues.pop(request_id, None)

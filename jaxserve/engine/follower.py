@@ -12,7 +12,7 @@ import logging
 import jax
 
 from jaxserve.config import ModelConfig
-from jaxserve.engine.engine_config import EngineConfig
+from jaxserve.engine_config import EngineConfig
 from jaxserve.runner.runner import ModelRunner
 
 _LOG = logging.getLogger(__name__)
@@ -20,8 +20,7 @@ _LOG = logging.getLogger(__name__)
 
 def run_follower(config: EngineConfig) -> None:
     model_config = ModelConfig.from_hf_dir(config.model_dir)
-    max_model_len = config.max_model_len or model_config.max_position_embeddings
-    runner = ModelRunner(model_config, config, max_model_len)
+    runner = ModelRunner(model_config, config)  # sampling happens, but only process 0 reads it
     if config.warmup:  # process 0 warms up the same buckets in the same order
         runner.warmup()
     _LOG.info("Process %d follows process 0's steps", jax.process_index())

@@ -94,8 +94,10 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        # Per sequence: hashes of its leading full blocks (the hash chain).
+        # Per sequence: hashes of its leading full blocks (the hash chain), and how many of its
+        # blocks are registered in the prefix cache.
         self._hashes: dict[str, list[bytes]] = {}
+        self._num_hashed: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
 
@@ -166,14 +168,14 @@ class KVCacheManager:
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register the blocks that will be full of known tokens after this step."""
         # Pending tokens are not known yet: their block is hashed once they are.
-        num_full = min(num_tokens, seq.num_tokens - seq.num_pending) // self.block_size
-        done = seq.num_hashed_blocks
+        num_full = min(num_tokens, seq.num_known_tokens) // self.block_size
+        done = self._num_hashed.get(seq.seq_id, 0)
         if num_full <= done:
             return
         hashes = self._block_hashes(seq, num_full)
         for i in range(done, num_full):
             self.pool.cache(seq.block_ids[i], hashes[i])
-        seq.num_hashed_blocks = num_full
+        self._num_hashed[seq.seq_id] = num_full
 
     def share_prefix(self, child: Sequence, parent: Sequence) -> int:
         """Give ``child`` references to ``parent``'s full prompt blocks; returns tokens shared.
@@ -184,14 +186,14 @@ class KVCacheManager:
         for block_id in parent.block_ids[:num_shared]:
             self.pool.touch(block_id)
         child.block_ids = list(parent.block_ids[:num_shared])
-        child.num_hashed_blocks = 0
+        self._num_hashed.pop(child.seq_id, None)
         return num_shared * self.block_size
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so the LRU evicts a sequence's end before its shared prefix.
         self.pool.release(seq.block_ids[::-1])
         seq.block_ids = []
-        seq.num_hashed_blocks = 0
+        self._num_hashed.pop(seq.seq_id, None)
         self._hashes.pop(seq.seq_id, None)
 
     def forget_hashes(self, seq: Sequence) -> None:

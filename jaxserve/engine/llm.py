@@ -11,12 +11,12 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, cast
 
 from jaxserve.engine.core import EngineCore
-from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine_config import EngineConfig
+from jaxserve.sampling_params import SamplingParams
 
 _LOG = logging.getLogger(__name__)
 
@@ -136,7 +136,10 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate."""
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        conversations = cast(
+            list[list[dict[str, Any]]],
+            messages if messages and isinstance(messages[0], list) else [messages],
+        )
         tokenizer = self.engine.tokenizer
         prompts: list[PromptType] = []
         for conversation in conversations:

@@ -3,6 +3,12 @@
 A request with ``n`` (or ``best_of``) > 1 fans out into that many sequences. Sequence 0
 prefills the prompt; the others start once it has, sharing its full prompt blocks (ref
 counted) and recomputing only the partial last block: copy-on-write by recompute.
+
+Each field of a ``Sequence`` has one writer (docs/architecture.md): the scheduler its queue
+state (``status``, ``num_computed_tokens``, ``num_preemptions``), the KV-cache manager its
+``block_ids``, the engine core its tokens (through the pending-token methods below) and its
+finish. The runner's per-row state and the output processor's text and logprobs live in those
+components, keyed by ``seq_id``.
 """
 
 from __future__ import annotations
@@ -12,11 +18,8 @@ import enum
 import hashlib
 
 from jaxserve.engine.outputs import Logprob, RequestMetrics
-from jaxserve.engine.sampling_params import SamplingParams
-
-# An output token that a dispatched step will produce but that has not been read back yet
-# (asynchronous scheduling); the next step reads it on the device.
-PENDING_TOKEN = -1
+from jaxserve.runner.step import PENDING_TOKEN
+from jaxserve.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.Enum):
@@ -40,27 +43,16 @@ class Sequence:
     request: Request
     index: int  # the sample index (CompletionOutput.index)
     seed: int  # 32-bit seed of the sampling key
+    # Generated tokens; the last one or two may be PENDING_TOKEN (asynchronous scheduling:
+    # sampled by a dispatched step, not read back yet). Written only by the methods below.
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_pending: int = 0  # trailing PENDING_TOKEN entries of output_token_ids
     num_computed_tokens: int = 0
     block_ids: list[int] = dataclasses.field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
-    # The runner's persistent row for this sequence (page table, sampling parameters).
-    row: int | None = None
-    num_synced_blocks: int = 0
-    num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
-    # Trailing PENDING_TOKEN entries of output_token_ids (0 or 1 in flight, 2 while the engine
-    # reads one step back after dispatching the next).
-    num_pending: int = 0
-    # Output bookkeeping (filled by the engine core).
-    text: str = ""
-    num_text_sent: int = 0  # characters of `text` already streamed
-    num_tokens_sent: int = 0
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    detokenizer: object | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -82,6 +74,26 @@ class Sequence:
     def num_resolved_outputs(self) -> int:
         """Output tokens known on the host (the pending ones excluded)."""
         return len(self.output_token_ids) - self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt and output tokens whose ids the host knows (pending ones excluded)."""
+        return self.num_tokens - self.num_pending
+
+    # -- the pending-token protocol (asynchronous scheduling) ------------------------------
+
+    def add_pending(self) -> None:
+        """A dispatched step will sample this sequence's next token."""
+        self.output_token_ids.append(PENDING_TOKEN)
+        self.num_pending += 1
+
+    def append_token(self, token: int) -> None:
+        """A sampled token read back: it replaces the oldest pending entry, if any."""
+        if self.num_pending:
+            self.output_token_ids[self.num_resolved_outputs] = token
+            self.num_pending -= 1
+        else:
+            self.output_token_ids.append(token)
 
     def drop_pending(self) -> None:
         """Forget tokens still in flight (the sequence finished or was aborted)."""
@@ -125,11 +137,18 @@ class Request:
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    # Requests submitted together (the prompts of one API call) share one turn of admission.
+    group_id: str = ""
     seqs: list[Sequence] = dataclasses.field(default_factory=list)
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
+
+    @property
+    def returns_best_of(self) -> bool:
+        """best_of > n: only the n best samples are returned, once all have finished."""
+        return (self.params.best_of or 0) > self.params.n
 
     @property
     def is_finished(self) -> bool:

@@ -4,40 +4,23 @@ Each step the scheduler gives every running sequence its next tokens (one for a 
 chunk for a prefill), then admits waiting sequences while the token budget, the sequence cap
 and the block pool allow. When blocks run out, the lowest-priority (newest) running sequence
 is preempted: its blocks are freed and it is recomputed later (its tokens are kept).
-The result is a ``SchedulerOutput``; ``update_from_output`` advances the sequences.
+
+Admission is round-robin over the waiting requests (``WaitingQueue``): a request with many
+samples takes one slot per round, so it cannot hold back a request that arrived after it.
+
+The result is a ``SchedulerOutput``, which also tells the runner which sequences are new and
+which were preempted or finished since the last step; ``update_from_output`` advances the
+sequences once the step is dispatched.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
+from typing import cast
 
 from jaxserve.engine.kv_cache import KVCacheManager
 from jaxserve.engine.request import SeqStatus, Sequence
-
-
-@dataclasses.dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-    start: int  # num_computed_tokens before this step
-    # True when this step reaches the end of the known tokens (a token gets sampled); fixed
-    # when scheduled, since the sequence may gain a pending token before the step is read.
-    completes_sequence: bool = dataclasses.field(init=False)
-
-    def __post_init__(self) -> None:
-        self.completes_sequence = self.start + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq]
-    num_batched_tokens: int
-    preempted: list[Sequence]
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from jaxserve.engine.waiting_queue import WaitingQueue
+from jaxserve.runner.step import ScheduledSeq, SchedulerOutput
 
 
 class Scheduler:
@@ -56,33 +39,34 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
-        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.waiting = WaitingQueue(by_priority=policy == "priority")
         self.running: list[Sequence] = []
         self.parked: list[Sequence] = []  # samples waiting for their sibling's prefill
         self.num_preemptions = 0
+        # Told to the runner with the next step that runs: their runner state goes.
+        self._preempted_ids: list[str] = []
+        self._finished_ids: list[str] = []
 
     # -- queue management ------------------------------------------------------------------
-
-    def _priority_key(self, seq: Sequence) -> tuple[int, float]:
-        return (seq.request.priority, seq.request.arrival_time)
 
     def add(self, seq: Sequence) -> None:
         if seq.status == SeqStatus.WAITING_FOR_PARENT:
             self.parked.append(seq)
             return
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
-        if self.policy == "priority":
-            self.waiting = collections.deque(sorted(self.waiting, key=self._priority_key))
+        self.waiting.push(seq)
 
     def remove(self, seq: Sequence) -> None:
-        """Drop a sequence from whichever queue holds it and free its blocks."""
-        for queue in (self.running, self.parked):
-            if seq in queue:
-                queue.remove(seq)
-        if seq in self.waiting:
+        """Drop a sequence from whichever queue holds it, free its blocks, and tell the
+        runner with the next step."""
+        if seq.status == SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SeqStatus.WAITING_FOR_PARENT:
+            self.parked.remove(seq)
+        elif seq.status == SeqStatus.WAITING:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        self._finished_ids.append(seq.seq_id)
 
     @property
     def num_waiting(self) -> int:
@@ -100,13 +84,14 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.push_front(seq)
+        self._preempted_ids.append(seq.seq_id)
 
     def _victim(self, first_unscheduled: int) -> Sequence:
         """The sequence to preempt, among those not yet scheduled this step."""
         candidates = self.running[first_unscheduled:]
         if self.policy == "priority":
-            return max(candidates, key=self._priority_key)
+            return max(candidates, key=WaitingQueue.priority_key)
         return candidates[-1]
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
@@ -119,7 +104,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
-        preempted: list[Sequence] = []
+        num_preempted = len(self._preempted_ids)
 
         # 1. Running sequences, oldest first; preempt from the back when blocks run out.
         i = 0
@@ -132,7 +117,6 @@ class Scheduler:
             while not self.kv.allocate(seq, num_new):
                 victim = self._victim(i)
                 self._preempt(victim)
-                preempted.append(victim)
                 if victim is seq:
                     break
             else:
@@ -142,39 +126,57 @@ class Scheduler:
                 continue
             # `seq` itself was preempted; the loop index now points at the next sequence.
 
-        # 2. Waiting sequences, while budget, sequence cap and blocks allow.
-        if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[0]
-                cached = self.kv.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
-                computed = max(seq.num_computed_tokens, len(cached) * self.kv.block_size)
-                remaining = seq.num_tokens - computed
-                num_new = min(remaining, budget)
-                if num_new < remaining and not self.enable_chunked_prefill:
+        # 2. Waiting sequences, round-robin over requests, while budget, sequence cap and
+        # blocks allow (none after a preemption: the pool is short).
+        if len(self._preempted_ids) == num_preempted:
+            for seq in self.waiting.round_robin():
+                if budget <= 0 or len(self.running) >= self.max_num_seqs:
                     break
-                if not self.kv.allocate(seq, num_new, cached):
+                num_new = self._admit(seq, budget)
+                if num_new == 0:
                     break
-                self.waiting.popleft()
-                if seq.num_computed_tokens == 0 and seq.num_preemptions == 0:
-                    seq.request.num_cached_tokens = max(
-                        seq.request.num_cached_tokens, len(cached) * self.kv.block_size
-                    )
-                seq.num_computed_tokens = computed
-                seq.status = SeqStatus.RUNNING
-                self.running.append(seq)
-                scheduled.append(ScheduledSeq(seq, num_new, computed))
+                scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens, True))
                 budget -= num_new
+            self.waiting.remove_admitted()
 
-        return SchedulerOutput(
-            scheduled=scheduled,
-            num_batched_tokens=self.max_num_batched_tokens - budget,
-            preempted=preempted,
-        )
+        output = SchedulerOutput(scheduled, self.max_num_batched_tokens - budget)
+        if scheduled:  # lifecycle notices travel with the next step that runs
+            output.preempted_seq_ids, self._preempted_ids = self._preempted_ids, []
+            output.finished_seq_ids, self._finished_ids = self._finished_ids, []
+        return output
+
+    def restore_notices(self, output: SchedulerOutput) -> None:
+        """Tell the runner ``output``'s preemptions and finishes again with the next step (the
+        step of ``output`` did not run)."""
+        self._preempted_ids[:0] = output.preempted_seq_ids
+        self._finished_ids[:0] = output.finished_seq_ids
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Move a waiting sequence to running with blocks for its next chunk; returns the
+        chunk's tokens, or 0 (nothing changed) when it does not fit."""
+        cached = self.kv.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
+        computed = max(seq.num_computed_tokens, len(cached) * self.kv.block_size)
+        remaining = seq.num_tokens - computed
+        num_new = min(remaining, budget)
+        if num_new < remaining and not self.enable_chunked_prefill:
+            return 0
+        if not self.kv.allocate(seq, num_new, cached):
+            return 0
+        self.waiting.mark_admitted(seq)
+        if seq.num_computed_tokens == 0 and seq.num_preemptions == 0:
+            seq.request.num_cached_tokens = max(
+                seq.request.num_cached_tokens, len(cached) * self.kv.block_size
+            )
+        seq.num_computed_tokens = computed
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return num_new
 
     def update_from_output(self, output: SchedulerOutput) -> None:
         """Advance computed-token counts after the runner executed ``output``."""
         for item in output.scheduled:
-            item.seq.num_computed_tokens = item.start + item.num_new_tokens
+            seq = cast(Sequence, item.seq)  # the runner's view of one of ours
+            seq.num_computed_tokens = item.start + item.num_new_tokens
 
     def release_parked(self, parent: Sequence) -> None:
         """Sibling samples of ``parent`` share its prompt blocks and join the waiting queue."""
@@ -182,7 +184,7 @@ class Scheduler:
             self.parked.remove(seq)
             seq.num_computed_tokens = self.kv.share_prefix(seq, parent)
             seq.status = SeqStatus.WAITING
-            self.waiting.appendleft(seq)
+            self.waiting.push_front(seq)
 
     def finish(self, seq: Sequence) -> None:
         # A sequence preempted while its last token was in flight finishes from `waiting`.

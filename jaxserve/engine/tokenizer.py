@@ -150,7 +150,7 @@ class IncrementalDetokenizer:
 
     def add(self, new_ids: Sequence[int]) -> str:
         """Append tokens; return the newly completed text (possibly empty)."""
-        if self._stream is not None:
+        if self._stream is not None and self._rust is not None:
             delta = ""
             for token in new_ids:
                 chunk = self._stream.step(self._rust, int(token))

@@ -8,9 +8,11 @@ end of the cache (their K/V writes are dropped) and rows past ``cu_q_lens[num_se
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @jax.tree_util.register_dataclass
@@ -28,6 +30,22 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+    @classmethod
+    def padding(cls, num_tokens: int, num_seqs: int, pages_per_seq: int, pad_slot: int) -> Batch:
+        """A step of padding only (host arrays): no sequence, every K/V write dropped. Warm-up
+        runs it, and a multi-host follower fills one by broadcast."""
+        host: dict[str, Any] = dict(  # numpy stands in for device arrays until device_put
+            input_ids=np.zeros(num_tokens, np.int32),
+            positions=np.zeros(num_tokens, np.int32),
+            slot_mapping=np.full(num_tokens, pad_slot, np.int32),
+            kv_lens=np.zeros(num_seqs, np.int32),
+            page_indices=np.zeros((num_seqs, pages_per_seq), np.int32),
+            cu_q_lens=np.zeros(num_seqs + 1, np.int32),
+            num_seqs=np.zeros(1, np.int32),
+            logits_indices=np.zeros(num_seqs, np.int32),
+        )
+        return cls(**host)
 
 
 # One (k_pages, v_pages) pair per layer, each [num_pages, page_size, num_kv_heads, head_dim].

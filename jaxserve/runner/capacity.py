@@ -33,6 +33,15 @@ DEVICE_MEMORY_BYTES: dict[str, int] = {
 }
 
 
+def reserve_device_memory(fraction: float) -> None:
+    """Size XLA's GPU allocator to ``fraction`` of the device, as ``gpu_memory_utilization``
+    asks. It reads the setting when the backend starts: call before anything touches a device
+    (no effect once the process has started it)."""
+    import os
+
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(fraction)
+
+
 def detect_device_memory() -> int:
     """Memory of the first device; on GPU, undoes XLA_PYTHON_CLIENT_MEM_FRACTION."""
     import os

@@ -2,25 +2,32 @@
 
 Plain Python and numpy, no device work, so the per-step host cost can be measured alone
 (benchmarks/host_overhead.py). Each running sequence owns a row of persistent tables (its
-page table and its sampling parameters), written when it is first scheduled or gains a block;
-a step gathers the rows it needs with one fancy index, so the per-sequence Python work of a
-decode step is a few attribute reads.
+page table and its sampling parameters): the builder creates the row when the scheduler names
+the sequence new, extends its page table as it gains blocks, and frees it when the scheduler
+names it preempted or finished. A step gathers the rows it needs with one fancy index, so the
+per-sequence Python work of a decode step is a few attribute reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import numpy as np
 
-from jaxserve.engine.request import Sequence
-from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.models.batch import Batch
-from jaxserve.runner.sampling import SamplerFlags, SamplingInputs
+from jaxserve.runner.sampling import (
+    NUM_TOP_LOGPROBS,
+    ROW_FIELDS,
+    SamplerFlags,
+    SamplingInputs,
+    row_values,
+)
+from jaxserve.runner.step import SchedulerOutput, StepSequence
 
 MIN_TOKEN_BUCKET = 16
-NUM_TOP_LOGPROBS = 20  # the API's cap; one sampler variant serves every logprobs request
 
 
 def next_power_of_2(n: int) -> int:
@@ -31,6 +38,12 @@ def token_buckets_for(max_num_batched_tokens: int) -> list[int]:
     """Padded token counts of the compiled steps: powers of two from 16 up."""
     top = max(next_power_of_2(max_num_batched_tokens), MIN_TOKEN_BUCKET)
     return [1 << i for i in range(4, top.bit_length())]
+
+
+@dataclasses.dataclass
+class _Row:
+    index: int  # the row of the persistent tables
+    num_synced_blocks: int = 0  # leading block ids already written to its page table
 
 
 class InputBuilder:
@@ -54,19 +67,15 @@ class InputBuilder:
         self.num_slots = num_slots
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        # Rows for running sequences (+ preempted ones not yet released) and one padding row.
-        num_rows = 2 * max_num_seqs + 1
+        # A row for each running sequence and one padding row, which is never written.
+        num_rows = max_num_seqs + 1
         self.pad_row = num_rows - 1
         self._free_rows = list(range(num_rows - 2, -1, -1))
+        self._rows: dict[str, _Row] = {}  # seq_id -> its row
         self.block_table = np.zeros((num_rows, self.pages_per_seq), np.int32)
-        self.temperature = np.zeros(num_rows, np.float32)
-        self.top_k = np.zeros(num_rows, np.int32)
-        self.top_p = np.ones(num_rows, np.float32)
-        self.min_p = np.zeros(num_rows, np.float32)
-        self.seeds = np.zeros(num_rows, np.uint32)
-        self.presence = np.zeros(num_rows, np.float32)
-        self.frequency = np.zeros(num_rows, np.float32)
-        self.repetition = np.ones(num_rows, np.float32)
+        self.sampling = {
+            name: np.full(num_rows, neutral, dtype) for name, (dtype, neutral) in ROW_FIELDS.items()
+        }
         self.min_tokens = np.zeros(num_rows, np.int32)
         self.prompt_len = np.zeros(num_rows, np.int32)
         # Per-row sampler needs: sort (top-k/p), penalties, static logit bias, logprobs, noise.
@@ -85,17 +94,27 @@ class InputBuilder:
 
     # -- rows ------------------------------------------------------------------------------
 
-    def _assign_row(self, seq: Sequence) -> int:
+    @property
+    def num_rows_in_use(self) -> int:
+        return len(self._rows)
+
+    def update_states(self, output: SchedulerOutput) -> None:
+        """Free the rows of preempted and finished sequences, then give new ones a row."""
+        for seq_id in (*output.preempted_seq_ids, *output.finished_seq_ids):
+            row = self._rows.pop(seq_id, None)
+            if row is not None:
+                self._free_rows.append(row.index)
+        for item in output.scheduled:
+            if item.is_new:
+                self._add_row(item.seq)
+
+    def _add_row(self, seq: StepSequence) -> None:
+        if seq.seq_id in self._rows:
+            raise RuntimeError(f"sequence {seq.seq_id!r} is new but already has a row")
         row = self._free_rows.pop()
         p = seq.params
-        self.temperature[row] = p.temperature
-        self.top_k[row] = max(p.top_k, 0)
-        self.top_p[row] = p.top_p
-        self.min_p[row] = p.min_p
-        self.seeds[row] = seq.seed
-        self.presence[row] = p.presence_penalty
-        self.frequency[row] = p.frequency_penalty
-        self.repetition[row] = p.repetition_penalty
+        for name, value in row_values(p, seq.seed).items():
+            self.sampling[name][row] = value
         self.min_tokens[row] = p.min_tokens
         self.prompt_len[row] = seq.num_prompt_tokens
         wants_logprobs = p.logprobs is not None or (p.best_of or 0) > p.n
@@ -106,24 +125,23 @@ class InputBuilder:
             wants_logprobs,
             p.temperature > 0,
         )
-        seq.row = row
-        seq.num_synced_blocks = 0
-        return row
+        self._rows[seq.seq_id] = _Row(row)
 
-    def release(self, seq: Sequence) -> None:
-        """Give back a finished, aborted or preempted sequence's row."""
-        if seq.row is not None:
-            self._free_rows.append(seq.row)
-            seq.row = None
-
-    def _sync(self, seq: Sequence) -> int:
-        row = seq.row if seq.row is not None else self._assign_row(seq)
+    def _sync(self, seq: StepSequence) -> int:
+        """The sequence's row, its page table extended to its current blocks."""
+        row = self._rows[seq.seq_id]
         blocks = seq.block_ids
-        synced = seq.num_synced_blocks
+        synced = row.num_synced_blocks
         if len(blocks) != synced:
-            self.block_table[row, synced : len(blocks)] = blocks[synced:]
-            seq.num_synced_blocks = len(blocks)
-        return row
+            self.block_table[row.index, synced : len(blocks)] = blocks[synced:]
+            row.num_synced_blocks = len(blocks)
+        return row.index
+
+    def padding_step(self, num_tokens: int) -> tuple[Batch, SamplingInputs]:
+        """Host inputs of a step of padding only, in the bucket of ``num_tokens``."""
+        num_seqs = self.seq_bucket(num_tokens)
+        batch = Batch.padding(num_tokens, num_seqs, self.pages_per_seq, self.num_slots)
+        return batch, SamplingInputs.padding(num_seqs, self.vocab_size)
 
     # -- one step --------------------------------------------------------------------------
 
@@ -165,7 +183,7 @@ class InputBuilder:
 
         page_indices = self.block_table[rows]
         page_indices[num_seqs:] = 0
-        batch = Batch(
+        host: dict[str, Any] = dict(  # numpy stands in for device arrays until device_put
             input_ids=input_ids,
             positions=positions,
             slot_mapping=slot_mapping,
@@ -175,7 +193,7 @@ class InputBuilder:
             num_seqs=np.array([num_seqs], np.int32),
             logits_indices=np.maximum(cu_q_lens[1:] - 1, 0),
         )
-        return batch, rows
+        return Batch(**host), rows
 
     def sampler_flags(self, rows: np.ndarray, kv_lens: np.ndarray) -> SamplerFlags:
         needs = self.needs[rows].any(axis=0)
@@ -192,7 +210,7 @@ class InputBuilder:
         )
 
     def sampling_inputs(
-        self, seqs: Seq[Sequence], rows: np.ndarray, kv_lens: np.ndarray, flags: SamplerFlags
+        self, seqs: Seq[StepSequence], rows: np.ndarray, kv_lens: np.ndarray, flags: SamplerFlags
     ) -> SamplingInputs:
         num_rows = rows.shape[0]
         vocab = self.vocab_size
@@ -214,23 +232,43 @@ class InputBuilder:
         else:
             output_ids = np.zeros((num_rows, 0), np.int32)
             prompt_ids = np.zeros((num_rows, 0), np.int32)
-        return SamplingInputs(
-            temperature=self.temperature[rows],
-            top_k=self.top_k[rows],
-            top_p=self.top_p[rows],
-            min_p=self.min_p[rows],
-            seeds=self.seeds[rows],
+        host: dict[str, Any] = {name: table[rows] for name, table in self.sampling.items()}
+        host.update(
             positions=kv_lens,  # a token is sampled at position kv_len
             bias_ids=bias_ids,
             bias_values=bias_values,
-            presence_penalty=self.presence[rows],
-            frequency_penalty=self.frequency[rows],
-            repetition_penalty=self.repetition[rows],
             output_ids=output_ids,
             prompt_ids=prompt_ids,
         )
+        return SamplingInputs(**host)  # numpy stands in for device arrays until device_put
 
-    def bias_entries(self, seq: Sequence) -> list[tuple[int, float]]:
+    def prompt_logprob_targets(
+        self, output: SchedulerOutput, host_batch: Batch
+    ) -> tuple[np.ndarray | None, dict[str, tuple[int, int]]]:
+        """The next prompt token of every row that needs a prompt logprob, and each
+        sequence's (offset, count) among the rows; None when no sequence asked."""
+        wanted = [
+            (i, item)
+            for i, item in enumerate(output.scheduled)
+            if item.seq.params.prompt_logprobs is not None
+            and item.seq.index == 0  # samples of one request share the prompt
+            and item.start < item.seq.num_prompt_tokens - 1
+        ]
+        if not wanted:
+            return None, {}
+        next_ids = np.zeros(host_batch.input_ids.shape[0], np.int32)
+        spans = {}
+        for i, item in wanted:
+            seq = item.seq
+            offset = int(host_batch.cu_q_lens[i])
+            # Row for position p scores prompt token p + 1 (prompt tokens only).
+            stop = min(item.start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            n = stop - item.start
+            next_ids[offset : offset + n] = seq.prompt_token_ids[item.start + 1 : stop + 1]
+            spans[seq.seq_id] = (offset, n)
+        return next_ids, spans
+
+    def bias_entries(self, seq: StepSequence) -> list[tuple[int, float]]:
         p = seq.params
         entries = [(int(t), float(v)) for t, v in p.logit_bias]
         if len(seq.output_token_ids) < p.min_tokens:

@@ -14,11 +14,47 @@ batch bucket.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 NEG_INF = float("-inf")
+# Top logprobs computed for any request that asks: the API's cap, so one sampler variant serves
+# every logprobs request.
+NUM_TOP_LOGPROBS = MAX_LOGPROBS
+
+# The per-sequence sampling scalars, declared once: SamplingInputs field -> (host dtype, neutral
+# value). The runner keeps a host table per entry (a row per running sequence), writes a row
+# from ``row_values`` when a sequence is first scheduled and gathers each step's rows; padding
+# rows hold the neutral value, which changes no logit.
+ROW_FIELDS: dict[str, tuple[type[np.generic], float]] = {
+    "temperature": (np.float32, 0.0),
+    "top_k": (np.int32, 0),
+    "top_p": (np.float32, 1.0),
+    "min_p": (np.float32, 0.0),
+    "seeds": (np.uint32, 0),
+    "presence_penalty": (np.float32, 0.0),
+    "frequency_penalty": (np.float32, 0.0),
+    "repetition_penalty": (np.float32, 1.0),
+}
+
+
+def row_values(params: SamplingParams, seed: int) -> dict[str, float]:
+    """One sequence's ROW_FIELDS values: the one place SamplingParams become sampler rows."""
+    return {
+        "temperature": params.temperature,
+        "top_k": max(params.top_k, 0),
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "seeds": seed,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "repetition_penalty": params.repetition_penalty,
+    }
 
 
 @jax.tree_util.register_dataclass
@@ -37,6 +73,28 @@ class SamplingInputs:
     repetition_penalty: jax.Array  # f32[S]
     output_ids: jax.Array  # i32[S, L]  generated tokens so far; V = padding
     prompt_ids: jax.Array  # i32[S, Lp]  prompt tokens (repetition penalty); V = padding
+
+    @classmethod
+    def padding(
+        cls,
+        num_rows: int,
+        vocab_size: int,
+        num_bias: int = 0,
+        out_len: int = 0,
+        prompt_len: int = 0,
+    ) -> SamplingInputs:
+        """Host inputs of ``num_rows`` padding rows (neutral values): warm-up and the
+        placeholders a multi-host follower fills by broadcast."""
+        # numpy stands in for device arrays until device_put
+        host: dict[str, Any] = {
+            name: np.full(num_rows, value, dtype) for name, (dtype, value) in ROW_FIELDS.items()
+        }
+        host["positions"] = np.zeros(num_rows, np.int32)
+        host["bias_ids"] = np.full((num_rows, num_bias), vocab_size, np.int32)
+        host["bias_values"] = np.zeros((num_rows, num_bias), np.float32)
+        host["output_ids"] = np.full((num_rows, out_len), vocab_size, np.int32)
+        host["prompt_ids"] = np.full((num_rows, prompt_len), vocab_size, np.int32)
+        return cls(**host)
 
 
 @dataclasses.dataclass(frozen=True)

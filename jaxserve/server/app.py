@@ -26,7 +26,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from jaxserve.engine.sampling_params import SamplingParamsError
+from jaxserve.engine.interfaces import EngineClient
+from jaxserve.sampling_params import SamplingParamsError
 from jaxserve.server.auth import APIKeyMiddleware
 from jaxserve.server.chat import create_chat_completion
 from jaxserve.server.completions import create_completion
@@ -52,7 +53,7 @@ def server_version() -> str:
 
 
 def build_app(
-    engine: Any,
+    engine: EngineClient,
     settings: ServerSettings,
     on_engine_dead: Callable[[], None] | None = None,
 ) -> Starlette:

@@ -29,10 +29,9 @@ async def create_chat_completion(ctx: ServingContext, request: Request, body: di
         req.messages, req.add_generation_prompt, req.tools, req.template_kwargs
     )
     token_ids = await ctx.encode(prompt, req.add_special_tokens)
-    max_tokens = ctx.resolve_max_tokens(
-        len(token_ids), req.max_tokens, None, "messages", req.max_tokens_param
+    params = ctx.check_request(
+        token_ids, req.params, req.max_tokens, None, "messages", req.max_tokens_param
     )
-    params = ctx.params_for_prompt(req.params, max_tokens)
     chat_id = new_id("chatcmpl")
     engine_request = EngineRequest(f"{chat_id}-0", token_ids, params, prompt)
     generation = ctx.new_generation([engine_request], req.priority, req.cache_salt)

@@ -20,7 +20,7 @@ from jaxserve.server.context import ENGINE_FAILURE, ServingContext, new_id, usag
 from jaxserve.server.errors import internal_error, json_response
 from jaxserve.server.generation import EngineRequest, Generation
 from jaxserve.server.logprobs import prompt_logprobs_json
-from jaxserve.server.protocol import CompletionRequest, check_token_ids, parse_completion_request
+from jaxserve.server.protocol import CompletionRequest, parse_completion_request
 
 
 async def create_completion(ctx: ServingContext, request: Request, body: dict) -> Response:
@@ -29,19 +29,16 @@ async def create_completion(ctx: ServingContext, request: Request, body: dict) -
     completion_id = new_id("cmpl")
     engine_requests = []
     for i, prompt in enumerate(req.prompts):
+        text: str | None = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, str):
             token_ids = await ctx.encode(prompt, req.add_special_tokens)
-            text: str | None = prompt
         else:
-            check_token_ids(prompt, ctx.vocab_size, "prompt")
             token_ids = list(prompt)
-            text = None
-            if req.echo or ctx.keeps_prompt_text:
-                text = ctx.tokenizer.decode(token_ids, skip_special_tokens=False)
-        max_tokens = ctx.resolve_max_tokens(
-            len(token_ids), req.max_tokens, req.default_max_tokens, "prompt", "max_tokens"
+        params = ctx.check_request(
+            token_ids, req.params, req.max_tokens, req.default_max_tokens, "prompt", "max_tokens"
         )
-        params = ctx.params_for_prompt(req.params, max_tokens)
+        if text is None and (req.echo or ctx.keeps_prompt_text):
+            text = ctx.tokenizer.decode(token_ids, skip_special_tokens=False)
         engine_requests.append(EngineRequest(f"{completion_id}-{i}", token_ids, params, text))
     generation = ctx.new_generation(engine_requests, req.priority, req.cache_salt)
     writer = _CompletionWriter(ctx, req, completion_id)

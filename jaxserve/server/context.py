@@ -19,9 +19,11 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from jaxserve.engine.interfaces import EngineClient
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from jaxserve.engine.request_checks import RequestError, check_request
 from jaxserve.engine.tokenizer import TemplateError
+from jaxserve.sampling_params import SamplingParams, SamplingParamsError
 from jaxserve.server.errors import APIError, internal_error, json_dumps, model_not_found
 from jaxserve.server.generation import EngineRequest, Generation, RequestRecord
 from jaxserve.server.lifecycle import ServerState
@@ -39,7 +41,7 @@ ENGINE_FAILURE = "The request failed in the engine; other requests are unaffecte
 
 
 class ServingContext:
-    def __init__(self, engine: Any, settings: ServerSettings) -> None:
+    def __init__(self, engine: EngineClient, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
         self.tokenizer = engine.tokenizer
@@ -90,46 +92,33 @@ class ServingContext:
         except (TemplateError, TypeError, KeyError, ValueError) as exc:
             raise APIError(400, f"The chat template could not render: {exc}", "messages") from None
 
-    def resolve_max_tokens(
-        self, num_prompt: int, requested: int | None, default: int | None, noun: str, param: str
-    ) -> int:
-        """The generation budget of one prompt, or a 400 in OpenAI's words.
-
-        ``noun`` is "prompt" or "messages". ``requested`` is what the client sent; without it
-        the budget is ``default`` clamped to the room left, or all of the room left.
-        """
-        limit = self.max_model_len
-        if num_prompt >= limit:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, your "
-                f"{noun} resulted in {num_prompt} tokens. Please reduce the length of the "
-                f"{noun}.",
-                param=noun,
-                code="context_length_exceeded",
-            )
-        room = limit - num_prompt
-        if requested is None:
-            return room if default is None else min(default, room)
-        if requested > room:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {num_prompt + requested} tokens ({num_prompt} in the {noun}, "
-                f"{requested} in the completion). Please reduce the length of the {noun} or "
-                "completion.",
-                param=param,
-                code="context_length_exceeded",
-            )
-        return requested
-
-    def params_for_prompt(self, params: SamplingParams, max_tokens: int) -> SamplingParams:
-        """The request's params with this prompt's budget, checked against the vocabulary."""
+    def check_request(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int | None,
+        default_max_tokens: int | None,
+        noun: str,
+        max_tokens_param: str,
+    ) -> SamplingParams:
+        """The engine's request checks (context length, vocabulary, the budget), as a 400 in
+        OpenAI's words. ``max_tokens`` is what the client sent; without it the budget is
+        ``default_max_tokens`` clamped to the room left, or all of the room left. ``noun`` is
+        "prompt" or "messages"."""
         try:
-            params = params.replace(max_tokens=max_tokens).for_vocab(self.vocab_size)
-        except SamplingParamsError as exc:  # e.g. min_tokens above the budget left
+            return check_request(
+                token_ids,
+                params.replace(max_tokens=max_tokens),
+                vocab_size=self.vocab_size,
+                max_model_len=self.max_model_len,
+                default_max_tokens=default_max_tokens,
+                noun=noun,
+                max_tokens_param=max_tokens_param,
+            )
+        except RequestError as exc:
+            raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
+        except SamplingParamsError as exc:  # e.g. min_tokens above max_tokens
             raise APIError(400, str(exc), param=exc.param) from None
-        return params
 
     # -- generations -----------------------------------------------------------------------
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from jaxserve.engine.async_engine import AsyncEngine, QueueFullError
+from jaxserve.engine.async_engine import QueueFullError
 from jaxserve.engine.core import EngineDeadError
+from jaxserve.engine.interfaces import EngineClient
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
-from jaxserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from jaxserve.sampling_params import SamplingParams, SamplingParamsError
 from jaxserve.server.errors import APIError, bad_request, internal_error, rate_limited, unavailable
 
 
@@ -75,7 +76,7 @@ class _Cancel:
 class Generation:
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         requests: list[EngineRequest],
         priority: int = 0,
         cache_salt: str | None = None,
@@ -122,13 +123,14 @@ class Generation:
             primed.add(index)
 
     async def _pump(self, index: int, request: EngineRequest) -> None:
-        stream: AsyncGenerator[RequestOutput] = self.engine.generate(  # type: ignore[assignment]
+        stream = self.engine.generate(
             request.prompt_token_ids,
             request.params,
             request.request_id,
             prompt=request.prompt,
             priority=self.priority,
             cache_salt=self.cache_salt,
+            group_id=self.requests[0].request_id,  # one admission turn for all its prompts
         )
         try:
             async for delta in stream:

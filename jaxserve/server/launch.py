@@ -21,7 +21,7 @@ from typing import Any
 
 import uvicorn
 
-from jaxserve.engine.engine_config import DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES, EngineConfig
+from jaxserve.engine_config import DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES, EngineConfig
 from jaxserve.server.settings import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_REQUEST_BODY_TIMEOUT_S,

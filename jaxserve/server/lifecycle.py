@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from jaxserve.engine.interfaces import EngineClient
 from jaxserve.server.errors import unavailable
 from jaxserve.server.generation import Generation
 
@@ -25,7 +26,7 @@ ABORT_GRACE_S = 5.0
 
 
 class ServerState:
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
         self.is_draining = False
         self.active: set[Generation] = set()
@@ -74,12 +75,12 @@ class ServerState:
 
 
 async def watch_engine(
-    engine: Any, interval_s: float, on_engine_dead: Callable[[], None] | None
+    engine: EngineClient, interval_s: float, on_engine_dead: Callable[[], None] | None
 ) -> None:
     """Poll the engine loop; when it dies, log once and call ``on_engine_dead``."""
     while engine.is_alive:
         await asyncio.sleep(interval_s)
-    error = getattr(engine, "dead_error", None)
+    error = engine.dead_error
     _LOG.error("Engine loop is not running (%r); health turns 503", error)
     if on_engine_dead is not None:
         on_engine_dead()

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from jaxserve.engine.interfaces import EngineClient
 from jaxserve.server.generation import RequestRecord
 
 _LOG = logging.getLogger("jaxserve.server.stats")
@@ -55,9 +56,9 @@ def token_buckets(max_value: int) -> list[int]:
 
 
 class EngineStatsCollector(Collector):
-    """Reads ``engine.core.stats`` at every scrape."""
+    """Reads ``engine.stats()`` at every scrape."""
 
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
@@ -65,7 +66,7 @@ class EngineStatsCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.engine.core.stats
+        stats = self.engine.stats()
         label = [self.model_name]
         gauges = (
             ("num_requests_running", "Requests in the running batch.", stats.num_running),
@@ -111,7 +112,7 @@ class EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine: Any, model_name: str, max_model_len: int) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, max_model_len: int) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.registry.register(EngineStatsCollector(engine, model_name))
@@ -196,14 +197,14 @@ class ServerMetrics:
 class StatsLogger:
     """Logs one line of engine activity per interval, in vLLM's words, only while busy."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
         self._last_time = time.monotonic()
-        self._last = engine.core.stats
+        self._last = engine.stats()
 
     def log(self) -> str | None:
         """Log (and return) the line for the interval since the last call, if there was work."""
-        now, stats = time.monotonic(), self.engine.core.stats
+        now, stats = time.monotonic(), self.engine.stats()
         last, elapsed = self._last, max(now - self._last_time, 1e-9)
         self._last, self._last_time = stats, now
         prompt = stats.prompt_tokens - last.prompt_tokens

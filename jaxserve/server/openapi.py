@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxserve.engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, MAX_TEMPERATURE
+from jaxserve.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, MAX_TEMPERATURE
 from jaxserve.server.messages import ROLES
 from jaxserve.server.protocol import MAX_BATCH_PROMPTS
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from jaxserve.engine import request_checks
 from jaxserve.engine.tokenizer import ALLOWED_TEMPLATE_KWARGS
+from jaxserve.sampling_params import SamplingParams, SamplingParamsError
 from jaxserve.server.errors import APIError, bad_request, unsupported
 from jaxserve.server.fields import boolean, check_fields, integer, json_type, optional
 from jaxserve.server.messages import check_chat_extras, parse_messages
@@ -405,8 +406,8 @@ def parse_detokenize_request(body: dict[str, Any]) -> DetokenizeRequest:
 
 
 def check_token_ids(token_ids: tuple[int, ...] | list[int], vocab_size: int, param: str) -> None:
-    for t in token_ids:
-        if not 0 <= t < vocab_size:
-            raise APIError(
-                400, f"token id {t} is out of vocabulary (size {vocab_size})", param=param
-            )
+    """The engine's token-range check as a 400."""
+    try:
+        request_checks.check_token_ids(token_ids, vocab_size, param)
+    except request_checks.RequestError as exc:
+        raise APIError(400, str(exc), param=param) from None

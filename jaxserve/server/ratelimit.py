@@ -24,6 +24,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from jaxserve.engine.interfaces import EngineClient
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.server.context import EventStreamResponse, ServingContext
 from jaxserve.server.errors import APIError
@@ -162,7 +163,9 @@ def generation_cost(generation: Generation) -> int:
 class RateLimitedContext(ServingContext):
     """``ServingContext`` that charges a generation's tokens before it reaches the engine."""
 
-    def __init__(self, engine: Any, settings: ServerSettings, limiter: RateLimiter) -> None:
+    def __init__(
+        self, engine: EngineClient, settings: ServerSettings, limiter: RateLimiter
+    ) -> None:
         super().__init__(engine, settings)
         self.limiter = limiter
 

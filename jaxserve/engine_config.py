@@ -1,7 +1,7 @@
 """EngineConfig: every knob of the engine, frozen and validated where it is made.
 
 Built by ``jaxserve launch`` (from flags) and by ``jaxserve.LLM`` (from keyword arguments), and
-passed down to the scheduler, the KV-cache manager and the runner.
+passed down to the scheduler, the KV-cache manager and the runner (so it lives below all three).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import dataclasses
 import os
 from pathlib import Path
 
+from jaxserve.config import ModelConfig
+
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -17,7 +19,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 
 def default_model_dir() -> Path:
     """The model served when none is named: the demo model shipped inside the package."""
-    return Path(__file__).resolve().parent.parent / "assets" / "demo"
+    return Path(__file__).resolve().parent / "assets" / "demo"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +77,10 @@ class EngineConfig:
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+
+    def resolved_max_model_len(self, model_config: ModelConfig) -> int:
+        """The context length served: ``max_model_len`` or the model's own."""
+        return self.max_model_len or model_config.max_position_embeddings
 
     @property
     def model_dir(self) -> Path:

@@ -1,0 +1,85 @@
+"""The bodies of the runner's jitted programs: model step, sampler, token feed, prompt logprobs.
+
+Pure functions of arrays; ``runner.py`` wraps each in ``jax.jit`` (the only jit sites) with
+its static arguments, and warm-up compiles them for every shape bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import ModelConfig
+from jaxserve.models import llama
+from jaxserve.models.batch import Batch, KVCache
+from jaxserve.runner import sampling
+from jaxserve.runner.sampling import NUM_TOP_LOGPROBS, SamplerFlags, SamplerOutput, SamplingInputs
+
+
+def model_step(
+    weights: llama.Weights,
+    kv_cache: KVCache,
+    batch: Batch,
+    *,
+    config: ModelConfig,
+    attention_fn: llama.AttentionFn | None = None,
+) -> tuple[KVCache, jax.Array]:
+    return llama.forward(weights, kv_cache, batch, config, attention_fn)
+
+
+def shared_attention(attention_fn: Any) -> Any:
+    """``attention_fn`` under one ``jax.jit``, so every layer's call shares one lowering.
+
+    Lowering a Mosaic GPU kernel takes about a second of Python; called bare, each of the 32
+    layers of an 8B model lowers (and embeds) its own copy in every bucket. Behind one jit the
+    layers' calls have the same traced function and JAX lowers it once per bucket.
+    """
+    return jax.jit(attention_fn, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+
+
+def _head_weights(head: jax.Array, tied: bool) -> llama.Weights:
+    """Just the output projection, as ``compute_logits`` reads it."""
+    return llama.Weights(
+        embed=head if tied else None,  # type: ignore[arg-type]
+        layers=[],
+        final_norm=None,  # type: ignore[arg-type]
+        lm_head=None if tied else head,
+    )
+
+
+def sample_step(
+    head: jax.Array,  # [V, H] (tied embedding) or [H, V]
+    hidden: jax.Array,  # [T, H]
+    logits_indices: jax.Array,  # i32[S]
+    inputs: SamplingInputs,
+    *,
+    tied: bool,
+    flags: SamplerFlags,
+    num_rows: int,
+) -> SamplerOutput:
+    logits = llama.compute_logits(_head_weights(head, tied), hidden[logits_indices])  # f32[S, V]
+    out = sampling.sample(logits, inputs, flags)
+    # Token ids padded to the largest sequence bucket: the next step's on-device feed of
+    # pending tokens then has one shape per token bucket, all compiled at warm-up.
+    padding = num_rows - out.token_ids.shape[0]
+    return dataclasses.replace(out, token_ids=jnp.pad(out.token_ids, (0, padding)))
+
+
+def feed_pending(
+    input_ids: jax.Array,  # i32[T]
+    source: jax.Array,  # i32[T]  row of the previous step's samples, or -1
+    previous_ids: jax.Array,  # i32[S_max]  the previous step's sampled ids
+) -> jax.Array:  # i32[T]
+    """Input ids with each pending token (source >= 0) taken from the previous step's samples."""
+    taken = previous_ids[jnp.clip(source, 0, previous_ids.shape[0] - 1)]
+    return jnp.where(source >= 0, taken, input_ids)
+
+
+def prompt_logprobs_step(
+    head: jax.Array, hidden: jax.Array, next_ids: jax.Array, *, tied: bool
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    logits = llama.compute_logits(_head_weights(head, tied), hidden)
+    return sampling.prompt_logprobs(logits, next_ids, NUM_TOP_LOGPROBS)

@@ -1,0 +1,91 @@
+"""The hand-off of one step between the engine and the runner, in both directions.
+
+Down: the scheduler's ``SchedulerOutput`` names every sequence of the step and its lifecycle,
+the way vLLM v1's does: ``ScheduledSeq.is_new`` for a sequence the runner has not seen (first
+scheduled, or again after a preemption), ``preempted_seq_ids`` and ``finished_seq_ids`` for the
+ones whose runner state (a persistent row) must go. The runner creates and frees its own state
+from these; the engine never touches it. Up: ``RunnerOutput``, the sampled tokens of the step
+(and logprobs when asked), copied to the host.
+
+The types live here, below the engine, so the runner imports nothing from ``jaxserve.engine``;
+the engine's ``Sequence`` satisfies ``StepSequence`` structurally.
+
+Asynchronous scheduling (docs/architecture.md): an output token that a dispatched step will
+sample, not yet read back, is ``PENDING_TOKEN`` in the host's token lists. A step whose input
+is a pending token takes it, on the device, from the previous step's sampled ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import numpy as np
+
+from jaxserve.sampling_params import SamplingParams
+
+PENDING_TOKEN = -1
+
+
+class StepSequence(Protocol):
+    """What the runner reads of a scheduled sequence (and never writes)."""
+
+    @property
+    def seq_id(self) -> str: ...
+    @property
+    def index(self) -> int: ...  # the sample index; sample 0 prefills the shared prompt
+    @property
+    def seed(self) -> int: ...  # u32 seed of its sampling key
+    @property
+    def params(self) -> SamplingParams: ...
+    @property
+    def block_ids(self) -> list[int]: ...
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...  # may end in PENDING_TOKEN entries
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def last_token_id(self) -> int: ...
+    def token_ids(self, start: int, stop: int) -> list[int]: ...
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    seq: StepSequence
+    num_new_tokens: int
+    start: int  # num_computed_tokens before this step
+    is_new: bool = False  # the runner has no state for it yet (first run, or after preemption)
+    # True when this step reaches the end of the known tokens (a token gets sampled); fixed
+    # when scheduled, since the sequence may gain a pending token before the step is read.
+    completes_sequence: bool = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.completes_sequence = self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    num_batched_tokens: int
+    preempted_seq_ids: list[str] = dataclasses.field(default_factory=list)
+    # Finished or aborted since the previous step: their runner state is freed.
+    finished_seq_ids: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclasses.dataclass
+class RunnerOutput:
+    token_ids: np.ndarray  # i32[S]  one sampled token per scheduled sequence, in order
+    logprobs: np.ndarray | None = None  # f32[S]
+    ranks: np.ndarray | None = None  # i32[S]
+    top_ids: np.ndarray | None = None  # i32[S, K]
+    top_logprobs: np.ndarray | None = None  # f32[S, K]
+    # seq_id -> (logprob[n], rank[n], top_ids[n, K], top_lp[n, K]) for the chunk's next tokens
+    prompt_logprobs: dict[str, tuple[np.ndarray, ...]] = dataclasses.field(default_factory=dict)
