@@ -23,6 +23,10 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.batch import Batch, KVCache
 
 
+# NOTE: these are the model code's typed view of the weights. What each field is (checkpoint
+# name and layout, shape, dummy init, which configs have it) is its row in families.py, which
+# loading, dummy weights, sharding and parameter counting read; tests/test_weight_table.py
+# checks that the rows and these fields agree.
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerWeights:
@@ -48,7 +52,7 @@ class Weights:
     embed: jax.Array  # [V, H]
     layers: list[LayerWeights]
     final_norm: jax.Array  # [H]
-    lm_head: jax.Array | None  # [H, V]; None when tied to the embedding
+    lm_head: jax.Array | None = None  # [H, V]; None when tied to the embedding
 
 
 AttentionFn = Callable[..., jax.Array]
