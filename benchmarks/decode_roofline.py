@@ -34,6 +34,7 @@ from jaxserve.engine.request import Request, Sequence
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from jaxserve.models.batch import kv_bytes_per_token
+from jaxserve.models.families import num_params
 from jaxserve.runner.runner import ModelRunner
 
 BANDWIDTH = 4.3e12  # bytes/s, copy bandwidth measured on the H200
@@ -178,7 +179,7 @@ def main() -> None:
     fill_cache_randomly(runner, 0)
     log_memory("random KV fill")
     itemsize = runner.dtype.itemsize
-    weight_bytes = model_config.num_params(include_embedding=False) * itemsize
+    weight_bytes = num_params(model_config, include_embedding=False) * itemsize
     per_token = kv_bytes_per_token(
         model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, itemsize
     )

@@ -14,6 +14,7 @@ import sys
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine.engine_config import default_model_dir
+from jaxserve.models.families import num_params
 from jaxserve.runner.capacity import (
     DEVICE_MEMORY_BYTES,
     CapacityError,
@@ -165,7 +166,7 @@ def run_capacity(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    print(f"Model: {model_dir} ({config.model_type}, {config.num_params() / 1e9:.2f}B parameters)")
+    print(f"Model: {model_dir} ({config.model_type}, {num_params(config) / 1e9:.2f}B parameters)")
     print(
         f"Device memory: {memory / GiB:.2f} GiB x {args.memory_utilization:.0%} utilization, "
         f"tensor parallel {args.tensor_parallel_size}"
