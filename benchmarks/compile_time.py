@@ -31,6 +31,7 @@ import pallas_kernels
 from jaxserve.config import ModelConfig, builtin_config_dir
 from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.runner.runner import ModelRunner, _model_step
+from jaxserve.units import human_int
 
 
 def timed(fn):
@@ -44,7 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(builtin_config_dir("llama-3-8b")))
     parser.add_argument("--buckets", default="16,256")
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-model-len", type=human_int, default=4096)
     parser.add_argument("--smoke", action="store_true", help="tiny model, on the CPU")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()

@@ -23,6 +23,7 @@ from jaxserve.runner.capacity import (
     plan_capacity,
 )
 from jaxserve.runner.input_builder import next_power_of_2, token_buckets_for
+from jaxserve.units import human_int
 
 KV_DTYPE_BYTES = {
     "auto": None,
@@ -63,16 +64,6 @@ def parse_memory(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def parse_length(text: str) -> int:
-    """'8192', '8k', '128K' -> tokens (vLLM's --max-model-len spelling)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([kK])?\s*", text)
-    if not match:
-        raise argparse.ArgumentTypeError(
-            f"--max-model-len {text!r} is not a length like 8192 or 8k"
-        )
-    return int(match.group(1)) * (1024 if match.group(2) else 1)
-
-
 def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
@@ -82,9 +73,9 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-model-len",
-        type=parse_length,
+        type=human_int,
         default=None,
-        help="context per request (default: the model's maximum)",
+        help="context per request (8192, 8k = 8000, 8K = 8192; default: the model's maximum)",
     )
     parser.add_argument(
         "--memory-utilization",
@@ -116,7 +107,7 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=human_int, default=2048)
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
 
 
