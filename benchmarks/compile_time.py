@@ -32,6 +32,7 @@ from jaxserve.config import ModelConfig, builtin_config_dir
 from jaxserve.engine_config import EngineConfig
 from jaxserve.runner.programs import model_step
 from jaxserve.runner.runner import ModelRunner
+from jaxserve.units import human_int
 
 
 def timed(fn):
@@ -45,7 +46,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(builtin_config_dir("llama-3-8b")))
     parser.add_argument("--buckets", default="16,256")
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-model-len", type=human_int, default=4096)
     parser.add_argument("--smoke", action="store_true", help="tiny model, on the CPU")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()

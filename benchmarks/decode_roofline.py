@@ -32,6 +32,7 @@ from jaxserve.config import ModelConfig, builtin_config_dir
 from jaxserve.engine.request import Request, Sequence
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.batch import kv_bytes_per_token
+from jaxserve.models.families import num_params
 from jaxserve.runner.runner import ModelRunner
 from jaxserve.runner.step import ScheduledSeq, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
@@ -181,7 +182,7 @@ def main() -> None:
     fill_cache_randomly(runner, 0)
     log_memory("random KV fill")
     itemsize = runner.dtype.itemsize
-    weight_bytes = model_config.num_params(include_embedding=False) * itemsize
+    weight_bytes = num_params(model_config, include_embedding=False) * itemsize
     per_token = kv_bytes_per_token(
         model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, itemsize
     )

@@ -18,6 +18,7 @@ from jaxserve.engine.request import Request, Sequence
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.runner.input_builder import InputBuilder
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.units import human_int
 
 
 def main() -> None:
@@ -25,7 +26,7 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-model-len", type=human_int, default=4096)
     args = parser.parse_args()
 
     block_size = 16

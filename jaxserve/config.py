@@ -89,22 +89,6 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def num_params(self, *, include_embedding: bool = True) -> int:
-        """Parameter count of the weights this config describes."""
-        h, i = self.hidden_size, self.intermediate_size
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        if self.attention_bias:
-            attn += self.q_size + 2 * self.kv_size
-        if self.qk_norm:
-            attn += 2 * self.head_dim
-        layer = attn + 3 * h * i + 2 * h
-        total = self.num_layers * layer + h  # final norm
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        total += head
-        if include_embedding:
-            total += self.vocab_size * h
-        return total
-
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Build from a config.json dict (either rope key spelling)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 
 import jax
 
@@ -27,7 +28,7 @@ def _is_hopper_or_newer() -> bool:
     return int(major) >= 9
 
 
-def _tpu_kernel():
+def _tpu_kernel() -> Callable[..., jax.Array] | None:
     """The TPU kernel, or None while ``pallas_kernels.tpu`` does not provide it."""
     try:
         module = importlib.import_module("pallas_kernels.tpu")
@@ -51,18 +52,23 @@ def ragged_paged_attention(
 ) -> jax.Array:  # [T, Hq, D], q's dtype
     """Ragged paged attention on the best kernel for the current backend."""
     args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     backend = jax.default_backend()
     if backend == "gpu" and _is_hopper_or_newer():
         from pallas_kernels import gpu
 
         if gpu.unsupported_reason(q, k_pages, sliding_window, soft_cap) is None:
-            return gpu.ragged_paged_attention(*args, **kwargs)
+            return gpu.ragged_paged_attention(
+                *args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
+            )
     elif backend == "tpu":
         kernel = _tpu_kernel()
         if kernel is not None:
-            return kernel(*args, **kwargs)
-    return reference_attention(*args, **kwargs)
+            return kernel(
+                *args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
+            )
+    return reference_attention(
+        *args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
+    )
 
 
 __all__ = ["ragged_paged_attention", "reference_attention", "write_kv"]

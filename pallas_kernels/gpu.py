@@ -404,7 +404,9 @@ def ragged_paged_attention(
         with_padding=not is_split,
     )
 
-    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    # jax 0.11.2: these subclass the Transform protocol without overriding transform_array,
+    # whose body only raises, so mypy takes them for abstract classes; jax uses them as here.
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # type: ignore[abstract]
     stages = config.num_stages
     o_dtype = jnp.float32 if is_split else q.dtype
     kv_stage = plgpu.SMEM((stages, block_kv, head_dim), k_pages.dtype, transforms=tiled)
@@ -420,6 +422,7 @@ def ragged_paged_attention(
         plgpu.Barrier(num_arrivals=block_kv // min(page_size, block_kv), num_barriers=stages),
         plgpu.Barrier(num_arrivals=block_kv // min(page_size, block_kv), num_barriers=stages),
     ]
+    out_type: tuple[jax.ShapeDtypeStruct, ...]  # (o, lse) when split, else (o,)
     if is_split:
         out_type = (
             jax.ShapeDtypeStruct((num_splits, num_tokens, num_q_heads, head_dim), jnp.float32),

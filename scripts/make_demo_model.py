@@ -61,6 +61,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
 from jaxserve.models.batch import Batch, make_kv_cache
+from jaxserve.models.families import num_params
 from jaxserve.models.weights import load_weights
 
 REPO = Path(__file__).resolve().parent.parent
@@ -838,7 +839,7 @@ def main() -> None:
         f" training tokens: {corpus.num_code_tokens} code + {corpus.num_docstring_tokens} "
         f"docstrings + {corpus.num_chat_tokens} chat ({corpus.num_chats}/"
         f"{corpus.num_chats_made} conversations), held out {len(corpus.heldout_stream)}; "
-        f"{config.num_params():,} parameters ({time.perf_counter() - started:.0f}s)",
+        f"{num_params(config):,} parameters ({time.perf_counter() - started:.0f}s)",
         flush=True,
     )
     weights, steps_done, curve, train_minutes = train(cfg, config, corpus)
@@ -850,7 +851,7 @@ def main() -> None:
         "train_minutes": round(train_minutes, 2),
         "python": sys.version.split()[0],
         "jax": jax.__version__,
-        "num_params": config.num_params(),
+        "num_params": num_params(config),
         "corpus": {
             "num_training_files": len(corpus.train),
             "num_heldout_files": len(corpus.heldout),

@@ -28,7 +28,7 @@ def test_llama3_8b_on_h200_by_hand(capsys) -> None:
         capsys,
         str(builtin_config_dir("llama-3-8b")),
         "--max-model-len",
-        "8k",
+        "8K",
         "--device-memory",
         "H200",
         "--memory-utilization",

@@ -14,6 +14,7 @@ import sys
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import default_model_dir
+from jaxserve.models.families import num_params
 from jaxserve.runner.capacity import (
     DEVICE_MEMORY_BYTES,
     CapacityError,
@@ -22,6 +23,7 @@ from jaxserve.runner.capacity import (
     plan_capacity,
 )
 from jaxserve.runner.input_builder import next_power_of_2, token_buckets_for
+from jaxserve.units import human_int
 
 KV_DTYPE_BYTES = {
     "auto": None,
@@ -62,16 +64,6 @@ def parse_memory(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def parse_length(text: str) -> int:
-    """'8192', '8k', '128K' -> tokens (vLLM's --max-model-len spelling)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([kK])?\s*", text)
-    if not match:
-        raise argparse.ArgumentTypeError(
-            f"--max-model-len {text!r} is not a length like 8192 or 8k"
-        )
-    return int(match.group(1)) * (1024 if match.group(2) else 1)
-
-
 def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
@@ -81,9 +73,9 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-model-len",
-        type=parse_length,
+        type=human_int,
         default=None,
-        help="context per request (default: the model's maximum)",
+        help="context per request (8192, 8k = 8000, 8K = 8192; default: the model's maximum)",
     )
     parser.add_argument(
         "--memory-utilization",
@@ -115,7 +107,7 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=human_int, default=2048)
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
 
 
@@ -165,7 +157,7 @@ def run_capacity(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    print(f"Model: {model_dir} ({config.model_type}, {config.num_params() / 1e9:.2f}B parameters)")
+    print(f"Model: {model_dir} ({config.model_type}, {num_params(config) / 1e9:.2f}B parameters)")
     print(
         f"Device memory: {memory / GiB:.2f} GiB x {args.memory_utilization:.0%} utilization, "
         f"tensor parallel {args.tensor_parallel_size}"

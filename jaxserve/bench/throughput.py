@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.config import builtin_config_dir
+from jaxserve.units import human_int
 
 
 def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -39,13 +40,13 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument(
         "--max-model-len",
-        type=int,
+        type=human_int,
         default=None,
         help="jaxserve's context limit (default input + output length); the same value as a "
         "`jaxserve launch` gives the same compiled shapes, so a warm compilation cache serves both",
     )
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-num-batched-tokens", type=human_int, default=8192)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument(
         "--engine",

@@ -23,6 +23,10 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.batch import Batch, KVCache
 
 
+# NOTE: these are the model code's typed view of the weights. What each field is (checkpoint
+# name and layout, shape, dummy init, which configs have it) is its row in families.py, which
+# loading, dummy weights, sharding and parameter counting read; tests/test_weight_table.py
+# checks that the rows and these fields agree.
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerWeights:
@@ -48,7 +52,7 @@ class Weights:
     embed: jax.Array  # [V, H]
     layers: list[LayerWeights]
     final_norm: jax.Array  # [H]
-    lm_head: jax.Array | None  # [H, V]; None when tied to the embedding
+    lm_head: jax.Array | None = None  # [H, V]; None when tied to the embedding
 
 
 AttentionFn = Callable[..., jax.Array]
@@ -108,10 +112,15 @@ def attention_block(
     q = jnp.einsum("TH,HND->TND", x, lw.wq)
     k = jnp.einsum("TH,HKD->TKD", x, lw.wk)
     v = jnp.einsum("TH,HKD->TKD", x, lw.wv)
-    if lw.bq is not None:
-        q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
-    if lw.q_norm is not None:
+    if lw.bq is not None:  # q/k/v biases (Qwen2): the config has all three or none
+        q = q + lw.bq
+    if lw.bk is not None:
+        k = k + lw.bk
+    if lw.bv is not None:
+        v = v + lw.bv
+    if lw.q_norm is not None:  # per-head RMSNorm (Qwen3): both or neither
         q = rms_norm(q, lw.q_norm, config.rms_norm_eps)
+    if lw.k_norm is not None:
         k = rms_norm(k, lw.k_norm, config.rms_norm_eps)
     q = apply_rope(q, batch.positions, inv_freq)
     k = apply_rope(k, batch.positions, inv_freq)

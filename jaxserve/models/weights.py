@@ -20,6 +20,13 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxserve.config import ModelConfig
+from jaxserve.models.families import (
+    HF_LAYER_PREFIX,
+    WeightField,
+    layer_fields,
+    model_fields,
+    num_params,
+)
 from jaxserve.models.llama import LayerWeights, Weights
 
 # (field path in Weights, e.g. ("layers", 3, "wq")) -> a sharding for it, or None (default device)
@@ -30,57 +37,13 @@ class WeightsError(ValueError):
     """A checkpoint that does not match its config: names the file and the tensor."""
 
 
-def _layer_fields(config: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]]:
-    """LayerWeights field -> (HF tensor suffix, transform from HF layout)."""
-    n, k, d, h = config.num_q_heads, config.num_kv_heads, config.head_dim, config.hidden_size
-    fields: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
-        "attn_norm": ("input_layernorm.weight", lambda t: t),
-        "wq": ("self_attn.q_proj.weight", lambda t: t.T.reshape(h, n, d)),
-        "wk": ("self_attn.k_proj.weight", lambda t: t.T.reshape(h, k, d)),
-        "wv": ("self_attn.v_proj.weight", lambda t: t.T.reshape(h, k, d)),
-        "wo": ("self_attn.o_proj.weight", lambda t: t.T.reshape(n, d, h)),
-        "mlp_norm": ("post_attention_layernorm.weight", lambda t: t),
-        "w_gate": ("mlp.gate_proj.weight", lambda t: t.T),
-        "w_up": ("mlp.up_proj.weight", lambda t: t.T),
-        "w_down": ("mlp.down_proj.weight", lambda t: t.T),
-    }
-    if config.attention_bias:
-        fields["bq"] = ("self_attn.q_proj.bias", lambda t: t.reshape(n, d))
-        fields["bk"] = ("self_attn.k_proj.bias", lambda t: t.reshape(k, d))
-        fields["bv"] = ("self_attn.v_proj.bias", lambda t: t.reshape(k, d))
-    if config.qk_norm:
-        fields["q_norm"] = ("self_attn.q_norm.weight", lambda t: t)
-        fields["k_norm"] = ("self_attn.k_norm.weight", lambda t: t)
-    return fields
-
-
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape in the checkpoint, for every tensor the model needs."""
-    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    q, kv, d = config.q_size, config.kv_size, config.head_dim
-    per_layer = {
-        "input_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h),
-        "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h),
-        "self_attn.o_proj.weight": (h, q),
-        "post_attention_layernorm.weight": (h,),
-        "mlp.gate_proj.weight": (i, h),
-        "mlp.up_proj.weight": (i, h),
-        "mlp.down_proj.weight": (h, i),
-        "self_attn.q_proj.bias": (q,),
-        "self_attn.k_proj.bias": (kv,),
-        "self_attn.v_proj.bias": (kv,),
-        "self_attn.q_norm.weight": (d,),
-        "self_attn.k_norm.weight": (d,),
-    }
-    needed = {suffix for suffix, _ in _layer_fields(config).values()}
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
+    shapes = {field.hf_name: field.hf_shape_for(config) for field in model_fields(config)}
     for layer in range(config.num_layers):
-        for suffix in needed:
-            shapes[f"model.layers.{layer}.{suffix}"] = per_layer[suffix]
+        prefix = HF_LAYER_PREFIX.format(layer=layer)
+        for field in layer_fields(config):
+            shapes[prefix + field.hf_name] = field.hf_shape_for(config)
     return shapes
 
 
@@ -152,25 +115,26 @@ def load_weights(
         layer_iter: Iterator[int] = iter(range(config.num_layers))
         if progress is not None:
             layer_iter = progress(layer_iter)
-        fields = _layer_fields(config)
         layers = []
         for layer in layer_iter:
+            prefix = HF_LAYER_PREFIX.format(layer=layer)
             values = {
-                field: _place(
-                    transform(read(f"model.layers.{layer}.{suffix}")),
+                field.name: _place(
+                    field.from_hf(read(prefix + field.hf_name), config),
                     dtype,
-                    ("layers", layer, field),
+                    ("layers", layer, field.name),
                     placement,
                 )
-                for field, (suffix, transform) in fields.items()
+                for field in layer_fields(config)
             }
             layers.append(LayerWeights(**values))
-        embed = _place(read("model.embed_tokens.weight"), dtype, ("embed",), placement)
-        lm_head = None
-        if not config.tie_word_embeddings:
-            lm_head = _place(read("lm_head.weight").T, dtype, ("lm_head",), placement)
-        final_norm = _place(read("model.norm.weight"), dtype, ("final_norm",), placement)
-    return Weights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
+        outside: dict[str, Any] = {
+            field.name: _place(
+                field.from_hf(read(field.hf_name), config), dtype, (field.name,), placement
+            )
+            for field in model_fields(config)
+        }
+    return Weights(layers=layers, **outside)
 
 
 def dummy_weights(
@@ -181,51 +145,27 @@ def dummy_weights(
     scale: float = 0.02,
 ) -> Weights:
     """Random weights in the real architecture (for benchmarks and tests); made on the device."""
-    n, k, d, h = config.num_q_heads, config.num_kv_heads, config.head_dim, config.hidden_size
-    i, v = config.intermediate_size, config.vocab_size
     key = jax.random.key(seed)
 
-    def make(path: tuple[Any, ...], shape: tuple[int, ...], ones: bool = False) -> jax.Array:
+    def make(path: tuple[Any, ...], field: WeightField) -> jax.Array:
         nonlocal key
         key, sub = jax.random.split(key)
-        if ones:
+        shape = field.shape_for(config)
+        if field.init == "ones":
             array = jnp.ones(shape, dtype)
         else:
             array = (scale * jax.random.normal(sub, shape, jnp.float32)).astype(dtype)
         sharding = placement(path, shape) if placement is not None else None
         return array if sharding is None else jax.device_put(array, sharding)
 
-    layers = []
-    for layer in range(config.num_layers):
-        shapes: dict[str, tuple[tuple[int, ...], bool]] = {
-            "attn_norm": ((h,), True),
-            "wq": ((h, n, d), False),
-            "wk": ((h, k, d), False),
-            "wv": ((h, k, d), False),
-            "wo": ((n, d, h), False),
-            "mlp_norm": ((h,), True),
-            "w_gate": ((h, i), False),
-            "w_up": ((h, i), False),
-            "w_down": ((i, h), False),
-        }
-        if config.attention_bias:
-            shapes |= {"bq": ((n, d), False), "bk": ((k, d), False), "bv": ((k, d), False)}
-        if config.qk_norm:
-            shapes |= {"q_norm": ((d,), True), "k_norm": ((d,), True)}
-        layers.append(
-            LayerWeights(
-                **{f: make(("layers", layer, f), s, ones) for f, (s, ones) in shapes.items()}
-            )
-        )
-    lm_head = None if config.tie_word_embeddings else make(("lm_head",), (h, v))
-    return Weights(
-        embed=make(("embed",), (v, h)),
-        layers=layers,
-        final_norm=make(("final_norm",), (h,), ones=True),
-        lm_head=lm_head,
-    )
+    layers = [
+        LayerWeights(**{f.name: make(("layers", layer, f.name), f) for f in layer_fields(config)})
+        for layer in range(config.num_layers)
+    ]
+    outside: dict[str, Any] = {f.name: make((f.name,), f) for f in model_fields(config)}
+    return Weights(layers=layers, **outside)
 
 
 def weight_bytes(config: ModelConfig, dtype: jnp.dtype) -> int:
     """Bytes the weights occupy on the device."""
-    return config.num_params() * jnp.dtype(dtype).itemsize
+    return num_params(config) * jnp.dtype(dtype).itemsize

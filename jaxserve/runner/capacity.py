@@ -11,6 +11,7 @@ import dataclasses
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.batch import kv_bytes_per_token
+from jaxserve.models.families import num_params
 
 GiB = 1024**3
 # The CPU backend reports no memory: its KV budget is a fraction of this (or of
@@ -131,7 +132,7 @@ def plan_capacity(
     num_blocks_override: int | None = None,
 ) -> Capacity:
     kv_dtype_bytes = kv_dtype_bytes or dtype_bytes
-    weights = config.num_params() * dtype_bytes // tensor_parallel_size
+    weights = num_params(config) * dtype_bytes // tensor_parallel_size
     activations = activation_bytes(
         config, max_num_batched_tokens, max_num_seqs, dtype_bytes, device_memory_bytes
     )

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels
 from jaxserve.config import ModelConfig
 from jaxserve.models.batch import KVCache
+from jaxserve.models.families import layer_fields, model_fields
 from jaxserve.models.llama import AttentionFn, LayerWeights, Weights
 from jaxserve.models.weights import Placement
 
@@ -48,8 +49,14 @@ KV_REPLICA_AXIS = "kv_replica"  # copies of one KV head group, on the KV view
 # Specs on the KV view. Query heads split over both of its axes, which orders the devices
 # exactly as "tp" does, so the two meshes agree and XLA moves no data between them.
 _Q_HEADS_ON_KV_VIEW = P(None, (KV_AXIS, KV_REPLICA_AXIS), None)  # q, attention out [T, N, D]
-_KV_HEADS = P(None, KV_AXIS, None)  # k, v [T, K, D]; wk, wv [H, K, D]
+_KV_HEADS = P(None, KV_AXIS, None)  # k, v [T, K, D]
 _KV_PAGES = P(None, None, KV_AXIS, None)  # k_pages, v_pages [P, page, K, D]
+
+# NOTE: the weights' specs come from the weight table (jaxserve/models/families.py), which
+# writes every shape in einsum letters: a dimension named here is split over that mesh axis,
+# the others are replicated. Query heads (N) and the MLP's intermediate dim (I) go on "tp",
+# KV heads (K) on the KV view; that gives the column / row / vocab parallel layout above.
+_SPLIT_DIMS = {"N": TP_AXIS, "I": TP_AXIS, "K": KV_AXIS}
 
 
 def validate_tensor_parallel_size(config: ModelConfig, tensor_parallel_size: int) -> None:
@@ -115,40 +122,26 @@ def kv_mesh(mesh: Mesh, num_kv_heads: int) -> Mesh:
     )
 
 
+def _spec(shape: str, split: dict[str, str]) -> P:
+    """The spec of a weight whose shape is written in einsum letters (``"HND"``)."""
+    return P(*(split.get(dim) for dim in shape))
+
+
 def layer_specs(config: ModelConfig) -> LayerWeights:
     """PartitionSpecs of one layer, field for field (None where the model has no such tensor)."""
-    has_bias, has_qk_norm = config.attention_bias, config.qk_norm
     # A pytree of specs in the weights' own dataclass (its leaves are specs, not arrays).
-    specs: dict[str, Any] = {
-        "attn_norm": P(),  # [H]
-        "wq": P(None, TP_AXIS, None),  # [H, N, D]
-        "wk": _KV_HEADS,  # [H, K, D]
-        "wv": _KV_HEADS,
-        "wo": P(TP_AXIS, None, None),  # [N, D, H]
-        "mlp_norm": P(),
-        "w_gate": P(None, TP_AXIS),  # [H, I]
-        "w_up": P(None, TP_AXIS),
-        "w_down": P(TP_AXIS, None),  # [I, H]
-        "bq": P(TP_AXIS, None) if has_bias else None,  # [N, D]
-        "bk": P(KV_AXIS, None) if has_bias else None,  # [K, D]
-        "bv": P(KV_AXIS, None) if has_bias else None,
-        "q_norm": P() if has_qk_norm else None,  # [D]
-        "k_norm": P() if has_qk_norm else None,
-    }
+    specs: dict[str, Any] = {f.name: _spec(f.shape, _SPLIT_DIMS) for f in layer_fields(config)}
     return LayerWeights(**specs)
 
 
 def weight_specs(config: ModelConfig, tensor_parallel_size: int) -> Weights:
     """A ``Weights`` pytree of PartitionSpecs, parallel to the model's weights."""
+    split = _SPLIT_DIMS
     # NOTE: jax shards only evenly; a vocabulary N does not divide stays replicated.
-    vocab = TP_AXIS if config.vocab_size % tensor_parallel_size == 0 else None
-    specs: dict[str, Any] = {
-        "embed": P(vocab, None),  # [V, H]
-        "layers": [layer_specs(config)] * config.num_layers,
-        "final_norm": P(),  # [H]
-        "lm_head": None if config.tie_word_embeddings else P(None, vocab),  # [H, V]
-    }
-    return Weights(**specs)
+    if config.vocab_size % tensor_parallel_size == 0:
+        split = split | {"V": TP_AXIS}
+    specs: dict[str, Any] = {f.name: _spec(f.shape, split) for f in model_fields(config)}
+    return Weights(layers=[layer_specs(config)] * config.num_layers, **specs)
 
 
 def _is_kv_spec(spec: P) -> bool:

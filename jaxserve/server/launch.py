@@ -14,7 +14,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import re
 import signal
 from types import FrameType
 from typing import Any
@@ -28,33 +27,13 @@ from jaxserve.server.settings import (
     DEFAULT_SEND_TIMEOUT_S,
     ServerSettings,
 )
+from jaxserve.units import human_int
 
 _LOG = logging.getLogger("jaxserve.launch")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 API_KEY_ENV = "JAXSERVE_API_KEY"
 # Flag defaults are EngineConfig's, so the two cannot drift apart.
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-
-
-def human_int(text: str) -> int:
-    """``8192``, ``8k`` (8,000), ``8K`` (8,192), ``1.5m`` (1,500,000): vLLM's forms."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG]?)", text.strip())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number like 8192, 8k or 8K")
-    number, suffix = match.groups()
-    if not suffix:
-        if "." in number:
-            raise argparse.ArgumentTypeError(f"{text!r} must be a whole number")
-        return int(number)
-    power = "kmg".index(suffix.lower()) + 1
-    if suffix.isupper():
-        if "." in number:
-            raise argparse.ArgumentTypeError(f"{text!r}: binary suffixes take whole numbers")
-        return int(number) * 1024**power
-    value = float(number) * 1000**power
-    if value != int(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
-    return int(value)
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,7 +76,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--max-num-batched-tokens",
-        type=int,
+        type=human_int,
         default=_ENGINE_DEFAULTS["max_num_batched_tokens"],
         help="tokens in one step at most",
     )

@@ -1,0 +1,53 @@
+"""``jaxserve.units.human_int``: the one parser of counts on every command line."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from jaxserve.bench.capacity import add_capacity_arguments
+from jaxserve.bench.throughput import add_throughput_arguments
+from jaxserve.units import human_int
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("8192", 8192),
+        (" 8192 ", 8192),
+        ("8k", 8000),
+        ("8K", 8192),
+        ("128K", 131072),
+        ("1.5k", 1500),
+        ("1.5m", 1_500_000),
+        ("2M", 2 * 1024**2),
+        ("1g", 10**9),
+        ("1G", 1024**3),
+    ],
+)
+def test_human_int(text: str, value: int) -> None:
+    assert human_int(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "k", "1.5", "1.5K", "1.0001k", "-1", "8 k", "1e3", "8x"])
+def test_human_int_rejects(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(text))):
+        human_int(text)
+
+
+@pytest.mark.parametrize("add_arguments", [add_capacity_arguments, add_throughput_arguments])
+def test_commands_read_token_counts_alike(add_arguments) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--max-model-len", "8K", "--max-num-batched-tokens", "2k"])
+    assert (args.max_model_len, args.max_num_batched_tokens) == (8192, 2000)
+
+
+def test_a_bad_count_names_the_flag_and_the_value(capsys) -> None:
+    parser = argparse.ArgumentParser()
+    add_capacity_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-model-len", "8x"])
+    assert "argument --max-model-len: '8x' is not a number like 8192" in capsys.readouterr().err

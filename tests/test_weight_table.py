@@ -1,0 +1,104 @@
+"""The weight table (jaxserve/models/families.py) is the one description of each weight.
+
+For every fixture family, loading, ``expected_shapes``, dummy weights, the tensor-parallel
+specs and the parameter count must all agree with the table, and the table with the model's
+``LayerWeights`` / ``Weights`` dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+from safetensors import safe_open
+
+from jaxserve.config import ModelConfig
+from jaxserve.models.families import (
+    LLAMA_LAYER_FIELDS,
+    LLAMA_MODEL_FIELDS,
+    WeightField,
+    layer_fields,
+    model_fields,
+    num_params,
+)
+from jaxserve.models.llama import LayerWeights, Weights
+from jaxserve.models.weights import dummy_weights, expected_shapes, load_weights
+from jaxserve.runner.sharding import layer_specs, weight_specs
+from tests.conftest import FAMILIES, fixture_dir
+
+
+def names(fields: tuple[WeightField, ...]) -> list[str]:
+    return [field.name for field in fields]
+
+
+def present(obj: Any) -> list[str]:
+    """The dataclass fields of ``obj`` that hold something (not None), in declaration order."""
+    return [f.name for f in dataclasses.fields(obj) if getattr(obj, f.name) is not None]
+
+
+def test_tables_declare_the_dataclass_fields_in_order() -> None:
+    assert names(LLAMA_LAYER_FIELDS) == [f.name for f in dataclasses.fields(LayerWeights)]
+    outside = [f.name for f in dataclasses.fields(Weights) if f.name != "layers"]
+    assert sorted(names(LLAMA_MODEL_FIELDS)) == sorted(outside)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loading_dummy_specs_and_counts_read_the_table(family: str) -> None:
+    model_dir = fixture_dir(family)
+    config = ModelConfig.from_hf_dir(model_dir)
+    loaded = load_weights(model_dir, config, jnp.float32)
+    dummy = dummy_weights(config, jnp.float32, seed=0)
+
+    # The table's present fields are exactly the tensors the model gets.
+    for layer in loaded.layers:
+        assert present(layer) == names(layer_fields(config))
+    assert sorted(present(loaded)) == sorted(["layers", *names(model_fields(config))])
+
+    # expected_shapes names exactly the checkpoint's tensors, with their shapes.
+    with safe_open(model_dir / "model.safetensors", framework="numpy") as f:
+        checkpoint = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    assert expected_shapes(config) == checkpoint
+
+    # Dummy weights have the loaded weights' structure and shapes, and the table's shapes.
+    assert jax.tree.structure(dummy) == jax.tree.structure(loaded)
+    assert jax.tree.map(jnp.shape, dummy) == jax.tree.map(jnp.shape, loaded)
+    for field in layer_fields(config):
+        assert getattr(loaded.layers[0], field.name).shape == field.shape_for(config)
+        assert math.prod(field.hf_shape_for(config)) == math.prod(field.shape_for(config))
+    for field in model_fields(config):
+        assert getattr(loaded, field.name).shape == field.shape_for(config)
+
+    # The specs cover exactly the present fields, one entry per axis.
+    specs = layer_specs(config)
+    assert present(specs) == names(layer_fields(config))
+    for field in layer_fields(config):
+        assert len(getattr(specs, field.name)) == len(field.shape)
+    top = weight_specs(config, 1)
+    assert sorted(present(top)) == sorted(["layers", *names(model_fields(config))])
+
+    # The parameter count is the sum of the weights' sizes.
+    sizes = [leaf.size for leaf in jax.tree.leaves(dummy)]
+    assert num_params(config) == sum(sizes) == sum(math.prod(s) for s in checkpoint.values())
+    embed = math.prod(loaded.embed.shape)
+    assert num_params(config, include_embedding=False) == sum(sizes) - embed
+
+
+def test_specs_split_the_heads_and_the_mlp() -> None:
+    specs = layer_specs(ModelConfig.from_hf_dir(fixture_dir("qwen2")))  # has q/k/v biases
+    assert (specs.wq, specs.wk, specs.wo) == (
+        P(None, "tp", None),
+        P(None, "kv", None),
+        P("tp", None, None),
+    )
+    assert (specs.w_gate, specs.w_down) == (P(None, "tp"), P("tp", None))
+    assert (specs.bq, specs.bk, specs.attn_norm) == (P("tp", None), P("kv", None), P(None))
+
+
+def test_a_field_whose_shapes_disagree_is_rejected() -> None:
+    with pytest.raises(ValueError, match="differ in letters"):
+        WeightField("wq", "self_attn.q_proj.weight", ("ND", "H"), "HKD", transpose=True)
