@@ -97,13 +97,11 @@ def time_device(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> floa
     inputs = runner.inputs.sampling_inputs(
         [i.seq for i in sched.scheduled], rows, host_batch.kv_lens, flags
     )
-    batch, inputs = jax.device_put((host_batch, inputs))
+    batch, inputs = runner.put((host_batch, inputs))
 
     def step():
-        runner.kv_cache, hidden = runner.run_step(batch)
-        return runner.sample_fn(
-            runner.head, hidden, batch.logits_indices, inputs, tied=runner.tied, flags=flags
-        ).token_ids
+        runner.kv_cache, (_, last_hidden) = runner.run_step(batch)
+        return runner.sample(last_hidden, inputs, flags).token_ids
 
     jax.block_until_ready(step())
     samples = []

@@ -8,10 +8,15 @@ loopback port; after every case the server must still be healthy and serve a nor
 
 from __future__ import annotations
 
+import concurrent.futures
+import random
 from types import SimpleNamespace
 
 import httpx
+import jax
 import pytest
+from jax._src import monitoring  # the public module has no unregister in jax 0.11.2
+from jax._src.dispatch import BACKEND_COMPILE_EVENT
 
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.sampling_params import SamplingParams
@@ -97,3 +102,62 @@ def test_for_vocab_clamps_top_k_and_keeps_smaller_values() -> None:
     assert SamplingParams(top_k=VOCAB).for_vocab(VOCAB).top_k == -1
     assert SamplingParams(top_k=VOCAB - 1).for_vocab(VOCAB).top_k == VOCAB - 1
     assert SamplingParams().for_vocab(VOCAB).top_k == -1
+
+
+# -- finding 5: every program is compiled at start-up; none on the serving path ---------------
+
+
+def mixed_parameter_bodies() -> list[dict]:
+    """Requests that between them reach every sampler feature, at several prompt lengths."""
+    rng = random.Random(5)
+    bodies = []
+    for i in range(40):
+        body: dict = {
+            "model": MODEL,
+            "prompt": [rng.randrange(3, VOCAB) for _ in range(rng.choice((1, 7, 40, 130)))],
+            "max_tokens": rng.choice((2, 5, 17)),
+            "temperature": rng.choice((0, 0.7, 1.3)),
+            "seed": i,
+        }
+        extra = [
+            {"top_k": rng.randrange(1, 50)},
+            {"top_p": rng.choice((0.3, 0.9))},
+            {"min_p": 0.2},
+            {"presence_penalty": 0.5, "frequency_penalty": -0.3},
+            {"repetition_penalty": 1.3},
+            {"logit_bias": {str(t): 5.0 for t in range(3, 3 + rng.choice((1, 9, 300)))}},
+            {"min_tokens": 2, "stop_token_ids": list(range(10, 10 + rng.choice((1, 20))))},
+            {"logprobs": rng.choice((0, 3, 20))},
+            {"prompt_logprobs": 2},
+            {"n": 3},
+            {"best_of": 3, "n": 2},
+            {"stop": ["ab", "x"]},
+        ]
+        for choice in rng.sample(extra, rng.choice((0, 1, 2, 4))):
+            body.update(choice)
+        bodies.append(body)
+    return bodies
+
+
+def test_a_mixed_parameter_load_compiles_nothing_after_warm_up(http) -> None:
+    compiles: list[float] = []
+
+    def listener(event: str, duration: float, **_: object) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            replies = list(
+                pool.map(
+                    lambda body: http.post("/v1/completions", json=body), mixed_parameter_bodies()
+                )
+            )
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+    assert [r.status_code for r in replies] == [200] * len(replies), [
+        r.text for r in replies if r.status_code != 200
+    ]
+    assert not compiles, f"{len(compiles)} programs compiled on the serving path"
+    assert_still_serving(http)

@@ -286,14 +286,19 @@ def test_round_robin_admits_a_later_request_before_a_many_sample_one_is_done() -
     run_steps(core, {}, 1)
     admitted = [item.seq.seq_id for item in runner.steps[-1].scheduled if item.is_new]
     assert "small" in admitted, admitted  # first come, first served would admit big#1..#3
-    assert len(core.scheduler.running) == 4
+    # big holds 2 of the 3 open slots; the 4th is kept for a request with nothing running
+    assert len(core.scheduler.running) == 3
+    core.add_request("late", [9], GREEDY)
+    run_steps(core, {}, 1)
+    admitted = [item.seq.seq_id for item in runner.steps[-1].scheduled if item.is_new]
+    assert admitted == ["late"]  # at once, though big still has samples waiting
     run_all(core)
 
 
 def test_prompts_of_one_call_share_one_admission_turn() -> None:
     """The prompts of one API call (one group) take one slot per round together: a call with
     many prompts is one turn, like a call with many samples."""
-    core, runner = make_core(max_num_seqs=3, max_num_batched_tokens=64)
+    core, runner = make_core(max_num_seqs=4, max_num_batched_tokens=64)  # 3 open, 1 kept
     for i in range(6):
         core.add_request(f"many-{i}", [1, 2, i], GREEDY, group_id="many")
     core.add_request("other", [7, 8], GREEDY)

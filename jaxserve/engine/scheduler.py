@@ -6,7 +6,9 @@ and the block pool allow. When blocks run out, the lowest-priority (newest) runn
 is preempted: its blocks are freed and it is recomputed later (its tokens are kept).
 
 Admission is round-robin over the waiting requests (``WaitingQueue``): a request with many
-samples takes one slot per round, so it cannot hold back a request that arrived after it.
+samples takes one slot per round, so it cannot hold back a request that arrived after it; and
+the last ``max_num_seqs // 16`` slots (at least one) only admit requests with nothing running,
+so one request cannot fill the batch and make a later one wait for a slot to free.
 
 The result is a ``SchedulerOutput``, which also tells the runner which sequences are new and
 which were preempted or finished since the last step; ``update_from_output`` advances the
@@ -40,6 +42,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
         self.waiting = WaitingQueue(by_priority=policy == "priority")
+        self.num_reserved_slots = max(1, max_num_seqs // 16) if max_num_seqs > 1 else 0
         self.running: list[Sequence] = []
         self.parked: list[Sequence] = []  # samples waiting for their sibling's prefill
         self.num_preemptions = 0
@@ -127,11 +130,21 @@ class Scheduler:
             # `seq` itself was preempted; the loop index now points at the next sequence.
 
         # 2. Waiting sequences, round-robin over requests, while budget, sequence cap and
-        # blocks allow (none after a preemption: the pool is short).
+        # blocks allow (none after a preemption: the pool is short). The last few slots are
+        # kept for groups with nothing running, so a request that arrives while a large one
+        # fills the batch starts at the next step instead of waiting for a slot to free.
         if len(self._preempted_ids) == num_preempted:
+            open_slots = self.max_num_seqs - self.num_reserved_slots
+            running_groups: set[str] | None = None
             for seq in self.waiting.round_robin():
                 if budget <= 0 or len(self.running) >= self.max_num_seqs:
                     break
+                if len(self.running) >= open_slots:
+                    if running_groups is None:
+                        running_groups = {s.request.group_id for s in self.running}
+                    if seq.request.group_id in running_groups:
+                        continue
+                    running_groups.add(seq.request.group_id)
                 num_new = self._admit(seq, budget)
                 if num_new == 0:
                     break

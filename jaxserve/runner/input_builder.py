@@ -25,7 +25,8 @@ from jaxserve.runner.sampling import (
     SamplingInputs,
     row_values,
 )
-from jaxserve.runner.step import SchedulerOutput, StepSequence
+from jaxserve.runner.step import PENDING_TOKEN, SchedulerOutput, StepSequence
+from jaxserve.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_TOKEN_IDS
 
 MIN_TOKEN_BUCKET = 16
 
@@ -61,6 +62,10 @@ class InputBuilder:
         eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.block_size = block_size
+        self.max_model_len = max_model_len
+        # Bias entries a sequence can need: its logit_bias, and its stop ids while min_tokens
+        # holds them back.
+        self.bias_width = MAX_LOGIT_BIAS_ENTRIES + MAX_STOP_TOKEN_IDS + len(eos_token_ids)
         self.pages_per_seq = -(-max_model_len // block_size)
         self.token_buckets = token_buckets_for(max_num_batched_tokens)
         self.max_seq_bucket = next_power_of_2(max_num_seqs)
@@ -137,11 +142,21 @@ class InputBuilder:
             row.num_synced_blocks = len(blocks)
         return row.index
 
-    def padding_step(self, num_tokens: int) -> tuple[Batch, SamplingInputs]:
-        """Host inputs of a step of padding only, in the bucket of ``num_tokens``."""
+    def padding_step(
+        self, num_tokens: int, flags: SamplerFlags | None = None
+    ) -> tuple[Batch, SamplingInputs]:
+        """Host inputs of a step of padding only, in the bucket of ``num_tokens``, shaped for
+        the sampler variant ``flags``."""
         num_seqs = self.seq_bucket(num_tokens)
         batch = Batch.padding(num_tokens, num_seqs, self.pages_per_seq, self.num_slots)
-        return batch, SamplingInputs.padding(num_seqs, self.vocab_size)
+        adjust = flags is not None and flags.adjust_logits
+        inputs = SamplingInputs.padding(
+            num_seqs,
+            self.vocab_size,
+            self.bias_width if adjust else 0,
+            self.max_model_len if adjust else 0,
+        )
+        return batch, inputs
 
     # -- one step --------------------------------------------------------------------------
 
@@ -203,8 +218,7 @@ class InputBuilder:
         holds_eos = bool(np.any((min_tokens > 0) & (num_out < min_tokens)))
         return SamplerFlags(
             use_sort=bool(needs[0]),
-            use_penalties=bool(needs[1]),
-            use_bias=bool(needs[2]) or holds_eos,
+            adjust_logits=bool(needs[1]) or bool(needs[2]) or holds_eos,
             num_logprobs=NUM_TOP_LOGPROBS if needs[3] else -1,
             all_greedy=not needs[4],
         )
@@ -212,35 +226,45 @@ class InputBuilder:
     def sampling_inputs(
         self, seqs: Seq[StepSequence], rows: np.ndarray, kv_lens: np.ndarray, flags: SamplerFlags
     ) -> SamplingInputs:
+        """The step's sampler inputs: rows gathered from the tables; with ``adjust_logits``,
+        bias entries and penalty histories in their fixed widths (one shape per variant)."""
         num_rows = rows.shape[0]
         vocab = self.vocab_size
-        bias_rows = [self.bias_entries(seq) for seq in seqs] if flags.use_bias else []
-        num_bias = next_power_of_2(max((len(r) for r in bias_rows), default=0)) if bias_rows else 0
-        bias_ids = np.full((num_rows, num_bias), vocab, np.int32)
-        bias_values = np.zeros((num_rows, num_bias), np.float32)
-        for i, row in enumerate(bias_rows):
-            for j, (token, value) in enumerate(row):
-                bias_ids[i, j], bias_values[i, j] = token, value
-        if flags.use_penalties:
-            out_len = next_power_of_2(max((len(s.output_token_ids) for s in seqs), default=1))
-            prompt_len = next_power_of_2(max((s.num_prompt_tokens for s in seqs), default=1))
-            output_ids = np.full((num_rows, out_len), vocab, np.int32)
-            prompt_ids = np.full((num_rows, prompt_len), vocab, np.int32)
-            for i, seq in enumerate(seqs):
-                output_ids[i, : len(seq.output_token_ids)] = seq.output_token_ids
-                prompt_ids[i, : seq.num_prompt_tokens] = seq.prompt_token_ids
-        else:
-            output_ids = np.zeros((num_rows, 0), np.int32)
-            prompt_ids = np.zeros((num_rows, 0), np.int32)
+        width = self.bias_width if flags.adjust_logits else 0
+        length = self.max_model_len if flags.adjust_logits else 0
         host: dict[str, Any] = {name: table[rows] for name, table in self.sampling.items()}
-        host.update(
-            positions=kv_lens,  # a token is sampled at position kv_len
-            bias_ids=bias_ids,
-            bias_values=bias_values,
-            output_ids=output_ids,
-            prompt_ids=prompt_ids,
-        )
+        host["positions"] = kv_lens  # a token is sampled at position kv_len
+        host["bias_ids"] = bias_ids = np.full((num_rows, width), vocab, np.int32)
+        host["bias_values"] = bias_values = np.zeros((num_rows, width), np.float32)
+        host["history_ids"] = history = np.full((num_rows, length), vocab, np.int32)
+        host["num_prompt_tokens"] = self.prompt_len[rows]
+        if flags.adjust_logits:
+            for i, seq in enumerate(seqs):
+                entries = self.bias_entries(seq)
+                if entries:
+                    bias_ids[i, : len(entries)], bias_values[i, : len(entries)] = zip(
+                        *entries, strict=True
+                    )
+                if seq.params.has_penalties:  # its steps are synchronous: no pending token
+                    tokens = (seq.prompt_token_ids + seq.output_token_ids)[:length]
+                    history[i, : len(tokens)] = tokens
         return SamplingInputs(**host)  # numpy stands in for device arrays until device_put
+
+    def pending_sources(
+        self, output: SchedulerOutput, host_batch: Batch, sampled_row: dict[str, int] | None
+    ) -> np.ndarray | None:
+        """For each input token, the row of the previous step's sampled ids that holds it
+        (``PENDING_TOKEN`` inputs), else -1 (i32[T]); None when no input is pending.
+        ``sampled_row`` maps a sequence to its row in the previous step's samples."""
+        pending = np.flatnonzero(np.asarray(host_batch.input_ids) == PENDING_TOKEN)
+        if pending.size == 0:
+            return None
+        if sampled_row is None:
+            raise RuntimeError("a pending input token without the step that samples it")
+        owners = np.searchsorted(np.asarray(host_batch.cu_q_lens), pending, side="right") - 1
+        source = np.full(host_batch.input_ids.shape[0], -1, np.int32)
+        source[pending] = [sampled_row[output.scheduled[i].seq.seq_id] for i in owners]
+        return source
 
     def prompt_logprob_targets(
         self, output: SchedulerOutput, host_batch: Batch

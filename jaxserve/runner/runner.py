@@ -1,11 +1,11 @@
 """ModelRunner: ``SchedulerOutput`` -> padded arrays -> one jitted model step -> sampled tokens.
 
-The only ``jax.jit`` sites of the engine live here: the model step (one compile per token
-bucket, KV cache donated so it is updated in place), the sampler (one compile per sequence
-bucket and sampler variant) and prompt logprobs. Shapes are padded to powers of two:
-T tokens in ``token_buckets``, S = min(T, max sequences) sequence rows, so the number of
-compiled model shapes is ``len(token_buckets)``; warm-up compiles them all at start-up, with
-JAX's persistent compilation cache so a second start is fast.
+The only ``jax.jit`` sites of the engine live here: the model step and prompt logprobs (one
+program per token bucket; the KV cache is donated so it is updated in place), the sampler (one
+per sequence bucket and variant) and the pending-token feed. Shapes are padded to powers of
+two: T tokens in ``token_buckets``, S = min(T, max sequences) sequence rows. Warm-up
+(``warmup.py``) compiles every program at start-up, with JAX's persistent compilation cache so
+a second start is fast; no request compiles anything.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from jaxserve.runner.programs import (
 )
 from jaxserve.runner.sampling import SamplerFlags, SamplerOutput, SamplingInputs
 from jaxserve.runner.sharding import prepare_tp
-from jaxserve.runner.step import PENDING_TOKEN, RunnerOutput, SchedulerOutput
+from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from jaxserve.runner.warmup import warm_up
 
 _LOG = logging.getLogger(__name__)
@@ -142,7 +142,11 @@ class ModelRunner:
                 ),
                 donate_argnames=("kv_cache",),
             )
-        self.compiled_steps: dict[int, Any] = {}  # token bucket -> ahead-of-time executable
+        # Ahead-of-time executables from warm-up: model step and prompt logprobs per token
+        # bucket, sampler per (sequence bucket, variant).
+        self.compiled_steps: dict[int, Any] = {}
+        self.compiled_prompt_lp: dict[int, Any] = {}
+        self.compiled_samplers: dict[tuple[int, SamplerFlags], Any] = {}
         self.sample_fn = jax.jit(
             functools.partial(sample_step, num_rows=self.max_seq_bucket),
             static_argnames=("tied", "flags"),
@@ -167,17 +171,12 @@ class ModelRunner:
 
     # -- memory ----------------------------------------------------------------------------
 
-    def device_memory_bytes(self) -> int:
-        """The memory the KV budget is a fraction of (``device_memory_bytes`` overrides)."""
-        if self.config.device_memory_bytes is not None:
-            return self.config.device_memory_bytes
-        return detect_device_memory()
-
     def _plan_capacity(self) -> Capacity:
+        memory = self.config.device_memory_bytes  # what the KV budget is a fraction of
         return plan_capacity(
             self.model_config,
             max_model_len=self.max_model_len,
-            device_memory_bytes=self.device_memory_bytes(),
+            device_memory_bytes=detect_device_memory() if memory is None else memory,
             memory_utilization=self.config.gpu_memory_utilization,
             dtype_bytes=self.dtype.itemsize,
             block_size=self.block_size,
@@ -197,13 +196,8 @@ class ModelRunner:
         if self.tp is not None:
             self.kv_cache = self.tp.make_kv_cache(self.num_blocks, self.block_size, self.dtype)
         else:
-            self.kv_cache = make_kv_cache(
-                self.model_config.num_layers,
-                *self.kv_cache_shape()[:2],
-                self.model_config.num_kv_heads,
-                self.model_config.head_dim,
-                self.dtype,
-            )
+            num_layers = self.model_config.num_layers
+            self.kv_cache = make_kv_cache(num_layers, *self.kv_cache_shape(), self.dtype)
 
     def abstract_kv_cache(self) -> list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]:
         """The cache's shapes (and shardings) only: enough to compile against."""
@@ -233,11 +227,30 @@ class ModelRunner:
         with self.precision():
             return warm_up(self, max_workers)
 
-    def run_step(self, batch: Batch) -> tuple[Any, jax.Array]:
+    def run_step(self, batch: Batch) -> tuple[Any, tuple[jax.Array, jax.Array]]:
+        """(kv_cache, (hidden[T, H], last_hidden[S, H])) of one model step."""
         step = self.compiled_steps.get(batch.input_ids.shape[0])
         if step is None:
             return self.step_fn(self.weights, self.kv_cache, batch)
         return step(self.weights, self.kv_cache, batch)
+
+    def sample(
+        self, last_hidden: jax.Array, inputs: SamplingInputs, flags: SamplerFlags
+    ) -> SamplerOutput:
+        compiled = self.compiled_samplers.get((last_hidden.shape[0], flags))
+        if compiled is None:
+            return self.sample_fn(self.head, last_hidden, inputs, tied=self.tied, flags=flags)
+        return compiled(self.head, last_hidden, inputs)
+
+    def prompt_logprobs(self, hidden: jax.Array, next_ids: Any) -> tuple[jax.Array, ...]:
+        compiled = self.compiled_prompt_lp.get(hidden.shape[0])
+        if compiled is None:
+            return self.prompt_lp_fn(self.head, hidden, next_ids, tied=self.tied)
+        return compiled(self.head, hidden, next_ids)
+
+    def put(self, tree: Any) -> Any:
+        """Host step inputs on the device(s), laid out as every compiled program expects."""
+        return self.tp.put_replicated(tree) if self.tp is not None else jax.device_put(tree)
 
     # -- one step --------------------------------------------------------------------------
 
@@ -260,7 +273,7 @@ class ModelRunner:
         inputs = self.inputs.sampling_inputs(seqs, rows, kv_lens, flags)
         next_ids, spans = self.inputs.prompt_logprob_targets(output, host_batch)
         if self.multihost:  # followers join the same step with process 0's inputs
-            header = step_broadcast.StepHeader.of(host_batch, inputs, flags, next_ids)
+            header = step_broadcast.StepHeader.of(host_batch, flags, next_ids)
             host_batch, inputs, next_ids = step_broadcast.announce(
                 header, (host_batch, inputs, next_ids)
             )
@@ -290,14 +303,10 @@ class ModelRunner:
         self, output: SchedulerOutput, host_batch: Batch, previous: InFlight | None
     ) -> tuple[np.ndarray, jax.Array] | None:
         """(source row in ``previous``'s sampled ids, or -1, per token; those ids) or None."""
-        pending = np.flatnonzero(host_batch.input_ids == PENDING_TOKEN)
-        if pending.size == 0:
+        rows = previous.sampled_row if previous is not None else None
+        source = self.inputs.pending_sources(output, host_batch, rows)
+        if source is None or previous is None:  # (pending_sources raises on the second)
             return None
-        if previous is None:
-            raise RuntimeError("a pending input token without the step that samples it")
-        owners = np.searchsorted(host_batch.cu_q_lens, pending, side="right") - 1
-        source = np.full(host_batch.input_ids.shape[0], -1, np.int32)
-        source[pending] = [previous.sampled_row[output.scheduled[i].seq.seq_id] for i in owners]
         return source, previous.out.token_ids
 
     def device_step(
@@ -309,23 +318,18 @@ class ModelRunner:
         feed: tuple[np.ndarray, jax.Array] | None = None,
     ) -> tuple[SamplerOutput, tuple[jax.Array, ...] | None]:
         """Model step, sampler and (when asked) prompt logprobs on the device."""
-        if self.tp is not None:
-            batch, inputs = self.tp.put_replicated((host_batch, inputs))
-        else:
-            batch, inputs = jax.device_put((host_batch, inputs))
+        batch, inputs = self.put((host_batch, inputs))
         with self.precision():  # also keys the jit caches: warm-up runs under it too
             if feed is not None:
                 source, previous_ids = feed
                 batch = dataclasses.replace(
                     batch, input_ids=self.feed_fn(batch.input_ids, source, previous_ids)
                 )
-            self.kv_cache, hidden = self.run_step(batch)
-            out = self.sample_fn(
-                self.head, hidden, batch.logits_indices, inputs, tied=self.tied, flags=flags
-            )
+            self.kv_cache, (hidden, last_hidden) = self.run_step(batch)
+            out = self.sample(last_hidden, inputs, flags)
             prompt_out = None
             if next_ids is not None:
-                prompt_out = self.prompt_lp_fn(self.head, hidden, next_ids, tied=self.tied)
+                prompt_out = self.prompt_logprobs(hidden, self.put(next_ids))
         return out, prompt_out
 
     # -- multi-host ------------------------------------------------------------------------

@@ -6,9 +6,11 @@ top-p -> min-p -> Gumbel-max with the request's own key ``fold_in(key(seed), pos
 The noise is drawn over vocabulary ids for each row independently, so a seeded request samples
 the same tokens whatever else is in the batch. Greedy rows (temperature 0) take the argmax.
 
-Static flags select the variant (no sort unless some row uses top-k/top-p, no penalties
-unless some row uses them, no logprobs unless requested); each variant compiles once per
-batch bucket.
+Static flags select the variant (no sort unless some row uses top-k/top-p, no penalties or
+bias unless some row uses them, no logprobs unless requested). Every input has a fixed shape
+per sequence bucket and variant (bias and token-history widths are set by the model's limits,
+not by the request), so the set of programs is fixed: ``SamplerFlags.variants()`` lists it and
+warm-up compiles all of them.
 """
 
 from __future__ import annotations
@@ -71,17 +73,14 @@ class SamplingInputs:
     presence_penalty: jax.Array  # f32[S]
     frequency_penalty: jax.Array  # f32[S]
     repetition_penalty: jax.Array  # f32[S]
-    output_ids: jax.Array  # i32[S, L]  generated tokens so far; V = padding
-    prompt_ids: jax.Array  # i32[S, Lp]  prompt tokens (repetition penalty); V = padding
+    # Penalty inputs, [S, 0] unless the variant adjusts logits: prompt then generated tokens
+    # (L = max_model_len; V = padding), and where the generated ones start.
+    history_ids: jax.Array  # i32[S, L]
+    num_prompt_tokens: jax.Array  # i32[S]
 
     @classmethod
     def padding(
-        cls,
-        num_rows: int,
-        vocab_size: int,
-        num_bias: int = 0,
-        out_len: int = 0,
-        prompt_len: int = 0,
+        cls, num_rows: int, vocab_size: int, bias_width: int = 0, history_len: int = 0
     ) -> SamplingInputs:
         """Host inputs of ``num_rows`` padding rows (neutral values): warm-up and the
         placeholders a multi-host follower fills by broadcast."""
@@ -90,20 +89,31 @@ class SamplingInputs:
             name: np.full(num_rows, value, dtype) for name, (dtype, value) in ROW_FIELDS.items()
         }
         host["positions"] = np.zeros(num_rows, np.int32)
-        host["bias_ids"] = np.full((num_rows, num_bias), vocab_size, np.int32)
-        host["bias_values"] = np.zeros((num_rows, num_bias), np.float32)
-        host["output_ids"] = np.full((num_rows, out_len), vocab_size, np.int32)
-        host["prompt_ids"] = np.full((num_rows, prompt_len), vocab_size, np.int32)
+        host["bias_ids"] = np.full((num_rows, bias_width), vocab_size, np.int32)
+        host["bias_values"] = np.zeros((num_rows, bias_width), np.float32)
+        host["history_ids"] = np.full((num_rows, history_len), vocab_size, np.int32)
+        host["num_prompt_tokens"] = np.zeros(num_rows, np.int32)
         return cls(**host)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplerFlags:
     use_sort: bool = False  # some row uses top-k or top-p
-    use_penalties: bool = False
-    use_bias: bool = False
+    # Some row has penalties, a logit bias, or stop tokens held back by min_tokens.
+    adjust_logits: bool = False
     num_logprobs: int = -1  # -1: none; else the top-k logprobs to return (0 = chosen only)
     all_greedy: bool = False  # every row has temperature 0: no noise, no truncation
+
+    @staticmethod
+    def variants() -> tuple[SamplerFlags, ...]:
+        """Every variant a step can ask for (12): what warm-up compiles."""
+        out = []
+        for adjust in (False, True):
+            for num_logprobs in (-1, NUM_TOP_LOGPROBS):
+                out.append(SamplerFlags(False, adjust, num_logprobs, all_greedy=True))
+                for use_sort in (False, True):
+                    out.append(SamplerFlags(use_sort, adjust, num_logprobs, all_greedy=False))
+        return tuple(out)
 
 
 @jax.tree_util.register_dataclass
@@ -126,8 +136,10 @@ def apply_penalties(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
     """vLLM / OpenAI semantics: presence and frequency count generated tokens; repetition
     divides positive (multiplies negative) logits of any token seen in prompt or output."""
     vocab_size = logits.shape[-1]
-    out_counts = _token_counts(inputs.output_ids, vocab_size)  # i32[S, V]
-    seen = (out_counts > 0) | (_token_counts(inputs.prompt_ids, vocab_size) > 0)
+    ids = inputs.history_ids  # i32[S, L]
+    is_output = jnp.arange(ids.shape[1])[None, :] >= inputs.num_prompt_tokens[:, None]
+    out_counts = _token_counts(jnp.where(is_output, ids, vocab_size), vocab_size)  # i32[S, V]
+    seen = _token_counts(ids, vocab_size) > 0
     rep = inputs.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - inputs.frequency_penalty[:, None] * out_counts
@@ -177,10 +189,8 @@ def sample(logits: jax.Array, inputs: SamplingInputs, flags: SamplerFlags) -> Sa
     """logits: f32[S, V] -> one token per row, plus logprobs when asked."""
     logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1) if flags.num_logprobs >= 0 else None
-    if flags.use_penalties:
-        logits = apply_penalties(logits, inputs)
-    if flags.use_bias:
-        logits = apply_bias(logits, inputs)
+    if flags.adjust_logits:  # neutral for rows without penalties or bias
+        logits = apply_bias(apply_penalties(logits, inputs), inputs)
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if flags.all_greedy:
         return _with_logprobs(greedy_ids, raw_logprobs, flags)

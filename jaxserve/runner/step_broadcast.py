@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxserve.models.batch import Batch
 from jaxserve.runner.distributed import broadcast_ints, broadcast_step_inputs
-from jaxserve.runner.sampling import SamplerFlags, SamplingInputs
+from jaxserve.runner.sampling import SamplerFlags
 
 if TYPE_CHECKING:
     from jaxserve.runner.runner import ModelRunner
@@ -24,55 +24,35 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class StepHeader:
-    """What a follower needs to know before it can receive a step's inputs."""
+    """What a follower needs to know before it can receive a step's inputs: the token bucket
+    and the sampler variant fix every input's shape."""
 
     num_tokens: int  # the token bucket (0: stop)
-    num_bias: int  # logit-bias columns
-    output_len: int  # penalty history columns (generated tokens)
-    prompt_len: int  # penalty history columns (prompt tokens)
     flags: SamplerFlags
     has_prompt_logprobs: bool
 
-    SIZE = 8  # integers on the wire
+    SIZE = 6  # integers on the wire
 
     @classmethod
-    def of(
-        cls, batch: Batch, inputs: SamplingInputs, flags: SamplerFlags, next_ids: np.ndarray | None
-    ) -> StepHeader:
-        return cls(
-            num_tokens=batch.input_ids.shape[0],
-            num_bias=inputs.bias_ids.shape[1],
-            output_len=inputs.output_ids.shape[1],
-            prompt_len=inputs.prompt_ids.shape[1],
-            flags=flags,
-            has_prompt_logprobs=next_ids is not None,
-        )
+    def of(cls, batch: Batch, flags: SamplerFlags, next_ids: np.ndarray | None) -> StepHeader:
+        return cls(batch.input_ids.shape[0], flags, next_ids is not None)
 
     def encode(self) -> list[int]:
         f = self.flags
-        bits = int(f.use_sort) | int(f.use_penalties) << 1 | int(f.use_bias) << 2
         return [
             self.num_tokens,
-            self.num_bias,
-            self.output_len,
-            self.prompt_len,
+            int(f.use_sort),
+            int(f.adjust_logits),
             f.num_logprobs,
-            bits,
             int(f.all_greedy),
             int(self.has_prompt_logprobs),
         ]
 
     @classmethod
     def decode(cls, values: tuple[int, ...] | list[int]) -> StepHeader:
-        num_tokens, num_bias, out_len, prompt_len, num_logprobs, bits, greedy, has_lp = values
-        flags = SamplerFlags(
-            use_sort=bool(bits & 1),
-            use_penalties=bool(bits & 2),
-            use_bias=bool(bits & 4),
-            num_logprobs=num_logprobs,
-            all_greedy=bool(greedy),
-        )
-        return cls(num_tokens, num_bias, out_len, prompt_len, flags, bool(has_lp))
+        num_tokens, use_sort, adjust, num_logprobs, greedy, has_lp = values
+        flags = SamplerFlags(bool(use_sort), bool(adjust), num_logprobs, bool(greedy))
+        return cls(num_tokens, flags, bool(has_lp))
 
 
 STOP = [0] * StepHeader.SIZE
@@ -95,14 +75,7 @@ def follow(runner: ModelRunner) -> None:
         if values[0] == 0:
             return
         header = StepHeader.decode(values)
-        batch, _ = runner.inputs.padding_step(header.num_tokens)
-        inputs = SamplingInputs.padding(
-            batch.logits_indices.shape[0],
-            runner.inputs.vocab_size,
-            header.num_bias,
-            header.output_len,
-            header.prompt_len,
-        )
+        batch, inputs = runner.inputs.padding_step(header.num_tokens, header.flags)
         next_ids = np.zeros(header.num_tokens, np.int32) if header.has_prompt_logprobs else None
         batch, inputs, next_ids = broadcast_step_inputs((batch, inputs, next_ids))
         runner.device_step(batch, inputs, header.flags, next_ids)

@@ -11,7 +11,8 @@ import concurrent.futures
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -25,43 +26,79 @@ _LOG = logging.getLogger(__name__)
 
 
 def warm_up(runner: ModelRunner, max_workers: int) -> int:
-    """Compile and run every bucket; returns the number of model step shapes compiled."""
+    """Compile every program, then run each bucket once; returns the number of model step
+    shapes compiled."""
     start = time.perf_counter()
     kv_cache = runner.kv_cache if runner.kv_cache is not None else runner.abstract_kv_cache()
     buckets = runner.token_buckets
+    seq_buckets = sorted({runner.seq_bucket(b) for b in buckets})
+    variants = SamplerFlags.variants()
     _LOG.info(
-        "Compiling the model step for %d token buckets: %s",
+        "Compiling the model step for %d token buckets (%s) and %d sampler variants for %d "
+        "sequence buckets",
         len(buckets),
         ", ".join(map(str, buckets)),
+        len(variants),
+        len(seq_buckets),
     )
-    workers = max(1, min(max_workers, len(buckets), os.cpu_count() or 1))
+    workers = max(1, min(max_workers, os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        # Each bucket's compile starts as soon as it is lowered, while the next one lowers.
-        futures = {}
+        # Each program's compile starts as soon as it is lowered, while the next one lowers.
+        steps = {}
         for bucket in buckets:
             batch, _ = runner.inputs.padding_step(bucket)
             lowered = runner.step_fn.lower(runner.weights, kv_cache, batch)
-            futures[pool.submit(lowered.compile)] = bucket
-        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
-            bucket = futures[future]
-            runner.compiled_steps[bucket] = future.result()
+            steps[pool.submit(lowered.compile)] = bucket
+        others: dict[concurrent.futures.Future, tuple[dict, object]] = {}
+        for lowered, table, key in _sampler_and_logprob_programs(runner, seq_buckets, variants):
+            others[pool.submit(lowered.compile)] = (table, key)
+        for done, future in enumerate(concurrent.futures.as_completed(steps), 1):
+            runner.compiled_steps[steps[future]] = future.result()
             _LOG.info(
                 "Compiled model step for %d tokens (%d/%d) at %.1f s",
-                bucket,
+                steps[future],
                 done,
                 len(buckets),
                 time.perf_counter() - start,
             )
+        for future in concurrent.futures.as_completed(others):
+            table, key = others[future]
+            table[key] = future.result()
+    _LOG.info(
+        "Compiled the sampler and prompt-logprob programs at %.1f s", time.perf_counter() - start
+    )
     runner.allocate_kv_cache()
     for bucket in buckets:
-        batch, inputs = jax.device_put(runner.inputs.padding_step(bucket))
-        runner.kv_cache, hidden = runner.run_step(batch)
+        batch, inputs = runner.put(runner.inputs.padding_step(bucket))
+        runner.kv_cache, (_, last_hidden) = runner.run_step(batch)
         for flags in (SamplerFlags(all_greedy=True), SamplerFlags()):
-            out = runner.sample_fn(
-                runner.head, hidden, batch.logits_indices, inputs, tied=runner.tied, flags=flags
-            )
+            out = runner.sample(last_hidden, inputs, flags)
             jax.block_until_ready(out.token_ids)
         source = np.full(bucket, -1, np.int32)
         jax.block_until_ready(runner.feed_fn(batch.input_ids, source, out.token_ids))
     runner.compile_seconds = time.perf_counter() - start
     return len(buckets)
+
+
+def _sampler_and_logprob_programs(
+    runner: ModelRunner, seq_buckets: list[int], variants: tuple[SamplerFlags, ...]
+) -> Iterator[tuple[Any, dict, object]]:
+    """(lowered program, the runner's table for it, its key) for every sampler variant of
+    every sequence bucket and the prompt logprobs of every token bucket, lowered against
+    arguments laid out as at run time."""
+    hidden_size, dtype = runner.model_config.hidden_size, runner.dtype
+    for num_rows in seq_buckets:
+        last_hidden = runner.put(np.zeros((num_rows, hidden_size), dtype))
+        for flags in variants:
+            # any token bucket with this many sequence rows gives the sampler's input shapes
+            bucket = next(b for b in runner.token_buckets if runner.seq_bucket(b) == num_rows)
+            inputs = runner.put(runner.inputs.padding_step(bucket, flags)[1])
+            lowered = runner.sample_fn.lower(
+                runner.head, last_hidden, inputs, tied=runner.tied, flags=flags
+            )
+            yield lowered, runner.compiled_samplers, (num_rows, flags)
+    for bucket in runner.token_buckets:
+        hidden = runner.put(np.zeros((bucket, hidden_size), dtype))
+        next_ids = runner.put(np.zeros(bucket, np.int32))
+        lowered = runner.prompt_lp_fn.lower(runner.head, hidden, next_ids, tied=runner.tied)
+        yield lowered, runner.compiled_prompt_lp, bucket
