@@ -2,7 +2,7 @@
 # Before/after on one device, in one call: the decode MBU grid (batch 1, 64, 256 at 1,024
 # context) and offline throughput (256 x 512/256), for this tree and for another tree of the
 # project (an earlier commit: `git archive COMMIT jaxserve pallas_kernels benchmarks | tar -x -C DIR`),
-# alternating A B A B so that drift on a shared machine hits both. Results under $OUT.
+# in the order A B B A so that drift on a shared machine hits both. Results under $OUT.
 #   bash benchmarks/ab_compare.sh .bench_before
 set -uo pipefail
 OTHER=${1:?usage: ab_compare.sh OTHER_TREE}
@@ -23,9 +23,12 @@ run_tree() {  # $1: tree, $2: label, $3: round
     "$(tail -1 "$OUT/throughput_$2_$3.log")"
 }
 
-for round in $(seq 1 "${ROUNDS:-2}"); do
-  run_tree "$OTHER" before "$round"
-  run_tree . after "$round"
+for round in $(seq 1 "${ROUNDS:-2}"); do  # A B, then B A: an order effect hits both
+  if [ $((round % 2)) = 1 ]; then
+    run_tree "$OTHER" before "$round"; run_tree . after "$round"
+  else
+    run_tree . after "$round"; run_tree "$OTHER" before "$round"
+  fi
 done
 python3 - "$OUT" <<'PY'
 import json, sys

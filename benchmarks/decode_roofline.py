@@ -100,8 +100,8 @@ def time_device(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> floa
     batch, inputs = runner.put((host_batch, inputs))
 
     def step():
-        runner.kv_cache, (_, last_hidden) = runner.run_step(batch)
-        return runner.sample(last_hidden, inputs, flags).token_ids
+        runner.kv_cache, hidden = runner.run_step(batch)
+        return runner.sample(hidden, batch, inputs, flags).token_ids
 
     jax.block_until_ready(step())
     samples = []

@@ -143,7 +143,7 @@ class ModelRunner:
                 donate_argnames=("kv_cache",),
             )
         # Ahead-of-time executables from warm-up: model step and prompt logprobs per token
-        # bucket, sampler per (sequence bucket, variant).
+        # bucket, sampler per (token bucket, variant).
         self.compiled_steps: dict[int, Any] = {}
         self.compiled_prompt_lp: dict[int, Any] = {}
         self.compiled_samplers: dict[tuple[int, SamplerFlags], Any] = {}
@@ -227,20 +227,22 @@ class ModelRunner:
         with self.precision():
             return warm_up(self, max_workers)
 
-    def run_step(self, batch: Batch) -> tuple[Any, tuple[jax.Array, jax.Array]]:
-        """(kv_cache, (hidden[T, H], last_hidden[S, H])) of one model step."""
+    def run_step(self, batch: Batch) -> tuple[Any, jax.Array]:
+        """(kv_cache, hidden[T, H]) of one model step."""
         step = self.compiled_steps.get(batch.input_ids.shape[0])
         if step is None:
             return self.step_fn(self.weights, self.kv_cache, batch)
         return step(self.weights, self.kv_cache, batch)
 
     def sample(
-        self, last_hidden: jax.Array, inputs: SamplingInputs, flags: SamplerFlags
+        self, hidden: jax.Array, batch: Batch, inputs: SamplingInputs, flags: SamplerFlags
     ) -> SamplerOutput:
-        compiled = self.compiled_samplers.get((last_hidden.shape[0], flags))
+        compiled = self.compiled_samplers.get((hidden.shape[0], flags))
         if compiled is None:
-            return self.sample_fn(self.head, last_hidden, inputs, tied=self.tied, flags=flags)
-        return compiled(self.head, last_hidden, inputs)
+            return self.sample_fn(
+                self.head, hidden, batch.logits_indices, inputs, tied=self.tied, flags=flags
+            )
+        return compiled(self.head, hidden, batch.logits_indices, inputs)
 
     def prompt_logprobs(self, hidden: jax.Array, next_ids: Any) -> tuple[jax.Array, ...]:
         compiled = self.compiled_prompt_lp.get(hidden.shape[0])
@@ -325,8 +327,8 @@ class ModelRunner:
                 batch = dataclasses.replace(
                     batch, input_ids=self.feed_fn(batch.input_ids, source, previous_ids)
                 )
-            self.kv_cache, (hidden, last_hidden) = self.run_step(batch)
-            out = self.sample(last_hidden, inputs, flags)
+            self.kv_cache, hidden = self.run_step(batch)
+            out = self.sample(hidden, batch, inputs, flags)
             prompt_out = None
             if next_ids is not None:
                 prompt_out = self.prompt_logprobs(hidden, self.put(next_ids))

@@ -31,15 +31,12 @@ def warm_up(runner: ModelRunner, max_workers: int) -> int:
     start = time.perf_counter()
     kv_cache = runner.kv_cache if runner.kv_cache is not None else runner.abstract_kv_cache()
     buckets = runner.token_buckets
-    seq_buckets = sorted({runner.seq_bucket(b) for b in buckets})
     variants = SamplerFlags.variants()
     _LOG.info(
-        "Compiling the model step for %d token buckets (%s) and %d sampler variants for %d "
-        "sequence buckets",
+        "Compiling the model step for %d token buckets (%s), then %d sampler variants per bucket",
         len(buckets),
         ", ".join(map(str, buckets)),
         len(variants),
-        len(seq_buckets),
     )
     workers = max(1, min(max_workers, os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
@@ -49,9 +46,6 @@ def warm_up(runner: ModelRunner, max_workers: int) -> int:
             batch, _ = runner.inputs.padding_step(bucket)
             lowered = runner.step_fn.lower(runner.weights, kv_cache, batch)
             steps[pool.submit(lowered.compile)] = bucket
-        others: dict[concurrent.futures.Future, tuple[dict, object]] = {}
-        for lowered, table, key in _sampler_and_logprob_programs(runner, seq_buckets, variants):
-            others[pool.submit(lowered.compile)] = (table, key)
         for done, future in enumerate(concurrent.futures.as_completed(steps), 1):
             runner.compiled_steps[steps[future]] = future.result()
             _LOG.info(
@@ -61,6 +55,11 @@ def warm_up(runner: ModelRunner, max_workers: int) -> int:
                 len(buckets),
                 time.perf_counter() - start,
             )
+        # NOTE: after the steps, not beside them: XLA times candidate kernels on the device
+        # while it compiles, and the steps' choices are the ones that matter.
+        others = {}
+        for lowered, table, key in _sampler_and_logprob_programs(runner, variants):
+            others[pool.submit(lowered.compile)] = (table, key)
         for future in concurrent.futures.as_completed(others):
             table, key = others[future]
             table[key] = future.result()
@@ -70,9 +69,9 @@ def warm_up(runner: ModelRunner, max_workers: int) -> int:
     runner.allocate_kv_cache()
     for bucket in buckets:
         batch, inputs = runner.put(runner.inputs.padding_step(bucket))
-        runner.kv_cache, (_, last_hidden) = runner.run_step(batch)
+        runner.kv_cache, hidden = runner.run_step(batch)
         for flags in (SamplerFlags(all_greedy=True), SamplerFlags()):
-            out = runner.sample(last_hidden, inputs, flags)
+            out = runner.sample(hidden, batch, inputs, flags)
             jax.block_until_ready(out.token_ids)
         source = np.full(bucket, -1, np.int32)
         jax.block_until_ready(runner.feed_fn(batch.input_ids, source, out.token_ids))
@@ -81,24 +80,21 @@ def warm_up(runner: ModelRunner, max_workers: int) -> int:
 
 
 def _sampler_and_logprob_programs(
-    runner: ModelRunner, seq_buckets: list[int], variants: tuple[SamplerFlags, ...]
+    runner: ModelRunner, variants: tuple[SamplerFlags, ...]
 ) -> Iterator[tuple[Any, dict, object]]:
-    """(lowered program, the runner's table for it, its key) for every sampler variant of
-    every sequence bucket and the prompt logprobs of every token bucket, lowered against
-    arguments laid out as at run time."""
+    """(lowered program, the runner's table for it, its key) for every sampler variant and
+    the prompt logprobs of every token bucket, lowered against arguments laid out as at run
+    time."""
     hidden_size, dtype = runner.model_config.hidden_size, runner.dtype
-    for num_rows in seq_buckets:
-        last_hidden = runner.put(np.zeros((num_rows, hidden_size), dtype))
+    for bucket in runner.token_buckets:
+        batch = runner.put(runner.inputs.padding_step(bucket)[0])
+        hidden = runner.put(np.zeros((bucket, hidden_size), dtype))
         for flags in variants:
-            # any token bucket with this many sequence rows gives the sampler's input shapes
-            bucket = next(b for b in runner.token_buckets if runner.seq_bucket(b) == num_rows)
             inputs = runner.put(runner.inputs.padding_step(bucket, flags)[1])
             lowered = runner.sample_fn.lower(
-                runner.head, last_hidden, inputs, tied=runner.tied, flags=flags
+                runner.head, hidden, batch.logits_indices, inputs, tied=runner.tied, flags=flags
             )
-            yield lowered, runner.compiled_samplers, (num_rows, flags)
-    for bucket in runner.token_buckets:
-        hidden = runner.put(np.zeros((bucket, hidden_size), dtype))
+            yield lowered, runner.compiled_samplers, (bucket, flags)
         next_ids = runner.put(np.zeros(bucket, np.int32))
         lowered = runner.prompt_lp_fn.lower(runner.head, hidden, next_ids, tied=runner.tied)
         yield lowered, runner.compiled_prompt_lp, bucket
