@@ -1,0 +1,145 @@
+"""Hostile input, round two, against the HTTP server: no request may hold, starve or flood it.
+
+Each section is one finding of an attacker's run against ``jaxserve launch`` with the demo model:
+- 6: integers too long to convert, and ``logit_bias`` keys ``int()`` refuses, answered 500;
+
+One real engine on the tiny Llama fixture and real servers on loopback ports (the default
+limits, or small ones to test a limit without running a large request); after every case the
+server must still be healthy and serve a normal request.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.server.app import build_app
+from jaxserve.server.background import BackgroundServer
+from jaxserve.server.errors import APIError
+from jaxserve.server.fields import parse_json_object
+from jaxserve.server.settings import ServerSettings
+from tests.conftest import tiny_engine_config
+
+MODEL = "tiny"
+VOCAB = 320
+MAX_MODEL_LEN = 2048  # room for a 1,000-token prompt
+NUM_BLOCKS = 160  # a whole 2,048-token context fits
+PROMPT = "the river"
+LONG = "1" * 5000  # past Python's 4,300-digit limit on int("...")
+JSON = {"Content-Type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    config = tiny_engine_config(
+        MODEL,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        num_gpu_blocks_override=NUM_BLOCKS,
+    )
+    engine = AsyncEngine.from_config(config)
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+def serve(engine, **settings) -> BackgroundServer:
+    return BackgroundServer(
+        build_app(engine, ServerSettings(served_model_names=(MODEL,), **settings))
+    )
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with serve(engine) as background:
+        yield SimpleNamespace(url=background.url, engine=engine)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def completion(**extra) -> dict:
+    return {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, **extra}
+
+
+def chat(**extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], **extra}
+
+
+def post_raw(http: httpx.Client, path: str, raw: bytes) -> httpx.Response:
+    return http.post(path, content=raw, headers=JSON)
+
+
+def assert_bad_request(r: httpx.Response, param: str, *words: str) -> str:
+    assert r.status_code == 400, r.text[:1000]
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    for word in words:
+        assert word in error["message"], (word, error["message"])
+    return error["message"]
+
+
+def assert_still_serving(http: httpx.Client) -> None:
+    assert http.get("/health").status_code == 200
+    r = http.post("/v1/completions", json=completion(max_tokens=3))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+# -- finding 6: numbers that answered 500 ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param"),
+    [
+        ("/v1/completions", f'{{"prompt": "a", "max_tokens": {LONG}}}', "max_tokens"),
+        ("/v1/completions", f'{{"prompt": "a", "max_tokens": {"9" * 4300}}}', "max_tokens"),
+        ("/v1/completions", f'{{"prompt": "a", "priority": -{LONG}}}', "priority"),
+        ("/v1/completions", f'{{"prompt": [[5, {LONG}]]}}', "prompt[0][1]"),
+        ("/v1/chat/completions", f'{{"messages": [], "metadata": {{"x": {LONG}}}}}', "metadata.x"),
+        ("/v1/chat/completions", f'{{"messages": [], "n": {LONG}}}', "n"),
+        ("/detokenize", f'{{"tokens": [1, {LONG}]}}', "tokens[1]"),
+        ("/v1/completions", '{"prompt": "a", "logit_bias": {"\\u00b2": 1}}', "logit_bias"),
+        ("/v1/completions", '{"prompt": "a", "logit_bias": {"²": 1}}', "logit_bias"),
+        ("/v1/completions", f'{{"prompt": "a", "logit_bias": {{"{LONG}": 1}}}}', "logit_bias"),
+        ("/v1/completions", '{"prompt": "a", "logit_bias": {"١٢": 1}}', "logit_bias"),
+    ],
+    ids=[
+        "max_tokens",
+        "max_tokens-4300-nines",
+        "negative-priority",
+        "prompt-token-id",
+        "metadata",
+        "chat-n",
+        "detokenize-token-id",
+        "logit_bias-escaped-superscript",
+        "logit_bias-superscript",
+        "logit_bias-long-key",
+        "logit_bias-arabic-digits",
+    ],
+)
+def test_unreadable_numbers_are_400s_naming_the_field(http, path, raw, param) -> None:
+    message = assert_bad_request(post_raw(http, path, raw.encode()), param)
+    assert len(message) < 300  # a 5,000-digit value is not echoed back
+    assert_still_serving(http)
+
+
+def test_integers_that_mean_something_still_parse(http) -> None:
+    body = completion(seed=2**64 - 1, top_k=10**30, logit_bias={"00000000000000000005": 1})
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
+def test_parse_json_object_names_a_nested_long_integer() -> None:
+    with pytest.raises(APIError) as info:
+        parse_json_object(f'{{"a": [1, {{"b": {LONG}}}]}}'.encode())
+    assert info.value.status == 400 and info.value.param == "a[1].b"
+    assert "5000 digits" in info.value.message
+    assert parse_json_object(b'{"a": [1, 2]}') == {"a": [1, 2]}
