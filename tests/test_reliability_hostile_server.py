@@ -2,6 +2,7 @@
 
 Each section is one finding of an attacker's run against ``jaxserve launch`` with the demo model:
 - 6: integers too long to convert, and ``logit_bias`` keys ``int()`` refuses, answered 500;
+- 7: a ``top_p`` so small it underflowed float32 to "no top_p".
 
 One real engine on the tiny Llama fixture and real servers on loopback ports (the default
 limits, or small ones to test a limit without running a large request); after every case the
@@ -13,9 +14,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import httpx
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.runner.sampling import apply_top_k_top_p
 from jaxserve.server.app import build_app
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.errors import APIError
@@ -143,3 +147,32 @@ def test_parse_json_object_names_a_nested_long_integer() -> None:
     assert info.value.status == 400 and info.value.param == "a[1].b"
     assert "5000 digits" in info.value.message
     assert parse_json_object(b'{"a": [1, 2]}') == {"a": [1, 2]}
+
+
+# -- finding 7: a top_p that underflows float32 ----------------------------------------------
+
+
+def test_top_p_below_float32_keeps_only_the_top_token() -> None:
+    assert np.float32(1e-300) == 0  # what the sampler's rows hold
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 64)), jnp.float32)
+    top_p = jnp.asarray([1e-300, 1e-30, 0.0, 1.0], jnp.float32)
+    top_k = jnp.zeros(4, jnp.int32)
+    masked = np.asarray(apply_top_k_top_p(logits, top_k, top_p))
+    kept = np.isfinite(masked)
+    best = np.argmax(np.asarray(logits), axis=-1)
+    for row in range(3):
+        assert kept[row].sum() == 1 and kept[row, best[row]], row
+    assert kept[3].all()
+
+
+def test_tiny_top_p_samples_like_greedy_over_http(http) -> None:
+    def text(**extra) -> str:
+        body = completion(max_tokens=8, ignore_eos=True, **extra)
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    greedy = text()
+    for top_p in (1e-300, 1e-30):
+        texts = {text(temperature=1.0, top_p=top_p, seed=seed) for seed in range(6)}
+        assert texts == {greedy}, (top_p, texts)
