@@ -1,6 +1,7 @@
 """Hostile input, round two, against the HTTP server: no request may hold, starve or flood it.
 
 Each section is one finding of an attacker's run against ``jaxserve launch`` with the demo model:
+- 2: a 10 KB request for 32,768 sequences;
 - 6: integers too long to convert, and ``logit_bias`` keys ``int()`` refuses, answered 500;
 - 7: a ``top_p`` so small it underflowed float32 to "no top_p".
 
@@ -11,6 +12,8 @@ server must still be healthy and serve a normal request.
 
 from __future__ import annotations
 
+import argparse
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -18,12 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.cli import build_parser
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.runner.sampling import apply_top_k_top_p
 from jaxserve.server.app import build_app
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.errors import APIError
 from jaxserve.server.fields import parse_json_object
+from jaxserve.server.launch import settings_from_args
 from jaxserve.server.settings import ServerSettings
 from tests.conftest import tiny_engine_config
 
@@ -95,6 +100,77 @@ def assert_still_serving(http: httpx.Client) -> None:
     r = http.post("/v1/completions", json=completion(max_tokens=3))
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+# -- finding 2: sequences and tokens per request ---------------------------------------------
+
+
+def test_256_prompts_with_n_128_are_refused_before_anything_runs(http, server) -> None:
+    body = completion(prompt=[PROMPT] * 256, n=128, max_tokens=8, temperature=1.0)
+    before = server.engine.core.stats.prompt_tokens
+    start = time.perf_counter()
+    r = http.post("/v1/completions", json=body, timeout=10)
+    assert time.perf_counter() - start < 5
+    message = assert_bad_request(r, "n", "32768", "256", "--max-seqs-per-request")
+    assert "n=128" in message
+    assert server.engine.core.stats.prompt_tokens == before  # nothing reached the engine
+    assert_still_serving(http)
+
+
+def test_sequences_per_request_count_prompts_n_and_best_of(engine) -> None:
+    with (
+        serve(engine, max_seqs_per_request=8) as background,
+        httpx.Client(base_url=background.url, timeout=60) as http,
+    ):
+        ok = http.post("/v1/completions", json=completion(prompt=[PROMPT] * 2, n=4))
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 8, ok.text
+        r = http.post("/v1/completions", json=completion(prompt=[PROMPT] * 3, n=3))
+        assert_bad_request(r, "n", "9 sequences", "at most 8", "--max-seqs-per-request")
+        r = http.post("/v1/completions", json=completion(prompt=[PROMPT] * 3, best_of=3))
+        assert_bad_request(r, "best_of", "best_of=3", "--max-seqs-per-request")
+        r = http.post("/v1/completions", json=completion(prompt=[PROMPT] * 9))
+        assert_bad_request(r, "prompt", "9 sequences", "--max-seqs-per-request")
+        r = http.post("/v1/chat/completions", json=chat(n=9, max_tokens=2))
+        assert_bad_request(r, "n", "--max-seqs-per-request")
+        assert_still_serving(http)
+
+
+def test_tokens_per_request_count_n_times_the_resolved_max_tokens(engine) -> None:
+    with (
+        serve(engine, max_tokens_per_request=64) as background,
+        httpx.Client(base_url=background.url, timeout=60) as http,
+    ):
+        body = completion(prompt=[PROMPT] * 2, n=2, max_tokens=16)
+        assert http.post("/v1/completions", json=body).status_code == 200
+        r = http.post("/v1/completions", json={**body, "max_tokens": 17})
+        assert_bad_request(r, "max_tokens", "68 tokens", "at most 64", "--max-tokens-per-request")
+        r = http.post("/v1/completions", json=completion(best_of=5, max_tokens=16))
+        assert_bad_request(r, "max_tokens", "80 tokens", "--max-tokens-per-request")
+        # Without max_tokens a chat sample may use the whole context left: that is what counts.
+        r = http.post("/v1/chat/completions", json=chat())
+        assert_bad_request(r, "max_tokens", "--max-tokens-per-request")
+        r = http.post("/v1/chat/completions", json=chat(max_completion_tokens=65))
+        assert_bad_request(r, "max_completion_tokens", "65 tokens", "--max-tokens-per-request")
+        assert http.post("/v1/chat/completions", json=chat(max_tokens=64)).status_code == 200
+        assert_still_serving(http)
+
+
+def parse_launch(*flags: str) -> argparse.Namespace:
+    argv = ["launch", *flags]
+    return build_parser(argv).parse_args(argv)
+
+
+def test_cost_limits_have_launch_flags_and_defaults() -> None:
+    defaults = settings_from_args(parse_launch(), "m")
+    assert defaults.max_seqs_per_request == 256
+    assert defaults.max_tokens_per_request == 2**20
+    assert defaults == ServerSettings(served_model_names=("m",))
+    args = parse_launch("--max-seqs-per-request", "64", "--max-tokens-per-request", "2M")
+    settings = settings_from_args(args, "m")
+    assert settings.max_seqs_per_request == 64
+    assert settings.max_tokens_per_request == 2 * 2**20
+    with pytest.raises(ValueError, match="max_seqs_per_request"):
+        ServerSettings(served_model_names=("m",), max_seqs_per_request=0)
 
 
 # -- finding 6: numbers that answered 500 ----------------------------------------------------

@@ -1,6 +1,7 @@
 """``POST /v1/chat/completions``: messages -> chat template (sandboxed) -> one engine request.
 
-Parsed by ``protocol.parse_chat_request``. Streams ``chat.completion.chunk`` events: one
+Parsed by ``protocol.parse_chat_request`` and held to the per-request limits of ``cost.py``
+before anything reaches the engine. Streams ``chat.completion.chunk`` events: one
 ``{"role": "assistant"}`` chunk per choice first, then content deltas, the finish reason on the
 last delta of each choice, and the usage chunk when ``stream_options.include_usage`` is set.
 """
@@ -16,6 +17,7 @@ from starlette.responses import Response
 
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
 from jaxserve.server.context import ENGINE_FAILURE, ServingContext, new_id, usage
+from jaxserve.server.cost import check_num_seqs, check_num_tokens
 from jaxserve.server.errors import internal_error, json_response
 from jaxserve.server.generation import EngineRequest, Generation
 from jaxserve.server.logprobs import prompt_logprobs_json
@@ -25,6 +27,7 @@ from jaxserve.server.protocol import ChatRequest, parse_chat_request
 async def create_chat_completion(ctx: ServingContext, request: Request, body: dict) -> Response:
     req = parse_chat_request(body)
     ctx.check_model(req.model)
+    check_num_seqs(1, req.params, ctx.settings)
     prompt = ctx.render_chat(
         req.messages, req.add_generation_prompt, req.tools, req.template_kwargs
     )
@@ -35,6 +38,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request, body: di
     params = ctx.params_for_prompt(req.params, max_tokens)
     chat_id = new_id("chatcmpl")
     engine_request = EngineRequest(f"{chat_id}-0", token_ids, params, prompt)
+    check_num_tokens([engine_request], ctx.settings, req.max_tokens_param)
     generation = ctx.new_generation([engine_request], req.priority, req.cache_salt)
     writer = _ChatWriter(ctx, req, chat_id)
     if req.stream:

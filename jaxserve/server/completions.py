@@ -1,6 +1,7 @@
 """``POST /v1/completions``: prompts (text, token ids, or a batch of either) -> text_completion.
 
-Parsed by ``protocol.parse_completion_request``; each prompt becomes one engine request, and
+Parsed by ``protocol.parse_completion_request`` and held to the per-request limits of
+``cost.py`` before anything reaches the engine; each prompt becomes one engine request, and
 choice ``i * n + j`` is sample ``j`` of prompt ``i`` (OpenAI's order). Streams as
 ``text_completion`` chunks; ``echo`` puts the prompt (and, with ``logprobs``, its logprobs)
 before the first chunk of each choice.
@@ -17,6 +18,7 @@ from starlette.responses import Response
 
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.server.context import ENGINE_FAILURE, ServingContext, new_id, usage
+from jaxserve.server.cost import check_num_seqs, check_num_tokens
 from jaxserve.server.errors import internal_error, json_response
 from jaxserve.server.generation import EngineRequest, Generation
 from jaxserve.server.logprobs import prompt_logprobs_json
@@ -26,6 +28,7 @@ from jaxserve.server.protocol import CompletionRequest, check_token_ids, parse_c
 async def create_completion(ctx: ServingContext, request: Request, body: dict) -> Response:
     req = parse_completion_request(body)
     ctx.check_model(req.model)
+    check_num_seqs(len(req.prompts), req.params, ctx.settings)
     completion_id = new_id("cmpl")
     engine_requests = []
     for i, prompt in enumerate(req.prompts):
@@ -43,6 +46,7 @@ async def create_completion(ctx: ServingContext, request: Request, body: dict) -
         )
         params = ctx.params_for_prompt(req.params, max_tokens)
         engine_requests.append(EngineRequest(f"{completion_id}-{i}", token_ids, params, text))
+    check_num_tokens(engine_requests, ctx.settings, "max_tokens")
     generation = ctx.new_generation(engine_requests, req.priority, req.cache_salt)
     writer = _CompletionWriter(ctx, req, completion_id)
     if req.stream:
