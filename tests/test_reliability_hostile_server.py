@@ -2,6 +2,7 @@
 
 Each section is one finding of an attacker's run against ``jaxserve launch`` with the demo model:
 - 2: a 10 KB request for 32,768 sequences;
+- 3: a 5 KB request for a 65 MB response;
 - 6: integers too long to convert, and ``logit_bias`` keys ``int()`` refuses, answered 500;
 - 7: a ``top_p`` so small it underflowed float32 to "no top_p".
 
@@ -13,6 +14,7 @@ server must still be healthy and serve a normal request.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from types import SimpleNamespace
 
@@ -163,14 +165,79 @@ def parse_launch(*flags: str) -> argparse.Namespace:
 def test_cost_limits_have_launch_flags_and_defaults() -> None:
     defaults = settings_from_args(parse_launch(), "m")
     assert defaults.max_seqs_per_request == 256
-    assert defaults.max_tokens_per_request == 2**20
+    assert defaults.max_tokens_per_request == defaults.max_response_entries == 2**20
     assert defaults == ServerSettings(served_model_names=("m",))
-    args = parse_launch("--max-seqs-per-request", "64", "--max-tokens-per-request", "2M")
+    args = parse_launch(
+        "--max-seqs-per-request", "64", "--max-tokens-per-request", "2M",
+        "--max-response-entries", "500k",
+    )  # fmt: skip
     settings = settings_from_args(args, "m")
     assert settings.max_seqs_per_request == 64
     assert settings.max_tokens_per_request == 2 * 2**20
+    assert settings.max_response_entries == 500_000
     with pytest.raises(ValueError, match="max_seqs_per_request"):
         ServerSettings(served_model_names=("m",), max_seqs_per_request=0)
+
+
+# -- finding 3: response amplification -------------------------------------------------------
+
+
+def long_prompt_ids(num_tokens: int) -> list[int]:
+    return [5 + i % (VOCAB - 10) for i in range(num_tokens)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_logprobs_n_128_on_a_long_prompt_is_refused_quickly(http, stream) -> None:
+    body = completion(
+        prompt=long_prompt_ids(1000), echo=True, logprobs=20, n=128, max_tokens=16, stream=stream
+    )
+    raw = json.dumps(body).encode()
+    assert len(raw) < 6000  # a 5 KB request ...
+    start = time.perf_counter()
+    r = http.post("/v1/completions", content=raw, headers=JSON, timeout=10)
+    assert time.perf_counter() - start < 5
+    # ... that asked for 128 x (1,000 + 16) x (1 + 20) entries, about 65 MB of JSON.
+    assert_bad_request(r, "logprobs", str(128 * 1016 * 21), "--max-response-entries")
+    assert_still_serving(http)
+
+
+def test_other_amplifiers_are_counted(http) -> None:
+    prompt_logprobs = completion(prompt=long_prompt_ids(1000), prompt_logprobs=20, n=64)
+    r = http.post("/v1/completions", json=prompt_logprobs, timeout=10)
+    assert_bad_request(r, "prompt_logprobs", "--max-response-entries")
+    top = chat(n=128, max_tokens=400, logprobs=True, top_logprobs=20)
+    r = http.post("/v1/chat/completions", json=top, timeout=10)
+    assert_bad_request(r, "top_logprobs", str(128 * 400 * 21), "--max-response-entries")
+    assert_still_serving(http)
+
+
+def test_ordinary_logprobs_requests_still_work(http) -> None:
+    body = completion(echo=True, logprobs=5, n=2, max_tokens=4, ignore_eos=True)
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        logprobs = choice["logprobs"]
+        assert len(logprobs["tokens"]) == len(logprobs["top_logprobs"]) > 4
+        assert logprobs["top_logprobs"][0] is None and all(logprobs["top_logprobs"][1:])
+    body = chat(max_tokens=4, logprobs=True, top_logprobs=20, ignore_eos=True)
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and all(len(entry["top_logprobs"]) == 20 for entry in content)
+
+
+def test_response_budget_is_configurable(engine) -> None:
+    with (
+        serve(engine, max_response_entries=100) as background,
+        httpx.Client(base_url=background.url, timeout=60) as http,
+    ):
+        body = completion(logprobs=1, max_tokens=50)
+        assert http.post("/v1/completions", json=body).status_code == 200
+        r = http.post("/v1/completions", json={**body, "max_tokens": 51})
+        assert_bad_request(r, "logprobs", "102", "at most 100", "--max-response-entries")
+        # Echo without logprobs still copies the prompt into every choice.
+        r = http.post("/v1/completions", json=completion(prompt=long_prompt_ids(120), echo=True))
+        assert_bad_request(r, "echo", "--max-response-entries")
 
 
 # -- finding 6: numbers that answered 500 ----------------------------------------------------

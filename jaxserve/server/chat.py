@@ -17,7 +17,12 @@ from starlette.responses import Response
 
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
 from jaxserve.server.context import ENGINE_FAILURE, ServingContext, new_id, usage
-from jaxserve.server.cost import check_num_seqs, check_num_tokens
+from jaxserve.server.cost import (
+    check_num_seqs,
+    check_num_tokens,
+    check_response_size,
+    num_response_entries,
+)
 from jaxserve.server.errors import internal_error, json_response
 from jaxserve.server.generation import EngineRequest, Generation
 from jaxserve.server.logprobs import prompt_logprobs_json
@@ -39,12 +44,26 @@ async def create_chat_completion(ctx: ServingContext, request: Request, body: di
     chat_id = new_id("chatcmpl")
     engine_request = EngineRequest(f"{chat_id}-0", token_ids, params, prompt)
     check_num_tokens([engine_request], ctx.settings, req.max_tokens_param)
+    _check_response_size(ctx, req, engine_request)
     generation = ctx.new_generation([engine_request], req.priority, req.cache_salt)
     writer = _ChatWriter(ctx, req, chat_id)
     if req.stream:
         return await ctx.stream(generation, request, writer.events)
     (output,) = await ctx.collect(generation, request)
     return json_response(writer.response(output))
+
+
+def _check_response_size(ctx: ServingContext, req: ChatRequest, request: EngineRequest) -> None:
+    # The prompt logprobs come once per response, not per choice.
+    num_entries = num_response_entries(request, echo=False, num_prompt_logprobs_copies=1)
+    if req.top_logprobs:
+        param = "top_logprobs"
+    elif req.params.prompt_logprobs is not None:
+        param = "prompt_logprobs"
+    else:
+        param = req.max_tokens_param
+    levers = f"n, {req.max_tokens_param}, top_logprobs or prompt_logprobs"
+    check_response_size(num_entries, ctx.settings, param, levers)
 
 
 class _ChatWriter:

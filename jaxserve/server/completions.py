@@ -18,7 +18,12 @@ from starlette.responses import Response
 
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.server.context import ENGINE_FAILURE, ServingContext, new_id, usage
-from jaxserve.server.cost import check_num_seqs, check_num_tokens
+from jaxserve.server.cost import (
+    check_num_seqs,
+    check_num_tokens,
+    check_response_size,
+    num_response_entries,
+)
 from jaxserve.server.errors import internal_error, json_response
 from jaxserve.server.generation import EngineRequest, Generation
 from jaxserve.server.logprobs import prompt_logprobs_json
@@ -47,12 +52,29 @@ async def create_completion(ctx: ServingContext, request: Request, body: dict) -
         params = ctx.params_for_prompt(req.params, max_tokens)
         engine_requests.append(EngineRequest(f"{completion_id}-{i}", token_ids, params, text))
     check_num_tokens(engine_requests, ctx.settings, "max_tokens")
+    _check_response_size(ctx, req, engine_requests)
     generation = ctx.new_generation(engine_requests, req.priority, req.cache_salt)
     writer = _CompletionWriter(ctx, req, completion_id)
     if req.stream:
         return await ctx.stream(generation, request, writer.events)
     outputs = await ctx.collect(generation, request)
     return json_response(writer.response(engine_requests, outputs))
+
+
+def _check_response_size(
+    ctx: ServingContext, req: CompletionRequest, requests: list[EngineRequest]
+) -> None:
+    # Each choice carries its own copy of the echoed prompt and of the prompt logprobs.
+    copies = req.params.n if req.return_prompt_logprobs else 0
+    num_entries = sum(num_response_entries(r, req.echo, copies) for r in requests)
+    if req.params.logprobs:
+        param = "logprobs"
+    elif req.return_prompt_logprobs:
+        param = "prompt_logprobs"
+    else:
+        param = "echo" if req.echo else "max_tokens"
+    levers = "n, max_tokens, logprobs or prompt_logprobs, or turn echo off"
+    check_response_size(num_entries, ctx.settings, param, levers)
 
 
 class _CompletionWriter:

@@ -24,6 +24,7 @@ import uvicorn
 from jaxserve.engine.engine_config import DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES, EngineConfig
 from jaxserve.server.settings import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_MAX_RESPONSE_ENTRIES,
     DEFAULT_MAX_SEQS_PER_REQUEST,
     DEFAULT_MAX_TOKENS_PER_REQUEST,
     DEFAULT_REQUEST_BODY_TIMEOUT_S,
@@ -271,6 +272,14 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens one request may ask for: n (or best_of) x max_tokens, summed over its "
         "prompts (1M = 1,048,576); past it: 400",
     )
+    add(
+        "--max-response-entries",
+        type=human_int,
+        default=DEFAULT_MAX_RESPONSE_ENTRIES,
+        help="how large a response one request may ask for, estimated before it runs: each "
+        "token of text (generated or echoed) counts 1, plus 1 per top logprob; the default is "
+        "about 25 MB of JSON; past it: 400",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -311,6 +320,7 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
         rate_limit_tpm=args.rate_limit_tpm,
         max_seqs_per_request=args.max_seqs_per_request,
         max_tokens_per_request=args.max_tokens_per_request,
+        max_response_entries=args.max_response_entries,
     )
 
 
