@@ -3,6 +3,7 @@
 Each section is one finding of an attacker's run against ``jaxserve launch`` with the demo model:
 - 2: a 10 KB request for 32,768 sequences;
 - 3: a 5 KB request for a 65 MB response;
+- 4: 900,000 ``stop_token_ids`` with ``n=32``, which slowed every neighbour;
 - 6: integers too long to convert, and ``logit_bias`` keys ``int()`` refuses, answered 500;
 - 7: a ``top_p`` so small it underflowed float32 to "no top_p".
 
@@ -25,6 +26,7 @@ import pytest
 
 from jaxserve.cli import build_parser
 from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams, SamplingParamsError
 from jaxserve.runner.sampling import apply_top_k_top_p
 from jaxserve.server.app import build_app
 from jaxserve.server.background import BackgroundServer
@@ -238,6 +240,28 @@ def test_response_budget_is_configurable(engine) -> None:
         # Echo without logprobs still copies the prompt into every choice.
         r = http.post("/v1/completions", json=completion(prompt=long_prompt_ids(120), echo=True))
         assert_bad_request(r, "echo", "--max-response-entries")
+
+
+# -- finding 4: heavy host work must not hold the event loop ---------------------------------
+
+
+def test_stop_token_ids_are_capped(http) -> None:
+    r = http.post("/v1/completions", json=completion(stop_token_ids=[7] * MAX_STOP_TOKEN_IDS))
+    assert r.status_code == 200, r.text
+    r = http.post("/v1/completions", json=completion(stop_token_ids=[7] * 1025))
+    assert_bad_request(r, "stop_token_ids", "1025", str(MAX_STOP_TOKEN_IDS))
+    r = http.post("/v1/chat/completions", json=chat(max_tokens=2, stop_token_ids=[7] * 1025))
+    assert_bad_request(r, "stop_token_ids", str(MAX_STOP_TOKEN_IDS))
+    # The attacker's body: 900,000 entries and n=32, 1.8 MB.
+    raw = json.dumps(completion(stop_token_ids=[1] * 900_000, n=32), separators=(",", ":"))
+    start = time.perf_counter()
+    r = post_raw(http, "/v1/completions", raw.encode())
+    assert time.perf_counter() - start < 5
+    assert_bad_request(r, "stop_token_ids", "900000")
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams(stop_token_ids=range(MAX_STOP_TOKEN_IDS + 1))
+    assert info.value.param == "stop_token_ids"
+    assert_still_serving(http)
 
 
 # -- finding 6: numbers that answered 500 ----------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 4
+MAX_STOP_TOKEN_IDS = 1024  # each generated token is looked up in them
 MAX_TEMPERATURE = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
 SEED_RANGE = (-(2**63), 2**64)
@@ -118,6 +119,12 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 fail("stop", f"stop entries must be non-empty strings, got {s!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            fail(
+                "stop_token_ids",
+                f"stop_token_ids has {len(self.stop_token_ids)} entries; at most "
+                f"{MAX_STOP_TOKEN_IDS} are allowed",
+            )
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 fail("stop_token_ids", f"stop_token_ids entry {t!r} must be a non-negative integer")
