@@ -17,7 +17,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.server.context import ENGINE_FAILURE, ServingContext, new_id, usage
+from jaxserve.server.context import (
+    ENGINE_FAILURE,
+    OFFLOAD_BYTES,
+    OFFLOAD_ENTRIES,
+    ServingContext,
+    new_id,
+    usage,
+)
 from jaxserve.server.cost import (
     check_num_seqs,
     check_num_tokens,
@@ -25,20 +32,40 @@ from jaxserve.server.cost import (
     num_response_entries,
 )
 from jaxserve.server.errors import internal_error, json_response
+from jaxserve.server.fields import parse_json_object
 from jaxserve.server.generation import EngineRequest, Generation
 from jaxserve.server.logprobs import prompt_logprobs_json
 from jaxserve.server.protocol import CompletionRequest, check_token_ids, parse_completion_request
 
 
-async def create_completion(ctx: ServingContext, request: Request, body: dict) -> Response:
-    req = parse_completion_request(body)
+async def create_completion(ctx: ServingContext, request: Request, raw: bytes) -> Response:
+    completion_id = new_id("cmpl")
+    req, engine_requests, num_entries = await ctx.offload(
+        len(raw) >= OFFLOAD_BYTES, _prepare, ctx, raw, completion_id
+    )
+    generation = ctx.new_generation(engine_requests, req.priority, req.cache_salt)
+    writer = _CompletionWriter(ctx, req, completion_id)
+    if req.stream:
+        return await ctx.stream(generation, request, writer.events)
+    outputs = await ctx.collect(generation, request)
+    return await ctx.offload(
+        num_entries >= OFFLOAD_ENTRIES,
+        lambda: json_response(writer.response(engine_requests, outputs)),
+    )
+
+
+def _prepare(
+    ctx: ServingContext, raw: bytes, completion_id: str
+) -> tuple[CompletionRequest, list[EngineRequest], int]:
+    """Body -> the request, one engine request per prompt (tokenized, checked, budgeted), and
+    the response's estimated size; pure host work, run off the event loop for large bodies."""
+    req = parse_completion_request(parse_json_object(raw))
     ctx.check_model(req.model)
     check_num_seqs(len(req.prompts), req.params, ctx.settings)
-    completion_id = new_id("cmpl")
     engine_requests = []
     for i, prompt in enumerate(req.prompts):
         if isinstance(prompt, str):
-            token_ids = await ctx.encode(prompt, req.add_special_tokens)
+            token_ids = ctx.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
             text: str | None = prompt
         else:
             check_token_ids(prompt, ctx.vocab_size, "prompt")
@@ -52,18 +79,13 @@ async def create_completion(ctx: ServingContext, request: Request, body: dict) -
         params = ctx.params_for_prompt(req.params, max_tokens)
         engine_requests.append(EngineRequest(f"{completion_id}-{i}", token_ids, params, text))
     check_num_tokens(engine_requests, ctx.settings, "max_tokens")
-    _check_response_size(ctx, req, engine_requests)
-    generation = ctx.new_generation(engine_requests, req.priority, req.cache_salt)
-    writer = _CompletionWriter(ctx, req, completion_id)
-    if req.stream:
-        return await ctx.stream(generation, request, writer.events)
-    outputs = await ctx.collect(generation, request)
-    return json_response(writer.response(engine_requests, outputs))
+    return req, engine_requests, _check_response_size(ctx, req, engine_requests)
 
 
 def _check_response_size(
     ctx: ServingContext, req: CompletionRequest, requests: list[EngineRequest]
-) -> None:
+) -> int:
+    """The response's estimated entries (``cost.num_response_entries``), within the limit."""
     # Each choice carries its own copy of the echoed prompt and of the prompt logprobs.
     copies = req.params.n if req.return_prompt_logprobs else 0
     num_entries = sum(num_response_entries(r, req.echo, copies) for r in requests)
@@ -75,6 +97,7 @@ def _check_response_size(
         param = "echo" if req.echo else "max_tokens"
     levers = "n, max_tokens, logprobs or prompt_logprobs, or turn echo off"
     check_response_size(num_entries, ctx.settings, param, levers)
+    return num_entries
 
 
 class _CompletionWriter:
@@ -92,6 +115,10 @@ class _CompletionWriter:
             "created": self.created,
             "model": self.ctx.model_name,
         }
+
+    def _echo_entries(self, request: EngineRequest) -> int:
+        """The echoed prompt's share of ``cost.num_response_entries``, for one choice."""
+        return len(request.prompt_token_ids) * (1 + (self.num_top or 0))
 
     def _echo(self, request: EngineRequest, prompt_logprobs: Any) -> tuple[str, Any, int]:
         """The echoed prompt: its text, its logprobs (or None), and the offset after it."""
@@ -179,7 +206,12 @@ class _CompletionWriter:
                 offset = offsets.get(index, 0)
                 if self.req.echo and index not in echoed:
                     echoed.add(index)
-                    prompt_text, logprobs, offset = self._echo(request, prompt_logprobs.get(i))
+                    prompt_text, logprobs, offset = await self.ctx.offload(
+                        self._echo_entries(request) >= OFFLOAD_ENTRIES,
+                        self._echo,
+                        request,
+                        prompt_logprobs.get(i),
+                    )
                     text = prompt_text + text
                 if self.num_top is not None:
                     generated, offset = self.ctx.logprobs.completion(
