@@ -345,10 +345,12 @@ def test_eight_heavy_requests_leave_health_and_small_requests_their_latency(
     assert statuses == [status] * 8
     assert not any(probe.errors for probe in running.values())
     busy = {name: max(probe.seconds) for name, probe in running.items()}
-    # Within 2x of idle, or of a floor for a loaded 2-core machine. Before the fix these took
-    # 0.7-4.8 s (health) and 2.2-8.7 s (small completion); after, under 0.1 s and 0.2 s.
-    assert busy["health"] < max(2 * idle["health"], 0.25), (idle, busy)
-    assert busy["small completion"] < max(2 * idle["small completion"], 0.5), (idle, busy)
+    # Within 2x of idle, or of a floor for a loaded 2-core machine where clients and server
+    # share one process. On such a machine, at worst: before the fix 1.7-4.7 s (health) and
+    # 1.9-11 s (small completion); after, 0.1-0.36 s and 0.15-0.8 s (the engine thread waits
+    # for the GIL behind the host-work thread).
+    assert busy["health"] < max(2 * idle["health"], 0.5), (idle, busy)
+    assert busy["small completion"] < max(2 * idle["small completion"], 1.5), (idle, busy)
     assert_still_serving(http)
 
 
