@@ -14,9 +14,9 @@ from typing import Any
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 4
+MAX_STOP_TOKEN_IDS = 1024  # each generated token is looked up in them
 MAX_TEMPERATURE = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
-MAX_STOP_TOKEN_IDS = 1024  # each generated token is looked up in them
 SEED_RANGE = (-(2**63), 2**64)
 
 

@@ -152,7 +152,8 @@ def apply_bias(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
 
 
 def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Mask tokens outside the top-k and outside the smallest set with probability >= top_p.
+    """Mask tokens outside the top-k and outside the smallest set with probability >= top_p
+    (never fewer than the top token: a tiny top_p keeps only it).
 
     Thresholds are taken on sorted values and applied to the unsorted row, so ties at the
     boundary are kept and no scatter is needed.
@@ -166,7 +167,9 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     probs = jax.nn.softmax(sorted_desc, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability of strictly better tokens
     keep = mass_before < top_p[:, None]
-    last_kept = jnp.sum(keep, axis=-1) - 1  # i32[S]
+    # NOTE: the top token is always kept. A top_p below float32's smallest value (1e-300) is 0
+    # here: nothing would be kept, and index -1 would wrap to the last token, keeping them all.
+    last_kept = jnp.maximum(jnp.sum(keep, axis=-1) - 1, 0)  # i32[S]
     cutoff = jnp.take_along_axis(sorted_desc, last_kept[:, None], axis=-1)
     return jnp.where(logits < cutoff, NEG_INF, logits)
 

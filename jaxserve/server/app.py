@@ -16,7 +16,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from importlib import metadata
-from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -31,9 +30,8 @@ from jaxserve.sampling_params import SamplingParamsError
 from jaxserve.server.auth import APIKeyMiddleware
 from jaxserve.server.chat import create_chat_completion
 from jaxserve.server.completions import create_completion
-from jaxserve.server.context import ServingContext
+from jaxserve.server.context import OFFLOAD_BYTES, ServingContext
 from jaxserve.server.errors import APIError, internal_error, json_response, unavailable
-from jaxserve.server.fields import parse_json_object
 from jaxserve.server.lifecycle import log_stats_periodically, watch_engine
 from jaxserve.server.limits import BodyLimitMiddleware, HeaderLimitMiddleware, SendTimeoutMiddleware
 from jaxserve.server.metrics import StatsLogger
@@ -74,11 +72,12 @@ def build_app(
         public_paths=settings.public_paths if settings.api_key is not None else None,
     )
 
-    async def read_body(request: Request, is_generation: bool = False) -> dict[str, Any]:
+    async def read_body(request: Request, is_generation: bool = False) -> bytes:
+        """The body's bytes; each route parses them (off the event loop when they are large)."""
         ctx.state.admit()
         if is_generation and limiter is not None:
             limiter.charge_request(request)
-        return parse_json_object(await request.body())
+        return await request.body()
 
     async def completions(request: Request) -> Response:
         return await create_completion(ctx, request, await read_body(request, True))
@@ -87,10 +86,12 @@ def build_app(
         return await create_chat_completion(ctx, request, await read_body(request, True))
 
     async def tokenize_route(request: Request) -> Response:
-        return json_response(await tokenize(ctx, await read_body(request)))
+        raw = await read_body(request)
+        return await ctx.offload(len(raw) >= OFFLOAD_BYTES, tokenize, ctx, raw)
 
     async def detokenize_route(request: Request) -> Response:
-        return json_response(detokenize(ctx, await read_body(request)))
+        raw = await read_body(request)
+        return await ctx.offload(len(raw) >= OFFLOAD_BYTES, detokenize, ctx, raw)
 
     async def models(request: Request) -> Response:
         data = [
@@ -168,6 +169,7 @@ def build_app(
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            ctx.close()
 
     app = Starlette(
         routes=routes,

@@ -1,6 +1,7 @@
 """``POST /v1/chat/completions``: messages -> chat template (sandboxed) -> one engine request.
 
-Parsed by ``protocol.parse_chat_request``. Streams ``chat.completion.chunk`` events: one
+Parsed by ``protocol.parse_chat_request`` and held to the per-request limits of ``cost.py``
+before anything reaches the engine. Streams ``chat.completion.chunk`` events: one
 ``{"role": "assistant"}`` chunk per choice first, then content deltas, the finish reason on the
 last delta of each choice, and the usage chunk when ``stream_options.include_usage`` is set.
 """
@@ -15,31 +16,75 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
-from jaxserve.server.context import ENGINE_FAILURE, ServingContext, new_id, usage
+from jaxserve.server.context import (
+    ENGINE_FAILURE,
+    OFFLOAD_BYTES,
+    OFFLOAD_ENTRIES,
+    ServingContext,
+    new_id,
+    usage,
+)
+from jaxserve.server.cost import (
+    check_num_seqs,
+    check_num_tokens,
+    check_response_size,
+    num_response_entries,
+)
 from jaxserve.server.errors import internal_error, json_response
+from jaxserve.server.fields import parse_json_object
 from jaxserve.server.generation import EngineRequest, Generation
 from jaxserve.server.logprobs import prompt_logprobs_json
 from jaxserve.server.protocol import ChatRequest, parse_chat_request
 
 
-async def create_chat_completion(ctx: ServingContext, request: Request, body: dict) -> Response:
-    req = parse_chat_request(body)
-    ctx.check_model(req.model)
-    prompt = ctx.render_chat(
-        req.messages, req.add_generation_prompt, req.tools, req.template_kwargs
-    )
-    token_ids = await ctx.encode(prompt, req.add_special_tokens)
-    params = ctx.check_request(
-        token_ids, req.params, req.max_tokens, None, "messages", req.max_tokens_param
-    )
+async def create_chat_completion(ctx: ServingContext, request: Request, raw: bytes) -> Response:
     chat_id = new_id("chatcmpl")
-    engine_request = EngineRequest(f"{chat_id}-0", token_ids, params, prompt)
+    req, engine_request, num_entries = await ctx.offload(
+        len(raw) >= OFFLOAD_BYTES, _prepare, ctx, raw, chat_id
+    )
     generation = ctx.new_generation([engine_request], req.priority, req.cache_salt)
     writer = _ChatWriter(ctx, req, chat_id)
     if req.stream:
         return await ctx.stream(generation, request, writer.events)
     (output,) = await ctx.collect(generation, request)
-    return json_response(writer.response(output))
+    return await ctx.offload(
+        num_entries >= OFFLOAD_ENTRIES, lambda: json_response(writer.response(output))
+    )
+
+
+def _prepare(
+    ctx: ServingContext, raw: bytes, chat_id: str
+) -> tuple[ChatRequest, EngineRequest, int]:
+    """Body -> the request, its engine request (rendered, tokenized, budgeted) and the
+    response's estimated size; pure host work, run off the event loop for large bodies."""
+    req = parse_chat_request(parse_json_object(raw))
+    ctx.check_model(req.model)
+    check_num_seqs(1, req.params, ctx.settings)
+    prompt = ctx.render_chat(
+        req.messages, req.add_generation_prompt, req.tools, req.template_kwargs
+    )
+    token_ids = ctx.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+    params = ctx.check_request(
+        token_ids, req.params, req.max_tokens, None, "messages", req.max_tokens_param
+    )
+    engine_request = EngineRequest(f"{chat_id}-0", token_ids, params, prompt)
+    check_num_tokens([engine_request], ctx.settings, req.max_tokens_param)
+    return req, engine_request, _check_response_size(ctx, req, engine_request)
+
+
+def _check_response_size(ctx: ServingContext, req: ChatRequest, request: EngineRequest) -> int:
+    """The response's estimated entries (``cost.num_response_entries``), within the limit."""
+    # The prompt logprobs come once per response, not per choice.
+    num_entries = num_response_entries(request, echo=False, num_prompt_logprobs_copies=1)
+    if req.top_logprobs:
+        param = "top_logprobs"
+    elif req.params.prompt_logprobs is not None:
+        param = "prompt_logprobs"
+    else:
+        param = req.max_tokens_param
+    levers = f"n, {req.max_tokens_param}, top_logprobs or prompt_logprobs"
+    check_response_size(num_entries, ctx.settings, param, levers)
+    return num_entries
 
 
 class _ChatWriter:

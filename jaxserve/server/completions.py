@@ -1,6 +1,7 @@
 """``POST /v1/completions``: prompts (text, token ids, or a batch of either) -> text_completion.
 
-Parsed by ``protocol.parse_completion_request``; each prompt becomes one engine request, and
+Parsed by ``protocol.parse_completion_request`` and held to the per-request limits of
+``cost.py`` before anything reaches the engine; each prompt becomes one engine request, and
 choice ``i * n + j`` is sample ``j`` of prompt ``i`` (OpenAI's order). Streams as
 ``text_completion`` chunks; ``echo`` puts the prompt (and, with ``logprobs``, its logprobs)
 before the first chunk of each choice.
@@ -16,22 +17,56 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.server.context import ENGINE_FAILURE, ServingContext, new_id, usage
+from jaxserve.server.context import (
+    ENGINE_FAILURE,
+    OFFLOAD_BYTES,
+    OFFLOAD_ENTRIES,
+    ServingContext,
+    new_id,
+    usage,
+)
+from jaxserve.server.cost import (
+    check_num_seqs,
+    check_num_tokens,
+    check_response_size,
+    num_response_entries,
+)
 from jaxserve.server.errors import internal_error, json_response
+from jaxserve.server.fields import parse_json_object
 from jaxserve.server.generation import EngineRequest, Generation
 from jaxserve.server.logprobs import prompt_logprobs_json
 from jaxserve.server.protocol import CompletionRequest, parse_completion_request
 
 
-async def create_completion(ctx: ServingContext, request: Request, body: dict) -> Response:
-    req = parse_completion_request(body)
-    ctx.check_model(req.model)
+async def create_completion(ctx: ServingContext, request: Request, raw: bytes) -> Response:
     completion_id = new_id("cmpl")
+    req, engine_requests, num_entries = await ctx.offload(
+        len(raw) >= OFFLOAD_BYTES, _prepare, ctx, raw, completion_id
+    )
+    generation = ctx.new_generation(engine_requests, req.priority, req.cache_salt)
+    writer = _CompletionWriter(ctx, req, completion_id)
+    if req.stream:
+        return await ctx.stream(generation, request, writer.events)
+    outputs = await ctx.collect(generation, request)
+    return await ctx.offload(
+        num_entries >= OFFLOAD_ENTRIES,
+        lambda: json_response(writer.response(engine_requests, outputs)),
+    )
+
+
+def _prepare(
+    ctx: ServingContext, raw: bytes, completion_id: str
+) -> tuple[CompletionRequest, list[EngineRequest], int]:
+    """Body -> the request, one engine request per prompt (tokenized, checked, budgeted), and
+    the response's estimated size; pure host work, run off the event loop for large bodies."""
+    req = parse_completion_request(parse_json_object(raw))
+    ctx.check_model(req.model)
+    check_num_seqs(len(req.prompts), req.params, ctx.settings)
     engine_requests = []
     for i, prompt in enumerate(req.prompts):
         text: str | None = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, str):
-            token_ids = await ctx.encode(prompt, req.add_special_tokens)
+            token_ids = ctx.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
         else:
             token_ids = list(prompt)
         params = ctx.check_request(
@@ -40,12 +75,26 @@ async def create_completion(ctx: ServingContext, request: Request, body: dict) -
         if text is None and (req.echo or ctx.keeps_prompt_text):
             text = ctx.tokenizer.decode(token_ids, skip_special_tokens=False)
         engine_requests.append(EngineRequest(f"{completion_id}-{i}", token_ids, params, text))
-    generation = ctx.new_generation(engine_requests, req.priority, req.cache_salt)
-    writer = _CompletionWriter(ctx, req, completion_id)
-    if req.stream:
-        return await ctx.stream(generation, request, writer.events)
-    outputs = await ctx.collect(generation, request)
-    return json_response(writer.response(engine_requests, outputs))
+    check_num_tokens(engine_requests, ctx.settings, "max_tokens")
+    return req, engine_requests, _check_response_size(ctx, req, engine_requests)
+
+
+def _check_response_size(
+    ctx: ServingContext, req: CompletionRequest, requests: list[EngineRequest]
+) -> int:
+    """The response's estimated entries (``cost.num_response_entries``), within the limit."""
+    # Each choice carries its own copy of the echoed prompt and of the prompt logprobs.
+    copies = req.params.n if req.return_prompt_logprobs else 0
+    num_entries = sum(num_response_entries(r, req.echo, copies) for r in requests)
+    if req.params.logprobs:
+        param = "logprobs"
+    elif req.return_prompt_logprobs:
+        param = "prompt_logprobs"
+    else:
+        param = "echo" if req.echo else "max_tokens"
+    levers = "n, max_tokens, logprobs or prompt_logprobs, or turn echo off"
+    check_response_size(num_entries, ctx.settings, param, levers)
+    return num_entries
 
 
 class _CompletionWriter:
@@ -63,6 +112,10 @@ class _CompletionWriter:
             "created": self.created,
             "model": self.ctx.model_name,
         }
+
+    def _echo_entries(self, request: EngineRequest) -> int:
+        """The echoed prompt's share of ``cost.num_response_entries``, for one choice."""
+        return len(request.prompt_token_ids) * (1 + (self.num_top or 0))
 
     def _echo(self, request: EngineRequest, prompt_logprobs: Any) -> tuple[str, Any, int]:
         """The echoed prompt: its text, its logprobs (or None), and the offset after it."""
@@ -150,7 +203,12 @@ class _CompletionWriter:
                 offset = offsets.get(index, 0)
                 if self.req.echo and index not in echoed:
                     echoed.add(index)
-                    prompt_text, logprobs, offset = self._echo(request, prompt_logprobs.get(i))
+                    prompt_text, logprobs, offset = await self.ctx.offload(
+                        self._echo_entries(request) >= OFFLOAD_ENTRIES,
+                        self._echo,
+                        request,
+                        prompt_logprobs.get(i),
+                    )
                     text = prompt_text + text
                 if self.num_top is not None:
                     generated, offset = self.ctx.logprobs.completion(

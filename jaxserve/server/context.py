@@ -3,16 +3,20 @@ ways a generation is driven: collected for a JSON response, or streamed as serve
 
 Built once by ``build_app``; used by ``completions.py``, ``chat.py`` and ``tokenization.py``.
 Both drivers register the generation with ``ServerState`` (so a drain waits for it) and watch
-the client: a disconnect cancels the generation, which aborts it in the engine.
+the client: a disconnect cancels the generation, which aborts it in the engine. A large
+request's host work (parsing, tokenizing, building the response) runs on the one host-work
+thread (``offload``), so the event loop keeps serving everyone else.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from starlette.requests import Request
@@ -34,8 +38,11 @@ from jaxserve.server.settings import ServerSettings
 
 _LOG = logging.getLogger(__name__)
 
-# Texts at least this long are tokenized in a worker thread.
-OFFLOAD_CHARS = 16_384
+# Request bodies at least this large are parsed, tokenized and checked on the host-work thread.
+OFFLOAD_BYTES = 16 * 1024
+# Responses estimated at least this large (tokens and logprobs, ``cost.num_response_entries``)
+# are built and serialized on the host-work thread.
+OFFLOAD_ENTRIES = 16 * 1024
 # The message of a 500 for a request the engine failed (details stay in the server log).
 ENGINE_FAILURE = "The request failed in the engine; other requests are unaffected."
 
@@ -53,6 +60,9 @@ class ServingContext:
             RequestLogger(settings.log_prompts) if settings.enable_log_requests else None
         )
         self.logprobs = LogprobFormatter(self.tokenizer)
+        # NOTE: one thread, as vLLM's tokenizer executor: the event loop then waits for the GIL
+        # behind one busy thread at most, however many large requests arrive together.
+        self.host_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxserve-host")
 
     @property
     def model_name(self) -> str:
@@ -66,13 +76,18 @@ class ServingContext:
     def keeps_prompt_text(self) -> bool:
         return self.request_logger is not None and self.settings.log_prompts
 
-    # -- prompts ---------------------------------------------------------------------------
+    async def offload[T](self, is_large: bool, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``; on the host-work thread when ``is_large``, so a large request's host
+        work (JSON, tokenizing, logprob formatting) does not hold up other requests."""
+        if not is_large:
+            return fn(*args)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.host_executor, functools.partial(fn, *args))
 
-    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Tokenize; long texts off the event loop so other streams keep flowing."""
-        if len(text) < OFFLOAD_CHARS:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+    def close(self) -> None:
+        self.host_executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- prompts ---------------------------------------------------------------------------
 
     def render_chat(
         self,

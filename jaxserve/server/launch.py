@@ -23,6 +23,9 @@ import uvicorn
 from jaxserve.engine_config import DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES, EngineConfig
 from jaxserve.server.settings import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_MAX_RESPONSE_ENTRIES,
+    DEFAULT_MAX_SEQS_PER_REQUEST,
+    DEFAULT_MAX_TOKENS_PER_REQUEST,
     DEFAULT_REQUEST_BODY_TIMEOUT_S,
     DEFAULT_SEND_TIMEOUT_S,
     ServerSettings,
@@ -235,6 +238,27 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens per minute per API key or address, counted as prompt + n * max_tokens "
         "when a request is admitted; default: unlimited",
     )
+    add(
+        "--max-seqs-per-request",
+        type=int,
+        default=DEFAULT_MAX_SEQS_PER_REQUEST,
+        help="sequences one request may start: prompts x n (x best_of when larger); past it: 400",
+    )
+    add(
+        "--max-tokens-per-request",
+        type=human_int,
+        default=DEFAULT_MAX_TOKENS_PER_REQUEST,
+        help="tokens one request may ask for: n (or best_of) x max_tokens, summed over its "
+        "prompts (1M = 1,048,576); past it: 400",
+    )
+    add(
+        "--max-response-entries",
+        type=human_int,
+        default=DEFAULT_MAX_RESPONSE_ENTRIES,
+        help="how large a response one request may ask for, estimated before it runs: each "
+        "token of text (generated or echoed) counts 1, plus 1 per top logprob; the default is "
+        "about 25 MB of JSON; past it: 400",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -273,6 +297,9 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
         send_timeout_s=args.send_timeout,
         rate_limit_rpm=args.rate_limit_rpm,
         rate_limit_tpm=args.rate_limit_tpm,
+        max_seqs_per_request=args.max_seqs_per_request,
+        max_tokens_per_request=args.max_tokens_per_request,
+        max_response_entries=args.max_response_entries,
     )
 
 

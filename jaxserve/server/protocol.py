@@ -16,7 +16,14 @@ from jaxserve.engine import request_checks
 from jaxserve.engine.tokenizer import ALLOWED_TEMPLATE_KWARGS
 from jaxserve.sampling_params import SamplingParams, SamplingParamsError
 from jaxserve.server.errors import APIError, bad_request, unsupported
-from jaxserve.server.fields import boolean, check_fields, integer, json_type, optional
+from jaxserve.server.fields import (
+    MAX_INTEGER_DIGITS,
+    boolean,
+    check_fields,
+    integer,
+    json_type,
+    optional,
+)
 from jaxserve.server.messages import check_chat_extras, parse_messages
 
 MAX_BATCH_PROMPTS = 256  # prompts in one /v1/completions request
@@ -186,8 +193,10 @@ def _sampling_kwargs(body: dict[str, Any]) -> dict[str, Any]:
             raise bad_request("logit_bias must be an object of token id -> bias", "logit_bias")
         converted = {}
         for key, value in bias.items():
-            if not key.isdigit():
-                raise bad_request(f"logit_bias key {key!r} is not a token id", param="logit_bias")
+            # NOTE: str.isdigit also accepts "²" and other digits int() refuses.
+            if not (key.isascii() and key.isdigit() and len(key) <= MAX_INTEGER_DIGITS):
+                shown = repr(key) if len(key) <= 32 else f"{key[:32]!r}... ({len(key)} characters)"
+                raise bad_request(f"logit_bias key {shown} is not a token id", param="logit_bias")
             converted[int(key)] = value
         kwargs["logit_bias"] = converted
     return kwargs

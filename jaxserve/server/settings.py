@@ -12,6 +12,10 @@ DEFAULT_MAX_HEADER_COUNT = 100
 DEFAULT_MAX_HEADER_BYTES = 16 * 1024
 DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
 DEFAULT_SEND_TIMEOUT_S = 30.0
+# Per-request cost limits (cost.py has the reasoning behind each default).
+DEFAULT_MAX_SEQS_PER_REQUEST = 256
+DEFAULT_MAX_TOKENS_PER_REQUEST = 2**20
+DEFAULT_MAX_RESPONSE_ENTRIES = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +37,12 @@ class ServerSettings:
     send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
     rate_limit_rpm: int | None = None  # requests per minute per client; None: unlimited
     rate_limit_tpm: int | None = None  # prompt + n * max_tokens per minute per client
+    # Sequences one request may start: prompts x n (x best_of when larger).
+    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
+    # Tokens one request may ask for: n (or best_of) x max_tokens, summed over its prompts.
+    max_tokens_per_request: int = DEFAULT_MAX_TOKENS_PER_REQUEST
+    # Tokens and logprobs one response may hold (each token 1, plus 1 per top logprob).
+    max_response_entries: int = DEFAULT_MAX_RESPONSE_ENTRIES
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -57,6 +67,10 @@ class ServerSettings:
             raise ValueError(f"request_body_timeout_s={self.request_body_timeout_s} must be > 0")
         if self.send_timeout_s <= 0:
             raise ValueError(f"send_timeout_s={self.send_timeout_s} must be > 0")
+        for name in ("max_seqs_per_request", "max_tokens_per_request", "max_response_entries"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
         for name in ("rate_limit_rpm", "rate_limit_tpm"):
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
