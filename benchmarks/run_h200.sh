@@ -11,7 +11,7 @@
 #   roofline     decode MBU grid through the runner (scenario 1)
 #   cublas       a few roofline cells with XLA's Triton GEMMs off (cuBLAS for every matmul)
 #   reliability  the reliability suite: load scenarios at full scale (JAXSERVE_RELIABILITY_SCALE=full),
-#                schema fuzzing, hostile input and faults
+#                schema fuzzing, faults, and both rounds of hostile input
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
 #   bash benchmarks/run_h200.sh launch:330 throughput:200
 set -uo pipefail
@@ -120,6 +120,7 @@ stage_reliability() {  # carry .whl/rel too: openai, schemathesis and their depe
   PYTHONPATH=/tmp/site-rel:$PYTHONPATH XLA_PYTHON_CLIENT_PREALLOCATE=false \
   JAXSERVE_RELIABILITY_SCALE=full python3 -m pytest -q -p no:cacheprovider -rA \
     tests/test_reliability_load.py tests/test_reliability_fuzz.py tests/test_reliability_faults.py \
+    tests/test_reliability_hostile.py tests/test_reliability_hostile_server.py \
     > "$OUT/reliability.log" 2>&1
   grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^E " "$OUT/reliability.log" | tail -30
 }

@@ -9,6 +9,7 @@ the limit (the server turns them into 400s with ``param`` set). Checks that need
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 MAX_N = 128
@@ -176,6 +177,11 @@ class SamplingParams:
         if self.top_k >= vocab_size:
             return self.replace(top_k=-1)
         return self
+
+    @functools.cached_property
+    def stop_token_id_set(self) -> frozenset[int]:
+        """``stop_token_ids`` for the per-token lookup (up to 1,024 ids, each generated token)."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def is_greedy(self) -> bool:

@@ -159,7 +159,7 @@ def test_abort_frees_blocks_in_the_same_step() -> None:
 
 def test_finish_reasons() -> None:
     core, _ = make_core()
-    core.outputs.eos_token_ids = (20,)
+    core.output_processor.eos_token_ids = (20,)
     core.add_request("eos", [17], SamplingParams(temperature=0, max_tokens=10))
     core.add_request("ignore", [17], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     core.add_request(

@@ -84,7 +84,9 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
         )
-        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, self.eos_token_ids, self.max_model_len
+        )
         for line in self.capacity_lines():
             _LOG.info(line)
         self.num_compiled_shapes = runner.warmup() if config.warmup else 0
@@ -149,7 +151,7 @@ class EngineCore:
             arrival_time=arrival,
             priority=priority,
             cache_salt=cache_salt,
-            group_id=group_id or request_id,
+            group_id=group_id or "",
             metrics=RequestMetrics(arrival_time=arrival),
         )
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -209,7 +211,7 @@ class EngineCore:
         for request in new:
             self.requests[request.request_id] = request
             self._num_sync_requests += request.params.has_penalties
-            self.outputs.add_request(request)
+            self.output_processor.add_request(request)
             for seq in request.seqs:
                 self.scheduler.add(seq)
         outputs = []
@@ -227,7 +229,7 @@ class EngineCore:
                 self.scheduler.finish(seq)
                 seq.drop_pending()
                 seq.finish_reason, seq.stop_reason = reason, error
-        output = self.outputs.make_output(request, request.seqs)
+        output = self.output_processor.make_output(request, request.seqs)
         self._retire(request)
         return output
 
@@ -290,7 +292,7 @@ class EngineCore:
                 0, min(item.start + item.num_new_tokens, seq.num_prompt_tokens) - item.start
             )
             if seq.index == 0 and seq.seq_id in result.prompt_logprobs:
-                self.outputs.add_prompt_logprobs(
+                self.output_processor.add_prompt_logprobs(
                     seq, item.start, result.prompt_logprobs[seq.seq_id]
                 )
             if not item.completes_sequence or seq.is_finished:
@@ -299,7 +301,7 @@ class EngineCore:
                 continue
             self.generation_tokens += 1
             try:
-                self.outputs.process_token(seq, result, i)
+                self.output_processor.process_token(seq, result, i)
             except Exception as exc:  # one bad request must not stop the batch
                 _LOG.exception("request %s failed while processing its output", request.request_id)
                 seq.finish_reason, seq.stop_reason = "error", repr(exc)
@@ -323,7 +325,7 @@ class EngineCore:
                 if not request.is_finished:
                     continue
                 seqs = request.seqs
-            outputs.append(self.outputs.make_output(request, seqs))
+            outputs.append(self.output_processor.make_output(request, seqs))
             if request.is_finished:
                 self._retire(request)
         return outputs
@@ -331,6 +333,6 @@ class EngineCore:
     def _retire(self, request: Request) -> None:
         if self.requests.pop(request.request_id, None) is not None:
             self._num_sync_requests -= request.params.has_penalties
-        self.outputs.free(request)
+        self.output_processor.free(request)
         for seq in request.seqs:
             self.kv.forget_hashes(seq)

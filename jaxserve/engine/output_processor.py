@@ -67,12 +67,11 @@ class OutputProcessor:
             if state.logprobs is not None:
                 state.logprobs.append(self._token_logprobs(token, result, row, params.logprobs))
         num_out = seq.num_resolved_outputs
-        is_stop_token = token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.eos_token_ids
-        )
+        is_stop_id = token in params.stop_token_id_set
+        is_stop_token = is_stop_id or (not params.ignore_eos and token in self.eos_token_ids)
         if is_stop_token and num_out >= params.min_tokens:
             seq.finish_reason = "stop"
-            seq.stop_reason = token if token in params.stop_token_ids else None
+            seq.stop_reason = token if is_stop_id else None
             return  # the stop token's text is not part of the output
         state.text += state.detokenizer.add([token])
         if params.stop and num_out >= params.min_tokens and self._check_stop_strings(seq, state):

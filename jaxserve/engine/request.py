@@ -137,13 +137,17 @@ class Request:
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
-    # Requests submitted together (the prompts of one API call) share one turn of admission.
+    # Requests submitted together (the prompts of one API call) share one turn of admission;
+    # "" means a group of its own.
     group_id: str = ""
     seqs: list[Sequence] = dataclasses.field(default_factory=list)
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
+
+    def __post_init__(self) -> None:
+        self.group_id = self.group_id or self.request_id
 
     @property
     def returns_best_of(self) -> bool:
