@@ -45,6 +45,11 @@ def token_buckets_for(max_num_batched_tokens: int) -> list[int]:
 class _Row:
     index: int  # the row of the persistent tables
     num_synced_blocks: int = 0  # leading block ids already written to its page table
+    # Its logit bias, and the ids min_tokens holds back, as arrays made once: a step copies
+    # them, so the host's cost per step stays small whatever the request asked for.
+    bias_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    bias_values: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.float32))
+    held_stop_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
 
 
 class InputBuilder:
@@ -130,7 +135,13 @@ class InputBuilder:
             wants_logprobs,
             p.temperature > 0,
         )
-        self._rows[seq.seq_id] = _Row(row)
+        state = self._rows[seq.seq_id] = _Row(row)
+        if p.logit_bias:
+            state.bias_ids = np.array([int(t) for t, _ in p.logit_bias], np.int32)
+            state.bias_values = np.array([float(v) for _, v in p.logit_bias], np.float32)
+        if p.min_tokens > 0:  # no stop token may end the sequence early
+            stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+            state.held_stop_ids = np.array(sorted(stop_ids), np.int32)
 
     def _sync(self, seq: StepSequence) -> int:
         """The sequence's row, its page table extended to its current blocks."""
@@ -217,7 +228,7 @@ class InputBuilder:
         min_tokens = self.min_tokens[rows]
         holds_eos = bool(np.any((min_tokens > 0) & (num_out < min_tokens)))
         return SamplerFlags(
-            use_sort=bool(needs[0]),
+            use_sort=bool(needs[0] and needs[4]),  # greedy rows never sort
             adjust_logits=bool(needs[1]) or bool(needs[2]) or holds_eos,
             num_logprobs=NUM_TOP_LOGPROBS if needs[3] else -1,
             all_greedy=not needs[4],
@@ -240,11 +251,12 @@ class InputBuilder:
         host["num_prompt_tokens"] = self.prompt_len[rows]
         if flags.adjust_logits:
             for i, seq in enumerate(seqs):
-                entries = self.bias_entries(seq)
-                if entries:
-                    bias_ids[i, : len(entries)], bias_values[i, : len(entries)] = zip(
-                        *entries, strict=True
-                    )
+                row = self._rows[seq.seq_id]
+                n = len(row.bias_ids)
+                bias_ids[i, :n], bias_values[i, :n] = row.bias_ids, row.bias_values
+                if len(seq.output_token_ids) < seq.params.min_tokens:
+                    m = n + len(row.held_stop_ids)
+                    bias_ids[i, n:m], bias_values[i, n:m] = row.held_stop_ids, -1e9
                 if seq.params.has_penalties:  # its steps are synchronous: no pending token
                     tokens = (seq.prompt_token_ids + seq.output_token_ids)[:length]
                     history[i, : len(tokens)] = tokens
@@ -291,14 +303,3 @@ class InputBuilder:
             next_ids[offset : offset + n] = seq.prompt_token_ids[item.start + 1 : stop + 1]
             spans[seq.seq_id] = (offset, n)
         return next_ids, spans
-
-    def bias_entries(self, seq: StepSequence) -> list[tuple[int, float]]:
-        p = seq.params
-        entries = [(int(t), float(v)) for t, v in p.logit_bias]
-        if len(seq.output_token_ids) < p.min_tokens:
-            # min_tokens: no stop token may end the sequence early.
-            stop_ids = set(p.stop_token_ids)
-            if not p.ignore_eos:
-                stop_ids.update(self.eos_token_ids)
-            entries += [(t, -1e9) for t in sorted(stop_ids)]
-        return entries
