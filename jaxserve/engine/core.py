@@ -23,7 +23,7 @@ from jaxserve.engine.interfaces import EngineStats, Runner
 from jaxserve.engine.kv_cache import KVCacheManager
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.outputs import RequestMetrics, RequestOutput
-from jaxserve.engine.request import Request, SeqStatus, Sequence, derive_seed
+from jaxserve.engine.request import Request, SeqStatus, Sequence, derive_seed, seq_of
 from jaxserve.engine.request_checks import RequestError, check_request
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.tokenizer import Tokenizer, has_tokenizer_files
@@ -243,7 +243,7 @@ class EngineCore:
             return outputs + self._read_in_flight()
         now = time.time()
         for item in sched.scheduled:
-            metrics = item.seq.request.metrics  # type: ignore[attr-defined]
+            metrics = seq_of(item).request.metrics
             if metrics is not None and metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         try:
@@ -259,7 +259,7 @@ class EngineCore:
             return outputs + self._process(sched, result)
         for item in sched.scheduled:
             if item.completes_sequence:  # its token is read back after the next dispatch
-                item.seq.add_pending()  # type: ignore[attr-defined]
+                seq_of(item).add_pending()
         outputs += self._read_in_flight()
         self._in_flight = (sched, step)
         return outputs
@@ -267,7 +267,7 @@ class EngineCore:
     def _fail_new_requests(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """A step whose inputs could not be built: the requests that joined it fail with an
         error and the engine carries on; with no new request to blame, the step loop dies."""
-        blamed = {item.seq.request.request_id for item in sched.scheduled if item.is_new}  # type: ignore[attr-defined]
+        blamed = {seq_of(item).request.request_id for item in sched.scheduled if item.is_new}
         if not blamed:
             raise exc
         self.scheduler.restore_notices(sched)  # the runner may not have seen them
@@ -286,7 +286,7 @@ class EngineCore:
         now = time.time()
         touched: dict[str, list[Sequence]] = {}
         for i, item in enumerate(sched.scheduled):
-            seq: Sequence = item.seq  # type: ignore[assignment]
+            seq = seq_of(item)
             request = seq.request
             self.prompt_tokens += max(
                 0, min(item.start + item.num_new_tokens, seq.num_prompt_tokens) - item.start

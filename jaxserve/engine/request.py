@@ -16,9 +16,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+from typing import cast
 
 from jaxserve.engine.outputs import Logprob, RequestMetrics
-from jaxserve.runner.step import PENDING_TOKEN
+from jaxserve.runner.step import PENDING_TOKEN, ScheduledSeq
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -157,3 +158,8 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+
+def seq_of(item: ScheduledSeq) -> Sequence:
+    """The engine's own ``Sequence`` behind a step's entry (the runner sees a ``StepSequence``)."""
+    return cast(Sequence, item.seq)

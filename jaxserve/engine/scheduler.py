@@ -17,10 +17,8 @@ sequences once the step is dispatched.
 
 from __future__ import annotations
 
-from typing import cast
-
 from jaxserve.engine.kv_cache import KVCacheManager
-from jaxserve.engine.request import SeqStatus, Sequence
+from jaxserve.engine.request import SeqStatus, Sequence, seq_of
 from jaxserve.engine.waiting_queue import WaitingQueue
 from jaxserve.runner.step import ScheduledSeq, SchedulerOutput
 
@@ -188,8 +186,7 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput) -> None:
         """Advance computed-token counts after the runner executed ``output``."""
         for item in output.scheduled:
-            seq = cast(Sequence, item.seq)  # the runner's view of one of ours
-            seq.num_computed_tokens = item.start + item.num_new_tokens
+            seq_of(item).num_computed_tokens = item.start + item.num_new_tokens
 
     def release_parked(self, parent: Sequence) -> None:
         """Sibling samples of ``parent`` share its prompt blocks and join the waiting queue."""
