@@ -50,7 +50,9 @@ MODEL = "tiny"
 IS_FULL_SCALE = os.environ.get("JAXSERVE_RELIABILITY_SCALE", "") == "full"
 NUM_CLIENTS = 1000 if IS_FULL_SCALE else 200
 BODY_LIMIT = 2 * 1024 * 1024  # the default --max-request-body-bytes
-SHUTDOWN_TIMEOUT_S = 1.0
+# Short enough that the SIGTERM test's 240-token streams cannot all finish inside it, whatever
+# the machine: they need at least 2 waves x 240 paced steps of 2 ms.
+SHUTDOWN_TIMEOUT_S = 0.5
 
 
 def rss_bytes(pid: int) -> int:
@@ -65,7 +67,7 @@ def launched(tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("launch") / "server.log"
     # Steps of at least 2 ms (the CPU takes longer anyway): on a fast GPU the SIGTERM test's
-    # 200-token streams would otherwise all finish within the drain, and none be aborted.
+    # 240-token streams would otherwise all finish within the drain, and none be aborted.
     launch, env = paced_launch_command(0.002)
     command = [
         *launch, str(FIXTURE),
@@ -307,7 +309,7 @@ def test_sigterm_during_many_streams_drains(launched):
             "stream": True,
             "ignore_eos": True,
             "temperature": 0,
-            "max_tokens": 200 if i % 2 else 6,
+            "max_tokens": 240 if i % 2 else 6,
         }
         thread = threading.Thread(target=read_stream, args=(url, body, outs[i], started[i]))
         thread.start()
