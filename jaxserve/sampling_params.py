@@ -29,6 +29,31 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's ``structured_outputs``): exactly one
+    of ``json`` (a JSON schema, serialized), ``json_object``, ``regex``, ``choice`` or
+    ``grammar`` (EBNF/GBNF or Lark). ``reasoning_end`` holds token ids that end a reasoning
+    section: when set, the constraint applies only after they have been generated."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    reasoning_end: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        kinds = [self.json is not None, self.json_object, self.regex is not None]
+        kinds += [self.choice is not None, self.grammar is not None]
+        if sum(kinds) != 1:
+            raise SamplingParamsError(
+                "structured_outputs",
+                "structured_outputs must set exactly one of json, json_object, regex, choice "
+                f"or grammar ({sum(kinds)} set)",
+            )
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -59,6 +84,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __init__(self, **kwargs: Any) -> None:
         # Accept lists / dicts / a single stop string, as vLLM's SamplingParams does.
