@@ -10,6 +10,8 @@
 #   hf           offline throughput, Hugging Face generate_batch, 256 x 512/256
 #   roofline     decode MBU grid through the runner (scenario 1)
 #   cublas       a few roofline cells with XLA's Triton GEMMs off (cuBLAS for every matmul)
+#   hostile      the seven findings of hostile input at full scale against a served Llama-3-8B
+#                (benchmarks/hostile_full.py): neighbour latency, memory maps, compiles
 #   reliability  the reliability suite: load scenarios at full scale (JAXSERVE_RELIABILITY_SCALE=full),
 #                schema fuzzing, faults, and both rounds of hostile input
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
@@ -123,6 +125,23 @@ stage_reliability() {  # carry .whl/rel too: openai, schemathesis and their depe
     tests/test_reliability_hostile.py tests/test_reliability_hostile_server.py \
     > "$OUT/reliability.log" 2>&1
   grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^E " "$OUT/reliability.log" | tail -30
+}
+
+stage_hostile() {  # the seven findings of hostile input, round two, at the attacker's scale
+  JAX_LOG_COMPILES=1 python3 -m jaxserve.cli launch $MODEL --load-format dummy $SHAPES \
+    --port 8011 --api-key hostile > "$OUT/hostile_launch.log" 2>&1 &
+  local pid=$!
+  until curl -sf localhost:8011/health >/dev/null; do
+    sleep 0.5
+    kill -0 $pid 2>/dev/null || { tail -5 "$OUT/hostile_launch.log"; return 1; }
+  done
+  python3 benchmarks/hostile_full.py --base-url http://localhost:8011 --api-key hostile \
+    --pid $pid --server-log "$OUT/hostile_launch.log" --output-json "$OUT/hostile.json" \
+    > "$OUT/hostile.log" 2>&1
+  tail -18 "$OUT/hostile.log"
+  kill -0 $pid 2>/dev/null && echo "server alive after the attacks"
+  kill -TERM $pid
+  wait $pid
 }
 
 start=$(date +%s)

@@ -1,0 +1,346 @@
+"""Hostile input at full scale against a running ``jaxserve launch``: the seven findings of
+"hostile input, round two", each sent as the attacker sent it, while a neighbour's ordinary
+request is timed.
+
+For every case it records what the hostile request got (status, seconds, response bytes), the
+neighbour's latency and ``/health``'s while it ran (against the same measured idle), and that the
+server still answers afterwards. With ``--pid`` it counts the server's memory maps (a compile
+storm adds about 87 per sampler variant); with ``--server-log`` of a server started with
+``JAX_LOG_COMPILES=1`` it counts programs compiled while the attack ran (should be none).
+
+    python benchmarks/hostile_full.py --base-url http://localhost:8011 --pid PID \
+        --server-log launch.log --output-json hostile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import random
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+NEIGHBOUR_PROMPT = list(range(1000, 1100))  # 100 prompt tokens, 16 generated
+ID_RANGE = (100, 4000)  # token ids the attacks draw from: inside any vocabulary of 4,096+
+
+
+class Probe:
+    """The neighbour: an ordinary 16-token completion and a /health call, timed in a loop."""
+
+    def __init__(self, client: httpx.Client, model: str) -> None:
+        self.client, self.model = client, model
+
+    def completion_s(self) -> float:
+        body = {"model": self.model, "prompt": NEIGHBOUR_PROMPT, "max_tokens": 16}
+        t0 = time.perf_counter()
+        r = self.client.post("/v1/completions", json=body | {"temperature": 0})
+        assert r.status_code == 200, r.text[:300]
+        return time.perf_counter() - t0
+
+    def health_s(self) -> float:
+        t0 = time.perf_counter()
+        assert self.client.get("/health").status_code == 200
+        return time.perf_counter() - t0
+
+    def idle(self, rounds: int = 5) -> dict[str, float]:
+        self.completion_s()
+        return {
+            "completion_s": statistics.median(self.completion_s() for _ in range(rounds)),
+            "health_s": statistics.median(self.health_s() for _ in range(rounds)),
+        }
+
+    def during(self, attack: Callable[[], Any]) -> dict[str, Any]:
+        """Runs ``attack`` in a thread and probes until it returns (at least one probe)."""
+        done = threading.Event()
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                result["attack"] = attack()
+            except Exception as e:  # recorded, not raised: the report says what happened
+                result["attack"] = {"error": repr(e)[:300]}
+            result["attack_s"] = round(time.perf_counter() - t0, 2)
+            done.set()
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        time.sleep(0.2)  # let the attack reach the server first
+        completions, health = [], []
+        while True:
+            health.append(self.health_s())
+            completions.append(self.completion_s())
+            if done.is_set():
+                break
+        thread.join()
+        return result | {
+            "neighbour_max_s": round(max(completions), 3),
+            "neighbour_median_s": round(statistics.median(completions), 3),
+            "health_max_s": round(max(health), 3),
+            "num_probes": len(completions),
+        }
+
+
+def post(client: httpx.Client, path: str, body: Any, raw: bytes | None = None) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    if raw is not None:
+        r = client.post(path, content=raw, headers={"content-type": "application/json"})
+    else:
+        r = client.post(path, json=body)
+    out: dict[str, Any] = {
+        "status": r.status_code,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "bytes": len(r.content),
+    }
+    if r.status_code != 200:
+        try:
+            error = r.json()["error"]
+            out["param"], out["message"] = error.get("param"), error["message"][:160]
+        except (ValueError, KeyError, TypeError):
+            out["body"] = r.text[:160]
+    return out
+
+
+def stream(client: httpx.Client, path: str, body: Any) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    with client.stream("POST", path, json=body | {"stream": True}) as r:
+        text = r.read().decode(errors="replace")
+    return {
+        "status": r.status_code,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "tail": text[-160:],
+    }
+
+
+def finding_1(client: httpx.Client, model: str) -> list[dict[str, Any]]:
+    cases = []
+    for top_k in (2**31, 2**63, 10**30):
+        for path, body in (
+            ("/v1/completions", {"prompt": NEIGHBOUR_PROMPT}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "<t5> <t6>"}]}),
+        ):
+            body = body | {"model": model, "top_k": top_k, "max_tokens": 8}
+            for is_stream in (False, True):
+                result = stream(client, path, body) if is_stream else post(client, path, body)
+                cases.append({"top_k": str(top_k), "path": path, "stream": is_stream} | result)
+    return cases
+
+
+def many(n: int, fn: Callable[[], dict[str, Any]]) -> list[dict[str, Any]]:
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda _: fn(), range(n)))
+
+
+def random_params(rng: random.Random) -> dict[str, Any]:
+    """One valid-range combination of the sampler's parameters and a prompt length."""
+    body: dict[str, Any] = {
+        "prompt": [rng.randrange(*ID_RANGE) for _ in range(rng.choice((1, 7, 60, 300, 900)))],
+        "max_tokens": rng.choice((1, 4, 16)),
+        "n": rng.choice((1, 1, 2, 5)),
+        "temperature": rng.choice((0.0, 0.3, 1.0, 2.0)),
+        "top_p": rng.choice((1.0, 0.9, 0.01)),
+        "top_k": rng.choice((-1, 1, 5, 50, 1000)),
+        "min_p": rng.choice((0.0, 0.05)),
+        "presence_penalty": rng.choice((0.0, 0.5, -1.0)),
+        "frequency_penalty": rng.choice((0.0, 1.5)),
+        "repetition_penalty": rng.choice((1.0, 1.3, 0.8)),
+        "seed": rng.choice((None, rng.randrange(2**32))),
+        "min_tokens": rng.choice((0, 1)),
+    }
+    if rng.random() < 0.3:
+        body["logprobs"] = rng.choice((0, 1, 5, 20))
+    if rng.random() < 0.2:
+        body["echo"] = True
+        body["max_tokens"] = max(body["max_tokens"], 1)
+    if rng.random() < 0.2:
+        body["logit_bias"] = {str(rng.randrange(*ID_RANGE)): rng.uniform(-100, 100)}
+    if rng.random() < 0.1:
+        body["stop_token_ids"] = [rng.randrange(*ID_RANGE) for _ in range(rng.choice((1, 500)))]
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def map_count(pid: int | None) -> int | None:
+    if pid is None:
+        return None
+    with open(f"/proc/{pid}/maps") as f:
+        return sum(1 for _ in f)
+
+
+def compile_count(log: Path | None) -> int | None:
+    if log is None:
+        return None
+    text = log.read_text(errors="replace")
+    return text.count("Finished XLA compilation") + text.count("Compiling ")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base-url", default="http://localhost:8011")
+    parser.add_argument("--api-key")
+    parser.add_argument("--pid", type=int, help="the server's process id (memory maps)")
+    parser.add_argument("--server-log", type=Path, help="its log, with JAX_LOG_COMPILES=1")
+    parser.add_argument("--num-fuzz", type=int, default=400)
+    parser.add_argument("--only", help="comma-separated case prefixes to run (default: all)")
+    parser.add_argument("--output-json", type=Path)
+    args = parser.parse_args()
+    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    client = httpx.Client(base_url=args.base_url, headers=headers, timeout=600)
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    probe = Probe(client, model)
+    report: dict[str, Any] = {"idle": probe.idle()}
+    long_prompt = [random.Random(0).randrange(*ID_RANGE) for _ in range(1000)]
+
+    def step(name: str, attack: Callable[[], Any]) -> None:
+        if args.only and not name.startswith(tuple(args.only.split(","))):
+            return
+        before = map_count(args.pid), compile_count(args.server_log)
+        report[name] = probe.during(attack)
+        after = map_count(args.pid), compile_count(args.server_log)
+        if args.pid:
+            report[name]["maps_added"] = after[0] - before[0]  # type: ignore[operator]
+        if args.server_log:
+            report[name]["compiles"] = after[1] - before[1]  # type: ignore[operator]
+        report[name]["healthy_after"] = client.get("/health").status_code == 200
+        print(name, json.dumps({k: v for k, v in report[name].items() if k != "attack"}))
+
+    step("1_top_k_past_int32", lambda: finding_1(client, model))
+    step(
+        "2a_256_prompts_n_128",
+        lambda: post(
+            client,
+            "/v1/completions",
+            {"model": model, "prompt": [[7, 8, 9]] * 256, "n": 128, "max_tokens": 8},
+        ),
+    )
+    step(
+        "2b_largest_allowed_request",  # 2 prompts x n=128: 256 sequences x 512 tokens
+        lambda: post(
+            client,
+            "/v1/completions",
+            {
+                "model": model,
+                "prompt": [long_prompt[:200], long_prompt[200:400]],
+                "n": 128,
+                "max_tokens": 512,
+                "ignore_eos": True,
+                "temperature": 1.0,
+            },
+        ),
+    )
+    amplify = {"model": model, "echo": True, "logprobs": 20, "n": 128, "max_tokens": 1}
+    step(
+        "3a_echo_logprobs_n_128_1000_tokens",
+        lambda: post(client, "/v1/completions", amplify | {"prompt": long_prompt}),
+    )
+    step(
+        "3b_same_8_prompts",
+        lambda: post(client, "/v1/completions", amplify | {"prompt": [long_prompt] * 8}),
+    )
+    step(
+        "3c_largest_allowed_echo_logprobs",  # one 1,000-token prompt, logprobs 20, n=1
+        lambda: post(client, "/v1/completions", amplify | {"prompt": long_prompt, "n": 1}),
+    )
+    # Two-digit ids: 600,000 of them make a 1.8 MB body, under the 2 MiB body limit.
+    detok_ids = [random.Random(1).randrange(10, 100) for _ in range(600_000)]
+    step(
+        "4a_8_detokenize_600k_ids",
+        lambda: many(8, lambda: post(client, "/detokenize", {"model": model, "tokens": detok_ids})),
+    )
+    stop_body = {"model": model, "prompt": NEIGHBOUR_PROMPT, "n": 32, "max_tokens": 64}
+    step(
+        "4b_stop_token_ids_600k_n_32",
+        lambda: post(client, "/v1/completions", stop_body | {"stop_token_ids": detok_ids}),
+    )
+    step(
+        "4c_stop_token_ids_1024_n_32",  # the most a request may send
+        lambda: post(
+            client,
+            "/v1/completions",
+            stop_body | {"stop_token_ids": list(range(2000, 3024)), "ignore_eos": True},
+        ),
+    )
+    rng = random.Random(5)
+    combos = [random_params(rng) | {"model": model} for _ in range(args.num_fuzz)]
+
+    def fuzz(bodies: list[dict[str, Any]]) -> dict[str, Any]:
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(lambda b: post(client, "/v1/completions", b), bodies))
+        seconds = sorted(r["seconds"] for r in results)
+        statuses: dict[str, int] = {}
+        for r in results:
+            statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
+        return {
+            "statuses": statuses,
+            "p50_s": seconds[len(seconds) // 2],
+            "max_s": seconds[-1],
+            "errors": [r for r in results if r["status"] != 200][:5],
+        }
+
+    step("5a_fuzz_first_use", lambda: fuzz(combos))
+    # The same parameters again with new prompt tokens (the prefix cache would serve the old).
+    fresh = [c | {"prompt": [rng.randrange(*ID_RANGE) for _ in c["prompt"]]} for c in combos]
+    step("5b_fuzz_repeat", lambda: fuzz(fresh))
+    digits = "9" * 5000
+    raw_cases = {
+        "max_tokens": f'{{"model": "{model}", "prompt": [1, 2], "max_tokens": {digits}}}',
+        "metadata": f'{{"model": "{model}", "prompt": [1, 2], "metadata": {{"a": {digits}}}}}',
+        "logit_bias_superscript": json.dumps(
+            {"model": model, "prompt": [1, 2], "logit_bias": {"\u00b2": 1}}
+        ),
+        "logit_bias_long_key": json.dumps(
+            {"model": model, "prompt": [1, 2], "logit_bias": {digits: 1}}
+        ),
+    }
+    step(
+        "6_unreadable_numbers",
+        lambda: {
+            name: post(client, "/v1/completions", None, raw=body.encode())
+            for name, body in raw_cases.items()
+        },
+    )
+
+    def tiny_top_p() -> dict[str, Any]:
+        base = {"model": model, "prompt": NEIGHBOUR_PROMPT, "max_tokens": 16}
+        greedy = client.post("/v1/completions", json=base | {"temperature": 0}).json()
+        texts = [
+            client.post(
+                "/v1/completions", json=base | {"top_p": 1e-300, "seed": seed, "temperature": 1}
+            ).json()["choices"][0]["text"]
+            for seed in range(6)
+        ]
+        return {
+            "distinct_texts": len(set(texts)),
+            "all_equal_greedy": all(t == greedy["choices"][0]["text"] for t in texts),
+        }
+
+    step("7_top_p_1e-300", tiny_top_p)
+    if args.output_json:
+        args.output_json.write_text(json.dumps(report, indent=1))
+    idle = report["idle"]
+    print(
+        f"\nidle neighbour {idle['completion_s'] * 1e3:.0f} ms, "
+        f"/health {idle['health_s'] * 1e3:.1f} ms"
+    )
+    print(
+        f"{'case':38} {'attack s':>8} {'neigh med':>9} {'neigh max':>9} "
+        f"{'health max':>10} {'maps+':>5} {'comp':>4} ok"
+    )
+    for name, r in report.items():
+        if name == "idle":
+            continue
+        print(
+            f"{name:38} {r['attack_s']:8.2f} {r['neighbour_median_s']:9.3f} "
+            f"{r['neighbour_max_s']:9.3f} {r['health_max_s']:10.3f} "
+            f"{r.get('maps_added', '-')!s:>5} {r.get('compiles', '-')!s:>4} {r['healthy_after']}"
+        )
+
+
+if __name__ == "__main__":
+    main()
