@@ -194,3 +194,41 @@ def test_a_neighbour_keeps_its_latency_while_a_large_request_fills_the_batch(ser
     # 240 tokens to finish. The floor keeps a loaded 2-core CI machine from failing it.
     assert loaded <= max(2 * idle, idle + 0.5), f"idle {idle:.3f} s, loaded {loaded:.3f} s"
     assert_still_serving(http)
+
+
+# -- found at full scale on the H200: prompt logprobs of a long step ran out of memory -----------
+
+
+class OutOfDeviceMemory:
+    """Stands for a device array whose program failed: reading it raises, as XLA's does."""
+
+    def __array__(self, dtype=None, copy=None):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory (fake)")
+
+
+def test_a_step_whose_prompt_logprobs_fail_fails_only_their_request(server, http) -> None:
+    runner = server.engine.core.runner
+    real = runner.prompt_logprobs
+    runner.prompt_logprobs = lambda hidden, next_ids: (OutOfDeviceMemory(),) * 4
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            plain = pool.submit(
+                http.post,
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "the sea", "max_tokens": 24, "temperature": 0},
+            )
+            echo = http.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "the river bank", "max_tokens": 2,
+                      "echo": True, "logprobs": 5},
+            )  # fmt: skip
+            assert echo.status_code == 500, echo.text
+            assert plain.result().status_code == 200, plain.result().text
+    finally:
+        runner.prompt_logprobs = real
+    assert_still_serving(http)
+    lp = http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "the river", "max_tokens": 1, "echo": True, "logprobs": 1},
+    )
+    assert lp.status_code == 200 and lp.json()["choices"][0]["logprobs"]["token_logprobs"][1] < 0

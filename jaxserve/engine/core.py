@@ -285,6 +285,13 @@ class EngineCore:
     def _process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         now = time.time()
         touched: dict[str, list[Sequence]] = {}
+        outputs = []
+        for item in sched.scheduled:  # their part of the step failed: they fail, alone
+            error = result.failed.get(item.seq.seq_id)
+            request = seq_of(item).request
+            if error is not None and request.request_id in self.requests:
+                _LOG.error("request %s failed on the device: %s", request.request_id, error)
+                outputs.append(self._end_request(request, "error", error))
         for i, item in enumerate(sched.scheduled):
             seq = seq_of(item)
             request = seq.request
@@ -315,7 +322,6 @@ class EngineCore:
                 metrics.first_token_time = metrics.first_token_time or now
                 metrics.last_token_time = now
             touched.setdefault(request.request_id, []).append(seq)
-        outputs = []
         for request_id, seqs in touched.items():
             touched_request = self.requests.get(request_id)
             if touched_request is None:  # aborted while this step was on the device

@@ -12,6 +12,7 @@ import dataclasses
 from jaxserve.config import ModelConfig
 from jaxserve.models.batch import kv_bytes_per_token
 from jaxserve.models.families import num_params
+from jaxserve.runner.sampling import PROMPT_LOGPROBS_CHUNK
 
 GiB = 1024**3
 # The CPU backend reports no memory: its KV budget is a fraction of this (or of
@@ -112,7 +113,10 @@ def activation_bytes(
     """A conservative estimate of the largest step's temporary buffers, plus a slack for
     the compiler's workspace (512 MiB, or 1/16 of a small device)."""
     per_token = (4 * config.intermediate_size + 6 * config.hidden_size) * dtype_bytes
-    sampler = max_num_seqs * config.vocab_size * 4 * 6  # logits, scaled, noise, sort, ...
+    # The sampler's rows, or a chunk of prompt logprobs when that is larger: f32 logits,
+    # scaled, noise, sort, ... (a 256-row chunk measured 3 GiB per 2,048 rows of a 128k vocab).
+    rows = max(max_num_seqs, min(PROMPT_LOGPROBS_CHUNK, max_num_batched_tokens))
+    sampler = rows * config.vocab_size * 4 * 6
     slack = min(512 * 1024**2, device_memory_bytes // 16)
     return max_num_batched_tokens * per_token + sampler + slack
 

@@ -16,7 +16,13 @@ from jaxserve.config import ModelConfig
 from jaxserve.models import llama
 from jaxserve.models.batch import Batch, KVCache
 from jaxserve.runner import sampling
-from jaxserve.runner.sampling import NUM_TOP_LOGPROBS, SamplerFlags, SamplerOutput, SamplingInputs
+from jaxserve.runner.sampling import (
+    NUM_TOP_LOGPROBS,
+    PROMPT_LOGPROBS_CHUNK,
+    SamplerFlags,
+    SamplerOutput,
+    SamplingInputs,
+)
 
 
 def model_step(
@@ -82,7 +88,31 @@ def feed_pending(
 
 
 def prompt_logprobs_step(
-    head: jax.Array, hidden: jax.Array, next_ids: jax.Array, *, tied: bool
+    head: jax.Array,
+    hidden: jax.Array,  # [T, D]  every position of the step
+    next_ids: jax.Array,  # i32[T]  the token that follows each position
+    *,
+    tied: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    logits = llama.compute_logits(_head_weights(head, tied), hidden)
-    return sampling.prompt_logprobs(logits, next_ids, NUM_TOP_LOGPROBS)
+    """Prompt logprobs of every position, ``PROMPT_LOGPROBS_CHUNK`` rows at a time."""
+    # NOTE: one pass over a 2,048-token step with a 128k vocabulary needs 2.9 GiB of logits
+    # and their log-softmax, more than the activation headroom the KV cache leaves; in
+    # chunks the peak is that of the sampler's rows, which capacity.activation_bytes reserves.
+    num_tokens = hidden.shape[0]
+    chunk = min(num_tokens, PROMPT_LOGPROBS_CHUNK)
+    num_chunks = -(-num_tokens // chunk)
+    padding = num_chunks * chunk - num_tokens
+    hidden = jnp.pad(hidden, ((0, padding), (0, 0))).reshape(num_chunks, chunk, -1)
+    next_ids = jnp.pad(next_ids, (0, padding)).reshape(num_chunks, chunk)
+
+    def one_chunk(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+        logits = llama.compute_logits(_head_weights(head, tied), args[0])  # f32[C, V]
+        return sampling.prompt_logprobs(logits, args[1], NUM_TOP_LOGPROBS)
+
+    chosen, ranks, top_ids, top_lp = jax.lax.map(one_chunk, (hidden, next_ids))
+    return (
+        chosen.reshape(-1)[:num_tokens],
+        ranks.reshape(-1)[:num_tokens],
+        top_ids.reshape(num_chunks * chunk, -1)[:num_tokens],
+        top_lp.reshape(num_chunks * chunk, -1)[:num_tokens],
+    )

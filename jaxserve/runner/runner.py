@@ -294,7 +294,11 @@ class ModelRunner:
             result.top_ids = np.asarray(out.top_ids)[:num]
             result.top_logprobs = np.asarray(out.top_logprobs)[:num]
         if step.prompt_out is not None:
-            lp, ranks, top_ids, top_lp = (np.asarray(a) for a in step.prompt_out)
+            try:
+                lp, ranks, top_ids, top_lp = (np.asarray(a) for a in step.prompt_out)
+            except jax.errors.JaxRuntimeError as exc:  # out of device memory, say
+                result.failed = dict.fromkeys(step.spans, f"prompt logprobs failed: {exc}")
+                return result
             result.prompt_logprobs = {
                 sid: (lp[o : o + n], ranks[o : o + n], top_ids[o : o + n], top_lp[o : o + n])
                 for sid, (o, n) in step.spans.items()

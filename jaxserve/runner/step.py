@@ -89,3 +89,6 @@ class RunnerOutput:
     top_logprobs: np.ndarray | None = None  # f32[S, K]
     # seq_id -> (logprob[n], rank[n], top_ids[n, K], top_lp[n, K]) for the chunk's next tokens
     prompt_logprobs: dict[str, tuple[np.ndarray, ...]] = dataclasses.field(default_factory=dict)
+    # seq_id -> error, for sequences whose part of the step failed on the device (their prompt
+    # logprobs ran out of memory, say): their requests fail, the rest of the batch carries on
+    failed: dict[str, str] = dataclasses.field(default_factory=dict)
