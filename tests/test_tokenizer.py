@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from jaxserve.engine.tokenizer import IncrementalDetokenizer, TemplateError, Tokenizer
+from jaxserve.engine_config import default_model_dir
 from tests.conftest import fixture_dir
 
 TEXT = "naïve café 日本語 🙂 def foo(x):\n    return x + 1"
@@ -52,3 +56,40 @@ def test_dummy_tokenizer_round_trips_every_id() -> None:
     assert tok.encode("<t5> <t999>", add_special_tokens=False) == [5, 999]
     detok = tok.detokenizer([5])
     assert detok.add([7, 999]).split() == ["<t7>", "<t999>"]
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2", "demo"])
+@pytest.mark.parametrize("skip_special_tokens", [False, True])
+def test_decode_agrees_with_transformers(model, skip_special_tokens) -> None:
+    tokenizer = Tokenizer(default_model_dir() if model == "demo" else fixture_dir(model))
+    ids = tokenizer.encode(TEXT, add_special_tokens=True) + list(range(0, 300, 7))
+    expected = tokenizer._hf.decode(ids, skip_special_tokens=skip_special_tokens)
+    assert tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) == expected
+
+
+def test_a_long_decode_lets_other_threads_run(tok: Tokenizer) -> None:
+    """/detokenize of 600,000 ids must not hold the event loop and the step loop: the decode
+    releases the GIL, so a thread that ticks every millisecond keeps ticking through it."""
+    ids = list(range(10, 100)) * 20_000  # 1.8 million ids
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.05)
+    start = time.perf_counter()
+    tok.decode(ids, skip_special_tokens=False)
+    seconds = time.perf_counter() - start
+    done.set()
+    ticker.join()
+    assert max(gaps) < 0.5 * seconds, (
+        f"a {seconds:.3f} s decode stopped the ticker {max(gaps):.3f} s"
+    )
