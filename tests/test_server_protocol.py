@@ -68,6 +68,21 @@ def test_chat_logprobs_and_renamed_params():
     )
 
 
+def test_a_renamed_field_is_named_as_sent_in_the_message():
+    base = {"messages": [{"role": "user", "content": "x"}]}
+    negative = error_of(parse_chat_request, {**base, "max_completion_tokens": -1})
+    assert negative.param == "max_completion_tokens"
+    assert "max_completion_tokens=-1 must be a positive integer" in negative.message
+    assert "max_tokens" not in negative.message.replace("max_completion_tokens", "")
+    below_min = error_of(parse_chat_request, {**base, "max_completion_tokens": 2, "min_tokens": 3})
+    assert below_min.param == "min_tokens"
+    assert "must not exceed max_completion_tokens=2" in below_min.message
+    over = {**base, "logprobs": True, "top_logprobs": MAX_LOGPROBS + 1}
+    assert f"top_logprobs={MAX_LOGPROBS + 1}" in error_of(parse_chat_request, over).message
+    plain = error_of(parse_chat_request, {**base, "max_tokens": -1})
+    assert plain.param == "max_tokens" and "max_tokens=-1" in plain.message
+
+
 def test_messages_are_flattened_for_the_template():
     messages = parse_messages(
         [

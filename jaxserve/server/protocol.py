@@ -10,6 +10,7 @@ are a 400 naming the field, as OpenAI's API does.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from jaxserve.engine import request_checks
@@ -203,12 +204,17 @@ def _sampling_kwargs(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def make_params(kwargs: dict[str, Any], renames: dict[str, str] | None = None) -> SamplingParams:
-    """SamplingParams(**kwargs) with its error turned into a 400 naming the request field."""
+    """SamplingParams(**kwargs) with its error turned into a 400 naming the request field, in
+    the request's words (``renames``: SamplingParams field -> the request's name for it)."""
     try:
         return SamplingParams(**kwargs)
     except SamplingParamsError as exc:
-        param = (renames or {}).get(exc.param, exc.param)
-        raise bad_request(str(exc), param=param) from None
+        renames = renames or {}
+        message = str(exc)
+        if renames:
+            fields = re.compile(r"\b(%s)\b" % "|".join(map(re.escape, renames)))
+            message = fields.sub(lambda m: renames[m.group(1)], message)
+        raise bad_request(message, param=renames.get(exc.param, exc.param)) from None
 
 
 def _priority(body: dict[str, Any]) -> int:
