@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import select
 import socket
@@ -158,7 +159,7 @@ def test_help_documents_the_new_flags(capsys):
     assert settings.rate_limit_rpm == 60 and settings.rate_limit_tpm == 10_000
 
 
-def test_slow_reader_is_cut_off_and_its_request_aborted(engine):
+def test_slow_reader_is_cut_off_and_its_request_aborted(engine, caplog):
     num_aborted = engine.core.stats.num_aborted
     # About 1.5 MB of events (20 top logprobs each, 8 samples) and small socket buffers on both
     # ends (64 KiB: smaller ones make loopback TCP crawl), so the server's writes block as soon
@@ -183,6 +184,9 @@ def test_slow_reader_is_cut_off_and_its_request_aborted(engine):
         assert b"data: [DONE]" not in received  # cut, not finished
         # What the server still held for it: the kernel buffers plus uvicorn's 64 KiB.
         assert len(received) < 512 * 1024
+        # One warning from the server; a deliberate cut is no error of uvicorn's.
+        assert "read nothing for 0.5s; ending the response" in caplog.text
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
         # A client that keeps reading is not cut, though the stream lasts longer than the
         # timeout: the timeout is per write, not per response.
         steady = completion(max_tokens=150, logprobs=20, stream=True)

@@ -16,6 +16,7 @@ engine and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -25,6 +26,20 @@ from jaxserve.server.errors import APIError
 _LOG = logging.getLogger(__name__)
 CLOSE = {"Connection": "close"}
 DISCONNECT: Message = {"type": "http.disconnect"}
+# Set in the connection's task once SendTimeoutMiddleware has ended its response on purpose.
+_IS_CUT = contextvars.ContextVar("jaxserve_response_cut", default=False)
+_UNFINISHED = "ASGI callable returned without completing response"
+
+
+class _CutIsNotAnError(logging.Filter):
+    """Drops uvicorn's ERROR about a response the app left unfinished when the send timeout
+    ended it on purpose (the middleware's own warning says so); any other stays an error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_IS_CUT.get() and record.getMessage().startswith(_UNFINISHED))
+
+
+_CUT_FILTER = _CutIsNotAnError()
 
 
 def body_too_large(limit: int) -> APIError:
@@ -127,6 +142,7 @@ class SendTimeoutMiddleware:
     def __init__(self, app: ASGIApp, send_timeout_s: float) -> None:
         self.app = app
         self.send_timeout_s = send_timeout_s
+        logging.getLogger("uvicorn.error").addFilter(_CUT_FILTER)  # once: the same object
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -165,3 +181,7 @@ class SendTimeoutMiddleware:
             return DISCONNECT
 
         await self.app(scope, receive_or_gone, timed_send)
+        # NOTE: here, not in timed_send, which may run in a task of the response's own: this
+        # is the connection's task, where uvicorn logs once the app has returned.
+        if gone.is_set():
+            _IS_CUT.set(True)
