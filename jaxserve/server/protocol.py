@@ -212,7 +212,8 @@ def make_params(kwargs: dict[str, Any], renames: dict[str, str] | None = None) -
         renames = renames or {}
         message = str(exc)
         if renames:
-            fields = re.compile(r"\b(%s)\b" % "|".join(map(re.escape, renames)))
+            names = "|".join(map(re.escape, renames))
+            fields = re.compile(rf"\b({names})\b")
             message = fields.sub(lambda m: renames[m.group(1)], message)
         raise bad_request(message, param=renames.get(exc.param, exc.param)) from None
 
