@@ -17,6 +17,15 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
+def weight_dtype(dtype: str, on_cpu: bool) -> str:
+    """The dtype ``--dtype`` means on a device: ``auto`` is bfloat16 on accelerators and
+    float32 on the CPU (exact parity with the reference there). ``launch`` and ``capacity``
+    both ask this, so they plan with the same weight bytes."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if on_cpu else "bfloat16"
+
+
 def default_model_dir() -> Path:
     """The model served when none is named: the demo model shipped inside the package."""
     return Path(__file__).resolve().parent / "assets" / "demo"

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 
 import pytest
 
 import jaxserve
 from jaxserve.bench.capacity import add_capacity_arguments, parse_memory, run_capacity
 from jaxserve.config import builtin_config_dir
-from tests.conftest import fixture_dir
+from tests.conftest import fixture_dir, free_port, wait_for
 
 GiB = 1024**3
 
@@ -37,7 +39,7 @@ def test_llama3_8b_on_h200_by_hand(capsys) -> None:
     weights = 8_030_261_248 * 2  # parameters x bf16
     kv_per_token = 2 * 32 * 8 * 128 * 2  # K and V x layers x kv heads x head_dim x bf16
     activations = 2048 * (4 * 14336 + 6 * 4096) * 2 + 256 * 128256 * 24 + 512 * 1024**2
-    budget = int(141e9 * 0.9) - weights - activations
+    budget = int(150_109_945_856 * 0.9) - weights - activations  # what an H200 reports
     assert out["weight_bytes"] == weights
     assert out["kv_bytes_per_token"] == kv_per_token == 131072
     assert out["num_blocks"] == budget // (16 * kv_per_token)
@@ -112,6 +114,76 @@ def test_too_long_context_is_a_clear_error(capsys) -> None:
 def test_parse_memory() -> None:
     assert parse_memory("141GB") == 141 * 10**9
     assert parse_memory("16GiB") == 16 * GiB
-    assert parse_memory("h200") == 141 * 10**9
-    with pytest.raises(argparse.ArgumentTypeError):
+    assert parse_memory("16G") == 16 * GiB  # the k/K rule of every count
+    assert parse_memory("h200") == 150_109_945_856
+    with pytest.raises(argparse.ArgumentTypeError, match="H200"):
         parse_memory("lots")
+
+
+def test_the_h200_preset_plans_what_launch_logged_on_an_h200(capsys) -> None:
+    # benchmarks/RESULTS.md: every start of the launch stage (dummy Llama-3-8B, 4,096 context,
+    # 2,048 batched tokens, utilization 0.9) logged these lines on the H200.
+    parser = argparse.ArgumentParser()
+    add_capacity_arguments(parser)
+    argv = [str(builtin_config_dir("llama-3-8b")), "--device-memory", "H200"]
+    args = parser.parse_args([*argv, "--max-model-len", "4096"])
+    assert run_capacity(args) == 0
+    out = capsys.readouterr().out
+    assert "KV cache size: 895,520 tokens" in out
+    assert "Maximum concurrency for 4,096 tokens per request: 218.63x" in out
+    assert "Model weights take 14.96 GiB" in out and "KV cache memory: 109.32 GiB" in out
+    assert "8.03B parameters, bfloat16 weights" in out
+
+
+def test_without_an_accelerator_capacity_says_so_and_names_the_fix(capsys) -> None:
+    parser = argparse.ArgumentParser()
+    add_capacity_arguments(parser)
+    assert run_capacity(parser.parse_args([str(builtin_config_dir("llama-3-8b"))])) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: no accelerator found (JAX sees only the CPU)")
+    assert "--device-memory H200 (or any size, such as 80GB)" in err
+    # A model that fits is planned as launch would run it here, with the same note.
+    assert run_capacity(parser.parse_args([])) == 0
+    captured = capsys.readouterr()
+    assert "No accelerator found" in captured.err and "--device-memory H200" in captured.err
+    assert "4.20M parameters, float32 weights" in captured.out  # the demo model
+
+
+def test_capacity_uses_the_dtype_launch_would(capsys) -> None:
+    on_cpu = capacity(capsys)  # the demo model, this machine (a CPU)
+    on_device = capacity(capsys, "--device-memory", "2GiB")  # an accelerator of that size
+    assert (on_cpu["dtype"], on_device["dtype"]) == ("float32", "bfloat16")
+    assert not on_cpu["accelerator"] and on_device["accelerator"]
+    assert on_cpu["weight_bytes"] == 2 * on_device["weight_bytes"]
+    assert capacity(capsys, "--dtype", "bfloat16")["dtype"] == "bfloat16"
+
+
+def test_capacity_agrees_with_launch_log_lines(tmp_path, capsys) -> None:
+    """The demo model with default flags on this CPU: the lines `jaxserve capacity` prints
+    are the lines `jaxserve launch` logs (same dtype, memory and defaults)."""
+    port = free_port()
+    log_path = tmp_path / "launch.log"
+    command = [sys.executable, "-m", "jaxserve.cli", "launch", "--host", "127.0.0.1",
+               "--port", str(port), "--compilation-cache-dir", str(tmp_path / "xla")]  # fmt: skip
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:  # the capacity lines come before compiling: no need to wait for more
+        wait_for(
+            lambda: "Maximum concurrency" in log_path.read_text() or process.poll() is not None,
+            120,
+            "the capacity lines",
+        )
+    finally:
+        process.kill()
+        process.wait(10)
+    launch_log = log_path.read_text()
+    parser = argparse.ArgumentParser()
+    add_capacity_arguments(parser)
+    assert run_capacity(parser.parse_args([])) == 0
+    lines = capsys.readouterr().out.splitlines()
+    planned = [
+        line for line in lines if line.startswith(("Model weights", "Available", "KV", "Max"))
+    ]
+    assert len(planned) == 4
+    for line in planned:
+        assert line in launch_log, (line, launch_log)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import threading
 import time
@@ -184,3 +185,16 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
     shutdown_log = log_path.read_text()
     assert "Shutdown timeout reached: aborting 1 requests" in shutdown_log
     assert "quokka" not in shutdown_log  # no prompt text in the logs by default
+
+
+@pytest.mark.parametrize("command", ["launch", "capacity"])
+def test_every_flag_has_help_that_states_its_default_once(command):
+    parser = build_parser([command])
+    (subcommands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    sub = subcommands.choices[command]
+    assert all(action.help for action in sub._actions), [
+        action.option_strings for action in sub._actions if not action.help
+    ]
+    entries = re.split(r"\n  (?=-)", sub.format_help())
+    for entry in entries[1:]:
+        assert entry.count("default:") <= 1, entry

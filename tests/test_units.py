@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve.bench.capacity import add_capacity_arguments
 from jaxserve.bench.throughput import add_throughput_arguments
-from jaxserve.units import human_int
+from jaxserve.units import human_bytes, human_count, human_int
 
 
 @pytest.mark.parametrize(
@@ -51,3 +51,52 @@ def test_a_bad_count_names_the_flag_and_the_value(capsys) -> None:
     with pytest.raises(SystemExit):
         parser.parse_args(["--max-model-len", "8x"])
     assert "argument --max-model-len: '8x' is not a number like 8192" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("141GB", 141 * 10**9),
+        ("80 GiB", 80 * 1024**3),
+        ("512mib", 512 * 1024**2),
+        ("1.5TB", 1_500 * 10**9),
+        ("2M", 2 * 1024**2),  # human_int's forms: uppercase binary
+        ("2m", 2 * 10**6),
+        ("2097152", 2097152),
+    ],
+)
+def test_human_bytes(text: str, value: int) -> None:
+    assert human_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["lots", "GB", "1.5", "1.0000000001kB", "-1GB"])
+def test_human_bytes_rejects(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(text))):
+        human_bytes(text)
+
+
+@pytest.mark.parametrize(
+    ("count", "text"),
+    [(8_030_261_248, "8.03B"), (4_196_352, "4.20M"), (48_100, "48.10K"), (900, "900")],
+)
+def test_human_count_shows_small_models_in_m_or_k(count: int, text: str) -> None:
+    assert human_count(count) == text
+
+
+def test_launch_and_capacity_read_max_model_len_alike() -> None:
+    from jaxserve.cli import build_parser
+
+    for text, value in (("8k", 8000), ("128k", 128_000), ("128K", 131_072), ("1.5k", 1500)):
+        for command in ("launch", "capacity"):
+            argv = [command, "--max-model-len", text]
+            assert build_parser(argv).parse_args(argv).max_model_len == value, (command, text)
+
+
+def test_help_states_the_k_rule(capsys) -> None:
+    from jaxserve.cli import main
+
+    for command in ("launch", "capacity"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "lowercase k is 1,000 and uppercase K is 1,024" in text, command

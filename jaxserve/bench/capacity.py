@@ -8,14 +8,16 @@ function (``jaxserve.runner.capacity.plan_capacity``), for the current device or
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import re
+import os
 import sys
 
 from jaxserve.config import ModelConfig
-from jaxserve.engine_config import default_model_dir
+from jaxserve.engine_config import DTYPES, EngineConfig, default_model_dir, weight_dtype
 from jaxserve.models.families import num_params
 from jaxserve.runner.capacity import (
+    CPU_DEVICE_MEMORY_BYTES,
     DEVICE_MEMORY_BYTES,
     CapacityError,
     GiB,
@@ -23,7 +25,7 @@ from jaxserve.runner.capacity import (
     plan_capacity,
 )
 from jaxserve.runner.input_builder import next_power_of_2, token_buckets_for
-from jaxserve.units import human_int
+from jaxserve.units import COUNT_RULE, human_bytes, human_count, human_int
 
 KV_DTYPE_BYTES = {
     "auto": None,
@@ -34,81 +36,94 @@ KV_DTYPE_BYTES = {
     "fp8_e4m3": 1,
     "fp8_e5m2": 1,
 }
-DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}
-_SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "k": 10**3,
-    "m": 10**6,
-    "g": 10**9,
-    "t": 10**12,
-    "ki": 2**10,
-    "mi": 2**20,
-    "gi": 2**30,
-    "ti": 2**40,
-}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Flag defaults are EngineConfig's, as in `jaxserve launch`, so the two plan alike.
+_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
 def parse_memory(text: str) -> int:
-    """'141GB', '80 GiB', 'H200', '17179869184' -> bytes."""
+    """'H200', '141GB', '80 GiB', '16G', '17179869184' -> bytes."""
     for name, size in DEVICE_MEMORY_BYTES.items():
         if text.strip().lower() == name.lower():
             return size
-    match = _SIZE.match(text)
-    if not match:
+    try:
+        return human_bytes(text)
+    except argparse.ArgumentTypeError:
         names = ", ".join(DEVICE_MEMORY_BYTES)
         raise argparse.ArgumentTypeError(
-            f"--device-memory {text!r}: give a size like 141GB / 80GiB or a device: {names}"
-        )
-    unit = (match.group(2) or "").lower().rstrip("b")
-    return int(float(match.group(1)) * _UNITS[unit])
+            f"{text!r}: give a size like 141GB / 80GiB or a device: {names}"
+        ) from None
 
 
 def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    add = parser.add_argument
+    add(
         "model",
         nargs="?",
         default=None,
         help="model directory with config.json (default: the demo model)",
     )
-    parser.add_argument(
+    add(
         "--max-model-len",
         type=human_int,
         default=None,
-        help="context per request (8192, 8k = 8000, 8K = 8192; default: the model's maximum)",
+        help=f"context per request ({COUNT_RULE}: lowercase k is 1,000 and uppercase K is "
+        "1,024, as in vLLM); default: the model's maximum",
     )
-    parser.add_argument(
-        "--memory-utilization",
+    add(
         "--gpu-memory-utilization",
+        "--memory-utilization",
         type=float,
-        default=0.9,
+        default=_ENGINE_DEFAULTS["gpu_memory_utilization"],
         dest="memory_utilization",
-        help="fraction of device memory jaxserve may use",
+        metavar="FRACTION",
+        help="fraction of device memory for weights + KV cache",
     )
-    parser.add_argument(
+    add(
         "--device-memory",
         type=parse_memory,
         default=None,
-        help="device memory as a size (141GB) or a device name "
+        help="device memory as a size (141GB, 80GiB) or a device "
         f"({', '.join(DEVICE_MEMORY_BYTES)}); default: the current device",
     )
-    parser.add_argument(
+    add(
         "--dtype",
-        default="auto",
-        choices=sorted(DTYPE_BYTES),
-        help="weight dtype (auto = bfloat16)",
+        default=_ENGINE_DEFAULTS["dtype"],
+        choices=DTYPES,
+        help="weight dtype; auto is what launch uses: bfloat16 on accelerators, float32 on the CPU",
     )
-    parser.add_argument(
+    add(
         "--kv-cache-dtype",
         default="auto",
         choices=sorted(KV_DTYPE_BYTES),
         help="KV cache dtype (auto = the weight dtype)",
     )
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=human_int, default=2048)
-    parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    add(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=_ENGINE_DEFAULTS["tensor_parallel_size"],
+        help="devices per model replica: each holds 1/N of the weights and KV heads",
+    )
+    add(
+        "--block-size",
+        type=int,
+        default=_ENGINE_DEFAULTS["block_size"],
+        help="tokens per KV-cache block",
+    )
+    add(
+        "--max-num-seqs",
+        type=int,
+        default=_ENGINE_DEFAULTS["max_num_seqs"],
+        help="sequences in one batch at most (sizes the sampler's share of the headroom)",
+    )
+    add(
+        "--max-num-batched-tokens",
+        type=human_int,
+        default=_ENGINE_DEFAULTS["max_num_batched_tokens"],
+        help="tokens in one step at most (sizes the activation headroom)",
+    )
+    add("--json", action="store_true", help="print the numbers as JSON")
 
 
 def run_capacity(args: argparse.Namespace) -> int:
@@ -119,14 +134,22 @@ def run_capacity(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     max_model_len = args.max_model_len or config.max_position_embeddings
-    memory = args.device_memory if args.device_memory is not None else detect_device_memory()
+    if args.device_memory is not None:
+        memory, on_cpu = args.device_memory, False  # a device of that size
+    else:
+        # Reading the device's size must not take its memory (a server may be running on it).
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        import jax
+
+        memory, on_cpu = detect_device_memory(), jax.default_backend() == "cpu"
+    dtype = weight_dtype(args.dtype, on_cpu)
     try:
         cap = plan_capacity(
             config,
             max_model_len=max_model_len,
             device_memory_bytes=memory,
             memory_utilization=args.memory_utilization,
-            dtype_bytes=DTYPE_BYTES[args.dtype],
+            dtype_bytes=DTYPE_BYTES[dtype],
             kv_dtype_bytes=KV_DTYPE_BYTES[args.kv_cache_dtype],
             block_size=args.block_size,
             tensor_parallel_size=args.tensor_parallel_size,
@@ -134,15 +157,31 @@ def run_capacity(args: argparse.Namespace) -> int:
             max_num_seqs=next_power_of_2(args.max_num_seqs),
         )
     except CapacityError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if on_cpu:
+            print(
+                "error: no accelerator found (JAX sees only the CPU). To plan for a device, "
+                f"pass --device-memory H200 (or any size, such as 80GB). On the CPU: {exc}",
+                file=sys.stderr,
+            )
+        else:
+            print(f"error: {exc}", file=sys.stderr)
         return 1
+    if on_cpu:
+        print(
+            "No accelerator found: JAX sees only the CPU, so this plans as `jaxserve launch` "
+            f"would run here ({CPU_DEVICE_MEMORY_BYTES / GiB:.2f} GiB, {dtype} weights). To plan "
+            "for a device, pass --device-memory H200 (or a size such as 80GB).",
+            file=sys.stderr,
+        )
     if args.json:
         print(
             json.dumps(
                 {
                     "model": model_dir,
                     "device_memory_bytes": memory,
+                    "accelerator": not on_cpu,
                     "memory_utilization": args.memory_utilization,
+                    "dtype": dtype,
                     "weight_bytes": cap.weight_bytes,
                     "activation_bytes": cap.activation_bytes,
                     "kv_budget_bytes": cap.kv_budget_bytes,
@@ -157,7 +196,10 @@ def run_capacity(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    print(f"Model: {model_dir} ({config.model_type}, {num_params(config) / 1e9:.2f}B parameters)")
+    print(
+        f"Model: {model_dir} ({config.model_type}, {human_count(num_params(config))} "
+        f"parameters, {dtype} weights)"
+    )
     print(
         f"Device memory: {memory / GiB:.2f} GiB x {args.memory_utilization:.0%} utilization, "
         f"tensor parallel {args.tensor_parallel_size}"

@@ -19,9 +19,13 @@ GiB = 1024**3
 # --device-memory), so CPU runs stay small and `jaxserve capacity` can reproduce them.
 CPU_DEVICE_MEMORY_BYTES = 2 * GiB
 
-# Memory per device of accelerators people plan for (datasheet figures).
+# Memory per device of accelerators people plan for: what JAX's allocator can use, the figure
+# `launch` plans with (bytes_limit at XLA_PYTHON_CLIENT_MEM_FRACTION=1), where it was measured;
+# the others are datasheet figures, a few percent below what such devices report.
 DEVICE_MEMORY_BYTES: dict[str, int] = {
-    "H200": 141 * 10**9,
+    # One H200, JAX 0.11.2, driver 580.159.04 (2026-12-02): bytes_limit 150,109,945,856; NVML
+    # total 150,754,820,096 (nvidia-smi's 143,771 MiB) less 644,939,776 the driver reserves.
+    "H200": 150_109_945_856,
     "H100-80GB": 80 * 10**9,
     "H100-94GB": 94 * 10**9,
     "A100-80GB": 80 * 10**9,

@@ -24,7 +24,7 @@ import numpy as np
 
 import pallas_kernels
 from jaxserve.config import ModelConfig
-from jaxserve.engine_config import EngineConfig
+from jaxserve.engine_config import EngineConfig, weight_dtype
 from jaxserve.models.batch import Batch, make_kv_cache
 from jaxserve.models.weights import dummy_weights, load_weights
 from jaxserve.runner import step_broadcast
@@ -51,10 +51,8 @@ _LOG = logging.getLogger(__name__)
 
 
 def resolve_dtype(config: EngineConfig) -> jnp.dtype:
-    """``auto``: bfloat16 on accelerators, float32 on the CPU (exact parity in tests)."""
-    if config.dtype != "auto":
-        return jnp.dtype(config.dtype)
-    return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+    """``auto``: bfloat16 on accelerators, float32 on the CPU (``weight_dtype``)."""
+    return jnp.dtype(weight_dtype(config.dtype, on_cpu=jax.default_backend() == "cpu"))
 
 
 def enable_compilation_cache(cache_dir: str) -> None:

@@ -1,6 +1,8 @@
 """``jaxserve launch``: flags (vLLM's spelling) -> EngineConfig + ServerSettings -> uvicorn.
 
-Start-up: build the engine (load weights, compile every shape bucket), log the KV capacity
+Start-up: check that the port can be bound and that the device has the memory
+``--gpu-memory-utilization`` asks for (``preflight.py``: a start that cannot succeed ends in
+seconds), build the engine (load weights, compile every shape bucket), log the KV capacity
 lines, start the engine loop, then bind the port, so nothing is accepted before it can be
 served. SIGTERM/SIGINT: stop admitting (503 with Retry-After, ``/health`` 503), let in-flight
 requests finish for ``--shutdown-timeout`` seconds, abort the rest, exit 0; a second signal
@@ -21,6 +23,13 @@ from typing import Any
 import uvicorn
 
 from jaxserve.engine_config import DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES, EngineConfig
+from jaxserve.runner.device_memory import (
+    MemoryQuery,
+    is_out_of_memory,
+    nvml_device_memory,
+    out_of_memory_message,
+)
+from jaxserve.server.preflight import PreflightError, preflight
 from jaxserve.server.settings import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_MAX_RESPONSE_ENTRIES,
@@ -30,7 +39,7 @@ from jaxserve.server.settings import (
     DEFAULT_SEND_TIMEOUT_S,
     ServerSettings,
 )
-from jaxserve.units import human_int
+from jaxserve.units import COUNT_RULE, human_bytes, human_int
 
 _LOG = logging.getLogger("jaxserve.launch")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -48,7 +57,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL_DIR",
         help="local Hugging Face model directory; omitted: the embedded demo model",
     )
-    add("--host", default="0.0.0.0", help="address to bind")
+    add(
+        "--host",
+        default="0.0.0.0",
+        help="address to bind; the default, all interfaces, suits containers: without "
+        "--api-key anyone who reaches the port can use the model (a warning says so); "
+        "127.0.0.1 serves this machine only",
+    )
     add("--port", type=int, default=8000, help="port to bind")
     add(
         "--served-model-name",
@@ -61,7 +76,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-model-len",
         type=human_int,
         default=None,
-        help="context length in tokens (8192, 8k = 8000, 8K = 8192); default: the model's",
+        help=f"context length in tokens ({COUNT_RULE}: lowercase k is 1,000 and uppercase "
+        "K is 1,024, as in vLLM); default: the model's",
     )
     add(
         "--gpu-memory-utilization",
@@ -193,7 +209,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--metrics-require-key",
         action="store_true",
-        help="guard /metrics with the API key too (default: /metrics is public)",
+        help="guard /metrics with the API key too; without it /metrics is public",
     )
     add(
         "--enable-log-requests",
@@ -207,9 +223,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--max-request-body-bytes",
-        type=human_int,
+        type=human_bytes,
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-        help="larger bodies get 413 before they are read",
+        help="larger bodies get 413 before they are read (2M = 2 MiB, 2MB = 2,000,000)",
     )
     add(
         "--request-body-timeout",
@@ -303,12 +319,21 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
     )
 
 
-def run_launch(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM (exit 0) or until the engine loop dies (exit 1)."""
+def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device_memory) -> int:
+    """Serve until SIGTERM (exit 0) or until the engine loop dies (exit 1); exit 1 at once
+    when the port or the device cannot serve. ``memory_query`` reads the devices' free
+    memory (tests pass a fake device)."""
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(levelname)s %(asctime)s %(name)s: %(message)s",
     )
+    from jaxserve.runner.capacity import reserve_device_memory
+    from jaxserve.runner.distributed import (
+        DistributedConfig,
+        initialize_distributed,
+        is_coordinator,
+    )
+
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         _LOG.error("--ssl-keyfile and --ssl-certfile must be given together")
         return 2
@@ -317,11 +342,26 @@ def run_launch(args: argparse.Namespace) -> int:
         settings = settings_from_args(args, config.model_name)
         if args.max_queued_requests is not None and args.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests={args.max_queued_requests} must be >= 1")
+        distributed = DistributedConfig.resolve(
+            args.coordinator_address, args.num_processes, args.process_id
+        )
     except ValueError as exc:
         _LOG.error("%s", exc)
         return 2
+    try:  # before anything loads, and before JAX's backend starts and takes its memory
+        preflight(
+            args.host,
+            args.port,
+            config,
+            settings,
+            memory_query,
+            serves_http=not distributed.is_multi_process or distributed.process_id == 0,
+        )
+    except PreflightError as exc:
+        _LOG.error("%s", exc)
+        return 1
+    reserve_device_memory(config.gpu_memory_utilization)
     from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.runner.distributed import initialize_distributed, is_coordinator
     from jaxserve.server.app import build_app
 
     try:  # before anything touches a device
@@ -339,6 +379,11 @@ def run_launch(args: argparse.Namespace) -> int:
         engine = AsyncEngine.from_config(config, max_queued_requests=args.max_queued_requests)
     except (OSError, ValueError) as exc:  # a missing or unusable model directory
         _LOG.error("Could not load %s: %s", config.model_dir, exc)
+        return 1
+    except RuntimeError as exc:  # one message, not XLA's traceback
+        if not is_out_of_memory(exc):
+            raise
+        _LOG.error("%s", out_of_memory_message(exc, config.gpu_memory_utilization))
         return 1
     # The engine core has logged the capacity lines and the compiled shapes.
     engine.start()

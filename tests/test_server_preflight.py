@@ -1,0 +1,193 @@
+"""``jaxserve launch`` fails fast, with the fix in the message: a busy port or a busy device
+ends the start in seconds, before anything loads; an allocation failure later is one message;
+a server open to every interface without an API key is warned of.
+
+The device is faked two ways: a ``memory_query`` passed to ``run_launch``, and a stand-in
+``pynvml`` module (tests/fixtures/fake_pynvml) first on a subprocess's PYTHONPATH, which runs
+the real NVML path of ``jaxserve.runner.device_memory``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+from jaxserve.cli import build_parser
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.runner.device_memory import (
+    DeviceMemory,
+    DeviceMemoryError,
+    check_free_memory,
+    nvml_device_memory,
+)
+from jaxserve.server.launch import run_launch
+from tests.conftest import free_port
+
+FAKE_PYNVML = Path(__file__).parent / "fixtures" / "fake_pynvml"
+GB = 10**9
+
+
+def parse_launch(*flags: str):
+    argv = ["launch", *flags]
+    return build_parser(argv).parse_args(argv)
+
+
+def busy_device(num_devices: int) -> list[DeviceMemory]:
+    """A device of 141 GB with 100 GB held by another process."""
+    return [DeviceMemory(0, "Fake GPU", 41 * GB, 141 * GB)][:num_devices]
+
+
+def no_device(num_devices: int) -> str:
+    return "no NVIDIA driver"
+
+
+def errors(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_busy_device_ends_launch_in_seconds_with_the_fix(caplog):
+    caplog.set_level(logging.INFO)
+    args = parse_launch("--host", "127.0.0.1", "--port", str(free_port()))
+    start = time.monotonic()
+    assert run_launch(args, memory_query=busy_device) == 1
+    assert time.monotonic() - start < 5
+    (message,) = errors(caplog)
+    assert "Device 0 (Fake GPU) has 38.18 GiB free of 131.32 GiB" in message
+    assert "--gpu-memory-utilization 0.9 asks for 118.18 GiB" in message
+    assert "lower --gpu-memory-utilization to at most 0.29" in message
+    assert "stop the other process" in message
+    assert "Loading" not in caplog.text  # nothing was loaded
+
+
+def test_a_device_with_room_passes_and_a_full_one_only_names_stopping():
+    check_free_memory(0.25, 1, busy_device)  # 35.25 GB of the 41 GB free
+    check_free_memory(0.9, 1, no_device)  # nothing to read: skipped
+    full = [DeviceMemory(0, "Fake GPU", 1 * GB, 141 * GB)]
+    with pytest.raises(DeviceMemoryError) as info:
+        check_free_memory(0.9, 1, lambda n: full)
+    assert "lower" not in str(info.value) and "stop the other process" in str(info.value)
+
+
+def fake_nvml(free: int, total: int, reserved: int) -> types.ModuleType:
+    """A pynvml with two devices (UUIDs GPU-a, GPU-b) and NVML's version-2 memory struct."""
+    module = types.ModuleType("pynvml")
+
+    class NVMLError(Exception):
+        pass
+
+    memory = types.SimpleNamespace(free=free, total=total, reserved=reserved)
+    module.__dict__.update(
+        NVMLError=NVMLError,
+        nvmlMemory_v2=2,
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: ["GPU-a", "GPU-b"][i],
+        nvmlDeviceGetHandleByUUID=lambda uuid: uuid,
+        nvmlDeviceGetName=lambda handle: f"GPU {handle}".encode(),
+        nvmlDeviceGetMemoryInfo=lambda handle, version=None: memory,
+    )
+    return module
+
+
+def test_nvml_reads_the_visible_devices_and_leaves_out_the_drivers_reservation(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(100 * GB, 150 * GB, 1 * GB))
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert nvml_device_memory(8) == [
+        DeviceMemory(0, "GPU GPU-a", 100 * GB, 149 * GB),
+        DeviceMemory(1, "GPU GPU-b", 100 * GB, 149 * GB),
+    ]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-b")
+    assert [d.name for d in nvml_device_memory(8)] == ["GPU GPU-b"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    assert [d.name for d in nvml_device_memory(1)] == ["GPU GPU-b"]  # tensor parallel 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert nvml_device_memory(1) == "CUDA_VISIBLE_DEVICES names no device"
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert "leaves out CUDA" in nvml_device_memory(1)
+
+
+def test_launch_on_a_busy_gpu_exits_non_zero_within_seconds(tmp_path):
+    """The whole command, reading the (stand-in) NVML library as on a CUDA host."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAXSERVE_API_KEY")}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(FAKE_PYNVML), env.get("PYTHONPATH", ".")])
+    command = [sys.executable, "-m", "jaxserve.cli", "launch", "--host", "127.0.0.1",
+               "--port", str(free_port())]  # fmt: skip
+    start = time.monotonic()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert time.monotonic() - start < 15  # the interpreter's start and imports, no loading
+    last = done.stderr.strip().splitlines()[-1]
+    assert "Device 0 (Fake GPU) has 38.18 GiB free of 131.32 GiB" in last
+    assert "lower --gpu-memory-utilization to at most 0.29" in last
+    assert "CUDA_ERROR_OUT_OF_MEMORY" not in done.stderr and "Loading" not in done.stderr
+
+
+def test_a_busy_port_ends_launch_before_loading(caplog):
+    caplog.set_level(logging.INFO)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        args = parse_launch("--host", "127.0.0.1", "--port", str(port))
+        start = time.monotonic()
+        assert run_launch(args, memory_query=no_device) == 1
+    assert time.monotonic() - start < 5
+    (message,) = errors(caplog)
+    assert f"Cannot listen on 127.0.0.1:{port}" in message and "choose another --port" in message
+    assert "Loading" not in caplog.text
+
+
+def test_a_bad_host_is_named(caplog):
+    args = parse_launch("--host", "192.0.2.1", "--port", str(free_port()))  # not ours
+    assert run_launch(args, memory_query=no_device) == 1
+    (message,) = errors(caplog)
+    assert "Cannot listen on 192.0.2.1:" in message and "check --host" in message
+
+
+@pytest.mark.parametrize(
+    ("flags", "warned"),
+    [
+        ((), True),
+        (("--api-key", "k"), False),
+        (("--host", "127.0.0.1"), False),
+    ],
+)
+def test_all_interfaces_without_an_api_key_is_warned_of(caplog, monkeypatch, flags, warned):
+    monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)
+    with socket.socket() as server:  # busy, so launch stops right after its checks
+        server.bind(("0.0.0.0", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert run_launch(parse_launch("--port", str(port), *flags), no_device) == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    open_door = [w for w in warnings if "Listening on all interfaces" in w]
+    assert bool(open_door) == warned, warnings
+    if warned:
+        assert "--api-key" in open_door[0] and "--host 127.0.0.1" in open_door[0]
+
+
+def test_running_out_of_device_memory_while_starting_is_one_message(caplog, monkeypatch):
+    def allocate_too_much(config, **kwargs):  # a real allocation failure, as the KV cache's
+        jnp.zeros((2**20, 2**20, 256), jnp.float32)  # 1 PiB
+
+    monkeypatch.setattr(AsyncEngine, "from_config", allocate_too_much)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # restored afterwards
+    args = parse_launch("--host", "127.0.0.1", "--port", str(free_port()))
+    start = time.monotonic()
+    assert run_launch(args, memory_query=no_device) == 1
+    assert time.monotonic() - start < 10
+    (message,) = errors(caplog)
+    assert message.startswith("Out of device memory while starting (RESOURCE_EXHAUSTED")
+    assert "lower --gpu-memory-utilization, --max-model-len" in message
