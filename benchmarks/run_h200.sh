@@ -14,6 +14,8 @@
 #                (benchmarks/hostile_full.py): neighbour latency, memory maps, compiles
 #   reliability  the reliability suite: load scenarios at full scale (JAXSERVE_RELIABILITY_SCALE=full),
 #                schema fuzzing, faults, and both rounds of hostile input
+#   occupied     a second jaxserve launch on the GPU a first server (demo model, default flags)
+#                holds: seconds until it exits, its exit code and last lines -> $OUT/occupied.txt
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
 #   bash benchmarks/run_h200.sh launch:330 throughput:200
 set -uo pipefail
@@ -142,6 +144,35 @@ stage_hostile() {  # the seven findings of hostile input, round two, at the atta
   kill -0 $pid 2>/dev/null && echo "server alive after the attacks"
   kill -TERM $pid
   wait $pid
+}
+
+stage_occupied() {  # the second start must end in seconds with the fix, not retry allocations
+  python3 -m jaxserve.cli launch --port 8011 > "$OUT/occupied_first.log" 2>&1 &
+  local first=$!
+  until curl -sf localhost:8011/health >/dev/null; do
+    sleep 0.5
+    if ! kill -0 $first 2>/dev/null; then
+      echo "   the first server exited:" && tail -5 "$OUT/occupied_first.log"
+      return 1
+    fi
+  done
+  nvidia-smi --query-gpu=memory.total,memory.used,memory.free --format=csv,noheader |
+    sed 's/^/held by the first server (total, used, free): /' > "$OUT/occupied.txt"
+  local t0 rc
+  t0=$(date +%s.%N)
+  timeout --kill-after=10 180 python3 -m jaxserve.cli launch --port 8012 \
+    > "$OUT/occupied_second.log" 2>&1
+  rc=$?
+  {
+    echo "second launch: exit code $rc after $(awk "BEGIN {printf \"%.1f\", $(date +%s.%N) - $t0}") s"
+    [ $rc = 124 ] && echo "(124: still running at the 180 s limit, so it was killed)"
+    echo "CUDA_ERROR_OUT_OF_MEMORY lines: $(grep -c CUDA_ERROR_OUT_OF_MEMORY "$OUT/occupied_second.log")"
+    echo "last lines:"
+    tail -5 "$OUT/occupied_second.log"
+  } >> "$OUT/occupied.txt"
+  cat "$OUT/occupied.txt"
+  kill -TERM $first 2>/dev/null
+  wait $first
 }
 
 start=$(date +%s)
