@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.config import builtin_config_dir
-from jaxserve.units import human_int
+from jaxserve.units import COUNT_RULE, human_int
 
 
 def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -42,7 +42,8 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-model-len",
         type=human_int,
         default=None,
-        help="jaxserve's context limit (default input + output length); the same value as a "
+        help=f"jaxserve's context limit ({COUNT_RULE}; default input + output length); the "
+        "same value as a "
         "`jaxserve launch` gives the same compiled shapes, so a warm compilation cache serves both",
     )
     parser.add_argument("--max-num-seqs", type=int, default=256)
