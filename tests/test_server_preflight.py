@@ -41,12 +41,12 @@ def parse_launch(*flags: str):
     return build_parser(argv).parse_args(argv)
 
 
-def busy_device(num_devices: int) -> list[DeviceMemory]:
+def busy_device() -> list[DeviceMemory]:
     """A device of 141 GB with 100 GB held by another process."""
-    return [DeviceMemory(0, "Fake GPU", 41 * GB, 141 * GB)][:num_devices]
+    return [DeviceMemory(0, "Fake GPU", 41 * GB, 141 * GB)]
 
 
-def no_device(num_devices: int) -> str:
+def no_device() -> str:
     return "no NVIDIA driver"
 
 
@@ -69,12 +69,21 @@ def test_a_busy_device_ends_launch_in_seconds_with_the_fix(caplog):
 
 
 def test_a_device_with_room_passes_and_a_full_one_only_names_stopping():
-    check_free_memory(0.25, 1, busy_device)  # 35.25 GB of the 41 GB free
-    check_free_memory(0.9, 1, no_device)  # nothing to read: skipped
+    check_free_memory(0.25, busy_device)  # 35.25 GB of the 41 GB free
+    check_free_memory(0.9, no_device)  # nothing to read: skipped
     full = [DeviceMemory(0, "Fake GPU", 1 * GB, 141 * GB)]
     with pytest.raises(DeviceMemoryError) as info:
-        check_free_memory(0.9, 1, lambda n: full)
-    assert "lower" not in str(info.value) and "stop the other process" in str(info.value)
+        check_free_memory(0.9, lambda: full)
+    assert "lower" not in str(info.value) and "stop the other process." in str(info.value)
+
+
+def test_every_visible_device_is_checked_and_the_busy_one_named():
+    free = DeviceMemory(0, "Fake GPU", 140 * GB, 141 * GB)
+    busy = DeviceMemory(1, "Fake GPU", 41 * GB, 141 * GB)
+    with pytest.raises(DeviceMemoryError) as info:
+        check_free_memory(0.9, lambda: [free, busy])
+    assert str(info.value).startswith("Device 1 (Fake GPU) has 38.18 GiB free")
+    assert "leave this device out with CUDA_VISIBLE_DEVICES" in str(info.value)
 
 
 def fake_nvml(free: int, total: int, reserved: int) -> types.ModuleType:
@@ -103,18 +112,18 @@ def test_nvml_reads_the_visible_devices_and_leaves_out_the_drivers_reservation(m
     monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(100 * GB, 150 * GB, 1 * GB))
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert nvml_device_memory(8) == [
+    assert nvml_device_memory() == [
         DeviceMemory(0, "GPU GPU-a", 100 * GB, 149 * GB),
         DeviceMemory(1, "GPU GPU-b", 100 * GB, 149 * GB),
     ]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-b")
-    assert [d.name for d in nvml_device_memory(8)] == ["GPU GPU-b"]
+    assert [d.name for d in nvml_device_memory()] == ["GPU GPU-b"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
-    assert [d.name for d in nvml_device_memory(1)] == ["GPU GPU-b"]  # tensor parallel 1
+    assert [d.name for d in nvml_device_memory()] == ["GPU GPU-b", "GPU GPU-a"]  # CUDA's order
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert nvml_device_memory(1) == "CUDA_VISIBLE_DEVICES names no device"
+    assert nvml_device_memory() == "CUDA_VISIBLE_DEVICES names no device"
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    assert "leaves out CUDA" in nvml_device_memory(1)
+    assert "leaves out CUDA" in nvml_device_memory()
 
 
 def test_launch_on_a_busy_gpu_exits_non_zero_within_seconds(tmp_path):

@@ -33,13 +33,12 @@ class DeviceMemory:
     total_bytes: int  # usable: what CUDA reports, the driver's reservation left out
 
 
-# The devices this process will use (first ``num_devices`` visible), or why there is nothing
-# to check. Tests pass their own.
-MemoryQuery = Callable[[int], list[DeviceMemory] | str]
+# Every device this process sees, or why there is nothing to check. Tests pass their own.
+MemoryQuery = Callable[[], list[DeviceMemory] | str]
 
 
-def nvml_device_memory(num_devices: int) -> list[DeviceMemory] | str:
-    """Free and usable memory of the first ``num_devices`` CUDA devices this process sees.
+def nvml_device_memory() -> list[DeviceMemory] | str:
+    """Free and usable memory of every CUDA device this process sees.
 
     NOTE: through ``nvidia-ml-py`` (``pynvml``), NVIDIA's own bindings, rather than ctypes on
     libnvidia-ml.so.1: it finds the library where each driver install puts it and maps NVML's
@@ -63,7 +62,7 @@ def nvml_device_memory(num_devices: int) -> list[DeviceMemory] | str:
         handles = _visible_handles(pynvml)
         if isinstance(handles, str):
             return handles
-        return [_read(pynvml, i, handle) for i, handle in enumerate(handles[:num_devices])]
+        return [_read(pynvml, i, handle) for i, handle in enumerate(handles)]
     except pynvml.NVMLError as exc:
         return f"NVML could not read the devices ({exc})"
     finally:
@@ -107,12 +106,13 @@ class DeviceMemoryError(RuntimeError):
     """The device cannot give what ``--gpu-memory-utilization`` asks for."""
 
 
-def check_free_memory(
-    memory_utilization: float, num_devices: int, query: MemoryQuery = nvml_device_memory
-) -> None:
+def check_free_memory(memory_utilization: float, query: MemoryQuery = nvml_device_memory) -> None:
     """Raise ``DeviceMemoryError`` if a device has less free memory than ``memory_utilization``
-    of its total, the share JAX's allocator will take when the backend starts."""
-    devices = query(num_devices)
+    of its total, the share JAX's allocator will take when the backend starts.
+
+    NOTE: every visible device, not only those the model will use: the backend takes its share
+    of each GPU it sees (CUDA_VISIBLE_DEVICES chooses which)."""
+    devices = query()
     if isinstance(devices, str):
         _LOG.debug("Free device memory not checked: %s", devices)
         return
@@ -122,11 +122,18 @@ def check_free_memory(
             continue
         fits = math.floor(device.free_bytes / device.total_bytes * 100) / 100
         lower = f"lower --gpu-memory-utilization to at most {fits:.2f}, " if fits >= 0.01 else ""
+        others = (
+            ", or leave this device out with CUDA_VISIBLE_DEVICES (JAX takes its share of every "
+            "GPU it sees)"
+            if len(devices) > 1
+            else ""
+        )
         raise DeviceMemoryError(
             f"Device {device.index} ({device.name}) has {device.free_bytes / GiB:.2f} GiB free "
             f"of {device.total_bytes / GiB:.2f} GiB, but --gpu-memory-utilization "
             f"{memory_utilization:g} asks for {requested / GiB:.2f} GiB: another process holds "
-            f"the rest (nvidia-smi lists it). To start, {lower}or stop the other process."
+            f"the rest (nvidia-smi lists it). To start, {lower}or stop the other "
+            f"process{others}."
         )
 
 

@@ -85,7 +85,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         dest="gpu_memory_utilization",
         type=float,
         default=_ENGINE_DEFAULTS["gpu_memory_utilization"],
-        help="fraction of device memory for weights + KV cache",
+        help="fraction of device memory for weights + KV cache, taken at start from every "
+        "visible GPU; launch exits at once if another process holds more than the rest",
     )
     add(
         "--max-num-seqs",

@@ -78,6 +78,6 @@ def preflight(
         warn_if_open(host, port, settings)
         check_address(host, port)
     try:
-        check_free_memory(config.gpu_memory_utilization, config.tensor_parallel_size, memory_query)
+        check_free_memory(config.gpu_memory_utilization, memory_query)
     except DeviceMemoryError as exc:
         raise PreflightError(str(exc)) from None
