@@ -113,6 +113,8 @@ def check_parameters_schema(schema: Any, path: str) -> None:
         raise bad_request(
             f'{path} must describe an object (type "object"); got type {schema["type"]!r}', path
         )
+    if not isinstance(schema.get("$schema", ""), str):
+        raise bad_request(f"{path}.$schema must be a string (a JSON schema dialect)", path)
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
