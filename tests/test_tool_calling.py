@@ -420,7 +420,7 @@ def test_reasoning_split_whole_and_streamed(servers, parser, output, reasoning, 
         assert sum(1 for d in deltas if d.model_extra.get("reasoning_content")) > 2
 
 
-def test_reasoning_then_tool_call(servers):
+def test_reasoning_then_tool_call_and_the_message_sent_back(servers):
     client, core = servers("hermes", "qwen3")
     output = "<think>Weather needs a tool.</think>\n" + OUTPUTS["hermes"][0][0]
     choice = ask(client, output, tools=TOOLS).choices[0]
@@ -429,6 +429,17 @@ def test_reasoning_then_tool_call(servers):
     assert choice.finish_reason == "tool_calls"
     _, assembled = ask_streamed(client, output, tools=TOOLS)
     assert calls_of(assembled.choices[0].message) == [("get_weather", PARIS)]
+    # The SDK's message object goes back as it came, followed by the tool's result.
+    call = choice.message.tool_calls[0]
+    messages = [
+        {"role": "user", "content": output},
+        choice.message,
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+        {"role": "user", "content": "Thanks."},
+    ]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+    assert reply.choices[0].message.content == "Thanks."
+    assert "<tool_response>\nsunny\n</tool_response>" in core.prompts[-1]
 
 
 def test_constraints_wait_for_the_end_of_reasoning(servers):

@@ -51,7 +51,9 @@ def check_chat_extras(
     return tools, tool_choice
 
 
-MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "tool_call_id", "refusal"))
+MESSAGE_FIELDS = frozenset(
+    ("role", "content", "name", "tool_calls", "tool_call_id", "refusal", "reasoning_content")
+)
 
 
 def parse_messages(messages: Any) -> tuple[dict[str, Any], ...]:
@@ -101,6 +103,17 @@ def _message(message: Any, path: str) -> dict[str, Any]:
     refusal = message.get("refusal")
     if refusal is not None and not isinstance(refusal, str):
         raise bad_request(f"{path}.refusal must be a string", param=f"{path}.refusal")
+    # A response's message sent back as it came (with --reasoning-parser); templates that show
+    # past reasoning (Qwen3's) read it.
+    reasoning = message.get("reasoning_content")
+    if reasoning is not None:
+        if role != "assistant" or not isinstance(reasoning, str):
+            raise bad_request(
+                f"{path}.reasoning_content must be a string, on an assistant message",
+                param=f"{path}.reasoning_content",
+            )
+        if reasoning:
+            out["reasoning_content"] = reasoning
     return out
 
 

@@ -185,6 +185,7 @@ def _schemas(max_model_len: int, vocab_size: int) -> dict[str, Any]:
                     "name": {"type": "string"},
                     "tool_calls": {"type": "array", "items": tool_call},
                     "refusal": _nullable({"type": "string"}),
+                    "reasoning_content": _nullable({"type": "string"}),
                 },
                 "additionalProperties": False,
             },
