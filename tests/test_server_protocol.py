@@ -105,15 +105,22 @@ def test_messages_are_flattened_for_the_template():
     assert messages[3]["tool_call_id"] == "c1"
 
 
-def test_tools_only_with_tool_choice_none():
+def test_tool_choice_defaults_follow_openai():
     base = {"messages": [{"role": "user", "content": "x"}]}
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     req = parse_chat_request({**base, "tools": tools, "tool_choice": "none"})
-    assert req.tools == tuple(tools)
-    assert error_of(parse_chat_request, {**base, "tools": tools}).param == "tools"
+    assert req.tools == tuple(tools) and req.tool_choice.mode == "none"
+    default = parse_chat_request({**base, "tools": tools}).tool_choice
+    assert default.mode == "auto" and not default.is_sent and default.parallel
+    assert parse_chat_request(base).tool_choice.mode == "none"
+    named = {"type": "function", "function": {"name": "f"}}
+    forced = parse_chat_request(
+        {**base, "tools": tools, "tool_choice": named, "parallel_tool_calls": False}
+    ).tool_choice
+    assert forced.mode == "function" and forced.name == "f" and not forced.parallel
     assert error_of(parse_chat_request, {**base, "tool_choice": "required"}).param == "tool_choice"
     bad_tool = {**base, "tools": [{"type": "function"}], "tool_choice": "none"}
-    assert error_of(parse_chat_request, bad_tool).param == "tools[0]"
+    assert error_of(parse_chat_request, bad_tool).param == "tools[0].function"
 
 
 def test_tokenize_defaults_follow_vllm():

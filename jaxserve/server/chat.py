@@ -1,9 +1,12 @@
 """``POST /v1/chat/completions``: messages -> chat template (sandboxed) -> one engine request.
 
 Parsed by ``protocol.parse_chat_request`` and held to the per-request limits of ``cost.py``
-before anything reaches the engine. Streams ``chat.completion.chunk`` events: one
-``{"role": "assistant"}`` chunk per choice first, then content deltas, the finish reason on the
-last delta of each choice, and the usage chunk when ``stream_options.include_usage`` is set.
+before anything reaches the engine; ``chat_output.py`` adds what the tool choice and reasoning
+parser need to the sampling parameters and parses each choice's text into ``content``,
+``reasoning_content`` and ``tool_calls``. Streams ``chat.completion.chunk`` events: one
+``{"role": "assistant"}`` chunk per choice first, then message deltas (tool calls as OpenAI
+streams them: id and name first, then argument fragments), the finish reason on the last delta
+of each choice, and the usage chunk when ``stream_options.include_usage`` is set.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
+from jaxserve.server.chat_output import delta_json, finish_reason, message_json
 from jaxserve.server.context import (
     ENGINE_FAILURE,
     OFFLOAD_BYTES,
@@ -35,6 +39,7 @@ from jaxserve.server.fields import parse_json_object
 from jaxserve.server.generation import EngineRequest, Generation
 from jaxserve.server.logprobs import prompt_logprobs_json
 from jaxserve.server.protocol import ChatRequest, parse_chat_request
+from jaxserve.server.tool_calls import MessageDelta
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request, raw: bytes) -> Response:
@@ -43,7 +48,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request, raw: byt
         len(raw) >= OFFLOAD_BYTES, _prepare, ctx, raw, chat_id
     )
     generation = ctx.new_generation([engine_request], req.priority, req.cache_salt)
-    writer = _ChatWriter(ctx, req, chat_id)
+    writer = _ChatWriter(ctx, req, chat_id, engine_request.prompt or "")
     if req.stream:
         return await ctx.stream(generation, request, writer.events)
     (output,) = await ctx.collect(generation, request)
@@ -59,13 +64,19 @@ def _prepare(
     response's estimated size; pure host work, run off the event loop for large bodies."""
     req = parse_chat_request(parse_json_object(raw))
     ctx.check_model(req.model)
+    ctx.chat_output.check(req)
     check_num_seqs(1, req.params, ctx.settings)
     prompt = ctx.render_chat(
         req.messages, req.add_generation_prompt, req.tools, req.template_kwargs
     )
     token_ids = ctx.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
     params = ctx.check_request(
-        token_ids, req.params, req.max_tokens, None, "messages", req.max_tokens_param
+        token_ids,
+        ctx.chat_output.params_for(req, req.params, prompt),
+        req.max_tokens,
+        None,
+        "messages",
+        req.max_tokens_param,
     )
     engine_request = EngineRequest(f"{chat_id}-0", token_ids, params, prompt)
     check_num_tokens([engine_request], ctx.settings, req.max_tokens_param)
@@ -88,11 +99,12 @@ def _check_response_size(ctx: ServingContext, req: ChatRequest, request: EngineR
 
 
 class _ChatWriter:
-    def __init__(self, ctx: ServingContext, req: ChatRequest, chat_id: str) -> None:
+    def __init__(self, ctx: ServingContext, req: ChatRequest, chat_id: str, prompt: str) -> None:
         self.ctx = ctx
         self.req = req
         self.id = chat_id
         self.created = int(time.time())
+        self.prompt = prompt  # the rendered chat, for the reasoning parser
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.ctx.model_name}
@@ -103,25 +115,26 @@ class _ChatWriter:
         entries = out.logprobs or []
         return {"content": self.ctx.logprobs.chat(out.token_ids, entries, self.req.top_logprobs)}
 
+    def _choice(self, out: CompletionOutput) -> dict[str, Any]:
+        parser = self.ctx.chat_output.parser(self.req, self.prompt)
+        message = parser.parse_all(out.text)
+        return {
+            "index": out.index,
+            "message": message_json(message, self.ctx.chat_output.reasoning_parser is not None),
+            "logprobs": self._logprobs(out),
+            "finish_reason": finish_reason(out.finish_reason, parser),
+            "stop_reason": out.stop_reason,
+        }
+
     def response(self, output: RequestOutput | None) -> dict[str, Any]:
         if output is None:  # the client left before anything was generated
             return self._head("chat.completion")
         if output.error is not None:
             raise internal_error(ENGINE_FAILURE)
-        choices = [
-            {
-                "index": out.index,
-                "message": {"role": "assistant", "content": out.text},
-                "logprobs": self._logprobs(out),
-                "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason,
-            }
-            for out in output.outputs
-        ]
         num_completion = sum(len(out.token_ids) for out in output.outputs)
         result = {
             **self._head("chat.completion"),
-            "choices": choices,
+            "choices": [self._choice(out) for out in output.outputs],
             "usage": usage(len(output.prompt_token_ids), num_completion, output.num_cached_tokens),
         }
         if self.req.params.prompt_logprobs is not None:
@@ -140,7 +153,9 @@ class _ChatWriter:
                 event["usage"] = None
             return event
 
+        parsers = {}
         for index in range(self.req.params.n):
+            parsers[index] = self.ctx.chat_output.parser(self.req, self.prompt)
             role = {"role": "assistant", "content": ""}
             yield chunk({"index": index, "delta": role, "logprobs": None, "finish_reason": None})
         num_completion = num_cached = 0
@@ -150,14 +165,18 @@ class _ChatWriter:
                 raise internal_error(ENGINE_FAILURE)
             for out in delta.outputs:
                 num_completion += len(out.token_ids)
-                if not out.text and out.finish_reason is None and not out.token_ids:
+                parser = parsers[out.index]
+                message = parser.feed(out.text) if out.text else MessageDelta()
+                if out.finish_reason is not None:
+                    message.extend(parser.finish())
+                if message.is_empty and out.finish_reason is None and not out.token_ids:
                     continue
                 yield chunk(
                     {
                         "index": out.index,
-                        "delta": {"content": out.text} if out.text else {},
+                        "delta": delta_json(message),
                         "logprobs": self._logprobs(out),
-                        "finish_reason": out.finish_reason,
+                        "finish_reason": finish_reason(out.finish_reason, parser),
                         "stop_reason": out.stop_reason,
                     }
                 )

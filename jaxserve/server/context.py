@@ -28,6 +28,7 @@ from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.request_checks import RequestError, check_request
 from jaxserve.engine.tokenizer import TemplateError
 from jaxserve.sampling_params import SamplingParams, SamplingParamsError
+from jaxserve.server.chat_output import ChatOutputRules
 from jaxserve.server.errors import APIError, internal_error, json_dumps, model_not_found
 from jaxserve.server.generation import EngineRequest, Generation, RequestRecord
 from jaxserve.server.lifecycle import ServerState
@@ -60,6 +61,7 @@ class ServingContext:
             RequestLogger(settings.log_prompts) if settings.enable_log_requests else None
         )
         self.logprobs = LogprobFormatter(self.tokenizer)
+        self.chat_output = ChatOutputRules(settings, self.tokenizer)
         # NOTE: one thread, as vLLM's tokenizer executor: the event loop then waits for the GIL
         # behind one busy thread at most, however many large requests arrive together.
         self.host_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxserve-host")

@@ -30,6 +30,7 @@ from jaxserve.runner.device_memory import (
     out_of_memory_message,
 )
 from jaxserve.server.preflight import PreflightError, preflight
+from jaxserve.server.reasoning import REASONING_PARSERS
 from jaxserve.server.settings import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_MAX_RESPONSE_ENTRIES,
@@ -39,6 +40,7 @@ from jaxserve.server.settings import (
     DEFAULT_SEND_TIMEOUT_S,
     ServerSettings,
 )
+from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
 from jaxserve.units import COUNT_RULE, human_bytes, human_int
 
 _LOG = logging.getLogger("jaxserve.launch")
@@ -276,6 +278,29 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "token of text (generated or echoed) counts 1, plus 1 per top logprob; the default is "
         "about 25 MB of JSON; past it: 400",
     )
+    add(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let requests send tool_choice "auto" (the default when they send tools): the '
+        "model decides whether to call tools, and its output is parsed with --tool-call-parser "
+        '("required" and named choices work without it: a grammar makes the calls)',
+    )
+    add(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="the model's tool-call format, for --enable-auto-tool-choice: hermes (Qwen2.5, "
+        "Qwen3: <tool_call>{...}</tool_call>), llama3_json (Llama 3.1+: JSON objects), "
+        "mistral ([TOOL_CALLS][...])",
+    )
+    add(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="split the model's <think>...</think> section into message.reasoning_content: "
+        "qwen3 (reasoning when the output opens <think>), deepseek_r1 (the output starts in "
+        "reasoning); structured outputs and forced tool calls then apply after </think>",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -317,6 +342,9 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
         max_seqs_per_request=args.max_seqs_per_request,
         max_tokens_per_request=args.max_tokens_per_request,
         max_response_entries=args.max_response_entries,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

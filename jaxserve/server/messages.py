@@ -1,24 +1,28 @@
 """Chat messages and the chat-only fields around them (tools, response_format, ...).
 
 Validates OpenAI's message shapes (roles, string or text-part content, assistant ``tool_calls``,
-tool results) and flattens them to what chat templates expect. Fields the server cannot honour
-(tool execution, structured output, multimodal content) are a 400 naming the field; their
-neutral values (``tool_choice: "none"``, ``response_format: {"type": "text"}``) are accepted.
+tool results) and flattens them to what chat templates expect (tool-call arguments as objects,
+as templates such as Llama 3.1's read them). ``tools`` and ``tool_choice`` are checked in
+``tools.py``. Fields the server cannot honour (structured output, multimodal content) are a 400
+naming the field; their neutral values (``response_format: {"type": "text"}``) are accepted.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from jaxserve.server.errors import bad_request, unsupported
 from jaxserve.server.fields import json_type, optional
+from jaxserve.server.tools import ToolChoice, parse_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-# Sampling fields both generation routes accept, passed to SamplingParams under the same name.
-def check_chat_extras(body: dict[str, Any]) -> tuple[dict[str, Any], ...] | None:
-    """Fields we accept only where they change nothing; returns the tools to render."""
+def check_chat_extras(
+    body: dict[str, Any],
+) -> tuple[tuple[dict[str, Any], ...] | None, ToolChoice]:
+    """The chat-only fields; returns the tools to render and the tool choice."""
     response_format = body.get("response_format")
     if response_format is not None:
         kind = response_format.get("type") if isinstance(response_format, dict) else None
@@ -29,23 +33,11 @@ def check_chat_extras(body: dict[str, Any]) -> tuple[dict[str, Any], ...] | None
                 'response_format must be {"type": "text"} (structured output is not available)',
                 param="response_format",
             )
-    tools = body.get("tools")
-    tool_choice = body.get("tool_choice")
-    if tool_choice is not None and tool_choice not in ("none", "auto"):
-        raise unsupported("tool_choice", 'tool calling is not available; use "none"')
-    if tools is not None and not isinstance(tools, list):
-        raise bad_request("tools must be an array", param="tools")
-    if tools and tool_choice != "none":
-        raise unsupported(
-            "tools", 'tool calling is not available; send tool_choice "none" to only show them'
-        )
-    for i, tool in enumerate(tools or []):
-        _check_tool(tool, f"tools[{i}]")
+    tools, tool_choice = parse_tools(body)
     if body.get("functions"):
-        raise unsupported("functions", "function calling is not available")
+        raise unsupported("functions", "the legacy functions field is not available; use tools")
     if body.get("function_call") not in (None, "none"):
-        raise unsupported("function_call", "function calling is not available")
-    optional(body, "parallel_tool_calls", bool, "a boolean")
+        raise unsupported("function_call", "the legacy function_call is not available; use tools")
     if body.get("store"):
         raise unsupported("store", "stored completions are not available")
     optional(body, "metadata", dict, "an object")
@@ -56,22 +48,12 @@ def check_chat_extras(body: dict[str, Any]) -> tuple[dict[str, Any], ...] | None
     for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):
         if body.get(name) is not None:
             raise unsupported(name)
-    return tuple(tools) if tools else None
+    return tools, tool_choice
 
 
-def _check_tool(tool: Any, path: str) -> None:
-    function = tool.get("function") if isinstance(tool, dict) else None
-    if not isinstance(function, dict) or tool.get("type") != "function":
-        raise bad_request(f'{path} must be {{"type": "function", "function": {{...}}}}', path)
-    if not isinstance(function.get("name"), str) or not function["name"]:
-        raise bad_request(f"{path}.function.name must be a non-empty string", param=path)
-    if not isinstance(function.get("description", ""), str):
-        raise bad_request(f"{path}.function.description must be a string", param=path)
-    if not isinstance(function.get("parameters", {}), dict):
-        raise bad_request(f"{path}.function.parameters must be an object", param=path)
-
-
-MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "tool_call_id", "refusal"))
+MESSAGE_FIELDS = frozenset(
+    ("role", "content", "name", "tool_calls", "tool_call_id", "refusal", "reasoning_content")
+)
 
 
 def parse_messages(messages: Any) -> tuple[dict[str, Any], ...]:
@@ -121,6 +103,17 @@ def _message(message: Any, path: str) -> dict[str, Any]:
     refusal = message.get("refusal")
     if refusal is not None and not isinstance(refusal, str):
         raise bad_request(f"{path}.refusal must be a string", param=f"{path}.refusal")
+    # A response's message sent back as it came (with --reasoning-parser); templates that show
+    # past reasoning (Qwen3's) read it.
+    reasoning = message.get("reasoning_content")
+    if reasoning is not None:
+        if role != "assistant" or not isinstance(reasoning, str):
+            raise bad_request(
+                f"{path}.reasoning_content must be a string, on an assistant message",
+                param=f"{path}.reasoning_content",
+            )
+        if reasoning:
+            out["reasoning_content"] = reasoning
     return out
 
 
@@ -173,7 +166,20 @@ def _tool_calls(tool_calls: Any, path: str) -> list[dict[str, Any]]:
             {
                 "id": call["id"],
                 "type": "function",
-                "function": {"name": function["name"], "arguments": function["arguments"]},
+                "function": {
+                    "name": function["name"],
+                    "arguments": _arguments_for_template(function["arguments"]),
+                },
             }
         )
     return calls
+
+
+def _arguments_for_template(arguments: str) -> dict[str, Any] | str:
+    """The arguments as an object when they are one (templates serialize them with ``tojson``);
+    otherwise the string as sent (a call the model cut short is still shown as it was)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments

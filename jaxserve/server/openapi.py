@@ -12,6 +12,7 @@ from typing import Any
 from jaxserve.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, MAX_TEMPERATURE
 from jaxserve.server.messages import ROLES
 from jaxserve.server.protocol import MAX_BATCH_PROMPTS
+from jaxserve.server.tools import FUNCTION_NAME, MAX_TOOLS
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -173,12 +174,18 @@ def _schemas(max_model_len: int, vocab_size: int) -> dict[str, Any]:
             },
             {
                 "type": "object",
-                "required": ["role", "content"],
+                "required": ["role"],
                 "properties": {
                     "role": {"type": "string", "enum": ["assistant"]},
-                    "content": content,
+                    "content": {
+                        **content,
+                        "nullable": True,
+                        "description": "May be null (or absent) when tool_calls is set.",
+                    },
                     "name": {"type": "string"},
                     "tool_calls": {"type": "array", "items": tool_call},
+                    "refusal": _nullable({"type": "string"}),
+                    "reasoning_content": _nullable({"type": "string"}),
                 },
                 "additionalProperties": False,
             },
@@ -238,7 +245,28 @@ def _schemas(max_model_len: int, vocab_size: int) -> dict[str, Any]:
             "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
             "add_generation_prompt": {"type": "boolean"},
             "add_special_tokens": {"type": "boolean"},
-            "tool_choice": {"type": "string", "enum": ["none"]},
+            "tools": {
+                "type": "array",
+                "maxItems": MAX_TOOLS,
+                "items": _ref("Tool"),
+                "description": "Functions the model may call; rendered by the chat template.",
+            },
+            "tool_choice": {
+                "oneOf": [
+                    {"type": "string", "enum": ["none", "auto", "required"]},
+                    _ref("NamedToolChoice"),
+                ],
+                "description": (
+                    'Default "auto" when tools are sent, else "none". "auto" needs the server '
+                    'flags --enable-auto-tool-choice and --tool-call-parser; "required" and a '
+                    "named function are enforced by a grammar built from the tools' parameters, "
+                    "so the calls always parse and match them."
+                ),
+            },
+            "parallel_tool_calls": {
+                "type": "boolean",
+                "description": "false: at most one tool call per choice. Default true.",
+            },
             "response_format": {
                 "type": "object",
                 "required": ["type"],
@@ -280,6 +308,97 @@ def _schemas(max_model_len: int, vocab_size: int) -> dict[str, Any]:
             "usage": {"type": "object"},
         },
     }
+    tool = {
+        "type": "object",
+        "required": ["type", "function"],
+        "properties": {
+            "type": {"type": "string", "enum": ["function"]},
+            "function": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string", "pattern": f"^{FUNCTION_NAME.pattern}$"},
+                    "description": {"type": "string"},
+                    "parameters": {
+                        "type": "object",
+                        "description": 'A JSON schema of type "object"; local $refs only.',
+                    },
+                    "strict": {"type": "boolean"},
+                },
+                "additionalProperties": False,
+            },
+        },
+        "additionalProperties": False,
+    }
+    named_tool_choice = {
+        "type": "object",
+        "required": ["type", "function"],
+        "properties": {
+            "type": {"type": "string", "enum": ["function"]},
+            "function": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {"name": {"type": "string"}},
+                "additionalProperties": False,
+            },
+        },
+        "additionalProperties": False,
+    }
+    response_tool_call = {
+        "type": "object",
+        "required": ["id", "type", "function"],
+        "properties": {
+            "id": {"type": "string"},
+            "type": {"type": "string", "enum": ["function"]},
+            "function": {
+                "type": "object",
+                "required": ["name", "arguments"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "arguments": {"type": "string", "description": "A JSON object, as text."},
+                },
+            },
+        },
+    }
+    chat_choice = {
+        "type": "object",
+        "required": ["index", "message", "finish_reason"],
+        "properties": {
+            "index": {"type": "integer"},
+            "message": {
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {
+                    "role": {"type": "string", "enum": ["assistant"]},
+                    "content": _nullable({"type": "string", "description": "null with tool calls"}),
+                    "reasoning_content": _nullable(
+                        {
+                            "type": "string",
+                            "description": "The <think> section; present with --reasoning-parser.",
+                        }
+                    ),
+                    "tool_calls": {"type": "array", "items": response_tool_call},
+                },
+            },
+            "logprobs": _nullable({"type": "object"}),
+            "finish_reason": _nullable(
+                {"type": "string", "enum": ["stop", "length", "tool_calls", "abort", "error"]}
+            ),
+            "stop_reason": _nullable({"oneOf": [{"type": "integer"}, {"type": "string"}]}),
+        },
+    }
+    chat_response = {
+        **completion_like,
+        "properties": {
+            **completion_like["properties"],
+            "choices": {"type": "array", "items": chat_choice},
+        },
+        "description": (
+            "Streamed as chat.completion.chunk events whose choices carry a delta: role first, "
+            "then content, reasoning_content and tool_calls fragments (a call's id, type and "
+            "name in its first fragment, its arguments text in the following ones)."
+        ),
+    }
     error = {
         "type": "object",
         "required": ["error"],
@@ -305,6 +424,9 @@ def _schemas(max_model_len: int, vocab_size: int) -> dict[str, Any]:
         "TokenizeRequest": tokenize_request,
         "DetokenizeRequest": detokenize_request,
         "CompletionResponse": completion_like,
+        "ChatCompletionResponse": chat_response,
+        "Tool": tool,
+        "NamedToolChoice": named_tool_choice,
         "ErrorResponse": error,
     }
 
@@ -335,13 +457,15 @@ def openapi_spec(
     public_paths: frozenset[str] | None = None,
 ) -> dict[str, Any]:
     """The spec; ``public_paths`` is None without an API key, else the paths it does not guard."""
-    generated = {
-        "description": "A JSON response, or server-sent events when stream is true",
-        "content": {
-            "application/json": {"schema": _ref("CompletionResponse")},
-            "text/event-stream": {"schema": SSE_EVENT},
-        },
-    }
+
+    def generated(response: str) -> dict[str, Any]:
+        return {
+            "description": "A JSON response, or server-sent events when stream is true",
+            "content": {
+                "application/json": {"schema": _ref(response)},
+                "text/event-stream": {"schema": SSE_EVENT},
+            },
+        }
 
     def ok(schema: dict[str, Any]) -> dict[str, Any]:
         return {"description": "OK", "content": {"application/json": {"schema": schema}}}
@@ -388,10 +512,16 @@ def openapi_spec(
         },
         "paths": {
             "/v1/completions": _post(
-                "Text completion", "CompletionRequest", generated, GENERATION_ERRORS
+                "Text completion",
+                "CompletionRequest",
+                generated("CompletionResponse"),
+                GENERATION_ERRORS,
             ),
             "/v1/chat/completions": _post(
-                "Chat completion", "ChatCompletionRequest", generated, GENERATION_ERRORS
+                "Chat completion",
+                "ChatCompletionRequest",
+                generated("ChatCompletionResponse"),
+                GENERATION_ERRORS,
             ),
             "/tokenize": _post(
                 "Tokenize a prompt or chat messages",

@@ -26,6 +26,7 @@ from jaxserve.server.fields import (
     optional,
 )
 from jaxserve.server.messages import check_chat_extras, parse_messages
+from jaxserve.server.tools import ToolChoice
 
 MAX_BATCH_PROMPTS = 256  # prompts in one /v1/completions request
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
@@ -54,8 +55,9 @@ COMPLETION_FIELDS = frozenset(
     + COMMON_FIELDS
     + ("prompt", "max_tokens", "echo", "logprobs", "best_of", "suffix", "add_special_tokens")
 )
-# Fields accepted with their neutral value only (checked in ``check_chat_extras``).
-CHAT_NEUTRAL_FIELDS = (
+# Chat-only fields checked in ``check_chat_extras``: tools (``tools.py``), and fields accepted
+# with their neutral value only.
+CHAT_EXTRA_FIELDS = (
     "tools",
     "tool_choice",
     "parallel_tool_calls",
@@ -74,7 +76,7 @@ CHAT_NEUTRAL_FIELDS = (
 CHAT_FIELDS = frozenset(
     SAMPLING_FIELDS
     + COMMON_FIELDS
-    + CHAT_NEUTRAL_FIELDS
+    + CHAT_EXTRA_FIELDS
     + (
         "messages",
         "max_tokens",
@@ -122,6 +124,7 @@ class ChatRequest:
     model: str | None
     messages: tuple[dict[str, Any], ...]  # normalized for the chat template
     tools: tuple[dict[str, Any], ...] | None
+    tool_choice: ToolChoice
     template_kwargs: dict[str, Any]
     add_generation_prompt: bool
     add_special_tokens: bool
@@ -355,7 +358,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     check_fields(body, CHAT_FIELDS)
     messages = parse_messages(body.get("messages"))
     template_kwargs = _template_kwargs(body)
-    tools = check_chat_extras(body)
+    tools, tool_choice = check_chat_extras(body)
     stream = boolean(body, "stream", False)
     kwargs = _sampling_kwargs(body)
     renames = {}
@@ -378,6 +381,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
         model=_model(body),
         messages=messages,
         tools=tools,
+        tool_choice=tool_choice,
         template_kwargs=template_kwargs,
         add_generation_prompt=boolean(body, "add_generation_prompt", True),
         add_special_tokens=boolean(body, "add_special_tokens", False),

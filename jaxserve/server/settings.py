@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.server.reasoning import REASONING_PARSERS
+from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
+
 DEFAULT_MAX_REQUEST_BODY_BYTES = 2 * 1024 * 1024
 DEFAULT_MAX_HEADER_COUNT = 100
 DEFAULT_MAX_HEADER_BYTES = 16 * 1024
@@ -43,6 +46,12 @@ class ServerSettings:
     max_tokens_per_request: int = DEFAULT_MAX_TOKENS_PER_REQUEST
     # Tokens and logprobs one response may hold (each token 1, plus 1 per top logprob).
     max_response_entries: int = DEFAULT_MAX_RESPONSE_ENTRIES
+    # Tool calling (vLLM's flags): the model's tool-call format, parsed when tool_choice is
+    # "auto", which needs enable_auto_tool_choice. Required and named choices need neither.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    # Splits <think>...</think> into reasoning_content; None: the output is all content.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -75,6 +84,22 @@ class ServerSettings:
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(f"{name}={value!r} must be None (no limit) or an integer >= 1")
+
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(
+                f"tool_call_parser={self.tool_call_parser!r} must be one of "
+                f"{', '.join(TOOL_CALL_PARSERS)}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(
+                "enable_auto_tool_choice requires tool_call_parser (the model's tool-call "
+                f"format: {', '.join(TOOL_CALL_PARSERS)})"
+            )
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(
+                f"reasoning_parser={self.reasoning_parser!r} must be one of "
+                f"{', '.join(REASONING_PARSERS)}"
+            )
 
     @property
     def model_name(self) -> str:

@@ -1,0 +1,137 @@
+"""Forced tool choices on the demo model: whatever it samples, ``required`` and named choices
+come back as calls that parse and validate against the function's parameters, because the
+server hands the engine a JSON-schema grammar (``StructuredOutputsParams(json=...)``).
+
+The demo model knows nothing of tools, so only the grammar can make these calls valid: the
+tests sample at temperature 1 with several seeds, through the OpenAI SDK over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine_config import EngineConfig
+from jaxserve.server.app import build_app
+from jaxserve.server.background import BackgroundServer
+from jaxserve.server.settings import ServerSettings
+
+MODEL = "jaxserve-demo"
+# Bounded parameters (enums, integer ranges, no free strings), so any output the grammar allows
+# ends well within max_tokens.
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather forecast for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Rome", "Tokyo"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+CONVERT = {
+    "type": "function",
+    "function": {
+        "name": "convert",
+        "parameters": {
+            "type": "object",
+            "properties": {"celsius": {"type": "boolean"}},
+            "required": ["celsius"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, CONVERT]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+MESSAGES = [{"role": "user", "content": "What will the weather be in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client():
+    config = EngineConfig(
+        served_model_name=MODEL,
+        max_model_len=1024,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        num_gpu_blocks_override=160,
+    )
+    engine = AsyncEngine.from_config(config)
+    engine.start()
+    app = build_app(engine, ServerSettings(served_model_names=(MODEL,)))
+    try:
+        with (
+            BackgroundServer(app) as background,
+            openai.OpenAI(base_url=f"{background.url}/v1", api_key="x", max_retries=0) as c,
+        ):
+            yield c
+    finally:
+        engine.shutdown()
+
+
+def assert_valid_calls(choice, names: set[str], may_be_cut: bool = False) -> None:
+    """Every call parses and validates; with ``may_be_cut``, an array of parallel calls that
+    reached max_tokens may end in a call cut short (the grammar bounds each call, not their
+    number), and the calls before it must still be valid."""
+    calls = choice.message.tool_calls
+    assert calls, choice.message
+    if may_be_cut and choice.finish_reason == "length":
+        calls = calls[:-1]
+    else:
+        assert choice.finish_reason == "tool_calls", choice
+    for call in calls:
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_required_choice_always_gives_valid_calls(client, parallel):
+    for seed in range(2):
+        result = client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=parallel,
+            n=4,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=128 if parallel else 64,
+        )
+        for choice in result.choices:
+            assert_valid_calls(choice, {"get_weather", "convert"}, may_be_cut=parallel)
+            if not parallel:
+                assert len(choice.message.tool_calls) == 1
+
+
+def test_named_choice_always_gives_a_valid_call_whole_and_streamed(client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    request = dict(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=named, n=4, max_tokens=64
+    )
+    for seed in range(2):
+        result = client.chat.completions.create(**request, temperature=1.0, seed=seed)
+        for choice in result.choices:
+            assert_valid_calls(choice, {"get_weather"})
+        state = ChatCompletionStreamState()
+        for chunk in client.chat.completions.create(
+            **request, temperature=1.0, seed=seed, stream=True
+        ):
+            state.handle_chunk(chunk)
+        streamed = state.get_final_completion()
+        for choice, whole in zip(streamed.choices, result.choices, strict=True):
+            assert_valid_calls(choice, {"get_weather"})
+            # The same seed gives the same tokens, so the same arguments.
+            assert choice.message.tool_calls[0].function.arguments == (
+                whole.message.tool_calls[0].function.arguments
+            )
