@@ -296,7 +296,7 @@ def _schemas(max_model_len: int, vocab_size: int) -> dict[str, Any]:
         "additionalProperties": False,
     }
     choice_list = {"type": "array", "items": {"type": "object"}}
-    completion_like = {
+    completion_like: dict[str, Any] = {
         "type": "object",
         "required": ["id", "object", "created", "model", "choices"],
         "properties": {
