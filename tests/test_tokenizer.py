@@ -93,3 +93,12 @@ def test_a_long_decode_lets_other_threads_run(tok: Tokenizer) -> None:
     assert max(gaps) < 0.5 * seconds, (
         f"a {seconds:.3f} s decode stopped the ticker {max(gaps):.3f} s"
     )
+
+
+def test_templates_tojson_keeps_key_order_and_does_not_escape_html() -> None:
+    tok_with = Tokenizer(fixture_dir("llama"))
+    tok_with.chat_template = "{{ messages[0]['content'] | tojson }}|{{ tools | tojson(indent=2) }}"
+    text = tok_with.apply_chat_template(
+        [{"role": "user", "content": {"b": "<a>", "a": "é"}}], tools=[{"z": 1, "y": 2}]
+    )
+    assert text == '{"b": "<a>", "a": "é"}|[\n  {\n    "z": 1,\n    "y": 2\n  }\n]'

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -38,7 +39,23 @@ def _compile_template(source: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
     return env.from_string(source)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """``tojson`` as Hugging Face templates expect it (transformers' chat-template filter):
+    keys in their order and no HTML escaping, unlike Jinja's own filter, so tools render as
+    the model saw them in training."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def has_tokenizer_files(model_dir: str | os.PathLike[str]) -> bool:
