@@ -355,6 +355,7 @@ def test_named_choice_sends_the_parameters_schema_and_parses_the_arguments(serve
     choice = ask(client, output, tools=TOOLS, tool_choice=named).choices[0]
     assert calls_of(choice.message) == [("get_weather", PARIS)]
     assert choice.message.tool_calls[0].function.arguments == '{"city": "Paris", "days": 2}'
+    assert choice.finish_reason == "stop"  # a named function: OpenAI's and vLLM's answer
     params = core.params[-1]
     assert json.loads(params.structured_outputs.json) == WEATHER["function"]["parameters"]
     _, assembled = ask_streamed(client, output, tools=TOOLS, tool_choice=named)

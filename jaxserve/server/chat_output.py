@@ -127,7 +127,11 @@ class ChatOutputRules:
 
 
 def finish_reason(reason: str | None, parser: ChoiceParser) -> str | None:
-    """OpenAI's ``tool_calls`` for a choice that stopped after calling tools."""
+    """OpenAI's ``tool_calls`` for a choice that stopped after calling tools it chose (``auto``
+    or ``required``); a function named in ``tool_choice`` ends with ``stop``, as OpenAI and
+    vLLM answer."""
+    if isinstance(parser.tools, NamedParser):
+        return reason
     return "tool_calls" if reason == "stop" and parser.num_tool_calls else reason
 
 
