@@ -2,7 +2,8 @@
 
 Read once at start-up (``ModelConfig.from_hf_dir``) and passed down to the weights loader, the
 model and the runner. Parsing goes through transformers' ``AutoConfig`` so both the classic
-``rope_theta`` / ``rope_scaling`` keys and transformers 5's ``rope_parameters`` are understood.
+``rope_theta`` / ``rope_scaling`` keys and transformers 5's ``rope_parameters`` are understood,
+including Gemma 3's rope parameters per layer type (one base for local, one for global layers).
 """
 
 from __future__ import annotations
@@ -10,11 +11,26 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Hugging Face architecture -> its model_type; every one is served by jaxserve.models.llama.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Phi3ForCausalLM": "phi3",
+}
+SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_types values
 
 _LOG = logging.getLogger(__name__)
 
@@ -25,12 +41,46 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling (``rope_type: llama3``)."""
+    """Rotary frequency scaling, one ``rope_type`` of Hugging Face's ``rope_parameters``.
 
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    linear: positions divided by ``factor``. dynamic: NTK, the base grows with the position once
+    it passes ``original_max_position_embeddings``. yarn: frequencies blended between scaled
+    and unscaled by wavelength (``beta_fast`` / ``beta_slow``), cos/sin times
+    ``attention_factor``. longrope (Phi-3, once spelled ``su``): per-frequency ``short_factor``
+    below ``original_max_position_embeddings``, ``long_factor`` from there on. llama3: long
+    wavelengths slowed by ``factor``, short ones kept, smooth in between.
+    """
+
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 0
+    rope_type: str = "llama3"
+    attention_factor: float = 1.0  # yarn, longrope: scale of cos and sin
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn: round the correction range to whole dimensions
+    short_factor: tuple[float, ...] = ()  # longrope, one per frequency
+    long_factor: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ConfigError(
+                f"rope_type={self.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+            )
+        if self.factor <= 0:
+            raise ConfigError(f"rope factor={self.factor} must be positive")
+        if self.rope_type in ("dynamic", "yarn", "longrope", "llama3"):
+            if self.original_max_position_embeddings <= 0:
+                raise ConfigError(
+                    f"rope_type={self.rope_type!r} needs a positive original_max_position_"
+                    f"embeddings, got {self.original_max_position_embeddings}"
+                )
+        if self.rope_type == "longrope" and len(self.short_factor) != len(self.long_factor):
+            raise ConfigError(
+                f"longrope short_factor ({len(self.short_factor)} values) and long_factor "
+                f"({len(self.long_factor)}) must have one value per rotary frequency each"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +99,20 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v biases (Qwen2)
-    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3, Gemma 3)
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"  # the MLP's gate activation
+    # Per layer, SLIDING or FULL; empty: every layer slides when sliding_window is set.
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None  # Gemma 3: unscaled rope base of the sliding layers
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # the same on the output logits
+    query_pre_attn_scalar: float | None = None  # attention scale scalar ** -0.5 (Gemma)
+    # Gemma: RMSNorm scales by (1 + weight), embeddings times sqrt(hidden_size), and norms after
+    # attention and after the MLP as well as before them.
+    is_gemma: bool = False
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -80,6 +140,29 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(
+                f"hidden_act={self.hidden_act!r} is not supported; supported: "
+                f"{', '.join(ACTIVATIONS)}"
+            )
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ConfigError(
+                    f"layer_types has {len(self.layer_types)} entries, "
+                    f"num_hidden_layers={self.num_layers}"
+                )
+            unknown = sorted(set(self.layer_types) - {SLIDING, FULL})
+            if unknown:
+                raise ConfigError(f"layer_types: {unknown} not one of {SLIDING!r}, {FULL!r}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"sliding_window={self.sliding_window} must be positive")
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.rope_type == "longrope":
+            if len(scaling.short_factor) != self.head_dim // 2:
+                raise ConfigError(
+                    f"longrope short_factor has {len(scaling.short_factor)} values, "
+                    f"head_dim={self.head_dim} needs {self.head_dim // 2}"
+                )
 
     @property
     def q_size(self) -> int:
@@ -89,15 +172,43 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def sm_scale(self) -> float:
+        """The attention scores' scale."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def is_sliding_layer(self, layer: int) -> bool:
+        if self.sliding_window is None:
+            return False
+        return not self.layer_types or self.layer_types[layer] == SLIDING
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer``, or None where it attends to every token."""
+        return self.sliding_window if self.is_sliding_layer(layer) else None
+
+    def layer_rope(self, layer: int) -> tuple[float, RopeScaling | None]:
+        """(rope base, scaling) of layer ``layer``: Gemma 3's local layers have their own."""
+        if self.rope_local_theta is not None and self.is_sliding_layer(layer):
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Build from a config.json dict (either rope key spelling)."""
+        architectures = raw.get("architectures") or []
+        if architectures and not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+            raise ConfigError(
+                f"config.json: architectures={architectures} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"config.json: model_type={model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} "
+                f"(architectures {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
+        raw = _rename_su(raw)
         try:
             from transformers import AutoConfig
 
@@ -122,31 +233,37 @@ class ModelConfig:
 
     @classmethod
     def _from_parsed(cls, hf: dict[str, Any]) -> ModelConfig:
+        model_type = hf["model_type"]
+        num_q_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_q_heads
         rope = hf.get("rope_parameters") or {}
+        local_rope = None
+        if FULL in rope or SLIDING in rope:  # per layer type (Gemma 3)
+            local_rope = rope.get(SLIDING) or {}
+            rope = rope.get(FULL) or {}
         if not rope:  # older transformers spelling
             rope = dict(hf.get("rope_scaling") or {})
             rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        scaling = None
-        if rope_type == "llama3":
-            scaling = RopeScaling(
-                factor=float(rope["factor"]),
-                low_freq_factor=float(rope["low_freq_factor"]),
-                high_freq_factor=float(rope["high_freq_factor"]),
-                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-            )
-        elif rope_type not in ("default", None):
-            raise ConfigError(
-                f"rope_type={rope_type!r} is not supported; supported: default, llama3"
-            )
-        num_q_heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_q_heads
+        partial = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor")) or 1.0)
+        if partial != 1.0:
+            raise ConfigError(f"partial_rotary_factor={partial} is not supported; only 1.0")
+        rope_local_theta = None
+        if local_rope is not None and model_type == "gemma3_text":
+            if _rope_type(local_rope) != "default":
+                raise ConfigError(
+                    f"rope_parameters[{SLIDING!r}]: rope_type={_rope_type(local_rope)!r} is not "
+                    "supported for the local layers; only default"
+                )
+            rope_local_theta = float(local_rope.get("rope_theta", 10000.0))
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        model_type = hf["model_type"]
         sliding_window = hf.get("sliding_window")
         if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
             sliding_window = None
+        is_gemma = model_type in GEMMA_MODEL_TYPES
+        layer_types: tuple[str, ...] = ()
+        if is_gemma:
+            layer_types = _gemma_layer_types(hf)
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -158,17 +275,111 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
-            rope_scaling=scaling,
+            rope_scaling=_rope_scaling(rope, hf),
             max_position_embeddings=hf.get("max_position_embeddings") or 4096,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             sliding_window=sliding_window,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
+            layer_types=layer_types,
+            rope_local_theta=rope_local_theta,
+            attn_logit_softcap=_optional_float(hf.get("attn_logit_softcapping")),
+            final_logit_softcap=_optional_float(hf.get("final_logit_softcapping")),
+            query_pre_attn_scalar=_optional_float(hf.get("query_pre_attn_scalar")),
+            is_gemma=is_gemma,
         )
 
 
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _rope_type(rope: dict[str, Any]) -> str:
+    return rope.get("rope_type") or rope.get("type") or "default"
+
+
+def _rename_su(raw: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's first long-context configs call longrope ``su``; transformers wants longrope."""
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = raw.get(key)
+        if isinstance(rope, dict) and "su" in (rope.get("type"), rope.get("rope_type")):
+            rope = {k: v for k, v in rope.items() if k != "type"} | {"rope_type": "longrope"}
+            raw = raw | {key: rope}
+    return raw
+
+
+def _rope_scaling(rope: dict[str, Any], hf: dict[str, Any]) -> RopeScaling | None:
+    """The scaling of one rope parameter dict (None for the unscaled default)."""
+    rope_type = _rope_type(rope)
+    if rope_type == "default":
+        return None
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(
+            f"rope_type={rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+        )
+    max_positions = hf.get("max_position_embeddings") or 4096
+    # NOTE: dynamic NTK counts from max_position_embeddings, as transformers does; Phi-3 keeps
+    # its pretraining length outside the rope dict.
+    original = rope.get("original_max_position_embeddings") or hf.get(
+        "original_max_position_embeddings"
+    )
+    if rope_type == "dynamic":
+        original = max_positions
+    factor = rope.get("factor")
+    if factor is None:  # yarn, longrope: the ratio of the two lengths
+        factor = max_positions / original if original else 1.0
+    factor = float(factor)
+    try:
+        return RopeScaling(
+            rope_type=rope_type,
+            factor=factor,
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(original or 0),
+            attention_factor=_attention_factor(rope_type, rope, factor, original),
+            beta_fast=float(rope.get("beta_fast") or 32.0),
+            beta_slow=float(rope.get("beta_slow") or 1.0),
+            truncate=bool(rope.get("truncate", True)),
+            short_factor=tuple(float(x) for x in rope.get("short_factor") or ()),
+            long_factor=tuple(float(x) for x in rope.get("long_factor") or ()),
+        )
+    except KeyError as exc:
+        raise ConfigError(f"rope_type={rope_type!r} needs {exc}") from exc
+
+
+def _attention_factor(
+    rope_type: str, rope: dict[str, Any], factor: float, original: int | None
+) -> float:
+    """The cos/sin scale of yarn and longrope: the config's, else the papers' rule."""
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    if rope_type == "yarn":
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        if m and m_all:
+            return mscale(factor, m) / mscale(factor, m_all)
+        return mscale(factor)
+    if rope_type == "longrope" and factor > 1.0 and original:
+        return math.sqrt(1 + math.log(factor) / math.log(original))
+    return 1.0
+
+
+def _gemma_layer_types(hf: dict[str, Any]) -> tuple[str, ...]:
+    """Local/global pattern: ``layer_types``, else ``sliding_window_pattern`` (every n-th layer
+    global), else Gemma 2's alternation (even layers local)."""
+    num_layers = hf["num_hidden_layers"]
+    if hf.get("layer_types"):
+        return tuple(hf["layer_types"])
+    pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 2
+    return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
+
+
 def builtin_config_dir(name: str) -> Path:
-    """Directory of a config shipped with the package (``llama-3-8b``, ``qwen3-8b``)."""
+    """Directory of a config shipped with the package (``llama-3-8b``, ``qwen3-8b``, ...)."""
     return Path(__file__).parent / "assets" / "configs" / name

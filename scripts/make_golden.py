@@ -4,11 +4,16 @@ Run with an interpreter that has torch (CPU is enough) and transformers:
 
     python scripts/make_golden.py
 
-One byte-level BPE tokenizer is trained on ``CORPUS`` and shared by five tiny random fp32 models
-built with transformers' own classes (llama, llama3, qwen2, qwen3, mistral). Each model directory
-gets the HF files (config.json, generation_config.json, model.safetensors, tokenizer files) and a
-``golden.npz`` with the eager-attention logits the jax model must reproduce. The output is
-deterministic: the same torch/transformers versions write the same bytes.
+    python scripts/make_golden.py gemma2 phi3   # only these fixtures (and the built-in configs)
+
+One byte-level BPE tokenizer is trained on ``CORPUS`` and shared by tiny random fp32 models built
+with transformers' own classes (llama, llama3, qwen2, qwen3, mistral, then the newer families
+and rope scalings: gemma2, gemma3, phi3, llama_linear, llama_dynamic, qwen2_yarn). Each model
+directory gets the HF files (config.json, generation_config.json, model.safetensors, tokenizer
+files) and a ``golden.npz`` with the eager-attention logits the jax model must reproduce; the
+newer ones also hold a long greedy generation (``long_*``) from the long prompt, past their
+sliding window and their original rope context. The output is deterministic: the same
+torch/transformers versions write the same bytes.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +36,13 @@ BUILTIN_CONFIGS = REPO / "jaxserve" / "assets" / "configs"
 VOCAB_SIZE = 320
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
 NUM_GREEDY = 8
+NUM_LONG = 20  # greedy steps after the long prompt (56 tokens): positions 56..75
+ORIGINAL_CONTEXT = 64  # the rope-scaled fixtures' original context, crossed by the long run
+SLIDING_WINDOW = 16  # the sliding-window fixtures' window, shorter than both prompts
+# The fixtures with a long generation in golden.npz.
+LONG_FIXTURES = ("gemma2", "gemma3", "phi3", "llama_linear", "llama_dynamic", "qwen2_yarn")
 MIN_MARGIN = 0.1  # top-1 minus top-2 logit at every greedy step
+LONG_MIN_MARGIN = 0.02  # the same over the long generation (fp32 parity is within 1e-4)
 MAX_SEED_TRIES = 256
 
 # NOTE: the template starts with bos_token (as Llama-3's does) because the models always see bos
@@ -145,6 +157,14 @@ def model_configs(
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64,
     }
+    small = {**common, "num_hidden_layers": 3}
+    gemma = dict(
+        head_dim=16,
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=24,
+        sliding_window=SLIDING_WINDOW,
+        tie_word_embeddings=True,
+    )
     return {
         "llama": transformers.LlamaConfig(
             **common,
@@ -173,6 +193,60 @@ def model_configs(
             **common,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
             tie_word_embeddings=False,
+            sliding_window=None,
+        ),
+        # Local (sliding) and global layers alternate; both soft caps are small enough to bend.
+        "gemma2": transformers.Gemma2Config(
+            **common,
+            **gemma,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            attn_logit_softcapping=4.0,
+            final_logit_softcapping=8.0,
+        ),
+        # Two local layers, then a global one with its own rope base and a linear scaling.
+        "gemma3": transformers.Gemma3TextConfig(
+            **small,
+            **gemma,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            },
+        ),
+        # Fused qkv and gate_up; longrope past 64 positions; a sliding window on every layer.
+        "phi3": transformers.Phi3Config(
+            **{**common, "max_position_embeddings": 256},
+            original_max_position_embeddings=ORIGINAL_CONTEXT,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.05, 1.1, 1.2, 1.4, 1.7, 2.0, 2.5],
+                "long_factor": [1.0, 1.5, 2.0, 3.0, 4.5, 6.0, 8.0, 12.0],
+            },
+            sliding_window=SLIDING_WINDOW,
+            tie_word_embeddings=False,
+        ),
+        "llama_linear": transformers.LlamaConfig(
+            **common,
+            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+            tie_word_embeddings=False,
+        ),
+        # Dynamic NTK counts from max_position_embeddings: the long run passes it.
+        "llama_dynamic": transformers.LlamaConfig(
+            **{**common, "max_position_embeddings": ORIGINAL_CONTEXT},
+            rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+            tie_word_embeddings=False,
+        ),
+        "qwen2_yarn": transformers.Qwen2Config(
+            **common,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": ORIGINAL_CONTEXT,
+            },
+            tie_word_embeddings=True,
+            use_sliding_window=False,
             sliding_window=None,
         ),
     }
@@ -206,29 +280,47 @@ def randomize(model: torch.nn.Module, seed: int, std: float) -> None:
                 param.copy_(std * noise)
 
 
+def greedy_run(
+    model: torch.nn.Module, prompt_ids: list[int], num_steps: int
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Greedy generation through transformers' KV cache: (ids, rows they came from, prefill)."""
+    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    prefill_logits = out.logits[0]  # f32[P, V]
+    cache, row = out.cache, prefill_logits[-1]
+    greedy_ids, rows = [], []
+    for _ in range(num_steps):
+        token = int(row.argmax())
+        greedy_ids.append(token)
+        rows.append(row)
+        out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
+        cache, row = out.cache, out.logits[0, -1]
+    return greedy_ids, torch.stack(rows), prefill_logits
+
+
 def golden(
-    model: torch.nn.Module, prompt_ids: list[int], prompt2_ids: list[int]
+    model: torch.nn.Module, prompt_ids: list[int], prompt2_ids: list[int], long: bool
 ) -> dict[str, np.ndarray]:
     """Eager fp32 reference outputs: prefill logits, a greedy loop and a second longer prefill."""
     with torch.no_grad():
-        out = model(torch.tensor([prompt_ids]), use_cache=True)
-        prefill_logits = out.logits[0]  # f32[P, V]
-        cache = out.cache
-        row = prefill_logits[-1]  # f32[V]
-        greedy_ids, decode_rows = [], []
-        for _ in range(NUM_GREEDY):
-            token = int(row.argmax())
-            greedy_ids.append(token)
-            decode_rows.append(row)
-            out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
-            cache, row = out.cache, out.logits[0, -1]
-        decode_logits = torch.stack(decode_rows)  # f32[N, V]
+        greedy_ids, decode_logits, prefill_logits = greedy_run(model, prompt_ids, NUM_GREEDY)
         # The cached loop must agree with one uncached forward over prompt + greedy tokens.
         full = model(torch.tensor([prompt_ids + greedy_ids[:-1]]), use_cache=False).logits[0]
         torch.testing.assert_close(full[len(prompt_ids) - 1 :], decode_logits, atol=1e-4, rtol=0)
         prefill2_logits = model(torch.tensor([prompt2_ids]), use_cache=False).logits[0]
+        # NOTE: last, so dynamic rope's grown frequencies do not reach the runs above. Through
+        # the cache each token is rotated by its own position, as jaxserve rotates it.
+        if long:
+            long_ids, long_logits, _ = greedy_run(model, prompt2_ids, NUM_LONG)
     top2 = decode_logits.topk(2, dim=-1).values  # f32[N, 2]
-    return {
+    extra = {}
+    if long:
+        long_top2 = long_logits.topk(2, dim=-1).values  # f32[NUM_LONG, 2]
+        extra = {
+            "long_greedy_ids": np.asarray(long_ids, np.int32),
+            "long_decode_logits": long_logits.numpy().astype(np.float32),
+            "long_greedy_margins": (long_top2[:, 0] - long_top2[:, 1]).numpy().astype(np.float32),
+        }
+    return extra | {
         "prompt_ids": np.asarray(prompt_ids, np.int32),
         "prefill_logits": prefill_logits.numpy().astype(np.float32),
         "greedy_ids": np.asarray(greedy_ids, np.int32),
@@ -255,9 +347,13 @@ def build_model(
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
         model = model.to(torch.float32).eval()
         randomize(model, seed, config.initializer_range)
-        result = golden(model, prompt_ids, prompt2_ids)
-        if result["greedy_margins"].min() > MIN_MARGIN and not special_ids & set(
-            result["greedy_ids"].tolist()
+        result = golden(model, prompt_ids, prompt2_ids, long=name in LONG_FIXTURES)
+        long_margins = result.get("long_greedy_margins", np.ones(1))
+        greedy = result["greedy_ids"].tolist() + result.get("long_greedy_ids", np.zeros(0)).tolist()
+        if (
+            result["greedy_margins"].min() > MIN_MARGIN
+            and long_margins.min() > LONG_MIN_MARGIN
+            and not special_ids & set(greedy)
         ):
             result["seed"] = np.int64(seed)
             return model, result
@@ -299,7 +395,8 @@ def write_fixture(
     )
 
 
-# Values of the published config.json files (Meta-Llama-3-8B, Qwen3-8B), in their key spelling.
+# Values of the published config.json files (Meta-Llama-3-8B, Qwen3-8B, gemma-2-9b and the text
+# model of gemma-3-12b as a Gemma3ForCausalLM), in their key spelling.
 BUILTIN = {
     "llama-3-8b": {
         "architectures": ["LlamaForCausalLM"],
@@ -352,6 +449,67 @@ BUILTIN = {
         "use_sliding_window": False,
         "vocab_size": 151936,
     },
+    "gemma-2-9b": {
+        "architectures": ["Gemma2ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_logit_softcapping": 50.0,
+        "bos_token_id": 2,
+        "cache_implementation": "hybrid",
+        "eos_token_id": 1,
+        "final_logit_softcapping": 30.0,
+        "head_dim": 256,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 3584,
+        "initializer_range": 0.02,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 8192,
+        "model_type": "gemma2",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 42,
+        "num_key_value_heads": 8,
+        "pad_token_id": 0,
+        "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0,
+        "sliding_window": 4096,
+        "sliding_window_size": 4096,
+        "torch_dtype": "float32",
+        "use_cache": True,
+        "vocab_size": 256000,
+    },
+    "gemma-3-12b": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_logit_softcapping": None,
+        "bos_token_id": 2,
+        "eos_token_id": [1, 106],
+        "final_logit_softcapping": None,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 3840,
+        "initializer_range": 0.02,
+        "intermediate_size": 15360,
+        "max_position_embeddings": 131072,
+        "model_type": "gemma3_text",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 8,
+        "pad_token_id": 0,
+        "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "rope_theta": 1000000.0,
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": 262208,
+    },
 }
 
 
@@ -361,7 +519,8 @@ def write_builtin_configs() -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
         parsed = transformers.AutoConfig.from_pretrained(out)
-        if parsed.rope_parameters["rope_theta"] != raw["rope_theta"]:
+        rope = parsed.rope_parameters.get("full_attention", parsed.rope_parameters)
+        if rope["rope_theta"] != raw["rope_theta"]:
             raise RuntimeError(f"{name}: rope_theta={parsed.rope_parameters} was not parsed")
 
 
@@ -380,8 +539,13 @@ def main() -> None:
         raise RuntimeError(f"{len(prompt_ids)=} {len(prompt2_ids)=} outside 16..24 / 49..64")
     configs = model_configs(tok)
     check_llama3_bands(configs["llama3"])
+    only = sys.argv[1:]
+    unknown = sorted(set(only) - set(configs))
+    if unknown:
+        raise SystemExit(f"unknown fixtures {unknown}; known: {', '.join(configs)}")
     for index, (name, config) in enumerate(configs.items()):
-        write_fixture(name, index, config, tok, prompt_ids, prompt2_ids, chat_ids)
+        if not only or name in only:
+            write_fixture(name, index, config, tok, prompt_ids, prompt2_ids, chat_ids)
     write_builtin_configs()
     total = sum(f.stat().st_size for f in FIXTURES.rglob("*") if f.is_file())
     print(

@@ -15,7 +15,9 @@ import httpx
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
-FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral")
+# Newer families and rope scalings, whose golden.npz also holds a long generation.
+NEW_FAMILIES = ("gemma2", "gemma3", "phi3", "llama_linear", "llama_dynamic", "qwen2_yarn")
+FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral", *NEW_FAMILIES)
 
 # Compiled programs are reused across test runs and processes (CI keeps a warm cache dir).
 os.environ.setdefault("JAXSERVE_COMPILATION_CACHE", str(Path.home() / ".cache/jaxserve/xla-tests"))

@@ -50,7 +50,7 @@ def run_chunks(family: str, token_ids: list[int], chunk: int | None, dtype=jnp.f
         end = min(start + chunk, len(token_ids))
         batch = one_sequence_batch(token_ids[:end], start, pages, num_pages * PAGE)
         cache, hidden = forward(weights, cache, batch, config)
-        logits.append(np.asarray(llama.compute_logits(weights, hidden)))
+        logits.append(np.asarray(llama.compute_logits(weights, hidden, config.final_logit_softcap)))
     return np.concatenate(logits)
 
 

@@ -19,8 +19,7 @@ from safetensors import safe_open
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.families import (
-    LLAMA_LAYER_FIELDS,
-    LLAMA_MODEL_FIELDS,
+    FAMILY_TABLES,
     WeightField,
     layer_fields,
     model_fields,
@@ -42,9 +41,32 @@ def present(obj: Any) -> list[str]:
 
 
 def test_tables_declare_the_dataclass_fields_in_order() -> None:
-    assert names(LLAMA_LAYER_FIELDS) == [f.name for f in dataclasses.fields(LayerWeights)]
+    layer_names = [f.name for f in dataclasses.fields(LayerWeights)]
     outside = [f.name for f in dataclasses.fields(Weights) if f.name != "layers"]
-    assert sorted(names(LLAMA_MODEL_FIELDS)) == sorted(outside)
+    covered: set[str] = set()
+    for layer_table, model_table in FAMILY_TABLES.values():
+        # Each family's layer fields are LayerWeights' fields, in their order.
+        table_names = names(layer_table)
+        assert table_names == [name for name in layer_names if name in table_names]
+        assert sorted(names(model_table)) == sorted(outside)
+        covered |= set(table_names)
+    assert covered == set(layer_names)  # every field is some family's
+
+
+def test_fused_rows_split_phi3_qkv_and_gate_up() -> None:
+    """Phi-3's qkv_proj and gate_up_proj are read once per part: q, k, v, gate, up."""
+    config = ModelConfig.from_hf_dir(fixture_dir("phi3"))
+    with safe_open(fixture_dir("phi3") / "model.safetensors", framework="numpy") as f:
+        qkv = f.get_tensor("model.layers.1.self_attn.qkv_proj.weight")  # [(N + 2K) D, H]
+        gate_up = f.get_tensor("model.layers.1.mlp.gate_up_proj.weight")  # [2I, H]
+    weights = load_weights(fixture_dir("phi3"), config, jnp.float32)
+    layer = weights.layers[1]
+    q_rows, kv_rows = config.q_size, config.kv_size
+    assert (layer.wq.reshape(config.hidden_size, -1).T == qkv[:q_rows]).all()
+    assert (layer.wk.reshape(config.hidden_size, -1).T == qkv[q_rows : q_rows + kv_rows]).all()
+    assert (layer.wv.reshape(config.hidden_size, -1).T == qkv[q_rows + kv_rows :]).all()
+    assert (layer.w_gate.T == gate_up[: config.intermediate_size]).all()
+    assert (layer.w_up.T == gate_up[config.intermediate_size :]).all()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

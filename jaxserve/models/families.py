@@ -9,6 +9,9 @@ new weight is one row here plus its attribute in ``LayerWeights`` or ``Weights``
 
 Shapes are written in the einsum letters of ``llama.py``: H hidden, N query heads, K kv heads,
 D head dim, I intermediate, V vocab.
+
+A fused checkpoint tensor (Phi-3's ``qkv_proj`` and ``gate_up_proj``) is one row per part:
+``fused`` lists the first-axis blocks of the whole tensor and ``part`` says which is this one.
 """
 
 from __future__ import annotations
@@ -65,16 +68,32 @@ class WeightField:
     shape: str  # shape in Weights, one letter per axis: "HND" is [H, N, D]
     # Hugging Face Linear weights are [out, in]: transposed, then reshaped to ``shape``.
     transpose: bool = False
-    init: Literal["normal", "ones"] = "normal"  # dummy weights: scaled noise, or ones (norms)
+    # Dummy weights: scaled noise, ones (norms) or zeros (Gemma's norms, which scale by 1 + w).
+    init: Literal["normal", "ones", "zeros"] = "normal"
     present: Callable[[ModelConfig], bool] = _always  # whether the config has this tensor
+    # A part of a fused tensor: the first-axis blocks of the whole (("ND", "KD", "KD") for
+    # qkv_proj) and this field's index among them; empty for a tensor of its own.
+    fused: tuple[str, ...] = ()
+    part: int = 0
 
     def __post_init__(self) -> None:
         if sorted("".join(self.hf_shape)) != sorted(self.shape):
             raise ValueError(f"{self.name}: {self.hf_shape=} and {self.shape=} differ in letters")
+        if self.fused and self.fused[self.part] != self.hf_shape[0]:
+            raise ValueError(f"{self.name}: {self.part=} of {self.fused=} is not {self.hf_shape}")
 
     def hf_shape_for(self, config: ModelConfig) -> tuple[int, ...]:
         sizes = dim_sizes(config)
         return tuple(math.prod(sizes[dim] for dim in axis) for axis in self.hf_shape)
+
+    def checkpoint_shape_for(self, config: ModelConfig) -> tuple[int, ...]:
+        """Shape of the checkpoint tensor this field is read from (the whole of a fused one)."""
+        shape = self.hf_shape_for(config)
+        if not self.fused:
+            return shape
+        sizes = dim_sizes(config)
+        rows = sum(math.prod(sizes[dim] for dim in block) for block in self.fused)
+        return (rows, *shape[1:])
 
     def shape_for(self, config: ModelConfig) -> tuple[int, ...]:
         sizes = dim_sizes(config)
@@ -82,6 +101,11 @@ class WeightField:
 
     def from_hf(self, tensor: np.ndarray, config: ModelConfig) -> np.ndarray:
         """A checkpoint tensor in this field's layout (a view where numpy can make one)."""
+        if self.fused:
+            sizes = dim_sizes(config)
+            blocks = [math.prod(sizes[dim] for dim in block) for block in self.fused]
+            start = sum(blocks[: self.part])
+            tensor = tensor[start : start + blocks[self.part]]
         return (tensor.T if self.transpose else tensor).reshape(self.shape_for(config))
 
 
@@ -121,16 +145,95 @@ LLAMA_MODEL_FIELDS = (
 )
 
 
-# NOTE: every supported model_type is the Llama family (its variants are the `present`
-# switches); a second family brings its own tables and is chosen here by config.model_type.
+def _has_sandwich_norms(config: ModelConfig) -> bool:
+    return config.is_gemma
+
+
+# Gemma 2 and 3: the same attention and MLP tensors, four norms per layer (the one Hugging Face
+# calls post_attention_layernorm is applied to the attention output), q/k norms in Gemma 3,
+# all norms scaling by (1 + weight). Tied embeddings.
+_GEMMA_NORM_NAMES = {
+    "attn_norm": "input_layernorm.weight",
+    "mlp_norm": "pre_feedforward_layernorm.weight",
+}
+GEMMA_LAYER_FIELDS = (
+    *(
+        dataclasses.replace(
+            field, hf_name=_GEMMA_NORM_NAMES.get(field.name, field.hf_name), init="zeros"
+        )
+        if field.init == "ones"
+        else field
+        for field in LLAMA_LAYER_FIELDS
+        if field.name not in ("bq", "bk", "bv")
+    ),
+    WeightField(
+        "post_attn_norm",
+        "post_attention_layernorm.weight",
+        ("H",),
+        "H",
+        init="zeros",
+        present=_has_sandwich_norms,
+    ),
+    WeightField(
+        "post_mlp_norm",
+        "post_feedforward_layernorm.weight",
+        ("H",),
+        "H",
+        init="zeros",
+        present=_has_sandwich_norms,
+    ),
+)
+GEMMA_MODEL_FIELDS = tuple(
+    dataclasses.replace(field, init="zeros") if field.init == "ones" else field
+    for field in LLAMA_MODEL_FIELDS
+)
+
+# Phi-3: q, k and v in one qkv_proj tensor, gate and up in one gate_up_proj.
+_QKV = ("ND", "KD", "KD")
+_GATE_UP = ("I", "I")
+_PHI3_FUSED = {
+    "wq": ("self_attn.qkv_proj.weight", _QKV, 0),
+    "wk": ("self_attn.qkv_proj.weight", _QKV, 1),
+    "wv": ("self_attn.qkv_proj.weight", _QKV, 2),
+    "w_gate": ("mlp.gate_up_proj.weight", _GATE_UP, 0),
+    "w_up": ("mlp.gate_up_proj.weight", _GATE_UP, 1),
+}
+PHI3_LAYER_FIELDS = tuple(
+    dataclasses.replace(
+        field,
+        hf_name=_PHI3_FUSED[field.name][0],
+        fused=_PHI3_FUSED[field.name][1],
+        part=_PHI3_FUSED[field.name][2],
+    )
+    if field.name in _PHI3_FUSED
+    else field
+    for field in LLAMA_LAYER_FIELDS
+    if field.name not in ("bq", "bk", "bv", "q_norm", "k_norm")
+)
+
+# model_type -> (layer table, model table). Every family's fields are LayerWeights' fields in
+# their order; a field a family never has is left out of its table.
+FAMILY_TABLES: dict[str, tuple[tuple[WeightField, ...], tuple[WeightField, ...]]] = {
+    "llama": (LLAMA_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
+    "mistral": (LLAMA_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
+    "qwen2": (LLAMA_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
+    "qwen3": (LLAMA_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
+    "gemma2": (GEMMA_LAYER_FIELDS, GEMMA_MODEL_FIELDS),
+    "gemma3_text": (GEMMA_LAYER_FIELDS, GEMMA_MODEL_FIELDS),
+    "phi3": (PHI3_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
+}
+
+
 def layer_fields(config: ModelConfig) -> tuple[WeightField, ...]:
     """The per-layer tensors this config has, in table order."""
-    return tuple(field for field in LLAMA_LAYER_FIELDS if field.present(config))
+    table = FAMILY_TABLES[config.model_type][0]
+    return tuple(field for field in table if field.present(config))
 
 
 def model_fields(config: ModelConfig) -> tuple[WeightField, ...]:
     """The tensors outside the layers this config has, in table order."""
-    return tuple(field for field in LLAMA_MODEL_FIELDS if field.present(config))
+    table = FAMILY_TABLES[config.model_type][1]
+    return tuple(field for field in table if field.present(config))
 
 
 def num_params(config: ModelConfig, *, include_embedding: bool = True) -> int:

@@ -1,9 +1,14 @@
-"""The Llama family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral) as pure functions.
+"""The dense decoder families (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3)
+as pure functions.
 
 ``forward(weights, kv_cache, batch, config) -> (kv_cache, hidden)`` runs one ragged batch of
 prefill chunks and decode tokens over the paged KV cache; ``compute_logits`` turns selected
-hidden rows into logits. Config switches cover the family: q/k/v biases (Qwen2), per-head q/k
-RMSNorm (Qwen3), Llama-3 RoPE scaling, tied embeddings, sliding window (Mistral).
+hidden rows into logits. Config switches cover the families: q/k/v biases (Qwen2), per-head q/k
+RMSNorm (Qwen3, Gemma 3), every RoPE scaling (``rope.py``), tied embeddings, sliding windows
+for all layers (Mistral, Phi-3) or per layer (Gemma's local and global layers, with a rope base
+per layer type in Gemma 3), attention and final logit soft-capping and the attention scale
+(Gemma 2), Gemma's (1 + weight) RMSNorm, scaled embeddings, norms after attention and MLP and
+GeGLU. Phi-3's fused qkv and gate_up tensors are split at loading (``families.py``).
 
 Einsum letters: T tokens, H hidden, N query heads, K kv heads, D head dim, I intermediate,
 V vocab.
@@ -12,14 +17,15 @@ V vocab.
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.models import rope
 from jaxserve.models.batch import Batch, KVCache
 
 
@@ -42,8 +48,10 @@ class LayerWeights:
     bq: jax.Array | None = None  # [N, D]  (Qwen2)
     bk: jax.Array | None = None  # [K, D]
     bv: jax.Array | None = None  # [K, D]
-    q_norm: jax.Array | None = None  # [D]  (Qwen3)
+    q_norm: jax.Array | None = None  # [D]  (Qwen3, Gemma 3)
     k_norm: jax.Array | None = None  # [D]
+    post_attn_norm: jax.Array | None = None  # [H]  (Gemma: norms after attention and MLP)
+    post_mlp_norm: jax.Array | None = None  # [H]
 
 
 @jax.tree_util.register_dataclass
@@ -58,31 +66,21 @@ class Weights:
 AttentionFn = Callable[..., jax.Array]
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in float32, cast back to x's dtype before the scale (as Hugging Face does)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, unit_offset: bool = False) -> jax.Array:
+    """RMSNorm in float32, cast back to x's dtype before the scale (as Hugging Face does).
+
+    ``unit_offset`` (Gemma): the scale is ``1 + weight`` and applies in float32 before the cast.
+    """
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if unit_offset:
+        return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * x32.astype(x.dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> jax.Array:  # f32[D // 2]
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    # Llama 3.1: long wavelengths slowed by `factor`, short kept, smooth in between.
-    old_len = scaling.original_max_position_embeddings
-    low_freq_wavelen = old_len / scaling.low_freq_factor
-    high_freq_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return jnp.where(is_medium, smoothed, scaled)
+    """The global layers' rotary frequencies (position-independent scalings)."""
+    return rope.inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
 
 
 def apply_rope(
@@ -92,11 +90,13 @@ def apply_rope(
 ) -> jax.Array:  # [T, heads, D]
     """Rotary embedding in the rotate-half layout of Hugging Face checkpoints."""
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # f32[T, D/2]
-    cos = jnp.concatenate([jnp.cos(freqs)] * 2, axis=-1)[:, None, :].astype(x.dtype)
-    sin = jnp.concatenate([jnp.sin(freqs)] * 2, axis=-1)[:, None, :].astype(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    return rope.apply_rotary(x, *rope.cos_sin(freqs, 1.0, x.dtype))
+
+
+_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
 
 
 def attention_block(
@@ -106,8 +106,9 @@ def attention_block(
     v_pages: jax.Array,
     batch: Batch,
     config: ModelConfig,
-    inv_freq: jax.Array,  # f32[D // 2]
+    rotary: tuple[jax.Array, jax.Array],  # (cos, sin), each [T, 1, D] in x's dtype
     attention_fn: AttentionFn,
+    sliding_window: int | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     q = jnp.einsum("TH,HND->TND", x, lw.wq)
     k = jnp.einsum("TH,HKD->TKD", x, lw.wk)
@@ -118,12 +119,12 @@ def attention_block(
         k = k + lw.bk
     if lw.bv is not None:
         v = v + lw.bv
-    if lw.q_norm is not None:  # per-head RMSNorm (Qwen3): both or neither
-        q = rms_norm(q, lw.q_norm, config.rms_norm_eps)
+    if lw.q_norm is not None:  # per-head RMSNorm (Qwen3, Gemma 3): both or neither
+        q = rms_norm(q, lw.q_norm, config.rms_norm_eps, config.is_gemma)
     if lw.k_norm is not None:
-        k = rms_norm(k, lw.k_norm, config.rms_norm_eps)
-    q = apply_rope(q, batch.positions, inv_freq)
-    k = apply_rope(k, batch.positions, inv_freq)
+        k = rms_norm(k, lw.k_norm, config.rms_norm_eps, config.is_gemma)
+    q = rope.apply_rotary(q, *rotary)
+    k = rope.apply_rotary(k, *rotary)
     k_pages, v_pages = pallas_kernels.write_kv(k_pages, v_pages, k, v, batch.slot_mapping)
     out = attention_fn(
         q,
@@ -133,16 +134,19 @@ def attention_block(
         batch.page_indices,
         batch.cu_q_lens,
         batch.num_seqs,
-        sm_scale=config.head_dim**-0.5,
-        sliding_window=config.sliding_window,
+        sm_scale=config.sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=config.attn_logit_softcap,
     )  # [T, N, D]
     return jnp.einsum("TND,NDH->TH", out, lw.wo), k_pages, v_pages
 
 
-def mlp_block(lw: LayerWeights, x: jax.Array) -> jax.Array:  # [T, H] -> [T, H]
+def mlp_block(
+    lw: LayerWeights, x: jax.Array, act: Callable[[jax.Array], jax.Array] = jax.nn.silu
+) -> jax.Array:  # [T, H] -> [T, H]
     gate = jnp.einsum("TH,HI->TI", x, lw.w_gate)
     up = jnp.einsum("TH,HI->TI", x, lw.w_up)
-    return jnp.einsum("TI,IH->TH", jax.nn.silu(gate) * up, lw.w_down)
+    return jnp.einsum("TI,IH->TH", act(gate) * up, lw.w_down)
 
 
 def forward(
@@ -154,24 +158,54 @@ def forward(
 ) -> tuple[KVCache, jax.Array]:  # (kv_cache, hidden[T, H])
     """One step over a ragged batch; returns the updated cache and final-normed hidden states."""
     attention_fn = attention_fn or pallas_kernels.ragged_paged_attention
-    inv_freq = rope_inv_freq(config)
+    eps, gemma = config.rms_norm_eps, config.is_gemma
+    act = _ACTIVATIONS[config.hidden_act]
     x = weights.embed[batch.input_ids]  # [T, H]
+    if gemma:  # the normalizer is rounded to the activations' dtype, as in Hugging Face
+        x = x * jnp.asarray(config.hidden_size**0.5, x.dtype)
+    rotaries: dict[tuple[float, RopeScaling | None], tuple[jax.Array, jax.Array]] = {}
     new_cache: KVCache = []
     # NOTE: a Python loop over per-layer weights (unrolled under jit), not lax.scan over stacked
     # weights: on the H200 the scanned decode GEMMs ran at 32% of the bandwidth floor, unrolled
     # at 88% (BENCHMARKS.md).
-    for lw, (k_pages, v_pages) in zip(weights.layers, kv_cache, strict=True):
-        h = rms_norm(x, lw.attn_norm, config.rms_norm_eps)
+    for layer, (lw, (k_pages, v_pages)) in enumerate(zip(weights.layers, kv_cache, strict=True)):
+        layer_rope = config.layer_rope(layer)
+        if layer_rope not in rotaries:
+            freqs, scale = rope.rotary_angles(batch.positions, config.head_dim, *layer_rope)
+            rotaries[layer_rope] = rope.cos_sin(freqs, scale, x.dtype)
+        h = rms_norm(x, lw.attn_norm, eps, gemma)
         attn, k_pages, v_pages = attention_block(
-            lw, h, k_pages, v_pages, batch, config, inv_freq, attention_fn
+            lw,
+            h,
+            k_pages,
+            v_pages,
+            batch,
+            config,
+            rotaries[layer_rope],
+            attention_fn,
+            config.layer_window(layer),
         )
+        if lw.post_attn_norm is not None:  # Gemma: a norm after attention too
+            attn = rms_norm(attn, lw.post_attn_norm, eps, gemma)
         x = x + attn
-        x = x + mlp_block(lw, rms_norm(x, lw.mlp_norm, config.rms_norm_eps))
+        mlp = mlp_block(lw, rms_norm(x, lw.mlp_norm, eps, gemma), act)
+        if lw.post_mlp_norm is not None:
+            mlp = rms_norm(mlp, lw.post_mlp_norm, eps, gemma)
+        x = x + mlp
         new_cache.append((k_pages, v_pages))
-    return new_cache, rms_norm(x, weights.final_norm, config.rms_norm_eps)
+    return new_cache, rms_norm(x, weights.final_norm, eps, gemma)
 
 
-def compute_logits(weights: Weights, hidden: jax.Array) -> jax.Array:  # [N, H] -> f32[N, V]
+def compute_logits(
+    weights: Weights, hidden: jax.Array, soft_cap: float | None = None
+) -> jax.Array:  # [N, H] -> f32[N, V]
+    """Logits of the given hidden rows; ``soft_cap`` (Gemma 2): cap * tanh(logits / cap)."""
     if weights.lm_head is None:
-        return jnp.einsum("NH,VH->NV", hidden, weights.embed, preferred_element_type=jnp.float32)
-    return jnp.einsum("NH,HV->NV", hidden, weights.lm_head, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("NH,VH->NV", hidden, weights.embed, preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum(
+            "NH,HV->NV", hidden, weights.lm_head, preferred_element_type=jnp.float32
+        )
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    return logits

@@ -39,11 +39,11 @@ class WeightsError(ValueError):
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape in the checkpoint, for every tensor the model needs."""
-    shapes = {field.hf_name: field.hf_shape_for(config) for field in model_fields(config)}
+    shapes = {field.hf_name: field.checkpoint_shape_for(config) for field in model_fields(config)}
     for layer in range(config.num_layers):
         prefix = HF_LAYER_PREFIX.format(layer=layer)
         for field in layer_fields(config):
-            shapes[prefix + field.hf_name] = field.hf_shape_for(config)
+            shapes[prefix + field.hf_name] = field.checkpoint_shape_for(config)
     return shapes
 
 
@@ -151,8 +151,8 @@ def dummy_weights(
         nonlocal key
         key, sub = jax.random.split(key)
         shape = field.shape_for(config)
-        if field.init == "ones":
-            array = jnp.ones(shape, dtype)
+        if field.init != "normal":
+            array = (jnp.ones if field.init == "ones" else jnp.zeros)(shape, dtype)
         else:
             array = (scale * jax.random.normal(sub, shape, jnp.float32)).astype(dtype)
         sharding = placement(path, shape) if placement is not None else None

@@ -68,8 +68,10 @@ def sample_step(
     tied: bool,
     flags: SamplerFlags,
     num_rows: int,
+    soft_cap: float | None = None,  # the model's final logit soft-capping (Gemma 2)
 ) -> SamplerOutput:
-    logits = llama.compute_logits(_head_weights(head, tied), hidden[logits_indices])  # f32[S, V]
+    rows = hidden[logits_indices]  # [S, H]
+    logits = llama.compute_logits(_head_weights(head, tied), rows, soft_cap)  # f32[S, V]
     out = sampling.sample(logits, inputs, flags)
     # Token ids padded to the largest sequence bucket: the next step's on-device feed of
     # pending tokens then has one shape per token bucket, all compiled at warm-up.
@@ -93,6 +95,7 @@ def prompt_logprobs_step(
     next_ids: jax.Array,  # i32[T]  the token that follows each position
     *,
     tied: bool,
+    soft_cap: float | None = None,  # the model's final logit soft-capping (Gemma 2)
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Prompt logprobs of every position, ``PROMPT_LOGPROBS_CHUNK`` rows at a time."""
     # NOTE: one pass over a 2,048-token step with a 128k vocabulary needs 2.9 GiB of logits
@@ -106,7 +109,7 @@ def prompt_logprobs_step(
     next_ids = jnp.pad(next_ids, (0, padding)).reshape(num_chunks, chunk)
 
     def one_chunk(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
-        logits = llama.compute_logits(_head_weights(head, tied), args[0])  # f32[C, V]
+        logits = llama.compute_logits(_head_weights(head, tied), args[0], soft_cap)  # f32[C, V]
         return sampling.prompt_logprobs(logits, args[1], NUM_TOP_LOGPROBS)
 
     chosen, ranks, top_ids, top_lp = jax.lax.map(one_chunk, (hidden, next_ids))

@@ -145,11 +145,11 @@ class ModelRunner:
         self.compiled_steps: dict[int, Any] = {}
         self.compiled_prompt_lp: dict[int, Any] = {}
         self.compiled_samplers: dict[tuple[int, SamplerFlags], Any] = {}
-        self.sample_fn = jax.jit(
-            functools.partial(sample_step, num_rows=self.max_seq_bucket),
-            static_argnames=("tied", "flags"),
-        )
-        self.prompt_lp_fn = jax.jit(prompt_logprobs_step, static_argnames=("tied",))
+        soft_cap = model_config.final_logit_softcap  # Gemma 2's, in both logits programs
+        sample = functools.partial(sample_step, num_rows=self.max_seq_bucket, soft_cap=soft_cap)
+        self.sample_fn = jax.jit(sample, static_argnames=("tied", "flags"))
+        prompt_lp = functools.partial(prompt_logprobs_step, soft_cap=soft_cap)
+        self.prompt_lp_fn = jax.jit(prompt_lp, static_argnames=("tied",))
         self.feed_fn = jax.jit(feed_pending)
         self.compile_seconds = 0.0
         # Several processes (hosts) share this model: process 0 broadcasts each step.
