@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
-from typing import cast
+from typing import Any, cast
 
 from jaxserve.engine.outputs import Logprob, RequestMetrics
 from jaxserve.runner.step import PENDING_TOKEN, ScheduledSeq
@@ -146,6 +146,9 @@ class Request:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
+    # The compiled constraint (structured outputs), handed to StructuredOutputs, its owner,
+    # when the request joins the step loop; None without one.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id
