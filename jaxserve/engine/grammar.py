@@ -133,9 +133,15 @@ class GrammarCompiler:
         try:
             return future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
-            raise GrammarError(
+            error = GrammarError(
                 key[0], f"compiling the {key[0]} constraint took longer than {self.timeout_s:g} s"
-            ) from None
+            )
+            refused: concurrent.futures.Future = concurrent.futures.Future()
+            refused.set_exception(error)
+            with self._lock:  # refused from now on, even once the compile ends
+                if key in self._cache:
+                    self._cache[key] = refused
+            raise error from None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -144,9 +150,15 @@ class GrammarCompiler:
 def _build(tokenizer: Any, field: str, source: str) -> Any:
     import llguidance
 
-    matcher = llguidance.LLMatcher(tokenizer, llguidance_grammar(field, source), log_level=0)
-    if not matcher.is_error():
-        matcher.compute_bitmask()  # the first mask's lexer work, here rather than in a step
+    grammar = llguidance_grammar(field, source)
+    try:
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if not matcher.is_error():
+            matcher.compute_bitmask()  # the first mask's lexer work, here rather than in a step
+    except BaseException as exc:  # noqa: BLE001  llguidance's Rust panics are BaseExceptions
+        if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
+            raise
+        raise GrammarError(field, f"invalid {field} constraint: {exc}") from None
     if matcher.is_error():
         raise GrammarError(field, f"invalid {field} constraint: {matcher.get_error().strip()}")
     return matcher

@@ -42,6 +42,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request, raw: byt
     req, engine_request, num_entries = await ctx.offload(
         len(raw) >= OFFLOAD_BYTES, _prepare, ctx, raw, chat_id
     )
+    await ctx.compile_grammars([engine_request], req.structured_outputs_param)
     generation = ctx.new_generation([engine_request], req.priority, req.cache_salt)
     writer = _ChatWriter(ctx, req, chat_id)
     if req.stream:

@@ -2,8 +2,9 @@
 
 Validates OpenAI's message shapes (roles, string or text-part content, assistant ``tool_calls``,
 tool results) and flattens them to what chat templates expect. Fields the server cannot honour
-(tool execution, structured output, multimodal content) are a 400 naming the field; their
-neutral values (``tool_choice: "none"``, ``response_format: {"type": "text"}``) are accepted.
+(tool execution, multimodal content) are a 400 naming the field; their neutral values
+(``tool_choice: "none"``) are accepted. ``response_format`` is read with the other
+structured-output fields (structured_outputs.py).
 """
 
 from __future__ import annotations
@@ -19,16 +20,6 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # Sampling fields both generation routes accept, passed to SamplingParams under the same name.
 def check_chat_extras(body: dict[str, Any]) -> tuple[dict[str, Any], ...] | None:
     """Fields we accept only where they change nothing; returns the tools to render."""
-    response_format = body.get("response_format")
-    if response_format is not None:
-        kind = response_format.get("type") if isinstance(response_format, dict) else None
-        if kind in ("json_object", "json_schema"):
-            raise unsupported("response_format", f"structured output ({kind}) is not available")
-        if kind != "text" or set(response_format) != {"type"}:
-            raise bad_request(
-                'response_format must be {"type": "text"} (structured output is not available)',
-                param="response_format",
-            )
     tools = body.get("tools")
     tool_choice = body.get("tool_choice")
     if tool_choice is not None and tool_choice not in ("none", "auto"):
