@@ -111,8 +111,12 @@ class GrammarCompiler:
             if self._tokenizer is None:
                 import llguidance.hf
 
+                # Only ids the tokenizer has can end a constrained output (a dummy model's
+                # config may name an EOS past a small stand-in tokenizer).
+                size = len(self._hf_tokenizer)
+                eos = [t for t in self.eos_token_ids if t < size] or None
                 self._tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids)
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos
                 )
             return self._tokenizer
 
