@@ -42,9 +42,10 @@ def test_throughput_script_is_the_cli(tmp_path, monkeypatch) -> None:
 
 def test_structured_outputs_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
     out = tmp_path / "so.json"
-    run_script(
-        "benchmarks/structured_outputs.py", ["--smoke", "--output-json", str(out)], monkeypatch
-    )
+    args = ["--smoke", "--output-json", str(out)]
+    with pytest.raises(SystemExit) as done:
+        run_script("benchmarks/structured_outputs.py", args, monkeypatch)
+    assert done.value.code == 0
     result = json.loads(out.read_text())
     assert result["json_schema"]["output_tokens"] == result["unconstrained"]["output_tokens"]
     assert result["constrained_outputs_well_formed"] == result["batch_size"]
