@@ -134,6 +134,7 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--num-compile-schemas", type=int, default=200)
     parser.add_argument("--dtype", default="auto")
@@ -144,6 +145,7 @@ def main() -> int:
         args.model = args.tokenizer = str(FIXTURE)
         args.load_format, args.dtype = "auto", "float32"
         args.batch_size, args.input_len, args.output_len = 4, 8, 12
+        args.max_num_batched_tokens = 32
         args.num_compile_schemas = 5
 
     import jaxserve
@@ -155,7 +157,7 @@ def main() -> int:
         dtype=args.dtype,
         max_model_len=args.input_len + args.output_len,
         max_num_seqs=args.batch_size,
-        max_num_batched_tokens=max(args.batch_size * args.input_len, 16),
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     rng = np.random.default_rng(0)
     vocab = min(llm.engine.vocab_size, llm.engine.tokenizer.vocab_size)
