@@ -330,8 +330,12 @@ def test_a_client_that_leaves_mid_constraint_frees_its_matchers_and_rows(server,
     with http.stream("POST", "/v1/completions", json=body) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
-        assert core.structured_outputs.num_matchers == 2
-        assert core.runner.inputs.num_rows_in_use == 2
+        # Sample 1 joins once sample 0's prompt is in: then both hold a matcher and a row.
+        wait_for(
+            lambda: core.structured_outputs.num_matchers == core.runner.inputs.num_rows_in_use == 2,
+            10,
+            "both samples' matchers and rows",
+        )
     wait_for(lambda: core.num_unfinished() == 0, 30, "the aborted request to retire")
     assert core.structured_outputs.num_matchers == 0
     # The next step hands the finished ids to the runner, which frees their rows: what is left
