@@ -54,6 +54,8 @@ class EngineConfig:
     # Schedule and dispatch step n + 1 before reading step n's tokens back (host work
     # overlaps the device); off: every step is read back before the next is scheduled.
     async_scheduling: bool = True
+    # The longest a request's structured-output grammar may take to compile (then a 400).
+    grammar_compile_timeout_s: float = 10.0
     # Memory the KV budget is a fraction of; None: what the device reports (CPU: 2 GiB).
     device_memory_bytes: int | None = None
 
@@ -83,6 +85,10 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
+            )
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(
+                f"grammar_compile_timeout_s={self.grammar_compile_timeout_s} must be positive"
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")

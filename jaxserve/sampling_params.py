@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+from collections.abc import Mapping
 from typing import Any
 
 MAX_N = 128
@@ -19,6 +21,16 @@ MAX_STOP_TOKEN_IDS = 1024  # each generated token is looked up in them
 MAX_TEMPERATURE = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
 SEED_RANGE = (-(2**63), 2**64)
+MAX_GRAMMAR_CHARS = 256 * 1024  # a JSON schema, regex or grammar
+MAX_CHOICES = 1024
+# vLLM's older spellings of a structured_outputs field (SamplingParams keywords and request
+# fields alike).
+GUIDED_ALIASES = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 class SamplingParamsError(ValueError):
@@ -52,6 +64,82 @@ class StructuredOutputsParams:
                 "structured_outputs must set exactly one of json, json_object, regex, choice "
                 f"or grammar ({sum(kinds)} set)",
             )
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, str) or not value:
+                raise SamplingParamsError(
+                    f"structured_outputs.{name}", f"{name} must be a non-empty string"
+                )
+            if len(value) > MAX_GRAMMAR_CHARS:
+                raise SamplingParamsError(
+                    f"structured_outputs.{name}",
+                    f"{name} has {len(value)} characters; at most {MAX_GRAMMAR_CHARS} are allowed",
+                )
+        if self.choice is not None:
+            if not isinstance(self.choice, tuple) or not 1 <= len(self.choice) <= MAX_CHOICES:
+                raise SamplingParamsError(
+                    "structured_outputs.choice",
+                    f"choice must be a list of 1 to {MAX_CHOICES} strings",
+                )
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise SamplingParamsError(
+                    "structured_outputs.choice", "choice entries must be non-empty strings"
+                )
+        if not isinstance(self.reasoning_end, tuple) or not all(
+            _is_int(t) and t >= 0 for t in self.reasoning_end
+        ):
+            raise SamplingParamsError(
+                "structured_outputs.reasoning_end", "reasoning_end must be a list of token ids"
+            )
+
+    @classmethod
+    def of(cls, value: Any) -> StructuredOutputsParams:
+        """From a mapping as clients send it (``json`` may be a schema object, ``choice`` and
+        ``reasoning_end`` lists), or as it is."""
+        if isinstance(value, StructuredOutputsParams):
+            return value
+        if not isinstance(value, Mapping):
+            raise SamplingParamsError("structured_outputs", "structured_outputs must be an object")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            raise SamplingParamsError(
+                f"structured_outputs.{unknown[0]}",
+                f"unknown structured_outputs field {unknown[0]!r}; known: {sorted(fields)}",
+            )
+        kwargs = {k: v for k, v in value.items() if v is not None}
+        schema = kwargs.get("json")
+        if isinstance(schema, dict | bool):
+            kwargs["json"] = json.dumps(schema)
+        for name in ("choice", "reasoning_end"):
+            if isinstance(kwargs.get(name), list):
+                kwargs[name] = tuple(kwargs[name])
+        if kwargs.get("json_object") is False:
+            del kwargs["json_object"]
+        elif "json_object" in kwargs and kwargs["json_object"] is not True:
+            raise SamplingParamsError(
+                "structured_outputs.json_object", "json_object must be a boolean"
+            )
+        return cls(**kwargs)
+
+
+def _with_structured_outputs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``structured_outputs`` as a ``StructuredOutputsParams``, from a mapping or from vLLM's
+    older ``guided_*`` keywords."""
+    guided = {GUIDED_ALIASES[k]: v for k, v in kwargs.items() if k in GUIDED_ALIASES}
+    guided = {k: v for k, v in guided.items() if v is not None}
+    kwargs = {k: v for k, v in kwargs.items() if k not in GUIDED_ALIASES}
+    if guided:
+        if kwargs.get("structured_outputs") is not None:
+            raise SamplingParamsError(
+                "structured_outputs", "send structured_outputs or the guided_* fields, not both"
+            )
+        kwargs["structured_outputs"] = guided
+    if kwargs.get("structured_outputs") is not None:
+        kwargs["structured_outputs"] = StructuredOutputsParams.of(kwargs["structured_outputs"])
+    return kwargs
 
 
 def _is_int(value: Any) -> bool:
@@ -89,6 +177,7 @@ class SamplingParams:
     def __init__(self, **kwargs: Any) -> None:
         # Accept lists / dicts / a single stop string, as vLLM's SamplingParams does.
         fields = {f.name: f for f in dataclasses.fields(self)}
+        kwargs = _with_structured_outputs(kwargs)
         for name, value in kwargs.items():
             if name not in fields:
                 raise SamplingParamsError(name, f"unknown sampling parameter {name!r}")

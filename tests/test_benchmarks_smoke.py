@@ -40,6 +40,19 @@ def test_throughput_script_is_the_cli(tmp_path, monkeypatch) -> None:
     assert json.loads(out.read_text())["output_tokens"] == 2 * 3
 
 
+def test_structured_outputs_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
+    out = tmp_path / "so.json"
+    args = ["--smoke", "--output-json", str(out)]
+    with pytest.raises(SystemExit) as done:
+        run_script("benchmarks/structured_outputs.py", args, monkeypatch)
+    assert done.value.code == 0
+    result = json.loads(out.read_text())
+    assert result["json_schema"]["output_tokens"] == result["unconstrained"]["output_tokens"]
+    assert result["constrained_outputs_well_formed"] == result["batch_size"]
+    assert result["schema_compile"]["compile_p99_ms"] > 0
+    assert "json schema" in capsys.readouterr().out
+
+
 def test_host_overhead_smoke(monkeypatch, capsys) -> None:
     run_script("benchmarks/host_overhead.py", ["--num-seqs", "16", "--steps", "5"], monkeypatch)
     assert "total" in capsys.readouterr().out

@@ -13,6 +13,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import jsonschema
 import numpy as np
 import pytest
 
@@ -128,6 +129,26 @@ def test_chat_template_renders_chatml_and_chat_answers(llm: jaxserve.LLM) -> Non
     text = llm.chat(question, params, use_tqdm=False)[0].outputs[0].text
     assert text and is_readable(text), text
     assert "<|im_start|>" not in text
+
+
+def test_demo_samples_under_a_json_schema_validate(llm: jaxserve.LLM) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "size": {"type": "integer", "minimum": 0, "maximum": 999},
+            "kind": {"enum": ["module", "class", "function"]},
+        },
+        "required": ["name", "size", "kind"],
+        "additionalProperties": False,
+    }
+    params = jaxserve.SamplingParams(
+        n=8, temperature=1.0, seed=3, max_tokens=80, structured_outputs={"json": schema}
+    )
+    (output,) = llm.generate("import json\n", params, use_tqdm=False)
+    for sample in output.outputs:
+        assert sample.finish_reason == "stop", sample
+        jsonschema.validate(json.loads(sample.text), schema)
 
 
 def test_heldout_slice_beats_the_unigram_baseline() -> None:

@@ -112,7 +112,8 @@ def test_for_vocab_clamps_top_k_and_keeps_smaller_values() -> None:
 
 
 def mixed_parameter_bodies() -> list[dict]:
-    """Requests that between them reach every sampler feature, at several prompt lengths."""
+    """Requests that between them reach every sampler feature (constraints included), at
+    several prompt lengths."""
     rng = random.Random(5)
     bodies = []
     for i in range(40):
@@ -136,6 +137,13 @@ def mixed_parameter_bodies() -> list[dict]:
             {"n": 3},
             {"best_of": 3, "n": 2},
             {"stop": ["ab", "x"]},
+            rng.choice(  # one constraint at most
+                [
+                    {"structured_outputs": {"regex": "[a-z]{1,8}"}},
+                    {"response_format": {"type": "json_object"}},
+                    {"guided_choice": ["yes", "no"]},
+                ]
+            ),
         ]
         for choice in rng.sample(extra, rng.choice((0, 1, 2, 4))):
             body.update(choice)

@@ -42,7 +42,9 @@ class FakeRunner:
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         return self.collect(self.dispatch(output))
 
-    def dispatch(self, output: SchedulerOutput, previous=None) -> SchedulerOutput:
+    def dispatch(
+        self, output: SchedulerOutput, previous=None, defer_sampling=False
+    ) -> SchedulerOutput:
         self.steps.append(output)
         return output
 
@@ -319,7 +321,9 @@ class RowKeepingRunner(FakeRunner):
         super().__init__(*args, **kwargs)
         self.rows: set[str] = set()
 
-    def dispatch(self, output: SchedulerOutput, previous=None) -> SchedulerOutput:
+    def dispatch(
+        self, output: SchedulerOutput, previous=None, defer_sampling=False
+    ) -> SchedulerOutput:
         self.rows -= {*output.preempted_seq_ids, *output.finished_seq_ids}
         for item in output.scheduled:
             if item.is_new:
@@ -364,7 +368,9 @@ def test_runner_state_follows_the_lifecycle_through_preemption_and_abort(
 class PoisonRunner(FakeRunner):
     """Fails to build a step that holds a request seeded 666 (as a bad parameter would)."""
 
-    def dispatch(self, output: SchedulerOutput, previous=None) -> SchedulerOutput:
+    def dispatch(
+        self, output: SchedulerOutput, previous=None, defer_sampling=False
+    ) -> SchedulerOutput:
         if any(item.seq.params.seed == 666 for item in output.scheduled):
             raise OverflowError("Python integer out of bounds for int32")
         return super().dispatch(output, previous)

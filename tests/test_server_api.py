@@ -520,17 +520,17 @@ BAD_REQUESTS = {
     "15-seed-string": (*completion(seed="1"), 400, "seed", None),
     "15-seed-float": (*chat(seed=1.5), 400, "seed", None),
     "15-seed-too-big": (*completion(seed=2**64), 400, "seed", None),
-    "16-json-object": (
-        *chat(response_format={"type": "json_object"}),
+    "16-json-object-extra-field": (
+        *chat(response_format={"type": "json_object", "schema": {}}),
         400,
         "response_format",
         None,
     ),
-    "16-json-schema": (
+    "16-json-schema-invalid": (
         *chat(
             response_format={
                 "type": "json_schema",
-                "json_schema": {"name": "x", "schema": {"type": "object"}},
+                "json_schema": {"name": "x", "schema": {"type": "strng"}},
             }
         ),
         400,
@@ -550,7 +550,7 @@ BAD_REQUESTS = {
         None,
     ),
     "16-functions": (*chat(functions=[{"name": "f"}]), 400, "functions", None),
-    "16-guided-json": (*completion(guided_json={"type": "object"}), 400, "guided_json", None),
+    "16-guided-json": (*completion(guided_json={"type": "strng"}), 400, "guided_json", None),
     "17-chat-template": (*chat(chat_template="{{ 7 * 7 }}"), 400, "chat_template", None),
     "17-template-kwargs": (
         *chat(chat_template_kwargs={"tools_in_user": True}),
@@ -639,7 +639,7 @@ def test_sdk_raises_typed_exceptions(client):
             model=MODEL,
             messages=CHAT["messages"],
             stream=True,
-            response_format={"type": "json_object"},
+            response_format={"type": "json_schema", "json_schema": {"schema": {"not": {}}}},
         )
 
 

@@ -130,6 +130,9 @@ class AsyncEngine:
                 self.core.abort_request(request_id)
                 self._wake.set()
 
+    def compile_grammar(self, params: SamplingParams) -> None:
+        self.core.compile_grammar(params)
+
     async def abort(self, request_id: str) -> None:
         self.core.abort_request(request_id)
         self._wake.set()

@@ -10,23 +10,23 @@ output processor turns the sampled tokens into text, logprobs, stop decisions an
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import random
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from jaxserve.config import ModelConfig
+from jaxserve.engine.grammar import GrammarCompiler
 from jaxserve.engine.interfaces import EngineStats, Runner
 from jaxserve.engine.kv_cache import KVCacheManager
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.outputs import RequestMetrics, RequestOutput
-from jaxserve.engine.request import Request, SeqStatus, Sequence, derive_seed, seq_of
+from jaxserve.engine.request import Request, Sequence, seq_of
 from jaxserve.engine.request_checks import RequestError, check_request
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.engine.tokenizer import Tokenizer, has_tokenizer_files
+from jaxserve.engine.structured_outputs import StructuredOutputs
+from jaxserve.engine.tokenizer import end_of_sequence_ids, load_tokenizer
 from jaxserve.engine_config import EngineConfig
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
@@ -40,33 +40,13 @@ class EngineDeadError(RuntimeError):
     """The engine loop has died; no request can be served."""
 
 
-def end_of_sequence_ids(model_config: ModelConfig, model_dir: Path, tokenizer: Tokenizer):
-    """Every id that ends a sequence: the config's, generation_config.json's (instruct models
-    stop on e.g. <|im_end|>) and the tokenizer's."""
-    eos = set(model_config.eos_token_ids)
-    path = model_dir / "generation_config.json"
-    if path.is_file():
-        extra = json.loads(path.read_text()).get("eos_token_id")
-        if extra is not None:
-            eos.update(extra if isinstance(extra, list) else (extra,))
-    if tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
-    return tuple(sorted(eos))
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: Runner | None = None) -> None:
         self.runner: Runner
         self.config = config
         model_dir = config.model_dir
         self.model_config = ModelConfig.from_hf_dir(model_dir)
-        if config.load_format == "dummy" and not has_tokenizer_files(config.tokenizer_dir):
-            _LOG.warning(
-                "%s has no tokenizer: using a dummy one (token <tN> per id)", config.tokenizer_dir
-            )
-            self.tokenizer = Tokenizer(None, dummy_vocab_size=self.model_config.vocab_size)
-        else:
-            self.tokenizer = Tokenizer(config.tokenizer_dir)
+        self.tokenizer = load_tokenizer(config, self.model_config.vocab_size)
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = end_of_sequence_ids(self.model_config, model_dir, self.tokenizer)
         self.max_model_len = config.resolved_max_model_len(self.model_config)
@@ -87,6 +67,11 @@ class EngineCore:
         self.output_processor = OutputProcessor(
             self.tokenizer, self.eos_token_ids, self.max_model_len
         )
+        timeout_s = config.grammar_compile_timeout_s
+        self.grammar_compiler = GrammarCompiler(
+            self.tokenizer.hf_tokenizer, self.vocab_size, self.eos_token_ids, timeout_s
+        )
+        self.structured_outputs = StructuredOutputs(self.vocab_size)
         for line in self.capacity_lines():
             _LOG.info(line)
         self.num_compiled_shapes = runner.warmup() if config.warmup else 0
@@ -120,6 +105,7 @@ class EngineCore:
         if self._in_flight is not None:
             self._read_in_flight()
         self.runner.stop_followers()
+        self.grammar_compiler.close()
 
     def capacity_lines(self) -> list[str]:
         return self.runner.capacity.lines()
@@ -142,6 +128,7 @@ class EngineCore:
         params = check_request(
             prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
+        grammar = self.compile_grammar(params)
         arrival = time.time() if arrival_time is None else arrival_time
         request = Request(
             request_id=request_id,
@@ -153,24 +140,24 @@ class EngineCore:
             cache_salt=cache_salt,
             group_id=group_id or "",
             metrics=RequestMetrics(arrival_time=arrival),
+            grammar=grammar,
         )
-        base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        for index in range(params.num_samples):
-            request.seqs.append(
-                Sequence(
-                    seq_id=request_id if params.num_samples == 1 else f"{request_id}#{index}",
-                    request=request,
-                    index=index,
-                    seed=derive_seed(base_seed, index),
-                    status=SeqStatus.WAITING if index == 0 else SeqStatus.WAITING_FOR_PARENT,
-                )
-            )
+        request.add_samples(
+            params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        )
         with self._lock:
             if request_id in self.requests or any(r.request_id == request_id for r in self._inbox):
                 raise RequestError(
                     f"request id {request_id!r} is already in use", param="request_id"
                 )
             self._inbox.append(request)
+
+    def compile_grammar(self, params: SamplingParams) -> Any:
+        """The compiled grammar of ``params.structured_outputs`` (None without one), from the
+        cache when the server compiled it before; ``RequestError`` naming the field if the
+        constraint is invalid or too slow to compile (``GrammarError``)."""
+        spec = params.structured_outputs
+        return None if spec is None else self.grammar_compiler.compile(spec)
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:
@@ -212,6 +199,8 @@ class EngineCore:
             self.requests[request.request_id] = request
             self._num_sync_requests += request.params.has_penalties
             self.output_processor.add_request(request)
+            if request.grammar is not None:
+                self.structured_outputs.add_request(request, request.grammar)
             for seq in request.seqs:
                 self.scheduler.add(seq)
         outputs = []
@@ -246,21 +235,31 @@ class EngineCore:
             metrics = seq_of(item).request.metrics
             if metrics is not None and metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
+        self.structured_outputs.update_states(sched)
+        # A constrained step's sampler waits for its token masks: the forward pass runs while
+        # the host reads back the previous step and advances the matchers with its tokens.
+        constrained = self.structured_outputs.is_constrained(sched)
         try:
-            if overlap:
-                step = self.runner.dispatch(sched, self._in_flight[1] if self._in_flight else None)
+            previous = self._in_flight[1] if overlap and self._in_flight else None
+            if overlap or constrained:
+                step = self.runner.dispatch(sched, previous, defer_sampling=constrained)
             else:
                 result = self.runner.execute(sched)
         except Exception as exc:
             return outputs + self._fail_new_requests(sched, exc)
         self.scheduler.update_from_output(sched)
         self.num_steps += 1
+        if overlap:
+            for item in sched.scheduled:
+                if item.completes_sequence:  # its token is read back after the next dispatch
+                    seq_of(item).add_pending()
+            outputs += self._read_in_flight()
+        if constrained:
+            self.runner.dispatch_sampler(step, self.structured_outputs.token_masks(sched))
+            if not overlap:
+                result = self.runner.collect(step)
         if not overlap:
             return outputs + self._process(sched, result)
-        for item in sched.scheduled:
-            if item.completes_sequence:  # its token is read back after the next dispatch
-                seq_of(item).add_pending()
-        outputs += self._read_in_flight()
         self._in_flight = (sched, step)
         return outputs
 
@@ -309,6 +308,9 @@ class EngineCore:
             self.generation_tokens += 1
             try:
                 self.output_processor.process_token(seq, result, i)
+                token = int(result.token_ids[i])
+                if self.structured_outputs.accept_token(seq, token) and not seq.is_finished:
+                    seq.finish_reason = "stop"  # the grammar is complete
             except Exception as exc:  # one bad request must not stop the batch
                 _LOG.exception("request %s failed while processing its output", request.request_id)
                 seq.finish_reason, seq.stop_reason = "error", repr(exc)
@@ -340,5 +342,6 @@ class EngineCore:
         if self.requests.pop(request.request_id, None) is not None:
             self._num_sync_requests -= request.params.has_penalties
         self.output_processor.free(request)
+        self.structured_outputs.free(request)
         for seq in request.seqs:
             self.kv.forget_hashes(seq)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
-from typing import cast
+from typing import Any, cast
 
 from jaxserve.engine.outputs import Logprob, RequestMetrics
 from jaxserve.runner.step import PENDING_TOKEN, ScheduledSeq
@@ -146,9 +146,22 @@ class Request:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
+    # The compiled constraint (structured outputs), handed to StructuredOutputs, its owner,
+    # when the request joins the step loop; None without one.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id
+
+    def add_samples(self, base_seed: int) -> None:
+        """One sequence per sample: the first waits for admission, the others for its prompt
+        (they share its KV blocks once it is prefilled)."""
+        num = self.params.num_samples
+        for index in range(num):
+            seq_id = self.request_id if num == 1 else f"{self.request_id}#{index}"
+            status = SeqStatus.WAITING if index == 0 else SeqStatus.WAITING_FOR_PARENT
+            seed = derive_seed(base_seed, index)
+            self.seqs.append(Sequence(seq_id, request=self, index=index, seed=seed, status=status))
 
     @property
     def returns_best_of(self) -> bool:

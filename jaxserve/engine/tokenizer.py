@@ -11,12 +11,16 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import logging
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+_LOG = logging.getLogger(__name__)
 
 # Keyword arguments a request may pass to the chat template (everything else is a 400).
 ALLOWED_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_effort"})
@@ -78,6 +82,17 @@ def dummy_hf_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=rust, unk_token="<t0>", eos_token="<t1>")
 
 
+def load_tokenizer(config: Any, vocab_size: int) -> Tokenizer:
+    """The tokenizer of an ``EngineConfig``'s model: a dummy one for dummy weights that ship
+    none (``--load-format dummy`` with a config-only directory)."""
+    if config.load_format == "dummy" and not has_tokenizer_files(config.tokenizer_dir):
+        _LOG.warning(
+            "%s has no tokenizer: using a dummy one (token <tN> per id)", config.tokenizer_dir
+        )
+        return Tokenizer(None, dummy_vocab_size=vocab_size)
+    return Tokenizer(config.tokenizer_dir)
+
+
 class Tokenizer:
     """A model's tokenizer: encode, decode, chat template, special tokens."""
 
@@ -92,6 +107,11 @@ class Tokenizer:
         self.eos_token_id: int | None = self._hf.eos_token_id
         self.bos_token_id: int | None = self._hf.bos_token_id
         self.chat_template: str | None = self._hf.chat_template
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer underneath (the grammar engine reads its vocabulary)."""
+        return self._hf
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._hf.encode(text, add_special_tokens=add_special_tokens)
@@ -194,3 +214,19 @@ class IncrementalDetokenizer:
         self._read_offset = len(self.token_ids)
         self.text += delta
         return delta
+
+
+def end_of_sequence_ids(
+    model_config: Any, model_dir: Path, tokenizer: Tokenizer
+) -> tuple[int, ...]:
+    """Every id that ends a sequence: the config's, generation_config.json's (instruct models
+    stop on e.g. <|im_end|>) and the tokenizer's."""
+    eos = set(model_config.eos_token_ids)
+    path = model_dir / "generation_config.json"
+    if path.is_file():
+        extra = json.loads(path.read_text()).get("eos_token_id")
+        if extra is not None:
+            eos.update(extra if isinstance(extra, list) else (extra,))
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return tuple(sorted(eos))

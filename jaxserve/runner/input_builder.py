@@ -23,6 +23,7 @@ from jaxserve.runner.sampling import (
     ROW_FIELDS,
     SamplerFlags,
     SamplingInputs,
+    mask_width,
     row_values,
 )
 from jaxserve.runner.step import PENDING_TOKEN, SchedulerOutput, StepSequence
@@ -166,6 +167,7 @@ class InputBuilder:
             self.vocab_size,
             self.bias_width if adjust else 0,
             self.max_model_len if adjust else 0,
+            use_mask=flags is not None and flags.use_mask,
         )
         return batch, inputs
 
@@ -221,16 +223,23 @@ class InputBuilder:
         )
         return Batch(**host), rows
 
-    def sampler_flags(self, rows: np.ndarray, kv_lens: np.ndarray) -> SamplerFlags:
+    def sampler_flags(
+        self, rows: np.ndarray, kv_lens: np.ndarray, use_mask: bool = False
+    ) -> SamplerFlags:
+        """The step's sampler variant; ``use_mask``: some sequence is constrained."""
         needs = self.needs[rows].any(axis=0)
         # min_tokens still holds back EOS for a sequence with fewer outputs than its minimum.
         num_out = kv_lens - self.prompt_len[rows]
         min_tokens = self.min_tokens[rows]
         holds_eos = bool(np.any((min_tokens > 0) & (num_out < min_tokens)))
+        adjust_logits = bool(needs[1]) or bool(needs[2]) or holds_eos
+        num_logprobs = NUM_TOP_LOGPROBS if needs[3] else -1
+        if use_mask:  # greedy-only and sorting are chosen on the device
+            return SamplerFlags(False, adjust_logits, num_logprobs, use_mask=True)
         return SamplerFlags(
             use_sort=bool(needs[0] and needs[4]),  # greedy rows never sort
-            adjust_logits=bool(needs[1]) or bool(needs[2]) or holds_eos,
-            num_logprobs=NUM_TOP_LOGPROBS if needs[3] else -1,
+            adjust_logits=adjust_logits,
+            num_logprobs=num_logprobs,
             all_greedy=not needs[4],
         )
 
@@ -238,7 +247,9 @@ class InputBuilder:
         self, seqs: Seq[StepSequence], rows: np.ndarray, kv_lens: np.ndarray, flags: SamplerFlags
     ) -> SamplingInputs:
         """The step's sampler inputs: rows gathered from the tables; with ``adjust_logits``,
-        bias entries and penalty histories in their fixed widths (one shape per variant)."""
+        bias entries and penalty histories in their fixed widths (one shape per variant); with
+        ``use_mask``, a token mask that allows every token until the runner writes the rows of
+        the constrained sequences."""
         num_rows = rows.shape[0]
         vocab = self.vocab_size
         width = self.bias_width if flags.adjust_logits else 0
@@ -249,6 +260,8 @@ class InputBuilder:
         host["bias_values"] = bias_values = np.zeros((num_rows, width), np.float32)
         host["history_ids"] = history = np.full((num_rows, length), vocab, np.int32)
         host["num_prompt_tokens"] = self.prompt_len[rows]
+        mask_shape = (num_rows, mask_width(vocab) if flags.use_mask else 0)
+        host["token_mask"] = np.full(mask_shape, -1, np.int32)
         if flags.adjust_logits:
             for i, seq in enumerate(seqs):
                 row = self._rows[seq.seq_id]

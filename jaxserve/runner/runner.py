@@ -34,6 +34,7 @@ from jaxserve.runner.capacity import (
     plan_capacity,
     reserve_device_memory,
 )
+from jaxserve.runner.in_flight import DeferredSampler, InFlight
 from jaxserve.runner.input_builder import InputBuilder, next_power_of_2, token_buckets_for
 from jaxserve.runner.programs import (
     feed_pending,
@@ -59,16 +60,6 @@ def enable_compilation_cache(cache_dir: str) -> None:
     os.makedirs(cache_dir, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
-@dataclasses.dataclass
-class InFlight:
-    """A dispatched step: its device outputs, not yet read back."""
-
-    out: SamplerOutput
-    prompt_out: tuple[jax.Array, ...] | None
-    spans: dict[str, tuple[int, int]]  # seq_id -> (offset, count) of its prompt logprob rows
-    sampled_row: dict[str, int]  # seq_id -> its row in out.token_ids, one per scheduled seq
 
 
 class ModelRunner:
@@ -258,18 +249,25 @@ class ModelRunner:
         """One step, start to finish: dispatch, then wait for the sampled tokens."""
         return self.collect(self.dispatch(output))
 
-    def dispatch(self, output: SchedulerOutput, previous: InFlight | None = None) -> InFlight:
+    def dispatch(
+        self,
+        output: SchedulerOutput,
+        previous: InFlight | None = None,
+        defer_sampling: bool = False,
+    ) -> InFlight:
         """Queue one step on the device and return without waiting for it.
 
         A sequence may decode a token that ``previous`` (the step dispatched just before, not
         yet collected) is still sampling: its input id is ``PENDING_TOKEN`` on the host and
-        is read from ``previous``'s sampled ids on the device.
+        is read from ``previous``'s sampled ids on the device. With ``defer_sampling`` (a
+        constrained sequence is in the step) only the forward pass is queued: the sampler
+        follows in ``dispatch_sampler``, with the token mask the host builds meanwhile.
         """
         self.inputs.update_states(output)
         host_batch, rows = self.inputs.build_batch(output)
         seqs = [item.seq for item in output.scheduled]
-        kv_lens = np.asarray(host_batch.kv_lens)  # host arrays until device_step
-        flags = self.inputs.sampler_flags(rows, kv_lens)
+        kv_lens = np.asarray(host_batch.kv_lens)  # host arrays until forward
+        flags = self.inputs.sampler_flags(rows, kv_lens, use_mask=defer_sampling)
         inputs = self.inputs.sampling_inputs(seqs, rows, kv_lens, flags)
         next_ids, spans = self.inputs.prompt_logprob_targets(output, host_batch)
         if self.multihost:  # followers join the same step with process 0's inputs
@@ -278,30 +276,33 @@ class ModelRunner:
                 header, (host_batch, inputs, next_ids)
             )
         feed = self._pending_feed(output, host_batch, previous)
-        out, prompt_out = self.device_step(host_batch, inputs, flags, next_ids, feed)
+        batch, hidden, prompt_out = self.forward(host_batch, next_ids, feed)
         sampled_row = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
-        return InFlight(out, prompt_out, spans, sampled_row)
+        step = InFlight(None, prompt_out, spans, sampled_row)
+        step.deferred = DeferredSampler(hidden, batch, inputs, flags)
+        if not defer_sampling:
+            self.dispatch_sampler(step)
+        return step
+
+    def dispatch_sampler(self, step: InFlight, token_mask: np.ndarray | None = None) -> None:
+        """Queue the sampler of a step dispatched with ``defer_sampling``; ``token_mask``:
+        i32[num_scheduled, W], the packed allowed tokens of each scheduled sequence."""
+        deferred, step.deferred = step.deferred, None
+        assert deferred is not None, "the step's sampler was already dispatched"
+        inputs = deferred.inputs
+        if deferred.flags.use_mask:
+            if token_mask is not None:
+                inputs.token_mask[: len(token_mask)] = token_mask
+            if self.multihost:
+                inputs.token_mask = step_broadcast.share_token_mask(inputs.token_mask)
+        with self.precision():
+            step.out = self.sample(
+                deferred.hidden, deferred.batch, self.put(inputs), deferred.flags
+            )
 
     def collect(self, step: InFlight) -> RunnerOutput:
         """Wait for a dispatched step and copy its sampled tokens (and logprobs) to the host."""
-        out, num = step.out, len(step.sampled_row)
-        result = RunnerOutput(token_ids=np.asarray(out.token_ids)[:num])
-        if out.logprobs is not None:
-            result.logprobs = np.asarray(out.logprobs)[:num]
-            result.ranks = np.asarray(out.ranks)[:num]
-            result.top_ids = np.asarray(out.top_ids)[:num]
-            result.top_logprobs = np.asarray(out.top_logprobs)[:num]
-        if step.prompt_out is not None:
-            try:
-                lp, ranks, top_ids, top_lp = (np.asarray(a) for a in step.prompt_out)
-            except jax.errors.JaxRuntimeError as exc:  # out of device memory, say
-                result.failed = dict.fromkeys(step.spans, f"prompt logprobs failed: {exc}")
-                return result
-            result.prompt_logprobs = {
-                sid: (lp[o : o + n], ranks[o : o + n], top_ids[o : o + n], top_lp[o : o + n])
-                for sid, (o, n) in step.spans.items()
-            }
-        return result
+        return step.read_back()
 
     def _pending_feed(
         self, output: SchedulerOutput, host_batch: Batch, previous: InFlight | None
@@ -311,18 +312,17 @@ class ModelRunner:
         source = self.inputs.pending_sources(output, host_batch, rows)
         if source is None or previous is None:  # (pending_sources raises on the second)
             return None
-        return source, previous.out.token_ids
+        return source, previous.sampled_ids
 
-    def device_step(
+    def forward(
         self,
         host_batch: Batch,
-        inputs: SamplingInputs,
-        flags: SamplerFlags,
         next_ids: np.ndarray | None,
         feed: tuple[np.ndarray, jax.Array] | None = None,
-    ) -> tuple[SamplerOutput, tuple[jax.Array, ...] | None]:
-        """Model step, sampler and (when asked) prompt logprobs on the device."""
-        batch, inputs = self.put((host_batch, inputs))
+    ) -> tuple[Batch, jax.Array, tuple[jax.Array, ...] | None]:
+        """Model step and (when asked) prompt logprobs on the device: (device batch, hidden
+        states, prompt logprobs)."""
+        batch = self.put(host_batch)
         with self.precision():  # also keys the jit caches: warm-up runs under it too
             if feed is not None:
                 source, previous_ids = feed
@@ -330,11 +330,10 @@ class ModelRunner:
                     batch, input_ids=self.feed_fn(batch.input_ids, source, previous_ids)
                 )
             self.kv_cache, hidden = self.run_step(batch)
-            out = self.sample(hidden, batch, inputs, flags)
             prompt_out = None
             if next_ids is not None:
                 prompt_out = self.prompt_logprobs(hidden, self.put(next_ids))
-        return out, prompt_out
+        return batch, hidden, prompt_out
 
     # -- multi-host ------------------------------------------------------------------------
 

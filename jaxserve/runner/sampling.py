@@ -7,7 +7,11 @@ The noise is drawn over vocabulary ids for each row independently, so a seeded r
 the same tokens whatever else is in the batch. Greedy rows (temperature 0) take the argmax.
 
 Static flags select the variant (no sort unless some row uses top-k/top-p, no penalties or
-bias unless some row uses them, no logprobs unless requested). Every input has a fixed shape
+bias unless some row uses them, no logprobs unless requested). A step with a constrained
+sequence (structured outputs) takes a ``use_mask`` variant: a packed token bitmask per row,
+applied after the logit bias, where a row without a constraint allows every token; those
+variants choose greedy-only and sorting at run time (``lax.cond``), so they add only four
+programs per bucket. Every input has a fixed shape
 per sequence bucket and variant (bias and token-history widths are set by the model's limits,
 not by the request), so the set of programs is fixed: ``SamplerFlags.variants()`` lists it and
 warm-up compiles all of them.
@@ -78,10 +82,17 @@ class SamplingInputs:
     # (L = max_model_len; V = padding), and where the generated ones start.
     history_ids: jax.Array  # i32[S, L]
     num_prompt_tokens: jax.Array  # i32[S]
+    # Allowed tokens, bit v % 32 of word v // 32 (W = ceil(V / 32)); [S, 0] unless use_mask.
+    token_mask: jax.Array  # i32[S, W]
 
     @classmethod
     def padding(
-        cls, num_rows: int, vocab_size: int, bias_width: int = 0, history_len: int = 0
+        cls,
+        num_rows: int,
+        vocab_size: int,
+        bias_width: int = 0,
+        history_len: int = 0,
+        use_mask: bool = False,
     ) -> SamplingInputs:
         """Host inputs of ``num_rows`` padding rows (neutral values): warm-up and the
         placeholders a multi-host follower fills by broadcast."""
@@ -94,7 +105,14 @@ class SamplingInputs:
         host["bias_values"] = np.zeros((num_rows, bias_width), np.float32)
         host["history_ids"] = np.full((num_rows, history_len), vocab_size, np.int32)
         host["num_prompt_tokens"] = np.zeros(num_rows, np.int32)
+        width = mask_width(vocab_size) if use_mask else 0
+        host["token_mask"] = np.full((num_rows, width), -1, np.int32)  # -1: every token
         return cls(**host)
+
+
+def mask_width(vocab_size: int) -> int:
+    """32-bit words of one row's packed token bitmask."""
+    return -(-vocab_size // 32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,16 +122,20 @@ class SamplerFlags:
     adjust_logits: bool = False
     num_logprobs: int = -1  # -1: none; else the top-k logprobs to return (0 = chosen only)
     all_greedy: bool = False  # every row has temperature 0: no noise, no truncation
+    # Some row is constrained: token_mask is applied; greedy-only and sorting are chosen on
+    # the device (use_sort and all_greedy stay False).
+    use_mask: bool = False
 
     @staticmethod
     def variants() -> tuple[SamplerFlags, ...]:
-        """Every variant a step can ask for (12): what warm-up compiles."""
+        """Every variant a step can ask for (16): what warm-up compiles."""
         out = []
         for adjust in (False, True):
             for num_logprobs in (-1, NUM_TOP_LOGPROBS):
                 out.append(SamplerFlags(False, adjust, num_logprobs, all_greedy=True))
                 for use_sort in (False, True):
                     out.append(SamplerFlags(use_sort, adjust, num_logprobs, all_greedy=False))
+                out.append(SamplerFlags(False, adjust, num_logprobs, use_mask=True))
         return tuple(out)
 
 
@@ -181,6 +203,15 @@ def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where(probs < threshold, NEG_INF, logits)
 
 
+def apply_token_mask(logits: jax.Array, token_mask: jax.Array) -> jax.Array:
+    """Tokens whose bit is clear in the row's packed mask (i32[S, W]) get -inf."""
+    vocab_size = logits.shape[-1]
+    ids = jnp.arange(vocab_size)
+    words = token_mask[:, ids // 32]  # i32[S, V]
+    allowed = jnp.bitwise_and(jnp.right_shift(words, (ids % 32)[None, :]), 1) != 0
+    return jnp.where(allowed, logits, NEG_INF)
+
+
 def gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
     def row(seed: jax.Array, position: jax.Array) -> jax.Array:
         key = jax.random.fold_in(jax.random.key(seed), position)
@@ -195,20 +226,45 @@ def sample(logits: jax.Array, inputs: SamplingInputs, flags: SamplerFlags) -> Sa
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1) if flags.num_logprobs >= 0 else None
     if flags.adjust_logits:  # neutral for rows without penalties or bias
         logits = apply_bias(apply_penalties(logits, inputs), inputs)
+    if flags.use_mask:
+        logits = apply_token_mask(logits, inputs.token_mask)
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if flags.all_greedy:
         return _with_logprobs(greedy_ids, raw_logprobs, flags)
-
     is_greedy = inputs.temperature <= 0.0
+    if not flags.use_mask:
+        token_ids = _sample_rows(logits, greedy_ids, is_greedy, inputs, flags.use_sort)
+        return _with_logprobs(token_ids, raw_logprobs, flags)
+    # NOTE: the masked variants decide on the device what the others fix by flags: rows that
+    # need no sort skip it, and an all-greedy batch draws no noise (both as their variants do).
+    needs_sort = jnp.any(((inputs.top_k > 0) | (inputs.top_p < 1.0)) & ~is_greedy)
+    token_ids = jax.lax.cond(
+        jnp.all(is_greedy),
+        lambda: greedy_ids,
+        lambda: jax.lax.cond(
+            needs_sort,
+            lambda: _sample_rows(logits, greedy_ids, is_greedy, inputs, True),
+            lambda: _sample_rows(logits, greedy_ids, is_greedy, inputs, False),
+        ),
+    )
+    return _with_logprobs(token_ids, raw_logprobs, flags)
+
+
+def _sample_rows(
+    logits: jax.Array,  # f32[S, V]
+    greedy_ids: jax.Array,  # i32[S]
+    is_greedy: jax.Array,  # bool[S]
+    inputs: SamplingInputs,
+    use_sort: bool,
+) -> jax.Array:  # i32[S]
     temperature = jnp.where(is_greedy, 1.0, inputs.temperature)
     scaled = logits / temperature[:, None]
-    if flags.use_sort:
+    if use_sort:
         scaled = apply_top_k_top_p(scaled, inputs.top_k, inputs.top_p)
     scaled = apply_min_p(scaled, inputs.min_p)
     noise = gumbel_noise(inputs.seeds, inputs.positions, logits.shape[-1])
     sampled_ids = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
-    token_ids = jnp.where(is_greedy, greedy_ids, sampled_ids)
-    return _with_logprobs(token_ids, raw_logprobs, flags)
+    return jnp.where(is_greedy, greedy_ids, sampled_ids)
 
 
 def _with_logprobs(

@@ -10,7 +10,7 @@ ends the followers. The collectives are in ``distributed.py``.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,7 +31,7 @@ class StepHeader:
     flags: SamplerFlags
     has_prompt_logprobs: bool
 
-    SIZE = 6  # integers on the wire
+    SIZE = 7  # integers on the wire
 
     @classmethod
     def of(cls, batch: Batch, flags: SamplerFlags, next_ids: np.ndarray | None) -> StepHeader:
@@ -46,12 +46,15 @@ class StepHeader:
             f.num_logprobs,
             int(f.all_greedy),
             int(self.has_prompt_logprobs),
+            int(f.use_mask),
         ]
 
     @classmethod
     def decode(cls, values: tuple[int, ...] | list[int]) -> StepHeader:
-        num_tokens, use_sort, adjust, num_logprobs, greedy, has_lp = values
-        flags = SamplerFlags(bool(use_sort), bool(adjust), num_logprobs, bool(greedy))
+        num_tokens, use_sort, adjust, num_logprobs, greedy, has_lp, use_mask = values
+        flags = SamplerFlags(
+            bool(use_sort), bool(adjust), num_logprobs, bool(greedy), use_mask=bool(use_mask)
+        )
         return cls(num_tokens, flags, bool(has_lp))
 
 
@@ -62,6 +65,13 @@ def announce(header: StepHeader, step_inputs: tuple) -> tuple:
     """On process 0: send the header, then the inputs; returns them as every process has them."""
     broadcast_ints(header.encode(), StepHeader.SIZE)
     return broadcast_step_inputs(step_inputs)
+
+
+def share_token_mask(token_mask: Any) -> Any:
+    """The step's token mask (i32[S, W]), sent once the host has built it (process 0) or
+    received into the placeholder (followers); a step with ``use_mask`` sends it after its
+    forward pass has been queued."""
+    return np.asarray(broadcast_step_inputs(token_mask))
 
 
 def stop_followers() -> None:
@@ -78,4 +88,8 @@ def follow(runner: ModelRunner) -> None:
         batch, inputs = runner.inputs.padding_step(header.num_tokens, header.flags)
         next_ids = np.zeros(header.num_tokens, np.int32) if header.has_prompt_logprobs else None
         batch, inputs, next_ids = broadcast_step_inputs((batch, inputs, next_ids))
-        runner.device_step(batch, inputs, header.flags, next_ids)
+        batch, hidden, _ = runner.forward(batch, next_ids)
+        if header.flags.use_mask:
+            inputs.token_mask = share_token_mask(inputs.token_mask)
+        with runner.precision():
+            runner.sample(hidden, batch, runner.put(inputs), header.flags)

@@ -47,6 +47,9 @@ async def create_chat_completion(ctx: ServingContext, request: Request, raw: byt
     req, engine_request, num_entries = await ctx.offload(
         len(raw) >= OFFLOAD_BYTES, _prepare, ctx, raw, chat_id
     )
+    # A forced tool choice's grammar comes from the tools' parameter schemas.
+    param = "tools" if req.tool_choice.is_forced else req.structured_outputs_param
+    await ctx.compile_grammars([engine_request], param)
     generation = ctx.new_generation([engine_request], req.priority, req.cache_salt)
     writer = _ChatWriter(ctx, req, chat_id, engine_request.prompt or "")
     if req.stream:

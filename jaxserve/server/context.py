@@ -137,6 +137,20 @@ class ServingContext:
         except SamplingParamsError as exc:  # e.g. min_tokens above max_tokens
             raise APIError(400, str(exc), param=exc.param) from None
 
+    async def compile_grammars(self, requests: list[EngineRequest], param: str) -> None:
+        """Compile the requests' structured-output constraints on the host-work thread, off
+        the event loop and the step loop (the engine then takes them from its cache); an
+        invalid or too slow one is a 400 naming ``param``, the field the client sent it in."""
+        specs = {r.params.structured_outputs: r.params for r in requests}
+        specs.pop(None, None)
+        loop = asyncio.get_running_loop()
+        for params in specs.values():
+            try:
+                await loop.run_in_executor(self.host_executor, self.engine.compile_grammar, params)
+            except RequestError as exc:
+                shown = exc.param if param == "structured_outputs" and exc.param else param
+                raise APIError(400, str(exc), param=shown) from None
+
     # -- generations -----------------------------------------------------------------------
 
     def new_generation(

@@ -134,6 +134,14 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "back, so host work overlaps the device (off while a request uses penalties)",
     )
     add(
+        "--grammar-compile-timeout",
+        type=float,
+        metavar="SECONDS",
+        default=_ENGINE_DEFAULTS["grammar_compile_timeout_s"],
+        help="the longest a request's structured-output constraint (JSON schema, regex, "
+        "grammar) may take to compile; a slower one is refused with a 400",
+    )
+    add(
         "--scheduling-policy",
         choices=SCHEDULING_POLICIES,
         default=_ENGINE_DEFAULTS["scheduling_policy"],
@@ -318,6 +326,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         async_scheduling=args.async_scheduling,
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -3,8 +3,9 @@
 Validates OpenAI's message shapes (roles, string or text-part content, assistant ``tool_calls``,
 tool results) and flattens them to what chat templates expect (tool-call arguments as objects,
 as templates such as Llama 3.1's read them). ``tools`` and ``tool_choice`` are checked in
-``tools.py``. Fields the server cannot honour (structured output, multimodal content) are a 400
-naming the field; their neutral values (``response_format: {"type": "text"}``) are accepted.
+``tools.py``; ``response_format`` is read with the other structured-output fields
+(``structured_outputs.py``). Fields the server cannot honour (multimodal content, stored
+completions) are a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -23,16 +24,6 @@ def check_chat_extras(
     body: dict[str, Any],
 ) -> tuple[tuple[dict[str, Any], ...] | None, ToolChoice]:
     """The chat-only fields; returns the tools to render and the tool choice."""
-    response_format = body.get("response_format")
-    if response_format is not None:
-        kind = response_format.get("type") if isinstance(response_format, dict) else None
-        if kind in ("json_object", "json_schema"):
-            raise unsupported("response_format", f"structured output ({kind}) is not available")
-        if kind != "text" or set(response_format) != {"type"}:
-            raise bad_request(
-                'response_format must be {"type": "text"} (structured output is not available)',
-                param="response_format",
-            )
     tools, tool_choice = parse_tools(body)
     if body.get("functions"):
         raise unsupported("functions", "the legacy functions field is not available; use tools")

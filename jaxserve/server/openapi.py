@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxserve.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, MAX_TEMPERATURE
+from jaxserve.sampling_params import (
+    MAX_CHOICES,
+    MAX_GRAMMAR_CHARS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+)
 from jaxserve.server.messages import ROLES
 from jaxserve.server.protocol import MAX_BATCH_PROMPTS
 from jaxserve.server.tools import FUNCTION_NAME, MAX_TOOLS
@@ -106,6 +113,68 @@ def _sampling_properties(max_model_len: int, vocab_size: int) -> dict[str, Any]:
         "user": _nullable({"type": "string"}),
         "priority": {"type": "integer", "minimum": -(2**31), "maximum": 2**31 - 1},
         "cache_salt": _nullable({"type": "string", "minLength": 1}),
+        **_structured_output_properties(),
+    }
+
+
+def _structured_output_properties() -> dict[str, Any]:
+    """response_format, structured_outputs and the guided_* aliases: at most one per request."""
+    text = {"type": "string", "minLength": 1, "maxLength": MAX_GRAMMAR_CHARS}
+    choice = {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES, "items": text}
+    schema = {"type": "object", "description": "A JSON schema."}
+    json_schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "description": {"type": "string"},
+            "schema": schema,
+            "strict": _nullable({"type": "boolean"}),
+        },
+        "additionalProperties": False,
+    }
+    response_format = {
+        "oneOf": [
+            {
+                "type": "object",
+                "required": ["type"],
+                "properties": {"type": {"type": "string", "enum": ["text", "json_object"]}},
+                "additionalProperties": False,
+            },
+            {
+                "type": "object",
+                "required": ["type", "json_schema"],
+                "properties": {
+                    "type": {"type": "string", "enum": ["json_schema"]},
+                    "json_schema": json_schema,
+                },
+                "additionalProperties": False,
+            },
+        ],
+        "description": "OpenAI's structured output: any JSON object, or one that follows a schema.",
+    }
+    structured_outputs = {
+        "type": "object",
+        "properties": {
+            "json": {"oneOf": [schema, text]},
+            "json_object": {"type": "boolean"},
+            "regex": text,
+            "choice": choice,
+            "grammar": {**text, "description": "Lark, or EBNF (GBNF)."},
+            "reasoning_end": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        },
+        "additionalProperties": False,
+        "description": "vLLM's constraint: exactly one of json, json_object, regex, choice or "
+        "grammar. An invalid or unsupported one is a 400.",
+    }
+    return {
+        "response_format": _nullable(response_format),
+        "structured_outputs": _nullable(structured_outputs),
+        "guided_json": _nullable(
+            {"oneOf": [schema, text], "description": "= structured_outputs.json"}
+        ),
+        "guided_regex": _nullable({**text, "description": "= structured_outputs.regex"}),
+        "guided_choice": _nullable({**choice, "description": "= structured_outputs.choice"}),
+        "guided_grammar": _nullable({**text, "description": "= structured_outputs.grammar"}),
     }
 
 
@@ -266,12 +335,6 @@ def _schemas(max_model_len: int, vocab_size: int) -> dict[str, Any]:
             "parallel_tool_calls": {
                 "type": "boolean",
                 "description": "false: at most one tool call per choice. Default true.",
-            },
-            "response_format": {
-                "type": "object",
-                "required": ["type"],
-                "properties": {"type": {"type": "string", "enum": ["text"]}},
-                "additionalProperties": False,
             },
         },
         "additionalProperties": False,

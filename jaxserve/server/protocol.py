@@ -26,6 +26,8 @@ from jaxserve.server.fields import (
     optional,
 )
 from jaxserve.server.messages import check_chat_extras, parse_messages
+from jaxserve.server.structured_outputs import FIELDS as STRUCTURED_OUTPUT_FIELDS
+from jaxserve.server.structured_outputs import parse_structured_outputs
 from jaxserve.server.tools import ToolChoice
 
 MAX_BATCH_PROMPTS = 256  # prompts in one /v1/completions request
@@ -49,7 +51,14 @@ SAMPLING_FIELDS = (
     "min_tokens",
     "prompt_logprobs",
 )
-COMMON_FIELDS = ("model", "stream", "stream_options", "user", "priority", "cache_salt")
+COMMON_FIELDS = (
+    "model",
+    "stream",
+    "stream_options",
+    "user",
+    "priority",
+    "cache_salt",
+) + STRUCTURED_OUTPUT_FIELDS
 COMPLETION_FIELDS = frozenset(
     SAMPLING_FIELDS
     + COMMON_FIELDS
@@ -117,6 +126,7 @@ class CompletionRequest:
     add_special_tokens: bool
     priority: int
     cache_salt: str | None
+    structured_outputs_param: str = "structured_outputs"  # the field the constraint came in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +146,7 @@ class ChatRequest:
     top_logprobs: int | None  # None: logprobs off
     priority: int
     cache_salt: str | None
+    structured_outputs_param: str = "structured_outputs"  # the field the constraint came in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +214,7 @@ def _sampling_kwargs(body: dict[str, Any]) -> dict[str, Any]:
                 raise bad_request(f"logit_bias key {shown} is not a token id", param="logit_bias")
             converted[int(key)] = value
         kwargs["logit_bias"] = converted
+    kwargs["structured_outputs"], _ = parse_structured_outputs(body)
     return kwargs
 
 
@@ -299,6 +311,7 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
         add_special_tokens=boolean(body, "add_special_tokens", True),
         priority=_priority(body),
         cache_salt=_cache_salt(body),
+        structured_outputs_param=parse_structured_outputs(body)[1],
     )
 
 
@@ -393,6 +406,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
         top_logprobs=params.logprobs,
         priority=_priority(body),
         cache_salt=_cache_salt(body),
+        structured_outputs_param=parse_structured_outputs(body)[1],
     )
 
 

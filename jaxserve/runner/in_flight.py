@@ -1,0 +1,68 @@
+"""InFlight: a step queued on the device and not yet read back, and its reading back.
+
+Made by ``ModelRunner.dispatch``; the engine keeps it while it prepares the next step and
+hands it back to ``ModelRunner.collect``. A step whose sampler waits for a token mask
+(structured outputs) holds its forward pass's outputs until ``dispatch_sampler`` runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxserve.models.batch import Batch
+from jaxserve.runner.sampling import SamplerFlags, SamplerOutput, SamplingInputs
+from jaxserve.runner.step import RunnerOutput
+
+
+@dataclasses.dataclass
+class DeferredSampler:
+    """What a step's sampler needs once its token mask is known."""
+
+    hidden: jax.Array  # [T, H]  the forward pass's output, on the device
+    batch: Batch  # on the device
+    inputs: SamplingInputs  # on the host; token_mask [S, W] allows every token until written
+    flags: SamplerFlags
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A dispatched step: its device outputs, not yet read back."""
+
+    out: SamplerOutput | None  # None while the sampler waits (``deferred``)
+    prompt_out: tuple[jax.Array, ...] | None
+    spans: dict[str, tuple[int, int]]  # seq_id -> (offset, count) of its prompt logprob rows
+    sampled_row: dict[str, int]  # seq_id -> its row in out.token_ids, one per scheduled seq
+    deferred: DeferredSampler | None = None
+
+    @property
+    def sampled_ids(self) -> Any:  # i32[S_max] on the device
+        if self.out is None:
+            raise RuntimeError("the step's sampler has not been dispatched")
+        return self.out.token_ids
+
+    def read_back(self) -> RunnerOutput:
+        """Wait for the step and copy its sampled tokens (and logprobs) to the host."""
+        out, num = self.out, len(self.sampled_row)
+        if out is None:
+            raise RuntimeError("the step's sampler has not been dispatched")
+        result = RunnerOutput(token_ids=np.asarray(out.token_ids)[:num])
+        if out.logprobs is not None:
+            result.logprobs = np.asarray(out.logprobs)[:num]
+            result.ranks = np.asarray(out.ranks)[:num]
+            result.top_ids = np.asarray(out.top_ids)[:num]
+            result.top_logprobs = np.asarray(out.top_logprobs)[:num]
+        if self.prompt_out is not None:
+            try:
+                lp, ranks, top_ids, top_lp = (np.asarray(a) for a in self.prompt_out)
+            except jax.errors.JaxRuntimeError as exc:  # out of device memory, say
+                result.failed = dict.fromkeys(self.spans, f"prompt logprobs failed: {exc}")
+                return result
+            result.prompt_logprobs = {
+                sid: (lp[o : o + n], ranks[o : o + n], top_ids[o : o + n], top_lp[o : o + n])
+                for sid, (o, n) in self.spans.items()
+            }
+        return result
