@@ -55,6 +55,9 @@ class EchoCore:
     def capacity_lines(self) -> list[str]:
         return ["KV cache size: 1,024 tokens"]
 
+    def compile_grammar(self, params) -> None:  # it echoes; constraints are not applied
+        return None
+
     def add_request(self, request_id, prompt_token_ids, params, prompt=None, priority=0,
                     cache_salt=None, arrival_time=None, group_id=None):  # fmt: skip
         text = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
