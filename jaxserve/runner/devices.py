@@ -80,10 +80,12 @@ def describe_model(
     else:
         why = "--dtype"
     weights = "random weights (--load-format dummy)" if config.load_format == "dummy" else None
+    num_layers = model_config.num_layers
+    layers = f"{num_layers} layer{'' if num_layers == 1 else 's'}"
     return (
-        f"Model: {config.model_dir} ({model_config.model_type}, {model_config.num_layers} "
-        f"layers, {size} parameters{', ' + weights if weights else ''}), dtype "
-        f"{jnp.dtype(dtype).name} ({why}), max model len {max_model_len:,}"
+        f"Model: {config.model_dir} ({model_config.model_type}, {layers}, {size} parameters"
+        f"{', ' + weights if weights else ''}), dtype {jnp.dtype(dtype).name} ({why}), "
+        f"max model len {max_model_len:,}"
     )
 
 

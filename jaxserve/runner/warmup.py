@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import logging
 import os
 import threading
@@ -86,7 +87,7 @@ def warm_up(runner: ModelRunner, max_workers: int) -> int:
         others = {}
         for lowered, table, key, bucket in _sampler_and_logprob_programs(runner, variants):
             future = pool.submit(lowered.compile)
-            future.add_done_callback(lambda _, bucket=bucket: progress.done(bucket))
+            future.add_done_callback(functools.partial(progress.done, bucket))
             others[future] = (table, key)
         for future, (table, key) in others.items():
             table[key] = future.result()
@@ -115,7 +116,7 @@ class _BucketProgress:
         self.num_buckets_done = 0
         self.lock = threading.Lock()
 
-    def done(self, bucket: int) -> None:
+    def done(self, bucket: int, _: concurrent.futures.Future) -> None:
         with self.lock:
             self.num_done[bucket] += 1
             if self.num_done[bucket] < self.programs_per_bucket:
