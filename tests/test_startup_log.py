@@ -49,12 +49,16 @@ WIDE_KV_CONFIG = {
 }
 # Token buckets 16 and 32. The reference attention gathers every query row's whole context:
 # K and V rows of [T, 4096, 16, 128] f32, 2 GiB at T = 32 (1 GiB at 16, the bucket run).
+# NOTE: the peak is VmHWM, this process's own; getrusage's ru_maxrss would also count the
+# parent's resident memory (the pytest process's) when the child was started.
 LLM_SCRIPT = """
-import resource, sys
+import re, sys
+from pathlib import Path
 import jaxserve
 jaxserve.LLM(sys.argv[1], load_format="dummy", dtype="float32", max_num_seqs=1,
              max_num_batched_tokens=32, num_gpu_blocks_override=256)
-print("peak_rss_bytes", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+peak_kib = re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)
+print("peak_rss_bytes", int(peak_kib) * 1024)
 """
 
 
