@@ -6,7 +6,8 @@
          dtypes it takes (bf16, head_dim 64/128, GQA ratio 1-8, power-of-two page size >= 8);
   tpu -> ``pallas_kernels.tpu.ragged_paged_attention``, imported lazily;
   anything else, or a case the chosen kernel does not take -> the pure-jnp reference.
-``sliding_window`` and ``soft_cap`` are handled inside the GPU kernel.
+``sliding_window`` and ``soft_cap`` are handled inside the GPU kernel. ``choose_kernel`` says
+which path a model's shapes take, and why a fallback was taken, for the start-up log.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -21,11 +23,14 @@ from pallas_kernels.reference import ragged_paged_attention as reference_attenti
 from pallas_kernels.reference import write_kv
 
 
+def _compute_capability() -> str:
+    return str(getattr(jax.devices("gpu")[0], "compute_capability", "unknown"))
+
+
 @functools.cache
 def _is_hopper_or_newer() -> bool:
-    device = jax.devices("gpu")[0]
-    major = str(getattr(device, "compute_capability", "0")).split(".")[0]
-    return int(major) >= 9
+    major = _compute_capability().split(".")[0]
+    return major.isdigit() and int(major) >= 9
 
 
 def _tpu_kernel() -> Callable[..., jax.Array] | None:
@@ -35,6 +40,43 @@ def _tpu_kernel() -> Callable[..., jax.Array] | None:
     except ImportError:
         return None
     return getattr(module, "ragged_paged_attention", None)
+
+
+# What the start-up log calls each path.
+KERNEL_NAMES = {
+    "gpu": "Pallas Mosaic GPU kernel",
+    "tpu": "Pallas Mosaic TPU kernel",
+    "reference": "pure-jnp reference",
+}
+
+
+def choose_kernel(
+    q: Any,  # [T, Hq, D]: an array or a jax.ShapeDtypeStruct (only shape and dtype are read)
+    k_pages: Any,  # [P, page_size, Hkv, D]: likewise
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> tuple[str, str | None]:
+    """The path ``ragged_paged_attention`` takes on this backend for these shapes and dtypes:
+    ``("gpu" | "tpu" | "reference", why the reference was taken instead of a kernel, or None)``.
+    """
+    backend = jax.default_backend()
+    if backend == "gpu":
+        if not _is_hopper_or_newer():
+            return "reference", (
+                "the Mosaic GPU kernel needs Hopper or newer (compute capability 9.0); "
+                f"this GPU has {_compute_capability()}"
+            )
+        from pallas_kernels import gpu
+
+        reason = gpu.unsupported_reason(q, k_pages, sliding_window, soft_cap)
+        if reason is not None:
+            return "reference", f"the Mosaic GPU kernel does not run this model ({reason})"
+        return "gpu", None
+    if backend == "tpu":
+        if _tpu_kernel() is None:
+            return "reference", "pallas_kernels.tpu provides no kernel"
+        return "tpu", None
+    return "reference", f"no Pallas kernel runs on the {backend} backend"
 
 
 def ragged_paged_attention(
@@ -52,23 +94,28 @@ def ragged_paged_attention(
 ) -> jax.Array:  # [T, Hq, D], q's dtype
     """Ragged paged attention on the best kernel for the current backend."""
     args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-    backend = jax.default_backend()
-    if backend == "gpu" and _is_hopper_or_newer():
+    kernel, _ = choose_kernel(q, k_pages, sliding_window, soft_cap)
+    if kernel == "gpu":
         from pallas_kernels import gpu
 
-        if gpu.unsupported_reason(q, k_pages, sliding_window, soft_cap) is None:
-            return gpu.ragged_paged_attention(
-                *args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
-            )
-    elif backend == "tpu":
-        kernel = _tpu_kernel()
-        if kernel is not None:
-            return kernel(
-                *args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
-            )
+        return gpu.ragged_paged_attention(
+            *args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
+        )
+    if kernel == "tpu":
+        tpu_kernel = _tpu_kernel()
+        assert tpu_kernel is not None  # choose_kernel checked
+        return tpu_kernel(
+            *args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
+        )
     return reference_attention(
         *args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
     )
 
 
-__all__ = ["ragged_paged_attention", "reference_attention", "write_kv"]
+__all__ = [
+    "KERNEL_NAMES",
+    "choose_kernel",
+    "ragged_paged_attention",
+    "reference_attention",
+    "write_kv",
+]

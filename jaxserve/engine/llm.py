@@ -4,6 +4,8 @@
     outputs = llm.generate(["Hello"], jaxserve.SamplingParams(temperature=0.7, max_tokens=64))
 
 It drives ``EngineCore`` directly in the calling thread until every request has finished.
+Start-up logs what the server logs (devices, model, weights, capacity, each compiled bucket):
+where nothing has set up logging, as in a fresh notebook, ``LLM`` shows those lines on stderr.
 """
 
 from __future__ import annotations
@@ -19,6 +21,21 @@ from jaxserve.engine_config import EngineConfig
 from jaxserve.sampling_params import SamplingParams
 
 _LOG = logging.getLogger(__name__)
+LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"  # the server's
+
+
+def show_startup_log() -> None:
+    """Show jaxserve's INFO lines on stderr unless the program has set up logging itself
+    (a handler on the root or the ``jaxserve`` logger), whose choices then stand."""
+    package = logging.getLogger("jaxserve")
+    if logging.getLogger().handlers or package.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    package.addHandler(handler)
+    if package.level == logging.NOTSET:
+        package.setLevel(logging.INFO)
+
 
 PromptType = str | dict[str, Any] | list[int]
 
@@ -45,6 +62,7 @@ class LLM:
         warmup: bool = True,
         **kwargs: Any,
     ) -> None:
+        show_startup_log()
         config = EngineConfig(
             model=str(model or ""),
             tokenizer=tokenizer,

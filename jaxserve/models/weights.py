@@ -2,14 +2,17 @@
 
 Tensors are read one at a time from memory-mapped safetensors files, transposed to the
 model's einsum layout, cast and placed on the device (or straight into their shards when a
-``placement`` function gives a sharding), so peak host memory is about one tensor.
+``placement`` function gives a sharding), so peak host memory is about one tensor. Loading logs
+one line at the end, and a line at every tenth of the bytes for a checkpoint of 1 GiB or more.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,9 @@ from jaxserve.models.families import (
     num_params,
 )
 from jaxserve.models.llama import LayerWeights, Weights
+
+_LOG = logging.getLogger(__name__)
+GiB = 1024**3
 
 # (field path in Weights, e.g. ("layers", 3, "wq")) -> a sharding for it, or None (default device)
 Placement = Callable[[tuple[Any, ...], tuple[int, ...]], jax.sharding.Sharding | None]
@@ -66,6 +72,52 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
     return names
 
 
+def format_bytes(num_bytes: int) -> str:
+    """``8.4 MiB``, ``14.96 GiB``."""
+    if num_bytes >= GiB:
+        return f"{num_bytes / GiB:.2f} GiB"
+    return f"{num_bytes / 1024**2:.1f} MiB"
+
+
+class LoadProgress:
+    """Counts the bytes read from a checkpoint's shards and logs how far loading has got."""
+
+    def __init__(self, shards: list[Path], log_every_tenth_above_bytes: int) -> None:
+        self.shards = shards  # in the order of their names (model-00001-of-00004, ...)
+        self.total_bytes = sum(shard.stat().st_size for shard in shards if shard.is_file())
+        self.log_every_tenth = self.total_bytes >= log_every_tenth_above_bytes
+        self.num_bytes = 0
+        self.tenths_logged = 0
+        self.start = time.perf_counter()
+
+    def add(self, shard: Path, num_bytes: int) -> None:
+        self.num_bytes += num_bytes
+        if not self.log_every_tenth or not self.total_bytes:
+            return
+        tenths = min(10, self.num_bytes * 10 // self.total_bytes)
+        if tenths > self.tenths_logged:
+            self.tenths_logged = tenths
+            _LOG.info(
+                "Loading weights: %d%% (%s of %s), shard %d of %d, at %.1f s",
+                tenths * 10,
+                format_bytes(self.num_bytes),
+                format_bytes(self.total_bytes),
+                self.shards.index(shard) + 1,
+                len(self.shards),
+                time.perf_counter() - self.start,
+            )
+
+    def finish(self) -> None:
+        num_shards = len(self.shards)
+        _LOG.info(
+            "Loaded weights: %s from %d shard%s in %.1f s",
+            format_bytes(self.num_bytes),
+            num_shards,
+            "" if num_shards == 1 else "s",
+            time.perf_counter() - self.start,
+        )
+
+
 def _place(
     array: np.ndarray, dtype: jnp.dtype, path: tuple[Any, ...], placement: Placement | None
 ) -> jax.Array:
@@ -82,11 +134,14 @@ def load_weights(
     config: ModelConfig,
     dtype: jnp.dtype = jnp.bfloat16,
     placement: Placement | None = None,
-    progress: Callable[[Iterator[int]], Iterator[int]] | None = None,
+    progress_above_bytes: int = GiB,
 ) -> Weights:
-    """Stream a safetensors checkpoint into ``Weights`` (missing or misshapen tensors raise)."""
+    """Stream a safetensors checkpoint into ``Weights`` (missing or misshapen tensors raise).
+
+    A checkpoint of ``progress_above_bytes`` or more logs its progress at every tenth."""
     model_dir = Path(model_dir)
     files = _tensor_files(model_dir)
+    progress = LoadProgress(sorted(set(files.values())), progress_above_bytes)
     shapes = expected_shapes(config)
     missing = [name for name in shapes if name not in files]
     if missing:
@@ -110,13 +165,11 @@ def load_weights(
                     f"{file.name}: tensor {name!r} has shape {list(tensor.shape)}, "
                     f"expected {list(shapes[name])} from config.json"
                 )
+            progress.add(file, tensor.nbytes)
             return tensor
 
-        layer_iter: Iterator[int] = iter(range(config.num_layers))
-        if progress is not None:
-            layer_iter = progress(layer_iter)
         layers = []
-        for layer in layer_iter:
+        for layer in range(config.num_layers):
             prefix = HF_LAYER_PREFIX.format(layer=layer)
             values = {
                 field.name: _place(
@@ -134,6 +187,7 @@ def load_weights(
             )
             for field in model_fields(config)
         }
+    progress.finish()
     return Weights(layers=layers, **outside)
 
 

@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 import time
 from typing import Any
 
@@ -24,7 +23,7 @@ import numpy as np
 
 import pallas_kernels
 from jaxserve.config import ModelConfig
-from jaxserve.engine_config import EngineConfig, weight_dtype
+from jaxserve.engine_config import EngineConfig
 from jaxserve.models.batch import Batch, make_kv_cache
 from jaxserve.models.weights import dummy_weights, load_weights
 from jaxserve.runner import step_broadcast
@@ -34,6 +33,7 @@ from jaxserve.runner.capacity import (
     plan_capacity,
     reserve_device_memory,
 )
+from jaxserve.runner.devices import quiet_backend_probe, resolve_dtype, startup_lines
 from jaxserve.runner.in_flight import DeferredSampler, InFlight
 from jaxserve.runner.input_builder import InputBuilder, next_power_of_2, token_buckets_for
 from jaxserve.runner.programs import (
@@ -46,20 +46,9 @@ from jaxserve.runner.programs import (
 from jaxserve.runner.sampling import SamplerFlags, SamplerOutput, SamplingInputs
 from jaxserve.runner.sharding import prepare_tp
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
-from jaxserve.runner.warmup import warm_up
+from jaxserve.runner.warmup import enable_compilation_cache, warm_up
 
 _LOG = logging.getLogger(__name__)
-
-
-def resolve_dtype(config: EngineConfig) -> jnp.dtype:
-    """``auto``: bfloat16 on accelerators, float32 on the CPU (``weight_dtype``)."""
-    return jnp.dtype(weight_dtype(config.dtype, on_cpu=jax.default_backend() == "cpu"))
-
-
-def enable_compilation_cache(cache_dir: str) -> None:
-    os.makedirs(cache_dir, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 class ModelRunner:
@@ -70,7 +59,8 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         """``eos_token_ids``: every id that ends a sequence (held back until ``min_tokens``)."""
-        reserve_device_memory(config.gpu_memory_utilization)  # before the backend starts
+        quiet_backend_probe()  # both before the backend starts
+        reserve_device_memory(config.gpu_memory_utilization)
         self.model_config = model_config
         self.config = config
         self.max_model_len = max_model_len = config.resolved_max_model_len(model_config)
@@ -81,6 +71,8 @@ class ModelRunner:
         enable_compilation_cache(config.cache_dir)
 
         self.dtype = resolve_dtype(config)
+        for line in startup_lines(model_config, config, self.dtype, max_model_len):
+            _LOG.info(line)
         # Tensor parallelism: shardings from sharding.py; TP=1 keeps the plain program.
         self.tp = (
             prepare_tp(model_config, config.tensor_parallel_size)
@@ -99,6 +91,8 @@ class ModelRunner:
             )
         jax.block_until_ready(self.weights)
         self.load_seconds = time.perf_counter() - start
+        if config.load_format == "dummy":
+            _LOG.info("Made random weights in %.1f s", self.load_seconds)
         self.tied = self.weights.lm_head is None
         self.head = self.weights.embed if self.tied else self.weights.lm_head
 

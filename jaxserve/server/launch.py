@@ -366,11 +366,14 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
         format="%(levelname)s %(asctime)s %(name)s: %(message)s",
     )
     from jaxserve.runner.capacity import reserve_device_memory
+    from jaxserve.runner.devices import quiet_backend_probe
     from jaxserve.runner.distributed import (
         DistributedConfig,
         initialize_distributed,
         is_coordinator,
     )
+
+    quiet_backend_probe()  # before JAX's backend starts
 
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         _LOG.error("--ssl-keyfile and --ssl-certfile must be given together")

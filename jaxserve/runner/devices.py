@@ -1,0 +1,114 @@
+"""What the runner runs on, in the start-up log's words: devices, model and dtype, attention path.
+
+``ModelRunner`` logs ``startup_lines`` before it loads the weights, so the first lines of a
+start say where the model runs and how. ``quiet_backend_probe`` keeps JAX's backend probe out of
+the default log: JAX tries every backend it knows and logs, at INFO, ``Unable to initialize
+backend 'tpu'`` on every GPU and CPU host, which reads like an error but is not one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from jaxserve.config import ModelConfig
+from jaxserve.engine_config import EngineConfig, weight_dtype
+from jaxserve.models.families import num_params
+from jaxserve.runner.capacity import kv_heads_per_device
+
+_PROBE_LOGGER = "jax._src.xla_bridge"
+_PROBE_MESSAGE = "Unable to initialize backend"
+
+
+class _BackendProbeFilter(logging.Filter):
+    """Turns JAX's failed-backend-probe records into DEBUG records (shown only at debug level)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.DEBUG and record.getMessage().startswith(_PROBE_MESSAGE):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+def quiet_backend_probe() -> None:
+    """Log JAX's ``Unable to initialize backend ...`` at DEBUG; call before the backend starts."""
+    logger = logging.getLogger(_PROBE_LOGGER)
+    if not any(isinstance(f, _BackendProbeFilter) for f in logger.filters):
+        logger.addFilter(_BackendProbeFilter())
+
+
+def resolve_dtype(config: EngineConfig) -> jnp.dtype:
+    """``auto``: bfloat16 on accelerators, float32 on the CPU (``weight_dtype``)."""
+    return jnp.dtype(weight_dtype(config.dtype, on_cpu=jax.default_backend() == "cpu"))
+
+
+def platform_name(device: jax.Device) -> str:
+    """``cuda``, ``rocm``, ``tpu`` or ``cpu``."""
+    if device.platform != "gpu":
+        return device.platform
+    version = str(getattr(device.client, "platform_version", "")).lower()
+    return "rocm" if "rocm" in version else "cuda"
+
+
+def describe_devices(tensor_parallel_size: int) -> str:
+    """``Devices: 1 x NVIDIA H200 (cuda)``; ``Devices: 8 x cpu, tensor parallel over 8``."""
+    devices = jax.devices()
+    first = devices[0]
+    kind, platform = first.device_kind, platform_name(first)
+    line = f"Devices: {len(devices)} x {kind}"
+    if kind.lower() != platform:
+        line += f" ({platform})"
+    if tensor_parallel_size > 1:
+        line += f", tensor parallel over {tensor_parallel_size}"
+    elif len(devices) > 1:
+        line += ", the model runs on the first"
+    return line
+
+
+def describe_model(
+    model_config: ModelConfig, config: EngineConfig, dtype: jnp.dtype, max_model_len: int
+) -> str:
+    """``Model: DIR (llama, 4 layers, 8.4M parameters), dtype float32 (auto: ...), ...``."""
+    params = num_params(model_config)
+    size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+    if config.dtype == "auto":
+        on_cpu = jax.default_backend() == "cpu"
+        why = "auto: float32 on the CPU" if on_cpu else "auto: bfloat16 on accelerators"
+    else:
+        why = "--dtype"
+    weights = "random weights (--load-format dummy)" if config.load_format == "dummy" else None
+    num_layers = model_config.num_layers
+    layers = f"{num_layers} layer{'' if num_layers == 1 else 's'}"
+    return (
+        f"Model: {config.model_dir} ({model_config.model_type}, {layers}, {size} parameters"
+        f"{', ' + weights if weights else ''}), dtype {jnp.dtype(dtype).name} ({why}), "
+        f"max model len {max_model_len:,}"
+    )
+
+
+def describe_attention(
+    model_config: ModelConfig, dtype: jnp.dtype, block_size: int, tensor_parallel_size: int
+) -> str:
+    """``Attention: Pallas Mosaic GPU kernel``, or the reference and why no kernel was taken."""
+    num_q_heads = max(1, model_config.num_q_heads // tensor_parallel_size)  # per device
+    num_kv_heads = kv_heads_per_device(model_config.num_kv_heads, tensor_parallel_size)
+    head_dim = model_config.head_dim
+    q = jax.ShapeDtypeStruct((1, num_q_heads, head_dim), dtype)
+    k_pages = jax.ShapeDtypeStruct((1, block_size, num_kv_heads, head_dim), dtype)
+    kernel, reason = pallas_kernels.choose_kernel(q, k_pages, model_config.sliding_window)
+    line = f"Attention: {pallas_kernels.KERNEL_NAMES[kernel]}"
+    return f"{line} ({reason})" if reason else line
+
+
+def startup_lines(
+    model_config: ModelConfig, config: EngineConfig, dtype: jnp.dtype, max_model_len: int
+) -> list[str]:
+    tp = config.tensor_parallel_size
+    return [
+        describe_devices(tp),
+        describe_model(model_config, config, dtype, max_model_len),
+        describe_attention(model_config, dtype, config.block_size, tp),
+    ]

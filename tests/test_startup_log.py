@@ -1,0 +1,222 @@
+"""The start-up says what it is doing: devices, model and dtype, attention path, weight-loading
+progress, capacity and each compile stage; ``LLM()`` shows it too, and start-up memory does not
+grow with the largest token bucket.
+
+One subprocess runs ``jaxserve.LLM()`` as a fresh notebook would (nothing has set up logging),
+on a one-layer model with a wide KV (16 KV heads of 128) and random weights, so that running
+the largest bucket's reference attention would take 2 GiB of host memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import pallas_kernels
+from jaxserve.config import ModelConfig
+from jaxserve.engine_config import EngineConfig
+from jaxserve.models.weights import load_weights
+from jaxserve.runner.devices import describe_attention, quiet_backend_probe
+from jaxserve.runner.runner import ModelRunner
+from tests.conftest import fixture_dir
+
+GiB = 1024**3
+WIDE_KV_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "head_dim": 128,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+# Token buckets 16 and 32. The reference attention gathers every query row's whole context:
+# K and V rows of [T, 4096, 16, 128] f32, 2 GiB at T = 32 (1 GiB at 16, the bucket run).
+# NOTE: the peak is VmHWM, this process's own; getrusage's ru_maxrss would also count the
+# parent's resident memory (the pytest process's) when the child was started.
+LLM_SCRIPT = """
+import re, sys
+from pathlib import Path
+import jaxserve
+jaxserve.LLM(sys.argv[1], load_format="dummy", dtype="float32", max_num_seqs=1,
+             max_num_batched_tokens=32, num_gpu_blocks_override=256)
+peak_kib = re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)
+print("peak_rss_bytes", int(peak_kib) * 1024)
+"""
+
+
+@pytest.fixture(scope="module")
+def notebook_start(tmp_path_factory) -> tuple[str, int]:
+    """(stderr, peak RSS in bytes) of ``jaxserve.LLM()`` in a fresh process."""
+    model_dir = tmp_path_factory.mktemp("wide-kv")
+    (model_dir / "config.json").write_text(json.dumps(WIDE_KV_CONFIG))
+    proc = subprocess.run(
+        [sys.executable, "-c", LLM_SCRIPT, str(model_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    peak = int(re.search(r"peak_rss_bytes (\d+)", proc.stdout).group(1))  # type: ignore[union-attr]
+    return proc.stderr, peak
+
+
+def test_llm_shows_each_startup_stage_in_order_where_logging_is_not_set_up(notebook_start):
+    stderr, _ = notebook_start
+    expected = [
+        r"INFO .* jaxserve\.runner\.runner: Devices: 1 x cpu\n",
+        r"Model: .*wide-kv.* \(llama, 1 layer, .* parameters, random weights .*\), dtype "
+        r"float32 \(--dtype\), max model len 4,096\n",
+        r"Attention: pure-jnp reference \(no Pallas kernel runs on the cpu backend\)\n",
+        r"Made random weights in",
+        r"KV cache size: 4,096 tokens\n",
+        r"Compiling the model step for 2 token buckets \(16, 32\)\n",
+        r"Compiled model step for \d+ tokens \(2/2\)",
+        r"Compiling 12 sampler variants and the prompt-logprob program for each token bucket "
+        r"\(26 programs\)\n",
+        r"Compiled the sampler programs for \d+ tokens \(2/2\)",
+        r"Allocated the KV cache \(64\.0 MiB\)",
+        r"Compiled 2 step shapes in",
+    ]
+    position = 0
+    for pattern in expected:
+        match = re.compile(pattern).search(stderr, position)
+        assert match is not None, f"{pattern!r} not found after position {position}:\n{stderr}"
+        position = match.end()
+
+
+def test_startup_peak_memory_stays_below_what_running_the_largest_bucket_takes(notebook_start):
+    """Warm-up compiles the 32-token bucket but does not run it: before, running it took the
+    start to 2.6 GB (its attention alone gathers 2 GiB); now the start peaks at about 1.6 GB."""
+    _, peak = notebook_start
+    assert peak < 2 * GiB, f"peak RSS {peak / GiB:.2f} GiB"
+
+
+def test_warm_up_compiles_every_bucket_but_runs_only_the_smallest(monkeypatch):
+    config = EngineConfig(
+        model=str(fixture_dir("llama")),
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        block_size=4,
+        num_gpu_blocks_override=128,
+        warmup=False,
+    )
+    runner = ModelRunner(ModelConfig.from_hf_dir(config.model_dir), config)
+    runner.kv_cache = None  # allocated by warm-up, as with warmup=True
+    ran = []
+    run_step = runner.run_step
+
+    def recording_run_step(batch):
+        ran.append(batch.input_ids.shape[0])
+        return run_step(batch)
+
+    monkeypatch.setattr(runner, "run_step", recording_run_step)
+    runner.warmup()
+    assert sorted(runner.compiled_steps) == runner.token_buckets == [16, 32]
+    assert sorted(runner.compiled_prompt_lp) == [16, 32]
+    assert len(runner.compiled_samplers) == 2 * 12
+    assert ran == [16]
+    assert runner.kv_cache is not None
+
+
+def test_backend_probe_shows_only_at_debug_level(caplog):
+    quiet_backend_probe()
+    probe = logging.getLogger("jax._src.xla_bridge")
+    message = "Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so"
+    with caplog.at_level(logging.INFO):
+        probe.info(message)
+        probe.info("Another backend message")
+    assert [r.getMessage() for r in caplog.records] == ["Another backend message"]
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="jax._src.xla_bridge"):
+        probe.info(message)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [("DEBUG", message)]
+
+
+def test_attention_line_names_the_reference_and_why_on_cpu():
+    config = ModelConfig.from_hf_dir(fixture_dir("llama"))
+    line = describe_attention(config, jnp.float32, block_size=16, tensor_parallel_size=1)
+    assert line == "Attention: pure-jnp reference (no Pallas kernel runs on the cpu backend)"
+
+
+@pytest.mark.parametrize(
+    ("is_hopper", "dtype", "head_dim", "want"),
+    [
+        (True, jnp.bfloat16, 128, ("gpu", None)),
+        (False, jnp.bfloat16, 128, ("reference", "needs Hopper or newer")),
+        (True, jnp.float32, 128, ("reference", "the kernel takes bfloat16")),
+        (True, jnp.bfloat16, 96, ("reference", "head_dim=96")),
+    ],
+)
+def test_choose_kernel_on_a_gpu_says_why_it_falls_back(
+    monkeypatch, is_hopper, dtype, head_dim, want
+):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(pallas_kernels, "_is_hopper_or_newer", lambda: is_hopper)
+    monkeypatch.setattr(pallas_kernels, "_compute_capability", lambda: "8.0")
+    q = jax.ShapeDtypeStruct((1, 8, head_dim), dtype)
+    k_pages = jax.ShapeDtypeStruct((1, 16, 2, head_dim), dtype)
+    kernel, reason = pallas_kernels.choose_kernel(q, k_pages)
+    assert kernel == want[0]
+    if want[1] is None:
+        assert reason is None
+    else:
+        assert want[1] in reason
+
+
+def write_sharded_checkpoint(source: Path, target: Path, num_shards: int) -> int:
+    """``source``'s tensors split over ``num_shards`` files with an index; returns their bytes."""
+    tensors = load_file(source / "model.safetensors")
+    names = sorted(tensors)
+    weight_map = {}
+    for shard, chunk in enumerate(np.array_split(np.array(names), num_shards), 1):
+        file = f"model-{shard:05d}-of-{num_shards:05d}.safetensors"
+        save_file({str(name): tensors[str(name)] for name in chunk}, target / file)
+        weight_map.update(dict.fromkeys(map(str, chunk), file))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    (target / "config.json").write_text((source / "config.json").read_text())
+    return sum(t.nbytes for t in tensors.values())
+
+
+def test_loading_a_sharded_checkpoint_logs_bytes_and_shards(tmp_path, caplog):
+    num_bytes = write_sharded_checkpoint(fixture_dir("llama"), tmp_path, num_shards=3)
+    config = ModelConfig.from_hf_dir(tmp_path)
+    with caplog.at_level(logging.INFO, logger="jaxserve.models.weights"):
+        load_weights(tmp_path, config, jnp.float32, progress_above_bytes=0)
+    lines = [r.getMessage() for r in caplog.records]
+    progress = [re.match(r"Loading weights: (\d+)% \(.* of .*\), shard (\d) of 3, at", line)
+                for line in lines[:-1]]  # fmt: skip
+    assert all(progress), lines
+    percents = [int(m.group(1)) for m in progress]  # type: ignore[union-attr]
+    assert percents == sorted(set(percents)) and percents[0] >= 10 and percents[-1] >= 90
+    assert {int(m.group(2)) for m in progress} == {1, 2, 3}  # type: ignore[union-attr]
+    assert re.fullmatch(
+        rf"Loaded weights: {num_bytes / 1024**2:.1f} MiB from 3 shards in \d+\.\d s", lines[-1]
+    )
+
+
+def test_loading_a_small_checkpoint_logs_one_line(caplog):
+    model_dir = fixture_dir("llama")
+    with caplog.at_level(logging.INFO, logger="jaxserve.models.weights"):
+        load_weights(model_dir, ModelConfig.from_hf_dir(model_dir), jnp.float32)
+    assert [r.getMessage()[:30] for r in caplog.records] == ["Loaded weights: 0.4 MiB from 1"]
