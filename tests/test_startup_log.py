@@ -28,7 +28,10 @@ from jaxserve.engine_config import EngineConfig
 from jaxserve.models.weights import load_weights
 from jaxserve.runner.devices import describe_attention, quiet_backend_probe
 from jaxserve.runner.runner import ModelRunner
+from jaxserve.runner.sampling import SamplerFlags
 from tests.conftest import fixture_dir
+
+NUM_VARIANTS = len(SamplerFlags.variants())
 
 GiB = 1024**3
 WIDE_KV_CONFIG = {
@@ -89,8 +92,8 @@ def test_llm_shows_each_startup_stage_in_order_where_logging_is_not_set_up(noteb
         r"KV cache size: 4,096 tokens\n",
         r"Compiling the model step for 2 token buckets \(16, 32\)\n",
         r"Compiled model step for \d+ tokens \(2/2\)",
-        r"Compiling 12 sampler variants and the prompt-logprob program for each token bucket "
-        r"\(26 programs\)\n",
+        rf"Compiling {NUM_VARIANTS} sampler variants and the prompt-logprob program for each "
+        rf"token bucket \({2 * (NUM_VARIANTS + 1)} programs\)\n",
         r"Compiled the sampler programs for \d+ tokens \(2/2\)",
         r"Allocated the KV cache \(64\.0 MiB\)",
         r"Compiled 2 step shapes in",
@@ -133,7 +136,7 @@ def test_warm_up_compiles_every_bucket_but_runs_only_the_smallest(monkeypatch):
     runner.warmup()
     assert sorted(runner.compiled_steps) == runner.token_buckets == [16, 32]
     assert sorted(runner.compiled_prompt_lp) == [16, 32]
-    assert len(runner.compiled_samplers) == 2 * 12
+    assert len(runner.compiled_samplers) == 2 * NUM_VARIANTS
     assert ran == [16]
     assert runner.kv_cache is not None
 
