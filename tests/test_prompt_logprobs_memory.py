@@ -46,7 +46,7 @@ def lowered(num_tokens: int, vocab: int):
 def test_no_logits_larger_than_one_chunk_are_made(monkeypatch) -> None:
     vocab = 128_256  # Llama-3's vocabulary
     text = lowered(2048, vocab).as_text()
-    assert f"tensor<256x{vocab}xf32>" in text
+    assert f"tensor<{programs.PROMPT_LOGPROBS_CHUNK}x{vocab}xf32>" in text
     assert f"tensor<2048x{vocab}xf32>" not in text
     monkeypatch.setattr(programs, "PROMPT_LOGPROBS_CHUNK", 2048)  # one pass: the whole step
     assert f"tensor<2048x{vocab}xf32>" in lowered(2048, vocab).as_text()
@@ -59,7 +59,7 @@ def temp_bytes(num_tokens: int, vocab: int) -> int:
 def test_prompt_logprobs_memory_is_that_of_one_chunk_however_long_the_step(monkeypatch) -> None:
     vocab = 128_256
     one_chunk = temp_bytes(programs.PROMPT_LOGPROBS_CHUNK, vocab)
-    assert one_chunk <= programs.PROMPT_LOGPROBS_CHUNK * vocab * 4 * 6  # what capacity reserves
+    assert one_chunk <= programs.PROMPT_LOGPROBS_CHUNK * vocab * 4 * 8  # what capacity reserves
     assert temp_bytes(2048, vocab) <= 1.5 * one_chunk
     monkeypatch.setattr(programs, "PROMPT_LOGPROBS_CHUNK", 2048)  # one pass: 8x on CPU
     assert temp_bytes(2048, vocab) > 4 * one_chunk
@@ -78,5 +78,5 @@ def test_the_activation_reserve_covers_a_chunk_of_prompt_logprobs() -> None:
     )
     reserve = capacity.activation_bytes(config, 2048, 8, 2, 141 * 10**9)
     fewer_rows = capacity.activation_bytes(config, 2048, 1, 2, 141 * 10**9)
-    assert reserve == fewer_rows  # the chunk's 256 rows, not the 8 sequences, set the size
-    assert reserve >= programs.PROMPT_LOGPROBS_CHUNK * 128_256 * 4 * 6
+    assert reserve == fewer_rows  # the chunk's rows, not the 8 sequences, set the size
+    assert reserve >= programs.PROMPT_LOGPROBS_CHUNK * 128_256 * 4 * 8

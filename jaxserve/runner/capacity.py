@@ -117,10 +117,10 @@ def activation_bytes(
     """A conservative estimate of the largest step's temporary buffers, plus a slack for
     the compiler's workspace (512 MiB, or 1/16 of a small device)."""
     per_token = (4 * config.intermediate_size + 6 * config.hidden_size) * dtype_bytes
-    # The sampler's rows, or a chunk of prompt logprobs when that is larger: f32 logits,
-    # scaled, noise, sort, ... (a 256-row chunk measured 3 GiB per 2,048 rows of a 128k vocab).
-    rows = max(max_num_seqs, min(PROMPT_LOGPROBS_CHUNK, max_num_batched_tokens))
-    sampler = rows * config.vocab_size * 4 * 6
+    # The sampler's rows (f32 logits, scaled, noise, sort, ...), or a chunk of prompt logprobs
+    # when that is larger: on the H200 a chunk takes 6.0 f32 copies of its logits, so 8 here.
+    chunk = min(PROMPT_LOGPROBS_CHUNK, max_num_batched_tokens)
+    sampler = max(6 * max_num_seqs, 8 * chunk) * config.vocab_size * 4
     slack = min(512 * 1024**2, device_memory_bytes // 16)
     return max_num_batched_tokens * per_token + sampler + slack
 

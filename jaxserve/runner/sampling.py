@@ -32,7 +32,7 @@ NEG_INF = float("-inf")
 # Top logprobs computed for any request that asks: the API's cap, so one sampler variant serves
 # every logprobs request.
 NUM_TOP_LOGPROBS = MAX_LOGPROBS
-PROMPT_LOGPROBS_CHUNK = 256  # prompt positions whose logits are computed at once
+PROMPT_LOGPROBS_CHUNK = 128  # prompt positions whose logits are computed at once
 
 # The per-sequence sampling scalars, declared once: SamplingInputs field -> (host dtype, neutral
 # value). The runner keeps a host table per entry (a row per running sequence), writes a row
