@@ -36,6 +36,7 @@ class EngineConfig:
     model: str = ""  # a local Hugging Face directory; "" means the embedded demo model
     served_model_name: str | None = None
     tokenizer: str | None = None  # defaults to the model directory
+    chat_template: str | None = None  # a Jinja file, or the template itself; None: the model's
     dtype: str = "auto"
     load_format: str = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings

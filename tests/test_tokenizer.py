@@ -7,8 +7,13 @@ import time
 
 import pytest
 
-from jaxserve.engine.tokenizer import IncrementalDetokenizer, TemplateError, Tokenizer
-from jaxserve.engine_config import default_model_dir
+from jaxserve.engine.tokenizer import (
+    IncrementalDetokenizer,
+    TemplateError,
+    Tokenizer,
+    load_tokenizer,
+)
+from jaxserve.engine_config import EngineConfig, default_model_dir
 from tests.conftest import fixture_dir
 
 TEXT = "naïve café 日本語 🙂 def foo(x):\n    return x + 1"
@@ -102,3 +107,46 @@ def test_templates_tojson_keeps_key_order_and_does_not_escape_html() -> None:
         [{"role": "user", "content": {"b": "<a>", "a": "é"}}], tools=[{"z": 1, "y": 2}]
     )
     assert text == '{"b": "<a>", "a": "é"}|[\n  {\n    "z": 1,\n    "y": 2\n  }\n]'
+
+
+def test_chat_template_from_a_file_or_inline_replaces_the_models(tmp_path) -> None:
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    messages = [{"role": "user", "content": "hi"}]
+    for value in (str(path), template):
+        config = EngineConfig(model=str(fixture_dir("llama")), chat_template=value)
+        tokenizer = load_tokenizer(config, vocab_size=320)
+        assert tokenizer.apply_chat_template(messages) == "[user] hi\n"
+
+
+def test_a_model_that_ships_no_template_chats_with_one() -> None:
+    config_only = default_model_dir().parent / "configs" / "llama-3-8b"
+    config = EngineConfig(model=str(config_only), load_format="dummy")
+    with pytest.raises(TemplateError, match="no chat template"):
+        load_tokenizer(config, vocab_size=64).apply_chat_template(
+            [{"role": "user", "content": "a"}]
+        )
+    config = EngineConfig(
+        model=str(config_only), load_format="dummy", chat_template="{{ messages[0]['content'] }}!"
+    )
+    tokenizer = load_tokenizer(config, vocab_size=64)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "a"}]) == "a!"
+
+
+def test_a_bad_chat_template_is_named_at_start(tmp_path) -> None:
+    model = str(fixture_dir("llama"))
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        load_tokenizer(EngineConfig(model=model, chat_template="no/such/file.jinja"), 320)
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}")
+    with pytest.raises(ValueError, match="broken.jinja does not parse"):
+        load_tokenizer(EngineConfig(model=model, chat_template=str(broken)), 320)
+
+
+def test_launch_takes_chat_template() -> None:
+    from jaxserve.cli import build_parser
+    from jaxserve.server.launch import engine_config_from_args
+
+    argv = ["launch", "--chat-template", "t.jinja"]
+    assert engine_config_from_args(build_parser(argv).parse_args(argv)).chat_template == "t.jinja"

@@ -89,8 +89,28 @@ def load_tokenizer(config: Any, vocab_size: int) -> Tokenizer:
         _LOG.warning(
             "%s has no tokenizer: using a dummy one (token <tN> per id)", config.tokenizer_dir
         )
-        return Tokenizer(None, dummy_vocab_size=vocab_size)
-    return Tokenizer(config.tokenizer_dir)
+        tokenizer = Tokenizer(None, dummy_vocab_size=vocab_size)
+    else:
+        tokenizer = Tokenizer(config.tokenizer_dir)
+    if getattr(config, "chat_template", None):
+        tokenizer.chat_template = read_chat_template(config.chat_template)
+    return tokenizer
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``, as vLLM takes it: a Jinja file, or the template itself. Checked at
+    start: a missing file or a template that does not parse is a ``ValueError`` naming it."""
+    path = Path(value)
+    looks_inline = "{{" in value or "{%" in value
+    if not looks_inline and not path.is_file():
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    source = value if looks_inline else path.read_text()
+    try:
+        _compile_template(source)
+    except jinja2.TemplateSyntaxError as exc:
+        where = "the template" if looks_inline else str(path)
+        raise ValueError(f"--chat-template: {where} does not parse: {exc}") from None
+    return source
 
 
 class Tokenizer:

@@ -302,6 +302,14 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "mistral ([TOOL_CALLS][...])",
     )
     add(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="the chat template, a Jinja file or the template itself, for models that ship "
+        "none or to replace theirs; default: the model's (tokenizer_config.json or "
+        "chat_template.jinja)",
+    )
+    add(
         "--reasoning-parser",
         choices=REASONING_PARSERS,
         default=None,
@@ -315,6 +323,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
+        chat_template=args.chat_template,
         dtype=args.dtype,
         load_format=args.load_format,
         max_model_len=args.max_model_len,
