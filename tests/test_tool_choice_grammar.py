@@ -9,6 +9,8 @@ tests sample at temperature 1 with several seeds, through the OpenAI SDK over HT
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import jsonschema
 import openai
@@ -137,3 +139,19 @@ def test_named_choice_always_gives_a_valid_call_whole_and_streamed(client):
             assert choice.message.tool_calls[0].function.arguments == (
                 whole.message.tool_calls[0].function.arguments
             )
+
+
+def test_the_readmes_examples_run_against_the_demo_model(client, capsys) -> None:
+    """The Python of the README's first section (completions, chat, tool calling, JSON output,
+    the SDK's parse), run as written against a server of the demo model."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme[: readme.index("## Serving a real model")]
+    code = "\n".join(re.findall(r"```python\n(.*?)```", start, re.S))
+    assert code.count("client.chat.completions") >= 4, "the README's examples moved"
+    url = 'base_url="http://localhost:8000/v1"'
+    assert url in code
+    exec(compile(code.replace(url, f'base_url="{client.base_url}"'), "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "get_weather {'city': " in printed
+    assert "name=" in printed and "arguments=" in printed  # the parsed Function
+    assert printed.rstrip().splitlines()[-1].strip() in ("yes", "no")
