@@ -8,6 +8,8 @@
 #                prompts per rate, 200 unless set: about 4 minutes), then warm start
 #   throughput   offline throughput through jaxserve.LLM: 256 x 512/256 and 1000 x 1024/128
 #   hf           offline throughput, Hugging Face generate_batch, 256 x 512/256
+#   latency      offline latency of one batch (jaxserve bench latency) at batch 1, 8 and 64,
+#                1000 in / 256 out: end to end (avg, p10-p99), TTFT, TPOT, tokens/s
 #   roofline     decode MBU grid through the runner (scenario 1)
 #   cublas       a few roofline cells with XLA's Triton GEMMs off (cuBLAS for every matmul)
 #   hostile      the seven findings of hostile input at full scale against a served Llama-3-8B
@@ -101,6 +103,14 @@ stage_hf() {
   python3 -m jaxserve.bench.throughput --engine hf --output-json "$OUT/throughput_hf.json" \
     > "$OUT/throughput_hf.log" 2>&1
   tail -1 "$OUT/throughput_hf.log"
+}
+
+stage_latency() {  # the throughput stage's shapes (context 4096, 8192-token step budget)
+  # Every bucket is compiled at start-up, so 3 warm-up batches (not vLLM's 10) settle the rest.
+  python3 -m jaxserve.cli bench latency --model $MODEL --load-format dummy --max-model-len 4096 \
+    --batch-sizes 1,8,64 --input-len 1000 --output-len 256 --num-iters-warmup 3 --num-iters 30 \
+    --output-json "$OUT/latency.json" > "$OUT/latency.log" 2>&1
+  grep -v -E "INFO|WARN" "$OUT/latency.log" | tail -6
 }
 
 stage_roofline() {

@@ -1,5 +1,6 @@
 """The ``jaxserve`` command: ``launch`` (the server), ``capacity`` (how much KV cache fits),
-``bench serve`` (load a running server) and ``bench throughput`` (offline tokens/s).
+``bench serve`` (load a running server), ``bench throughput`` (offline tokens/s) and
+``bench latency`` (offline latency of one batch).
 
 Each subcommand's module is imported only when that subcommand runs, so ``jaxserve --help`` and
 ``jaxserve launch`` stay light. Add a subcommand with ``_add_command``.
@@ -59,6 +60,12 @@ def _run_bench_throughput(args: argparse.Namespace) -> int:
     return run_throughput(args)
 
 
+def _run_bench_latency(args: argparse.Namespace) -> int:
+    from jaxserve.bench.latency import run_latency
+
+    return run_latency(args)
+
+
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     """The parser; only the subcommand named in ``argv`` gets (and imports) its arguments."""
     parser = argparse.ArgumentParser(
@@ -100,6 +107,14 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         from jaxserve.bench.throughput import add_throughput_arguments
 
         add_throughput_arguments(throughput)
+    latency = _add_command(
+        bench_commands, "latency", "offline latency of one batch: end to end, TTFT, TPOT"
+    )
+    latency.set_defaults(handler=_run_bench_latency)
+    if argv[:2] == ["bench", "latency"]:
+        from jaxserve.bench.latency import add_latency_arguments
+
+        add_latency_arguments(latency)
     return parser
 
 

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from jaxserve.bench.capacity import add_capacity_arguments
+from jaxserve.bench.latency import add_latency_arguments
 from jaxserve.bench.throughput import add_throughput_arguments
 from jaxserve.units import human_bytes, human_count, human_int
 
@@ -37,7 +38,9 @@ def test_human_int_rejects(text: str) -> None:
         human_int(text)
 
 
-@pytest.mark.parametrize("add_arguments", [add_capacity_arguments, add_throughput_arguments])
+@pytest.mark.parametrize(
+    "add_arguments", [add_capacity_arguments, add_throughput_arguments, add_latency_arguments]
+)
 def test_commands_read_token_counts_alike(add_arguments) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -16,11 +16,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxserve.config import builtin_config_dir
 from jaxserve.units import COUNT_RULE, human_int
+
+if TYPE_CHECKING:
+    import jaxserve
 
 
 def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -28,16 +32,19 @@ def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]
     return rng.integers(100, min(vocab, 30000), size=(num, length)).tolist()
 
 
-def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and engine flags every offline benchmark takes (throughput, latency)."""
     parser.add_argument(
         "--model",
         default=str(builtin_config_dir("llama-3-8b")),
         help="model directory (weights are random when --load-format dummy)",
     )
-    parser.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
-    parser.add_argument("--num-prompts", type=int, default=256)
-    parser.add_argument("--input-len", type=int, default=512)
-    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument(
+        "--load-format",
+        default="dummy",
+        choices=["auto", "dummy"],
+        help="auto: the model's safetensors; dummy: random weights of its shape",
+    )
     parser.add_argument(
         "--max-model-len",
         type=human_int,
@@ -46,24 +53,43 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
         "same value as a "
         "`jaxserve launch` gives the same compiled shapes, so a warm compilation cache serves both",
     )
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=human_int, default=8192)
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=256, help="most requests in one engine step"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=human_int,
+        default=8192,
+        help=f"most tokens in one engine step ({COUNT_RULE})",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="weights and activations dtype; auto: bfloat16 on accelerators, float32 on the CPU",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+
+
+def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument(
         "--engine",
         default="jaxserve",
         choices=["jaxserve", "hf", "both"],
         help="which engine(s) to run; 'both' runs each in a subprocess",
     )
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", default=None, help="write the result here")
 
 
-def run_jaxserve(args: argparse.Namespace) -> dict:
+def make_llm(args: argparse.Namespace) -> jaxserve.LLM:
+    """``jaxserve.LLM`` from the engine flags (`add_engine_arguments`); the context limit
+    defaults to ``--input-len`` + ``--output-len``."""
     import jaxserve
 
-    start = time.perf_counter()
-    llm = jaxserve.LLM(
+    return jaxserve.LLM(
         args.model,
         load_format=args.load_format,
         dtype=args.dtype,
@@ -71,6 +97,13 @@ def run_jaxserve(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
+
+
+def run_jaxserve(args: argparse.Namespace) -> dict:
+    import jaxserve
+
+    start = time.perf_counter()
+    llm = make_llm(args)
     startup = time.perf_counter() - start
     prompts = make_prompts(args.num_prompts, args.input_len, llm.engine.vocab_size, args.seed)
     params = jaxserve.SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
