@@ -108,7 +108,7 @@ stage_hf() {
 stage_latency() {  # the throughput stage's shapes (context 4096, 8192-token step budget)
   # Every bucket is compiled at start-up, so 3 warm-up batches (not vLLM's 10) settle the rest.
   python3 -m jaxserve.cli bench latency --model $MODEL --load-format dummy --max-model-len 4096 \
-    --batch-sizes 1,8,64 --input-len 1000 --output-len 256 --num-iters-warmup 3 --num-iters 30 \
+    --batch-sizes 1,8,64 --input-len 1000 --output-len 256 --num-iters-warmup 3 --num-iters ${LATENCY_ITERS:-30} \
     --output-json "$OUT/latency.json" > "$OUT/latency.log" 2>&1
   grep -v -E "INFO|WARN" "$OUT/latency.log" | tail -6
 }
