@@ -27,11 +27,11 @@ from jaxserve.engine.request import Sequence
 NONE_HASH = b"\x00" * 32
 # NOTE: the page-table entry of a block released behind the sliding window. The attention never
 # uses it: the reference gathers it and masks every position in it (kv_pos <= row_pos - window),
-# with zero weight on its values; the GPU kernel starts at the first KV tile holding a
-# position in the window (a tile that straddles the window's start is masked the same way);
-# the TPU kernel fetches no page before the window. The runner keeps the ids it already copied
-# (any pool block: finite K/V, masked), and copies this one for entries released before it saw
-# them (a prefix-cache hit behind the window).
+# with zero weight on its (finite) values; the GPU and TPU kernels start at the KV tile holding
+# the window's first position, so they fetch only pages of the tile that straddles it, masked
+# the same way. The runner keeps the ids it already copied (a block that may now hold another
+# sequence's K/V: finite, masked), and copies this one for entries released before it saw them
+# (a prefix-cache hit behind the window).
 NULL_BLOCK = 0
 
 
