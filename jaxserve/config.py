@@ -186,6 +186,17 @@ class ModelConfig:
         """The sliding window of layer ``layer``, or None where it attends to every token."""
         return self.sliding_window if self.is_sliding_layer(layer) else None
 
+    @property
+    def all_layers_window(self) -> int | None:
+        """The sliding window when every layer has one, else None. Only then can a sequence's
+        KV blocks behind the window be freed: one KV pool serves every layer, so a hybrid
+        model (Gemma 2/3, with global layers) keeps all of them."""
+        if self.sliding_window is None or not all(
+            self.is_sliding_layer(i) for i in range(self.num_layers)
+        ):
+            return None
+        return self.sliding_window
+
     def layer_rope(self, layer: int) -> tuple[float, RopeScaling | None]:
         """(rope base, scaling) of layer ``layer``: Gemma 3's local layers have their own."""
         if self.rope_local_theta is not None and self.is_sliding_layer(layer):

@@ -55,7 +55,8 @@ class EngineCore:
 
             runner = ModelRunner(self.model_config, config, self.eos_token_ids)
         self.runner = runner
-        self.kv = KVCacheManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        kv_args = (runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(*kv_args, sliding_window=self.model_config.all_layers_window)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,

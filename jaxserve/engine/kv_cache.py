@@ -5,6 +5,13 @@ The scheduler asks ``KVCacheManager`` for blocks; the runner turns each sequence
 tokens gets a chained SHA-256 hash (parent hash, its token ids, extra keys such as a tenant
 salt); freed blocks keep their hash and stay hittable until they are reused, least recently
 freed first.
+
+Sliding windows: when every layer of the model has a window of W tokens, a running sequence
+whose next rows start at position p reads no KV before p - W + 1, so the blocks wholly before it
+go back to the pool (they stay hittable in the prefix cache like any freed block). Their entries
+in ``block_ids`` become ``NULL_BLOCK``, so the list keeps one entry per block of positions and the
+page table keeps its layout. A hybrid model (global layers too) keeps every block: one pool
+serves all layers.
 """
 
 from __future__ import annotations
@@ -18,6 +25,14 @@ import numpy as np
 from jaxserve.engine.request import Sequence
 
 NONE_HASH = b"\x00" * 32
+# NOTE: the page-table entry of a block released behind the sliding window. The attention never
+# uses it: the reference gathers it and masks every position in it (kv_pos <= row_pos - window),
+# with zero weight on its (finite) values; the GPU and TPU kernels start at the KV tile holding
+# the window's first position, so they fetch only pages of the tile that straddles it, masked
+# the same way. The runner keeps the ids it already copied (a block that may now hold another
+# sequence's K/V: finite, masked), and copies this one for entries released before it saw them
+# (a prefix-cache hit behind the window).
+NULL_BLOCK = 0
 
 
 def hash_block(parent_hash: bytes, token_ids: Seq[int], extra_key: str | None = None) -> bytes:
@@ -90,14 +105,25 @@ class BlockPool:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        sliding_window: int | None = None,
+    ) -> None:
+        """``sliding_window``: the window of a model whose every layer slides (blocks behind
+        it are released while a sequence runs); None keeps every block."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks)
         # Per sequence: hashes of its leading full blocks (the hash chain), and how many of its
         # blocks are registered in the prefix cache.
         self._hashes: dict[str, list[bytes]] = {}
         self._num_hashed: dict[str, int] = {}
+        # Per sequence: how many of its leading blocks were released behind the window.
+        self._num_released: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
 
@@ -111,6 +137,26 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def num_held_blocks(self, seq: Sequence) -> int:
+        """Blocks the sequence holds a reference to (its released ones not counted)."""
+        return len(seq.block_ids) - self._num_released.get(seq.seq_id, 0)
+
+    def _first_needed_block(self, start: int) -> int:
+        """The first block that rows from position ``start`` on can read."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, start - self.sliding_window + 1) // self.block_size
+
+    def _release_behind_window(self, seq: Sequence, start: int) -> None:
+        """Release the blocks wholly behind the window of rows from ``start`` on."""
+        done = self._num_released.get(seq.seq_id, 0)
+        end = min(self._first_needed_block(start), len(seq.block_ids))
+        if end <= done:
+            return
+        self.pool.release(seq.block_ids[done:end])
+        seq.block_ids[done:end] = [NULL_BLOCK] * (end - done)
+        self._num_released[seq.seq_id] = end
 
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
         hashes = self._hashes.setdefault(seq.seq_id, [])
@@ -141,9 +187,12 @@ class KVCacheManager:
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: Seq[int] = ()) -> bool:
         """Give ``seq`` blocks for ``num_new_tokens`` more tokens (after the cached prefix).
 
-        Returns False, changing nothing, when the pool cannot hold them.
+        Returns False when the pool cannot hold them; then it has only released (all-sliding
+        models) the blocks behind the window, which no later step of the sequence reads.
         """
         bs = self.block_size
+        if not cached:
+            self._release_behind_window(seq, seq.num_computed_tokens)
         if cached:
             total = max(seq.num_computed_tokens, len(cached) * bs) + num_new_tokens
             need = -(-total // bs) - len(seq.block_ids) - len(cached)
@@ -161,6 +210,8 @@ class KVCacheManager:
                 return False
         if need > 0:
             seq.block_ids.extend(self.pool.allocate(need))
+        if cached:
+            self._release_behind_window(seq, max(seq.num_computed_tokens, len(cached) * bs))
         if self.enable_prefix_caching:
             self._cache_full_blocks(seq, total)
         return True
@@ -169,7 +220,7 @@ class KVCacheManager:
         """Register the blocks that will be full of known tokens after this step."""
         # Pending tokens are not known yet: their block is hashed once they are.
         num_full = min(num_tokens, seq.num_known_tokens) // self.block_size
-        done = self._num_hashed.get(seq.seq_id, 0)
+        done = max(self._num_hashed.get(seq.seq_id, 0), self._num_released.get(seq.seq_id, 0))
         if num_full <= done:
             return
         hashes = self._block_hashes(seq, num_full)
@@ -181,17 +232,24 @@ class KVCacheManager:
         """Give ``child`` references to ``parent``'s full prompt blocks; returns tokens shared.
 
         The partial last block (and always the last prompt token) is recomputed by the child.
+        Under a sliding window the child takes only the blocks its window reads; if the parent
+        already released one of those, the child shares nothing and computes its prompt.
         """
         num_shared = (child.num_prompt_tokens - 1) // self.block_size
-        for block_id in parent.block_ids[:num_shared]:
+        first = self._first_needed_block(num_shared * self.block_size)
+        if first < self._num_released.get(parent.seq_id, 0):
+            num_shared = first = 0
+        for block_id in parent.block_ids[first:num_shared]:
             self.pool.touch(block_id)
-        child.block_ids = list(parent.block_ids[:num_shared])
+        child.block_ids = [NULL_BLOCK] * first + parent.block_ids[first:num_shared]
         self._num_hashed.pop(child.seq_id, None)
+        self._num_released[child.seq_id] = first
         return num_shared * self.block_size
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so the LRU evicts a sequence's end before its shared prefix.
-        self.pool.release(seq.block_ids[::-1])
+        num_released = self._num_released.pop(seq.seq_id, 0)
+        self.pool.release(seq.block_ids[num_released:][::-1])
         seq.block_ids = []
         self._num_hashed.pop(seq.seq_id, None)
         self._hashes.pop(seq.seq_id, None)

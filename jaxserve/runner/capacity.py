@@ -3,6 +3,12 @@
 The budget is ``memory_utilization`` of the device's memory minus the weights (per device under
 tensor parallelism) and the activation headroom of the largest compiled step; what remains is
 cut into blocks. The capacity lines use vLLM's words so operators read them the same way.
+
+When every layer of the model has a sliding window of W tokens, a running sequence holds only
+the blocks of its last W positions and the one being written (the rest go back to the pool), so
+the concurrency at full context counts min(max_model_len, W + block_size) tokens per request. A
+hybrid model (Gemma 2/3, with global layers) keeps every block of a request, as one KV pool
+serves all layers: it counts max_model_len.
 """
 
 from __future__ import annotations
@@ -79,15 +85,23 @@ class Capacity:
     block_size: int
     num_blocks: int
     max_model_len: int
+    sliding_window: int | None = None  # when every layer slides: the window, else None
 
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
     @property
+    def tokens_per_request(self) -> int:
+        """KV tokens one request of max_model_len tokens holds at once."""
+        if self.sliding_window is None:
+            return self.max_model_len
+        return min(self.max_model_len, self.sliding_window + self.block_size)
+
+    @property
     def max_concurrency(self) -> float:
         """Requests of max_model_len tokens that fit at once."""
-        return self.num_tokens / self.max_model_len
+        return self.num_tokens / self.tokens_per_request
 
     def lines(self) -> list[str]:
         return [
@@ -98,7 +112,12 @@ class Capacity:
             f"{self.block_size})",
             f"KV cache size: {self.num_tokens:,} tokens",
             f"Maximum concurrency for {self.max_model_len:,} tokens per request: "
-            f"{self.max_concurrency:.2f}x",
+            f"{self.max_concurrency:.2f}x"
+            + (
+                f" (sliding window: {self.tokens_per_request:,} tokens held per request)"
+                if self.tokens_per_request < self.max_model_len
+                else ""
+            ),
         ]
 
 
@@ -163,6 +182,8 @@ def plan_capacity(
                 "--tensor-parallel-size"
             )
         num_blocks = budget // (block_size * per_token)
+    # NOTE: a prompt of max_model_len tokens prefilled in one chunk holds all its blocks
+    # during that step, window or not: the pool must hold one full-length request.
     needed = -(-max_model_len // block_size)
     if num_blocks < needed:
         raise CapacityError(
@@ -180,4 +201,5 @@ def plan_capacity(
         block_size=block_size,
         num_blocks=num_blocks,
         max_model_len=max_model_len,
+        sliding_window=config.all_layers_window,
     )
