@@ -240,6 +240,18 @@ OUTPUTS = {
             "Checking both. ",
             [("get_weather", PARIS), ("get_weather", ROME)],
         ),
+        (  # tokenizers from v11: [TOOL_CALLS]name[ARGS]{...} per call
+            '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}',
+            None,
+            [("get_weather", PARIS)],
+        ),
+        (
+            'Both. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}'
+            '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome \\"eternal\\" {}"}'
+            "[TOOL_CALLS]get_time[ARGS]{}",
+            "Both. ",
+            [("get_weather", PARIS), ("get_weather", ROME), ("get_time", {})],
+        ),
     ],
 }
 CASES = [(parser, *case) for parser, cases in OUTPUTS.items() for case in cases]
@@ -631,3 +643,34 @@ def test_parsers_give_the_same_message_however_the_text_is_cut(parser, output, c
     whole = parse([output])
     assert parse(list(output)) == whole
     assert whole[0] == (content or "") and [name for name, _ in whole[1]] == [c for c, _ in calls]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[TOOL_CALLS] is how the marker looks",
+        "[TOOL_CALLS]get_weather",  # no [ARGS] before the end
+        "Use [TOOL_CALLS]get_weather[AR",
+    ],
+)
+def test_mistral_marker_without_a_call_stays_text(text) -> None:
+    from jaxserve.server.tool_parsers import make_tool_parser
+
+    for pieces in ([text], list(text)):
+        tool_parser = make_tool_parser("mistral", parallel=True)
+        message = MessageDelta()
+        for piece in pieces:
+            message.extend(tool_parser.feed(piece))
+        message.extend(tool_parser.finish())
+        assert message.content == text and not message.tool_calls
+
+
+def test_mistral_v11_calls_keep_the_first_without_parallel_calls() -> None:
+    from jaxserve.server.tool_parsers import make_tool_parser
+
+    text = '[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}'
+    tool_parser = make_tool_parser("mistral", parallel=False)
+    message = tool_parser.feed(text)
+    message.extend(tool_parser.finish())
+    assert [(d.name, d.arguments) for d in message.tool_calls] == [("get_time", "{}")]
+    assert message.content == ""

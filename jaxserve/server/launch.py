@@ -299,7 +299,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the model's tool-call format, for --enable-auto-tool-choice: hermes (Qwen2.5, "
         "Qwen3: <tool_call>{...}</tool_call>), llama3_json (Llama 3.1+: JSON objects), "
-        "mistral ([TOOL_CALLS][...])",
+        "mistral ([TOOL_CALLS][...], or [TOOL_CALLS]name[ARGS]{...} from tokenizer v11)",
     )
     add(
         "--chat-template",

@@ -7,7 +7,8 @@ model family writes when ``tool_choice`` is ``auto`` (vLLM's names):
   one block per call, after optional text;
 - ``llama3_json`` (Llama 3.1+): an output that starts with ``{`` (or ``<|python_tag|>``) is
   calls, ``{"name": ..., "parameters": {...}}`` objects separated by ``;``;
-- ``mistral``: optional text, then ``[TOOL_CALLS]`` and a JSON array of call objects.
+- ``mistral``: optional text, then ``[TOOL_CALLS]`` and a JSON array of call objects, or
+  (tokenizers from v11) ``[TOOL_CALLS]name[ARGS]{...}`` for each call.
 
 ``required`` and named choices are generated under a grammar (``tools.py``) and parsed by
 ``RequiredParser`` (a JSON array of calls) and ``NamedParser`` (the output is the arguments).
@@ -18,6 +19,8 @@ Text that looked like a call but is not one (no name) is sent as content when it
 """
 
 from __future__ import annotations
+
+import json
 
 from jaxserve.server.tool_calls import CallSequence, MessageDelta, ToolCallDelta, held_prefix
 from jaxserve.server.tool_calls import new_call_id as new_call_id
@@ -229,10 +232,89 @@ class _ArrayParser(ToolParser):
         return True
 
 
+class _JsonObjectEnd:
+    """Where a JSON object fed in pieces closes (strings and nesting tracked)."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._in_string = False
+        self._escape = False
+
+    def feed(self, text: str) -> int | None:
+        """The length of ``text`` up to and including the object's closing brace, or None."""
+        for i, char in enumerate(text):
+            if self._in_string:
+                if self._escape:
+                    self._escape = False
+                elif char == "\\":
+                    self._escape = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+        return None
+
+
 class MistralParser(_ArrayParser):
+    """``[TOOL_CALLS]`` then a JSON array of calls (tokenizers before v11), or, from v11,
+    ``[TOOL_CALLS]name[ARGS]{...}`` once per call."""
+
     MARKER = "[TOOL_CALLS]"
+    ARGS = "[ARGS]"
+    MAX_NAME = 128  # a longer run of name characters before [ARGS] is text
 
     def _step(self, out: MessageDelta, is_final: bool) -> bool:
+        if self._state == "open":
+            rest = self._buffer.lstrip()
+            if not rest or rest[0] in "[{":
+                return self._open_array(out, self.MARKER, is_final)
+            self._state = "name"
+        if self._state == "name":
+            return self._name_step(out, is_final)
+        if self._state == "arguments":
+            return self._arguments_step(out)
+        return self._array_or_text_step(out, is_final)
+
+    def _name_step(self, out: MessageDelta, is_final: bool) -> bool:
+        """v11: the function's name up to ``[ARGS]``; anything else is text."""
+        i = self._buffer.find(self.ARGS)
+        held = 0 if i >= 0 or is_final else held_prefix(self._buffer, self.ARGS)
+        name = self._buffer[:i] if i >= 0 else self._buffer[: len(self._buffer) - held]
+        is_name = all(c.isalnum() or c in "_-." for c in name.strip())
+        if i < 0 and is_name and len(name) <= self.MAX_NAME and not is_final:
+            return False
+        if i < 0 or not is_name or not name.strip():
+            out.content += self.MARKER
+            self._state = "text"
+            self._is_between_calls = False
+            return True
+        self._buffer = self._buffer[i + len(self.ARGS) :]
+        self.calls.start()
+        self.calls.feed(f'{{"name": {json.dumps(name.strip())}, "arguments": ', out)
+        self._arguments_end = _JsonObjectEnd()
+        self._state = "arguments"
+        return True
+
+    def _arguments_step(self, out: MessageDelta) -> bool:
+        end = self._arguments_end.feed(self._buffer)
+        if end is None:
+            self.calls.feed(self._buffer, out)
+            self._buffer = ""
+            return False
+        self.calls.feed(self._buffer[:end] + "}", out)
+        self._buffer = self._buffer[end:]
+        self.calls.end(out)  # named by [TOOL_CALLS]name[ARGS]: always a call
+        self._state = "text"
+        self._is_between_calls = True
+        return True
+
+    def _array_or_text_step(self, out: MessageDelta, is_final: bool) -> bool:
         if self._state in ("start", "text"):
             waiting = self._skip_whitespace_before_call(self.MARKER, is_final)
             if waiting is not None:
@@ -247,8 +329,6 @@ class MistralParser(_ArrayParser):
             self._buffer = self._buffer[i + len(self.MARKER) :]
             self._state = "open"
             return True
-        if self._state == "open":
-            return self._open_array(out, self.MARKER, is_final)
         return self._array_step(out)
 
 
