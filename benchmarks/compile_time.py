@@ -74,16 +74,18 @@ def main() -> None:
         functools.partial(
             model_step, config=model_config, attention_fn=pallas_kernels.reference_attention
         ),
+        static_argnums=(4,),
         donate_argnames=("kv_cache",),
     )
     rows = []
     for bucket in buckets:
-        batch = runner.inputs.padding_step(bucket)[0]
-        lowered, t_lower = timed(lambda b=batch: runner.step_fn.lower(runner.weights, kv, b))
+        lowered, t_lower = timed(lambda b=bucket: runner.lower_step(b, kv))
         _, t_kernel = timed(lowered.compile)
-        ref_lowered = reference_step.lower(runner.weights, kv, batch)
+        packed, layout = runner.step_inputs(runner.inputs.padding_step(bucket)[0])
+        ref_lowered = reference_step.lower(
+            runner.weights, kv, packed, runner.no_previous_ids, layout
+        )
         _, t_ref = timed(ref_lowered.compile)
-        lowered, _ = timed(lambda b=batch: runner.step_fn.lower(runner.weights, kv, b))
         rows.append(
             {
                 "bucket": bucket,
@@ -98,9 +100,7 @@ def main() -> None:
             flush=True,
         )
     jax.clear_caches()
-    lowered = [
-        runner.step_fn.lower(runner.weights, kv, runner.inputs.padding_step(b)[0]) for b in buckets
-    ]
+    lowered = [runner.lower_step(b, kv) for b in buckets]
     with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
         _, t_parallel = timed(lambda: list(pool.map(lambda lo: lo.compile(), lowered)))
     print(

@@ -97,11 +97,10 @@ def time_device(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> floa
     inputs = runner.inputs.sampling_inputs(
         [i.seq for i in sched.scheduled], rows, host_batch.kv_lens, flags
     )
-    batch, inputs = runner.put((host_batch, inputs))
 
     def step():
-        runner.kv_cache, hidden = runner.run_step(batch)
-        return runner.sample(hidden, batch, inputs, flags).token_ids
+        runner.kv_cache, hidden = runner.run_step(host_batch)
+        return runner.sample(hidden, host_batch.logits_indices, inputs, flags).token_ids
 
     jax.block_until_ready(step())
     samples = []

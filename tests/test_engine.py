@@ -228,7 +228,7 @@ def test_step_lowers_attention_once_for_all_layers(monkeypatch) -> None:
     assert model_config.num_layers > 1
     runner = ModelRunner(model_config, config)
     for bucket in runner.token_buckets:
-        runner.step_fn.lower(runner.weights, runner.kv_cache, runner.inputs.padding_step(bucket)[0])
+        runner.lower_step(bucket)
     jax.clear_caches()
     assert len(traces) == len(runner.token_buckets)
 

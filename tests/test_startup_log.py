@@ -128,16 +128,16 @@ def test_warm_up_compiles_every_bucket_but_runs_only_the_smallest(monkeypatch):
     ran = []
     run_step = runner.run_step
 
-    def recording_run_step(batch):
+    def recording_run_step(batch, *args):
         ran.append(batch.input_ids.shape[0])
-        return run_step(batch)
+        return run_step(batch, *args)
 
     monkeypatch.setattr(runner, "run_step", recording_run_step)
     runner.warmup()
     assert sorted(runner.compiled_steps) == runner.token_buckets == [16, 32]
     assert sorted(runner.compiled_prompt_lp) == [16, 32]
     assert len(runner.compiled_samplers) == 2 * NUM_VARIANTS
-    assert ran == [16]
+    assert ran == [16, 16]  # the second reads its input ids from the first's samples
     assert runner.kv_cache is not None
 
 

@@ -13,8 +13,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxserve.models.batch import Batch
-from jaxserve.runner.sampling import SamplerFlags, SamplerOutput, SamplingInputs
+from jaxserve.runner.programs import StepSamples, unpack_logprobs
+from jaxserve.runner.sampling import SamplerFlags, SamplingInputs
 from jaxserve.runner.step import RunnerOutput
 
 
@@ -23,7 +23,7 @@ class DeferredSampler:
     """What a step's sampler needs once its token mask is known."""
 
     hidden: jax.Array  # [T, H]  the forward pass's output, on the device
-    batch: Batch  # on the device
+    logits_indices: np.ndarray  # i32[S]  the row of each sequence's last token (host)
     inputs: SamplingInputs  # on the host; token_mask [S, W] allows every token until written
     flags: SamplerFlags
 
@@ -32,7 +32,7 @@ class DeferredSampler:
 class InFlight:
     """A dispatched step: its device outputs, not yet read back."""
 
-    out: SamplerOutput | None  # None while the sampler waits (``deferred``)
+    out: StepSamples | None  # None while the sampler waits (``deferred``)
     prompt_out: tuple[jax.Array, ...] | None
     spans: dict[str, tuple[int, int]]  # seq_id -> (offset, count) of its prompt logprob rows
     sampled_row: dict[str, int]  # seq_id -> its row in out.token_ids, one per scheduled seq
@@ -51,10 +51,9 @@ class InFlight:
             raise RuntimeError("the step's sampler has not been dispatched")
         result = RunnerOutput(token_ids=np.asarray(out.token_ids)[:num])
         if out.logprobs is not None:
-            result.logprobs = np.asarray(out.logprobs)[:num]
-            result.ranks = np.asarray(out.ranks)[:num]
-            result.top_ids = np.asarray(out.top_ids)[:num]
-            result.top_logprobs = np.asarray(out.top_logprobs)[:num]
+            (result.logprobs, result.ranks, result.top_ids, result.top_logprobs) = unpack_logprobs(
+                np.asarray(out.logprobs)[:num]
+            )
         if self.prompt_out is not None:
             try:
                 lp, ranks, top_ids, top_lp = (np.asarray(a) for a in self.prompt_out)

@@ -1,38 +1,49 @@
-"""The bodies of the runner's jitted programs: model step, sampler, token feed, prompt logprobs.
+"""The bodies of the runner's jitted programs: model step, sampler and prompt logprobs.
 
 Pure functions of arrays; ``runner.py`` wraps each in ``jax.jit`` (the only jit sites) with
-its static arguments, and warm-up compiles them for every shape bucket.
+its static arguments, and warm-up compiles them for every shape bucket. The model step and the
+sampler take their per-step inputs packed in one buffer (``packing.py``) with its layout as a
+static argument, so each step sends one array to each program.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
-from jaxserve.models.batch import Batch, KVCache
+from jaxserve.models.batch import KVCache
 from jaxserve.runner import sampling
+from jaxserve.runner.packing import Layout, unpack
 from jaxserve.runner.sampling import (
     NUM_TOP_LOGPROBS,
     PROMPT_LOGPROBS_CHUNK,
     SamplerFlags,
-    SamplerOutput,
-    SamplingInputs,
 )
 
 
 def model_step(
     weights: llama.Weights,
     kv_cache: KVCache,
-    batch: Batch,
+    packed: jax.Array,  # i32[N]: (Batch, source) packed as ``layout`` says
+    previous_ids: jax.Array,  # i32[S_max]  the previous step's sampled ids
+    layout: Layout,  # static
     *,
     config: ModelConfig,
     attention_fn: llama.AttentionFn | None = None,
 ) -> tuple[KVCache, jax.Array]:
+    """The model over one step's batch. A pending input token (``source`` >= 0: the step
+    before this one was still sampling it when this one was built) is read from that step's
+    sampled ids, on the device."""
+    batch, source = unpack(packed, layout)
+    input_ids = feed_pending(batch.input_ids, source, previous_ids)
+    batch = dataclasses.replace(batch, input_ids=input_ids)
     # NOTE: the step returns only the hidden states; gathering each sequence's last row here
     # (so the sampler would depend on the sequence bucket alone) changed the step's fusions
     # and cost 4-8% of offline throughput on the H200.
@@ -59,24 +70,57 @@ def _head_weights(head: jax.Array, tied: bool) -> llama.Weights:
     )
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepSamples:
+    """What the sampler program returns: the sampled ids, and the logprobs packed in one
+    array (one copy to the host) when the step asked for them."""
+
+    token_ids: jax.Array  # i32[S_max]  padded to the largest sequence bucket
+    # i32[S, 2 + 2K]: per row the chosen token's logprob (f32 bits), its rank, K top ids and
+    # K top logprobs (f32 bits); None unless the variant computes logprobs.
+    logprobs: jax.Array | None
+
+
+def unpack_logprobs(packed: np.ndarray) -> tuple[np.ndarray, ...]:
+    """StepSamples.logprobs on the host -> (logprobs f32[S], ranks i32[S], top_ids i32[S, K],
+    top_logprobs f32[S, K])."""
+    k = (packed.shape[1] - 2) // 2
+    return (
+        packed[:, 0].view(np.float32),
+        packed[:, 1],
+        packed[:, 2 : 2 + k],
+        np.ascontiguousarray(packed[:, 2 + k :]).view(np.float32),
+    )
+
+
 def sample_step(
     head: jax.Array,  # [V, H] (tied embedding) or [H, V]
     hidden: jax.Array,  # [T, H]
-    logits_indices: jax.Array,  # i32[S]  each sequence's last token
-    inputs: SamplingInputs,
+    packed: jax.Array,  # i32[N]: (logits_indices i32[S], SamplingInputs) as ``layout`` says
     *,
+    layout: Layout,
     tied: bool,
     flags: SamplerFlags,
     num_rows: int,
     soft_cap: float | None = None,  # the model's final logit soft-capping (Gemma 2)
-) -> SamplerOutput:
+) -> StepSamples:
+    logits_indices, inputs = unpack(packed, layout)
     rows = hidden[logits_indices]  # [S, H]
     logits = llama.compute_logits(_head_weights(head, tied), rows, soft_cap)  # f32[S, V]
     out = sampling.sample(logits, inputs, flags)
     # Token ids padded to the largest sequence bucket: the next step's on-device feed of
     # pending tokens then has one shape per token bucket, all compiled at warm-up.
-    padding = num_rows - out.token_ids.shape[0]
-    return dataclasses.replace(out, token_ids=jnp.pad(out.token_ids, (0, padding)))
+    token_ids = jnp.pad(out.token_ids, (0, num_rows - out.token_ids.shape[0]))
+    if out.logprobs is None:
+        return StepSamples(token_ids, None)
+    assert out.ranks is not None and out.top_ids is not None and out.top_logprobs is not None
+    as_i32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+    packed_lp = jnp.concatenate(
+        [as_i32(out.logprobs)[:, None], out.ranks[:, None], out.top_ids, as_i32(out.top_logprobs)],
+        axis=1,
+    )
+    return StepSamples(token_ids, packed_lp)
 
 
 def feed_pending(

@@ -1,17 +1,17 @@
 """ModelRunner: ``SchedulerOutput`` -> padded arrays -> one jitted model step -> sampled tokens.
 
 The only ``jax.jit`` sites of the engine live here: the model step and prompt logprobs (one
-program per token bucket; the KV cache is donated so it is updated in place), the sampler (one
-per sequence bucket and variant) and the pending-token feed. Shapes are padded to powers of
-two: T tokens in ``token_buckets``, S = min(T, max sequences) sequence rows. Warm-up
-(``warmup.py``) compiles every program at start-up, with JAX's persistent compilation cache so
-a second start is fast; no request compiles anything.
+program per token bucket; the KV cache is donated so it is updated in place) and the sampler
+(one per sequence bucket and variant). Each step's inputs travel packed, one host-to-device
+copy per program (``packing.py``). Shapes are padded to powers of two: T tokens in
+``token_buckets``, S = min(T, max sequences) sequence rows. Warm-up (``warmup.py``) compiles
+every program at start-up, with JAX's persistent compilation cache so a second start is fast;
+no request compiles anything.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import time
@@ -36,14 +36,15 @@ from jaxserve.runner.capacity import (
 from jaxserve.runner.devices import quiet_backend_probe, resolve_dtype, startup_lines
 from jaxserve.runner.in_flight import DeferredSampler, InFlight
 from jaxserve.runner.input_builder import InputBuilder, next_power_of_2, token_buckets_for
+from jaxserve.runner.packing import Layout, pack
 from jaxserve.runner.programs import (
-    feed_pending,
+    StepSamples,
     model_step,
     prompt_logprobs_step,
     sample_step,
     shared_attention,
 )
-from jaxserve.runner.sampling import SamplerFlags, SamplerOutput, SamplingInputs
+from jaxserve.runner.sampling import SamplerFlags, SamplingInputs
 from jaxserve.runner.sharding import prepare_tp
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from jaxserve.runner.warmup import enable_compilation_cache, warm_up
@@ -114,6 +115,7 @@ class ModelRunner:
                 ),
                 in_shardings=in_shardings,
                 out_shardings=out_shardings,
+                static_argnums=(4,),  # the layout of the packed inputs
                 donate_argnames=("kv_cache",),
             )
         else:
@@ -123,6 +125,7 @@ class ModelRunner:
                     config=model_config,
                     attention_fn=shared_attention(pallas_kernels.ragged_paged_attention),
                 ),
+                static_argnums=(4,),  # the layout of the packed inputs
                 donate_argnames=("kv_cache",),
             )
         # Ahead-of-time executables from warm-up: model step and prompt logprobs per token
@@ -132,10 +135,11 @@ class ModelRunner:
         self.compiled_samplers: dict[tuple[int, SamplerFlags], Any] = {}
         soft_cap = model_config.final_logit_softcap  # Gemma 2's, in both logits programs
         sample = functools.partial(sample_step, num_rows=self.max_seq_bucket, soft_cap=soft_cap)
-        self.sample_fn = jax.jit(sample, static_argnames=("tied", "flags"))
+        self.sample_fn = jax.jit(sample, static_argnames=("layout", "tied", "flags"))
         prompt_lp = functools.partial(prompt_logprobs_step, soft_cap=soft_cap)
         self.prompt_lp_fn = jax.jit(prompt_lp, static_argnames=("tied",))
-        self.feed_fn = jax.jit(feed_pending)
+        # The sampled ids a step reads its pending tokens from when no step came before it.
+        self.no_previous_ids = self.put(np.zeros(self.max_seq_bucket, np.int32))
         self.compile_seconds = 0.0
         # Several processes (hosts) share this model: process 0 broadcasts each step.
         self.multihost = jax.process_count() > 1
@@ -210,22 +214,50 @@ class ModelRunner:
         with self.precision():
             return warm_up(self, max_workers)
 
-    def run_step(self, batch: Batch) -> tuple[Any, jax.Array]:
+    def step_inputs(
+        self, batch: Batch, source: np.ndarray | None = None
+    ) -> tuple[np.ndarray, Layout]:
+        """A step's host inputs packed for the model step: the batch, and for each token the
+        row of the previous step's sampled ids it reads (-1: its own input id)."""
+        if source is None:
+            source = np.full(batch.num_tokens, -1, np.int32)
+        return pack((batch, source))
+
+    def lower_step(self, num_tokens: int, kv_cache: Any = None) -> Any:
+        """The model step of a token bucket, lowered (not yet compiled); ``kv_cache``: the
+        runner's own cache by default, or its abstract shapes."""
+        packed, layout = self.step_inputs(self.inputs.padding_step(num_tokens)[0])
+        kv_cache = self.kv_cache if kv_cache is None else kv_cache
+        return self.step_fn.lower(self.weights, kv_cache, packed, self.no_previous_ids, layout)
+
+    def run_step(
+        self,
+        batch: Batch,  # host arrays
+        source: np.ndarray | None = None,  # i32[T]  see ``step_inputs``
+        previous_ids: jax.Array | None = None,  # i32[S_max]  the previous step's sampled ids
+    ) -> tuple[Any, jax.Array]:
         """(kv_cache, hidden[T, H]) of one model step."""
-        step = self.compiled_steps.get(batch.input_ids.shape[0])
+        packed, layout = self.step_inputs(batch, source)
+        args = (self.put(packed), self.no_previous_ids if previous_ids is None else previous_ids)
+        step = self.compiled_steps.get(batch.num_tokens)
         if step is None:
-            return self.step_fn(self.weights, self.kv_cache, batch)
-        return step(self.weights, self.kv_cache, batch)
+            return self.step_fn(self.weights, self.kv_cache, *args, layout)
+        return step(self.weights, self.kv_cache, *args)
 
     def sample(
-        self, hidden: jax.Array, batch: Batch, inputs: SamplingInputs, flags: SamplerFlags
-    ) -> SamplerOutput:
+        self,
+        hidden: jax.Array,
+        logits_indices: np.ndarray,  # i32[S]  host
+        inputs: SamplingInputs,  # host
+        flags: SamplerFlags,
+    ) -> StepSamples:
+        packed, layout = pack((logits_indices, inputs))
         compiled = self.compiled_samplers.get((hidden.shape[0], flags))
         if compiled is None:
             return self.sample_fn(
-                self.head, hidden, batch.logits_indices, inputs, tied=self.tied, flags=flags
+                self.head, hidden, self.put(packed), layout=layout, tied=self.tied, flags=flags
             )
-        return compiled(self.head, hidden, batch.logits_indices, inputs)
+        return compiled(self.head, hidden, self.put(packed))
 
     def prompt_logprobs(self, hidden: jax.Array, next_ids: Any) -> tuple[jax.Array, ...]:
         compiled = self.compiled_prompt_lp.get(hidden.shape[0])
@@ -270,10 +302,11 @@ class ModelRunner:
                 header, (host_batch, inputs, next_ids)
             )
         feed = self._pending_feed(output, host_batch, previous)
-        batch, hidden, prompt_out = self.forward(host_batch, next_ids, feed)
+        hidden, prompt_out = self.forward(host_batch, next_ids, feed)
         sampled_row = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
         step = InFlight(None, prompt_out, spans, sampled_row)
-        step.deferred = DeferredSampler(hidden, batch, inputs, flags)
+        logits_indices = np.asarray(host_batch.logits_indices)
+        step.deferred = DeferredSampler(hidden, logits_indices, inputs, flags)
         if not defer_sampling:
             self.dispatch_sampler(step)
         return step
@@ -290,9 +323,7 @@ class ModelRunner:
             if self.multihost:
                 inputs.token_mask = step_broadcast.share_token_mask(inputs.token_mask)
         with self.precision():
-            step.out = self.sample(
-                deferred.hidden, deferred.batch, self.put(inputs), deferred.flags
-            )
+            step.out = self.sample(deferred.hidden, deferred.logits_indices, inputs, deferred.flags)
 
     def collect(self, step: InFlight) -> RunnerOutput:
         """Wait for a dispatched step and copy its sampled tokens (and logprobs) to the host."""
@@ -313,21 +344,16 @@ class ModelRunner:
         host_batch: Batch,
         next_ids: np.ndarray | None,
         feed: tuple[np.ndarray, jax.Array] | None = None,
-    ) -> tuple[Batch, jax.Array, tuple[jax.Array, ...] | None]:
-        """Model step and (when asked) prompt logprobs on the device: (device batch, hidden
-        states, prompt logprobs)."""
-        batch = self.put(host_batch)
+    ) -> tuple[jax.Array, tuple[jax.Array, ...] | None]:
+        """Model step and (when asked) prompt logprobs on the device: (hidden states, prompt
+        logprobs). ``feed``: (source, previous sampled ids) of the step's pending tokens."""
+        source, previous_ids = feed if feed is not None else (None, None)
         with self.precision():  # also keys the jit caches: warm-up runs under it too
-            if feed is not None:
-                source, previous_ids = feed
-                batch = dataclasses.replace(
-                    batch, input_ids=self.feed_fn(batch.input_ids, source, previous_ids)
-                )
-            self.kv_cache, hidden = self.run_step(batch)
+            self.kv_cache, hidden = self.run_step(host_batch, source, previous_ids)
             prompt_out = None
             if next_ids is not None:
                 prompt_out = self.prompt_logprobs(hidden, self.put(next_ids))
-        return batch, hidden, prompt_out
+        return hidden, prompt_out
 
     # -- multi-host ------------------------------------------------------------------------
 

@@ -204,9 +204,10 @@ class TensorParallel:
         return [(zeros(), zeros()) for _ in range(self.config.num_layers)]
 
     def step_shardings(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        """(in_shardings, out_shardings) for ``jit(step(weights, kv_cache, batch))``."""
+        """(in_shardings, out_shardings) for ``jit(step(weights, kv_cache, packed inputs,
+        previous sampled ids))``."""
         kv = self.kv_cache_shardings(self.config.num_layers)
-        return (self.weight_shardings, kv, self.replicated), (kv, self.replicated)
+        return (self.weight_shardings, kv, self.replicated, self.replicated), (kv, self.replicated)
 
     def put_replicated(self, tree: Any) -> Any:
         """Host arrays (the batch, sampling inputs) -> device arrays replicated on the mesh."""

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from jaxserve.models.weights import format_bytes
+from jaxserve.runner.packing import pack
 from jaxserve.runner.sampling import SamplerFlags
 
 if TYPE_CHECKING:
@@ -63,8 +64,7 @@ def warm_up(runner: ModelRunner, max_workers: int) -> int:
         # Each program's compile starts as soon as it is lowered, while the next one lowers.
         steps = {}
         for bucket in buckets:
-            batch, _ = runner.inputs.padding_step(bucket)
-            lowered = runner.step_fn.lower(runner.weights, kv_cache, batch)
+            lowered = runner.lower_step(bucket, kv_cache)
             steps[pool.submit(lowered.compile)] = bucket
         for done, future in enumerate(concurrent.futures.as_completed(steps), 1):
             runner.compiled_steps[steps[future]] = future.result()
@@ -132,17 +132,17 @@ class _BucketProgress:
 
 
 def _run_smallest_step(runner: ModelRunner) -> None:
-    """One padding step of the smallest bucket through the model step and both sampler kinds;
-    its sampled ids then feed a padding step of every bucket (compiling the feed program)."""
-    batch, inputs = runner.put(runner.inputs.padding_step(runner.token_buckets[0]))
-    runner.kv_cache, hidden = runner.run_step(batch)
-    for flags in (SamplerFlags(all_greedy=True), SamplerFlags()):
-        out = runner.sample(hidden, batch, inputs, flags)
-        jax.block_until_ready(out.token_ids)
-    for bucket in runner.token_buckets:
-        input_ids = runner.put(runner.inputs.padding_step(bucket)[0].input_ids)
-        source = np.full(bucket, -1, np.int32)
-        jax.block_until_ready(runner.feed_fn(input_ids, source, out.token_ids))
+    """One padding step of the smallest bucket through the model step and both sampler kinds,
+    then one that reads its input ids from those samples (the pending-token feed)."""
+    batch, inputs = runner.inputs.padding_step(runner.token_buckets[0])
+    with runner.precision():
+        runner.kv_cache, hidden = runner.run_step(batch)
+        for flags in (SamplerFlags(all_greedy=True), SamplerFlags()):
+            out = runner.sample(hidden, np.asarray(batch.logits_indices), inputs, flags)
+            jax.block_until_ready(out.token_ids)
+        source = np.zeros(batch.num_tokens, np.int32)
+        runner.kv_cache, hidden = runner.run_step(batch, source, out.token_ids)
+        jax.block_until_ready(hidden)
 
 
 def _sampler_and_logprob_programs(
@@ -153,12 +153,17 @@ def _sampler_and_logprob_programs(
     laid out as at run time."""
     hidden_size, dtype = runner.model_config.hidden_size, runner.dtype
     for bucket in runner.token_buckets:
-        batch = runner.put(runner.inputs.padding_step(bucket)[0])
         hidden = runner.put(np.zeros((bucket, hidden_size), dtype))
         for flags in variants:
-            inputs = runner.put(runner.inputs.padding_step(bucket, flags)[1])
+            batch, inputs = runner.inputs.padding_step(bucket, flags)
+            packed, layout = pack((batch.logits_indices, inputs))
             lowered = runner.sample_fn.lower(
-                runner.head, hidden, batch.logits_indices, inputs, tied=runner.tied, flags=flags
+                runner.head,
+                hidden,
+                runner.put(packed),
+                layout=layout,
+                tied=runner.tied,
+                flags=flags,
             )
             yield lowered, runner.compiled_samplers, (bucket, flags), bucket
         next_ids = runner.put(np.zeros(bucket, np.int32))
