@@ -1,0 +1,75 @@
+"""Summarise the device side of a Perfetto trace written by ``jax.profiler.trace``.
+
+For each device stream: the span from its first kernel to its last, the time kernels ran
+(busy) and the idle gaps between them, and the kernels grouped by name (digits dropped, so
+``fusion.12`` and ``fusion.31`` are one row), largest total first.
+
+    python benchmarks/trace_summary.py TRACE_DIR_OR_FILE [--top 25] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import re
+from pathlib import Path
+
+
+def load(path: Path) -> list[dict]:
+    if path.is_dir():
+        path = next(path.rglob("perfetto_trace.json.gz"))
+    with gzip.open(path) as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace", type=Path)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--steps", type=int, default=1, help="steps in the trace (per-step us)")
+    args = parser.parse_args()
+    events = load(args.trace)
+    process = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    thread = {
+        (e["pid"], e.get("tid")): e["args"]["name"]
+        for e in events
+        if e.get("name") == "thread_name"
+    }
+    streams: dict[tuple, list[dict]] = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        name = process.get(e["pid"], "")
+        if "GPU" in name or "/device:" in name and "CPU" not in name:
+            streams[(e["pid"], e.get("tid"))].append(e)
+    for key, evs in sorted(streams.items(), key=lambda kv: -len(kv[1])):
+        evs.sort(key=lambda e: e["ts"])
+        span = evs[-1]["ts"] + evs[-1]["dur"] - evs[0]["ts"]
+        busy, end = 0.0, evs[0]["ts"]
+        for e in evs:  # union of intervals (nested events count once)
+            start, stop = max(e["ts"], end), e["ts"] + e["dur"]
+            if stop > start:
+                busy += stop - start
+                end = stop
+        label = f"{process.get(key[0], key[0])} / {thread.get(key, key[1])}"
+        print(
+            f"\n{label}: {len(evs)} events, span {span / args.steps:.0f} us/step, "
+            f"busy {busy / args.steps:.0f} us/step ({busy / span:.0%}), "
+            f"idle {(span - busy) / args.steps:.0f} us/step"
+        )
+        groups: dict[str, list[float]] = collections.defaultdict(list)
+        for e in evs:
+            groups[re.sub(r"[\d_.]+$", "", re.sub(r"\.\d+", "", e["name"]))].append(e["dur"])
+        rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))[: args.top]
+        for name, durs in rows:
+            print(
+                f"  {sum(durs) / args.steps:9.1f} us/step  {len(durs) / args.steps:7.1f} x  "
+                f"{sum(durs) / len(durs):8.2f} us avg  {name[:90]}"
+            )
+
+
+if __name__ == "__main__":
+    main()
