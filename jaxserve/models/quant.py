@@ -31,6 +31,7 @@ INT8_MAX = 127.0
 PACK = 8  # 4-bit values per int32 word
 # The Linear weights of a layer; everything else (embedding, lm_head, norms, biases) is not.
 QUANTIZED_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+Array = jax.Array | np.ndarray
 
 
 # NOTE: one layout for every format ([out, in], the checkpoint's) so the fp8 dot can contract
@@ -41,12 +42,13 @@ QUANTIZED_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 class QArray:
     """A Linear weight of logical shape ``[*in_shape, *out_shape]`` in fewer bits."""
 
-    q: jax.Array  # f8e4m3 | i8 [out, in], or i32 [out, in // 8]: 4-bit values packed along in
-    scale: jax.Array  # f32 [out] per output channel, or f32 [out, G]: per group of in // G inputs
+    # Device arrays in the model; numpy on the host while a checkpoint is read.
+    q: Array  # f8e4m3 | i8 [out, in], or i32 [out, in // 8]: 4-bit values packed along in
+    scale: Array  # f32 [out] per output channel, or f32 [out, G]: per group of in // G inputs
     in_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
     out_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
-    zero: jax.Array | None = None  # u8 [out, G] zero points of 4-bit formats, else None
-    g_idx: jax.Array | None = None  # i32 [in]: each input's group (GPTQ act order), else None
+    zero: Array | None = None  # u8 [out, G] zero points of 4-bit formats, else None
+    g_idx: Array | None = None  # i32 [in]: each input's group (GPTQ act order), else None
     # W8A8: activations quantized to fp8 per token, the dot on fp8 tensor cores.
     act_quant: bool = dataclasses.field(default=False, metadata={"static": True})
 
@@ -69,21 +71,22 @@ def unpack_int4(packed: jax.Array) -> jax.Array:  # i32[..., n] -> i32[..., 8 n]
 
 def dequantize(w: QArray, dtype: Any) -> jax.Array:  # [out, in] in dtype
     """The weight in ``dtype``; under jit this lives only inside the matmul that reads it."""
-    values = (unpack_int4(w.q) if w.is_packed else w.q).astype(jnp.float32)  # f32[out, in]
-    if w.scale.ndim == 1:
-        return (values * w.scale[:, None]).astype(dtype)
-    zero = None if w.zero is None else w.zero.astype(jnp.float32)
+    q, scale = jnp.asarray(w.q), jnp.asarray(w.scale)
+    values = (unpack_int4(q) if w.is_packed else q).astype(jnp.float32)  # f32[out, in]
+    if scale.ndim == 1:
+        return (values * scale[:, None]).astype(dtype)
+    zero = None if w.zero is None else jnp.asarray(w.zero).astype(jnp.float32)  # f32[out, G]
     if w.g_idx is not None:  # act order: any input may sit in any group
-        scale = w.scale[:, w.g_idx]  # f32[out, in]
+        g_idx = jnp.asarray(w.g_idx)
         if zero is not None:
-            values = values - zero[:, w.g_idx]
-        return (values * scale).astype(dtype)
+            values = values - zero[:, g_idx]
+        return (values * scale[:, g_idx]).astype(dtype)
     num_out, num_in = values.shape
-    num_groups = w.scale.shape[1]
+    num_groups = scale.shape[1]
     grouped = values.reshape(num_out, num_groups, num_in // num_groups)
     if zero is not None:
         grouped = grouped - zero[..., None]
-    return (grouped * w.scale[..., None]).reshape(num_out, num_in).astype(dtype)
+    return (grouped * scale[..., None]).reshape(num_out, num_in).astype(dtype)
 
 
 _CONTRACT_IN = (((1,), (1,)), ((), ()))  # x[T, in] . w[out, in] -> [T, out]

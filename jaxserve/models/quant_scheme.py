@@ -25,7 +25,6 @@ from jaxserve.models.quant import PACK, QUANTIZED_FIELDS
 # (naming one checks that the checkpoint has it, as vLLM does).
 ON_LOAD_METHODS = ("fp8", "int8")
 CHECKPOINT_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")
-QUANTIZATION_METHODS = ("fp8", "int8", "compressed-tensors", "awq", "gptq")
 FP8_MIN_COMPUTE_CAPABILITY = 8.9  # Ada and Hopper: the first NVIDIA GPUs with fp8
 
 
@@ -50,7 +49,9 @@ class QuantScheme:
     def describe(self) -> str:
         """The start-up line's words."""
         if self.weight_format == "int4":
-            layout = f"4-bit, groups of {self.group_size}" + (", act order" if self.has_g_idx else "")
+            layout = f"4-bit, groups of {self.group_size}" + (
+                ", act order" if self.has_g_idx else ""
+            )
         elif self.group_size is not None:
             layout = f"{self.weight_format}, {self.out_block}x{self.group_size} block scales"
         else:
@@ -75,7 +76,9 @@ def read_quantization_config(model_dir: Path) -> dict[str, Any] | None:
 
 def _ignored(qc: dict[str, Any], key: str) -> None:
     """Modules a checkpoint leaves unquantized: only lm_head (which is never quantized here)."""
-    names = [n for n in (qc.get(key) or []) if n.split(".")[-1] != "lm_head" and n != "re:.*lm_head"]
+    names = [
+        n for n in (qc.get(key) or []) if n.split(".")[-1] != "lm_head" and n != "re:.*lm_head"
+    ]
     if names:
         raise QuantizationError(
             f"quantization_config.{key}={names}: checkpoints with unquantized Linear layers "
@@ -243,19 +246,34 @@ def check_device(
     return dataclasses.replace(scheme, act_quant=act_quant)
 
 
-def quantized_field_bytes(field: WeightField, config: ModelConfig, scheme: QuantScheme) -> int:
-    """Device bytes of one quantized Linear weight (values, scales, zero points, g_idx)."""
+def qarray_layout(
+    field: WeightField, config: ModelConfig, scheme: QuantScheme
+) -> dict[str, tuple[tuple[int, ...], int]]:
+    """A quantized field's ``QArray`` parts: name -> (shape, bytes per element)."""
     sizes = dim_sizes(config)
     num_out = math.prod(sizes[d] for d in field.hf_shape[0])
     num_in = math.prod(sizes[d] for d in field.hf_shape[1])
-    bits = 4 if scheme.weight_format == "int4" else 8
-    num_groups = 1 if scheme.group_size is None else num_in // scheme.group_size
-    total = num_out * num_in * bits // 8 + num_out * num_groups * 4
-    if scheme.has_zero:
-        total += num_out * num_groups
+    parts: dict[str, tuple[tuple[int, ...], int]]
+    if scheme.weight_format == "int4":
+        parts = {"q": ((num_out, num_in // PACK), 4)}
+    else:
+        parts = {"q": ((num_out, num_in), 1)}
+    if scheme.group_size is None:
+        parts["scale"] = ((num_out,), 4)
+    else:
+        num_groups = num_in // scheme.group_size
+        parts["scale"] = ((num_out, num_groups), 4)
+        if scheme.has_zero:
+            parts["zero"] = ((num_out, num_groups), 1)
     if scheme.has_g_idx:
-        total += num_in * 4
-    return total
+        parts["g_idx"] = ((num_in,), 4)
+    return parts
+
+
+def quantized_field_bytes(field: WeightField, config: ModelConfig, scheme: QuantScheme) -> int:
+    """Device bytes of one quantized Linear weight (values, scales, zero points, g_idx)."""
+    layout = qarray_layout(field, config, scheme)
+    return sum(math.prod(shape) * itemsize for shape, itemsize in layout.values())
 
 
 def weight_bytes(config: ModelConfig, dtype_bytes: int, scheme: QuantScheme | None) -> int:

@@ -185,8 +185,10 @@ def load_weights(
     missing = [name for name in shapes if name not in files]
     if missing:
         first = missing[0]
+        shape = shapes[first]
+        expected = f" (expected shape {list(shape)})" if shape is not None else ""
         raise WeightsError(
-            f"{model_dir}: tensor {first!r} (expected shape {list(shapes[first])}) is missing "
+            f"{model_dir}: tensor {first!r}{expected} is missing "
             f"from the checkpoint ({len(missing)} missing in all)"
         )
     with ExitStack() as stack:
@@ -213,7 +215,9 @@ def load_weights(
 
         def load_field(prefix: str, field: WeightField, path: tuple[Any, ...]) -> Any:
             if not is_quantized(field, scheme):
-                return _place(field.from_hf(read(prefix + field.hf_name), config), dtype, path, placement)
+                return _place(
+                    field.from_hf(read(prefix + field.hf_name), config), dtype, path, placement
+                )
             assert scheme is not None
             if scheme.from_checkpoint:
                 try:
