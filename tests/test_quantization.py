@@ -188,7 +188,11 @@ def test_fp8_needs_a_gpu_with_fp8() -> None:
     assert check_device(FP8, "gpu", "NVIDIA H200", 9.0).act_quant is True  # W8A8
     assert check_device(FP8, "cpu", "cpu", None).act_quant is False  # weight-only
     block = parse_checkpoint({"quant_method": "fp8", "weight_block_size": [128, 128]})
-    assert check_device(block, "gpu", "NVIDIA H200", 9.0).act_quant is False
+    assert check_device(block, "gpu", "NVIDIA H200", 9.0).act_quant is False  # weight-only
+    per_tensor = parse_checkpoint({"quant_method": "fp8", "activation_scheme": "static"})
+    assert check_device(per_tensor, "gpu", "NVIDIA H200", 9.0).act_quant is True
+    with pytest.raises(QuantizationError, match="'fp8'.*NVIDIA A10G has 8.6"):
+        check_device(per_tensor, "gpu", "NVIDIA A10G", 8.6)
 
 
 @pytest.mark.parametrize(

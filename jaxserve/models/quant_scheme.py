@@ -97,6 +97,9 @@ def _fp8_block(block: Any, where: str) -> tuple[int, int | None]:
 def parse_checkpoint(qc: dict[str, Any]) -> QuantScheme:
     """The scheme of a config.json ``quantization_config`` (raises for what is not served)."""
     method = qc.get("quant_method")
+    # NOTE: activations are always scaled per token, dynamically (vLLM's choice for fp8 on
+    # Hopper); a checkpoint's static input_scale tensors (activation_scheme "static") are not
+    # read: a per-token scale is never coarser than one calibrated per tensor.
     if method == "fp8":
         fmt = qc.get("fmt", "e4m3")
         if fmt != "e4m3":

@@ -165,6 +165,10 @@ def _place_quantized(
     return QArray(**parts, in_shape=w.in_shape, out_shape=w.out_shape, act_quant=act_quant)
 
 
+# One program per weight shape: [out, in] -> QArray (fp8 or int8, per output channel).
+_quantize_on_device = jax.jit(quantize, static_argnums=(1, 2, 3))
+
+
 def load_weights(
     model_dir: str | os.PathLike[str],
     config: ModelConfig,
@@ -224,13 +228,13 @@ def load_weights(
                     w = read_qarray(read, prefix, field, config, scheme)
                 except ValueError as exc:
                     raise WeightsError(f"{model_dir}: {exc}") from exc
-            else:
+            else:  # quantized on the device: numpy's fp8 casts are slow on an 8B model
                 sizes = dim_sizes(config)
-                w = quantize(
-                    read(prefix + field.hf_name)[field.part_rows(config)],
+                w = _quantize_on_device(
+                    jnp.asarray(read(prefix + field.hf_name)[field.part_rows(config)]),
                     scheme.weight_format,
-                    in_shape=tuple(sizes[d] for d in field.hf_shape[1]),
-                    out_shape=tuple(sizes[d] for d in field.hf_shape[0]),
+                    tuple(sizes[d] for d in field.hf_shape[1]),
+                    tuple(sizes[d] for d in field.hf_shape[0]),
                 )
             return _place_quantized(w, path, placement, scheme.act_quant)
 
@@ -280,7 +284,7 @@ def dummy_weights(
             assert scheme is not None
             sizes = dim_sizes(config)
             num_in_axes = len(field.hf_shape[1])
-            w = jax.jit(quantize, static_argnums=(1, 2, 3))(
+            w = _quantize_on_device(
                 to_out_in(array, num_in_axes),
                 scheme.weight_format,
                 tuple(sizes[d] for d in field.hf_shape[1]),

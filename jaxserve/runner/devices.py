@@ -53,10 +53,11 @@ def resolve_quantization(config: EngineConfig) -> QuantScheme | None:
     if scheme is None:
         return None
     device = jax.devices()[0]
-    capability = getattr(device, "compute_capability", None)
-    return check_device(
-        scheme, device.platform, device.device_kind, float(capability) if capability else None
-    )
+    try:  # NVIDIA: "9.0"; ROCm names an architecture ("gfx942"), which is not checked here
+        capability: float | None = float(getattr(device, "compute_capability", None) or "")
+    except ValueError:
+        capability = None
+    return check_device(scheme, device.platform, device.device_kind, capability)
 
 
 def platform_name(device: jax.Device) -> str:
