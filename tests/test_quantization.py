@@ -105,12 +105,21 @@ def _grouped(num_out: int, num_in: int, group: int, act_order: bool) -> tuple[QA
 
 
 @pytest.mark.parametrize("act_order", [False, True])
-def test_linear_on_packed_groups_matches_numpy(act_order: bool) -> None:
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_linear_on_packed_groups_matches_numpy(act_order: bool, dtype) -> None:
     q, w = _grouped(32, 64, 16, act_order)
     x = np.random.default_rng(3).normal(size=(3, 64)).astype(np.float32)
-    y = linear(jnp.asarray(x), q, "unused for a QArray")
-    assert y.shape == (3, 4, 8)  # out_shape restored
-    np.testing.assert_allclose(np.asarray(y).reshape(3, 32), x @ w.T, rtol=1e-5, atol=1e-5)
+    y = linear(jnp.asarray(x, dtype), q, "unused for a QArray")
+    assert y.shape == (3, 4, 8) and y.dtype == dtype  # out_shape restored, x's dtype kept
+    x_in = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2  # bf16: 8 bits of the weights and the output
+    expected = x_in @ w.T
+    np.testing.assert_allclose(
+        np.asarray(y.astype(jnp.float32)).reshape(3, 32),
+        expected,
+        rtol=tol,
+        atol=tol * np.abs(expected).max(),
+    )
 
 
 def test_w8a8_matches_a_per_token_fp8_reference() -> None:

@@ -70,23 +70,27 @@ def unpack_int4(packed: jax.Array) -> jax.Array:  # i32[..., n] -> i32[..., 8 n]
 
 
 def dequantize(w: QArray, dtype: Any) -> jax.Array:  # [out, in] in dtype
-    """The weight in ``dtype``; under jit this lives only inside the matmul that reads it."""
-    q, scale = jnp.asarray(w.q), jnp.asarray(w.scale)
-    values = (unpack_int4(q) if w.is_packed else q).astype(jnp.float32)  # f32[out, in]
+    """The weight in ``dtype``; under jit this lives only inside the matmul that reads it.
+
+    The arithmetic is in ``dtype`` itself (4-bit values and zero points are small integers,
+    exact in bf16; fp8 values are exact too), so a dequantized operand XLA does not fuse into
+    the GEMM costs two bytes per weight, not four."""
+    q, scale = jnp.asarray(w.q), jnp.asarray(w.scale).astype(dtype)
+    values = (unpack_int4(q) if w.is_packed else q).astype(dtype)  # [out, in]
     if scale.ndim == 1:
-        return (values * scale[:, None]).astype(dtype)
-    zero = None if w.zero is None else jnp.asarray(w.zero).astype(jnp.float32)  # f32[out, G]
+        return values * scale[:, None]
+    zero = None if w.zero is None else jnp.asarray(w.zero).astype(dtype)  # [out, G]
     if w.g_idx is not None:  # act order: any input may sit in any group
         g_idx = jnp.asarray(w.g_idx)
         if zero is not None:
             values = values - zero[:, g_idx]
-        return (values * scale[:, g_idx]).astype(dtype)
+        return values * scale[:, g_idx]
     num_out, num_in = values.shape
     num_groups = scale.shape[1]
     grouped = values.reshape(num_out, num_groups, num_in // num_groups)
     if zero is not None:
         grouped = grouped - zero[..., None]
-    return (grouped * scale[..., None]).reshape(num_out, num_in).astype(dtype)
+    return (grouped * scale[..., None]).reshape(num_out, num_in)
 
 
 _CONTRACT_IN = (((1,), (1,)), ((), ()))  # x[T, in] . w[out, in] -> [T, out]
