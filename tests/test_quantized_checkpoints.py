@@ -4,6 +4,7 @@ and checked against a dequantization written here independently, bit by bit."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 from pathlib import Path
@@ -16,6 +17,7 @@ from safetensors import safe_open
 
 import jaxserve
 from jaxserve import SamplingParams
+from jaxserve.bench.capacity import add_capacity_arguments, run_capacity
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
 from jaxserve.models.batch import make_kv_cache
@@ -162,7 +164,7 @@ def test_misshapen_scale_names_the_tensor(tmp_path) -> None:
         load_weights(model_dir, config, jnp.float32, scheme=resolve_scheme(None, model_dir))
 
 
-def test_llm_serves_a_gptq_checkpoint_detected_from_its_config(tmp_path) -> None:
+def test_llm_serves_a_gptq_checkpoint_detected_from_its_config(tmp_path, capsys) -> None:
     model_dir = make_quantized(fixture_dir("llama"), tmp_path / "gptq", "gptq", GROUP)
     llm = jaxserve.LLM(
         str(model_dir),
@@ -177,6 +179,16 @@ def test_llm_serves_a_gptq_checkpoint_detected_from_its_config(tmp_path) -> None
     runner = llm.engine.runner
     assert runner.quant is not None and runner.quant.method == "gptq"
     assert isinstance(runner.weights.layers[0].w_down, QArray)
+    # Capacity planning (and `jaxserve capacity`, from config.json alone) counts what the
+    # device holds: packed values, scales, zero points and g_idx.
+    on_device = sum(x.nbytes for x in jax.tree.leaves(runner.weights))
+    assert runner.capacity.weight_bytes == on_device
+    parser = argparse.ArgumentParser()
+    add_capacity_arguments(parser)
+    args = parser.parse_args([str(model_dir), "--dtype", "float32", "--device-memory", "1GiB"])
+    args.json = True
+    assert run_capacity(args) == 0
+    assert json.loads(capsys.readouterr().out)["weight_bytes"] == on_device
     config = ModelConfig.from_hf_dir(model_dir)
     golden = np.load(fixture_dir("llama") / "golden.npz")
     ids = golden["prompt_ids"].tolist()
