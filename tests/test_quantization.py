@@ -397,3 +397,23 @@ def test_tensor_parallel_quantized_weights_give_the_same_tokens(tmp_path) -> Non
         ("None", "2", "64"),
     ]
     assert rows[0][3] == rows[1][3] and rows[2][3] == rows[3][3]
+
+
+def test_launch_refuses_an_unsupported_checkpoint_at_start_up(tmp_path) -> None:
+    """bitsandbytes: one line naming the format, exit code 1, never a bf16 fallback."""
+    for file in fixture_dir("llama").iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "launch", str(tmp_path), "--port", "0"],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1
+    assert f"Could not load {tmp_path}: quantization_config.quant_method='bitsandbytes'" in (
+        proc.stdout + proc.stderr
+    )
