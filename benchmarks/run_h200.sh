@@ -16,6 +16,8 @@
 #                EngineConfig.kv_cache_dtype; $QUANT_MODES picks, e.g. "bf16 fp8"): decode
 #                grid, offline throughput 256 x 512/256 with its KV capacity line, greedy
 #                agreement with bf16 on the dummy weights; about 20 minutes: quant:2400
+#                ($QUANT_THROUGHPUT_ARGS adds throughput flags, e.g. "--num-prompts 1000
+#                --input-len 1000 --output-len 1000" for TensorRT-LLM's published shape)
 #   hostile      the seven findings of hostile input at full scale against a served Llama-3-8B
 #                (benchmarks/hostile_full.py): neighbour latency, memory maps, compiles
 #   reliability  the reliability suite: load scenarios at full scale (JAXSERVE_RELIABILITY_SCALE=full),
@@ -150,7 +152,8 @@ sys.exit("kv_cache_dtype" not in {f.name for f in dataclasses.fields(E)})'; then
     python3 benchmarks/decode_roofline.py --iters 10 --batches 1,8,64,256 --contexts 1024,4096 \
       $flags --output-json "$OUT/quant_roofline_$mode.json" > "$OUT/quant_roofline_$mode.log" 2>&1
     python3 -m jaxserve.bench.throughput --engine jaxserve --max-model-len 4096 $flags \
-      --output-json "$OUT/quant_throughput_$mode.json" > "$OUT/quant_throughput_$mode.log" 2>&1
+      ${QUANT_THROUGHPUT_ARGS:-} --output-json "$OUT/quant_throughput_$mode.json" \
+      > "$OUT/quant_throughput_$mode.log" 2>&1
     echo "$mode: $(grep -m1 -o 'KV cache size: .*' "$OUT/quant_throughput_$mode.log")" \
       "$(grep -m1 -o 'Quantization: .*' "$OUT/quant_throughput_$mode.log")"
   done
@@ -180,7 +183,7 @@ for cell in cells:
         speedup = base[cell]["device_ms"] / row["device_ms"] if cell in base else float("nan")
         cols.append(f"{row['device_ms']:8.2f} ({speedup:4.2f}x)")
     print(f"{cell[0]:5d} {cell[1]:5d} " + " ".join(cols))
-print("offline throughput, 256 x 512 in / 256 out:")
+print("offline throughput (256 x 512 in / 256 out unless $QUANT_THROUGHPUT_ARGS):")
 bf16 = load("quant_throughput_bf16.json")
 for m in modes:
     r = load(f"quant_throughput_{m}.json")

@@ -165,10 +165,6 @@ def _place_quantized(
     return QArray(**parts, in_shape=w.in_shape, out_shape=w.out_shape, act_quant=act_quant)
 
 
-# One program per weight shape: [out, in] -> QArray (fp8 or int8, per output channel).
-_quantize_on_device = jax.jit(quantize, static_argnums=(1, 2, 3))
-
-
 def load_weights(
     model_dir: str | os.PathLike[str],
     config: ModelConfig,
@@ -228,9 +224,9 @@ def load_weights(
                     w = read_qarray(read, prefix, field, config, scheme)
                 except ValueError as exc:
                     raise WeightsError(f"{model_dir}: {exc}") from exc
-            else:  # quantized on the device: numpy's fp8 casts are slow on an 8B model
+            else:  # on the device (op by op): numpy's fp8 casts are slow on an 8B model
                 sizes = dim_sizes(config)
-                w = _quantize_on_device(
+                w = quantize(
                     jnp.asarray(read(prefix + field.hf_name)[field.part_rows(config)]),
                     scheme.weight_format,
                     tuple(sizes[d] for d in field.hf_shape[1]),
@@ -284,7 +280,7 @@ def dummy_weights(
             assert scheme is not None
             sizes = dim_sizes(config)
             num_in_axes = len(field.hf_shape[1])
-            w = _quantize_on_device(
+            w = quantize(
                 to_out_in(array, num_in_axes),
                 scheme.weight_format,
                 tuple(sizes[d] for d in field.hf_shape[1]),
