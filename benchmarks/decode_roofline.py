@@ -11,6 +11,10 @@ For each batch x context: B sequences with `context` tokens already in a paged K
 
     python benchmarks/decode_roofline.py                 # Llama-3-8B shape, dummy bf16 weights
     python benchmarks/decode_roofline.py --smoke         # tiny CPU run (CI smoke test)
+    python benchmarks/decode_roofline.py --quantization fp8 [--kv-cache-dtype fp8]
+
+With --quantization the floor counts the quantized weight bytes (values and scales), so MBU
+stays a fraction of what that mode must read; compare modes by device ms or tokens/s.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # before JAX starts
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -30,9 +35,8 @@ import numpy as np
 
 from jaxserve.config import ModelConfig, builtin_config_dir
 from jaxserve.engine.request import Request, Sequence
-from jaxserve.engine_config import EngineConfig
-from jaxserve.models.batch import kv_bytes_per_token
-from jaxserve.models.families import num_params
+from jaxserve.engine_config import QUANTIZATIONS, EngineConfig
+from jaxserve.models.quant_scheme import weight_bytes as quantized_weight_bytes
 from jaxserve.runner.runner import ModelRunner
 from jaxserve.runner.step import ScheduledSeq, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
@@ -144,6 +148,12 @@ def main() -> None:
     parser.add_argument("--contexts", default="1024,4096")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="passed to the engine when not auto (needs a build with the fp8 KV cache)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny model and grid, on the CPU")
     parser.add_argument("--output-json", default=None)
     parser.add_argument(
@@ -164,10 +174,17 @@ def main() -> None:
     # KV for the largest batch x context that fits next to the weights (B=256 x 4096 does not).
     fits = [b * (c + 16) for b in batches for c in contexts if b * (c + 16) <= 600_000]
     num_blocks = 512 if args.smoke else max(fits) // 16 + 64
+    kv: dict[str, str] = {}
+    if args.kv_cache_dtype != "auto":
+        if "kv_cache_dtype" not in {f.name for f in dataclasses.fields(EngineConfig)}:
+            parser.error("--kv-cache-dtype: this build has no EngineConfig.kv_cache_dtype")
+        kv["kv_cache_dtype"] = args.kv_cache_dtype
     config = EngineConfig(
         model=args.model,
         load_format="dummy",
         dtype=args.dtype,
+        quantization=args.quantization,
+        **kv,  # type: ignore[arg-type]
         max_model_len=max_len,
         max_num_seqs=max(batches),
         max_num_batched_tokens=max(16, max(batches)),
@@ -179,10 +196,10 @@ def main() -> None:
     fill_cache_randomly(runner, 0)
     log_memory("random KV fill")
     itemsize = runner.dtype.itemsize
-    weight_bytes = num_params(model_config, include_embedding=False) * itemsize
-    per_token = kv_bytes_per_token(
-        model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, itemsize
-    )
+    # The embedding is gathered, not read whole: the floor leaves it out (it stays unquantized).
+    embedding = model_config.vocab_size * model_config.hidden_size * itemsize
+    weight_bytes = quantized_weight_bytes(model_config, itemsize, runner.quant) - embedding
+    per_token = runner.capacity.kv_bytes_per_token  # all layers, K and V, in the cache's dtype
     print(
         f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
         f"weights {weight_bytes / 1e9:.2f} GB, KV {per_token} B/token, "
@@ -245,6 +262,10 @@ def main() -> None:
             "device": jax.devices()[0].device_kind,
             "jax": jax.__version__,
             "dtype": str(runner.dtype),
+            "quantization": runner.quant.describe() if runner.quant is not None else None,
+            "kv_cache_dtype": args.kv_cache_dtype,
+            "weight_bytes": weight_bytes,
+            "kv_bytes_per_token": per_token,
             "model": args.model,
         }
         Path(args.output_json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

@@ -12,6 +12,12 @@
 #                1000 in / 256 out: end to end (avg, p10-p99), TTFT, TPOT, tokens/s
 #   roofline     decode MBU grid through the runner (scenario 1)
 #   cublas       a few roofline cells with XLA's Triton GEMMs off (cuBLAS for every matmul)
+#   quant        bf16 vs fp8 weights (W8A8) vs fp8 weights + fp8 KV cache (when the build has
+#                EngineConfig.kv_cache_dtype; $QUANT_MODES picks, e.g. "bf16 fp8"): decode
+#                grid, offline throughput 256 x 512/256 with its KV capacity line, greedy
+#                agreement with bf16 on the dummy weights; about 20 minutes: quant:2400
+#                ($QUANT_THROUGHPUT_ARGS adds throughput flags, e.g. "--num-prompts 1000
+#                --input-len 1000 --output-len 1000" for TensorRT-LLM's published shape)
 #   hostile      the seven findings of hostile input at full scale against a served Llama-3-8B
 #                (benchmarks/hostile_full.py): neighbour latency, memory maps, compiles
 #   reliability  the reliability suite: load scenarios at full scale (JAXSERVE_RELIABILITY_SCALE=full),
@@ -125,6 +131,68 @@ stage_cublas() {  # the same decode cells with every GEMM on cuBLAS instead of T
     python3 benchmarks/decode_roofline.py --iters 10 --batches 1,8,64 --contexts 1024 \
     --output-json "$OUT/roofline_cublas.json" > "$OUT/roofline_cublas.log" 2>&1
   grep -v -i warn "$OUT/roofline_cublas.log" | tail -5
+}
+
+stage_quant() {
+  local modes="bf16 fp8" flags mode
+  if python3 -c 'import dataclasses, sys; from jaxserve.engine_config import EngineConfig as E
+sys.exit("kv_cache_dtype" not in {f.name for f in dataclasses.fields(E)})'; then
+    modes="$modes fp8kv"
+  else
+    echo "fp8 KV cache: not in this build (no EngineConfig.kv_cache_dtype); its rows are skipped"
+  fi
+  modes=${QUANT_MODES:-$modes}
+  for mode in $modes; do
+    case $mode in
+      bf16) flags="" ;;
+      fp8) flags="--quantization fp8" ;;
+      fp8kv) flags="--quantization fp8 --kv-cache-dtype fp8" ;;
+      *) echo "unknown mode $mode" && return 1 ;;
+    esac
+    python3 benchmarks/decode_roofline.py --iters 10 --batches 1,8,64,256 --contexts 1024,4096 \
+      $flags --output-json "$OUT/quant_roofline_$mode.json" > "$OUT/quant_roofline_$mode.log" 2>&1
+    python3 -m jaxserve.bench.throughput --engine jaxserve --max-model-len 4096 $flags \
+      ${QUANT_THROUGHPUT_ARGS:-} --output-json "$OUT/quant_throughput_$mode.json" \
+      > "$OUT/quant_throughput_$mode.log" 2>&1
+    echo "$mode: $(grep -m1 -o 'KV cache size: .*' "$OUT/quant_throughput_$mode.log")" \
+      "$(grep -m1 -o 'Quantization: .*' "$OUT/quant_throughput_$mode.log")"
+  done
+  python3 benchmarks/quant_agreement.py --output-json "$OUT/quant_agreement.json" \
+    > "$OUT/quant_agreement.log" 2>&1
+  grep -E "^(fp8|int8) " "$OUT/quant_agreement.log"
+  python3 - "$OUT" $modes <<'PY'
+import json, sys
+from pathlib import Path
+out, modes = Path(sys.argv[1]), sys.argv[2:]
+def load(name):
+    path = out / name
+    return json.loads(path.read_text()) if path.is_file() else None
+grids = {m: load(f"quant_roofline_{m}.json") for m in modes}
+print("decode grid, device ms per step (speed-up over bf16):")
+print(f"{'batch':>5} {'ctx':>5} " + " ".join(f"{m:>16}" for m in modes))
+base = {(r["batch"], r["context"]): r for r in (grids.get("bf16") or {"rows": []})["rows"]}
+cells = sorted({(r["batch"], r["context"]) for g in grids.values() if g for r in g["rows"]})
+for cell in cells:
+    cols = []
+    for m in modes:
+        row = next((r for r in (grids[m] or {"rows": []})["rows"]
+                    if (r["batch"], r["context"]) == cell), None)
+        if row is None:
+            cols.append(f"{'-':>16}")
+            continue
+        speedup = base[cell]["device_ms"] / row["device_ms"] if cell in base else float("nan")
+        cols.append(f"{row['device_ms']:8.2f} ({speedup:4.2f}x)")
+    print(f"{cell[0]:5d} {cell[1]:5d} " + " ".join(cols))
+print("offline throughput (256 x 512 in / 256 out unless $QUANT_THROUGHPUT_ARGS):")
+bf16 = load("quant_throughput_bf16.json")
+for m in modes:
+    r = load(f"quant_throughput_{m}.json")
+    if r is None:
+        print(f"  {m}: no result")
+        continue
+    ratio = r["output_tokens_per_s"] / bf16["output_tokens_per_s"] if bf16 else float("nan")
+    print(f"  {m}: {r['output_tokens_per_s']:.1f} output tokens/s ({ratio:.2f}x bf16)")
+PY
 }
 
 stage_reliability() {  # carry .whl/rel too: openai, schemathesis and their dependencies

@@ -15,6 +15,9 @@ from jaxserve.config import ModelConfig
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# --quantization: fp8 / int8 quantize bf16 weights on load; the others name a pre-quantized
+# checkpoint's method (which is detected from its config.json without the flag).
+QUANTIZATIONS = ("fp8", "int8", "compressed-tensors", "awq", "gptq")
 
 
 def weight_dtype(dtype: str, on_cpu: bool) -> str:
@@ -39,6 +42,7 @@ class EngineConfig:
     chat_template: str | None = None  # a Jinja file, or the template itself; None: the model's
     dtype: str = "auto"
     load_format: str = "auto"
+    quantization: str | None = None  # one of QUANTIZATIONS; None: the checkpoint's, if any
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -65,6 +69,10 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} must be one of {LOAD_FORMATS}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization={self.quantization!r} must be one of {', '.join(QUANTIZATIONS)}"
+            )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy={self.scheduling_policy!r} must be one of {SCHEDULING_POLICIES}"

@@ -96,3 +96,27 @@ def test_compile_time_smoke(tmp_path, monkeypatch) -> None:
     result = json.loads(out.read_text())
     assert [r["bucket"] for r in result["rows"]] == [16, 32]
     assert all(r["compile_kernel_s"] > 0 and r["compile_reference_s"] > 0 for r in result["rows"])
+
+
+def test_quantized_decode_roofline_counts_the_quantized_bytes(tmp_path, monkeypatch) -> None:
+    out = tmp_path / "roofline.json"
+    args = ["--smoke", "--quantization", "int8", "--batches", "1", "--output-json", str(out)]
+    run_script("benchmarks/decode_roofline.py", args, monkeypatch)
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["quantization"].startswith("Quantization: quantized on load (int8")
+    # fixture llama: 2 layers of 53,248 Linear weights at 1 byte (+ f32 scales), the norms and
+    # the lm_head in float32; the embedding is left out of the floor.
+    linear = 2 * (64 * 64 * 2 + 64 * 32 * 2 + 64 * 96 * 3)
+    scales = 2 * 4 * (64 + 32 + 32 + 64 + 96 + 96 + 64)
+    assert meta["weight_bytes"] == linear + scales + 4 * (2 * 2 * 64 + 64 + 64 * 320)
+
+
+def test_quant_agreement_smoke(tmp_path, monkeypatch) -> None:
+    out = tmp_path / "agreement.json"
+    args = ["--model", str(fixture_dir("llama")), "--load-format", "auto", "--num-prompts", "1",
+            "--prompt-len", "32", "--quantizations", "int8", "--output-json", str(out)]  # fmt: skip
+    run_script("benchmarks/quant_agreement.py", args, monkeypatch)
+    result = json.loads(out.read_text())
+    assert result["meta"]["positions"] == 32
+    assert 0 < result["int8"]["max_error_over_max_logit"] < 0.08
+    assert result["int8"]["agreement_margin_above_0.5"] == 1.0

@@ -12,10 +12,18 @@ import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 
 from jaxserve.config import ModelConfig
-from jaxserve.engine_config import DTYPES, EngineConfig, default_model_dir, weight_dtype
+from jaxserve.engine_config import (
+    DTYPES,
+    QUANTIZATIONS,
+    EngineConfig,
+    default_model_dir,
+    weight_dtype,
+)
 from jaxserve.models.families import num_params
+from jaxserve.models.quant_scheme import resolve_scheme
 from jaxserve.runner.capacity import (
     CPU_DEVICE_MEMORY_BYTES,
     DEVICE_MEMORY_BYTES,
@@ -93,6 +101,14 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
         help="weight dtype; auto is what launch uses: bfloat16 on accelerators, float32 on the CPU",
     )
     add(
+        "--quantization",
+        "-q",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="fp8 or int8 weights quantized on load, as launch's flag; default: the "
+        "checkpoint's quantization_config, else none",
+    )
+    add(
         "--kv-cache-dtype",
         default="auto",
         choices=sorted(KV_DTYPE_BYTES),
@@ -134,6 +150,11 @@ def run_capacity(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     max_model_len = args.max_model_len or config.max_position_embeddings
+    try:
+        quant = resolve_scheme(args.quantization, Path(model_dir))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.device_memory is not None:
         memory, on_cpu = args.device_memory, False  # a device of that size
     else:
@@ -150,6 +171,7 @@ def run_capacity(args: argparse.Namespace) -> int:
             device_memory_bytes=memory,
             memory_utilization=args.memory_utilization,
             dtype_bytes=DTYPE_BYTES[dtype],
+            quant=quant,
             kv_dtype_bytes=KV_DTYPE_BYTES[args.kv_cache_dtype],
             block_size=args.block_size,
             tensor_parallel_size=args.tensor_parallel_size,
@@ -182,6 +204,7 @@ def run_capacity(args: argparse.Namespace) -> int:
                     "accelerator": not on_cpu,
                     "memory_utilization": args.memory_utilization,
                     "dtype": dtype,
+                    "quantization": quant.method if quant is not None else None,
                     "weight_bytes": cap.weight_bytes,
                     "activation_bytes": cap.activation_bytes,
                     "kv_budget_bytes": cap.kv_budget_bytes,
@@ -198,7 +221,9 @@ def run_capacity(args: argparse.Namespace) -> int:
         return 0
     print(
         f"Model: {model_dir} ({config.model_type}, {human_count(num_params(config))} "
-        f"parameters, {dtype} weights)"
+        f"parameters, {dtype} weights"
+        + (f", {quant.method} quantized Linear weights" if quant is not None else "")
+        + ")"
     )
     print(
         f"Device memory: {memory / GiB:.2f} GiB x {args.memory_utilization:.0%} utilization, "

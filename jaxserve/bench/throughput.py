@@ -16,11 +16,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from jaxserve.config import builtin_config_dir
+from jaxserve.engine_config import QUANTIZATIONS
 from jaxserve.units import COUNT_RULE, human_int
 
 if TYPE_CHECKING:
@@ -67,6 +68,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="weights and activations dtype; auto: bfloat16 on accelerators, float32 on the CPU",
     )
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="as launch's flag: fp8 / int8 weights quantized on load",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="as launch's flag (passed on only when not auto)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
 
 
@@ -89,10 +101,15 @@ def make_llm(args: argparse.Namespace) -> jaxserve.LLM:
     defaults to ``--input-len`` + ``--output-len``."""
     import jaxserve
 
+    kv: dict[str, Any] = {}
+    if args.kv_cache_dtype != "auto":
+        kv["kv_cache_dtype"] = args.kv_cache_dtype
     return jaxserve.LLM(
         args.model,
         load_format=args.load_format,
         dtype=args.dtype,
+        quantization=args.quantization,
+        **kv,
         max_model_len=args.max_model_len or args.input_len + args.output_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -224,6 +241,9 @@ def _forward(args: argparse.Namespace) -> list[str]:
         args.dtype,
         "--seed",
         str(args.seed),
+        *(["--quantization", args.quantization] if args.quantization else []),
+        "--kv-cache-dtype",
+        args.kv_cache_dtype,
         *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
     ]
 

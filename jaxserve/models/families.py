@@ -99,13 +99,18 @@ class WeightField:
         sizes = dim_sizes(config)
         return tuple(sizes[dim] for dim in self.shape)
 
+    def part_rows(self, config: ModelConfig) -> slice:
+        """This field's first-axis rows of the checkpoint tensor (all of a tensor of its own)."""
+        if not self.fused:
+            return slice(None)
+        sizes = dim_sizes(config)
+        blocks = [math.prod(sizes[dim] for dim in block) for block in self.fused]
+        start = sum(blocks[: self.part])
+        return slice(start, start + blocks[self.part])
+
     def from_hf(self, tensor: np.ndarray, config: ModelConfig) -> np.ndarray:
         """A checkpoint tensor in this field's layout (a view where numpy can make one)."""
-        if self.fused:
-            sizes = dim_sizes(config)
-            blocks = [math.prod(sizes[dim] for dim in block) for block in self.fused]
-            start = sum(blocks[: self.part])
-            tensor = tensor[start : start + blocks[self.part]]
+        tensor = tensor[self.part_rows(config)]
         return (tensor.T if self.transpose else tensor).reshape(self.shape_for(config))
 
 

@@ -27,6 +27,7 @@ import pallas_kernels
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.models import rope
 from jaxserve.models.batch import Batch, KVCache
+from jaxserve.models.quant import QArray, linear
 
 
 # NOTE: these are the model code's typed view of the weights. What each field is (checkpoint
@@ -37,14 +38,15 @@ from jaxserve.models.batch import Batch, KVCache
 @dataclasses.dataclass
 class LayerWeights:
     attn_norm: jax.Array  # [H]
-    wq: jax.Array  # [H, N, D]
-    wk: jax.Array  # [H, K, D]
-    wv: jax.Array  # [H, K, D]
-    wo: jax.Array  # [N, D, H]
+    # The Linear weights may be quantized: a QArray (quant.py) read through quant.linear.
+    wq: jax.Array | QArray  # [H, N, D]
+    wk: jax.Array | QArray  # [H, K, D]
+    wv: jax.Array | QArray  # [H, K, D]
+    wo: jax.Array | QArray  # [N, D, H]
     mlp_norm: jax.Array  # [H]
-    w_gate: jax.Array  # [H, I]
-    w_up: jax.Array  # [H, I]
-    w_down: jax.Array  # [I, H]
+    w_gate: jax.Array | QArray  # [H, I]
+    w_up: jax.Array | QArray  # [H, I]
+    w_down: jax.Array | QArray  # [I, H]
     bq: jax.Array | None = None  # [N, D]  (Qwen2)
     bk: jax.Array | None = None  # [K, D]
     bv: jax.Array | None = None  # [K, D]
@@ -110,9 +112,9 @@ def attention_block(
     attention_fn: AttentionFn,
     sliding_window: int | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    q = jnp.einsum("TH,HND->TND", x, lw.wq)
-    k = jnp.einsum("TH,HKD->TKD", x, lw.wk)
-    v = jnp.einsum("TH,HKD->TKD", x, lw.wv)
+    q = linear(x, lw.wq, "TH,HND->TND")
+    k = linear(x, lw.wk, "TH,HKD->TKD")
+    v = linear(x, lw.wv, "TH,HKD->TKD")
     if lw.bq is not None:  # q/k/v biases (Qwen2): the config has all three or none
         q = q + lw.bq
     if lw.bk is not None:
@@ -138,15 +140,15 @@ def attention_block(
         sliding_window=sliding_window,
         soft_cap=config.attn_logit_softcap,
     )  # [T, N, D]
-    return jnp.einsum("TND,NDH->TH", out, lw.wo), k_pages, v_pages
+    return linear(out, lw.wo, "TND,NDH->TH"), k_pages, v_pages
 
 
 def mlp_block(
     lw: LayerWeights, x: jax.Array, act: Callable[[jax.Array], jax.Array] = jax.nn.silu
 ) -> jax.Array:  # [T, H] -> [T, H]
-    gate = jnp.einsum("TH,HI->TI", x, lw.w_gate)
-    up = jnp.einsum("TH,HI->TI", x, lw.w_up)
-    return jnp.einsum("TI,IH->TH", act(gate) * up, lw.w_down)
+    gate = linear(x, lw.w_gate, "TH,HI->TI")
+    up = linear(x, lw.w_up, "TH,HI->TI")
+    return linear(act(gate) * up, lw.w_down, "TI,IH->TH")
 
 
 def forward(

@@ -26,11 +26,16 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.families import (
     HF_LAYER_PREFIX,
     WeightField,
+    dim_sizes,
     layer_fields,
     model_fields,
     num_params,
 )
 from jaxserve.models.llama import LayerWeights, Weights
+from jaxserve.models.quant import QUANTIZED_FIELDS, QArray, quantize, to_out_in
+from jaxserve.models.quant_checkpoint import read_fp8, read_qarray, tensor_shapes
+from jaxserve.models.quant_scheme import QuantScheme
+from jaxserve.models.quant_scheme import weight_bytes as quantized_weight_bytes
 
 _LOG = logging.getLogger(__name__)
 GiB = 1024**3
@@ -43,13 +48,26 @@ class WeightsError(ValueError):
     """A checkpoint that does not match its config: names the file and the tensor."""
 
 
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape in the checkpoint, for every tensor the model needs."""
-    shapes = {field.hf_name: field.checkpoint_shape_for(config) for field in model_fields(config)}
+def is_quantized(field: WeightField, scheme: QuantScheme | None) -> bool:
+    return scheme is not None and field.name in QUANTIZED_FIELDS
+
+
+def expected_shapes(
+    config: ModelConfig, scheme: QuantScheme | None = None
+) -> dict[str, tuple[int, ...] | None]:
+    """HF tensor name -> shape in the checkpoint, for every tensor the model needs (None: a
+    quantized checkpoint's scale, whose published shapes vary; checked where it is read)."""
+    shapes: dict[str, tuple[int, ...] | None] = {
+        field.hf_name: field.checkpoint_shape_for(config) for field in model_fields(config)
+    }
     for layer in range(config.num_layers):
         prefix = HF_LAYER_PREFIX.format(layer=layer)
         for field in layer_fields(config):
-            shapes[prefix + field.hf_name] = field.checkpoint_shape_for(config)
+            if scheme is not None and scheme.from_checkpoint and is_quantized(field, scheme):
+                for name, shape in tensor_shapes(field, config, scheme).items():
+                    shapes[prefix + name] = shape
+            else:
+                shapes[prefix + field.hf_name] = field.checkpoint_shape_for(config)
     return shapes
 
 
@@ -129,25 +147,48 @@ def _place(
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
+def _place_quantized(
+    w: QArray, path: tuple[Any, ...], placement: Placement | None, act_quant: bool
+) -> QArray:
+    """A QArray's parts (numpy or device arrays) placed as its weight's path + part name says;
+    they keep their dtypes (the values quantized, the scales f32)."""
+    parts: dict[str, Any] = {}
+    for name in ("q", "scale", "zero", "g_idx"):
+        part = getattr(w, name)
+        if part is None:
+            continue
+        if isinstance(part, jax.Array):  # made on the device (dummy weights)
+            sharding = placement((*path, name), part.shape) if placement is not None else None
+            parts[name] = part if sharding is None else jax.device_put(part, sharding)
+        else:
+            parts[name] = _place(np.asarray(part), part.dtype, (*path, name), placement)
+    return QArray(**parts, in_shape=w.in_shape, out_shape=w.out_shape, act_quant=act_quant)
+
+
 def load_weights(
     model_dir: str | os.PathLike[str],
     config: ModelConfig,
     dtype: jnp.dtype = jnp.bfloat16,
     placement: Placement | None = None,
     progress_above_bytes: int = GiB,
+    scheme: QuantScheme | None = None,
 ) -> Weights:
     """Stream a safetensors checkpoint into ``Weights`` (missing or misshapen tensors raise).
 
+    With a ``scheme`` the Linear weights become ``QArray``s: read as the checkpoint stores
+    them, or quantized here one tensor at a time (``--quantization fp8 | int8``).
     A checkpoint of ``progress_above_bytes`` or more logs its progress at every tenth."""
     model_dir = Path(model_dir)
     files = _tensor_files(model_dir)
     progress = LoadProgress(sorted(set(files.values())), progress_above_bytes)
-    shapes = expected_shapes(config)
+    shapes = expected_shapes(config, scheme)
     missing = [name for name in shapes if name not in files]
     if missing:
         first = missing[0]
+        shape = shapes[first]
+        expected = f" (expected shape {list(shape)})" if shape is not None else ""
         raise WeightsError(
-            f"{model_dir}: tensor {first!r} (expected shape {list(shapes[first])}) is missing "
+            f"{model_dir}: tensor {first!r}{expected} is missing "
             f"from the checkpoint ({len(missing)} missing in all)"
         )
     with ExitStack() as stack:
@@ -159,25 +200,45 @@ def load_weights(
                 if not file.is_file():
                     raise WeightsError(f"{file}: file named by the index for {name!r} not found")
                 handles[file] = stack.enter_context(safe_open(file, framework="numpy"))
-            tensor = handles[file].get_tensor(name)
-            if tuple(tensor.shape) != shapes[name]:
+            if handles[file].get_slice(name).get_dtype() == "F8_E4M3":
+                tensor = read_fp8(file, name)
+            else:
+                tensor = handles[file].get_tensor(name)
+            expected = shapes[name]
+            if expected is not None and tuple(tensor.shape) != expected:
                 raise WeightsError(
                     f"{file.name}: tensor {name!r} has shape {list(tensor.shape)}, "
-                    f"expected {list(shapes[name])} from config.json"
+                    f"expected {list(expected)} from config.json"
                 )
             progress.add(file, tensor.nbytes)
             return tensor
+
+        def load_field(prefix: str, field: WeightField, path: tuple[Any, ...]) -> Any:
+            if not is_quantized(field, scheme):
+                return _place(
+                    field.from_hf(read(prefix + field.hf_name), config), dtype, path, placement
+                )
+            assert scheme is not None
+            if scheme.from_checkpoint:
+                try:
+                    w = read_qarray(read, prefix, field, config, scheme)
+                except ValueError as exc:
+                    raise WeightsError(f"{model_dir}: {exc}") from exc
+            else:  # on the device (op by op): numpy's fp8 casts are slow on an 8B model
+                sizes = dim_sizes(config)
+                w = quantize(
+                    jnp.asarray(read(prefix + field.hf_name)[field.part_rows(config)]),
+                    scheme.weight_format,
+                    tuple(sizes[d] for d in field.hf_shape[1]),
+                    tuple(sizes[d] for d in field.hf_shape[0]),
+                )
+            return _place_quantized(w, path, placement, scheme.act_quant)
 
         layers = []
         for layer in range(config.num_layers):
             prefix = HF_LAYER_PREFIX.format(layer=layer)
             values = {
-                field.name: _place(
-                    field.from_hf(read(prefix + field.hf_name), config),
-                    dtype,
-                    ("layers", layer, field.name),
-                    placement,
-                )
+                field.name: load_field(prefix, field, ("layers", layer, field.name))
                 for field in layer_fields(config)
             }
             layers.append(LayerWeights(**values))
@@ -197,11 +258,17 @@ def dummy_weights(
     seed: int = 0,
     placement: Placement | None = None,
     scale: float = 0.02,
+    scheme: QuantScheme | None = None,
 ) -> Weights:
-    """Random weights in the real architecture (for benchmarks and tests); made on the device."""
-    key = jax.random.key(seed)
+    """Random weights in the real architecture (for benchmarks and tests); made on the device.
 
-    def make(path: tuple[Any, ...], field: WeightField) -> jax.Array:
+    With a quantize-on-load ``scheme`` the Linear weights are the same random weights (the
+    same seed gives the same bf16 values), quantized."""
+    key = jax.random.key(seed)
+    if scheme is not None and scheme.from_checkpoint:
+        raise ValueError(f"dummy weights cannot be made for a {scheme.method} checkpoint")
+
+    def make(path: tuple[Any, ...], field: WeightField) -> Any:
         nonlocal key
         key, sub = jax.random.split(key)
         shape = field.shape_for(config)
@@ -209,6 +276,18 @@ def dummy_weights(
             array = (jnp.ones if field.init == "ones" else jnp.zeros)(shape, dtype)
         else:
             array = (scale * jax.random.normal(sub, shape, jnp.float32)).astype(dtype)
+        if is_quantized(field, scheme):
+            assert scheme is not None
+            sizes = dim_sizes(config)
+            num_in_axes = len(field.hf_shape[1])
+            w = quantize(
+                to_out_in(array, num_in_axes),
+                scheme.weight_format,
+                tuple(sizes[d] for d in field.hf_shape[1]),
+                tuple(sizes[d] for d in field.hf_shape[0]),
+            )
+            del array
+            return _place_quantized(w, path, placement, scheme.act_quant)
         sharding = placement(path, shape) if placement is not None else None
         return array if sharding is None else jax.device_put(array, sharding)
 
@@ -220,6 +299,8 @@ def dummy_weights(
     return Weights(layers=layers, **outside)
 
 
-def weight_bytes(config: ModelConfig, dtype: jnp.dtype) -> int:
-    """Bytes the weights occupy on the device."""
+def weight_bytes(config: ModelConfig, dtype: jnp.dtype, scheme: QuantScheme | None = None) -> int:
+    """Bytes the weights occupy on the device (quantized Linear weights at their own size)."""
+    if scheme is not None:
+        return quantized_weight_bytes(config, jnp.dtype(dtype).itemsize, scheme)
     return num_params(config) * jnp.dtype(dtype).itemsize

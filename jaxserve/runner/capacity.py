@@ -17,7 +17,7 @@ import dataclasses
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.batch import kv_bytes_per_token
-from jaxserve.models.families import num_params
+from jaxserve.models.quant_scheme import QuantScheme, weight_bytes
 from jaxserve.runner.sampling import PROMPT_LOGPROBS_CHUNK
 
 GiB = 1024**3
@@ -152,6 +152,7 @@ def plan_capacity(
     memory_utilization: float,
     dtype_bytes: int = 2,
     kv_dtype_bytes: int | None = None,
+    quant: QuantScheme | None = None,
     block_size: int = 16,
     tensor_parallel_size: int = 1,
     max_num_batched_tokens: int = 2048,
@@ -159,7 +160,8 @@ def plan_capacity(
     num_blocks_override: int | None = None,
 ) -> Capacity:
     kv_dtype_bytes = kv_dtype_bytes or dtype_bytes
-    weights = num_params(config) * dtype_bytes // tensor_parallel_size
+    # Quantized Linear weights count at their own bytes (values, scales, zero points).
+    weights = weight_bytes(config, dtype_bytes, quant) // tensor_parallel_size
     activations = activation_bytes(
         config, max_num_batched_tokens, max_num_seqs, dtype_bytes, device_memory_bytes
     )

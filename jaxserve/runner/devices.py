@@ -17,6 +17,7 @@ import pallas_kernels
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig, weight_dtype
 from jaxserve.models.families import num_params
+from jaxserve.models.quant_scheme import QuantScheme, check_device, resolve_scheme
 from jaxserve.runner.capacity import kv_heads_per_device
 
 _PROBE_LOGGER = "jax._src.xla_bridge"
@@ -43,6 +44,20 @@ def quiet_backend_probe() -> None:
 def resolve_dtype(config: EngineConfig) -> jnp.dtype:
     """``auto``: bfloat16 on accelerators, float32 on the CPU (``weight_dtype``)."""
     return jnp.dtype(weight_dtype(config.dtype, on_cpu=jax.default_backend() == "cpu"))
+
+
+def resolve_quantization(config: EngineConfig) -> QuantScheme | None:
+    """The quantization served (``--quantization`` or the checkpoint's), checked against the
+    first device: fp8 on a GPU without fp8 raises ``QuantizationError``; fp8 GPUs get W8A8."""
+    scheme = resolve_scheme(config.quantization, config.model_dir, config.load_format)
+    if scheme is None:
+        return None
+    device = jax.devices()[0]
+    try:  # NVIDIA: "9.0"; ROCm names an architecture ("gfx942"), which is not checked here
+        capability: float | None = float(getattr(device, "compute_capability", None) or "")
+    except ValueError:
+        capability = None
+    return check_device(scheme, device.platform, device.device_kind, capability)
 
 
 def platform_name(device: jax.Device) -> str:
@@ -104,11 +119,16 @@ def describe_attention(
 
 
 def startup_lines(
-    model_config: ModelConfig, config: EngineConfig, dtype: jnp.dtype, max_model_len: int
+    model_config: ModelConfig,
+    config: EngineConfig,
+    dtype: jnp.dtype,
+    max_model_len: int,
+    quant: QuantScheme | None = None,
 ) -> list[str]:
     tp = config.tensor_parallel_size
-    return [
+    lines = [
         describe_devices(tp),
         describe_model(model_config, config, dtype, max_model_len),
         describe_attention(model_config, dtype, config.block_size, tp),
     ]
+    return lines + ([quant.describe()] if quant is not None else [])

@@ -33,7 +33,12 @@ from jaxserve.runner.capacity import (
     plan_capacity,
     reserve_device_memory,
 )
-from jaxserve.runner.devices import quiet_backend_probe, resolve_dtype, startup_lines
+from jaxserve.runner.devices import (
+    quiet_backend_probe,
+    resolve_dtype,
+    resolve_quantization,
+    startup_lines,
+)
 from jaxserve.runner.in_flight import DeferredSampler, InFlight
 from jaxserve.runner.input_builder import InputBuilder, next_power_of_2, token_buckets_for
 from jaxserve.runner.packing import Layout, pack
@@ -72,11 +77,12 @@ class ModelRunner:
         enable_compilation_cache(config.cache_dir)
 
         self.dtype = resolve_dtype(config)
-        for line in startup_lines(model_config, config, self.dtype, max_model_len):
+        self.quant = resolve_quantization(config)  # None: unquantized
+        for line in startup_lines(model_config, config, self.dtype, max_model_len, self.quant):
             _LOG.info(line)
         # Tensor parallelism: shardings from sharding.py; TP=1 keeps the plain program.
         self.tp = (
-            prepare_tp(model_config, config.tensor_parallel_size)
+            prepare_tp(model_config, config.tensor_parallel_size, quant=self.quant)
             if config.tensor_parallel_size > 1
             else None
         )
@@ -84,11 +90,11 @@ class ModelRunner:
         start = time.perf_counter()
         if config.load_format == "dummy":
             self.weights = dummy_weights(
-                model_config, self.dtype, seed=config.seed, placement=placement
+                model_config, self.dtype, seed=config.seed, placement=placement, scheme=self.quant
             )
         else:
             self.weights = load_weights(
-                config.model_dir, model_config, self.dtype, placement=placement
+                config.model_dir, model_config, self.dtype, placement=placement, scheme=self.quant
             )
         jax.block_until_ready(self.weights)
         self.load_seconds = time.perf_counter() - start
@@ -166,6 +172,7 @@ class ModelRunner:
             device_memory_bytes=detect_device_memory() if memory is None else memory,
             memory_utilization=self.config.gpu_memory_utilization,
             dtype_bytes=self.dtype.itemsize,
+            quant=self.quant,
             block_size=self.block_size,
             tensor_parallel_size=self.config.tensor_parallel_size,
             max_num_batched_tokens=self.token_buckets[-1],

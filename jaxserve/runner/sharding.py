@@ -14,6 +14,8 @@ The layout (Megatron-style, one mesh axis ``"tp"`` of N devices):
   row parallel     wo [N, D, H] on the query-head axis; w_down [I, H] on I
   vocab parallel   embed [V, H] on V; lm_head [H, V] on V (replicated when N does not divide V)
   replicated       the RMSNorm scales (attn_norm, mlp_norm, final_norm, q_norm, k_norm)
+  quantized        a QArray's values [out, in] split on the same letters as the weight; its
+                   scales and zero points [out] / [out, G] on the output axis (``quantized_specs``)
   KV cache         [P, page, K, D] on the KV-head axis
 
 KV heads and the query heads they serve must sit on the same device. With N <= K each device
@@ -38,8 +40,10 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels
 from jaxserve.config import ModelConfig
 from jaxserve.models.batch import KVCache
-from jaxserve.models.families import layer_fields, model_fields
+from jaxserve.models.families import WeightField, dim_sizes, layer_fields, model_fields
 from jaxserve.models.llama import AttentionFn, LayerWeights, Weights
+from jaxserve.models.quant import QUANTIZED_FIELDS, QArray
+from jaxserve.models.quant_scheme import QuantScheme, qarray_layout
 from jaxserve.models.weights import Placement
 
 TP_AXIS = "tp"
@@ -127,21 +131,64 @@ def _spec(shape: str, split: dict[str, str]) -> P:
     return P(*(split.get(dim) for dim in shape))
 
 
-def layer_specs(config: ModelConfig) -> LayerWeights:
+def quantized_specs(
+    field: WeightField, config: ModelConfig, quant: QuantScheme, tensor_parallel_size: int
+) -> QArray:
+    """A ``QArray`` of specs: values [out, in] split as the weight's output and input letters
+    are, scales and zero points [out] / [out, G] following the output axis (and the input
+    axis where the groups split evenly), g_idx replicated."""
+    axis_sizes = {
+        TP_AXIS: tensor_parallel_size,
+        KV_AXIS: min(tensor_parallel_size, config.num_kv_heads),
+    }
+
+    def axis(letters: str, size: int) -> str | None:
+        name = next((_SPLIT_DIMS[d] for d in letters if d in _SPLIT_DIMS), None)
+        # NOTE: jax shards only evenly: an axis that does not divide stays replicated.
+        return name if name is not None and size % axis_sizes[name] == 0 else None
+
+    out_letters, in_letters = field.hf_shape
+    parts: dict[str, Any] = {}
+    for name, (shape, _) in qarray_layout(field, config, quant).items():
+        if name == "g_idx":
+            parts[name] = P(None)
+        else:
+            letters = (out_letters, in_letters)[: len(shape)]
+            parts[name] = P(*(axis(ls, n) for ls, n in zip(letters, shape, strict=True)))
+    sizes = dim_sizes(config)
+    return QArray(
+        **parts,
+        in_shape=tuple(sizes[d] for d in in_letters),
+        out_shape=tuple(sizes[d] for d in out_letters),
+        act_quant=quant.act_quant,
+    )
+
+
+def layer_specs(
+    config: ModelConfig, quant: QuantScheme | None = None, tensor_parallel_size: int = 1
+) -> LayerWeights:
     """PartitionSpecs of one layer, field for field (None where the model has no such tensor)."""
     # A pytree of specs in the weights' own dataclass (its leaves are specs, not arrays).
-    specs: dict[str, Any] = {f.name: _spec(f.shape, _SPLIT_DIMS) for f in layer_fields(config)}
+    specs: dict[str, Any] = {
+        f.name: quantized_specs(f, config, quant, tensor_parallel_size)
+        if quant is not None and f.name in QUANTIZED_FIELDS
+        else _spec(f.shape, _SPLIT_DIMS)
+        for f in layer_fields(config)
+    }
     return LayerWeights(**specs)
 
 
-def weight_specs(config: ModelConfig, tensor_parallel_size: int) -> Weights:
+def weight_specs(
+    config: ModelConfig, tensor_parallel_size: int, quant: QuantScheme | None = None
+) -> Weights:
     """A ``Weights`` pytree of PartitionSpecs, parallel to the model's weights."""
     split = _SPLIT_DIMS
     # NOTE: jax shards only evenly; a vocabulary N does not divide stays replicated.
     if config.vocab_size % tensor_parallel_size == 0:
         split = split | {"V": TP_AXIS}
     specs: dict[str, Any] = {f.name: _spec(f.shape, split) for f in model_fields(config)}
-    return Weights(layers=[layer_specs(config)] * config.num_layers, **specs)
+    layer = layer_specs(config, quant, tensor_parallel_size)
+    return Weights(layers=[layer] * config.num_layers, **specs)
 
 
 def _is_kv_spec(spec: P) -> bool:
@@ -217,20 +264,22 @@ class TensorParallel:
         )
 
 
-def weight_shardings(mesh: Mesh, config: ModelConfig) -> Weights:
+def weight_shardings(mesh: Mesh, config: ModelConfig, quant: QuantScheme | None = None) -> Weights:
     """A ``Weights`` pytree of NamedShardings: KV-side specs on the KV view, the rest on "tp"."""
     view = kv_mesh(mesh, config.num_kv_heads)
     return jax.tree.map(
         lambda spec: NamedSharding(view if _is_kv_spec(spec) else mesh, spec),
-        weight_specs(config, mesh.devices.size),
+        weight_specs(config, mesh.devices.size, quant),
         is_leaf=lambda x: isinstance(x, P),
     )
 
 
-def weight_placement(mesh: Mesh, config: ModelConfig) -> Placement:
+def weight_placement(
+    mesh: Mesh, config: ModelConfig, quant: QuantScheme | None = None
+) -> Placement:
     """The ``Placement`` to pass to ``load_weights`` / ``dummy_weights``."""
     validate_tensor_parallel_size(config, mesh.devices.size)
-    return placement_from(weight_shardings(mesh, config))
+    return placement_from(weight_shardings(mesh, config, quant))
 
 
 def kv_cache_sharding(mesh: Mesh, config: ModelConfig) -> NamedSharding:
@@ -294,6 +343,7 @@ def prepare_tp(
     mesh: Mesh | None = None,
     devices: Sequence[jax.Device] | None = None,
     attention_fn: AttentionFn | None = None,
+    quant: QuantScheme | None = None,
 ) -> TensorParallel:
     """The mesh (made here unless given), shardings and sharded attention for one model."""
     if mesh is None:
@@ -306,7 +356,7 @@ def prepare_tp(
         mesh=mesh,
         kv_mesh=kv_mesh(mesh, config.num_kv_heads),
         config=config,
-        weight_shardings=weight_shardings(mesh, config),
+        weight_shardings=weight_shardings(mesh, config, quant),
         kv_sharding=kv_cache_sharding(mesh, config),
         replicated=NamedSharding(mesh, P()),
         attention_fn=sharded_attention(

@@ -22,7 +22,13 @@ from typing import Any
 
 import uvicorn
 
-from jaxserve.engine_config import DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES, EngineConfig
+from jaxserve.engine_config import (
+    DTYPES,
+    LOAD_FORMATS,
+    QUANTIZATIONS,
+    SCHEDULING_POLICIES,
+    EngineConfig,
+)
 from jaxserve.runner.device_memory import (
     MemoryQuery,
     is_out_of_memory,
@@ -186,6 +192,15 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto: safetensors from MODEL_DIR; dummy: random weights (benchmarks)",
     )
     add(
+        "--quantization",
+        "-q",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="fp8 or int8: quantize the Linear weights on load (per-channel scales; fp8 runs "
+        "W8A8 on fp8 GPUs, weight-only elsewhere); default: the checkpoint's "
+        "quantization_config (fp8, compressed-tensors, awq, gptq), else none",
+    )
+    add(
         "--seed",
         type=int,
         default=_ENGINE_DEFAULTS["seed"],
@@ -326,6 +341,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         chat_template=args.chat_template,
         dtype=args.dtype,
         load_format=args.load_format,
+        quantization=args.quantization,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -1,0 +1,176 @@
+"""Quantized Linear weights: values and scales, and the one matmul the model reads them through.
+
+A quantized weight is a ``QArray`` kept in the checkpoint's Linear layout ``[out, in]`` (the
+output and input axes of ``families.py``'s ``hf_shape``, flattened): 8-bit values (fp8 e4m3 or
+int8) or 4-bit values packed eight to an int32 word along ``in``, with a scale per output channel
+or per group of inputs, and for 4-bit formats a zero point per group. ``linear(x, w, spec)`` is
+the model's matmul: a plain array goes through ``jnp.einsum(spec, ...)`` exactly as before; a
+``QArray`` is multiplied in its own layout and reshaped back to the einsum's output.
+
+Made by ``quantize`` (``--quantization fp8 | int8``: bf16 weights quantized on load) and by
+``quant_checkpoint.py`` (fp8, compressed-tensors, AWQ and GPTQ checkpoints); laid out across
+devices by ``runner/sharding.py`` (scales follow their weight's output axis). The embedding and
+lm_head are never quantized: they stay in the model dtype (as vLLM's fp8 does), as do norms
+and biases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+INT8_MAX = 127.0
+PACK = 8  # 4-bit values per int32 word
+# The Linear weights of a layer; everything else (embedding, lm_head, norms, biases) is not.
+QUANTIZED_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+Array = jax.Array | np.ndarray
+
+
+# NOTE: one layout for every format ([out, in], the checkpoint's) so the fp8 dot can contract
+# the minor axis of both operands, the layout cuBLASLt's fp8 GEMM wants (a weight stored
+# [in, out] would be transposed by XLA on every step); 4-bit formats are repacked to it on load.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class QArray:
+    """A Linear weight of logical shape ``[*in_shape, *out_shape]`` in fewer bits."""
+
+    # Device arrays in the model; numpy on the host while a checkpoint is read.
+    q: Array  # f8e4m3 | i8 [out, in], or i32 [out, in // 8]: 4-bit values packed along in
+    scale: Array  # f32 [out] per output channel, or f32 [out, G]: per group of in // G inputs
+    in_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
+    out_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
+    zero: Array | None = None  # u8 [out, G] zero points of 4-bit formats, else None
+    g_idx: Array | None = None  # i32 [in]: each input's group (GPTQ act order), else None
+    # W8A8: activations quantized to fp8 per token, the dot on fp8 tensor cores.
+    act_quant: bool = dataclasses.field(default=False, metadata={"static": True})
+
+    @property
+    def is_packed(self) -> bool:
+        return self.q.dtype == jnp.int32
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.q, self.scale, self.zero, self.g_idx)
+        return sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in parts if p is not None)
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:  # i32[..., n] -> i32[..., 8 n], values 0..15
+    """Eight 4-bit values per word, the first in the lowest bits (GPTQ's order)."""
+    shifts = jnp.arange(PACK, dtype=jnp.int32) * 4
+    values = (packed[..., None] >> shifts) & 0xF  # the arithmetic shift's sign bits masked off
+    return values.reshape(*packed.shape[:-1], packed.shape[-1] * PACK)
+
+
+def dequantize(w: QArray, dtype: Any) -> jax.Array:  # [out, in] in dtype
+    """The weight in ``dtype``; under jit this lives only inside the matmul that reads it.
+
+    The arithmetic is in ``dtype`` itself (4-bit values and zero points are small integers,
+    exact in bf16; fp8 values are exact too), so a dequantized operand XLA does not fuse into
+    the GEMM costs two bytes per weight, not four."""
+    q, scale = jnp.asarray(w.q), jnp.asarray(w.scale).astype(dtype)
+    values = (unpack_int4(q) if w.is_packed else q).astype(dtype)  # [out, in]
+    if scale.ndim == 1:
+        return values * scale[:, None]
+    zero = None if w.zero is None else jnp.asarray(w.zero).astype(dtype)  # [out, G]
+    if w.g_idx is not None:  # act order: any input may sit in any group
+        g_idx = jnp.asarray(w.g_idx)
+        if zero is not None:
+            values = values - zero[:, g_idx]
+        return values * scale[:, g_idx]
+    num_out, num_in = values.shape
+    num_groups = scale.shape[1]
+    grouped = values.reshape(num_out, num_groups, num_in // num_groups)
+    if zero is not None:
+        grouped = grouped - zero[..., None]
+    return (grouped * scale[..., None]).reshape(num_out, num_in)
+
+
+_CONTRACT_IN = (((1,), (1,)), ((), ()))  # x[T, in] . w[out, in] -> [T, out]
+
+
+def quantize_tokens_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Dynamic per-token fp8: (f8e4m3[T, in], f32[T, 1] scales), x ~= values * scale."""
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    scale = jnp.maximum(amax, 1e-12) / FP8_MAX
+    return (x32 / scale).astype(FP8), scale
+
+
+# NOTE: XLA's native fp8 dot, not qwix. Measured with qwix 0.1.8 (pip) on the CPU: its W8A8
+# (qwix.quantize + qwix.dot) lowers to the same stablehlo.dot_general f8E4M3FN x f8E4M3FN -> f32
+# and gave the same error (max 0.111 against 0.105 here, an 8x256x512 product of logits ~3),
+# but it keeps the weight [in, out] (contracting [1] x [0], so cuBLASLt's fp8 GEMM gets a
+# transposed weight each step unless XLA relayouts it), stores 4-bit as jnp.int4 with its own
+# tiling (AWQ and GPTQ checkpoints would be repacked either way), and brings 13,928 lines plus
+# flax, optax, chex, orbax, absl and opt_einsum, none of which jaxserve otherwise needs. This
+# function is the whole of what the model uses.
+def linear(x: jax.Array, w: jax.Array | QArray, spec: str) -> jax.Array:
+    """The model's matmul: ``jnp.einsum(spec, x, w)`` for a plain weight; for a ``QArray``,
+    x ``[T, *in_shape]`` -> ``[T, *out_shape]`` in x's dtype, dequantized inside the matmul."""
+    if not isinstance(w, QArray):
+        return jnp.einsum(spec, x, w)
+    lead = x.shape[: x.ndim - len(w.in_shape)]
+    x2 = x.reshape(-1, math.prod(w.in_shape))  # [T, in]
+    if w.act_quant:
+        # W8A8 through XLA's native fp8 dot: fp8 operands, f32 accumulation, both scales after.
+        xq, x_scale = quantize_tokens_fp8(x2)
+        y = jax.lax.dot_general(xq, w.q, _CONTRACT_IN, preferred_element_type=jnp.float32)
+        y = y * x_scale * w.scale
+    elif w.scale.ndim == 1 and not w.is_packed:  # per channel: the scale after the dot
+        y = jax.lax.dot_general(
+            x2, w.q.astype(x.dtype), _CONTRACT_IN, preferred_element_type=jnp.float32
+        )
+        y = y * w.scale
+    else:  # per group: each group's scale applies before its inputs are summed
+        y = jax.lax.dot_general(
+            x2, dequantize(w, x.dtype), _CONTRACT_IN, preferred_element_type=jnp.float32
+        )
+    return y.astype(x.dtype).reshape(*lead, *w.out_shape)
+
+
+# -- quantizing bf16 weights (on load and for dummy weights) -----------------------------------
+
+WEIGHT_FORMATS = ("fp8", "int8")
+
+
+def quantize(
+    w: Any,  # [out, in], numpy (on the host) or a jax.Array (on the device)
+    weight_format: str,
+    in_shape: tuple[int, ...],
+    out_shape: tuple[int, ...],
+    act_quant: bool = False,
+) -> QArray:
+    """Symmetric per-output-channel quantization: fp8 e4m3 (amax -> 448) or int8 (-> 127)."""
+    xp: Any = np if isinstance(w, np.ndarray) else jnp
+    w32 = w.astype(xp.float32)
+    amax = xp.max(xp.abs(w32), axis=1)
+    if weight_format == "fp8":
+        scale = xp.maximum(amax, 1e-12) / FP8_MAX
+        fp8 = ml_dtypes.float8_e4m3fn if xp is np else FP8
+        q = xp.clip(w32 / scale[:, None], -FP8_MAX, FP8_MAX).astype(fp8)
+    elif weight_format == "int8":
+        scale = xp.maximum(amax, 1e-12) / INT8_MAX
+        q = xp.clip(xp.round(w32 / scale[:, None]), -INT8_MAX, INT8_MAX).astype(xp.int8)
+    else:
+        raise ValueError(f"weight_format={weight_format!r} must be one of {WEIGHT_FORMATS}")
+    return QArray(
+        q=q,
+        scale=scale.astype(xp.float32),
+        in_shape=in_shape,
+        out_shape=out_shape,
+        act_quant=act_quant,
+    )
+
+
+def to_out_in(w: Any, num_in_axes: int) -> Any:
+    """A weight in the model's layout ``[*in, *out]`` -> ``[out, in]`` (flattened)."""
+    num_in = math.prod(w.shape[:num_in_axes])
+    return w.reshape(num_in, -1).T
