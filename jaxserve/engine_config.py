@@ -15,6 +15,11 @@ from jaxserve.config import ModelConfig
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# --kv-cache-dtype, in vLLM's spelling: auto stores the weight dtype; fp8 is fp8_e4m3, as in
+# vLLM on CUDA.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# Bytes per element of what a cache stores (the names kv_cache_dtype_name returns).
+KV_DTYPE_BYTES = {"fp8_e4m3": 1, "fp8_e5m2": 1, "bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def weight_dtype(dtype: str, on_cpu: bool) -> str:
@@ -24,6 +29,18 @@ def weight_dtype(dtype: str, on_cpu: bool) -> str:
     if dtype != "auto":
         return dtype
     return "float32" if on_cpu else "bfloat16"
+
+
+def kv_cache_dtype_name(kv_cache_dtype: str, weight_dtype: str) -> str:
+    """What the KV cache stores: ``auto`` the weights' dtype (as ``weight_dtype`` resolves it),
+    ``fp8`` ``fp8_e4m3``; ``launch`` and ``capacity`` both ask this."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} must be one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+    if kv_cache_dtype == "auto":
+        return weight_dtype
+    return "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
 
 
 def default_model_dir() -> Path:
@@ -38,6 +55,7 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model directory
     chat_template: str | None = None  # a Jinja file, or the template itself; None: the model's
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES; fp8 halves the cache's bytes per token
     load_format: str = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
@@ -63,6 +81,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
+        kv_cache_dtype_name(self.kv_cache_dtype, "auto")  # raises, listing the choices
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} must be one of {LOAD_FORMATS}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -32,11 +32,12 @@ def model_step(
     *,
     config: ModelConfig,
     attention_fn: llama.AttentionFn | None = None,
+    kv_scales: tuple[tuple[float, float], ...] | None = None,  # an fp8 cache's, per layer
 ) -> tuple[KVCache, jax.Array]:
     # NOTE: the step returns only the hidden states; gathering each sequence's last row here
     # (so the sampler would depend on the sequence bucket alone) changed the step's fusions
     # and cost 4-8% of offline throughput on the H200.
-    return llama.forward(weights, kv_cache, batch, config, attention_fn)
+    return llama.forward(weights, kv_cache, batch, config, attention_fn, kv_scales)
 
 
 def shared_attention(attention_fn: Any) -> Any:

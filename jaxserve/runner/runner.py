@@ -25,6 +25,7 @@ import pallas_kernels
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.batch import Batch, make_kv_cache
+from jaxserve.models.kv_scales import kv_dtype_label, kv_scales_for
 from jaxserve.models.weights import dummy_weights, load_weights
 from jaxserve.runner import step_broadcast
 from jaxserve.runner.capacity import (
@@ -33,7 +34,12 @@ from jaxserve.runner.capacity import (
     plan_capacity,
     reserve_device_memory,
 )
-from jaxserve.runner.devices import quiet_backend_probe, resolve_dtype, startup_lines
+from jaxserve.runner.devices import (
+    quiet_backend_probe,
+    resolve_dtype,
+    resolve_kv_dtype,
+    startup_lines,
+)
 from jaxserve.runner.in_flight import DeferredSampler, InFlight
 from jaxserve.runner.input_builder import InputBuilder, next_power_of_2, token_buckets_for
 from jaxserve.runner.programs import (
@@ -71,7 +77,8 @@ class ModelRunner:
         enable_compilation_cache(config.cache_dir)
 
         self.dtype = resolve_dtype(config)
-        for line in startup_lines(model_config, config, self.dtype, max_model_len):
+        self.kv_dtype = resolve_kv_dtype(config, self.dtype)  # raises where fp8 cannot run
+        for line in startup_lines(model_config, config, self.dtype, max_model_len, self.kv_dtype):
             _LOG.info(line)
         # Tensor parallelism: shardings from sharding.py; TP=1 keeps the plain program.
         self.tp = (
@@ -93,6 +100,9 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - start
         if config.load_format == "dummy":
             _LOG.info("Made random weights in %.1f s", self.load_seconds)
+        self.kv_scales = kv_scales_for(  # an fp8 cache's per-layer scales, else None
+            config.model_dir, model_config.num_layers, self.kv_dtype, config.load_format != "dummy"
+        )
         self.tied = self.weights.lm_head is None
         self.head = self.weights.embed if self.tied else self.weights.lm_head
 
@@ -104,27 +114,25 @@ class ModelRunner:
         self.kv_cache: Any = None
         if not config.warmup:
             self.allocate_kv_cache()
+        attention = (
+            pallas_kernels.ragged_paged_attention if self.tp is None else self.tp.attention_fn
+        )
+        step = functools.partial(
+            model_step,
+            config=model_config,
+            attention_fn=shared_attention(attention),
+            kv_scales=self.kv_scales,
+        )
         if self.tp is not None:
             in_shardings, out_shardings = self.tp.step_shardings()
             self.step_fn = jax.jit(
-                functools.partial(
-                    model_step,
-                    config=model_config,
-                    attention_fn=shared_attention(self.tp.attention_fn),
-                ),
+                step,
                 in_shardings=in_shardings,
                 out_shardings=out_shardings,
                 donate_argnames=("kv_cache",),
             )
         else:
-            self.step_fn = jax.jit(
-                functools.partial(
-                    model_step,
-                    config=model_config,
-                    attention_fn=shared_attention(pallas_kernels.ragged_paged_attention),
-                ),
-                donate_argnames=("kv_cache",),
-            )
+            self.step_fn = jax.jit(step, donate_argnames=("kv_cache",))
         # Ahead-of-time executables from warm-up: model step and prompt logprobs per token
         # bucket, sampler per (token bucket, variant).
         self.compiled_steps: dict[int, Any] = {}
@@ -162,6 +170,7 @@ class ModelRunner:
             device_memory_bytes=detect_device_memory() if memory is None else memory,
             memory_utilization=self.config.gpu_memory_utilization,
             dtype_bytes=self.dtype.itemsize,
+            kv_cache_dtype=kv_dtype_label(self.kv_dtype),
             block_size=self.block_size,
             tensor_parallel_size=self.config.tensor_parallel_size,
             max_num_batched_tokens=self.token_buckets[-1],
@@ -177,10 +186,10 @@ class ModelRunner:
         if self.kv_cache is not None:
             return
         if self.tp is not None:
-            self.kv_cache = self.tp.make_kv_cache(self.num_blocks, self.block_size, self.dtype)
+            self.kv_cache = self.tp.make_kv_cache(self.num_blocks, self.block_size, self.kv_dtype)
         else:
             num_layers = self.model_config.num_layers
-            self.kv_cache = make_kv_cache(num_layers, *self.kv_cache_shape(), self.dtype)
+            self.kv_cache = make_kv_cache(num_layers, *self.kv_cache_shape(), self.kv_dtype)
 
     def abstract_kv_cache(self) -> list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]:
         """The cache's shapes (and shardings) only: enough to compile against."""
@@ -192,8 +201,8 @@ class ModelRunner:
         shape = self.kv_cache_shape()
         return [
             (
-                jax.ShapeDtypeStruct(shape, self.dtype, sharding=k),
-                jax.ShapeDtypeStruct(shape, self.dtype, sharding=v),
+                jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=k),
+                jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=v),
             )
             for k, v in shardings
         ]
