@@ -6,10 +6,12 @@ For each batch x context: B sequences with `context` tokens already in a paged K
   sync ms    ModelRunner.execute end to end (host inputs, dispatch, device, token fetch),
   wall ms    per step of the engine's asynchronous loop: dispatch step n + 1, then read
              step n back (what serving runs; the on-device token feed is not exercised),
-  floor ms   bytes_step / 4.3 TB/s with bytes_step = weights (less embedding) + KV read,
+  floor ms   bytes_step / 4.3 TB/s with bytes_step = weights (less embedding) + KV read
+             (at the KV cache dtype's bytes: an fp8 cache reads half of bf16's),
   MBU        floor / device,   host gap = wall - device.
 
     python benchmarks/decode_roofline.py                 # Llama-3-8B shape, dummy bf16 weights
+    python benchmarks/decode_roofline.py --kv-cache-dtype fp8   # the same over an fp8 KV cache
     python benchmarks/decode_roofline.py --smoke         # tiny CPU run (CI smoke test)
 """
 
@@ -26,11 +28,12 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig, builtin_config_dir
 from jaxserve.engine.request import Request, Sequence
-from jaxserve.engine_config import EngineConfig
+from jaxserve.engine_config import KV_CACHE_DTYPES, EngineConfig
 from jaxserve.models.batch import kv_bytes_per_token
 from jaxserve.models.families import num_params
 from jaxserve.runner.runner import ModelRunner
@@ -82,10 +85,11 @@ def fill_cache_randomly(runner: ModelRunner, seed: int) -> None:
         k_pages.delete()
         v_pages.delete()
         key, a, b = jax.random.split(key, 3)
+        # bf16 normals, cast to the cache dtype (an fp8 cache: the values at scale 1.0).
         runner.kv_cache[layer] = jax.block_until_ready(
             (
-                jax.device_put(jax.random.normal(a, shape, dtype), sharding),
-                jax.device_put(jax.random.normal(b, shape, dtype), sharding),
+                jax.device_put(jax.random.normal(a, shape, jnp.bfloat16).astype(dtype), sharding),
+                jax.device_put(jax.random.normal(b, shape, jnp.bfloat16).astype(dtype), sharding),
             )
         )
 
@@ -145,6 +149,7 @@ def main() -> None:
     parser.add_argument("--contexts", default="1024,4096")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--smoke", action="store_true", help="tiny model and grid, on the CPU")
     parser.add_argument("--output-json", default=None)
     parser.add_argument(
@@ -162,13 +167,16 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     model_config = ModelConfig.from_hf_dir(args.model)
     max_len = max(contexts) + 16
-    # KV for the largest batch x context that fits next to the weights (B=256 x 4096 does not).
-    fits = [b * (c + 16) for b in batches for c in contexts if b * (c + 16) <= 600_000]
+    # KV for the largest batch x context that fits next to the weights (B=256 x 4096 does not
+    # in bf16; an fp8 cache holds twice the tokens).
+    max_tokens = 600_000 * (1 if args.kv_cache_dtype == "auto" else 2)
+    fits = [b * (c + 16) for b in batches for c in contexts if b * (c + 16) <= max_tokens]
     num_blocks = 512 if args.smoke else max(fits) // 16 + 64
     config = EngineConfig(
         model=args.model,
         load_format="dummy",
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=max_len,
         max_num_seqs=max(batches),
         max_num_batched_tokens=max(16, max(batches)),
@@ -181,12 +189,13 @@ def main() -> None:
     log_memory("random KV fill")
     itemsize = runner.dtype.itemsize
     weight_bytes = num_params(model_config, include_embedding=False) * itemsize
+    kv_itemsize = runner.kv_dtype.itemsize
     per_token = kv_bytes_per_token(
-        model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, itemsize
+        model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_itemsize
     )
     print(
         f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
-        f"weights {weight_bytes / 1e9:.2f} GB, KV {per_token} B/token, "
+        f"weights {weight_bytes / 1e9:.2f} GB, KV {runner.kv_dtype} {per_token} B/token, "
         f"{runner.num_blocks * runner.block_size:,} KV tokens"
     )
     rng = np.random.default_rng(0)
@@ -246,6 +255,9 @@ def main() -> None:
             "device": jax.devices()[0].device_kind,
             "jax": jax.__version__,
             "dtype": str(runner.dtype),
+            "kv_cache_dtype": str(runner.kv_dtype),
+            "kv_bytes_per_token": per_token,
+            "kv_tokens": runner.num_blocks * runner.block_size,
             "model": args.model,
         }
         Path(args.output_json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

@@ -12,6 +12,9 @@
 #                1000 in / 256 out: end to end (avg, p10-p99), TTFT, TPOT, tokens/s
 #   roofline     decode MBU grid through the runner (scenario 1)
 #   cublas       a few roofline cells with XLA's Triton GEMMs off (cuBLAS for every matmul)
+#   kvfp8        bf16 KV cache against fp8 (e4m3) KV cache: the fp8 kernel tests natively, the
+#                decode MBU grid ($KV_BATCHES x $KV_CONTEXTS) and offline throughput (256 x
+#                512/256) for each, their capacity lines, one table -> $OUT/kv_fp8.md (~20 min)
 #   hostile      the seven findings of hostile input at full scale against a served Llama-3-8B
 #                (benchmarks/hostile_full.py): neighbour latency, memory maps, compiles
 #   reliability  the reliability suite: load scenarios at full scale (JAXSERVE_RELIABILITY_SCALE=full),
@@ -125,6 +128,22 @@ stage_cublas() {  # the same decode cells with every GEMM on cuBLAS instead of T
     python3 benchmarks/decode_roofline.py --iters 10 --batches 1,8,64 --contexts 1024 \
     --output-json "$OUT/roofline_cublas.json" > "$OUT/roofline_cublas.log" 2>&1
   grep -v -i warn "$OUT/roofline_cublas.log" | tail -5
+}
+
+stage_kvfp8() {  # the fp8 KV cache against bf16, Llama-3-8B shape, dummy bf16 weights
+  python3 -m pytest -q -m gpu tests/test_kernel_gpu.py -k fp8 2>&1 | tail -3
+  for kv in auto fp8; do
+    python3 benchmarks/decode_roofline.py --iters 10 --kv-cache-dtype $kv \
+      --batches "${KV_BATCHES:-1,8,32,64,128,256}" --contexts "${KV_CONTEXTS:-1024,4096}" \
+      --output-json "$OUT/roofline_kv_$kv.json" > "$OUT/roofline_kv_$kv.log" 2>&1
+    grep -E "^device|Error" "$OUT/roofline_kv_$kv.log" | head -3
+    python3 -m jaxserve.bench.throughput --engine jaxserve --max-model-len 4096 \
+      --kv-cache-dtype $kv --output-json "$OUT/throughput_kv_$kv.json" \
+      > "$OUT/throughput_kv_$kv.log" 2>&1
+    grep -E "KV cache dtype|KV cache size|Maximum concurrency|Error" "$OUT/throughput_kv_$kv.log" |
+      head -4
+  done
+  python3 benchmarks/kv_cache_dtype_compare.py --dir "$OUT" | tee "$OUT/kv_fp8.md"
 }
 
 stage_reliability() {  # carry .whl/rel too: openai, schemathesis and their dependencies

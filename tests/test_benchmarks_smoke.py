@@ -96,3 +96,24 @@ def test_compile_time_smoke(tmp_path, monkeypatch) -> None:
     result = json.loads(out.read_text())
     assert [r["bucket"] for r in result["rows"]] == [16, 32]
     assert all(r["compile_kernel_s"] > 0 and r["compile_reference_s"] > 0 for r in result["rows"])
+
+
+def test_decode_roofline_over_an_fp8_cache_and_the_comparison(tmp_path, monkeypatch, capsys):
+    fp8 = tmp_path / "roofline_kv_fp8.json"
+    args = ["--smoke", "--kv-cache-dtype", "fp8", "--output-json", str(fp8)]
+    run_script("benchmarks/decode_roofline.py", args, monkeypatch)
+    result = json.loads(fp8.read_text())
+    assert result["meta"]["kv_cache_dtype"] == "float8_e4m3fn"
+    assert result["meta"]["kv_bytes_per_token"] == 2 * 2 * 2 * 16  # K, V x layers x heads x dim
+    # A bf16 run twice as slow per cell: the table says 2.00x.
+    slow = {"meta": {**result["meta"], "kv_cache_dtype": "bfloat16"}, "rows": []}
+    slow["rows"] = [{**r, "device_ms": 2 * r["device_ms"]} for r in result["rows"]]
+    (tmp_path / "roofline_kv_auto.json").write_text(json.dumps(slow))
+    for kv, tok_s, tokens in (("auto", 100.0, 1000), ("fp8", 150.0, 2000)):
+        run = {"jaxserve": {"output_tokens_per_s": tok_s, "kv_cache_tokens": tokens}}
+        (tmp_path / f"throughput_kv_{kv}.json").write_text(json.dumps(run))
+    capsys.readouterr()
+    run_script("benchmarks/kv_cache_dtype_compare.py", ["--dir", str(tmp_path)], monkeypatch)
+    table = capsys.readouterr().out
+    assert "| 1 | 32 |" in table and "| 2.00x |" in table
+    assert "fp8 / bf16: 1.50x tokens/s, 2.00x KV tokens" in table

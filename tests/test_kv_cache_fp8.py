@@ -15,6 +15,7 @@ Tolerances (documented in docs/kv_cache_fp8.md):
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 
 import jax
@@ -250,6 +251,23 @@ def test_fp8_on_a_gpu_without_it_is_a_startup_error(monkeypatch) -> None:
     assert auto == jnp.bfloat16
     monkeypatch.setattr(jax, "devices", lambda *a: [FakeGpu("NVIDIA H200", "9.0")])
     assert devices.resolve_kv_dtype(config, jnp.dtype(jnp.bfloat16)) == E4M3
+
+
+def test_launch_on_a_device_without_fp8_exits_naming_device_and_dtype(caplog, monkeypatch):
+    from jaxserve.cli import build_parser
+    from jaxserve.server.launch import run_launch
+    from tests.conftest import free_port
+
+    monkeypatch.setattr(devices, "has_fp8", lambda device: False)  # as an A100 answers
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # launch sets it; restored
+    argv = ["launch", str(fixture_dir("llama")), "--host", "127.0.0.1", "--port",
+            str(free_port()), "--kv-cache-dtype", "fp8_e5m2", "--max-model-len", "64"]  # fmt: skip
+    caplog.set_level(logging.INFO)
+    assert run_launch(build_parser(argv).parse_args(argv), memory_query=lambda: "none") == 1
+    (message,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert message.startswith("--kv-cache-dtype fp8_e5m2 (fp8_e5m2) needs fp8 support")
+    assert f"{jax.devices()[0].device_kind} has compute capability" in message
+    assert "Loaded weights" not in caplog.text  # it stops before loading
 
 
 # -- the model through jaxserve.LLM --------------------------------------------------------

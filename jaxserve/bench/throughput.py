@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxserve.config import builtin_config_dir
+from jaxserve.engine_config import KV_CACHE_DTYPES
 from jaxserve.units import COUNT_RULE, human_int
 
 if TYPE_CHECKING:
@@ -67,6 +68,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="weights and activations dtype; auto: bfloat16 on accelerators, float32 on the CPU",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="KV cache dtype, as `jaxserve launch` takes it (fp8: one byte per element)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
 
 
@@ -93,6 +100,7 @@ def make_llm(args: argparse.Namespace) -> jaxserve.LLM:
         args.model,
         load_format=args.load_format,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len or args.input_len + args.output_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -119,6 +127,8 @@ def run_jaxserve(args: argparse.Namespace) -> dict:
         "output_tokens_per_s": generated / elapsed,
         "startup_seconds": startup,
         "num_compiled_shapes": llm.engine.num_compiled_shapes,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_tokens": llm.engine.runner.capacity.num_tokens,
     }
 
 
@@ -222,6 +232,8 @@ def _forward(args: argparse.Namespace) -> list[str]:
         str(args.max_num_batched_tokens),
         "--dtype",
         args.dtype,
+        "--kv-cache-dtype",
+        args.kv_cache_dtype,
         "--seed",
         str(args.seed),
         *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
