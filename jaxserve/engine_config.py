@@ -81,7 +81,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
-        kv_cache_dtype_name(self.kv_cache_dtype, "auto")  # raises, listing the choices
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} must be one of {LOAD_FORMATS}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

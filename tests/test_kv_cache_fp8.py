@@ -372,3 +372,28 @@ def test_checkpoint_scales_reach_the_model(tmp_path, float_and_fp8) -> None:
         assert llm.engine.runner.kv_scales == ((float(np.float32(scale)),) * 2,) * 2
         errors[name] = float(np.mean(np.abs(teacher_forced(llm, ids)[0] - lp_ref)))
     assert errors["fitting"] < 0.08 < 1.0 < errors["tiny"], errors
+
+
+def test_layers_with_different_scales_share_one_attention_program() -> None:
+    """The scales enter the attention op as arguments: one traced (and lowered) kernel for
+    every layer, as with a bf16 cache (a Mosaic GPU lowering takes about a second)."""
+    import functools
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.models.batch import Batch, make_kv_cache
+    from jaxserve.models.weights import load_weights
+    from jaxserve.runner.programs import model_step, shared_attention
+
+    config = ModelConfig.from_hf_dir(fixture_dir("llama"))
+    weights = load_weights(fixture_dir("llama"), config, jnp.float32)
+    cache = make_kv_cache(2, 8, 4, config.num_kv_heads, config.head_dim, E4M3)
+    step = functools.partial(
+        model_step,
+        config=config,
+        attention_fn=shared_attention(pallas_kernels.ragged_paged_attention),
+        kv_scales=((0.5, 0.25), (2.0, 4.0)),
+    )
+    jaxpr = jax.make_jaxpr(step)(weights, cache, jax.device_put(Batch.padding(16, 4, 4, 32)))
+    calls = [e for e in jaxpr.eqns if e.params.get("name") == "ragged_paged_attention"]
+    assert len(calls) == 2 and calls[0].params["jaxpr"] is calls[1].params["jaxpr"]
+    assert all(len(e.invars) == 9 for e in calls)  # q, pages, metadata, k_scale, v_scale
