@@ -7,9 +7,9 @@ Tolerances (documented in docs/kv_cache_fp8.md):
 - reference attention over an fp8 cache (scales amax / fp8 max) against the bf16 cache, random
   normal q/k/v: relative error (Frobenius) below 5% for e4m3 and 10% for e5m2 (measured 3.4%
   and 6.9%).
-- the fixture model (fp32 weights, 2 layers, logits of scale ~3) with an e4m3 cache against
-  the same model with a float32 cache: greedy agreement 100% on the steps whose top-2 margin
-  is at least 0.1, logprob error below 0.1.
+- the fixture model (bf16 weights, 2 layers, logits of scale ~3) with an e4m3 cache against
+  the same model with a bf16 cache: greedy agreement 100% on the steps whose top-2 margin is at
+  least 0.1 (asserted >= 95%, and 100% at 0.25), logprob error 0.058 mean, 0.29 max.
 """
 
 from __future__ import annotations
@@ -277,7 +277,7 @@ def make_llm(kv_cache_dtype: str, model_dir=None) -> jaxserve.LLM:
     return jaxserve.LLM(
         str(model_dir or fixture_dir("llama")),
         kv_cache_dtype=kv_cache_dtype,
-        dtype="float32",
+        dtype="bfloat16",  # auto: a bf16 cache, the baseline fp8 is measured against
         max_model_len=128,
         max_num_seqs=4,
         max_num_batched_tokens=16,  # the 56-token prompt prefills in chunks over the cache
@@ -302,8 +302,8 @@ def teacher_forced(llm: jaxserve.LLM, ids: list[int]) -> tuple[np.ndarray, np.nd
 
 @pytest.fixture(scope="module")
 def float_and_fp8():
-    """The prompt + greedy continuation of the float32-cache model, teacher-forced through
-    float32, e4m3 and e5m2 caches."""
+    """The prompt + greedy continuation of the bf16-cache model, teacher-forced through bf16,
+    e4m3 and e5m2 caches (bf16 weights throughout)."""
     golden = np.load(fixture_dir("llama") / "golden.npz")
     prompt = golden["prompt2_ids"].tolist()
     reference_llm = make_llm("auto")
@@ -329,12 +329,13 @@ def test_llm_allocates_an_fp8_cache(float_and_fp8) -> None:
     assert "(KV cache dtype fp8_e4m3)" in llm.engine.capacity_lines()[2]
 
 
-# kv_cache_dtype -> (margin, least agreement on steps with a top-2 margin >= margin, most mean
-# and max |logprob error|). Measured (79 steps, 68 with margin >= 0.1): e4m3 98.5% at 0.1 and
-# 100% at 0.25, errors 0.055 / 0.35; e5m2 88% at 0.1, errors 0.12 / 0.50.
+# kv_cache_dtype -> (margin, least agreement with the bf16 cache on steps whose top-2 margin
+# is >= margin, most mean and max |logprob error|). Measured (79 steps; 68 with a margin >= 0.1,
+# 52 >= 0.25): e4m3 100% at both, errors 0.058 mean / 0.29 max; e5m2 91% at 0.1 and 94% at
+# 0.25, errors 0.11 / 0.62.
 AGREEMENT = {
     "fp8": [(0.1, 0.95, 0.08, 0.5), (0.25, 1.0, 0.08, 0.5)],
-    "fp8_e5m2": [(0.1, 0.8, 0.2, 0.8)],
+    "fp8_e5m2": [(0.1, 0.85, 0.2, 0.9)],
 }
 
 
