@@ -2,7 +2,8 @@
 
 Reads what the ``kvfp8`` stage of benchmarks/run_h200.sh writes into one directory
 (``roofline_kv_{auto,fp8}.json`` from decode_roofline.py, ``throughput_kv_{auto,fp8}.json``
-from ``jaxserve bench throughput``) and prints Markdown tables for benchmarks/RESULTS.md:
+from ``jaxserve bench throughput``, ``greedy_kv_fp8.json`` from greedy_agreement.py) and prints
+Markdown tables for benchmarks/RESULTS.md:
 
     python benchmarks/kv_cache_dtype_compare.py --dir /tmp/out
 """
@@ -65,6 +66,19 @@ def throughput_table(bf16: dict, fp8: dict) -> list[str]:
     ]
 
 
+def greedy_line(result: dict) -> str:
+    def share(margin: float) -> str:
+        agreement = result[f"agreement_margin_{margin}"]
+        value = "-" if agreement is None else f"{agreement:.1%}"
+        return f"{value} of the {result[f'steps_margin_{margin}']:,} with a margin >= {margin}"
+
+    return (
+        f"Greedy agreement of fp8 KV with bf16 KV, teacher-forced over {result['positions']:,} "
+        f"positions: {share(0.1)}, {share(0.25)}; logprob error "
+        f"{result['logprob_error_mean']:.4f} mean, {result['logprob_error_max']:.4f} max"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, required=True, help="where the stage wrote its JSON")
@@ -82,6 +96,9 @@ def main() -> None:
         lines.append(
             "Offline throughput: missing throughput_kv_auto.json or throughput_kv_fp8.json"
         )
+    greedy = load(args.dir / "greedy_kv_fp8.json")
+    if greedy:
+        lines += ["", greedy_line(greedy)]
     print("\n".join(lines))
 
 

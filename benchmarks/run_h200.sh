@@ -14,7 +14,8 @@
 #   cublas       a few roofline cells with XLA's Triton GEMMs off (cuBLAS for every matmul)
 #   kvfp8        bf16 KV cache against fp8 (e4m3) KV cache: the fp8 kernel tests natively, the
 #                decode MBU grid ($KV_BATCHES x $KV_CONTEXTS) and offline throughput (256 x
-#                512/256) for each, their capacity lines, one table -> $OUT/kv_fp8.md (~20 min)
+#                512/256) for each, their capacity lines, teacher-forced greedy agreement of
+#                fp8 with bf16 (benchmarks/greedy_agreement.py), one table -> $OUT/kv_fp8.md
 #   hostile      the seven findings of hostile input at full scale against a served Llama-3-8B
 #                (benchmarks/hostile_full.py): neighbour latency, memory maps, compiles
 #   reliability  the reliability suite: load scenarios at full scale (JAXSERVE_RELIABILITY_SCALE=full),
@@ -143,6 +144,11 @@ stage_kvfp8() {  # the fp8 KV cache against bf16, Llama-3-8B shape, dummy bf16 w
     grep -E "KV cache dtype|KV cache size|Maximum concurrency|Error" "$OUT/throughput_kv_$kv.log" |
       head -4
   done
+  # Dummy weights: near-uniform logits, so few steps clear the margins (the count is printed).
+  python3 benchmarks/greedy_agreement.py --kv-cache-dtype auto --save "$OUT/greedy_ref.npz" \
+    > "$OUT/greedy_ref.log" 2>&1
+  python3 benchmarks/greedy_agreement.py --kv-cache-dtype fp8 --reference "$OUT/greedy_ref.npz" \
+    --output-json "$OUT/greedy_kv_fp8.json" > "$OUT/greedy_kv_fp8.log" 2>&1
   python3 benchmarks/kv_cache_dtype_compare.py --dir "$OUT" | tee "$OUT/kv_fp8.md"
 }
 
