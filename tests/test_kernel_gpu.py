@@ -253,3 +253,17 @@ def test_kernel_takes_bf16_queries_over_bf16_or_fp8_caches():
     q8 = jax.ShapeDtypeStruct((1, 8, 128), jnp.float8_e4m3fn)
     k8 = jax.ShapeDtypeStruct((4, 16, 2, 128), jnp.float8_e4m3fn)
     assert "bfloat16 queries" in gpu.unsupported_reason(q8, k8, None, None)
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CPU_CASES if c.kv_dtype is not None], ids=lambda c: c.name
+)
+def test_fp8_kernel_lowers_for_cuda(case: Case):
+    """Cross-platform lowering on the CPU runs Mosaic GPU's layout inference and register
+    lowering (not ptxas): the fp8 -> bf16 conversion of the K and V tiles is in the module."""
+    args = make_inputs(np.random.default_rng(0), case)
+    config = gpu.KernelConfig(num_splits=case.num_splits)
+    fn = jax.jit(lambda *a: gpu.ragged_paged_attention(*a, **attention_kwargs(case), config=config))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    conversion = "e4m3x2" if case.kv_dtype == jnp.float8_e4m3fn else "e5m2x2"
+    assert f"cvt.rn.f16x2.{conversion}" in text
