@@ -6,10 +6,12 @@ For each batch x context: B sequences with `context` tokens already in a paged K
   sync ms    ModelRunner.execute end to end (host inputs, dispatch, device, token fetch),
   wall ms    per step of the engine's asynchronous loop: dispatch step n + 1, then read
              step n back (what serving runs; the on-device token feed is not exercised),
-  floor ms   bytes_step / 4.3 TB/s with bytes_step = weights (less embedding) + KV read,
+  floor ms   bytes_step / 4.3 TB/s with bytes_step = weights (less embedding) + KV read
+             (at the KV cache dtype's bytes: an fp8 cache reads half of bf16's),
   MBU        floor / device,   host gap = wall - device.
 
     python benchmarks/decode_roofline.py                 # Llama-3-8B shape, dummy bf16 weights
+    python benchmarks/decode_roofline.py --kv-cache-dtype fp8   # the same over an fp8 KV cache
     python benchmarks/decode_roofline.py --smoke         # tiny CPU run (CI smoke test)
     python benchmarks/decode_roofline.py --quantization fp8 [--kv-cache-dtype fp8]
 
@@ -24,18 +26,18 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # before JAX starts
 
 import argparse
-import dataclasses
 import json
 import statistics
 import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig, builtin_config_dir
 from jaxserve.engine.request import Request, Sequence
-from jaxserve.engine_config import QUANTIZATIONS, EngineConfig
+from jaxserve.engine_config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from jaxserve.models.quant_scheme import weight_bytes as quantized_weight_bytes
 from jaxserve.runner.runner import ModelRunner
 from jaxserve.runner.step import ScheduledSeq, SchedulerOutput
@@ -86,10 +88,11 @@ def fill_cache_randomly(runner: ModelRunner, seed: int) -> None:
         k_pages.delete()
         v_pages.delete()
         key, a, b = jax.random.split(key, 3)
+        # bf16 normals, cast to the cache dtype (an fp8 cache: the values at scale 1.0).
         runner.kv_cache[layer] = jax.block_until_ready(
             (
-                jax.device_put(jax.random.normal(a, shape, dtype), sharding),
-                jax.device_put(jax.random.normal(b, shape, dtype), sharding),
+                jax.device_put(jax.random.normal(a, shape, jnp.bfloat16).astype(dtype), sharding),
+                jax.device_put(jax.random.normal(b, shape, jnp.bfloat16).astype(dtype), sharding),
             )
         )
 
@@ -149,11 +152,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
-    parser.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        help="passed to the engine when not auto (needs a build with the fp8 KV cache)",
-    )
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--smoke", action="store_true", help="tiny model and grid, on the CPU")
     parser.add_argument("--output-json", default=None)
     parser.add_argument(
@@ -171,20 +170,17 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     model_config = ModelConfig.from_hf_dir(args.model)
     max_len = max(contexts) + 16
-    # KV for the largest batch x context that fits next to the weights (B=256 x 4096 does not).
-    fits = [b * (c + 16) for b in batches for c in contexts if b * (c + 16) <= 600_000]
+    # KV for the largest batch x context that fits next to the weights (B=256 x 4096 does not
+    # in bf16; an fp8 cache holds twice the tokens).
+    max_tokens = 600_000 * (1 if args.kv_cache_dtype == "auto" else 2)
+    fits = [b * (c + 16) for b in batches for c in contexts if b * (c + 16) <= max_tokens]
     num_blocks = 512 if args.smoke else max(fits) // 16 + 64
-    kv: dict[str, str] = {}
-    if args.kv_cache_dtype != "auto":
-        if "kv_cache_dtype" not in {f.name for f in dataclasses.fields(EngineConfig)}:
-            parser.error("--kv-cache-dtype: this build has no EngineConfig.kv_cache_dtype")
-        kv["kv_cache_dtype"] = args.kv_cache_dtype
     config = EngineConfig(
         model=args.model,
         load_format="dummy",
         dtype=args.dtype,
         quantization=args.quantization,
-        **kv,  # type: ignore[arg-type]
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=max_len,
         max_num_seqs=max(batches),
         max_num_batched_tokens=max(16, max(batches)),
@@ -202,7 +198,7 @@ def main() -> None:
     per_token = runner.capacity.kv_bytes_per_token  # all layers, K and V, in the cache's dtype
     print(
         f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
-        f"weights {weight_bytes / 1e9:.2f} GB, KV {per_token} B/token, "
+        f"weights {weight_bytes / 1e9:.2f} GB, KV {runner.kv_dtype} {per_token} B/token, "
         f"{runner.num_blocks * runner.block_size:,} KV tokens"
     )
     rng = np.random.default_rng(0)
@@ -263,9 +259,10 @@ def main() -> None:
             "jax": jax.__version__,
             "dtype": str(runner.dtype),
             "quantization": runner.quant.describe() if runner.quant is not None else None,
-            "kv_cache_dtype": args.kv_cache_dtype,
             "weight_bytes": weight_bytes,
             "kv_bytes_per_token": per_token,
+            "kv_cache_dtype": str(runner.kv_dtype),
+            "kv_tokens": runner.num_blocks * runner.block_size,
             "model": args.model,
         }
         Path(args.output_json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

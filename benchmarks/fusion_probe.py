@@ -14,7 +14,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-H, Q, KV, I = 4096, 4096, 1024, 14336
+H, Q, KV, INTER = 4096, 4096, 1024, 14336
 LAYERS = int(os.environ.get("PROBE_LAYERS", 32))
 
 
@@ -44,7 +44,7 @@ def main() -> None:
         ]
 
     wq, wk, wv, wqkv = w(H, Q), w(H, KV), w(H, KV), w(H, Q + 2 * KV)
-    wg, wu, wgu = w(H, I), w(H, I), w(H, 2 * I)
+    wg, wu, wgu = w(H, INTER), w(H, INTER), w(H, 2 * INTER)
 
     @jax.jit
     def qkv_separate(x, wq, wk, wv):
@@ -74,7 +74,7 @@ def main() -> None:
         out = x
         for i in range(LAYERS):
             gu = x @ wgu[i]
-            out = out + (jax.nn.silu(gu[:, :I]) * gu[:, I:])[:, :H]
+            out = out + (jax.nn.silu(gu[:, :INTER]) * gu[:, INTER:])[:, :H]
         return out
 
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")

@@ -18,6 +18,10 @@
 #                agreement with bf16 on the dummy weights; about 20 minutes: quant:2400
 #                ($QUANT_THROUGHPUT_ARGS adds throughput flags, e.g. "--num-prompts 1000
 #                --input-len 1000 --output-len 1000" for TensorRT-LLM's published shape)
+#   kvfp8        bf16 KV cache against fp8 (e4m3) KV cache: the fp8 kernel tests natively, the
+#                decode MBU grid ($KV_BATCHES x $KV_CONTEXTS) and offline throughput (256 x
+#                512/256) for each, their capacity lines, teacher-forced greedy agreement of
+#                fp8 with bf16 (benchmarks/greedy_agreement.py), one table -> $OUT/kv_fp8.md
 #   hostile      the seven findings of hostile input at full scale against a served Llama-3-8B
 #                (benchmarks/hostile_full.py): neighbour latency, memory maps, compiles
 #   reliability  the reliability suite: load scenarios at full scale (JAXSERVE_RELIABILITY_SCALE=full),
@@ -193,6 +197,25 @@ for m in modes:
     ratio = r["output_tokens_per_s"] / bf16["output_tokens_per_s"] if bf16 else float("nan")
     print(f"  {m}: {r['output_tokens_per_s']:.1f} output tokens/s ({ratio:.2f}x bf16)")
 PY
+stage_kvfp8() {  # the fp8 KV cache against bf16, Llama-3-8B shape, dummy bf16 weights
+  python3 -m pytest -q -m gpu tests/test_kernel_gpu.py -k fp8 2>&1 | tail -3
+  for kv in auto fp8; do
+    python3 benchmarks/decode_roofline.py --iters 10 --kv-cache-dtype $kv \
+      --batches "${KV_BATCHES:-1,8,32,64,128,256}" --contexts "${KV_CONTEXTS:-1024,4096}" \
+      --output-json "$OUT/roofline_kv_$kv.json" > "$OUT/roofline_kv_$kv.log" 2>&1
+    grep -E "^device|Error" "$OUT/roofline_kv_$kv.log" | head -3
+    python3 -m jaxserve.bench.throughput --engine jaxserve --max-model-len 4096 \
+      --kv-cache-dtype $kv --output-json "$OUT/throughput_kv_$kv.json" \
+      > "$OUT/throughput_kv_$kv.log" 2>&1
+    grep -E "KV cache dtype|KV cache size|Maximum concurrency|Error" "$OUT/throughput_kv_$kv.log" |
+      head -4
+  done
+  # Dummy weights: near-uniform logits, so few steps clear the margins (the count is printed).
+  python3 benchmarks/greedy_agreement.py --kv-cache-dtype auto --save "$OUT/greedy_ref.npz" \
+    > "$OUT/greedy_ref.log" 2>&1
+  python3 benchmarks/greedy_agreement.py --kv-cache-dtype fp8 --reference "$OUT/greedy_ref.npz" \
+    --output-json "$OUT/greedy_kv_fp8.json" > "$OUT/greedy_kv_fp8.log" 2>&1
+  python3 benchmarks/kv_cache_dtype_compare.py --dir "$OUT" | tee "$OUT/kv_fp8.md"
 }
 
 stage_reliability() {  # carry .whl/rel too: openai, schemathesis and their dependencies

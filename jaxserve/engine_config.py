@@ -18,6 +18,11 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # --quantization: fp8 / int8 quantize bf16 weights on load; the others name a pre-quantized
 # checkpoint's method (which is detected from its config.json without the flag).
 QUANTIZATIONS = ("fp8", "int8", "compressed-tensors", "awq", "gptq")
+# --kv-cache-dtype, in vLLM's spelling: auto stores the weight dtype; fp8 is fp8_e4m3, as in
+# vLLM on CUDA.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# Bytes per element of what a cache stores (the names kv_cache_dtype_name returns).
+KV_DTYPE_BYTES = {"fp8_e4m3": 1, "fp8_e5m2": 1, "bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def weight_dtype(dtype: str, on_cpu: bool) -> str:
@@ -27,6 +32,18 @@ def weight_dtype(dtype: str, on_cpu: bool) -> str:
     if dtype != "auto":
         return dtype
     return "float32" if on_cpu else "bfloat16"
+
+
+def kv_cache_dtype_name(kv_cache_dtype: str, weight_dtype: str) -> str:
+    """What the KV cache stores: ``auto`` the weights' dtype (as ``weight_dtype`` resolves it),
+    ``fp8`` ``fp8_e4m3``; ``launch`` and ``capacity`` both ask this."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} must be one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+    if kv_cache_dtype == "auto":
+        return weight_dtype
+    return "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
 
 
 def default_model_dir() -> Path:
@@ -41,6 +58,7 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model directory
     chat_template: str | None = None  # a Jinja file, or the template itself; None: the model's
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES; fp8 halves the cache's bytes per token
     load_format: str = "auto"
     quantization: str | None = None  # one of QUANTIZATIONS; None: the checkpoint's, if any
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -67,6 +85,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} must be one of {LOAD_FORMATS}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

@@ -3,10 +3,12 @@
 ``ragged_paged_attention`` has the reference's signature and picks, at trace time, by
 ``jax.default_backend()``:
   gpu -> the Mosaic GPU kernel (``pallas_kernels.gpu``) on Hopper or newer, for the shapes and
-         dtypes it takes (bf16, head_dim 64/128, GQA ratio 1-8, power-of-two page size >= 8);
+         dtypes it takes (bf16 queries over a bf16 or fp8 cache, head_dim 64/128, GQA ratio 1-8,
+         power-of-two page size >= 8);
   tpu -> ``pallas_kernels.tpu.ragged_paged_attention``, imported lazily;
   anything else, or a case the chosen kernel does not take -> the pure-jnp reference.
-``sliding_window`` and ``soft_cap`` are handled inside the GPU kernel. ``choose_kernel`` says
+``sliding_window`` and ``soft_cap`` are handled inside the GPU kernel; an fp8 cache's per-tensor
+``k_scale`` / ``v_scale`` (``reference.quantize_kv``) by every path. ``choose_kernel`` says
 which path a model's shapes take, and why a fallback was taken, for the start-up log.
 """
 
@@ -19,8 +21,15 @@ from typing import Any
 
 import jax
 
+from pallas_kernels.reference import (
+    FP8_DTYPES,
+    Scale,
+    dequantize_kv,
+    is_quantized,
+    quantize_kv,
+    write_kv,
+)
 from pallas_kernels.reference import ragged_paged_attention as reference_attention
-from pallas_kernels.reference import write_kv
 
 
 def _compute_capability() -> str:
@@ -91,30 +100,36 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: Scale = None,
+    v_scale: Scale = None,
 ) -> jax.Array:  # [T, Hq, D], q's dtype
     """Ragged paged attention on the best kernel for the current backend."""
     args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    options: dict[str, Any] = dict(
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
+    )
+    if k_scale is not None or v_scale is not None:  # a bf16 cache calls every path as before
+        options.update(k_scale=k_scale, v_scale=v_scale)
     kernel, _ = choose_kernel(q, k_pages, sliding_window, soft_cap)
     if kernel == "gpu":
         from pallas_kernels import gpu
 
-        return gpu.ragged_paged_attention(
-            *args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
-        )
+        return gpu.ragged_paged_attention(*args, **options)
     if kernel == "tpu":
         tpu_kernel = _tpu_kernel()
         assert tpu_kernel is not None  # choose_kernel checked
-        return tpu_kernel(
-            *args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
-        )
-    return reference_attention(
-        *args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
-    )
+        return tpu_kernel(*args, **options)
+    return reference_attention(*args, **options)
 
 
 __all__ = [
+    "FP8_DTYPES",
     "KERNEL_NAMES",
+    "Scale",
     "choose_kernel",
+    "dequantize_kv",
+    "is_quantized",
+    "quantize_kv",
     "ragged_paged_attention",
     "reference_attention",
     "write_kv",

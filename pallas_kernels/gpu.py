@@ -14,6 +14,13 @@ are gathered per step from the page table; a page index past the sequence is rep
 out-of-range one, which TMA fills with zeros without touching memory. Rows past the end of the
 query batch (padding) form one extra group of tiles with no KV, so they come back as zeros.
 
+An fp8 cache (``float8_e4m3fn`` / ``float8_e5m2`` pages, per-tensor ``k_scale`` / ``v_scale``)
+lands in shared memory as it is stored (half the bytes of bf16); each step converts the K and V
+tiles to bf16 through registers (exact: every fp8 value is a bf16 value) into one tiled buffer
+each, which the wgmmas read. The scales are applied to the float32 results, ``k_scale`` with the
+softmax scale and ``v_scale`` with the 1 / row-sum: ``q . (k * s) = (q . k) * s``, so this is
+the reference's ``page * scale`` before the dots without rounding ``page * scale`` to bf16.
+
 When there are too few (tile, head) programs to fill the GPU (small decode batches) the KV range
 of each tile is split ``num_splits`` ways; each split writes its normalised partial output and
 its log-sum-exp (both token-indexed), and ``_merge_splits`` combines them in one XLA fusion.
@@ -30,6 +37,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.reference import FP8_DTYPES
 
 ROWS = 64  # query rows per program: one wgmma M tile
 LOG2E = math.log2(math.e)
@@ -73,8 +82,11 @@ def unsupported_reason(
         _, num_kv_heads, page_size, _ = k_pages.shape
     else:
         _, page_size, num_kv_heads, _ = k_pages.shape
-    if q.dtype != jnp.bfloat16 or k_pages.dtype != jnp.bfloat16:
-        return f"dtypes {q.dtype}/{k_pages.dtype}: the kernel takes bfloat16"
+    if q.dtype != jnp.bfloat16 or k_pages.dtype not in (jnp.bfloat16, *FP8_DTYPES):
+        return (
+            f"dtypes {q.dtype}/{k_pages.dtype}: the kernel takes bfloat16 queries over a "
+            "bfloat16 or fp8 (e4m3, e5m2) cache"
+        )
     if head_dim not in (64, 128):
         return f"{head_dim=}: the kernel takes 64 or 128"
     if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= 8:
@@ -141,6 +153,7 @@ def _attention_kernel(
     q_ref,  # [T, Hq, D]
     k_ref,  # [P, page_size, Hkv, D] or [P, Hkv, page_size, D]
     v_ref,
+    scales_ref,  # f32[2] (GMEM): k_scale, v_scale
     o_ref,  # [T, Hq, D] (q dtype) or f32[num_splits, T, Hq, D]
     lse_ref,  # f32[num_splits, T, Hq, LSE_COLS] or None
     q_smem,  # [ROWS, D] tiled for wgmma
@@ -150,8 +163,11 @@ def _attention_kernel(
     q_bar,
     k_bar,  # [num_stages]
     v_bar,
+    k_deq,  # [block_kv, D] q dtype, tiled: the fp8 K tile converted; None for a bf16 cache
+    v_deq,
     *,
     cfg: KernelConfig,
+    is_scaled: bool,
     num_splits: int,
     group: int,
     block_q: int,
@@ -174,6 +190,8 @@ def _attention_kernel(
     rows_per_copy = min(page_size, block_kv)
     copies = block_kv // rows_per_copy
 
+    k_scale = scales_ref[0] if is_scaled else 1.0
+    v_scale = scales_ref[1] if is_scaled else 1.0
     seq = plan_ref[0, tile]
     t0 = plan_ref[1, tile]
     size = plan_ref[2, tile]
@@ -260,16 +278,21 @@ def _attention_kernel(
             next_block = block_of(i + stages)
             next_pages = lookup_pages(next_block)
             plgpu.barrier_wait(k_bar.at[slot])
+            k_tile = k_smem.at[slot]
+            if k_deq is not None:  # fp8 -> bf16 through registers, for the wgmma
+                k_deq[...] = k_smem[slot].astype(jnp.float32).astype(k_deq.dtype)
+                plgpu.commit_smem()
+                k_tile = k_deq
 
             def qk_scope(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
                 return acc_ref[...]
 
             s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, block_kv), jnp.float32))
             if soft_cap is not None:
-                s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2E)
+                s = jnp.tanh(s * (k_scale * (sm_scale / soft_cap))) * (soft_cap * LOG2E)
             else:
-                s = s * (sm_scale * LOG2E)
+                s = s * (k_scale * (sm_scale * LOG2E))
             if masked:
                 kv_pos = block * block_kv + col_ids
                 mask = (kv_pos <= row_pos) & (kv_pos < kv_len)
@@ -281,11 +304,18 @@ def _attention_kernel(
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l_i = l_i * alpha + p.sum(axis=1)
             p_smem[...] = p.astype(p_smem.dtype)
-            plgpu.commit_smem()
-            plgpu.barrier_wait(v_bar.at[slot])
+            v_tile = v_smem.at[slot]
+            if v_deq is None:
+                plgpu.commit_smem()
+                plgpu.barrier_wait(v_bar.at[slot])
+            else:
+                plgpu.barrier_wait(v_bar.at[slot])
+                v_deq[...] = v_smem[slot].astype(jnp.float32).astype(v_deq.dtype)
+                plgpu.commit_smem()  # P and the converted V
+                v_tile = v_deq
 
             def pv_scope(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                plgpu.wgmma(acc_ref, p_smem, v_tile)
                 return acc_ref[...]
 
             pv = pl.run_scoped(pv_scope, plgpu.ACC((ROWS, head_dim), jnp.float32))
@@ -305,7 +335,7 @@ def _attention_kernel(
         acc, m_i, l_i = lax.fori_loop(num_masked, num_steps, open_step, carry)
 
         is_empty = l_i == 0.0
-        inv_l = 1.0 / jnp.where(is_empty, 1.0, l_i)
+        inv_l = v_scale / jnp.where(is_empty, 1.0, l_i)
         o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_smem.dtype)
         if lse_smem is not None:
             lse = jnp.where(is_empty, MASK_VALUE, m_i + jnp.log2(l_i))
@@ -367,6 +397,8 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: jax.Array | float | None = None,  # f32[]: the fp8 cache holds k / k_scale
+    v_scale: jax.Array | float | None = None,
     config: KernelConfig = KernelConfig(),
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> jax.Array:  # [T, Hq, D], q's dtype
@@ -409,7 +441,16 @@ def ragged_paged_attention(
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # type: ignore[abstract]
     stages = config.num_stages
     o_dtype = jnp.float32 if is_split else q.dtype
-    kv_stage = plgpu.SMEM((stages, block_kv, head_dim), k_pages.dtype, transforms=tiled)
+    is_fp8 = k_pages.dtype in FP8_DTYPES
+    is_scaled = k_scale is not None or v_scale is not None
+    scales = jnp.stack(
+        [jnp.asarray(1.0 if x is None else x, jnp.float32).reshape(()) for x in (k_scale, v_scale)]
+    )  # f32[2]
+    # fp8 stages land untiled: only the conversion to bf16 reads them, the wgmmas do not.
+    kv_stage = plgpu.SMEM(
+        (stages, block_kv, head_dim), k_pages.dtype, transforms=() if is_fp8 else tiled
+    )
+    kv_deq = plgpu.SMEM((block_kv, head_dim), q.dtype, transforms=tiled) if is_fp8 else None
     scratch = [
         plgpu.SMEM((ROWS, head_dim), q.dtype, transforms=tiled),
         plgpu.RefUnion((kv_stage, kv_stage), plgpu.SMEM((ROWS, head_dim), o_dtype)),
@@ -421,6 +462,8 @@ def ragged_paged_attention(
         plgpu.Barrier(num_arrivals=group),
         plgpu.Barrier(num_arrivals=block_kv // min(page_size, block_kv), num_barriers=stages),
         plgpu.Barrier(num_arrivals=block_kv // min(page_size, block_kv), num_barriers=stages),
+        kv_deq,
+        kv_deq,
     ]
     out_type: tuple[jax.ShapeDtypeStruct, ...]  # (o, lse) when split, else (o,)
     if is_split:
@@ -433,6 +476,7 @@ def ragged_paged_attention(
     body = functools.partial(
         _attention_kernel,
         cfg=config,
+        is_scaled=is_scaled,
         num_splits=num_splits,
         group=group,
         block_q=block_q,
@@ -453,7 +497,7 @@ def ragged_paged_attention(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         kernel_name="ragged_paged_attention",
         interpret=plgpu.InterpretGPUParams() if interpret is True else interpret,
-    )(plan, page_indices.astype(jnp.int32), q, k_pages, v_pages)
+    )(plan, page_indices.astype(jnp.int32), q, k_pages, v_pages, scales)
     if not is_split:
         return outs[0]
     return _merge_splits(outs[0], outs[1], cu_q_lens, num_seqs, out_dtype=q.dtype)
@@ -462,7 +506,7 @@ def ragged_paged_attention(
 def _with_no_lse(body):
     """Adapt the kernel body to the single-output launch (no lse output, no lse scratch)."""
 
-    def wrapped(plan, pages, q, k, v, o, *scratch):
-        return body(plan, pages, q, k, v, o, None, *scratch)
+    def wrapped(plan, pages, q, k, v, scales, o, *scratch):
+        return body(plan, pages, q, k, v, scales, o, None, *scratch)
 
     return wrapped

@@ -13,6 +13,9 @@ slots while the other slot is being used (double buffering, also across sequence
 Each KV block updates an online softmax (max, sum, accumulator, all float32) for the rows of
 the current sequence only. KV blocks that lie wholly outside the causal range or the sliding
 window of a sequence's rows are never fetched, and pages past a sequence's range are skipped.
+An fp8 cache is fetched as stored and cast to the queries' dtype in VMEM before the dots; its
+per-tensor scales (f32, in SMEM) multiply the float32 scores (``k_scale``) and the normalised
+output (``v_scale``), which is the reference's ``page * scale`` before the dots.
 
 What the tests run and what they do not: ``tests/test_kernel_tpu.py`` runs this kernel under
 ``pltpu.force_tpu_interpret_mode()`` on the CPU, which simulates HBM, VMEM, DMAs and DMA
@@ -78,6 +81,7 @@ def _attention_kernel(
     q_ref,  # [Hkv, R, D] VMEM, R = tokens_per_block * G
     k_hbm_ref,  # [P, page_size, Hkv, D] HBM
     v_hbm_ref,  # [P, page_size, Hkv, D] HBM
+    scales_ref,  # f32[2] SMEM: k_scale, v_scale
     # Output.
     o_ref,  # [Hkv, R, D] VMEM
     # Scratch.
@@ -102,6 +106,7 @@ def _attention_kernel(
     q_block = pl.program_id(0)
     block_start = q_block * (num_rows // group)  # first token row of this block
     block_end = block_start + num_rows // group
+    qk_scale = sm_scale * scales_ref[0]
     seq_lo = seq_lo_ref[q_block]
     seq_hi = seq_hi_ref[q_block]
 
@@ -168,12 +173,13 @@ def _attention_kernel(
         for h in range(num_kv_heads):
             k = k_buf[slot, :, :, h, :].reshape(kv_per_block, head_dim)  # [kv_per_block, D]
             v = v_buf[slot, :, :, h, :].reshape(kv_per_block, head_dim)  # [kv_per_block, D]
-            v = jnp.where(is_v_valid, v, jnp.zeros_like(v))
             q = q_ref[h]  # [R, D]
+            v = v.astype(q.dtype)  # an fp8 cache: dequantized (the scale comes at the end)
+            v = jnp.where(is_v_valid, v, jnp.zeros_like(v))
             scores = lax.dot_general(
                 q, k.astype(q.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
             )  # f32[R, kv_per_block]
-            scores = scores * sm_scale
+            scores = scores * qk_scale
             if soft_cap is not None:
                 scores = soft_cap * jnp.tanh(scores / soft_cap)
             scores = jnp.where(mask, scores, DEFAULT_MASK_VALUE)
@@ -223,7 +229,7 @@ def _attention_kernel(
     for h in range(num_kv_heads):
         row_sum = l_ref[h][:, :1]  # f32[R, 1]; 0 for rows that saw no key (padding)
         row_sum = jnp.where(row_sum == 0.0, 1.0, row_sum)
-        o_ref[h] = (acc_ref[h] / row_sum).astype(o_ref.dtype)
+        o_ref[h] = (acc_ref[h] * (scales_ref[1] / row_sum)).astype(o_ref.dtype)
 
 
 @functools.partial(
@@ -248,6 +254,8 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: jax.Array | float | None = None,  # f32[]: an fp8 cache holds k / k_scale
+    v_scale: jax.Array | float | None = None,
     num_q_tokens_per_block: int = 32,
     num_kv_pages_per_block: int = 8,
 ) -> jax.Array:  # [T, Hq, D], q's dtype
@@ -293,6 +301,9 @@ def ragged_paged_attention(
     )
     seq_hi = jnp.maximum(seq_hi, seq_lo)  # i32[num_q_blocks]
 
+    scales = jnp.stack(
+        [jnp.asarray(1.0 if x is None else x, jnp.float32).reshape(()) for x in (k_scale, v_scale)]
+    )  # f32[2]
     kernel = functools.partial(
         _attention_kernel,
         sm_scale=sm_scale,
@@ -313,6 +324,7 @@ def ragged_paged_attention(
                 q_spec,
                 pl.BlockSpec(memory_space=pl.ANY),
                 pl.BlockSpec(memory_space=pl.ANY),
+                pl.BlockSpec(memory_space=pltpu.SMEM),
             ],
             out_specs=q_spec,
             scratch_shapes=[
@@ -336,6 +348,7 @@ def ragged_paged_attention(
         q_heads,
         k_pages,
         v_pages,
+        scales,
     )  # [Hkv, padded_tokens * G, D]
     out = out.reshape(num_kv_heads, padded_tokens, group, head_dim).transpose(1, 0, 2, 3)
     return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)

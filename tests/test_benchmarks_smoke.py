@@ -120,3 +120,45 @@ def test_quant_agreement_smoke(tmp_path, monkeypatch) -> None:
     assert result["meta"]["positions"] == 32
     assert 0 < result["int8"]["max_error_over_max_logit"] < 0.08
     assert result["int8"]["agreement_margin_above_0.5"] == 1.0
+
+
+def test_decode_roofline_over_an_fp8_cache_and_the_comparison(tmp_path, monkeypatch, capsys):
+    fp8 = tmp_path / "roofline_kv_fp8.json"
+    args = ["--smoke", "--kv-cache-dtype", "fp8", "--output-json", str(fp8)]
+    run_script("benchmarks/decode_roofline.py", args, monkeypatch)
+    result = json.loads(fp8.read_text())
+    assert result["meta"]["kv_cache_dtype"] == "float8_e4m3fn"
+    assert result["meta"]["kv_bytes_per_token"] == 2 * 2 * 2 * 16  # K, V x layers x heads x dim
+    # A bf16 run twice as slow per cell: the table says 2.00x.
+    slow = {"meta": {**result["meta"], "kv_cache_dtype": "bfloat16"}, "rows": []}
+    slow["rows"] = [{**r, "device_ms": 2 * r["device_ms"]} for r in result["rows"]]
+    (tmp_path / "roofline_kv_auto.json").write_text(json.dumps(slow))
+    for kv, tok_s, tokens in (("auto", 100.0, 1000), ("fp8", 150.0, 2000)):
+        run = {"jaxserve": {"output_tokens_per_s": tok_s, "kv_cache_tokens": tokens}}
+        (tmp_path / f"throughput_kv_{kv}.json").write_text(json.dumps(run))
+    greedy = {"positions": 100, "logprob_error_mean": 0.05, "logprob_error_max": 0.3,
+              "steps_margin_0.1": 40, "agreement_margin_0.1": 0.975,
+              "steps_margin_0.25": 0, "agreement_margin_0.25": None}  # fmt: skip
+    (tmp_path / "greedy_kv_fp8.json").write_text(json.dumps(greedy))
+    capsys.readouterr()
+    run_script("benchmarks/kv_cache_dtype_compare.py", ["--dir", str(tmp_path)], monkeypatch)
+    table = capsys.readouterr().out
+    assert "| 1 | 32 |" in table and "| 2.00x |" in table
+    assert "fp8 / bf16: 1.50x tokens/s, 2.00x KV tokens" in table
+    assert "97.5% of the 40 with a margin >= 0.1, - of the 0 with a margin >= 0.25" in table
+
+
+def test_greedy_agreement_smoke(tmp_path, monkeypatch, capsys) -> None:
+    ref, out = tmp_path / "ref.npz", tmp_path / "fp8.json"
+    runs = (
+        ["--kv-cache-dtype", "auto", "--save", str(ref)],
+        ["--kv-cache-dtype", "fp8", "--reference", str(ref), "--output-json", str(out)],
+    )
+    for args in runs:
+        with pytest.raises(SystemExit) as done:
+            run_script("benchmarks/greedy_agreement.py", ["--smoke", *args], monkeypatch)
+        assert done.value.code == 0
+    result = json.loads(out.read_text())
+    assert result["positions"] == 2 * (20 + 8 - 1)
+    assert 0.0 < result["logprob_error_mean"] < 0.2
+    assert result["steps_margin_0.1"] > 0 and result["agreement_margin_0.1"] >= 0.8

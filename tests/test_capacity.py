@@ -66,7 +66,8 @@ def test_tensor_parallel_and_fp8_scale_the_cache(capsys) -> None:
     assert fp8["num_blocks"] == pytest.approx(2 * base["num_blocks"], abs=1)
 
 
-def test_capacity_matches_the_engine_on_cpu(capsys) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e5m2"])
+def test_capacity_matches_the_engine_on_cpu(capsys, kv_cache_dtype) -> None:
     memory = 96 * 1024**2
     llm = jaxserve.LLM(
         str(fixture_dir("llama")),
@@ -74,6 +75,7 @@ def test_capacity_matches_the_engine_on_cpu(capsys) -> None:
         max_num_seqs=4,
         max_num_batched_tokens=32,
         dtype="float32",
+        kv_cache_dtype=kv_cache_dtype,
         device_memory_bytes=memory,
         warmup=False,
     )
@@ -90,9 +92,19 @@ def test_capacity_matches_the_engine_on_cpu(capsys) -> None:
         "4",
         "--max-num-batched-tokens",
         "32",
+        "--kv-cache-dtype",
+        kv_cache_dtype,
     )
-    assert out["num_blocks"] == llm.engine.runner.num_blocks
-    assert f"KV cache size: {out['kv_cache_tokens']:,} tokens" in llm.engine.capacity_lines()
+    runner = llm.engine.runner
+    assert out["num_blocks"] == runner.num_blocks
+    assert out["kv_cache_dtype"] == {"auto": "float32", "fp8": "fp8_e4m3"}.get(
+        kv_cache_dtype, kv_cache_dtype
+    )
+    size_line = f"KV cache size: {out['kv_cache_tokens']:,} tokens"
+    assert any(line.startswith(size_line) for line in llm.engine.capacity_lines())
+    # What is allocated is what was planned: blocks x block size x bytes per token.
+    cache_bytes = sum(x.nbytes for layer in runner.kv_cache for x in layer)
+    assert cache_bytes == out["num_blocks"] * out["block_size"] * out["kv_bytes_per_token"]
 
 
 def test_too_long_context_is_a_clear_error(capsys) -> None:
@@ -158,13 +170,15 @@ def test_capacity_uses_the_dtype_launch_would(capsys) -> None:
     assert capacity(capsys, "--dtype", "bfloat16")["dtype"] == "bfloat16"
 
 
-def test_capacity_agrees_with_launch_log_lines(tmp_path, capsys) -> None:
+@pytest.mark.parametrize("kv_flags", [[], ["--kv-cache-dtype", "fp8"]], ids=["auto", "fp8"])
+def test_capacity_agrees_with_launch_log_lines(tmp_path, capsys, kv_flags) -> None:
     """The demo model with default flags on this CPU: the lines `jaxserve capacity` prints
     are the lines `jaxserve launch` logs (same dtype, memory and defaults)."""
     port = free_port()
     log_path = tmp_path / "launch.log"
     command = [sys.executable, "-m", "jaxserve.cli", "launch", "--host", "127.0.0.1",
-               "--port", str(port), "--compilation-cache-dir", str(tmp_path / "xla")]  # fmt: skip
+               "--port", str(port), "--compilation-cache-dir", str(tmp_path / "xla"),
+               *kv_flags]  # fmt: skip
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:  # the capacity lines come before compiling: no need to wait for more
@@ -179,7 +193,7 @@ def test_capacity_agrees_with_launch_log_lines(tmp_path, capsys) -> None:
     launch_log = log_path.read_text()
     parser = argparse.ArgumentParser()
     add_capacity_arguments(parser)
-    assert run_capacity(parser.parse_args([])) == 0
+    assert run_capacity(parser.parse_args(kv_flags)) == 0
     lines = capsys.readouterr().out.splitlines()
     planned = [
         line for line in lines if line.startswith(("Model weights", "Available", "KV", "Max"))
@@ -187,3 +201,5 @@ def test_capacity_agrees_with_launch_log_lines(tmp_path, capsys) -> None:
     assert len(planned) == 4
     for line in planned:
         assert line in launch_log, (line, launch_log)
+    kv_dtype = "fp8_e4m3" if kv_flags else "float32"
+    assert f"tokens (KV cache dtype {kv_dtype})" in planned[2]

@@ -8,6 +8,7 @@ each run. Every case draws fresh random inputs and a shuffled page table.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,10 +35,14 @@ class Case:
     sliding_window: int | None = None
     soft_cap: float | None = None
     head_major_kv: bool = False
+    kv_dtype: Any = None  # an fp8 cache: k / k_scale and v / v_scale stored in this dtype
+    k_scale: float = 0.02  # |k| < ~6: within e4m3's 448 after the scale
+    v_scale: float = 0.03
 
 
 def make_inputs(rng: np.random.Generator, case: Case):
-    """Random bf16 q/k/v and a shuffled page table; unused table entries point at live pages."""
+    """Random bf16 q/k/v (the cache quantized to ``case.kv_dtype`` when set) and a shuffled
+    page table; unused table entries point at live pages."""
     page = case.page_size
     num_live = len(case.q_lens)
     num_slots = num_live + case.num_dead_slots
@@ -61,10 +66,14 @@ def make_inputs(rng: np.random.Generator, case: Case):
     q = rng.standard_normal((num_tokens, case.num_q_heads, case.head_dim))  # [T, Hq, D]
     k = rng.standard_normal(kv_shape)  # [P, page_size, Hkv, D]
     v = rng.standard_normal(kv_shape)
+    k, v = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
+    if case.kv_dtype is not None:
+        k = reference.quantize_kv(k, case.kv_dtype, case.k_scale)
+        v = reference.quantize_kv(v, case.kv_dtype, case.v_scale)
     return (
         jnp.asarray(q, jnp.bfloat16),
-        jnp.asarray(k, jnp.bfloat16),
-        jnp.asarray(v, jnp.bfloat16),
+        k,
+        v,
         jnp.asarray(kv_lens),
         jnp.asarray(page_indices),
         jnp.asarray(cu_q_lens),
@@ -73,10 +82,12 @@ def make_inputs(rng: np.random.Generator, case: Case):
 
 
 def attention_kwargs(case: Case) -> dict:
+    scales = {} if case.kv_dtype is None else dict(k_scale=case.k_scale, v_scale=case.v_scale)
     return dict(
         sm_scale=case.head_dim**-0.5,
         sliding_window=case.sliding_window,
         soft_cap=case.soft_cap,
+        **scales,
     )
 
 
@@ -119,6 +130,11 @@ CPU_CASES = [
     Case("page128_g2", (1, 2), (200, 129), 4, 2, 64, page_size=128),
     Case("window_softcap", (20, 1), (90, 75), 4, 2, 64, sliding_window=24, soft_cap=30.0,
          num_splits=2),
+    # fp8 caches: converted to bf16 in shared memory, scales on the f32 scores and output.
+    Case("fp8_e4m3_mixed", (1, 17, 1, 5), (1, 40, 16, 21), 4, 1, 128, num_pad_tokens=3,
+         kv_dtype=jnp.float8_e4m3fn),
+    Case("fp8_e5m2_split_window", (9, 1), (70, 100), 8, 2, 64, num_splits=2, sliding_window=40,
+         soft_cap=30.0, kv_dtype=jnp.float8_e5m2, k_scale=0.5, v_scale=2.0),
 ]  # fmt: skip
 
 
@@ -189,6 +205,10 @@ def _gpu_cases() -> list[Case]:
         Case("window_softcap_llama", (200, 1, 1), (1200, 700, 33), 32, 8, 128,
              sliding_window=128, soft_cap=50.0),
         Case("head_major_kv", (1, 30, 1), (900, 60, 17), 32, 8, 128, head_major_kv=True),
+        Case("fp8_llama_decode_ragged", (1,) * 24, ragged, 32, 8, 128, num_pad_tokens=5,
+             kv_dtype=jnp.float8_e4m3fn),
+        Case("fp8_llama_mixed_split3", (300, 1, 1, 77, 1), (300, 2049, 17, 500, 64), 32, 8, 128,
+             num_splits=3, kv_dtype=jnp.float8_e4m3fn),
     ]  # fmt: skip
 
 
@@ -223,3 +243,27 @@ def test_entry_point_on_hopper_runs_the_kernel():
     assert "kernel_name='ragged_paged_attention'" in str(jaxpr)  # the Mosaic GPU kernel ran
     out = pallas_kernels.ragged_paged_attention(*args, **attention_kwargs(case))
     assert_matches(case, out, reference.ragged_paged_attention(*args, **attention_kwargs(case)))
+
+
+def test_kernel_takes_bf16_queries_over_bf16_or_fp8_caches():
+    q = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
+    for dtype in (jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2):
+        k_pages = jax.ShapeDtypeStruct((4, 16, 2, 128), dtype)
+        assert gpu.unsupported_reason(q, k_pages, None, None) is None
+    q8 = jax.ShapeDtypeStruct((1, 8, 128), jnp.float8_e4m3fn)
+    k8 = jax.ShapeDtypeStruct((4, 16, 2, 128), jnp.float8_e4m3fn)
+    assert "bfloat16 queries" in gpu.unsupported_reason(q8, k8, None, None)
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CPU_CASES if c.kv_dtype is not None], ids=lambda c: c.name
+)
+def test_fp8_kernel_lowers_for_cuda(case: Case):
+    """Cross-platform lowering on the CPU runs Mosaic GPU's layout inference and register
+    lowering (not ptxas): the fp8 -> bf16 conversion of the K and V tiles is in the module."""
+    args = make_inputs(np.random.default_rng(0), case)
+    config = gpu.KernelConfig(num_splits=case.num_splits)
+    fn = jax.jit(lambda *a: gpu.ragged_paged_attention(*a, **attention_kwargs(case), config=config))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    conversion = "e4m3x2" if case.kv_dtype == jnp.float8_e4m3fn else "e5m2x2"
+    assert f"cvt.rn.f16x2.{conversion}" in text

@@ -10,6 +10,7 @@ compiles the kernel with Mosaic or runs it on a TPU.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,9 @@ class Case:
     soft_cap: float | None = None
     tokens_per_block: int = 8
     pages_per_block: int = 2
+    kv_dtype: Any = None  # an fp8 cache: k / k_scale and v / v_scale stored in this dtype
+    k_scale: float = 0.02
+    v_scale: float = 0.03
 
 
 def make_inputs(case: Case, seed: int) -> tuple[jax.Array, ...]:
@@ -64,10 +68,16 @@ def make_inputs(case: Case, seed: int) -> tuple[jax.Array, ...]:
         return jnp.asarray(rng.standard_normal(shape), case.dtype)
 
     kv_shape = (num_pages, case.page_size, case.num_kv_heads, case.head_dim)
+    q = normal(num_tokens, num_q_heads, case.head_dim)  # [T, Hq, D]
+    k_pages = normal(*kv_shape)  # [P, page_size, Hkv, D]
+    v_pages = normal(*kv_shape)
+    if case.kv_dtype is not None:
+        k_pages = reference.quantize_kv(k_pages, case.kv_dtype, case.k_scale)
+        v_pages = reference.quantize_kv(v_pages, case.kv_dtype, case.v_scale)
     return (
-        normal(num_tokens, num_q_heads, case.head_dim),  # q [T, Hq, D]
-        normal(*kv_shape),  # k_pages [P, page_size, Hkv, D]
-        normal(*kv_shape),  # v_pages [P, page_size, Hkv, D]
+        q,
+        k_pages,
+        v_pages,
         jnp.asarray(kv_lens),  # i32[S]
         jnp.asarray(page_indices),  # i32[S, pages_per_seq]
         jnp.asarray(cu_q_lens),  # i32[S + 1]
@@ -80,6 +90,8 @@ def check_against_reference(case: Case, seed: int) -> None:
     options = dict(
         sm_scale=case.head_dim**-0.5, sliding_window=case.sliding_window, soft_cap=case.soft_cap
     )
+    if case.kv_dtype is not None:
+        options.update(k_scale=case.k_scale, v_scale=case.v_scale)
     expected = reference.ragged_paged_attention(*inputs, **options)
     params = pltpu.InterpretParams(random_seed=seed, detect_races=True)
     with pltpu.force_tpu_interpret_mode(params):
@@ -114,6 +126,23 @@ CASES = {
     ),
     "window_bf16_d128": Case(
         q_lens=(1, 10), kv_lens=(16, 18), head_dim=128, dtype=jnp.bfloat16, sliding_window=3
+    ),
+    # fp8 caches: fetched as stored, cast to the queries' dtype in VMEM, scales on f32 results.
+    "fp8_e4m3_mixed_bf16": Case(
+        q_lens=(5, 1, 9, 1),
+        kv_lens=(5, 4, 17, 8),
+        group=2,
+        dtype=jnp.bfloat16,
+        kv_dtype=jnp.float8_e4m3fn,
+    ),
+    "fp8_e5m2_window_f32": Case(
+        q_lens=(6, 1),
+        kv_lens=(13, 9),
+        sliding_window=5,
+        soft_cap=2.0,
+        kv_dtype=jnp.float8_e5m2,
+        k_scale=0.5,
+        v_scale=2.0,
     ),
 }
 

@@ -232,6 +232,7 @@ def _check_tensor_parallel() -> dict:
         results[family] = entry
 
     results["write_kv"] = _check_sharded_write_kv()
+    results["fp8_attention"] = _check_sharded_fp8_attention()
 
     # 8 query heads over 2 KV heads: TP=8 replicates each KV head on 4 devices.
     llama = ModelConfig.from_hf_dir(FIXTURES / "llama")
@@ -280,6 +281,56 @@ def _check_sharded_write_kv() -> dict:
         ),
         "collectives": [list(m) for m in COLLECTIVE.findall(hlo)],
         "sharding_kept": all(g.sharding.is_equivalent_to(tp.kv_sharding, 4) for g in got),
+    }
+
+
+def _check_sharded_fp8_attention() -> dict:
+    """An fp8 cache and its scales through the shard_map'd attention at TP=2 == the reference."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels
+    from jaxserve.runner.sharding import prepare_tp
+
+    config = ModelConfig.from_hf_dir(FIXTURES / "llama")
+    tp = prepare_tp(config, 2, devices=jax.devices()[:2])
+    rng = np.random.default_rng(3)
+    kv_shape = (NUM_PAGES, PAGE_SIZE, config.num_kv_heads, config.head_dim)
+    k_pages, v_pages = (
+        jax.device_put(
+            pallas_kernels.quantize_kv(
+                jnp.asarray(rng.standard_normal(kv_shape)), jnp.float8_e4m3fn, s
+            ),
+            tp.kv_sharding,
+        )
+        for s in (0.01, 0.02)
+    )
+    q = jnp.asarray(rng.standard_normal((6, config.num_q_heads, config.head_dim)), jnp.float32)
+    metadata = (
+        jnp.asarray([7, 13], jnp.int32),  # kv_lens
+        jnp.asarray(rng.permutation(NUM_PAGES)[:8].reshape(2, 4), jnp.int32),  # page_indices
+        jnp.asarray([0, 2, 6], jnp.int32),  # cu_q_lens
+        jnp.asarray([2], jnp.int32),  # num_seqs
+    )
+
+    def attention(fn, *args, k_scale, v_scale):
+        return fn(*args, sm_scale=0.25, k_scale=k_scale, v_scale=v_scale)
+
+    got = jax.jit(functools.partial(attention, tp.attention_fn))(
+        q, k_pages, v_pages, *metadata, k_scale=0.01, v_scale=0.02
+    )
+    want = attention(
+        pallas_kernels.reference_attention,
+        q,
+        k_pages,
+        v_pages,
+        *metadata,
+        k_scale=0.01,
+        v_scale=0.02,
+    )
+    return {
+        "err": float(np.abs(np.asarray(got) - np.asarray(want)).max()),
+        "scale": float(np.abs(np.asarray(want)).max()),
     }
 
 
@@ -440,6 +491,11 @@ def test_sharded_kv_write_stays_local(tp_results):
     assert result["err"] == 0.0
     assert result["collectives"] == []
     assert result["sharding_kept"]
+
+
+def test_sharded_attention_reads_an_fp8_cache_with_its_scales(tp_results):
+    result = tp_results["fp8_attention"]
+    assert result["err"] < 1e-5 and result["scale"] > 1e-2
 
 
 def test_two_process_distributed_matches_one_process():

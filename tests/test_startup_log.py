@@ -89,7 +89,7 @@ def test_llm_shows_each_startup_stage_in_order_where_logging_is_not_set_up(noteb
         r"float32 \(--dtype\), max model len 4,096\n",
         r"Attention: pure-jnp reference \(no Pallas kernel runs on the cpu backend\)\n",
         r"Made random weights in",
-        r"KV cache size: 4,096 tokens\n",
+        r"KV cache size: 4,096 tokens \(KV cache dtype float32\)\n",
         r"Compiling the model step for 2 token buckets \(16, 32\)\n",
         r"Compiled model step for \d+ tokens \(2/2\)",
         rf"Compiling {NUM_VARIANTS} sampler variants and the prompt-logprob program for each "

@@ -17,9 +17,11 @@ from pathlib import Path
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import (
     DTYPES,
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     EngineConfig,
     default_model_dir,
+    kv_cache_dtype_name,
     weight_dtype,
 )
 from jaxserve.models.families import num_params
@@ -35,15 +37,6 @@ from jaxserve.runner.capacity import (
 from jaxserve.runner.input_builder import next_power_of_2, token_buckets_for
 from jaxserve.units import COUNT_RULE, human_bytes, human_count, human_int
 
-KV_DTYPE_BYTES = {
-    "auto": None,
-    "bfloat16": 2,
-    "float16": 2,
-    "float32": 4,
-    "fp8": 1,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-}
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Flag defaults are EngineConfig's, as in `jaxserve launch`, so the two plan alike.
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -110,9 +103,10 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--kv-cache-dtype",
-        default="auto",
-        choices=sorted(KV_DTYPE_BYTES),
-        help="KV cache dtype (auto = the weight dtype)",
+        default=_ENGINE_DEFAULTS["kv_cache_dtype"],
+        choices=KV_CACHE_DTYPES,
+        help="KV cache dtype, as launch takes it: auto = the weight dtype; fp8 (= fp8_e4m3) "
+        "and fp8_e5m2 take one byte per element",
     )
     add(
         "--tensor-parallel-size",
@@ -164,6 +158,7 @@ def run_capacity(args: argparse.Namespace) -> int:
 
         memory, on_cpu = detect_device_memory(), jax.default_backend() == "cpu"
     dtype = weight_dtype(args.dtype, on_cpu)
+    kv_dtype = kv_cache_dtype_name(args.kv_cache_dtype, dtype)
     try:
         cap = plan_capacity(
             config,
@@ -172,7 +167,7 @@ def run_capacity(args: argparse.Namespace) -> int:
             memory_utilization=args.memory_utilization,
             dtype_bytes=DTYPE_BYTES[dtype],
             quant=quant,
-            kv_dtype_bytes=KV_DTYPE_BYTES[args.kv_cache_dtype],
+            kv_cache_dtype=kv_dtype,
             block_size=args.block_size,
             tensor_parallel_size=args.tensor_parallel_size,
             max_num_batched_tokens=token_buckets_for(args.max_num_batched_tokens)[-1],
@@ -205,6 +200,7 @@ def run_capacity(args: argparse.Namespace) -> int:
                     "memory_utilization": args.memory_utilization,
                     "dtype": dtype,
                     "quantization": quant.method if quant is not None else None,
+                    "kv_cache_dtype": kv_dtype,
                     "weight_bytes": cap.weight_bytes,
                     "activation_bytes": cap.activation_bytes,
                     "kv_budget_bytes": cap.kv_budget_bytes,

@@ -16,12 +16,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxserve.config import builtin_config_dir
-from jaxserve.engine_config import QUANTIZATIONS
+from jaxserve.engine_config import KV_CACHE_DTYPES, QUANTIZATIONS
 from jaxserve.units import COUNT_RULE, human_int
 
 if TYPE_CHECKING:
@@ -77,7 +77,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        help="as launch's flag (passed on only when not auto)",
+        choices=KV_CACHE_DTYPES,
+        help="KV cache dtype, as `jaxserve launch` takes it (fp8: one byte per element)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
 
@@ -101,15 +102,12 @@ def make_llm(args: argparse.Namespace) -> jaxserve.LLM:
     defaults to ``--input-len`` + ``--output-len``."""
     import jaxserve
 
-    kv: dict[str, Any] = {}
-    if args.kv_cache_dtype != "auto":
-        kv["kv_cache_dtype"] = args.kv_cache_dtype
     return jaxserve.LLM(
         args.model,
         load_format=args.load_format,
         dtype=args.dtype,
         quantization=args.quantization,
-        **kv,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len or args.input_len + args.output_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -136,6 +134,8 @@ def run_jaxserve(args: argparse.Namespace) -> dict:
         "output_tokens_per_s": generated / elapsed,
         "startup_seconds": startup,
         "num_compiled_shapes": llm.engine.num_compiled_shapes,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_tokens": llm.engine.runner.capacity.num_tokens,
     }
 
 
@@ -239,11 +239,11 @@ def _forward(args: argparse.Namespace) -> list[str]:
         str(args.max_num_batched_tokens),
         "--dtype",
         args.dtype,
+        "--kv-cache-dtype",
+        args.kv_cache_dtype,
         "--seed",
         str(args.seed),
         *(["--quantization", args.quantization] if args.quantization else []),
-        "--kv-cache-dtype",
-        args.kv_cache_dtype,
         *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
     ]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -111,6 +111,7 @@ def attention_block(
     rotary: tuple[jax.Array, jax.Array],  # (cos, sin), each [T, 1, D] in x's dtype
     attention_fn: AttentionFn,
     sliding_window: int | None,
+    kv_scale: tuple[float, float] | None = None,  # an fp8 cache's (k_scale, v_scale)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     q = linear(x, lw.wq, "TH,HND->TND")
     k = linear(x, lw.wk, "TH,HKD->TKD")
@@ -127,7 +128,10 @@ def attention_block(
         k = rms_norm(k, lw.k_norm, config.rms_norm_eps, config.is_gemma)
     q = rope.apply_rotary(q, *rotary)
     k = rope.apply_rotary(k, *rotary)
-    k_pages, v_pages = pallas_kernels.write_kv(k_pages, v_pages, k, v, batch.slot_mapping)
+    # NOTE: the scales reach the attention op as arguments, not static options, so every
+    # layer's call still shares one lowering of the kernel (programs.shared_attention).
+    scales = {} if kv_scale is None else {"k_scale": kv_scale[0], "v_scale": kv_scale[1]}
+    k_pages, v_pages = pallas_kernels.write_kv(k_pages, v_pages, k, v, batch.slot_mapping, **scales)
     out = attention_fn(
         q,
         k_pages,
@@ -139,6 +143,7 @@ def attention_block(
         sm_scale=config.sm_scale,
         sliding_window=sliding_window,
         soft_cap=config.attn_logit_softcap,
+        **scales,
     )  # [T, N, D]
     return linear(out, lw.wo, "TND,NDH->TH"), k_pages, v_pages
 
@@ -157,8 +162,12 @@ def forward(
     batch: Batch,
     config: ModelConfig,
     attention_fn: AttentionFn | None = None,
+    kv_scales: Sequence[tuple[float, float]] | None = None,
 ) -> tuple[KVCache, jax.Array]:  # (kv_cache, hidden[T, H])
-    """One step over a ragged batch; returns the updated cache and final-normed hidden states."""
+    """One step over a ragged batch; returns the updated cache and final-normed hidden states.
+
+    ``kv_scales``: each layer's (k_scale, v_scale) of an fp8 cache (``models/kv_scales.py``).
+    """
     attention_fn = attention_fn or pallas_kernels.ragged_paged_attention
     eps, gemma = config.rms_norm_eps, config.is_gemma
     act = _ACTIVATIONS[config.hidden_act]
@@ -186,6 +195,7 @@ def forward(
             rotaries[layer_rope],
             attention_fn,
             config.layer_window(layer),
+            None if kv_scales is None else kv_scales[layer],
         )
         if lw.post_attn_norm is not None:  # Gemma: a norm after attention too
             attn = rms_norm(attn, lw.post_attn_norm, eps, gemma)

@@ -9,6 +9,10 @@ the blocks of its last W positions and the one being written (the rest go back t
 the concurrency at full context counts min(max_model_len, W + block_size) tokens per request. A
 hybrid model (Gemma 2/3, with global layers) keeps every block of a request, as one KV pool
 serves all layers: it counts max_model_len.
+
+The KV cache dtype (``--kv-cache-dtype``: the weights' dtype, or fp8 at one byte an element)
+sets the bytes per token: an fp8 cache holds twice the tokens of a bf16 one. The size line
+names it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.config import ModelConfig
+from jaxserve.engine_config import KV_DTYPE_BYTES
 from jaxserve.models.batch import kv_bytes_per_token
 from jaxserve.models.quant_scheme import QuantScheme, weight_bytes
 from jaxserve.runner.sampling import PROMPT_LOGPROBS_CHUNK
@@ -86,6 +91,7 @@ class Capacity:
     num_blocks: int
     max_model_len: int
     sliding_window: int | None = None  # when every layer slides: the window, else None
+    kv_cache_dtype: str | None = None  # what the cache stores (fp8_e4m3, bfloat16, ...)
 
     @property
     def num_tokens(self) -> int:
@@ -110,7 +116,8 @@ class Capacity:
             f"Available KV cache memory: {self.kv_budget_bytes / GiB:.2f} GiB "
             f"({self.kv_bytes_per_token:,} bytes per token, {self.num_blocks:,} blocks of "
             f"{self.block_size})",
-            f"KV cache size: {self.num_tokens:,} tokens",
+            f"KV cache size: {self.num_tokens:,} tokens"
+            + (f" (KV cache dtype {self.kv_cache_dtype})" if self.kv_cache_dtype else ""),
             f"Maximum concurrency for {self.max_model_len:,} tokens per request: "
             f"{self.max_concurrency:.2f}x"
             + (
@@ -151,15 +158,15 @@ def plan_capacity(
     device_memory_bytes: int,
     memory_utilization: float,
     dtype_bytes: int = 2,
-    kv_dtype_bytes: int | None = None,
     quant: QuantScheme | None = None,
+    kv_cache_dtype: str | None = None,  # engine_config.kv_cache_dtype_name; None: dtype_bytes
     block_size: int = 16,
     tensor_parallel_size: int = 1,
     max_num_batched_tokens: int = 2048,
     max_num_seqs: int = 256,
     num_blocks_override: int | None = None,
 ) -> Capacity:
-    kv_dtype_bytes = kv_dtype_bytes or dtype_bytes
+    kv_dtype_bytes = KV_DTYPE_BYTES[kv_cache_dtype] if kv_cache_dtype else dtype_bytes
     # Quantized Linear weights count at their own bytes (values, scales, zero points).
     weights = weight_bytes(config, dtype_bytes, quant) // tensor_parallel_size
     activations = activation_bytes(
@@ -204,4 +211,5 @@ def plan_capacity(
         num_blocks=num_blocks,
         max_model_len=max_model_len,
         sliding_window=config.all_layers_window,
+        kv_cache_dtype=kv_cache_dtype,
     )

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from jaxserve.config import ModelConfig
-from jaxserve.engine_config import EngineConfig, weight_dtype
+from jaxserve.engine_config import EngineConfig, kv_cache_dtype_name, weight_dtype
 from jaxserve.models.families import num_params
+from jaxserve.models.kv_scales import FP8_KV_DTYPES
 from jaxserve.models.quant_scheme import QuantScheme, check_device, resolve_scheme
 from jaxserve.runner.capacity import kv_heads_per_device
 
@@ -58,6 +59,45 @@ def resolve_quantization(config: EngineConfig) -> QuantScheme | None:
     except ValueError:
         capability = None
     return check_device(scheme, device.platform, device.device_kind, capability)
+
+
+# fp8 on NVIDIA GPUs: Ada (8.9), Hopper (9.0) and newer, as vLLM requires.
+FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
+
+
+class DeviceSupportError(ValueError):
+    """The device cannot run what the configuration asks for (names both)."""
+
+
+def has_fp8(device: jax.Device) -> bool:
+    """Whether the device stores and converts fp8 (CPUs and TPUs through XLA; NVIDIA GPUs
+    from compute capability 8.9)."""
+    if device.platform != "gpu":
+        return True
+    parts = str(getattr(device, "compute_capability", "")).split(".")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        return False  # not an NVIDIA compute capability (ROCm): not supported
+    return (int(parts[0]), int(parts[1])) >= FP8_MIN_COMPUTE_CAPABILITY
+
+
+def resolve_kv_dtype(config: EngineConfig, dtype: jnp.dtype) -> jnp.dtype:
+    """The KV cache's dtype: ``auto`` the weights' ``dtype``, ``fp8`` e4m3, ``fp8_e5m2`` e5m2.
+
+    fp8 on a device without it is a ``DeviceSupportError`` naming the device and the dtype,
+    never a silent bf16 cache."""
+    name = kv_cache_dtype_name(config.kv_cache_dtype, jnp.dtype(dtype).name)
+    if name not in FP8_KV_DTYPES:
+        return jnp.dtype(dtype)
+    device = jax.devices()[0]
+    if not has_fp8(device):
+        capability = getattr(device, "compute_capability", "unknown")
+        raise DeviceSupportError(
+            f"--kv-cache-dtype {config.kv_cache_dtype} ({name}) needs fp8 support: an NVIDIA "
+            "GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+            f"{device.device_kind} has compute capability {capability}. Use --kv-cache-dtype "
+            "auto on this device"
+        )
+    return FP8_KV_DTYPES[name]
 
 
 def platform_name(device: jax.Device) -> str:
@@ -105,14 +145,18 @@ def describe_model(
 
 
 def describe_attention(
-    model_config: ModelConfig, dtype: jnp.dtype, block_size: int, tensor_parallel_size: int
+    model_config: ModelConfig,
+    dtype: jnp.dtype,
+    block_size: int,
+    tensor_parallel_size: int,
+    kv_dtype: jnp.dtype | None = None,  # the cache's; None: dtype
 ) -> str:
     """``Attention: Pallas Mosaic GPU kernel``, or the reference and why no kernel was taken."""
     num_q_heads = max(1, model_config.num_q_heads // tensor_parallel_size)  # per device
     num_kv_heads = kv_heads_per_device(model_config.num_kv_heads, tensor_parallel_size)
     head_dim = model_config.head_dim
     q = jax.ShapeDtypeStruct((1, num_q_heads, head_dim), dtype)
-    k_pages = jax.ShapeDtypeStruct((1, block_size, num_kv_heads, head_dim), dtype)
+    k_pages = jax.ShapeDtypeStruct((1, block_size, num_kv_heads, head_dim), kv_dtype or dtype)
     kernel, reason = pallas_kernels.choose_kernel(q, k_pages, model_config.sliding_window)
     line = f"Attention: {pallas_kernels.KERNEL_NAMES[kernel]}"
     return f"{line} ({reason})" if reason else line
@@ -124,11 +168,12 @@ def startup_lines(
     dtype: jnp.dtype,
     max_model_len: int,
     quant: QuantScheme | None = None,
+    kv_dtype: jnp.dtype | None = None,
 ) -> list[str]:
     tp = config.tensor_parallel_size
     lines = [
         describe_devices(tp),
         describe_model(model_config, config, dtype, max_model_len),
-        describe_attention(model_config, dtype, config.block_size, tp),
+        describe_attention(model_config, dtype, config.block_size, tp, kv_dtype),
     ]
     return lines + ([quant.describe()] if quant is not None else [])

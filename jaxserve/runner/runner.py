@@ -25,6 +25,7 @@ import pallas_kernels
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.batch import Batch, make_kv_cache
+from jaxserve.models.kv_scales import kv_dtype_label, kv_scales_for
 from jaxserve.models.weights import dummy_weights, load_weights
 from jaxserve.runner import step_broadcast
 from jaxserve.runner.capacity import (
@@ -36,6 +37,7 @@ from jaxserve.runner.capacity import (
 from jaxserve.runner.devices import (
     quiet_backend_probe,
     resolve_dtype,
+    resolve_kv_dtype,
     resolve_quantization,
     startup_lines,
 )
@@ -78,7 +80,16 @@ class ModelRunner:
 
         self.dtype = resolve_dtype(config)
         self.quant = resolve_quantization(config)  # None: unquantized
-        for line in startup_lines(model_config, config, self.dtype, max_model_len, self.quant):
+        self.kv_dtype = resolve_kv_dtype(config, self.dtype)  # raises where fp8 cannot run
+        lines = startup_lines(
+            model_config,
+            config,
+            self.dtype,
+            max_model_len,
+            quant=self.quant,
+            kv_dtype=self.kv_dtype,
+        )
+        for line in lines:
             _LOG.info(line)
         # Tensor parallelism: shardings from sharding.py; TP=1 keeps the plain program.
         self.tp = (
@@ -100,6 +111,9 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - start
         if config.load_format == "dummy":
             _LOG.info("Made random weights in %.1f s", self.load_seconds)
+        self.kv_scales = kv_scales_for(  # an fp8 cache's per-layer scales, else None
+            config.model_dir, model_config.num_layers, self.kv_dtype, config.load_format != "dummy"
+        )
         self.tied = self.weights.lm_head is None
         self.head = self.weights.embed if self.tied else self.weights.lm_head
 
@@ -111,14 +125,19 @@ class ModelRunner:
         self.kv_cache: Any = None
         if not config.warmup:
             self.allocate_kv_cache()
+        attention = (
+            pallas_kernels.ragged_paged_attention if self.tp is None else self.tp.attention_fn
+        )
+        step = functools.partial(
+            model_step,
+            config=model_config,
+            attention_fn=shared_attention(attention),
+            kv_scales=self.kv_scales,
+        )
         if self.tp is not None:
             in_shardings, out_shardings = self.tp.step_shardings()
             self.step_fn = jax.jit(
-                functools.partial(
-                    model_step,
-                    config=model_config,
-                    attention_fn=shared_attention(self.tp.attention_fn),
-                ),
+                step,
                 in_shardings=in_shardings,
                 out_shardings=out_shardings,
                 static_argnums=(4,),  # the layout of the packed inputs
@@ -126,11 +145,7 @@ class ModelRunner:
             )
         else:
             self.step_fn = jax.jit(
-                functools.partial(
-                    model_step,
-                    config=model_config,
-                    attention_fn=shared_attention(pallas_kernels.ragged_paged_attention),
-                ),
+                step,
                 static_argnums=(4,),  # the layout of the packed inputs
                 donate_argnames=("kv_cache",),
             )
@@ -173,6 +188,7 @@ class ModelRunner:
             memory_utilization=self.config.gpu_memory_utilization,
             dtype_bytes=self.dtype.itemsize,
             quant=self.quant,
+            kv_cache_dtype=kv_dtype_label(self.kv_dtype),
             block_size=self.block_size,
             tensor_parallel_size=self.config.tensor_parallel_size,
             max_num_batched_tokens=self.token_buckets[-1],
@@ -188,10 +204,10 @@ class ModelRunner:
         if self.kv_cache is not None:
             return
         if self.tp is not None:
-            self.kv_cache = self.tp.make_kv_cache(self.num_blocks, self.block_size, self.dtype)
+            self.kv_cache = self.tp.make_kv_cache(self.num_blocks, self.block_size, self.kv_dtype)
         else:
             num_layers = self.model_config.num_layers
-            self.kv_cache = make_kv_cache(num_layers, *self.kv_cache_shape(), self.dtype)
+            self.kv_cache = make_kv_cache(num_layers, *self.kv_cache_shape(), self.kv_dtype)
 
     def abstract_kv_cache(self) -> list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]:
         """The cache's shapes (and shardings) only: enough to compile against."""
@@ -203,8 +219,8 @@ class ModelRunner:
         shape = self.kv_cache_shape()
         return [
             (
-                jax.ShapeDtypeStruct(shape, self.dtype, sharding=k),
-                jax.ShapeDtypeStruct(shape, self.dtype, sharding=v),
+                jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=k),
+                jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=v),
             )
             for k, v in shardings
         ]

@@ -300,20 +300,29 @@ def sharded_attention(attention_fn: AttentionFn, mesh: Mesh, config: ModelConfig
         page_indices: jax.Array,  # i32[S, pages_per_seq]
         cu_q_lens: jax.Array,  # i32[S + 1]
         num_seqs: jax.Array,  # i32[1]
-        **kwargs: Any,  # sm_scale, sliding_window, soft_cap: static
+        **kwargs: Any,  # sm_scale, sliding_window, soft_cap: static; k_scale, v_scale: f32[]
     ) -> jax.Array:  # [T, N, D]
+        # An fp8 cache's scales are arrays: they enter the shard_map replicated, by argument.
+        scale_names = tuple(n for n in ("k_scale", "v_scale") if kwargs.get(n) is not None)
+        scales = tuple(jnp.asarray(kwargs[n], jnp.float32) for n in scale_names)
+        kwargs = {n: v for n, v in kwargs.items() if n not in ("k_scale", "v_scale")}
+
         def local(*args: jax.Array) -> jax.Array:
-            return attention_fn(*args, **kwargs)
+            arrays, local_scales = args[:7], args[7:]
+            return attention_fn(
+                *arrays, **kwargs, **dict(zip(scale_names, local_scales, strict=True))
+            )
 
         # NOTE: check_vma=False: a Pallas kernel is opaque to shard_map's replication checker;
         # the specs below are the whole contract (heads split, metadata identical everywhere).
         return jax.shard_map(
             local,
             mesh=view,
-            in_specs=(_Q_HEADS_ON_KV_VIEW, _KV_PAGES, _KV_PAGES, meta, meta, meta, meta),
+            in_specs=(_Q_HEADS_ON_KV_VIEW, _KV_PAGES, _KV_PAGES, meta, meta, meta, meta)
+            + (meta,) * len(scales),
             out_specs=_Q_HEADS_ON_KV_VIEW,
             check_vma=False,
-        )(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+        )(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *scales)
 
     return attention
 

@@ -24,6 +24,7 @@ import uvicorn
 
 from jaxserve.engine_config import (
     DTYPES,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
@@ -186,6 +187,14 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         help="weights and activations dtype",
     )
     add(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=_ENGINE_DEFAULTS["kv_cache_dtype"],
+        help="KV cache dtype: auto stores the weights' dtype; fp8 (= fp8_e4m3) and fp8_e5m2 "
+        "store one byte per element, twice the tokens, with the checkpoint's k_scale / v_scale "
+        "or 1.0 (needs fp8 support: compute capability 8.9+ on NVIDIA GPUs)",
+    )
+    add(
         "--load-format",
         choices=LOAD_FORMATS,
         default=_ENGINE_DEFAULTS["load_format"],
@@ -340,6 +349,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
         chat_template=args.chat_template,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         load_format=args.load_format,
         quantization=args.quantization,
         max_model_len=args.max_model_len,
@@ -441,8 +451,13 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
         run_follower(config)  # returns when process 0 shuts down
         return 0
     _LOG.info("Loading %s", config.model_dir)
+    from jaxserve.runner.devices import DeviceSupportError
+
     try:
         engine = AsyncEngine.from_config(config, max_queued_requests=args.max_queued_requests)
+    except DeviceSupportError as exc:  # fp8 on a GPU without it: the device and the dtype
+        _LOG.error("%s", exc)
+        return 1
     except (OSError, ValueError) as exc:  # a missing or unusable model directory
         _LOG.error("Could not load %s: %s", config.model_dir, exc)
         return 1
