@@ -34,10 +34,11 @@ class Case:
     sliding_window: int | None = None
     soft_cap: float | None = None
     head_major_kv: bool = False
+    dtype: str = "bfloat16"
 
 
 def make_inputs(rng: np.random.Generator, case: Case):
-    """Random bf16 q/k/v and a shuffled page table; unused table entries point at live pages."""
+    """Random q/k/v (case.dtype) and a shuffled page table; unused entries point at live pages."""
     page = case.page_size
     num_live = len(case.q_lens)
     num_slots = num_live + case.num_dead_slots
@@ -61,10 +62,11 @@ def make_inputs(rng: np.random.Generator, case: Case):
     q = rng.standard_normal((num_tokens, case.num_q_heads, case.head_dim))  # [T, Hq, D]
     k = rng.standard_normal(kv_shape)  # [P, page_size, Hkv, D]
     v = rng.standard_normal(kv_shape)
+    dtype = jnp.dtype(case.dtype)
     return (
-        jnp.asarray(q, jnp.bfloat16),
-        jnp.asarray(k, jnp.bfloat16),
-        jnp.asarray(v, jnp.bfloat16),
+        jnp.asarray(q, dtype),
+        jnp.asarray(k, dtype),
+        jnp.asarray(v, dtype),
         jnp.asarray(kv_lens),
         jnp.asarray(page_indices),
         jnp.asarray(cu_q_lens),
