@@ -193,7 +193,6 @@ def _attention_kernel(
     split = lax.axis_index("split")
     head = lax.axis_index("head")
     block_kv, stages = cfg.block_kv, cfg.num_stages
-    head_dim = q_smem.shape[-1]
     pages_per_seq = pages_ref.shape[1]
     rows_per_copy = min(page_size, block_kv)
     copies = block_kv // rows_per_copy
