@@ -96,3 +96,19 @@ def test_compile_time_smoke(tmp_path, monkeypatch) -> None:
     result = json.loads(out.read_text())
     assert [r["bucket"] for r in result["rows"]] == [16, 32]
     assert all(r["compile_kernel_s"] > 0 and r["compile_reference_s"] > 0 for r in result["rows"])
+
+
+def test_bench_attention_tiers_smoke(tmp_path, monkeypatch, capsys) -> None:
+    """The tiers suite: the Triton kernel beside the reference, Mosaic GPU at head_dim 256."""
+    out = tmp_path / "tiers.json"
+    args = ["--smoke", "--suite", "tiers", "--out", str(out)]
+    with pytest.raises(SystemExit) as done:
+        run_script("benchmarks/bench_attention.py", args, monkeypatch)
+    assert done.value.code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["kernel"]) for r in rows] == [
+        ("4/2x64", "xla-reference"),
+        ("4/2x64", "triton"),
+        ("4/2x256", "mosaic"),
+    ]
+    assert rows[1]["rel_err"] < 1e-2 and rows[1]["wall_s"] > 0
