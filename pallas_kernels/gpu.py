@@ -14,6 +14,11 @@ are gathered per step from the page table; a page index past the sequence is rep
 out-of-range one, which TMA fills with zeros without touching memory. Rows past the end of the
 query batch (padding) form one extra group of tiles with no KV, so they come back as zeros.
 
+Head sizes 64, 80, 96, 128 and 256, bf16 or fp16. The smem swizzle follows the head size
+(``swizzle_for``: wgmma wants K and N in whole swizzle tiles), and untiled Q and O, and the
+f32 accumulator, are kept in column chunks of at most 128 (two at head_dim 256, whose default
+``block_kv=64, num_stages=2`` needs about 200 KB of the 227 KB of shared memory).
+
 When there are too few (tile, head) programs to fill the GPU (small decode batches) the KV range
 of each tile is split ``num_splits`` ways; each split writes its normalised partial output and
 its log-sum-exp (both token-indexed), and ``_merge_splits`` combines them in one XLA fusion.
