@@ -51,7 +51,7 @@ class TritonConfig:
     block_kv: int | None = None  # KV tokens a step: 64, or 32 for head_dim > 128
     rows: int | None = None  # query rows per program: 16 for decode batches, else 64
     num_splits: int | None = None
-    num_warps: int = 4
+    num_warps: int | None = None  # 4, or 8 for head_dim > 128 (a [64, 256] f32 accumulator)
     num_stages: int = 2
 
     def __post_init__(self):
@@ -61,7 +61,7 @@ class TritonConfig:
                 raise ValueError(f"{name}={value} must be a power of two >= 16")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"{self.num_splits=} must be >= 1")
-        if self.num_warps not in (1, 2, 4, 8, 16):
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"{self.num_warps=} must be 1, 2, 4, 8 or 16")
         if not 1 <= self.num_stages <= 8:
             raise ValueError(f"{self.num_stages=} must be in [1, 8]")
@@ -251,6 +251,7 @@ def ragged_paged_attention(
     rows = max(rows, padded_group)
     block_q = rows // padded_group
     block_kv = config.block_kv or (64 if head_dim <= 128 else 32)
+    num_warps = config.num_warps or (4 if head_dim <= 128 else 8)
     max_tiles = max_tiles_for(num_tokens, num_slots, block_q)
     num_splits = config.num_splits or default_num_splits(
         max_tiles * num_kv_heads, pages_per_seq * page_size, block_kv, num_sms()
@@ -290,9 +291,7 @@ def ragged_paged_attention(
         body,
         out_shape=out_shape,
         grid=(max_tiles, num_kv_heads, num_splits),
-        compiler_params=pltriton.CompilerParams(
-            num_warps=config.num_warps, num_stages=config.num_stages
-        ),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="ragged_paged_attention_triton",
     )(plan, page_indices.astype(jnp.int32), q, k_pages, v_pages)
