@@ -51,7 +51,7 @@ class TritonConfig:
     block_kv: int | None = None  # KV tokens a step: 64, or 32 for head_dim > 128
     rows: int | None = None  # query rows per program: 16 for decode batches, else 64
     num_splits: int | None = None
-    num_warps: int | None = None  # 4, or 8 for head_dim > 128 (a [64, 256] f32 accumulator)
+    num_warps: int | None = None  # 4 for 16-row (decode) tiles, else 8
     num_stages: int = 2
 
     def __post_init__(self):
@@ -251,7 +251,9 @@ def ragged_paged_attention(
     rows = max(rows, padded_group)
     block_q = rows // padded_group
     block_kv = config.block_kv or (64 if head_dim <= 128 else 32)
-    num_warps = config.num_warps or (4 if head_dim <= 128 else 8)
+    # NOTE: ptxas (Triton 3.9, sm_80) fits a 16-row tile in 116-123 registers with 4 warps at
+    # head_dim 128-256; a 64-row tile needs 8 warps (4 spill at head_dim 80 and 128).
+    num_warps = config.num_warps or (4 if rows <= 16 else 8)
     max_tiles = max_tiles_for(num_tokens, num_slots, block_q)
     num_splits = config.num_splits or default_num_splits(
         max_tiles * num_kv_heads, pages_per_seq * page_size, block_kv, num_sms()
