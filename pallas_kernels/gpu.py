@@ -277,7 +277,7 @@ def _attention_kernel(
         for i in range(stages):
             pl.when(i < num_steps)(lambda i=i: issue(block_of(i), i, lookup_pages(block_of(i))))
         plgpu.barrier_wait(q_bar)
-        # NOTE: the layout is given: left to inference, its search runs for minutes at head_dim 256.
+        # NOTE: the register layout is given, so layout inference need not search for one.
         for c in range(num_cols):
             q_part = plgpu.layout_cast(q_raw[c], plgpu.Layout.WGMMA)
             if num_cols == 1:
