@@ -1,8 +1,16 @@
-"""Ragged paged attention: the Mosaic GPU kernel against its KV-read floor and the XLA reference.
+"""Ragged paged attention: the GPU kernels against their KV-read floor and the XLA reference.
 
-Llama-3-8B attention shape (32 query heads, 8 KV heads, head_dim 128, bf16, page 16, shuffled
-page tables). Decode at batch {1, 8, 64, 256} x context {1024, 4096}, and mixed batches of one
-2048-token prefill chunk (a fresh prompt) plus 63 decodes.
+Default suite: the Mosaic GPU kernel at the Llama-3-8B attention shape (32 query heads, 8 KV
+heads, head_dim 128, bf16, page 16, shuffled page tables). Decode at batch {1, 8, 64, 256} x
+context {1024, 4096}, and mixed batches of one 2048-token prefill chunk (a fresh prompt) plus
+63 decodes.
+
+``--suite tiers``: the pre-Hopper tier (the Pallas Triton kernel, forced on this GPU) at the
+Llama-3-8B shape, and the Mosaic GPU kernel at the Gemma-2-9B shape (16 / 8 heads, head_dim
+256, soft cap 50, window 4096), each beside the XLA reference; the Triton kernel also over a
+few configs at batch 64 x 4096. Target: Triton >= 40% of the floor at decode b=64 ctx=4096.
+Mixed batches there skip the reference (its dense gather needs tens of GB at head_dim 256) and
+compare against the first kernel instead.
 
 Timing: device time from CUPTI (the sum of the call's kernel durations: the tile plan, the
 attention kernel, the split merge), median over ``--reps`` calls, each call with its own random
@@ -12,7 +20,8 @@ O write) bytes at 4.3 TB/s, the device-to-device copy rate measured on the H200 
 measures a 1 GiB copy in the same run).
 
   PYTHONPATH=. python3 benchmarks/bench_attention.py --out /tmp/attn.json   # on the GPU
-  python benchmarks/bench_attention.py --smoke                             # tiny, CPU interpret
+  PYTHONPATH=. python3 benchmarks/bench_attention.py --suite tiers --out /tmp/tiers.json
+  python benchmarks/bench_attention.py --smoke [--suite tiers]           # tiny, CPU interpret
 """
 
 from __future__ import annotations
@@ -20,16 +29,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import statistics
 import sys
 import time
+import warnings
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import gpu, reference
+from pallas_kernels import gpu, gpu_triton, reference
 
 FLOOR_BYTES_PER_S = 4.3e12
 
@@ -40,6 +52,39 @@ class Shape:
     num_kv_heads: int = 8
     head_dim: int = 128
     page_size: int = 16
+    soft_cap: float | None = None
+    sliding_window: int | None = None
+
+    def attention_kwargs(self) -> dict:
+        return dict(
+            sm_scale=self.head_dim**-0.5,
+            soft_cap=self.soft_cap,
+            sliding_window=self.sliding_window,
+        )
+
+
+LLAMA_3_8B = Shape()
+GEMMA_2_9B = Shape(num_q_heads=16, num_kv_heads=8, head_dim=256, soft_cap=50.0,
+                   sliding_window=4096)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One kernel configuration to time: ``call(*inputs, **attention_kwargs)``."""
+
+    label: str
+    call: Callable[..., jax.Array]
+    head_major_kv: bool = False
+
+
+def mosaic(label: str, config: gpu.KernelConfig, interpret: bool) -> Variant:
+    fn = functools.partial(gpu.ragged_paged_attention, config=config, interpret=interpret)
+    return Variant(label, fn, config.head_major_kv)
+
+
+def triton(label: str, config: gpu_triton.TritonConfig, interpret: bool) -> Variant:
+    fn = functools.partial(gpu_triton.ragged_paged_attention, config=config, interpret=interpret)
+    return Variant(label, fn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,68 +203,141 @@ def copy_rate(num_bytes: int = 1 << 30) -> float | None:
     return 2 * num_bytes / (statistics.median(ms for _, ms in timings) * 1e-3)
 
 
-def run_case(rng, shape, batch, *, variants, reps, pool_bytes, interpret):
+def run_case(rng, shape, batch, *, variants, reps, pool_bytes, with_reference=True):
+    """One row per variant (and the reference first, unless ``with_reference`` is False: then
+    errors are against the first variant that ran and ``x XLA ref`` is left out)."""
     inputs = make_inputs(rng, shape, batch, reps, pool_bytes)
     kv_bytes, all_bytes = count_bytes(shape, batch)
     floor_s = all_bytes / FLOOR_BYTES_PER_S
-    sm_scale = shape.head_dim**-0.5
-    ref_fn = lambda *a: reference.ragged_paged_attention(*a, sm_scale=sm_scale)
-    ref_time, ref_out = time_calls(ref_fn, inputs, reps)
-    rows = [dict(kernel="xla-reference", **ref_time)]
-    for label, config in variants:
+    kwargs = shape.attention_kwargs()
+    rows, ref_s, ref_out = [], None, None
+    if with_reference:
+        ref_fn = functools.partial(reference.ragged_paged_attention, **kwargs)
+        ref_time, ref_out = time_calls(ref_fn, inputs, reps)
+        rows.append(dict(kernel="xla-reference", **ref_time))
+        ref_s = ref_time.get("seconds", ref_time["wall_s"])
+    for variant in variants:
         q, k, v = inputs[:3]
         call_inputs = inputs
-        if config.head_major_kv:
+        if variant.head_major_kv:
             k_hm, v_hm = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
             call_inputs = (q, k_hm, v_hm, *inputs[3:])
-
-        def kernel_fn(*a, config=config):
-            return gpu.ragged_paged_attention(
-                *a, sm_scale=sm_scale, config=config, interpret=interpret
-            )
-
         try:
-            timing, out = time_calls(kernel_fn, call_inputs, reps)
+            timing, out = time_calls(functools.partial(variant.call, **kwargs), call_inputs, reps)
         except Exception as e:  # noqa: BLE001  a failing variant must not end the sweep
-            rows.append(dict(kernel=label, error=f"{type(e).__name__}: {str(e)[:300]}"))
+            rows.append(dict(kernel=variant.label, error=f"{type(e).__name__}: {str(e)[:300]}"))
             continue
+        if ref_out is None:
+            ref_out = out
         diff = out.astype(jnp.float32) - ref_out.astype(jnp.float32)
         err = float(jnp.linalg.norm(diff.ravel()) / jnp.linalg.norm(ref_out.astype(jnp.float32)))
-        rows.append(dict(kernel=label, rel_err=err, **timing))
-    ref_s = ref_time.get("seconds", ref_time["wall_s"])
+        rows.append(dict(kernel=variant.label, rel_err=err, **timing))
     for row in rows:
         row.update(case=batch.name, kv_bytes=kv_bytes, all_bytes=all_bytes, floor_s=floor_s)
+        row.update(shape=f"{shape.num_q_heads}/{shape.num_kv_heads}x{shape.head_dim}")
         seconds = row.get("seconds", row.get("wall_s"))
         if seconds:
             row["tb_per_s"] = all_bytes / seconds / 1e12
             row["floor_frac"] = floor_s / seconds
-            row["vs_ref"] = ref_s / seconds
+            if ref_s:
+                row["vs_ref"] = ref_s / seconds
     return rows
 
 
 def format_table(rows) -> str:
     lines = [
-        "| case | kernel | device us | attn kernel us | wall us | KV MB | TB/s | of floor"
+        "| shape | case | kernel | device us | attn kernel us | wall us | KV MB | TB/s | of floor"
         " | x XLA ref | rel err |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['case']} | {r['kernel']} | error: {r['error'][:80]} |||||||")
+            lines.append(
+                f"| {r['shape']} | {r['case']} | {r['kernel']} | error: {r['error'][:80]} |||||||"
+            )
             continue
         us = lambda key, r=r: f"{r[key] * 1e6:.1f}" if r.get(key) else "-"
         err = f"{r['rel_err']:.1e}" if "rel_err" in r else ""
+        vs_ref = f"{r['vs_ref']:.2f}" if "vs_ref" in r else "-"
         lines.append(
-            f"| {r['case']} | {r['kernel']} | {us('seconds')} | {us('kernel_s')} | {us('wall_s')}"
-            f" | {r['kv_bytes'] / 1e6:.1f} | {r['tb_per_s']:.2f} | {r['floor_frac']:.0%}"
-            f" | {r['vs_ref']:.2f} | {err} |"
+            f"| {r['shape']} | {r['case']} | {r['kernel']} | {us('seconds')} | {us('kernel_s')}"
+            f" | {us('wall_s')} | {r['kv_bytes'] / 1e6:.1f} | {r['tb_per_s']:.2f}"
+            f" | {r['floor_frac']:.0%} | {vs_ref} | {err} |"
         )
     return "\n".join(lines)
+
+
+def tiers_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Variant], bool]]:
+    """(shape, batch, variants, with_reference) for ``--suite tiers``."""
+    forced = gpu_triton.TritonConfig()
+    if smoke:
+        small = Shape(num_q_heads=4, num_kv_heads=2, head_dim=64)
+        gemma = dataclasses.replace(small, head_dim=256, soft_cap=50.0, sliding_window=32)
+        return [
+            (small, decode_batch(2, 40), [triton("triton", forced, True)], True),
+            (gemma, mixed_batch(20, 2, 50), [mosaic("mosaic", gpu.KernelConfig(), True)], False),
+        ]
+    decodes = [decode_batch(1, 4096), decode_batch(8, 4096), decode_batch(64, 1024)]
+    decodes += [decode_batch(64, 4096), decode_batch(256, 1024)]
+    mixed = mixed_batch(2048, 63, 4096)
+    plan = []
+    for batch in decodes + [mixed]:
+        variants = [triton("triton", forced, False)]
+        if sweep and batch.name == "decode b=64 ctx=4096":
+            for warps, stages, block_kv in ((8, 2, 64), (4, 3, 64), (4, 2, 128), (8, 3, 128)):
+                config = gpu_triton.TritonConfig(
+                    num_warps=warps, num_stages=stages, block_kv=block_kv
+                )
+                variants.append(triton(f"triton w{warps} s{stages} bk{block_kv}", config, False))
+        plan.append((LLAMA_3_8B, batch, variants, batch is not mixed))
+    for batch in decodes + [mixed]:
+        variants = [mosaic("mosaic", gpu.KernelConfig(), False), triton("triton", forced, False)]
+        plan.append((GEMMA_2_9B, batch, variants, batch is not mixed))
+    return plan
+
+
+def llama_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Variant], bool]]:
+    """(shape, batch, variants, with_reference) for the default suite (the Mosaic kernel)."""
+    base = gpu.KernelConfig()
+    if smoke:
+        shape = Shape(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+        batches = [decode_batch(2, 40), mixed_batch(20, 2, 50)]
+    else:
+        shape = LLAMA_3_8B
+        batches = [decode_batch(b, c) for c in (1024, 4096) for b in (1, 8, 64, 256)]
+        batches += [mixed_batch(2048, 63, 4096), mixed_batch(2048, 63, 1024)]
+    swept = {"decode b=8 ctx=4096", "decode b=64 ctx=4096", "mixed 2048+63x4096"}
+    plan = []
+    for batch in batches:
+        variants = [mosaic("mosaic", base, smoke)]
+        if sweep and batch.name in swept:
+            variants += [
+                mosaic("bk64 s3", dataclasses.replace(base, num_stages=3), smoke),
+                mosaic("bk64 s4", dataclasses.replace(base, num_stages=4), smoke),
+                mosaic("bk128 s2", dataclasses.replace(base, block_kv=128), smoke),
+                mosaic("head-major kv", dataclasses.replace(base, head_major_kv=True), smoke),
+            ]
+        plan.append((shape, batch, variants, True))
+    return plan
+
+
+def triton_target_line(rows) -> str | None:
+    """The tier's target at batch 64 x 4096, Llama-3-8B shape: >= 40% of the KV-read floor."""
+    for r in rows:
+        if r["kernel"] == "triton" and r["case"] == "decode b=64 ctx=4096" and "floor_frac" in r:
+            if r["shape"] == "32/8x128":
+                verdict = "met" if r["floor_frac"] >= 0.40 else "NOT met"
+                return (
+                    f"Triton tier at decode b=64 ctx=4096: {r['floor_frac']:.0%} of the floor "
+                    f"(target >= 40%: {verdict})"
+                )
+    return None
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode")
+    parser.add_argument("--suite", choices=("llama", "tiers"), default="llama")
     parser.add_argument("--sweep", action="store_true", help="also time config variants")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--pool-mib", type=int, default=512)
@@ -227,35 +345,22 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default="", help="comma-separated case names to run")
     args = parser.parse_args(argv)
 
+    # The Pallas Triton backend warns, once per lowering, that it is deprecated (jax 0.11).
+    warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
     rng = np.random.default_rng()
-    base = gpu.KernelConfig()
-    if args.smoke:
-        shape = Shape(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
-        batches = [decode_batch(2, 40), mixed_batch(20, 2, 50)]
-        reps, pool = 1, 1 << 20
-    else:
-        shape = Shape()
-        batches = [decode_batch(b, c) for c in (1024, 4096) for b in (1, 8, 64, 256)]
-        batches += [mixed_batch(2048, 63, 4096), mixed_batch(2048, 63, 1024)]
-        reps, pool = args.reps, args.pool_mib << 20
+    reps, pool = (1, 1 << 20) if args.smoke else (args.reps, args.pool_mib << 20)
+    plan_for = tiers_plan if args.suite == "tiers" else llama_plan
+    plan = plan_for(args.smoke, args.sweep)
     if args.only:
-        batches = [b for b in batches if b.name in args.only.split(",")]
-    sweep = {"decode b=8 ctx=4096", "decode b=64 ctx=4096", "mixed 2048+63x4096"}
+        plan = [p for p in plan if p[1].name in args.only.split(",")]
     rows = []
-    for batch in batches:
-        variants = [("mosaic", base)]
-        if args.sweep and batch.name in sweep:
-            variants += [
-                ("bk64 s3", dataclasses.replace(base, num_stages=3)),
-                ("bk64 s4", dataclasses.replace(base, num_stages=4)),
-                ("bk128 s2", dataclasses.replace(base, block_kv=128)),
-                ("head-major kv", dataclasses.replace(base, head_major_kv=True)),
-            ]
-        rows += run_case(
+    for shape, batch, variants, with_reference in plan:
+        new = run_case(
             rng, shape, batch, variants=variants, reps=reps, pool_bytes=pool,
-            interpret=args.smoke,
+            with_reference=with_reference,
         )  # fmt: skip
-        print("\n".join(format_table(rows[-len(variants) - 1 :]).splitlines()[2:]), flush=True)
+        rows += new
+        print("\n".join(format_table(new).splitlines()[2:]), flush=True)
     device = jax.devices()[0]
     rate = None if args.smoke else copy_rate()
     header = (
@@ -266,6 +371,9 @@ def main(argv=None) -> int:
     table = format_table(rows)
     print(header)
     print(table)
+    target = triton_target_line(rows)
+    if target:
+        print(target)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(header=header, rows=rows, table=table), f, indent=1)

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The H200 benchmark suite, stage by stage (results under $OUT; see benchmarks/RESULTS.md).
 # Each argument is STAGE[:SECONDS], run in order, each under its own time limit:
-#   kernel       attention kernel against the reference, native bf16 (pytest -m gpu)
+#   kernel       attention kernels against the reference, native (pytest -m gpu): Mosaic GPU
+#                (every head size, bf16 and fp16) and the Pallas Triton tier
+#   attention    attention tiers against the KV-read floor (bench_attention.py --suite tiers):
+#                the Triton kernel forced on the H200 (target >= 40% at decode b=64 x 4096,
+#                plus a config sweep there) and Mosaic GPU at the Gemma-2-9B shape (head_dim 256)
 #   compile      compile time of one small and one large step bucket (benchmarks/compile_time.py)
 #   launch       jaxserve launch, dummy Llama-3-8B: cold start on an empty compilation cache,
 #                first-request TTFT, bench serve sweep at 2,4,8,16,inf req/s ($SERVE_PROMPTS
@@ -47,7 +51,15 @@ SHAPES="--max-model-len 4096 --max-num-batched-tokens 2048"  # launch: vLLM's on
 SERVE_PROMPTS=${SERVE_PROMPTS:-200}
 
 stage_kernel() {
-  python3 -m pytest -q -m gpu tests/test_kernel_gpu.py -x 2>&1 | tail -3
+  python3 -m pytest -q -m gpu tests/test_kernel_gpu.py tests/test_kernel_triton.py -x 2>&1 |
+    tail -3
+}
+
+stage_attention() {
+  python3 benchmarks/bench_attention.py --suite tiers --sweep --out "$OUT/attention_tiers.json" \
+    > "$OUT/attention_tiers.log" 2>&1
+  sed -n '/ | jax /,$p' "$OUT/attention_tiers.log"  # the final table and the target line
+  grep -E "Error|error" "$OUT/attention_tiers.log" | head -5
 }
 
 stage_compile() {

@@ -3,19 +3,28 @@
 ``ragged_paged_attention`` has the reference's signature and picks, at trace time, by
 ``jax.default_backend()``:
   gpu -> the Mosaic GPU kernel (``pallas_kernels.gpu``) on Hopper or newer, for the shapes and
-         dtypes it takes (bf16 queries over a bf16 or fp8 cache, head_dim 64/128, GQA ratio 1-8,
-         power-of-two page size >= 8);
+         dtypes it takes (bf16 or fp16 queries over a cache of their dtype, head_dim
+         64/80/96/128/256, or over an fp8 cache at head_dim 64/128; GQA ratio 1-8, power-of-two
+         page size >= 8); otherwise (an A100, L4, L40S, ... or a shape Mosaic does not take) the
+         Pallas Triton kernel (``pallas_kernels.gpu_triton``: bf16 or fp16, no fp8 cache,
+         head_dim a multiple of 16 up to 256, GQA ratio 1-16, any page size);
   tpu -> ``pallas_kernels.tpu.ragged_paged_attention``, imported lazily;
-  anything else, or a case the chosen kernel does not take -> the pure-jnp reference.
-``sliding_window`` and ``soft_cap`` are handled inside the GPU kernel; an fp8 cache's per-tensor
-``k_scale`` / ``v_scale`` (``reference.quantize_kv``) by every path. ``choose_kernel`` says
-which path a model's shapes take, and why a fallback was taken, for the start-up log.
+  anything else, or a case no kernel takes -> the pure-jnp reference.
+``sliding_window`` and ``soft_cap`` are handled inside the GPU kernels; an fp8 cache's per-tensor
+``k_scale`` / ``v_scale`` (``reference.quantize_kv``) by every path that takes fp8.
+``choose_kernel`` says which path a model's shapes take, and why a fallback was taken, for the
+start-up log.
+
+``JAXSERVE_ATTENTION`` overrides the choice on a GPU: ``auto`` (the default, as above),
+``mosaic`` (Mosaic GPU or the reference, never Triton), ``triton`` (the Triton kernel even on
+Hopper: for benchmarking it there) or ``reference`` (the jnp reference on any backend).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -54,9 +63,49 @@ def _tpu_kernel() -> Callable[..., jax.Array] | None:
 # What the start-up log calls each path.
 KERNEL_NAMES = {
     "gpu": "Pallas Mosaic GPU kernel",
+    "triton": "Pallas Triton kernel",
     "tpu": "Pallas Mosaic TPU kernel",
     "reference": "pure-jnp reference",
 }
+
+ATTENTION_ENV = "JAXSERVE_ATTENTION"
+ATTENTION_CHOICES = ("auto", "mosaic", "triton", "reference")
+
+
+def requested_attention() -> str:
+    """``JAXSERVE_ATTENTION`` (default ``auto``), validated."""
+    value = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if value not in ATTENTION_CHOICES:
+        raise ValueError(f"{ATTENTION_ENV}={value!r} must be one of {', '.join(ATTENTION_CHOICES)}")
+    return value
+
+
+def _gpu_choice(
+    q: Any, k_pages: Any, sliding_window: int | None, soft_cap: float | None, requested: str
+) -> tuple[str, str | None]:
+    """Mosaic GPU where it runs, else the Triton kernel, else the reference; and why."""
+    if requested == "triton":
+        why = f"{ATTENTION_ENV}=triton"
+    elif not _is_hopper_or_newer():
+        why = (
+            "the Mosaic GPU kernel needs Hopper or newer (compute capability 9.0); "
+            f"this GPU has {_compute_capability()}"
+        )
+    else:
+        from pallas_kernels import gpu
+
+        reason = gpu.unsupported_reason(q, k_pages, sliding_window, soft_cap)
+        if reason is None:
+            return "gpu", None
+        why = f"the Mosaic GPU kernel does not run this model ({reason})"
+    if requested == "mosaic":
+        return "reference", f"{why}; {ATTENTION_ENV}=mosaic"
+    from pallas_kernels import gpu_triton
+
+    reason = gpu_triton.unsupported_reason(q, k_pages, sliding_window, soft_cap)
+    if reason is not None:
+        return "reference", f"{why}; the Triton kernel does not run it either ({reason})"
+    return "triton", why
 
 
 def choose_kernel(
@@ -66,21 +115,15 @@ def choose_kernel(
     soft_cap: float | None = None,
 ) -> tuple[str, str | None]:
     """The path ``ragged_paged_attention`` takes on this backend for these shapes and dtypes:
-    ``("gpu" | "tpu" | "reference", why the reference was taken instead of a kernel, or None)``.
+    ``("gpu" | "triton" | "tpu" | "reference", why this backend's first choice was not taken,
+    or None)``.
     """
     backend = jax.default_backend()
+    requested = requested_attention()
+    if requested == "reference":
+        return "reference", f"{ATTENTION_ENV}=reference"
     if backend == "gpu":
-        if not _is_hopper_or_newer():
-            return "reference", (
-                "the Mosaic GPU kernel needs Hopper or newer (compute capability 9.0); "
-                f"this GPU has {_compute_capability()}"
-            )
-        from pallas_kernels import gpu
-
-        reason = gpu.unsupported_reason(q, k_pages, sliding_window, soft_cap)
-        if reason is not None:
-            return "reference", f"the Mosaic GPU kernel does not run this model ({reason})"
-        return "gpu", None
+        return _gpu_choice(q, k_pages, sliding_window, soft_cap, requested)
     if backend == "tpu":
         if _tpu_kernel() is None:
             return "reference", "pallas_kernels.tpu provides no kernel"
@@ -115,6 +158,10 @@ def ragged_paged_attention(
         from pallas_kernels import gpu
 
         return gpu.ragged_paged_attention(*args, **options)
+    if kernel == "triton":  # (never with an fp8 cache: choose_kernel checked)
+        from pallas_kernels import gpu_triton
+
+        return gpu_triton.ragged_paged_attention(*args, **options)
     if kernel == "tpu":
         tpu_kernel = _tpu_kernel()
         assert tpu_kernel is not None  # choose_kernel checked
@@ -124,6 +171,8 @@ def ragged_paged_attention(
 
 __all__ = [
     "FP8_DTYPES",
+    "ATTENTION_CHOICES",
+    "ATTENTION_ENV",
     "KERNEL_NAMES",
     "Scale",
     "choose_kernel",
@@ -132,5 +181,6 @@ __all__ = [
     "quantize_kv",
     "ragged_paged_attention",
     "reference_attention",
+    "requested_attention",
     "write_kv",
 ]

@@ -14,6 +14,11 @@ are gathered per step from the page table; a page index past the sequence is rep
 out-of-range one, which TMA fills with zeros without touching memory. Rows past the end of the
 query batch (padding) form one extra group of tiles with no KV, so they come back as zeros.
 
+Head sizes 64, 80, 96, 128 and 256, bf16 or fp16. The smem swizzle follows the head size
+(``swizzle_for``: wgmma wants K and N in whole swizzle tiles), and untiled Q and O, and the
+f32 accumulator, are kept in column chunks of at most 128 (two at head_dim 256, whose default
+``block_kv=64, num_stages=2`` needs about 200 KB of the 227 KB of shared memory).
+
 An fp8 cache (``float8_e4m3fn`` / ``float8_e5m2`` pages, per-tensor ``k_scale`` / ``v_scale``)
 lands in shared memory as it is stored (half the bytes of bf16); each step converts the K and V
 tiles to bf16 through registers (exact: every fp8 value is a bf16 value) into one tiled buffer
@@ -45,6 +50,30 @@ LOG2E = math.log2(math.e)
 MASK_VALUE = -1e30  # finite, so fully masked rows never produce inf - inf
 LSE_COLS = 32  # the log-sum-exp is stored 32 times per row: TMA wants 128-byte smem rows
 NUM_SMS = 132  # H100 / H200
+SMEM_BYTES = 227 * 1024  # shared memory one block may use on H100 / H200
+DTYPES = (jnp.bfloat16, jnp.float16)
+HEAD_DIMS = (64, 80, 96, 128, 256)
+
+
+def swizzle_for(head_dim: int, itemsize: int) -> int:
+    """The widest smem swizzle (bytes) whose tile width divides a head_dim row.
+
+    wgmma takes one swizzle for both operands and wants K (and N of the PV product) in whole
+    tiles of ``swizzle // itemsize`` columns: 128 bytes for head_dim 64/128/256, 64 for 96
+    (3 tiles of 32 columns), 32 for 80 (5 tiles of 16). P shares V's swizzle.
+    """
+    for swizzle in (128, 64, 32):
+        if head_dim * itemsize % swizzle == 0:
+            return swizzle
+    raise ValueError(f"{head_dim=} x {itemsize} bytes is not a multiple of 32 bytes")
+
+
+def smem_bytes(head_dim: int, itemsize: int, block_kv: int, num_stages: int) -> int:
+    """Shared memory of one program (the split variant, the larger one); see the scratch list."""
+    q = ROWS * head_dim * itemsize
+    kv_or_out = max(2 * num_stages * block_kv * head_dim * itemsize, ROWS * head_dim * 4)
+    q_or_p = max(ROWS * head_dim, ROWS * block_kv) * itemsize
+    return q + kv_or_out + q_or_p + ROWS * LSE_COLS * 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,13 +111,20 @@ def unsupported_reason(
         _, num_kv_heads, page_size, _ = k_pages.shape
     else:
         _, page_size, num_kv_heads, _ = k_pages.shape
-    if q.dtype != jnp.bfloat16 or k_pages.dtype not in (jnp.bfloat16, *FP8_DTYPES):
+    if q.dtype not in DTYPES:
+        return f"dtypes {q.dtype}/{k_pages.dtype}: the kernel takes bfloat16 or float16 queries"
+    if k_pages.dtype in FP8_DTYPES:
+        # NOTE: the fp8 path (stages converted through registers) is built and tested for the
+        # head sizes of one 128-column chunk that Llama, Qwen and Mistral use.
+        if head_dim not in (64, 128):
+            return f"{head_dim=} with an fp8 cache: the kernel takes 64 or 128"
+    elif k_pages.dtype != q.dtype:
         return (
-            f"dtypes {q.dtype}/{k_pages.dtype}: the kernel takes bfloat16 queries over a "
-            "bfloat16 or fp8 (e4m3, e5m2) cache"
+            f"dtypes {q.dtype}/{k_pages.dtype}: the cache must be in the queries' dtype or fp8 "
+            "(e4m3, e5m2)"
         )
-    if head_dim not in (64, 128):
-        return f"{head_dim=}: the kernel takes 64 or 128"
+    if head_dim not in HEAD_DIMS:
+        return f"{head_dim=}: the kernel takes {', '.join(map(str, HEAD_DIMS))}"
     if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= 8:
         return f"{num_q_heads=}, {num_kv_heads=}: GQA ratio must be an integer in [1, 8]"
     if page_size % 8 or (page_size & (page_size - 1)):
@@ -157,8 +193,8 @@ def _attention_kernel(
     o_ref,  # [T, Hq, D] (q dtype) or f32[num_splits, T, Hq, D]
     lse_ref,  # f32[num_splits, T, Hq, LSE_COLS] or None
     q_smem,  # [ROWS, D] tiled for wgmma
-    kv_or_out,  # ((k_smem, v_smem) [num_stages, block_kv, D] tiled, o_smem [ROWS, D] untiled)
-    q_or_p,  # (q_raw [ROWS, D] untiled, p_smem [ROWS, block_kv] tiled)
+    kv_or_out,  # ((k_smem, v_smem) [num_stages, block_kv, D] tiled, o_smem [C, ROWS, D / C])
+    q_or_p,  # (q_raw [C, ROWS, D / C] untiled, p_smem [ROWS, block_kv] tiled)
     lse_smem,  # f32[ROWS, LSE_COLS] untiled, or None
     q_bar,
     k_bar,  # [num_stages]
@@ -185,7 +221,6 @@ def _attention_kernel(
     split = lax.axis_index("split")
     head = lax.axis_index("head")
     block_kv, stages = cfg.block_kv, cfg.num_stages
-    head_dim = q_smem.shape[-1]
     pages_per_seq = pages_ref.shape[1]
     rows_per_copy = min(page_size, block_kv)
     copies = block_kv // rows_per_copy
@@ -229,12 +264,17 @@ def _attention_kernel(
 
         # Tiled smem needs 8-aligned source rows, so Q lands untiled and is retiled through
         # registers (rows past G * block_q stay unused: their results are never stored).
+        # Untiled Q and O are kept in column chunks of at most 128 (C = num_cols of them):
+        # Mosaic GPU finds no register <-> smem transfer for untiled rows of 256 x 2 bytes.
+        num_cols, col_width = q_raw.shape[0], q_raw.shape[-1]
+        cols = [pl.ds(c * col_width, col_width) for c in range(num_cols)]
         for g in range(group):
-            plgpu.copy_gmem_to_smem(
-                q_ref.at[pl.ds(t0, block_q), head * group + g],
-                q_raw.at[pl.ds(g * block_q, block_q)],
-                q_bar,
-            )
+            for c in range(num_cols):
+                plgpu.copy_gmem_to_smem(
+                    q_ref.at[pl.ds(t0, block_q), head * group + g, cols[c]],
+                    q_raw.at[c, pl.ds(g * block_q, block_q)],
+                    q_bar,
+                )
 
         def lookup_pages(block):  # the page of each copy of KV block `block`
             pages = []
@@ -262,7 +302,13 @@ def _attention_kernel(
         for i in range(stages):
             pl.when(i < num_steps)(lambda i=i: issue(block_of(i), i, lookup_pages(block_of(i))))
         plgpu.barrier_wait(q_bar)
-        q_smem[...] = q_raw[...]
+        # NOTE: the register layout is given, so layout inference need not search for one.
+        for c in range(num_cols):
+            q_part = plgpu.layout_cast(q_raw[c], plgpu.Layout.WGMMA)
+            if num_cols == 1:
+                q_smem[...] = q_part
+            else:
+                q_smem[:, cols[c]] = q_part
         plgpu.commit_smem()
 
         row_ids = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
@@ -314,18 +360,29 @@ def _attention_kernel(
                 plgpu.commit_smem()  # P and the converted V
                 v_tile = v_deq
 
-            def pv_scope(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_tile)
+            def pv_scope(acc_ref, c):  # (an fp8 cache has one column chunk: v_tile is whole)
+                v = v_tile if num_cols == 1 else v_smem.at[slot, :, cols[c]]
+                plgpu.wgmma(acc_ref, p_smem, v)
                 return acc_ref[...]
 
-            pv = pl.run_scoped(pv_scope, plgpu.ACC((ROWS, head_dim), jnp.float32))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+            # NOTE: the accumulator is kept in column chunks of at most 128 and PV is computed a
+            # chunk at a time, so at head_dim 256 only half of a second f32 [64, D] array is live.
+            acc = tuple(
+                a * lax.broadcast_in_dim(alpha, a.shape, [0])
+                + pl.run_scoped(
+                    functools.partial(pv_scope, c=c), plgpu.ACC((ROWS, col_width), jnp.float32)
+                )
+                for c, a in enumerate(acc)
+            )
             pl.when(i + stages < num_steps)(lambda: issue(next_block, slot, next_pages))
             return acc, m_new, l_i
 
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         carry = (
-            plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+            tuple(
+                plgpu.layout_cast(jnp.zeros((ROWS, col_width), jnp.float32), plgpu.Layout.WGMMA)
+                for _ in range(num_cols)
+            ),
             plgpu.layout_cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), row_layout),
             plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout),
         )
@@ -336,14 +393,17 @@ def _attention_kernel(
 
         is_empty = l_i == 0.0
         inv_l = v_scale / jnp.where(is_empty, 1.0, l_i)
-        o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_smem.dtype)
+        for c, a in enumerate(acc):
+            o = (a * lax.broadcast_in_dim(inv_l, a.shape, [0])).astype(o_smem.dtype)
+            o_smem[c] = plgpu.layout_cast(o, plgpu.Layout.WGMMA)
         if lse_smem is not None:
             lse = jnp.where(is_empty, MASK_VALUE, m_i + jnp.log2(l_i))
             lse_smem[...] = lax.broadcast_in_dim(lse, lse_smem.shape, [0])
         plgpu.commit_smem()
-        outs = [(o_smem, o_ref.at[split] if lse_ref is not None else o_ref)]
+        o_dst = o_ref.at[split] if lse_ref is not None else o_ref
+        outs = [(o_smem.at[c], o_dst, cols[c]) for c in range(num_cols)]
         if lse_ref is not None:
-            outs.append((lse_smem, lse_ref.at[split]))
+            outs.append((lse_smem, lse_ref.at[split], slice(None)))
         for g in range(group):
             start = jnp.int32(0)
             chunk = block_q
@@ -351,10 +411,10 @@ def _attention_kernel(
                 # TMA boxes have static shapes: store `size` rows as a sum of powers of two.
                 @pl.when(size & chunk != 0)
                 def _(start=start, chunk=chunk, g=g):
-                    for src, dst in outs:
+                    for src, dst, col in outs:
                         plgpu.copy_smem_to_gmem(
                             src.at[pl.ds(g * block_q + start, chunk)],
-                            dst.at[pl.ds(t0 + start, chunk), head * group + g],
+                            dst.at[pl.ds(t0 + start, chunk), head * group + g, col],
                         )
 
                 start = start + (size & chunk)
@@ -438,8 +498,19 @@ def ragged_paged_attention(
 
     # jax 0.11.2: these subclass the Transform protocol without overriding transform_array,
     # whose body only raises, so mypy takes them for abstract classes; jax uses them as here.
-    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # type: ignore[abstract]
+    itemsize = jnp.dtype(q.dtype).itemsize
+    swizzle = swizzle_for(head_dim, itemsize)
+    tiled = (
+        plgpu.TilingTransform((8, swizzle // itemsize)),  # type: ignore[abstract]
+        plgpu.SwizzleTransform(swizzle),  # type: ignore[abstract]
+    )
     stages = config.num_stages
+    smem = smem_bytes(head_dim, itemsize, block_kv, stages)
+    if smem > SMEM_BYTES:
+        raise ValueError(
+            f"{head_dim=} with {block_kv=} and num_stages={stages} needs {smem:,} bytes of "
+            f"shared memory; the limit is {SMEM_BYTES:,}: lower block_kv or num_stages"
+        )
     o_dtype = jnp.float32 if is_split else q.dtype
     is_fp8 = k_pages.dtype in FP8_DTYPES
     is_scaled = k_scale is not None or v_scale is not None
@@ -451,15 +522,17 @@ def ragged_paged_attention(
         (stages, block_kv, head_dim), k_pages.dtype, transforms=() if is_fp8 else tiled
     )
     kv_deq = plgpu.SMEM((block_kv, head_dim), q.dtype, transforms=tiled) if is_fp8 else None
+    col_width = min(head_dim, 128)
+    num_cols = head_dim // col_width
     scratch = [
         plgpu.SMEM((ROWS, head_dim), q.dtype, transforms=tiled),
-        plgpu.RefUnion((kv_stage, kv_stage), plgpu.SMEM((ROWS, head_dim), o_dtype)),
+        plgpu.RefUnion((kv_stage, kv_stage), plgpu.SMEM((num_cols, ROWS, col_width), o_dtype)),
         plgpu.RefUnion(
-            plgpu.SMEM((ROWS, head_dim), q.dtype),
+            plgpu.SMEM((num_cols, ROWS, col_width), q.dtype),
             plgpu.SMEM((ROWS, block_kv), q.dtype, transforms=tiled),
         ),
         plgpu.SMEM((ROWS, LSE_COLS), jnp.float32) if is_split else None,
-        plgpu.Barrier(num_arrivals=group),
+        plgpu.Barrier(num_arrivals=group * num_cols),
         plgpu.Barrier(num_arrivals=block_kv // min(page_size, block_kv), num_barriers=stages),
         plgpu.Barrier(num_arrivals=block_kv // min(page_size, block_kv), num_barriers=stages),
         kv_deq,

@@ -162,3 +162,19 @@ def test_greedy_agreement_smoke(tmp_path, monkeypatch, capsys) -> None:
     assert result["positions"] == 2 * (20 + 8 - 1)
     assert 0.0 < result["logprob_error_mean"] < 0.2
     assert result["steps_margin_0.1"] > 0 and result["agreement_margin_0.1"] >= 0.8
+
+
+def test_bench_attention_tiers_smoke(tmp_path, monkeypatch, capsys) -> None:
+    """The tiers suite: the Triton kernel beside the reference, Mosaic GPU at head_dim 256."""
+    out = tmp_path / "tiers.json"
+    args = ["--smoke", "--suite", "tiers", "--out", str(out)]
+    with pytest.raises(SystemExit) as done:
+        run_script("benchmarks/bench_attention.py", args, monkeypatch)
+    assert done.value.code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["kernel"]) for r in rows] == [
+        ("4/2x64", "xla-reference"),
+        ("4/2x64", "triton"),
+        ("4/2x256", "mosaic"),
+    ]
+    assert rows[1]["rel_err"] < 1e-2 and rows[1]["wall_s"] > 0

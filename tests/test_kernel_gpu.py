@@ -35,14 +35,15 @@ class Case:
     sliding_window: int | None = None
     soft_cap: float | None = None
     head_major_kv: bool = False
+    dtype: str = "bfloat16"
     kv_dtype: Any = None  # an fp8 cache: k / k_scale and v / v_scale stored in this dtype
     k_scale: float = 0.02  # |k| < ~6: within e4m3's 448 after the scale
     v_scale: float = 0.03
 
 
 def make_inputs(rng: np.random.Generator, case: Case):
-    """Random bf16 q/k/v (the cache quantized to ``case.kv_dtype`` when set) and a shuffled
-    page table; unused table entries point at live pages."""
+    """Random q/k/v (case.dtype; the cache quantized to ``case.kv_dtype`` when set) and a
+    shuffled page table; unused table entries point at live pages."""
     page = case.page_size
     num_live = len(case.q_lens)
     num_slots = num_live + case.num_dead_slots
@@ -66,12 +67,13 @@ def make_inputs(rng: np.random.Generator, case: Case):
     q = rng.standard_normal((num_tokens, case.num_q_heads, case.head_dim))  # [T, Hq, D]
     k = rng.standard_normal(kv_shape)  # [P, page_size, Hkv, D]
     v = rng.standard_normal(kv_shape)
-    k, v = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
+    dtype = jnp.dtype(case.dtype)
+    k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
     if case.kv_dtype is not None:
         k = reference.quantize_kv(k, case.kv_dtype, case.k_scale)
         v = reference.quantize_kv(v, case.kv_dtype, case.v_scale)
     return (
-        jnp.asarray(q, jnp.bfloat16),
+        jnp.asarray(q, dtype),
         k,
         v,
         jnp.asarray(kv_lens),
@@ -135,7 +137,47 @@ CPU_CASES = [
          kv_dtype=jnp.float8_e4m3fn),
     Case("fp8_e5m2_split_window", (9, 1), (70, 100), 8, 2, 64, num_splits=2, sliding_window=40,
          soft_cap=30.0, kv_dtype=jnp.float8_e5m2, k_scale=0.5, v_scale=2.0),
+    # The other head sizes (smem swizzle 32 for 80, 64 for 96; 256 in column chunks) and fp16.
+    Case("d80_fp16", (1, 9), (20, 40), 4, 2, 80, num_pad_tokens=1, dtype="float16"),
+    Case("d96_split", (1, 9), (20, 40), 4, 2, 96, num_splits=2),
+    Case("d256_gemma", (9, 1), (40, 20), 2, 1, 256, sliding_window=16, soft_cap=30.0,
+         num_pad_tokens=2),
 ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "dtype", "num_splits"),
+    [(64, "bfloat16", 1), (80, "float16", 2), (96, "bfloat16", 1), (128, "float16", 2),
+     (256, "bfloat16", 1), (256, "float16", 2)],
+)  # fmt: skip
+def test_lowers_for_cuda(head_dim: int, dtype: str, num_splits: int):
+    """The full Mosaic GPU lowering (layout inference, wgmma and TMA checks) runs on the CPU."""
+    case = Case("lower", (1, 9), (20, 40), 4, 2, head_dim, dtype=dtype, num_splits=num_splits)
+    args = make_inputs(np.random.default_rng(0), case)
+    lowered = jax.jit(kernel_call(case, interpret=False)).trace(*args)
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_shared_memory_over_the_limit_is_refused():
+    case = Case("smem", (1,), (20,), 2, 1, 256)
+    args = make_inputs(np.random.default_rng(0), case)
+    config = gpu.KernelConfig(block_kv=128, num_stages=2)
+    with pytest.raises(ValueError, match=r"head_dim=256 with block_kv=128 .* the limit is 232,448"):
+        gpu.ragged_paged_attention(*args, **attention_kwargs(case), config=config, interpret=True)
+    assert gpu.smem_bytes(256, 2, 64, 2) <= gpu.SMEM_BYTES  # the default fits
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "why"),
+    [("float32", 128, "bfloat16 or float16"), ("bfloat16", 112, "head_dim=112"),
+     ("bfloat16", 48, "head_dim=48")],
+)  # fmt: skip
+def test_unsupported_reason_names_the_field(dtype: str, head_dim: int, why: str):
+    q = jax.ShapeDtypeStruct((1, 8, head_dim), jnp.dtype(dtype))
+    k_pages = jax.ShapeDtypeStruct((1, 16, 2, head_dim), jnp.dtype(dtype))
+    reason = gpu.unsupported_reason(q, k_pages, None, None)
+    assert reason is not None and why in reason
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
@@ -209,6 +251,14 @@ def _gpu_cases() -> list[Case]:
              kv_dtype=jnp.float8_e4m3fn),
         Case("fp8_llama_mixed_split3", (300, 1, 1, 77, 1), (300, 2049, 17, 500, 64), 32, 8, 128,
              num_splits=3, kv_dtype=jnp.float8_e4m3fn),
+        # Gemma-2-9B (16/8 heads, 256, window 4096, soft cap 50), Phi-3 (32/32, 96), fp16.
+        Case("gemma2_d256_mixed", (300, 1, 1, 77, 1), (300, 5000, 17, 500, 64), 16, 8, 256,
+             num_pad_tokens=7, sliding_window=4096, soft_cap=50.0),
+        Case("gemma2_d256_decode_split", (1,) * 6, ragged[:6], 16, 8, 256, num_splits=4),
+        Case("phi3_d96", (200, 1, 1), (1200, 700, 33), 32, 32, 96, sliding_window=512),
+        Case("d80_fp16_llama", (1,) * 24, ragged, 32, 8, 80, dtype="float16", num_pad_tokens=3),
+        Case("fp16_mixed", (300, 1, 1, 77, 1), (300, 2049, 17, 500, 64), 32, 8, 128,
+             dtype="float16"),
     ]  # fmt: skip
 
 

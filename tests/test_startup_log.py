@@ -162,20 +162,32 @@ def test_attention_line_names_the_reference_and_why_on_cpu():
 
 
 @pytest.mark.parametrize(
-    ("is_hopper", "dtype", "head_dim", "want"),
+    ("is_hopper", "env", "dtype", "head_dim", "want"),
     [
-        (True, jnp.bfloat16, 128, ("gpu", None)),
-        (False, jnp.bfloat16, 128, ("reference", "needs Hopper or newer")),
-        (True, jnp.float32, 128, ("reference", "the kernel takes bfloat16")),
-        (True, jnp.bfloat16, 96, ("reference", "head_dim=96")),
+        (True, None, jnp.bfloat16, 128, ("gpu", None)),
+        (True, None, jnp.float16, 256, ("gpu", None)),
+        (True, None, jnp.bfloat16, 96, ("gpu", None)),
+        (False, None, jnp.bfloat16, 128, ("triton", "needs Hopper or newer")),
+        (False, None, jnp.float16, 80, ("triton", "this GPU has 8.0")),
+        (True, None, jnp.bfloat16, 112, ("triton", "head_dim=112")),
+        (True, None, jnp.float32, 128, ("reference", "the Triton kernel does not run it either")),
+        (False, None, jnp.bfloat16, 288, ("reference", "multiples of 16 up to 256")),
+        (True, "triton", jnp.bfloat16, 128, ("triton", "JAXSERVE_ATTENTION=triton")),
+        (False, "mosaic", jnp.bfloat16, 128, ("reference", "JAXSERVE_ATTENTION=mosaic")),
+        (True, "reference", jnp.bfloat16, 128, ("reference", "JAXSERVE_ATTENTION=reference")),
+        (True, "Auto", jnp.bfloat16, 128, ("gpu", None)),
     ],
 )
 def test_choose_kernel_on_a_gpu_says_why_it_falls_back(
-    monkeypatch, is_hopper, dtype, head_dim, want
+    monkeypatch, is_hopper, env, dtype, head_dim, want
 ):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(pallas_kernels, "_is_hopper_or_newer", lambda: is_hopper)
     monkeypatch.setattr(pallas_kernels, "_compute_capability", lambda: "8.0")
+    if env is None:
+        monkeypatch.delenv("JAXSERVE_ATTENTION", raising=False)
+    else:
+        monkeypatch.setenv("JAXSERVE_ATTENTION", env)
     q = jax.ShapeDtypeStruct((1, 8, head_dim), dtype)
     k_pages = jax.ShapeDtypeStruct((1, 16, 2, head_dim), dtype)
     kernel, reason = pallas_kernels.choose_kernel(q, k_pages)
@@ -184,6 +196,27 @@ def test_choose_kernel_on_a_gpu_says_why_it_falls_back(
         assert reason is None
     else:
         assert want[1] in reason
+
+
+def test_attention_line_on_a_pre_hopper_gpu_names_the_triton_kernel(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(pallas_kernels, "_is_hopper_or_newer", lambda: False)
+    monkeypatch.setattr(pallas_kernels, "_compute_capability", lambda: "8.9")
+    monkeypatch.delenv("JAXSERVE_ATTENTION", raising=False)
+    config = ModelConfig.from_hf_dir(fixture_dir("gemma2"))
+    line = describe_attention(config, jnp.bfloat16, block_size=16, tensor_parallel_size=1)
+    assert line == (
+        "Attention: Pallas Triton kernel (the Mosaic GPU kernel needs Hopper or newer "
+        "(compute capability 9.0); this GPU has 8.9)"
+    )
+
+
+def test_attention_env_rejects_an_unknown_backend(monkeypatch):
+    monkeypatch.setenv("JAXSERVE_ATTENTION", "flash")
+    q = jax.ShapeDtypeStruct((1, 8, 64), jnp.bfloat16)
+    k_pages = jax.ShapeDtypeStruct((1, 16, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="JAXSERVE_ATTENTION='flash' must be one of auto, mosaic"):
+        pallas_kernels.choose_kernel(q, k_pages)
 
 
 def write_sharded_checkpoint(source: Path, target: Path, num_shards: int) -> int:

@@ -151,7 +151,9 @@ def describe_attention(
     tensor_parallel_size: int,
     kv_dtype: jnp.dtype | None = None,  # the cache's; None: dtype
 ) -> str:
-    """``Attention: Pallas Mosaic GPU kernel``, or the reference and why no kernel was taken."""
+    """``Attention: Pallas Mosaic GPU kernel``; or the path taken instead (the Pallas Triton
+    kernel below Hopper, the reference) and why, e.g. ``Attention: Pallas Triton kernel (the
+    Mosaic GPU kernel needs Hopper or newer (compute capability 9.0); this GPU has 8.0)``."""
     num_q_heads = max(1, model_config.num_q_heads // tensor_parallel_size)  # per device
     num_kv_heads = kv_heads_per_device(model_config.num_kv_heads, tensor_parallel_size)
     head_dim = model_config.head_dim

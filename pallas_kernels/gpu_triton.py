@@ -1,0 +1,313 @@
+"""Ragged paged attention as a Pallas Triton kernel: the tier for GPUs without Mosaic GPU.
+
+Same signature and semantics as ``pallas_kernels.reference.ragged_paged_attention``. Mosaic GPU
+needs Hopper (compute capability 9.0); on an A100, L4 or L40S this kernel runs instead of the
+jnp reference, through Pallas' Triton lowering (deprecated in jax 0.11 but shipped, and the
+only Pallas path that compiles for those GPUs). Setting ``JAXSERVE_ATTENTION=triton`` forces it
+on Hopper too, to measure it there (``pallas_kernels.choose_kernel``).
+
+Work decomposition. The tile plan is the Mosaic kernel's (``gpu.plan_tiles``): a tile is up to
+``block_q`` consecutive query tokens of one sequence. One program handles one tile for one KV
+head (and one KV split): its ``rows = block_q x Gp`` query rows (token-major, ``Gp`` = the GQA
+group rounded up to a power of two) are gathered straight from ``q`` with masked loads, then
+it walks the sequence's KV ``block_kv`` tokens a step, gathering each step's rows from the
+paged cache through the page table, with an online (flash) softmax in registers. Triton wants
+power-of-two tensor sizes, so head_dim is padded in registers (masked loads and stores, never
+in memory): 80 and 96 run as 128, and ``Gp`` rows per token cover a group of 3, 5 or 7.
+
+Small batches split the KV range ``num_splits`` ways; each split writes its partial output and
+log-sum-exp, and ``_merge_splits`` combines them in XLA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.gpu import max_tiles_for, plan_tiles
+
+LOG2E = math.log2(math.e)
+MASK_VALUE = -1e30  # finite, so fully masked rows never produce inf - inf
+DTYPES = (jnp.bfloat16, jnp.float16)
+MAX_GROUP = 16  # query heads per KV head
+DEFAULT_NUM_SMS = 108  # A100, when the device does not say
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonConfig:
+    """Static tuning knobs; ``None`` picks a value from the shapes."""
+
+    block_kv: int | None = None  # KV tokens a step: 64, or 32 for head_dim > 128
+    rows: int | None = None  # query rows per program: 16 for decode batches, else 64
+    num_splits: int | None = None
+    num_warps: int | None = None  # 4 for 16-row (decode) tiles, else 8
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_kv", "rows"):
+            value = getattr(self, name)
+            if value is not None and (value < 16 or value & (value - 1)):
+                raise ValueError(f"{name}={value} must be a power of two >= 16")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"{self.num_splits=} must be >= 1")
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"{self.num_warps=} must be 1, 2, 4, 8 or 16")
+        if not 1 <= self.num_stages <= 8:
+            raise ValueError(f"{self.num_stages=} must be in [1, 8]")
+
+
+def unsupported_reason(q, k_pages, sliding_window, soft_cap) -> str | None:
+    """Why this call cannot run on the kernel (the caller falls back to the reference)."""
+    del sliding_window, soft_cap  # both are handled in the kernel
+    _, num_q_heads, head_dim = q.shape
+    _, _, num_kv_heads, _ = k_pages.shape
+    if q.dtype not in DTYPES or k_pages.dtype != q.dtype:
+        return f"dtypes {q.dtype}/{k_pages.dtype}: the kernel takes bfloat16 or float16, both alike"
+    if head_dim % 16 or not 16 <= head_dim <= 256:
+        return f"{head_dim=}: the kernel takes multiples of 16 up to 256"
+    if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= MAX_GROUP:
+        return f"{num_q_heads=}, {num_kv_heads=}: GQA ratio must be an integer in [1, {MAX_GROUP}]"
+    return None
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the first device (A100 108, L4 58, L40S 142, H200 132)."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or DEFAULT_NUM_SMS)
+
+
+def default_num_splits(programs: int, max_kv: int, block_kv: int, sms: int) -> int:
+    """Split the KV length while the programs would fill fewer than two waves of the GPU."""
+    splits = 1
+    while programs * splits * 2 <= 2 * sms and max_kv >= 4 * splits * block_kv:
+        splits *= 2
+    return splits
+
+
+def _attention_kernel(
+    plan_ref,  # i32[5, max_tiles]: seq, first token, tokens, first position, kv_len
+    pages_ref,  # i32[S, pages_per_seq]
+    q_ref,  # [T, Hq, D]
+    k_ref,  # [P, page_size, Hkv, D]
+    v_ref,
+    o_ref,  # [T, Hq, Dp] (q dtype), or f32[num_splits, T, Hq, Dp]
+    lse_ref,  # f32[num_splits, T, Hq] or None
+    *,
+    rows: int,
+    group: int,
+    block_kv: int,
+    num_splits: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
+    tile, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_tokens, _, head_dim = q_ref.shape
+    num_pages, page_size, _, _ = k_ref.shape
+    pages_per_seq = pages_ref.shape[1]
+    padded_group = _next_pow2(group)
+    padded_dim = max(16, _next_pow2(head_dim))
+
+    seq = plan_ref[0, tile]
+    t0 = plan_ref[1, tile]
+    size = plan_ref[2, tile]
+    pos0 = plan_ref[3, tile]
+    kv_len = plan_ref[4, tile]
+
+    r = jnp.arange(rows, dtype=jnp.int32)  # i32[rows]  row = token * Gp + g
+    row_token = r // padded_group
+    row_g = r % padded_group
+    is_row = (row_token < size) & (row_g < group)  # bool[rows]
+    token = jnp.minimum(t0 + row_token, num_tokens - 1)  # i32[rows]
+    q_head = head * group + jnp.minimum(row_g, group - 1)  # i32[rows]
+    row_pos = pos0 + row_token  # i32[rows]
+    d = jnp.arange(padded_dim, dtype=jnp.int32)  # i32[Dp]
+    is_col = d < head_dim if padded_dim != head_dim else None  # bool[Dp]
+
+    def with_cols(mask):  # [n] row mask -> [n, Dp] element mask
+        mask = mask[:, None]
+        return mask if is_col is None else mask & is_col[None, :]
+
+    q = pltriton.load(
+        q_ref.at[token[:, None], q_head[:, None], d[None, :]],
+        mask=with_cols(is_row),
+        other=0.0,
+    )  # [rows, Dp]
+
+    pos_last = pos0 + size - 1
+    kv_hi = jnp.clip(pos_last + 1, 0, kv_len)
+    kb_lo = jnp.int32(0)
+    if sliding_window is not None:
+        kb_lo = jnp.clip(pos0 - sliding_window + 1, 0, kv_hi) // block_kv
+    num_blocks = jnp.where(size > 0, (kv_hi + block_kv - 1) // block_kv - kb_lo, 0)
+    s_lo = kb_lo + num_blocks * split // num_splits
+    s_hi = kb_lo + num_blocks * (split + 1) // num_splits
+
+    def step(block, carry):
+        acc, m_i, l_i = carry
+        kv_pos = block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # i32[block_kv]
+        is_kv = kv_pos < kv_hi
+        slot = jnp.minimum(kv_pos // page_size, pages_per_seq - 1)
+        page = pltriton.load(pages_ref.at[seq, slot], mask=is_kv, other=0)
+        page = jnp.clip(page, 0, num_pages - 1)[:, None]  # i32[block_kv, 1]
+        offset = (kv_pos % page_size)[:, None]
+        kv_mask = with_cols(is_kv)
+        k = pltriton.load(k_ref.at[page, offset, head, d[None, :]], mask=kv_mask, other=0.0)
+        s = pltriton.dot(q, k, trans_b=True)  # f32[rows, block_kv]
+        if soft_cap is not None:
+            s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2E)
+        else:
+            s = s * (sm_scale * LOG2E)
+        mask = (kv_pos[None, :] <= row_pos[:, None]) & is_kv[None, :]
+        if sliding_window is not None:
+            mask = mask & (kv_pos[None, :] > row_pos[:, None] - sliding_window)
+        s = jnp.where(mask, s, MASK_VALUE)
+        m_new = jnp.maximum(m_i, s.max(axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + p.sum(axis=1)
+        v = pltriton.load(v_ref.at[page, offset, head, d[None, :]], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v)
+        return acc, m_new, l_i
+
+    carry = (
+        jnp.zeros((rows, padded_dim), jnp.float32),
+        jnp.full((rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    acc, m_i, l_i = lax.fori_loop(s_lo, s_hi, step, carry)
+
+    is_empty = l_i == 0.0
+    out = acc / jnp.where(is_empty, 1.0, l_i)[:, None]
+    # NOTE: the output is padded to Dp (sliced in XLA), and a masked row stores to token T,
+    # past the end: no masked lane aliases a live element. The GPU never touches masked lanes;
+    # interpret mode writes every lane of a masked store back, so an alias could clobber one.
+    out_token = jnp.where(is_row, token, num_tokens)[:, None]  # i32[rows, 1]
+    if lse_ref is None:
+        o_view = o_ref.at[out_token, q_head[:, None], d[None, :]]
+    else:
+        o_view = o_ref.at[split, out_token, q_head[:, None], d[None, :]]
+        lse = jnp.where(is_empty, MASK_VALUE, m_i + jnp.log2(jnp.where(is_empty, 1.0, l_i)))
+        pltriton.store(lse_ref.at[split, out_token[:, 0], q_head], lse, mask=is_row)
+    pltriton.store(o_view, out.astype(o_ref.dtype), mask=is_row[:, None])
+
+
+def _merge_splits(
+    o_parts: jax.Array,  # f32[NS, T, Hq, Dp]
+    lse_parts: jax.Array,  # f32[NS, T, Hq]  log2-domain
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    out_dtype,
+) -> jax.Array:  # [T, Hq, D]
+    """Weight each split's partial output by its share of the softmax mass; rows past
+    cu_q_lens[num_seqs] were never written and come back as zeros."""
+    num_tokens = o_parts.shape[1]
+    weights = jnp.exp2(lse_parts - lse_parts.max(axis=0, keepdims=True))[..., None]
+    out = (weights * o_parts).sum(axis=0) / weights.sum(axis=0)
+    is_valid = jnp.arange(num_tokens, dtype=jnp.int32) < cu_q_lens[num_seqs[0]]  # bool[T]
+    return jnp.where(is_valid[:, None, None], out, 0.0).astype(out_dtype)
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [P, page_size, Hkv, D]
+    v_pages: jax.Array,  # [P, page_size, Hkv, D]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    config: TritonConfig = TritonConfig(),
+    interpret: bool = False,
+) -> jax.Array:  # [T, Hq, D], q's dtype
+    """Pallas Triton ragged paged attention; see the module docstring for the work layout."""
+    reason = unsupported_reason(q, k_pages, sliding_window, soft_cap)
+    if reason is not None:
+        raise ValueError(f"ragged_paged_attention on Pallas Triton: {reason}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"{sliding_window=} must be >= 1")
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    num_slots, pages_per_seq = page_indices.shape
+    group = num_q_heads // num_kv_heads
+    padded_group = _next_pow2(group)
+    # NOTE: a batch with no more tokens than sequences is (nearly) all decodes: 16 rows (the
+    # smallest tl.dot) waste the least; prefill chunks get 64 rows, to reuse each KV step more.
+    rows = config.rows or (16 if num_tokens <= num_slots else 64)
+    rows = max(rows, padded_group)
+    block_q = rows // padded_group
+    block_kv = config.block_kv or (64 if head_dim <= 128 else 32)
+    # NOTE: ptxas (Triton 3.9, sm_80) fits a 16-row tile in 116-123 registers with 4 warps at
+    # head_dim 128-256; a 64-row tile needs 8 warps (4 spill at head_dim 80 and 128).
+    num_warps = config.num_warps or (4 if rows <= 16 else 8)
+    max_tiles = max_tiles_for(num_tokens, num_slots, block_q)
+    num_splits = config.num_splits or default_num_splits(
+        max_tiles * num_kv_heads, pages_per_seq * page_size, block_kv, num_sms()
+    )
+    is_split = num_splits > 1
+    plan = plan_tiles(
+        cu_q_lens.astype(jnp.int32),
+        kv_lens.astype(jnp.int32),
+        num_seqs.astype(jnp.int32),
+        num_tokens=num_tokens,
+        block_q=block_q,
+        max_tiles=max_tiles,
+        with_padding=not is_split,
+    )
+    o_shape = (num_tokens, num_q_heads, max(16, _next_pow2(head_dim)))  # head_dim padded
+    out_shape: tuple[jax.ShapeDtypeStruct, ...]  # (o, lse) when split, else (o,)
+    if is_split:
+        out_shape = (
+            jax.ShapeDtypeStruct((num_splits, *o_shape), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, num_tokens, num_q_heads), jnp.float32),
+        )
+    else:
+        out_shape = (jax.ShapeDtypeStruct(o_shape, q.dtype),)
+    body = functools.partial(
+        _attention_kernel,
+        rows=rows,
+        group=group,
+        block_kv=block_kv,
+        num_splits=num_splits,
+        sm_scale=float(sm_scale),
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+    if not is_split:
+        body = _with_no_lse(body)
+    outs = pl.pallas_call(
+        body,
+        out_shape=out_shape,
+        grid=(max_tiles, num_kv_heads, num_splits),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_triton",
+    )(plan, page_indices.astype(jnp.int32), q, k_pages, v_pages)
+    if is_split:
+        out = _merge_splits(outs[0], outs[1], cu_q_lens, num_seqs, out_dtype=q.dtype)
+    else:
+        out = outs[0]
+    return out[..., :head_dim]
+
+
+def _with_no_lse(body):
+    """Adapt the kernel body to the single-output launch (no lse output)."""
+
+    def wrapped(plan, pages, q, k, v, o):
+        return body(plan, pages, q, k, v, o, None)
+
+    return wrapped

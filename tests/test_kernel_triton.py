@@ -1,0 +1,137 @@
+"""The Pallas Triton ragged paged attention kernel against the pure-jnp reference.
+
+On CPU (CI) the kernel runs in Pallas interpret mode on tiny shapes, and is lowered to Triton IR
+for an (abstract) A100. The ``gpu`` tests run it natively on any NVIDIA GPU over the same grid
+plus larger shapes, with the outputs poisoned before each run. Inputs, the page-table shuffle
+and the checks are those of the Mosaic GPU kernel's tests.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels import gpu_triton, reference
+from tests.test_kernel_gpu import Case, _poisoned_run, assert_matches, attention_kwargs, make_inputs
+
+# The Pallas Triton backend warns at lowering that it is deprecated (jax 0.11).
+DEPRECATED = "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
+
+# Tiny shapes: interpret mode runs every program in turn on the CPU.
+CPU_CASES = [
+    # Prefill chunks over cached pages next to decodes, padding rows and a dead slot.
+    Case("mixed_g4_d128", (1, 17, 1, 5), (1, 40, 16, 21), 4, 1, 128, num_pad_tokens=3,
+         num_dead_slots=1),
+    # head_dim 80 runs padded to 128 in registers; fp16; a decode batch (16-row tiles).
+    Case("decode_d80_fp16", (1, 1, 1), (15, 16, 17), 4, 2, 80, num_pad_tokens=2,
+         dtype="float16"),
+    # GQA group 3 padded to 4 rows per token; head_dim 96; a split KV range; page size 8.
+    Case("split_g3_d96", (1, 9, 1), (70, 9, 100), 6, 2, 96, num_splits=2, num_dead_slots=1,
+         page_size=8),
+    # Gemma's head_dim 256 with a sliding window and soft cap, three splits.
+    Case("window_softcap_d256", (20, 1), (90, 75), 4, 2, 256, sliding_window=24, soft_cap=30.0,
+         num_splits=3),
+    # A page size that is no power of two.
+    Case("g5_page7", (3, 1), (33, 31), 10, 2, 64, page_size=7, num_pad_tokens=1),
+]  # fmt: skip
+
+
+def kernel_call(case: Case, *, interpret: bool, block_kv: int | None = None):
+    config = gpu_triton.TritonConfig(num_splits=case.num_splits, block_kv=block_kv)
+
+    def call(*args):
+        return gpu_triton.ragged_paged_attention(
+            *args, **attention_kwargs(case), config=config, interpret=interpret
+        )
+
+    return call
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
+def test_interpret_matches_reference(case: Case):
+    seed = int(np.random.default_rng().integers(2**31))  # fresh inputs every run
+    args = make_inputs(np.random.default_rng(seed), case)
+    # 16-token KV steps: several steps per sequence even at these tiny lengths.
+    out = kernel_call(case, interpret=True, block_kv=16)(*args)
+    ref = reference.ragged_paged_attention(*args, **attention_kwargs(case))
+    assert_matches(case, out, ref, seed)
+
+
+@pytest.mark.filterwarnings(DEPRECATED)
+@pytest.mark.parametrize("case", CPU_CASES[:4], ids=lambda c: c.name)
+def test_lowers_to_triton_for_an_a100(case: Case):
+    """The Pallas -> Triton IR lowering (power-of-two tensors, gathers, masks) runs on the CPU;
+    only ptxas is left for the GPU."""
+    args = make_inputs(np.random.default_rng(0), case)
+    a100 = jax.sharding.AbstractDevice(device_kind="NVIDIA A100", num_cores=108, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=a100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        traced = jax.jit(kernel_call(case, interpret=False)).trace(*args)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+
+
+def test_config_and_shapes_are_validated():
+    with pytest.raises(ValueError, match="block_kv=48 must be a power of two >= 16"):
+        gpu_triton.TritonConfig(block_kv=48)
+    with pytest.raises(ValueError, match=r"self.num_warps=3 must be 1, 2, 4, 8 or 16"):
+        gpu_triton.TritonConfig(num_warps=3)
+    case = Case("g32", (1,), (5,), 32, 1, 64)
+    args = make_inputs(np.random.default_rng(0), case)
+    with pytest.raises(ValueError, match=r"GQA ratio must be an integer in \[1, 16\]"):
+        kernel_call(case, interpret=True)(*args)
+
+
+def test_default_splits_fill_the_gpu_only_when_needed():
+    assert gpu_triton.default_num_splits(512, 4096, 64, 132) == 1  # decode b=64 x 8 KV heads
+    assert gpu_triton.default_num_splits(8, 4096, 64, 132) == 32  # b=1: 256 programs
+    assert gpu_triton.default_num_splits(8, 128, 64, 132) == 1  # too short to split
+
+
+def _is_gpu() -> bool:
+    return jax.devices()[0].platform == "gpu"
+
+
+def _gpu_cases() -> list[Case]:
+    rng = np.random.default_rng(7)
+    ragged = tuple(int(x) for x in rng.integers(1, 3000, 24))
+    return CPU_CASES + [
+        Case("llama_decode_ragged", (1,) * 24, ragged, 32, 8, 128, num_pad_tokens=5,
+             num_dead_slots=3),
+        Case("llama_decode_split4", (1,) * 6, ragged[:6], 32, 8, 128, num_splits=4),
+        Case("llama_mixed", (300, 1, 1, 77, 1), (300, 2049, 17, 500, 64), 32, 8, 128,
+             num_pad_tokens=11),
+        Case("gemma2_d256_mixed", (300, 1, 1, 77, 1), (300, 5000, 17, 500, 64), 16, 8, 256,
+             sliding_window=4096, soft_cap=50.0),
+        Case("phi3_d96_fp16", (200, 1, 1), (1200, 700, 33), 32, 32, 96, sliding_window=512,
+             dtype="float16"),
+        Case("g7_d80_page32", (9, 1, 130), (9, 1000, 258), 7, 1, 80, page_size=32),
+    ]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings(DEPRECATED)
+@pytest.mark.skipif(not _is_gpu(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("case", _gpu_cases(), ids=lambda c: c.name)
+def test_native_matches_reference(case: Case):
+    seed = int(np.random.default_rng().integers(2**31))
+    args = make_inputs(np.random.default_rng(seed), case)
+    ref = jax.jit(lambda *a: reference.ragged_paged_attention(*a, **attention_kwargs(case)))(*args)
+    out = _poisoned_run(kernel_call(case, interpret=False), args, ref.shape, ref.dtype)
+    assert_matches(case, out, ref, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings(DEPRECATED)
+@pytest.mark.skipif(not _is_gpu(), reason="needs an NVIDIA GPU")
+def test_entry_point_runs_the_triton_kernel_when_forced(monkeypatch):
+    monkeypatch.setenv("JAXSERVE_ATTENTION", "triton")
+    case = CPU_CASES[0]
+    args = make_inputs(np.random.default_rng(), case)
+    kwargs = attention_kwargs(case)
+    jaxpr = jax.make_jaxpr(lambda *a: pallas_kernels.ragged_paged_attention(*a, **kwargs))(*args)
+    assert "ragged_paged_attention_triton" in str(jaxpr)
+    out = pallas_kernels.ragged_paged_attention(*args, **kwargs)
+    assert_matches(case, out, reference.ragged_paged_attention(*args, **kwargs))
