@@ -40,7 +40,16 @@ NUM_LONG = 20  # greedy steps after the long prompt (56 tokens): positions 56..7
 ORIGINAL_CONTEXT = 64  # the rope-scaled fixtures' original context, crossed by the long run
 SLIDING_WINDOW = 16  # the sliding-window fixtures' window, shorter than both prompts
 # The fixtures with a long generation in golden.npz.
-LONG_FIXTURES = ("gemma2", "gemma3", "phi3", "llama_linear", "llama_dynamic", "qwen2_yarn")
+LONG_FIXTURES = (
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "llama_linear",
+    "llama_dynamic",
+    "qwen2_yarn",
+    "mixtral",
+    "qwen3_moe",
+)
 MIN_MARGIN = 0.1  # top-1 minus top-2 logit at every greedy step
 LONG_MIN_MARGIN = 0.02  # the same over the long generation (fp32 parity is within 1e-4)
 MAX_SEED_TRIES = 256
@@ -245,6 +254,30 @@ def model_configs(
                 "factor": 4.0,
                 "original_max_position_embeddings": ORIGINAL_CONTEXT,
             },
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            sliding_window=None,
+        ),
+        # Mixtures of experts, top-2 routing. Mixtral: 4 experts on every layer, the picked
+        # weights renormalized. Qwen3-MoE: 8 experts of intermediate 16, raw softmax weights
+        # (norm_topk_prob false), layer 1 a dense MLP (mlp_only_layers).
+        "mixtral": transformers.MixtralConfig(
+            **{**common, "intermediate_size": 32},
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=False,
+            sliding_window=None,
+        ),
+        "qwen3_moe": transformers.Qwen3MoeConfig(
+            **small,
+            moe_intermediate_size=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
             tie_word_embeddings=True,
             use_sliding_window=False,
             sliding_window=None,

@@ -48,8 +48,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {field.hf_name: field.checkpoint_shape_for(config) for field in model_fields(config)}
     for layer in range(config.num_layers):
         prefix = HF_LAYER_PREFIX.format(layer=layer)
-        for field in layer_fields(config):
-            shapes[prefix + field.hf_name] = field.checkpoint_shape_for(config)
+        for field in layer_fields(config, layer):
+            for name in field.hf_names(config, prefix):
+                shapes[name] = field.checkpoint_shape_for(config)
     return shapes
 
 
@@ -168,17 +169,19 @@ def load_weights(
             progress.add(file, tensor.nbytes)
             return tensor
 
+        def read_field(field: WeightField, prefix: str) -> np.ndarray:
+            """One tensor in the field's layout; a per-expert field stacks its experts."""
+            parts = [field.from_hf(read(name), config) for name in field.hf_names(config, prefix)]
+            return parts[0] if not field.per_expert else np.stack(parts)
+
         layers = []
         for layer in range(config.num_layers):
             prefix = HF_LAYER_PREFIX.format(layer=layer)
             values = {
                 field.name: _place(
-                    field.from_hf(read(prefix + field.hf_name), config),
-                    dtype,
-                    ("layers", layer, field.name),
-                    placement,
+                    read_field(field, prefix), dtype, ("layers", layer, field.name), placement
                 )
-                for field in layer_fields(config)
+                for field in layer_fields(config, layer)
             }
             layers.append(LayerWeights(**values))
         outside: dict[str, Any] = {
@@ -213,7 +216,9 @@ def dummy_weights(
         return array if sharding is None else jax.device_put(array, sharding)
 
     layers = [
-        LayerWeights(**{f.name: make(("layers", layer, f.name), f) for f in layer_fields(config)})
+        LayerWeights(
+            **{f.name: make(("layers", layer, f.name), f) for f in layer_fields(config, layer)}
+        )
         for layer in range(config.num_layers)
     ]
     outside: dict[str, Any] = {f.name: make((f.name,), f) for f in model_fields(config)}

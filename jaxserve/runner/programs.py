@@ -32,11 +32,12 @@ def model_step(
     *,
     config: ModelConfig,
     attention_fn: llama.AttentionFn | None = None,
+    experts_fn: Any = None,  # moe.ExpertsFn: a mixture of experts' sharded experts
 ) -> tuple[KVCache, jax.Array]:
     # NOTE: the step returns only the hidden states; gathering each sequence's last row here
     # (so the sampler would depend on the sequence bucket alone) changed the step's fusions
     # and cost 4-8% of offline throughput on the H200.
-    return llama.forward(weights, kv_cache, batch, config, attention_fn)
+    return llama.forward(weights, kv_cache, batch, config, attention_fn, experts_fn)
 
 
 def shared_attention(attention_fn: Any) -> Any:

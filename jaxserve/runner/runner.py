@@ -75,7 +75,11 @@ class ModelRunner:
             _LOG.info(line)
         # Tensor parallelism: shardings from sharding.py; TP=1 keeps the plain program.
         self.tp = (
-            prepare_tp(model_config, config.tensor_parallel_size)
+            prepare_tp(
+                model_config,
+                config.tensor_parallel_size,
+                expert_parallel=config.enable_expert_parallel,
+            )
             if config.tensor_parallel_size > 1
             else None
         )
@@ -111,6 +115,7 @@ class ModelRunner:
                     model_step,
                     config=model_config,
                     attention_fn=shared_attention(self.tp.attention_fn),
+                    experts_fn=self.tp.experts_fn,
                 ),
                 in_shardings=in_shardings,
                 out_shardings=out_shardings,

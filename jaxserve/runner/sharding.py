@@ -15,6 +15,11 @@ The layout (Megatron-style, one mesh axis ``"tp"`` of N devices):
   vocab parallel   embed [V, H] on V; lm_head [H, V] on V (replicated when N does not divide V)
   replicated       the RMSNorm scales (attn_norm, mlp_norm, final_norm, q_norm, k_norm)
   KV cache         [P, page, K, D] on the KV-head axis
+  experts          (Mixtral, Qwen3-MoE) tensor parallel: experts_gate, experts_up [E, H, M] and
+                   experts_down [E, M, H] on M, every device a slice of every expert, one
+                   all-reduce; expert parallel (``--enable-expert-parallel``): on E, each
+                   device whole experts, tokens sent to their experts' devices and back by
+                   all-to-all (``moe.run_experts_all_to_all``). The router is replicated.
 
 KV heads and the query heads they serve must sit on the same device. With N <= K each device
 holds K / N KV heads. With N > K (more devices than KV heads) each KV head is replicated on
@@ -39,6 +44,7 @@ import pallas_kernels
 from jaxserve.config import ModelConfig
 from jaxserve.models.batch import KVCache
 from jaxserve.models.families import layer_fields, model_fields
+from jaxserve.models import moe
 from jaxserve.models.llama import AttentionFn, LayerWeights, Weights
 from jaxserve.models.weights import Placement
 
@@ -56,14 +62,29 @@ _KV_PAGES = P(None, None, KV_AXIS, None)  # k_pages, v_pages [P, page, K, D]
 # writes every shape in einsum letters: a dimension named here is split over that mesh axis,
 # the others are replicated. Query heads (N) and the MLP's intermediate dim (I) go on "tp",
 # KV heads (K) on the KV view; that gives the column / row / vocab parallel layout above.
-_SPLIT_DIMS = {"N": TP_AXIS, "I": TP_AXIS, "K": KV_AXIS}
+_SPLIT_DIMS = {"N": TP_AXIS, "I": TP_AXIS, "K": KV_AXIS, "M": TP_AXIS}
+# Expert parallelism: whole experts (E) on "tp" instead of slices of each (M).
+_EXPERT_PARALLEL_DIMS = {"N": TP_AXIS, "I": TP_AXIS, "K": KV_AXIS, "E": TP_AXIS}
 
 
-def validate_tensor_parallel_size(config: ModelConfig, tensor_parallel_size: int) -> None:
+def validate_tensor_parallel_size(
+    config: ModelConfig, tensor_parallel_size: int, expert_parallel: bool = False
+) -> None:
     """Raise ValueError (naming the values) for a degree the model's shapes cannot split into."""
     n = tensor_parallel_size
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"tensor_parallel_size={n!r} must be a positive integer")
+    if config.moe is not None:
+        if expert_parallel and config.moe.num_experts % n:
+            raise ValueError(
+                f"tensor_parallel_size={n} must divide num_experts={config.moe.num_experts} "
+                "under expert parallelism (each device holds whole experts)"
+            )
+        if not expert_parallel and config.moe.intermediate_size % n:
+            raise ValueError(
+                f"tensor_parallel_size={n} must divide moe_intermediate_size="
+                f"{config.moe.intermediate_size} (or pass --enable-expert-parallel)"
+            )
     if config.num_q_heads % n:
         raise ValueError(
             f"tensor_parallel_size={n} must divide num_q_heads={config.num_q_heads} "
@@ -127,21 +148,28 @@ def _spec(shape: str, split: dict[str, str]) -> P:
     return P(*(split.get(dim) for dim in shape))
 
 
-def layer_specs(config: ModelConfig) -> LayerWeights:
-    """PartitionSpecs of one layer, field for field (None where the model has no such tensor)."""
+def layer_specs(
+    config: ModelConfig, layer: int | None = None, expert_parallel: bool = False
+) -> LayerWeights:
+    """PartitionSpecs of layer ``layer`` (None: of any), field for field (None where the model
+    has no such tensor)."""
+    split = _EXPERT_PARALLEL_DIMS if expert_parallel else _SPLIT_DIMS
     # A pytree of specs in the weights' own dataclass (its leaves are specs, not arrays).
-    specs: dict[str, Any] = {f.name: _spec(f.shape, _SPLIT_DIMS) for f in layer_fields(config)}
+    specs: dict[str, Any] = {f.name: _spec(f.shape, split) for f in layer_fields(config, layer)}
     return LayerWeights(**specs)
 
 
-def weight_specs(config: ModelConfig, tensor_parallel_size: int) -> Weights:
+def weight_specs(
+    config: ModelConfig, tensor_parallel_size: int, expert_parallel: bool = False
+) -> Weights:
     """A ``Weights`` pytree of PartitionSpecs, parallel to the model's weights."""
     split = _SPLIT_DIMS
     # NOTE: jax shards only evenly; a vocabulary N does not divide stays replicated.
     if config.vocab_size % tensor_parallel_size == 0:
         split = split | {"V": TP_AXIS}
     specs: dict[str, Any] = {f.name: _spec(f.shape, split) for f in model_fields(config)}
-    return Weights(layers=[layer_specs(config)] * config.num_layers, **specs)
+    layers = [layer_specs(config, i, expert_parallel) for i in range(config.num_layers)]
+    return Weights(layers=layers, **specs)
 
 
 def _is_kv_spec(spec: P) -> bool:
@@ -178,6 +206,8 @@ class TensorParallel:
     kv_sharding: NamedSharding  # each layer's k_pages and v_pages [P, page, K, D]
     replicated: NamedSharding  # the batch, sampling inputs, hidden states
     attention_fn: AttentionFn  # the attention op under shard_map, for llama.forward
+    experts_fn: moe.ExpertsFn | None = None  # the experts under shard_map (None: dense model)
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.mesh.axis_names != (TP_AXIS,):
@@ -216,20 +246,61 @@ class TensorParallel:
         )
 
 
-def weight_shardings(mesh: Mesh, config: ModelConfig) -> Weights:
+def weight_shardings(mesh: Mesh, config: ModelConfig, expert_parallel: bool = False) -> Weights:
     """A ``Weights`` pytree of NamedShardings: KV-side specs on the KV view, the rest on "tp"."""
     view = kv_mesh(mesh, config.num_kv_heads)
     return jax.tree.map(
         lambda spec: NamedSharding(view if _is_kv_spec(spec) else mesh, spec),
-        weight_specs(config, mesh.devices.size),
+        weight_specs(config, mesh.devices.size, expert_parallel),
         is_leaf=lambda x: isinstance(x, P),
     )
 
 
-def weight_placement(mesh: Mesh, config: ModelConfig) -> Placement:
+def weight_placement(mesh: Mesh, config: ModelConfig, expert_parallel: bool = False) -> Placement:
     """The ``Placement`` to pass to ``load_weights`` / ``dummy_weights``."""
-    validate_tensor_parallel_size(config, mesh.devices.size)
-    return placement_from(weight_shardings(mesh, config))
+    validate_tensor_parallel_size(config, mesh.devices.size, expert_parallel)
+    return placement_from(weight_shardings(mesh, config, expert_parallel))
+
+
+def sharded_experts(mesh: Mesh, expert_parallel: bool) -> moe.ExpertsFn:
+    """``moe.run_experts`` over the mesh: tokens and routing replicated, experts split.
+
+    Tensor parallel: each device runs every row through its slice of M of each expert and the
+    partial outputs are summed (one all-reduce). Expert parallel: rows go to the device of
+    their expert and back by all-to-all (``moe.run_experts_all_to_all``).
+    """
+    if expert_parallel:
+        gate_up, down = P(TP_AXIS, None, None), P(TP_AXIS, None, None)
+    else:
+        gate_up, down = P(None, None, TP_AXIS), P(None, TP_AXIS, None)
+
+    def experts(
+        x: jax.Array,  # [T, H]
+        expert_ids: jax.Array,  # i32[T, k]
+        expert_weights: jax.Array,  # f32[T, k]
+        w_gate: jax.Array,  # [E, H, M]
+        w_up: jax.Array,  # [E, H, M]
+        w_down: jax.Array,  # [E, M, H]
+        *,
+        act: moe.Activation,
+    ) -> jax.Array:  # [T, H]
+        def local(*args: jax.Array) -> jax.Array:
+            if expert_parallel:
+                return moe.run_experts_all_to_all(*args, act=act, axis_name=TP_AXIS)
+            return jax.lax.psum(moe.run_experts(*args, act=act), TP_AXIS)
+
+        # NOTE: check_vma=False: the output is the same on every device (an all-gather or an
+        # all-reduce), which the specs state and the replication checker cannot see through
+        # the all-to-all.
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(), P(), P(), gate_up, gate_up, down),
+            out_specs=P(),
+            check_vma=False,
+        )(x, expert_ids, expert_weights, w_gate, w_up, w_down)
+
+    return experts
 
 
 def kv_cache_sharding(mesh: Mesh, config: ModelConfig) -> NamedSharding:
@@ -293,22 +364,27 @@ def prepare_tp(
     mesh: Mesh | None = None,
     devices: Sequence[jax.Device] | None = None,
     attention_fn: AttentionFn | None = None,
+    expert_parallel: bool = False,
 ) -> TensorParallel:
-    """The mesh (made here unless given), shardings and sharded attention for one model."""
+    """The mesh (made here unless given), shardings and sharded attention for one model;
+    ``expert_parallel`` splits a mixture of experts by whole experts."""
     if mesh is None:
         if tensor_parallel_size is None:
             raise ValueError("prepare_tp needs tensor_parallel_size or a mesh")
-        mesh = make_mesh(tensor_parallel_size, config, devices)
-    else:
-        validate_tensor_parallel_size(config, mesh.devices.size)
+        mesh = make_mesh(tensor_parallel_size, devices=devices)
+    validate_tensor_parallel_size(config, mesh.devices.size, expert_parallel)
     return TensorParallel(
         mesh=mesh,
         kv_mesh=kv_mesh(mesh, config.num_kv_heads),
         config=config,
-        weight_shardings=weight_shardings(mesh, config),
+        weight_shardings=weight_shardings(mesh, config, expert_parallel),
         kv_sharding=kv_cache_sharding(mesh, config),
         replicated=NamedSharding(mesh, P()),
         attention_fn=sharded_attention(
             attention_fn or pallas_kernels.ragged_paged_attention, mesh, config
         ),
+        experts_fn=sharded_experts(mesh, expert_parallel) if config.moe is not None else None,
+        # NOTE: as in vLLM, the flag changes only the layers with experts; a dense model
+        # runs as without it.
+        expert_parallel=expert_parallel and config.moe is not None,
     )
