@@ -428,8 +428,8 @@ def write_fixture(
     )
 
 
-# Values of the published config.json files (Meta-Llama-3-8B, Qwen3-8B, gemma-2-9b and the text
-# model of gemma-3-12b as a Gemma3ForCausalLM), in their key spelling.
+# Values of the published config.json files (Meta-Llama-3-8B, Qwen3-8B, gemma-2-9b, the text
+# model of gemma-3-12b as a Gemma3ForCausalLM, and Qwen3-30B-A3B), in their key spelling.
 BUILTIN = {
     "llama-3-8b": {
         "architectures": ["LlamaForCausalLM"],
@@ -542,6 +542,41 @@ BUILTIN = {
         "torch_dtype": "bfloat16",
         "use_cache": True,
         "vocab_size": 262208,
+    },
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "decoder_sparse_step": 1,
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 6144,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 48,
+        "mlp_only_layers": [],
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "num_attention_heads": 32,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 4,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
     },
 }
 
