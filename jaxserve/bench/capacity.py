@@ -15,7 +15,7 @@ import sys
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import DTYPES, EngineConfig, default_model_dir, weight_dtype
-from jaxserve.models.families import num_params
+from jaxserve.models.families import num_active_params, num_params
 from jaxserve.runner.capacity import (
     CPU_DEVICE_MEMORY_BYTES,
     DEVICE_MEMORY_BYTES,
@@ -191,6 +191,8 @@ def run_capacity(args: argparse.Namespace) -> int:
                     "kv_cache_tokens": cap.num_tokens,
                     "max_model_len": cap.max_model_len,
                     "max_concurrency": cap.max_concurrency,
+                    "num_params": num_params(config),
+                    "num_active_params": num_active_params(config),
                 },
                 indent=2,
             )
@@ -200,6 +202,12 @@ def run_capacity(args: argparse.Namespace) -> int:
         f"Model: {model_dir} ({config.model_type}, {human_count(num_params(config))} "
         f"parameters, {dtype} weights)"
     )
+    if config.moe is not None:
+        print(
+            f"Mixture of experts: {config.moe.num_experts} experts, {config.moe.top_k} per "
+            f"token; {human_count(num_active_params(config))} parameters active per token, "
+            "all experts' weights resident"
+        )
     print(
         f"Device memory: {memory / GiB:.2f} GiB x {args.memory_utilization:.0%} utilization, "
         f"tensor parallel {args.tensor_parallel_size}"
