@@ -162,6 +162,22 @@ def test_every_token_on_one_expert_and_experts_without_tokens() -> None:
     np.testing.assert_array_equal(got, again)
 
 
+def test_padding_tokens_run_no_expert() -> None:
+    """Tokens past ``num_valid_tokens`` (a bucket's padding) get no expert and output 0."""
+    config = CONFIGS["softmax_top2_norm"]
+    w = make_weights(config, seed=9, shared=False)
+    x = np.random.default_rng(10).normal(0, 1.0, (16, H))
+    got = moe.moe_block(
+        jnp.asarray(x, jnp.float32), to_jax(w), config, jax.nn.silu, num_valid_tokens=jnp.int32(5)
+    )
+    np.testing.assert_allclose(got[:5], numpy_moe(x[:5], w, config), rtol=2e-4, atol=2e-4)
+    np.testing.assert_array_equal(got[5:], 0.0)
+    _, ids = moe.route(jnp.asarray(x @ w["router"], jnp.float32), config)
+    order, sizes = moe.sort_by_expert(jnp.where(jnp.arange(16)[:, None] < 5, ids, 8), 8)
+    assert int(sizes.sum()) == 10  # the padding rows belong to no group
+    assert (np.asarray(order[:10]) // 2 < 5).all()
+
+
 def test_routing_changes_never_recompile() -> None:
     """One compiled program serves every routing: group sizes are data, not shapes."""
     config = CONFIGS["softmax_top2_raw"]

@@ -209,7 +209,7 @@ def forward(
         h = rms_norm(x, lw.mlp_norm, eps, gemma)
         experts = lw.moe_weights()
         if experts is not None and config.moe is not None:
-            mlp = moe.moe_block(h, experts, config.moe, act, experts_fn)
+            mlp = moe.moe_block(h, experts, config.moe, act, experts_fn, batch.cu_q_lens[-1])
         else:
             mlp = mlp_block(lw, h, act)
         if lw.post_mlp_norm is not None:

@@ -7,7 +7,10 @@ the model has one, adds a dense MLP over every token. Under expert parallelism t
 ``run_experts`` for ``run_experts_all_to_all`` inside ``shard_map`` (``runner/sharding.py``).
 
 Shapes are fixed by the token count alone: T tokens make T * top_k rows sorted by expert, and
-only the group sizes (data) change with the routing, so a new routing never recompiles.
+only the group sizes (data) change with the routing, so a new routing never recompiles. The
+padding tokens of a step's bucket get the expert id E, past every group: they sort last and
+no expert runs them (a decode step of one sequence in a 16-token bucket reads the weights of
+its own top_k experts only).
 
 Einsum letters: T tokens, H hidden, E experts, M expert intermediate, S shared-expert
 intermediate, R rows (T * top_k, one per token and chosen expert).
@@ -177,8 +180,9 @@ def run_experts_all_to_all(
     owner_starts = jnp.cumsum(owner_counts) - owner_counts  # i32[n]
     sorted_ids = expert_ids.reshape(-1)[order]  # i32[C]
     rows = x[order // top_k]  # [C, H]
-    owner = sorted_ids // num_local  # i32[C]
-    slot = jnp.arange(capacity) - owner_starts[owner]  # i32[C]  place within its owner's slot
+    owner = sorted_ids // num_local  # i32[C]; n for a padding token's rows
+    slot = jnp.arange(capacity) - owner_starts[jnp.minimum(owner, num_devices - 1)]  # i32[C]
+    # A padding row's owner n is out of bounds: the scatters drop it, it is sent nowhere.
     send = jnp.zeros((num_devices, capacity, x.shape[1]), x.dtype).at[owner, slot].set(rows)
     send_ids = jnp.full((num_devices, capacity), num_local, jnp.int32)  # num_local: empty
     send_ids = send_ids.at[owner, slot].set(sorted_ids % num_local)
@@ -196,7 +200,9 @@ def run_experts_all_to_all(
     out = out[inverse].reshape(num_devices, capacity, -1)  # [n, C, H] by source
 
     returned = jax.lax.all_to_all(out, axis_name, 0, 0, tiled=False)  # [n, C, H] by owner
-    mine = returned[owner, slot]  # [C, H]  in this device's expert order
+    mine = jnp.where(
+        (owner < num_devices)[:, None], returned[jnp.minimum(owner, num_devices - 1), slot], 0
+    )  # [C, H]  in this device's expert order
     local = combine(mine, order, expert_weights, x.dtype)  # [t, H]
     return jax.lax.all_gather(local, axis_name, axis=0, tiled=True)  # [T, H]
 
@@ -223,11 +229,16 @@ def moe_block(
     config: MoeConfig,
     act: Activation,
     experts_fn: ExpertsFn | None = None,
+    num_valid_tokens: jax.Array | None = None,  # i32[]  the rest of x is a bucket's padding
 ) -> jax.Array:  # [T, H]
     """The experts' MLP of one layer: route, run each token's experts, add the shared one."""
     experts_fn = experts_fn or run_experts
     logits = jnp.einsum("TH,HE->TE", x, weights.router, preferred_element_type=jnp.float32)
     expert_weights, expert_ids = route(logits.astype(jnp.float32), config, weights.router_bias)
+    if num_valid_tokens is not None:  # padding: expert E (no group), weight 0
+        is_valid = (jnp.arange(x.shape[0]) < num_valid_tokens)[:, None]  # bool[T, 1]
+        expert_ids = jnp.where(is_valid, expert_ids, config.num_experts)
+        expert_weights = jnp.where(is_valid, expert_weights, 0.0)
     out = experts_fn(
         x, expert_ids, expert_weights, weights.w_gate, weights.w_up, weights.w_down, act=act
     )
