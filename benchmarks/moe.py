@@ -89,9 +89,7 @@ def time_experts(runner, config: ModelConfig, batches: list[int], iters: int) ->
     weights = layer.moe_weights()
     assert config.moe is not None and weights is not None
     per_expert_bytes, _ = expert_bytes(config, runner.dtype.itemsize)
-    fn = jax.jit(
-        lambda x, w, n: moe.moe_block(x, w, config.moe, jax.nn.silu, num_valid_tokens=n)
-    )
+    fn = jax.jit(lambda x, w, n: moe.moe_block(x, w, config.moe, jax.nn.silu, num_valid_tokens=n))
     rows = []
     rng = np.random.default_rng(0)
     for batch in batches:
@@ -238,7 +236,8 @@ def run_hf(args: argparse.Namespace) -> dict:
 
 def print_table(result: dict, args: argparse.Namespace) -> None:
     js = result["jaxserve"]
-    print(f"\n{Path(args.model).name}, {args.load_format} weights, decode at context {args.context}")
+    name = Path(args.model).name
+    print(f"\n{name}, {args.load_format} weights, decode at context {args.context}")
     print(
         f"{'batch':>5} {'experts':>7} {'GB/step':>8} {'device ms':>9} {'wall ms':>8} "
         f"{'floor ms':>8} {'roofline':>8} {'tok/s':>9}"
@@ -249,7 +248,8 @@ def print_table(result: dict, args: argparse.Namespace) -> None:
             f"{r['device_ms']:9.2f} {r['wall_ms']:8.2f} {r['floor_ms']:8.2f} {r['mbu']:8.1%} "
             f"{r['tokens_per_s']:9.1f}"
         )
-    print(f"\n{'batch':>5} {'experts':>7} {'layer us':>9} {'floor us':>8} {'roofline':>8}  lowering")
+    header = f"{'batch':>5} {'experts':>7} {'layer us':>9} {'floor us':>8} {'roofline':>8}"
+    print(f"\n{header}  lowering")
     for r in js["experts"]:
         print(
             f"{r['batch']:5d} {r['experts_touched']:7d} {r['device_us']:9.1f} "

@@ -343,7 +343,8 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         sliding_window = hf.get("sliding_window")
-        if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
+        qwen = model_type in ("qwen2", "qwen3", "qwen3_moe")
+        if qwen and not hf.get("use_sliding_window", False):
             sliding_window = None
         is_gemma = model_type in GEMMA_MODEL_TYPES
         layer_types: tuple[str, ...] = ()

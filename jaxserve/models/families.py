@@ -334,9 +334,7 @@ def num_active_params(config: ModelConfig, *, include_embedding: bool = True) ->
         return total
     idle = config.moe.num_experts - config.moe.top_k
     per_expert = sum(
-        math.prod(field.shape_for(config)[1:])
-        for field in layer_fields(config)
-        if field.per_expert
+        math.prod(field.shape_for(config)[1:]) for field in layer_fields(config) if field.per_expert
     )
     num_moe_layers = sum(config.is_moe_layer(layer) for layer in range(config.num_layers))
     return total - num_moe_layers * idle * per_expert

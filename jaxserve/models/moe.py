@@ -65,9 +65,8 @@ def route(
         grouped = choice.reshape(num_tokens, config.n_group, num_experts // config.n_group)
         group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # f32[T, G]
         kept = jax.lax.top_k(group_scores, config.topk_group)[1]  # i32[T, topk_group]
-        is_kept = jnp.zeros(group_scores.shape, bool).at[
-            jnp.arange(num_tokens)[:, None], kept
-        ].set(True)  # bool[T, G]
+        rows = jnp.arange(num_tokens)[:, None]
+        is_kept = jnp.zeros(group_scores.shape, bool).at[rows, kept].set(True)  # bool[T, G]
         is_kept = jnp.repeat(is_kept, num_experts // config.n_group, axis=1)  # bool[T, E]
         choice = jnp.where(is_kept, choice, -jnp.inf)
     ids = jax.lax.top_k(choice, config.top_k)[1]  # i32[T, k]
@@ -127,6 +126,11 @@ def run_experts(
     return combine(out, order, expert_weights, x.dtype)
 
 
+def inverse_permutation(order: jax.Array) -> jax.Array:  # i32[R] -> i32[R]
+    """Where each row went: ``inverse[order[i]] == i``."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
 def combine(
     out: jax.Array,  # [R, H]  in expert order
     order: jax.Array,  # i32[R]  the token row (token * k + slot) of each
@@ -137,8 +141,7 @@ def combine(
     num_tokens, top_k = expert_weights.shape
     # NOTE: the inverse permutation and a gather, not a scatter-add: the sum over k is then in
     # slot order, the same on every device and every run.
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    per_slot = out[inverse].reshape(num_tokens, top_k, -1)  # [T, k, H]
+    per_slot = out[inverse_permutation(order)].reshape(num_tokens, top_k, -1)  # [T, k, H]
     weighted = per_slot.astype(jnp.float32) * expert_weights[..., None]
     return weighted.sum(1).astype(dtype)
 
@@ -194,10 +197,8 @@ def run_experts_all_to_all(
     local_sizes = jnp.zeros(num_local, jnp.int32).at[received_ids].add(1, mode="drop")
     local_rows = received.reshape(-1, x.shape[1])[local_order]  # [n * C, H]
     out = expert_mlp(local_rows, local_sizes, w_gate, w_up, w_down, act)  # [n * C, H]
-    inverse = jnp.zeros_like(local_order).at[local_order].set(
-        jnp.arange(local_order.shape[0], dtype=jnp.int32)
-    )
-    out = out[inverse].reshape(num_devices, capacity, -1)  # [n, C, H] by source
+    out = out[inverse_permutation(local_order)]  # [n * C, H] as received
+    out = out.reshape(num_devices, capacity, -1)  # [n, C, H] by source
 
     returned = jax.lax.all_to_all(out, axis_name, 0, 0, tiled=False)  # [n, C, H] by owner
     mine = jnp.where(

@@ -42,9 +42,9 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from jaxserve.config import ModelConfig
+from jaxserve.models import moe
 from jaxserve.models.batch import KVCache
 from jaxserve.models.families import layer_fields, model_fields
-from jaxserve.models import moe
 from jaxserve.models.llama import AttentionFn, LayerWeights, Weights
 from jaxserve.models.weights import Placement
 
