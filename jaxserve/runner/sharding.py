@@ -15,11 +15,9 @@ The layout (Megatron-style, one mesh axis ``"tp"`` of N devices):
   vocab parallel   embed [V, H] on V; lm_head [H, V] on V (replicated when N does not divide V)
   replicated       the RMSNorm scales (attn_norm, mlp_norm, final_norm, q_norm, k_norm)
   KV cache         [P, page, K, D] on the KV-head axis
-  experts          (Mixtral, Qwen3-MoE) tensor parallel: experts_gate, experts_up [E, H, M] and
-                   experts_down [E, M, H] on M, every device a slice of every expert, one
-                   all-reduce; expert parallel (``--enable-expert-parallel``): on E, each
-                   device whole experts, tokens sent to their experts' devices and back by
-                   all-to-all (``moe.run_experts_all_to_all``). The router is replicated.
+  experts          [E, H, M], [E, M, H] on M (a slice of each expert, one all-reduce), or with
+                   --enable-expert-parallel on E (whole experts, tokens sent by all-to-all:
+                   expert_parallel.py); the router replicated
 
 KV heads and the query heads they serve must sit on the same device. With N <= K each device
 holds K / N KV heads. With N > K (more devices than KV heads) each KV head is replicated on
@@ -47,6 +45,7 @@ from jaxserve.models.batch import KVCache
 from jaxserve.models.families import layer_fields, model_fields
 from jaxserve.models.llama import AttentionFn, LayerWeights, Weights
 from jaxserve.models.weights import Placement
+from jaxserve.runner.expert_parallel import sharded_experts
 
 TP_AXIS = "tp"
 KV_AXIS = "kv"  # KV-head groups, on the KV view of the mesh
@@ -262,47 +261,6 @@ def weight_placement(mesh: Mesh, config: ModelConfig, expert_parallel: bool = Fa
     return placement_from(weight_shardings(mesh, config, expert_parallel))
 
 
-def sharded_experts(mesh: Mesh, expert_parallel: bool) -> moe.ExpertsFn:
-    """``moe.run_experts`` over the mesh: tokens and routing replicated, experts split.
-
-    Tensor parallel: each device runs every row through its slice of M of each expert and the
-    partial outputs are summed (one all-reduce). Expert parallel: rows go to the device of
-    their expert and back by all-to-all (``moe.run_experts_all_to_all``).
-    """
-    if expert_parallel:
-        gate_up, down = P(TP_AXIS, None, None), P(TP_AXIS, None, None)
-    else:
-        gate_up, down = P(None, None, TP_AXIS), P(None, TP_AXIS, None)
-
-    def experts(
-        x: jax.Array,  # [T, H]
-        expert_ids: jax.Array,  # i32[T, k]
-        expert_weights: jax.Array,  # f32[T, k]
-        w_gate: jax.Array,  # [E, H, M]
-        w_up: jax.Array,  # [E, H, M]
-        w_down: jax.Array,  # [E, M, H]
-        *,
-        act: moe.Activation,
-    ) -> jax.Array:  # [T, H]
-        def local(*args: jax.Array) -> jax.Array:
-            if expert_parallel:
-                return moe.run_experts_all_to_all(*args, act=act, axis_name=TP_AXIS)
-            return jax.lax.psum(moe.run_experts(*args, act=act), TP_AXIS)
-
-        # NOTE: check_vma=False: the output is the same on every device (an all-gather or an
-        # all-reduce), which the specs state and the replication checker cannot see through
-        # the all-to-all.
-        return jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(P(), P(), P(), gate_up, gate_up, down),
-            out_specs=P(),
-            check_vma=False,
-        )(x, expert_ids, expert_weights, w_gate, w_up, w_down)
-
-    return experts
-
-
 def kv_cache_sharding(mesh: Mesh, config: ModelConfig) -> NamedSharding:
     """[P, page, K, D] split on K; replicated per KV head when the mesh has more devices."""
     return NamedSharding(kv_mesh(mesh, config.num_kv_heads), _KV_PAGES)
@@ -383,8 +341,9 @@ def prepare_tp(
         attention_fn=sharded_attention(
             attention_fn or pallas_kernels.ragged_paged_attention, mesh, config
         ),
-        experts_fn=sharded_experts(mesh, expert_parallel) if config.moe is not None else None,
-        # NOTE: as in vLLM, the flag changes only the layers with experts; a dense model
-        # runs as without it.
+        experts_fn=(
+            sharded_experts(mesh, TP_AXIS, expert_parallel) if config.moe is not None else None
+        ),
+        # NOTE: as in vLLM, the flag changes only the layers with experts.
         expert_parallel=expert_parallel and config.moe is not None,
     )
