@@ -27,6 +27,7 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
@@ -343,7 +344,7 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         sliding_window = hf.get("sliding_window")
-        qwen = model_type in ("qwen2", "qwen3", "qwen3_moe")
+        qwen = model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
         if qwen and not hf.get("use_sliding_window", False):
             sliding_window = None
         is_gemma = model_type in GEMMA_MODEL_TYPES
@@ -364,7 +365,9 @@ class ModelConfig:
             rope_scaling=_rope_scaling(rope, hf),
             max_position_embeddings=hf.get("max_position_embeddings") or 4096,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+            attention_bias=model_type == "qwen2"
+            or bool(hf.get("attention_bias", False))
+            or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
             qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             sliding_window=sliding_window,
             bos_token_id=hf.get("bos_token_id"),
@@ -382,9 +385,10 @@ class ModelConfig:
 
 def _moe_config(hf: dict[str, Any]) -> MoeConfig | None:
     """The experts of Mixtral (every layer, renormalized top-k) and Qwen3-MoE (sparse every
-    ``decoder_sparse_step``-th layer except ``mlp_only_layers``); None for a dense model."""
+    ``decoder_sparse_step``-th layer except ``mlp_only_layers``), and Qwen2-MoE (Qwen3-MoE's
+    layers and a shared expert behind a sigmoid gate); None for a dense model."""
     model_type = hf["model_type"]
-    if model_type not in ("mixtral", "qwen3_moe"):
+    if model_type not in ("mixtral", "qwen3_moe", "qwen2_moe"):
         return None
     num_experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
     top_k = hf.get("num_experts_per_tok") or 0
@@ -400,6 +404,10 @@ def _moe_config(hf: dict[str, Any]) -> MoeConfig | None:
         hf.get("moe_intermediate_size") or 0,
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         dense_layers=dense,
+        shared_intermediate_size=(
+            hf.get("shared_expert_intermediate_size") or 0 if model_type == "qwen2_moe" else 0
+        ),
+        has_shared_gate=model_type == "qwen2_moe",
     )
 
 

@@ -49,6 +49,7 @@ LONG_FIXTURES = (
     "qwen2_yarn",
     "mixtral",
     "qwen3_moe",
+    "qwen2_moe",
 )
 MIN_MARGIN = 0.1  # top-1 minus top-2 logit at every greedy step
 LONG_MIN_MARGIN = 0.02  # the same over the long generation (fp32 parity is within 1e-4)
@@ -279,6 +280,21 @@ def model_configs(
             mlp_only_layers=[1],
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
             tie_word_embeddings=True,
+            use_sliding_window=False,
+            sliding_window=None,
+        ),
+        # A shared expert (intermediate 48) behind its sigmoid gate beside 4 routed experts,
+        # top-2; experts on every second layer (decoder_sparse_step 2: layer 1), q/k/v biases.
+        "qwen2_moe": transformers.Qwen2MoeConfig(
+            **common,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=48,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            decoder_sparse_step=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=False,
             use_sliding_window=False,
             sliding_window=None,
         ),

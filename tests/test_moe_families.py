@@ -1,7 +1,8 @@
-"""Mixtral and Qwen3-MoE: their configs, their expert weights, one server over HTTP, and expert
-parallelism (2 and 4 virtual CPU devices give the same tokens as 1). Prefill, chunked prefill,
-decode and the long generation through ``LLM`` against transformers are the family-generic
-tests of test_model_parity.py and test_model_families.py (``MOE_FAMILIES`` in conftest)."""
+"""Mixtral, Qwen3-MoE and Qwen2-MoE: their configs, their expert weights, one server over HTTP,
+and expert parallelism (2 and 4 virtual CPU devices give the same tokens as 1). Prefill,
+chunked prefill, decode and the long generation through ``LLM`` against transformers are the
+family-generic tests of test_model_parity.py and test_model_families.py (``MOE_FAMILIES`` in
+conftest)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,10 @@ def test_qwen3_moe_sparse_step_and_mlp_only_layers_pick_the_expert_layers() -> N
     assert every.moe is not None and every.moe.dense_layers == () and every.moe.norm_topk_prob
     fixture = ModelConfig.from_hf_dir(fixture_dir("qwen3_moe"))
     assert fixture.moe is not None and fixture.moe.dense_layers == (1,) and fixture.qk_norm
+    qwen2 = ModelConfig.from_hf_dir(fixture_dir("qwen2_moe"))
+    assert qwen2.moe is not None and qwen2.moe.dense_layers == (0,)  # decoder_sparse_step 2
+    assert qwen2.moe.shared_intermediate_size == 48 and qwen2.moe.has_shared_gate
+    assert qwen2.attention_bias  # qkv_bias
     mixtral = ModelConfig.from_hf_dir(fixture_dir("mixtral"))
     assert mixtral.moe is not None and mixtral.moe.norm_topk_prob
     assert (mixtral.moe.num_experts, mixtral.moe.top_k, mixtral.moe.intermediate_size) == (4, 2, 32)
@@ -99,6 +104,9 @@ def test_expert_specs_split_slices_or_whole_experts() -> None:
     assert tuple(tp.experts_down) == (None, "tp", None)
     assert (tuple(ep.experts_gate), tuple(ep.experts_down)) == (("tp", None, None),) * 2
     assert tuple(tp.router) == (None, None)  # the router is replicated
+    shared = layer_specs(ModelConfig.from_hf_dir(fixture_dir("qwen2_moe")), 1, True)
+    assert (tuple(shared.shared_gate), tuple(shared.shared_down)) == ((None, "tp"), ("tp", None))
+    assert tuple(shared.shared_router) == (None, None)
     assert tuple(layer_specs(config, 1).w_gate) == (None, "tp")  # the dense layer
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide num_experts=8"):
         validate_tensor_parallel_size(
@@ -182,7 +190,7 @@ EXPERT_PARALLEL_SCRIPT = textwrap.dedent("""
     from jaxserve import SamplingParams
     for family, tp, ep in [("qwen3_moe", 1, False), ("qwen3_moe", 2, True),
                            ("qwen3_moe", 4, True), ("qwen3_moe", 2, False),
-                           ("mixtral", 4, True)]:
+                           ("mixtral", 4, True), ("qwen2_moe", 2, True)]:
         golden = np.load(f"tests/fixtures/models/{family}/golden.npz")
         llm = jaxserve.LLM(f"tests/fixtures/models/{family}", tensor_parallel_size=tp,
                            enable_expert_parallel=ep, max_model_len=128, max_num_seqs=4,
@@ -192,7 +200,7 @@ EXPERT_PARALLEL_SCRIPT = textwrap.dedent("""
         prompt = {"prompt_token_ids": golden["prompt2_ids"].tolist()}
         params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)
         out = llm.generate(prompt, params)[0].outputs[0]
-        layer = runner.weights.layers[0]
+        layer = next(w for w in runner.weights.layers if w.router is not None)
         experts = runner.tp.experts_fn if runner.tp is not None else None
         jaxpr = ""
         if experts is not None:
@@ -228,7 +236,7 @@ def test_expert_parallel_gives_the_tokens_of_one_device() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = [json.loads(line) for line in proc.stdout.strip().splitlines()]
-    assert len(runs) == 5
+    assert len(runs) == 6
     for run in runs:
         golden = np.load(fixture_dir(run["family"]) / "golden.npz")
         assert run["tokens"] == golden["long_greedy_ids"].tolist(), run
@@ -242,6 +250,23 @@ def test_expert_parallel_gives_the_tokens_of_one_device() -> None:
         ("qwen3_moe", 4, True, [2, 64, 16]),
         ("qwen3_moe", 2, False, [8, 64, 8]),  # a slice of every expert
         ("mixtral", 4, True, [1, 64, 32]),
+        ("qwen2_moe", 2, True, [2, 64, 16]),  # and a shared expert, split like a dense MLP
     ]
-    assert [r["all_to_all"] > 0 for r in runs] == [False, True, True, False, True]
+    assert [r["all_to_all"] > 0 for r in runs] == [False, True, True, False, True, True]
     assert runs[3]["psum"] > 0
+
+
+def test_startup_log_names_the_experts_and_how_they_are_split() -> None:
+    from jaxserve.runner.devices import describe_experts
+
+    qwen2 = ModelConfig.from_hf_dir(fixture_dir("qwen2_moe"))
+    one = EngineConfig(model=str(fixture_dir("qwen2_moe")))
+    assert describe_experts(qwen2, one) == (
+        "Experts: 4, 2 per token (jax.lax.ragged_dot), a shared expert"
+    )
+    ep = EngineConfig(tensor_parallel_size=4, enable_expert_parallel=True)
+    qwen3 = ModelConfig.from_hf_dir(builtin_config_dir("qwen3-30b-a3b"))
+    assert describe_experts(qwen3, ep) == (
+        "Experts: 128, 8 per token (jax.lax.ragged_dot), expert parallel over 4"
+    )
+    assert describe_experts(ModelConfig.from_hf_dir(fixture_dir("llama")), one) is None

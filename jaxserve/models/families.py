@@ -8,7 +8,8 @@ layout (``runner/sharding.py``, which maps the letters to mesh axes) all read th
 new weight is one row here plus its attribute in ``LayerWeights`` or ``Weights``.
 
 Shapes are written in the einsum letters of ``llama.py``: H hidden, N query heads, K kv heads,
-D head dim, I intermediate, V vocab; and of ``moe.py``: E experts, M an expert's intermediate.
+D head dim, I intermediate, V vocab; and of ``moe.py``: E experts, M an expert's intermediate,
+S the shared expert's intermediate, O one (the shared expert's gate).
 
 A mixture of experts' expert tensors are one checkpoint tensor per expert (``per_expert``:
 ``{expert}`` in the name), stacked on a leading E axis; ``mlp`` says whether a row belongs to
@@ -44,6 +45,8 @@ def dim_sizes(config: ModelConfig) -> dict[str, int]:
         "V": config.vocab_size,
         "E": config.moe.num_experts if config.moe else 0,
         "M": config.moe.intermediate_size if config.moe else 0,
+        "S": config.moe.shared_intermediate_size if config.moe else 0,
+        "O": 1,
     }
 
 
@@ -275,6 +278,20 @@ QWEN3_MOE_LAYER_FIELDS = _moe_layer_fields(
     LLAMA_LAYER_FIELDS, "mlp", "gate_proj", "up_proj", "down_proj"
 )
 MIXTRAL_LAYER_FIELDS = _moe_layer_fields(LLAMA_LAYER_FIELDS, "block_sparse_moe", "w1", "w3", "w2")
+# Qwen2-MoE: Qwen2's attention (q/k/v biases), Qwen3-MoE's experts, and a shared expert every
+# token goes through, its output times sigmoid(x @ shared_expert_gate).
+QWEN2_MOE_LAYER_FIELDS = (
+    *_moe_layer_fields(LLAMA_LAYER_FIELDS, "mlp", "gate_proj", "up_proj", "down_proj"),
+    *(
+        WeightField(name, f"mlp.{hf}.weight", hf_shape, shape, transpose=True, mlp="moe")
+        for name, hf, hf_shape, shape in (
+            ("shared_gate", "shared_expert.gate_proj", ("S", "H"), "HS"),
+            ("shared_up", "shared_expert.up_proj", ("S", "H"), "HS"),
+            ("shared_down", "shared_expert.down_proj", ("H", "S"), "SH"),
+            ("shared_router", "shared_expert_gate", ("O", "H"), "HO"),
+        )
+    ),
+)
 
 # model_type -> (layer table, model table). Every family's fields are LayerWeights' fields in
 # their order; a field a family never has is left out of its table.
@@ -288,6 +305,7 @@ FAMILY_TABLES: dict[str, tuple[tuple[WeightField, ...], tuple[WeightField, ...]]
     "phi3": (PHI3_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
     "mixtral": (MIXTRAL_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
     "qwen3_moe": (QWEN3_MOE_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
+    "qwen2_moe": (QWEN2_MOE_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
 }
 
 

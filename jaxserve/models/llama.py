@@ -1,5 +1,5 @@
 """The decoder families (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3, and the
-mixtures of experts Mixtral and Qwen3-MoE) as pure functions.
+mixtures of experts Mixtral, Qwen3-MoE and Qwen2-MoE) as pure functions.
 
 ``forward(weights, kv_cache, batch, config) -> (kv_cache, hidden)`` runs one ragged batch of
 prefill chunks and decode tokens over the paged KV cache; ``compute_logits`` turns selected
@@ -57,6 +57,10 @@ class LayerWeights:
     experts_gate: jax.Array | None = None  # [E, H, M]
     experts_up: jax.Array | None = None  # [E, H, M]
     experts_down: jax.Array | None = None  # [E, M, H]
+    shared_gate: jax.Array | None = None  # [H, S]  a shared expert (Qwen2-MoE)
+    shared_up: jax.Array | None = None  # [H, S]
+    shared_down: jax.Array | None = None  # [S, H]
+    shared_router: jax.Array | None = None  # [H, 1]  its gate
 
     def moe_weights(self) -> moe.MoeWeights | None:
         """This layer's experts, or None for a dense MLP."""
@@ -64,7 +68,16 @@ class LayerWeights:
             return None
         assert self.experts_gate is not None and self.experts_up is not None
         assert self.experts_down is not None
-        return moe.MoeWeights(self.router, self.experts_gate, self.experts_up, self.experts_down)
+        return moe.MoeWeights(
+            self.router,
+            self.experts_gate,
+            self.experts_up,
+            self.experts_down,
+            shared_gate=self.shared_gate,
+            shared_up=self.shared_up,
+            shared_down=self.shared_down,
+            shared_router=self.shared_router,
+        )
 
 
 @jax.tree_util.register_dataclass

@@ -61,9 +61,9 @@ _KV_PAGES = P(None, None, KV_AXIS, None)  # k_pages, v_pages [P, page, K, D]
 # writes every shape in einsum letters: a dimension named here is split over that mesh axis,
 # the others are replicated. Query heads (N) and the MLP's intermediate dim (I) go on "tp",
 # KV heads (K) on the KV view; that gives the column / row / vocab parallel layout above.
-_SPLIT_DIMS = {"N": TP_AXIS, "I": TP_AXIS, "K": KV_AXIS, "M": TP_AXIS}
+_SPLIT_DIMS = {"N": TP_AXIS, "I": TP_AXIS, "K": KV_AXIS, "M": TP_AXIS, "S": TP_AXIS}
 # Expert parallelism: whole experts (E) on "tp" instead of slices of each (M).
-_EXPERT_PARALLEL_DIMS = {"N": TP_AXIS, "I": TP_AXIS, "K": KV_AXIS, "E": TP_AXIS}
+_EXPERT_PARALLEL_DIMS = {"N": TP_AXIS, "I": TP_AXIS, "K": KV_AXIS, "E": TP_AXIS, "S": TP_AXIS}
 
 
 def validate_tensor_parallel_size(
@@ -73,17 +73,15 @@ def validate_tensor_parallel_size(
     n = tensor_parallel_size
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"tensor_parallel_size={n!r} must be a positive integer")
-    if config.moe is not None:
-        if expert_parallel and config.moe.num_experts % n:
-            raise ValueError(
-                f"tensor_parallel_size={n} must divide num_experts={config.moe.num_experts} "
-                "under expert parallelism (each device holds whole experts)"
-            )
-        if not expert_parallel and config.moe.intermediate_size % n:
-            raise ValueError(
-                f"tensor_parallel_size={n} must divide moe_intermediate_size="
-                f"{config.moe.intermediate_size} (or pass --enable-expert-parallel)"
-            )
+    if config.moe is not None:  # whole experts (expert parallel) or slices of each; shared
+        spec = config.moe
+        split = {"num_experts": spec.num_experts} if expert_parallel else {}
+        split |= {"moe_intermediate_size": spec.intermediate_size} if not expert_parallel else {}
+        split |= {"shared_expert_intermediate_size": spec.shared_intermediate_size}
+        for name, size in split.items():
+            if size % n:
+                hint = "" if expert_parallel else " (or pass --enable-expert-parallel)"
+                raise ValueError(f"tensor_parallel_size={n} must divide {name}={size}{hint}")
     if config.num_q_heads % n:
         raise ValueError(
             f"tensor_parallel_size={n} must divide num_q_heads={config.num_q_heads} "
