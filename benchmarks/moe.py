@@ -11,7 +11,9 @@ One jaxserve process starts ``jaxserve.LLM`` (every step bucket compiled once) a
               E (1 - (1 - top_k / E)^B) under uniform routing (126 of 128 at batch 64, all at 256)
   experts     one layer's experts alone (jax.lax.ragged_dot) at the same batches, against the
               bytes of the experts the routing really touched, and how XLA lowered ragged_dot
-              (a cuDNN grouped matmul, or the dense expansion over every expert)
+              (a cuDNN grouped matmul, or the dense expansion over every expert); then its
+              three grouped matmuls alone, ragged_dot against the Mosaic GPU grouped matmul
+              that jax ships (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu)
 then Hugging Face ``generate_batch`` runs the throughput workload in a second process on the
 same GPU (``jaxserve.bench.throughput --engine hf``: random weights made the same way as for
 the dense models). Results: one JSON (--output-json) and a table.
@@ -128,8 +130,96 @@ def time_experts(runner, config: ModelConfig, batches: list[int], iters: int) ->
     return rows
 
 
+def best_time(fn, *args, iters: int) -> float:
+    """Seconds per call of ``fn(*args)`` dispatched back to back (best of three runs)."""
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / iters)
+    return min(samples)
+
+
+def mgpu_expert_mlp(rows, group_sizes, w_gate, w_up, w_down):
+    """``moe.expert_mlp`` on jax's own Mosaic GPU grouped matmul (Hopper), for comparison."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    def grouped(lhs, rhs):
+        return ragged_dot_mgpu.ragged_dot(
+            lhs, rhs, group_sizes=group_sizes, block_m=64, block_n=128, block_k=64,
+            max_concurrent_steps=4, grid_block_n=1,
+        )  # fmt: skip
+
+    return grouped(jax.nn.silu(grouped(rows, w_gate)) * grouped(rows, w_up), w_down)
+
+
+def time_grouped_matmuls(runner, config: ModelConfig, batches: list[int], iters: int) -> list:
+    """The three grouped matmuls of one layer on rows already sorted by expert: XLA's
+    ragged_dot against the Mosaic GPU kernel jax ships (jax.experimental.pallas.ops.gpu)."""
+    layer = next(w for w in runner.weights.layers if w.router is not None)
+    w = layer.moe_weights()
+    assert config.moe is not None and w is not None
+    per_expert_bytes, _ = expert_bytes(config, runner.dtype.itemsize)
+    xla = jax.jit(lambda r, g, a, b, c: moe.expert_mlp(r, g, a, b, c, jax.nn.silu))
+    mgpu = jax.jit(mgpu_expert_mlp)
+    rng = np.random.default_rng(1)
+    out = []
+    for batch in batches:
+        num_tokens = max(16, 1 << (batch - 1).bit_length())
+        x = jnp.asarray(rng.normal(0, 1, (num_tokens, config.hidden_size)), runner.dtype)
+        logits = (x.astype(jnp.float32) @ w.router.astype(jnp.float32)).astype(jnp.float32)
+        _, ids = moe.route(logits, config.moe)
+        ids = jnp.where(jnp.arange(num_tokens)[:, None] < batch, ids, config.moe.num_experts)
+        order, sizes = moe.sort_by_expert(ids, config.moe.num_experts)
+        rows = x[order // config.moe.top_k]
+        touched = int((sizes > 0).sum())
+        row = {"batch": batch, "rows": int(rows.shape[0]), "experts_touched": touched}
+        row["floor_us"] = touched * per_expert_bytes / BANDWIDTH * 1e6
+        args = (rows, sizes, w.w_gate, w.w_up, w.w_down)
+        row["xla_us"] = best_time(xla, *args, iters=iters) * 1e6
+        if jax.default_backend() == "gpu":
+            try:
+                row["mgpu_us"] = best_time(mgpu, *args, iters=iters) * 1e6
+            except Exception as exc:  # an experimental kernel: report why it did not run
+                row["mgpu_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        out.append(row)
+        print(f"grouped matmuls {row}", flush=True)
+    return out
+
+
+def check_lowering(config: ModelConfig, dtype: jnp.dtype, num_tokens: int = 64) -> str:
+    """How XLA lowers one layer's ragged_dot here, from the compiled HLO (nothing allocated)."""
+    assert config.moe is not None
+    e, h, m = config.moe.num_experts, config.hidden_size, config.moe.intermediate_size
+
+    def spec(*shape: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    weights = moe.MoeWeights(spec(h, e), spec(e, h, m), spec(e, h, m), spec(e, m, h))
+    fn = jax.jit(lambda x, w: moe.moe_block(x, w, config.moe, jax.nn.silu))
+    return ragged_dot_lowering(fn.lower(spec(num_tokens, h), weights).compile().as_text())
+
+
 def run_jaxserve(args: argparse.Namespace) -> dict:
+    """Decode, one layer's experts and its grouped matmuls, then throughput (the largest
+    steps last), saving the result after each part: a failure keeps what came before it."""
     config = ModelConfig.from_hf_dir(args.model)
+    assert config.moe is not None
+    result: dict = {"engine": "jaxserve", "device": jax.devices()[0].device_kind}
+    result["jax"] = jax.__version__
+
+    def save(part: str) -> None:
+        print(f"done: {part}", flush=True)
+        if args.output_json:
+            Path(args.output_json).write_text(json.dumps(result, indent=2))
+
+    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
+    result["lowering"] = check_lowering(config, dtype)
+    print(f"ragged_dot lowering: {result['lowering']}", flush=True)
+    save("lowering")
     start = time.perf_counter()
     llm = jaxserve.LLM(
         args.model,
@@ -140,24 +230,12 @@ def run_jaxserve(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         warmup=not args.smoke,  # the smoke run compiles only the shapes it meets
     )
-    startup = time.perf_counter() - start
+    result["startup_seconds"] = time.perf_counter() - start
+    result["num_compiled_shapes"] = llm.engine.num_compiled_shapes
     runner = llm.engine.runner
-    print(f"startup {startup:.1f} s, {llm.engine.num_compiled_shapes} compiled shapes", flush=True)
+    print(f"startup {result['startup_seconds']:.1f} s", flush=True)
+    save("startup")
 
-    prompts = make_prompts(args.num_prompts, args.input_len, config.vocab_size, seed=0)
-    params = jaxserve.SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    throughput = {
-        "seconds": elapsed,
-        "output_tokens": generated,
-        "output_tokens_per_s": generated / elapsed,
-    }
-    print(f"throughput {generated / elapsed:.1f} out tok/s ({elapsed:.1f} s)", flush=True)
-
-    assert config.moe is not None
     itemsize = runner.dtype.itemsize
     per_expert, dense = expert_bytes(config, itemsize)
     num_moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
@@ -165,11 +243,7 @@ def run_jaxserve(args: argparse.Namespace) -> dict:
         config.num_layers, config.num_kv_heads, config.head_dim, itemsize
     )
     rng = np.random.default_rng(0)
-    decode = []
-    # The engine tells the runner of its last finished sequences with its next step: free
-    # their rows here, as that step would.
-    leftover = list(runner.inputs._rows)
-    runner.inputs.update_states(SchedulerOutput([], 0, finished_seq_ids=leftover))
+    result["decode"] = decode = []
     for batch in args.batches:
         sched = decode_batch(runner, batch, args.context, rng)
         device = time_device(runner, sched, args.iters)
@@ -203,15 +277,26 @@ def run_jaxserve(args: argparse.Namespace) -> dict:
             f"floor_ms={r['floor_ms']:.2f} mbu={r['mbu']:.1%}",
             flush=True,
         )
-    experts = time_experts(runner, config, args.batches, args.iters)
-    return {
-        "engine": "jaxserve",
-        "startup_seconds": startup,
-        "num_compiled_shapes": llm.engine.num_compiled_shapes,
-        "throughput": throughput,
-        "decode": decode,
-        "experts": experts,
+        save(f"decode batch {batch}")
+    result["experts"] = time_experts(runner, config, args.batches, args.iters)
+    save("experts")
+    result["grouped_matmuls"] = time_grouped_matmuls(runner, config, args.batches, args.iters)
+    save("grouped matmuls")
+
+    prompts = make_prompts(args.num_prompts, args.input_len, config.vocab_size, seed=0)
+    params = jaxserve.SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    result["throughput"] = {
+        "seconds": elapsed,
+        "output_tokens": generated,
+        "output_tokens_per_s": generated / elapsed,
     }
+    print(f"throughput {generated / elapsed:.1f} out tok/s ({elapsed:.1f} s)", flush=True)
+    save("throughput")
+    return result
 
 
 def run_hf(args: argparse.Namespace) -> dict:
@@ -237,12 +322,15 @@ def run_hf(args: argparse.Namespace) -> dict:
 def print_table(result: dict, args: argparse.Namespace) -> None:
     js = result["jaxserve"]
     name = Path(args.model).name
-    print(f"\n{name}, {args.load_format} weights, decode at context {args.context}")
+    print(f"\n{name}, {args.load_format} weights, ragged_dot: {js.get('lowering', '?')}")
+    if "error" in js:
+        print(f"jaxserve stopped ({js['error']}) after: {', '.join(js)}")
+    print(f"decode at context {args.context}")
     print(
         f"{'batch':>5} {'experts':>7} {'GB/step':>8} {'device ms':>9} {'wall ms':>8} "
         f"{'floor ms':>8} {'roofline':>8} {'tok/s':>9}"
     )
-    for r in js["decode"]:
+    for r in js.get("decode", []):
         print(
             f"{r['batch']:5d} {r['experts_touched']:7.1f} {r['step_gb']:8.2f} "
             f"{r['device_ms']:9.2f} {r['wall_ms']:8.2f} {r['floor_ms']:8.2f} {r['mbu']:8.1%} "
@@ -250,11 +338,21 @@ def print_table(result: dict, args: argparse.Namespace) -> None:
         )
     header = f"{'batch':>5} {'experts':>7} {'layer us':>9} {'floor us':>8} {'roofline':>8}"
     print(f"\n{header}  lowering")
-    for r in js["experts"]:
+    for r in js.get("experts", []):
         print(
             f"{r['batch']:5d} {r['experts_touched']:7d} {r['device_us']:9.1f} "
             f"{r['floor_us']:8.1f} {r['mbu']:8.1%}  {r['lowering']}"
         )
+    print(f"\n{'batch':>5} {'rows':>5} {'experts':>7} {'floor us':>8} {'ragged_dot us':>13} "
+          f"{'mosaic gpu us':>13}")  # fmt: skip
+    for r in js.get("grouped_matmuls", []):
+        mgpu = f"{r['mgpu_us']:13.1f}" if "mgpu_us" in r else r.get("mgpu_error", "-")[:40]
+        print(
+            f"{r['batch']:5d} {r['rows']:5d} {r['experts_touched']:7d} {r['floor_us']:8.1f} "
+            f"{r['xla_us']:13.1f} {mgpu}"
+        )
+    if "throughput" not in js:
+        return
     tput = js["throughput"]["output_tokens_per_s"]
     print(
         f"\nOffline throughput {args.num_prompts} x {args.input_len}/{args.output_len}: "
@@ -311,16 +409,12 @@ def main() -> int:
         result = run_hf(args)
     elif args.engine == "jaxserve":
         print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
-        result = run_jaxserve(args) | {
-            "device": jax.devices()[0].device_kind,
-            "jax": jax.__version__,
-        }
+        result = run_jaxserve(args)
     else:
         # NOTE: one process per engine: XLA's allocator keeps the GPU memory it reserved
         # until its process ends, and Hugging Face needs that memory for its own copy.
         result = {engine: run_child(args, engine) for engine in ("jaxserve", "hf")}
-        if "error" not in result["jaxserve"]:
-            print_table(result, args)
+        print_table(result, args)
     if args.engine == "jaxserve":
         print_table({"jaxserve": result}, args)
     if args.output_json:
@@ -344,9 +438,10 @@ def run_child(args: argparse.Namespace, engine: str) -> dict:
         cmd += [f"--time-budget={left}"]
         cmd += ["--engine", engine, "--output-json", str(out)]
         proc = subprocess.run(cmd, check=False)
-        if proc.returncode != 0 or not out.exists():
-            return {"engine": engine, "error": f"exit code {proc.returncode}"}
-        return json.loads(out.read_text())
+        result = json.loads(out.read_text()) if out.exists() else {"engine": engine}
+        if proc.returncode != 0:  # what it measured before failing, and the failure
+            result["error"] = f"exit code {proc.returncode}"
+        return result
 
 
 if __name__ == "__main__":
