@@ -168,7 +168,12 @@ def run_experts_all_to_all(
     device = jax.lax.axis_index(axis_name)
     num_local = w_gate.shape[0]
     num_tokens, top_k = expert_ids.shape
-    local_tokens = num_tokens // num_devices
+    local_tokens = -(-num_tokens // num_devices)  # t; past T: padding of no expert
+    padding = local_tokens * num_devices - num_tokens
+    x = jnp.pad(x, ((0, padding), (0, 0)))
+    no_expert = num_local * num_devices  # E: past every device's experts
+    expert_ids = jnp.pad(expert_ids, ((0, padding), (0, 0)), constant_values=no_expert)
+    expert_weights = jnp.pad(expert_weights, ((0, padding), (0, 0)))
     start = device * local_tokens
     x = jax.lax.dynamic_slice_in_dim(x, start, local_tokens)  # [t, H]
     expert_ids = jax.lax.dynamic_slice_in_dim(expert_ids, start, local_tokens)  # i32[t, k]
@@ -205,7 +210,7 @@ def run_experts_all_to_all(
         (owner < num_devices)[:, None], returned[jnp.minimum(owner, num_devices - 1), slot], 0
     )  # [C, H]  in this device's expert order
     local = combine(mine, order, expert_weights, x.dtype)  # [t, H]
-    return jax.lax.all_gather(local, axis_name, axis=0, tiled=True)  # [T, H]
+    return jax.lax.all_gather(local, axis_name, axis=0, tiled=True)[:num_tokens]  # [T, H]
 
 
 def shared_expert(
