@@ -437,16 +437,16 @@ def run_child(args: argparse.Namespace, engine: str) -> dict:
     """This script with ``--engine engine`` in a process of its own; its JSON result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / f"{engine}.json"
+        lists = ("batches", "mgpu_batches")
         forwarded = [
             f"--{name.replace('_', '-')}={value}"
             for name, value in vars(args).items()
-            if name not in ("engine", "output_json", "smoke", "batches")
+            if name not in ("engine", "output_json", "smoke", "time_budget", *lists)
         ]
-        batches = ",".join(map(str, args.batches))
+        forwarded += [f"--{name.replace('_', '-')}={','.join(map(str, getattr(args, name)))}"
+                      for name in lists]  # fmt: skip
         left = args.time_budget - (time.perf_counter() - STARTED)
-        forwarded = [a for a in forwarded if not a.startswith("--time-budget")]
-        cmd = [sys.executable, __file__, *forwarded, f"--batches={batches}"]
-        cmd += [f"--time-budget={left}"]
+        cmd = [sys.executable, __file__, *forwarded, f"--time-budget={left}"]
         cmd += ["--engine", engine, "--output-json", str(out)]
         proc = subprocess.run(cmd, check=False)
         result = json.loads(out.read_text()) if out.exists() else {"engine": engine}
