@@ -30,6 +30,11 @@
 #                (benchmarks/hostile_full.py): neighbour latency, memory maps, compiles
 #   reliability  the reliability suite: load scenarios at full scale (JAXSERVE_RELIABILITY_SCALE=full),
 #                schema fuzzing, faults, and both rounds of hostile input
+#   moe          Qwen3-30B-A3B (dummy bf16): decode at batch 1, 64, 256 against its roofline, one
+#                layer's experts (ragged_dot) alone, and 256 x 512/256 offline throughput against
+#                Hugging Face generate_batch (benchmarks/moe.py; about 9 minutes: run it alone);
+#                HF gets what jaxserve leaves of $MOE_BUDGET seconds (540)
+#   moe_hf       only the Hugging Face half of moe, for a call of its own when it did not fit
 #   occupied     a second jaxserve launch on the GPU a first server (demo model, default flags)
 #                holds: seconds until it exits, its exit code and last lines -> $OUT/occupied.txt
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
@@ -257,6 +262,19 @@ stage_hostile() {  # the seven findings of hostile input, round two, at the atta
   kill -0 $pid 2>/dev/null && echo "server alive after the attacks"
   kill -TERM $pid
   wait $pid
+}
+
+stage_moe() {  # HF gets the time jaxserve leaves of MOE_BUDGET seconds
+  python3 benchmarks/moe.py --time-budget ${MOE_BUDGET:-540} --output-json "$OUT/moe.json" \
+    > "$OUT/moe.log" 2>&1
+  grep -v -E "INFO|WARN" "$OUT/moe.log" | tail -24
+}
+
+stage_moe_hf() {
+  python3 benchmarks/moe.py --engine hf --time-budget ${MOE_BUDGET:-540} \
+    --output-json "$OUT/moe_hf.json" > "$OUT/moe_hf.log" 2>&1
+  tail -3 "$OUT/moe_hf.log"
+  cat "$OUT/moe_hf.json"
 }
 
 stage_occupied() {  # the second start must end in seconds with the fix, not retry allocations

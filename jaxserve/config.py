@@ -25,12 +25,16 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_types values
+MOE_SCORINGS = ("softmax", "sigmoid")
 
 _LOG = logging.getLogger(__name__)
 
@@ -84,6 +88,66 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """A mixture of experts' router and experts (Mixtral, Qwen3-MoE; DeepSeek's routing).
+
+    Each token's router scores (softmax or sigmoid of the router logits) pick ``top_k`` of
+    ``num_experts`` experts. DeepSeek's grouped top-k first keeps the ``topk_group`` best of
+    ``n_group`` expert groups (a group scores the sum of its two best experts, each biased by
+    ``e_score_correction_bias``), then picks among their experts; the bias steers the choice
+    only, not the weights. ``norm_topk_prob`` rescales the picked weights to sum to one, then
+    all are times ``routed_scaling_factor``. Shared experts (``shared_intermediate_size`` > 0)
+    are a dense MLP every token also goes through, its output optionally times a sigmoid gate.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    scoring: str = "softmax"
+    norm_topk_prob: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    has_correction_bias: bool = False  # e_score_correction_bias (DeepSeek-V3)
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    has_shared_gate: bool = False  # the shared expert's output times sigmoid(x @ gate)
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP instead of experts
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "intermediate_size", "n_group", "topk_group"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        if self.top_k > self.num_experts:
+            raise ConfigError(
+                f"num_experts_per_tok={self.top_k} exceeds num_experts={self.num_experts}"
+            )
+        if self.scoring not in MOE_SCORINGS:
+            raise ConfigError(
+                f"scoring_func={self.scoring!r} is not supported; supported: "
+                f"{', '.join(MOE_SCORINGS)}"
+            )
+        if self.num_experts % self.n_group:
+            raise ConfigError(f"n_group={self.n_group} must divide num_experts={self.num_experts}")
+        if self.topk_group > self.n_group:
+            raise ConfigError(f"topk_group={self.topk_group} exceeds n_group={self.n_group}")
+        if self.n_group > 1 and self.num_experts // self.n_group < 2:
+            raise ConfigError(
+                f"n_group={self.n_group} leaves fewer than 2 experts per group "
+                f"(num_experts={self.num_experts}); a group scores its two best"
+            )
+        if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ConfigError(
+                f"num_experts_per_tok={self.top_k} exceeds the {self.topk_group} groups' "
+                f"{self.topk_group * (self.num_experts // self.n_group)} experts"
+            )
+        if self.shared_intermediate_size < 0:
+            raise ConfigError(
+                f"shared_intermediate_size={self.shared_intermediate_size} must be >= 0"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -113,6 +177,7 @@ class ModelConfig:
     # Gemma: RMSNorm scales by (1 + weight), embeddings times sqrt(hidden_size), and norms after
     # attention and after the MLP as well as before them.
     is_gemma: bool = False
+    moe: MoeConfig | None = None  # a mixture of experts (Mixtral, Qwen3-MoE); None: dense
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -163,6 +228,16 @@ class ModelConfig:
                     f"longrope short_factor has {len(scaling.short_factor)} values, "
                     f"head_dim={self.head_dim} needs {self.head_dim // 2}"
                 )
+        if self.moe is not None:
+            outside = [i for i in self.moe.dense_layers if not 0 <= i < self.num_layers]
+            if outside:
+                raise ConfigError(
+                    f"mlp_only_layers {outside} outside num_hidden_layers={self.num_layers}"
+                )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` runs experts (else its dense MLP)."""
+        return self.moe is not None and layer not in self.moe.dense_layers
 
     @property
     def q_size(self) -> int:
@@ -269,7 +344,8 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         sliding_window = hf.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        qwen = model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+        if qwen and not hf.get("use_sliding_window", False):
             sliding_window = None
         is_gemma = model_type in GEMMA_MODEL_TYPES
         layer_types: tuple[str, ...] = ()
@@ -289,8 +365,10 @@ class ModelConfig:
             rope_scaling=_rope_scaling(rope, hf),
             max_position_embeddings=hf.get("max_position_embeddings") or 4096,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            attention_bias=model_type == "qwen2"
+            or bool(hf.get("attention_bias", False))
+            or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             sliding_window=sliding_window,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -301,7 +379,36 @@ class ModelConfig:
             final_logit_softcap=_optional_float(hf.get("final_logit_softcapping")),
             query_pre_attn_scalar=_optional_float(hf.get("query_pre_attn_scalar")),
             is_gemma=is_gemma,
+            moe=_moe_config(hf),
         )
+
+
+def _moe_config(hf: dict[str, Any]) -> MoeConfig | None:
+    """The experts of Mixtral (every layer, renormalized top-k) and Qwen3-MoE (sparse every
+    ``decoder_sparse_step``-th layer except ``mlp_only_layers``), and Qwen2-MoE (Qwen3-MoE's
+    layers and a shared expert behind a sigmoid gate); None for a dense model."""
+    model_type = hf["model_type"]
+    if model_type not in ("mixtral", "qwen3_moe", "qwen2_moe"):
+        return None
+    num_experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
+    top_k = hf.get("num_experts_per_tok") or 0
+    num_layers = hf["num_hidden_layers"]
+    if model_type == "mixtral":
+        return MoeConfig(num_experts, top_k, hf["intermediate_size"], norm_topk_prob=True)
+    step = hf.get("decoder_sparse_step") or 1
+    only_dense = set(hf.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(num_layers) if i in only_dense or (i + 1) % step)
+    return MoeConfig(
+        num_experts,
+        top_k,
+        hf.get("moe_intermediate_size") or 0,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        dense_layers=dense,
+        shared_intermediate_size=(
+            hf.get("shared_expert_intermediate_size") or 0 if model_type == "qwen2_moe" else 0
+        ),
+        has_shared_gate=model_type == "qwen2_moe",
+    )
 
 
 def _optional_float(value: Any) -> float | None:

@@ -72,6 +72,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     tensor_parallel_size: int = 1
+    # A mixture of experts split by whole experts over the tensor-parallel devices (tokens
+    # exchanged by all-to-all), attention staying tensor parallel; off: each expert is split.
+    enable_expert_parallel: bool = False
     compilation_cache_dir: str | None = None
     warmup: bool = True  # compile every shape bucket at start-up
     # Schedule and dispatch step n + 1 before reading step n's tokens back (host work

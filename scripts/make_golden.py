@@ -40,7 +40,17 @@ NUM_LONG = 20  # greedy steps after the long prompt (56 tokens): positions 56..7
 ORIGINAL_CONTEXT = 64  # the rope-scaled fixtures' original context, crossed by the long run
 SLIDING_WINDOW = 16  # the sliding-window fixtures' window, shorter than both prompts
 # The fixtures with a long generation in golden.npz.
-LONG_FIXTURES = ("gemma2", "gemma3", "phi3", "llama_linear", "llama_dynamic", "qwen2_yarn")
+LONG_FIXTURES = (
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "llama_linear",
+    "llama_dynamic",
+    "qwen2_yarn",
+    "mixtral",
+    "qwen3_moe",
+    "qwen2_moe",
+)
 MIN_MARGIN = 0.1  # top-1 minus top-2 logit at every greedy step
 LONG_MIN_MARGIN = 0.02  # the same over the long generation (fp32 parity is within 1e-4)
 MAX_SEED_TRIES = 256
@@ -249,6 +259,45 @@ def model_configs(
             use_sliding_window=False,
             sliding_window=None,
         ),
+        # Mixtures of experts, top-2 routing. Mixtral: 4 experts on every layer, the picked
+        # weights renormalized. Qwen3-MoE: 8 experts of intermediate 16, raw softmax weights
+        # (norm_topk_prob false), layer 1 a dense MLP (mlp_only_layers).
+        "mixtral": transformers.MixtralConfig(
+            **{**common, "intermediate_size": 32},
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=False,
+            sliding_window=None,
+        ),
+        "qwen3_moe": transformers.Qwen3MoeConfig(
+            **small,
+            moe_intermediate_size=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            sliding_window=None,
+        ),
+        # A shared expert (intermediate 48) behind its sigmoid gate beside 4 routed experts,
+        # top-2; experts on every second layer (decoder_sparse_step 2: layer 1), q/k/v biases.
+        "qwen2_moe": transformers.Qwen2MoeConfig(
+            **common,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=48,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            decoder_sparse_step=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            sliding_window=None,
+        ),
     }
 
 
@@ -395,8 +444,8 @@ def write_fixture(
     )
 
 
-# Values of the published config.json files (Meta-Llama-3-8B, Qwen3-8B, gemma-2-9b and the text
-# model of gemma-3-12b as a Gemma3ForCausalLM), in their key spelling.
+# Values of the published config.json files (Meta-Llama-3-8B, Qwen3-8B, gemma-2-9b, the text
+# model of gemma-3-12b as a Gemma3ForCausalLM, and Qwen3-30B-A3B), in their key spelling.
 BUILTIN = {
     "llama-3-8b": {
         "architectures": ["LlamaForCausalLM"],
@@ -509,6 +558,41 @@ BUILTIN = {
         "torch_dtype": "bfloat16",
         "use_cache": True,
         "vocab_size": 262208,
+    },
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "decoder_sparse_step": 1,
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 6144,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 48,
+        "mlp_only_layers": [],
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "num_attention_heads": 32,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 4,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
     },
 }
 

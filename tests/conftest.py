@@ -16,7 +16,16 @@ import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 # Newer families and rope scalings, whose golden.npz also holds a long generation.
-NEW_FAMILIES = ("gemma2", "gemma3", "phi3", "llama_linear", "llama_dynamic", "qwen2_yarn")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")  # mixtures of experts
+NEW_FAMILIES = (
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "llama_linear",
+    "llama_dynamic",
+    "qwen2_yarn",
+    *MOE_FAMILIES,
+)
 FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral", *NEW_FAMILIES)
 
 # Compiled programs are reused across test runs and processes (CI keeps a warm cache dir).

@@ -178,3 +178,20 @@ def test_bench_attention_tiers_smoke(tmp_path, monkeypatch, capsys) -> None:
         ("4/2x256", "mosaic"),
     ]
     assert rows[1]["rel_err"] < 1e-2 and rows[1]["wall_s"] > 0
+
+
+def test_moe_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
+    """benchmarks/moe.py on the tiny Qwen3-MoE fixture: throughput, decode rows against the
+    roofline, and one layer's experts alone."""
+    out = tmp_path / "moe.json"
+    with pytest.raises(SystemExit) as done:
+        run_script("benchmarks/moe.py", ["--smoke", "--output-json", str(out)], monkeypatch)
+    assert done.value.code == 0
+    result = json.loads(out.read_text())
+    assert result["throughput"]["output_tokens"] == 4 * 4
+    assert [r["batch"] for r in result["decode"]] == [1, 4]
+    assert result["decode"][0]["experts_touched"] == 2  # top_k at batch 1
+    assert all(r["device_ms"] > 0 and r["floor_ms"] > 0 for r in result["decode"])
+    assert [r["batch"] for r in result["experts"]] == [1, 4]
+    assert result["experts"][0]["experts_touched"] <= 2
+    assert "roofline" in capsys.readouterr().out

@@ -203,3 +203,24 @@ def test_capacity_agrees_with_launch_log_lines(tmp_path, capsys, kv_flags) -> No
         assert line in launch_log, (line, launch_log)
     kv_dtype = "fp8_e4m3" if kv_flags else "float32"
     assert f"tokens (KV cache dtype {kv_dtype})" in planned[2]
+
+
+def test_a_mixture_of_experts_counts_every_expert(capsys) -> None:
+    """Qwen3-30B-A3B: all 128 experts of its 48 layers are resident, 8 per token active."""
+    model = str(builtin_config_dir("qwen3-30b-a3b"))
+    out = capacity(capsys, model, "--max-model-len", "8K", "--device-memory", "H200")
+    assert out["num_params"] == 30_532_122_624
+    assert out["num_active_params"] == 3_353_032_704
+    assert out["weight_bytes"] == 30_532_122_624 * 2  # bf16, every expert
+    kv_per_token = 2 * 48 * 4 * 128 * 2  # K and V x layers x kv heads x head_dim x bf16
+    per_token = (4 * 6144 + 6 * 2048) * 2 + 8 * (3 * 2048 + 3 * 768) * 2 + 4 * (8 * 2048 + 384)
+    activations = 2048 * per_token + 256 * 151936 * 24 + 512 * 1024**2
+    budget = int(150_109_945_856 * 0.9) - out["weight_bytes"] - activations
+    assert out["kv_bytes_per_token"] == kv_per_token
+    assert out["num_blocks"] == budget // (16 * kv_per_token)
+    parser = argparse.ArgumentParser()
+    add_capacity_arguments(parser)
+    assert run_capacity(parser.parse_args([model, "--device-memory", "H200"])) == 0
+    text = capsys.readouterr().out
+    assert "30.53B parameters" in text
+    assert "128 experts, 8 per token; 3.35B parameters active per token" in text

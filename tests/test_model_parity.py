@@ -69,7 +69,9 @@ def test_chunked_prefill_equals_one_prefill(family: str) -> None:
     np.testing.assert_allclose(chunked, golden["prefill2_logits"], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+# NOTE: not mixtral: in bf16 one prompt token's 2nd and 3rd experts (of 4) swap places, a
+# routing near-tie any bf16 engine may break either way, and its logits move by 1.8.
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
 def test_bf16_stays_close(family: str) -> None:
     """bf16 weights and cache: within 0.15 of the fp32 logits (scale ~3); argmax mostly equal."""
     golden = np.load(fixture_dir(family) / "golden.npz")

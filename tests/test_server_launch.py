@@ -63,6 +63,9 @@ def test_launch_flags_map_to_configs(monkeypatch):
     assert config.max_model_len == 1000 and config.gpu_memory_utilization == 0.5
     assert config.tensor_parallel_size == 2 and not config.enable_prefix_caching
     assert config.served_model_name == "a" and config.load_format == "dummy"
+    assert not config.enable_expert_parallel
+    expert = engine_config_from_args(parse_launch("-tp", "4", "--enable-expert-parallel"))
+    assert expert.enable_expert_parallel and expert.tensor_parallel_size == 4
     settings = settings_from_args(args, config.model_name)
     assert settings.served_model_names == ("a", "b") and settings.api_key == "from-env"
     assert settings.log_prompts and settings.enable_log_requests  # --log-prompts implies it

@@ -77,8 +77,8 @@ def test_loading_dummy_specs_and_counts_read_the_table(family: str) -> None:
     dummy = dummy_weights(config, jnp.float32, seed=0)
 
     # The table's present fields are exactly the tensors the model gets.
-    for layer in loaded.layers:
-        assert present(layer) == names(layer_fields(config))
+    for i, layer in enumerate(loaded.layers):
+        assert present(layer) == names(layer_fields(config, i))
     assert sorted(present(loaded)) == sorted(["layers", *names(model_fields(config))])
 
     # expected_shapes names exactly the checkpoint's tensors, with their shapes.
@@ -89,9 +89,12 @@ def test_loading_dummy_specs_and_counts_read_the_table(family: str) -> None:
     # Dummy weights have the loaded weights' structure and shapes, and the table's shapes.
     assert jax.tree.structure(dummy) == jax.tree.structure(loaded)
     assert jax.tree.map(jnp.shape, dummy) == jax.tree.map(jnp.shape, loaded)
-    for field in layer_fields(config):
-        assert getattr(loaded.layers[0], field.name).shape == field.shape_for(config)
-        assert math.prod(field.hf_shape_for(config)) == math.prod(field.shape_for(config))
+    for i, layer in enumerate(loaded.layers):
+        for field in layer_fields(config, i):
+            assert getattr(layer, field.name).shape == field.shape_for(config)
+            num_tensors = len(field.hf_names(config))  # one per expert for an expert's field
+            hf_size = num_tensors * math.prod(field.hf_shape_for(config))
+            assert hf_size == math.prod(field.shape_for(config))
     for field in model_fields(config):
         assert getattr(loaded, field.name).shape == field.shape_for(config)
 
@@ -102,6 +105,8 @@ def test_loading_dummy_specs_and_counts_read_the_table(family: str) -> None:
         assert len(getattr(specs, field.name)) == len(field.shape)
     top = weight_specs(config, 1)
     assert sorted(present(top)) == sorted(["layers", *names(model_fields(config))])
+    for i, layer_spec in enumerate(top.layers):
+        assert present(layer_spec) == names(layer_fields(config, i))
 
     # The parameter count is the sum of the weights' sizes.
     sizes = [leaf.size for leaf in jax.tree.leaves(dummy)]

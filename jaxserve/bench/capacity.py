@@ -24,7 +24,7 @@ from jaxserve.engine_config import (
     kv_cache_dtype_name,
     weight_dtype,
 )
-from jaxserve.models.families import num_params
+from jaxserve.models.families import num_active_params, num_params
 from jaxserve.models.quant_scheme import resolve_scheme
 from jaxserve.runner.capacity import (
     CPU_DEVICE_MEMORY_BYTES,
@@ -210,6 +210,8 @@ def run_capacity(args: argparse.Namespace) -> int:
                     "kv_cache_tokens": cap.num_tokens,
                     "max_model_len": cap.max_model_len,
                     "max_concurrency": cap.max_concurrency,
+                    "num_params": num_params(config),
+                    "num_active_params": num_active_params(config),
                 },
                 indent=2,
             )
@@ -221,6 +223,12 @@ def run_capacity(args: argparse.Namespace) -> int:
         + (f", {quant.method} quantized Linear weights" if quant is not None else "")
         + ")"
     )
+    if config.moe is not None:
+        print(
+            f"Mixture of experts: {config.moe.num_experts} experts, {config.moe.top_k} per "
+            f"token; {human_count(num_active_params(config))} parameters active per token, "
+            "all experts' weights resident"
+        )
     print(
         f"Device memory: {memory / GiB:.2f} GiB x {args.memory_utilization:.0%} utilization, "
         f"tensor parallel {args.tensor_parallel_size}"

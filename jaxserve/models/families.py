@@ -8,7 +8,12 @@ layout (``runner/sharding.py``, which maps the letters to mesh axes) all read th
 new weight is one row here plus its attribute in ``LayerWeights`` or ``Weights``.
 
 Shapes are written in the einsum letters of ``llama.py``: H hidden, N query heads, K kv heads,
-D head dim, I intermediate, V vocab.
+D head dim, I intermediate, V vocab; and of ``moe.py``: E experts, M an expert's intermediate,
+S the shared expert's intermediate, O one (the shared expert's gate).
+
+A mixture of experts' expert tensors are one checkpoint tensor per expert (``per_expert``:
+``{expert}`` in the name), stacked on a leading E axis; ``mlp`` says whether a row belongs to
+the layers with a dense MLP or to those with experts (Qwen3-MoE's ``mlp_only_layers``).
 
 A fused checkpoint tensor (Phi-3's ``qkv_proj`` and ``gate_up_proj``) is one row per part:
 ``fused`` lists the first-axis blocks of the whole tensor and ``part`` says which is this one.
@@ -38,6 +43,10 @@ def dim_sizes(config: ModelConfig) -> dict[str, int]:
         "D": config.head_dim,
         "I": config.intermediate_size,
         "V": config.vocab_size,
+        "E": config.moe.num_experts if config.moe else 0,
+        "M": config.moe.intermediate_size if config.moe else 0,
+        "S": config.moe.shared_intermediate_size if config.moe else 0,
+        "O": 1,
     }
 
 
@@ -75,9 +84,18 @@ class WeightField:
     # qkv_proj) and this field's index among them; empty for a tensor of its own.
     fused: tuple[str, ...] = ()
     part: int = 0
+    # One checkpoint tensor per expert, ``{expert}`` in hf_name, hf_shape one expert's; the
+    # field stacks them on its leading E axis.
+    per_expert: bool = False
+    # "dense": only layers with a dense MLP have it; "moe": only layers with experts.
+    mlp: Literal["any", "dense", "moe"] = "any"
 
     def __post_init__(self) -> None:
-        if sorted("".join(self.hf_shape)) != sorted(self.shape):
+        if self.per_expert != ("{expert}" in self.hf_name) or (
+            self.per_expert and not self.shape.startswith("E")
+        ):
+            raise ValueError(f"{self.name}: per_expert needs {{expert}} in hf_name and shape E...")
+        if sorted("E" * self.per_expert + "".join(self.hf_shape)) != sorted(self.shape):
             raise ValueError(f"{self.name}: {self.hf_shape=} and {self.shape=} differ in letters")
         if self.fused and self.fused[self.part] != self.hf_shape[0]:
             raise ValueError(f"{self.name}: {self.part=} of {self.fused=} is not {self.hf_shape}")
@@ -108,10 +126,23 @@ class WeightField:
         start = sum(blocks[: self.part])
         return slice(start, start + blocks[self.part])
 
+    def hf_names(self, config: ModelConfig, prefix: str = "") -> list[str]:
+        """The checkpoint tensors this field is read from: one, or one per expert."""
+        if not self.per_expert:
+            return [prefix + self.hf_name]
+        return [prefix + self.hf_name.format(expert=e) for e in range(dim_sizes(config)["E"])]
+
+    def is_in_layer(self, config: ModelConfig, layer: int) -> bool:
+        if self.mlp == "any":
+            return True
+        return (self.mlp == "moe") == config.is_moe_layer(layer)
+
     def from_hf(self, tensor: np.ndarray, config: ModelConfig) -> np.ndarray:
-        """A checkpoint tensor in this field's layout (a view where numpy can make one)."""
+        """A checkpoint tensor in this field's layout (a view where numpy can make one); of a
+        per-expert field, one expert's."""
         tensor = tensor[self.part_rows(config)]
-        return (tensor.T if self.transpose else tensor).reshape(self.shape_for(config))
+        shape = self.shape_for(config)[1:] if self.per_expert else self.shape_for(config)
+        return (tensor.T if self.transpose else tensor).reshape(shape)
 
 
 # The Llama family: Llama 2/3, Mistral, Qwen2/2.5 (q/k/v biases), Qwen3 (per-head q/k norms).
@@ -216,6 +247,58 @@ PHI3_LAYER_FIELDS = tuple(
     if field.name not in ("bq", "bk", "bv", "q_norm", "k_norm")
 )
 
+# Mixtures of experts: the dense MLP rows only on dense layers, then the router and experts.
+_DENSE_MLP = ("w_gate", "w_up", "w_down")
+
+
+def _moe_layer_fields(
+    base: tuple[WeightField, ...], block: str, gate: str, up: str, down: str
+) -> tuple[WeightField, ...]:
+    """``base`` with its MLP on dense layers only, and ``block``'s router and experts."""
+    return (
+        *(dataclasses.replace(f, mlp="dense") if f.name in _DENSE_MLP else f for f in base),
+        WeightField("router", f"{block}.gate.weight", ("E", "H"), "HE", transpose=True, mlp="moe"),
+        *(
+            WeightField(
+                name,
+                f"{block}.experts.{{expert}}.{hf}.weight",
+                hf_shape,
+                shape,
+                transpose=True,
+                per_expert=True,
+                mlp="moe",
+            )
+            for name, hf, hf_shape, shape in (
+                ("experts_gate", gate, ("M", "H"), "EHM"),
+                ("experts_up", up, ("M", "H"), "EHM"),
+                ("experts_down", down, ("H", "M"), "EMH"),
+            )
+        ),
+    )
+
+
+# Qwen3-MoE: Qwen3's attention (q/k norms); experts on the layers decoder_sparse_step picks,
+# outside mlp_only_layers. Mixtral: Mistral's attention, experts on every layer (w1 gate,
+# w3 up, w2 down, under block_sparse_moe).
+QWEN3_MOE_LAYER_FIELDS = _moe_layer_fields(
+    LLAMA_LAYER_FIELDS, "mlp", "gate_proj", "up_proj", "down_proj"
+)
+MIXTRAL_LAYER_FIELDS = _moe_layer_fields(LLAMA_LAYER_FIELDS, "block_sparse_moe", "w1", "w3", "w2")
+# Qwen2-MoE: Qwen2's attention (q/k/v biases), Qwen3-MoE's experts, and a shared expert every
+# token goes through, its output times sigmoid(x @ shared_expert_gate).
+QWEN2_MOE_LAYER_FIELDS = (
+    *_moe_layer_fields(LLAMA_LAYER_FIELDS, "mlp", "gate_proj", "up_proj", "down_proj"),
+    *(
+        WeightField(name, f"mlp.{hf}.weight", hf_shape, shape, transpose=True, mlp="moe")
+        for name, hf, hf_shape, shape in (
+            ("shared_gate", "shared_expert.gate_proj", ("S", "H"), "HS"),
+            ("shared_up", "shared_expert.up_proj", ("S", "H"), "HS"),
+            ("shared_down", "shared_expert.down_proj", ("H", "S"), "SH"),
+            ("shared_router", "shared_expert_gate", ("O", "H"), "HO"),
+        )
+    ),
+)
+
 # model_type -> (layer table, model table). Every family's fields are LayerWeights' fields in
 # their order; a field a family never has is left out of its table.
 FAMILY_TABLES: dict[str, tuple[tuple[WeightField, ...], tuple[WeightField, ...]]] = {
@@ -226,13 +309,25 @@ FAMILY_TABLES: dict[str, tuple[tuple[WeightField, ...], tuple[WeightField, ...]]
     "gemma2": (GEMMA_LAYER_FIELDS, GEMMA_MODEL_FIELDS),
     "gemma3_text": (GEMMA_LAYER_FIELDS, GEMMA_MODEL_FIELDS),
     "phi3": (PHI3_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
+    "mixtral": (MIXTRAL_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
+    "qwen3_moe": (QWEN3_MOE_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
+    "qwen2_moe": (QWEN2_MOE_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
 }
 
 
-def layer_fields(config: ModelConfig) -> tuple[WeightField, ...]:
-    """The per-layer tensors this config has, in table order."""
+def layer_fields(config: ModelConfig, layer: int | None = None) -> tuple[WeightField, ...]:
+    """The tensors of layer ``layer`` (None: of any layer) this config has, in table order."""
     table = FAMILY_TABLES[config.model_type][0]
-    return tuple(field for field in table if field.present(config))
+    return tuple(
+        field
+        for field in table
+        if field.present(config)
+        and (
+            field.is_in_layer(config, layer)
+            if layer is not None
+            else any(field.is_in_layer(config, i) for i in range(config.num_layers))
+        )
+    )
 
 
 def model_fields(config: ModelConfig) -> tuple[WeightField, ...]:
@@ -242,11 +337,28 @@ def model_fields(config: ModelConfig) -> tuple[WeightField, ...]:
 
 
 def num_params(config: ModelConfig, *, include_embedding: bool = True) -> int:
-    """Parameter count of the weights this config describes."""
-    per_layer = sum(math.prod(field.shape_for(config)) for field in layer_fields(config))
+    """Parameter count of the weights this config describes (every expert of every layer)."""
+    layers = sum(
+        math.prod(field.shape_for(config))
+        for layer in range(config.num_layers)
+        for field in layer_fields(config, layer)
+    )
     outside = sum(
         math.prod(field.shape_for(config))
         for field in model_fields(config)
         if include_embedding or field.name != "embed"
     )
-    return config.num_layers * per_layer + outside
+    return layers + outside
+
+
+def num_active_params(config: ModelConfig, *, include_embedding: bool = True) -> int:
+    """Parameters one token reads: of a mixture of experts, only ``top_k`` experts per layer."""
+    total = num_params(config, include_embedding=include_embedding)
+    if config.moe is None:
+        return total
+    idle = config.moe.num_experts - config.moe.top_k
+    per_expert = sum(
+        math.prod(field.shape_for(config)[1:]) for field in layer_fields(config) if field.per_expert
+    )
+    num_moe_layers = sum(config.is_moe_layer(layer) for layer in range(config.num_layers))
+    return total - num_moe_layers * idle * per_expert

@@ -1,5 +1,5 @@
-"""The dense decoder families (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3)
-as pure functions.
+"""The decoder families (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3, and the
+mixtures of experts Mixtral, Qwen3-MoE and Qwen2-MoE) as pure functions.
 
 ``forward(weights, kv_cache, batch, config) -> (kv_cache, hidden)`` runs one ragged batch of
 prefill chunks and decode tokens over the paged KV cache; ``compute_logits`` turns selected
@@ -8,7 +8,8 @@ RMSNorm (Qwen3, Gemma 3), every RoPE scaling (``rope.py``), tied embeddings, sli
 for all layers (Mistral, Phi-3) or per layer (Gemma's local and global layers, with a rope base
 per layer type in Gemma 3), attention and final logit soft-capping and the attention scale
 (Gemma 2), Gemma's (1 + weight) RMSNorm, scaled embeddings, norms after attention and MLP and
-GeGLU. Phi-3's fused qkv and gate_up tensors are split at loading (``families.py``).
+GeGLU. Phi-3's fused qkv and gate_up tensors are split at loading (``families.py``). A layer
+with experts runs ``moe.moe_block`` in place of its dense MLP.
 
 Einsum letters: T tokens, H hidden, N query heads, K kv heads, D head dim, I intermediate,
 V vocab.
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from jaxserve.config import ModelConfig, RopeScaling
-from jaxserve.models import rope
+from jaxserve.models import moe, rope
 from jaxserve.models.batch import Batch, KVCache
 from jaxserve.models.quant import QArray, linear
 
@@ -44,9 +45,9 @@ class LayerWeights:
     wv: jax.Array | QArray  # [H, K, D]
     wo: jax.Array | QArray  # [N, D, H]
     mlp_norm: jax.Array  # [H]
-    w_gate: jax.Array | QArray  # [H, I]
-    w_up: jax.Array | QArray  # [H, I]
-    w_down: jax.Array | QArray  # [I, H]
+    w_gate: jax.Array | QArray | None = None  # [H, I]  None on a layer with experts
+    w_up: jax.Array | QArray | None = None  # [H, I]
+    w_down: jax.Array | QArray | None = None  # [I, H]
     bq: jax.Array | None = None  # [N, D]  (Qwen2)
     bk: jax.Array | None = None  # [K, D]
     bv: jax.Array | None = None  # [K, D]
@@ -54,6 +55,31 @@ class LayerWeights:
     k_norm: jax.Array | None = None  # [D]
     post_attn_norm: jax.Array | None = None  # [H]  (Gemma: norms after attention and MLP)
     post_mlp_norm: jax.Array | None = None  # [H]
+    router: jax.Array | None = None  # [H, E]  a layer with experts (Mixtral, Qwen3-MoE)
+    experts_gate: jax.Array | None = None  # [E, H, M]
+    experts_up: jax.Array | None = None  # [E, H, M]
+    experts_down: jax.Array | None = None  # [E, M, H]
+    shared_gate: jax.Array | None = None  # [H, S]  a shared expert (Qwen2-MoE)
+    shared_up: jax.Array | None = None  # [H, S]
+    shared_down: jax.Array | None = None  # [S, H]
+    shared_router: jax.Array | None = None  # [H, 1]  its gate
+
+    def moe_weights(self) -> moe.MoeWeights | None:
+        """This layer's experts, or None for a dense MLP."""
+        if self.router is None:
+            return None
+        assert self.experts_gate is not None and self.experts_up is not None
+        assert self.experts_down is not None
+        return moe.MoeWeights(
+            self.router,
+            self.experts_gate,
+            self.experts_up,
+            self.experts_down,
+            shared_gate=self.shared_gate,
+            shared_up=self.shared_up,
+            shared_down=self.shared_down,
+            shared_router=self.shared_router,
+        )
 
 
 @jax.tree_util.register_dataclass
@@ -151,6 +177,7 @@ def attention_block(
 def mlp_block(
     lw: LayerWeights, x: jax.Array, act: Callable[[jax.Array], jax.Array] = jax.nn.silu
 ) -> jax.Array:  # [T, H] -> [T, H]
+    assert lw.w_gate is not None and lw.w_up is not None and lw.w_down is not None
     gate = linear(x, lw.w_gate, "TH,HI->TI")
     up = linear(x, lw.w_up, "TH,HI->TI")
     return linear(act(gate) * up, lw.w_down, "TI,IH->TH")
@@ -163,10 +190,13 @@ def forward(
     config: ModelConfig,
     attention_fn: AttentionFn | None = None,
     kv_scales: Sequence[tuple[float, float]] | None = None,
+    experts_fn: moe.ExpertsFn | None = None,
 ) -> tuple[KVCache, jax.Array]:  # (kv_cache, hidden[T, H])
     """One step over a ragged batch; returns the updated cache and final-normed hidden states.
 
     ``kv_scales``: each layer's (k_scale, v_scale) of an fp8 cache (``models/kv_scales.py``).
+    ``experts_fn``: how a layer with experts runs them (``moe.run_experts``, or its sharded
+    form under tensor or expert parallelism).
     """
     attention_fn = attention_fn or pallas_kernels.ragged_paged_attention
     eps, gemma = config.rms_norm_eps, config.is_gemma
@@ -200,7 +230,12 @@ def forward(
         if lw.post_attn_norm is not None:  # Gemma: a norm after attention too
             attn = rms_norm(attn, lw.post_attn_norm, eps, gemma)
         x = x + attn
-        mlp = mlp_block(lw, rms_norm(x, lw.mlp_norm, eps, gemma), act)
+        h = rms_norm(x, lw.mlp_norm, eps, gemma)
+        experts = lw.moe_weights()
+        if experts is not None and config.moe is not None:
+            mlp = moe.moe_block(h, experts, config.moe, act, experts_fn, batch.cu_q_lens[-1])
+        else:
+            mlp = mlp_block(lw, h, act)
         if lw.post_mlp_norm is not None:
             mlp = rms_norm(mlp, lw.post_mlp_norm, eps, gemma)
         x = x + mlp

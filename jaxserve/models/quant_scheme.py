@@ -285,8 +285,9 @@ def weight_bytes(config: ModelConfig, dtype_bytes: int, scheme: QuantScheme | No
         return num_params(config) * dtype_bytes
     total = 0
     unquantized = num_params(config)
-    for field in layer_fields(config):
-        if field.name in QUANTIZED_FIELDS:
-            total += config.num_layers * quantized_field_bytes(field, config, scheme)
-            unquantized -= config.num_layers * math.prod(field.shape_for(config))
+    for layer in range(config.num_layers):
+        for field in layer_fields(config, layer):
+            if field.name in QUANTIZED_FIELDS:
+                total += quantized_field_bytes(field, config, scheme)
+                unquantized -= math.prod(field.shape_for(config))
     return total + unquantized * dtype_bytes

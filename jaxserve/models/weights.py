@@ -62,12 +62,13 @@ def expected_shapes(
     }
     for layer in range(config.num_layers):
         prefix = HF_LAYER_PREFIX.format(layer=layer)
-        for field in layer_fields(config):
+        for field in layer_fields(config, layer):
             if scheme is not None and scheme.from_checkpoint and is_quantized(field, scheme):
                 for name, shape in tensor_shapes(field, config, scheme).items():
                     shapes[prefix + name] = shape
             else:
-                shapes[prefix + field.hf_name] = field.checkpoint_shape_for(config)
+                for name in field.hf_names(config, prefix):
+                    shapes[name] = field.checkpoint_shape_for(config)
     return shapes
 
 
@@ -213,11 +214,14 @@ def load_weights(
             progress.add(file, tensor.nbytes)
             return tensor
 
+        def read_field(field: WeightField, prefix: str) -> np.ndarray:
+            """One tensor in the field's layout; a per-expert field stacks its experts."""
+            parts = [field.from_hf(read(name), config) for name in field.hf_names(config, prefix)]
+            return parts[0] if not field.per_expert else np.stack(parts)
+
         def load_field(prefix: str, field: WeightField, path: tuple[Any, ...]) -> Any:
             if not is_quantized(field, scheme):
-                return _place(
-                    field.from_hf(read(prefix + field.hf_name), config), dtype, path, placement
-                )
+                return _place(read_field(field, prefix), dtype, path, placement)
             assert scheme is not None
             if scheme.from_checkpoint:
                 try:
@@ -239,7 +243,7 @@ def load_weights(
             prefix = HF_LAYER_PREFIX.format(layer=layer)
             values = {
                 field.name: load_field(prefix, field, ("layers", layer, field.name))
-                for field in layer_fields(config)
+                for field in layer_fields(config, layer)
             }
             layers.append(LayerWeights(**values))
         outside: dict[str, Any] = {
@@ -292,7 +296,9 @@ def dummy_weights(
         return array if sharding is None else jax.device_put(array, sharding)
 
     layers = [
-        LayerWeights(**{f.name: make(("layers", layer, f.name), f) for f in layer_fields(config)})
+        LayerWeights(
+            **{f.name: make(("layers", layer, f.name), f) for f in layer_fields(config, layer)}
+        )
         for layer in range(config.num_layers)
     ]
     outside: dict[str, Any] = {f.name: make((f.name,), f) for f in model_fields(config)}

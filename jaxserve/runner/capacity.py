@@ -143,6 +143,10 @@ def activation_bytes(
     """A conservative estimate of the largest step's temporary buffers, plus a slack for
     the compiler's workspace (512 MiB, or 1/16 of a small device)."""
     per_token = (4 * config.intermediate_size + 6 * config.hidden_size) * dtype_bytes
+    if config.moe is not None:  # top_k rows per token: sorted copies, gate/up, f32 combine
+        k, m = config.moe.top_k, config.moe.intermediate_size
+        per_token += k * (3 * config.hidden_size + 3 * m) * dtype_bytes
+        per_token += 4 * (k * config.hidden_size + 3 * config.moe.num_experts)
     # The sampler's rows (f32 logits, scaled, noise, sort, ...), or a chunk of prompt logprobs
     # when that is larger: on the H200 a chunk takes 6.0 f32 copies of its logits, so 8 here.
     chunk = min(PROMPT_LOGPROBS_CHUNK, max_num_batched_tokens)
@@ -168,6 +172,8 @@ def plan_capacity(
 ) -> Capacity:
     kv_dtype_bytes = KV_DTYPE_BYTES[kv_cache_dtype] if kv_cache_dtype else dtype_bytes
     # Quantized Linear weights count at their own bytes (values, scales, zero points).
+    # NOTE: every expert of a mixture of experts is counted: all stay resident, split over the
+    # devices whether by slices (tensor parallel) or whole experts (expert parallel).
     weights = weight_bytes(config, dtype_bytes, quant) // tensor_parallel_size
     activations = activation_bytes(
         config, max_num_batched_tokens, max_num_seqs, dtype_bytes, device_memory_bytes

@@ -164,6 +164,22 @@ def describe_attention(
     return f"{line} ({reason})" if reason else line
 
 
+def describe_experts(model_config: ModelConfig, config: EngineConfig) -> str | None:
+    """``Experts: 128, 8 per token (jax.lax.ragged_dot), expert parallel over 4``; None for
+    a dense model."""
+    moe = model_config.moe
+    if moe is None:
+        return None
+    line = f"Experts: {moe.num_experts}, {moe.top_k} per token (jax.lax.ragged_dot)"
+    if moe.shared_intermediate_size:
+        line += ", a shared expert"
+    tp = config.tensor_parallel_size
+    if tp > 1:
+        how = "expert parallel" if config.enable_expert_parallel else "each split"
+        line += f", {how} over {tp}"
+    return line
+
+
 def startup_lines(
     model_config: ModelConfig,
     config: EngineConfig,
@@ -173,9 +189,11 @@ def startup_lines(
     kv_dtype: jnp.dtype | None = None,
 ) -> list[str]:
     tp = config.tensor_parallel_size
+    experts = describe_experts(model_config, config)
     lines = [
         describe_devices(tp),
         describe_model(model_config, config, dtype, max_model_len),
         describe_attention(model_config, dtype, config.block_size, tp, kv_dtype),
+        *([experts] if experts else []),
     ]
     return lines + ([quant.describe()] if quant is not None else [])

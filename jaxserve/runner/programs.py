@@ -38,6 +38,7 @@ def model_step(
     config: ModelConfig,
     attention_fn: llama.AttentionFn | None = None,
     kv_scales: tuple[tuple[float, float], ...] | None = None,  # an fp8 cache's, per layer
+    experts_fn: Any = None,  # moe.ExpertsFn: a mixture of experts' sharded experts
 ) -> tuple[KVCache, jax.Array]:
     """The model over one step's batch. A pending input token (``source`` >= 0: the step
     before this one was still sampling it when this one was built) is read from that step's
@@ -48,7 +49,9 @@ def model_step(
     # NOTE: the step returns only the hidden states; gathering each sequence's last row here
     # (so the sampler would depend on the sequence bucket alone) changed the step's fusions
     # and cost 4-8% of offline throughput on the H200.
-    return llama.forward(weights, kv_cache, batch, config, attention_fn, kv_scales)
+    return llama.forward(
+        weights, kv_cache, batch, config, attention_fn, kv_scales=kv_scales, experts_fn=experts_fn
+    )
 
 
 def shared_attention(attention_fn: Any) -> Any:

@@ -93,7 +93,12 @@ class ModelRunner:
             _LOG.info(line)
         # Tensor parallelism: shardings from sharding.py; TP=1 keeps the plain program.
         self.tp = (
-            prepare_tp(model_config, config.tensor_parallel_size, quant=self.quant)
+            prepare_tp(
+                model_config,
+                config.tensor_parallel_size,
+                quant=self.quant,
+                expert_parallel=config.enable_expert_parallel,
+            )
             if config.tensor_parallel_size > 1
             else None
         )
@@ -137,7 +142,7 @@ class ModelRunner:
         if self.tp is not None:
             in_shardings, out_shardings = self.tp.step_shardings()
             self.step_fn = jax.jit(
-                step,
+                functools.partial(step, experts_fn=self.tp.experts_fn),
                 in_shardings=in_shardings,
                 out_shardings=out_shardings,
                 static_argnums=(4,),  # the layout of the packed inputs

@@ -17,6 +17,9 @@ The layout (Megatron-style, one mesh axis ``"tp"`` of N devices):
   quantized        a QArray's values [out, in] split on the same letters as the weight; its
                    scales and zero points [out] / [out, G] on the output axis (``quantized_specs``)
   KV cache         [P, page, K, D] on the KV-head axis
+  experts          [E, H, M], [E, M, H] on M (a slice of each expert, one all-reduce), or with
+                   --enable-expert-parallel on E (whole experts, tokens sent by all-to-all:
+                   expert_parallel.py); the router replicated
 
 KV heads and the query heads they serve must sit on the same device. With N <= K each device
 holds K / N KV heads. With N > K (more devices than KV heads) each KV head is replicated on
@@ -39,12 +42,14 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from jaxserve.config import ModelConfig
+from jaxserve.models import moe
 from jaxserve.models.batch import KVCache
 from jaxserve.models.families import WeightField, dim_sizes, layer_fields, model_fields
 from jaxserve.models.llama import AttentionFn, LayerWeights, Weights
 from jaxserve.models.quant import QUANTIZED_FIELDS, QArray
 from jaxserve.models.quant_scheme import QuantScheme, qarray_layout
 from jaxserve.models.weights import Placement
+from jaxserve.runner.expert_parallel import sharded_experts
 
 TP_AXIS = "tp"
 KV_AXIS = "kv"  # KV-head groups, on the KV view of the mesh
@@ -60,14 +65,27 @@ _KV_PAGES = P(None, None, KV_AXIS, None)  # k_pages, v_pages [P, page, K, D]
 # writes every shape in einsum letters: a dimension named here is split over that mesh axis,
 # the others are replicated. Query heads (N) and the MLP's intermediate dim (I) go on "tp",
 # KV heads (K) on the KV view; that gives the column / row / vocab parallel layout above.
-_SPLIT_DIMS = {"N": TP_AXIS, "I": TP_AXIS, "K": KV_AXIS}
+_SPLIT_DIMS = {"N": TP_AXIS, "I": TP_AXIS, "K": KV_AXIS, "M": TP_AXIS, "S": TP_AXIS}
+# Expert parallelism: whole experts (E) on "tp" instead of slices of each (M).
+_EXPERT_PARALLEL_DIMS = {"N": TP_AXIS, "I": TP_AXIS, "K": KV_AXIS, "E": TP_AXIS, "S": TP_AXIS}
 
 
-def validate_tensor_parallel_size(config: ModelConfig, tensor_parallel_size: int) -> None:
+def validate_tensor_parallel_size(
+    config: ModelConfig, tensor_parallel_size: int, expert_parallel: bool = False
+) -> None:
     """Raise ValueError (naming the values) for a degree the model's shapes cannot split into."""
     n = tensor_parallel_size
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"tensor_parallel_size={n!r} must be a positive integer")
+    if config.moe is not None:  # whole experts (expert parallel) or slices of each; shared
+        spec = config.moe
+        split = {"num_experts": spec.num_experts} if expert_parallel else {}
+        split |= {"moe_intermediate_size": spec.intermediate_size} if not expert_parallel else {}
+        split |= {"shared_expert_intermediate_size": spec.shared_intermediate_size}
+        for name, size in split.items():
+            if size % n:
+                hint = "" if expert_parallel else " (or pass --enable-expert-parallel)"
+                raise ValueError(f"tensor_parallel_size={n} must divide {name}={size}{hint}")
     if config.num_q_heads % n:
         raise ValueError(
             f"tensor_parallel_size={n} must divide num_q_heads={config.num_q_heads} "
@@ -165,21 +183,30 @@ def quantized_specs(
 
 
 def layer_specs(
-    config: ModelConfig, quant: QuantScheme | None = None, tensor_parallel_size: int = 1
+    config: ModelConfig,
+    layer: int | None = None,
+    expert_parallel: bool = False,
+    quant: QuantScheme | None = None,
+    tensor_parallel_size: int = 1,
 ) -> LayerWeights:
-    """PartitionSpecs of one layer, field for field (None where the model has no such tensor)."""
+    """PartitionSpecs of layer ``layer`` (None: of any), field for field (None where the model
+    has no such tensor); quantized Linear weights as ``QArray``s of specs."""
+    split = _EXPERT_PARALLEL_DIMS if expert_parallel else _SPLIT_DIMS
     # A pytree of specs in the weights' own dataclass (its leaves are specs, not arrays).
     specs: dict[str, Any] = {
         f.name: quantized_specs(f, config, quant, tensor_parallel_size)
         if quant is not None and f.name in QUANTIZED_FIELDS
-        else _spec(f.shape, _SPLIT_DIMS)
-        for f in layer_fields(config)
+        else _spec(f.shape, split)
+        for f in layer_fields(config, layer)
     }
     return LayerWeights(**specs)
 
 
 def weight_specs(
-    config: ModelConfig, tensor_parallel_size: int, quant: QuantScheme | None = None
+    config: ModelConfig,
+    tensor_parallel_size: int,
+    quant: QuantScheme | None = None,
+    expert_parallel: bool = False,
 ) -> Weights:
     """A ``Weights`` pytree of PartitionSpecs, parallel to the model's weights."""
     split = _SPLIT_DIMS
@@ -187,8 +214,11 @@ def weight_specs(
     if config.vocab_size % tensor_parallel_size == 0:
         split = split | {"V": TP_AXIS}
     specs: dict[str, Any] = {f.name: _spec(f.shape, split) for f in model_fields(config)}
-    layer = layer_specs(config, quant, tensor_parallel_size)
-    return Weights(layers=[layer] * config.num_layers, **specs)
+    layers = [
+        layer_specs(config, i, expert_parallel, quant, tensor_parallel_size)
+        for i in range(config.num_layers)
+    ]
+    return Weights(layers=layers, **specs)
 
 
 def _is_kv_spec(spec: P) -> bool:
@@ -225,6 +255,8 @@ class TensorParallel:
     kv_sharding: NamedSharding  # each layer's k_pages and v_pages [P, page, K, D]
     replicated: NamedSharding  # the batch, sampling inputs, hidden states
     attention_fn: AttentionFn  # the attention op under shard_map, for llama.forward
+    experts_fn: moe.ExpertsFn | None = None  # the experts under shard_map (None: dense model)
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.mesh.axis_names != (TP_AXIS,):
@@ -264,22 +296,30 @@ class TensorParallel:
         )
 
 
-def weight_shardings(mesh: Mesh, config: ModelConfig, quant: QuantScheme | None = None) -> Weights:
+def weight_shardings(
+    mesh: Mesh,
+    config: ModelConfig,
+    quant: QuantScheme | None = None,
+    expert_parallel: bool = False,
+) -> Weights:
     """A ``Weights`` pytree of NamedShardings: KV-side specs on the KV view, the rest on "tp"."""
     view = kv_mesh(mesh, config.num_kv_heads)
     return jax.tree.map(
         lambda spec: NamedSharding(view if _is_kv_spec(spec) else mesh, spec),
-        weight_specs(config, mesh.devices.size, quant),
+        weight_specs(config, mesh.devices.size, quant, expert_parallel),
         is_leaf=lambda x: isinstance(x, P),
     )
 
 
 def weight_placement(
-    mesh: Mesh, config: ModelConfig, quant: QuantScheme | None = None
+    mesh: Mesh,
+    config: ModelConfig,
+    quant: QuantScheme | None = None,
+    expert_parallel: bool = False,
 ) -> Placement:
     """The ``Placement`` to pass to ``load_weights`` / ``dummy_weights``."""
-    validate_tensor_parallel_size(config, mesh.devices.size)
-    return placement_from(weight_shardings(mesh, config, quant))
+    validate_tensor_parallel_size(config, mesh.devices.size, expert_parallel)
+    return placement_from(weight_shardings(mesh, config, quant, expert_parallel))
 
 
 def kv_cache_sharding(mesh: Mesh, config: ModelConfig) -> NamedSharding:
@@ -353,22 +393,28 @@ def prepare_tp(
     devices: Sequence[jax.Device] | None = None,
     attention_fn: AttentionFn | None = None,
     quant: QuantScheme | None = None,
+    expert_parallel: bool = False,
 ) -> TensorParallel:
-    """The mesh (made here unless given), shardings and sharded attention for one model."""
+    """The mesh (made here unless given), shardings and sharded attention for one model;
+    ``expert_parallel`` splits a mixture of experts by whole experts."""
     if mesh is None:
         if tensor_parallel_size is None:
             raise ValueError("prepare_tp needs tensor_parallel_size or a mesh")
-        mesh = make_mesh(tensor_parallel_size, config, devices)
-    else:
-        validate_tensor_parallel_size(config, mesh.devices.size)
+        mesh = make_mesh(tensor_parallel_size, devices=devices)
+    validate_tensor_parallel_size(config, mesh.devices.size, expert_parallel)
     return TensorParallel(
         mesh=mesh,
         kv_mesh=kv_mesh(mesh, config.num_kv_heads),
         config=config,
-        weight_shardings=weight_shardings(mesh, config, quant),
+        weight_shardings=weight_shardings(mesh, config, quant, expert_parallel),
         kv_sharding=kv_cache_sharding(mesh, config),
         replicated=NamedSharding(mesh, P()),
         attention_fn=sharded_attention(
             attention_fn or pallas_kernels.ragged_paged_attention, mesh, config
         ),
+        experts_fn=(
+            sharded_experts(mesh, TP_AXIS, expert_parallel) if config.moe is not None else None
+        ),
+        # NOTE: as in vLLM, the flag changes only the layers with experts.
+        expert_parallel=expert_parallel and config.moe is not None,
     )

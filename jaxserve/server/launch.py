@@ -162,6 +162,12 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         help="devices per model replica",
     )
     add(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="a mixture of experts: whole experts per device (tokens exchanged by all-to-all) "
+        "instead of a slice of every expert; attention stays tensor parallel",
+    )
+    add(
         "--coordinator-address",
         default=None,
         help="multi-host replica: host:port of process 0 ('auto': detect on TPU pods, Slurm); "
@@ -365,6 +371,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         compilation_cache_dir=args.compilation_cache_dir,
     )
 

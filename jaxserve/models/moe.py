@@ -1,0 +1,274 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE; DeepSeek's grouped routing) as pure functions.
+
+``moe_block(x, weights, config, act)`` replaces the dense MLP of a layer: ``route`` picks each
+token's ``top_k`` experts and their weights from the router logits, ``run_experts`` runs every
+(token, expert) pair as a grouped matmul and sums each token's pairs, and a shared expert, where
+the model has one, adds a dense MLP over every token. Under expert parallelism the runner swaps
+``run_experts`` for ``run_experts_all_to_all`` inside ``shard_map`` (``runner/sharding.py``).
+
+Shapes are fixed by the token count alone: T tokens make T * top_k rows sorted by expert, and
+only the group sizes (data) change with the routing, so a new routing never recompiles. The
+padding tokens of a step's bucket get the expert id E, past every group: they sort last and
+no expert runs them (a decode step of one sequence in a 16-token bucket reads the weights of
+its own top_k experts only).
+
+Einsum letters: T tokens, H hidden, E experts, M expert intermediate, S shared-expert
+intermediate, R rows (T * top_k, one per token and chosen expert).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import MoeConfig
+
+Activation = Callable[[jax.Array], jax.Array]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MoeWeights:
+    """One layer's experts (a view of its ``LayerWeights``, nothing copied)."""
+
+    router: jax.Array  # [H, E]
+    w_gate: jax.Array  # [E, H, M]
+    w_up: jax.Array  # [E, H, M]
+    w_down: jax.Array  # [E, M, H]
+    router_bias: jax.Array | None = None  # f32[E]  e_score_correction_bias (DeepSeek-V3)
+    shared_gate: jax.Array | None = None  # [H, S]  the shared expert, a dense MLP
+    shared_up: jax.Array | None = None  # [H, S]
+    shared_down: jax.Array | None = None  # [S, H]
+    shared_router: jax.Array | None = None  # [H, 1]  its output times sigmoid(x @ this)
+
+
+# (x[T, H], expert_ids i32[T, k], expert_weights f32[T, k], w_gate, w_up, w_down) -> [T, H]
+ExpertsFn = Callable[..., jax.Array]
+
+
+def route(
+    logits: jax.Array,  # f32[T, E]
+    config: MoeConfig,
+    bias: jax.Array | None = None,  # f32[E]  steers the choice only (DeepSeek-V3)
+) -> tuple[jax.Array, jax.Array]:  # (weights f32[T, k], expert ids i32[T, k])
+    """Each token's ``top_k`` experts and their weights, as Hugging Face's routers pick them."""
+    if config.scoring == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+    else:
+        scores = jax.nn.sigmoid(logits)
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    if config.n_group > 1:  # DeepSeek: keep the topk_group groups whose two best score most
+        num_tokens, num_experts = choice.shape
+        grouped = choice.reshape(num_tokens, config.n_group, num_experts // config.n_group)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # f32[T, G]
+        kept = jax.lax.top_k(group_scores, config.topk_group)[1]  # i32[T, topk_group]
+        rows = jnp.arange(num_tokens)[:, None]
+        is_kept = jnp.zeros(group_scores.shape, bool).at[rows, kept].set(True)  # bool[T, G]
+        is_kept = jnp.repeat(is_kept, num_experts // config.n_group, axis=1)  # bool[T, E]
+        choice = jnp.where(is_kept, choice, -jnp.inf)
+    ids = jax.lax.top_k(choice, config.top_k)[1]  # i32[T, k]
+    weights = jnp.take_along_axis(scores, ids, axis=-1)  # f32[T, k]
+    if config.norm_topk_prob:
+        denominator = weights.sum(-1, keepdims=True)
+        if config.scoring == "sigmoid":  # DeepSeek's guard; a softmax sum is never 0
+            denominator = denominator + 1e-20
+        weights = weights / denominator
+    return weights * config.routed_scaling_factor, ids.astype(jnp.int32)
+
+
+def sort_by_expert(
+    expert_ids: jax.Array,  # i32[T, k]
+    num_experts: int,
+) -> tuple[jax.Array, jax.Array]:  # (order i32[R], group sizes i32[E])
+    """Rows (token * k + slot) in expert order, and how many rows each expert has."""
+    flat = expert_ids.reshape(-1)  # i32[R]
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.zeros(num_experts, jnp.int32).at[flat].add(1, mode="drop")
+    return order.astype(jnp.int32), group_sizes
+
+
+def expert_mlp(
+    rows: jax.Array,  # [R, H]  sorted by expert
+    group_sizes: jax.Array,  # i32[E]  rows of each expert, in order; may sum to less than R
+    w_gate: jax.Array,  # [E, H, M]
+    w_up: jax.Array,  # [E, H, M]
+    w_down: jax.Array,  # [E, M, H]
+    act: Activation,
+) -> jax.Array:  # [R, H]; rows past the groups' sum are zeros
+    """Each row through its expert's gated MLP: three grouped matmuls."""
+    # NOTE: jax.lax.ragged_dot, not tokamax's Pallas grouped matmul: it ships with jax (tokamax
+    # is not installed here and would be a new dependency for one op), XLA lowers it on GPU,
+    # TPU and CPU alike, and its shapes depend on the row count only, so routing never
+    # recompiles. benchmarks/moe.py measures it against the roofline on the H200.
+    gate = jax.lax.ragged_dot(rows, w_gate, group_sizes)  # [R, M]
+    up = jax.lax.ragged_dot(rows, w_up, group_sizes)  # [R, M]
+    return jax.lax.ragged_dot(act(gate) * up, w_down, group_sizes)  # [R, H]
+
+
+def run_experts(
+    x: jax.Array,  # [T, H]
+    expert_ids: jax.Array,  # i32[T, k]
+    expert_weights: jax.Array,  # f32[T, k]
+    w_gate: jax.Array,  # [E, H, M]
+    w_up: jax.Array,  # [E, H, M]
+    w_down: jax.Array,  # [E, M, H]
+    *,
+    act: Activation,
+) -> jax.Array:  # [T, H]
+    """Sum over each token's experts of weight * expert(x), all experts on this device."""
+    num_tokens, top_k = expert_ids.shape
+    order, group_sizes = sort_by_expert(expert_ids, w_gate.shape[0])
+    rows = x[order // top_k]  # [R, H]
+    out = expert_mlp(rows, group_sizes, w_gate, w_up, w_down, act)  # [R, H]
+    return combine(out, order, expert_weights, x.dtype)
+
+
+def inverse_permutation(order: jax.Array) -> jax.Array:  # i32[R] -> i32[R]
+    """Where each row went: ``inverse[order[i]] == i``."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
+def combine(
+    out: jax.Array,  # [R, H]  in expert order
+    order: jax.Array,  # i32[R]  the token row (token * k + slot) of each
+    expert_weights: jax.Array,  # f32[T, k]
+    dtype: jnp.dtype,
+) -> jax.Array:  # [T, H]
+    """Rows back in token order, weighted and summed over each token's k experts."""
+    num_tokens, top_k = expert_weights.shape
+    # NOTE: the inverse permutation and a gather, not a scatter-add: the sum over k is then in
+    # slot order, the same on every device and every run.
+    per_slot = out[inverse_permutation(order)].reshape(num_tokens, top_k, -1)  # [T, k, H]
+    weighted = per_slot.astype(jnp.float32) * expert_weights[..., None]
+    return weighted.sum(1).astype(dtype)
+
+
+def run_experts_all_to_all(
+    x: jax.Array,  # [T, H]  every token, the same on every device
+    expert_ids: jax.Array,  # i32[T, k]
+    expert_weights: jax.Array,  # f32[T, k]
+    w_gate: jax.Array,  # [E / n, H, M]  this device's experts
+    w_up: jax.Array,  # [E / n, H, M]
+    w_down: jax.Array,  # [E / n, M, H]
+    *,
+    act: Activation,
+    axis_name: str,
+) -> jax.Array:  # [T, H], the same on every device
+    """``run_experts`` under expert parallelism, inside ``shard_map`` over ``axis_name``.
+
+    Device d owns experts [d * E / n, (d + 1) * E / n) and routes tokens [d * T / n, ...):
+    it sends each of its rows to the device that owns the row's expert (one all-to-all),
+    runs the rows it receives through its experts, sends the results back (a second
+    all-to-all), combines its tokens and gathers every device's tokens.
+    """
+    num_devices = jax.lax.axis_size(axis_name)
+    device = jax.lax.axis_index(axis_name)
+    num_local = w_gate.shape[0]
+    num_tokens, top_k = expert_ids.shape
+    local_tokens = -(-num_tokens // num_devices)  # t; past T: padding of no expert
+    padding = local_tokens * num_devices - num_tokens
+    x = jnp.pad(x, ((0, padding), (0, 0)))
+    no_expert = num_local * num_devices  # E: past every device's experts
+    expert_ids = jnp.pad(expert_ids, ((0, padding), (0, 0)), constant_values=no_expert)
+    expert_weights = jnp.pad(expert_weights, ((0, padding), (0, 0)))
+    start = device * local_tokens
+    x = jax.lax.dynamic_slice_in_dim(x, start, local_tokens)  # [t, H]
+    expert_ids = jax.lax.dynamic_slice_in_dim(expert_ids, start, local_tokens)  # i32[t, k]
+    expert_weights = jax.lax.dynamic_slice_in_dim(expert_weights, start, local_tokens)
+
+    # Send: rows sorted by expert are sorted by owner too. Each owner gets a slot of the
+    # worst case (every row), so no row is ever dropped and the shapes stay fixed.
+    capacity = local_tokens * top_k  # C
+    order, group_sizes = sort_by_expert(expert_ids, num_local * num_devices)
+    owner_sizes = group_sizes.reshape(num_devices, num_local)  # i32[n, E / n]
+    owner_counts = owner_sizes.sum(1)  # i32[n]
+    owner_starts = jnp.cumsum(owner_counts) - owner_counts  # i32[n]
+    sorted_ids = expert_ids.reshape(-1)[order]  # i32[C]
+    rows = x[order // top_k]  # [C, H]
+    owner = sorted_ids // num_local  # i32[C]; n for a padding token's rows
+    slot = jnp.arange(capacity) - owner_starts[jnp.minimum(owner, num_devices - 1)]  # i32[C]
+    # A padding row's owner n is out of bounds: the scatters drop it, it is sent nowhere.
+    send = jnp.zeros((num_devices, capacity, x.shape[1]), x.dtype).at[owner, slot].set(rows)
+    send_ids = jnp.full((num_devices, capacity), num_local, jnp.int32)  # num_local: empty
+    send_ids = send_ids.at[owner, slot].set(sorted_ids % num_local)
+
+    received = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=False)  # [n, C, H] by source
+    received_ids = jax.lax.all_to_all(send_ids, axis_name, 0, 0, tiled=False)  # i32[n, C]
+    received_ids = received_ids.reshape(-1)  # i32[n * C]; empty rows sort last
+    local_order = jnp.argsort(received_ids, stable=True).astype(jnp.int32)
+    local_sizes = jnp.zeros(num_local, jnp.int32).at[received_ids].add(1, mode="drop")
+    local_rows = received.reshape(-1, x.shape[1])[local_order]  # [n * C, H]
+    out = expert_mlp(local_rows, local_sizes, w_gate, w_up, w_down, act)  # [n * C, H]
+    out = out[inverse_permutation(local_order)]  # [n * C, H] as received
+    out = out.reshape(num_devices, capacity, -1)  # [n, C, H] by source
+
+    returned = jax.lax.all_to_all(out, axis_name, 0, 0, tiled=False)  # [n, C, H] by owner
+    mine = jnp.where(
+        (owner < num_devices)[:, None], returned[jnp.minimum(owner, num_devices - 1), slot], 0
+    )  # [C, H]  in this device's expert order
+    local = combine(mine, order, expert_weights, x.dtype)  # [t, H]
+    return jax.lax.all_gather(local, axis_name, axis=0, tiled=True)[:num_tokens]  # [T, H]
+
+
+def shared_expert(
+    x: jax.Array,  # [T, H]
+    weights: MoeWeights,
+    act: Activation,
+) -> jax.Array:  # [T, H]
+    """The dense MLP every token goes through beside its routed experts."""
+    assert weights.shared_gate is not None and weights.shared_up is not None
+    assert weights.shared_down is not None
+    gate = jnp.einsum("TH,HS->TS", x, weights.shared_gate)
+    up = jnp.einsum("TH,HS->TS", x, weights.shared_up)
+    out = jnp.einsum("TS,SH->TH", act(gate) * up, weights.shared_down)
+    if weights.shared_router is not None:
+        out = out * jax.nn.sigmoid(jnp.einsum("TH,HO->TO", x, weights.shared_router))
+    return out
+
+
+def moe_block(
+    x: jax.Array,  # [T, H]
+    weights: MoeWeights,
+    config: MoeConfig,
+    act: Activation,
+    experts_fn: ExpertsFn | None = None,
+    num_valid_tokens: jax.Array | None = None,  # i32[]  the rest of x is a bucket's padding
+) -> jax.Array:  # [T, H]
+    """The experts' MLP of one layer: route, run each token's experts, add the shared one."""
+    experts_fn = experts_fn or run_experts
+    logits = jnp.einsum("TH,HE->TE", x, weights.router, preferred_element_type=jnp.float32)
+    expert_weights, expert_ids = route(logits.astype(jnp.float32), config, weights.router_bias)
+    if num_valid_tokens is not None:  # padding: expert E (no group), weight 0
+        is_valid = (jnp.arange(x.shape[0]) < num_valid_tokens)[:, None]  # bool[T, 1]
+        expert_ids = jnp.where(is_valid, expert_ids, config.num_experts)
+        expert_weights = jnp.where(is_valid, expert_weights, 0.0)
+    out = experts_fn(
+        x, expert_ids, expert_weights, weights.w_gate, weights.w_up, weights.w_down, act=act
+    )
+    if weights.shared_gate is not None:
+        out = out + shared_expert(x, weights, act)
+    return out
+
+
+def reference_moe(
+    x: jax.Array,  # [T, H]
+    weights: MoeWeights,
+    config: MoeConfig,
+    act: Activation,
+) -> jax.Array:  # [T, H]
+    """The same layer as a dense loop over every expert (the oracle of the tests)."""
+    logits = jnp.einsum("TH,HE->TE", x, weights.router, preferred_element_type=jnp.float32)
+    expert_weights, expert_ids = route(logits, config, weights.router_bias)
+    out = jnp.zeros(x.shape, jnp.float32)
+    for expert in range(weights.w_gate.shape[0]):
+        y = act(x @ weights.w_gate[expert]) * (x @ weights.w_up[expert])
+        y = (y @ weights.w_down[expert]).astype(jnp.float32)  # [T, H]
+        weight = jnp.where(expert_ids == expert, expert_weights, 0.0).sum(-1)  # f32[T]
+        out = out + weight[:, None] * y
+    out = out.astype(x.dtype)
+    if weights.shared_gate is not None:
+        out = out + shared_expert(x, weights, act)
+    return out
