@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import time
 from typing import Any
 
 import jax
@@ -25,8 +24,7 @@ import pallas_kernels
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.batch import Batch, make_kv_cache
-from jaxserve.models.kv_scales import kv_dtype_label, kv_scales_for
-from jaxserve.models.weights import dummy_weights, load_weights
+from jaxserve.models.kv_scales import kv_dtype_label
 from jaxserve.runner import step_broadcast
 from jaxserve.runner.capacity import (
     Capacity,
@@ -43,6 +41,7 @@ from jaxserve.runner.devices import (
 )
 from jaxserve.runner.in_flight import DeferredSampler, InFlight
 from jaxserve.runner.input_builder import InputBuilder, next_power_of_2, token_buckets_for
+from jaxserve.runner.model_weights import kv_cache_scales, model_weights
 from jaxserve.runner.packing import Layout, pack
 from jaxserve.runner.programs import (
     StepSamples,
@@ -81,44 +80,22 @@ class ModelRunner:
         self.dtype = resolve_dtype(config)
         self.quant = resolve_quantization(config)  # None: unquantized
         self.kv_dtype = resolve_kv_dtype(config, self.dtype)  # raises where fp8 cannot run
-        lines = startup_lines(
-            model_config,
-            config,
-            self.dtype,
-            max_model_len,
-            quant=self.quant,
-            kv_dtype=self.kv_dtype,
-        )
-        for line in lines:
+        for line in startup_lines(
+            model_config, config, self.dtype, max_model_len, self.quant, self.kv_dtype
+        ):
             _LOG.info(line)
         # Tensor parallelism: shardings from sharding.py; TP=1 keeps the plain program.
-        self.tp = (
-            prepare_tp(
-                model_config,
-                config.tensor_parallel_size,
-                quant=self.quant,
-                expert_parallel=config.enable_expert_parallel,
+        self.tp = None
+        if config.tensor_parallel_size > 1:
+            ep = config.enable_expert_parallel
+            self.tp = prepare_tp(
+                model_config, config.tensor_parallel_size, quant=self.quant, expert_parallel=ep
             )
-            if config.tensor_parallel_size > 1
-            else None
-        )
         placement = self.tp.placement if self.tp is not None else None
-        start = time.perf_counter()
-        if config.load_format == "dummy":
-            self.weights = dummy_weights(
-                model_config, self.dtype, seed=config.seed, placement=placement, scheme=self.quant
-            )
-        else:
-            self.weights = load_weights(
-                config.model_dir, model_config, self.dtype, placement=placement, scheme=self.quant
-            )
-        jax.block_until_ready(self.weights)
-        self.load_seconds = time.perf_counter() - start
-        if config.load_format == "dummy":
-            _LOG.info("Made random weights in %.1f s", self.load_seconds)
-        self.kv_scales = kv_scales_for(  # an fp8 cache's per-layer scales, else None
-            config.model_dir, model_config.num_layers, self.kv_dtype, config.load_format != "dummy"
+        self.weights, self.load_seconds = model_weights(
+            model_config, config, self.dtype, placement, self.quant
         )
+        self.kv_scales = kv_cache_scales(model_config, config, self.kv_dtype)
         self.tied = self.weights.lm_head is None
         self.head = self.weights.embed if self.tied else self.weights.lm_head
 
@@ -139,21 +116,14 @@ class ModelRunner:
             attention_fn=shared_attention(attention),
             kv_scales=self.kv_scales,
         )
+        shardings: dict[str, Any] = {}
         if self.tp is not None:
+            step = functools.partial(step, experts_fn=self.tp.experts_fn)
             in_shardings, out_shardings = self.tp.step_shardings()
-            self.step_fn = jax.jit(
-                functools.partial(step, experts_fn=self.tp.experts_fn),
-                in_shardings=in_shardings,
-                out_shardings=out_shardings,
-                static_argnums=(4,),  # the layout of the packed inputs
-                donate_argnames=("kv_cache",),
-            )
-        else:
-            self.step_fn = jax.jit(
-                step,
-                static_argnums=(4,),  # the layout of the packed inputs
-                donate_argnames=("kv_cache",),
-            )
+            shardings = dict(in_shardings=in_shardings, out_shardings=out_shardings)
+        self.step_fn = jax.jit(  # static: the layout of the packed inputs
+            step, static_argnums=(4,), donate_argnames=("kv_cache",), **shardings
+        )
         # Ahead-of-time executables from warm-up: model step and prompt logprobs per token
         # bucket, sampler per (token bucket, variant).
         self.compiled_steps: dict[int, Any] = {}
@@ -178,9 +148,6 @@ class ModelRunner:
             vocab_size=model_config.vocab_size,
             eos_token_ids=eos_token_ids,
         )
-
-    def seq_bucket(self, token_bucket: int) -> int:
-        return self.inputs.seq_bucket(token_bucket)
 
     # -- memory ----------------------------------------------------------------------------
 
@@ -216,19 +183,10 @@ class ModelRunner:
 
     def abstract_kv_cache(self) -> list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]:
         """The cache's shapes (and shardings) only: enough to compile against."""
-        shardings = (
-            self.tp.kv_cache_shardings(self.model_config.num_layers)
-            if self.tp is not None
-            else [(None, None)] * self.model_config.num_layers
-        )
-        shape = self.kv_cache_shape()
-        return [
-            (
-                jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=k),
-                jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=v),
-            )
-            for k, v in shardings
-        ]
+        n = self.model_config.num_layers
+        shardings = self.tp.kv_cache_shardings(n) if self.tp is not None else [(None, None)] * n
+        abstract = functools.partial(jax.ShapeDtypeStruct, self.kv_cache_shape(), self.kv_dtype)
+        return [(abstract(sharding=k), abstract(sharding=v)) for k, v in shardings]
 
     def precision(self) -> contextlib.AbstractContextManager:
         """float32 means float32: on GPUs XLA would otherwise multiply f32 in TF32."""
@@ -329,7 +287,10 @@ class ModelRunner:
             host_batch, inputs, next_ids = step_broadcast.announce(
                 header, (host_batch, inputs, next_ids)
             )
-        feed = self._pending_feed(output, host_batch, previous)
+        # The step's pending tokens: (source row in ``previous``'s sampled ids or -1, those ids).
+        previous_rows = previous.sampled_row if previous is not None else None
+        source = self.inputs.pending_sources(output, host_batch, previous_rows)
+        feed = (source, previous.sampled_ids) if source is not None and previous else None
         hidden, prompt_out = self.forward(host_batch, next_ids, feed)
         sampled_row = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
         step = InFlight(None, prompt_out, spans, sampled_row)
@@ -356,16 +317,6 @@ class ModelRunner:
     def collect(self, step: InFlight) -> RunnerOutput:
         """Wait for a dispatched step and copy its sampled tokens (and logprobs) to the host."""
         return step.read_back()
-
-    def _pending_feed(
-        self, output: SchedulerOutput, host_batch: Batch, previous: InFlight | None
-    ) -> tuple[np.ndarray, jax.Array] | None:
-        """(source row in ``previous``'s sampled ids, or -1, per token; those ids) or None."""
-        rows = previous.sampled_row if previous is not None else None
-        source = self.inputs.pending_sources(output, host_batch, rows)
-        if source is None or previous is None:  # (pending_sources raises on the second)
-            return None
-        return source, previous.sampled_ids
 
     def forward(
         self,

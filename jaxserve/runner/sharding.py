@@ -37,7 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
@@ -50,10 +50,14 @@ from jaxserve.models.quant import QUANTIZED_FIELDS, QArray
 from jaxserve.models.quant_scheme import QuantScheme, qarray_layout
 from jaxserve.models.weights import Placement
 from jaxserve.runner.expert_parallel import sharded_experts
-
-TP_AXIS = "tp"
-KV_AXIS = "kv"  # KV-head groups, on the KV view of the mesh
-KV_REPLICA_AXIS = "kv_replica"  # copies of one KV head group, on the KV view
+from jaxserve.runner.mesh import (
+    KV_AXIS,
+    KV_REPLICA_AXIS,
+    TP_AXIS,
+    kv_mesh,
+    make_mesh,
+    validate_tensor_parallel_size,
+)
 
 # Specs on the KV view. Query heads split over both of its axes, which orders the devices
 # exactly as "tp" does, so the two meshes agree and XLA moves no data between them.
@@ -68,80 +72,6 @@ _KV_PAGES = P(None, None, KV_AXIS, None)  # k_pages, v_pages [P, page, K, D]
 _SPLIT_DIMS = {"N": TP_AXIS, "I": TP_AXIS, "K": KV_AXIS, "M": TP_AXIS, "S": TP_AXIS}
 # Expert parallelism: whole experts (E) on "tp" instead of slices of each (M).
 _EXPERT_PARALLEL_DIMS = {"N": TP_AXIS, "I": TP_AXIS, "K": KV_AXIS, "E": TP_AXIS, "S": TP_AXIS}
-
-
-def validate_tensor_parallel_size(
-    config: ModelConfig, tensor_parallel_size: int, expert_parallel: bool = False
-) -> None:
-    """Raise ValueError (naming the values) for a degree the model's shapes cannot split into."""
-    n = tensor_parallel_size
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"tensor_parallel_size={n!r} must be a positive integer")
-    if config.moe is not None:  # whole experts (expert parallel) or slices of each; shared
-        spec = config.moe
-        split = {"num_experts": spec.num_experts} if expert_parallel else {}
-        split |= {"moe_intermediate_size": spec.intermediate_size} if not expert_parallel else {}
-        split |= {"shared_expert_intermediate_size": spec.shared_intermediate_size}
-        for name, size in split.items():
-            if size % n:
-                hint = "" if expert_parallel else " (or pass --enable-expert-parallel)"
-                raise ValueError(f"tensor_parallel_size={n} must divide {name}={size}{hint}")
-    if config.num_q_heads % n:
-        raise ValueError(
-            f"tensor_parallel_size={n} must divide num_q_heads={config.num_q_heads} "
-            "(each device computes whole query heads)"
-        )
-    k = config.num_kv_heads
-    if n <= k and k % n:
-        raise ValueError(f"tensor_parallel_size={n} must divide num_kv_heads={k}")
-    if n > k and n % k:
-        raise ValueError(
-            f"tensor_parallel_size={n} exceeds num_kv_heads={k} and must then be a multiple "
-            f"of it (each KV head is replicated on tensor_parallel_size / num_kv_heads devices)"
-        )
-    if config.intermediate_size % n:
-        raise ValueError(
-            f"tensor_parallel_size={n} must divide intermediate_size={config.intermediate_size}"
-        )
-
-
-def make_mesh(
-    tensor_parallel_size: int,
-    config: ModelConfig | None = None,
-    devices: Sequence[jax.Device] | None = None,
-) -> Mesh:
-    """A one-axis ``"tp"`` mesh over the first ``tensor_parallel_size`` devices.
-
-    ``devices`` defaults to ``jax.devices()`` (every process's devices under multi-host).
-    With a ``config`` the degree is also checked against the model's head counts.
-    """
-    devices = list(jax.devices() if devices is None else devices)
-    n = tensor_parallel_size
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"tensor_parallel_size={n!r} must be a positive integer")
-    if n > len(devices):
-        platform = devices[0].platform if devices else "none"
-        raise ValueError(
-            f"tensor_parallel_size={n} exceeds the {len(devices)} available {platform} devices"
-        )
-    if config is not None:
-        validate_tensor_parallel_size(config, n)
-    if n == len(devices):
-        # All devices: jax orders them along the interconnect (rings on a TPU slice).
-        return jax.make_mesh((n,), (TP_AXIS,), (AxisType.Auto,), devices=devices)
-    # NOTE: a subset keeps the given order; jax's topology-aware ordering wants a whole slice.
-    return Mesh(np.asarray(devices[:n]), (TP_AXIS,), axis_types=(AxisType.Auto,))
-
-
-def kv_mesh(mesh: Mesh, num_kv_heads: int) -> Mesh:
-    """The KV view of ``mesh``: the same devices in the same order, shaped (kv, kv_replica)."""
-    n = mesh.devices.size
-    groups = min(n, num_kv_heads)
-    return Mesh(
-        mesh.devices.reshape(groups, n // groups),
-        (KV_AXIS, KV_REPLICA_AXIS),
-        axis_types=(AxisType.Auto, AxisType.Auto),
-    )
 
 
 def _spec(shape: str, split: dict[str, str]) -> P:
