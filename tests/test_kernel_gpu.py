@@ -295,14 +295,21 @@ def test_entry_point_on_hopper_runs_the_kernel():
     assert_matches(case, out, reference.ragged_paged_attention(*args, **attention_kwargs(case)))
 
 
-def test_kernel_takes_bf16_queries_over_bf16_or_fp8_caches():
+def test_kernel_takes_bf16_or_fp16_queries_over_their_dtype_or_fp8_caches():
+    for q_dtype in (jnp.bfloat16, jnp.float16):
+        q = jax.ShapeDtypeStruct((1, 8, 128), q_dtype)
+        for dtype in (q_dtype, jnp.float8_e4m3fn, jnp.float8_e5m2):
+            k_pages = jax.ShapeDtypeStruct((4, 16, 2, 128), dtype)
+            assert gpu.unsupported_reason(q, k_pages, None, None) is None
     q = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
-    for dtype in (jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2):
-        k_pages = jax.ShapeDtypeStruct((4, 16, 2, 128), dtype)
-        assert gpu.unsupported_reason(q, k_pages, None, None) is None
+    k16 = jax.ShapeDtypeStruct((4, 16, 2, 128), jnp.float16)
+    assert "queries' dtype or fp8" in gpu.unsupported_reason(q, k16, None, None)
     q8 = jax.ShapeDtypeStruct((1, 8, 128), jnp.float8_e4m3fn)
     k8 = jax.ShapeDtypeStruct((4, 16, 2, 128), jnp.float8_e4m3fn)
-    assert "bfloat16 queries" in gpu.unsupported_reason(q8, k8, None, None)
+    assert "bfloat16 or float16 queries" in gpu.unsupported_reason(q8, k8, None, None)
+    q256 = jax.ShapeDtypeStruct((1, 8, 256), jnp.bfloat16)
+    k256 = jax.ShapeDtypeStruct((4, 16, 2, 256), jnp.float8_e4m3fn)
+    assert "fp8 cache" in gpu.unsupported_reason(q256, k256, None, None)
 
 
 @pytest.mark.parametrize(

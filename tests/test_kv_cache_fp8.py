@@ -383,6 +383,7 @@ def test_layers_with_different_scales_share_one_attention_program() -> None:
     from jaxserve.config import ModelConfig
     from jaxserve.models.batch import Batch, make_kv_cache
     from jaxserve.models.weights import load_weights
+    from jaxserve.runner.packing import pack
     from jaxserve.runner.programs import model_step, shared_attention
 
     config = ModelConfig.from_hf_dir(fixture_dir("llama"))
@@ -394,7 +395,10 @@ def test_layers_with_different_scales_share_one_attention_program() -> None:
         attention_fn=shared_attention(pallas_kernels.ragged_paged_attention),
         kv_scales=((0.5, 0.25), (2.0, 4.0)),
     )
-    jaxpr = jax.make_jaxpr(step)(weights, cache, jax.device_put(Batch.padding(16, 4, 4, 32)))
+    batch = Batch.padding(16, 4, 4, 32)
+    packed, layout = pack((batch, np.full(16, -1, np.int32)))
+    previous_ids = jnp.zeros(4, jnp.int32)
+    jaxpr = jax.make_jaxpr(step, static_argnums=(4,))(weights, cache, packed, previous_ids, layout)
     calls = [e for e in jaxpr.eqns if e.params.get("name") == "ragged_paged_attention"]
     assert len(calls) == 2 and calls[0].params["jaxpr"] is calls[1].params["jaxpr"]
     assert all(len(e.invars) == 9 for e in calls)  # q, pages, metadata, k_scale, v_scale

@@ -143,6 +143,7 @@ def _generate(config, weights_of, tp_size, prompts):
         weights = weights_of(tp.placement)
         cache = tp.make_kv_cache(NUM_PAGES, PAGE_SIZE, jnp.float32)
         in_shardings, out_shardings = tp.step_shardings()
+        in_shardings = in_shardings[:3]  # this step takes an unpacked batch, no previous ids
         step = jax.jit(
             functools.partial(_step, config=config, attention_fn=tp.attention_fn),
             in_shardings=in_shardings,
@@ -355,6 +356,7 @@ def _check_two_processes(port: int, process_id: int) -> dict | None:
     weights = _fixture_weights(model_dir, config)(tp.placement)
     cache = tp.make_kv_cache(NUM_PAGES, PAGE_SIZE, jnp.float32)
     in_shardings, out_shardings = tp.step_shardings()
+    in_shardings = in_shardings[:3]  # this step takes an unpacked batch, no previous ids
     step = jax.jit(
         functools.partial(_step, config=config, attention_fn=tp.attention_fn),
         in_shardings=in_shardings,
