@@ -33,10 +33,16 @@ def one_sequence_batch(token_ids: list[int], start: int, pages: list[int], num_s
     )
 
 
-def run_chunks(family: str, token_ids: list[int], chunk: int | None, dtype=jnp.float32):
-    """Logits for every token, computed in chunks over a shuffled page table."""
+def run_chunks(
+    family: str, token_ids: list[int], chunk: int | None, dtype=jnp.float32, fused=False
+):
+    """Logits for every token, computed in chunks over a shuffled page table; ``fused``: with
+    the projections joined as the runner joins them on one device."""
     config = ModelConfig.from_hf_dir(fixture_dir(family))
     weights = load_weights(fixture_dir(family), config, dtype)
+    if fused:
+        weights = llama.fuse_projections(weights)
+        assert all(layer.fused is not None and layer.wq is None for layer in weights.layers)
     num_pages = 32
     cache = make_kv_cache(
         config.num_layers, num_pages, PAGE, config.num_kv_heads, config.head_dim, dtype
@@ -59,6 +65,25 @@ def test_prefill_logits_match_hf(family: str) -> None:
     golden = np.load(fixture_dir(family) / "golden.npz")
     logits = run_chunks(family, golden["prompt2_ids"].tolist(), chunk=None)
     np.testing.assert_allclose(logits, golden["prefill2_logits"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_projections_match_hf(family: str) -> None:
+    """q/k/v as one GEMM and gate/up as another (the dense MLPs; experts stay as they are)
+    compute what the separate projections do."""
+    golden = np.load(fixture_dir(family) / "golden.npz")
+    logits = run_chunks(family, golden["prompt2_ids"].tolist(), chunk=7, fused=True)
+    np.testing.assert_allclose(logits, golden["prefill2_logits"], atol=1e-4, rtol=1e-4)
+
+
+def test_the_runner_fuses_unquantized_weights_on_one_device() -> None:
+    from jaxserve import LLM
+
+    for family, quantization, fused in (("llama", None, True), ("llama", "int8", False)):
+        llm = LLM(str(fixture_dir(family)), quantization=quantization, max_model_len=64)
+        layers = llm.engine.runner.weights.layers
+        assert all((layer.fused is not None) == fused for layer in layers)
+        assert all((layer.wq is None) == (layer.w_gate is None) == fused for layer in layers)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -31,6 +31,17 @@ from jaxserve.models.batch import Batch, KVCache
 from jaxserve.models.quant import QArray, linear
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class FusedProjections:
+    """A layer's projections that read the same input, joined on their output axis so that
+    each is one GEMM: at small batch the separate k and v GEMMs (a quarter of q's size each)
+    ran far from the bandwidth floor (``benchmarks/fusion_probe.py``, RESULTS.md)."""
+
+    wqkv: jax.Array  # [H, N + 2K, D]  wq, wk, wv
+    w_gate_up: jax.Array | None  # [H, 2I]  w_gate, w_up; None on a layer with experts
+
+
 # NOTE: these are the model code's typed view of the weights. What each field is (checkpoint
 # name and layout, shape, dummy init, which configs have it) is its row in families.py, which
 # loading, dummy weights, sharding and parameter counting read; tests/test_weight_table.py
@@ -40,9 +51,10 @@ from jaxserve.models.quant import QArray, linear
 class LayerWeights:
     attn_norm: jax.Array  # [H]
     # The Linear weights may be quantized: a QArray (quant.py) read through quant.linear.
-    wq: jax.Array | QArray  # [H, N, D]
-    wk: jax.Array | QArray  # [H, K, D]
-    wv: jax.Array | QArray  # [H, K, D]
+    # wq, wk, wv (and w_gate, w_up) are None once fuse_projections has joined them in ``fused``.
+    wq: jax.Array | QArray | None  # [H, N, D]
+    wk: jax.Array | QArray | None  # [H, K, D]
+    wv: jax.Array | QArray | None  # [H, K, D]
     wo: jax.Array | QArray  # [N, D, H]
     mlp_norm: jax.Array  # [H]
     w_gate: jax.Array | QArray | None = None  # [H, I]  None on a layer with experts
@@ -63,6 +75,8 @@ class LayerWeights:
     shared_up: jax.Array | None = None  # [H, S]
     shared_down: jax.Array | None = None  # [S, H]
     shared_router: jax.Array | None = None  # [H, 1]  its gate
+    # Not a checkpoint tensor: made at load from the rows above (fuse_projections).
+    fused: FusedProjections | None = None
 
     def moe_weights(self) -> moe.MoeWeights | None:
         """This layer's experts, or None for a dense MLP."""
@@ -139,9 +153,15 @@ def attention_block(
     sliding_window: int | None,
     kv_scale: tuple[float, float] | None = None,  # an fp8 cache's (k_scale, v_scale)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    q = linear(x, lw.wq, "TH,HND->TND")
-    k = linear(x, lw.wk, "TH,HKD->TKD")
-    v = linear(x, lw.wv, "TH,HKD->TKD")
+    if lw.fused is not None:  # one GEMM for q, k and v
+        qkv = jnp.einsum("TH,HXD->TXD", x, lw.fused.wqkv)
+        n, kv = config.num_q_heads, config.num_kv_heads
+        q, k, v = qkv[:, :n], qkv[:, n : n + kv], qkv[:, n + kv :]
+    else:
+        assert lw.wq is not None and lw.wk is not None and lw.wv is not None
+        q = linear(x, lw.wq, "TH,HND->TND")
+        k = linear(x, lw.wk, "TH,HKD->TKD")
+        v = linear(x, lw.wv, "TH,HKD->TKD")
     if lw.bq is not None:  # q/k/v biases (Qwen2): the config has all three or none
         q = q + lw.bq
     if lw.bk is not None:
@@ -177,9 +197,14 @@ def attention_block(
 def mlp_block(
     lw: LayerWeights, x: jax.Array, act: Callable[[jax.Array], jax.Array] = jax.nn.silu
 ) -> jax.Array:  # [T, H] -> [T, H]
-    assert lw.w_gate is not None and lw.w_up is not None and lw.w_down is not None
-    gate = linear(x, lw.w_gate, "TH,HI->TI")
-    up = linear(x, lw.w_up, "TH,HI->TI")
+    assert lw.w_down is not None
+    if lw.fused is not None and lw.fused.w_gate_up is not None:  # one GEMM for gate and up
+        gate_up = jnp.einsum("TH,HI->TI", x, lw.fused.w_gate_up)
+        gate, up = jnp.split(gate_up, 2, axis=1)
+    else:
+        assert lw.w_gate is not None and lw.w_up is not None
+        gate = linear(x, lw.w_gate, "TH,HI->TI")
+        up = linear(x, lw.w_up, "TH,HI->TI")
     return linear(act(gate) * up, lw.w_down, "TI,IH->TH")
 
 
@@ -256,3 +281,31 @@ def compute_logits(
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
     return logits
+
+
+def fuse_projections(weights: Weights) -> Weights:
+    """``weights`` with each layer's q/k/v (and gate/up) joined in ``LayerWeights.fused``; the
+    separate arrays are released layer by layer, so the peak is one layer's extra copy.
+
+    For unquantized weights on one device: a tensor-parallel layout splits q and k/v heads
+    over different mesh views, and quantized weights are QArrays (``quant.linear``).
+    """
+    for i, lw in enumerate(weights.layers):
+        if lw.wq is None or not all(isinstance(w, jax.Array) for w in (lw.wq, lw.wk, lw.wv)):
+            continue
+        wqkv = jnp.concatenate([lw.wq, lw.wk, lw.wv], axis=1)  # type: ignore[list-item]
+        gate_up = None
+        if isinstance(lw.w_gate, jax.Array) and isinstance(lw.w_up, jax.Array):
+            gate_up = jnp.concatenate([lw.w_gate, lw.w_up], axis=1)
+        fused = FusedProjections(wqkv, gate_up)
+        weights.layers[i] = dataclasses.replace(
+            lw,
+            wq=None,
+            wk=None,
+            wv=None,
+            w_gate=None if gate_up is not None else lw.w_gate,
+            w_up=None if gate_up is not None else lw.w_up,
+            fused=fused,
+        )
+        del lw, wqkv, gate_up, fused
+    return weights

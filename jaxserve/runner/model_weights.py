@@ -1,6 +1,7 @@
 """The model's weights on the device(s), as the engine configuration asks: random (``dummy``)
-or read from the checkpoint, quantized or not, placed for tensor parallelism; and the per-layer
-scales of an fp8 KV cache."""
+or read from the checkpoint, quantized or not, placed for tensor parallelism (on one device,
+unquantized, with the projections that share an input fused); and the per-layer scales of an
+fp8 KV cache."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.kv_scales import kv_scales_for
-from jaxserve.models.llama import Weights
+from jaxserve.models.llama import Weights, fuse_projections
 from jaxserve.models.quant_scheme import QuantScheme
 from jaxserve.models.weights import Placement, dummy_weights, load_weights
 
@@ -38,6 +39,8 @@ def model_weights(
         weights = load_weights(
             config.model_dir, model_config, dtype, placement=placement, scheme=quant
         )
+    if placement is None and quant is None:  # one device, unquantized: see fuse_projections
+        weights = fuse_projections(weights)
     jax.block_until_ready(weights)
     seconds = time.perf_counter() - start
     if config.load_format == "dummy":
