@@ -4,7 +4,7 @@
 ``jax.default_backend()``:
   gpu -> the Mosaic GPU kernel (``pallas_kernels.gpu``) on Hopper or newer, for the shapes and
          dtypes it takes (bf16 or fp16 queries over a cache of their dtype, head_dim
-         64/80/96/128/256, or over an fp8 cache at head_dim 64/128; GQA ratio 1-8, power-of-two
+         64/96/128/256, or over an fp8 cache at head_dim 64/128; GQA ratio 1-8, power-of-two
          page size >= 8); otherwise (an A100, L4, L40S, ... or a shape Mosaic does not take) the
          Pallas Triton kernel (``pallas_kernels.gpu_triton``: bf16 or fp16, no fp8 cache,
          head_dim a multiple of 16 up to 256, GQA ratio 1-16, any page size);

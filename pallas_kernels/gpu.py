@@ -14,8 +14,9 @@ are gathered per step from the page table; a page index past the sequence is rep
 out-of-range one, which TMA fills with zeros without touching memory. Rows past the end of the
 query batch (padding) form one extra group of tiles with no KV, so they come back as zeros.
 
-Head sizes 64, 80, 96, 128 and 256, bf16 or fp16. The smem swizzle follows the head size
-(``swizzle_for``: wgmma wants K and N in whole swizzle tiles), and untiled Q and O, and the
+Head sizes 64, 96, 128 and 256 (80 faulted natively: see HEAD_DIMS), bf16 or fp16. The smem
+swizzle follows the head size (``swizzle_for``: wgmma wants K and N in whole swizzle tiles),
+and untiled Q and O, and the
 f32 accumulator, are kept in column chunks of at most 128 (two at head_dim 256, whose default
 ``block_kv=64, num_stages=2`` needs about 200 KB of the 227 KB of shared memory).
 
@@ -52,7 +53,9 @@ LSE_COLS = 32  # the log-sum-exp is stored 32 times per row: TMA wants 128-byte 
 NUM_SMS = 132  # H100 / H200
 SMEM_BYTES = 227 * 1024  # shared memory one block may use on H100 / H200
 DTYPES = (jnp.bfloat16, jnp.float16)
-HEAD_DIMS = (64, 80, 96, 128, 256)
+# NOTE: not 80: its 32-byte swizzle passed in interpret mode but faulted natively on the H200
+# (CUDA_ERROR_MISALIGNED_ADDRESS, 2026-12-03); the Triton kernel takes head_dim 80.
+HEAD_DIMS = (64, 96, 128, 256)
 
 
 def swizzle_for(head_dim: int, itemsize: int) -> int:

@@ -170,6 +170,7 @@ def test_attention_line_names_the_reference_and_why_on_cpu():
         (False, None, jnp.bfloat16, 128, ("triton", "needs Hopper or newer")),
         (False, None, jnp.float16, 80, ("triton", "this GPU has 8.0")),
         (True, None, jnp.bfloat16, 112, ("triton", "head_dim=112")),
+        (True, None, jnp.bfloat16, 80, ("triton", "head_dim=80")),
         (True, None, jnp.float32, 128, ("reference", "the Triton kernel does not run it either")),
         (False, None, jnp.bfloat16, 288, ("reference", "multiples of 16 up to 256")),
         (True, "triton", jnp.bfloat16, 128, ("triton", "JAXSERVE_ATTENTION=triton")),
