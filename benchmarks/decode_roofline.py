@@ -6,7 +6,8 @@ For each batch x context: B sequences with `context` tokens already in a paged K
   sync ms    ModelRunner.execute end to end (host inputs, dispatch, device, token fetch),
   wall ms    per step of the engine's asynchronous loop: dispatch step n + 1, then read
              step n back (what serving runs; the on-device token feed is not exercised),
-  floor ms   bytes_step / 4.3 TB/s with bytes_step = weights (less embedding) + KV read
+  floor ms   bytes_step / 4.3 TB/s with bytes_step = weights (less the embedding, unless
+             tied to the output projection) + the KV read (a sliding layer reads its window)
              (at the KV cache dtype's bytes: an fp8 cache reads half of bf16's),
   MBU        floor / device,   host gap = wall - device.
 
@@ -64,6 +65,15 @@ def decode_batch(runner: ModelRunner, batch: int, context: int, rng) -> Schedule
     for item in items:
         item.is_new = False  # every timed step below reuses this schedule
     return SchedulerOutput(items, batch)
+
+
+def kv_read_tokens(config: ModelConfig, length: int) -> int:
+    """Tokens of KV one sequence of ``length`` reads in a step, summed over the layers: a
+    sliding-window layer reads only its window."""
+    return sum(
+        min(length, window) if (window := config.layer_window(layer)) else length
+        for layer in range(config.num_layers)
+    )
 
 
 def log_memory(stage: str) -> None:
@@ -192,9 +202,12 @@ def main() -> None:
     fill_cache_randomly(runner, 0)
     log_memory("random KV fill")
     itemsize = runner.dtype.itemsize
-    # The embedding is gathered, not read whole: the floor leaves it out (it stays unquantized).
+    # The embedding is gathered, not read whole: the floor leaves it out (it stays unquantized),
+    # unless it is also the output projection (tied, as in Gemma), which reads all of it.
     embedding = model_config.vocab_size * model_config.hidden_size * itemsize
-    weight_bytes = quantized_weight_bytes(model_config, itemsize, runner.quant) - embedding
+    weight_bytes = quantized_weight_bytes(model_config, itemsize, runner.quant)
+    if not model_config.tie_word_embeddings:
+        weight_bytes -= embedding
     per_token = runner.capacity.kv_bytes_per_token  # all layers, K and V, in the cache's dtype
     print(
         f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
@@ -216,7 +229,9 @@ def main() -> None:
                 trace_dir = Path(args.profile_dir) / f"b{batch}_ctx{context}"
                 with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
                     time_wall(runner, sched, 3)
-            step_bytes = weight_bytes + batch * (context + 1) * per_token
+            step_bytes = weight_bytes + batch * kv_read_tokens(model_config, context + 1) * (
+                per_token // model_config.num_layers
+            )
             floor = step_bytes / BANDWIDTH
             rows.append(
                 {

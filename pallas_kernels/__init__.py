@@ -80,6 +80,20 @@ def requested_attention() -> str:
     return value
 
 
+# Measured on the H200 (benchmarks/RESULTS.md, 2026-12-03): at head_dim 256 the Triton kernel
+# decodes 1.1-1.7x faster than the Mosaic one, which is 2.5x faster on a step with a long prefill.
+TRITON_HEAD_DIMS = (256,)
+TRITON_MAX_TOKENS = 512
+
+
+def _triton_decodes_faster(q: Any, requested: str) -> bool:
+    """Whether a step Mosaic can run goes to the Triton kernel on Hopper: decode-sized steps
+    (``q``'s token bucket) at the head sizes where Triton measured faster."""
+    return (
+        requested == "auto" and q.shape[-1] in TRITON_HEAD_DIMS and q.shape[0] <= TRITON_MAX_TOKENS
+    )
+
+
 def _gpu_choice(
     q: Any, k_pages: Any, sliding_window: int | None, soft_cap: float | None, requested: str
 ) -> tuple[str, str | None]:
@@ -95,9 +109,14 @@ def _gpu_choice(
         from pallas_kernels import gpu
 
         reason = gpu.unsupported_reason(q, k_pages, sliding_window, soft_cap)
-        if reason is None:
+        if reason is None and not _triton_decodes_faster(q, requested):
             return "gpu", None
-        why = f"the Mosaic GPU kernel does not run this model ({reason})"
+        why = (
+            f"the Mosaic GPU kernel does not run this model ({reason})"
+            if reason is not None
+            else f"faster than the Mosaic GPU kernel at head_dim {q.shape[-1]} in steps of up "
+            f"to {TRITON_MAX_TOKENS} tokens; larger steps take the Mosaic GPU kernel"
+        )
     if requested == "mosaic":
         return "reference", f"{why}; {ATTENTION_ENV}=mosaic"
     from pallas_kernels import gpu_triton

@@ -31,7 +31,7 @@ from jaxserve import SamplingParams
 from jaxserve.bench.capacity import add_capacity_arguments, run_capacity
 from jaxserve.config import ModelConfig, builtin_config_dir
 from jaxserve.engine_config import EngineConfig
-from jaxserve.models import llama
+from jaxserve.models import llama, quant
 from jaxserve.models.batch import make_kv_cache
 from jaxserve.models.families import layer_fields
 from jaxserve.models.quant import QArray, dequantize, linear, quantize, unpack_int4
@@ -122,8 +122,9 @@ def test_linear_on_packed_groups_matches_numpy(act_order: bool, dtype) -> None:
     )
 
 
-def test_w8a8_matches_a_per_token_fp8_reference() -> None:
+def test_w8a8_matches_a_per_token_fp8_reference(monkeypatch) -> None:
     """XLA's fp8 dot (fp8 operands, f32 accumulation) equals numpy on the same fp8 values."""
+    monkeypatch.setattr(quant, "W8A8_MIN_TOKENS", 1)  # 5 tokens: a decode-sized matmul
     rng = np.random.default_rng(4)
     w = rng.normal(size=(24, 32)).astype(np.float32)
     x = rng.normal(size=(5, 32)).astype(np.float32) * np.array([[0.01], [1], [10], [0], [3]])
@@ -134,6 +135,25 @@ def test_w8a8_matches_a_per_token_fp8_reference() -> None:
     expected = (xq @ q.q.astype(np.float32).T) * x_scale * q.scale
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
     assert np.all(y[3] == 0)  # an all-zero token
+
+
+def test_fp8_weights_are_read_weight_only_in_decode_sized_steps() -> None:
+    """Under W8A8_MIN_TOKENS tokens the fp8 weights are converted inside the GEMM and the
+    activations stay unquantized (W8A8 at batch 1 took 7.1 ms a step on the H200, bf16 5.0)."""
+    rng = np.random.default_rng(5)
+    w = rng.normal(size=(24, 32)).astype(np.float32)
+    q = quantize(w, "fp8", (32,), (24,), act_quant=True)
+    for tokens in (1, quant.W8A8_MIN_TOKENS - 1):
+        x = rng.normal(size=(tokens, 32)).astype(np.float32)
+        y = np.asarray(jax.jit(lambda x: linear(x, q, ""))(jnp.asarray(x)))
+        expected = (x @ q.q.astype(np.float32).T) * q.scale
+        np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+    jaxpr = str(jax.make_jaxpr(lambda x: linear(x, q, ""))(jnp.zeros((1, 32))))
+    assert "f8_e4m3fn[1,32]" not in jaxpr  # no quantized activations
+    big = jnp.zeros((quant.W8A8_MIN_TOKENS, 32))
+    assert f"f8_e4m3fn[{quant.W8A8_MIN_TOKENS},32]" in str(
+        jax.make_jaxpr(lambda x: linear(x, q, ""))(big)
+    )
 
 
 def _logits(weights: llama.Weights, config: ModelConfig, ids: list[int]) -> np.ndarray:

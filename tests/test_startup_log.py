@@ -161,11 +161,22 @@ def test_attention_line_names_the_reference_and_why_on_cpu():
     assert line == "Attention: pure-jnp reference (no Pallas kernel runs on the cpu backend)"
 
 
+def test_head_dim_256_takes_mosaic_for_steps_with_a_long_prefill(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(pallas_kernels, "_is_hopper_or_newer", lambda: True)
+    monkeypatch.delenv("JAXSERVE_ATTENTION", raising=False)
+    k_pages = jax.ShapeDtypeStruct((1, 16, 8, 256), jnp.bfloat16)
+    for tokens, want in ((16, "triton"), (512, "triton"), (1024, "gpu"), (8192, "gpu")):
+        q = jax.ShapeDtypeStruct((tokens, 16, 256), jnp.bfloat16)
+        assert pallas_kernels.choose_kernel(q, k_pages)[0] == want
+
+
 @pytest.mark.parametrize(
     ("is_hopper", "env", "dtype", "head_dim", "want"),
     [
         (True, None, jnp.bfloat16, 128, ("gpu", None)),
-        (True, None, jnp.float16, 256, ("gpu", None)),
+        (True, None, jnp.float16, 256, ("triton", "faster than the Mosaic GPU kernel")),
+        (True, "mosaic", jnp.float16, 256, ("gpu", None)),
         (True, None, jnp.bfloat16, 96, ("gpu", None)),
         (False, None, jnp.bfloat16, 128, ("triton", "needs Hopper or newer")),
         (False, None, jnp.float16, 80, ("triton", "this GPU has 8.0")),

@@ -21,9 +21,10 @@ SCRIPT = textwrap.dedent("""
         llm = jaxserve.LLM("tests/fixtures/models/qwen3", tensor_parallel_size=tp,
                            max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
                            block_size=4, num_gpu_blocks_override=64, dtype="float32")
-        shard = llm.engine.runner.weights.layers[0].wq.addressable_shards[0].data.shape
+        # wo [N, D, H]: query heads split like wq's (which one device holds fused with wk, wv)
+        shard = llm.engine.runner.weights.layers[0].wo.addressable_shards[0].data.shape
         out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        print(tp, shard[1], out[0].outputs[0].token_ids == golden["greedy_ids"].tolist())
+        print(tp, shard[0], out[0].outputs[0].token_ids == golden["greedy_ids"].tolist())
     fp8 = {}
     for tp in (1, 2):  # an fp8 KV cache, split over KV heads like a bf16 one
         llm = jaxserve.LLM("tests/fixtures/models/qwen3", tensor_parallel_size=tp,
