@@ -50,6 +50,7 @@ LONG_FIXTURES = (
     "mixtral",
     "qwen3_moe",
     "qwen2_moe",
+    "gpt_oss",
 )
 MIN_MARGIN = 0.1  # top-1 minus top-2 logit at every greedy step
 LONG_MIN_MARGIN = 0.02  # the same over the long generation (fp32 parity is within 1e-4)
@@ -298,6 +299,29 @@ def model_configs(
             use_sliding_window=False,
             sliding_window=None,
         ),
+        # Attention sinks, sliding / full / sliding layers, q/k/v/o biases, yarn (GPT-OSS's
+        # scaling, truncate false) past 64 positions; 4 experts of intermediate 16, top-2,
+        # router and expert biases, a swiglu limit small enough to clamp; tied embeddings (size).
+        "gpt_oss": transformers.GptOssConfig(
+            **{**small, "intermediate_size": 16},
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=SLIDING_WINDOW,
+            swiglu_limit=1.0,
+            swiglu_alpha=1.5,
+            attention_bias=True,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": ORIGINAL_CONTEXT,
+            },
+            tie_word_embeddings=True,
+        ),
     }
 
 
@@ -325,6 +349,8 @@ def randomize(model: torch.nn.Module, seed: int, std: float) -> None:
             noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
             if "norm" in name:
                 param.copy_(1.0 + 0.1 * noise)
+            elif name.endswith("sinks"):  # GPT-OSS: large enough to take a share of each row
+                param.copy_(1.0 + noise)
             else:
                 param.copy_(std * noise)
 
