@@ -115,6 +115,12 @@ class WeightField:
         if self.interleave and (self.fused or not 0 <= self.part < self.interleave):
             raise ValueError(f"{self.name}: {self.interleave=} needs 0 <= part < it, no fused")
 
+    @property
+    def is_of_each_expert(self) -> bool:
+        """Whether this is the experts' own weights stacked on E (a token reads top_k of them),
+        whether one checkpoint tensor per expert or one for all (GPT-OSS)."""
+        return self.shape.startswith("E") and len(self.shape) > 1
+
     def hf_shape_for(self, config: ModelConfig) -> tuple[int, ...]:
         sizes = dim_sizes(config)
         return tuple(math.prod(sizes[dim] for dim in axis) for axis in self.hf_shape)
@@ -427,7 +433,9 @@ def num_active_params(config: ModelConfig, *, include_embedding: bool = True) ->
         return total
     idle = config.moe.num_experts - config.moe.top_k
     per_expert = sum(
-        math.prod(field.shape_for(config)[1:]) for field in layer_fields(config) if field.per_expert
+        math.prod(field.shape_for(config)[1:])
+        for field in layer_fields(config)
+        if field.is_of_each_expert
     )
     num_moe_layers = sum(config.is_moe_layer(layer) for layer in range(config.num_layers))
     return total - num_moe_layers * idle * per_expert
