@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -309,7 +310,7 @@ def moe_block(
         expert_ids = jnp.where(is_valid, expert_ids, config.num_experts)
         expert_weights = jnp.where(is_valid, expert_weights, 0.0)
     # Only what the model has: the sharded experts_fn passes each to its shard_map by name.
-    extra = {
+    extra: dict[str, Any] = {
         name: value
         for name, value in (
             ("gate_bias", weights.gate_bias),
