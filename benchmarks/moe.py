@@ -21,6 +21,12 @@ the dense models). Results: one JSON (--output-json) and a table.
     python benchmarks/moe.py --output-json /tmp/out/moe.json     # the H200 run (~8 minutes)
     python benchmarks/moe.py --engine jaxserve                    # jaxserve only
     python benchmarks/moe.py --smoke                              # tiny CPU run (CI)
+    python benchmarks/moe.py --engine jaxserve --model jaxserve/assets/configs/gpt-oss-20b \
+        --max-num-batched-tokens 2048                             # gpt-oss-20b (bf16 shape)
+
+gpt-oss-20b's attention sinks run on the reference attention (no Pallas kernel takes them
+yet): its decode numbers measure that, and its step budget is kept at 2048 tokens because the
+reference gathers every row's keys.
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ def expert_bytes(config: ModelConfig, itemsize: int) -> tuple[int, int]:
     """(bytes of one expert of one layer, bytes of all weights outside the experts less the
     embedding)."""
     per_expert = sum(
-        math.prod(f.shape_for(config)[1:]) for f in layer_fields(config) if f.per_expert
+        math.prod(f.shape_for(config)[1:]) for f in layer_fields(config) if f.is_of_each_expert
     )
     assert config.moe is not None
     num_moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))

@@ -35,6 +35,8 @@
 #                Hugging Face generate_batch (benchmarks/moe.py; about 9 minutes: run it alone);
 #                HF gets what jaxserve leaves of $MOE_BUDGET seconds (540)
 #   moe_hf       only the Hugging Face half of moe, for a call of its own when it did not fit
+#   gpt_oss      gpt-oss-20b (dummy bf16, shipped config): benchmarks/moe.py's decode, experts and
+#                throughput for jaxserve only, attention on the reference (sinks), 2048-token steps
 #   occupied     a second jaxserve launch on the GPU a first server (demo model, default flags)
 #                holds: seconds until it exits, its exit code and last lines -> $OUT/occupied.txt
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
@@ -214,6 +216,8 @@ for m in modes:
     ratio = r["output_tokens_per_s"] / bf16["output_tokens_per_s"] if bf16 else float("nan")
     print(f"  {m}: {r['output_tokens_per_s']:.1f} output tokens/s ({ratio:.2f}x bf16)")
 PY
+}
+
 stage_kvfp8() {  # the fp8 KV cache against bf16, Llama-3-8B shape, dummy bf16 weights
   python3 -m pytest -q -m gpu tests/test_kernel_gpu.py -k fp8 2>&1 | tail -3
   for kv in auto fp8; do
@@ -275,6 +279,12 @@ stage_moe_hf() {
     --output-json "$OUT/moe_hf.json" > "$OUT/moe_hf.log" 2>&1
   tail -3 "$OUT/moe_hf.log"
   cat "$OUT/moe_hf.json"
+}
+
+stage_gpt_oss() {
+  python3 benchmarks/moe.py --engine jaxserve --model jaxserve/assets/configs/gpt-oss-20b \
+    --max-num-batched-tokens 2048 --output-json "$OUT/gpt_oss.json" > "$OUT/gpt_oss.log" 2>&1
+  grep -v -E "INFO|WARN" "$OUT/gpt_oss.log" | tail -24
 }
 
 stage_occupied() {  # the second start must end in seconds with the fix, not retry allocations

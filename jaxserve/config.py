@@ -28,6 +28,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
@@ -112,6 +113,12 @@ class MoeConfig:
     shared_intermediate_size: int = 0  # 0: no shared expert
     has_shared_gate: bool = False  # the shared expert's output times sigmoid(x @ gate)
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP instead of experts
+    # GPT-OSS: biases on the router logits and on the experts' gate, up and down projections,
+    # and the clamped swiglu ``(up + 1) * gate * sigmoid(alpha * gate)`` (gate clamped above
+    # at the limit, up to [-limit, limit]) in place of ``act(gate) * up``.
+    has_biases: bool = False
+    swiglu_limit: float | None = None  # None: the plain ``act(gate) * up``
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "intermediate_size", "n_group", "topk_group"):
@@ -145,6 +152,8 @@ class MoeConfig:
             raise ConfigError(
                 f"shared_intermediate_size={self.shared_intermediate_size} must be >= 0"
             )
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ConfigError(f"swiglu_limit={self.swiglu_limit} must be positive")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +187,10 @@ class ModelConfig:
     # attention and after the MLP as well as before them.
     is_gemma: bool = False
     moe: MoeConfig | None = None  # a mixture of experts (Mixtral, Qwen3-MoE); None: dense
+    # GPT-OSS: a learned logit per query head that joins each row's softmax denominator
+    # (attention sinks), and a bias on the attention's output projection.
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -351,6 +364,9 @@ class ModelConfig:
         layer_types: tuple[str, ...] = ()
         if is_gemma:
             layer_types = _gemma_layer_types(hf)
+        is_gpt_oss = model_type == "gpt_oss"
+        if is_gpt_oss and sliding_window is not None:  # alternating sliding and full layers
+            layer_types = tuple(hf.get("layer_types") or ())
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -380,21 +396,36 @@ class ModelConfig:
             query_pre_attn_scalar=_optional_float(hf.get("query_pre_attn_scalar")),
             is_gemma=is_gemma,
             moe=_moe_config(hf),
+            attention_sinks=is_gpt_oss,
+            o_proj_bias=is_gpt_oss and bool(hf.get("attention_bias", False)),
         )
 
 
 def _moe_config(hf: dict[str, Any]) -> MoeConfig | None:
     """The experts of Mixtral (every layer, renormalized top-k) and Qwen3-MoE (sparse every
-    ``decoder_sparse_step``-th layer except ``mlp_only_layers``), and Qwen2-MoE (Qwen3-MoE's
-    layers and a shared expert behind a sigmoid gate); None for a dense model."""
+    ``decoder_sparse_step``-th layer except ``mlp_only_layers``), Qwen2-MoE (Qwen3-MoE's
+    layers and a shared expert behind a sigmoid gate) and GPT-OSS (every layer, biases, the
+    clamped swiglu); None for a dense model."""
     model_type = hf["model_type"]
-    if model_type not in ("mixtral", "qwen3_moe", "qwen2_moe"):
+    if model_type not in ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"):
         return None
     num_experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
     top_k = hf.get("num_experts_per_tok") or 0
     num_layers = hf["num_hidden_layers"]
     if model_type == "mixtral":
         return MoeConfig(num_experts, top_k, hf["intermediate_size"], norm_topk_prob=True)
+    if model_type == "gpt_oss":
+        # NOTE: Hugging Face's router takes the softmax of the top-k logits; a softmax over
+        # every expert renormalized over the top k (norm_topk_prob) is the same weights.
+        return MoeConfig(
+            num_experts,
+            top_k,
+            hf["intermediate_size"],
+            norm_topk_prob=True,
+            has_biases=True,
+            swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+            swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+        )
     step = hf.get("decoder_sparse_step") or 1
     only_dense = set(hf.get("mlp_only_layers") or ())
     dense = tuple(i for i in range(num_layers) if i in only_dense or (i + 1) % step)

@@ -15,6 +15,10 @@ Quantized cache (fp8): the pages hold ``x / scale`` rounded to the cache dtype a
 to its finite range (``quantize_kv``, what ``write_kv`` stores), with one float32 scale per
 tensor (``k_scale``, ``v_scale``: per layer). Attention reads ``page * scale`` in float32
 (``dequantize_kv``) before the dots. A scale of None means 1.0.
+
+Attention sinks (GPT-OSS): ``sinks[Hq]`` is a learned logit per query head that joins every
+row's softmax as one more column with no value: each row's weights are
+``exp(s_j) / (sum_i exp(s_i) + exp(sink))``, so they may sum to less than one.
 """
 
 from __future__ import annotations
@@ -66,9 +70,10 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     k_scale: Scale = None,
     v_scale: Scale = None,
+    sinks: jax.Array | None = None,  # [Hq]  a logit per query head in each row's denominator
 ) -> jax.Array:  # [T, Hq, D], q's dtype
     """Each query row attends to its own sequence's pages, causally; float32 softmax over the
-    dequantized cache (``page * scale``)."""
+    dequantized cache (``page * scale``), with each head's sink logit in the denominator."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     num_slots, pages_per_seq = page_indices.shape
@@ -99,7 +104,12 @@ def ragged_paged_attention(
         mask &= kv_pos[None, :] > row_pos[:, None] - sliding_window
     mask &= is_valid_row[:, None]
     scores = jnp.where(mask[:, None, None, :], scores, DEFAULT_MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:  # one more column per row, the head's sink, dropped after the softmax
+        sink = sinks.astype(jnp.float32).reshape(1, num_kv_heads, group, 1)
+        sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))  # f32[T, K, G, 1]
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
     probs = jnp.where(mask[:, None, None, :], probs, 0.0)
     out = jnp.einsum("TKGS,TSKD->TKGD", probs, dequantize_kv(v_rows, v_scale))
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

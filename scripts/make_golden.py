@@ -50,6 +50,7 @@ LONG_FIXTURES = (
     "mixtral",
     "qwen3_moe",
     "qwen2_moe",
+    "gpt_oss",
 )
 MIN_MARGIN = 0.1  # top-1 minus top-2 logit at every greedy step
 LONG_MIN_MARGIN = 0.02  # the same over the long generation (fp32 parity is within 1e-4)
@@ -298,6 +299,29 @@ def model_configs(
             use_sliding_window=False,
             sliding_window=None,
         ),
+        # Attention sinks, sliding / full / sliding layers, q/k/v/o biases, yarn (GPT-OSS's
+        # scaling, truncate false) past 64 positions; 4 experts of intermediate 16, top-2,
+        # router and expert biases, a swiglu limit small enough to clamp; tied embeddings (size).
+        "gpt_oss": transformers.GptOssConfig(
+            **{**small, "intermediate_size": 16},
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=SLIDING_WINDOW,
+            swiglu_limit=1.0,
+            swiglu_alpha=1.5,
+            attention_bias=True,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": ORIGINAL_CONTEXT,
+            },
+            tie_word_embeddings=True,
+        ),
     }
 
 
@@ -325,6 +349,8 @@ def randomize(model: torch.nn.Module, seed: int, std: float) -> None:
             noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
             if "norm" in name:
                 param.copy_(1.0 + 0.1 * noise)
+            elif name.endswith("sinks"):  # GPT-OSS: large enough to take a share of each row
+                param.copy_(1.0 + noise)
             else:
                 param.copy_(std * noise)
 
@@ -445,7 +471,8 @@ def write_fixture(
 
 
 # Values of the published config.json files (Meta-Llama-3-8B, Qwen3-8B, gemma-2-9b, the text
-# model of gemma-3-12b as a Gemma3ForCausalLM, and Qwen3-30B-A3B), in their key spelling.
+# model of gemma-3-12b as a Gemma3ForCausalLM, Qwen3-30B-A3B and gpt-oss-20b), in their key
+# spelling.
 BUILTIN = {
     "llama-3-8b": {
         "architectures": ["LlamaForCausalLM"],
@@ -593,6 +620,48 @@ BUILTIN = {
         "use_cache": True,
         "use_sliding_window": False,
         "vocab_size": 151936,
+    },
+    # openai/gpt-oss-20b as published, less its quantization_config (MXFP4 experts, which
+    # jaxserve refuses): the shapes of its bf16 checkpoints.
+    "gpt-oss-20b": {
+        "architectures": ["GptOssForCausalLM"],
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "eos_token_id": 200002,
+        "experts_per_token": 4,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 2880,
+        "initial_context_length": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "max_position_embeddings": 131072,
+        "model_type": "gpt_oss",
+        "num_attention_heads": 64,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 8,
+        "num_local_experts": 32,
+        "output_router_logits": False,
+        "pad_token_id": 199999,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        "rope_theta": 150000,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": 128,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": 201088,
     },
 }
 

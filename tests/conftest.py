@@ -16,7 +16,7 @@ import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 # Newer families and rope scalings, whose golden.npz also holds a long generation.
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")  # mixtures of experts
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss")  # mixtures of experts
 NEW_FAMILIES = (
     "gemma2",
     "gemma3",

@@ -224,3 +224,19 @@ def test_a_mixture_of_experts_counts_every_expert(capsys) -> None:
     text = capsys.readouterr().out
     assert "30.53B parameters" in text
     assert "128 experts, 8 per token; 3.35B parameters active per token" in text
+
+
+def test_gpt_oss_counts_its_stacked_experts_and_biases(capsys) -> None:
+    """gpt-oss-20b (bf16): 32 experts stored as stacked tensors, 4 per token active."""
+    model = str(builtin_config_dir("gpt-oss-20b"))
+    out = capacity(capsys, model, "--max-model-len", "8K", "--device-memory", "H200")
+    assert out["num_params"] == 20_914_757_184
+    assert out["weight_bytes"] == 20_914_757_184 * 2  # bf16, every expert
+    # Idle experts: 28 of 32 per layer, each gate_up, down and their biases.
+    per_expert = 2880 * 2 * 2880 + 2 * 2880 + 2880 * 2880 + 2880
+    assert out["num_active_params"] == 20_914_757_184 - 24 * 28 * per_expert
+    assert out["kv_bytes_per_token"] == 2 * 24 * 8 * 64 * 2  # every layer keeps its blocks
+    parser = argparse.ArgumentParser()
+    add_capacity_arguments(parser)
+    assert run_capacity(parser.parse_args([model, "--device-memory", "H200"])) == 0
+    assert "32 experts, 4 per token" in capsys.readouterr().out

@@ -324,3 +324,61 @@ def test_fp8_kernel_lowers_for_cuda(case: Case):
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     conversion = "e4m3x2" if case.kv_dtype == jnp.float8_e4m3fn else "e5m2x2"
     assert f"cvt.rn.f16x2.{conversion}" in text
+
+
+def numpy_attention_with_sinks(args, case: Case, sinks: np.ndarray) -> np.ndarray:
+    """Each live row's softmax over its visible keys plus one sink column per head, the sink
+    then dropped (Hugging Face's GptOss eager attention), in float64; padding rows zero."""
+    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs = (
+        np.asarray(a, np.float64) if i < 3 else np.asarray(a) for i, a in enumerate(args)
+    )
+    out = np.zeros(q.shape)
+    group = case.num_q_heads // case.num_kv_heads
+    for s in range(int(num_seqs[0])):
+        kv_len = int(kv_lens[s])
+        keys = k_pages[page_indices[s]].reshape(-1, case.num_kv_heads, case.head_dim)[:kv_len]
+        values = v_pages[page_indices[s]].reshape(-1, case.num_kv_heads, case.head_dim)[:kv_len]
+        start, end = int(cu_q_lens[s]), int(cu_q_lens[s + 1])
+        for row in range(start, end):
+            pos = kv_len - (end - start) + (row - start)
+            first = 0 if case.sliding_window is None else max(0, pos - case.sliding_window + 1)
+            for h in range(case.num_q_heads):
+                kv_head = h // group
+                scores = keys[first : pos + 1, kv_head] @ q[row, h] * case.head_dim**-0.5
+                m = max(scores.max(), sinks[h])
+                e = np.exp(scores - m)
+                p = e / (e.sum() + np.exp(sinks[h] - m))
+                out[row, h] = p @ values[first : pos + 1, kv_head]
+    return out
+
+
+@pytest.mark.parametrize("name", ["mixed_g4_d128", "g3_page32"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_reference_sinks_are_a_softmax_with_one_more_column(name: str, window: int | None):
+    """Attention sinks (GPT-OSS): each head's sink logit joins every row's denominator."""
+    case = dataclasses.replace(
+        next(c for c in CPU_CASES if c.name == name), dtype="float32", sliding_window=window
+    )
+    args = make_inputs(np.random.default_rng(3), case)
+    sinks = np.random.default_rng(4).normal(0, 2.0, case.num_q_heads)
+    kwargs = dict(sm_scale=case.head_dim**-0.5, sliding_window=window)
+    got = reference.ragged_paged_attention(*args, **kwargs, sinks=jnp.asarray(sinks, jnp.float32))
+    want = numpy_attention_with_sinks(args, case, sinks)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+    plain = reference.ragged_paged_attention(*args, **kwargs)
+    assert np.abs(np.asarray(plain) - want).max() > 1e-2  # the sinks change the output
+    # A sink far below every score takes no share: the plain softmax.
+    none = reference.ragged_paged_attention(*args, **kwargs, sinks=jnp.full(sinks.shape, -1e4))
+    np.testing.assert_allclose(np.asarray(none), np.asarray(plain), rtol=1e-6, atol=1e-6)
+
+
+def test_entry_point_with_sinks_runs_the_reference_on_a_gpu(monkeypatch):
+    """The kernels do not take sinks yet: on a GPU backend the call goes to the reference."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.delenv("JAXSERVE_ATTENTION", raising=False)
+    case = CPU_CASES[1]
+    args = make_inputs(np.random.default_rng(5), case)
+    sinks = jnp.asarray(np.random.default_rng(6).normal(0, 2.0, case.num_q_heads), jnp.float32)
+    got = pallas_kernels.ragged_paged_attention(*args, **attention_kwargs(case), sinks=sinks)
+    want = reference.ragged_paged_attention(*args, **attention_kwargs(case), sinks=sinks)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

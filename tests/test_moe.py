@@ -209,3 +209,95 @@ def test_moe_config_errors_name_the_field() -> None:
         MoeConfig(8, 2, M, n_group=3)
     with pytest.raises(ConfigError, match="topk_group=3 exceeds n_group=2"):
         MoeConfig(8, 2, M, n_group=2, topk_group=3)
+
+
+GPT_OSS = MoeConfig(8, 2, M, norm_topk_prob=True, has_biases=True, swiglu_limit=0.7)
+
+
+def numpy_gpt_oss_moe(x: np.ndarray, w: dict[str, np.ndarray], config: MoeConfig) -> np.ndarray:
+    """Hugging Face's GptOssMLP in float64: softmax over the top-k biased logits, gate and up
+    (with their biases) through the clamped swiglu, down with its bias, weighted and summed."""
+    assert config.swiglu_limit is not None
+    limit, alpha = config.swiglu_limit, config.swiglu_alpha
+    logits = x @ w["router"] + w["router_logit_bias"]
+    ids = np.argsort(-logits, -1, kind="stable")[:, : config.top_k]
+    top = np.take_along_axis(logits, ids, -1)
+    weights = np.exp(top - top.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for weight, e in zip(weights[t], ids[t], strict=True):
+            gate = np.minimum(x[t] @ w["w_gate"][e] + w["gate_bias"][e], limit)
+            up = np.clip(x[t] @ w["w_up"][e] + w["up_bias"][e], -limit, limit)
+            hidden = (up + 1) * gate / (1 + np.exp(-alpha * gate))
+            out[t] += weight * (hidden @ w["w_down"][e] + w["down_bias"][e])
+    return out
+
+
+def gpt_oss_weights(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    e = GPT_OSS.num_experts
+    return make_weights(GPT_OSS, seed) | {
+        "router_logit_bias": rng.normal(0, 1.0, (e,)),
+        "gate_bias": rng.normal(0, 0.5, (e, M)),
+        "up_bias": rng.normal(0, 0.5, (e, M)),
+        "down_bias": rng.normal(0, 0.5, (e, H)),
+    }
+
+
+def test_clamped_swiglu_caps_the_gate_above_and_up_both_ways() -> None:
+    gate = jnp.asarray([10.0, -3.0, 0.5])
+    up = jnp.asarray([10.0, -10.0, 0.2])
+    got = moe.clamped_swiglu(gate, up, limit=7.0, alpha=1.702)
+    g = np.asarray([7.0, -3.0, 0.5])  # the gate is not clamped below
+    u = np.asarray([7.0, -7.0, 0.2])
+    np.testing.assert_allclose(got, (u + 1) * g / (1 + np.exp(-1.702 * g)), rtol=1e-6)
+
+
+def test_gpt_oss_experts_match_hugging_faces_mlp() -> None:
+    """Router and expert biases and the clamped swiglu, against a numpy GptOssMLP; some gate
+    and up values pass the limit, so the clamps are exercised."""
+    w = gpt_oss_weights(seed=11)
+    x = np.random.default_rng(12).normal(0, 1.0, (24, H))
+    gates = np.einsum("TH,EHM->TEM", x, w["w_gate"]) + w["gate_bias"][None]
+    assert (gates > 0.7).any() and (gates < -0.7).any()
+    want = numpy_gpt_oss_moe(x, w, GPT_OSS)
+    got = moe.moe_block(jnp.asarray(x, jnp.float32), to_jax(w), GPT_OSS, jax.nn.silu)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+    ref = moe.reference_moe(jnp.asarray(x, jnp.float32), to_jax(w), GPT_OSS, jax.nn.silu)
+    np.testing.assert_allclose(ref, want, rtol=2e-4, atol=2e-4)
+    # Without the clamps (a limit far away) the output changes: they were in play.
+    loose = moe.moe_block(
+        jnp.asarray(x, jnp.float32),
+        to_jax(w),
+        MoeConfig(8, 2, M, norm_topk_prob=True, has_biases=True, swiglu_limit=1e6),
+        jax.nn.silu,
+    )
+    assert np.abs(np.asarray(loose) - want).max() > 1e-2
+
+
+def test_gpt_oss_padding_tokens_take_no_expert_bias() -> None:
+    """A bucket's padding tokens (expert E) get neither the experts' nor the down bias."""
+    w = gpt_oss_weights(seed=13)
+    x = np.random.default_rng(14).normal(0, 1.0, (16, H))
+    got = moe.moe_block(
+        jnp.asarray(x, jnp.float32),
+        to_jax(w),
+        GPT_OSS,
+        jax.nn.silu,
+        num_valid_tokens=jnp.int32(5),
+    )
+    np.testing.assert_allclose(got[:5], numpy_gpt_oss_moe(x[:5], w, GPT_OSS), rtol=2e-4, atol=2e-4)
+    np.testing.assert_array_equal(got[5:], 0.0)
+
+
+def test_row_bias_follows_the_groups() -> None:
+    bias = jnp.arange(4.0)[:, None] * jnp.ones((4, 2))  # expert e's bias is e
+    sizes = jnp.asarray([2, 0, 3, 1], jnp.int32)  # expert 1 has no row; 2 rows past the sum
+    got = moe.row_bias(bias, sizes, 8)
+    np.testing.assert_array_equal(got[:, 0], [0, 0, 2, 2, 2, 3, 0, 0])
+
+
+def test_swiglu_limit_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="swiglu_limit=0.0 must be positive"):
+        MoeConfig(8, 2, M, swiglu_limit=0.0)

@@ -17,6 +17,8 @@ the layers with a dense MLP or to those with experts (Qwen3-MoE's ``mlp_only_lay
 
 A fused checkpoint tensor (Phi-3's ``qkv_proj`` and ``gate_up_proj``) is one row per part:
 ``fused`` lists the first-axis blocks of the whole tensor and ``part`` says which is this one.
+GPT-OSS's experts are whole tensors stacked on E, gate and up interleaved on the last axis
+(gate at even, up at odd entries): ``interleave`` 2, ``part`` 0 or 1.
 """
 
 from __future__ import annotations
@@ -66,6 +68,14 @@ def _has_lm_head(config: ModelConfig) -> bool:
     return not config.tie_word_embeddings
 
 
+def _has_o_proj_bias(config: ModelConfig) -> bool:
+    return config.o_proj_bias
+
+
+def _has_sinks(config: ModelConfig) -> bool:
+    return config.attention_sinks
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightField:
     """One weight tensor of a model family, in the checkpoint and in ``Weights``."""
@@ -89,6 +99,9 @@ class WeightField:
     per_expert: bool = False
     # "dense": only layers with a dense MLP have it; "moe": only layers with experts.
     mlp: Literal["any", "dense", "moe"] = "any"
+    # A part of a checkpoint tensor that interleaves ``interleave`` tensors on its last axis:
+    # this field is entries part, part + interleave, ... (0: a tensor of its own).
+    interleave: int = 0
 
     def __post_init__(self) -> None:
         if self.per_expert != ("{expert}" in self.hf_name) or (
@@ -99,6 +112,14 @@ class WeightField:
             raise ValueError(f"{self.name}: {self.hf_shape=} and {self.shape=} differ in letters")
         if self.fused and self.fused[self.part] != self.hf_shape[0]:
             raise ValueError(f"{self.name}: {self.part=} of {self.fused=} is not {self.hf_shape}")
+        if self.interleave and (self.fused or not 0 <= self.part < self.interleave):
+            raise ValueError(f"{self.name}: {self.interleave=} needs 0 <= part < it, no fused")
+
+    @property
+    def is_of_each_expert(self) -> bool:
+        """Whether this is the experts' own weights stacked on E (a token reads top_k of them),
+        whether one checkpoint tensor per expert or one for all (GPT-OSS)."""
+        return self.shape.startswith("E") and len(self.shape) > 1
 
     def hf_shape_for(self, config: ModelConfig) -> tuple[int, ...]:
         sizes = dim_sizes(config)
@@ -107,6 +128,8 @@ class WeightField:
     def checkpoint_shape_for(self, config: ModelConfig) -> tuple[int, ...]:
         """Shape of the checkpoint tensor this field is read from (the whole of a fused one)."""
         shape = self.hf_shape_for(config)
+        if self.interleave:
+            return (*shape[:-1], shape[-1] * self.interleave)
         if not self.fused:
             return shape
         sizes = dim_sizes(config)
@@ -141,6 +164,8 @@ class WeightField:
         """A checkpoint tensor in this field's layout (a view where numpy can make one); of a
         per-expert field, one expert's."""
         tensor = tensor[self.part_rows(config)]
+        if self.interleave:
+            tensor = tensor[..., self.part :: self.interleave]
         shape = self.shape_for(config)[1:] if self.per_expert else self.shape_for(config)
         return (tensor.T if self.transpose else tensor).reshape(shape)
 
@@ -299,6 +324,55 @@ QWEN2_MOE_LAYER_FIELDS = (
     ),
 )
 
+# GPT-OSS: attention with q/k/v/o biases and a sink logit per head; experts on every layer,
+# whole tensors stacked on E (already [in, out]), gate and up interleaved in gate_up_proj, a
+# bias on the router and on each expert's projections.
+GPT_OSS_LAYER_FIELDS = (
+    *(f for f in LLAMA_LAYER_FIELDS if f.name not in (*_DENSE_MLP, "q_norm", "k_norm")),
+    WeightField("router", "mlp.router.weight", ("E", "H"), "HE", transpose=True, mlp="moe"),
+    WeightField(
+        "experts_gate",
+        "mlp.experts.gate_up_proj",
+        ("E", "H", "M"),
+        "EHM",
+        mlp="moe",
+        interleave=2,
+        part=0,
+    ),
+    WeightField(
+        "experts_up",
+        "mlp.experts.gate_up_proj",
+        ("E", "H", "M"),
+        "EHM",
+        mlp="moe",
+        interleave=2,
+        part=1,
+    ),
+    WeightField("experts_down", "mlp.experts.down_proj", ("E", "M", "H"), "EMH", mlp="moe"),
+    WeightField("bo", "self_attn.o_proj.bias", ("H",), "H", present=_has_o_proj_bias),
+    WeightField("sinks", "self_attn.sinks", ("N",), "N", present=_has_sinks),
+    WeightField("router_logit_bias", "mlp.router.bias", ("E",), "E", mlp="moe"),
+    WeightField(
+        "experts_gate_bias",
+        "mlp.experts.gate_up_proj_bias",
+        ("E", "M"),
+        "EM",
+        mlp="moe",
+        interleave=2,
+        part=0,
+    ),
+    WeightField(
+        "experts_up_bias",
+        "mlp.experts.gate_up_proj_bias",
+        ("E", "M"),
+        "EM",
+        mlp="moe",
+        interleave=2,
+        part=1,
+    ),
+    WeightField("experts_down_bias", "mlp.experts.down_proj_bias", ("E", "H"), "EH", mlp="moe"),
+)
+
 # model_type -> (layer table, model table). Every family's fields are LayerWeights' fields in
 # their order; a field a family never has is left out of its table.
 FAMILY_TABLES: dict[str, tuple[tuple[WeightField, ...], tuple[WeightField, ...]]] = {
@@ -312,6 +386,7 @@ FAMILY_TABLES: dict[str, tuple[tuple[WeightField, ...], tuple[WeightField, ...]]
     "mixtral": (MIXTRAL_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
     "qwen3_moe": (QWEN3_MOE_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
     "qwen2_moe": (QWEN2_MOE_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
+    "gpt_oss": (GPT_OSS_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
 }
 
 
@@ -358,7 +433,9 @@ def num_active_params(config: ModelConfig, *, include_embedding: bool = True) ->
         return total
     idle = config.moe.num_experts - config.moe.top_k
     per_expert = sum(
-        math.prod(field.shape_for(config)[1:]) for field in layer_fields(config) if field.per_expert
+        math.prod(field.shape_for(config)[1:])
+        for field in layer_fields(config)
+        if field.is_of_each_expert
     )
     num_moe_layers = sum(config.is_moe_layer(layer) for layer in range(config.num_layers))
     return total - num_moe_layers * idle * per_expert

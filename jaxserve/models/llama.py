@@ -1,5 +1,5 @@
 """The decoder families (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3, and the
-mixtures of experts Mixtral, Qwen3-MoE and Qwen2-MoE) as pure functions.
+mixtures of experts Mixtral, Qwen3-MoE, Qwen2-MoE and GPT-OSS) as pure functions.
 
 ``forward(weights, kv_cache, batch, config) -> (kv_cache, hidden)`` runs one ragged batch of
 prefill chunks and decode tokens over the paged KV cache; ``compute_logits`` turns selected
@@ -9,7 +9,9 @@ for all layers (Mistral, Phi-3) or per layer (Gemma's local and global layers, w
 per layer type in Gemma 3), attention and final logit soft-capping and the attention scale
 (Gemma 2), Gemma's (1 + weight) RMSNorm, scaled embeddings, norms after attention and MLP and
 GeGLU. Phi-3's fused qkv and gate_up tensors are split at loading (``families.py``). A layer
-with experts runs ``moe.moe_block`` in place of its dense MLP.
+with experts runs ``moe.moe_block`` in place of its dense MLP. GPT-OSS adds attention sinks
+(a logit per head in the softmax's denominator, passed to the attention op) and an output
+projection bias.
 
 Einsum letters: T tokens, H hidden, N query heads, K kv heads, D head dim, I intermediate,
 V vocab.
@@ -75,6 +77,12 @@ class LayerWeights:
     shared_up: jax.Array | None = None  # [H, S]
     shared_down: jax.Array | None = None  # [S, H]
     shared_router: jax.Array | None = None  # [H, 1]  its gate
+    bo: jax.Array | None = None  # [H]  the output projection's bias (GPT-OSS)
+    sinks: jax.Array | None = None  # [N]  attention sink logits (GPT-OSS)
+    router_logit_bias: jax.Array | None = None  # [E]  (GPT-OSS)
+    experts_gate_bias: jax.Array | None = None  # [E, M]
+    experts_up_bias: jax.Array | None = None  # [E, M]
+    experts_down_bias: jax.Array | None = None  # [E, H]
     # Not a checkpoint tensor: made at load from the rows above (fuse_projections).
     fused: FusedProjections | None = None
 
@@ -93,6 +101,10 @@ class LayerWeights:
             shared_up=self.shared_up,
             shared_down=self.shared_down,
             shared_router=self.shared_router,
+            router_logit_bias=self.router_logit_bias,
+            gate_bias=self.experts_gate_bias,
+            up_bias=self.experts_up_bias,
+            down_bias=self.experts_down_bias,
         )
 
 
@@ -178,6 +190,7 @@ def attention_block(
     # layer's call still shares one lowering of the kernel (programs.shared_attention).
     scales = {} if kv_scale is None else {"k_scale": kv_scale[0], "v_scale": kv_scale[1]}
     k_pages, v_pages = pallas_kernels.write_kv(k_pages, v_pages, k, v, batch.slot_mapping, **scales)
+    sinks = {} if lw.sinks is None else {"sinks": lw.sinks}  # (GPT-OSS)
     out = attention_fn(
         q,
         k_pages,
@@ -190,8 +203,12 @@ def attention_block(
         sliding_window=sliding_window,
         soft_cap=config.attn_logit_softcap,
         **scales,
+        **sinks,
     )  # [T, N, D]
-    return linear(out, lw.wo, "TND,NDH->TH"), k_pages, v_pages
+    out = linear(out, lw.wo, "TND,NDH->TH")
+    if lw.bo is not None:
+        out = out + lw.bo
+    return out, k_pages, v_pages
 
 
 def mlp_block(

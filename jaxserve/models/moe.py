@@ -1,4 +1,5 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE; DeepSeek's grouped routing) as pure functions.
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE, GPT-OSS; DeepSeek's grouped routing) as pure
+functions.
 
 ``moe_block(x, weights, config, act)`` replaces the dense MLP of a layer: ``route`` picks each
 token's ``top_k`` experts and their weights from the router logits, ``run_experts`` runs every
@@ -12,6 +13,12 @@ padding tokens of a step's bucket get the expert id E, past every group: they so
 no expert runs them (a decode step of one sequence in a 16-token bucket reads the weights of
 its own top_k experts only).
 
+GPT-OSS adds biases (on the router logits, and per expert on gate, up and down) and its own
+gated activation, the clamped swiglu (``clamped_swiglu``), in place of ``act(gate) * up``. The
+gate and up biases ride with the grouped matmuls (each row takes its expert's); the down bias,
+a per-expert constant, is added outside the experts as the routing-weighted sum of the token's
+experts' biases, so a tensor-parallel all-reduce never counts it twice.
+
 Einsum letters: T tokens, H hidden, E experts, M expert intermediate, S shared-expert
 intermediate, R rows (T * top_k, one per token and chosen expert).
 """
@@ -19,7 +26,9 @@ intermediate, R rows (T * top_k, one per token and chosen expert).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +36,8 @@ import jax.numpy as jnp
 from jaxserve.config import MoeConfig
 
 Activation = Callable[[jax.Array], jax.Array]
+# (gate [R, M], up [R, M]) -> [R, M]: an expert's gated activation in place of act(gate) * up
+Glu = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 @jax.tree_util.register_dataclass
@@ -43,10 +54,47 @@ class MoeWeights:
     shared_up: jax.Array | None = None  # [H, S]
     shared_down: jax.Array | None = None  # [S, H]
     shared_router: jax.Array | None = None  # [H, 1]  its output times sigmoid(x @ this)
+    router_logit_bias: jax.Array | None = None  # [E]  added to the router logits (GPT-OSS)
+    gate_bias: jax.Array | None = None  # [E, M]  per-expert biases (GPT-OSS)
+    up_bias: jax.Array | None = None  # [E, M]
+    down_bias: jax.Array | None = None  # [E, H]
 
 
-# (x[T, H], expert_ids i32[T, k], expert_weights f32[T, k], w_gate, w_up, w_down) -> [T, H]
+# (x[T, H], expert_ids i32[T, k], expert_weights f32[T, k], w_gate, w_up, w_down, *, act,
+#  and where the model has them gate_bias, up_bias, glu) -> [T, H]
 ExpertsFn = Callable[..., jax.Array]
+
+
+def clamped_swiglu(
+    gate: jax.Array,  # [R, M]
+    up: jax.Array,  # [R, M]
+    *,
+    limit: float,
+    alpha: float,
+) -> jax.Array:  # [R, M]
+    """GPT-OSS's gated activation: the gate capped at ``limit`` (above only), the up projection
+    held to [-limit, limit], then ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(alpha * gate))
+
+
+def expert_glu(config: MoeConfig) -> Glu | None:
+    """The experts' gated activation when it is not ``act(gate) * up`` (GPT-OSS), else None."""
+    if config.swiglu_limit is None:
+        return None
+    return functools.partial(clamped_swiglu, limit=config.swiglu_limit, alpha=config.swiglu_alpha)
+
+
+def row_bias(
+    bias: jax.Array,  # [E, M]
+    group_sizes: jax.Array,  # i32[E]
+    num_rows: int,
+) -> jax.Array:  # [R, M]; zeros past the groups' sum
+    """Each row's expert's bias, rows in expert order as ``group_sizes`` counts them."""
+    ends = jnp.cumsum(group_sizes)  # i32[E]
+    expert = jnp.searchsorted(ends, jnp.arange(num_rows, dtype=ends.dtype), side="right")
+    return jnp.take(bias, expert, axis=0, mode="fill", fill_value=0)
 
 
 def route(
@@ -97,6 +145,9 @@ def expert_mlp(
     w_up: jax.Array,  # [E, H, M]
     w_down: jax.Array,  # [E, M, H]
     act: Activation,
+    gate_bias: jax.Array | None = None,  # [E, M]
+    up_bias: jax.Array | None = None,  # [E, M]
+    glu: Glu | None = None,  # in place of act(gate) * up
 ) -> jax.Array:  # [R, H]; rows past the groups' sum are zeros
     """Each row through its expert's gated MLP: three grouped matmuls."""
     # NOTE: jax.lax.ragged_dot, not tokamax's Pallas grouped matmul: it ships with jax (tokamax
@@ -105,7 +156,12 @@ def expert_mlp(
     # recompiles. benchmarks/moe.py measures it against the roofline on the H200.
     gate = jax.lax.ragged_dot(rows, w_gate, group_sizes)  # [R, M]
     up = jax.lax.ragged_dot(rows, w_up, group_sizes)  # [R, M]
-    return jax.lax.ragged_dot(act(gate) * up, w_down, group_sizes)  # [R, H]
+    if gate_bias is not None:
+        gate = gate + row_bias(gate_bias, group_sizes, rows.shape[0]).astype(gate.dtype)
+    if up_bias is not None:
+        up = up + row_bias(up_bias, group_sizes, rows.shape[0]).astype(up.dtype)
+    hidden = act(gate) * up if glu is None else glu(gate, up)  # [R, M]
+    return jax.lax.ragged_dot(hidden, w_down, group_sizes)  # [R, H]
 
 
 def run_experts(
@@ -117,12 +173,15 @@ def run_experts(
     w_down: jax.Array,  # [E, M, H]
     *,
     act: Activation,
+    gate_bias: jax.Array | None = None,  # [E, M]
+    up_bias: jax.Array | None = None,  # [E, M]
+    glu: Glu | None = None,
 ) -> jax.Array:  # [T, H]
     """Sum over each token's experts of weight * expert(x), all experts on this device."""
     num_tokens, top_k = expert_ids.shape
     order, group_sizes = sort_by_expert(expert_ids, w_gate.shape[0])
     rows = x[order // top_k]  # [R, H]
-    out = expert_mlp(rows, group_sizes, w_gate, w_up, w_down, act)  # [R, H]
+    out = expert_mlp(rows, group_sizes, w_gate, w_up, w_down, act, gate_bias, up_bias, glu)
     return combine(out, order, expert_weights, x.dtype)
 
 
@@ -156,6 +215,9 @@ def run_experts_all_to_all(
     *,
     act: Activation,
     axis_name: str,
+    gate_bias: jax.Array | None = None,  # [E / n, M]  this device's experts'
+    up_bias: jax.Array | None = None,  # [E / n, M]
+    glu: Glu | None = None,
 ) -> jax.Array:  # [T, H], the same on every device
     """``run_experts`` under expert parallelism, inside ``shard_map`` over ``axis_name``.
 
@@ -201,7 +263,9 @@ def run_experts_all_to_all(
     local_order = jnp.argsort(received_ids, stable=True).astype(jnp.int32)
     local_sizes = jnp.zeros(num_local, jnp.int32).at[received_ids].add(1, mode="drop")
     local_rows = received.reshape(-1, x.shape[1])[local_order]  # [n * C, H]
-    out = expert_mlp(local_rows, local_sizes, w_gate, w_up, w_down, act)  # [n * C, H]
+    out = expert_mlp(
+        local_rows, local_sizes, w_gate, w_up, w_down, act, gate_bias, up_bias, glu
+    )  # [n * C, H]
     out = out[inverse_permutation(local_order)]  # [n * C, H] as received
     out = out.reshape(num_devices, capacity, -1)  # [n, C, H] by source
 
@@ -239,18 +303,56 @@ def moe_block(
 ) -> jax.Array:  # [T, H]
     """The experts' MLP of one layer: route, run each token's experts, add the shared one."""
     experts_fn = experts_fn or run_experts
-    logits = jnp.einsum("TH,HE->TE", x, weights.router, preferred_element_type=jnp.float32)
-    expert_weights, expert_ids = route(logits.astype(jnp.float32), config, weights.router_bias)
+    logits = router_logits(x, weights)
+    expert_weights, expert_ids = route(logits, config, weights.router_bias)
     if num_valid_tokens is not None:  # padding: expert E (no group), weight 0
         is_valid = (jnp.arange(x.shape[0]) < num_valid_tokens)[:, None]  # bool[T, 1]
         expert_ids = jnp.where(is_valid, expert_ids, config.num_experts)
         expert_weights = jnp.where(is_valid, expert_weights, 0.0)
+    # Only what the model has: the sharded experts_fn passes each to its shard_map by name.
+    extra: dict[str, Any] = {
+        name: value
+        for name, value in (
+            ("gate_bias", weights.gate_bias),
+            ("up_bias", weights.up_bias),
+            ("glu", expert_glu(config)),
+        )
+        if value is not None
+    }
     out = experts_fn(
-        x, expert_ids, expert_weights, weights.w_gate, weights.w_up, weights.w_down, act=act
+        x,
+        expert_ids,
+        expert_weights,
+        weights.w_gate,
+        weights.w_up,
+        weights.w_down,
+        act=act,
+        **extra,
     )
+    if weights.down_bias is not None:
+        out = out + weighted_down_bias(expert_ids, expert_weights, weights.down_bias, x.dtype)
     if weights.shared_gate is not None:
         out = out + shared_expert(x, weights, act)
     return out
+
+
+def router_logits(x: jax.Array, weights: MoeWeights) -> jax.Array:  # [T, H] -> f32[T, E]
+    logits = jnp.einsum("TH,HE->TE", x, weights.router, preferred_element_type=jnp.float32)
+    logits = logits.astype(jnp.float32)
+    if weights.router_logit_bias is not None:
+        logits = logits + weights.router_logit_bias.astype(jnp.float32)
+    return logits
+
+
+def weighted_down_bias(
+    expert_ids: jax.Array,  # i32[T, k]; E (a padding token's) has no bias
+    expert_weights: jax.Array,  # f32[T, k]
+    down_bias: jax.Array,  # [E, H]
+    dtype: jnp.dtype,
+) -> jax.Array:  # [T, H]
+    """Sum over each token's experts of weight * that expert's down-projection bias."""
+    bias = jnp.take(down_bias, expert_ids, axis=0, mode="fill", fill_value=0)  # [T, k, H]
+    return jnp.einsum("TK,TKH->TH", expert_weights, bias.astype(jnp.float32)).astype(dtype)
 
 
 def reference_moe(
@@ -260,12 +362,18 @@ def reference_moe(
     act: Activation,
 ) -> jax.Array:  # [T, H]
     """The same layer as a dense loop over every expert (the oracle of the tests)."""
-    logits = jnp.einsum("TH,HE->TE", x, weights.router, preferred_element_type=jnp.float32)
-    expert_weights, expert_ids = route(logits, config, weights.router_bias)
+    expert_weights, expert_ids = route(router_logits(x, weights), config, weights.router_bias)
+    glu = expert_glu(config)
     out = jnp.zeros(x.shape, jnp.float32)
     for expert in range(weights.w_gate.shape[0]):
-        y = act(x @ weights.w_gate[expert]) * (x @ weights.w_up[expert])
-        y = (y @ weights.w_down[expert]).astype(jnp.float32)  # [T, H]
+        gate, up = x @ weights.w_gate[expert], x @ weights.w_up[expert]  # [T, M]
+        if weights.gate_bias is not None and weights.up_bias is not None:
+            gate, up = gate + weights.gate_bias[expert], up + weights.up_bias[expert]
+        y = act(gate) * up if glu is None else glu(gate, up)
+        y = y @ weights.w_down[expert]  # [T, H]
+        if weights.down_bias is not None:
+            y = y + weights.down_bias[expert]
+        y = y.astype(jnp.float32)
         weight = jnp.where(expert_ids == expert, expert_weights, 0.0).sum(-1)  # f32[T]
         out = out + weight[:, None] * y
     out = out.astype(x.dtype)

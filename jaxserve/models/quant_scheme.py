@@ -97,6 +97,12 @@ def _fp8_block(block: Any, where: str) -> tuple[int, int | None]:
 def parse_checkpoint(qc: dict[str, Any]) -> QuantScheme:
     """The scheme of a config.json ``quantization_config`` (raises for what is not served)."""
     method = qc.get("quant_method")
+    if method == "mxfp4":  # GPT-OSS's published checkpoints: 4-bit experts, 8-bit shared scales
+        raise QuantizationError(
+            "quantization_config.quant_method='mxfp4' (GPT-OSS's MXFP4 experts) is not "
+            "supported; serve a bf16 checkpoint of the model (one without quantization_config, "
+            "its experts stored as bf16 gate_up_proj / down_proj tensors)"
+        )
     # NOTE: activations are always scaled per token, dynamically (vLLM's choice for fp8 on
     # Hopper); a checkpoint's static input_scale tensors (activation_scheme "static") are not
     # read: a per-token scale is never coarser than one calibrated per tensor.

@@ -22,9 +22,9 @@ def sharded_experts(mesh: Mesh, axis: str, expert_parallel: bool) -> moe.Experts
     their expert and back by all-to-all (``moe.run_experts_all_to_all``).
     """
     if expert_parallel:
-        gate_up, down = P(axis, None, None), P(axis, None, None)
+        gate_up, down, bias = P(axis, None, None), P(axis, None, None), P(axis, None)
     else:
-        gate_up, down = P(None, None, axis), P(None, axis, None)
+        gate_up, down, bias = P(None, None, axis), P(None, axis, None), P(None, axis)
 
     def experts(
         x: jax.Array,  # [T, H]
@@ -35,11 +35,23 @@ def sharded_experts(mesh: Mesh, axis: str, expert_parallel: bool) -> moe.Experts
         w_down: jax.Array,  # [E, M, H]
         *,
         act: moe.Activation,
+        gate_bias: jax.Array | None = None,  # [E, M]  split as w_gate's E and M are
+        up_bias: jax.Array | None = None,  # [E, M]
+        glu: moe.Glu | None = None,
     ) -> jax.Array:  # [T, H]
+        named = [
+            (n, b) for n, b in (("gate_bias", gate_bias), ("up_bias", up_bias)) if b is not None
+        ]
+        names, biases = tuple(n for n, _ in named), tuple(b for _, b in named)
+
         def local(*args: jax.Array) -> jax.Array:
+            arrays, local_biases = args[:6], args[6:]
+            options = dict(zip(names, local_biases, strict=True))
             if expert_parallel:
-                return moe.run_experts_all_to_all(*args, act=act, axis_name=axis)
-            return jax.lax.psum(moe.run_experts(*args, act=act), axis)
+                return moe.run_experts_all_to_all(
+                    *arrays, act=act, axis_name=axis, glu=glu, **options
+                )
+            return jax.lax.psum(moe.run_experts(*arrays, act=act, glu=glu, **options), axis)
 
         # NOTE: check_vma=False: the output is the same on every device (an all-gather or an
         # all-reduce), which the specs state and the replication checker cannot see through
@@ -47,9 +59,9 @@ def sharded_experts(mesh: Mesh, axis: str, expert_parallel: bool) -> moe.Experts
         return jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(P(), P(), P(), gate_up, gate_up, down),
+            in_specs=(P(), P(), P(), gate_up, gate_up, down) + (bias,) * len(biases),
             out_specs=P(),
             check_vma=False,
-        )(x, expert_ids, expert_weights, w_gate, w_up, w_down)
+        )(x, expert_ids, expert_weights, w_gate, w_up, w_down, *biases)
 
     return experts

@@ -64,6 +64,7 @@ from jaxserve.runner.mesh import (
 _Q_HEADS_ON_KV_VIEW = P(None, (KV_AXIS, KV_REPLICA_AXIS), None)  # q, attention out [T, N, D]
 _KV_HEADS = P(None, KV_AXIS, None)  # k, v [T, K, D]
 _KV_PAGES = P(None, None, KV_AXIS, None)  # k_pages, v_pages [P, page, K, D]
+_SINKS = P((KV_AXIS, KV_REPLICA_AXIS))  # attention sinks [N], with the query heads
 
 # NOTE: the weights' specs come from the weight table (jaxserve/models/families.py), which
 # writes every shape in einsum letters: a dimension named here is split over that mesh axis,
@@ -272,16 +273,21 @@ def sharded_attention(attention_fn: AttentionFn, mesh: Mesh, config: ModelConfig
         num_seqs: jax.Array,  # i32[1]
         **kwargs: Any,  # sm_scale, sliding_window, soft_cap: static; k_scale, v_scale: f32[]
     ) -> jax.Array:  # [T, N, D]
-        # An fp8 cache's scales are arrays: they enter the shard_map replicated, by argument.
+        # An fp8 cache's scales are arrays: they enter the shard_map replicated, by argument;
+        # attention sinks (GPT-OSS, [N]) split as the query heads are.
         scale_names = tuple(n for n in ("k_scale", "v_scale") if kwargs.get(n) is not None)
         scales = tuple(jnp.asarray(kwargs[n], jnp.float32) for n in scale_names)
-        kwargs = {n: v for n, v in kwargs.items() if n not in ("k_scale", "v_scale")}
+        sinks = kwargs.get("sinks")
+        sink_args = () if sinks is None else (sinks,)
+        kwargs = {n: v for n, v in kwargs.items() if n not in ("k_scale", "v_scale", "sinks")}
 
         def local(*args: jax.Array) -> jax.Array:
-            arrays, local_scales = args[:7], args[7:]
-            return attention_fn(
-                *arrays, **kwargs, **dict(zip(scale_names, local_scales, strict=True))
-            )
+            arrays, rest = args[:7], args[7:]
+            local_scales, local_sinks = rest[: len(scales)], rest[len(scales) :]
+            options = dict(zip(scale_names, local_scales, strict=True))
+            if local_sinks:
+                options["sinks"] = local_sinks[0]
+            return attention_fn(*arrays, **kwargs, **options)
 
         # NOTE: check_vma=False: a Pallas kernel is opaque to shard_map's replication checker;
         # the specs below are the whole contract (heads split, metadata identical everywhere).
@@ -289,10 +295,11 @@ def sharded_attention(attention_fn: AttentionFn, mesh: Mesh, config: ModelConfig
             local,
             mesh=view,
             in_specs=(_Q_HEADS_ON_KV_VIEW, _KV_PAGES, _KV_PAGES, meta, meta, meta, meta)
-            + (meta,) * len(scales),
+            + (meta,) * len(scales)
+            + (_SINKS,) * len(sink_args),
             out_specs=_Q_HEADS_ON_KV_VIEW,
             check_vma=False,
-        )(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *scales)
+        )(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *scales, *sink_args)
 
     return attention
 

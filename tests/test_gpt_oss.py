@@ -1,0 +1,245 @@
+"""GPT-OSS: its config, its checkpoint layout (gate and up interleaved, biases, sinks), the
+refusal of MXFP4 checkpoints, attention sinks on the accelerators' dispatch, one server over
+HTTP, and tensor and expert parallelism. Prefill, chunked prefill, decode and the long
+generation through ``LLM`` against transformers are the family-generic tests of
+test_model_parity.py and test_model_families.py (``MOE_FAMILIES`` in conftest)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors import safe_open
+from transformers import AutoTokenizer
+
+import jaxserve
+import pallas_kernels
+from jaxserve.config import ModelConfig, builtin_config_dir
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine_config import EngineConfig
+from jaxserve.models.families import num_active_params, num_params
+from jaxserve.models.quant_scheme import QuantizationError
+from jaxserve.models.weights import load_weights
+from jaxserve.runner.devices import describe_attention
+from jaxserve.runner.sharding import layer_specs
+from jaxserve.server.app import build_app
+from jaxserve.server.background import BackgroundServer
+from jaxserve.server.settings import ServerSettings
+from tests.conftest import fixture_dir
+
+ROOT = Path(__file__).parents[1]
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def test_config_has_sinks_biases_layer_types_and_the_clamped_swiglu() -> None:
+    config = ModelConfig.from_hf_dir(fixture_dir("gpt_oss"))
+    assert config.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert [config.layer_window(i) for i in range(3)] == [16, None, 16]
+    assert config.all_layers_window is None  # the full layer keeps every block
+    assert config.attention_sinks and config.attention_bias and config.o_proj_bias
+    assert config.head_dim == 16 and config.rope_theta == 150000.0
+    scaling = config.rope_scaling
+    assert scaling is not None and scaling.rope_type == "yarn" and not scaling.truncate
+    assert (scaling.factor, scaling.original_max_position_embeddings) == (4.0, 64)
+    moe = config.moe
+    assert moe is not None and (moe.num_experts, moe.top_k, moe.intermediate_size) == (4, 2, 16)
+    assert moe.norm_topk_prob and moe.has_biases and moe.dense_layers == ()
+    assert (moe.swiglu_limit, moe.swiglu_alpha) == (1.0, 1.5)
+
+
+def test_shipped_gpt_oss_20b_config_has_the_published_counts() -> None:
+    """openai/gpt-oss-20b: 20.91B parameters, 3.61B active (its model card counts the
+    unembedding and not the embedding)."""
+    config = ModelConfig.from_hf_dir(builtin_config_dir("gpt-oss-20b"))
+    assert config.moe is not None and config.moe.swiglu_limit == 7.0
+    assert config.moe.swiglu_alpha == 1.702  # transformers' default: the config has none
+    assert config.sliding_window == 128 and config.layer_types[:2] == (
+        "sliding_attention",
+        "full_attention",
+    )
+    assert config.rope_scaling is not None and config.rope_scaling.factor == 32.0
+    assert num_params(config) == 20_914_757_184
+    assert num_active_params(config, include_embedding=False) == 3_608_307_264
+
+
+def test_checkpoint_gate_up_is_interleaved_and_biases_and_sinks_load() -> None:
+    config = ModelConfig.from_hf_dir(fixture_dir("gpt_oss"))
+    weights = load_weights(fixture_dir("gpt_oss"), config, jnp.float32)
+    layer = weights.layers[1]
+    prefix = "model.layers.1."
+    with safe_open(fixture_dir("gpt_oss") / "model.safetensors", framework="numpy") as f:
+        gate_up = f.get_tensor(prefix + "mlp.experts.gate_up_proj")  # [E, H, 2M]
+        gate_up_bias = f.get_tensor(prefix + "mlp.experts.gate_up_proj_bias")  # [E, 2M]
+        np.testing.assert_array_equal(layer.experts_gate, gate_up[..., 0::2])
+        np.testing.assert_array_equal(layer.experts_up, gate_up[..., 1::2])
+        np.testing.assert_array_equal(layer.experts_gate_bias, gate_up_bias[:, 0::2])
+        np.testing.assert_array_equal(layer.experts_up_bias, gate_up_bias[:, 1::2])
+        np.testing.assert_array_equal(
+            layer.experts_down, f.get_tensor(prefix + "mlp.experts.down_proj")
+        )
+        np.testing.assert_array_equal(
+            layer.experts_down_bias, f.get_tensor(prefix + "mlp.experts.down_proj_bias")
+        )
+        np.testing.assert_array_equal(
+            np.asarray(layer.router).T, f.get_tensor(prefix + "mlp.router.weight")
+        )
+        np.testing.assert_array_equal(
+            layer.router_logit_bias, f.get_tensor(prefix + "mlp.router.bias")
+        )
+        np.testing.assert_array_equal(layer.sinks, f.get_tensor(prefix + "self_attn.sinks"))
+        np.testing.assert_array_equal(layer.bo, f.get_tensor(prefix + "self_attn.o_proj.bias"))
+    assert layer.w_gate is None and layer.q_norm is None
+
+
+def test_expert_biases_split_with_their_experts_and_sinks_with_the_heads() -> None:
+    config = ModelConfig.from_hf_dir(fixture_dir("gpt_oss"))
+    tp, ep = layer_specs(config, 0), layer_specs(config, 0, expert_parallel=True)
+    assert tuple(tp.experts_gate_bias) == (None, "tp") == tuple(tp.experts_up_bias)
+    assert tuple(ep.experts_gate_bias) == ("tp", None)
+    assert tuple(tp.experts_down_bias) == (None, None)  # added once, outside the all-reduce
+    assert tuple(tp.sinks) == ("tp",)
+    assert tuple(tp.router_logit_bias) == (None,)
+
+
+def test_an_mxfp4_checkpoint_fails_at_start_with_a_clear_message(tmp_path, capsys) -> None:
+    model = tmp_path / "gpt-oss-mxfp4"
+    shutil.copytree(fixture_dir("gpt_oss"), model)
+    raw = json.loads((model / "config.json").read_text())
+    raw["quantization_config"] = {
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"],
+        "quant_method": "mxfp4",
+    }
+    (model / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(QuantizationError, match="quant_method='mxfp4'.* is not supported"):
+        jaxserve.LLM(str(model), max_model_len=64, num_gpu_blocks_override=16, warmup=False)
+    from jaxserve.cli import main
+
+    assert main(["capacity", str(model), "--device-memory", "H200"]) == 2
+    assert "mxfp4" in capsys.readouterr().err
+
+
+def test_attention_sinks_go_to_the_reference_on_gpu_and_tpu_and_the_log_says_so(
+    monkeypatch,
+) -> None:
+    monkeypatch.delenv("JAXSERVE_ATTENTION", raising=False)
+    q = jax.ShapeDtypeStruct((1, 8, 64), jnp.bfloat16)
+    k_pages = jax.ShapeDtypeStruct((1, 16, 2, 64), jnp.bfloat16)
+    for backend in ("gpu", "tpu"):
+        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+        kernel, reason = pallas_kernels.choose_kernel(q, k_pages, has_sinks=True)
+        assert kernel == "reference" and reason is not None and "attention sinks" in reason
+    monkeypatch.setattr(pallas_kernels, "_is_hopper_or_newer", lambda: True)
+    config = ModelConfig.from_hf_dir(fixture_dir("gpt_oss"))
+    line = describe_attention(config, jnp.bfloat16, block_size=16, tensor_parallel_size=1)
+    assert line == (
+        "Attention: pure-jnp reference (attention sinks are not taken by the Pallas kernels yet)"
+    )
+
+
+def test_completion_over_http_is_hugging_faces() -> None:
+    """The greedy completion of the long prompt (past the sliding window and yarn's original
+    context) and its logprobs are Hugging Face's."""
+    golden = np.load(fixture_dir("gpt_oss") / "golden.npz")
+    config = EngineConfig(
+        model=str(fixture_dir("gpt_oss")),
+        served_model_name="tiny-gpt-oss",
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        block_size=4,
+        num_gpu_blocks_override=64,
+        warmup=False,
+    )
+    engine = AsyncEngine.from_config(config)
+    engine.start()
+    try:
+        app = build_app(engine, ServerSettings(served_model_names=("tiny-gpt-oss",)))
+        with BackgroundServer(app) as server:
+            expected = golden["long_greedy_ids"].tolist()
+            body = {
+                "model": "tiny-gpt-oss",
+                "prompt": golden["prompt2_ids"].tolist(),
+                "max_tokens": len(expected),
+                "temperature": 0,
+                "ignore_eos": True,
+                "logprobs": 1,
+            }
+            response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            choice = response.json()["choices"][0]
+            tokenizer = AutoTokenizer.from_pretrained(fixture_dir("gpt_oss"))
+            # The text holds back the incomplete UTF-8 bytes the tokens end with.
+            assert choice["text"] == tokenizer.decode(expected).rstrip("\ufffd")
+            assert len(choice["logprobs"]["token_logprobs"]) == len(expected)
+            ref = log_softmax(golden["long_decode_logits"])[np.arange(len(expected)), expected]
+            np.testing.assert_allclose(choice["logprobs"]["token_logprobs"], ref, atol=1e-4)
+    finally:
+        engine.shutdown()
+
+
+PARALLEL_SCRIPT = textwrap.dedent("""
+    import json
+    import numpy as np
+    import jaxserve
+    from jaxserve import SamplingParams
+    golden = np.load("tests/fixtures/models/gpt_oss/golden.npz")
+    for tp, ep in [(2, True), (2, False)]:
+        llm = jaxserve.LLM("tests/fixtures/models/gpt_oss", tensor_parallel_size=tp,
+                           enable_expert_parallel=ep, max_model_len=128, max_num_seqs=4,
+                           max_num_batched_tokens=32, block_size=4, num_gpu_blocks_override=64,
+                           dtype="float32", warmup=False)
+        prompt = {"prompt_token_ids": golden["prompt2_ids"].tolist()}
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)
+        out = llm.generate(prompt, params)[0].outputs[0]
+        layer = llm.engine.runner.weights.layers[0]
+        print(json.dumps({
+            "tp": tp, "ep": ep, "tokens": out.token_ids,
+            "logprobs": [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)],
+            "gate_bias_shard": list(layer.experts_gate_bias.addressable_shards[0].data.shape),
+            "sinks_shard": list(layer.sinks.addressable_shards[0].data.shape),
+        }), flush=True)
+""")
+
+
+def test_tensor_and_expert_parallel_give_hugging_faces_tokens() -> None:
+    """2 devices, experts split whole (all-to-all) or sliced (all-reduce), sinks split with
+    the heads: Hugging Face's greedy tokens and logprobs."""
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        TRANSFORMERS_VERBOSITY="error",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", PARALLEL_SCRIPT],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    golden = np.load(fixture_dir("gpt_oss") / "golden.npz")
+    expected = golden["long_greedy_ids"].tolist()
+    ref = log_softmax(golden["long_decode_logits"])[np.arange(len(expected)), expected]
+    for run in runs:
+        assert run["tokens"] == expected, run
+        np.testing.assert_allclose(run["logprobs"], ref, atol=1e-4)
+    shards = [(r["tp"], r["ep"], r["gate_bias_shard"], r["sinks_shard"]) for r in runs]
+    assert shards == [(2, True, [2, 16], [2]), (2, False, [4, 8], [2])]
