@@ -44,10 +44,10 @@ import pallas_kernels
 from jaxserve.config import ModelConfig
 from jaxserve.models import moe
 from jaxserve.models.batch import KVCache
-from jaxserve.models.families import WeightField, dim_sizes, layer_fields, model_fields
+from jaxserve.models.families import layer_fields, model_fields
 from jaxserve.models.llama import AttentionFn, LayerWeights, Weights
-from jaxserve.models.quant import QUANTIZED_FIELDS, QArray
-from jaxserve.models.quant_scheme import QuantScheme, qarray_layout
+from jaxserve.models.quant import QUANTIZED_FIELDS
+from jaxserve.models.quant_scheme import QuantScheme
 from jaxserve.models.weights import Placement
 from jaxserve.runner.expert_parallel import sharded_experts
 from jaxserve.runner.mesh import (
@@ -58,6 +58,7 @@ from jaxserve.runner.mesh import (
     make_mesh,
     validate_tensor_parallel_size,
 )
+from jaxserve.runner.quant_specs import quantized_specs
 
 # Specs on the KV view. Query heads split over both of its axes, which orders the devices
 # exactly as "tp" does, so the two meshes agree and XLA moves no data between them.
@@ -80,39 +81,6 @@ def _spec(shape: str, split: dict[str, str]) -> P:
     return P(*(split.get(dim) for dim in shape))
 
 
-def quantized_specs(
-    field: WeightField, config: ModelConfig, quant: QuantScheme, tensor_parallel_size: int
-) -> QArray:
-    """A ``QArray`` of specs: values [out, in] split as the weight's output and input letters
-    are, scales and zero points [out] / [out, G] following the output axis (and the input
-    axis where the groups split evenly), g_idx replicated."""
-    axis_sizes = {
-        TP_AXIS: tensor_parallel_size,
-        KV_AXIS: min(tensor_parallel_size, config.num_kv_heads),
-    }
-
-    def axis(letters: str, size: int) -> str | None:
-        name = next((_SPLIT_DIMS[d] for d in letters if d in _SPLIT_DIMS), None)
-        # NOTE: jax shards only evenly: an axis that does not divide stays replicated.
-        return name if name is not None and size % axis_sizes[name] == 0 else None
-
-    out_letters, in_letters = field.hf_shape
-    parts: dict[str, Any] = {}
-    for name, (shape, _) in qarray_layout(field, config, quant).items():
-        if name == "g_idx":
-            parts[name] = P(None)
-        else:
-            letters = (out_letters, in_letters)[: len(shape)]
-            parts[name] = P(*(axis(ls, n) for ls, n in zip(letters, shape, strict=True)))
-    sizes = dim_sizes(config)
-    return QArray(
-        **parts,
-        in_shape=tuple(sizes[d] for d in in_letters),
-        out_shape=tuple(sizes[d] for d in out_letters),
-        act_quant=quant.act_quant,
-    )
-
-
 def layer_specs(
     config: ModelConfig,
     layer: int | None = None,
@@ -125,7 +93,7 @@ def layer_specs(
     split = _EXPERT_PARALLEL_DIMS if expert_parallel else _SPLIT_DIMS
     # A pytree of specs in the weights' own dataclass (its leaves are specs, not arrays).
     specs: dict[str, Any] = {
-        f.name: quantized_specs(f, config, quant, tensor_parallel_size)
+        f.name: quantized_specs(f, config, quant, tensor_parallel_size, _SPLIT_DIMS)
         if quant is not None and f.name in QUANTIZED_FIELDS
         else _spec(f.shape, split)
         for f in layer_fields(config, layer)
