@@ -130,3 +130,30 @@ def test_specs_split_the_heads_and_the_mlp() -> None:
 def test_a_field_whose_shapes_disagree_is_rejected() -> None:
     with pytest.raises(ValueError, match="differ in letters"):
         WeightField("wq", "self_attn.q_proj.weight", ("ND", "H"), "HKD", transpose=True)
+
+
+def test_a_checkpoint_tensor_the_table_does_not_read_is_named_in_a_warning(tmp_path, caplog):
+    """A Llama checkpoint with an output-projection bias (attention_bias in Hugging Face's
+    Llama) loads, and the bias the table does not know is named, not dropped without a word."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    source = fixture_dir("llama")
+    tensors = load_file(source / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.bias"] = np.zeros(64, np.float32)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.zeros(8, np.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    shutil.copy(source / "config.json", tmp_path / "config.json")
+    config = ModelConfig.from_hf_dir(tmp_path)
+    with caplog.at_level("WARNING", logger="jaxserve.models.weights"):
+        load_weights(tmp_path, config, jnp.float32)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert "1 checkpoint tensor(s) are not in the llama weight table" in warnings[0]
+    assert "model.layers.0.self_attn.o_proj.bias" in warnings[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jaxserve.models.weights"):
+        load_weights(source, config, jnp.float32)  # the fixture itself: every tensor is read
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]

@@ -166,6 +166,35 @@ def _place_quantized(
     return QArray(**parts, in_shape=w.in_shape, out_shape=w.out_shape, act_quant=act_quant)
 
 
+# Checkpoint tensors read elsewhere or safely left: rotary tables the model computes, the
+# fp8 KV cache's scales (kv_scales.py) and fp8 checkpoints' static activation scales (unread,
+# docs/quantization.md).
+_UNREAD_OK = (
+    "rotary_emb.inv_freq",
+    "k_scale",
+    "v_scale",
+    "kv_scale",
+    "input_scale",
+    "output_scale",
+)
+
+
+def _warn_unread(model_dir: Path, model_type: str, unread: list[str]) -> None:
+    """Log the checkpoint tensors the model does not read: a bias or norm the family table
+    does not know would otherwise be dropped without a word."""
+    unread = [name for name in unread if not name.endswith(_UNREAD_OK)]
+    if unread:
+        shown = ", ".join(unread[:5]) + (", ..." if len(unread) > 5 else "")
+        _LOG.warning(
+            "%s: %d checkpoint tensor(s) are not in the %s weight table and are not read: %s; "
+            "if the model needs them its outputs will be wrong",
+            model_dir,
+            len(unread),
+            model_type,
+            shown,
+        )
+
+
 def load_weights(
     model_dir: str | os.PathLike[str],
     config: ModelConfig,
@@ -192,6 +221,7 @@ def load_weights(
             f"{model_dir}: tensor {first!r}{expected} is missing "
             f"from the checkpoint ({len(missing)} missing in all)"
         )
+    _warn_unread(model_dir, config.model_type, sorted(set(files) - set(shapes)))
     with ExitStack() as stack:
         handles: dict[Path, Any] = {}
 
