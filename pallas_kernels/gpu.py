@@ -29,7 +29,7 @@ the reference's ``page * scale`` before the dots without rounding ``page * scale
 
 When there are too few (tile, head) programs to fill the GPU (small decode batches) the KV range
 of each tile is split ``num_splits`` ways; each split writes its normalised partial output and
-its log-sum-exp (both token-indexed), and ``_merge_splits`` combines them in one XLA fusion.
+its log-sum-exp (both token-indexed), and ``splits.merge_splits`` combines them in one XLA fusion.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.reference import FP8_DTYPES
+from pallas_kernels.splits import merge_splits
 
 ROWS = 64  # query rows per program: one wgmma M tile
 LOG2E = math.log2(math.e)
@@ -425,29 +426,6 @@ def _attention_kernel(
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _merge_splits(
-    o_parts: jax.Array,  # f32[NS, T, Hq, D]
-    lse_parts: jax.Array,  # f32[NS, T, Hq, LSE_COLS]  log2-domain, columns all equal
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[1]
-    *,
-    out_dtype,
-) -> jax.Array:  # [T, Hq, D]
-    """Weight each split's partial output by its share of the softmax mass.
-
-    Written as elementwise ops over the (small, static) split axis so that XLA emits one
-    fusion. Rows past cu_q_lens[num_seqs] were never written and come back as zeros.
-    """
-    num_splits, num_tokens = o_parts.shape[:2]
-    lse = [lse_parts[s, :, :, :1] for s in range(num_splits)]  # f32[T, Hq, 1] each
-    top = functools.reduce(jnp.maximum, lse)
-    weights = [jnp.exp2(x - top) for x in lse]
-    out = functools.reduce(jnp.add, [w * o_parts[s] for s, w in enumerate(weights)])
-    out = out / functools.reduce(jnp.add, weights)
-    is_valid = jnp.arange(num_tokens, dtype=jnp.int32) < cu_q_lens[num_seqs[0]]  # bool[T]
-    return jnp.where(is_valid[:, None, None], out, 0.0).astype(out_dtype)
-
-
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
     k_pages: jax.Array,  # [P, page_size, Hkv, D]
@@ -576,7 +554,7 @@ def ragged_paged_attention(
     )(plan, page_indices.astype(jnp.int32), q, k_pages, v_pages, scales)
     if not is_split:
         return outs[0]
-    return _merge_splits(outs[0], outs[1], cu_q_lens, num_seqs, out_dtype=q.dtype)
+    return merge_splits(outs[0], outs[1], cu_q_lens, num_seqs, out_dtype=q.dtype)
 
 
 def _with_no_lse(body):

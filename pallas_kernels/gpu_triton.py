@@ -16,7 +16,7 @@ power-of-two tensor sizes, so head_dim is padded in registers (masked loads and 
 in memory): 80 and 96 run as 128, and ``Gp`` rows per token cover a group of 3, 5 or 7.
 
 Small batches split the KV range ``num_splits`` ways; each split writes its partial output and
-log-sum-exp, and ``_merge_splits`` combines them in XLA.
+log-sum-exp, and ``splits.merge_splits`` combines them in XLA.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.gpu import max_tiles_for, plan_tiles
+from pallas_kernels.splits import merge_splits
 
 LOG2E = math.log2(math.e)
 MASK_VALUE = -1e30  # finite, so fully masked rows never produce inf - inf
@@ -202,23 +203,6 @@ def _attention_kernel(
     pltriton.store(o_view, out.astype(o_ref.dtype), mask=is_row[:, None])
 
 
-def _merge_splits(
-    o_parts: jax.Array,  # f32[NS, T, Hq, Dp]
-    lse_parts: jax.Array,  # f32[NS, T, Hq]  log2-domain
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[1]
-    *,
-    out_dtype,
-) -> jax.Array:  # [T, Hq, D]
-    """Weight each split's partial output by its share of the softmax mass; rows past
-    cu_q_lens[num_seqs] were never written and come back as zeros."""
-    num_tokens = o_parts.shape[1]
-    weights = jnp.exp2(lse_parts - lse_parts.max(axis=0, keepdims=True))[..., None]
-    out = (weights * o_parts).sum(axis=0) / weights.sum(axis=0)
-    is_valid = jnp.arange(num_tokens, dtype=jnp.int32) < cu_q_lens[num_seqs[0]]  # bool[T]
-    return jnp.where(is_valid[:, None, None], out, 0.0).astype(out_dtype)
-
-
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
     k_pages: jax.Array,  # [P, page_size, Hkv, D]
@@ -298,7 +282,7 @@ def ragged_paged_attention(
         name="ragged_paged_attention_triton",
     )(plan, page_indices.astype(jnp.int32), q, k_pages, v_pages)
     if is_split:
-        out = _merge_splits(outs[0], outs[1], cu_q_lens, num_seqs, out_dtype=q.dtype)
+        out = merge_splits(outs[0], outs[1][..., None], cu_q_lens, num_seqs, out_dtype=q.dtype)
     else:
         out = outs[0]
     return out[..., :head_dim]

@@ -18,7 +18,12 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig, kv_cache_dtype_name, weight_dtype
 from jaxserve.models.families import num_params
 from jaxserve.models.kv_scales import FP8_KV_DTYPES
-from jaxserve.models.quant_scheme import QuantScheme, check_device, resolve_scheme
+from jaxserve.models.quant_scheme import (
+    FP8_MIN_COMPUTE_CAPABILITY,
+    QuantScheme,
+    check_device,
+    resolve_scheme,
+)
 from jaxserve.runner.capacity import kv_heads_per_device
 
 _PROBE_LOGGER = "jax._src.xla_bridge"
@@ -54,15 +59,16 @@ def resolve_quantization(config: EngineConfig) -> QuantScheme | None:
     if scheme is None:
         return None
     device = jax.devices()[0]
-    try:  # NVIDIA: "9.0"; ROCm names an architecture ("gfx942"), which is not checked here
-        capability: float | None = float(getattr(device, "compute_capability", None) or "")
+    return check_device(scheme, device.platform, device.device_kind, compute_capability(device))
+
+
+def compute_capability(device: jax.Device) -> float | None:
+    """An NVIDIA GPU's compute capability ("9.0") as a number; None for other devices (ROCm
+    names an architecture, "gfx942")."""
+    try:
+        return float(getattr(device, "compute_capability", None) or "")
     except ValueError:
-        capability = None
-    return check_device(scheme, device.platform, device.device_kind, capability)
-
-
-# fp8 on NVIDIA GPUs: Ada (8.9), Hopper (9.0) and newer, as vLLM requires.
-FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
+        return None
 
 
 class DeviceSupportError(ValueError):
@@ -74,10 +80,8 @@ def has_fp8(device: jax.Device) -> bool:
     from compute capability 8.9)."""
     if device.platform != "gpu":
         return True
-    parts = str(getattr(device, "compute_capability", "")).split(".")
-    if len(parts) != 2 or not all(p.isdigit() for p in parts):
-        return False  # not an NVIDIA compute capability (ROCm): not supported
-    return (int(parts[0]), int(parts[1])) >= FP8_MIN_COMPUTE_CAPABILITY
+    capability = compute_capability(device)  # None (ROCm): not supported
+    return capability is not None and capability >= FP8_MIN_COMPUTE_CAPABILITY
 
 
 def resolve_kv_dtype(config: EngineConfig, dtype: jnp.dtype) -> jnp.dtype:
