@@ -3,15 +3,17 @@ tests that start servers and processes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
@@ -88,6 +90,66 @@ def fixture_dir(family: str) -> Path:
 @pytest.fixture(scope="session")
 def llama_dir() -> Path:
     return fixture_dir("llama")
+
+
+@contextlib.contextmanager
+def serve_fixture(family: str, served_model_name: str) -> Iterator[str]:
+    """A fixture model served in float32 in this process (no warm-up); yields the base URL."""
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.engine_config import EngineConfig
+    from jaxserve.server.app import build_app
+    from jaxserve.server.background import BackgroundServer
+    from jaxserve.server.settings import ServerSettings
+
+    config = EngineConfig(
+        model=str(fixture_dir(family)),
+        served_model_name=served_model_name,
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        block_size=4,
+        num_gpu_blocks_override=64,
+        warmup=False,
+    )
+    engine = AsyncEngine.from_config(config)
+    engine.start()
+    try:
+        app = build_app(engine, ServerSettings(served_model_names=(served_model_name,)))
+        with BackgroundServer(app) as server:
+            yield server.url
+    finally:
+        engine.shutdown()
+
+
+def log_softmax(logits):  # numpy, over the last axis
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def assert_long_completion_is_golden(url: str, family: str, model: str) -> None:
+    """The greedy completion of the golden's long prompt over HTTP: Hugging Face's tokens (as
+    text; the incomplete UTF-8 bytes the tokens may end with are held back) and logprobs."""
+    from transformers import AutoTokenizer
+
+    golden = np.load(fixture_dir(family) / "golden.npz")
+    expected = golden["long_greedy_ids"].tolist()
+    body = {
+        "model": model,
+        "prompt": golden["prompt2_ids"].tolist(),
+        "max_tokens": len(expected),
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 1,
+    }
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    tokenizer = AutoTokenizer.from_pretrained(fixture_dir(family))
+    assert choice["text"] == tokenizer.decode(expected).rstrip("\ufffd")
+    assert len(choice["logprobs"]["token_logprobs"]) == len(expected)
+    ref = log_softmax(golden["long_decode_logits"])[np.arange(len(expected)), expected]
+    np.testing.assert_allclose(choice["logprobs"]["token_logprobs"], ref, atol=1e-4)
 
 
 def tiny_engine_config(served_model_name: str, **overrides):

@@ -14,35 +14,28 @@ import sys
 import textwrap
 from pathlib import Path
 
-import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors import safe_open
-from transformers import AutoTokenizer
 
 import jaxserve
 import pallas_kernels
 from jaxserve.config import ModelConfig, builtin_config_dir
-from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.engine_config import EngineConfig
 from jaxserve.models.families import num_active_params, num_params
 from jaxserve.models.quant_scheme import QuantizationError
 from jaxserve.models.weights import load_weights
 from jaxserve.runner.devices import describe_attention
 from jaxserve.runner.sharding import layer_specs
-from jaxserve.server.app import build_app
-from jaxserve.server.background import BackgroundServer
-from jaxserve.server.settings import ServerSettings
-from tests.conftest import fixture_dir
+from tests.conftest import (
+    assert_long_completion_is_golden,
+    fixture_dir,
+    log_softmax,
+    serve_fixture,
+)
 
 ROOT = Path(__file__).parents[1]
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max(-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
 def test_config_has_sinks_biases_layer_types_and_the_clamped_swiglu() -> None:
@@ -153,43 +146,8 @@ def test_attention_sinks_go_to_the_reference_on_gpu_and_tpu_and_the_log_says_so(
 def test_completion_over_http_is_hugging_faces() -> None:
     """The greedy completion of the long prompt (past the sliding window and yarn's original
     context) and its logprobs are Hugging Face's."""
-    golden = np.load(fixture_dir("gpt_oss") / "golden.npz")
-    config = EngineConfig(
-        model=str(fixture_dir("gpt_oss")),
-        served_model_name="tiny-gpt-oss",
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        block_size=4,
-        num_gpu_blocks_override=64,
-        warmup=False,
-    )
-    engine = AsyncEngine.from_config(config)
-    engine.start()
-    try:
-        app = build_app(engine, ServerSettings(served_model_names=("tiny-gpt-oss",)))
-        with BackgroundServer(app) as server:
-            expected = golden["long_greedy_ids"].tolist()
-            body = {
-                "model": "tiny-gpt-oss",
-                "prompt": golden["prompt2_ids"].tolist(),
-                "max_tokens": len(expected),
-                "temperature": 0,
-                "ignore_eos": True,
-                "logprobs": 1,
-            }
-            response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
-            assert response.status_code == 200, response.text
-            choice = response.json()["choices"][0]
-            tokenizer = AutoTokenizer.from_pretrained(fixture_dir("gpt_oss"))
-            # The text holds back the incomplete UTF-8 bytes the tokens end with.
-            assert choice["text"] == tokenizer.decode(expected).rstrip("\ufffd")
-            assert len(choice["logprobs"]["token_logprobs"]) == len(expected)
-            ref = log_softmax(golden["long_decode_logits"])[np.arange(len(expected)), expected]
-            np.testing.assert_allclose(choice["logprobs"]["token_logprobs"], ref, atol=1e-4)
-    finally:
-        engine.shutdown()
+    with serve_fixture("gpt_oss", "tiny-gpt-oss") as url:
+        assert_long_completion_is_golden(url, "gpt_oss", "tiny-gpt-oss")
 
 
 PARALLEL_SCRIPT = textwrap.dedent("""

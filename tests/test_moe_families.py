@@ -18,18 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors import safe_open
-from transformers import AutoTokenizer
 
 from jaxserve.config import ConfigError, ModelConfig, builtin_config_dir
-from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.families import num_active_params, num_params
 from jaxserve.models.weights import load_weights
 from jaxserve.runner.sharding import layer_specs, validate_tensor_parallel_size
-from jaxserve.server.app import build_app
-from jaxserve.server.background import BackgroundServer
-from jaxserve.server.settings import ServerSettings
-from tests.conftest import fixture_dir
+from tests.conftest import (
+    assert_long_completion_is_golden,
+    fixture_dir,
+    serve_fixture,
+)
 
 ROOT = Path(__file__).parents[1]
 
@@ -45,11 +44,6 @@ QWEN3_MOE = dict(
     num_experts=8,
     num_experts_per_tok=2,
 )
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max(-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
 def test_qwen3_moe_sparse_step_and_mlp_only_layers_pick_the_expert_layers() -> None:
@@ -131,55 +125,21 @@ def test_shipped_qwen3_30b_a3b_config_has_the_real_shapes() -> None:
 
 def test_chat_and_completion_over_http_on_qwen3_moe() -> None:
     """The greedy completion of the long prompt is Hugging Face's; a chat answers."""
-    golden = np.load(fixture_dir("qwen3_moe") / "golden.npz")
-    config = EngineConfig(
-        model=str(fixture_dir("qwen3_moe")),
-        served_model_name="tiny-moe",
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        block_size=4,
-        num_gpu_blocks_override=64,
-        warmup=False,
-    )
-    engine = AsyncEngine.from_config(config)
-    engine.start()
-    try:
-        app = build_app(engine, ServerSettings(served_model_names=("tiny-moe",)))
-        with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
-            expected = golden["long_greedy_ids"].tolist()
-            body = {
-                "model": "tiny-moe",
-                "prompt": golden["prompt2_ids"].tolist(),
-                "max_tokens": len(expected),
-                "temperature": 0,
-                "ignore_eos": True,
-                "logprobs": 1,
-            }
-            response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
-            assert response.status_code == 200, response.text
-            choice = response.json()["choices"][0]
-            tokenizer = AutoTokenizer.from_pretrained(fixture_dir("qwen3_moe"))
-            assert choice["text"] == tokenizer.decode(expected)
-            logprobs = choice["logprobs"]
-            ref = log_softmax(golden["long_decode_logits"])[np.arange(len(expected)), expected]
-            np.testing.assert_allclose(logprobs["token_logprobs"], ref, atol=1e-4)
-            chat = {
-                "model": "tiny-moe",
-                "messages": [{"role": "user", "content": "Hello! How big is a page?"}],
-                "max_tokens": 6,
-                "temperature": 0,
-                "ignore_eos": True,
-            }
-            response = http.post("/v1/chat/completions", json=chat)
-            assert response.status_code == 200, response.text
-            answer = response.json()
-            assert answer["choices"][0]["finish_reason"] == "length"
-            assert answer["usage"]["completion_tokens"] == 6
-            assert answer["choices"][0]["message"]["role"] == "assistant"
-    finally:
-        engine.shutdown()
+    with serve_fixture("qwen3_moe", "tiny-moe") as url:
+        assert_long_completion_is_golden(url, "qwen3_moe", "tiny-moe")
+        chat = {
+            "model": "tiny-moe",
+            "messages": [{"role": "user", "content": "Hello! How big is a page?"}],
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        response = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert answer["usage"]["completion_tokens"] == 6
+        assert answer["choices"][0]["message"]["role"] == "assistant"
 
 
 EXPERT_PARALLEL_SCRIPT = textwrap.dedent("""
