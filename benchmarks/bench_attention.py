@@ -296,6 +296,23 @@ def tiers_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Varian
     return plan
 
 
+def head256_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Variant], bool]]:
+    """(shape, batch, variants, with_reference) for ``--suite head256``: Triton configs at the
+    Gemma-2-9B shape's decode cells, the default first."""
+    if smoke:
+        return tiers_plan(smoke, sweep)
+    plan = []
+    for batch in (decode_batch(1, 4096), decode_batch(64, 1024), decode_batch(64, 4096)):
+        variants = [triton("triton", gpu_triton.TritonConfig(), False)]
+        for warps, stages, block_kv in (
+            (8, 2, 32), (4, 3, 32), (8, 3, 32), (4, 2, 64), (8, 2, 64), (8, 3, 64), (4, 4, 32)
+        ):  # fmt: skip
+            config = gpu_triton.TritonConfig(num_warps=warps, num_stages=stages, block_kv=block_kv)
+            variants.append(triton(f"triton w{warps} s{stages} bk{block_kv}", config, False))
+        plan.append((GEMMA_2_9B, batch, variants, False))
+    return plan
+
+
 def llama_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Variant], bool]]:
     """(shape, batch, variants, with_reference) for the default suite (the Mosaic kernel)."""
     base = gpu.KernelConfig()
@@ -337,7 +354,7 @@ def triton_target_line(rows) -> str | None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode")
-    parser.add_argument("--suite", choices=("llama", "tiers"), default="llama")
+    parser.add_argument("--suite", choices=("llama", "tiers", "head256"), default="llama")
     parser.add_argument("--sweep", action="store_true", help="also time config variants")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--pool-mib", type=int, default=512)
@@ -349,7 +366,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
     rng = np.random.default_rng()
     reps, pool = (1, 1 << 20) if args.smoke else (args.reps, args.pool_mib << 20)
-    plan_for = tiers_plan if args.suite == "tiers" else llama_plan
+    plan_for = {"tiers": tiers_plan, "head256": head256_plan, "llama": llama_plan}[args.suite]
     plan = plan_for(args.smoke, args.sweep)
     if args.only:
         plan = [p for p in plan if p[1].name in args.only.split(",")]

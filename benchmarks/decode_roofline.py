@@ -107,8 +107,9 @@ def fill_cache_randomly(runner: ModelRunner, seed: int) -> None:
         )
 
 
-def time_device(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> float:
-    """Seconds per step of model + sampler dispatched back to back."""
+def time_device(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> tuple[float, float]:
+    """Seconds per step of model + sampler dispatched back to back, and the host seconds of
+    one such dispatch (the calls' return, not the device's work: XLA's kernel launches)."""
     host_batch, rows = runner.inputs.build_batch(sched)
     flags = runner.inputs.sampler_flags(rows, host_batch.kv_lens)
     inputs = runner.inputs.sampling_inputs(
@@ -120,14 +121,19 @@ def time_device(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> floa
         return runner.sample(hidden, host_batch.logits_indices, inputs, flags).token_ids
 
     jax.block_until_ready(step())
-    samples = []
+    samples, launches = [], []
     for _ in range(3):
         start = time.perf_counter()
         for _ in range(iters):
             out = step()
         jax.block_until_ready(out)
         samples.append((time.perf_counter() - start) / iters)
-    return min(samples)
+    for _ in range(iters):  # each from an idle device: nothing to wait behind
+        launch = time.perf_counter()
+        out = step()
+        launches.append(time.perf_counter() - launch)
+        jax.block_until_ready(out)
+    return min(samples), statistics.median(launches)
 
 
 def time_wall(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> float:
@@ -222,7 +228,7 @@ def main() -> None:
                 print(f"skip batch {batch} x context {context}: does not fit")
                 continue
             sched = decode_batch(runner, batch, context, rng)
-            device = time_device(runner, sched, args.iters)
+            device, launch = time_device(runner, sched, args.iters)
             sync = time_wall(runner, sched, args.iters)
             wall = time_pipelined(runner, sched, args.iters)
             if args.profile_dir and str(batch) in args.profile_batches.split(","):
@@ -238,6 +244,7 @@ def main() -> None:
                     "batch": batch,
                     "context": context,
                     "device_ms": device * 1e3,
+                    "launch_ms": launch * 1e3,
                     "sync_ms": sync * 1e3,
                     "wall_ms": wall * 1e3,
                     "floor_ms": floor * 1e3,
@@ -251,6 +258,7 @@ def main() -> None:
             r = rows[-1]
             print(
                 f"row batch={batch} ctx={context} device_ms={r['device_ms']:.2f} "
+                f"launch_ms={r['launch_ms']:.2f} "
                 f"sync_ms={r['sync_ms']:.2f} wall_ms={r['wall_ms']:.2f} "
                 f"floor_ms={r['floor_ms']:.2f} mbu={r['mbu']:.1%}",
                 flush=True,

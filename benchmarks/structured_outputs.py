@@ -99,30 +99,63 @@ def measure_compile(llm, num: int) -> dict:
     }
 
 
-def run_batch(llm, prompts: list, params, mask_times: list[float] | None = None) -> dict:
-    structured = llm.engine.structured_outputs
-    original = structured.token_masks
-    if mask_times is not None:
+class Phases:
+    """Host seconds spent in each named engine call during a run (instance attributes shadow
+    the methods for the run, then go): where a step's host time goes."""
 
-        def timed(sched):
+    def __init__(self, llm) -> None:
+        engine = llm.engine
+        self.targets = {
+            "step": (engine, "step"),
+            "schedule": (engine.scheduler, "schedule"),
+            "dispatch": (engine.runner, "dispatch"),
+            "collect": (engine.runner, "collect"),
+            "process": (engine, "_process"),
+            "grammar states": (engine.structured_outputs, "update_states"),
+            "masks": (engine.structured_outputs, "token_masks"),
+            "dispatch sampler": (engine.runner, "dispatch_sampler"),
+        }
+        self.seconds: dict[str, list[float]] = {name: [] for name in self.targets}
+
+    def __enter__(self) -> Phases:
+        for name, (obj, attr) in self.targets.items():
+            setattr(obj, attr, self._timed(name, getattr(obj, attr)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for obj, attr in self.targets.values():
+            delattr(obj, attr)
+
+    def _timed(self, name: str, fn):
+        def timed(*args, **kwargs):
             start = time.perf_counter()
-            masks = original(sched)
-            mask_times.append(time.perf_counter() - start)
-            return masks
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name].append(time.perf_counter() - start)
 
-        structured.token_masks = timed
-    try:
-        start = time.perf_counter()
+        return timed
+
+    def per_step_ms(self) -> dict[str, float]:
+        steps = max(1, len(self.seconds["step"]))
+        return {name: sum(t) / steps * 1e3 for name, t in self.seconds.items()}
+
+
+def run_batch(llm, prompts: list, params, phases: Phases | None = None) -> dict:
+    start = time.perf_counter()
+    if phases is None:
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-    finally:
-        structured.token_masks = original
+    else:
+        with phases:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {
         "seconds": elapsed,
         "output_tokens": tokens,
         "output_tokens_per_s": tokens / elapsed,
         "texts": [o.outputs[0].text for o in outputs],
+        "host_ms_per_step": phases.per_step_ms() if phases is not None else None,
     }
 
 
@@ -173,9 +206,10 @@ def main() -> int:
     # One pass of each first: compiles, the grammar and its tokenizer are then warm.
     run_batch(llm, prompts[:2], plain)
     run_batch(llm, prompts[:2], constrained)
-    unconstrained_run = run_batch(llm, prompts, plain)
-    mask_times: list[float] = []
-    constrained_run = run_batch(llm, prompts, constrained, mask_times)
+    unconstrained_run = run_batch(llm, prompts, plain, Phases(llm))
+    phases = Phases(llm)
+    constrained_run = run_batch(llm, prompts, constrained, phases)
+    mask_times = phases.seconds["masks"]
     texts = constrained_run.pop("texts")
     valid = sum('{"records":[' in text for text in texts)
     unconstrained_run.pop("texts")
@@ -210,6 +244,10 @@ def main() -> int:
         f"p50 {compile_ms['compile_p50_ms']:.2f} ms, p99 {compile_ms['compile_p99_ms']:.2f} ms"
     )
     print(f"well-formed constrained outputs: {valid}/{args.batch_size}")
+    print("host ms per step:  " + "  ".join(f"{name:>8.8}" for name in phases.targets))
+    for name, run in (("unconstrained", unconstrained_run), ("json schema", constrained_run)):
+        per_step = run["host_ms_per_step"]
+        print(f"{name:<17}" + "  ".join(f"{per_step[p]:>8.2f}" for p in phases.targets))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n")
     return 0

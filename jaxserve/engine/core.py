@@ -10,10 +10,12 @@ output processor turns the sampled tokens into text, logprobs, stop decisions an
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from jaxserve.config import ModelConfig
@@ -25,7 +27,7 @@ from jaxserve.engine.outputs import RequestMetrics, RequestOutput
 from jaxserve.engine.request import Request, Sequence, seq_of
 from jaxserve.engine.request_checks import RequestError, check_request
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.engine.structured_outputs import StructuredOutputs
+from jaxserve.engine.structured_outputs import Accepted, StructuredOutputs
 from jaxserve.engine.tokenizer import end_of_sequence_ids, load_tokenizer
 from jaxserve.engine_config import EngineConfig
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
@@ -107,6 +109,7 @@ class EngineCore:
             self._read_in_flight()
         self.runner.stop_followers()
         self.grammar_compiler.close()
+        self.structured_outputs.close()
 
     def capacity_lines(self) -> list[str]:
         return self.runner.capacity.lines()
@@ -238,7 +241,8 @@ class EngineCore:
                 metrics.first_scheduled_time = now
         self.structured_outputs.update_states(sched)
         # A constrained step's sampler waits for its token masks: the forward pass runs while
-        # the host reads back the previous step and advances the matchers with its tokens.
+        # the host reads back the previous step, advances the matchers with its tokens and
+        # fills this step's masks (on a worker, beside the rest of the previous step's output).
         constrained = self.structured_outputs.is_constrained(sched)
         try:
             previous = self._in_flight[1] if overlap and self._in_flight else None
@@ -250,13 +254,22 @@ class EngineCore:
             return outputs + self._fail_new_requests(sched, exc)
         self.scheduler.update_from_output(sched)
         self.num_steps += 1
+        masks: list[concurrent.futures.Future[None]] = []
+
+        def start_masks() -> None:
+            buffer = self.runner.token_mask_buffer(step)
+            masks.append(self.structured_outputs.start_masks(sched, buffer))
+
         if overlap:
             for item in sched.scheduled:
                 if item.completes_sequence:  # its token is read back after the next dispatch
                     seq_of(item).add_pending()
-            outputs += self._read_in_flight()
+            outputs += self._read_in_flight(start_masks if constrained else None)
         if constrained:
-            self.runner.dispatch_sampler(step, self.structured_outputs.token_masks(sched))
+            if not masks:
+                start_masks()
+            masks[0].result()
+            self.runner.dispatch_sampler(step)
             if not overlap:
                 result = self.runner.collect(step)
         if not overlap:
@@ -274,15 +287,43 @@ class EngineCore:
         _LOG.exception("a step with new requests %s failed; they fail", sorted(blamed))
         return [self._end_request(self.requests[r], "error", repr(exc)) for r in blamed]
 
-    def _read_in_flight(self) -> list[RequestOutput]:
-        """Wait for the dispatched step, if any, and process its tokens."""
+    def _read_in_flight(self, then: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """Wait for the dispatched step, if any, and process its tokens; ``then`` runs once
+        its tokens have reached the grammars, before the rest of the output work."""
         if self._in_flight is None:
+            if then is not None:
+                then()
             return []
         sched, step = self._in_flight
         self._in_flight = None
-        return self._process(sched, self.runner.collect(step))
+        result = self.runner.collect(step)
+        accepted = self._accept_tokens(sched, result)
+        if then is not None:
+            then()
+        return self._process(sched, result, accepted)
 
-    def _process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+    def _accept_tokens(self, sched: SchedulerOutput, result: RunnerOutput) -> Accepted:
+        """The step's sampled tokens through the grammars of the sequences that have one."""
+        failed = {
+            seq_of(item).request.request_id
+            for item in sched.scheduled
+            if item.seq.seq_id in result.failed
+        }
+        return self.structured_outputs.accept_tokens(
+            [
+                (seq_of(item), int(result.token_ids[i]))
+                for i, item in enumerate(sched.scheduled)
+                if item.completes_sequence
+                and not seq_of(item).is_finished
+                and seq_of(item).request.request_id not in failed
+            ]
+        )
+
+    def _process(
+        self, sched: SchedulerOutput, result: RunnerOutput, accepted: Accepted | None = None
+    ) -> list[RequestOutput]:
+        if accepted is None:
+            accepted = self._accept_tokens(sched, result)
         now = time.time()
         touched: dict[str, list[Sequence]] = {}
         outputs = []
@@ -309,8 +350,9 @@ class EngineCore:
             self.generation_tokens += 1
             try:
                 self.output_processor.process_token(seq, result, i)
-                token = int(result.token_ids[i])
-                if self.structured_outputs.accept_token(seq, token) and not seq.is_finished:
+                if seq.seq_id in accepted.errors:
+                    raise RuntimeError(accepted.errors[seq.seq_id])
+                if seq.seq_id in accepted.complete and not seq.is_finished:
                     seq.finish_reason = "stop"  # the grammar is complete
             except Exception as exc:  # one bad request must not stop the batch
                 _LOG.exception("request %s failed while processing its output", request.request_id)

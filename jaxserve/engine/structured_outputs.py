@@ -4,15 +4,18 @@ Owns the per-sequence grammar state (docs/architecture.md). A request's compiled
 (``grammar.py``) comes with ``add_request``; a sequence gets its own copy when the scheduler
 first runs it (``ScheduledSeq.is_new``), replaying the tokens it already has (after a
 preemption), and loses it when the scheduler names it preempted or finished, or when its
-request retires. In the output path the engine feeds each token read back to
-``accept_token``, which says when the grammar is complete (the sequence then stops); before
-the sampler of a step runs, ``token_masks`` packs each sequence's allowed tokens. With
-``reasoning_end`` set, a sequence's tokens reach its matcher only once those ids have been
-generated. Requests without a constraint have no entry and cost nothing.
+request retires. In the output path the engine feeds a step's tokens, all at once, to
+``accept_tokens``, which says which grammars are complete (those sequences then stop) and
+which token broke its grammar; then ``start_masks`` fills the next step's allowed tokens into
+the sampler's packed mask on a worker thread while the engine handles the rest of the step's
+output, and the engine waits for it just before it queues the sampler. With ``reasoning_end``
+set, a sequence's tokens reach its matcher only once those ids have been generated. Requests
+without a constraint have no entry and cost nothing.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from typing import Any
 
@@ -32,16 +35,25 @@ class _SeqGrammar:
     def is_active(self) -> bool:
         return not self.reasoning_end
 
-    def accept(self, token: int) -> None:
-        if self.is_active:
-            if not self.matcher.consume_token(token):
-                raise RuntimeError(
-                    f"token {token} broke the constraint: {self.matcher.get_error()}"
-                )
-            return
+    def watch(self, token: int) -> None:
+        """A token of the unconstrained part: the constraint starts after ``reasoning_end``."""
         self.recent = (self.recent + [token])[-len(self.reasoning_end) :]
         if tuple(self.recent) == self.reasoning_end:
             self.reasoning_end = ()  # what follows is constrained
+
+    def replay(self, token: int) -> None:
+        if not self.is_active:
+            self.watch(token)
+        elif not self.matcher.consume_token(token):
+            raise RuntimeError(f"token {token} broke the constraint: {self.matcher.get_error()}")
+
+
+@dataclasses.dataclass
+class Accepted:
+    """What a step's tokens did to the grammars: complete ones, and tokens a grammar refused."""
+
+    complete: set[str] = dataclasses.field(default_factory=set)  # seq ids
+    errors: dict[str, str] = dataclasses.field(default_factory=dict)  # seq id -> why
 
 
 class StructuredOutputs:
@@ -50,6 +62,10 @@ class StructuredOutputs:
         self._grammars: dict[str, Any] = {}  # request_id -> its compiled grammar
         self._seqs: dict[str, _SeqGrammar] = {}  # seq_id -> its matcher
         self._executor: Any = None  # llguidance.LLExecutor, made with the first mask
+        # NOTE: one worker: the mask of step n + 1 fills (llguidance's Rust releases the GIL and
+        # spreads the rows over its own threads) while the engine thread turns step n's tokens
+        # into outputs; only one mask is ever in flight.
+        self._mask_worker: concurrent.futures.ThreadPoolExecutor | None = None
 
     @property
     def num_matchers(self) -> int:
@@ -82,33 +98,69 @@ class StructuredOutputs:
                 spec = seq.params.structured_outputs
                 state = _SeqGrammar(grammar.deep_copy(), spec.reasoning_end if spec else ())
                 for token in seq.output_token_ids[: seq.num_resolved_outputs]:
-                    state.accept(token)  # a resumed sequence's tokens so far
+                    state.replay(token)  # a resumed sequence's tokens so far
                 self._seqs[seq.seq_id] = state
 
-    def accept_token(self, seq: Sequence, token: int) -> bool:
-        """Advance ``seq``'s matcher by the token read back; True when the grammar is complete
-        (nothing more may follow)."""
-        state = self._seqs.get(seq.seq_id)
-        if state is None:
-            return False
-        state.accept(token)
-        return state.is_active and state.matcher.is_stopped()
+    def accept_tokens(self, tokens: list[tuple[Sequence, int]]) -> Accepted:
+        """Advance the matchers of these sequences by the tokens read back, in one parallel
+        call; which grammars are now complete (nothing more may follow) and which refused."""
+        accepted = Accepted()
+        active = []
+        for seq, token in tokens:
+            state = self._seqs.get(seq.seq_id)
+            if state is None:
+                continue
+            if state.is_active:
+                active.append((seq.seq_id, state, token))
+            else:
+                state.watch(token)
+        if not active:
+            return accepted
+        oks = self.executor.consume_token_par([(state.matcher, t) for _, state, t in active])
+        for (seq_id, state, token), ok in zip(active, oks, strict=True):
+            if not ok:
+                error = state.matcher.get_error()
+                accepted.errors[seq_id] = f"token {token} broke the constraint: {error}"
+            elif state.matcher.is_stopped():
+                accepted.complete.add(seq_id)
+        return accepted
 
-    def token_masks(self, sched: SchedulerOutput) -> np.ndarray:
-        """i32[num_scheduled, W]: each scheduled sequence's allowed next tokens, packed (bit
-        v % 32 of word v // 32); every bit set for a sequence without an active matcher."""
-        import llguidance
-        import llguidance.numpy
-
-        masks = np.full((len(sched.scheduled), self.mask_width), -1, np.int32)
+    def start_masks(
+        self, sched: SchedulerOutput, masks: np.ndarray
+    ) -> concurrent.futures.Future[None]:
+        """Fill ``masks`` (i32[>= num_scheduled, W], every bit set) on the worker thread: row i
+        packs the allowed next tokens (bit v % 32 of word v // 32) of scheduled sequence i;
+        rows without an active matcher keep every token. Wait on the result before reading it."""
         rows = []
         for i, item in enumerate(sched.scheduled):
             state = self._seqs.get(item.seq.seq_id)
             if item.completes_sequence and state is not None and state.is_active:
                 if not state.matcher.is_stopped():
                     rows.append((state.matcher, i))
+        if self._mask_worker is None:
+            self._mask_worker = concurrent.futures.ThreadPoolExecutor(1, "token-masks")
+        return self._mask_worker.submit(self._fill, rows, masks)
+
+    def _fill(self, rows: list[tuple[Any, int]], masks: np.ndarray) -> None:
+        import llguidance.numpy
+
         if rows:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor()
-            llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, masks)
+            llguidance.numpy.fill_next_token_bitmask_par(self.executor, rows, masks)
+
+    def token_masks(self, sched: SchedulerOutput) -> np.ndarray:
+        """i32[num_scheduled, W]: ``start_masks`` into a fresh array, waited for."""
+        masks = np.full((len(sched.scheduled), self.mask_width), -1, np.int32)
+        self.start_masks(sched, masks).result()
         return masks
+
+    @property
+    def executor(self) -> Any:  # llguidance.LLExecutor
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor()
+        return self._executor
+
+    def close(self) -> None:
+        if self._mask_worker is not None:
+            self._mask_worker.shutdown()

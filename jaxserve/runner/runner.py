@@ -300,17 +300,20 @@ class ModelRunner:
             self.dispatch_sampler(step)
         return step
 
-    def dispatch_sampler(self, step: InFlight, token_mask: np.ndarray | None = None) -> None:
-        """Queue the sampler of a step dispatched with ``defer_sampling``; ``token_mask``:
-        i32[num_scheduled, W], the packed allowed tokens of each scheduled sequence."""
+    def token_mask_buffer(self, step: InFlight) -> np.ndarray:
+        """The host mask a deferred sampler will send: i32[rows, W], every bit set; row i is
+        scheduled sequence i's (``structured_outputs.start_masks`` fills it in place)."""
+        assert step.deferred is not None, "the step's sampler was already dispatched"
+        return np.asarray(step.deferred.inputs.token_mask)  # the host array itself, no copy
+
+    def dispatch_sampler(self, step: InFlight) -> None:
+        """Queue the sampler of a step dispatched with ``defer_sampling``, with its token mask
+        as ``token_mask_buffer`` now holds it."""
         deferred, step.deferred = step.deferred, None
         assert deferred is not None, "the step's sampler was already dispatched"
         inputs = deferred.inputs
-        if deferred.flags.use_mask:
-            if token_mask is not None:
-                inputs.token_mask[: len(token_mask)] = token_mask
-            if self.multihost:
-                inputs.token_mask = step_broadcast.share_token_mask(inputs.token_mask)
+        if deferred.flags.use_mask and self.multihost:
+            inputs.token_mask = step_broadcast.share_token_mask(inputs.token_mask)
         with self.precision():
             step.out = self.sample(deferred.hidden, deferred.logits_indices, inputs, deferred.flags)
 
