@@ -520,7 +520,7 @@ def ragged_paged_attention(
     if sinks is not None and sinks.shape != (num_q_heads,):
         raise ValueError(f"{sinks.shape=} must be ({num_q_heads},): one logit per query head")
     has_sinks = sinks is not None and not is_split  # (a split launch leaves them to the merge)
-    if has_sinks:
+    if sinks is not None and has_sinks:
         scales = jnp.concatenate([scales, sinks.astype(jnp.float32)])  # f32[2 + Hq]
     # fp8 stages land untiled: only the conversion to bf16 reads them, the wgmmas do not.
     kv_stage = plgpu.SMEM(

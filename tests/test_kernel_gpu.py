@@ -425,13 +425,35 @@ def test_reference_sinks_are_a_softmax_with_one_more_column(name: str, window: i
     np.testing.assert_allclose(np.asarray(none), np.asarray(plain), rtol=1e-6, atol=1e-6)
 
 
-def test_entry_point_with_sinks_runs_the_reference_on_a_gpu(monkeypatch):
-    """The kernels do not take sinks yet: on a GPU backend the call goes to the reference."""
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_entry_point_with_sinks_runs_the_kernel(monkeypatch, backend: str):
+    """With sinks the entry point still takes the backend's kernel (here in interpret mode),
+    and hands it the sinks."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    from pallas_kernels import tpu
+
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(pallas_kernels, "_is_hopper_or_newer", lambda: True)
     monkeypatch.delenv("JAXSERVE_ATTENTION", raising=False)
-    case = CPU_CASES[1]
-    args = make_inputs(np.random.default_rng(5), case)
-    sinks = jnp.asarray(np.random.default_rng(6).normal(0, 2.0, case.num_q_heads), jnp.float32)
-    got = pallas_kernels.ragged_paged_attention(*args, **attention_kwargs(case), sinks=sinks)
-    want = reference.ragged_paged_attention(*args, **attention_kwargs(case), sinks=sinks)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    seen = []
+
+    def interpreted(*args, **kwargs):
+        seen.append(kwargs.get("sinks"))
+        if backend == "gpu":
+            return gpu_kernel(*args, **kwargs, interpret=True)
+        with pltpu.force_tpu_interpret_mode():
+            return tpu_kernel(*args, **kwargs)
+
+    gpu_kernel, tpu_kernel = gpu.ragged_paged_attention, tpu.ragged_paged_attention
+    monkeypatch.setattr(gpu, "ragged_paged_attention", interpreted)
+    monkeypatch.setattr(tpu, "ragged_paged_attention", interpreted)
+    case = next(c for c in CPU_CASES if c.name == "sinks_mixed_g8")
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    args, sinks = make_inputs(rng, case), make_sinks(rng, case)
+    assert pallas_kernels.choose_kernel(args[0], args[1]) == (backend, None)
+    got = pallas_kernels.ragged_paged_attention(*args, **attention_kwargs(case), **sinks)
+    assert len(seen) == 1 and seen[0] is sinks["sinks"]
+    want = reference.ragged_paged_attention(*args, **attention_kwargs(case), **sinks)
+    assert_matches(case, got, want, seed)
