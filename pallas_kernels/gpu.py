@@ -388,6 +388,10 @@ def _attention_kernel(
             pl.when(i + stages < num_steps)(lambda: issue(next_block, slot, next_pages))
             return acc, m_new, l_i
 
+        acc_0 = tuple(
+            plgpu.layout_cast(jnp.zeros((ROWS, col_width), jnp.float32), plgpu.Layout.WGMMA)
+            for _ in range(num_cols)
+        )
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         if has_sinks:  # the sink as a first column with no value: max = sink, sum = 1
             sink = jnp.full((ROWS, block_kv), scales_ref[2 + head * group] * LOG2E, jnp.float32)
@@ -400,14 +404,7 @@ def _attention_kernel(
         else:
             m_0 = plgpu.layout_cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), row_layout)
             l_0 = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)
-        carry = (
-            tuple(
-                plgpu.layout_cast(jnp.zeros((ROWS, col_width), jnp.float32), plgpu.Layout.WGMMA)
-                for _ in range(num_cols)
-            ),
-            m_0,
-            l_0,
-        )
+        carry = (acc_0, m_0, l_0)
         masked_step = functools.partial(step, masked=True)
         open_step = functools.partial(step, masked=False)
         carry = lax.fori_loop(0, num_masked, masked_step, carry)

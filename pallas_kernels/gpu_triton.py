@@ -187,13 +187,14 @@ def _attention_kernel(
         acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v)
         return acc, m_new, l_i
 
+    acc_0 = jnp.zeros((rows, padded_dim), jnp.float32)
     if sinks_ref is None:
         m_0 = jnp.full((rows,), MASK_VALUE, jnp.float32)
         l_0 = jnp.zeros((rows,), jnp.float32)
     else:  # the sink as a first column with no value: max = sink, sum = its mass, 1
         m_0 = pltriton.load(sinks_ref.at[q_head]) * LOG2E  # f32[rows]
         l_0 = jnp.ones((rows,), jnp.float32)
-    carry = (jnp.zeros((rows, padded_dim), jnp.float32), m_0, l_0)
+    carry = (acc_0, m_0, l_0)
     acc, m_i, l_i = lax.fori_loop(s_lo, s_hi, step, carry)
 
     is_empty = l_i == 0.0
