@@ -345,7 +345,7 @@ def sinks_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Varian
     del sweep  # no config variants here
     if smoke:
         base = Shape(num_q_heads=8, num_kv_heads=2, head_dim=64)
-        batches, windows = [decode_batch(2, 40), mixed_batch(20, 2, 50)], (None, 16)
+        batches, windows = [mixed_batch(20, 2, 50)], (16,)
     else:
         base = GPT_OSS_20B
         batches = [decode_batch(b, c) for c in (1024, 4096) for b in (1, 64, 256)]
