@@ -12,6 +12,10 @@ few configs at batch 64 x 4096. Target: Triton >= 40% of the floor at decode b=6
 Mixed batches there skip the reference (its dense gather needs tens of GB at head_dim 256) and
 compare against the first kernel instead.
 
+``--suite sinks``: gpt-oss-20b's attention (64 / 8 heads, head_dim 64; full and 128-token
+window layers) with and without attention sinks, each GPU kernel beside the XLA reference, so
+that the cost of the sinks (and the unchanged no-sinks path) shows side by side in one run.
+
 Timing: device time from CUPTI (the sum of the call's kernel durations: the tile plan, the
 attention kernel, the split merge), median over ``--reps`` calls, each call with its own random
 page table over a KV pool of at least ``--pool-mib`` so that small cases are not served from L2.
@@ -21,6 +25,7 @@ measures a 1 GiB copy in the same run).
 
   PYTHONPATH=. python3 benchmarks/bench_attention.py --out /tmp/attn.json   # on the GPU
   PYTHONPATH=. python3 benchmarks/bench_attention.py --suite tiers --out /tmp/tiers.json
+  PYTHONPATH=. python3 benchmarks/bench_attention.py --suite sinks --out /tmp/sinks.json
   python benchmarks/bench_attention.py --smoke [--suite tiers]           # tiny, CPU interpret
 """
 
@@ -54,18 +59,31 @@ class Shape:
     page_size: int = 16
     soft_cap: float | None = None
     sliding_window: int | None = None
+    has_sinks: bool = False  # attention sinks (GPT-OSS): one fixed random logit per query head
 
     def attention_kwargs(self) -> dict:
-        return dict(
+        kwargs = dict(
             sm_scale=self.head_dim**-0.5,
             soft_cap=self.soft_cap,
             sliding_window=self.sliding_window,
         )
+        if self.has_sinks:
+            sinks = np.random.default_rng(0).normal(0.5, 2.0, self.num_q_heads)
+            kwargs.update(sinks=jnp.asarray(sinks, jnp.float32))
+        return kwargs
+
+    @property
+    def label(self) -> str:
+        label = f"{self.num_q_heads}/{self.num_kv_heads}x{self.head_dim}"
+        if self.sliding_window is not None:
+            label += f" w{self.sliding_window}"
+        return label + (" sinks" if self.has_sinks else "")
 
 
 LLAMA_3_8B = Shape()
 GEMMA_2_9B = Shape(num_q_heads=16, num_kv_heads=8, head_dim=256, soft_cap=50.0,
                    sliding_window=4096)  # fmt: skip
+GPT_OSS_20B = Shape(num_q_heads=64, num_kv_heads=8, head_dim=64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +252,7 @@ def run_case(rng, shape, batch, *, variants, reps, pool_bytes, with_reference=Tr
         rows.append(dict(kernel=variant.label, rel_err=err, **timing))
     for row in rows:
         row.update(case=batch.name, kv_bytes=kv_bytes, all_bytes=all_bytes, floor_s=floor_s)
-        row.update(shape=f"{shape.num_q_heads}/{shape.num_kv_heads}x{shape.head_dim}")
+        row.update(shape=shape.label)
         seconds = row.get("seconds", row.get("wall_s"))
         if seconds:
             row["tb_per_s"] = all_bytes / seconds / 1e12
@@ -338,6 +356,31 @@ def llama_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Varian
     return plan
 
 
+def sinks_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Variant], bool]]:
+    """(shape, batch, variants, with_reference) for ``--suite sinks``: each case without and
+    with sinks, on both GPU kernels."""
+    del sweep  # no config variants here
+    if smoke:
+        base = Shape(num_q_heads=8, num_kv_heads=2, head_dim=64)
+        batches, windows = [mixed_batch(20, 2, 50)], (16,)
+    else:
+        base = GPT_OSS_20B
+        batches = [decode_batch(b, c) for c in (1024, 4096) for b in (1, 64, 256)]
+        batches += [mixed_batch(2048, 63, 4096)]
+        windows = (None, 128)
+    variants = [
+        mosaic("mosaic", gpu.KernelConfig(), smoke),
+        triton("triton", gpu_triton.TritonConfig(), smoke),
+    ]
+    plan = []
+    for batch in batches:
+        for window in windows:
+            for has_sinks in (False, True):
+                shape = dataclasses.replace(base, sliding_window=window, has_sinks=has_sinks)
+                plan.append((shape, batch, variants, True))
+    return plan
+
+
 def triton_target_line(rows) -> str | None:
     """The tier's target at batch 64 x 4096, Llama-3-8B shape: >= 40% of the KV-read floor."""
     for r in rows:
@@ -354,7 +397,7 @@ def triton_target_line(rows) -> str | None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode")
-    parser.add_argument("--suite", choices=("llama", "tiers", "head256"), default="llama")
+    parser.add_argument("--suite", choices=("llama", "tiers", "head256", "sinks"), default="llama")
     parser.add_argument("--sweep", action="store_true", help="also time config variants")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--pool-mib", type=int, default=512)
@@ -366,7 +409,12 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
     rng = np.random.default_rng()
     reps, pool = (1, 1 << 20) if args.smoke else (args.reps, args.pool_mib << 20)
-    plan_for = {"tiers": tiers_plan, "head256": head256_plan, "llama": llama_plan}[args.suite]
+    plan_for = {
+        "llama": llama_plan,
+        "tiers": tiers_plan,
+        "head256": head256_plan,
+        "sinks": sinks_plan,
+    }[args.suite]
     plan = plan_for(args.smoke, args.sweep)
     if args.only:
         plan = [p for p in plan if p[1].name in args.only.split(",")]

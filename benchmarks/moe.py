@@ -24,9 +24,9 @@ the dense models). Results: one JSON (--output-json) and a table.
     python benchmarks/moe.py --engine jaxserve --model jaxserve/assets/configs/gpt-oss-20b \
         --max-num-batched-tokens 2048                             # gpt-oss-20b (bf16 shape)
 
-gpt-oss-20b's attention sinks run on the reference attention (no Pallas kernel takes them
-yet): its decode numbers measure that, and its step budget is kept at 2048 tokens because the
-reference gathers every row's keys.
+gpt-oss-20b's attention sinks run inside the Pallas attention kernels. Its step budget of 2048
+tokens dates from when they ran on the reference attention (which gathers every row's keys);
+it is kept so that runs compare.
 """
 
 from __future__ import annotations

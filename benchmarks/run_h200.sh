@@ -6,6 +6,10 @@
 #   attention    attention tiers against the KV-read floor (bench_attention.py --suite tiers):
 #                the Triton kernel forced on the H200 (target >= 40% at decode b=64 x 4096,
 #                plus a config sweep there) and Mosaic GPU at the Gemma-2-9B shape (head_dim 256)
+#   sinks        gpt-oss-20b's attention (64/8 heads, head_dim 64, full and 128-token window)
+#                without and with attention sinks, Mosaic GPU and Triton beside the XLA reference
+#                (bench_attention.py --suite sinks; the sink cases of the kernel stage alone:
+#                pytest -m gpu -k sinks)
 #   compile      compile time of one small and one large step bucket (benchmarks/compile_time.py)
 #   launch       jaxserve launch, dummy Llama-3-8B: cold start on an empty compilation cache,
 #                first-request TTFT, bench serve sweep at 2,4,8,16,inf req/s ($SERVE_PROMPTS
@@ -36,7 +40,7 @@
 #                HF gets what jaxserve leaves of $MOE_BUDGET seconds (540)
 #   moe_hf       only the Hugging Face half of moe, for a call of its own when it did not fit
 #   gpt_oss      gpt-oss-20b (dummy bf16, shipped config): benchmarks/moe.py's decode, experts and
-#                throughput for jaxserve only, attention on the reference (sinks), 2048-token steps
+#                throughput for jaxserve only, attention sinks in the kernels, 2048-token steps
 #   occupied     a second jaxserve launch on the GPU a first server (demo model, default flags)
 #                holds: seconds until it exits, its exit code and last lines -> $OUT/occupied.txt
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
@@ -67,6 +71,15 @@ stage_attention() {
     > "$OUT/attention_tiers.log" 2>&1
   sed -n '/ | jax /,$p' "$OUT/attention_tiers.log"  # the final table and the target line
   grep -E "Error|error" "$OUT/attention_tiers.log" | head -5
+}
+
+stage_sinks() {
+  python3 -m pytest -q -m gpu -k sinks tests/test_kernel_gpu.py tests/test_kernel_triton.py 2>&1 |
+    tail -3
+  python3 benchmarks/bench_attention.py --suite sinks --out "$OUT/attention_sinks.json" \
+    > "$OUT/attention_sinks.log" 2>&1
+  sed -n '/ | jax /,$p' "$OUT/attention_sinks.log"
+  grep -E "Error|error" "$OUT/attention_sinks.log" | head -5
 }
 
 stage_compile() {

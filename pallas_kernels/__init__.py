@@ -11,9 +11,8 @@
   tpu -> ``pallas_kernels.tpu.ragged_paged_attention``, imported lazily;
   anything else, or a case no kernel takes -> the pure-jnp reference.
 ``sliding_window`` and ``soft_cap`` are handled inside the GPU kernels; an fp8 cache's per-tensor
-``k_scale`` / ``v_scale`` (``reference.quantize_kv``) by every path that takes fp8. Attention
-sinks (``sinks``, GPT-OSS) are taken by the reference only: a call with them goes there on
-every backend, and ``choose_kernel`` says so.
+``k_scale`` / ``v_scale`` (``reference.quantize_kv``) by every path that takes fp8; attention
+sinks (``sinks[Hq]``, GPT-OSS) by every path, so they never change the choice.
 ``choose_kernel`` says which path a model's shapes take, and why a fallback was taken, for the
 start-up log.
 
@@ -134,7 +133,6 @@ def choose_kernel(
     k_pages: Any,  # [P, page_size, Hkv, D]: likewise
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    has_sinks: bool = False,
 ) -> tuple[str, str | None]:
     """The path ``ragged_paged_attention`` takes on this backend for these shapes and dtypes:
     ``("gpu" | "triton" | "tpu" | "reference", why this backend's first choice was not taken,
@@ -144,8 +142,6 @@ def choose_kernel(
     requested = requested_attention()
     if requested == "reference":
         return "reference", f"{ATTENTION_ENV}=reference"
-    if has_sinks and backend in ("gpu", "tpu"):
-        return "reference", "attention sinks are not taken by the Pallas kernels yet"
     if backend == "gpu":
         return _gpu_choice(q, k_pages, sliding_window, soft_cap, requested)
     if backend == "tpu":
@@ -169,7 +165,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     k_scale: Scale = None,
     v_scale: Scale = None,
-    sinks: jax.Array | None = None,  # [Hq]  attention sinks (GPT-OSS): the reference only
+    sinks: jax.Array | None = None,  # [Hq]  attention sinks (GPT-OSS)
 ) -> jax.Array:  # [T, Hq, D], q's dtype
     """Ragged paged attention on the best kernel for the current backend."""
     args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
@@ -178,9 +174,9 @@ def ragged_paged_attention(
     )
     if k_scale is not None or v_scale is not None:  # a bf16 cache calls every path as before
         options.update(k_scale=k_scale, v_scale=v_scale)
-    kernel, _ = choose_kernel(q, k_pages, sliding_window, soft_cap, sinks is not None)
-    if sinks is not None:  # (choose_kernel sent it to the reference)
+    if sinks is not None:  # a model without sinks calls every path as before
         options.update(sinks=sinks)
+    kernel, _ = choose_kernel(q, k_pages, sliding_window, soft_cap)
     if kernel == "gpu":
         from pallas_kernels import gpu
 

@@ -30,6 +30,12 @@ the reference's ``page * scale`` before the dots without rounding ``page * scale
 When there are too few (tile, head) programs to fill the GPU (small decode batches) the KV range
 of each tile is split ``num_splits`` ways; each split writes its normalised partial output and
 its log-sum-exp (both token-indexed), and ``splits.merge_splits`` combines them in one XLA fusion.
+
+Attention sinks (GPT-OSS, ``sinks[Hq]``): an unsplit launch reads them after the two scales in
+its small f32 GMEM operand and starts each row's online softmax from its head's sink (a running
+max of the sink and a sum of one, its mass, with nothing in the accumulator); a split launch
+leaves them to the merge, which counts each once. Without sinks nothing changes: the operand
+keeps its two scales and the loop its start.
 """
 
 from __future__ import annotations
@@ -193,7 +199,7 @@ def _attention_kernel(
     q_ref,  # [T, Hq, D]
     k_ref,  # [P, page_size, Hkv, D] or [P, Hkv, page_size, D]
     v_ref,
-    scales_ref,  # f32[2] (GMEM): k_scale, v_scale
+    scales_ref,  # f32[2] (GMEM): k_scale, v_scale; then, with sinks, f32[Hq] of sink logits
     o_ref,  # [T, Hq, D] (q dtype) or f32[num_splits, T, Hq, D]
     lse_ref,  # f32[num_splits, T, Hq, LSE_COLS] or None
     q_smem,  # [ROWS, D] tiled for wgmma
@@ -208,6 +214,7 @@ def _attention_kernel(
     *,
     cfg: KernelConfig,
     is_scaled: bool,
+    has_sinks: bool,
     num_splits: int,
     group: int,
     block_q: int,
@@ -381,15 +388,23 @@ def _attention_kernel(
             pl.when(i + stages < num_steps)(lambda: issue(next_block, slot, next_pages))
             return acc, m_new, l_i
 
-        row_layout = plgpu.Layout.WGMMA.reduce(1)
-        carry = (
-            tuple(
-                plgpu.layout_cast(jnp.zeros((ROWS, col_width), jnp.float32), plgpu.Layout.WGMMA)
-                for _ in range(num_cols)
-            ),
-            plgpu.layout_cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), row_layout),
-            plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout),
+        acc_0 = tuple(
+            plgpu.layout_cast(jnp.zeros((ROWS, col_width), jnp.float32), plgpu.Layout.WGMMA)
+            for _ in range(num_cols)
         )
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        if has_sinks:  # the sink as a first column with no value: max = sink, sum = 1
+            sink = jnp.full((ROWS, block_kv), scales_ref[2 + head * group] * LOG2E, jnp.float32)
+            sink = plgpu.layout_cast(sink, plgpu.Layout.WGMMA)  # f32[ROWS, block_kv]
+            for g in range(1, group):  # rows g * block_q ... belong to query head g
+                sink_g = scales_ref[2 + head * group + g] * LOG2E
+                sink = jnp.where(row_ids >= g * block_q, sink_g, sink)
+            m_0 = sink.max(axis=1)  # f32[ROWS]
+            l_0 = plgpu.layout_cast(jnp.ones((ROWS,), jnp.float32), row_layout)
+        else:
+            m_0 = plgpu.layout_cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), row_layout)
+            l_0 = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)
+        carry = (acc_0, m_0, l_0)
         masked_step = functools.partial(step, masked=True)
         open_step = functools.partial(step, masked=False)
         carry = lax.fori_loop(0, num_masked, masked_step, carry)
@@ -440,6 +455,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     k_scale: jax.Array | float | None = None,  # f32[]: the fp8 cache holds k / k_scale
     v_scale: jax.Array | float | None = None,
+    sinks: jax.Array | None = None,  # [Hq]  a logit per query head in each row's denominator
     config: KernelConfig = KernelConfig(),
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> jax.Array:  # [T, Hq, D], q's dtype
@@ -498,6 +514,11 @@ def ragged_paged_attention(
     scales = jnp.stack(
         [jnp.asarray(1.0 if x is None else x, jnp.float32).reshape(()) for x in (k_scale, v_scale)]
     )  # f32[2]
+    if sinks is not None and sinks.shape != (num_q_heads,):
+        raise ValueError(f"{sinks.shape=} must be ({num_q_heads},): one logit per query head")
+    has_sinks = sinks is not None and not is_split  # (a split launch leaves them to the merge)
+    if sinks is not None and has_sinks:
+        scales = jnp.concatenate([scales, sinks.astype(jnp.float32)])  # f32[2 + Hq]
     # fp8 stages land untiled: only the conversion to bf16 reads them, the wgmmas do not.
     kv_stage = plgpu.SMEM(
         (stages, block_kv, head_dim), k_pages.dtype, transforms=() if is_fp8 else tiled
@@ -531,6 +552,7 @@ def ragged_paged_attention(
         _attention_kernel,
         cfg=config,
         is_scaled=is_scaled,
+        has_sinks=has_sinks,
         num_splits=num_splits,
         group=group,
         block_q=block_q,
@@ -554,7 +576,7 @@ def ragged_paged_attention(
     )(plan, page_indices.astype(jnp.int32), q, k_pages, v_pages, scales)
     if not is_split:
         return outs[0]
-    return merge_splits(outs[0], outs[1], cu_q_lens, num_seqs, out_dtype=q.dtype)
+    return merge_splits(outs[0], outs[1], cu_q_lens, num_seqs, out_dtype=q.dtype, sinks=sinks)
 
 
 def _with_no_lse(body):

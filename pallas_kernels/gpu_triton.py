@@ -17,6 +17,11 @@ in memory): 80 and 96 run as 128, and ``Gp`` rows per token cover a group of 3, 
 
 Small batches split the KV range ``num_splits`` ways; each split writes its partial output and
 log-sum-exp, and ``splits.merge_splits`` combines them in XLA.
+
+Attention sinks (GPT-OSS, ``sinks[Hq]``): an unsplit launch takes them as one more operand and
+starts each row's online softmax from its head's sink, a running max of the sink and a sum of
+one (its mass), with nothing in the accumulator; a split launch leaves them to the merge, which
+counts each once. Without sinks the launch is the same as before: no operand, no extra work.
 """
 
 from __future__ import annotations
@@ -101,6 +106,7 @@ def _attention_kernel(
     q_ref,  # [T, Hq, D]
     k_ref,  # [P, page_size, Hkv, D]
     v_ref,
+    sinks_ref,  # f32[Hq] or None: the sink logits (an unsplit launch only)
     o_ref,  # [T, Hq, Dp] (q dtype), or f32[num_splits, T, Hq, Dp]
     lse_ref,  # f32[num_splits, T, Hq] or None
     *,
@@ -181,11 +187,14 @@ def _attention_kernel(
         acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v)
         return acc, m_new, l_i
 
-    carry = (
-        jnp.zeros((rows, padded_dim), jnp.float32),
-        jnp.full((rows,), MASK_VALUE, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
+    acc_0 = jnp.zeros((rows, padded_dim), jnp.float32)
+    if sinks_ref is None:
+        m_0 = jnp.full((rows,), MASK_VALUE, jnp.float32)
+        l_0 = jnp.zeros((rows,), jnp.float32)
+    else:  # the sink as a first column with no value: max = sink, sum = its mass, 1
+        m_0 = pltriton.load(sinks_ref.at[q_head]) * LOG2E  # f32[rows]
+        l_0 = jnp.ones((rows,), jnp.float32)
+    carry = (acc_0, m_0, l_0)
     acc, m_i, l_i = lax.fori_loop(s_lo, s_hi, step, carry)
 
     is_empty = l_i == 0.0
@@ -215,6 +224,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # [Hq]  a logit per query head in each row's denominator
     config: TritonConfig = TritonConfig(),
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D], q's dtype
@@ -271,27 +281,33 @@ def ragged_paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
     )
-    if not is_split:
-        body = _with_no_lse(body)
+    if sinks is not None and sinks.shape != (num_q_heads,):
+        raise ValueError(f"{sinks.shape=} must be ({num_q_heads},): one logit per query head")
+    kernel_sinks = () if sinks is None or is_split else (sinks.astype(jnp.float32),)
     outs = pl.pallas_call(
-        body,
+        _bind_refs(body, has_sinks=bool(kernel_sinks), has_lse=is_split),
         out_shape=out_shape,
         grid=(max_tiles, num_kv_heads, num_splits),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="ragged_paged_attention_triton",
-    )(plan, page_indices.astype(jnp.int32), q, k_pages, v_pages)
+    )(plan, page_indices.astype(jnp.int32), q, k_pages, v_pages, *kernel_sinks)
     if is_split:
-        out = merge_splits(outs[0], outs[1][..., None], cu_q_lens, num_seqs, out_dtype=q.dtype)
+        out = merge_splits(
+            outs[0], outs[1][..., None], cu_q_lens, num_seqs, out_dtype=q.dtype, sinks=sinks
+        )
     else:
         out = outs[0]
     return out[..., :head_dim]
 
 
-def _with_no_lse(body):
-    """Adapt the kernel body to the single-output launch (no lse output)."""
+def _bind_refs(body, *, has_sinks: bool, has_lse: bool):
+    """Adapt the kernel body to the launch's operands: the sinks and the lse output are there
+    only when used."""
 
-    def wrapped(plan, pages, q, k, v, o):
-        return body(plan, pages, q, k, v, o, None)
+    def wrapped(plan, pages, q, k, v, *rest):
+        sinks = rest[0] if has_sinks else None
+        o, *lse = rest[1:] if has_sinks else rest
+        return body(plan, pages, q, k, v, sinks, o, lse[0] if has_lse else None)
 
     return wrapped

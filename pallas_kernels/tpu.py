@@ -15,7 +15,10 @@ the current sequence only. KV blocks that lie wholly outside the causal range or
 window of a sequence's rows are never fetched, and pages past a sequence's range are skipped.
 An fp8 cache is fetched as stored and cast to the queries' dtype in VMEM before the dots; its
 per-tensor scales (f32, in SMEM) multiply the float32 scores (``k_scale``) and the normalised
-output (``v_scale``), which is the reference's ``page * scale`` before the dots.
+output (``v_scale``), which is the reference's ``page * scale`` before the dots. Attention sinks
+(GPT-OSS, ``sinks[Hq]``) come in as one more VMEM block, laid out like the running max, which
+starts from them (with a running sum of one, the sink's mass); without sinks there is no such
+operand and the max starts as before.
 
 What the tests run and what they do not: ``tests/test_kernel_tpu.py`` runs this kernel under
 ``pltpu.force_tpu_interpret_mode()`` on the CPU, which simulates HBM, VMEM, DMAs and DMA
@@ -82,6 +85,7 @@ def _attention_kernel(
     k_hbm_ref,  # [P, page_size, Hkv, D] HBM
     v_hbm_ref,  # [P, page_size, Hkv, D] HBM
     scales_ref,  # f32[2] SMEM: k_scale, v_scale
+    sinks_ref,  # f32[Hkv, R, 128] VMEM: each row's sink logit, or None
     # Output.
     o_ref,  # [Hkv, R, D] VMEM
     # Scratch.
@@ -195,8 +199,12 @@ def _attention_kernel(
             l_ref[h] = l_next
             acc_ref[h] = alpha[:, :1] * acc_ref[h] + pv
 
-    m_ref[...] = jnp.full(m_ref.shape, DEFAULT_MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    if sinks_ref is None:
+        m_ref[...] = jnp.full(m_ref.shape, DEFAULT_MASK_VALUE, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    else:  # the sink as a first column with no value: max = sink, sum = its mass, 1
+        m_ref[...] = sinks_ref[...]
+        l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     first_block = seq_span(seq_lo).block_lo
@@ -256,6 +264,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     k_scale: jax.Array | float | None = None,  # f32[]: an fp8 cache holds k / k_scale
     v_scale: jax.Array | float | None = None,
+    sinks: jax.Array | None = None,  # [Hq]  a logit per query head in each row's denominator
     num_q_tokens_per_block: int = 32,
     num_kv_pages_per_block: int = 8,
 ) -> jax.Array:  # [T, Hq, D], q's dtype
@@ -277,6 +286,8 @@ def ragged_paged_attention(
         raise ValueError(f"{sliding_window=} must be positive")
     if soft_cap is not None and soft_cap <= 0.0:
         raise ValueError(f"{soft_cap=} must be positive")
+    if sinks is not None and sinks.shape != (num_q_heads,):
+        raise ValueError(f"{sinks.shape=} must be ({num_q_heads},): one logit per query head")
     if num_q_tokens_per_block <= 0 or num_kv_pages_per_block <= 0:
         raise ValueError(f"{num_q_tokens_per_block=} and {num_kv_pages_per_block=} must be > 0")
     group = num_q_heads // num_kv_heads
@@ -314,7 +325,18 @@ def ragged_paged_attention(
     )
     q_spec = pl.BlockSpec((num_kv_heads, num_rows, head_dim), lambda b, *_: (0, b, 0))
     page_buf = pltpu.VMEM((2, pages_per_block, page_size, num_kv_heads, head_dim), k_pages.dtype)
-    stat_buf = pltpu.VMEM((num_kv_heads, num_rows, _STAT_LANES), jnp.float32)
+    stat_shape = (num_kv_heads, num_rows, _STAT_LANES)
+    stat_buf = pltpu.VMEM(stat_shape, jnp.float32)
+    sink_args: tuple[jax.Array, ...] = ()
+    sink_specs: list[pl.BlockSpec] = []
+    if sinks is not None:  # row t * G + g of KV head h: query head h * G + g's sink
+        sink_rows = jnp.tile(
+            sinks.astype(jnp.float32).reshape(num_kv_heads, 1, group), (1, tokens_per_block, 1)
+        ).reshape(num_kv_heads, num_rows, 1)
+        sink_args = (jnp.broadcast_to(sink_rows, stat_shape),)  # f32[Hkv, R, 128]
+        sink_specs = [pl.BlockSpec(stat_shape, lambda b, *_: (0, 0, 0))]
+    else:
+        kernel = _with_no_sinks(kernel)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -325,6 +347,7 @@ def ragged_paged_attention(
                 pl.BlockSpec(memory_space=pl.ANY),
                 pl.BlockSpec(memory_space=pl.ANY),
                 pl.BlockSpec(memory_space=pltpu.SMEM),
+                *sink_specs,
             ],
             out_specs=q_spec,
             scratch_shapes=[
@@ -349,6 +372,17 @@ def ragged_paged_attention(
         k_pages,
         v_pages,
         scales,
+        *sink_args,
     )  # [Hkv, padded_tokens * G, D]
     out = out.reshape(num_kv_heads, padded_tokens, group, head_dim).transpose(1, 0, 2, 3)
     return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
+
+
+def _with_no_sinks(kernel):
+    """Adapt the kernel to a launch without the sinks operand (5 scalar-prefetch refs, then
+    q, k, v and the scales)."""
+
+    def wrapped(*refs):
+        return kernel(*refs[:9], None, *refs[9:])
+
+    return wrapped

@@ -180,6 +180,22 @@ def test_bench_attention_tiers_smoke(tmp_path, monkeypatch, capsys) -> None:
     assert rows[1]["rel_err"] < 1e-2 and rows[1]["wall_s"] > 0
 
 
+def test_bench_attention_sinks_smoke(tmp_path, monkeypatch, capsys) -> None:
+    """The sinks suite: each GPU kernel without and with sinks, against the reference."""
+    out = tmp_path / "sinks.json"
+    args = ["--smoke", "--suite", "sinks", "--out", str(out)]
+    with pytest.raises(SystemExit) as done:
+        run_script("benchmarks/bench_attention.py", args, monkeypatch)
+    assert done.value.code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["kernel"]) for r in rows] == [
+        (shape, kernel)
+        for shape in ("8/2x64 w16", "8/2x64 w16 sinks")
+        for kernel in ("xla-reference", "mosaic", "triton")
+    ]
+    assert all(r["rel_err"] < 1e-2 for r in rows if r["kernel"] != "xla-reference")
+
+
 def test_moe_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
     """benchmarks/moe.py on the tiny Qwen3-MoE fixture: throughput, decode rows against the
     roofline, and one layer's experts alone."""

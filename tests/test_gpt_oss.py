@@ -125,22 +125,16 @@ def test_an_mxfp4_checkpoint_fails_at_start_with_a_clear_message(tmp_path, capsy
     assert "mxfp4" in capsys.readouterr().err
 
 
-def test_attention_sinks_go_to_the_reference_on_gpu_and_tpu_and_the_log_says_so(
+def test_attention_sinks_take_the_kernels_on_gpu_and_tpu_and_the_log_says_so(
     monkeypatch,
 ) -> None:
     monkeypatch.delenv("JAXSERVE_ATTENTION", raising=False)
-    q = jax.ShapeDtypeStruct((1, 8, 64), jnp.bfloat16)
-    k_pages = jax.ShapeDtypeStruct((1, 16, 2, 64), jnp.bfloat16)
-    for backend in ("gpu", "tpu"):
-        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
-        kernel, reason = pallas_kernels.choose_kernel(q, k_pages, has_sinks=True)
-        assert kernel == "reference" and reason is not None and "attention sinks" in reason
     monkeypatch.setattr(pallas_kernels, "_is_hopper_or_newer", lambda: True)
-    config = ModelConfig.from_hf_dir(fixture_dir("gpt_oss"))
-    line = describe_attention(config, jnp.bfloat16, block_size=16, tensor_parallel_size=1)
-    assert line == (
-        "Attention: pure-jnp reference (attention sinks are not taken by the Pallas kernels yet)"
-    )
+    config = ModelConfig.from_hf_dir("jaxserve/assets/configs/gpt-oss-20b")  # head_dim 64
+    for backend, name in (("gpu", "Pallas Mosaic GPU kernel"), ("tpu", "Pallas Mosaic TPU kernel")):
+        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+        line = describe_attention(config, jnp.bfloat16, block_size=16, tensor_parallel_size=1)
+        assert line == f"Attention: {name}"
 
 
 def test_completion_over_http_is_hugging_faces() -> None:

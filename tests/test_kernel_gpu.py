@@ -39,6 +39,7 @@ class Case:
     kv_dtype: Any = None  # an fp8 cache: k / k_scale and v / v_scale stored in this dtype
     k_scale: float = 0.02  # |k| < ~6: within e4m3's 448 after the scale
     v_scale: float = 0.03
+    has_sinks: bool = False  # attention sinks (GPT-OSS): fresh logits from ``make_sinks``
 
 
 def make_inputs(rng: np.random.Generator, case: Case):
@@ -83,6 +84,14 @@ def make_inputs(rng: np.random.Generator, case: Case):
     )
 
 
+def make_sinks(rng: np.random.Generator, case: Case) -> dict:
+    """``{"sinks": f32[Hq]}`` for a case with sinks, else ``{}``: logits around the scores'
+    range (N(0, 1) at sm_scale), so that a row's sink takes anything from little to most of it."""
+    if not case.has_sinks:
+        return {}
+    return dict(sinks=jnp.asarray(rng.normal(0.5, 2.0, case.num_q_heads), jnp.float32))
+
+
 def attention_kwargs(case: Case) -> dict:
     scales = {} if case.kv_dtype is None else dict(k_scale=case.k_scale, v_scale=case.v_scale)
     return dict(
@@ -96,12 +105,12 @@ def attention_kwargs(case: Case) -> dict:
 def kernel_call(case: Case, *, interpret: bool | plgpu.InterpretGPUParams):
     config = gpu.KernelConfig(num_splits=case.num_splits, head_major_kv=case.head_major_kv)
 
-    def call(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs):
+    def call(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, **sinks):
         if case.head_major_kv:
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         return gpu.ragged_paged_attention(
             q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs,
-            **attention_kwargs(case), config=config, interpret=interpret,
+            **attention_kwargs(case), **sinks, config=config, interpret=interpret,
         )  # fmt: skip
 
     return call
@@ -142,6 +151,16 @@ CPU_CASES = [
     Case("d96_split", (1, 9), (20, 40), 4, 2, 96, num_splits=2),
     Case("d256_gemma", (9, 1), (40, 20), 2, 1, 256, sliding_window=16, soft_cap=30.0,
          num_pad_tokens=2),
+    # Attention sinks (GPT-OSS: head_dim 64, GQA 8, sliding window): unsplit, the kernel starts
+    # each row from its head's sink; split, the merge adds it once.
+    Case("sinks_mixed_g8", (1, 17, 1, 5), (1, 40, 16, 21), 16, 2, 64, num_pad_tokens=3,
+         num_dead_slots=1, num_splits=1, has_sinks=True),
+    Case("sinks_window_g3", (9, 1), (40, 20), 6, 2, 64, sliding_window=16, num_splits=1,
+         has_sinks=True),
+    Case("sinks_split2_window_g4", (20, 1), (90, 75), 8, 2, 64, sliding_window=24, num_splits=2,
+         num_pad_tokens=2, has_sinks=True),
+    Case("sinks_fp8_e4m3_g4", (1, 9), (20, 40), 8, 2, 64, num_splits=1, has_sinks=True,
+         kv_dtype=jnp.float8_e4m3fn),
 ]  # fmt: skip
 
 
@@ -157,6 +176,16 @@ def test_lowers_for_cuda(head_dim: int, dtype: str, num_splits: int):
     lowered = jax.jit(kernel_call(case, interpret=False)).trace(*args)
     text = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("case", [c for c in CPU_CASES if c.has_sinks], ids=lambda c: c.name)
+def test_sinks_kernel_lowers_for_cuda(case: Case):
+    """The sinks' start of the online softmax (unsplit) lowers for the GPU like the rest."""
+    rng = np.random.default_rng(0)
+    args, sinks = make_inputs(rng, case), make_sinks(rng, case)
+    call = kernel_call(case, interpret=False)
+    lowered = jax.jit(lambda *a: call(*a, **sinks)).trace(*args)
+    assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_shared_memory_over_the_limit_is_refused():
@@ -183,11 +212,12 @@ def test_unsupported_reason_names_the_field(dtype: str, head_dim: int, why: str)
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
 def test_interpret_matches_reference(case: Case, capfd):
     seed = int(np.random.default_rng().integers(2**31))  # fresh inputs every run
-    args = make_inputs(np.random.default_rng(seed), case)
+    rng = np.random.default_rng(seed)
+    args, sinks = make_inputs(rng, case), make_sinks(rng, case)
     # The race detector also checks the TMA / wgmma / shared-memory ordering and that each
     # RefUnion member is read only through the ref that wrote it.
-    out = kernel_call(case, interpret=plgpu.InterpretGPUParams(detect_races=True))(*args)
-    ref = reference.ragged_paged_attention(*args, **attention_kwargs(case))
+    out = kernel_call(case, interpret=plgpu.InterpretGPUParams(detect_races=True))(*args, **sinks)
+    ref = reference.ragged_paged_attention(*args, **attention_kwargs(case), **sinks)
     assert_matches(case, out, ref, seed)
     assert "RACE DETECTED" not in capfd.readouterr().out
 
@@ -259,7 +289,25 @@ def _gpu_cases() -> list[Case]:
         Case("d96_fp16_llama", (1,) * 24, ragged, 32, 8, 96, dtype="float16", num_pad_tokens=3),
         Case("fp16_mixed", (300, 1, 1, 77, 1), (300, 2049, 17, 500, 64), 32, 8, 128,
              dtype="float16"),
+        *GPT_OSS_SINK_CASES,
+        Case("fp8_gpt_oss_mixed_window_sinks", (300, 1, 1, 77, 1), (300, 2049, 17, 500, 64),
+             64, 8, 64, sliding_window=128, kv_dtype=jnp.float8_e4m3fn, has_sinks=True),
     ]  # fmt: skip
+
+
+# gpt-oss-20b's attention (64 query heads over 8 KV heads, head_dim 64, sinks, every other layer
+# a 128-token window), for both GPU kernels' native tests.
+_RAGGED = tuple(int(x) for x in np.random.default_rng(7).integers(1, 3000, 24))
+GPT_OSS_SINK_CASES = [
+    Case("gpt_oss_decode_ragged_sinks", (1,) * 24, _RAGGED, 64, 8, 64, num_pad_tokens=5,
+         num_dead_slots=3, has_sinks=True),
+    Case("gpt_oss_decode_split4_window_sinks", (1,) * 6, _RAGGED[:6], 64, 8, 64, num_splits=4,
+         sliding_window=128, has_sinks=True),
+    Case("gpt_oss_mixed_window_sinks", (300, 1, 1, 77, 1), (300, 2049, 17, 500, 64), 64, 8, 64,
+         sliding_window=128, num_pad_tokens=11, has_sinks=True),
+    Case("gpt_oss_mixed_split3_sinks", (300, 1, 1, 77, 1), (300, 2049, 17, 500, 64), 64, 8, 64,
+         num_splits=3, has_sinks=True),
+]  # fmt: skip
 
 
 def _poisoned_run(fn, args, out_shape, dtype):
@@ -276,9 +324,14 @@ def _poisoned_run(fn, args, out_shape, dtype):
 @pytest.mark.parametrize("case", _gpu_cases(), ids=lambda c: c.name)
 def test_native_matches_reference(case: Case):
     seed = int(np.random.default_rng().integers(2**31))
-    args = make_inputs(np.random.default_rng(seed), case)
-    ref = jax.jit(lambda *a: reference.ragged_paged_attention(*a, **attention_kwargs(case)))(*args)
-    out = _poisoned_run(kernel_call(case, interpret=False), args, ref.shape, ref.dtype)
+    rng = np.random.default_rng(seed)
+    args, sinks = make_inputs(rng, case), make_sinks(rng, case)
+    kwargs = attention_kwargs(case)
+    ref = jax.jit(lambda *a, **s: reference.ragged_paged_attention(*a, **kwargs, **s))(
+        *args, **sinks
+    )
+    call = kernel_call(case, interpret=False)
+    out = _poisoned_run(lambda *a: call(*a, **sinks), args, ref.shape, ref.dtype)
     assert_matches(case, out, ref, seed)
 
 
@@ -372,13 +425,35 @@ def test_reference_sinks_are_a_softmax_with_one_more_column(name: str, window: i
     np.testing.assert_allclose(np.asarray(none), np.asarray(plain), rtol=1e-6, atol=1e-6)
 
 
-def test_entry_point_with_sinks_runs_the_reference_on_a_gpu(monkeypatch):
-    """The kernels do not take sinks yet: on a GPU backend the call goes to the reference."""
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_entry_point_with_sinks_runs_the_kernel(monkeypatch, backend: str):
+    """With sinks the entry point still takes the backend's kernel (here in interpret mode),
+    and hands it the sinks."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    from pallas_kernels import tpu
+
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(pallas_kernels, "_is_hopper_or_newer", lambda: True)
     monkeypatch.delenv("JAXSERVE_ATTENTION", raising=False)
-    case = CPU_CASES[1]
-    args = make_inputs(np.random.default_rng(5), case)
-    sinks = jnp.asarray(np.random.default_rng(6).normal(0, 2.0, case.num_q_heads), jnp.float32)
-    got = pallas_kernels.ragged_paged_attention(*args, **attention_kwargs(case), sinks=sinks)
-    want = reference.ragged_paged_attention(*args, **attention_kwargs(case), sinks=sinks)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    seen = []
+
+    def interpreted(*args, **kwargs):
+        seen.append(kwargs.get("sinks"))
+        if backend == "gpu":
+            return gpu_kernel(*args, **kwargs, interpret=True)
+        with pltpu.force_tpu_interpret_mode():
+            return tpu_kernel(*args, **kwargs)
+
+    gpu_kernel, tpu_kernel = gpu.ragged_paged_attention, tpu.ragged_paged_attention
+    monkeypatch.setattr(gpu, "ragged_paged_attention", interpreted)
+    monkeypatch.setattr(tpu, "ragged_paged_attention", interpreted)
+    case = next(c for c in CPU_CASES if c.name == "sinks_mixed_g8")
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    args, sinks = make_inputs(rng, case), make_sinks(rng, case)
+    assert pallas_kernels.choose_kernel(args[0], args[1]) == (backend, None)
+    got = pallas_kernels.ragged_paged_attention(*args, **attention_kwargs(case), **sinks)
+    assert len(seen) == 1 and seen[0] is sinks["sinks"]
+    want = reference.ragged_paged_attention(*args, **attention_kwargs(case), **sinks)
+    assert_matches(case, got, want, seed)

@@ -44,6 +44,7 @@ class Case:
     kv_dtype: Any = None  # an fp8 cache: k / k_scale and v / v_scale stored in this dtype
     k_scale: float = 0.02
     v_scale: float = 0.03
+    has_sinks: bool = False  # attention sinks (GPT-OSS): a fresh logit per query head
 
 
 def make_inputs(case: Case, seed: int) -> tuple[jax.Array, ...]:
@@ -92,6 +93,10 @@ def check_against_reference(case: Case, seed: int) -> None:
     )
     if case.kv_dtype is not None:
         options.update(k_scale=case.k_scale, v_scale=case.v_scale)
+    if case.has_sinks:
+        num_q_heads = case.num_kv_heads * case.group
+        sinks = np.random.default_rng(seed + 1).normal(0.5, 2.0, num_q_heads)
+        options.update(sinks=jnp.asarray(sinks, jnp.float32))
     expected = reference.ragged_paged_attention(*inputs, **options)
     params = pltpu.InterpretParams(random_seed=seed, detect_races=True)
     with pltpu.force_tpu_interpret_mode(params):
@@ -107,7 +112,8 @@ def check_against_reference(case: Case, seed: int) -> None:
     assert got.shape == inputs[0].shape and got.dtype == case.dtype
     got32 = np.asarray(got.astype(jnp.float32))
     tol = TOLERANCE[case.dtype]
-    np.testing.assert_allclose(got32, np.asarray(expected.astype(jnp.float32)), atol=tol, rtol=tol)
+    expected32 = np.asarray(expected.astype(jnp.float32))
+    np.testing.assert_allclose(got32, expected32, atol=tol, rtol=tol, err_msg=f"seed {seed}")
     assert not np.any(got32[sum(case.q_lens) :]), "padding rows must be zero"
 
 
@@ -150,6 +156,26 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_kernel_matches_reference(name: str) -> None:
     check_against_reference(CASES[name], seed=len(name))
+
+
+# Attention sinks (GPT-OSS): GQA, mixed rows, a sliding window; the running max starts at each
+# row's sink, in every query block.
+SINK_CASES = {
+    "sinks_mixed_gqa4": Case(q_lens=(5, 1, 9, 1), kv_lens=(5, 4, 17, 8), group=4, has_sinks=True),
+    "sinks_window_gqa2_bf16": Case(
+        q_lens=(6, 0, 1, 7),
+        kv_lens=(13, 5, 9, 7),
+        group=2,
+        dtype=jnp.bfloat16,
+        sliding_window=5,
+        has_sinks=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", SINK_CASES)
+def test_kernel_with_sinks_matches_reference(name: str) -> None:
+    check_against_reference(SINK_CASES[name], seed=int(np.random.default_rng().integers(2**31)))
 
 
 def test_kernel_matches_reference_with_default_blocks() -> None:

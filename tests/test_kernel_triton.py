@@ -14,7 +14,15 @@ import pytest
 
 import pallas_kernels
 from pallas_kernels import gpu_triton, reference
-from tests.test_kernel_gpu import Case, _poisoned_run, assert_matches, attention_kwargs, make_inputs
+from tests.test_kernel_gpu import (
+    GPT_OSS_SINK_CASES,
+    Case,
+    _poisoned_run,
+    assert_matches,
+    attention_kwargs,
+    make_inputs,
+    make_sinks,
+)
 
 # The Pallas Triton backend warns at lowering that it is deprecated (jax 0.11).
 DEPRECATED = "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
@@ -35,15 +43,21 @@ CPU_CASES = [
          num_splits=3),
     # A page size that is no power of two.
     Case("g5_page7", (3, 1), (33, 31), 10, 2, 64, page_size=7, num_pad_tokens=1),
+    # Attention sinks (GPT-OSS): GQA 8 at head_dim 64, unsplit (in the kernel) over mixed rows
+    # and padding; split (in the merge) with a sliding window.
+    Case("sinks_mixed_g8", (1, 17, 1, 5), (1, 40, 16, 21), 16, 2, 64, num_pad_tokens=3,
+         num_dead_slots=1, num_splits=1, has_sinks=True),
+    Case("sinks_split3_window_g3", (9, 1, 1), (70, 100, 30), 6, 2, 64, num_splits=3,
+         sliding_window=24, has_sinks=True),
 ]  # fmt: skip
 
 
 def kernel_call(case: Case, *, interpret: bool, block_kv: int | None = None):
     config = gpu_triton.TritonConfig(num_splits=case.num_splits, block_kv=block_kv)
 
-    def call(*args):
+    def call(*args, **sinks):
         return gpu_triton.ragged_paged_attention(
-            *args, **attention_kwargs(case), config=config, interpret=interpret
+            *args, **attention_kwargs(case), **sinks, config=config, interpret=interpret
         )
 
     return call
@@ -52,23 +66,26 @@ def kernel_call(case: Case, *, interpret: bool, block_kv: int | None = None):
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
 def test_interpret_matches_reference(case: Case):
     seed = int(np.random.default_rng().integers(2**31))  # fresh inputs every run
-    args = make_inputs(np.random.default_rng(seed), case)
+    rng = np.random.default_rng(seed)
+    args, sinks = make_inputs(rng, case), make_sinks(rng, case)
     # 16-token KV steps: several steps per sequence even at these tiny lengths.
-    out = kernel_call(case, interpret=True, block_kv=16)(*args)
-    ref = reference.ragged_paged_attention(*args, **attention_kwargs(case))
+    out = kernel_call(case, interpret=True, block_kv=16)(*args, **sinks)
+    ref = reference.ragged_paged_attention(*args, **attention_kwargs(case), **sinks)
     assert_matches(case, out, ref, seed)
 
 
 @pytest.mark.filterwarnings(DEPRECATED)
-@pytest.mark.parametrize("case", CPU_CASES[:4], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", CPU_CASES[:4] + CPU_CASES[-2:], ids=lambda c: c.name)
 def test_lowers_to_triton_for_an_a100(case: Case):
     """The Pallas -> Triton IR lowering (power-of-two tensors, gathers, masks) runs on the CPU;
     only ptxas is left for the GPU."""
-    args = make_inputs(np.random.default_rng(0), case)
+    rng = np.random.default_rng(0)
+    args, sinks = make_inputs(rng, case), make_sinks(rng, case)
+    call = kernel_call(case, interpret=False)
     a100 = jax.sharding.AbstractDevice(device_kind="NVIDIA A100", num_cores=108, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=a100)
     with jax.sharding.use_abstract_mesh(mesh):
-        traced = jax.jit(kernel_call(case, interpret=False)).trace(*args)
+        traced = jax.jit(lambda *a: call(*a, **sinks)).trace(*args)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
 
@@ -108,6 +125,7 @@ def _gpu_cases() -> list[Case]:
         Case("phi3_d96_fp16", (200, 1, 1), (1200, 700, 33), 32, 32, 96, sliding_window=512,
              dtype="float16"),
         Case("g7_d80_page32", (9, 1, 130), (9, 1000, 258), 7, 1, 80, page_size=32),
+        *GPT_OSS_SINK_CASES,
     ]  # fmt: skip
 
 
@@ -117,9 +135,14 @@ def _gpu_cases() -> list[Case]:
 @pytest.mark.parametrize("case", _gpu_cases(), ids=lambda c: c.name)
 def test_native_matches_reference(case: Case):
     seed = int(np.random.default_rng().integers(2**31))
-    args = make_inputs(np.random.default_rng(seed), case)
-    ref = jax.jit(lambda *a: reference.ragged_paged_attention(*a, **attention_kwargs(case)))(*args)
-    out = _poisoned_run(kernel_call(case, interpret=False), args, ref.shape, ref.dtype)
+    rng = np.random.default_rng(seed)
+    args, sinks = make_inputs(rng, case), make_sinks(rng, case)
+    kwargs = attention_kwargs(case)
+    ref = jax.jit(lambda *a, **s: reference.ragged_paged_attention(*a, **kwargs, **s))(
+        *args, **sinks
+    )
+    call = kernel_call(case, interpret=False)
+    out = _poisoned_run(lambda *a: call(*a, **sinks), args, ref.shape, ref.dtype)
     assert_matches(case, out, ref, seed)
 
 

@@ -252,6 +252,12 @@ OUTPUTS = {
             "Both. ",
             [("get_weather", PARIS), ("get_weather", ROME), ("get_time", {})],
         ),
+        (  # v11 with the model's own call ids (mistral-common's [CALL_ID] form)
+            '[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris", "days": 2}\n'
+            "[TOOL_CALLS]get_time[CALL_ID]Z9y8X7w6v[ARGS]{}",
+            None,
+            [("get_weather", PARIS), ("get_time", {})],
+        ),
     ],
 }
 CASES = [(parser, *case) for parser, cases in OUTPUTS.items() for case in cases]
@@ -651,6 +657,8 @@ def test_parsers_give_the_same_message_however_the_text_is_cut(parser, output, c
         "[TOOL_CALLS] is how the marker looks",
         "[TOOL_CALLS]get_weather",  # no [ARGS] before the end
         "Use [TOOL_CALLS]get_weather[AR",
+        "[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e",  # an id, then the end
+        "[TOOL_CALLS]get_weather[CALL_ID]not an id[ARGS]{}",
     ],
 )
 def test_mistral_marker_without_a_call_stays_text(text) -> None:
@@ -674,3 +682,20 @@ def test_mistral_v11_calls_keep_the_first_without_parallel_calls() -> None:
     message.extend(tool_parser.finish())
     assert [(d.name, d.arguments) for d in message.tool_calls] == [("get_time", "{}")]
     assert message.content == ""
+
+
+def test_mistral_v11_call_ids_are_the_models(servers) -> None:
+    """``[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}``: the call's id is the one the model wrote,
+    whole and streamed; a call without one gets a fresh id."""
+    output = (
+        '[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris", "days": 2}'
+        "[TOOL_CALLS]get_time[ARGS]{}"
+    )
+    client, _ = servers("mistral")
+    whole = ask(client, output, tools=TOOLS).choices[0].message
+    assert calls_of(whole) == [("get_weather", PARIS), ("get_time", {})]
+    ids = [c.id for c in whole.tool_calls]
+    assert ids[0] == "a1B2c3D4e" and ids[1].startswith("call_")
+    _, assembled = ask_streamed(client, output, tools=TOOLS)
+    streamed = assembled.choices[0].message.tool_calls
+    assert streamed[0].id == "a1B2c3D4e" and streamed[1].id.startswith("call_")

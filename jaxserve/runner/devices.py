@@ -163,9 +163,7 @@ def describe_attention(
     head_dim = model_config.head_dim
     q = jax.ShapeDtypeStruct((1, num_q_heads, head_dim), dtype)
     k_pages = jax.ShapeDtypeStruct((1, block_size, num_kv_heads, head_dim), kv_dtype or dtype)
-    kernel, reason = pallas_kernels.choose_kernel(
-        q, k_pages, model_config.sliding_window, has_sinks=model_config.attention_sinks
-    )
+    kernel, reason = pallas_kernels.choose_kernel(q, k_pages, model_config.sliding_window)
     line = f"Attention: {pallas_kernels.KERNEL_NAMES[kernel]}"
     return f"{line} ({reason})" if reason else line
 

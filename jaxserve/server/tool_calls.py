@@ -215,10 +215,12 @@ class CallSequence:
         self.num_calls = 0
         self.current: CallObject | None = None
         self._index: int | None = None  # the current object's call index; -1: dropped
+        self._call_id: str | None = None  # the id the model gave the current call, if any
 
-    def start(self) -> None:
+    def start(self, call_id: str | None = None) -> None:
         self.current = CallObject()
         self._index = None
+        self._call_id = call_id
 
     def feed(self, text: str, out: MessageDelta) -> int:
         """Feed the current object; returns how much of ``text`` it took."""
@@ -239,7 +241,8 @@ class CallSequence:
                 return
             self._index = self.num_calls
             self.num_calls += 1
-            out.tool_calls.append(ToolCallDelta(self._index, id=new_call_id(), name=name))
+            call_id = self._call_id or new_call_id()
+            out.tool_calls.append(ToolCallDelta(self._index, id=call_id, name=name))
         if self._index >= 0:
             out.add_arguments(self._index, call.take_arguments())
 

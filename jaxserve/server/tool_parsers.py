@@ -8,7 +8,8 @@ model family writes when ``tool_choice`` is ``auto`` (vLLM's names):
 - ``llama3_json`` (Llama 3.1+): an output that starts with ``{`` (or ``<|python_tag|>``) is
   calls, ``{"name": ..., "parameters": {...}}`` objects separated by ``;``;
 - ``mistral``: optional text, then ``[TOOL_CALLS]`` and a JSON array of call objects, or
-  (tokenizers from v11) ``[TOOL_CALLS]name[ARGS]{...}`` for each call.
+  (tokenizers from v11) ``[TOOL_CALLS]name[ARGS]{...}`` for each call, or
+  ``[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}`` (the call's id is then the model's).
 
 ``required`` and named choices are generated under a grammar (``tools.py``) and parsed by
 ``RequiredParser`` (a JSON array of calls) and ``NamedParser`` (the output is the arguments).
@@ -263,11 +264,13 @@ class _JsonObjectEnd:
 
 class MistralParser(_ArrayParser):
     """``[TOOL_CALLS]`` then a JSON array of calls (tokenizers before v11), or, from v11,
-    ``[TOOL_CALLS]name[ARGS]{...}`` once per call."""
+    ``[TOOL_CALLS]name[ARGS]{...}`` or ``[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}`` once per
+    call (as mistral-common decodes them)."""
 
     MARKER = "[TOOL_CALLS]"
     ARGS = "[ARGS]"
-    MAX_NAME = 128  # a longer run of name characters before [ARGS] is text
+    CALL_ID = "[CALL_ID]"
+    MAX_NAME = 128  # a longer run of name (or id) characters before [ARGS] is text
 
     def _step(self, out: MessageDelta, is_final: bool) -> bool:
         if self._state == "open":
@@ -282,21 +285,27 @@ class MistralParser(_ArrayParser):
         return self._array_or_text_step(out, is_final)
 
     def _name_step(self, out: MessageDelta, is_final: bool) -> bool:
-        """v11: the function's name up to ``[ARGS]``; anything else is text."""
+        """v11: the function's name, and maybe ``[CALL_ID]`` and the call's id, up to
+        ``[ARGS]``; anything else is text."""
         i = self._buffer.find(self.ARGS)
-        held = 0 if i >= 0 or is_final else held_prefix(self._buffer, self.ARGS)
-        name = self._buffer[:i] if i >= 0 else self._buffer[: len(self._buffer) - held]
-        is_name = all(c.isalnum() or c in "_-." for c in name.strip())
-        if i < 0 and is_name and len(name) <= self.MAX_NAME and not is_final:
+        head = self._buffer[:i] if i >= 0 else self._buffer
+        if i < 0 and not is_final:  # the start of [ARGS] or [CALL_ID] waits
+            held = held_prefix(head, self.ARGS)
+            if self.CALL_ID not in head:
+                held = max(held, held_prefix(head, self.CALL_ID))
+            head = head[: len(head) - held]
+        name, _, call_id = (part.strip() for part in head.partition(self.CALL_ID))
+        is_name = all(c.isalnum() or c in "_-." for c in name + call_id)
+        if i < 0 and is_name and len(head) <= self.MAX_NAME and not is_final:
             return False
-        if i < 0 or not is_name or not name.strip():
+        if i < 0 or not is_name or not name:
             out.content += self.MARKER
             self._state = "text"
             self._is_between_calls = False
             return True
         self._buffer = self._buffer[i + len(self.ARGS) :]
-        self.calls.start()
-        self.calls.feed(f'{{"name": {json.dumps(name.strip())}, "arguments": ', out)
+        self.calls.start(call_id or None)
+        self.calls.feed(f'{{"name": {json.dumps(name)}, "arguments": ', out)
         self._arguments_end = _JsonObjectEnd()
         self._state = "arguments"
         return True
