@@ -9,6 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -233,4 +239,97 @@ def test_native_matches_reference(case: Case):
         atol=tolerance(case.dtype),
         rtol=tolerance(case.dtype),
         err_msg=f"{seed=}",
+    )
+
+
+def test_a_moe_model_on_the_kernel_gives_the_tokens_of_ragged_dot(monkeypatch):
+    """The tiny Qwen3-MoE fixture through ``LLM`` with its experts forced onto the kernel
+    (interpreted): Hugging Face's greedy tokens, and ragged_dot's logprobs."""
+    import jaxserve
+    from tests.conftest import fixture_dir
+
+    golden = np.load(fixture_dir("qwen3_moe") / "golden.npz")
+    prompt = {"prompt_token_ids": golden["prompt2_ids"].tolist()}
+    params = jaxserve.SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)
+    runs = {}
+    for path in ("xla", "triton"):
+        monkeypatch.setenv(gm.GROUPED_MATMUL_ENV, path)
+        llm = jaxserve.LLM(
+            str(fixture_dir("qwen3_moe")), max_model_len=128, max_num_seqs=2,
+            max_num_batched_tokens=32, block_size=4, num_gpu_blocks_override=64,
+            dtype="float32", warmup=False,
+        )  # fmt: skip
+        out = llm.generate(prompt, params)[0].outputs[0]
+        logprobs = [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
+        runs[path] = (out.token_ids, logprobs)
+    assert runs["triton"][0] == golden["long_greedy_ids"].tolist() == runs["xla"][0]
+    np.testing.assert_allclose(runs["triton"][1], runs["xla"][1], atol=1e-4)
+
+
+SHARDED_SCRIPT = textwrap.dedent("""
+    import json
+    import os
+    import jax
+    import numpy as np
+    from jaxserve.models import moe
+    from jaxserve.runner.expert_parallel import sharded_experts
+    from jaxserve.runner.sharding import make_mesh
+    rng = np.random.default_rng()
+    x = rng.normal(size=(13, 8)).astype(np.float32)
+    ids = rng.integers(0, 8, size=(13, 2)).astype(np.int32)
+    ids[:5] = 3  # five tokens on one expert
+    ids[11:] = 8  # padding: no expert
+    w = rng.random((13, 2)).astype(np.float32)
+    gate, up = rng.normal(size=(2, 8, 8, 4)).astype(np.float32)
+    down = rng.normal(size=(8, 4, 8)).astype(np.float32)
+    os.environ["JAXSERVE_GROUPED_MATMUL"] = "xla"
+    want = moe.run_experts(x, ids, w, gate, up, down, act=jax.nn.silu)
+    os.environ["JAXSERVE_GROUPED_MATMUL"] = "triton"
+    for n, ep in [(4, True), (2, False)]:
+        experts = sharded_experts(make_mesh(n, devices=jax.devices()[:n]), "tp", ep)
+        fn = lambda *a: experts(*a, act=jax.nn.silu)
+        jaxpr = str(jax.make_jaxpr(fn)(x, ids, w, gate, up, down))
+        got = fn(x, ids, w, gate, up, down)
+        print(json.dumps({"ep": ep, "kernels": jaxpr.count("grouped_matmul_triton"),
+                          "ragged_dot": jaxpr.count("ragged_dot"),
+                          "max_error": float(np.abs(np.asarray(got - want)).max())}))
+""")
+
+
+def test_expert_and_tensor_parallel_experts_run_on_the_kernel():
+    """Under shard_map on 4 virtual devices, split whole (all-to-all) or sliced (all-reduce),
+    the experts forced onto the kernel give ragged_dot's output on one device."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    proc = subprocess.run(
+        [sys.executable, "-c", SHARDED_SCRIPT],
+        cwd=Path(__file__).parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    assert [r["ep"] for r in runs] == [True, False]
+    for run in runs:
+        assert run["kernels"] == 3 and run["ragged_dot"] == 0, run
+        assert run["max_error"] < 1e-4, run
+
+
+def test_startup_log_says_which_grouped_matmul_runs(monkeypatch):
+    from jaxserve.config import ModelConfig, builtin_config_dir
+    from jaxserve.engine_config import EngineConfig
+    from jaxserve.runner.devices import describe_experts
+
+    qwen3 = ModelConfig.from_hf_dir(builtin_config_dir("qwen3-30b-a3b"))
+    ep = EngineConfig(tensor_parallel_size=4, enable_expert_parallel=True)
+    monkeypatch.delenv(gm.GROUPED_MATMUL_ENV, raising=False)
+    assert describe_experts(qwen3, ep) == (
+        "Experts: 128, 8 per token (jax.lax.ragged_dot), expert parallel over 4"
+    )
+    monkeypatch.setenv(gm.GROUPED_MATMUL_ENV, "triton")
+    assert describe_experts(qwen3, ep, jnp.bfloat16) == (
+        "Experts: 128, 8 per token (Pallas Triton grouped matmul: "
+        "JAXSERVE_GROUPED_MATMUL=triton: interpreted on the cpu), expert parallel over 4"
     )
