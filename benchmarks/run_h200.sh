@@ -282,7 +282,7 @@ stage_moe() {  # HF gets the time jaxserve leaves of MOE_BUDGET seconds
 stage_gmm() {
   python3 -m pytest -q -m gpu tests/test_grouped_matmul.py 2>&1 | tail -3
   python3 benchmarks/moe.py --grouped-matmuls-only --prefill-tokens 2048,8192 \
-    --mgpu-batches 64,2048 --output-json "$OUT/gmm.json" > "$OUT/gmm.log" 2>&1
+    --output-json "$OUT/gmm.json" > "$OUT/gmm.log" 2>&1
   grep -v -E "INFO|WARN|^grouped matmuls" "$OUT/gmm.log" | tail -24
 }
 
