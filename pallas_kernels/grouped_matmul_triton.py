@@ -10,8 +10,8 @@ the next is visited once for each. A tile is one (group, row block) pair: it loo
 loading its rows of ``lhs`` and its group's ``[block_k, block_n]`` weight tile, and stores only
 its group's rows (masked). The rows past the groups' sum form one more segment whose tiles store
 zeros without reading a weight. S contiguous segments span at most ``cdiv(R, block_m) + S - 1``
-blocks, so the grid is fixed at ``cdiv(R, block_m) + G`` tiles x ``cdiv(N, block_n)`` column
-tiles, whatever the routing; the tile -> (segment, block) plan is computed on the device from
+blocks, so the grid is fixed at ``cdiv(N, block_n)`` column tiles x ``cdiv(R, block_m) + G``
+row tiles, whatever the routing; the tile -> (segment, block) plan is computed on the device from
 ``group_sizes`` (``plan_tiles``, plain jnp: no host sync, no recompile), and the tiles past
 the plan's end return at once.
 
@@ -126,7 +126,7 @@ def _grouped_matmul_kernel(
     block_k: int,
     precision: lax.Precision | None,
 ):
-    tile, col = pl.program_id(0), pl.program_id(1)
+    col, tile = pl.program_id(0), pl.program_id(1)
     num_groups, size_k, size_n = rhs_ref.shape
     segment = plan_ref[0, tile]
     first_row = plan_ref[1, tile]
@@ -214,7 +214,9 @@ def grouped_matmul(
     return pl.pallas_call(
         body,
         out_shape=jax.ShapeDtypeStruct((num_rows, size_n), lhs.dtype),
-        grid=(plan.shape[1], pl.cdiv(size_n, config.block_n)),
+        # NOTE: columns vary fastest: the programs in flight together share row tiles (their
+        # lhs rows stay in L2 across the columns) and a group's tiles (its weight strips too).
+        grid=(pl.cdiv(size_n, config.block_n), plan.shape[1]),
         compiler_params=pltriton.CompilerParams(
             num_warps=config.num_warps, num_stages=config.num_stages
         ),
