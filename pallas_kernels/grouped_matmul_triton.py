@@ -105,7 +105,9 @@ def plan_tiles(
     num_blocks = jnp.where(ends > starts, (ends - 1) // block_m - first_block + 1, 0)
     tile_ends = jnp.cumsum(num_blocks)  # i32[G + 1]
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
-    segment = jnp.searchsorted(tile_ends, tile, side="right").astype(jnp.int32)  # [0, G + 1]
+    # The segment of each tile: how many segments end at or before it (compare-all, no loop:
+    # a few hundred tiles x G + 1 segments).
+    segment = (tile_ends[None, :] <= tile[:, None]).sum(1, dtype=jnp.int32)  # [0, G + 1]
     is_planned = segment <= num_groups
     seg = jnp.minimum(segment, num_groups)
     block = first_block[seg] + tile - (tile_ends[seg] - num_blocks[seg])

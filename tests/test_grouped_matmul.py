@@ -350,3 +350,26 @@ def test_routing_changes_never_recompile_the_kernel():
         want = numpy_grouped_matmul(lhs, rhs, np.asarray(sizes))
         np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=0.1, rtol=0.02)
     assert run._cache_size() == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings(DEPRECATED)
+@pytest.mark.skipif(not _is_gpu(), reason="needs an NVIDIA GPU")
+def test_the_experts_take_the_kernel_on_a_gpu(monkeypatch):
+    """moe.expert_mlp on a GPU runs the Triton kernel by default (no ragged_dot left), and
+    JAXSERVE_GROUPED_MATMUL=xla brings ragged_dot back; both give the same rows."""
+    monkeypatch.delenv(gm.GROUPED_MATMUL_ENV, raising=False)
+    rng = np.random.default_rng()
+    sizes = jnp.asarray([30, 0, 2, 100] + [0] * 4, jnp.int32)
+    rows = jnp.asarray(rng.normal(size=(160, 256)), jnp.bfloat16)
+    w_gate, w_up = jnp.asarray(rng.normal(size=(2, 8, 256, 128)) / 16, jnp.bfloat16)
+    w_down = jnp.asarray(rng.normal(size=(8, 128, 256)) / 11, jnp.bfloat16)
+    args = (rows, sizes, w_gate, w_up, w_down)
+    jaxpr = str(jax.make_jaxpr(lambda *a: moe.expert_mlp(*a, jax.nn.silu))(*args))
+    assert jaxpr.count("grouped_matmul_triton") == 3 and "ragged_dot" not in jaxpr
+    got = jax.jit(lambda *a: moe.expert_mlp(*a, jax.nn.silu))(*args)
+    monkeypatch.setenv(gm.GROUPED_MATMUL_ENV, "xla")
+    want = jax.jit(lambda *a: moe.expert_mlp(*a, jax.nn.silu))(*args)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), atol=0.05, rtol=0.05
+    )
