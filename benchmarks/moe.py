@@ -260,7 +260,9 @@ def time_grouped_matmuls(
         flops = 2 * batch * config.moe.top_k * per_expert_bytes / itemsize
         row["flops_floor_us"] = flops / PEAK_BF16_FLOPS * 1e6
         args = (rows, sizes, w.w_gate, w.w_up, w.w_down)
-        default = gmt.default_config(int(rows.shape[0]), config.moe.num_experts)
+        default = gmt.default_config(
+            int(rows.shape[0]), config.moe.num_experts, gmt.has_large_shared_memory()
+        )
         row["triton_config"] = config_name(default)
         try_time(row, "triton_us", triton, *args, iters=iters)
         if sweep and on_gpu:

@@ -55,10 +55,25 @@ class GroupedMatmulConfig:
             raise ValueError(f"{self.num_stages=} must be in [1, 8]")
 
 
-def default_config(num_rows: int, num_groups: int) -> GroupedMatmulConfig:
+def has_large_shared_memory() -> bool:
+    """Whether the GPU gives a program 160 KiB or more of shared memory (A100, H100/H200,
+    B200; compute capability 8.0, 9.x, 10.x) rather than the ~100 KiB of an A10, L4 or
+    L40S (8.6, 8.9). Off the GPU (interpret mode, lowering tests): True."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return True
+    capability = str(getattr(device, "compute_capability", ""))
+    return capability not in ("8.6", "8.7", "8.9")
+
+
+def default_config(
+    num_rows: int, num_groups: int, large_shared_memory: bool = True
+) -> GroupedMatmulConfig:
     """Tiles for the mean rows per group, a static figure (R and G are shapes): 16-row tiles
     for decode (a few rows per expert: the weights stream, the rows do not matter), up to
-    128-row tiles for prefill (many rows per expert: each weight tile feeds more rows)."""
+    128-row tiles for prefill (many rows per expert: each weight tile feeds more rows).
+    A 128 x 128 tile pipelines 3 K steps (96 KiB of shared memory) where the GPU has room,
+    else 2."""
     rows_per_group = num_rows / max(1, num_groups)
     if rows_per_group <= 16:
         return GroupedMatmulConfig(16, 64, 128, num_warps=4, num_stages=4)
@@ -66,11 +81,12 @@ def default_config(num_rows: int, num_groups: int) -> GroupedMatmulConfig:
         return GroupedMatmulConfig(32, 64, 128, num_warps=4, num_stages=4)
     if rows_per_group <= 128:
         return GroupedMatmulConfig(64, 128, 64, num_warps=4, num_stages=3)
-    return GroupedMatmulConfig(128, 128, 64, num_warps=8, num_stages=3)
+    stages = 3 if large_shared_memory else 2
+    return GroupedMatmulConfig(128, 128, 64, num_warps=8, num_stages=stages)
 
 
 def _resolve(config: GroupedMatmulConfig, num_rows: int, num_groups: int) -> GroupedMatmulConfig:
-    default = default_config(num_rows, num_groups)
+    default = default_config(num_rows, num_groups, has_large_shared_memory())
     return GroupedMatmulConfig(
         **{
             f.name: getattr(config, f.name)

@@ -135,6 +135,8 @@ def test_tiles_follow_the_rows_per_group():
     assert gmt.default_config(256 * 8, 128).block_m == 16  # decode at batch 256
     assert gmt.default_config(2048 * 8, 128).block_m == 64  # a 2,048-token prefill
     assert gmt.default_config(8192 * 8, 128).block_m == 128  # 8,192 tokens
+    assert gmt.default_config(8192 * 8, 128).num_stages == 3
+    assert gmt.default_config(8192 * 8, 128, large_shared_memory=False).num_stages == 2  # L4
     with pytest.raises(ValueError, match="block_m=48 must be a power of two >= 16"):
         gmt.GroupedMatmulConfig(block_m=48)
     with pytest.raises(ValueError, match=r"self.num_warps=3 must be 1, 2, 4, 8 or 16"):
