@@ -8,6 +8,11 @@ group g is ``lhs[r] @ rhs[g]``, and the rows past the sum are zeros. It picks, a
          each row broadcast to [G, K] and masked: G times the FLOPs and a G-times temporary
          (Qwen3-30B-A3B has 128 experts; its 1,024-8,192-token steps needed 70-98 GiB);
   tpu, cpu -> ``jax.lax.ragged_dot`` (TPU has its own grouped matmul; the CPU is for tests).
+The Triton kernel rather than Mosaic GPU (the design's main GPU path): it runs on every NVIDIA
+GPU, not Hopper only, and jax's own Mosaic GPU grouped matmul
+(``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu``) unrolls its groups at compile time;
+benchmarks/moe.py times all three paths on the H200. The Pallas Triton backend warns at
+lowering that it is deprecated (jax 0.11) but ships and runs.
 ``JAXSERVE_GROUPED_MATMUL`` overrides the choice: ``auto`` (the default, as above), ``triton``
 (the kernel on any backend: interpreted off the GPU, for tests) or ``xla`` (``ragged_dot``
 everywhere, to compare). ``choose_grouped_matmul`` says which runs and why, for the start-up
