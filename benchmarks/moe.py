@@ -9,11 +9,14 @@ One jaxserve process starts ``jaxserve.LLM`` (every step bucket compiled once) a
               dense bytes the weights outside the experts (embedding excluded), touched the
               experts a batch of B tokens reaches per layer: top_k at batch 1, then
               E (1 - (1 - top_k / E)^B) under uniform routing (126 of 128 at batch 64, all at 256)
-  experts     one layer's experts alone (jax.lax.ragged_dot) at the same batches, against the
-              bytes of the experts the routing really touched, and how XLA lowered ragged_dot
-              (a cuDNN grouped matmul, or the dense expansion over every expert); then its
-              three grouped matmuls alone, ragged_dot against the Mosaic GPU grouped matmul
-              that jax ships (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu)
+  experts     one layer's experts alone (moe.moe_block: the Pallas Triton grouped matmul on a
+              GPU) at the same batches, against the bytes of the experts the routing really
+              touched, and how its grouped matmuls compiled; then the three grouped matmuls
+              alone at those batches and a 2,048-token prefill step: our Triton kernel, XLA's
+              ragged_dot (on the GPU, XLA's RaggedDotRewriter makes it a dense dot over every
+              expert) and the Mosaic GPU grouped matmul that jax ships
+              (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu), against the bytes floor of the
+              experts touched and the bf16 compute floor
 then Hugging Face ``generate_batch`` runs the throughput workload in a second process on the
 same GPU (``jaxserve.bench.throughput --engine hf``: random weights made the same way as for
 the dense models). Results: one JSON (--output-json) and a table.
@@ -21,6 +24,8 @@ the dense models). Results: one JSON (--output-json) and a table.
     python benchmarks/moe.py --output-json /tmp/out/moe.json     # the H200 run (~8 minutes)
     python benchmarks/moe.py --engine jaxserve                    # jaxserve only
     python benchmarks/moe.py --smoke                              # tiny CPU run (CI)
+    python benchmarks/moe.py --grouped-matmuls-only               # one layer's grouped
+        matmuls on random weights, the whole GPU free, with a sweep of the kernel's tiles
     python benchmarks/moe.py --engine jaxserve --model jaxserve/assets/configs/gpt-oss-20b \
         --max-num-batched-tokens 2048                             # gpt-oss-20b (bf16 shape)
 
@@ -36,12 +41,15 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # before JAX starts
 
 import argparse
+import functools
 import json
 import math
+import re
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -58,8 +66,10 @@ from jaxserve.models import moe  # noqa: E402
 from jaxserve.models.batch import kv_bytes_per_token  # noqa: E402
 from jaxserve.models.families import layer_fields, num_params  # noqa: E402
 from jaxserve.runner.step import SchedulerOutput  # noqa: E402
+from pallas_kernels import grouped_matmul_triton as gmt  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
+PEAK_BF16_FLOPS = 989e12  # the H200's dense bf16 tensor-core peak (datasheet)
 STARTED = time.perf_counter()
 
 
@@ -83,16 +93,24 @@ def expert_bytes(config: ModelConfig, itemsize: int) -> tuple[int, int]:
     return per_expert * itemsize, dense * itemsize
 
 
-def ragged_dot_lowering(hlo: str) -> str:
-    if "cudnn" in hlo.lower():
+def grouped_matmul_lowering(hlo: str) -> str:
+    """How compiled HLO runs the experts' grouped matmuls, read from its instructions: a
+    ragged-dot instruction (the backend's own grouped matmul), a cuDNN or Pallas Triton custom
+    call, or neither (XLA's RaggedDotRewriter: a dense dot over every expert). Metadata is
+    dropped first: its op_name says ragged_dot whatever the lowering."""
+    code = re.sub(r"metadata=\{[^}]*\}", "", hlo)
+    if re.search(r"\sragged-dot\(", code):
+        return "ragged-dot instruction (backend's own)"
+    if "__cudnn$" in code:
         return "cuDNN grouped matmul"
-    if "ragged" in hlo.lower():
-        return "ragged-dot (backend's own)"
+    if "__gpu$xla.gpu.triton" in code:
+        return "Pallas Triton grouped matmul"
     return "dense expansion over every expert"
 
 
 def time_experts(runner, config: ModelConfig, batches: list[int], iters: int) -> list[dict]:
-    """One layer's experts (routing, sort, three ragged_dots, combine) alone."""
+    """One layer's experts (routing, sort, three grouped matmuls on the path
+    pallas_kernels.grouped_matmul picks, combine) alone."""
     layer = next(w for w in runner.weights.layers if w.router is not None)
     weights = layer.moe_weights()
     assert config.moe is not None and weights is not None
@@ -125,7 +143,7 @@ def time_experts(runner, config: ModelConfig, batches: list[int], iters: int) ->
                 "device_us": seconds * 1e6,
                 "floor_us": floor * 1e6,
                 "mbu": floor / seconds,
-                "lowering": ragged_dot_lowering(compiled.as_text()),
+                "lowering": grouped_matmul_lowering(compiled.as_text()),
             }
         )
         print(
@@ -149,66 +167,173 @@ def best_time(fn, *args, iters: int) -> float:
     return min(samples)
 
 
-def mgpu_expert_mlp(rows, group_sizes, w_gate, w_up, w_down):
-    """``moe.expert_mlp`` on jax's own Mosaic GPU grouped matmul (Hopper), for comparison."""
+def expert_mlp_on(grouped: Callable) -> Callable:
+    """``moe.expert_mlp`` (silu, no biases) with ``grouped(lhs, rhs, group_sizes)`` for each
+    of its three grouped matmuls."""
+
+    def mlp(rows, group_sizes, w_gate, w_up, w_down):
+        gate = grouped(rows, w_gate, group_sizes)
+        up = grouped(rows, w_up, group_sizes)
+        return grouped(jax.nn.silu(gate) * up, w_down, group_sizes)
+
+    return mlp
+
+
+def mgpu_grouped(lhs, rhs, group_sizes):
+    """jax's own Mosaic GPU grouped matmul (Hopper), for comparison."""
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-    def grouped(lhs, rhs):
-        return ragged_dot_mgpu.ragged_dot(
-            lhs, rhs, group_sizes=group_sizes, block_m=64, block_n=128, block_k=64,
-            max_concurrent_steps=4, grid_block_n=1,
-        )  # fmt: skip
+    return ragged_dot_mgpu.ragged_dot(
+        lhs, rhs, group_sizes=group_sizes, block_m=64, block_n=128, block_k=64,
+        max_concurrent_steps=4, grid_block_n=1,
+    )  # fmt: skip
 
-    return grouped(jax.nn.silu(grouped(rows, w_gate)) * grouped(rows, w_up), w_down)
+
+def triton_grouped(config: gmt.GroupedMatmulConfig) -> Callable:
+    """Our Pallas Triton grouped matmul with these tiles (None fields: the shape's default)."""
+    interpret = jax.default_backend() != "gpu"
+    return functools.partial(gmt.grouped_matmul, config=config, interpret=interpret)
+
+
+# Tiles tried beside the default one (--sweep): decode-sized (16-32 rows a tile) and
+# prefill-sized (64-128), each with a few column and K steps.
+SWEEP = [
+    gmt.GroupedMatmulConfig(16, 64, 128, 4, 4),
+    gmt.GroupedMatmulConfig(16, 128, 64, 4, 4),
+    gmt.GroupedMatmulConfig(16, 32, 256, 4, 3),
+    gmt.GroupedMatmulConfig(32, 64, 128, 4, 4),
+    gmt.GroupedMatmulConfig(64, 128, 64, 4, 3),
+    gmt.GroupedMatmulConfig(64, 64, 64, 4, 4),
+    gmt.GroupedMatmulConfig(128, 128, 64, 8, 3),
+    gmt.GroupedMatmulConfig(128, 256, 64, 8, 3),
+]
+
+
+def config_name(config: gmt.GroupedMatmulConfig) -> str:
+    c = config
+    return f"m{c.block_m} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
+
+
+def try_time(row: dict, key: str, fn, *args, iters: int) -> None:
+    """``row[key]`` = microseconds per call, or ``row[key + '_error']`` = why it did not run
+    (an XLA expansion out of memory, a kernel that does not compile)."""
+    try:
+        row[key] = best_time(fn, *args, iters=iters) * 1e6
+    except Exception as exc:  # report it and go on with the other paths
+        row[f"{key}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
 def time_grouped_matmuls(
-    runner, config: ModelConfig, batches: list[int], mgpu_batches: list[int], iters: int
+    w: moe.MoeWeights,
+    config: ModelConfig,
+    batches: list[int],
+    mgpu_batches: list[int],
+    iters: int,
+    sweep: bool = False,
+    xla_batches: list[int] | None = None,  # None: every batch
 ) -> list:
-    """The three grouped matmuls of one layer on rows already sorted by expert: XLA's
-    ragged_dot against the Mosaic GPU kernel jax ships (jax.experimental.pallas.ops.gpu)."""
-    layer = next(w for w in runner.weights.layers if w.router is not None)
-    w = layer.moe_weights()
-    assert config.moe is not None and w is not None
-    per_expert_bytes, _ = expert_bytes(config, runner.dtype.itemsize)
-    xla = jax.jit(lambda r, g, a, b, c: moe.expert_mlp(r, g, a, b, c, jax.nn.silu))
-    mgpu = jax.jit(mgpu_expert_mlp)
+    """The three grouped matmuls of one layer on rows already sorted by expert, at each step
+    size in ``batches`` (tokens: decode batches, or a prefill step): XLA's ragged_dot, our
+    Pallas Triton kernel (default tiles; with ``sweep``, the best of SWEEP too) and the Mosaic
+    GPU kernel jax ships, against the bytes floor of the experts the routing touched (and the
+    bf16 compute floor, which binds at prefill)."""
+    assert config.moe is not None
+    itemsize = jnp.dtype(w.w_gate.dtype).itemsize
+    per_expert_bytes = 3 * config.hidden_size * config.moe.intermediate_size * itemsize
+    xla = jax.jit(expert_mlp_on(jax.lax.ragged_dot))
+    triton = jax.jit(expert_mlp_on(triton_grouped(gmt.GroupedMatmulConfig())))
+    mgpu = jax.jit(expert_mlp_on(mgpu_grouped))
+    on_gpu = jax.default_backend() == "gpu"
     rng = np.random.default_rng(1)
     out = []
     for batch in batches:
         num_tokens = max(16, 1 << (batch - 1).bit_length())
-        x = jnp.asarray(rng.normal(0, 1, (num_tokens, config.hidden_size)), runner.dtype)
+        x = jnp.asarray(rng.normal(0, 1, (num_tokens, config.hidden_size)), w.w_gate.dtype)
         logits = (x.astype(jnp.float32) @ w.router.astype(jnp.float32)).astype(jnp.float32)
         _, ids = moe.route(logits, config.moe)
         ids = jnp.where(jnp.arange(num_tokens)[:, None] < batch, ids, config.moe.num_experts)
         order, sizes = moe.sort_by_expert(ids, config.moe.num_experts)
         rows = x[order // config.moe.top_k]
         touched = int((sizes > 0).sum())
-        row = {"batch": batch, "rows": int(rows.shape[0]), "experts_touched": touched}
+        row: dict = {"batch": batch, "rows": int(rows.shape[0]), "experts_touched": touched}
         row["floor_us"] = touched * per_expert_bytes / BANDWIDTH * 1e6
+        flops = 2 * batch * config.moe.top_k * per_expert_bytes / itemsize
+        row["flops_floor_us"] = flops / PEAK_BF16_FLOPS * 1e6
         args = (rows, sizes, w.w_gate, w.w_up, w.w_down)
-        row["xla_us"] = best_time(xla, *args, iters=iters) * 1e6
-        if jax.default_backend() == "gpu" and batch in mgpu_batches:
-            try:
-                row["mgpu_us"] = best_time(mgpu, *args, iters=iters) * 1e6
-            except Exception as exc:  # an experimental kernel: report why it did not run
-                row["mgpu_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        default = gmt.default_config(
+            int(rows.shape[0]), config.moe.num_experts, gmt.has_large_shared_memory()
+        )
+        row["triton_config"] = config_name(default)
+        try_time(row, "triton_us", triton, *args, iters=iters)
+        if sweep and on_gpu:
+            for tiles in SWEEP:
+                try_time(row, config_name(tiles), jax.jit(expert_mlp_on(triton_grouped(tiles))),
+                         *args, iters=iters)  # fmt: skip
+            timed = [(row[config_name(t)], config_name(t)) for t in SWEEP if config_name(t) in row]
+            if timed:
+                row["triton_best_us"], row["triton_best_config"] = min(timed)
+        if xla_batches is None or batch in xla_batches:
+            try_time(row, "xla_us", xla, *args, iters=iters)
+        if on_gpu and batch in mgpu_batches:
+            try_time(row, "mgpu_us", mgpu, *args, iters=iters)
         out.append(row)
         print(f"grouped matmuls {row}", flush=True)
     return out
 
 
-def check_lowering(config: ModelConfig, dtype: jnp.dtype, num_tokens: int = 64) -> str:
-    """How XLA lowers one layer's ragged_dot here, from the compiled HLO (nothing allocated)."""
+def check_lowering(config: ModelConfig, dtype: jnp.dtype, num_tokens: int = 64) -> dict:
+    """How one layer's grouped matmuls compile here, from the HLO (nothing allocated): XLA's
+    ragged_dot, and the path pallas_kernels.grouped_matmul picks (``moe.moe_block``'s)."""
     assert config.moe is not None
     e, h, m = config.moe.num_experts, config.hidden_size, config.moe.intermediate_size
 
     def spec(*shape: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype)
 
+    rows = num_tokens * config.moe.top_k
+    sizes = jax.ShapeDtypeStruct((e,), jnp.int32)
+    xla = jax.jit(expert_mlp_on(jax.lax.ragged_dot)).lower(
+        spec(rows, h), sizes, spec(e, h, m), spec(e, h, m), spec(e, m, h)
+    )
     weights = moe.MoeWeights(spec(h, e), spec(e, h, m), spec(e, h, m), spec(e, m, h))
     fn = jax.jit(lambda x, w: moe.moe_block(x, w, config.moe, jax.nn.silu))
-    return ragged_dot_lowering(fn.lower(spec(num_tokens, h), weights).compile().as_text())
+    chosen = fn.lower(spec(num_tokens, h), weights)
+    return {
+        "ragged_dot": grouped_matmul_lowering(xla.compile().as_text()),
+        "moe_block": grouped_matmul_lowering(chosen.compile().as_text()),
+    }
+
+
+def random_moe_weights(config: ModelConfig, dtype: jnp.dtype, seed: int = 0) -> moe.MoeWeights:
+    """One layer's router and experts, random (for --grouped-matmuls-only: no engine)."""
+    assert config.moe is not None
+    e, h, m = config.moe.num_experts, config.hidden_size, config.moe.intermediate_size
+    keys = jax.random.split(jax.random.key(seed), 4)
+
+    def normal(key, *shape: int) -> jax.Array:
+        return (jax.random.normal(key, shape, jnp.float32) / math.sqrt(shape[-2])).astype(dtype)
+
+    return moe.MoeWeights(
+        normal(keys[0], h, e), normal(keys[1], e, h, m), normal(keys[2], e, h, m),
+        normal(keys[3], e, m, h),
+    )  # fmt: skip
+
+
+def run_grouped_matmuls_only(args: argparse.Namespace) -> dict:
+    """The grouped-matmul comparison alone, on one layer of random weights with the whole
+    GPU free (XLA's dense expansion at prefill needs it), with the tile sweep."""
+    config = ModelConfig.from_hf_dir(args.model)
+    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
+    result: dict = {"engine": "jaxserve", "device": jax.devices()[0].device_kind}
+    result["jax"] = jax.__version__
+    result["lowering"] = check_lowering(config, dtype)
+    print(f"lowering: {result['lowering']}", flush=True)
+    weights = random_moe_weights(config, dtype)
+    result["grouped_matmuls"] = time_grouped_matmuls(
+        weights, config, args.batches + args.prefill_tokens, args.mgpu_batches, args.iters,
+        sweep=not args.smoke,
+    )  # fmt: skip
+    return result
 
 
 def run_jaxserve(args: argparse.Namespace) -> dict:
@@ -226,7 +351,7 @@ def run_jaxserve(args: argparse.Namespace) -> dict:
 
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
     result["lowering"] = check_lowering(config, dtype)
-    print(f"ragged_dot lowering: {result['lowering']}", flush=True)
+    print(f"lowering: {result['lowering']}", flush=True)
     save("lowering")
     start = time.perf_counter()
     llm = jaxserve.LLM(
@@ -288,8 +413,17 @@ def run_jaxserve(args: argparse.Namespace) -> dict:
         save(f"decode batch {batch}")
     result["experts"] = time_experts(runner, config, args.batches, args.iters)
     save("experts")
+    layer = next(w for w in runner.weights.layers if w.router is not None).moe_weights()
+    assert layer is not None
+    # NOTE: ragged_dot at decode batches only here: at prefill its dense expansion needs
+    # more than the KV cache leaves free (--grouped-matmuls-only times it on an empty GPU).
     result["grouped_matmuls"] = time_grouped_matmuls(
-        runner, config, args.batches, args.mgpu_batches, args.iters
+        layer,
+        config,
+        args.batches + args.prefill_tokens,
+        args.mgpu_batches,
+        args.iters,
+        xla_batches=args.batches,
     )
     save("grouped matmuls")
 
@@ -329,10 +463,43 @@ def run_hf(args: argparse.Namespace) -> dict:
         return json.loads(out.read_text())
 
 
+def print_grouped_matmuls(rows: list[dict]) -> None:
+    """The three grouped matmuls of one layer: each path's us, and the Triton kernel's share
+    of the bytes floor (``roofline``)."""
+    if not rows:
+        return
+    print(
+        f"\n{'tokens':>6} {'rows':>6} {'experts':>7} {'floor us':>8} {'flops us':>8} "
+        f"{'triton us':>9} {'roofline':>8} {'best us':>8} {'ragged_dot us':>13} "
+        f"{'mosaic gpu us':>13}  tiles (default; best)"
+    )
+
+    def cell(r: dict, key: str, width: int) -> str:
+        if key in r:
+            return f"{r[key]:{width}.1f}"
+        return f"{r.get(key[:-3] + '_us_error', '-')[:width]:>{width}}"
+
+    for r in rows:
+        share = f"{r['floor_us'] / r['triton_us']:8.1%}" if "triton_us" in r else f"{'-':>8}"
+        print(
+            f"{r['batch']:6d} {r['rows']:6d} {r['experts_touched']:7d} {r['floor_us']:8.1f} "
+            f"{r['flops_floor_us']:8.1f} {cell(r, 'triton_us', 9)} {share} "
+            f"{cell(r, 'triton_best_us', 8)} {cell(r, 'xla_us', 13)} {cell(r, 'mgpu_us', 13)}  "
+            f"{r['triton_config']}; {r.get('triton_best_config', '-')}"
+        )
+    errors = {k: v for r in rows for k, v in r.items() if k.endswith("_error")}
+    for key, error in errors.items():
+        print(f"{key}: {error}")
+
+
 def print_table(result: dict, args: argparse.Namespace) -> None:
     js = result["jaxserve"]
     name = Path(args.model).name
-    print(f"\n{name}, {args.load_format} weights, ragged_dot: {js.get('lowering', '?')}")
+    lowering = js.get("lowering", {})
+    print(
+        f"\n{name}, {args.load_format} weights; ragged_dot: {lowering.get('ragged_dot', '?')}; "
+        f"the experts' path: {lowering.get('moe_block', '?')}"
+    )
     if "error" in js:
         print(f"jaxserve stopped ({js['error']}) after: {', '.join(js)}")
     print(f"decode at context {args.context}")
@@ -353,14 +520,7 @@ def print_table(result: dict, args: argparse.Namespace) -> None:
             f"{r['batch']:5d} {r['experts_touched']:7d} {r['device_us']:9.1f} "
             f"{r['floor_us']:8.1f} {r['mbu']:8.1%}  {r['lowering']}"
         )
-    print(f"\n{'batch':>5} {'rows':>5} {'experts':>7} {'floor us':>8} {'ragged_dot us':>13} "
-          f"{'mosaic gpu us':>13}")  # fmt: skip
-    for r in js.get("grouped_matmuls", []):
-        mgpu = f"{r['mgpu_us']:13.1f}" if "mgpu_us" in r else r.get("mgpu_error", "-")[:40]
-        print(
-            f"{r['batch']:5d} {r['rows']:5d} {r['experts_touched']:7d} {r['floor_us']:8.1f} "
-            f"{r['xla_us']:13.1f} {mgpu}"
-        )
+    print_grouped_matmuls(js.get("grouped_matmuls", []))
     if "throughput" not in js:
         return
     tput = js["throughput"]["output_tokens_per_s"]
@@ -389,6 +549,17 @@ def main() -> int:
         help="batches at which to time the Mosaic GPU grouped matmul too (its 128 groups "
         "unroll: each shape takes a while to compile)",
     )
+    parser.add_argument(
+        "--prefill-tokens",
+        default="2048",
+        help="prefill step sizes (tokens) at which to time the grouped matmuls too",
+    )
+    parser.add_argument(
+        "--grouped-matmuls-only",
+        action="store_true",
+        help="only the grouped-matmul comparison, on one layer of random weights (no engine, "
+        "the whole GPU free), with a sweep of the Triton kernel's tiles",
+    )
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=512)
@@ -416,13 +587,20 @@ def main() -> int:
         args.load_format, args.iters = "auto", 2
         args.engine = "jaxserve" if args.engine == "both" else args.engine
         args.batches, args.context, args.max_model_len = "1,4", 32, 64
+        args.prefill_tokens = "32"
         args.num_prompts, args.input_len, args.output_len = 4, 16, 4
         args.max_num_seqs, args.max_num_batched_tokens = 4, 32
     args.batches = [int(b) for b in str(args.batches).split(",")]
     args.mgpu_batches = [int(b) for b in str(args.mgpu_batches).split(",") if b]
+    args.prefill_tokens = [int(b) for b in str(args.prefill_tokens).split(",") if b]
     if args.context + 1 > args.max_model_len:
         raise SystemExit(f"--context {args.context} needs --max-model-len > {args.context}")
-    if args.engine == "hf":
+    if args.grouped_matmuls_only:
+        print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+        result = run_grouped_matmuls_only(args)
+        print(f"\n{Path(args.model).name}: lowering {result['lowering']}")
+        print_grouped_matmuls(result["grouped_matmuls"])
+    elif args.engine == "hf":
         result = run_hf(args)
     elif args.engine == "jaxserve":
         print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
@@ -432,7 +610,7 @@ def main() -> int:
         # until its process ends, and Hugging Face needs that memory for its own copy.
         result = {engine: run_child(args, engine) for engine in ("jaxserve", "hf")}
         print_table(result, args)
-    if args.engine == "jaxserve":
+    if args.engine == "jaxserve" and not args.grouped_matmuls_only:
         print_table({"jaxserve": result}, args)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2))
@@ -443,11 +621,12 @@ def run_child(args: argparse.Namespace, engine: str) -> dict:
     """This script with ``--engine engine`` in a process of its own; its JSON result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / f"{engine}.json"
-        lists = ("batches", "mgpu_batches")
+        lists = ("batches", "mgpu_batches", "prefill_tokens")
+        flags = ("engine", "output_json", "smoke", "time_budget", "grouped_matmuls_only")
         forwarded = [
             f"--{name.replace('_', '-')}={value}"
             for name, value in vars(args).items()
-            if name not in ("engine", "output_json", "smoke", "time_budget", *lists)
+            if name not in (*flags, *lists)
         ]
         forwarded += [f"--{name.replace('_', '-')}={','.join(map(str, getattr(args, name)))}"
                       for name in lists]  # fmt: skip

@@ -35,9 +35,14 @@
 #   reliability  the reliability suite: load scenarios at full scale (JAXSERVE_RELIABILITY_SCALE=full),
 #                schema fuzzing, faults, and both rounds of hostile input
 #   moe          Qwen3-30B-A3B (dummy bf16): decode at batch 1, 64, 256 against its roofline, one
-#                layer's experts (ragged_dot) alone, and 256 x 512/256 offline throughput against
-#                Hugging Face generate_batch (benchmarks/moe.py; about 9 minutes: run it alone);
-#                HF gets what jaxserve leaves of $MOE_BUDGET seconds (540)
+#                layer's experts alone, its grouped matmuls (the Pallas Triton kernel, ragged_dot,
+#                Mosaic GPU) at batch 1, 64, 256 and a 2,048-token prefill, and 256 x 512/256
+#                offline throughput against Hugging Face generate_batch (benchmarks/moe.py; about
+#                9 minutes: run it alone); HF gets what jaxserve leaves of $MOE_BUDGET seconds (540)
+#   gmm          the grouped-matmul kernel's tests natively (pytest -m gpu), then the grouped
+#                matmuls of one Qwen3-30B-A3B layer alone on an otherwise empty GPU: the Triton
+#                kernel (default tiles and a sweep), XLA's ragged_dot, Mosaic GPU, at batch 1, 64,
+#                256 and prefill steps of 2,048 and 8,192 tokens -> $OUT/gmm.json (a few minutes)
 #   moe_hf       only the Hugging Face half of moe, for a call of its own when it did not fit
 #   gpt_oss      gpt-oss-20b (dummy bf16, shipped config): benchmarks/moe.py's decode, experts and
 #                throughput for jaxserve only, attention sinks in the kernels, 2048-token steps
@@ -285,6 +290,13 @@ stage_moe() {  # HF gets the time jaxserve leaves of MOE_BUDGET seconds
   python3 benchmarks/moe.py --time-budget ${MOE_BUDGET:-540} --output-json "$OUT/moe.json" \
     > "$OUT/moe.log" 2>&1
   grep -v -E "INFO|WARN" "$OUT/moe.log" | tail -24
+}
+
+stage_gmm() {
+  python3 -m pytest -q -m gpu tests/test_grouped_matmul.py 2>&1 | tail -3
+  python3 benchmarks/moe.py --grouped-matmuls-only --prefill-tokens 2048,8192 \
+    --output-json "$OUT/gmm.json" > "$OUT/gmm.log" 2>&1
+  grep -v -E "INFO|WARN|^grouped matmuls" "$OUT/gmm.log" | tail -24
 }
 
 stage_moe_hf() {

@@ -211,3 +211,40 @@ def test_moe_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
     assert [r["batch"] for r in result["experts"]] == [1, 4]
     assert result["experts"][0]["experts_touched"] <= 2
     assert "roofline" in capsys.readouterr().out
+
+
+def test_moe_grouped_matmuls_smoke(tmp_path, monkeypatch, capsys) -> None:
+    """benchmarks/moe.py --grouped-matmuls-only: decode batches and a prefill step, the
+    Triton kernel (interpreted here) beside ragged_dot, and how each lowered."""
+    out = tmp_path / "gmm.json"
+    with pytest.raises(SystemExit) as done:
+        run_script(
+            "benchmarks/moe.py",
+            ["--smoke", "--grouped-matmuls-only", "--output-json", str(out)],
+            monkeypatch,
+        )
+    assert done.value.code == 0
+    result = json.loads(out.read_text())
+    rows = result["grouped_matmuls"]
+    assert [(r["batch"], r["rows"]) for r in rows] == [(1, 32), (4, 32), (32, 64)]
+    assert all(r["triton_us"] > 0 and r["xla_us"] > 0 and r["floor_us"] > 0 for r in rows)
+    # The CPU expands ragged_dot into a dense dot (what the GPU did before the kernel).
+    assert result["lowering"]["ragged_dot"] == "dense expansion over every expert"
+    assert "ragged_dot us" in capsys.readouterr().out
+
+
+def test_grouped_matmul_lowering_reads_instructions_not_metadata() -> None:
+    """Every instruction of a lowered ragged_dot carries op_name=".../ragged_dot_general" in
+    its metadata; only an instruction's opcode or custom-call target tells the lowering."""
+    moe_bench = runpy.run_path(str(ROOT / "benchmarks/moe.py"), run_name="moe_bench")
+    lowering = moe_bench["grouped_matmul_lowering"]
+    meta = 'metadata={op_name="jit(f)/ragged_dot_general" source_file="moe.py"}'
+    dense = f"%dot.3 = bf16[64,8,768]{{2,1,0}} dot(%a, %b), lhs_contracting_dims={{1}}, {meta}"
+    assert lowering(dense) == "dense expansion over every expert"
+    native = f"%ragged-dot.1 = bf16[64,768]{{1,0}} ragged-dot(%a, %b, %g), {meta}"
+    assert lowering(native) == "ragged-dot instruction (backend's own)"
+    triton = (
+        f"%custom-call.2 = bf16[64,768]{{1,0}} custom-call(%p, %a, %b), "
+        f'custom_call_target="__gpu$xla.gpu.triton", {meta}'
+    )
+    assert lowering(triton) == "Pallas Triton grouped matmul"

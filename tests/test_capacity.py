@@ -12,7 +12,7 @@ import pytest
 
 import jaxserve
 from jaxserve.bench.capacity import add_capacity_arguments, parse_memory, run_capacity
-from jaxserve.config import builtin_config_dir
+from jaxserve.config import ModelConfig, builtin_config_dir
 from tests.conftest import fixture_dir, free_port, wait_for
 
 GiB = 1024**3
@@ -213,7 +213,10 @@ def test_a_mixture_of_experts_counts_every_expert(capsys) -> None:
     assert out["num_active_params"] == 3_353_032_704
     assert out["weight_bytes"] == 30_532_122_624 * 2  # bf16, every expert
     kv_per_token = 2 * 48 * 4 * 128 * 2  # K and V x layers x kv heads x head_dim x bf16
-    per_token = (4 * 6144 + 6 * 2048) * 2 + 8 * (3 * 2048 + 3 * 768) * 2 + 4 * (8 * 2048 + 384)
+    # The experts' rows (8 a token): gathered, gate/up/hidden, down, reordered; the f32 combine;
+    # the router's f32 [T, E] x 3; the i32 order, inverse and ids.
+    experts = 8 * (3 * 2048 + 3 * 768) * 2 + 4 * 8 * 2048 + 3 * 4 * 128 + 3 * 4 * 8
+    per_token = (4 * 6144 + 6 * 2048) * 2 + experts
     activations = 2048 * per_token + 256 * 151936 * 24 + 512 * 1024**2
     budget = int(150_109_945_856 * 0.9) - out["weight_bytes"] - activations
     assert out["kv_bytes_per_token"] == kv_per_token
@@ -240,3 +243,72 @@ def test_gpt_oss_counts_its_stacked_experts_and_biases(capsys) -> None:
     add_capacity_arguments(parser)
     assert run_capacity(parser.parse_args([model, "--device-memory", "H200"])) == 0
     assert "32 experts, 4 per token" in capsys.readouterr().out
+
+
+def test_the_experts_reserve_counts_their_rows_per_device() -> None:
+    """Qwen3-30B-A3B at 2,048 tokens: R = 16,384 rows of H 2,048 and M 768; a tensor-parallel
+    device holds a slice of M, an expert-parallel one every device's worst-case rows and the
+    all-to-all's buffers."""
+    from jaxserve.runner.capacity import expert_activation_bytes
+
+    config = ModelConfig.from_hf_dir(builtin_config_dir("qwen3-30b-a3b"))
+    rows, h, m = 2048 * 8, 2048, 768
+    router, index = 3 * 4 * 2048 * 128, 3 * 4 * rows
+    one = router + index + rows * (3 * h + 3 * m) * 2 + 4 * rows * h
+    assert expert_activation_bytes(config, 2048, 2) == one
+    sliced = router + index + rows * (3 * h + 3 * (m // 4)) * 2 + 4 * rows * h
+    assert expert_activation_bytes(config, 2048, 2, tensor_parallel_size=4) == sliced
+    # 3 devices: ceil(2048 / 3) = 683 tokens routed by each, 3 x 683 x 8 rows run by each.
+    ep_rows = 3 * 683 * 8
+    ep = router + 3 * 4 * ep_rows + ep_rows * (6 * h + 3 * m) * 2 + 4 * 683 * 8 * h
+    assert expert_activation_bytes(config, 2048, 2, 3, expert_parallel=True) == ep
+    dense = ModelConfig.from_hf_dir(builtin_config_dir("llama-3-8b"))
+    assert expert_activation_bytes(dense, 2048, 2) == 0
+
+
+def test_the_experts_reserve_holds_what_xla_allocates_for_them(monkeypatch) -> None:
+    """One MoE layer compiled by XLA, its grouped matmuls replaced by a stand-in that, like
+    the GPU kernel, allocates only its output: XLA's own count of the temporaries fits in the
+    reserve, from decode to prefill sizes."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.config import MoeConfig
+    from jaxserve.models import moe
+    from jaxserve.runner.capacity import expert_activation_bytes
+
+    def stand_in(lhs, rhs, group_sizes):  # [R, K] x [G, K, N] -> [R, N], no temporary
+        return (lhs[:, :1] * rhs[0, :1, :]).astype(lhs.dtype)
+
+    hidden, inner, num_experts, top_k = 256, 64, 16, 4
+    config = ModelConfig.from_dict(
+        dict(model_type="qwen3_moe", vocab_size=320, hidden_size=hidden, intermediate_size=96,
+             moe_intermediate_size=inner, num_hidden_layers=1, num_attention_heads=4,
+             num_key_value_heads=2, num_experts=num_experts, num_experts_per_tok=top_k)
+    )  # fmt: skip
+    assert config.moe is not None
+    moe_config = MoeConfig(num_experts=num_experts, top_k=top_k, intermediate_size=inner)
+    spec = jax.ShapeDtypeStruct
+    bf16 = jnp.bfloat16
+    weights = moe.MoeWeights(
+        spec((hidden, num_experts), bf16),
+        spec((num_experts, hidden, inner), bf16),
+        spec((num_experts, hidden, inner), bf16),
+        spec((num_experts, inner, hidden), bf16),
+    )
+    monkeypatch.setattr(moe, "grouped_matmul", stand_in)
+    for num_tokens in (16, 1024):
+        layer = jax.jit(lambda x, w: moe.moe_block(x, w, moe_config, jax.nn.silu))
+        compiled = layer.lower(spec((num_tokens, hidden), bf16), weights).compile()
+        used = compiled.memory_analysis().temp_size_in_bytes
+        assert 0 < used <= expert_activation_bytes(config, num_tokens, 2), num_tokens
+
+
+def test_capacity_plans_expert_parallel_as_launch_would(capsys) -> None:
+    """The experts' all-to-all buffers come out of the KV budget under expert parallelism."""
+    model = str(builtin_config_dir("qwen3-30b-a3b"))
+    flags = ("--max-model-len", "8K", "--device-memory", "H200", "-tp", "4")
+    sliced = capacity(capsys, model, *flags)
+    whole = capacity(capsys, model, *flags, "--enable-expert-parallel")
+    assert whole["activation_bytes"] > sliced["activation_bytes"]
+    assert whole["num_blocks"] < sliced["num_blocks"]

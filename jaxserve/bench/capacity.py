@@ -116,6 +116,12 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
         help="devices per model replica: each holds 1/N of the weights and KV heads",
     )
     add(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="a mixture of experts split whole over the devices, as launch's flag (sizes the "
+        "experts' share of the headroom)",
+    )
+    add(
         "--block-size",
         type=int,
         default=_ENGINE_DEFAULTS["block_size"],
@@ -172,6 +178,7 @@ def run_capacity(args: argparse.Namespace) -> int:
             tensor_parallel_size=args.tensor_parallel_size,
             max_num_batched_tokens=token_buckets_for(args.max_num_batched_tokens)[-1],
             max_num_seqs=next_power_of_2(args.max_num_seqs),
+            expert_parallel=args.enable_expert_parallel,
         )
     except CapacityError as exc:
         if on_cpu:

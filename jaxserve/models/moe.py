@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import MoeConfig
+from pallas_kernels.grouped_matmul import grouped_matmul
 
 Activation = Callable[[jax.Array], jax.Array]
 # (gate [R, M], up [R, M]) -> [R, M]: an expert's gated activation in place of act(gate) * up
@@ -150,18 +151,18 @@ def expert_mlp(
     glu: Glu | None = None,  # in place of act(gate) * up
 ) -> jax.Array:  # [R, H]; rows past the groups' sum are zeros
     """Each row through its expert's gated MLP: three grouped matmuls."""
-    # NOTE: jax.lax.ragged_dot, not tokamax's Pallas grouped matmul: it ships with jax (tokamax
-    # is not installed here and would be a new dependency for one op), XLA lowers it on GPU,
-    # TPU and CPU alike, and its shapes depend on the row count only, so routing never
-    # recompiles. benchmarks/moe.py measures it against the roofline on the H200.
-    gate = jax.lax.ragged_dot(rows, w_gate, group_sizes)  # [R, M]
-    up = jax.lax.ragged_dot(rows, w_up, group_sizes)  # [R, M]
+    # NOTE: pallas_kernels.grouped_matmul: jax.lax.ragged_dot on TPU and CPU, our Pallas
+    # Triton kernel on GPUs, where XLA expands a ragged dot into a dense dot over every expert.
+    # Either way the shapes depend on the row count only, so routing never recompiles.
+    # benchmarks/moe.py measures both against the roofline on the H200.
+    gate = grouped_matmul(rows, w_gate, group_sizes)  # [R, M]
+    up = grouped_matmul(rows, w_up, group_sizes)  # [R, M]
     if gate_bias is not None:
         gate = gate + row_bias(gate_bias, group_sizes, rows.shape[0]).astype(gate.dtype)
     if up_bias is not None:
         up = up + row_bias(up_bias, group_sizes, rows.shape[0]).astype(up.dtype)
     hidden = act(gate) * up if glu is None else glu(gate, up)  # [R, M]
-    return jax.lax.ragged_dot(hidden, w_down, group_sizes)  # [R, H]
+    return grouped_matmul(hidden, w_down, group_sizes)  # [R, H]
 
 
 def run_experts(

@@ -133,26 +133,68 @@ def kv_heads_per_device(num_kv_heads: int, tensor_parallel_size: int) -> int:
     return max(1, num_kv_heads // tensor_parallel_size)
 
 
+def expert_activation_bytes(
+    config: ModelConfig,
+    num_tokens: int,
+    dtype_bytes: int,
+    tensor_parallel_size: int = 1,
+    expert_parallel: bool = False,
+) -> int:
+    """The temporaries of one layer's experts (``models/moe.py``) for a step of ``num_tokens``
+    tokens, per device; 0 for a dense model.
+
+    R = tokens x top_k rows, one per (token, chosen expert): the rows gathered in expert order
+    [R, H], gate, up and hidden [R, M], down [R, H], back in token order [R, H], the f32
+    weighted rows of the combine [R, H], the router's f32 logits, scores and choice [T, E],
+    and the i32 sort order, its inverse and the expert ids [R]. A tensor-parallel device holds
+    1/N of M. Under expert parallelism each device routes ceil(T / N) tokens and runs the rows
+    of all N devices' worst case through its whole experts, N x ceil(T / N) x top_k rows,
+    beside the all-to-all's send, receive and return buffers [rows, H].
+    The grouped matmuls add nothing on GPU (the Pallas kernel writes its output only) and on
+    TPU; XLA's ragged_dot on the GPU (``JAXSERVE_GROUPED_MATMUL=xla``) would add a dense
+    [R, E, H] expansion that no reserve can hold at prefill sizes.
+    """
+    moe = config.moe
+    if moe is None:
+        return 0
+    hidden, k = config.hidden_size, moe.top_k
+    inner = moe.intermediate_size
+    router = 3 * 4 * num_tokens * moe.num_experts
+    if expert_parallel:
+        n = tensor_parallel_size
+        local_tokens = -(-num_tokens // n)
+        rows = n * local_tokens * k
+        exchange = 3 * rows * hidden * dtype_bytes  # send, receive, return
+        combine = 4 * local_tokens * k * hidden
+    else:
+        rows = num_tokens * k
+        inner = -(-inner // tensor_parallel_size)
+        exchange, combine = 0, 4 * rows * hidden
+    mlp = rows * (3 * hidden + 3 * inner) * dtype_bytes  # rows, gate/up/hidden, down, reorder
+    return router + 3 * 4 * rows + mlp + combine + exchange
+
+
 def activation_bytes(
     config: ModelConfig,
     max_num_batched_tokens: int,
     max_num_seqs: int,
     dtype_bytes: int,
     device_memory_bytes: int,
+    tensor_parallel_size: int = 1,
+    expert_parallel: bool = False,
 ) -> int:
     """A conservative estimate of the largest step's temporary buffers, plus a slack for
     the compiler's workspace (512 MiB, or 1/16 of a small device)."""
     per_token = (4 * config.intermediate_size + 6 * config.hidden_size) * dtype_bytes
-    if config.moe is not None:  # top_k rows per token: sorted copies, gate/up, f32 combine
-        k, m = config.moe.top_k, config.moe.intermediate_size
-        per_token += k * (3 * config.hidden_size + 3 * m) * dtype_bytes
-        per_token += 4 * (k * config.hidden_size + 3 * config.moe.num_experts)
+    experts = expert_activation_bytes(
+        config, max_num_batched_tokens, dtype_bytes, tensor_parallel_size, expert_parallel
+    )
     # The sampler's rows (f32 logits, scaled, noise, sort, ...), or a chunk of prompt logprobs
     # when that is larger: on the H200 a chunk takes 6.0 f32 copies of its logits, so 8 here.
     chunk = min(PROMPT_LOGPROBS_CHUNK, max_num_batched_tokens)
     sampler = max(6 * max_num_seqs, 8 * chunk) * config.vocab_size * 4
     slack = min(512 * 1024**2, device_memory_bytes // 16)
-    return max_num_batched_tokens * per_token + sampler + slack
+    return max_num_batched_tokens * per_token + experts + sampler + slack
 
 
 def plan_capacity(
@@ -169,6 +211,7 @@ def plan_capacity(
     max_num_batched_tokens: int = 2048,
     max_num_seqs: int = 256,
     num_blocks_override: int | None = None,
+    expert_parallel: bool = False,
 ) -> Capacity:
     kv_dtype_bytes = KV_DTYPE_BYTES[kv_cache_dtype] if kv_cache_dtype else dtype_bytes
     # Quantized Linear weights count at their own bytes (values, scales, zero points).
@@ -176,7 +219,13 @@ def plan_capacity(
     # devices whether by slices (tensor parallel) or whole experts (expert parallel).
     weights = weight_bytes(config, dtype_bytes, quant) // tensor_parallel_size
     activations = activation_bytes(
-        config, max_num_batched_tokens, max_num_seqs, dtype_bytes, device_memory_bytes
+        config,
+        max_num_batched_tokens,
+        max_num_seqs,
+        dtype_bytes,
+        device_memory_bytes,
+        tensor_parallel_size,
+        expert_parallel,
     )
     per_token = kv_bytes_per_token(
         config.num_layers,

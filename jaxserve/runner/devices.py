@@ -25,6 +25,7 @@ from jaxserve.models.quant_scheme import (
     resolve_scheme,
 )
 from jaxserve.runner.capacity import kv_heads_per_device
+from pallas_kernels.grouped_matmul import GROUPED_MATMUL_NAMES, choose_grouped_matmul
 
 _PROBE_LOGGER = "jax._src.xla_bridge"
 _PROBE_MESSAGE = "Unable to initialize backend"
@@ -168,13 +169,22 @@ def describe_attention(
     return f"{line} ({reason})" if reason else line
 
 
-def describe_experts(model_config: ModelConfig, config: EngineConfig) -> str | None:
-    """``Experts: 128, 8 per token (jax.lax.ragged_dot), expert parallel over 4``; None for
-    a dense model."""
+def describe_experts(
+    model_config: ModelConfig, config: EngineConfig, dtype: jnp.dtype = jnp.bfloat16
+) -> str | None:
+    """``Experts: 128, 8 per token (Pallas Triton grouped matmul), expert parallel over 4``
+    (``jax.lax.ragged_dot`` on TPU and CPU, and why when the backend's first choice is not
+    taken); None for a dense model."""
     moe = model_config.moe
     if moe is None:
         return None
-    line = f"Experts: {moe.num_experts}, {moe.top_k} per token (jax.lax.ragged_dot)"
+    hidden, inner = model_config.hidden_size, moe.intermediate_size
+    path, reason = choose_grouped_matmul(
+        jax.ShapeDtypeStruct((1, hidden), dtype),
+        jax.ShapeDtypeStruct((moe.num_experts, hidden, inner), dtype),
+    )
+    how = GROUPED_MATMUL_NAMES[path] + (f": {reason}" if reason else "")
+    line = f"Experts: {moe.num_experts}, {moe.top_k} per token ({how})"
     if moe.shared_intermediate_size:
         line += ", a shared expert"
     tp = config.tensor_parallel_size
@@ -193,7 +203,7 @@ def startup_lines(
     kv_dtype: jnp.dtype | None = None,
 ) -> list[str]:
     tp = config.tensor_parallel_size
-    experts = describe_experts(model_config, config)
+    experts = describe_experts(model_config, config, dtype)
     lines = [
         describe_devices(tp),
         describe_model(model_config, config, dtype, max_model_len),

@@ -166,6 +166,7 @@ class ModelRunner:
             max_num_batched_tokens=self.token_buckets[-1],
             max_num_seqs=self.max_seq_bucket,
             num_blocks_override=self.config.num_gpu_blocks_override,
+            expert_parallel=self.config.enable_expert_parallel,
         )
 
     def kv_cache_shape(self) -> tuple[int, int, int, int]:

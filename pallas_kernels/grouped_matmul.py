@@ -1,0 +1,101 @@
+"""The grouped matmul of a mixture of experts' experts: one entry point, chosen by backend.
+
+``grouped_matmul(lhs, rhs, group_sizes)`` has ``jax.lax.ragged_dot``'s semantics: ``lhs[R, K]``
+sorted by group, ``rhs[G, K, N]``, ``group_sizes i32[G]`` summing to at most R; row r of a
+group g is ``lhs[r] @ rhs[g]``, and the rows past the sum are zeros. It picks, at trace time:
+  gpu -> the Pallas Triton kernel (``pallas_kernels.grouped_matmul_triton``, any NVIDIA GPU):
+         XLA's GPU ``RaggedDotRewriter`` turns a ragged dot into a dense dot over every group,
+         each row broadcast to [G, K] and masked: G times the FLOPs and a G-times temporary
+         (Qwen3-30B-A3B has 128 experts; its 1,024-8,192-token steps needed 70-98 GiB);
+  tpu, cpu -> ``jax.lax.ragged_dot`` (TPU has its own grouped matmul; the CPU is for tests).
+The Triton kernel rather than Mosaic GPU (the design's main GPU path): it runs on every NVIDIA
+GPU, not Hopper only, and jax's own Mosaic GPU grouped matmul
+(``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu``) unrolls its groups at compile time;
+benchmarks/moe.py times all three paths on the H200. The Pallas Triton backend warns at
+lowering that it is deprecated (jax 0.11) but ships and runs.
+``JAXSERVE_GROUPED_MATMUL`` overrides the choice: ``auto`` (the default, as above), ``triton``
+(the kernel on any backend: interpreted off the GPU, for tests) or ``xla`` (``ragged_dot``
+everywhere, to compare). ``choose_grouped_matmul`` says which runs and why, for the start-up
+log.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+GROUPED_MATMUL_ENV = "JAXSERVE_GROUPED_MATMUL"
+GROUPED_MATMUL_CHOICES = ("auto", "triton", "xla")
+# What the start-up log calls each path.
+GROUPED_MATMUL_NAMES = {
+    "triton": "Pallas Triton grouped matmul",
+    "xla": "jax.lax.ragged_dot",
+}
+
+
+def requested_grouped_matmul() -> str:
+    """``JAXSERVE_GROUPED_MATMUL`` (default ``auto``), validated."""
+    value = os.environ.get(GROUPED_MATMUL_ENV, "auto").strip().lower() or "auto"
+    if value not in GROUPED_MATMUL_CHOICES:
+        raise ValueError(
+            f"{GROUPED_MATMUL_ENV}={value!r} must be one of {', '.join(GROUPED_MATMUL_CHOICES)}"
+        )
+    return value
+
+
+def choose_grouped_matmul(
+    lhs,  # [R, K]: an array or a jax.ShapeDtypeStruct (only shape and dtype are read)
+    rhs,  # [G, K, N]: likewise
+) -> tuple[str, str | None]:
+    """The path ``grouped_matmul`` takes on this backend: ``("triton" | "xla", why, or None
+    when it is the backend's first choice)``. The kernel runs interpreted off the GPU."""
+    backend = jax.default_backend()
+    requested = requested_grouped_matmul()
+    if requested == "xla":
+        return "xla", f"{GROUPED_MATMUL_ENV}=xla"
+    if backend != "gpu" and requested == "auto":
+        return "xla", None
+    from pallas_kernels import grouped_matmul_triton
+
+    reason = grouped_matmul_triton.unsupported_reason(lhs, rhs)
+    if reason is not None:
+        return "xla", f"the Triton grouped matmul does not run it ({reason})"
+    if backend != "gpu":
+        return "triton", f"{GROUPED_MATMUL_ENV}=triton: interpreted on the {backend}"
+    return "triton", None
+
+
+def grouped_matmul(
+    lhs: jax.Array,  # [R, K]  sorted by group
+    rhs: jax.Array,  # [G, K, N]
+    group_sizes: jax.Array,  # i32[G]  rows of each group, in order; may sum to less than R
+) -> jax.Array:  # [R, N], lhs's dtype; rows past the groups' sum are zeros
+    """``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` on the best path for the backend."""
+    path, _ = choose_grouped_matmul(lhs, rhs)
+    if path == "triton":
+        from pallas_kernels import grouped_matmul_triton
+
+        interpret = jax.default_backend() != "gpu"
+        return grouped_matmul_triton.grouped_matmul(lhs, rhs, group_sizes, interpret=interpret)
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+
+
+def reference_grouped_matmul(
+    lhs: jax.Array,  # [R, K]  sorted by group
+    rhs: jax.Array,  # [G, K, N]
+    group_sizes: jax.Array,  # i32[G]
+) -> jax.Array:  # [R, N], lhs's dtype
+    """The semantics, as a dense dot per group (G times the work: the tests' oracle)."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))  # i32[G]
+    starts = ends - group_sizes.astype(jnp.int32)
+    row = jnp.arange(lhs.shape[0], dtype=jnp.int32)[:, None]  # i32[R, 1]
+    out = jnp.zeros((lhs.shape[0], rhs.shape[2]), jnp.float32)
+    for group in range(rhs.shape[0]):
+        is_row = (row >= starts[group]) & (row < ends[group])  # bool[R, 1]
+        product = jnp.dot(
+            lhs, rhs[group], preferred_element_type=jnp.float32, precision="highest"
+        )  # f32[R, N]
+        out = jnp.where(is_row, product, out)
+    return out.astype(lhs.dtype)
