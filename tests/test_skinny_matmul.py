@@ -1,0 +1,210 @@
+"""The skinny-matmul kernel against its jnp reference, its tile plan and its switch.
+
+On the CPU the kernel runs in Pallas interpret mode on the Llama projections scaled down
+(hidden 256), with K and N that the tiles do not divide, and is lowered to Triton IR for an
+(abstract) H200. Fresh random inputs every run; the seed is in the failure message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import skinny_matmul as sm
+
+DEPRECATED = "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    m: int
+    k: int
+    n: int
+    x_dtype: str = "bfloat16"
+    w_dtype: str = "bfloat16"  # bfloat16 | float16 | float8_e4m3fn | int8
+    num_splits: int | None = None  # None: the plan's
+    block_n: int | None = None
+    block_k: int | None = None
+
+    @property
+    def w_layout(self) -> str:  # 8-bit weights are QArrays: [N, K]
+        return "nk" if self.w_dtype in ("float8_e4m3fn", "int8") else "kn"
+
+    @property
+    def config(self) -> sm.SkinnyConfig:
+        return sm.SkinnyConfig(self.block_n, self.block_k, self.num_splits)
+
+
+# Llama-3-8B's projections at hidden 256 (fused qkv, o, gate/up, down, lm_head); 32-wide tiles
+# so that every call has several N blocks and K steps. Sizes that are no multiple of a tile
+# (200, 300, 1000) exercise the masks.
+CPU_CASES = [
+    Case("qkv_m1_bf16", 1, 256, 384, block_n=32, block_k=32),
+    Case("o_m3_split4_bf16", 3, 256, 256, num_splits=4, block_n=32, block_k=32),
+    Case("gate_up_m16_fp16", 16, 256, 896, "float16", "float16", block_n=64, block_k=64),
+    Case("down_m64_split2_bf16", 64, 448, 256, num_splits=2, block_n=64, block_k=64),
+    Case("lm_head_m3_ragged", 3, 200, 1000, block_n=128, block_k=64),
+    Case("qkv_m1_fp8_split3", 1, 256, 384, w_dtype="float8_e4m3fn", num_splits=3, block_n=64),
+    Case("down_m16_fp8_ragged", 16, 300, 200, w_dtype="float8_e4m3fn", block_n=32, block_k=64),
+    Case("o_m64_fp8_fp16", 64, 256, 256, "float16", "float8_e4m3fn", block_n=64, block_k=64),
+    Case("gate_up_m3_int8", 3, 256, 512, w_dtype="int8", num_splits=2, block_n=64, block_k=64),
+    Case("down_m1_int8_ragged_fp16", 1, 300, 100, "float16", "int8", block_n=32, block_k=64),
+]  # fmt: skip
+
+
+def make_inputs(rng: np.random.Generator, case: Case):
+    x = jnp.asarray(rng.standard_normal((case.m, case.k)), case.x_dtype)
+    shape = (case.k, case.n) if case.w_layout == "kn" else (case.n, case.k)
+    w = rng.standard_normal(shape, np.float32) / np.sqrt(case.k)
+    scale = None
+    if case.w_layout == "nk":  # quantized per output channel, as quant.quantize does
+        limit = 127.0 if case.w_dtype == "int8" else 448.0
+        amax = np.abs(w).max(axis=1)
+        w = np.clip(w / (amax / limit)[:, None], -limit, limit)
+        w = np.round(w) if case.w_dtype == "int8" else w
+        scale = jnp.asarray(amax / limit, jnp.float32)
+    return x, jnp.asarray(w, case.w_dtype), scale
+
+
+def assert_matches(out: jax.Array, ref: jax.Array, seed: int) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, out.dtype)
+    out32, ref32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    # Both sum in f32 (in another order); the output is rounded to 16 bits once.
+    tol = 1e-2 * max(1.0, float(np.abs(ref32).max()))
+    np.testing.assert_allclose(out32, ref32, atol=tol, rtol=1e-2, err_msg=f"{seed=}")
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
+def test_interpret_matches_reference(case: Case):
+    seed = int(np.random.default_rng().integers(2**31))
+    x, w, scale = make_inputs(np.random.default_rng(seed), case)
+    out = sm.skinny_matmul(x, w, scale, w_layout=case.w_layout, config=case.config, interpret=True)
+    assert_matches(out, sm.reference(x, w, scale, w_layout=case.w_layout), seed)
+
+
+def test_float32_logits_from_a_tied_embedding():
+    """compute_logits' tied case: the embedding [V, H] read as an [N, K] weight, f32 out."""
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((2, 96)), jnp.float32)
+    embed = jnp.asarray(rng.standard_normal((300, 96)), jnp.float32)
+    config = sm.SkinnyConfig(block_n=64, block_k=32)
+    out = sm.skinny_matmul(x, embed, w_layout="nk", config=config, interpret=True)
+    ref = jnp.einsum("NH,VH->NV", x, embed, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-4)
+
+
+def test_bf16_input_with_float32_output():
+    x, w, _ = make_inputs(np.random.default_rng(0), CPU_CASES[0])
+    out = sm.skinny_matmul(x, w, out_dtype=jnp.float32, config=CPU_CASES[0].config, interpret=True)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, sm.reference(x, w, out_dtype=jnp.float32), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings(DEPRECATED)
+@pytest.mark.parametrize(
+    "w_dtype,w_shape", [("bfloat16", (4096, 6144)), ("float8_e4m3fn", (6144, 4096))]
+)
+def test_lowers_to_triton_for_an_h200(w_dtype: str, w_shape: tuple[int, int]):
+    """The Pallas -> Triton IR lowering (fp8 converts included) at the Llama-3-8B qkv shape."""
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
+    layout = "kn" if w_dtype == "bfloat16" else "nk"
+    x = jax.ShapeDtypeStruct((8, 4096), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct(w_shape, jnp.dtype(w_dtype))
+    scale = jax.ShapeDtypeStruct((6144,), jnp.float32) if layout == "nk" else None
+    call = jax.jit(lambda x, w, s: sm.skinny_matmul(x, w, s, w_layout=layout))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = call.trace(x, w, scale).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+
+
+def test_plan_splits_k_only_while_the_grid_is_short():
+    def splits(m: int, k: int, n: int, itemsize: int = 2, layout: str = "kn") -> int:
+        tiles = sm.plan(m, k, n, itemsize, layout, 132, sm.SkinnyConfig())
+        assert tiles.num_splits is not None
+        return tiles.num_splits
+
+    assert splits(1, 4096, 6144) == 8  # qkv: 48 N blocks x 8 = 384 programs
+    assert splits(1, 14336, 4096) == 16  # down: 32 x 16
+    assert splits(1, 4096, 28672) == 4  # gate/up: 224 x 4
+    assert splits(1, 4096, 128256) == 1  # lm_head: 1,002 blocks fill the GPU alone
+    # At 64 rows the f32 partial sums would cost more than a tenth of the weight's bytes.
+    assert splits(64, 4096, 6144) == 1
+    assert splits(16, 4096, 6144) == 4
+    assert splits(1, 4096, 6144, 1, "nk") == 8  # fp8 qkv: 96 blocks of 64
+    tiles = sm.plan(1, 200, 40, 2, "kn", 132, sm.SkinnyConfig())
+    assert (tiles.block_n, tiles.block_k) == (64, 128)  # tiles shrink to small shapes
+
+
+def test_bad_calls_name_the_field_and_the_limit():
+    x = jnp.zeros((65, 32), jnp.bfloat16)
+    w = jnp.zeros((32, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"m=65 rows: the kernel takes 1 to 64"):
+        sm.skinny_matmul(x, w, interpret=True)
+    with pytest.raises(ValueError, match=r"disagree on K"):
+        sm.skinny_matmul(x[:1], w.T, interpret=True)
+    with pytest.raises(ValueError, match=r"w dtype float16: the kernel takes x's dtype"):
+        sm.skinny_matmul(x[:1], w.astype(jnp.float16), interpret=True)
+    with pytest.raises(ValueError, match=r"scale float32\[8\] must be float32\[16\]"):
+        sm.skinny_matmul(x[:1], w, jnp.ones(8, jnp.float32), interpret=True)
+    with pytest.raises(ValueError, match="block_n=48 must be a power of two >= 16"):
+        sm.SkinnyConfig(block_n=48)
+
+
+def test_switch_reads_the_environment(monkeypatch):
+    monkeypatch.delenv(sm.SKINNY_ENV, raising=False)
+    assert sm.takes(1) is None  # off by default
+    assert sm.describe().startswith("Skinny matmul: off")
+    monkeypatch.setenv(sm.SKINNY_ENV, "auto")
+    assert sm.takes(1) is None  # auto: NVIDIA GPUs only
+    assert "this is the cpu backend" in sm.describe()
+    monkeypatch.setenv(sm.SKINNY_ENV, "on")
+    assert sm.takes(64) == "interpret" and sm.takes(65) is None
+    monkeypatch.setenv(sm.MAX_TOKENS_ENV, "16")
+    assert sm.takes(16) == "interpret" and sm.takes(17) is None
+    assert sm.describe() == (
+        "Skinny matmul: Pallas Triton kernel in interpret mode for steps of up to 16 tokens "
+        "(JAXSERVE_SKINNY_MATMUL=on, Pallas interpret mode on the cpu backend)"
+    )
+    monkeypatch.setenv(sm.MAX_TOKENS_ENV, "65")
+    with pytest.raises(ValueError, match=r"JAXSERVE_SKINNY_MATMUL_MAX_TOKENS=65 must be in"):
+        sm.takes(1)
+    monkeypatch.setenv(sm.SKINNY_ENV, "yes")
+    with pytest.raises(ValueError, match=r"JAXSERVE_SKINNY_MATMUL='yes' must be one of"):
+        sm.takes(1)
+
+
+def _is_gpu() -> bool:
+    return jax.devices()[0].platform == "gpu"
+
+
+# The same grid at the real Llama-3-8B shapes, natively.
+GPU_CASES = CPU_CASES + [
+    Case(f"llama_{name}_m{m}_{w}", m, k, n, w_dtype=w)
+    for name, k, n, dtypes in (
+        ("qkv", 4096, 6144, ("bfloat16", "float8_e4m3fn")),
+        ("down", 14336, 4096, ("bfloat16", "float8_e4m3fn", "int8")),
+        ("lm_head", 4096, 128256, ("bfloat16",)),  # (never quantized)
+    )
+    for m in (1, 16, 64)
+    for w in dtypes
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings(DEPRECATED)
+@pytest.mark.skipif(not _is_gpu(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+def test_native_matches_reference(case: Case):
+    seed = int(np.random.default_rng().integers(2**31))
+    x, w, scale = make_inputs(np.random.default_rng(seed), case)
+    out = jax.jit(
+        lambda x, w, s: sm.skinny_matmul(x, w, s, w_layout=case.w_layout, config=case.config)
+    )(x, w, scale)
+    assert_matches(out, sm.reference(x, w, scale, w_layout=case.w_layout), seed)
