@@ -14,7 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxserve
+from jaxserve import SamplingParams
 from pallas_kernels import skinny_matmul as sm
+from tests.conftest import fixture_dir
 
 DEPRECATED = "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
 
@@ -208,3 +211,52 @@ def test_native_matches_reference(case: Case):
         lambda x, w, s: sm.skinny_matmul(x, w, s, w_layout=case.w_layout, config=case.config)
     )(x, w, scale)
     assert_matches(out, sm.reference(x, w, scale, w_layout=case.w_layout), seed)
+
+
+# -- the model on the kernel ---------------------------------------------------------------------
+
+
+def _generate(quantization: str | None) -> tuple[list[int], list[float]]:
+    golden = np.load(fixture_dir("llama") / "golden.npz")
+    llm = jaxserve.LLM(
+        str(fixture_dir("llama")),
+        quantization=quantization,
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+        warmup=False,
+    )
+    prompt = {"prompt_token_ids": golden["prompt_ids"].tolist()}
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    out = llm.generate(prompt, params)[0].outputs[0]
+    logprobs = [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
+    return out.token_ids, logprobs
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_model_on_the_kernel_gives_the_plain_tokens(monkeypatch, quantization: str | None):
+    """JAXSERVE_SKINNY_MATMUL=on: every matmul of every step (prefill chunks of up to 32 tokens
+    and decodes) runs the kernel in interpret mode: the fused qkv and gate/up (unquantized) or
+    the int8 QArrays, o, down and the lm_head."""
+    monkeypatch.delenv(sm.SKINNY_ENV, raising=False)
+    plain_ids, plain_logprobs = _generate(quantization)
+    calls: list[tuple[str, tuple[int, ...]]] = []
+    kernel = sm.skinny_matmul
+
+    def counted(x, w, *args, **kwargs):
+        calls.append((str(w.dtype), tuple(w.shape)))
+        return kernel(x, w, *args, **kwargs)
+
+    monkeypatch.setattr(sm, "skinny_matmul", counted)
+    monkeypatch.setenv(sm.SKINNY_ENV, "on")
+    ids, logprobs = _generate(quantization)
+    assert ids == plain_ids
+    np.testing.assert_allclose(logprobs, plain_logprobs, rtol=1e-4, atol=1e-4)
+    shapes = {shape for _, shape in calls}
+    if quantization is None:  # hidden 64, 4 + 2 x 2 heads of 16, intermediate 96, vocab
+        assert {(64, 128), (64, 64), (64, 192), (96, 64)} <= shapes
+    else:  # [out, in]: q, k, v, o, gate, up, down
+        assert {(64, 64), (32, 64), (96, 64), (64, 96)} <= shapes
+        assert ("int8", (96, 64)) in calls
+    assert any(shape[0] == 64 and shape[1] > 192 for shape in shapes)  # lm_head [H, V]
