@@ -195,3 +195,16 @@ def test_moe_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
     assert [r["batch"] for r in result["experts"]] == [1, 4]
     assert result["experts"][0]["experts_touched"] <= 2
     assert "roofline" in capsys.readouterr().out
+
+
+def test_skinny_matmul_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
+    out = tmp_path / "skinny.json"
+    args = ["--smoke", "--batches", "3", "--formats", "fp8", "--iters", "1"]
+    run_script("benchmarks/skinny_matmul.py", [*args, "--output-json", str(out)], monkeypatch)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["m"], r["format"]) for r in rows] == [
+        ("qkv", 3, "fp8"),
+        ("down", 3, "fp8"),
+    ]
+    assert all(r["best_us"] > 0 and r["xla_us"] > 0 for r in rows)
+    assert "| 3 | fp8 |" in capsys.readouterr().out  # the model-step table
