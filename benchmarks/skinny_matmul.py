@@ -10,7 +10,8 @@ For each projection (fused qkv 4096 -> 6144, o 4096 -> 4096, fused gate/up 4096 
 against the floor: the weight's bytes (values and scales) / 4.3 TB/s. Each executable runs the
 matmul over ``--copies`` distinct weights (so nothing is served from the 50 MB L2) and returns
 every output; a time is the best of 5 runs over the copies, per matmul. The last table adds the
-projections up as one model step's matmuls (32 layers + lm_head) at each M.
+projections up as one model step's matmuls (32 layers + lm_head) at each M. Past
+``--budget-s`` seconds only the planned tiles are timed, to keep the run near 3 minutes.
 
     python benchmarks/skinny_matmul.py                    # about 3 minutes on the H200
     python benchmarks/skinny_matmul.py --sweep --batches 1 --shapes qkv,down
@@ -87,7 +88,11 @@ def configs(m: int, k: int, n: int, itemsize: int, layout: str, sweep: bool):
     base = sm.plan(m, k, n, itemsize, layout, sm.num_sms(), sm.SkinnyConfig())
     assert base.block_n and base.block_k and base.num_splits
     out = [("plan", base)]
-    variants: list[dict[str, int]] = [dict(num_splits=base.num_splits * 2), dict(num_stages=4)]
+    variants: list[dict[str, int]] = [dict(num_splits=base.num_splits * 2)]
+    if base.num_splits > 1:
+        variants.append(dict(num_splits=1))  # no partial sums (and no reduction after)
+    else:
+        variants.append(dict(num_stages=4))
     if sweep:
         variants += [
             dict(block_n=base.block_n * 2, num_warps=8),
@@ -121,6 +126,9 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=16)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--sweep", action="store_true", help="more tile configs per cell")
+    parser.add_argument(
+        "--budget-s", type=float, default=150, help="past this, only the planned tiles run"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
@@ -134,6 +142,7 @@ def main() -> None:
 
     rows = []
     key = jax.random.key(0)
+    started = time.perf_counter()
     for name, (k, n, per_step) in shapes.items():
         for fmt in args.formats.split(","):
             if fmt == "fp8" and name == "lm_head":
@@ -156,7 +165,10 @@ def main() -> None:
                 item = 1 if fmt == "fp8" else 2
                 layout = "nk" if fmt == "fp8" else "kn"
                 results = []
-                for label, config in configs(m, k, n, item, layout, args.sweep):
+                cells = configs(m, k, n, item, layout, args.sweep)
+                if time.perf_counter() - started > args.budget_s:
+                    cells = cells[:1]
+                for label, config in cells:
                     try:
                         fn = jax.jit(kernel_matmuls, static_argnums=(2, 3))
                         t = timed(fn, x, weights, config, interpret, iters=args.iters) / copies

@@ -8,6 +8,7 @@ On the CPU the kernel runs in Pallas interpret mode on the Llama projections sca
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ import pytest
 
 import jaxserve
 from jaxserve import SamplingParams
+from jaxserve.models.quant import weight_layout
 from pallas_kernels import skinny_matmul as sm
 from tests.conftest import fixture_dir
 
@@ -234,8 +236,17 @@ def _generate(quantization: str | None) -> tuple[list[int], list[float]]:
     return out.token_ids, logprobs
 
 
+def test_linear_reads_the_weight_layout_from_the_einsum():
+    assert weight_layout("TH,HXD->TXD") == ("kn", 1)  # fused qkv [H, N + 2K, D]
+    assert weight_layout("TND,NDH->TH") == ("kn", 2)  # o [N, D, H]
+    assert weight_layout("NH,VH->NV") == ("nk", 1)  # a tied embedding [V, H]
+    assert weight_layout("TH,EHM->TEM") is None  # experts: E is no output axis of the weight
+    assert weight_layout("TNL,NLD->TND") is None  # N is a batch axis
+    assert weight_layout("BTH,HD->BTD") is None  # two leading axes
+
+
 @pytest.mark.parametrize("quantization", [None, "int8"])
-def test_model_on_the_kernel_gives_the_plain_tokens(monkeypatch, quantization: str | None):
+def test_model_on_the_kernel_gives_the_plain_tokens(monkeypatch, caplog, quantization: str | None):
     """JAXSERVE_SKINNY_MATMUL=on: every matmul of every step (prefill chunks of up to 32 tokens
     and decodes) runs the kernel in interpret mode: the fused qkv and gate/up (unquantized) or
     the int8 QArrays, o, down and the lm_head."""
@@ -250,7 +261,9 @@ def test_model_on_the_kernel_gives_the_plain_tokens(monkeypatch, quantization: s
 
     monkeypatch.setattr(sm, "skinny_matmul", counted)
     monkeypatch.setenv(sm.SKINNY_ENV, "on")
+    caplog.set_level(logging.INFO, logger="jaxserve")
     ids, logprobs = _generate(quantization)
+    assert sm.describe() in caplog.messages  # the start-up log says which path runs
     assert ids == plain_ids
     np.testing.assert_allclose(logprobs, plain_logprobs, rtol=1e-4, atol=1e-4)
     shapes = {shape for _, shape in calls}

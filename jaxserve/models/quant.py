@@ -176,22 +176,20 @@ def _skinny_matmul(
     mode = skinny_matmul.takes(x.shape[0])
     if mode is None:
         return None
-    scale = None
-    if isinstance(w, QArray):
+    scale: jax.Array | None = None  # f32[out]
+    if isinstance(w, QArray):  # per-channel 8-bit values, [out, in]
         if w.is_packed or w.scale.ndim != 1 or (w.act_quant and x.shape[0] >= W8A8_MIN_TOKENS):
             return None
-        layout, num_in, w2, scale = "nk", len(w.in_shape), w.q, w.scale
+        layout, w2, scale = "nk", jnp.asarray(w.q), jnp.asarray(w.scale)
         out_shape = w.out_shape
-    else:
+    else:  # [*in, *out] ("kn") or [*out, *in] ("nk"), as the einsum says
         how = weight_layout(spec)
         if how is None:
             return None
         layout, num_in = how
-        in_shape = x.shape[1:]
         out_shape = w.shape[num_in:] if layout == "kn" else w.shape[: w.ndim - num_in]
         num_out = math.prod(out_shape)
-        shape = (math.prod(in_shape), num_out) if layout == "kn" else (num_out, -1)
-        w2 = w.reshape(shape)
+        w2 = w.reshape((-1, num_out) if layout == "kn" else (num_out, -1))
     x2 = x.reshape(x.shape[0], -1)  # [T, in]
     if skinny_matmul.unsupported_reason(x2, w2, scale, layout) is not None:
         return None
