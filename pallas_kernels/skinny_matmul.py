@@ -157,7 +157,7 @@ def _kernel(x_ref, w_ref, scale_ref, o_ref, *, tiles: SkinnyConfig, w_layout: st
         is_k = k0 + jnp.arange(block_k, dtype=jnp.int32) < k  # bool[block_k]
         x_mask = is_row[:, None] & (is_k[None, :] if mask_k else True)
         x_mask = jnp.broadcast_to(x_mask, (block_m, block_k))
-        x = pltriton.load(x_ref.at[rows, ks], mask=x_mask, other=0)  # [block_m, block_k]
+        x = pltriton.load(x_ref.at[rows, ks], mask=x_mask, other=0.0)  # [block_m, block_k]
         if w_layout == "kn":
             w_view, k_axis, n_axis = w_ref.at[ks, cols], 0, 1  # [block_k, block_n]
         else:
@@ -167,7 +167,8 @@ def _kernel(x_ref, w_ref, scale_ref, o_ref, *, tiles: SkinnyConfig, w_layout: st
             w_mask = jnp.expand_dims(is_k, 1 - k_axis) if mask_k else True
             w_mask = w_mask & (jnp.expand_dims(is_col, 1 - n_axis) if mask_n else True)
             w_mask = jnp.broadcast_to(w_mask, w_view.shape)
-        w = pltriton.load(w_view, mask=w_mask, other=0 if w_mask is not None else None)
+        zero = 0 if jnp.issubdtype(w_ref.dtype, jnp.integer) else 0.0  # (0 -> fp8: no cast)
+        w = pltriton.load(w_view, mask=w_mask, other=zero if w_mask is not None else None)
         # NOTE: the conversion of fp8/int8 values happens here, in registers: the weight
         # crosses the memory bus at one byte per value.
         w = w.astype(x.dtype)
@@ -179,7 +180,7 @@ def _kernel(x_ref, w_ref, scale_ref, o_ref, *, tiles: SkinnyConfig, w_layout: st
         pltriton.store(o_ref.at[split, rows, cols], acc, mask=out_mask)
         return
     if scale_ref is not None:
-        acc = acc * pltriton.load(scale_ref.at[cols], mask=is_col, other=0)[None, :]
+        acc = acc * pltriton.load(scale_ref.at[cols], mask=is_col, other=0.0)[None, :]
     pltriton.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask=out_mask)
 
 

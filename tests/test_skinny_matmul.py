@@ -111,21 +111,29 @@ def test_bf16_input_with_float32_output():
     np.testing.assert_allclose(out, sm.reference(x, w, out_dtype=jnp.float32), rtol=1e-5, atol=1e-5)
 
 
+LOWERING_CASES = [
+    Case("llama_qkv_m8_bf16", 8, 4096, 6144),
+    Case("llama_qkv_m8_fp8", 8, 4096, 6144, w_dtype="float8_e4m3fn"),
+    *CPU_CASES[4:],  # masked loads of every weight format (fp8 and int8 zeros), fp16 x
+]
+
+
 @pytest.mark.filterwarnings(DEPRECATED)
-@pytest.mark.parametrize(
-    "w_dtype,w_shape", [("bfloat16", (4096, 6144)), ("float8_e4m3fn", (6144, 4096))]
-)
-def test_lowers_to_triton_for_an_h200(w_dtype: str, w_shape: tuple[int, int]):
-    """The Pallas -> Triton IR lowering (fp8 converts included) at the Llama-3-8B qkv shape."""
+@pytest.mark.parametrize("case", LOWERING_CASES, ids=lambda c: c.name)
+def test_lowers_to_triton_for_an_h200(case: Case):
+    """The Pallas -> Triton IR lowering (fp8 converts and masked loads included)."""
     h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
-    layout = "kn" if w_dtype == "bfloat16" else "nk"
-    x = jax.ShapeDtypeStruct((8, 4096), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct(w_shape, jnp.dtype(w_dtype))
-    scale = jax.ShapeDtypeStruct((6144,), jnp.float32) if layout == "nk" else None
-    call = jax.jit(lambda x, w, s: sm.skinny_matmul(x, w, s, w_layout=layout))
+    x = jax.ShapeDtypeStruct((case.m, case.k), jnp.dtype(case.x_dtype))
+    w_shape = (case.k, case.n) if case.w_layout == "kn" else (case.n, case.k)
+    w = jax.ShapeDtypeStruct(w_shape, jnp.dtype(case.w_dtype))
+    scale = jax.ShapeDtypeStruct((case.n,), jnp.float32) if case.w_layout == "nk" else None
+
+    def call(x, w, s):
+        return sm.skinny_matmul(x, w, s, w_layout=case.w_layout, config=case.config)
+
     with jax.sharding.use_abstract_mesh(mesh):
-        text = call.trace(x, w, scale).lower(lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(call).trace(x, w, scale).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
 
 
