@@ -100,7 +100,9 @@ def configs(m: int, k: int, n: int, itemsize: int, layout: str, sweep: bool):
             dict(block_k=base.block_k * 2),
             dict(block_k=max(16, base.block_k // 2), num_stages=5),
             dict(block_n=max(16, base.block_n // 2)),
+            dict(block_n=base.block_n * 4, num_splits=1),
             dict(num_warps=8),
+            dict(num_warps=2),
             dict(num_stages=2),
         ]
     for change in variants:

@@ -87,8 +87,9 @@ def plan(
 ) -> SkinnyConfig:
     """``config`` with every ``None`` replaced by a tile for these shapes.
 
-    A weight tile is 16-32 KiB: ``[128, 128]`` 16-bit values in the model's layout (256-byte
-    rows along N); ``[64, 256]`` bytes in the ``[N, K]`` layout (256-byte rows along K)."""
+    In the model's layout a weight tile is ``[128, 128]`` 16-bit values (256-byte rows along
+    N); in the ``[N, K]`` layout ``[16..64, 256]`` bytes (256-byte rows along K), N tiles
+    narrowed until the grid fills the GPU. Then K is split while it does not."""
     if w_layout == "kn":
         block_n = config.block_n or 128
         block_k = config.block_k or (128 if w_itemsize <= 2 else 64)
@@ -97,6 +98,12 @@ def plan(
         block_k = config.block_k or max(64, 256 // w_itemsize)
     block_n = min(block_n, max(16, _next_pow2(n)))
     block_k = min(block_k, max(16, _next_pow2(k)))
+    target = PROGRAMS_PER_SM * sms
+    if w_layout == "nk" and config.block_n is None:
+        # NOTE: a tile of an [N, K] weight reads block_k contiguous bytes per row at any
+        # block_n, so narrower N tiles fill the GPU first, without partial sums to add after.
+        while block_n > 16 and -(-n // block_n) < target:
+            block_n //= 2
     num_splits = config.num_splits
     if num_splits is None:
         n_blocks, k_blocks = -(-n // block_n), -(-k // block_k)
@@ -104,7 +111,7 @@ def plan(
         max_by_bytes = max(1, int(MAX_PARTIAL_SHARE * k * w_itemsize / (8 * m)))
         num_splits = 1
         while (
-            n_blocks * num_splits < PROGRAMS_PER_SM * sms
+            n_blocks * num_splits < target
             and k_blocks >= MIN_K_STEPS * num_splits * 2
             and num_splits * 2 <= max_by_bytes
         ):

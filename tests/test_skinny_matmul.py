@@ -150,7 +150,11 @@ def test_plan_splits_k_only_while_the_grid_is_short():
     # At 64 rows the f32 partial sums would cost more than a tenth of the weight's bytes.
     assert splits(64, 4096, 6144) == 1
     assert splits(16, 4096, 6144) == 4
-    assert splits(1, 4096, 6144, 1, "nk") == 4  # fp8 qkv: 96 blocks of 64 x 4, 4 K steps each
+    # fp8 [N, K]: N tiles narrowed first (contiguous rows whatever their number), then split.
+    fp8_qkv = sm.plan(1, 4096, 6144, 1, "nk", 132, sm.SkinnyConfig())
+    assert (fp8_qkv.block_n, fp8_qkv.block_k, fp8_qkv.num_splits) == (16, 256, 2)  # 768
+    fp8_gate_up = sm.plan(1, 4096, 28672, 1, "nk", 132, sm.SkinnyConfig())
+    assert (fp8_gate_up.block_n, fp8_gate_up.num_splits) == (32, 1)  # 896 programs
     tiles = sm.plan(1, 200, 40, 2, "kn", 132, sm.SkinnyConfig())
     assert (tiles.block_n, tiles.block_k) == (64, 128)  # tiles shrink to small shapes
 
