@@ -70,9 +70,8 @@ def xla_matmuls(x: jax.Array, weights: list) -> list[jax.Array]:
 def kernel_matmuls(
     x: jax.Array, weights: list, config: sm.SkinnyConfig, interpret: bool
 ) -> list[jax.Array]:
-    """The kernel over each weight; one inner jit, so the kernel is lowered once."""
+    """The kernel over each weight."""
 
-    @jax.jit
     def one(x, w):
         if isinstance(w, quant.QArray):  # fp8 [N, K] and its per-channel scales
             return sm.skinny_matmul(
