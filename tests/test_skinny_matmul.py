@@ -262,6 +262,24 @@ def test_model_on_the_kernel_gives_the_plain_tokens(monkeypatch, caplog, quantiz
     """JAXSERVE_SKINNY_MATMUL=on: every matmul of every step (prefill chunks of up to 32 tokens
     and decodes) runs the kernel in interpret mode: the fused qkv and gate/up (unquantized) or
     the int8 QArrays, o, down and the lm_head."""
+    check_model_on_the_kernel(monkeypatch, caplog, quantization, "on", tol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings(DEPRECATED)
+@pytest.mark.skipif(not _is_gpu(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_model_on_the_native_kernel_gives_the_plain_tokens(
+    monkeypatch, caplog, quantization: str | None
+):
+    """The same with JAXSERVE_SKINNY_MATMUL=auto, natively on one GPU (where XLA's f32 matmuls
+    may round their inputs to TF32, and the kernel's do not)."""
+    check_model_on_the_kernel(monkeypatch, caplog, quantization, "auto", tol=2e-2)
+
+
+def check_model_on_the_kernel(
+    monkeypatch, caplog, quantization: str | None, mode: str, tol: float
+) -> None:
     monkeypatch.delenv(sm.SKINNY_ENV, raising=False)
     plain_ids, plain_logprobs = _generate(quantization)
     calls: list[tuple[str, tuple[int, ...]]] = []
@@ -272,12 +290,12 @@ def test_model_on_the_kernel_gives_the_plain_tokens(monkeypatch, caplog, quantiz
         return kernel(x, w, *args, **kwargs)
 
     monkeypatch.setattr(sm, "skinny_matmul", counted)
-    monkeypatch.setenv(sm.SKINNY_ENV, "on")
+    monkeypatch.setenv(sm.SKINNY_ENV, mode)
     caplog.set_level(logging.INFO, logger="jaxserve")
     ids, logprobs = _generate(quantization)
     assert sm.describe() in caplog.messages  # the start-up log says which path runs
     assert ids == plain_ids
-    np.testing.assert_allclose(logprobs, plain_logprobs, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(logprobs, plain_logprobs, rtol=tol, atol=tol)
     shapes = {shape for _, shape in calls}
     if quantization is None:  # hidden 64, 4 + 2 x 2 heads of 16, intermediate 96, vocab
         assert {(64, 128), (64, 64), (64, 192), (96, 64)} <= shapes
