@@ -175,7 +175,14 @@ def _kernel(x_ref, w_ref, scale_ref, o_ref, *, tiles: SkinnyConfig, w_layout: st
             w_mask = w_mask & (jnp.expand_dims(is_col, 1 - n_axis) if mask_n else True)
             w_mask = jnp.broadcast_to(w_mask, w_view.shape)
         zero = 0 if jnp.issubdtype(w_ref.dtype, jnp.integer) else 0.0  # (0 -> fp8: no cast)
-        w = pltriton.load(w_view, mask=w_mask, other=zero if w_mask is not None else None)
+        # Each weight is read once per step: streamed past L2 first, leaving it to x and
+        # the KV cache.
+        w = pltriton.load(
+            w_view,
+            mask=w_mask,
+            other=zero if w_mask is not None else None,
+            eviction_policy="evict_first",
+        )
         # NOTE: the conversion of fp8/int8 values happens here, in registers: the weight
         # crosses the memory bus at one byte per value.
         w = w.astype(x.dtype)
