@@ -62,13 +62,15 @@ def timed(fn, *args, iters: int) -> float:
     return best
 
 
-def xla_matmuls(x: jax.Array, weights: list) -> list[jax.Array]:
+# NOTE: each weight gets its own x: dots that share an operand may be merged by XLA (DotMerger),
+# which would concatenate the weights on every run.
+def xla_matmuls(xs: list, weights: list) -> list[jax.Array]:
     """What the model runs with the kernel off: ``quant.linear`` (einsum, or fp8 weight-only)."""
-    return [quant.linear(x, w, "TH,HI->TI") for w in weights]
+    return [quant.linear(x, w, "TH,HI->TI") for x, w in zip(xs, weights, strict=True)]
 
 
 def kernel_matmuls(
-    x: jax.Array, weights: list, config: sm.SkinnyConfig, interpret: bool
+    xs: list, weights: list, config: sm.SkinnyConfig, interpret: bool
 ) -> list[jax.Array]:
     """The kernel over each weight."""
 
@@ -79,7 +81,7 @@ def kernel_matmuls(
             )
         return sm.skinny_matmul(x, w, config=config, interpret=interpret)
 
-    return [one(x, w) for w in weights]
+    return [one(x, w) for x, w in zip(xs, weights, strict=True)]
 
 
 def configs(m: int, k: int, n: int, itemsize: int, layout: str, sweep: bool):
@@ -160,9 +162,12 @@ def main() -> None:
             nbytes = weights[0].nbytes
             floor = nbytes / BANDWIDTH
             for m in batches:
-                x = jax.random.normal(jax.random.fold_in(sub, 999), (m, k), dtype)
+                xs = [
+                    jax.random.normal(jax.random.fold_in(sub, 1000 + i), (m, k), dtype)
+                    for i in range(copies)
+                ]
 
-                xla_s = timed(jax.jit(xla_matmuls), x, weights, iters=args.iters) / copies
+                xla_s = timed(jax.jit(xla_matmuls), xs, weights, iters=args.iters) / copies
                 item = 1 if fmt == "fp8" else 2
                 layout = "nk" if fmt == "fp8" else "kn"
                 results = []
@@ -172,7 +177,7 @@ def main() -> None:
                 for label, config in cells:
                     try:
                         fn = jax.jit(kernel_matmuls, static_argnums=(2, 3))
-                        t = timed(fn, x, weights, config, interpret, iters=args.iters) / copies
+                        t = timed(fn, xs, weights, config, interpret, iters=args.iters) / copies
                     except Exception as e:  # a config Triton cannot compile: say so, go on
                         print(f"  {name} M={m} {fmt} {label}: {type(e).__name__}: {e}"[:300])
                         continue
