@@ -40,6 +40,8 @@
 #   skinny       the skinny-matmul kernel: its native tests (pytest -m gpu), then against XLA and
 #                the bytes floor at the Llama-3-8B projections, M = 1, 8, 16, 64, bf16 and fp8
 #                (benchmarks/skinny_matmul.py, about 3 minutes) -> $OUT/skinny_matmul.{log,json}
+#   skinny_sweep the same at M = 1 and 16 over more tile configs (--sweep, up to ~8 minutes), to
+#                choose the plan's tiles -> $OUT/skinny_sweep.{log,json}
 #   skinny_step  the decode step at batch 1 and 8 (context 1024), bf16 and fp8 weights, with
 #                JAXSERVE_SKINNY_MATMUL=off and =auto side by side (decode_roofline.py)
 #   occupied     a second jaxserve launch on the GPU a first server (demo model, default flags)
@@ -298,6 +300,12 @@ stage_skinny() {
     > "$OUT/skinny_matmul.log" 2>&1
   sed -n '/^| projection/,$p' "$OUT/skinny_matmul.log"
   grep -E "Error|error" "$OUT/skinny_matmul.log" | head -5
+}
+
+stage_skinny_sweep() {
+  python3 benchmarks/skinny_matmul.py --sweep --batches 1,16 --budget-s 420 \
+    --output-json "$OUT/skinny_sweep.json" > "$OUT/skinny_sweep.log" 2>&1
+  sed -n '/^| projection/,$p' "$OUT/skinny_sweep.log"
 }
 
 stage_skinny_step() {
