@@ -312,14 +312,20 @@ stage_skinny_step() {
   local quant mode
   for quant in bf16 fp8; do
     for mode in off auto; do
+      local run=skinny_step_${quant}_$mode
       JAXSERVE_SKINNY_MATMUL=$mode python3 benchmarks/decode_roofline.py --iters 10 \
         --batches 1,8 --contexts 1024 $([ $quant = fp8 ] && echo --quantization fp8) \
-        --output-json "$OUT/skinny_step_${quant}_$mode.json" \
-        > "$OUT/skinny_step_${quant}_$mode.log" 2>&1
+        --output-json "$OUT/$run.json" --profile-dir "$OUT/${run}_profile" \
+        --profile-batches 1 > "$OUT/$run.log" 2>&1
       echo "-- $quant weights, JAXSERVE_SKINNY_MATMUL=$mode"
       JAXSERVE_SKINNY_MATMUL=$mode python3 -c \
         'from pallas_kernels import skinny_matmul as s; print(s.describe())' 2>/dev/null
-      grep -v -i warn "$OUT/skinny_step_${quant}_$mode.log" | tail -4
+      grep -v -i warn "$OUT/$run.log" | tail -4
+      # Batch 1's kernels by device time (3 steps traced), beside the other mode's.
+      python3 benchmarks/trace_summary.py "$OUT/${run}_profile" --steps 3 --top 10 \
+        > "$OUT/${run}_kernels.txt" 2>&1
+      head -16 "$OUT/${run}_kernels.txt"
+      find "$OUT/${run}_profile" -name "*.xplane.pb" -delete
     done
   done
 }
