@@ -17,6 +17,7 @@ import pytest
 
 import jaxserve
 from jaxserve import SamplingParams
+from jaxserve.models import quant
 from jaxserve.models.quant import weight_layout
 from pallas_kernels import skinny_matmul as sm
 from tests.conftest import fixture_dir
@@ -255,6 +256,33 @@ def test_linear_reads_the_weight_layout_from_the_einsum():
     assert weight_layout("TH,EHM->TEM") is None  # experts: E is no output axis of the weight
     assert weight_layout("TNL,NLD->TND") is None  # N is a batch axis
     assert weight_layout("BTH,HD->BTD") is None  # two leading axes
+
+
+LINEAR_CASES = [
+    ("TND,NDH->TH", (3, 4, 16), (4, 16, 40), None),  # o [N, D, H]
+    ("NH,VH->NV", (2, 32), (100, 32), None),  # a tied embedding, f32 logits
+    ("TH,HI->TI", (2, 3, 64), (64, 48), "int8"),  # two leading axes of x
+    ("TH,HI->TI", (5, 64), (64, 48), "fp8"),
+]
+
+
+@pytest.mark.parametrize("spec,x_shape,w_shape,quantized", LINEAR_CASES)
+def test_linear_on_the_kernel_matches_xla(monkeypatch, spec, x_shape, w_shape, quantized):
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
+    w = jnp.asarray(rng.standard_normal(w_shape), jnp.float32)
+    out_dtype = jnp.float32 if spec.startswith("NH") else None
+    if quantized is not None:
+        w = quant.quantize(quant.to_out_in(w, 1), quantized, w_shape[:1], w_shape[1:])
+    monkeypatch.setenv(sm.SKINNY_ENV, "off")
+    expected = quant.linear(x, w, spec, out_dtype)
+    calls = []
+    kernel = sm.skinny_matmul
+    monkeypatch.setattr(sm, "skinny_matmul", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    monkeypatch.setenv(sm.SKINNY_ENV, "on")
+    out = quant.linear(x, w, spec, out_dtype)
+    assert calls and out.shape == expected.shape and out.dtype == expected.dtype
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])

@@ -171,17 +171,18 @@ def weight_layout(spec: str) -> tuple[str, int] | None:
 def _skinny_matmul(
     x: jax.Array, w: jax.Array | QArray, spec: str, out_dtype: Any
 ) -> jax.Array | None:
-    """``linear`` on the skinny-matmul kernel, when this step (x's token bucket) takes it and
-    the kernel takes the weight; else None."""
-    mode = skinny_matmul.takes(x.shape[0])
+    """``linear`` on the skinny-matmul kernel, when this step (its rows of x: the token
+    bucket) takes it and the kernel takes the weight; else None."""
+    lead = x.shape[: x.ndim - len(w.in_shape)] if isinstance(w, QArray) else x.shape[:1]
+    num_rows = math.prod(lead)
+    mode = skinny_matmul.takes(num_rows)
     if mode is None:
         return None
     scale: jax.Array | None = None  # f32[out]
-    if isinstance(w, QArray):  # per-channel 8-bit values, [out, in]
-        if w.is_packed or w.scale.ndim != 1 or (w.act_quant and x.shape[0] >= W8A8_MIN_TOKENS):
+    if isinstance(w, QArray):  # per-channel 8-bit values, [out, in], read weight-only
+        if w.is_packed or w.scale.ndim != 1 or (w.act_quant and num_rows >= W8A8_MIN_TOKENS):
             return None
-        layout, w2, scale = "nk", jnp.asarray(w.q), jnp.asarray(w.scale)
-        out_shape = w.out_shape
+        layout, w2, scale, out_shape = "nk", jnp.asarray(w.q), jnp.asarray(w.scale), w.out_shape
     else:  # [*in, *out] ("kn") or [*out, *in] ("nk"), as the einsum says
         how = weight_layout(spec)
         if how is None:
@@ -190,13 +191,13 @@ def _skinny_matmul(
         out_shape = w.shape[num_in:] if layout == "kn" else w.shape[: w.ndim - num_in]
         num_out = math.prod(out_shape)
         w2 = w.reshape((-1, num_out) if layout == "kn" else (num_out, -1))
-    x2 = x.reshape(x.shape[0], -1)  # [T, in]
+    x2 = x.reshape(num_rows, -1)  # [T, in]
     if skinny_matmul.unsupported_reason(x2, w2, scale, layout) is not None:
         return None
     y = skinny_matmul.skinny_matmul(
         x2, w2, scale, w_layout=layout, out_dtype=out_dtype, interpret=mode == "interpret"
     )
-    return y.reshape(x.shape[0], *out_shape)
+    return y.reshape(*lead, *out_shape)
 
 
 # -- quantizing bf16 weights (on load and for dummy weights) -----------------------------------
