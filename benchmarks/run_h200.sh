@@ -46,6 +46,13 @@
 #   moe_hf       only the Hugging Face half of moe, for a call of its own when it did not fit
 #   gpt_oss      gpt-oss-20b (dummy bf16, shipped config): benchmarks/moe.py's decode, experts and
 #                throughput for jaxserve only, attention sinks in the kernels, 2048-token steps
+#   skinny       the skinny-matmul kernel: its native tests (pytest -m gpu), then against XLA and
+#                the bytes floor at the Llama-3-8B projections, M = 1, 8, 16, 64, bf16 and fp8
+#                (benchmarks/skinny_matmul.py, about 3 minutes) -> $OUT/skinny_matmul.{log,json}
+#   skinny_sweep the same at M = 1 and 16 over more tile configs (--sweep, up to ~8 minutes), to
+#                choose the plan's tiles -> $OUT/skinny_sweep.{log,json}
+#   skinny_step  the decode step at batch 1 and 8 (context 1024), bf16 and fp8 weights, with
+#                JAXSERVE_SKINNY_MATMUL=off and =auto side by side (decode_roofline.py)
 #   occupied     a second jaxserve launch on the GPU a first server (demo model, default flags)
 #                holds: seconds until it exits, its exit code and last lines -> $OUT/occupied.txt
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
@@ -310,6 +317,42 @@ stage_gpt_oss() {
   python3 benchmarks/moe.py --engine jaxserve --model jaxserve/assets/configs/gpt-oss-20b \
     --max-num-batched-tokens 2048 --output-json "$OUT/gpt_oss.json" > "$OUT/gpt_oss.log" 2>&1
   grep -v -E "INFO|WARN" "$OUT/gpt_oss.log" | tail -24
+}
+
+stage_skinny() {
+  python3 -m pytest -q -m gpu tests/test_skinny_matmul.py -x 2>&1 | tail -3
+  python3 benchmarks/skinny_matmul.py --output-json "$OUT/skinny_matmul.json" \
+    > "$OUT/skinny_matmul.log" 2>&1
+  sed -n '/^| projection/,$p' "$OUT/skinny_matmul.log"
+  grep -E "Error|error" "$OUT/skinny_matmul.log" | head -5
+}
+
+stage_skinny_sweep() {
+  python3 benchmarks/skinny_matmul.py --sweep --batches 1,16 --budget-s 420 \
+    --output-json "$OUT/skinny_sweep.json" > "$OUT/skinny_sweep.log" 2>&1
+  sed -n '/^| projection/,$p' "$OUT/skinny_sweep.log"
+}
+
+stage_skinny_step() {
+  local quant mode
+  for quant in bf16 fp8; do
+    for mode in off auto; do
+      local run=skinny_step_${quant}_$mode
+      JAXSERVE_SKINNY_MATMUL=$mode python3 benchmarks/decode_roofline.py --iters 10 \
+        --batches 1,8 --contexts 1024 $([ $quant = fp8 ] && echo --quantization fp8) \
+        --output-json "$OUT/$run.json" --profile-dir "$OUT/${run}_profile" \
+        --profile-batches 1 > "$OUT/$run.log" 2>&1
+      echo "-- $quant weights, JAXSERVE_SKINNY_MATMUL=$mode"
+      JAXSERVE_SKINNY_MATMUL=$mode python3 -c \
+        'from pallas_kernels import skinny_matmul as s; print(s.describe())' 2>/dev/null
+      grep -v -i warn "$OUT/$run.log" | tail -4
+      # Batch 1's kernels by device time (3 steps traced), beside the other mode's.
+      python3 benchmarks/trace_summary.py "$OUT/${run}_profile" --steps 3 --top 10 \
+        > "$OUT/${run}_kernels.txt" 2>&1
+      head -16 "$OUT/${run}_kernels.txt"
+      find "$OUT/${run}_profile" -name "*.xplane.pb" -delete
+    done
+  done
 }
 
 stage_occupied() {  # the second start must end in seconds with the fix, not retry allocations

@@ -248,3 +248,16 @@ def test_grouped_matmul_lowering_reads_instructions_not_metadata() -> None:
         f'custom_call_target="__gpu$xla.gpu.triton", {meta}'
     )
     assert lowering(triton) == "Pallas Triton grouped matmul"
+
+
+def test_skinny_matmul_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
+    out = tmp_path / "skinny.json"
+    args = ["--smoke", "--batches", "3", "--formats", "fp8", "--iters", "1"]
+    run_script("benchmarks/skinny_matmul.py", [*args, "--output-json", str(out)], monkeypatch)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["m"], r["format"]) for r in rows] == [
+        ("qkv", 3, "fp8"),
+        ("down", 3, "fp8"),
+    ]
+    assert all(r["best_us"] > 0 and r["xla_us"] > 0 for r in rows)
+    assert "| 3 | fp8 |" in capsys.readouterr().out  # the model-step table

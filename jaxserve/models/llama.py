@@ -166,7 +166,7 @@ def attention_block(
     kv_scale: tuple[float, float] | None = None,  # an fp8 cache's (k_scale, v_scale)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     if lw.fused is not None:  # one GEMM for q, k and v
-        qkv = jnp.einsum("TH,HXD->TXD", x, lw.fused.wqkv)
+        qkv = linear(x, lw.fused.wqkv, "TH,HXD->TXD")
         n, kv = config.num_q_heads, config.num_kv_heads
         q, k, v = qkv[:, :n], qkv[:, n : n + kv], qkv[:, n + kv :]
     else:
@@ -216,7 +216,7 @@ def mlp_block(
 ) -> jax.Array:  # [T, H] -> [T, H]
     assert lw.w_down is not None
     if lw.fused is not None and lw.fused.w_gate_up is not None:  # one GEMM for gate and up
-        gate_up = jnp.einsum("TH,HI->TI", x, lw.fused.w_gate_up)
+        gate_up = linear(x, lw.fused.w_gate_up, "TH,HI->TI")
         gate, up = jnp.split(gate_up, 2, axis=1)
     else:
         assert lw.w_gate is not None and lw.w_up is not None
@@ -290,11 +290,9 @@ def compute_logits(
 ) -> jax.Array:  # [N, H] -> f32[N, V]
     """Logits of the given hidden rows; ``soft_cap`` (Gemma 2): cap * tanh(logits / cap)."""
     if weights.lm_head is None:
-        logits = jnp.einsum("NH,VH->NV", hidden, weights.embed, preferred_element_type=jnp.float32)
+        logits = linear(hidden, weights.embed, "NH,VH->NV", out_dtype=jnp.float32)
     else:
-        logits = jnp.einsum(
-            "NH,HV->NV", hidden, weights.lm_head, preferred_element_type=jnp.float32
-        )
+        logits = linear(hidden, weights.lm_head, "NH,HV->NV", out_dtype=jnp.float32)
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
     return logits

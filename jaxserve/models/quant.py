@@ -5,7 +5,9 @@ output and input axes of ``families.py``'s ``hf_shape``, flattened): 8-bit value
 int8) or 4-bit values packed eight to an int32 word along ``in``, with a scale per output channel
 or per group of inputs, and for 4-bit formats a zero point per group. ``linear(x, w, spec)`` is
 the model's matmul: a plain array goes through ``jnp.einsum(spec, ...)`` exactly as before; a
-``QArray`` is multiplied in its own layout and reshaped back to the einsum's output.
+``QArray`` is multiplied in its own layout and reshaped back to the einsum's output. Steps of
+few tokens may take the skinny-matmul kernel instead (``pallas_kernels.skinny_matmul``, behind
+``JAXSERVE_SKINNY_MATMUL``), for plain weights and per-channel 8-bit ones alike.
 
 Made by ``quantize`` (``--quantization fp8 | int8``: bf16 weights quantized on load) and by
 ``quant_checkpoint.py`` (fp8, compressed-tensors, AWQ and GPTQ checkpoints); laid out across
@@ -25,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+
+from pallas_kernels import skinny_matmul
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -119,11 +123,15 @@ W8A8_MIN_TOKENS = int(os.environ.get("JAXSERVE_W8A8_MIN_TOKENS", "128"))
 # tiling (AWQ and GPTQ checkpoints would be repacked either way), and brings 13,928 lines plus
 # flax, optax, chex, orbax, absl and opt_einsum, none of which jaxserve otherwise needs. This
 # function is the whole of what the model uses.
-def linear(x: jax.Array, w: jax.Array | QArray, spec: str) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array | QArray, spec: str, out_dtype: Any = None) -> jax.Array:
     """The model's matmul: ``jnp.einsum(spec, x, w)`` for a plain weight; for a ``QArray``,
-    x ``[T, *in_shape]`` -> ``[T, *out_shape]`` in x's dtype, dequantized inside the matmul."""
+    x ``[T, *in_shape]`` -> ``[T, *out_shape]`` in x's dtype, dequantized inside the matmul.
+    ``out_dtype`` (default x's): the result's dtype, summed in f32 either way (logits)."""
+    kernel = _skinny_matmul(x, w, spec, out_dtype)
+    if kernel is not None:
+        return kernel
     if not isinstance(w, QArray):
-        return jnp.einsum(spec, x, w)
+        return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
     lead = x.shape[: x.ndim - len(w.in_shape)]
     x2 = x.reshape(-1, math.prod(w.in_shape))  # [T, in]
     if w.act_quant and x2.shape[0] >= W8A8_MIN_TOKENS:
@@ -140,7 +148,56 @@ def linear(x: jax.Array, w: jax.Array | QArray, spec: str) -> jax.Array:
         y = jax.lax.dot_general(
             x2, dequantize(w, x.dtype), _CONTRACT_IN, preferred_element_type=jnp.float32
         )
-    return y.astype(x.dtype).reshape(*lead, *w.out_shape)
+    return y.astype(out_dtype or x.dtype).reshape(*lead, *w.out_shape)
+
+
+def weight_layout(spec: str) -> tuple[str, int] | None:
+    """How ``spec`` reads its weight: ``("kn", num_in_axes)`` for x ``[T, *in]`` times a weight
+    ``[*in, *out]`` into ``[T, *out]`` (``"TND,NDH->TH"``), ``("nk", ...)`` for a weight
+    ``[*out, *in]`` (``"NH,VH->NV"``, a tied embedding); None for any other einsum."""
+    inputs, out = spec.replace(" ", "").split("->")
+    x_axes, w_axes = inputs.split(",")
+    lead, x_in = x_axes[:1], x_axes[1:]
+    w_out = "".join(a for a in w_axes if a not in x_in)
+    if out != lead + w_out or not x_in or lead in w_axes:
+        return None
+    if w_axes == x_in + w_out:
+        return "kn", len(x_in)
+    if w_axes == w_out + x_in:
+        return "nk", len(x_in)
+    return None
+
+
+def _skinny_matmul(
+    x: jax.Array, w: jax.Array | QArray, spec: str, out_dtype: Any
+) -> jax.Array | None:
+    """``linear`` on the skinny-matmul kernel, when this step (its rows of x: the token
+    bucket) takes it and the kernel takes the weight; else None."""
+    lead = x.shape[: x.ndim - len(w.in_shape)] if isinstance(w, QArray) else x.shape[:1]
+    num_rows = math.prod(lead)
+    mode = skinny_matmul.takes(num_rows)
+    if mode is None:
+        return None
+    scale: jax.Array | None = None  # f32[out]
+    if isinstance(w, QArray):  # per-channel 8-bit values, [out, in], read weight-only
+        if w.is_packed or w.scale.ndim != 1 or (w.act_quant and num_rows >= W8A8_MIN_TOKENS):
+            return None
+        layout, w2, scale, out_shape = "nk", jnp.asarray(w.q), jnp.asarray(w.scale), w.out_shape
+    else:  # [*in, *out] ("kn") or [*out, *in] ("nk"), as the einsum says
+        how = weight_layout(spec)
+        if how is None:
+            return None
+        layout, num_in = how
+        out_shape = w.shape[num_in:] if layout == "kn" else w.shape[: w.ndim - num_in]
+        num_out = math.prod(out_shape)
+        w2 = w.reshape((-1, num_out) if layout == "kn" else (num_out, -1))
+    x2 = x.reshape(num_rows, -1)  # [T, in]
+    if skinny_matmul.unsupported_reason(x2, w2, scale, layout) is not None:
+        return None
+    y = skinny_matmul.skinny_matmul(
+        x2, w2, scale, w_layout=layout, out_dtype=out_dtype, interpret=mode == "interpret"
+    )
+    return y.reshape(*lead, *out_shape)
 
 
 # -- quantizing bf16 weights (on load and for dummy weights) -----------------------------------

@@ -25,6 +25,7 @@ from jaxserve.models.quant_scheme import (
     resolve_scheme,
 )
 from jaxserve.runner.capacity import kv_heads_per_device
+from pallas_kernels import skinny_matmul
 from pallas_kernels.grouped_matmul import GROUPED_MATMUL_NAMES, choose_grouped_matmul
 
 _PROBE_LOGGER = "jax._src.xla_bridge"
@@ -208,6 +209,7 @@ def startup_lines(
         describe_devices(tp),
         describe_model(model_config, config, dtype, max_model_len),
         describe_attention(model_config, dtype, config.block_size, tp, kv_dtype),
+        skinny_matmul.describe(),
         *([experts] if experts else []),
     ]
     return lines + ([quant.describe()] if quant is not None else [])
