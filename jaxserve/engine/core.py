@@ -10,7 +10,7 @@ output processor turns the sampled tokens into text, logprobs, stop decisions an
 from __future__ import annotations
 
 import collections
-import concurrent.futures
+import functools
 import logging
 import random
 import threading
@@ -24,7 +24,7 @@ from jaxserve.engine.interfaces import EngineStats, Runner
 from jaxserve.engine.kv_cache import KVCacheManager
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.outputs import RequestMetrics, RequestOutput
-from jaxserve.engine.request import Request, Sequence, seq_of
+from jaxserve.engine.request import Request, Sequence, mark_scheduled, seq_of
 from jaxserve.engine.request_checks import RequestError, check_request
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.structured_outputs import Accepted, StructuredOutputs
@@ -105,8 +105,7 @@ class EngineCore:
     def shutdown(self) -> None:
         """Wait for a step still on the device, then release the follower processes of a
         multi-host replica (a no-op on one host). Call it once the step loop has stopped."""
-        if self._in_flight is not None:
-            self._read_in_flight()
+        self._read_in_flight()
         self.runner.stop_followers()
         self.grammar_compiler.close()
         self.structured_outputs.close()
@@ -127,39 +126,28 @@ class EngineCore:
         arrival_time: float | None = None,
         group_id: str | None = None,
     ) -> None:
-        """Queue a request for the next step; ``RequestError`` if it cannot run. Requests
-        with one ``group_id`` (the prompts of one API call) take one admission turn together."""
+        """Queue a request for the next step (``RequestError`` if it cannot run); requests of
+        one ``group_id`` (the prompts of one API call) take one admission turn together."""
         params = check_request(
             prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
-        grammar = self.compile_grammar(params)
         arrival = time.time() if arrival_time is None else arrival_time
         request = Request(
-            request_id=request_id,
-            prompt=prompt,
-            prompt_token_ids=list(prompt_token_ids),
-            params=params,
-            arrival_time=arrival,
-            priority=priority,
-            cache_salt=cache_salt,
-            group_id=group_id or "",
-            metrics=RequestMetrics(arrival_time=arrival),
-            grammar=grammar,
-        )
+            request_id, prompt, list(prompt_token_ids), params, arrival, priority, cache_salt,
+            group_id or "", metrics=RequestMetrics(arrival_time=arrival),
+            grammar=self.compile_grammar(params),
+        )  # fmt: skip
         request.add_samples(
             params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         )
         with self._lock:
             if request_id in self.requests or any(r.request_id == request_id for r in self._inbox):
-                raise RequestError(
-                    f"request id {request_id!r} is already in use", param="request_id"
-                )
+                raise RequestError(f"request id {request_id!r} is in use", param="request_id")
             self._inbox.append(request)
 
     def compile_grammar(self, params: SamplingParams) -> Any:
-        """The compiled grammar of ``params.structured_outputs`` (None without one), from the
-        cache when the server compiled it before; ``RequestError`` naming the field if the
-        constraint is invalid or too slow to compile (``GrammarError``)."""
+        """The compiled grammar of ``params.structured_outputs`` (None without one; cached);
+        ``RequestError`` naming the field if it is invalid or too slow to compile."""
         spec = params.structured_outputs
         return None if spec is None else self.grammar_compiler.compile(spec)
 
@@ -234,15 +222,10 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs + self._read_in_flight()
-        now = time.time()
-        for item in sched.scheduled:
-            metrics = seq_of(item).request.metrics
-            if metrics is not None and metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
+        mark_scheduled(sched, time.time())
         self.structured_outputs.update_states(sched)
-        # A constrained step's sampler waits for its token masks: the forward pass runs while
-        # the host reads back the previous step, advances the matchers with its tokens and
-        # fills this step's masks (on a worker, beside the rest of the previous step's output).
+        # A constrained step's sampler waits for its token masks: the forward pass runs while the
+        # host reads back the previous step and fills this step's masks (``start_masks``).
         constrained = self.structured_outputs.is_constrained(sched)
         try:
             previous = self._in_flight[1] if overlap and self._in_flight else None
@@ -254,21 +237,17 @@ class EngineCore:
             return outputs + self._fail_new_requests(sched, exc)
         self.scheduler.update_from_output(sched)
         self.num_steps += 1
-        masks: list[concurrent.futures.Future[None]] = []
-
-        def start_masks() -> None:
-            buffer = self.runner.token_mask_buffer(step)
-            masks.append(self.structured_outputs.start_masks(sched, buffer))
-
+        start_masks = None
+        if constrained:
+            mask = self.runner.token_mask_buffer(step)
+            start_masks = functools.partial(self.structured_outputs.start_masks, sched, mask)
         if overlap:
             for item in sched.scheduled:
                 if item.completes_sequence:  # its token is read back after the next dispatch
                     seq_of(item).add_pending()
-            outputs += self._read_in_flight(start_masks if constrained else None)
+        outputs += self._read_in_flight(start_masks)  # nothing is in flight unless overlap
         if constrained:
-            if not masks:
-                start_masks()
-            masks[0].result()
+            self.structured_outputs.wait_masks()
             self.runner.dispatch_sampler(step)
             if not overlap:
                 result = self.runner.collect(step)
@@ -278,8 +257,8 @@ class EngineCore:
         return outputs
 
     def _fail_new_requests(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
-        """A step whose inputs could not be built: the requests that joined it fail with an
-        error and the engine carries on; with no new request to blame, the step loop dies."""
+        """A step whose inputs could not be built: the requests that joined it fail, and the
+        engine carries on (with no new request to blame, the step loop dies)."""
         blamed = {seq_of(item).request.request_id for item in sched.scheduled if item.is_new}
         if not blamed:
             raise exc
@@ -289,41 +268,20 @@ class EngineCore:
 
     def _read_in_flight(self, then: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Wait for the dispatched step, if any, and process its tokens; ``then`` runs once
-        its tokens have reached the grammars, before the rest of the output work."""
-        if self._in_flight is None:
-            if then is not None:
-                then()
-            return []
-        sched, step = self._in_flight
-        self._in_flight = None
-        result = self.runner.collect(step)
-        accepted = self._accept_tokens(sched, result)
+        they have reached the grammars, before the rest of the output work."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            result = self.runner.collect(in_flight[1])
+            accepted = self.structured_outputs.accept_step(in_flight[0], result)
         if then is not None:
             then()
-        return self._process(sched, result, accepted)
-
-    def _accept_tokens(self, sched: SchedulerOutput, result: RunnerOutput) -> Accepted:
-        """The step's sampled tokens through the grammars of the sequences that have one."""
-        failed = {
-            seq_of(item).request.request_id
-            for item in sched.scheduled
-            if item.seq.seq_id in result.failed
-        }
-        return self.structured_outputs.accept_tokens(
-            [
-                (seq_of(item), int(result.token_ids[i]))
-                for i, item in enumerate(sched.scheduled)
-                if item.completes_sequence
-                and not seq_of(item).is_finished
-                and seq_of(item).request.request_id not in failed
-            ]
-        )
+        return [] if in_flight is None else self._process(in_flight[0], result, accepted)
 
     def _process(
         self, sched: SchedulerOutput, result: RunnerOutput, accepted: Accepted | None = None
     ) -> list[RequestOutput]:
         if accepted is None:
-            accepted = self._accept_tokens(sched, result)
+            accepted = self.structured_outputs.accept_step(sched, result)
         now = time.time()
         touched: dict[str, list[Sequence]] = {}
         outputs = []
@@ -368,10 +326,9 @@ class EngineCore:
                 metrics.last_token_time = now
             touched.setdefault(request.request_id, []).append(seq)
         for request_id, seqs in touched.items():
-            touched_request = self.requests.get(request_id)
-            if touched_request is None:  # aborted while this step was on the device
+            if request_id not in self.requests:  # aborted while this step was on the device
                 continue
-            request = touched_request
+            request = self.requests[request_id]
             if request.returns_best_of:
                 if not request.is_finished:
                     continue

@@ -19,7 +19,7 @@ import hashlib
 from typing import Any, cast
 
 from jaxserve.engine.outputs import Logprob, RequestMetrics
-from jaxserve.runner.step import PENDING_TOKEN, ScheduledSeq
+from jaxserve.runner.step import PENDING_TOKEN, ScheduledSeq, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -176,3 +176,11 @@ class Request:
 def seq_of(item: ScheduledSeq) -> Sequence:
     """The engine's own ``Sequence`` behind a step's entry (the runner sees a ``StepSequence``)."""
     return cast(Sequence, item.seq)
+
+
+def mark_scheduled(sched: SchedulerOutput, now: float) -> None:
+    """Note the first time each scheduled sequence's request got a step."""
+    for item in sched.scheduled:
+        metrics = seq_of(item).request.metrics
+        if metrics is not None and metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = now

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.engine.request import Request, Sequence, seq_of
-from jaxserve.runner.step import SchedulerOutput
+from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 
 
 @dataclasses.dataclass
@@ -66,6 +66,7 @@ class StructuredOutputs:
         # spreads the rows over its own threads) while the engine thread turns step n's tokens
         # into outputs; only one mask is ever in flight.
         self._mask_worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending_mask: concurrent.futures.Future[None] | None = None
 
     @property
     def num_matchers(self) -> int:
@@ -101,6 +102,21 @@ class StructuredOutputs:
                     state.replay(token)  # a resumed sequence's tokens so far
                 self._seqs[seq.seq_id] = state
 
+    def accept_step(self, sched: SchedulerOutput, result: RunnerOutput) -> Accepted:
+        """A step's sampled tokens through the grammars of the sequences that have one (not
+        those of a request whose part of the step failed: it ends)."""
+        if not self._seqs:
+            return Accepted()
+        scheduled = sched.scheduled
+        failed = {seq_of(i).request.request_id for i in scheduled if i.seq.seq_id in result.failed}
+        tokens = []
+        for i, item in enumerate(scheduled):
+            seq = seq_of(item)
+            if item.completes_sequence and not seq.is_finished:
+                if seq.request.request_id not in failed:
+                    tokens.append((seq, int(result.token_ids[i])))
+        return self.accept_tokens(tokens)
+
     def accept_tokens(self, tokens: list[tuple[Sequence, int]]) -> Accepted:
         """Advance the matchers of these sequences by the tokens read back, in one parallel
         call; which grammars are now complete (nothing more may follow) and which refused."""
@@ -125,12 +141,10 @@ class StructuredOutputs:
                 accepted.complete.add(seq_id)
         return accepted
 
-    def start_masks(
-        self, sched: SchedulerOutput, masks: np.ndarray
-    ) -> concurrent.futures.Future[None]:
+    def start_masks(self, sched: SchedulerOutput, masks: np.ndarray) -> None:
         """Fill ``masks`` (i32[>= num_scheduled, W], every bit set) on the worker thread: row i
         packs the allowed next tokens (bit v % 32 of word v // 32) of scheduled sequence i;
-        rows without an active matcher keep every token. Wait on the result before reading it."""
+        rows without an active matcher keep every token. ``wait_masks`` before reading it."""
         rows = []
         for i, item in enumerate(sched.scheduled):
             state = self._seqs.get(item.seq.seq_id)
@@ -139,7 +153,14 @@ class StructuredOutputs:
                     rows.append((state.matcher, i))
         if self._mask_worker is None:
             self._mask_worker = concurrent.futures.ThreadPoolExecutor(1, "token-masks")
-        return self._mask_worker.submit(self._fill, rows, masks)
+        assert self._pending_mask is None, "one mask at a time"
+        self._pending_mask = self._mask_worker.submit(self._fill, rows, masks)
+
+    def wait_masks(self) -> None:
+        """Wait for the mask ``start_masks`` began (its errors raise here)."""
+        pending, self._pending_mask = self._pending_mask, None
+        assert pending is not None, "no mask was started"
+        pending.result()
 
     def _fill(self, rows: list[tuple[Any, int]], masks: np.ndarray) -> None:
         import llguidance.numpy
@@ -150,7 +171,8 @@ class StructuredOutputs:
     def token_masks(self, sched: SchedulerOutput) -> np.ndarray:
         """i32[num_scheduled, W]: ``start_masks`` into a fresh array, waited for."""
         masks = np.full((len(sched.scheduled), self.mask_width), -1, np.int32)
-        self.start_masks(sched, masks).result()
+        self.start_masks(sched, masks)
+        self.wait_masks()
         return masks
 
     @property
