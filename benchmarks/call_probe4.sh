@@ -8,7 +8,7 @@ export PYTHONPATH=.:/tmp/site
 git log -1 --format=%h
 ALL="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION --xla_gpu_graph_min_graph_size=1"
 i=0
-for flags in "" "--xla_gpu_enable_command_buffer=" "$ALL"; do
+for flags in "" "$ALL"; do
   i=$((i+1)); echo "== XLA_FLAGS='$flags'"
   XLA_FLAGS="$flags" timeout 110 python3 benchmarks/decode_roofline.py --iters 10 --batches 1,64 --contexts 1024 > "$OUT/flags$i.log" 2>&1
   grep '^row' "$OUT/flags$i.log"; grep -E "Error|error:" "$OUT/flags$i.log" | head -2
