@@ -133,6 +133,21 @@ def kv_heads_per_device(num_kv_heads: int, tensor_parallel_size: int) -> int:
     return max(1, num_kv_heads // tensor_parallel_size)
 
 
+def cache_bytes_per_token(config: ModelConfig, tensor_parallel_size: int, itemsize: int) -> int:
+    """Bytes one token occupies in the KV cache of one device, all layers: K and V of its KV
+    heads (split over the devices); for multi-head latent attention its latent c_kv and
+    rotary key k_pe, once (the same on every device)."""
+    if config.mla is not None:
+        (_, latent), (_, rope_dim) = config.kv_cache_dims
+        return config.num_layers * (latent + rope_dim) * itemsize
+    return kv_bytes_per_token(
+        config.num_layers,
+        kv_heads_per_device(config.num_kv_heads, tensor_parallel_size),
+        config.head_dim,
+        itemsize,
+    )
+
+
 def activation_bytes(
     config: ModelConfig,
     max_num_batched_tokens: int,
@@ -143,6 +158,10 @@ def activation_bytes(
     """A conservative estimate of the largest step's temporary buffers, plus a slack for
     the compiler's workspace (512 MiB, or 1/16 of a small device)."""
     per_token = (4 * config.intermediate_size + 6 * config.hidden_size) * dtype_bytes
+    if config.mla is not None:  # each head's query (A), absorbed query and output (L), value
+        mla = config.mla
+        heads = config.num_q_heads
+        per_token += heads * (mla.qk_head_dim + 2 * mla.kv_lora_rank + mla.v_head_dim) * dtype_bytes
     if config.moe is not None:  # top_k rows per token: sorted copies, gate/up, f32 combine
         k, m = config.moe.top_k, config.moe.intermediate_size
         per_token += k * (3 * config.hidden_size + 3 * m) * dtype_bytes
@@ -178,12 +197,7 @@ def plan_capacity(
     activations = activation_bytes(
         config, max_num_batched_tokens, max_num_seqs, dtype_bytes, device_memory_bytes
     )
-    per_token = kv_bytes_per_token(
-        config.num_layers,
-        kv_heads_per_device(config.num_kv_heads, tensor_parallel_size),
-        config.head_dim,
-        kv_dtype_bytes,
-    )
+    per_token = cache_bytes_per_token(config, tensor_parallel_size, kv_dtype_bytes)
     budget = int(device_memory_bytes * memory_utilization) - weights - activations
     if num_blocks_override is not None:
         num_blocks = num_blocks_override
