@@ -513,8 +513,8 @@ def write_fixture(
 
 
 # Values of the published config.json files (Meta-Llama-3-8B, Qwen3-8B, gemma-2-9b, the text
-# model of gemma-3-12b as a Gemma3ForCausalLM, Qwen3-30B-A3B and gpt-oss-20b), in their key
-# spelling.
+# model of gemma-3-12b as a Gemma3ForCausalLM, Qwen3-30B-A3B, gpt-oss-20b and DeepSeek-V3), in
+# their key spelling.
 BUILTIN = {
     "llama-3-8b": {
         "architectures": ["LlamaForCausalLM"],
@@ -704,6 +704,61 @@ BUILTIN = {
         "torch_dtype": "bfloat16",
         "use_cache": True,
         "vocab_size": 201088,
+    },
+    # deepseek-ai/DeepSeek-V3 as published, less its quantization_config (fp8 block-scaled
+    # weights) and auto_map (its own modeling code): the shapes of a bf16 checkpoint.
+    "deepseek-v3": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "aux_loss_alpha": 0.001,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "ep_size": 1,
+        "first_k_dense_replace": 3,
+        "hidden_act": "silu",
+        "hidden_size": 7168,
+        "initializer_range": 0.02,
+        "intermediate_size": 18432,
+        "kv_lora_rank": 512,
+        "max_position_embeddings": 163840,
+        "model_type": "deepseek_v3",
+        "moe_intermediate_size": 2048,
+        "moe_layer_freq": 1,
+        "n_group": 8,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 61,
+        "num_key_value_heads": 128,
+        "num_nextn_predict_layers": 1,
+        "pretraining_tp": 1,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+        "rope_theta": 10000,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "seq_aux": True,
+        "tie_word_embeddings": False,
+        "topk_group": 4,
+        "topk_method": "noaux_tc",
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "v_head_dim": 128,
+        "vocab_size": 129280,
     },
 }
 
