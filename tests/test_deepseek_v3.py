@@ -9,6 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import httpx
 import jax.numpy as jnp
@@ -29,6 +34,8 @@ from jaxserve.runner.devices import describe_attention
 from jaxserve.runner.mesh import validate_tensor_parallel_size
 from pallas_kernels.reference import ragged_paged_attention
 from tests.conftest import assert_long_completion_is_golden, fixture_dir, serve_fixture
+
+ROOT = Path(__file__).parents[1]
 
 TINY = dict(
     model_type="deepseek_v3",
@@ -87,8 +94,8 @@ def test_config_variants_and_errors_name_the_field() -> None:
         ModelConfig.from_dict(TINY | {"attention_bias": True})
     with pytest.raises(ConfigError, match="kv_lora_rank=0 must be a positive integer"):
         ModelConfig.from_dict(TINY | {"kv_lora_rank": 0})
-    with pytest.raises(ValueError, match="tensor_parallel_size=2: deepseek_v3"):
-        validate_tensor_parallel_size(ModelConfig.from_dict(TINY), 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide"):
+        validate_tensor_parallel_size(ModelConfig.from_dict(TINY), 3)
 
 
 def test_weights_are_the_checkpoint_tensors() -> None:
@@ -309,3 +316,55 @@ def test_over_http_with_the_prefix_cache() -> None:
         tokenizer = AutoTokenizer.from_pretrained(fixture_dir("deepseek_v3"))
         expected = tokenizer.decode(golden["long_greedy_ids"][:4]).rstrip("\ufffd")
         assert answer["choices"][0]["text"] == expected
+
+
+TENSOR_PARALLEL_SCRIPT = textwrap.dedent("""
+    import json
+    import numpy as np
+    import jaxserve
+    from jaxserve import SamplingParams
+    golden = np.load("tests/fixtures/models/deepseek_v3/golden.npz")
+    for tp, ep in [(1, False), (2, False), (4, True)]:
+        llm = jaxserve.LLM("tests/fixtures/models/deepseek_v3", tensor_parallel_size=tp,
+                           enable_expert_parallel=ep, max_model_len=128, max_num_seqs=4,
+                           max_num_batched_tokens=32, block_size=4, num_gpu_blocks_override=64,
+                           dtype="float32", warmup=False)
+        prompt = {"prompt_token_ids": golden["prompt2_ids"].tolist()}
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        runner = llm.engine.runner
+        print(json.dumps({
+            "tp": tp, "tokens": out.token_ids,
+            "logprobs": [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)],
+            "latent_shard": list(runner.kv_cache[0][0].addressable_shards[0].data.shape),
+            "kv_b_shard": list(runner.weights.layers[1].w_kv_b.addressable_shards[0].data.shape),
+        }), flush=True)
+""")
+
+
+def test_tensor_parallel_splits_the_heads_and_keeps_the_latent_whole() -> None:
+    """2 and 4 virtual CPU devices (experts split whole on 4): each device computes its query
+    heads over a full copy of the latent cache (one latent serves every head), and the tokens
+    and logprobs are those of one device, which are Hugging Face's."""
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        TRANSFORMERS_VERBOSITY="error",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", TENSOR_PARALLEL_SCRIPT],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    golden = np.load(fixture_dir("deepseek_v3") / "golden.npz")
+    for run in runs:
+        assert run["tokens"] == golden["long_greedy_ids"].tolist(), run
+        np.testing.assert_allclose(run["logprobs"], runs[0]["logprobs"], atol=1e-5)
+        assert run["latent_shard"] == [64, 4, 1, 32]  # every page, the whole latent
+    assert [run["kv_b_shard"] for run in runs] == [[32, 4, 28], [32, 2, 28], [32, 1, 28]]

@@ -23,11 +23,6 @@ def validate_tensor_parallel_size(
     n = tensor_parallel_size
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"tensor_parallel_size={n!r} must be a positive integer")
-    if config.mla is not None and n > 1:
-        raise ValueError(
-            f"tensor_parallel_size={n}: {config.model_type} (multi-head latent attention) "
-            "runs on one device only (tensor_parallel_size=1)"
-        )
     if config.moe is not None:  # whole experts (expert parallel) or slices of each; shared
         spec = config.moe
         split = {"num_experts": spec.num_experts} if expert_parallel else {}

@@ -168,10 +168,6 @@ class ModelRunner:
             num_blocks_override=self.config.num_gpu_blocks_override,
         )
 
-    def kv_cache_shapes(self) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
-        """One layer's K and V pages (MLA: its latent and rotary key pages)."""
-        return kv_page_shapes(self.model_config, self.num_blocks, self.block_size)
-
     def allocate_kv_cache(self) -> None:
         if self.kv_cache is not None:
             return
@@ -186,13 +182,10 @@ class ModelRunner:
         """The cache's shapes (and shardings) only: enough to compile against."""
         n = self.model_config.num_layers
         shardings = self.tp.kv_cache_shardings(n) if self.tp is not None else [(None, None)] * n
-        k_shape, v_shape = self.kv_cache_shapes()
+        k_shape, v_shape = kv_page_shapes(self.model_config, self.num_blocks, self.block_size)
+        abstract = functools.partial(jax.ShapeDtypeStruct, dtype=self.kv_dtype)
         return [
-            (
-                jax.ShapeDtypeStruct(k_shape, self.kv_dtype, sharding=k),
-                jax.ShapeDtypeStruct(v_shape, self.kv_dtype, sharding=v),
-            )
-            for k, v in shardings
+            (abstract(k_shape, sharding=k), abstract(v_shape, sharding=v)) for k, v in shardings
         ]
 
     def precision(self) -> contextlib.AbstractContextManager:
