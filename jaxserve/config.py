@@ -466,6 +466,13 @@ def _mla_config(hf: dict[str, Any], rope: dict[str, Any]) -> MlaConfig | None:
         return None
     if hf.get("attention_bias"):
         raise ConfigError("attention_bias=True is not supported for deepseek_v3; only false")
+    quant = hf.get("quantization_config")
+    if quant:  # its latent and expert projections too: none would be read with their scales
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ConfigError(
+            f"quantization_config (quant_method={method!r}) is not supported for deepseek_v3; "
+            "serve a bf16 checkpoint (--quantization fp8 or int8 quantizes it on load)"
+        )
     mla = MlaConfig(
         kv_lora_rank=hf["kv_lora_rank"],
         qk_nope_head_dim=hf["qk_nope_head_dim"],

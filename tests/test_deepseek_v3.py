@@ -92,6 +92,9 @@ def test_config_variants_and_errors_name_the_field() -> None:
     assert two_shared.moe.dense_layers == ()
     with pytest.raises(ConfigError, match="attention_bias=True is not supported for deepseek_v3"):
         ModelConfig.from_dict(TINY | {"attention_bias": True})
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    with pytest.raises(ConfigError, match="quant_method='fp8'.* not supported for deepseek_v3"):
+        ModelConfig.from_dict(TINY | {"quantization_config": fp8})
     with pytest.raises(ConfigError, match="kv_lora_rank=0 must be a positive integer"):
         ModelConfig.from_dict(TINY | {"kv_lora_rank": 0})
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide"):
@@ -368,3 +371,38 @@ def test_tensor_parallel_splits_the_heads_and_keeps_the_latent_whole() -> None:
         np.testing.assert_allclose(run["logprobs"], runs[0]["logprobs"], atol=1e-5)
         assert run["latent_shard"] == [64, 4, 1, 32]  # every page, the whole latent
     assert [run["kv_b_shard"] for run in runs] == [[32, 4, 28], [32, 2, 28], [32, 1, 28]]
+
+
+def test_fp8_latent_cache_stores_scaled_latents_and_reads_them_back() -> None:
+    """An fp8 cache holds c_kv / scale and k_pe / scale; attention reads page * scale, the
+    same as over a float32 cache of those values; a padding row's write is dropped."""
+    rng = np.random.default_rng(2)
+    e4m3 = jnp.float8_e4m3fn
+    c_kv = jnp.asarray(rng.normal(size=(3, 32)), jnp.float32)
+    k_pe = jnp.asarray(rng.normal(size=(3, 8)), jnp.float32)
+    slots = jnp.asarray([5, 6, 16], jnp.int32)  # the last is past the 16 slots: padding
+    ckv, kpe = pallas_kernels.write_latent(
+        jnp.zeros((4, 4, 1, 32), e4m3), jnp.zeros((4, 4, 1, 8), e4m3), c_kv, k_pe, slots,
+        ckv_scale=0.5, kpe_scale=2.0,
+    )  # fmt: skip
+    stored = np.asarray(ckv, np.float32).reshape(16, 32)
+    np.testing.assert_allclose(stored[[5, 6]] * 0.5, c_kv[:2], rtol=0.07, atol=0.01)
+    assert not np.delete(stored, [5, 6], axis=0).any()
+    np.testing.assert_allclose(np.asarray(kpe, np.float32).reshape(16, 8)[[5, 6]] * 2.0,
+                               k_pe[:2], rtol=0.07, atol=0.03)  # fmt: skip
+    q_latent = jnp.asarray(rng.normal(size=(2, 4, 32)), jnp.float32)
+    q_pe = jnp.asarray(rng.normal(size=(2, 4, 8)), jnp.float32)
+    batch = (
+        jnp.asarray([7], jnp.int32),  # kv_lens: positions 0..6 on page 0 and 1
+        jnp.asarray([[0, 1]], jnp.int32),
+        jnp.asarray([0, 2], jnp.int32),
+        jnp.asarray([1], jnp.int32),
+    )
+    got = pallas_kernels.ragged_paged_mla_attention(
+        q_latent, q_pe, ckv, kpe, *batch, sm_scale=0.2, ckv_scale=0.5, kpe_scale=2.0
+    )
+    plain = (np.asarray(ckv, np.float32) * 0.5, np.asarray(kpe, np.float32) * 2.0)
+    want = pallas_kernels.ragged_paged_mla_attention(
+        q_latent, q_pe, *map(jnp.asarray, plain), *batch, sm_scale=0.2
+    )
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
