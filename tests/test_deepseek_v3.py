@@ -268,6 +268,15 @@ def test_shipped_deepseek_v3_config_and_its_latent_cache_bytes(capsys) -> None:
     # 61 layers x (512 latent + 64 rotary key) x bf16: not 2 x 128 heads x 192 per layer.
     assert out["kv_bytes_per_token"] == 61 * (512 + 64) * 2 == 70_272
     assert out["weight_bytes"] == 671_026_419_200 * 2
+    # The reference attention's temporaries grow with the context: each of the step's 2048
+    # rows gathers every position's latent and key (two copies, counted at 4 bytes) and scores
+    # 128 heads (f32, scores and probabilities).
+    half = capacity_json(
+        capsys, str(builtin_config_dir("deepseek-v3")), "--device-memory", "8000GB",
+        "--max-model-len", "16K",
+    )  # fmt: skip
+    per_position = 576 * (4 + 4) + 2 * 128 * 4
+    assert out["activation_bytes"] - half["activation_bytes"] == 2048 * 16384 * per_position
 
 
 def test_capacity_matches_the_engines_latent_cache(capsys) -> None:

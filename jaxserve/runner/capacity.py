@@ -174,6 +174,22 @@ def activation_bytes(
     return max_num_batched_tokens * per_token + sampler + slack
 
 
+def mla_reference_bytes(
+    config: ModelConfig, num_tokens: int, max_model_len: int, block_size: int
+) -> int:
+    """The temporaries of multi-head latent attention's reference (``pallas_kernels.mla``, its
+    only path) in the largest step, 0 for other families: each row gathers its sequence's
+    latents and rotary keys (in the cache's dtype, then float32: counted at 4 bytes each) and
+    scores every position for every head twice (scores, probabilities), over max_model_len
+    positions."""
+    if config.mla is None:
+        return 0
+    positions = -(-max_model_len // block_size) * block_size
+    latent = config.mla.kv_lora_rank + config.mla.qk_rope_head_dim
+    per_position = latent * (4 + 4) + 2 * config.num_q_heads * 4
+    return num_tokens * positions * per_position
+
+
 def plan_capacity(
     config: ModelConfig,
     *,
@@ -196,7 +212,7 @@ def plan_capacity(
     weights = weight_bytes(config, dtype_bytes, quant) // tensor_parallel_size
     activations = activation_bytes(
         config, max_num_batched_tokens, max_num_seqs, dtype_bytes, device_memory_bytes
-    )
+    ) + mla_reference_bytes(config, max_num_batched_tokens, max_model_len, block_size)
     per_token = cache_bytes_per_token(config, tensor_parallel_size, kv_dtype_bytes)
     budget = int(device_memory_bytes * memory_utilization) - weights - activations
     if num_blocks_override is not None:
