@@ -303,9 +303,8 @@ def test_capacity_matches_the_engines_latent_cache(capsys) -> None:
         assert ckv.shape == (blocks, block_size, 1, 32) and kpe.shape == (blocks, block_size, 1, 8)
     cache_bytes = sum(x.nbytes for layer in runner.kv_cache for x in layer)
     assert cache_bytes == out["num_blocks"] * block_size * out["kv_bytes_per_token"]
-    assert any("Attention: pure-jnp reference (multi-head latent" in line for line in [
-        describe_attention(runner.model_config, jnp.float32, block_size, 1)
-    ])  # fmt: skip
+    line = describe_attention(runner.model_config, jnp.float32, block_size, 1)
+    assert line == f"Attention: pure-jnp reference ({pallas_kernels.MLA_FALLBACK})"
 
 
 def test_over_http_with_the_prefix_cache() -> None:
