@@ -326,12 +326,12 @@ def model_configs(
         # Multi-head latent attention: q through q_lora_rank 24, a KV latent of 32 and a
         # rotary key of 8 (interleaved pairs), key parts of 16 and values of 12 per head (all
         # different, so a swapped size fails); yarn x4 past 64 positions with mscale_all_dim
-        # 0.8 in the softmax scale. Layer 0 a dense MLP (of 32), layers 1-2 8 experts of 16 in 4
+        # 0.8 in the softmax scale. Layer 0 a dense MLP (of 32), layers 1-2 8 experts of 8 in 4
         # groups, top-2 of the 2 best groups by sigmoid scores steered by a random
         # e_score_correction_bias, renormalized times 2.5, and a shared expert.
         "deepseek_v3": transformers.DeepseekV3Config(
             **{**small, "num_key_value_heads": 4, "intermediate_size": 32},
-            moe_intermediate_size=16,
+            moe_intermediate_size=8,
             n_routed_experts=8,
             num_experts_per_tok=2,
             n_group=4,

@@ -78,7 +78,7 @@ def test_fixture_config_reads_mla_yarn_and_the_routing() -> None:
     moe = config.moe
     assert (moe.num_experts, moe.top_k, moe.n_group, moe.topk_group) == (8, 2, 4, 2)
     assert moe.scoring == "sigmoid" and moe.norm_topk_prob and moe.has_correction_bias
-    assert moe.routed_scaling_factor == 2.5 and moe.shared_intermediate_size == 16
+    assert moe.routed_scaling_factor == 2.5 and moe.shared_intermediate_size == 8
     assert [config.is_moe_layer(i) for i in range(3)] == [False, True, True]
     assert config.kv_cache_dims == ((1, 32), (1, 8))  # c_kv and k_pe, not per-head K and V
 
