@@ -117,6 +117,11 @@ def test_weights_are_the_checkpoint_tensors() -> None:
     assert (np.asarray(layer.w_kv_b)[:, 1].T == head1).all()
     assert (np.asarray(layer.router_bias) == bias).all() and np.abs(bias).max() > 0
     assert weights.layers[0].router is None and weights.layers[0].w_gate is not None
+    # In bf16 the router and its bias stay float32, as transformers keeps them.
+    bf16 = load_weights(fixture_dir("deepseek_v3"), config, jnp.bfloat16).layers[1]
+    assert bf16.router.dtype == bf16.router_bias.dtype == jnp.float32
+    assert bf16.experts_gate.dtype == bf16.w_kv_b.dtype == jnp.bfloat16
+    assert dummy_weights(config, jnp.bfloat16).layers[2].router_bias.dtype == jnp.float32
 
 
 def random_batch(rng, q_lens, kv_lens, page_size, num_pages):
@@ -267,7 +272,8 @@ def test_shipped_deepseek_v3_config_and_its_latent_cache_bytes(capsys) -> None:
     )  # fmt: skip
     # 61 layers x (512 latent + 64 rotary key) x bf16: not 2 x 128 heads x 192 per layer.
     assert out["kv_bytes_per_token"] == 61 * (512 + 64) * 2 == 70_272
-    assert out["weight_bytes"] == 671_026_419_200 * 2
+    # The 58 routers and their biases stay float32 (4 bytes, not 2).
+    assert out["weight_bytes"] == 671_026_419_200 * 2 + 58 * (7168 + 1) * 256 * 2
     # The reference attention's temporaries grow with the context: each of the step's 2048
     # rows gathers every position's latent and key (two copies, counted at 4 bytes) and scores
     # 128 heads (f32, scores and probabilities).

@@ -112,6 +112,10 @@ class WeightField:
     # A part of a checkpoint tensor that interleaves ``interleave`` tensors on its last axis:
     # this field is entries part, part + interleave, ... (0: a tensor of its own).
     interleave: int = 0
+    # Kept in float32 whatever the weights' dtype: DeepSeek-V3's router and its correction
+    # bias, which pick among 256 sigmoid scores a few thousandths apart (transformers keeps
+    # both in float32 too).
+    is_float32: bool = False
 
     def __post_init__(self) -> None:
         if self.per_expert != ("{expert}" in self.hf_name) or (
@@ -404,6 +408,8 @@ DEEPSEEK_V3_LAYER_FIELDS = (
         if f.name == "wq"
         else dataclasses.replace(f, hf_shape=("H", "NU"), shape="NUH")
         if f.name == "wo"
+        else dataclasses.replace(f, is_float32=True)
+        if f.name == "router"
         else f
         for f in _moe_layer_fields(LLAMA_LAYER_FIELDS, "mlp", "gate_proj", "up_proj", "down_proj")
         if f.name in ("attn_norm", "wq", "wo", "mlp_norm", "router", *_DENSE_MLP)
@@ -453,7 +459,9 @@ DEEPSEEK_V3_LAYER_FIELDS = (
     ),
     WeightField("kv_a_norm", "self_attn.kv_a_layernorm.weight", ("L",), "L", init="ones"),
     WeightField("w_kv_b", "self_attn.kv_b_proj.weight", ("NB", "L"), "LNB", transpose=True),
-    WeightField("router_bias", "mlp.gate.e_score_correction_bias", ("E",), "E", mlp="moe"),
+    WeightField(
+        "router_bias", "mlp.gate.e_score_correction_bias", ("E",), "E", mlp="moe", is_float32=True
+    ),
 )
 
 # model_type -> (layer table, model table). Every family's fields are LayerWeights' fields in
@@ -508,6 +516,16 @@ def num_params(config: ModelConfig, *, include_embedding: bool = True) -> int:
         if include_embedding or field.name != "embed"
     )
     return layers + outside
+
+
+def num_float32_params(config: ModelConfig) -> int:
+    """Parameters kept in float32 whatever the weights' dtype (``WeightField.is_float32``)."""
+    return sum(
+        math.prod(field.shape_for(config))
+        for layer in range(config.num_layers)
+        for field in layer_fields(config, layer)
+        if field.is_float32
+    )
 
 
 def num_active_params(config: ModelConfig, *, include_embedding: bool = True) -> int:
