@@ -285,6 +285,17 @@ def test_shipped_deepseek_v3_config_and_its_latent_cache_bytes(capsys) -> None:
     assert out["activation_bytes"] - half["activation_bytes"] == 2048 * 16384 * per_position
 
 
+def test_capacity_text_names_the_latent(capsys) -> None:
+    parser = argparse.ArgumentParser()
+    add_capacity_arguments(parser)
+    args = [str(builtin_config_dir("deepseek-v3")), "--device-memory", "8000GB"]
+    assert run_capacity(parser.parse_args(args)) == 0
+    text = capsys.readouterr().out
+    assert "Multi-head latent attention: the cache holds a latent of 512 and a rotary key of " \
+        "64 per token and layer, shared by its 128 heads" in text  # fmt: skip
+    assert "(70,272 bytes per token" in text
+
+
 def test_capacity_matches_the_engines_latent_cache(capsys) -> None:
     memory = 64 * 1024**2
     llm = jaxserve.LLM(
