@@ -29,9 +29,15 @@ the dense models). Results: one JSON (--output-json) and a table.
     python benchmarks/moe.py --engine jaxserve --model jaxserve/assets/configs/gpt-oss-20b \
         --max-num-batched-tokens 2048                             # gpt-oss-20b (bf16 shape)
 
+    python benchmarks/moe.py --engine jaxserve --model DIR --mgpu-batches "" \
+        --max-num-batched-tokens 1024 --max-model-len 2048    # DeepSeek-V3, first 5 layers
+                                                              # (run_h200.sh deepseek_v3)
+
 gpt-oss-20b's attention sinks run inside the Pallas attention kernels. Its step budget of 2048
 tokens dates from when they ran on the reference attention (which gathers every row's keys);
-it is kept so that runs compare.
+it is kept so that runs compare. DeepSeek-V3's latent attention runs on its reference (every
+row gathers its sequence's latents; capacity planning reserves that); its decode floor reads
+the latent cache (kv_bytes_per_token of the runner's capacity plan).
 """
 
 from __future__ import annotations
@@ -63,7 +69,6 @@ import jaxserve  # noqa: E402
 from jaxserve.bench.throughput import make_prompts  # noqa: E402
 from jaxserve.config import ModelConfig, builtin_config_dir  # noqa: E402
 from jaxserve.models import moe  # noqa: E402
-from jaxserve.models.batch import kv_bytes_per_token  # noqa: E402
 from jaxserve.models.families import layer_fields, num_params  # noqa: E402
 from jaxserve.runner.step import SchedulerOutput  # noqa: E402
 from pallas_kernels import grouped_matmul_triton as gmt  # noqa: E402
@@ -372,9 +377,7 @@ def run_jaxserve(args: argparse.Namespace) -> dict:
     itemsize = runner.dtype.itemsize
     per_expert, dense = expert_bytes(config, itemsize)
     num_moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
-    kv_per_token = kv_bytes_per_token(
-        config.num_layers, config.num_kv_heads, config.head_dim, itemsize
-    )
+    kv_per_token = runner.capacity.kv_bytes_per_token  # (MLA: its latent, not K and V)
     rng = np.random.default_rng(0)
     result["decode"] = decode = []
     for batch in args.batches:

@@ -53,6 +53,10 @@
 #                choose the plan's tiles -> $OUT/skinny_sweep.{log,json}
 #   skinny_step  the decode step at batch 1 and 8 (context 1024), bf16 and fp8 weights, with
 #                JAXSERVE_SKINNY_MATMUL=off and =auto side by side (decode_roofline.py)
+#   deepseek_v3  DeepSeek-V3's shapes (dummy bf16, shipped config) cut to its first 5 layers (3
+#                dense, 2 of 256 experts; all 61 do not fit one GPU): benchmarks/moe.py's decode,
+#                experts and throughput for jaxserve only; latent attention on the reference,
+#                1024-token steps, 2048-token context -> $OUT/deepseek_v3.json
 #   occupied     a second jaxserve launch on the GPU a first server (demo model, default flags)
 #                holds: seconds until it exits, its exit code and last lines -> $OUT/occupied.txt
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
@@ -353,6 +357,18 @@ stage_skinny_step() {
       find "$OUT/${run}_profile" -name "*.xplane.pb" -delete
     done
   done
+}
+
+stage_deepseek_v3() {
+  python3 -c 'import json, pathlib, sys
+config = json.loads(pathlib.Path("jaxserve/assets/configs/deepseek-v3/config.json").read_text())
+out = pathlib.Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+(out / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 5}))' \
+    "$OUT/deepseek-v3-5l"
+  python3 benchmarks/moe.py --engine jaxserve --model "$OUT/deepseek-v3-5l" --mgpu-batches "" \
+    --max-num-batched-tokens 1024 --max-model-len 2048 --output-json "$OUT/deepseek_v3.json" \
+    > "$OUT/deepseek_v3.log" 2>&1
+  grep -v -E "INFO|WARN" "$OUT/deepseek_v3.log" | tail -24
 }
 
 stage_occupied() {  # the second start must end in seconds with the fix, not retry allocations

@@ -29,6 +29,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
@@ -157,6 +158,47 @@ class MoeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values come from one latent.
+
+    Each token's hidden state is compressed to ``kv_lora_rank`` (then RMSNorm) and a shared
+    rotary key of ``qk_rope_head_dim``; per head, the key's ``qk_nope_head_dim`` part and the
+    value (``v_head_dim``) are expanded from the latent by ``kv_b_proj``. The query comes from
+    ``q_proj``, or through a ``q_lora_rank`` bottleneck (q_a_proj, RMSNorm, q_b_proj).
+    ``rope_interleave``: the rotary dims are pairs (x0, x1), (x2, x3), ... as DeepSeek's
+    checkpoints lay them out, not halves. ``softmax_scale``: the attention scores' scale,
+    (qk_nope_head_dim + qk_rope_head_dim) ** -0.5 times YaRN's mscale(factor, mscale_all_dim)
+    squared, as transformers computes it.
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: a plain q_proj
+    rope_interleave: bool = True
+    softmax_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        if self.q_lora_rank is not None and (
+            not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0
+        ):
+            raise ConfigError(
+                f"q_lora_rank={self.q_lora_rank!r} must be a positive integer or null"
+            )
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -191,6 +233,8 @@ class ModelConfig:
     # (attention sinks), and a bias on the attention's output projection.
     attention_sinks: bool = False
     o_proj_bias: bool = False
+    # DeepSeek-V3: multi-head latent attention; the cache holds one latent per token.
+    mla: MlaConfig | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -263,7 +307,18 @@ class ModelConfig:
     @property
     def sm_scale(self) -> float:
         """The attention scores' scale."""
+        if self.mla is not None:
+            return self.mla.softmax_scale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def kv_cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, width) of one token's entry in each of a layer's two page arrays: K and V;
+        for multi-head latent attention the latent c_kv [1, kv_lora_rank] and the rotated
+        shared key k_pe [1, qk_rope_head_dim] (``models/mla.py``)."""
+        if self.mla is not None:
+            return (1, self.mla.kv_lora_rank), (1, self.mla.qk_rope_head_dim)
+        return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
 
     def is_sliding_layer(self, layer: int) -> bool:
         if self.sliding_window is None:
@@ -365,6 +420,7 @@ class ModelConfig:
         if is_gemma:
             layer_types = _gemma_layer_types(hf)
         is_gpt_oss = model_type == "gpt_oss"
+        mla = _mla_config(hf, rope)
         if is_gpt_oss and sliding_window is not None:  # alternating sliding and full layers
             layer_types = tuple(hf.get("layer_types") or ())
         return cls(
@@ -374,7 +430,8 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             num_layers=hf["num_hidden_layers"],
             num_q_heads=num_q_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_q_heads,
+            # MLA: one latent, shared by every query head, is what the cache holds per token.
+            num_kv_heads=1 if mla else hf.get("num_key_value_heads") or num_q_heads,
             head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
@@ -398,7 +455,39 @@ class ModelConfig:
             moe=_moe_config(hf),
             attention_sinks=is_gpt_oss,
             o_proj_bias=is_gpt_oss and bool(hf.get("attention_bias", False)),
+            mla=mla,
         )
+
+
+def _mla_config(hf: dict[str, Any], rope: dict[str, Any]) -> MlaConfig | None:
+    """DeepSeek-V3's latent attention, its softmax scale as transformers' ``yarn_apply_mscale``
+    makes it; None for every other family."""
+    if hf["model_type"] != "deepseek_v3":
+        return None
+    if hf.get("attention_bias"):
+        raise ConfigError("attention_bias=True is not supported for deepseek_v3; only false")
+    quant = hf.get("quantization_config")
+    if quant:  # its latent and expert projections too: none would be read with their scales
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ConfigError(
+            f"quantization_config (quant_method={method!r}) is not supported for deepseek_v3; "
+            "serve a bf16 checkpoint (--quantization fp8 or int8 quantizes it on load)"
+        )
+    mla = MlaConfig(
+        kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"],
+        qk_rope_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"],
+        q_lora_rank=hf.get("q_lora_rank"),
+        rope_interleave=bool(hf.get("rope_interleave", True)),
+    )
+    scale = mla.qk_head_dim**-0.5
+    mscale_all_dim = rope.get("mscale_all_dim")
+    if _rope_type(rope) != "default" and mscale_all_dim:
+        factor = float(rope["factor"])
+        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= mscale * mscale
+    return dataclasses.replace(mla, softmax_scale=scale)
 
 
 def _moe_config(hf: dict[str, Any]) -> MoeConfig | None:
@@ -407,6 +496,8 @@ def _moe_config(hf: dict[str, Any]) -> MoeConfig | None:
     layers and a shared expert behind a sigmoid gate) and GPT-OSS (every layer, biases, the
     clamped swiglu); None for a dense model."""
     model_type = hf["model_type"]
+    if model_type == "deepseek_v3":
+        return _deepseek_moe_config(hf)
     if model_type not in ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"):
         return None
     num_experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
@@ -439,6 +530,28 @@ def _moe_config(hf: dict[str, Any]) -> MoeConfig | None:
             hf.get("shared_expert_intermediate_size") or 0 if model_type == "qwen2_moe" else 0
         ),
         has_shared_gate=model_type == "qwen2_moe",
+    )
+
+
+def _deepseek_moe_config(hf: dict[str, Any]) -> MoeConfig:
+    """DeepSeek-V3: ``first_k_dense_replace`` dense layers, then routed experts with sigmoid
+    scores, grouped top-k steered by ``e_score_correction_bias``, the routed scaling factor,
+    and ``n_shared_experts`` shared experts (one dense MLP of their summed width)."""
+    num_layers = hf["num_hidden_layers"]
+    first_dense = hf.get("first_k_dense_replace") or 0
+    moe_intermediate = hf.get("moe_intermediate_size") or 0
+    return MoeConfig(
+        hf.get("n_routed_experts") or 0,
+        hf.get("num_experts_per_tok") or 0,
+        moe_intermediate,
+        scoring="sigmoid",
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        n_group=hf.get("n_group") or 1,
+        topk_group=hf.get("topk_group") or 1,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+        has_correction_bias=True,
+        shared_intermediate_size=moe_intermediate * (hf.get("n_shared_experts") or 0),
+        dense_layers=tuple(range(min(first_dense, num_layers))),
     )
 
 

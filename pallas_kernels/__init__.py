@@ -14,7 +14,9 @@
 ``k_scale`` / ``v_scale`` (``reference.quantize_kv``) by every path that takes fp8; attention
 sinks (``sinks[Hq]``, GPT-OSS) by every path, so they never change the choice.
 ``choose_kernel`` says which path a model's shapes take, and why a fallback was taken, for the
-start-up log.
+start-up log. Multi-head latent attention (DeepSeek-V3) has its own entry point over its latent
+cache, ``ragged_paged_mla_attention`` (``pallas_kernels.mla``): the reference on every backend
+(``MLA_FALLBACK`` says so in the log).
 
 ``JAXSERVE_ATTENTION`` overrides the choice on a GPU: ``auto`` (the default, as above),
 ``mosaic`` (Mosaic GPU or the reference, never Triton), ``triton`` (the Triton kernel even on
@@ -31,6 +33,7 @@ from typing import Any
 
 import jax
 
+from pallas_kernels.mla import ragged_paged_mla_attention, write_latent
 from pallas_kernels.reference import (
     FP8_DTYPES,
     Scale,
@@ -68,6 +71,9 @@ KERNEL_NAMES = {
     "tpu": "Pallas Mosaic TPU kernel",
     "reference": "pure-jnp reference",
 }
+
+# Why multi-head latent attention runs the reference whatever the backend.
+MLA_FALLBACK = "multi-head latent attention: no Pallas kernel takes its latent cache yet"
 
 ATTENTION_ENV = "JAXSERVE_ATTENTION"
 ATTENTION_CHOICES = ("auto", "mosaic", "triton", "reference")
@@ -197,13 +203,16 @@ __all__ = [
     "ATTENTION_CHOICES",
     "ATTENTION_ENV",
     "KERNEL_NAMES",
+    "MLA_FALLBACK",
     "Scale",
     "choose_kernel",
     "dequantize_kv",
     "is_quantized",
     "quantize_kv",
     "ragged_paged_attention",
+    "ragged_paged_mla_attention",
     "reference_attention",
     "requested_attention",
     "write_kv",
+    "write_latent",
 ]

@@ -51,6 +51,7 @@ LONG_FIXTURES = (
     "qwen3_moe",
     "qwen2_moe",
     "gpt_oss",
+    "deepseek_v3",
 )
 MIN_MARGIN = 0.1  # top-1 minus top-2 logit at every greedy step
 LONG_MIN_MARGIN = 0.02  # the same over the long generation (fp32 parity is within 1e-4)
@@ -322,6 +323,42 @@ def model_configs(
             },
             tie_word_embeddings=True,
         ),
+        # Multi-head latent attention: q through q_lora_rank 24, a KV latent of 32 and a
+        # rotary key of 8 (interleaved pairs), key parts of 16 and values of 12 per head (all
+        # different, so a swapped size fails); yarn x4 past 64 positions with mscale_all_dim
+        # 0.8 in the softmax scale. Layer 0 a dense MLP (of 32), layers 1-2 8 experts of 8 in 4
+        # groups, top-2 of the 2 best groups by sigmoid scores steered by a random
+        # e_score_correction_bias, renormalized times 2.5, and a shared expert.
+        "deepseek_v3": transformers.DeepseekV3Config(
+            **{**small, "num_key_value_heads": 4, "intermediate_size": 32},
+            moe_intermediate_size=8,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            first_k_dense_replace=1,
+            q_lora_rank=24,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            rope_interleave=True,
+            num_mtp_layers=0,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": ORIGINAL_CONTEXT,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+            },
+            tie_word_embeddings=False,
+        ),
     }
 
 
@@ -353,6 +390,11 @@ def randomize(model: torch.nn.Module, seed: int, std: float) -> None:
                 param.copy_(1.0 + noise)
             else:
                 param.copy_(std * noise)
+        # DeepSeek-V3's router bias is a buffer: random too, so it steers the choice.
+        for name, buffer in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                noise = torch.randn(buffer.shape, generator=gen, dtype=torch.float32)
+                buffer.copy_(0.1 * noise)
 
 
 def greedy_run(
@@ -471,8 +513,8 @@ def write_fixture(
 
 
 # Values of the published config.json files (Meta-Llama-3-8B, Qwen3-8B, gemma-2-9b, the text
-# model of gemma-3-12b as a Gemma3ForCausalLM, Qwen3-30B-A3B and gpt-oss-20b), in their key
-# spelling.
+# model of gemma-3-12b as a Gemma3ForCausalLM, Qwen3-30B-A3B, gpt-oss-20b and DeepSeek-V3), in
+# their key spelling.
 BUILTIN = {
     "llama-3-8b": {
         "architectures": ["LlamaForCausalLM"],
@@ -662,6 +704,61 @@ BUILTIN = {
         "torch_dtype": "bfloat16",
         "use_cache": True,
         "vocab_size": 201088,
+    },
+    # deepseek-ai/DeepSeek-V3 as published, less its quantization_config (fp8 block-scaled
+    # weights) and auto_map (its own modeling code): the shapes of a bf16 checkpoint.
+    "deepseek-v3": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "aux_loss_alpha": 0.001,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "ep_size": 1,
+        "first_k_dense_replace": 3,
+        "hidden_act": "silu",
+        "hidden_size": 7168,
+        "initializer_range": 0.02,
+        "intermediate_size": 18432,
+        "kv_lora_rank": 512,
+        "max_position_embeddings": 163840,
+        "model_type": "deepseek_v3",
+        "moe_intermediate_size": 2048,
+        "moe_layer_freq": 1,
+        "n_group": 8,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 61,
+        "num_key_value_heads": 128,
+        "num_nextn_predict_layers": 1,
+        "pretraining_tp": 1,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+        "rope_theta": 10000,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "seq_aux": True,
+        "tie_word_embeddings": False,
+        "topk_group": 4,
+        "topk_method": "noaux_tc",
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "v_head_dim": 128,
+        "vocab_size": 129280,
     },
 }
 

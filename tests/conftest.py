@@ -18,7 +18,8 @@ import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 # Newer families and rope scalings, whose golden.npz also holds a long generation.
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss")  # mixtures of experts
+# Mixtures of experts (DeepSeek-V3 with multi-head latent attention).
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "deepseek_v3")
 NEW_FAMILIES = (
     "gemma2",
     "gemma3",

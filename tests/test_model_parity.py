@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
-from jaxserve.models.batch import Batch, make_kv_cache
+from jaxserve.models.batch import Batch, make_kv_cache_for
 from jaxserve.models.weights import load_weights
 from tests.conftest import FAMILIES, fixture_dir
 
@@ -42,11 +42,10 @@ def run_chunks(
     weights = load_weights(fixture_dir(family), config, dtype)
     if fused:
         weights = llama.fuse_projections(weights)
-        assert all(layer.fused is not None and layer.wq is None for layer in weights.layers)
+        if config.mla is None:  # (MLA has no q, k, v projections of one input to join)
+            assert all(layer.fused is not None and layer.wq is None for layer in weights.layers)
     num_pages = 32
-    cache = make_kv_cache(
-        config.num_layers, num_pages, PAGE, config.num_kv_heads, config.head_dim, dtype
-    )
+    cache = make_kv_cache_for(config, num_pages, PAGE, dtype)
     rng = np.random.default_rng(0)
     pages = rng.permutation(num_pages)[: -(-len(token_ids) // PAGE)].tolist()
     forward = jax.jit(llama.forward, static_argnums=(3,))

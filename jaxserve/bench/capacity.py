@@ -236,6 +236,12 @@ def run_capacity(args: argparse.Namespace) -> int:
             f"token; {human_count(num_active_params(config))} parameters active per token, "
             "all experts' weights resident"
         )
+    if config.mla is not None:
+        print(
+            f"Multi-head latent attention: the cache holds a latent of {config.mla.kv_lora_rank} "
+            f"and a rotary key of {config.mla.qk_rope_head_dim} per token and layer, shared by "
+            f"its {config.num_q_heads} heads"
+        )
     print(
         f"Device memory: {memory / GiB:.2f} GiB x {args.memory_utilization:.0%} utilization, "
         f"tensor parallel {args.tensor_parallel_size}"

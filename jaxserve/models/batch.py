@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.config import ModelConfig
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -48,8 +50,27 @@ class Batch:
         return cls(**host)
 
 
-# One (k_pages, v_pages) pair per layer, each [num_pages, page_size, num_kv_heads, head_dim].
+# One (k_pages, v_pages) pair per layer, each [num_pages, page_size, num_kv_heads, head_dim];
+# for multi-head latent attention (c_kv [P, page_size, 1, L], k_pe [P, page_size, 1, R]).
 KVCache = list[tuple[jax.Array, jax.Array]]
+
+
+def kv_page_shapes(
+    config: ModelConfig, num_pages: int, page_size: int
+) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+    """The shapes of one layer's two page arrays (``config.kv_cache_dims``)."""
+    (k_heads, k_width), (v_heads, v_width) = config.kv_cache_dims
+    return (num_pages, page_size, k_heads, k_width), (num_pages, page_size, v_heads, v_width)
+
+
+def make_kv_cache_for(
+    config: ModelConfig, num_pages: int, page_size: int, dtype: jnp.dtype
+) -> KVCache:
+    """A zeroed cache of every layer, in the config's page shapes (MLA's latent included)."""
+    k_shape, v_shape = kv_page_shapes(config, num_pages, page_size)
+    return [
+        (jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype)) for _ in range(config.num_layers)
+    ]
 
 
 def make_kv_cache(

@@ -9,7 +9,9 @@ new weight is one row here plus its attribute in ``LayerWeights`` or ``Weights``
 
 Shapes are written in the einsum letters of ``llama.py``: H hidden, N query heads, K kv heads,
 D head dim, I intermediate, V vocab; and of ``moe.py``: E experts, M an expert's intermediate,
-S the shared expert's intermediate, O one (the shared expert's gate).
+S the shared expert's intermediate, O one (the shared expert's gate); and of ``mla.py``: Q the
+query's low rank, L the KV latent, C a head's key part without rope, R the rotary key part,
+U a head's value, A = C + R (a query head), B = C + U (a head's share of kv_b_proj).
 
 A mixture of experts' expert tensors are one checkpoint tensor per expert (``per_expert``:
 ``{expert}`` in the name), stacked on a leading E axis; ``mlp`` says whether a row belongs to
@@ -38,6 +40,7 @@ HF_LAYER_PREFIX = "model.layers.{layer}."
 
 def dim_sizes(config: ModelConfig) -> dict[str, int]:
     """Einsum letter -> its size in this config."""
+    mla = config.mla
     return {
         "H": config.hidden_size,
         "N": config.num_q_heads,
@@ -49,6 +52,13 @@ def dim_sizes(config: ModelConfig) -> dict[str, int]:
         "M": config.moe.intermediate_size if config.moe else 0,
         "S": config.moe.shared_intermediate_size if config.moe else 0,
         "O": 1,
+        "Q": (mla.q_lora_rank or 0) if mla else 0,
+        "L": mla.kv_lora_rank if mla else 0,
+        "C": mla.qk_nope_head_dim if mla else 0,
+        "R": mla.qk_rope_head_dim if mla else 0,
+        "U": mla.v_head_dim if mla else 0,
+        "A": mla.qk_head_dim if mla else 0,
+        "B": mla.qk_nope_head_dim + mla.v_head_dim if mla else 0,
     }
 
 
@@ -102,6 +112,10 @@ class WeightField:
     # A part of a checkpoint tensor that interleaves ``interleave`` tensors on its last axis:
     # this field is entries part, part + interleave, ... (0: a tensor of its own).
     interleave: int = 0
+    # Kept in float32 whatever the weights' dtype: DeepSeek-V3's router and its correction
+    # bias, which pick among 256 sigmoid scores a few thousandths apart (transformers keeps
+    # both in float32 too).
+    is_float32: bool = False
 
     def __post_init__(self) -> None:
         if self.per_expert != ("{expert}" in self.hf_name) or (
@@ -373,6 +387,83 @@ GPT_OSS_LAYER_FIELDS = (
     WeightField("experts_down_bias", "mlp.experts.down_proj_bias", ("E", "H"), "EH", mlp="moe"),
 )
 
+
+def _has_q_lora(config: ModelConfig) -> bool:
+    return config.mla is not None and config.mla.q_lora_rank is not None
+
+
+def _has_plain_q(config: ModelConfig) -> bool:
+    return config.mla is not None and config.mla.q_lora_rank is None
+
+
+# DeepSeek-V3: multi-head latent attention (models/mla.py). The query through q_proj, or
+# through the q_lora_rank bottleneck (q_a_proj, its RMSNorm, q_b_proj); kv_a_proj_with_mqa is
+# the latent's rows then the rotary key's (two parts of one tensor); kv_b_proj expands the
+# latent to each head's key part and value, [N * (C + U), L] with each head's rows together.
+# The first layers have a dense MLP, the others experts, a shared expert and the router's
+# e_score_correction_bias.
+DEEPSEEK_V3_LAYER_FIELDS = (
+    *(
+        dataclasses.replace(f, present=_has_plain_q, hf_shape=("NA", "H"), shape="HNA")
+        if f.name == "wq"
+        else dataclasses.replace(f, hf_shape=("H", "NU"), shape="NUH")
+        if f.name == "wo"
+        else dataclasses.replace(f, is_float32=True)
+        if f.name == "router"
+        else f
+        for f in _moe_layer_fields(LLAMA_LAYER_FIELDS, "mlp", "gate_proj", "up_proj", "down_proj")
+        if f.name in ("attn_norm", "wq", "wo", "mlp_norm", "router", *_DENSE_MLP)
+        or f.name.startswith("experts_")
+    ),
+    *(
+        WeightField(
+            name, f"mlp.shared_experts.{hf}.weight", hf_shape, shape, transpose=True, mlp="moe"
+        )
+        for name, hf, hf_shape, shape in (
+            ("shared_gate", "gate_proj", ("S", "H"), "HS"),
+            ("shared_up", "up_proj", ("S", "H"), "HS"),
+            ("shared_down", "down_proj", ("H", "S"), "SH"),
+        )
+    ),
+    WeightField(
+        "wq_a", "self_attn.q_a_proj.weight", ("Q", "H"), "HQ", transpose=True, present=_has_q_lora
+    ),
+    WeightField(
+        "q_a_norm",
+        "self_attn.q_a_layernorm.weight",
+        ("Q",),
+        "Q",
+        init="ones",
+        present=_has_q_lora,
+    ),
+    WeightField(
+        "wq_b", "self_attn.q_b_proj.weight", ("NA", "Q"), "QNA", transpose=True, present=_has_q_lora
+    ),
+    WeightField(
+        "wkv_a",
+        "self_attn.kv_a_proj_with_mqa.weight",
+        ("L", "H"),
+        "HL",
+        transpose=True,
+        fused=("L", "R"),
+        part=0,
+    ),
+    WeightField(
+        "wk_pe",
+        "self_attn.kv_a_proj_with_mqa.weight",
+        ("R", "H"),
+        "HR",
+        transpose=True,
+        fused=("L", "R"),
+        part=1,
+    ),
+    WeightField("kv_a_norm", "self_attn.kv_a_layernorm.weight", ("L",), "L", init="ones"),
+    WeightField("w_kv_b", "self_attn.kv_b_proj.weight", ("NB", "L"), "LNB", transpose=True),
+    WeightField(
+        "router_bias", "mlp.gate.e_score_correction_bias", ("E",), "E", mlp="moe", is_float32=True
+    ),
+)
+
 # model_type -> (layer table, model table). Every family's fields are LayerWeights' fields in
 # their order; a field a family never has is left out of its table.
 FAMILY_TABLES: dict[str, tuple[tuple[WeightField, ...], tuple[WeightField, ...]]] = {
@@ -387,6 +478,7 @@ FAMILY_TABLES: dict[str, tuple[tuple[WeightField, ...], tuple[WeightField, ...]]
     "qwen3_moe": (QWEN3_MOE_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
     "qwen2_moe": (QWEN2_MOE_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
     "gpt_oss": (GPT_OSS_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
+    "deepseek_v3": (DEEPSEEK_V3_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
 }
 
 
@@ -424,6 +516,16 @@ def num_params(config: ModelConfig, *, include_embedding: bool = True) -> int:
         if include_embedding or field.name != "embed"
     )
     return layers + outside
+
+
+def num_float32_params(config: ModelConfig) -> int:
+    """Parameters kept in float32 whatever the weights' dtype (``WeightField.is_float32``)."""
+    return sum(
+        math.prod(field.shape_for(config))
+        for layer in range(config.num_layers)
+        for field in layer_fields(config, layer)
+        if field.is_float32
+    )
 
 
 def num_active_params(config: ModelConfig, *, include_embedding: bool = True) -> int:

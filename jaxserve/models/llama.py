@@ -1,5 +1,5 @@
 """The decoder families (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3, and the
-mixtures of experts Mixtral, Qwen3-MoE, Qwen2-MoE and GPT-OSS) as pure functions.
+mixtures of experts Mixtral, Qwen3-MoE, Qwen2-MoE, GPT-OSS and DeepSeek-V3) as pure functions.
 
 ``forward(weights, kv_cache, batch, config) -> (kv_cache, hidden)`` runs one ragged batch of
 prefill chunks and decode tokens over the paged KV cache; ``compute_logits`` turns selected
@@ -11,7 +11,8 @@ per layer type in Gemma 3), attention and final logit soft-capping and the atten
 GeGLU. Phi-3's fused qkv and gate_up tensors are split at loading (``families.py``). A layer
 with experts runs ``moe.moe_block`` in place of its dense MLP. GPT-OSS adds attention sinks
 (a logit per head in the softmax's denominator, passed to the attention op) and an output
-projection bias.
+projection bias. DeepSeek-V3's layers run multi-head latent attention (``mla.py``) over a cache
+of latents, with dense MLPs first and experts after.
 
 Einsum letters: T tokens, H hidden, N query heads, K kv heads, D head dim, I intermediate,
 V vocab.
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from jaxserve.config import ModelConfig, RopeScaling
-from jaxserve.models import moe, rope
+from jaxserve.models import mla, moe, rope
 from jaxserve.models.batch import Batch, KVCache
 from jaxserve.models.quant import QArray, linear
 
@@ -54,11 +55,11 @@ class LayerWeights:
     attn_norm: jax.Array  # [H]
     # The Linear weights may be quantized: a QArray (quant.py) read through quant.linear.
     # wq, wk, wv (and w_gate, w_up) are None once fuse_projections has joined them in ``fused``.
-    wq: jax.Array | QArray | None  # [H, N, D]
-    wk: jax.Array | QArray | None  # [H, K, D]
-    wv: jax.Array | QArray | None  # [H, K, D]
-    wo: jax.Array | QArray  # [N, D, H]
-    mlp_norm: jax.Array  # [H]
+    wq: jax.Array | QArray | None = None  # [H, N, D]  (MLA: [H, N, A]; none with q_lora_rank)
+    wk: jax.Array | QArray | None = None  # [H, K, D]  (MLA has none)
+    wv: jax.Array | QArray | None = None  # [H, K, D]
+    wo: jax.Array | QArray = dataclasses.field(kw_only=True)  # [N, D, H]  (MLA: [N, U, H])
+    mlp_norm: jax.Array = dataclasses.field(kw_only=True)  # [H]
     w_gate: jax.Array | QArray | None = None  # [H, I]  None on a layer with experts
     w_up: jax.Array | QArray | None = None  # [H, I]
     w_down: jax.Array | QArray | None = None  # [I, H]
@@ -83,6 +84,15 @@ class LayerWeights:
     experts_gate_bias: jax.Array | None = None  # [E, M]
     experts_up_bias: jax.Array | None = None  # [E, M]
     experts_down_bias: jax.Array | None = None  # [E, H]
+    # Multi-head latent attention (DeepSeek-V3, mla.py).
+    wq_a: jax.Array | None = None  # [H, Q]  the query's low-rank down projection
+    q_a_norm: jax.Array | None = None  # [Q]
+    wq_b: jax.Array | None = None  # [Q, N, A]
+    wkv_a: jax.Array | None = None  # [H, L]  to the KV latent
+    wk_pe: jax.Array | None = None  # [H, R]  to the shared rotary key
+    kv_a_norm: jax.Array | None = None  # [L]
+    w_kv_b: jax.Array | None = None  # [L, N, B]  latent -> each head's key part and value
+    router_bias: jax.Array | None = None  # [E]  e_score_correction_bias (DeepSeek-V3)
     # Not a checkpoint tensor: made at load from the rows above (fuse_projections).
     fused: FusedProjections | None = None
 
@@ -102,6 +112,7 @@ class LayerWeights:
             shared_down=self.shared_down,
             shared_router=self.shared_router,
             router_logit_bias=self.router_logit_bias,
+            router_bias=self.router_bias,
             gate_bias=self.experts_gate_bias,
             up_bias=self.experts_up_bias,
             down_bias=self.experts_down_bias,
@@ -257,18 +268,24 @@ def forward(
             freqs, scale = rope.rotary_angles(batch.positions, config.head_dim, *layer_rope)
             rotaries[layer_rope] = rope.cos_sin(freqs, scale, x.dtype)
         h = rms_norm(x, lw.attn_norm, eps, gemma)
-        attn, k_pages, v_pages = attention_block(
-            lw,
-            h,
-            k_pages,
-            v_pages,
-            batch,
-            config,
-            rotaries[layer_rope],
-            attention_fn,
-            config.layer_window(layer),
-            None if kv_scales is None else kv_scales[layer],
-        )
+        kv_scale = None if kv_scales is None else kv_scales[layer]
+        if config.mla is not None:  # DeepSeek-V3: the pages hold the latent and k_pe
+            attn, k_pages, v_pages = mla.mla_attention_block(
+                lw, h, k_pages, v_pages, batch, config, rotaries[layer_rope], kv_scale
+            )
+        else:
+            attn, k_pages, v_pages = attention_block(
+                lw,
+                h,
+                k_pages,
+                v_pages,
+                batch,
+                config,
+                rotaries[layer_rope],
+                attention_fn,
+                config.layer_window(layer),
+                kv_scale,
+            )
         if lw.post_attn_norm is not None:  # Gemma: a norm after attention too
             attn = rms_norm(attn, lw.post_attn_norm, eps, gemma)
         x = x + attn

@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.families import WeightField, dim_sizes, layer_fields, num_params
+from jaxserve.models.families import (
+    WeightField,
+    dim_sizes,
+    layer_fields,
+    num_float32_params,
+    num_params,
+)
 from jaxserve.models.quant import PACK, QUANTIZED_FIELDS
 
 # What --quantization accepts: the two quantize-on-load modes, and the checkpoint methods
@@ -286,9 +292,11 @@ def quantized_field_bytes(field: WeightField, config: ModelConfig, scheme: Quant
 
 
 def weight_bytes(config: ModelConfig, dtype_bytes: int, scheme: QuantScheme | None) -> int:
-    """Bytes the weights occupy on the device (all of them, before tensor parallelism)."""
+    """Bytes the weights occupy on the device (all of them, before tensor parallelism); the
+    ones kept in float32 (``WeightField.is_float32``) at 4 bytes."""
+    float32_extra = num_float32_params(config) * max(0, 4 - dtype_bytes)
     if scheme is None:
-        return num_params(config) * dtype_bytes
+        return num_params(config) * dtype_bytes + float32_extra
     total = 0
     unquantized = num_params(config)
     for layer in range(config.num_layers):
@@ -296,4 +304,4 @@ def weight_bytes(config: ModelConfig, dtype_bytes: int, scheme: QuantScheme | No
             if field.name in QUANTIZED_FIELDS:
                 total += quantized_field_bytes(field, config, scheme)
                 unquantized -= math.prod(field.shape_for(config))
-    return total + unquantized * dtype_bytes
+    return total + unquantized * dtype_bytes + float32_extra

@@ -48,6 +48,11 @@ class WeightsError(ValueError):
     """A checkpoint that does not match its config: names the file and the tensor."""
 
 
+def field_dtype(field: WeightField, dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype a field is kept in: the weights' ``dtype``, or float32 where the table says."""
+    return jnp.dtype(jnp.float32) if field.is_float32 else jnp.dtype(dtype)
+
+
 def is_quantized(field: WeightField, scheme: QuantScheme | None) -> bool:
     return scheme is not None and field.name in QUANTIZED_FIELDS
 
@@ -251,7 +256,7 @@ def load_weights(
 
         def load_field(prefix: str, field: WeightField, path: tuple[Any, ...]) -> Any:
             if not is_quantized(field, scheme):
-                return _place(read_field(field, prefix), dtype, path, placement)
+                return _place(read_field(field, prefix), field_dtype(field, dtype), path, placement)
             assert scheme is not None
             if scheme.from_checkpoint:
                 try:
@@ -309,7 +314,9 @@ def dummy_weights(
         if field.init != "normal":
             array = (jnp.ones if field.init == "ones" else jnp.zeros)(shape, dtype)
         else:
-            array = (scale * jax.random.normal(sub, shape, jnp.float32)).astype(dtype)
+            array = (scale * jax.random.normal(sub, shape, jnp.float32)).astype(
+                field_dtype(field, dtype)
+            )
         if is_quantized(field, scheme):
             assert scheme is not None
             sizes = dim_sizes(config)

@@ -174,6 +174,21 @@ def expert_activation_bytes(
     return router + 3 * 4 * rows + mlp + combine + exchange
 
 
+def cache_bytes_per_token(config: ModelConfig, tensor_parallel_size: int, itemsize: int) -> int:
+    """Bytes one token occupies in the KV cache of one device, all layers: K and V of its KV
+    heads (split over the devices); for multi-head latent attention its latent c_kv and
+    rotary key k_pe, once (the same on every device)."""
+    if config.mla is not None:
+        (_, latent), (_, rope_dim) = config.kv_cache_dims
+        return config.num_layers * (latent + rope_dim) * itemsize
+    return kv_bytes_per_token(
+        config.num_layers,
+        kv_heads_per_device(config.num_kv_heads, tensor_parallel_size),
+        config.head_dim,
+        itemsize,
+    )
+
+
 def activation_bytes(
     config: ModelConfig,
     max_num_batched_tokens: int,
@@ -186,6 +201,10 @@ def activation_bytes(
     """A conservative estimate of the largest step's temporary buffers, plus a slack for
     the compiler's workspace (512 MiB, or 1/16 of a small device)."""
     per_token = (4 * config.intermediate_size + 6 * config.hidden_size) * dtype_bytes
+    if config.mla is not None:  # each head's query (A), absorbed query and output (L), value
+        mla = config.mla
+        heads = config.num_q_heads
+        per_token += heads * (mla.qk_head_dim + 2 * mla.kv_lora_rank + mla.v_head_dim) * dtype_bytes
     experts = expert_activation_bytes(
         config, max_num_batched_tokens, dtype_bytes, tensor_parallel_size, expert_parallel
     )
@@ -195,6 +214,22 @@ def activation_bytes(
     sampler = max(6 * max_num_seqs, 8 * chunk) * config.vocab_size * 4
     slack = min(512 * 1024**2, device_memory_bytes // 16)
     return max_num_batched_tokens * per_token + experts + sampler + slack
+
+
+def mla_reference_bytes(
+    config: ModelConfig, num_tokens: int, max_model_len: int, block_size: int
+) -> int:
+    """The temporaries of multi-head latent attention's reference (``pallas_kernels.mla``, its
+    only path) in the largest step, 0 for other families: each row gathers its sequence's
+    latents and rotary keys (in the cache's dtype, then float32: counted at 4 bytes each) and
+    scores every position for every head twice (scores, probabilities), over max_model_len
+    positions."""
+    if config.mla is None:
+        return 0
+    positions = -(-max_model_len // block_size) * block_size
+    latent = config.mla.kv_lora_rank + config.mla.qk_rope_head_dim
+    per_position = latent * (4 + 4) + 2 * config.num_q_heads * 4
+    return num_tokens * positions * per_position
 
 
 def plan_capacity(
@@ -226,13 +261,8 @@ def plan_capacity(
         device_memory_bytes,
         tensor_parallel_size,
         expert_parallel,
-    )
-    per_token = kv_bytes_per_token(
-        config.num_layers,
-        kv_heads_per_device(config.num_kv_heads, tensor_parallel_size),
-        config.head_dim,
-        kv_dtype_bytes,
-    )
+    ) + mla_reference_bytes(config, max_num_batched_tokens, max_model_len, block_size)
+    per_token = cache_bytes_per_token(config, tensor_parallel_size, kv_dtype_bytes)
     budget = int(device_memory_bytes * memory_utilization) - weights - activations
     if num_blocks_override is not None:
         num_blocks = num_blocks_override

@@ -160,6 +160,9 @@ def describe_attention(
     """``Attention: Pallas Mosaic GPU kernel``; or the path taken instead (the Pallas Triton
     kernel below Hopper, the reference) and why, e.g. ``Attention: Pallas Triton kernel (the
     Mosaic GPU kernel needs Hopper or newer (compute capability 9.0); this GPU has 8.0)``."""
+    if model_config.mla is not None:
+        reference = pallas_kernels.KERNEL_NAMES["reference"]
+        return f"Attention: {reference} ({pallas_kernels.MLA_FALLBACK})"
     num_q_heads = max(1, model_config.num_q_heads // tensor_parallel_size)  # per device
     num_kv_heads = kv_heads_per_device(model_config.num_kv_heads, tensor_parallel_size)
     head_dim = model_config.head_dim

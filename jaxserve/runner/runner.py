@@ -23,7 +23,7 @@ import numpy as np
 import pallas_kernels
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
-from jaxserve.models.batch import Batch, make_kv_cache
+from jaxserve.models.batch import Batch, kv_page_shapes, make_kv_cache_for
 from jaxserve.models.kv_scales import kv_dtype_label
 from jaxserve.runner import step_broadcast
 from jaxserve.runner.capacity import (
@@ -169,25 +169,25 @@ class ModelRunner:
             expert_parallel=self.config.enable_expert_parallel,
         )
 
-    def kv_cache_shape(self) -> tuple[int, int, int, int]:
-        c = self.model_config
-        return (self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-
     def allocate_kv_cache(self) -> None:
         if self.kv_cache is not None:
             return
         if self.tp is not None:
             self.kv_cache = self.tp.make_kv_cache(self.num_blocks, self.block_size, self.kv_dtype)
         else:
-            num_layers = self.model_config.num_layers
-            self.kv_cache = make_kv_cache(num_layers, *self.kv_cache_shape(), self.kv_dtype)
+            self.kv_cache = make_kv_cache_for(
+                self.model_config, self.num_blocks, self.block_size, self.kv_dtype
+            )
 
     def abstract_kv_cache(self) -> list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]:
         """The cache's shapes (and shardings) only: enough to compile against."""
         n = self.model_config.num_layers
         shardings = self.tp.kv_cache_shardings(n) if self.tp is not None else [(None, None)] * n
-        abstract = functools.partial(jax.ShapeDtypeStruct, self.kv_cache_shape(), self.kv_dtype)
-        return [(abstract(sharding=k), abstract(sharding=v)) for k, v in shardings]
+        k_shape, v_shape = kv_page_shapes(self.model_config, self.num_blocks, self.block_size)
+        abstract = functools.partial(jax.ShapeDtypeStruct, dtype=self.kv_dtype)
+        return [
+            (abstract(k_shape, sharding=k), abstract(v_shape, sharding=v)) for k, v in shardings
+        ]
 
     def precision(self) -> contextlib.AbstractContextManager:
         """float32 means float32: on GPUs XLA would otherwise multiply f32 in TF32."""

@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels
 from jaxserve.config import ModelConfig
 from jaxserve.models import moe
-from jaxserve.models.batch import KVCache
+from jaxserve.models.batch import KVCache, kv_page_shapes
 from jaxserve.models.families import layer_fields, model_fields
 from jaxserve.models.llama import AttentionFn, LayerWeights, Weights
 from jaxserve.models.quant import QUANTIZED_FIELDS
@@ -175,11 +175,12 @@ class TensorParallel:
 
     def make_kv_cache(self, num_pages: int, page_size: int, dtype: jnp.dtype) -> KVCache:
         """A zeroed cache allocated directly in its shards (no device ever holds all of it)."""
-        shape = (num_pages, page_size, self.config.num_kv_heads, self.config.head_dim)
-        zeros = jax.jit(
-            lambda: jnp.zeros(shape, dtype), out_shardings=self.kv_sharding
-        )  # [P, page, K, D]
-        return [(zeros(), zeros()) for _ in range(self.config.num_layers)]
+        shapes = kv_page_shapes(self.config, num_pages, page_size)  # [P, page, K, D] each
+        zeros = [
+            jax.jit(lambda shape=shape: jnp.zeros(shape, dtype), out_shardings=self.kv_sharding)
+            for shape in shapes
+        ]
+        return [(zeros[0](), zeros[1]()) for _ in range(self.config.num_layers)]
 
     def step_shardings(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """(in_shardings, out_shardings) for ``jit(step(weights, kv_cache, packed inputs,
