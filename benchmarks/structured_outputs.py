@@ -112,7 +112,9 @@ class Phases:
             "collect": (engine.runner, "collect"),
             "process": (engine, "_process"),
             "grammar states": (engine.structured_outputs, "update_states"),
-            "masks": (engine.structured_outputs, "token_masks"),
+            "start masks": (engine.structured_outputs, "start_masks"),
+            "wait masks": (engine.structured_outputs, "wait_masks"),
+            "fill masks": (engine.structured_outputs, "_fill"),
             "dispatch sampler": (engine.runner, "dispatch_sampler"),
         }
         self.seconds: dict[str, list[float]] = {name: [] for name in self.targets}
@@ -209,7 +211,7 @@ def main() -> int:
     unconstrained_run = run_batch(llm, prompts, plain, Phases(llm))
     phases = Phases(llm)
     constrained_run = run_batch(llm, prompts, constrained, phases)
-    mask_times = phases.seconds["masks"]
+    mask_times = phases.seconds["fill masks"]  # on the worker thread
     texts = constrained_run.pop("texts")
     valid = sum('{"records":[' in text for text in texts)
     unconstrained_run.pop("texts")

@@ -180,8 +180,11 @@ def _grouped_matmul_kernel(
             return acc + pltriton.dot(a, b, precision=precision)
 
         # The zero segment (past the groups' sum) runs no step and stores zeros.
-        num_steps = jnp.where(segment < num_groups, pl.cdiv(size_k, block_k), 0)
-        acc = lax.fori_loop(0, num_steps, step, jnp.zeros((block_m, block_n), jnp.float32))
+        # NOTE: both bounds i32 values: Triton's scf.for takes one type for lower and upper.
+        num_steps = jnp.where(segment < num_groups, pl.cdiv(size_k, block_k), 0).astype(jnp.int32)
+        acc = lax.fori_loop(
+            jnp.int32(0), num_steps, step, jnp.zeros((block_m, block_n), jnp.float32)
+        )
         mask = is_row[:, None] if is_col is None else is_row[:, None] & is_col[None, :]
         pltriton.store(
             out_ref.at[pl.ds(first_row, block_m), pl.ds(col * block_n, block_n)],
