@@ -180,17 +180,21 @@ def _grouped_matmul_kernel(
             return acc + pltriton.dot(a, b, precision=precision)
 
         # The zero segment (past the groups' sum) runs no step and stores zeros.
-        # NOTE: both bounds i32 values: Triton's scf.for takes one type for lower and upper.
-        num_steps = jnp.where(segment < num_groups, pl.cdiv(size_k, block_k), 0).astype(jnp.int32)
-        acc = lax.fori_loop(
-            jnp.int32(0), num_steps, step, jnp.zeros((block_m, block_n), jnp.float32)
-        )
         mask = is_row[:, None] if is_col is None else is_row[:, None] & is_col[None, :]
-        pltriton.store(
-            out_ref.at[pl.ds(first_row, block_m), pl.ds(col * block_n, block_n)],
-            acc.astype(out_ref.dtype),
-            mask=mask,
-        )
+        out_tile = out_ref.at[pl.ds(first_row, block_m), pl.ds(col * block_n, block_n)]
+
+        # NOTE: a static trip count, and the zero segment (rows past the groups' sum) in a
+        # branch of its own that reads no weight: the Triton lowering refused a loop whose
+        # bound was a traced value next to a constant (scf.for's bounds differed in type).
+        @pl.when(segment < num_groups)
+        def _():
+            zeros = jnp.zeros((block_m, block_n), jnp.float32)
+            acc = lax.fori_loop(0, pl.cdiv(size_k, block_k), step, zeros)
+            pltriton.store(out_tile, acc.astype(out_ref.dtype), mask=mask)
+
+        @pl.when(segment >= num_groups)
+        def _():
+            pltriton.store(out_tile, jnp.zeros((block_m, block_n), out_ref.dtype), mask=mask)
 
 
 def unsupported_reason(lhs, rhs) -> str | None:

@@ -228,3 +228,19 @@ def wait_for_all(procs: Sequence[subprocess.Popen], timeout_s: float) -> None:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
+
+
+@pytest.fixture
+def verify_triton_modules(monkeypatch):
+    """Every Pallas Triton module lowered in the test is verified as XLA verifies it when it
+    parses it on the GPU (the lowering alone let an ill-typed loop through)."""
+    from jax._src.pallas.triton import lowering
+
+    lower = lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        assert result.module.operation.verify()  # raises MLIRError naming the op otherwise
+        return result
+
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)

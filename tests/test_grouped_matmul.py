@@ -151,14 +151,18 @@ def test_tiles_follow_the_rows_per_group():
 
 @pytest.mark.filterwarnings(DEPRECATED)
 @pytest.mark.parametrize("num_rows", [16 * 8, 2048 * 8], ids=["decode", "prefill"])
-def test_lowers_to_triton_for_an_a100(num_rows: int):
-    """The Pallas -> Triton IR lowering of the Qwen3-30B-A3B expert shapes runs on the CPU;
-    only ptxas is left for the GPU."""
+@pytest.mark.parametrize("kind,cores", [("NVIDIA A100", 108), ("NVIDIA H200", 132)])
+def test_lowers_to_triton_for_a100_and_h200(
+    num_rows: int, kind: str, cores: int, verify_triton_modules
+) -> None:
+    """The Pallas -> Triton IR lowering of the Qwen3-30B-A3B expert shapes runs on the CPU,
+    and the Triton module verifies, as XLA verifies it when it parses it on the GPU (a loop
+    whose bounds differed in type passed the lowering and failed there); only ptxas is left."""
     lhs = jax.ShapeDtypeStruct((num_rows, 2048), jnp.bfloat16)
     rhs = jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16)
     sizes = jax.ShapeDtypeStruct((128,), jnp.int32)
-    a100 = jax.sharding.AbstractDevice(device_kind="NVIDIA A100", num_cores=108, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=a100)
+    device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=cores, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
     with jax.sharding.use_abstract_mesh(mesh):
         traced = jax.jit(gmt.grouped_matmul).trace(lhs, rhs, sizes)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()

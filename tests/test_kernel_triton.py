@@ -76,7 +76,7 @@ def test_interpret_matches_reference(case: Case):
 
 @pytest.mark.filterwarnings(DEPRECATED)
 @pytest.mark.parametrize("case", CPU_CASES[:4] + CPU_CASES[-2:], ids=lambda c: c.name)
-def test_lowers_to_triton_for_an_a100(case: Case):
+def test_lowers_to_triton_for_an_a100(case: Case, verify_triton_modules) -> None:
     """The Pallas -> Triton IR lowering (power-of-two tensors, gathers, masks) runs on the CPU;
     only ptxas is left for the GPU."""
     rng = np.random.default_rng(0)

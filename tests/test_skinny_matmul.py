@@ -121,7 +121,7 @@ LOWERING_CASES = [
 
 @pytest.mark.filterwarnings(DEPRECATED)
 @pytest.mark.parametrize("case", LOWERING_CASES, ids=lambda c: c.name)
-def test_lowers_to_triton_for_an_h200(case: Case):
+def test_lowers_to_triton_for_an_h200(case: Case, verify_triton_modules) -> None:
     """The Pallas -> Triton IR lowering (fp8 converts and masked loads included)."""
     h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
