@@ -1,19 +1,25 @@
 """Weights: a Hugging Face safetensors checkpoint (or random ``dummy`` weights) -> ``Weights``.
 
-Tensors are read one at a time from memory-mapped safetensors files, transposed to the
-model's einsum layout, cast and placed on the device (or straight into their shards when a
-``placement`` function gives a sharding), so peak host memory is about one tensor. Loading logs
-one line at the end, and a line at every tenth of the bytes for a checkpoint of 1 GiB or more.
+Several threads read the checkpoint's tensors at once (``checkpoint_reader.py``: positioned
+reads through a few reusable host buffers, so peak host memory is those buffers, not the
+checkpoint nor one tensor), each tensor sent to the device as it is stored; there one compiled
+program per field shape brings it to the model's einsum layout and dtype, and it is placed
+whole or in its shards when a ``placement`` function gives a sharding. Loading logs one line at
+the end (bytes, seconds, GB/s), and a line at every tenth of the bytes for a checkpoint of
+1 GiB or more.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +29,7 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxserve.config import ModelConfig
+from jaxserve.models.checkpoint_reader import CheckpointReader, WeightsError
 from jaxserve.models.families import (
     HF_LAYER_PREFIX,
     WeightField,
@@ -33,19 +40,17 @@ from jaxserve.models.families import (
 )
 from jaxserve.models.llama import LayerWeights, Weights
 from jaxserve.models.quant import QUANTIZED_FIELDS, QArray, quantize, to_out_in
-from jaxserve.models.quant_checkpoint import read_fp8, read_qarray, tensor_shapes
+from jaxserve.models.quant_checkpoint import read_qarray, tensor_shapes
 from jaxserve.models.quant_scheme import QuantScheme
 from jaxserve.models.quant_scheme import weight_bytes as quantized_weight_bytes
 
 _LOG = logging.getLogger(__name__)
 GiB = 1024**3
+# Host memory the reading threads stage tensors through, in all (two buffers per thread).
+STAGING_BYTES = GiB
 
 # (field path in Weights, e.g. ("layers", 3, "wq")) -> a sharding for it, or None (default device)
 Placement = Callable[[tuple[Any, ...], tuple[int, ...]], jax.sharding.Sharding | None]
-
-
-class WeightsError(ValueError):
-    """A checkpoint that does not match its config: names the file and the tensor."""
 
 
 def is_quantized(field: WeightField, scheme: QuantScheme | None) -> bool:
@@ -108,13 +113,17 @@ class LoadProgress:
         self.num_bytes = 0
         self.tenths_logged = 0
         self.start = time.perf_counter()
+        self._lock = threading.Lock()  # reading threads add at once
 
     def add(self, shard: Path, num_bytes: int) -> None:
-        self.num_bytes += num_bytes
-        if not self.log_every_tenth or not self.total_bytes:
-            return
-        tenths = min(10, self.num_bytes * 10 // self.total_bytes)
-        if tenths > self.tenths_logged:
+        with self._lock:
+            self.num_bytes += num_bytes
+            if not self.log_every_tenth or not self.total_bytes:
+                return
+            tenths = min(10, self.num_bytes * 10 // self.total_bytes)
+            if tenths <= self.tenths_logged:
+                return
+
             self.tenths_logged = tenths
             _LOG.info(
                 "Loading weights: %d%% (%s of %s), shard %d of %d, at %.1f s",
@@ -128,12 +137,14 @@ class LoadProgress:
 
     def finish(self) -> None:
         num_shards = len(self.shards)
+        seconds = time.perf_counter() - self.start
         _LOG.info(
-            "Loaded weights: %s from %d shard%s in %.1f s",
+            "Loaded weights: %s from %d shard%s in %.1f s (%.2f GB/s)",
             format_bytes(self.num_bytes),
             num_shards,
             "" if num_shards == 1 else "s",
-            time.perf_counter() - self.start,
+            seconds,
+            self.num_bytes / max(seconds, 1e-9) / 1e9,
         )
 
 
@@ -195,6 +206,76 @@ def _warn_unread(model_dir: Path, model_type: str, unread: list[str]) -> None:
         )
 
 
+# NOTE: a checkpoint tensor goes to the device as it is stored and is converted there: numpy's
+# transposes of bf16 ran at 0.1 GB/s on the CI machine (an 8B checkpoint loaded at 0.65 GB/s
+# on the H200 that way), and one compiled program per field shape concatenates the pieces,
+# slices a fused part, transposes and casts in one pass over device memory. It is the
+# loader's own program, compiled once per tensor shape; the model step's are in the runner.
+@functools.partial(jax.jit, static_argnames=("field", "config", "shape", "dtype"))
+def _to_field(
+    pieces: list[jax.Array], field: WeightField, config: ModelConfig, shape: tuple, dtype: Any
+) -> jax.Array:
+    """The field in the model's layout and ``dtype``, from the 1-D pieces of its checkpoint
+    tensors (``shape``: [number of tensors, *one tensor's shape])."""
+    stacked: Any = jnp.concatenate(pieces).reshape(shape)  # from_hf reads jax arrays too
+    if field.per_expert:
+        value = jax.vmap(lambda tensor: field.from_hf(tensor, config))(stacked)
+    else:
+        value = field.from_hf(stacked[0], config)
+    return jnp.asarray(value).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("field", "config", "shape"))
+def _part(pieces: list[jax.Array], field: WeightField, config: ModelConfig, shape: tuple):
+    """This field's rows of its checkpoint tensor ``[out, in]`` (all of it, unless fused)."""
+    return jnp.concatenate(pieces).reshape(shape)[0][field.part_rows(config)]
+
+
+def _place_on_device(value: jax.Array, path: tuple[Any, ...], placement: Placement | None):
+    """A device array placed with its sharding (each device gets its slice)."""
+    sharding = placement(path, value.shape) if placement is not None else None
+    if sharding is None:
+        return value
+    if sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+@dataclasses.dataclass
+class _Job:
+    """Checkpoint tensors read together, and the fields made from them (a fused tensor's
+    parts, an expert field's experts); a pre-quantized field reads its own tensors."""
+
+    names: tuple[str, ...]  # the checkpoint tensors it reads
+    fields: list[tuple[tuple[Any, ...], WeightField, str]]  # (path in Weights, field, prefix)
+    on_host: bool = False  # a pre-quantized field: its tensors converted on the host
+
+
+def _jobs(config: ModelConfig, scheme: QuantScheme | None) -> list[_Job]:
+    """Every field's job, in the weight table's order."""
+    jobs: dict[Any, _Job] = {}
+
+    def add(path: tuple[Any, ...], field: WeightField, prefix: str) -> None:
+        if scheme is not None and scheme.from_checkpoint and is_quantized(field, scheme):
+            names = tuple(prefix + name for name in tensor_shapes(field, config, scheme))
+            jobs[path] = _Job(names, [(path, field, prefix)], on_host=True)
+            return
+        names = tuple(field.hf_names(config, prefix))
+        jobs.setdefault(names, _Job(names, [])).fields.append((path, field, prefix))
+
+    for layer in range(config.num_layers):
+        prefix = HF_LAYER_PREFIX.format(layer=layer)
+        for field in layer_fields(config, layer):
+            add(("layers", layer, field.name), field, prefix)
+    for field in model_fields(config):
+        add((field.name,), field, "")
+    return list(jobs.values())
+
+
+def default_num_threads() -> int:
+    return min(8, os.cpu_count() or 1)
+
+
 def load_weights(
     model_dir: str | os.PathLike[str],
     config: ModelConfig,
@@ -202,11 +283,15 @@ def load_weights(
     placement: Placement | None = None,
     progress_above_bytes: int = GiB,
     scheme: QuantScheme | None = None,
+    num_threads: int | None = None,
+    staging_bytes: int = STAGING_BYTES,
 ) -> Weights:
-    """Stream a safetensors checkpoint into ``Weights`` (missing or misshapen tensors raise).
+    """Read a safetensors checkpoint into ``Weights`` (missing or misshapen tensors raise).
 
-    With a ``scheme`` the Linear weights become ``QArray``s: read as the checkpoint stores
-    them, or quantized here one tensor at a time (``--quantization fp8 | int8``).
+    ``num_threads`` threads (default: up to 8) read tensors at once, each through two of the
+    reader's staging buffers (``staging_bytes`` of host memory in all), and convert them on
+    the device. With a ``scheme`` the Linear weights become ``QArray``s: read as the checkpoint
+    stores them, or quantized here on the device (``--quantization fp8 | int8``).
     A checkpoint of ``progress_above_bytes`` or more logs its progress at every tenth."""
     model_dir = Path(model_dir)
     files = _tensor_files(model_dir)
@@ -222,68 +307,77 @@ def load_weights(
             f"from the checkpoint ({len(missing)} missing in all)"
         )
     _warn_unread(model_dir, config.model_type, sorted(set(files) - set(shapes)))
-    with ExitStack() as stack:
-        handles: dict[Path, Any] = {}
-
-        def read(name: str) -> np.ndarray:
-            file = files[name]
-            if file not in handles:
-                if not file.is_file():
-                    raise WeightsError(f"{file}: file named by the index for {name!r} not found")
-                handles[file] = stack.enter_context(safe_open(file, framework="numpy"))
-            if handles[file].get_slice(name).get_dtype() == "F8_E4M3":
-                tensor = read_fp8(file, name)
-            else:
-                tensor = handles[file].get_tensor(name)
-            expected = shapes[name]
-            if expected is not None and tuple(tensor.shape) != expected:
+    num_threads = num_threads or default_num_threads()
+    num_buffers = 2 * num_threads
+    buffer_bytes = max(64, staging_bytes // num_buffers // 64 * 64)
+    reader = CheckpointReader(files, progress.add, num_buffers, buffer_bytes)
+    with reader, ThreadPoolExecutor(num_threads, thread_name_prefix="load") as pool:
+        for name, shape in shapes.items():  # every error before a byte is read
+            info = reader.info(name)
+            info.dtype  # noqa: B018 (a dtype the reader cannot read raises here)
+            if shape is not None and info.shape != shape:
                 raise WeightsError(
-                    f"{file.name}: tensor {name!r} has shape {list(tensor.shape)}, "
-                    f"expected {list(expected)} from config.json"
+                    f"{info.file.name}: tensor {name!r} has shape {list(info.shape)}, "
+                    f"expected {list(shape)} from config.json"
                 )
-            progress.add(file, tensor.nbytes)
-            return tensor
+        # Staged on the devices of the weights' mesh in turn (one device's link carrying all
+        # bytes would be the slowest part), then placed in their shards from there.
+        embed = placement(("embed",), (1, 1)) if placement is not None else None
+        devices: list[Any] = sorted(embed.addressable_devices, key=str) if embed else [None]
 
-        def read_field(field: WeightField, prefix: str) -> np.ndarray:
-            """One tensor in the field's layout; a per-expert field stacks its experts."""
-            parts = [field.from_hf(read(name), config) for name in field.hf_names(config, prefix)]
-            return parts[0] if not field.per_expert else np.stack(parts)
-
-        def load_field(prefix: str, field: WeightField, path: tuple[Any, ...]) -> Any:
-            if not is_quantized(field, scheme):
-                return _place(read_field(field, prefix), dtype, path, placement)
-            assert scheme is not None
-            if scheme.from_checkpoint:
+        def run(job: _Job, device: Any) -> dict[tuple[Any, ...], Any]:
+            if job.on_host:
+                ((path, field, prefix),) = job.fields
+                assert scheme is not None
                 try:
-                    w = read_qarray(read, prefix, field, config, scheme)
+                    w = read_qarray(reader.read_to_host, prefix, field, config, scheme)
                 except ValueError as exc:
                     raise WeightsError(f"{model_dir}: {exc}") from exc
-            else:  # on the device (op by op): numpy's fp8 casts are slow on an 8B model
-                sizes = dim_sizes(config)
-                w = quantize(
-                    jnp.asarray(read(prefix + field.hf_name)[field.part_rows(config)]),
-                    scheme.weight_format,
-                    tuple(sizes[d] for d in field.hf_shape[1]),
-                    tuple(sizes[d] for d in field.hf_shape[0]),
-                )
-            return _place_quantized(w, path, placement, scheme.act_quant)
+                return {path: _place_quantized(w, path, placement, scheme.act_quant)}
+            pieces = reader.read_to_device(job.names, device)
+            shape = (len(job.names), *reader.info(job.names[0]).shape)
+            values = {}
+            for path, field, _ in job.fields:
+                if is_quantized(field, scheme):  # on the device (op by op)
+                    assert scheme is not None
+                    sizes = dim_sizes(config)
+                    w = quantize(
+                        _part(pieces, field, config, shape),
+                        scheme.weight_format,
+                        tuple(sizes[d] for d in field.hf_shape[1]),
+                        tuple(sizes[d] for d in field.hf_shape[0]),
+                    )
+                    values[path] = _place_quantized(w, path, placement, scheme.act_quant)
+                else:
+                    value = _to_field(pieces, field, config, shape, jnp.dtype(dtype))
+                    values[path] = _place_on_device(value, path, placement)
+            jax.block_until_ready(values)  # the device memory of the pieces is freed
+            return values
 
-        layers = []
-        for layer in range(config.num_layers):
-            prefix = HF_LAYER_PREFIX.format(layer=layer)
-            values = {
-                field.name: load_field(prefix, field, ("layers", layer, field.name))
-                for field in layer_fields(config, layer)
-            }
-            layers.append(LayerWeights(**values))
-        outside: dict[str, Any] = {
-            field.name: _place(
-                field.from_hf(read(field.hf_name), config), dtype, (field.name,), placement
-            )
-            for field in model_fields(config)
+        jobs = _jobs(config, scheme)
+        start = {  # read in the order of the bytes in the files
+            id(job): min((str(files[name]), reader.info(name).begin) for name in job.names)
+            for job in jobs
         }
+        order = sorted(jobs, key=lambda job: start[id(job)])
+        futures = {
+            id(job): pool.submit(run, job, devices[i % len(devices)]) for i, job in enumerate(order)
+        }
+        values: dict[tuple[Any, ...], Any] = {}
+        try:
+            for job in jobs:  # the first error in table order is the one raised
+                values.update(futures[id(job)].result())
+        except BaseException:
+            pool.shutdown(cancel_futures=True)
+            raise
     progress.finish()
-    return Weights(layers=layers, **outside)
+    layers = [
+        LayerWeights(
+            **{f.name: values[("layers", layer, f.name)] for f in layer_fields(config, layer)}
+        )
+        for layer in range(config.num_layers)
+    ]
+    return Weights(layers=layers, **{f.name: values[(f.name,)] for f in model_fields(config)})
 
 
 def dummy_weights(
