@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -232,9 +233,12 @@ class CheckpointReader:
         pieces: list[jax.Array],
         sending: list[tuple[np.ndarray, jax.Array]],
     ) -> None:
-        # NOTE: may_alias=False: the CPU backend could otherwise keep the buffer as the
-        # array's memory, and the buffer is reused.
         array = jax.device_put(buffer[:filled].view(dtype), device, may_alias=False)
+        # NOTE: the buffer is reused, so the array must not be its memory; jax 0.11.2's CPU
+        # client can keep an aligned numpy array as the array's memory even with
+        # may_alias=False (seen with 1 KiB buffers), so such an array is copied.
+        if buffer.ctypes.data <= array.unsafe_buffer_pointer() < buffer.ctypes.data + filled:
+            array = jnp.copy(array)
         self._finish(sending)
         sending.append((buffer, array))
         pieces.append(array)

@@ -26,10 +26,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.checkpoint_reader import CheckpointReader, WeightsError
+from jaxserve.models.checkpoint_reader import CheckpointReader, WeightsError, read_header
 from jaxserve.models.families import (
     HF_LAYER_PREFIX,
     WeightField,
@@ -89,11 +88,7 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
             f"{model_dir}: no *.safetensors files (only safetensors checkpoints are loaded; "
             "use --load-format dummy for random weights)"
         )
-    names: dict[str, Path] = {}
-    for file in files:
-        with safe_open(file, framework="numpy") as f:
-            names.update(dict.fromkeys(f.keys(), file))
-    return names
+    return {name: file for file in files for name in read_header(file)}
 
 
 def format_bytes(num_bytes: int) -> str:
