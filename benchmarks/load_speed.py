@@ -72,8 +72,8 @@ def write_checkpoint(config_dir: Path, out: Path, overrides: dict, num_shards: i
     names = hf_order(list(shapes))
     sizes = {name: int(np.prod(shapes[name])) * 2 for name in names}
     total = sum(sizes.values())
-    noise = (np.random.default_rng(0).standard_normal(8 * MiB) * 0.02).astype(ml_dtypes.bfloat16)
-    block = noise.view(np.uint8)  # 16 MiB of bf16 values, repeated
+    noise = (np.random.default_rng(0).standard_normal(MiB) * 0.02).astype(ml_dtypes.bfloat16)
+    block = noise.view(np.uint8)  # 2 MiB of bf16 values, repeated
     shards: list[list[str]] = [[] for _ in range(num_shards)]
     written = 0
     for name in names:  # contiguous runs of about total / num_shards bytes
@@ -161,7 +161,8 @@ def old_loader(model_dir: Path, config: ModelConfig) -> dict[str, float]:
         seconds["read"] += time.perf_counter() - start
         start = time.perf_counter()
         parts = [field.from_hf(t, config) for t in tensors]
-        array = (parts[0] if not field.per_expert else np.stack(parts)).astype(jnp.bfloat16)
+        array = parts[0] if not field.per_expert else np.stack(parts)
+        array = array.astype(jnp.bfloat16, copy=False)
         seconds["host convert"] += time.perf_counter() - start
         start = time.perf_counter()
         arrays.append(jax.device_put(array).block_until_ready())

@@ -237,7 +237,8 @@ class CheckpointReader:
         # NOTE: the buffer is reused, so the array must not be its memory; jax 0.11.2's CPU
         # client can keep an aligned numpy array as the array's memory even with
         # may_alias=False (seen with 1 KiB buffers), so such an array is copied.
-        if buffer.ctypes.data <= array.unsafe_buffer_pointer() < buffer.ctypes.data + filled:
+        on_cpu = next(iter(array.devices())).platform == "cpu"  # (the pointer waits on GPUs)
+        if on_cpu and 0 <= array.unsafe_buffer_pointer() - buffer.ctypes.data < filled:
             array = jnp.copy(array)
         self._finish(sending)
         sending.append((buffer, array))

@@ -226,6 +226,13 @@ def _part(pieces: list[jax.Array], field: WeightField, config: ModelConfig, shap
     return jnp.concatenate(pieces).reshape(shape)[0][field.part_rows(config)]
 
 
+def _layout(field: WeightField) -> WeightField:
+    """The field without the names and fill that do not change its conversion, so fields of
+    one layout and shape (wk and wv, the norms) share one compiled program."""
+    hf_name = "{expert}" if field.per_expert else ""
+    return dataclasses.replace(field, name="", hf_name=hf_name, init="normal", mlp="any")
+
+
 def _place_on_device(value: jax.Array, path: tuple[Any, ...], placement: Placement | None):
     """A device array placed with its sharding (each device gets its slice)."""
     sharding = placement(path, value.shape) if placement is not None else None
@@ -337,14 +344,15 @@ def load_weights(
                     assert scheme is not None
                     sizes = dim_sizes(config)
                     w = quantize(
-                        _part(pieces, field, config, shape),
+                        _part(pieces, _layout(field), config, shape),
                         scheme.weight_format,
                         tuple(sizes[d] for d in field.hf_shape[1]),
                         tuple(sizes[d] for d in field.hf_shape[0]),
                     )
                     values[path] = _place_quantized(w, path, placement, scheme.act_quant)
                 else:
-                    value = _to_field(pieces, field, config, shape, jnp.dtype(dtype))
+                    layout = _layout(field)
+                    value = _to_field(pieces, layout, config, shape, jnp.dtype(dtype))
                     values[path] = _place_on_device(value, path, placement)
             jax.block_until_ready(values)  # the device memory of the pieces is freed
             return values
