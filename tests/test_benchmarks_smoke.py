@@ -195,3 +195,15 @@ def test_moe_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
     assert [r["batch"] for r in result["experts"]] == [1, 4]
     assert result["experts"][0]["experts_touched"] <= 2
     assert "roofline" in capsys.readouterr().out
+
+
+def test_load_speed_smoke(tmp_path, monkeypatch) -> None:
+    out = tmp_path / "load.json"
+    args = ["--smoke", "--dir", str(tmp_path / "ckpt"), "--output-json", str(out)]
+    run_script("benchmarks/load_speed.py", args, monkeypatch)
+    result = json.loads(out.read_text())
+    names = [row["name"] for row in result["rows"]]
+    assert names[0].endswith("threads (compiles)") and names[1].startswith("load_weights, ")
+    assert "old loader" in names and not result["skipped"]
+    old = next(row for row in result["rows"] if row["name"] == "old loader")
+    assert old["read"] > 0 and old["device_put"] > 0 and result["bytes"] > 0

@@ -121,12 +121,15 @@ def test_a_misshapen_tensor_names_file_tensor_and_shapes(tmp_path) -> None:
         load_weights(model_dir, ModelConfig.from_hf_dir(model_dir), jnp.float32)
 
 
-def test_a_cut_short_file_and_a_missing_shard_are_named(tmp_path) -> None:
+def test_a_cut_short_file_a_bad_header_and_a_missing_shard_are_named(tmp_path) -> None:
     model_dir = copy_fixture(tmp_path, load_file(fixture_dir("llama") / "model.safetensors"))
     config = ModelConfig.from_hf_dir(model_dir)
     data = (model_dir / "model.safetensors").read_bytes()
     (model_dir / "model.safetensors").write_bytes(data[:-100])
     with pytest.raises(WeightsError, match=r"model.safetensors: tensor '.*' \(F32\[.*\]\) has"):
+        load_weights(model_dir, config, jnp.float32)
+    (model_dir / "model.safetensors").write_bytes((9).to_bytes(8, "little") + b"{not json")
+    with pytest.raises(WeightsError, match="model.safetensors: not a safetensors file"):
         load_weights(model_dir, config, jnp.float32)
     (model_dir / "model.safetensors").write_bytes(data)
     with safe_open(model_dir / "model.safetensors", framework="numpy") as f:

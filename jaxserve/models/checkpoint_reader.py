@@ -31,6 +31,7 @@ import ml_dtypes
 import numpy as np
 
 MiB = 1024**2
+MAX_HEADER_BYTES = 100 * MiB  # safetensors' own limit
 
 # safetensors' dtype names -> numpy (bf16 and fp8 from ml_dtypes, as jax reads them).
 DTYPES: dict[str, Any] = {
@@ -87,23 +88,41 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
     with file.open("rb") as f:
         head = f.read(8)
         (length,) = struct.unpack("<Q", head) if len(head) == 8 else (size,)
-        if 8 + length > size:
-            raise WeightsError(f"{file}: not a safetensors file (header past its {size} bytes)")
-        header = json.loads(f.read(length))
-    infos = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = (8 + length + offset for offset in entry["data_offsets"])
-        info = TensorInfo(name, file, entry["dtype"], tuple(entry["shape"]), begin, end)
-        itemsize = np.dtype(DTYPES[info.dtype_name]).itemsize if info.dtype_name in DTYPES else 0
-        if end > size or (itemsize and info.num_bytes != math.prod(info.shape) * itemsize):
+        if 8 + length > size or length > MAX_HEADER_BYTES:
             raise WeightsError(
-                f"{file.name}: tensor {name!r} ({info.dtype_name}{list(info.shape)}) has "
-                f"{info.num_bytes} bytes at [{begin}, {end}) of a {size}-byte file"
+                f"{file}: not a safetensors file (a header of {length} bytes in {size}; "
+                f"at most {MAX_HEADER_BYTES} are read)"
             )
-        infos[name] = info
+        text = f.read(length)
+    try:
+        header = json.loads(text)
+        infos = {
+            name: _tensor_info(file, name, entry, 8 + length, size)
+            for name, entry in header.items()
+            if name != "__metadata__"
+        }
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, WeightsError):
+            raise
+        raise WeightsError(f"{file}: not a safetensors file (its header: {exc!r})") from exc
     return infos
+
+
+def _tensor_info(file: Path, name: str, entry: dict, data_start: int, size: int) -> TensorInfo:
+    begin, end = (data_start + int(offset) for offset in entry["data_offsets"])
+    shape = tuple(int(n) for n in entry["shape"])
+    info = TensorInfo(name, file, str(entry["dtype"]), shape, begin, end)
+    itemsize = np.dtype(DTYPES[info.dtype_name]).itemsize if info.dtype_name in DTYPES else 0
+    if (
+        not data_start <= begin <= end <= size
+        or min(shape, default=0) < 0
+        or (itemsize and info.num_bytes != math.prod(shape) * itemsize)
+    ):
+        raise WeightsError(
+            f"{file.name}: tensor {name!r} ({info.dtype_name}{list(shape)}) has "
+            f"{info.num_bytes} bytes at [{begin}, {end}) of a {size}-byte file"
+        )
+    return info
 
 
 class CheckpointReader:
