@@ -37,6 +37,10 @@
 #   moe_hf       only the Hugging Face half of moe, for a call of its own when it did not fit
 #   gpt_oss      gpt-oss-20b (dummy bf16, shipped config): benchmarks/moe.py's decode, experts and
 #                throughput for jaxserve only, attention on the reference (sinks), 2048-token steps
+#   load         loading a 15 GB safetensors checkpoint (Llama-3-8B shape, bf16, 4 shards) from the
+#                page cache (benchmarks/load_speed.py): load_weights' GB/s (target >= 5) beside the
+#                loader before it, read / read + device_put alone, threads and staging swept;
+#                writes the checkpoint under /tmp first; about 2-3 minutes: load:210
 #   occupied     a second jaxserve launch on the GPU a first server (demo model, default flags)
 #                holds: seconds until it exits, its exit code and last lines -> $OUT/occupied.txt
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
@@ -285,6 +289,12 @@ stage_gpt_oss() {
   python3 benchmarks/moe.py --engine jaxserve --model jaxserve/assets/configs/gpt-oss-20b \
     --max-num-batched-tokens 2048 --output-json "$OUT/gpt_oss.json" > "$OUT/gpt_oss.log" 2>&1
   grep -v -E "INFO|WARN" "$OUT/gpt_oss.log" | tail -24
+}
+
+stage_load() {
+  python3 benchmarks/load_speed.py --dir /tmp/jaxserve-load-speed --time-budget 150 \
+    --output-json "$OUT/load_speed.json" 2>&1 | grep -v '^\[transformers\]' | tee "$OUT/load_speed.txt"
+  rm -rf /tmp/jaxserve-load-speed
 }
 
 stage_occupied() {  # the second start must end in seconds with the fix, not retry allocations
