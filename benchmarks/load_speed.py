@@ -140,7 +140,7 @@ def read_and_put(model_dir: Path, num_threads: int) -> None:
         CheckpointReader(files, None, 2 * num_threads, buffer_bytes) as reader,
         concurrent.futures.ThreadPoolExecutor(num_threads) as pool,
     ):
-        read = lambda name: jax.block_until_ready(reader.read_to_device([name]))  # noqa: E731
+        read = lambda name: jax.block_until_ready(reader.read_to_device([name]))
         list(pool.map(read, hf_order(list(files))))
 
 
@@ -220,7 +220,7 @@ def main() -> None:
         print(f"{name:<40} {seconds:7.2f} s  {row['gb_per_s']:6.2f} GB/s{details}", flush=True)
 
     threads = default_num_threads()
-    load = lambda **kw: lambda: load_weights(model_dir, config, jnp.bfloat16, **kw)  # noqa: E731
+    load = lambda **kw: lambda: load_weights(model_dir, config, jnp.bfloat16, **kw)
     measure(f"load_weights, {threads} threads (compiles)", load())
     measure(f"load_weights, {threads} threads", load())
     rss = max_rss_gib()

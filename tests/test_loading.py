@@ -69,7 +69,7 @@ def test_host_memory_is_the_staging_buffers_not_a_tensor(tmp_path) -> None:
         tensors[name] = rng.standard_normal((32768, 64), np.float32)  # 8 MiB each
     save_file(tensors, tmp_path / "model.safetensors")
     del tensors
-    load = lambda: load_weights(tmp_path, config, jnp.bfloat16, num_threads=2, staging_bytes=MiB)  # noqa: E731
+    load = lambda: load_weights(tmp_path, config, jnp.bfloat16, num_threads=2, staging_bytes=MiB)
     jax.block_until_ready(load())  # the conversion programs compiled outside the measurement
     tracemalloc.start()
     try:

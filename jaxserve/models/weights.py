@@ -2,23 +2,19 @@
 
 Several threads read the checkpoint's tensors at once (``checkpoint_reader.py``: positioned
 reads through a few reusable host buffers, so peak host memory is those buffers, not the
-checkpoint nor one tensor), each tensor sent to the device as it is stored; there one compiled
-program per field shape brings it to the model's einsum layout and dtype, and it is placed
-whole or in its shards when a ``placement`` function gives a sharding. Loading logs one line at
-the end (bytes, seconds, GB/s), and a line at every tenth of the bytes for a checkpoint of
-1 GiB or more.
+checkpoint nor one tensor), each tensor sent to the device as it is stored; there a compiled
+program brings it to the model's einsum layout and dtype (``field_conversion.py``), and it is
+placed whole or in its shards when a ``placement`` function gives a sharding. Loading logs one
+line at the end (bytes, seconds, GB/s), and a line at every tenth of the bytes for a checkpoint
+of 1 GiB or more (``load_progress.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import os
-import threading
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -37,19 +33,24 @@ from jaxserve.models.families import (
     model_fields,
     num_params,
 )
+from jaxserve.models.field_conversion import (
+    Placement,
+    layout_of,
+    part_rows_of,
+    place_on_device,
+    to_field,
+)
 from jaxserve.models.llama import LayerWeights, Weights
+from jaxserve.models.load_progress import GiB, LoadProgress
+from jaxserve.models.load_progress import format_bytes as format_bytes  # (warmup reads it here)
 from jaxserve.models.quant import QUANTIZED_FIELDS, QArray, quantize, to_out_in
 from jaxserve.models.quant_checkpoint import read_qarray, tensor_shapes
 from jaxserve.models.quant_scheme import QuantScheme
 from jaxserve.models.quant_scheme import weight_bytes as quantized_weight_bytes
 
 _LOG = logging.getLogger(__name__)
-GiB = 1024**3
 # Host memory the reading threads stage tensors through, in all (two buffers per thread).
 STAGING_BYTES = GiB
-
-# (field path in Weights, e.g. ("layers", 3, "wq")) -> a sharding for it, or None (default device)
-Placement = Callable[[tuple[Any, ...], tuple[int, ...]], jax.sharding.Sharding | None]
 
 
 def is_quantized(field: WeightField, scheme: QuantScheme | None) -> bool:
@@ -89,58 +90,6 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
             "use --load-format dummy for random weights)"
         )
     return {name: file for file in files for name in read_header(file)}
-
-
-def format_bytes(num_bytes: int) -> str:
-    """``8.4 MiB``, ``14.96 GiB``."""
-    if num_bytes >= GiB:
-        return f"{num_bytes / GiB:.2f} GiB"
-    return f"{num_bytes / 1024**2:.1f} MiB"
-
-
-class LoadProgress:
-    """Counts the bytes read from a checkpoint's shards and logs how far loading has got."""
-
-    def __init__(self, shards: list[Path], log_every_tenth_above_bytes: int) -> None:
-        self.shards = shards  # in the order of their names (model-00001-of-00004, ...)
-        self.total_bytes = sum(shard.stat().st_size for shard in shards if shard.is_file())
-        self.log_every_tenth = self.total_bytes >= log_every_tenth_above_bytes
-        self.num_bytes = 0
-        self.tenths_logged = 0
-        self.start = time.perf_counter()
-        self._lock = threading.Lock()  # reading threads add at once
-
-    def add(self, shard: Path, num_bytes: int) -> None:
-        with self._lock:
-            self.num_bytes += num_bytes
-            if not self.log_every_tenth or not self.total_bytes:
-                return
-            tenths = min(10, self.num_bytes * 10 // self.total_bytes)
-            if tenths <= self.tenths_logged:
-                return
-
-            self.tenths_logged = tenths
-            _LOG.info(
-                "Loading weights: %d%% (%s of %s), shard %d of %d, at %.1f s",
-                tenths * 10,
-                format_bytes(self.num_bytes),
-                format_bytes(self.total_bytes),
-                self.shards.index(shard) + 1,
-                len(self.shards),
-                time.perf_counter() - self.start,
-            )
-
-    def finish(self) -> None:
-        num_shards = len(self.shards)
-        seconds = time.perf_counter() - self.start
-        _LOG.info(
-            "Loaded weights: %s from %d shard%s in %.1f s (%.2f GB/s)",
-            format_bytes(self.num_bytes),
-            num_shards,
-            "" if num_shards == 1 else "s",
-            seconds,
-            self.num_bytes / max(seconds, 1e-9) / 1e9,
-        )
 
 
 def _place(
@@ -199,48 +148,6 @@ def _warn_unread(model_dir: Path, model_type: str, unread: list[str]) -> None:
             model_type,
             shown,
         )
-
-
-# NOTE: a checkpoint tensor goes to the device as it is stored and is converted there: numpy's
-# transposes of bf16 ran at 0.1 GB/s on the CI machine (an 8B checkpoint loaded at 0.65 GB/s
-# on the H200 that way), and one compiled program per field shape concatenates the pieces,
-# slices a fused part, transposes and casts in one pass over device memory. It is the
-# loader's own program, compiled once per tensor shape; the model step's are in the runner.
-@functools.partial(jax.jit, static_argnames=("field", "config", "shape", "dtype"))
-def _to_field(
-    pieces: list[jax.Array], field: WeightField, config: ModelConfig, shape: tuple, dtype: Any
-) -> jax.Array:
-    """The field in the model's layout and ``dtype``, from the 1-D pieces of its checkpoint
-    tensors (``shape``: [number of tensors, *one tensor's shape])."""
-    stacked: Any = jnp.concatenate(pieces).reshape(shape)  # from_hf reads jax arrays too
-    if field.per_expert:
-        value = jax.vmap(lambda tensor: field.from_hf(tensor, config))(stacked)
-    else:
-        value = field.from_hf(stacked[0], config)
-    return jnp.asarray(value).astype(dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("field", "config", "shape"))
-def _part(pieces: list[jax.Array], field: WeightField, config: ModelConfig, shape: tuple):
-    """This field's rows of its checkpoint tensor ``[out, in]`` (all of it, unless fused)."""
-    return jnp.concatenate(pieces).reshape(shape)[0][field.part_rows(config)]
-
-
-def _layout(field: WeightField) -> WeightField:
-    """The field without the names and fill that do not change its conversion, so fields of
-    one layout and shape (wk and wv, the norms) share one compiled program."""
-    hf_name = "{expert}" if field.per_expert else ""
-    return dataclasses.replace(field, name="", hf_name=hf_name, init="normal", mlp="any")
-
-
-def _place_on_device(value: jax.Array, path: tuple[Any, ...], placement: Placement | None):
-    """A device array placed with its sharding (each device gets its slice)."""
-    sharding = placement(path, value.shape) if placement is not None else None
-    if sharding is None:
-        return value
-    if sharding.is_fully_addressable:
-        return jax.device_put(value, sharding)
-    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
 @dataclasses.dataclass
@@ -338,24 +245,24 @@ def load_weights(
                 return {path: _place_quantized(w, path, placement, scheme.act_quant)}
             pieces = reader.read_to_device(job.names, device)
             shape = (len(job.names), *reader.info(job.names[0]).shape)
-            values = {}
+            made = {}
             for path, field, _ in job.fields:
                 if is_quantized(field, scheme):  # on the device (op by op)
                     assert scheme is not None
                     sizes = dim_sizes(config)
                     w = quantize(
-                        _part(pieces, _layout(field), config, shape),
+                        part_rows_of(pieces, layout_of(field), config, shape),
                         scheme.weight_format,
                         tuple(sizes[d] for d in field.hf_shape[1]),
                         tuple(sizes[d] for d in field.hf_shape[0]),
                     )
-                    values[path] = _place_quantized(w, path, placement, scheme.act_quant)
+                    made[path] = _place_quantized(w, path, placement, scheme.act_quant)
                 else:
-                    layout = _layout(field)
-                    value = _to_field(pieces, layout, config, shape, jnp.dtype(dtype))
-                    values[path] = _place_on_device(value, path, placement)
-            jax.block_until_ready(values)  # the device memory of the pieces is freed
-            return values
+                    layout = layout_of(field)
+                    value = to_field(pieces, layout, config, shape, jnp.dtype(dtype))
+                    made[path] = place_on_device(value, path, placement)
+            jax.block_until_ready(made)  # and the pieces' device memory is free again
+            return made
 
         jobs = _jobs(config, scheme)
         start = {  # read in the order of the bytes in the files
