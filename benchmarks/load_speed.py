@@ -204,20 +204,16 @@ def main() -> None:
     rows: list[dict] = []
     skipped: list[str] = []
 
-    def measure(name: str, fn, **extra) -> None:
+    def measure(name: str, fn) -> None:
         if time.perf_counter() - began > args.time_budget:
             skipped.append(name)
             return
         gc.collect()
         start = time.perf_counter()
-        out = fn()
+        jax.block_until_ready(fn())
         seconds = time.perf_counter() - start
-        jax.block_until_ready(out)
-        del out
-        row = {"name": name, "seconds": seconds, "gb_per_s": num_bytes / seconds / 1e9, **extra}
-        rows.append(row)
-        details = "".join(f", {k} {v:.2f} s" for k, v in extra.items() if isinstance(v, float))
-        print(f"{name:<40} {seconds:7.2f} s  {row['gb_per_s']:6.2f} GB/s{details}", flush=True)
+        rows.append({"name": name, "seconds": seconds, "gb_per_s": num_bytes / seconds / 1e9})
+        print(f"{name:<40} {seconds:7.2f} s  {num_bytes / seconds / 1e9:6.2f} GB/s", flush=True)
 
     threads = default_num_threads()
     load = lambda **kw: lambda: load_weights(model_dir, config, jnp.bfloat16, **kw)
