@@ -139,3 +139,31 @@ def test_a_cut_short_file_a_bad_header_and_a_missing_shard_are_named(tmp_path) -
     (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(WeightsError, match="model-00002-of-00002.safetensors: file named by the"):
         load_weights(model_dir, config, jnp.float32)
+
+
+def test_a_failed_read_gives_its_buffers_back(tmp_path) -> None:
+    """Reads that fail return their staging buffers: the other threads, sharing two buffers,
+    still finish."""
+    tensors = {f"t{i}": np.full(1000, i, np.float32) for i in range(8)}
+    save_file(tensors, tmp_path / "a.safetensors")
+
+    class Failing(CheckpointReader):
+        def _read(self, info, offset, out):
+            if info.name in ("t3", "t5"):
+                raise OSError("disk gone")
+            super()._read(info, offset, out)
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with Failing(dict.fromkeys(tensors, tmp_path / "a.safetensors"), None, 2, 512) as reader:
+        pool = ThreadPoolExecutor(2)
+        futures = {i: pool.submit(reader.read_to_device, [f"t{i}"]) for i in range(8)}
+        for i, future in futures.items():
+            if i in (3, 5):
+                with pytest.raises(OSError, match="disk gone"):
+                    future.result(timeout=60)
+            else:
+                np.testing.assert_array_equal(
+                    np.asarray(jnp.concatenate(future.result(timeout=60))), tensors[f"t{i}"]
+                )
+        pool.shutdown(wait=False)

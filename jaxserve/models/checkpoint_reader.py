@@ -200,22 +200,25 @@ class CheckpointReader:
         pieces: list[jax.Array] = []
         sending: list[tuple[np.ndarray, jax.Array]] = []  # at most one buffer in flight
         buffer, filled = None, 0
-        for info in infos:
-            done = 0
-            while done < info.num_bytes:
-                if buffer is None:
-                    buffer, filled = self._take_buffer(sending), 0
-                size = min(info.num_bytes - done, buffer.size - filled)
-                self._read(info, done, buffer[filled : filled + size])
-                done, filled = done + size, filled + size
-                if filled == buffer.size:
-                    self._send(buffer, filled, first.dtype, device, pieces, sending)
-                    buffer = None
-        if buffer is not None and filled:
-            self._send(buffer, filled, first.dtype, device, pieces, sending)
-        elif buffer is not None:
-            self._free.put(buffer)
-        self._finish(sending)
+        try:
+            for info in infos:
+                done = 0
+                while done < info.num_bytes:
+                    if buffer is None:
+                        buffer, filled = self._take_buffer(sending), 0
+                    size = min(info.num_bytes - done, buffer.size - filled)
+                    self._read(info, done, buffer[filled : filled + size])
+                    done, filled = done + size, filled + size
+                    if filled == buffer.size:
+                        self._send(buffer, filled, first.dtype, device, pieces, sending)
+                        buffer = None
+            if buffer is not None and filled:
+                self._send(buffer, filled, first.dtype, device, pieces, sending)
+                buffer = None
+        finally:  # every buffer back in the pool, also after an error (others wait on them)
+            if buffer is not None:
+                self._free.put(buffer)
+            self._finish(sending)
         if not pieces:  # tensors of no elements
             pieces.append(jax.device_put(np.zeros(0, first.dtype), device))
         return pieces
@@ -258,6 +261,8 @@ class CheckpointReader:
         pieces: list[jax.Array],
         sending: list[tuple[np.ndarray, jax.Array]],
     ) -> None:
+        """Send the buffer's first ``filled`` bytes: the buffer is in flight until the next
+        send or ``_finish``."""
         array = jax.device_put(buffer[:filled].view(dtype), device, may_alias=False)
         # NOTE: the buffer is reused, so the array must not be its memory; jax 0.11.2's CPU
         # client can keep an aligned numpy array as the array's memory even with
