@@ -6,6 +6,7 @@ page cache, then times on the same files, in this order (each GB/s over the chec
   load_weights            the loader as the engine calls it: the first call compiles its
                           conversion programs, the second reuses them (default threads, staging)
   read, N threads         the loader's positioned reads into reusable buffers, nothing else
+  safetensors get_tensor  the same bytes through safetensors' own reader (a new array each)
   read + device_put       + each piece sent to the device (no conversion)
   old loader              the loader before this script (one tensor at a time: safe_open's
                           get_tensor, the transpose and cast in numpy, jax.device_put), timed
@@ -132,6 +133,20 @@ def read_only(model_dir: Path, num_threads: int, buffer_bytes: int = 64 * MiB) -
         os.close(fd)
 
 
+def safetensors_read(model_dir: Path, num_threads: int) -> None:
+    """Every tensor through safetensors' own get_tensor (a new array each), in threads."""
+    files = tensor_files(model_dir)
+    names = hf_order(list(files))
+
+    def read(part: int) -> None:
+        handles = {file: safe_open(file, framework="numpy") for file in set(files.values())}
+        for name in names[part::num_threads]:
+            handles[files[name]].get_tensor(name)
+
+    with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
+        list(pool.map(read, range(num_threads)))
+
+
 def read_and_put(model_dir: Path, num_threads: int) -> None:
     """Every tensor through the loader's reader to the device, not converted."""
     files = tensor_files(model_dir)
@@ -222,6 +237,8 @@ def main() -> None:
     rss = max_rss_gib()
     print(f"max RSS so far: {rss:.2f} GiB (checkpoint {num_bytes / 1024**3:.2f} GiB)")
     measure(f"read, {threads} threads", lambda: read_only(model_dir, threads))
+    measure(f"safetensors get_tensor, {threads} threads",
+            lambda: safetensors_read(model_dir, threads))  # fmt: skip
     measure(f"read + device_put, {threads} threads", lambda: read_and_put(model_dir, threads))
     if time.perf_counter() - began <= args.time_budget:
         start = time.perf_counter()
