@@ -57,6 +57,10 @@
 #                dense, 2 of 256 experts; all 61 do not fit one GPU): benchmarks/moe.py's decode,
 #                experts and throughput for jaxserve only; latent attention on the reference,
 #                1024-token steps, 2048-token context -> $OUT/deepseek_v3.json
+#   load         loading a 15 GB safetensors checkpoint (Llama-3-8B shape, bf16, 4 shards) from the
+#                page cache (benchmarks/load_speed.py): load_weights' GB/s (target >= 5) beside the
+#                loader before it, read / read + device_put alone, threads and staging swept;
+#                writes the checkpoint under /tmp first; about 2-3 minutes: load:210
 #   occupied     a second jaxserve launch on the GPU a first server (demo model, default flags)
 #                holds: seconds until it exits, its exit code and last lines -> $OUT/occupied.txt
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
@@ -369,6 +373,12 @@ out = pathlib.Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
     --max-num-batched-tokens 1024 --max-model-len 2048 --output-json "$OUT/deepseek_v3.json" \
     > "$OUT/deepseek_v3.log" 2>&1
   grep -v -E "INFO|WARN" "$OUT/deepseek_v3.log" | tail -24
+}
+
+stage_load() {
+  python3 benchmarks/load_speed.py --dir /tmp/jaxserve-load-speed --time-budget 150 \
+    --output-json "$OUT/load_speed.json" 2>&1 | grep -v '^\[transformers\]' | tee "$OUT/load_speed.txt"
+  rm -rf /tmp/jaxserve-load-speed
 }
 
 stage_occupied() {  # the second start must end in seconds with the fix, not retry allocations

@@ -261,3 +261,15 @@ def test_skinny_matmul_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
     ]
     assert all(r["best_us"] > 0 and r["xla_us"] > 0 for r in rows)
     assert "| 3 | fp8 |" in capsys.readouterr().out  # the model-step table
+
+
+def test_load_speed_smoke(tmp_path, monkeypatch) -> None:
+    out = tmp_path / "load.json"
+    args = ["--smoke", "--dir", str(tmp_path / "ckpt"), "--output-json", str(out)]
+    run_script("benchmarks/load_speed.py", args, monkeypatch)
+    result = json.loads(out.read_text())
+    names = [row["name"] for row in result["rows"]]
+    assert names[0].endswith("threads (compiles)") and names[1].startswith("load_weights, ")
+    assert "old loader" in names and not result["skipped"]
+    old = next(row for row in result["rows"] if row["name"] == "old loader")
+    assert old["read"] > 0 and old["device_put"] > 0 and result["bytes"] > 0

@@ -259,7 +259,9 @@ def test_loading_a_sharded_checkpoint_logs_bytes_and_shards(tmp_path, caplog):
     assert percents == sorted(set(percents)) and percents[0] >= 10 and percents[-1] >= 90
     assert {int(m.group(2)) for m in progress} == {1, 2, 3}  # type: ignore[union-attr]
     assert re.fullmatch(
-        rf"Loaded weights: {num_bytes / 1024**2:.1f} MiB from 3 shards in \d+\.\d s", lines[-1]
+        rf"Loaded weights: {num_bytes / 1024**2:.1f} MiB from 3 shards in \d+\.\d s "
+        r"\(\d+\.\d\d GB/s\)",
+        lines[-1],
     )
 
 

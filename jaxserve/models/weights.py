@@ -1,28 +1,30 @@
 """Weights: a Hugging Face safetensors checkpoint (or random ``dummy`` weights) -> ``Weights``.
 
-Tensors are read one at a time from memory-mapped safetensors files, transposed to the
-model's einsum layout, cast and placed on the device (or straight into their shards when a
-``placement`` function gives a sharding), so peak host memory is about one tensor. Loading logs
-one line at the end, and a line at every tenth of the bytes for a checkpoint of 1 GiB or more.
+Several threads read the checkpoint's tensors at once (``checkpoint_reader.py``: positioned
+reads through a few reusable host buffers, so peak host memory is those buffers, not the
+checkpoint nor one tensor), each tensor sent to the device as it is stored; there a compiled
+program brings it to the model's einsum layout and dtype (``field_conversion.py``), and it is
+placed whole or in its shards when a ``placement`` function gives a sharding. Loading logs one
+line at the end (bytes, seconds, GB/s), and a line at every tenth of the bytes for a checkpoint
+of 1 GiB or more (``load_progress.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
-import time
-from collections.abc import Callable
-from contextlib import ExitStack
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
 
 from jaxserve.config import ModelConfig
+from jaxserve.models.checkpoint_reader import CheckpointReader, WeightsError, read_header
 from jaxserve.models.families import (
     HF_LAYER_PREFIX,
     WeightField,
@@ -31,21 +33,24 @@ from jaxserve.models.families import (
     model_fields,
     num_params,
 )
+from jaxserve.models.field_conversion import (
+    Placement,
+    layout_of,
+    part_rows_of,
+    place_on_device,
+    to_field,
+)
 from jaxserve.models.llama import LayerWeights, Weights
+from jaxserve.models.load_progress import GiB, LoadProgress
+from jaxserve.models.load_progress import format_bytes as format_bytes  # (warmup reads it here)
 from jaxserve.models.quant import QUANTIZED_FIELDS, QArray, quantize, to_out_in
-from jaxserve.models.quant_checkpoint import read_fp8, read_qarray, tensor_shapes
+from jaxserve.models.quant_checkpoint import read_qarray, tensor_shapes
 from jaxserve.models.quant_scheme import QuantScheme
 from jaxserve.models.quant_scheme import weight_bytes as quantized_weight_bytes
 
 _LOG = logging.getLogger(__name__)
-GiB = 1024**3
-
-# (field path in Weights, e.g. ("layers", 3, "wq")) -> a sharding for it, or None (default device)
-Placement = Callable[[tuple[Any, ...], tuple[int, ...]], jax.sharding.Sharding | None]
-
-
-class WeightsError(ValueError):
-    """A checkpoint that does not match its config: names the file and the tensor."""
+# Host memory the reading threads stage tensors through, in all (two buffers per thread).
+STAGING_BYTES = GiB
 
 
 def field_dtype(field: WeightField, dtype: jnp.dtype) -> jnp.dtype:
@@ -89,57 +94,7 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
             f"{model_dir}: no *.safetensors files (only safetensors checkpoints are loaded; "
             "use --load-format dummy for random weights)"
         )
-    names: dict[str, Path] = {}
-    for file in files:
-        with safe_open(file, framework="numpy") as f:
-            names.update(dict.fromkeys(f.keys(), file))
-    return names
-
-
-def format_bytes(num_bytes: int) -> str:
-    """``8.4 MiB``, ``14.96 GiB``."""
-    if num_bytes >= GiB:
-        return f"{num_bytes / GiB:.2f} GiB"
-    return f"{num_bytes / 1024**2:.1f} MiB"
-
-
-class LoadProgress:
-    """Counts the bytes read from a checkpoint's shards and logs how far loading has got."""
-
-    def __init__(self, shards: list[Path], log_every_tenth_above_bytes: int) -> None:
-        self.shards = shards  # in the order of their names (model-00001-of-00004, ...)
-        self.total_bytes = sum(shard.stat().st_size for shard in shards if shard.is_file())
-        self.log_every_tenth = self.total_bytes >= log_every_tenth_above_bytes
-        self.num_bytes = 0
-        self.tenths_logged = 0
-        self.start = time.perf_counter()
-
-    def add(self, shard: Path, num_bytes: int) -> None:
-        self.num_bytes += num_bytes
-        if not self.log_every_tenth or not self.total_bytes:
-            return
-        tenths = min(10, self.num_bytes * 10 // self.total_bytes)
-        if tenths > self.tenths_logged:
-            self.tenths_logged = tenths
-            _LOG.info(
-                "Loading weights: %d%% (%s of %s), shard %d of %d, at %.1f s",
-                tenths * 10,
-                format_bytes(self.num_bytes),
-                format_bytes(self.total_bytes),
-                self.shards.index(shard) + 1,
-                len(self.shards),
-                time.perf_counter() - self.start,
-            )
-
-    def finish(self) -> None:
-        num_shards = len(self.shards)
-        _LOG.info(
-            "Loaded weights: %s from %d shard%s in %.1f s",
-            format_bytes(self.num_bytes),
-            num_shards,
-            "" if num_shards == 1 else "s",
-            time.perf_counter() - self.start,
-        )
+    return {name: file for file in files for name in read_header(file)}
 
 
 def _place(
@@ -200,6 +155,41 @@ def _warn_unread(model_dir: Path, model_type: str, unread: list[str]) -> None:
         )
 
 
+@dataclasses.dataclass
+class _Job:
+    """Checkpoint tensors read together, and the fields made from them (a fused tensor's
+    parts, an expert field's experts); a pre-quantized field reads its own tensors."""
+
+    names: tuple[str, ...]  # the checkpoint tensors it reads
+    fields: list[tuple[tuple[Any, ...], WeightField, str]]  # (path in Weights, field, prefix)
+    on_host: bool = False  # a pre-quantized field: its tensors converted on the host
+
+
+def _jobs(config: ModelConfig, scheme: QuantScheme | None) -> list[_Job]:
+    """Every field's job, in the weight table's order."""
+    jobs: dict[Any, _Job] = {}
+
+    def add(path: tuple[Any, ...], field: WeightField, prefix: str) -> None:
+        if scheme is not None and scheme.from_checkpoint and is_quantized(field, scheme):
+            names = tuple(prefix + name for name in tensor_shapes(field, config, scheme))
+            jobs[path] = _Job(names, [(path, field, prefix)], on_host=True)
+            return
+        names = tuple(field.hf_names(config, prefix))
+        jobs.setdefault(names, _Job(names, [])).fields.append((path, field, prefix))
+
+    for layer in range(config.num_layers):
+        prefix = HF_LAYER_PREFIX.format(layer=layer)
+        for field in layer_fields(config, layer):
+            add(("layers", layer, field.name), field, prefix)
+    for field in model_fields(config):
+        add((field.name,), field, "")
+    return list(jobs.values())
+
+
+def default_num_threads() -> int:
+    return min(8, os.cpu_count() or 1)
+
+
 def load_weights(
     model_dir: str | os.PathLike[str],
     config: ModelConfig,
@@ -207,11 +197,15 @@ def load_weights(
     placement: Placement | None = None,
     progress_above_bytes: int = GiB,
     scheme: QuantScheme | None = None,
+    num_threads: int | None = None,
+    staging_bytes: int = STAGING_BYTES,
 ) -> Weights:
-    """Stream a safetensors checkpoint into ``Weights`` (missing or misshapen tensors raise).
+    """Read a safetensors checkpoint into ``Weights`` (missing or misshapen tensors raise).
 
-    With a ``scheme`` the Linear weights become ``QArray``s: read as the checkpoint stores
-    them, or quantized here one tensor at a time (``--quantization fp8 | int8``).
+    ``num_threads`` threads (default: up to 8) read tensors at once, each through two of the
+    reader's staging buffers (``staging_bytes`` of host memory in all), and convert them on
+    the device. With a ``scheme`` the Linear weights become ``QArray``s: read as the checkpoint
+    stores them, or quantized here on the device (``--quantization fp8 | int8``).
     A checkpoint of ``progress_above_bytes`` or more logs its progress at every tenth."""
     model_dir = Path(model_dir)
     files = _tensor_files(model_dir)
@@ -227,68 +221,78 @@ def load_weights(
             f"from the checkpoint ({len(missing)} missing in all)"
         )
     _warn_unread(model_dir, config.model_type, sorted(set(files) - set(shapes)))
-    with ExitStack() as stack:
-        handles: dict[Path, Any] = {}
-
-        def read(name: str) -> np.ndarray:
-            file = files[name]
-            if file not in handles:
-                if not file.is_file():
-                    raise WeightsError(f"{file}: file named by the index for {name!r} not found")
-                handles[file] = stack.enter_context(safe_open(file, framework="numpy"))
-            if handles[file].get_slice(name).get_dtype() == "F8_E4M3":
-                tensor = read_fp8(file, name)
-            else:
-                tensor = handles[file].get_tensor(name)
-            expected = shapes[name]
-            if expected is not None and tuple(tensor.shape) != expected:
+    num_threads = num_threads or default_num_threads()
+    num_buffers = 2 * num_threads
+    buffer_bytes = max(64, staging_bytes // num_buffers // 64 * 64)
+    reader = CheckpointReader(files, progress.add, num_buffers, buffer_bytes)
+    with reader, ThreadPoolExecutor(num_threads, thread_name_prefix="load") as pool:
+        for name, shape in shapes.items():  # every error before a byte is read
+            info = reader.info(name)
+            info.dtype  # noqa: B018 (a dtype the reader cannot read raises here)
+            if shape is not None and info.shape != shape:
                 raise WeightsError(
-                    f"{file.name}: tensor {name!r} has shape {list(tensor.shape)}, "
-                    f"expected {list(expected)} from config.json"
+                    f"{info.file.name}: tensor {name!r} has shape {list(info.shape)}, "
+                    f"expected {list(shape)} from config.json"
                 )
-            progress.add(file, tensor.nbytes)
-            return tensor
+        # Staged on the devices of the weights' mesh in turn (one device's link carrying all
+        # bytes would be the slowest part), then placed in their shards from there.
+        embed = placement(("embed",), (1, 1)) if placement is not None else None
+        devices: list[Any] = sorted(embed.addressable_devices, key=str) if embed else [None]
 
-        def read_field(field: WeightField, prefix: str) -> np.ndarray:
-            """One tensor in the field's layout; a per-expert field stacks its experts."""
-            parts = [field.from_hf(read(name), config) for name in field.hf_names(config, prefix)]
-            return parts[0] if not field.per_expert else np.stack(parts)
-
-        def load_field(prefix: str, field: WeightField, path: tuple[Any, ...]) -> Any:
-            if not is_quantized(field, scheme):
-                return _place(read_field(field, prefix), field_dtype(field, dtype), path, placement)
-            assert scheme is not None
-            if scheme.from_checkpoint:
+        def run(job: _Job, device: Any) -> dict[tuple[Any, ...], Any]:
+            if job.on_host:
+                ((path, field, prefix),) = job.fields
+                assert scheme is not None
                 try:
-                    w = read_qarray(read, prefix, field, config, scheme)
+                    w = read_qarray(reader.read_to_host, prefix, field, config, scheme)
                 except ValueError as exc:
                     raise WeightsError(f"{model_dir}: {exc}") from exc
-            else:  # on the device (op by op): numpy's fp8 casts are slow on an 8B model
-                sizes = dim_sizes(config)
-                w = quantize(
-                    jnp.asarray(read(prefix + field.hf_name)[field.part_rows(config)]),
-                    scheme.weight_format,
-                    tuple(sizes[d] for d in field.hf_shape[1]),
-                    tuple(sizes[d] for d in field.hf_shape[0]),
-                )
-            return _place_quantized(w, path, placement, scheme.act_quant)
+                return {path: _place_quantized(w, path, placement, scheme.act_quant)}
+            pieces = reader.read_to_device(job.names, device)
+            shape = (len(job.names), *reader.info(job.names[0]).shape)
+            made = {}
+            for path, field, _ in job.fields:
+                if is_quantized(field, scheme):  # on the device (op by op)
+                    assert scheme is not None
+                    sizes = dim_sizes(config)
+                    w = quantize(
+                        part_rows_of(pieces, layout_of(field), config, shape),
+                        scheme.weight_format,
+                        tuple(sizes[d] for d in field.hf_shape[1]),
+                        tuple(sizes[d] for d in field.hf_shape[0]),
+                    )
+                    made[path] = _place_quantized(w, path, placement, scheme.act_quant)
+                else:
+                    layout = layout_of(field)
+                    value = to_field(pieces, layout, config, shape, field_dtype(field, dtype))
+                    made[path] = place_on_device(value, path, placement)
+            jax.block_until_ready(made)  # and the pieces' device memory is free again
+            return made
 
-        layers = []
-        for layer in range(config.num_layers):
-            prefix = HF_LAYER_PREFIX.format(layer=layer)
-            values = {
-                field.name: load_field(prefix, field, ("layers", layer, field.name))
-                for field in layer_fields(config, layer)
-            }
-            layers.append(LayerWeights(**values))
-        outside: dict[str, Any] = {
-            field.name: _place(
-                field.from_hf(read(field.hf_name), config), dtype, (field.name,), placement
-            )
-            for field in model_fields(config)
+        jobs = _jobs(config, scheme)
+        start = {  # read in the order of the bytes in the files
+            id(job): min((str(files[name]), reader.info(name).begin) for name in job.names)
+            for job in jobs
         }
+        order = sorted(jobs, key=lambda job: start[id(job)])
+        futures = {
+            id(job): pool.submit(run, job, devices[i % len(devices)]) for i, job in enumerate(order)
+        }
+        values: dict[tuple[Any, ...], Any] = {}
+        try:
+            for job in jobs:  # the first error in table order is the one raised
+                values.update(futures[id(job)].result())
+        except BaseException:
+            pool.shutdown(cancel_futures=True)
+            raise
     progress.finish()
-    return Weights(layers=layers, **outside)
+    layers = [
+        LayerWeights(
+            **{f.name: values[("layers", layer, f.name)] for f in layer_fields(config, layer)}
+        )
+        for layer in range(config.num_layers)
+    ]
+    return Weights(layers=layers, **{f.name: values[(f.name,)] for f in model_fields(config)})
 
 
 def dummy_weights(

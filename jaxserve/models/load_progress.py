@@ -1,0 +1,65 @@
+"""How far loading a checkpoint has got, in the log: a line at every tenth of the bytes (for a
+large checkpoint) and one at the end with the bytes, seconds and GB/s. ``weights.load_weights``
+counts each piece its reading threads read."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+_LOG = logging.getLogger("jaxserve.models.weights")  # the loader's lines, under its name
+GiB = 1024**3
+
+
+def format_bytes(num_bytes: int) -> str:
+    """``8.4 MiB``, ``14.96 GiB``."""
+    if num_bytes >= GiB:
+        return f"{num_bytes / GiB:.2f} GiB"
+    return f"{num_bytes / 1024**2:.1f} MiB"
+
+
+class LoadProgress:
+    """Counts the bytes read from a checkpoint's shards and logs how far loading has got."""
+
+    def __init__(self, shards: list[Path], log_every_tenth_above_bytes: int) -> None:
+        self.shards = shards  # in the order of their names (model-00001-of-00004, ...)
+        self.total_bytes = sum(shard.stat().st_size for shard in shards if shard.is_file())
+        self.log_every_tenth = self.total_bytes >= log_every_tenth_above_bytes
+        self.num_bytes = 0
+        self.tenths_logged = 0
+        self.start = time.perf_counter()
+        self._lock = threading.Lock()  # reading threads add at once
+
+    def add(self, shard: Path, num_bytes: int) -> None:
+        with self._lock:
+            self.num_bytes += num_bytes
+            if not self.log_every_tenth or not self.total_bytes:
+                return
+            tenths = min(10, self.num_bytes * 10 // self.total_bytes)
+            if tenths <= self.tenths_logged:
+                return
+
+            self.tenths_logged = tenths
+            _LOG.info(
+                "Loading weights: %d%% (%s of %s), shard %d of %d, at %.1f s",
+                tenths * 10,
+                format_bytes(self.num_bytes),
+                format_bytes(self.total_bytes),
+                self.shards.index(shard) + 1,
+                len(self.shards),
+                time.perf_counter() - self.start,
+            )
+
+    def finish(self) -> None:
+        num_shards = len(self.shards)
+        seconds = time.perf_counter() - self.start
+        _LOG.info(
+            "Loaded weights: %s from %d shard%s in %.1f s (%.2f GB/s)",
+            format_bytes(self.num_bytes),
+            num_shards,
+            "" if num_shards == 1 else "s",
+            seconds,
+            self.num_bytes / max(seconds, 1e-9) / 1e9,
+        )

@@ -1,0 +1,169 @@
+"""Loading a safetensors checkpoint: parallel reads through small staging buffers give exactly
+the weights the weight table says (every layout: transposed, fused parts, experts, interleaved),
+host memory stays at the staging buffers, and a broken checkpoint names its file and tensor."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tracemalloc
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+from jaxserve.config import ModelConfig
+from jaxserve.models.checkpoint_reader import CheckpointReader, WeightsError
+from jaxserve.models.families import HF_LAYER_PREFIX, layer_fields, model_fields
+from jaxserve.models.weights import load_weights
+from tests.conftest import fixture_dir
+
+KiB, MiB = 1024, 1024**2
+
+
+def host_reference(model_dir: Path, config: ModelConfig) -> dict[tuple, np.ndarray]:
+    """Every field made on the host with numpy, as the loader made them before."""
+    with safe_open(model_dir / "model.safetensors", framework="numpy") as f:
+
+        def field_value(field, prefix: str) -> np.ndarray:
+            parts = [field.from_hf(f.get_tensor(n), config) for n in field.hf_names(config, prefix)]
+            return parts[0] if not field.per_expert else np.stack(parts)
+
+        out = {(field.name,): field_value(field, "") for field in model_fields(config)}
+        for layer in range(config.num_layers):
+            prefix = HF_LAYER_PREFIX.format(layer=layer)
+            for field in layer_fields(config, layer):
+                out[("layers", layer, field.name)] = field_value(field, prefix)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3", "qwen3_moe", "gpt_oss"])
+def test_parallel_reads_in_small_pieces_give_the_table_s_weights(family: str) -> None:
+    """Three threads, 1 KiB buffers (tensors in many pieces, experts sharing a buffer), the
+    conversion to bf16 on the device: equal to numpy's transposes and casts."""
+    model_dir = fixture_dir(family)
+    config = ModelConfig.from_hf_dir(model_dir)
+    weights = load_weights(model_dir, config, jnp.bfloat16, num_threads=3, staging_bytes=6 * KiB)
+    for path, expected in host_reference(model_dir, config).items():
+        value = weights
+        for key in path:
+            value = value[key] if isinstance(key, int) else getattr(value, key)
+        assert value.dtype == jnp.bfloat16, path
+        np.testing.assert_array_equal(np.asarray(value), expected.astype(jnp.bfloat16), path)
+
+
+def test_host_memory_is_the_staging_buffers_not_a_tensor(tmp_path) -> None:
+    """A checkpoint with two 8 MiB tensors loads through 1 MiB of staging buffers: numpy's
+    traced peak stays near that, far below one tensor."""
+    source = fixture_dir("llama")
+    hf = json.loads((source / "config.json").read_text()) | {"vocab_size": 32768}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    config = ModelConfig.from_hf_dir(tmp_path)
+    tensors = load_file(source / "model.safetensors")
+    rng = np.random.default_rng(0)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = rng.standard_normal((32768, 64), np.float32)  # 8 MiB each
+    save_file(tensors, tmp_path / "model.safetensors")
+    del tensors
+    load = lambda: load_weights(tmp_path, config, jnp.bfloat16, num_threads=2, staging_bytes=MiB)
+    jax.block_until_ready(load())  # the conversion programs compiled outside the measurement
+    tracemalloc.start()
+    try:
+        weights = jax.block_until_ready(load())
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * MiB, f"{peak / MiB:.1f} MiB traced"
+    assert weights.embed.shape == (32768, 64)
+
+
+def test_reader_pieces_with_one_buffer_and_many_threads(tmp_path) -> None:
+    """One staging buffer shared by four threads: no thread waits forever, every tensor's
+    pieces join to its bytes, and several tensors stack."""
+    tensors = {f"t{i}": np.arange(i * 1000, i * 1000 + 999, dtype=np.float32) for i in range(8)}
+    tensors["empty"] = np.zeros((0, 3), np.float32)
+    save_file(tensors, tmp_path / "a.safetensors")
+    files = dict.fromkeys(tensors, tmp_path / "a.safetensors")
+    counted = []
+    with CheckpointReader(files, lambda f, n: counted.append(n), 1, 256) as reader:
+        from concurrent.futures import ThreadPoolExecutor
+
+        def read(names):
+            return np.asarray(jnp.concatenate(reader.read_to_device(names)))
+
+        with ThreadPoolExecutor(4) as pool:
+            singles = list(pool.map(lambda i: read([f"t{i}"]), range(8)))
+        stacked = read(["t1", "t2", "t3"]).reshape(3, 999)
+        assert read(["empty"]).size == 0
+        np.testing.assert_array_equal(reader.read_to_host("t5"), tensors["t5"])
+    for i, single in enumerate(singles):
+        np.testing.assert_array_equal(single, tensors[f"t{i}"])
+    np.testing.assert_array_equal(stacked, np.stack([tensors[f"t{i}"] for i in (1, 2, 3)]))
+    assert sum(counted) == 4 * (8 * 999 + 3 * 999 + 999)
+
+
+def copy_fixture(tmp_path: Path, tensors: dict[str, np.ndarray]) -> Path:
+    save_file(tensors, tmp_path / "model.safetensors")
+    shutil.copy(fixture_dir("llama") / "config.json", tmp_path / "config.json")
+    return tmp_path
+
+
+def test_a_misshapen_tensor_names_file_tensor_and_shapes(tmp_path) -> None:
+    tensors = load_file(fixture_dir("llama") / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"] = np.zeros((96, 63), np.float32)
+    model_dir = copy_fixture(tmp_path, tensors)
+    match = r"model.safetensors: tensor 'model.layers.1.mlp.up_proj.weight' has shape \[96, 63\], expected \[96, 64\]"  # noqa: E501
+    with pytest.raises(WeightsError, match=match):
+        load_weights(model_dir, ModelConfig.from_hf_dir(model_dir), jnp.float32)
+
+
+def test_a_cut_short_file_a_bad_header_and_a_missing_shard_are_named(tmp_path) -> None:
+    model_dir = copy_fixture(tmp_path, load_file(fixture_dir("llama") / "model.safetensors"))
+    config = ModelConfig.from_hf_dir(model_dir)
+    data = (model_dir / "model.safetensors").read_bytes()
+    (model_dir / "model.safetensors").write_bytes(data[:-100])
+    with pytest.raises(WeightsError, match=r"model.safetensors: tensor '.*' \(F32\[.*\]\) has"):
+        load_weights(model_dir, config, jnp.float32)
+    (model_dir / "model.safetensors").write_bytes((9).to_bytes(8, "little") + b"{not json")
+    with pytest.raises(WeightsError, match="model.safetensors: not a safetensors file"):
+        load_weights(model_dir, config, jnp.float32)
+    (model_dir / "model.safetensors").write_bytes(data)
+    with safe_open(model_dir / "model.safetensors", framework="numpy") as f:
+        weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+    weight_map["lm_head.weight"] = "model-00002-of-00002.safetensors"
+    index = {"metadata": {}, "weight_map": weight_map}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(WeightsError, match="model-00002-of-00002.safetensors: file named by the"):
+        load_weights(model_dir, config, jnp.float32)
+
+
+def test_a_failed_read_gives_its_buffers_back(tmp_path) -> None:
+    """Reads that fail return their staging buffers: the other threads, sharing two buffers,
+    still finish."""
+    tensors = {f"t{i}": np.full(1000, i, np.float32) for i in range(8)}
+    save_file(tensors, tmp_path / "a.safetensors")
+
+    class Failing(CheckpointReader):
+        def _read(self, info, offset, out):
+            if info.name in ("t3", "t5"):
+                raise OSError("disk gone")
+            super()._read(info, offset, out)
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with Failing(dict.fromkeys(tensors, tmp_path / "a.safetensors"), None, 2, 512) as reader:
+        pool = ThreadPoolExecutor(2)
+        futures = {i: pool.submit(reader.read_to_device, [f"t{i}"]) for i in range(8)}
+        for i, future in futures.items():
+            if i in (3, 5):
+                with pytest.raises(OSError, match="disk gone"):
+                    future.result(timeout=60)
+            else:
+                np.testing.assert_array_equal(
+                    np.asarray(jnp.concatenate(future.result(timeout=60))), tensors[f"t{i}"]
+                )
+        pool.shutdown(wait=False)
