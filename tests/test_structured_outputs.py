@@ -435,3 +435,99 @@ def test_random_walks_through_the_mask_give_valid_documents_on_each_fixture_toke
         compiler.compile(StructuredOutputsParams(regex="(x"))
     assert bad.value.param == "structured_outputs.regex"
     compiler.close()
+
+
+# -- StructuredOutputs alone: the engine's grammar steps ------------------------------------
+
+
+def _constrained_step(num_seqs: int, reasoning_end: tuple[int, ...] = ()):
+    """A request of ``num_seqs`` samples and the step that runs all of them for the first time
+    (duck-typed Sequence / ScheduledSeq / SchedulerOutput: what StructuredOutputs reads)."""
+    spec = SimpleNamespace(reasoning_end=reasoning_end)
+    request = SimpleNamespace(request_id="r", seqs=[])
+    request.seqs = [
+        SimpleNamespace(
+            seq_id=f"r#{i}",
+            request=request,
+            params=SimpleNamespace(structured_outputs=spec),
+            output_token_ids=[],
+            num_resolved_outputs=0,
+            is_finished=False,
+        )
+        for i in range(num_seqs)
+    ]
+    items = [SimpleNamespace(seq=s, is_new=True, completes_sequence=True) for s in request.seqs]
+    sched = SimpleNamespace(scheduled=items, preempted_seq_ids=[], finished_seq_ids=[])
+    return request, sched
+
+
+def _allowed(row: np.ndarray, vocab_size: int) -> np.ndarray:
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab_size]
+    return np.flatnonzero(bits)
+
+
+def test_a_step_s_tokens_reach_the_grammars_and_the_next_masks_fill_beside_the_output():
+    """accept_step advances every matcher at once and names the grammars that completed and
+    the tokens a grammar refused; start_masks fills the sampler's own mask rows on the worker
+    (the GIL handed over every 0.1 ms meanwhile, the interval restored by wait_masks)."""
+    import sys
+
+    from jaxserve.engine.structured_outputs import MASK_SWITCH_INTERVAL_S, StructuredOutputs
+    from jaxserve.runner.step import RunnerOutput
+
+    tokenizer = Tokenizer(fixture_dir("llama"))
+    vocab = tokenizer.vocab_size
+    compiler = GrammarCompiler(tokenizer.hf_tokenizer, vocab, (1,))
+    grammar = compiler.compile(StructuredOutputsParams(choice=("yes", "no")))
+    request, sched = _constrained_step(2)
+    outputs = StructuredOutputs(vocab)
+    outputs.add_request(request, grammar)
+    outputs.update_states(sched)
+    assert outputs.num_matchers == 2
+    interval = sys.getswitchinterval()
+    masks = np.full((3, outputs.mask_width), -1, np.int32)  # one row more: the bucket's padding
+    outputs.start_masks(sched, masks)
+    assert sys.getswitchinterval() == pytest.approx(MASK_SWITCH_INTERVAL_S)
+    outputs.wait_masks()
+    assert sys.getswitchinterval() == interval
+    allowed = _allowed(masks[0], vocab)
+    assert 0 < len(allowed) < vocab and (masks[1] == masks[0]).all() and (masks[2] == -1).all()
+    refused = int(np.setdiff1d(np.arange(2, vocab), allowed)[0])
+    result = RunnerOutput(token_ids=np.array([allowed[0], refused], np.int32))
+    accepted = outputs.accept_step(sched, result)
+    assert "r#1" in accepted.errors and "broke the constraint" in accepted.errors["r#1"]
+    assert "r#0" not in accepted.errors
+    for _ in range(8):  # the first sample runs to the end of its grammar
+        if "r#0" in accepted.complete:
+            break
+        masks = np.full((2, outputs.mask_width), -1, np.int32)
+        outputs.start_masks(sched, masks)
+        outputs.wait_masks()
+        token = _allowed(masks[0], vocab)[0]
+        accepted = outputs.accept_tokens([(request.seqs[0], int(token))])
+    assert "r#0" in accepted.complete and not accepted.errors
+    outputs.free(request)
+    assert outputs.num_matchers == 0
+    outputs.close()
+    compiler.close()
+
+
+def test_the_constraint_starts_after_the_reasoning_ends():
+    from jaxserve.engine.structured_outputs import StructuredOutputs
+
+    tokenizer = Tokenizer(fixture_dir("llama"))
+    vocab = tokenizer.vocab_size
+    compiler = GrammarCompiler(tokenizer.hf_tokenizer, vocab, (1,))
+    grammar = compiler.compile(StructuredOutputsParams(choice=("yes", "no")))
+    request, sched = _constrained_step(1, reasoning_end=(5, 6))
+    outputs = StructuredOutputs(vocab)
+    outputs.add_request(request, grammar)
+    outputs.update_states(sched)
+    seq = request.seqs[0]
+    for token in (9, 5, 7, 5):  # free text, and an end that is not (5, 6) yet
+        assert outputs.accept_tokens([(seq, token)]).errors == {}
+        assert (outputs.token_masks(sched) == -1).all()  # unconstrained while reasoning
+    outputs.accept_tokens([(seq, 6)])
+    assert len(_allowed(outputs.token_masks(sched)[0], vocab)) < vocab
+    outputs.close()
+    compiler.close()
