@@ -22,7 +22,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference import DEFAULT_MASK_VALUE, Scale, dequantize_kv, quantize_kv
+from pallas_kernels.reference import (
+    DEFAULT_MASK_VALUE,
+    Scale,
+    dequantize_kv,
+    quantize_kv,
+    query_rows,
+)
 
 
 def ragged_paged_mla_attention(
@@ -46,12 +52,7 @@ def ragged_paged_mla_attention(
     num_slots, pages_per_seq = page_indices.shape
     max_kv = pages_per_seq * page_size
 
-    rows = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq_of_row = jnp.searchsorted(cu_q_lens[1:], rows, side="right").astype(jnp.int32)
-    seq_of_row = jnp.minimum(seq_of_row, num_slots - 1)  # i32[T]
-    is_valid_row = rows < cu_q_lens[num_seqs[0]]  # bool[T]
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # i32[S]
-    row_pos = kv_lens[seq_of_row] - q_lens[seq_of_row] + (rows - cu_q_lens[seq_of_row])  # i32[T]
+    seq_of_row, is_valid_row, row_pos = query_rows(num_tokens, kv_lens, cu_q_lens, num_seqs)
 
     ckv_seq = ckv_pages[page_indices].reshape(num_slots, max_kv, latent)  # [S_seq, S, L]
     kpe_seq = kpe_pages[page_indices].reshape(num_slots, max_kv, rope_dim)

@@ -56,6 +56,23 @@ def dequantize_kv(x: jax.Array, scale: Scale = None) -> jax.Array:  # float32, x
     return x32 if scale is None else x32 * jnp.asarray(scale, jnp.float32)
 
 
+def query_rows(
+    num_tokens: int,
+    kv_lens: jax.Array,  # i32[S]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For each of the step's query rows: its sequence (i32[T], clamped for padding rows),
+    whether it is a real row (bool[T]) and its absolute position in its sequence (i32[T])."""
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_of_row = jnp.searchsorted(cu_q_lens[1:], rows, side="right").astype(jnp.int32)
+    seq_of_row = jnp.minimum(seq_of_row, kv_lens.shape[0] - 1)
+    is_valid_row = rows < cu_q_lens[num_seqs[0]]
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # i32[S]
+    row_pos = kv_lens[seq_of_row] - q_lens[seq_of_row] + (rows - cu_q_lens[seq_of_row])
+    return seq_of_row, is_valid_row, row_pos
+
+
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
     k_pages: jax.Array,  # [P, page_size, Hkv, D]
@@ -80,13 +97,7 @@ def ragged_paged_attention(
     max_kv = pages_per_seq * page_size
     group = num_q_heads // num_kv_heads
 
-    # Which sequence each query row belongs to, and its absolute position.
-    rows = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq_of_row = jnp.searchsorted(cu_q_lens[1:], rows, side="right").astype(jnp.int32)
-    seq_of_row = jnp.minimum(seq_of_row, num_slots - 1)  # i32[T]
-    is_valid_row = rows < cu_q_lens[num_seqs[0]]  # bool[T]
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # i32[S]
-    row_pos = kv_lens[seq_of_row] - q_lens[seq_of_row] + (rows - cu_q_lens[seq_of_row])  # i32[T]
+    seq_of_row, is_valid_row, row_pos = query_rows(num_tokens, kv_lens, cu_q_lens, num_seqs)
 
     # Gather every sequence's pages into a dense [S, max_kv, Hkv, D] view.
     k_seq = k_pages[page_indices].reshape(num_slots, max_kv, num_kv_heads, head_dim)

@@ -244,3 +244,24 @@ def verify_triton_modules(monkeypatch):
         return result
 
     monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+
+
+def run_with_devices(script: str, num_devices: int, *args: str, timeout: int = 600) -> str:
+    """``script`` (Python source) in a process of its own on ``num_devices`` virtual CPU
+    devices (JAX fixes the count when it starts); its standard output, once it exited 0."""
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
+        TRANSFORMERS_VERBOSITY="error",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout

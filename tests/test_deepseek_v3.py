@@ -9,9 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -33,7 +30,12 @@ from jaxserve.models.weights import dummy_weights, load_weights
 from jaxserve.runner.devices import describe_attention
 from jaxserve.runner.mesh import validate_tensor_parallel_size
 from pallas_kernels.reference import ragged_paged_attention
-from tests.conftest import assert_long_completion_is_golden, fixture_dir, serve_fixture
+from tests.conftest import (
+    assert_long_completion_is_golden,
+    fixture_dir,
+    run_with_devices,
+    serve_fixture,
+)
 
 ROOT = Path(__file__).parents[1]
 
@@ -374,22 +376,8 @@ def test_tensor_parallel_splits_the_heads_and_keeps_the_latent_whole() -> None:
     """2 and 4 virtual CPU devices (experts split whole on 4): each device computes its query
     heads over a full copy of the latent cache (one latent serves every head), and the tokens
     and logprobs are those of one device, which are Hugging Face's."""
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
-        TRANSFORMERS_VERBOSITY="error",
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", TENSOR_PARALLEL_SCRIPT],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    stdout = run_with_devices(TENSOR_PARALLEL_SCRIPT, 4)
+    runs = [json.loads(line) for line in stdout.strip().splitlines()]
     golden = np.load(fixture_dir("deepseek_v3") / "golden.npz")
     for run in runs:
         assert run["tokens"] == golden["long_greedy_ids"].tolist(), run

@@ -7,10 +7,7 @@ test_model_parity.py and test_model_families.py (``MOE_FAMILIES`` in conftest)."
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -32,6 +29,7 @@ from tests.conftest import (
     assert_long_completion_is_golden,
     fixture_dir,
     log_softmax,
+    run_with_devices,
     serve_fixture,
 )
 
@@ -171,22 +169,8 @@ PARALLEL_SCRIPT = textwrap.dedent("""
 def test_tensor_and_expert_parallel_give_hugging_faces_tokens() -> None:
     """2 devices, experts split whole (all-to-all) or sliced (all-reduce), sinks split with
     the heads: Hugging Face's greedy tokens and logprobs."""
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        TRANSFORMERS_VERBOSITY="error",
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", PARALLEL_SCRIPT],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    stdout = run_with_devices(PARALLEL_SCRIPT, 2)
+    runs = [json.loads(line) for line in stdout.strip().splitlines()]
     golden = np.load(fixture_dir("gpt_oss") / "golden.npz")
     expected = golden["long_greedy_ids"].tolist()
     ref = log_softmax(golden["long_decode_logits"])[np.arange(len(expected)), expected]

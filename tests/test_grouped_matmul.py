@@ -10,11 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +20,7 @@ import pytest
 from jaxserve.models import moe
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import grouped_matmul_triton as gmt
+from tests.conftest import run_with_devices
 
 # The Pallas Triton backend warns at lowering that it is deprecated (jax 0.11).
 DEPRECATED = "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
@@ -306,18 +303,8 @@ SHARDED_SCRIPT = textwrap.dedent("""
 def test_expert_and_tensor_parallel_experts_run_on_the_kernel():
     """Under shard_map on 4 virtual devices, split whole (all-to-all) or sliced (all-reduce),
     the experts forced onto the kernel give ragged_dot's output on one device."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    proc = subprocess.run(
-        [sys.executable, "-c", SHARDED_SCRIPT],
-        cwd=Path(__file__).parents[1],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    stdout = run_with_devices(SHARDED_SCRIPT, 4, timeout=300)
+    runs = [json.loads(line) for line in stdout.strip().splitlines()]
     assert [r["ep"] for r in runs] == [True, False]
     for run in runs:
         assert run["kernels"] == 3 and run["ragged_dot"] == 0, run

@@ -7,9 +7,6 @@ conftest)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -27,6 +24,7 @@ from jaxserve.runner.sharding import layer_specs, validate_tensor_parallel_size
 from tests.conftest import (
     assert_long_completion_is_golden,
     fixture_dir,
+    run_with_devices,
     serve_fixture,
 )
 
@@ -196,22 +194,8 @@ EXPERT_PARALLEL_SCRIPT = textwrap.dedent("""
 def test_expert_parallel_gives_the_tokens_of_one_device() -> None:
     """2 and 4 devices, experts split whole (all-to-all) or sliced (all-reduce): the same
     greedy tokens and logprobs as one device, which are Hugging Face's."""
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
-        TRANSFORMERS_VERBOSITY="error",
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", EXPERT_PARALLEL_SCRIPT],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    *runs, uneven = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    stdout = run_with_devices(EXPERT_PARALLEL_SCRIPT, 4)
+    *runs, uneven = [json.loads(line) for line in stdout.strip().splitlines()]
     assert uneven["uneven_max_error"] < 1e-5
     assert len(runs) == 6
     for run in runs:

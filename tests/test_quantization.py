@@ -14,7 +14,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import subprocess
 import sys
 import textwrap
@@ -48,7 +47,7 @@ from jaxserve.models.weights import dummy_weights, load_weights
 from jaxserve.runner.capacity import DEVICE_MEMORY_BYTES, plan_capacity
 from jaxserve.runner.sharding import weight_specs
 from jaxserve.server.launch import add_launch_arguments, engine_config_from_args
-from tests.conftest import fixture_dir
+from tests.conftest import fixture_dir, run_with_devices
 from tests.test_model_parity import PAGE, one_sequence_batch
 
 FP8 = QuantScheme(method="fp8", weight_format="fp8")
@@ -399,17 +398,8 @@ TP_SCRIPT = textwrap.dedent("""
 def test_tensor_parallel_quantized_weights_give_the_same_tokens(tmp_path) -> None:
     """int8 on load and an AWQ checkpoint at TP=2 (2 CPU devices, in a subprocess: the device
     count is fixed when JAX starts): scales split with their rows, tokens as at TP=1."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    proc = subprocess.run(
-        [sys.executable, "-c", TP_SCRIPT, str(tmp_path / "awq")],
-        cwd=Path(__file__).resolve().parents[1],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line.split(" ", 3) for line in proc.stdout.splitlines()]
+    stdout = run_with_devices(TP_SCRIPT, 2, str(tmp_path / "awq"))
+    rows = [line.split(" ", 3) for line in stdout.splitlines()]
     assert [(r[0], r[1], r[2]) for r in rows] == [
         ("int8", "1", "128"),
         ("int8", "2", "64"),  # wq's output rows (and their scales) split over 2 devices

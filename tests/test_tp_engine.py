@@ -3,11 +3,10 @@ Hugging Face (run in a subprocess: the device count is fixed when JAX starts).""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
+
+from tests.conftest import run_with_devices
 
 ROOT = Path(__file__).parents[1]
 
@@ -40,22 +39,8 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_tensor_parallel_engine_matches_hf() -> None:
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
-        TRANSFORMERS_VERBOSITY="error",
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line.split() for line in proc.stdout.strip().splitlines()]
+    stdout = run_with_devices(SCRIPT, 4, timeout=300)
+    lines = [line.split() for line in stdout.strip().splitlines()]
     # query heads per shard: 4, 2, 1; greedy tokens equal the golden ones at every size
     assert lines[:3] == [["1", "4", "True"], ["2", "2", "True"], ["4", "1", "True"]]
     # fp8 KV: 2 KV heads on one device, 1 on each of two; the same greedy tokens
