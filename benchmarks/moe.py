@@ -382,7 +382,7 @@ def run_jaxserve(args: argparse.Namespace) -> dict:
     result["decode"] = decode = []
     for batch in args.batches:
         sched = decode_batch(runner, batch, args.context, rng)
-        device = time_device(runner, sched, args.iters)
+        device, _ = time_device(runner, sched, args.iters)
         wall = time_pipelined(runner, sched, args.iters)
         touched = expected_touched(config.moe.num_experts, config.moe.top_k, batch)
         step_bytes = (
