@@ -61,6 +61,11 @@
 #                page cache (benchmarks/load_speed.py): load_weights' GB/s (target >= 5) beside the
 #                loader before it, read / read + device_put alone, threads and staging swept;
 #                writes the checkpoint under /tmp first; about 2-3 minutes: load:210
+#   so           structured outputs: batch 64 under a JSON schema against the same batch
+#                unconstrained, with the host time of each engine call per step
+#                (benchmarks/structured_outputs.py, about 2.5 minutes cold) -> $OUT/so.{log,json}
+#   head256      Triton attention configs at the Gemma-2-9B shape's decode cells
+#                (bench_attention.py --suite head256) -> $OUT/head256.{log,json}
 #   occupied     a second jaxserve launch on the GPU a first server (demo model, default flags)
 #                holds: seconds until it exits, its exit code and last lines -> $OUT/occupied.txt
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
@@ -379,6 +384,17 @@ stage_load() {
   python3 benchmarks/load_speed.py --dir /tmp/jaxserve-load-speed --time-budget 150 \
     --output-json "$OUT/load_speed.json" 2>&1 | grep -v '^\[transformers\]' | tee "$OUT/load_speed.txt"
   rm -rf /tmp/jaxserve-load-speed
+}
+
+stage_so() {
+  python3 benchmarks/structured_outputs.py --output-json "$OUT/so.json" > "$OUT/so.log" 2>&1
+  tail -8 "$OUT/so.log"
+}
+
+stage_head256() {
+  python3 benchmarks/bench_attention.py --suite head256 --out "$OUT/head256.json" \
+    > "$OUT/head256.log" 2>&1
+  sed -n '/ | jax /,$p' "$OUT/head256.log"
 }
 
 stage_occupied() {  # the second start must end in seconds with the fix, not retry allocations
