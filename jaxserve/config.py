@@ -500,6 +500,14 @@ def _moe_config(hf: dict[str, Any]) -> MoeConfig | None:
         return _deepseek_moe_config(hf)
     if model_type not in ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"):
         return None
+    quant = hf.get("quantization_config")
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if quant and method != "mxfp4":  # (GPT-OSS's MXFP4 gets its own message at the scheme)
+        raise ConfigError(
+            f"quantization_config (quant_method={method!r}) is not supported for {model_type}: "
+            "its experts would be read without their scales; serve a bf16 checkpoint "
+            "(--quantization fp8 or int8 then quantizes its attention on load; experts stay bf16)"
+        )
     num_experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
     top_k = hf.get("num_experts_per_tok") or 0
     num_layers = hf["num_hidden_layers"]
