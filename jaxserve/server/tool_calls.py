@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
+import string
 import uuid
+from collections.abc import Callable
 
 _WHITESPACE = " \t\r\n"
 ARGUMENT_KEYS = ("arguments", "parameters")  # Hermes and Mistral say arguments, Llama parameters
@@ -25,6 +28,12 @@ ARGUMENT_KEYS = ("arguments", "parameters")  # Hermes and Mistral say arguments,
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def new_mistral_call_id() -> str:
+    """Nine letters and digits: the only form Mistral's chat templates accept back in a
+    ``tool_call_id`` (as vLLM's mistral parser makes them)."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
 @dataclasses.dataclass
@@ -210,8 +219,9 @@ class CallSequence:
     """The calls of one output, numbered as OpenAI numbers them: the object being scanned,
     the deltas it yields, and what to do with one that turns out not to be a call."""
 
-    def __init__(self, parallel: bool) -> None:
+    def __init__(self, parallel: bool, make_id: Callable[[], str] = new_call_id) -> None:
         self.parallel = parallel  # False: keep the first call only (parallel_tool_calls)
+        self.make_id = make_id  # the id of a call the model gave none
         self.num_calls = 0
         self.current: CallObject | None = None
         self._index: int | None = None  # the current object's call index; -1: dropped
@@ -241,7 +251,7 @@ class CallSequence:
                 return
             self._index = self.num_calls
             self.num_calls += 1
-            call_id = self._call_id or new_call_id()
+            call_id = self._call_id or self.make_id()
             out.tool_calls.append(ToolCallDelta(self._index, id=call_id, name=name))
         if self._index >= 0:
             out.add_arguments(self._index, call.take_arguments())

@@ -23,7 +23,13 @@ from __future__ import annotations
 
 import json
 
-from jaxserve.server.tool_calls import CallSequence, MessageDelta, ToolCallDelta, held_prefix
+from jaxserve.server.tool_calls import (
+    CallSequence,
+    MessageDelta,
+    ToolCallDelta,
+    held_prefix,
+    new_mistral_call_id,
+)
 from jaxserve.server.tool_calls import new_call_id as new_call_id
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
@@ -33,8 +39,10 @@ class ToolParser:
     """Base: a buffer of text not yet decided, the calls found so far, and the rule for text
     around calls (whitespace before and between calls is dropped; anything else is content)."""
 
+    new_call_id = staticmethod(new_call_id)  # the id of a call the model gave none
+
     def __init__(self, parallel: bool = True) -> None:
-        self.calls = CallSequence(parallel)
+        self.calls = CallSequence(parallel, self.new_call_id)
         self._buffer = ""
         self._state = "start"
         self._is_between_calls = True  # whitespace here is dropped if a call follows
@@ -270,6 +278,7 @@ class MistralParser(_ArrayParser):
     MARKER = "[TOOL_CALLS]"
     ARGS = "[ARGS]"
     CALL_ID = "[CALL_ID]"
+    new_call_id = staticmethod(new_mistral_call_id)
     MAX_NAME = 128  # a longer run of name (or id) characters before [ARGS] is text
 
     def _step(self, out: MessageDelta, is_final: bool) -> bool:
