@@ -9,25 +9,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+sys.path.insert(0, str(Path(__file__).parent))
+from timing import best_time  # noqa: E402
+
 H, Q, KV, INTER = 4096, 4096, 1024, 14336
 LAYERS = int(os.environ.get("PROBE_LAYERS", 32))
-
-
-def timed(fn, *args, iters: int = 20) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / iters)
-    return best
 
 
 def main() -> None:
@@ -82,10 +74,10 @@ def main() -> None:
     for batch in [int(b) for b in args.batches.split(",")]:
         x = jax.random.normal(next(key), (batch, H), jnp.bfloat16)
         times = [
-            timed(qkv_separate, x, wq, wk, wv),
-            timed(qkv_fused, x, wqkv),
-            timed(mlp_separate, x, wg, wu),
-            timed(mlp_fused, x, wgu),
+            best_time(qkv_separate, x, wq, wk, wv),
+            best_time(qkv_fused, x, wqkv),
+            best_time(mlp_separate, x, wg, wu),
+            best_time(mlp_fused, x, wgu),
         ]
         print(f"| {batch} | " + " | ".join(f"{t * 1e6:.0f}" for t in times) + " |", flush=True)
 

@@ -64,6 +64,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_roofline import BANDWIDTH, decode_batch, time_device, time_pipelined  # noqa: E402
+from timing import best_time  # noqa: E402
 
 import jaxserve  # noqa: E402
 from jaxserve.bench.throughput import make_prompts  # noqa: E402
@@ -157,19 +158,6 @@ def time_experts(runner, config: ModelConfig, batches: list[int], iters: int) ->
             flush=True,
         )
     return rows
-
-
-def best_time(fn, *args, iters: int) -> float:
-    """Seconds per call of ``fn(*args)`` dispatched back to back (best of three runs)."""
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / iters)
-    return min(samples)
 
 
 def expert_mlp_on(grouped: Callable) -> Callable:

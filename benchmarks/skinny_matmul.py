@@ -28,14 +28,19 @@ os.environ.setdefault("JAXSERVE_SKINNY_MATMUL", "off")  # the XLA baseline is qu
 import argparse
 import dataclasses
 import json
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from jaxserve.models import quant
 from pallas_kernels import skinny_matmul as sm
+
+sys.path.insert(0, str(Path(__file__).parent))
+from timing import best_time  # noqa: E402
 
 BANDWIDTH = 4.3e12  # bytes/s, the H200's measured copy bandwidth (BENCHMARKS.md)
 LAYERS = 32
@@ -48,18 +53,6 @@ SHAPES = {
     "lm_head": (4096, 128256, 1),
 }
 SMOKE_SHAPES = {"qkv": (64, 96, 2), "down": (96, 64, 2)}
-
-
-def timed(fn, *args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / iters)
-    return best
 
 
 # NOTE: each weight gets its own x: dots that share an operand may be merged by XLA (DotMerger),
@@ -167,7 +160,9 @@ def main() -> None:
                     for i in range(copies)
                 ]
 
-                xla_s = timed(jax.jit(xla_matmuls), xs, weights, iters=args.iters) / copies
+                xla_s = (
+                    best_time(jax.jit(xla_matmuls), xs, weights, iters=args.iters, runs=5) / copies
+                )
                 item = 1 if fmt == "fp8" else 2
                 layout = "nk" if fmt == "fp8" else "kn"
                 results = []
@@ -177,7 +172,10 @@ def main() -> None:
                 for label, config in cells:
                     try:
                         fn = jax.jit(kernel_matmuls, static_argnums=(2, 3))
-                        t = timed(fn, xs, weights, config, interpret, iters=args.iters) / copies
+                        t = (
+                            best_time(fn, xs, weights, config, interpret, iters=args.iters, runs=5)
+                            / copies
+                        )
                     except Exception as e:  # a config Triton cannot compile: say so, go on
                         print(f"  {name} M={m} {fmt} {label}: {type(e).__name__}: {e}"[:300])
                         continue
