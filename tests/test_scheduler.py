@@ -33,10 +33,12 @@ class FakeRunner:
             num_blocks_override=num_blocks,
         )
 
+    ready_tokens = 1 << 30
+
     def warmup(self) -> int:
         return 0
 
-    def stop_followers(self) -> None:
+    def shutdown(self) -> None:
         pass
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:

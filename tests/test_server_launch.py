@@ -64,6 +64,9 @@ def test_launch_flags_map_to_configs(monkeypatch):
     assert config.tensor_parallel_size == 2 and not config.enable_prefix_caching
     assert config.served_model_name == "a" and config.load_format == "dummy"
     assert not config.enable_expert_parallel
+    assert config.serve_while_compiling  # launch's default; LLM() compiles everything first
+    all_first = engine_config_from_args(parse_launch("--no-serve-while-compiling"))
+    assert not all_first.serve_while_compiling
     expert = engine_config_from_args(parse_launch("-tp", "4", "--enable-expert-parallel"))
     assert expert.enable_expert_parallel and expert.tensor_parallel_size == 4
     settings = settings_from_args(args, config.model_name)
@@ -147,6 +150,8 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
         assert "Unable to initialize backend" not in startup_log  # JAX's probe: debug only
         assert "KV cache size: 1,024 tokens" in startup_log
         assert "Maximum concurrency for 256 tokens per request: 4.00x" in startup_log
+        # The SIGTERM below may land while these compile: the exit still waits for them, clean.
+        assert "Serving steps of up to 16 tokens; the buckets of 32, 64 tokens" in startup_log
 
         base = {"model": "tiny", "prompt": "quokka secret", "stream": True, "ignore_eos": True,
                 "temperature": 0, "stream_options": {"include_usage": True}}  # fmt: skip

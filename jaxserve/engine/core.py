@@ -106,7 +106,7 @@ class EngineCore:
         """Wait for a step still on the device, then release the follower processes of a
         multi-host replica (a no-op on one host). Call it once the step loop has stopped."""
         self._read_in_flight()
-        self.runner.stop_followers()
+        self.runner.shutdown()
         self.grammar_compiler.close()
         self.structured_outputs.close()
 
@@ -219,6 +219,9 @@ class EngineCore:
         overlap = self.async_scheduling and self._num_sync_requests == 0
         if not overlap:
             outputs += self._read_in_flight()
+        # Until warm-up's background compile is done, steps stay within the compiled buckets.
+        budget = min(self.config.max_num_batched_tokens, self.runner.ready_tokens)
+        self.scheduler.max_num_batched_tokens = budget
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs + self._read_in_flight()

@@ -5,8 +5,11 @@ fp8 KV cache."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -18,6 +21,7 @@ from jaxserve.models.kv_scales import kv_scales_for
 from jaxserve.models.llama import Weights, fuse_projections
 from jaxserve.models.quant_scheme import QuantScheme
 from jaxserve.models.weights import Placement, dummy_weights, load_weights
+from jaxserve.runner.sharding import TensorParallel
 
 _LOG = logging.getLogger(__name__)
 
@@ -46,6 +50,81 @@ def model_weights(
     if config.load_format == "dummy":
         _LOG.info("Made random weights in %.1f s", seconds)
     return weights, seconds
+
+
+def start_loading(
+    model_config: ModelConfig,
+    config: EngineConfig,
+    dtype: jnp.dtype,
+    quant: QuantScheme | None,
+    tp: TensorParallel | None,
+) -> WeightsLoading:
+    """The weights as the engine configuration asks, loading on a thread of their own when
+    warm-up can compile against their shapes meanwhile, else here."""
+    shardings = tp.weight_shardings if tp is not None else None
+    shapes = None
+    if config.warmup:
+        shapes = abstract_model_weights(model_config, dtype, quant, shardings)
+    placement = tp.placement if tp is not None else None
+    load = functools.partial(model_weights, model_config, config, dtype, placement, quant)
+    return WeightsLoading(load, shapes)
+
+
+def abstract_model_weights(
+    model_config: ModelConfig,
+    dtype: jnp.dtype,
+    quant: QuantScheme | None,
+    shardings: Weights | None = None,
+) -> Weights | None:
+    """The shapes and dtypes ``model_weights`` will make (with ``shardings``, the tensor-parallel
+    placement), found without touching a device: enough to compile the programs against while
+    the weights load. None for a pre-quantized checkpoint, whose packed layout only its files
+    tell."""
+    if quant is not None and quant.from_checkpoint:
+        return None
+
+    def make() -> Weights:
+        weights = dummy_weights(model_config, dtype, scheme=quant)
+        return fuse_projections(weights) if shardings is None and quant is None else weights
+
+    shapes = jax.eval_shape(make)
+    if shardings is None:
+        return shapes
+    return jax.tree.map(
+        lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding),
+        shapes,
+        shardings,
+    )
+
+
+class WeightsLoading:
+    """Weights loading on a thread of their own, so that warm-up compiles against their
+    ``shapes`` meanwhile; ``shapes`` None: ``load`` runs here, before anything compiles."""
+
+    def __init__(self, load: Callable[[], tuple[Weights, float]], shapes: Weights | None) -> None:
+        self.shapes = shapes
+        self._pool = None
+        if shapes is None:
+            self._done = load()
+            return
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weights")
+        self._future = self._pool.submit(load)
+
+    def raise_if_failed(self) -> None:
+        """The load's error as soon as it has one (a missing tensor ends the start before every
+        program has compiled)."""
+        if self._pool is not None and self._future.done() and self._future.exception():
+            self.wait()
+
+    def wait(self) -> tuple[Weights, float]:
+        """(the weights, seconds it took to make or load them)."""
+        if self._pool is not None:
+            try:
+                self._done = self._future.result()
+            finally:
+                self._pool.shutdown()
+                self._pool = None
+        return self._done
 
 
 def kv_cache_scales(model_config: ModelConfig, config: EngineConfig, kv_dtype: jnp.dtype) -> Any:

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
 from jaxserve.models.batch import KVCache
@@ -52,6 +53,25 @@ def model_step(
     return llama.forward(
         weights, kv_cache, batch, config, attention_fn, kv_scales=kv_scales, experts_fn=experts_fn
     )
+
+
+def jitted_model_step(model_config: ModelConfig, kv_scales: Any, tp: Any = None) -> Any:
+    """``model_step`` jitted, the KV cache donated (updated in place); ``tp``: the runner's
+    ``TensorParallel``, whose attention, experts and shardings it takes."""
+    attention = pallas_kernels.ragged_paged_attention if tp is None else tp.attention_fn
+    step = functools.partial(
+        model_step,
+        config=model_config,
+        attention_fn=shared_attention(attention),
+        kv_scales=kv_scales,
+    )
+    shardings: dict[str, Any] = {}
+    if tp is not None:
+        step = functools.partial(step, experts_fn=tp.experts_fn)
+        in_shardings, out_shardings = tp.step_shardings()
+        shardings = dict(in_shardings=in_shardings, out_shardings=out_shardings)
+    # static: the layout of the packed inputs
+    return jax.jit(step, static_argnums=(4,), donate_argnames=("kv_cache",), **shardings)
 
 
 def shared_attention(attention_fn: Any) -> Any:

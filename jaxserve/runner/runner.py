@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.batch import Batch, kv_page_shapes, make_kv_cache_for
@@ -41,19 +40,18 @@ from jaxserve.runner.devices import (
 )
 from jaxserve.runner.in_flight import DeferredSampler, InFlight
 from jaxserve.runner.input_builder import InputBuilder, next_power_of_2, token_buckets_for
-from jaxserve.runner.model_weights import kv_cache_scales, model_weights
+from jaxserve.runner.model_weights import kv_cache_scales, start_loading
 from jaxserve.runner.packing import Layout, pack
 from jaxserve.runner.programs import (
     StepSamples,
-    model_step,
+    jitted_model_step,
     prompt_logprobs_step,
     sample_step,
-    shared_attention,
 )
 from jaxserve.runner.sampling import SamplerFlags, SamplingInputs
 from jaxserve.runner.sharding import prepare_tp
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
-from jaxserve.runner.warmup import enable_compilation_cache, warm_up
+from jaxserve.runner.warmup import BackgroundCompile, enable_compilation_cache, warm_up
 
 _LOG = logging.getLogger(__name__)
 
@@ -91,13 +89,14 @@ class ModelRunner:
             self.tp = prepare_tp(
                 model_config, config.tensor_parallel_size, quant=self.quant, expert_parallel=ep
             )
-        placement = self.tp.placement if self.tp is not None else None
-        self.weights, self.load_seconds = model_weights(
-            model_config, config, self.dtype, placement, self.quant
-        )
+        # With warm-up on, the weights load while the programs compile against their shapes.
+        self.loading = start_loading(model_config, config, self.dtype, self.quant, self.tp)
+        self.load_seconds = 0.0
+        if self.loading.shapes is None:
+            self.wait_for_weights()
+        else:  # shapes only, until wait_for_weights
+            self._set_weights(self.loading.shapes)
         self.kv_scales = kv_cache_scales(model_config, config, self.kv_dtype)
-        self.tied = self.weights.lm_head is None
-        self.head = self.weights.embed if self.tied else self.weights.lm_head
 
         self.capacity = self._plan_capacity()
         self.num_blocks = self.capacity.num_blocks
@@ -107,23 +106,7 @@ class ModelRunner:
         self.kv_cache: Any = None
         if not config.warmup:
             self.allocate_kv_cache()
-        attention = (
-            pallas_kernels.ragged_paged_attention if self.tp is None else self.tp.attention_fn
-        )
-        step = functools.partial(
-            model_step,
-            config=model_config,
-            attention_fn=shared_attention(attention),
-            kv_scales=self.kv_scales,
-        )
-        shardings: dict[str, Any] = {}
-        if self.tp is not None:
-            step = functools.partial(step, experts_fn=self.tp.experts_fn)
-            in_shardings, out_shardings = self.tp.step_shardings()
-            shardings = dict(in_shardings=in_shardings, out_shardings=out_shardings)
-        self.step_fn = jax.jit(  # static: the layout of the packed inputs
-            step, static_argnums=(4,), donate_argnames=("kv_cache",), **shardings
-        )
+        self.step_fn = jitted_model_step(model_config, self.kv_scales, self.tp)
         # Ahead-of-time executables from warm-up: model step and prompt logprobs per token
         # bucket, sampler per (token bucket, variant).
         self.compiled_steps: dict[int, Any] = {}
@@ -137,6 +120,10 @@ class ModelRunner:
         # The sampled ids a step reads its pending tokens from when no step came before it.
         self.no_previous_ids = self.put(np.zeros(self.max_seq_bucket, np.int32))
         self.compile_seconds = 0.0
+        # Steps of up to this many tokens have every program compiled (warm-up lowers it, then
+        # raises it as the larger buckets compile in ``background``).
+        self.ready_tokens = self.token_buckets[-1]
+        self.background = BackgroundCompile()
         # Several processes (hosts) share this model: process 0 broadcasts each step.
         self.multihost = jax.process_count() > 1
         self.inputs = InputBuilder(
@@ -168,6 +155,16 @@ class ModelRunner:
             num_blocks_override=self.config.num_gpu_blocks_override,
             expert_parallel=self.config.enable_expert_parallel,
         )
+
+    def wait_for_weights(self) -> None:
+        """The loaded weights in place of the shapes warm-up compiled against."""
+        weights, self.load_seconds = self.loading.wait()
+        self._set_weights(weights)
+
+    def _set_weights(self, weights: Any) -> None:
+        self.weights = weights
+        self.tied = weights.lm_head is None
+        self.head = weights.embed if self.tied else weights.lm_head
 
     def allocate_kv_cache(self) -> None:
         if self.kv_cache is not None:
@@ -344,7 +341,10 @@ class ModelRunner:
         """On processes other than 0: join every step process 0 runs, until it stops."""
         step_broadcast.follow(self)
 
-    def stop_followers(self) -> None:
+    def shutdown(self) -> None:
+        """Stop compiling the buckets warm-up left to the background (what compiles now
+        finishes) and release the follower processes of a multi-host replica."""
+        self.background.stop()
         if self.multihost:
             step_broadcast.stop_followers()
             self.multihost = False

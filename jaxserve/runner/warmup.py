@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import os
@@ -48,75 +49,178 @@ def enable_compilation_cache(cache_dir: str) -> None:
 
 
 def warm_up(runner: ModelRunner, max_workers: int) -> int:
-    """Compile every program, then run one small step; returns the number of model step
-    shapes compiled."""
+    """Compile every program (with ``serve_while_compiling``, those of the decode-sized
+    buckets; the larger ones then compile on a thread of their own while the engine serves,
+    ``runner.ready_tokens`` rising as each bucket is ready), wait for the weights, allocate the
+    KV cache and run one small step; returns the number of model step shapes compiled."""
     start = time.perf_counter()
-    kv_cache = runner.kv_cache if runner.kv_cache is not None else runner.abstract_kv_cache()
     buckets = runner.token_buckets
+    first = buckets
+    if runner.config.serve_while_compiling and not runner.multihost:
+        first = [b for b in buckets if b <= runner.max_seq_bucket] or buckets[:1]
+    workers = max(1, min(max_workers, os.cpu_count() or 1))
+    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile")
+    kv_cache = runner.abstract_kv_cache()
+    runner.ready_tokens = 0
+    try:
+        _compile(runner, pool, first, kv_cache, start)
+        waited = time.perf_counter()
+        runner.wait_for_weights()
+        if runner.loading.shapes is not None:
+            _LOG.info(
+                "Weights ready %.1f s after the compile (%.1f s to load, beside it)",
+                time.perf_counter() - waited,
+                runner.load_seconds,
+            )
+        allocated = time.perf_counter()
+        runner.allocate_kv_cache()
+        jax.block_until_ready(runner.kv_cache)
+        _LOG.info(
+            "Allocated the KV cache (%s) in %.1f s",
+            format_bytes(runner.capacity.kv_budget_bytes),
+            time.perf_counter() - allocated,
+        )
+        _run_smallest_step(runner)
+    except BaseException:
+        pool.shutdown(cancel_futures=True)
+        raise
+    runner.compile_seconds = time.perf_counter() - start
+    rest = buckets[len(first) :]
+    runner.ready_tokens = first[-1]
+    if not rest:
+        pool.shutdown()
+        return len(first)
+    _LOG.info(
+        "Serving steps of up to %d tokens; the buckets of %s tokens compile in the background",
+        first[-1],
+        ", ".join(map(str, rest)),
+    )
+
+    def compile_rest() -> None:
+        try:
+            _compile(runner, pool, rest, kv_cache, start, raise_ready=True)
+            _LOG.info(
+                "Compiled every bucket at %.1f s; steps of up to %d tokens run",
+                time.perf_counter() - start,
+                rest[-1],
+            )
+        except Exception:  # the engine keeps serving the steps it has compiled
+            if not runner.background.stopping.is_set():  # else the runner shut down meanwhile
+                _LOG.exception("Compiling the buckets of %s tokens failed", rest)
+        finally:
+            pool.shutdown()
+
+    runner.background.pool = pool
+    runner.background.thread = threading.Thread(target=compile_rest, name="compile-rest")
+    runner.background.thread.start()
+    return len(first)
+
+
+@dataclasses.dataclass
+class BackgroundCompile:
+    """The buckets warm-up leaves to compile while the engine serves (``serve_while_compiling``)."""
+
+    thread: threading.Thread | None = None
+    pool: concurrent.futures.ThreadPoolExecutor | None = None
+    stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def stop(self) -> None:
+        """Cancel what has not started and wait for what has (a compile thread still running
+        at the interpreter's exit can crash it)."""
+        self.stopping.set()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.thread is not None:
+            self.thread.join()
+
+
+def _compile(
+    runner: ModelRunner,
+    pool: concurrent.futures.ThreadPoolExecutor,
+    buckets: list[int],
+    kv_cache: Any,
+    start: float,
+    raise_ready: bool = False,
+) -> None:
+    """Every program of ``buckets``: model steps first, then the sampler variants and prompt
+    logprobs; raises the weights' load error as soon as it comes. ``runner.ready_tokens``
+    rises to each bucket whose programs (and all smaller buckets') are done."""
     variants = SamplerFlags.variants()
     _LOG.info(
         "Compiling the model step for %d token buckets (%s)",
         len(buckets),
         ", ".join(map(str, buckets)),
     )
-    workers = max(1, min(max_workers, os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        # Each program's compile starts as soon as it is lowered, while the next one lowers.
-        steps = {}
-        for bucket in buckets:
-            lowered = runner.lower_step(bucket, kv_cache)
-            steps[pool.submit(lowered.compile)] = bucket
-        for done, future in enumerate(concurrent.futures.as_completed(steps), 1):
-            runner.compiled_steps[steps[future]] = future.result()
-            _LOG.info(
-                "Compiled model step for %d tokens (%d/%d) at %.1f s",
-                steps[future],
-                done,
-                len(buckets),
-                time.perf_counter() - start,
-            )
-        # NOTE: after the steps, not beside them: XLA times candidate kernels on the device
-        # while it compiles, and the steps' choices are the ones that matter.
+    # Each program's compile starts as soon as it is lowered, while the next one lowers.
+    steps = {}
+    for bucket in buckets:
+        _check(runner)
+        lowered = runner.lower_step(bucket, kv_cache)
+        steps[pool.submit(lowered.compile)] = bucket
+    for done, future in enumerate(concurrent.futures.as_completed(steps), 1):
+        runner.loading.raise_if_failed()
+        runner.compiled_steps[steps[future]] = future.result()
         _LOG.info(
-            "Compiling %d sampler variants and the prompt-logprob program for each token "
-            "bucket (%d programs)",
-            len(variants),
-            len(buckets) * (len(variants) + 1),
+            "Compiled model step for %d tokens (%d/%d) at %.1f s",
+            steps[future],
+            done,
+            len(buckets),
+            time.perf_counter() - start,
         )
-        progress = _BucketProgress(len(buckets), len(variants) + 1, start)
-        others = {}
-        for lowered, table, key, bucket in _sampler_and_logprob_programs(runner, variants):
-            future = pool.submit(lowered.compile)
-            future.add_done_callback(functools.partial(progress.done, bucket))
-            others[future] = (table, key)
-        for future, (table, key) in others.items():
-            table[key] = future.result()
-    allocated = time.perf_counter()
-    runner.allocate_kv_cache()
-    jax.block_until_ready(runner.kv_cache)
+    # NOTE: after the steps, not beside them: XLA times candidate kernels on the device
+    # while it compiles, and the steps' choices are the ones that matter.
     _LOG.info(
-        "Allocated the KV cache (%s) in %.1f s",
-        format_bytes(runner.capacity.kv_budget_bytes),
-        time.perf_counter() - allocated,
+        "Compiling %d sampler variants and the prompt-logprob program for each token "
+        "bucket (%d programs)",
+        len(variants),
+        len(buckets) * (len(variants) + 1),
     )
-    _run_smallest_step(runner)
-    runner.compile_seconds = time.perf_counter() - start
-    return len(buckets)
+    progress = _BucketProgress(runner, buckets, len(variants) + 1, start, raise_ready)
+    others = []
+    for lowered, table, key, bucket in _sampler_and_logprob_programs(runner, buckets, variants):
+        _check(runner)
+        future = pool.submit(lowered.compile)
+        future.add_done_callback(functools.partial(progress.done, bucket, table, key))
+        others.append((future, table, key))
+    for future, table, key in others:
+        runner.loading.raise_if_failed()
+        table[key] = future.result()  # the callback may not have run yet
+
+
+def _check(runner: ModelRunner) -> None:
+    """Between lowerings: the weights' load error, or the runner's shutdown."""
+    runner.loading.raise_if_failed()
+    if runner.background.stopping.is_set():
+        raise concurrent.futures.CancelledError("the runner shut down")
 
 
 class _BucketProgress:
-    """Logs each token bucket whose sampler programs have all compiled (called from the
-    compiling threads, as each program finishes)."""
+    """Called from the compiling threads as each sampler or prompt-logprob program finishes:
+    puts it in the runner's table, logs each token bucket whose programs have all compiled,
+    and (``raise_ready``) raises ``runner.ready_tokens`` to the largest bucket up to which
+    every bucket is done."""
 
-    def __init__(self, num_buckets: int, programs_per_bucket: int, start: float) -> None:
-        self.num_buckets = num_buckets
+    def __init__(
+        self,
+        runner: ModelRunner,
+        buckets: list[int],
+        programs_per_bucket: int,
+        start: float,
+        raise_ready: bool,
+    ) -> None:
+        self.runner = runner
+        self.buckets = buckets
         self.programs_per_bucket = programs_per_bucket
         self.start = start
+        self.raise_ready = raise_ready
         self.num_done: collections.Counter[int] = collections.Counter()
         self.num_buckets_done = 0
         self.lock = threading.Lock()
 
-    def done(self, bucket: int, _: concurrent.futures.Future) -> None:
+    def done(self, bucket: int, table: dict, key: Any, future: concurrent.futures.Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return  # raised by _compile (or shut down); the bucket never becomes ready
+        table[key] = future.result()
         with self.lock:
             self.num_done[bucket] += 1
             if self.num_done[bucket] < self.programs_per_bucket:
@@ -126,9 +230,19 @@ class _BucketProgress:
                 "Compiled the sampler programs for %d tokens (%d/%d) at %.1f s",
                 bucket,
                 self.num_buckets_done,
-                self.num_buckets,
+                len(self.buckets),
                 time.perf_counter() - self.start,
             )
+            if not self.raise_ready:
+                return
+            ready = self.runner.ready_tokens
+            for b in self.buckets:
+                if self.num_done[b] < self.programs_per_bucket:
+                    break
+                ready = b
+            if ready > self.runner.ready_tokens:
+                _LOG.info("Steps of up to %d tokens now run", ready)
+                self.runner.ready_tokens = ready
 
 
 def _run_smallest_step(runner: ModelRunner) -> None:
@@ -146,13 +260,13 @@ def _run_smallest_step(runner: ModelRunner) -> None:
 
 
 def _sampler_and_logprob_programs(
-    runner: ModelRunner, variants: tuple[SamplerFlags, ...]
+    runner: ModelRunner, buckets: list[int], variants: tuple[SamplerFlags, ...]
 ) -> Iterator[tuple[Any, dict, object, int]]:
     """(lowered program, the runner's table for it, its key, its token bucket) for every
     sampler variant and the prompt logprobs of every token bucket, lowered against arguments
     laid out as at run time."""
     hidden_size, dtype = runner.model_config.hidden_size, runner.dtype
-    for bucket in runner.token_buckets:
+    for bucket in buckets:
         hidden = runner.put(np.zeros((bucket, hidden_size), dtype))
         for flags in variants:
             batch, inputs = runner.inputs.padding_step(bucket, flags)

@@ -141,6 +141,14 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "back, so host work overlaps the device (off while a request uses penalties)",
     )
     add(
+        "--serve-while-compiling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="take requests as soon as the steps of up to --max-num-seqs tokens have "
+        "compiled, while the larger prefill steps compile (prompts are cut into smaller "
+        "chunks until they finish); off: every step compiles before the server starts",
+    )
+    add(
         "--grammar-compile-timeout",
         type=float,
         metavar="SECONDS",
@@ -367,6 +375,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         async_scheduling=args.async_scheduling,
+        serve_while_compiling=args.serve_while_compiling,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,

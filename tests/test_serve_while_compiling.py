@@ -1,0 +1,229 @@
+"""Start-up: the weights load while the programs compile against their shapes, and with
+``serve_while_compiling`` the engine takes requests once the decode-sized buckets have
+compiled, its step budget rising as the larger buckets finish in the background.
+
+The fixture Llama in float32 with buckets of 16, 32 and 64 tokens and 4 sequences: the first
+set is the 16-token bucket (``max_num_seqs`` rounds up to 4, below the smallest bucket).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import textwrap
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jaxserve.config import ModelConfig
+from jaxserve.engine.core import EngineCore
+from jaxserve.engine_config import EngineConfig
+from jaxserve.models.checkpoint_reader import WeightsError
+from jaxserve.models.quant_scheme import QuantScheme
+from jaxserve.runner import warmup
+from jaxserve.runner.model_weights import abstract_model_weights, model_weights
+from jaxserve.runner.runner import ModelRunner
+from jaxserve.sampling_params import SamplingParams
+from tests.conftest import fixture_dir, run_with_devices
+
+PROMPT = [int(t) for t in np.random.default_rng(0).integers(3, 200, size=40)]
+
+
+def engine_config(**overrides) -> EngineConfig:
+    fields = dict(
+        model=str(fixture_dir("llama")),
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        block_size=4,
+        num_gpu_blocks_override=256,
+        serve_while_compiling=True,
+    )
+    return EngineConfig(**{**fields, **overrides})
+
+
+def generate(core: EngineCore, request_id: str, prompt: list[int]) -> tuple[list[int], list[int]]:
+    """(greedy tokens, the number of tokens of each step that ran, none above the budget)."""
+    step_sizes: list[int] = []
+    schedule = core.scheduler.schedule
+
+    def recording_schedule():
+        output = schedule()
+        if not output.is_empty:
+            step_sizes.append(output.num_batched_tokens)
+            assert output.num_batched_tokens <= core.runner.ready_tokens
+        return output
+
+    core.scheduler.schedule = recording_schedule
+    core.add_request(request_id, prompt, SamplingParams(max_tokens=6, temperature=0.0))
+    tokens: list[int] = []
+    while core.num_unfinished():
+        for output in core.step():  # deltas
+            tokens += output.outputs[0].token_ids
+    del core.scheduler.schedule
+    return tokens, step_sizes
+
+
+@pytest.fixture
+def held_background(monkeypatch):
+    """Holds the background compile at its start until the event is set (or the runner shuts
+    down)."""
+    release = threading.Event()
+    compile_buckets = warmup._compile
+
+    def held(runner, pool, buckets, kv_cache, start, raise_ready=False):
+        while raise_ready and not release.wait(0.05) and not runner.background.stopping.is_set():
+            pass
+        compile_buckets(runner, pool, buckets, kv_cache, start, raise_ready)
+
+    monkeypatch.setattr(warmup, "_compile", held)
+    yield release
+    release.set()
+
+
+def test_the_engine_serves_the_compiled_buckets_first_and_every_bucket_once_compiled(
+    held_background,
+) -> None:
+    reference = EngineCore(engine_config(serve_while_compiling=False))
+    assert reference.runner.ready_tokens == 64 and reference.runner.background.thread is None
+    expected, steps = generate(reference, "ref", PROMPT)
+    assert steps[0] == 40  # the whole prompt in one step
+
+    core = EngineCore(engine_config())
+    runner = core.runner
+    assert runner.ready_tokens == 16
+    assert sorted(runner.compiled_steps) == [16]
+    tokens, steps = generate(core, "early", PROMPT)
+    assert tokens == expected
+    assert steps[:3] == [16, 16, 8]  # the prompt in chunks of the compiled bucket
+
+    held_background.set()
+    runner.background.thread.join(120)
+    assert runner.ready_tokens == 64
+    assert sorted(runner.compiled_steps) == [16, 32, 64]
+    assert sorted(runner.compiled_prompt_lp) == [16, 32, 64]
+    assert {bucket for bucket, _ in runner.compiled_samplers} == {16, 32, 64}
+    tokens, steps = generate(core, "late", PROMPT[::-1])
+    assert steps[0] == 40
+    assert runner.step_fn._cache_size() == 0  # every step ran a warm-up executable
+    core.shutdown()
+    reference.shutdown()
+
+
+def test_a_bucket_that_fails_to_compile_leaves_the_engine_serving_the_smaller_ones(
+    monkeypatch, caplog
+) -> None:
+    lower_step = ModelRunner.lower_step
+
+    def failing(self, num_tokens, kv_cache=None):
+        if num_tokens == 64:
+            raise RuntimeError("no 64")
+        return lower_step(self, num_tokens, kv_cache)
+
+    monkeypatch.setattr(ModelRunner, "lower_step", failing)
+    with caplog.at_level(logging.INFO, logger="jaxserve.runner.warmup"):
+        core = EngineCore(engine_config())
+        core.runner.background.thread.join(120)
+    assert core.runner.ready_tokens == 16  # 32's step compiled, its samplers never started
+    assert "Compiling the buckets of [32, 64] tokens failed" in caplog.text
+    assert "no 64" in caplog.text
+    tokens, steps = generate(core, "after", PROMPT)
+    assert len(tokens) == 6 and max(steps) == 16
+    core.shutdown()
+
+
+def test_shutdown_stops_the_background_compile_quietly(held_background, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="jaxserve.runner.warmup"):
+        core = EngineCore(engine_config())
+        core.shutdown()  # returns once the compile thread has stopped
+    assert not core.runner.background.thread.is_alive()
+    assert sorted(core.runner.compiled_steps) == [16]
+    assert core.runner.ready_tokens == 16
+    assert "failed" not in caplog.text
+
+
+def test_the_weights_load_while_the_programs_compile_against_their_shapes(caplog) -> None:
+    with caplog.at_level(logging.INFO):
+        runner = ModelRunner(
+            ModelConfig.from_hf_dir(str(fixture_dir("llama"))),
+            engine_config(serve_while_compiling=False, max_num_batched_tokens=16),
+        )
+        assert isinstance(runner.weights.embed, jax.ShapeDtypeStruct)
+        runner.warmup()
+    assert isinstance(runner.weights.embed, jax.Array)
+    assert runner.head is runner.weights.embed or runner.head is runner.weights.lm_head
+    assert runner.load_seconds > 0
+    assert "Weights ready" in caplog.text
+
+
+def test_a_load_error_ends_the_start(tmp_path) -> None:
+    source = fixture_dir("llama")
+    for file in source.iterdir():
+        if file.suffix != ".safetensors":
+            (tmp_path / file.name).write_bytes(file.read_bytes())
+    (shard,) = source.glob("*.safetensors")
+    tensors = load_file(shard)
+    del tensors["model.layers.0.mlp.down_proj.weight"]
+    save_file(tensors, tmp_path / shard.name)
+    with pytest.raises(WeightsError, match="down_proj.weight.* is missing"):
+        EngineCore(engine_config(model=str(tmp_path)))
+
+
+@pytest.mark.parametrize(
+    "family, quantization",
+    [
+        ("llama", None),
+        ("gemma2", None),
+        ("qwen3_moe", None),
+        ("deepseek_v3", None),
+        ("llama", "fp8"),
+        ("llama", "int8"),
+        ("mixtral", "int8"),
+    ],
+)
+def test_the_weights_shapes_are_what_the_load_makes(family, quantization) -> None:
+    model_config = ModelConfig.from_hf_dir(str(fixture_dir(family)))
+    config = engine_config(model=str(fixture_dir(family)), quantization=quantization)
+    quant = QuantScheme(quantization, quantization) if quantization else None
+    loaded, _ = model_weights(model_config, config, jnp.float32, None, quant)
+    shapes = abstract_model_weights(model_config, jnp.float32, quant)
+    assert jax.tree.structure(shapes) == jax.tree.structure(loaded)
+    for shape, array in zip(jax.tree.leaves(shapes), jax.tree.leaves(loaded), strict=True):
+        assert (shape.shape, shape.dtype) == (array.shape, array.dtype)
+
+
+SHARDED_SHAPES_SCRIPT = textwrap.dedent("""
+    import jax, jax.numpy as jnp
+    from jaxserve.config import ModelConfig
+    from jaxserve.engine_config import EngineConfig
+    from jaxserve.runner.model_weights import abstract_model_weights, model_weights
+    from jaxserve.runner.sharding import prepare_tp
+    for family, ep in (("qwen3", False), ("qwen3_moe", True)):
+        path = f"tests/fixtures/models/{family}"
+        model_config = ModelConfig.from_hf_dir(path)
+        tp = prepare_tp(model_config, 2, expert_parallel=ep)
+        config = EngineConfig(model=path, tensor_parallel_size=2, enable_expert_parallel=ep)
+        loaded, _ = model_weights(model_config, config, jnp.float32, tp.placement, None)
+        shapes = abstract_model_weights(model_config, jnp.float32, None, tp.weight_shardings)
+        same = all(
+            (s.shape, s.dtype, s.sharding) == (a.shape, a.dtype, a.sharding)
+            for s, a in zip(jax.tree.leaves(shapes), jax.tree.leaves(loaded), strict=True)
+        )
+        print(family, same)
+""")
+
+
+def test_the_weights_shapes_carry_the_tensor_parallel_shardings() -> None:
+    stdout = run_with_devices(SHARDED_SHAPES_SCRIPT, 2, timeout=300)
+    assert stdout.split() == ["qwen3", "True", "qwen3_moe", "True"]
+
+
+def test_pre_quantized_checkpoints_load_before_the_compile() -> None:
+    model_config = ModelConfig.from_hf_dir(str(fixture_dir("llama")))
+    scheme = dataclasses.replace(QuantScheme("int8", "int8"), from_checkpoint=True)
+    assert abstract_model_weights(model_config, jnp.float32, scheme) is None
