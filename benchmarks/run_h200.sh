@@ -66,6 +66,9 @@
 #                (benchmarks/structured_outputs.py, about 2.5 minutes cold) -> $OUT/so.{log,json}
 #   head256      Triton attention configs at the Gemma-2-9B shape's decode cells
 #                (bench_attention.py --suite head256) -> $OUT/head256.{log,json}
+#   gemma        decode at batch 64, contexts 1,024 and 4,096, for Llama-3-8B, Gemma-2-9B and
+#                Gemma-3-12B side by side (dummy bf16 weights, decode_roofline.py; about 3 minutes)
+#                -> $OUT/gemma_<model>.{log,json}: issue 19's "within 10 points of Llama" cells
 #   occupied     a second jaxserve launch on the GPU a first server (demo model, default flags)
 #                holds: seconds until it exits, its exit code and last lines -> $OUT/occupied.txt
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
@@ -395,6 +398,17 @@ stage_head256() {
   python3 benchmarks/bench_attention.py --suite head256 --out "$OUT/head256.json" \
     > "$OUT/head256.log" 2>&1
   sed -n '/ | jax /,$p' "$OUT/head256.log"
+}
+
+stage_gemma() {
+  local model
+  for model in llama-3-8b gemma-2-9b gemma-3-12b; do
+    python3 benchmarks/decode_roofline.py --model jaxserve/assets/configs/$model --iters 5 \
+      --batches ${GEMMA_BATCHES:-64} --contexts 1024,4096 --output-json "$OUT/gemma_$model.json" \
+      > "$OUT/gemma_$model.log" 2>&1
+    echo "-- $model"
+    grep -v -i warn "$OUT/gemma_$model.log" | tail -4
+  done
 }
 
 stage_occupied() {  # the second start must end in seconds with the fix, not retry allocations
