@@ -73,12 +73,15 @@ def default_config(
     for decode (a few rows per expert: the weights stream, the rows do not matter), up to
     128-row tiles for prefill (many rows per expert: each weight tile feeds more rows).
     A 128 x 128 tile pipelines 3 K steps (96 KiB of shared memory) where the GPU has room,
-    else 2."""
+    else 2. The thresholds follow the H200 sweep of Qwen3-30B-A3B's layer
+    (benchmarks/RESULTS.md): at one row per group (batch 1) 16 x 128 x 64 tiles took 54 us
+    against 61 us for 16 x 64 x 128; at 16 rows per group (batch 256) 64-row tiles took 358 us
+    against 410 us for 16-row ones."""
     rows_per_group = num_rows / max(1, num_groups)
-    if rows_per_group <= 16:
+    if rows_per_group <= 1:
+        return GroupedMatmulConfig(16, 128, 64, num_warps=4, num_stages=4)
+    if rows_per_group <= 8:
         return GroupedMatmulConfig(16, 64, 128, num_warps=4, num_stages=4)
-    if rows_per_group <= 32:
-        return GroupedMatmulConfig(32, 64, 128, num_warps=4, num_stages=4)
     if rows_per_group <= 128:
         return GroupedMatmulConfig(64, 128, 64, num_warps=4, num_stages=3)
     stages = 3 if large_shared_memory else 2

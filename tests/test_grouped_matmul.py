@@ -129,8 +129,11 @@ def test_the_plan_visits_each_group_block_once_and_fits_the_grid():
 
 
 def test_tiles_follow_the_rows_per_group():
-    assert gmt.default_config(16 * 8, 128).block_m == 16  # decode, batch 16 x top 8
-    assert gmt.default_config(256 * 8, 128).block_m == 16  # decode at batch 256
+    batch_1 = gmt.default_config(16 * 8, 128)  # decode: the 16-token bucket x top 8
+    assert (batch_1.block_m, batch_1.block_n, batch_1.block_k) == (16, 128, 64)
+    batch_64 = gmt.default_config(64 * 8, 128)
+    assert (batch_64.block_m, batch_64.block_n, batch_64.block_k) == (16, 64, 128)
+    assert gmt.default_config(256 * 8, 128).block_m == 64  # decode at batch 256
     assert gmt.default_config(2048 * 8, 128).block_m == 64  # a 2,048-token prefill
     assert gmt.default_config(8192 * 8, 128).block_m == 128  # 8,192 tokens
     assert gmt.default_config(8192 * 8, 128).num_stages == 3
