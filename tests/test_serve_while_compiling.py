@@ -108,6 +108,8 @@ def test_the_engine_serves_the_compiled_buckets_first_and_every_bucket_once_comp
     assert sorted(runner.compiled_steps) == [16, 32, 64]
     assert sorted(runner.compiled_prompt_lp) == [16, 32, 64]
     assert {bucket for bucket, _ in runner.compiled_samplers} == {16, 32, 64}
+    # float32 means float32 in the background thread's programs too (no TF32 on a GPU)
+    assert "operand_precision={highest" in runner.compiled_steps[64].as_text()
     tokens, steps = generate(core, "late", PROMPT[::-1])
     assert steps[0] == 40
     assert runner.step_fn._cache_size() == 0  # every step ran a warm-up executable

@@ -98,7 +98,8 @@ def warm_up(runner: ModelRunner, max_workers: int) -> int:
 
     def compile_rest() -> None:
         try:
-            _compile(runner, pool, rest, kv_cache, start, raise_ready=True)
+            with runner.precision():  # a context of the thread that enters it: enter it here
+                _compile(runner, pool, rest, kv_cache, start, raise_ready=True)
             _LOG.info(
                 "Compiled every bucket at %.1f s; steps of up to %d tokens run",
                 time.perf_counter() - start,
