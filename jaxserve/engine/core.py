@@ -103,8 +103,8 @@ class EngineCore:
         self._num_sync_requests = 0
 
     def shutdown(self) -> None:
-        """Wait for a step still on the device, then release the follower processes of a
-        multi-host replica (a no-op on one host). Call it once the step loop has stopped."""
+        """Wait for a step still on the device, stop warm-up's background compile, release
+        the follower processes of a multi-host replica. Call it once the step loop stopped."""
         self._read_in_flight()
         self.runner.shutdown()
         self.grammar_compiler.close()
