@@ -147,6 +147,7 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
     try:
         startup_log = log_path.read_text()
         assert "Devices: 1 x cpu" in startup_log and "Attention: " in startup_log
+        assert re.search(r"Started the cpu backend \(1 x cpu\) in \d+\.\d s\n", startup_log)
         assert "Unable to initialize backend" not in startup_log  # JAX's probe: debug only
         assert "KV cache size: 1,024 tokens" in startup_log
         assert "Maximum concurrency for 256 tokens per request: 4.00x" in startup_log

@@ -9,6 +9,7 @@ backend 'tpu'`` on every GPU and CPU host, which reads like an error but is not 
 from __future__ import annotations
 
 import logging
+import time
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ from jaxserve.runner.capacity import kv_heads_per_device
 from pallas_kernels import skinny_matmul
 from pallas_kernels.grouped_matmul import GROUPED_MATMUL_NAMES, choose_grouped_matmul
 
+_LOG = logging.getLogger(__name__)
 _PROBE_LOGGER = "jax._src.xla_bridge"
 _PROBE_MESSAGE = "Unable to initialize backend"
 
@@ -47,6 +49,20 @@ def quiet_backend_probe() -> None:
     logger = logging.getLogger(_PROBE_LOGGER)
     if not any(isinstance(f, _BackendProbeFilter) for f in logger.filters):
         logger.addFilter(_BackendProbeFilter())
+
+
+def start_backend() -> None:
+    """Start JAX's backend (its first device query does) and log how long that took: on a GPU
+    it creates the client and takes the memory ``reserve_device_memory`` allows."""
+    started = time.perf_counter()
+    devices = jax.devices()
+    _LOG.info(
+        "Started the %s backend (%d x %s) in %.1f s",
+        devices[0].platform,
+        len(devices),
+        devices[0].device_kind,
+        time.perf_counter() - started,
+    )
 
 
 def resolve_dtype(config: EngineConfig) -> jnp.dtype:

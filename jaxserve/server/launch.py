@@ -467,9 +467,10 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
         run_follower(config)  # returns when process 0 shuts down
         return 0
     _LOG.info("Loading %s", config.model_dir)
-    from jaxserve.runner.devices import DeviceSupportError
+    from jaxserve.runner.devices import DeviceSupportError, start_backend
 
     try:
+        start_backend()  # logged on its own: on a GPU it takes seconds of the start
         engine = AsyncEngine.from_config(config, max_queued_requests=args.max_queued_requests)
     except DeviceSupportError as exc:  # fp8 on a GPU without it: the device and the dtype
         _LOG.error("%s", exc)
