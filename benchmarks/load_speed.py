@@ -202,6 +202,9 @@ def main() -> None:
     parser.add_argument("--time-budget", type=float, default=150.0)
     parser.add_argument("--smoke", action="store_true", help="the tiny llama fixture, CPU")
     parser.add_argument("--output-json", default=None)
+    parser.add_argument(
+        "--write-only", action="store_true", help="write the checkpoint to --dir, time nothing"
+    )
     args = parser.parse_args()
     if args.smoke:
         args.model = str(Path(__file__).parents[1] / "tests/fixtures/models/llama")
@@ -215,6 +218,8 @@ def main() -> None:
     print(f"wrote {num_bytes / 1e9:.2f} GB in {args.num_shards} shards to {model_dir} in "
           f"{time.perf_counter() - began:.1f} s; {jax.devices()[0].device_kind}, "
           f"{os.cpu_count()} CPUs")  # fmt: skip
+    if args.write_only:
+        return
     read_only(model_dir, default_num_threads())  # into the page cache
     rows: list[dict] = []
     skipped: list[str] = []

@@ -14,6 +14,9 @@
 #   launch       jaxserve launch, dummy Llama-3-8B: cold start on an empty compilation cache,
 #                first-request TTFT, bench serve sweep at 2,4,8,16,inf req/s ($SERVE_PROMPTS
 #                prompts per rate, 200 unless set: about 4 minutes), then warm start
+#   startup      a real checkpoint (Llama-3-8B shape, bf16, 16 GB in 4 shards, written first and
+#                read from the page cache): cold and warm start to the first served token, the
+#                exit status after SIGTERM, the start-up lines (about 3 minutes) -> startup.jsonl
 #   throughput   offline throughput through jaxserve.LLM: 256 x 512/256 and 1000 x 1024/128
 #   hf           offline throughput, Hugging Face generate_batch, 256 x 512/256
 #   latency      offline latency of one batch (jaxserve bench latency) at batch 1, 8 and 64,
@@ -133,17 +136,28 @@ print(json.dumps({"phase": phase, "ready_s": round(sent - t0, 1),
 PY
 }
 
+start_server() {  # $1: log file, then launch's arguments; sets $pid and $t0, waits for /health
+  local log=$1
+  shift
+  t0=$(date +%s.%N)
+  python3 -m jaxserve.cli launch "$@" --port 8011 > "$log" 2>&1 &
+  pid=$!
+  until curl -sf localhost:8011/health >/dev/null; do
+    sleep 0.5
+    kill -0 $pid 2>/dev/null || break
+  done
+}
+
+stop_server() {  # SIGTERM, then the exit status (a crash at exit shows here)
+  kill -TERM $pid 2>/dev/null
+  wait $pid
+  echo "   exit status $?"
+}
+
 stage_launch() {
   rm -rf "$JAXSERVE_COMPILATION_CACHE"
   for phase in cold warm; do
-    t0=$(date +%s.%N)
-    python3 -m jaxserve.cli launch $MODEL --load-format dummy $SHAPES --port 8011 \
-      > "$OUT/launch_$phase.log" 2>&1 &
-    local pid=$!
-    until curl -sf localhost:8011/health >/dev/null; do
-      sleep 0.5
-      kill -0 $pid 2>/dev/null || break
-    done
+    start_server "$OUT/launch_$phase.log" $MODEL --load-format dummy $SHAPES
     kill -0 $pid 2>/dev/null && first_token "$t0" $phase
     if [ $phase = cold ] && kill -0 $pid 2>/dev/null; then
       python3 -m jaxserve.cli bench serve --base-url http://localhost:8011 \
@@ -153,10 +167,23 @@ stage_launch() {
       grep -E "Request rate|Successful|Output token|Median TTFT|P95 TTFT|Median ITL|P95 ITL" \
         "$OUT/serve.log"
     fi
-    kill -TERM $pid 2>/dev/null
-    wait $pid
+    stop_server
     grep -E "KV cache size|Maximum concurrency|Compil|Error|error" "$OUT/launch_$phase.log" | head -20
   done
+}
+
+stage_startup() {  # a real 16 GB checkpoint from the page cache: start to the first token
+  local dir=/tmp/jaxserve-startup
+  python3 benchmarks/load_speed.py --dir $dir --write-only 2>&1 | tail -1
+  rm -rf "$JAXSERVE_COMPILATION_CACHE"
+  for phase in real_cold real_warm; do
+    start_server "$OUT/startup_$phase.log" $dir $SHAPES
+    kill -0 $pid 2>/dev/null && first_token "$t0" $phase
+    stop_server
+    grep -E "Started the|Devices|Loaded weights|Weights ready|Serving steps|Compiled every|Error" \
+      "$OUT/startup_$phase.log" | cut -c1-160
+  done
+  rm -rf $dir
 }
 
 stage_throughput() {  # the CLI's default step budget (8192 tokens); see `launch` for 2048

@@ -8,8 +8,11 @@ import runpy
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
+from jaxserve.config import ModelConfig
+from jaxserve.models.weights import load_weights
 from tests.conftest import fixture_dir
 
 ROOT = Path(__file__).parents[1]
@@ -273,3 +276,15 @@ def test_load_speed_smoke(tmp_path, monkeypatch) -> None:
     assert "old loader" in names and not result["skipped"]
     old = next(row for row in result["rows"] if row["name"] == "old loader")
     assert old["read"] > 0 and old["device_put"] > 0 and result["bytes"] > 0
+
+
+def test_load_speed_writes_a_checkpoint_that_loads_and_times_nothing(tmp_path, monkeypatch):
+    """``--write-only``: the checkpoint ``run_h200.sh startup`` serves (read by the loader)."""
+    out = tmp_path / "load.json"
+    ckpt = tmp_path / "ckpt"
+    args = ["--smoke", "--write-only", "--dir", str(ckpt), "--output-json", str(out)]
+    run_script("benchmarks/load_speed.py", args, monkeypatch)
+    assert not out.exists()
+    config = ModelConfig.from_hf_dir(ckpt)
+    weights = load_weights(ckpt, config, jnp.bfloat16)
+    assert weights.embed.shape == (config.vocab_size, config.hidden_size)
