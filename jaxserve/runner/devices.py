@@ -58,7 +58,7 @@ def start_backend() -> None:
     devices = jax.devices()
     _LOG.info(
         "Started the %s backend (%d x %s) in %.1f s",
-        devices[0].platform,
+        platform_name(devices[0]),
         len(devices),
         devices[0].device_kind,
         time.perf_counter() - started,
