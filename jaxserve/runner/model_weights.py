@@ -43,13 +43,18 @@ def model_weights(
         weights = load_weights(
             config.model_dir, model_config, dtype, placement=placement, scheme=quant
         )
-    if placement is None and quant is None:  # one device, unquantized: see fuse_projections
-        weights = fuse_projections(weights)
+    weights = _as_served(weights, placement is None, quant)
     jax.block_until_ready(weights)
     seconds = time.perf_counter() - start
     if config.load_format == "dummy":
         _LOG.info("Made random weights in %.1f s", seconds)
     return weights, seconds
+
+
+def _as_served(weights: Weights, one_device: bool, quant: QuantScheme | None) -> Weights:
+    """On one device, unquantized, the projections that share an input joined (see
+    ``fuse_projections``); else as they are."""
+    return fuse_projections(weights) if one_device and quant is None else weights
 
 
 def start_loading(
@@ -85,7 +90,7 @@ def abstract_model_weights(
 
     def make() -> Weights:
         weights = dummy_weights(model_config, dtype, scheme=quant)
-        return fuse_projections(weights) if shardings is None and quant is None else weights
+        return _as_served(weights, shardings is None, quant)
 
     shapes = jax.eval_shape(make)
     if shardings is None:
