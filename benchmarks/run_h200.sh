@@ -183,6 +183,9 @@ stage_startup() {  # a real 16 GB checkpoint from the page cache: start to the f
     grep -E "Started the|Devices|Loaded weights|Weights ready|Serving steps|Compiled every|Error" \
       "$OUT/startup_$phase.log" | cut -c1-160
   done
+  # where the warm start goes: the main thread's stack, sampled (compilation cache filled)
+  python3 benchmarks/startup_profile.py $dir $SHAPES --top 60 > "$OUT/startup_profile.txt" 2>&1
+  grep -A7 "^phase" "$OUT/startup_profile.txt"
   rm -rf $dir
 }
 
@@ -473,7 +476,7 @@ for arg in "$@"; do
   limit=${arg#*:}
   [ "$limit" = "$arg" ] && limit=600
   echo "== $stage (limit ${limit} s, at $(( $(date +%s) - start )) s)"
-  export -f "stage_$stage" first_token
+  export -f "stage_$stage" first_token start_server stop_server
   export OUT MODEL SHAPES SERVE_PROMPTS
   timeout --kill-after=10 "$limit" bash -c "stage_$stage"
   rc=$?
