@@ -175,6 +175,7 @@ stage_launch() {
 stage_startup() {  # a real 16 GB checkpoint from the page cache: start to the first token
   local dir=/tmp/jaxserve-startup
   python3 benchmarks/load_speed.py --dir $dir --write-only 2>&1 | tail -1
+  cp jaxserve/assets/demo/tokenizer* $dir/  # a tokenizer to serve with (the demo model's)
   rm -rf "$JAXSERVE_COMPILATION_CACHE"
   for phase in real_cold real_warm; do
     start_server "$OUT/startup_$phase.log" $dir $SHAPES

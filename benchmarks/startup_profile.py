@@ -61,7 +61,9 @@ class StackSampler:
                 frame = frame.f_back
 
     def report(self, top: int) -> None:
-        print(f"\n{self.samples} samples, every {self.interval * 1e3:.0f} ms or when the GIL allowed")
+        print(
+            f"\n{self.samples} samples, every {self.interval * 1e3:.0f} ms or when the GIL allowed"
+        )
         print("\ninclusive (a function and everything it called):")
         for name, seconds in self.inclusive.most_common(top):
             print(f"  {seconds:7.2f} s  {name}")
@@ -127,7 +129,9 @@ def main() -> None:
         print(f"{name:40} {at - last:7.2f}")
         last = at
     print(f"{'total':40} {last - START:7.2f}")
-    print("torch imported:", "torch" in sys.modules, "; transformers:", "transformers" in sys.modules)
+    print(
+        "torch imported:", "torch" in sys.modules, "; transformers:", "transformers" in sys.modules
+    )
     sampler.report(top)
 
 

@@ -19,6 +19,8 @@ from safetensors.numpy import load_file, save_file
 from jaxserve.config import ModelConfig
 from jaxserve.models.checkpoint_reader import CheckpointReader, WeightsError
 from jaxserve.models.families import HF_LAYER_PREFIX, layer_fields, model_fields
+from jaxserve.models.field_conversion import to_field, to_field_into
+from jaxserve.models.llama import fuse_layer, fuse_projections
 from jaxserve.models.weights import load_weights
 from tests.conftest import fixture_dir
 
@@ -54,6 +56,41 @@ def test_parallel_reads_in_small_pieces_give_the_table_s_weights(family: str) ->
             value = value[key] if isinstance(key, int) else getattr(value, key)
         assert value.dtype == jnp.bfloat16, path
         np.testing.assert_array_equal(np.asarray(value), expected.astype(jnp.bfloat16), path)
+
+
+def test_each_layer_is_finished_as_it_loads_and_equals_fusing_after() -> None:
+    """``finish_layer`` (the one-device fusion) runs once per layer, in layer order, during the
+    load; the weights equal the ones fused after a plain load."""
+    model_dir = fixture_dir("llama")
+    config = ModelConfig.from_hf_dir(model_dir)
+    seen: list[int] = []
+
+    def finish(lw):
+        seen.append(len(seen))
+        return fuse_layer(lw)
+
+    fused = load_weights(
+        model_dir, config, jnp.bfloat16, num_threads=3, staging_bytes=6 * KiB, finish_layer=finish
+    )
+    assert seen == list(range(config.num_layers))
+    after = fuse_projections(load_weights(model_dir, config, jnp.bfloat16))
+    for got, expected in zip(jax.tree.leaves(fused), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    assert all(lw.wq is None and lw.fused is not None for lw in fused.layers)
+
+
+def test_a_field_is_written_into_memory_taken_before_its_pieces() -> None:
+    """``to_field_into`` gives ``to_field``'s value in the buffer it was handed (donated)."""
+    config = ModelConfig.from_hf_dir(fixture_dir("llama"))
+    field = next(f for f in layer_fields(config, 0) if f.name == "wq")
+    stored = np.random.default_rng(0).standard_normal(field.checkpoint_shape_for(config))
+    pieces = [jnp.asarray(part) for part in np.array_split(stored.astype(np.float32).ravel(), 3)]
+    shape = (1, *stored.shape)
+    expected = to_field(pieces, field, config, shape, jnp.bfloat16)
+    out = jnp.zeros(field.shape_for(config), jnp.bfloat16)
+    got = to_field_into(out, pieces, field, config, shape)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    assert out.is_deleted()  # the value lives in the buffer made before the pieces
 
 
 def test_host_memory_is_the_staging_buffers_not_a_tensor(tmp_path) -> None:

@@ -34,12 +34,37 @@ def to_field(
 ) -> jax.Array:
     """The field in the model's layout and ``dtype``, from the 1-D pieces of its checkpoint
     tensors (``shape``: [number of tensors, *one tensor's shape])."""
+    return _converted(pieces, field, config, shape, dtype)
+
+
+def _converted(
+    pieces: list[jax.Array], field: WeightField, config: ModelConfig, shape: tuple, dtype: Any
+) -> jax.Array:
     stacked: Any = jnp.concatenate(pieces).reshape(shape)  # from_hf reads jax arrays too
     if field.per_expert:
         value = jax.vmap(lambda tensor: field.from_hf(tensor, config))(stacked)
     else:
         value = field.from_hf(stacked[0], config)
     return jnp.asarray(value).astype(dtype)
+
+
+# NOTE: the field's memory is taken before its pieces are sent, and the conversion writes into
+# it (donated). Taken after, as XLA would, each field lay above its own pieces, and the pieces
+# of the last fields to load left holes under them: 1-3 GiB of an H200's memory in pieces too
+# small for the KV cache's per-layer arrays, and the first start of a real 8B checkpoint ran
+# out of memory allocating the cache the capacity plan had counted on.
+@functools.partial(
+    jax.jit,
+    static_argnames=("field", "config", "shape"),
+    donate_argnames=("out",),
+    keep_unused=True,  # ``out`` is never read: kept, so that the result takes its buffer
+)
+def to_field_into(
+    out: jax.Array, pieces: list[jax.Array], field: WeightField, config: ModelConfig, shape: tuple
+) -> jax.Array:
+    """``to_field`` written into ``out`` (donated: the field's shape and dtype, made before
+    the pieces)."""
+    return _converted(pieces, field, config, shape, out.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("field", "config", "shape"))

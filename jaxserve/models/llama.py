@@ -316,28 +316,33 @@ def compute_logits(
 
 
 def fuse_projections(weights: Weights) -> Weights:
-    """``weights`` with each layer's q/k/v (and gate/up) joined in ``LayerWeights.fused``; the
-    separate arrays are released layer by layer, so the peak is one layer's extra copy.
+    """``weights`` with each layer's q/k/v (and gate/up) joined (``fuse_layer``); the separate
+    arrays are released layer by layer, so the peak is one layer's extra copy."""
+    for i, lw in enumerate(weights.layers):
+        weights.layers[i] = fuse_layer(lw)
+        del lw
+    return weights
+
+
+def fuse_layer(lw: LayerWeights) -> LayerWeights:
+    """The layer with q/k/v (and gate/up) joined in ``LayerWeights.fused``; as it is when
+    already fused or when they are not plain arrays.
 
     For unquantized weights on one device: a tensor-parallel layout splits q and k/v heads
     over different mesh views, and quantized weights are QArrays (``quant.linear``).
     """
-    for i, lw in enumerate(weights.layers):
-        if lw.wq is None or not all(isinstance(w, jax.Array) for w in (lw.wq, lw.wk, lw.wv)):
-            continue
-        wqkv = jnp.concatenate([lw.wq, lw.wk, lw.wv], axis=1)  # type: ignore[list-item]
-        gate_up = None
-        if isinstance(lw.w_gate, jax.Array) and isinstance(lw.w_up, jax.Array):
-            gate_up = jnp.concatenate([lw.w_gate, lw.w_up], axis=1)
-        fused = FusedProjections(wqkv, gate_up)
-        weights.layers[i] = dataclasses.replace(
-            lw,
-            wq=None,
-            wk=None,
-            wv=None,
-            w_gate=None if gate_up is not None else lw.w_gate,
-            w_up=None if gate_up is not None else lw.w_up,
-            fused=fused,
-        )
-        del lw, wqkv, gate_up, fused
-    return weights
+    if lw.wq is None or not all(isinstance(w, jax.Array) for w in (lw.wq, lw.wk, lw.wv)):
+        return lw
+    wqkv = jnp.concatenate([lw.wq, lw.wk, lw.wv], axis=1)  # type: ignore[list-item]
+    gate_up = None
+    if isinstance(lw.w_gate, jax.Array) and isinstance(lw.w_up, jax.Array):
+        gate_up = jnp.concatenate([lw.w_gate, lw.w_up], axis=1)
+    return dataclasses.replace(
+        lw,
+        wq=None,
+        wk=None,
+        wv=None,
+        w_gate=None if gate_up is not None else lw.w_gate,
+        w_up=None if gate_up is not None else lw.w_up,
+        fused=FusedProjections(wqkv, gate_up),
+    )

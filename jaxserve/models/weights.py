@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from jaxserve.models.field_conversion import (
     part_rows_of,
     place_on_device,
     to_field,
+    to_field_into,
 )
 from jaxserve.models.llama import LayerWeights, Weights
 from jaxserve.models.load_progress import GiB, LoadProgress
@@ -199,6 +201,7 @@ def load_weights(
     scheme: QuantScheme | None = None,
     num_threads: int | None = None,
     staging_bytes: int = STAGING_BYTES,
+    finish_layer: Callable[[LayerWeights], LayerWeights] | None = None,
 ) -> Weights:
     """Read a safetensors checkpoint into ``Weights`` (missing or misshapen tensors raise).
 
@@ -206,7 +209,9 @@ def load_weights(
     reader's staging buffers (``staging_bytes`` of host memory in all), and convert them on
     the device. With a ``scheme`` the Linear weights become ``QArray``s: read as the checkpoint
     stores them, or quantized here on the device (``--quantization fp8 | int8``).
-    A checkpoint of ``progress_above_bytes`` or more logs its progress at every tenth."""
+    A checkpoint of ``progress_above_bytes`` or more logs its progress at every tenth.
+    ``finish_layer`` (e.g. ``llama.fuse_layer``) runs on each layer as soon as its fields are
+    loaded, while later layers load (what it frees is taken again by them)."""
     model_dir = Path(model_dir)
     files = _tensor_files(model_dir)
     progress = LoadProgress(sorted(set(files.values())), progress_above_bytes)
@@ -248,6 +253,12 @@ def load_weights(
                 except ValueError as exc:
                     raise WeightsError(f"{model_dir}: {exc}") from exc
                 return {path: _place_quantized(w, path, placement, scheme.act_quant)}
+            # On one device each field's memory is taken before its pieces (see to_field_into).
+            outs = {
+                path: jnp.zeros(field.shape_for(config), field_dtype(field, dtype), device=device)
+                for path, field, _ in job.fields
+                if placement is None and not is_quantized(field, scheme)
+            }
             pieces = reader.read_to_device(job.names, device)
             shape = (len(job.names), *reader.info(job.names[0]).shape)
             made = {}
@@ -262,6 +273,10 @@ def load_weights(
                         tuple(sizes[d] for d in field.hf_shape[0]),
                     )
                     made[path] = _place_quantized(w, path, placement, scheme.act_quant)
+                elif path in outs:
+                    made[path] = to_field_into(
+                        outs.pop(path), pieces, layout_of(field), config, shape
+                    )
                 else:
                     layout = layout_of(field)
                     value = to_field(pieces, layout, config, shape, field_dtype(field, dtype))
@@ -274,25 +289,41 @@ def load_weights(
             id(job): min((str(files[name]), reader.info(name).begin) for name in job.names)
             for job in jobs
         }
-        order = sorted(jobs, key=lambda job: start[id(job)])
+        # The largest jobs (the embedding, the head) first, so that what later jobs free is
+        # taken again by the jobs after them rather than left under the last ones.
+        order = sorted(
+            jobs, key=lambda job: (-_job_bytes(job, reader) // LARGE_JOB_BYTES, start[id(job)])
+        )
         futures = {
             id(job): pool.submit(run, job, devices[i % len(devices)]) for i, job in enumerate(order)
         }
         values: dict[tuple[Any, ...], Any] = {}
+        layers: list[LayerWeights] = []
         try:
             for job in jobs:  # the first error in table order is the one raised
-                values.update(futures[id(job)].result())
+                values.update(futures.pop(id(job)).result())
+                while len(layers) < config.num_layers and all(
+                    ("layers", len(layers), f.name) in values
+                    for f in layer_fields(config, len(layers))
+                ):
+                    layer = len(layers)
+                    fields = layer_fields(config, layer)
+                    lw = LayerWeights(
+                        **{f.name: values.pop(("layers", layer, f.name)) for f in fields}
+                    )
+                    layers.append(finish_layer(lw) if finish_layer is not None else lw)
         except BaseException:
             pool.shutdown(cancel_futures=True)
             raise
     progress.finish()
-    layers = [
-        LayerWeights(
-            **{f.name: values[("layers", layer, f.name)] for f in layer_fields(config, layer)}
-        )
-        for layer in range(config.num_layers)
-    ]
     return Weights(layers=layers, **{f.name: values[(f.name,)] for f in model_fields(config)})
+
+
+LARGE_JOB_BYTES = 256 * 1024 * 1024
+
+
+def _job_bytes(job: _Job, reader: CheckpointReader) -> int:
+    return sum(reader.info(name).num_bytes for name in job.names)
 
 
 def dummy_weights(

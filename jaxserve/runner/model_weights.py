@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.kv_scales import kv_scales_for
-from jaxserve.models.llama import Weights, fuse_projections
+from jaxserve.models.llama import Weights, fuse_layer, fuse_projections
 from jaxserve.models.quant_scheme import QuantScheme
 from jaxserve.models.weights import Placement, dummy_weights, load_weights
 from jaxserve.runner.sharding import TensorParallel
@@ -39,9 +39,14 @@ def model_weights(
         weights = dummy_weights(
             model_config, dtype, seed=config.seed, placement=placement, scheme=quant
         )
-    else:
+    else:  # each layer fused as it loads: what the separate arrays free, later layers take
         weights = load_weights(
-            config.model_dir, model_config, dtype, placement=placement, scheme=quant
+            config.model_dir,
+            model_config,
+            dtype,
+            placement=placement,
+            scheme=quant,
+            finish_layer=fuse_layer if _fuses(placement is None, quant) else None,
         )
     weights = _as_served(weights, placement is None, quant)
     jax.block_until_ready(weights)
@@ -54,7 +59,11 @@ def model_weights(
 def _as_served(weights: Weights, one_device: bool, quant: QuantScheme | None) -> Weights:
     """On one device, unquantized, the projections that share an input joined (see
     ``fuse_projections``); else as they are."""
-    return fuse_projections(weights) if one_device and quant is None else weights
+    return fuse_projections(weights) if _fuses(one_device, quant) else weights
+
+
+def _fuses(one_device: bool, quant: QuantScheme | None) -> bool:
+    return one_device and quant is None
 
 
 def start_loading(

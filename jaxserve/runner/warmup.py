@@ -72,6 +72,7 @@ def warm_up(runner: ModelRunner, max_workers: int) -> int:
                 time.perf_counter() - waited,
                 runner.load_seconds,
             )
+        _log_free_memory(runner)
         allocated = time.perf_counter()
         runner.allocate_kv_cache()
         jax.block_until_ready(runner.kv_cache)
@@ -115,6 +116,28 @@ def warm_up(runner: ModelRunner, max_workers: int) -> int:
     runner.background.thread = threading.Thread(target=compile_rest, name="compile-rest")
     runner.background.thread.start()
     return len(first)
+
+
+def _log_free_memory(runner: ModelRunner) -> None:
+    """With the weights in place, before the KV cache: what the first device's allocator holds
+    and the largest block it has free (the cache's per-layer arrays each need one block; a
+    load that left its free memory in pieces fails here, and this line says so first)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "largest_free_block_bytes" not in stats:
+        return  # the CPU backend keeps no such statistics
+    largest = int(stats["largest_free_block_bytes"])
+    _LOG.info(
+        "Device memory with the weights in place: %s in use, largest free block %s",
+        format_bytes(int(stats.get("bytes_in_use", 0))),
+        format_bytes(largest),
+    )
+    if largest < runner.capacity.kv_budget_bytes:
+        _LOG.warning(
+            "The largest free block (%s) is smaller than the KV cache (%s): its allocation may "
+            "fail; lower --gpu-memory-utilization or set --num-gpu-blocks-override",
+            format_bytes(largest),
+            format_bytes(runner.capacity.kv_budget_bytes),
+        )
 
 
 @dataclasses.dataclass
