@@ -20,7 +20,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.checkpoint_reader import CheckpointReader, WeightsError
 from jaxserve.models.families import HF_LAYER_PREFIX, layer_fields, model_fields
 from jaxserve.models.field_conversion import to_field, to_field_into
-from jaxserve.models.llama import fuse_layer, fuse_projections
+from jaxserve.models.llama import fuse_projections
 from jaxserve.models.weights import load_weights
 from tests.conftest import fixture_dir
 
@@ -58,25 +58,22 @@ def test_parallel_reads_in_small_pieces_give_the_table_s_weights(family: str) ->
         np.testing.assert_array_equal(np.asarray(value), expected.astype(jnp.bfloat16), path)
 
 
-def test_each_layer_is_finished_as_it_loads_and_equals_fusing_after() -> None:
-    """``finish_layer`` (the one-device fusion) runs once per layer, in layer order, during the
-    load; the weights equal the ones fused after a plain load."""
-    model_dir = fixture_dir("llama")
+@pytest.mark.parametrize("family", ["llama", "phi3", "qwen2", "qwen3_moe", "gemma3", "deepseek_v3"])
+def test_fused_loading_writes_the_joined_arrays_fusing_after_a_load_makes(family: str) -> None:
+    """``fuse``: q/k/v and gate/up are written, in pieces and from three threads, into their
+    joined arrays; the weights equal ``fuse_projections`` over a plain load (a layer with
+    experts joins only q/k/v)."""
+    model_dir = fixture_dir(family)
     config = ModelConfig.from_hf_dir(model_dir)
-    seen: list[int] = []
-
-    def finish(lw):
-        seen.append(len(seen))
-        return fuse_layer(lw)
-
     fused = load_weights(
-        model_dir, config, jnp.bfloat16, num_threads=3, staging_bytes=6 * KiB, finish_layer=finish
+        model_dir, config, jnp.bfloat16, num_threads=3, staging_bytes=6 * KiB, fuse=True
     )
-    assert seen == list(range(config.num_layers))
     after = fuse_projections(load_weights(model_dir, config, jnp.bfloat16))
+    assert jax.tree.structure(fused) == jax.tree.structure(after)
     for got, expected in zip(jax.tree.leaves(fused), jax.tree.leaves(after), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
-    assert all(lw.wq is None and lw.fused is not None for lw in fused.layers)
+    joined = family != "deepseek_v3"  # latent attention has no q/k/v to join
+    assert all((lw.fused is not None) == joined for lw in fused.layers)
 
 
 def test_a_field_is_written_into_memory_taken_before_its_pieces() -> None:

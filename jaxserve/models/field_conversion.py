@@ -67,6 +67,23 @@ def to_field_into(
     return _converted(pieces, field, config, shape, out.dtype)
 
 
+@functools.partial(
+    jax.jit, static_argnames=("field", "config", "shape", "offset"), donate_argnames=("whole",)
+)
+def write_part(
+    whole: jax.Array,
+    pieces: list[jax.Array],
+    field: WeightField,
+    config: ModelConfig,
+    shape: tuple,
+    offset: int,
+) -> jax.Array:
+    """``whole`` (donated: written in place) with the field written at ``offset`` of its axis 1:
+    a part of a joined array (``llama.FusedProjections``)."""
+    value = _converted(pieces, field, config, shape, whole.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(whole, value, offset, axis=1)
+
+
 @functools.partial(jax.jit, static_argnames=("field", "config", "shape"))
 def part_rows_of(pieces: list[jax.Array], field: WeightField, config: ModelConfig, shape: tuple):
     """This field's rows of its checkpoint tensor ``[out, in]`` (all of it, unless fused)."""

@@ -315,6 +315,11 @@ def compute_logits(
     return logits
 
 
+# The joined arrays of ``FusedProjections`` and their parts, joined on axis 1 in this order
+# (the loader writes the parts in place, ``weights._fused_parts``).
+FUSED_FIELDS = (("wqkv", ("wq", "wk", "wv")), ("w_gate_up", ("w_gate", "w_up")))
+
+
 def fuse_projections(weights: Weights) -> Weights:
     """``weights`` with each layer's q/k/v (and gate/up) joined (``fuse_layer``); the separate
     arrays are released layer by layer, so the peak is one layer's extra copy."""

@@ -15,7 +15,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Callable
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,8 +41,9 @@ from jaxserve.models.field_conversion import (
     place_on_device,
     to_field,
     to_field_into,
+    write_part,
 )
-from jaxserve.models.llama import LayerWeights, Weights
+from jaxserve.models.llama import FUSED_FIELDS, FusedProjections, LayerWeights, Weights
 from jaxserve.models.load_progress import GiB, LoadProgress
 from jaxserve.models.load_progress import format_bytes as format_bytes  # (warmup reads it here)
 from jaxserve.models.quant import QUANTIZED_FIELDS, QArray, quantize, to_out_in
@@ -201,7 +202,7 @@ def load_weights(
     scheme: QuantScheme | None = None,
     num_threads: int | None = None,
     staging_bytes: int = STAGING_BYTES,
-    finish_layer: Callable[[LayerWeights], LayerWeights] | None = None,
+    fuse: bool = False,
 ) -> Weights:
     """Read a safetensors checkpoint into ``Weights`` (missing or misshapen tensors raise).
 
@@ -210,8 +211,9 @@ def load_weights(
     the device. With a ``scheme`` the Linear weights become ``QArray``s: read as the checkpoint
     stores them, or quantized here on the device (``--quantization fp8 | int8``).
     A checkpoint of ``progress_above_bytes`` or more logs its progress at every tenth.
-    ``finish_layer`` (e.g. ``llama.fuse_layer``) runs on each layer as soon as its fields are
-    loaded, while later layers load (what it frees is taken again by them)."""
+    ``fuse`` (one device, unquantized): each layer's q/k/v and gate/up are written into their
+    joined arrays (``llama.FusedProjections``) as they load, as ``fuse_projections`` joins them.
+    """
     model_dir = Path(model_dir)
     files = _tensor_files(model_dir)
     progress = LoadProgress(sorted(set(files.values())), progress_above_bytes)
@@ -253,12 +255,6 @@ def load_weights(
                 except ValueError as exc:
                     raise WeightsError(f"{model_dir}: {exc}") from exc
                 return {path: _place_quantized(w, path, placement, scheme.act_quant)}
-            # On one device each field's memory is taken before its pieces (see to_field_into).
-            outs = {
-                path: jnp.zeros(field.shape_for(config), field_dtype(field, dtype), device=device)
-                for path, field, _ in job.fields
-                if placement is None and not is_quantized(field, scheme)
-            }
             pieces = reader.read_to_device(job.names, device)
             shape = (len(job.names), *reader.info(job.names[0]).shape)
             made = {}
@@ -273,9 +269,16 @@ def load_weights(
                         tuple(sizes[d] for d in field.hf_shape[0]),
                     )
                     made[path] = _place_quantized(w, path, placement, scheme.act_quant)
-                elif path in outs:
+                elif path in parts:  # written in place into its layer's fused array
+                    joined, offset, _ = parts[path]
+                    with locks[joined]:
+                        whole = write_part(
+                            memory.pop(joined), pieces, layout_of(field), config, shape, offset
+                        )
+                        memory[joined] = jax.block_until_ready(whole)
+                elif path in memory:
                     made[path] = to_field_into(
-                        outs.pop(path), pieces, layout_of(field), config, shape
+                        memory.pop(path), pieces, layout_of(field), config, shape
                     )
                 else:
                     layout = layout_of(field)
@@ -285,6 +288,11 @@ def load_weights(
             return made
 
         jobs = _jobs(config, scheme)
+        # On one device every field's memory is taken first, in one run, before any piece is
+        # sent (see to_field_into): the weights end as one block, under the free memory.
+        parts = _fused_parts(config) if fuse and placement is None and scheme is None else {}
+        memory = _take_memory(jobs, parts, config, dtype, scheme) if placement is None else {}
+        locks = {joined: threading.Lock() for joined, _, _ in parts.values()}
         start = {  # read in the order of the bytes in the files
             id(job): min((str(files[name]), reader.info(name).begin) for name in job.names)
             for job in jobs
@@ -298,24 +306,19 @@ def load_weights(
             id(job): pool.submit(run, job, devices[i % len(devices)]) for i, job in enumerate(order)
         }
         values: dict[tuple[Any, ...], Any] = {}
-        layers: list[LayerWeights] = []
         try:
             for job in jobs:  # the first error in table order is the one raised
                 values.update(futures.pop(id(job)).result())
-                while len(layers) < config.num_layers and all(
-                    ("layers", len(layers), f.name) in values
-                    for f in layer_fields(config, len(layers))
-                ):
-                    layer = len(layers)
-                    fields = layer_fields(config, layer)
-                    lw = LayerWeights(
-                        **{f.name: values.pop(("layers", layer, f.name)) for f in fields}
-                    )
-                    layers.append(finish_layer(lw) if finish_layer is not None else lw)
         except BaseException:
             pool.shutdown(cancel_futures=True)
             raise
     progress.finish()
+    layers = []
+    for layer in range(config.num_layers):
+        paths = [("layers", layer, f.name) for f in layer_fields(config, layer)]
+        fields = {path[2]: values[path] for path in paths if path not in parts}
+        lw = LayerWeights(**fields)
+        layers.append(_with_fused(lw, layer, memory))
     return Weights(layers=layers, **{f.name: values[(f.name,)] for f in model_fields(config)})
 
 
@@ -324,6 +327,56 @@ LARGE_JOB_BYTES = 256 * 1024 * 1024
 
 def _job_bytes(job: _Job, reader: CheckpointReader) -> int:
     return sum(reader.info(name).num_bytes for name in job.names)
+
+
+# path of a part -> (path of the joined array, the part's offset on axis 1, the joined shape)
+FusedParts = dict[tuple[Any, ...], tuple[tuple[Any, ...], int, tuple[int, ...]]]
+
+
+def _fused_parts(config: ModelConfig) -> FusedParts:
+    """Where each layer's q/k/v (and, in a layer that has them, gate/up) go in the arrays
+    ``llama.fuse_layer`` joins them into, for the layers it joins."""
+    parts: FusedParts = {}
+    for layer in range(config.num_layers):
+        fields = {f.name: f for f in layer_fields(config, layer) if not f.per_expert}
+        groups = [(name, names) for name, names in FUSED_FIELDS if set(names) <= set(fields)]
+        if not groups or groups[0][0] != FUSED_FIELDS[0][0]:
+            continue  # no q/k/v to join: the layer stays as it is
+        for joined, names in groups:
+            shapes = [fields[name].shape_for(config) for name in names]
+            whole = (shapes[0][0], sum(shape[1] for shape in shapes), *shapes[0][2:])
+            offset = 0
+            for name, shape in zip(names, shapes, strict=True):
+                parts[("layers", layer, name)] = (("layers", layer, joined), offset, whole)
+                offset += shape[1]
+    return parts
+
+
+def _take_memory(
+    jobs: list[_Job], parts: FusedParts, config: ModelConfig, dtype: jnp.dtype, scheme: Any
+) -> dict[tuple[Any, ...], jax.Array]:
+    """Every field's device memory (a joined array's once for its parts), in table order."""
+    memory: dict[tuple[Any, ...], jax.Array] = {}
+    for job in jobs:
+        for path, field, _ in job.fields:
+            if job.on_host or is_quantized(field, scheme):
+                continue
+            if path in parts:
+                joined, _, whole = parts[path]
+                if joined not in memory:
+                    memory[joined] = jnp.zeros(whole, field_dtype(field, dtype))
+            else:
+                memory[path] = jnp.zeros(field.shape_for(config), field_dtype(field, dtype))
+    return memory
+
+
+def _with_fused(lw: LayerWeights, layer: int, memory: dict) -> LayerWeights:
+    """The layer with its joined arrays, when the load wrote its parts into them."""
+    wqkv = memory.pop(("layers", layer, FUSED_FIELDS[0][0]), None)
+    if wqkv is None:
+        return lw
+    gate_up = memory.pop(("layers", layer, FUSED_FIELDS[1][0]), None)
+    return dataclasses.replace(lw, fused=FusedProjections(wqkv, gate_up))
 
 
 def dummy_weights(

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.kv_scales import kv_scales_for
-from jaxserve.models.llama import Weights, fuse_layer, fuse_projections
+from jaxserve.models.llama import Weights, fuse_projections
 from jaxserve.models.quant_scheme import QuantScheme
 from jaxserve.models.weights import Placement, dummy_weights, load_weights
 from jaxserve.runner.sharding import TensorParallel
@@ -39,14 +39,14 @@ def model_weights(
         weights = dummy_weights(
             model_config, dtype, seed=config.seed, placement=placement, scheme=quant
         )
-    else:  # each layer fused as it loads: what the separate arrays free, later layers take
+    else:  # q/k/v and gate/up written into their joined arrays as they load
         weights = load_weights(
             config.model_dir,
             model_config,
             dtype,
             placement=placement,
             scheme=quant,
-            finish_layer=fuse_layer if _fuses(placement is None, quant) else None,
+            fuse=_fuses(placement is None, quant),
         )
     weights = _as_served(weights, placement is None, quant)
     jax.block_until_ready(weights)
