@@ -420,10 +420,7 @@ stage_load() {
   rm -rf /tmp/jaxserve-load-speed
 }
 
-stage_so() {  # the engine thread queuing each step's programs, then the launcher thread
-  python3 benchmarks/structured_outputs.py --no-launch-thread --output-json "$OUT/so_inline.json" \
-    > "$OUT/so_inline.log" 2>&1
-  tail -8 "$OUT/so_inline.log"
+stage_so() {
   python3 benchmarks/structured_outputs.py --output-json "$OUT/so.json" > "$OUT/so.log" 2>&1
   tail -8 "$OUT/so.log"
 }

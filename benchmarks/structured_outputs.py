@@ -109,7 +109,6 @@ class Phases:
             "step": (engine, "step"),
             "schedule": (engine.scheduler, "schedule"),
             "dispatch": (engine.runner, "dispatch"),
-            "launch model step (launcher thread)": (engine.runner, "forward"),
             "collect": (engine.runner, "collect"),
             "process": (engine, "_process"),
             "grammar states": (engine.structured_outputs, "update_states"),
@@ -174,11 +173,6 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--num-compile-schemas", type=int, default=200)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument(
-        "--no-launch-thread",
-        action="store_true",
-        help="queue each step's programs from the engine thread (EngineConfig.launch_thread)",
-    )
     parser.add_argument("--output-json", default=None, help="write the result here")
     parser.add_argument("--smoke", action="store_true", help="tiny fixture model, few tokens")
     args = parser.parse_args()
@@ -199,7 +193,6 @@ def main() -> int:
         max_model_len=args.input_len + args.output_len,
         max_num_seqs=args.batch_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        launch_thread=not args.no_launch_thread,
     )
     rng = np.random.default_rng(0)
     vocab = min(llm.engine.vocab_size, llm.engine.tokenizer.vocab_size)
@@ -237,7 +230,6 @@ def main() -> int:
         "host_mask_per_step_p50_ms": percentile_ms(mask_times, 50) if mask_times else None,
         "host_mask_per_step_p99_ms": percentile_ms(mask_times, 99) if mask_times else None,
         "schema_compile": measure_compile(llm, args.num_compile_schemas),
-        "launch_thread": not args.no_launch_thread,
         "device": str(__import__("jax").devices()[0]),
     }
     rows = [

@@ -83,9 +83,6 @@ class EngineConfig:
     # Schedule and dispatch step n + 1 before reading step n's tokens back (host work
     # overlaps the device); off: every step is read back before the next is scheduled.
     async_scheduling: bool = True
-    # Queue each step's device programs from a thread of its own (``in_flight.Launcher``), so
-    # the engine thread reads back and detokenizes the previous step while the kernels launch.
-    launch_thread: bool = True
     # The longest a request's structured-output grammar may take to compile (then a 400).
     grammar_compile_timeout_s: float = 10.0
     # Memory the KV budget is a fraction of; None: what the device reports (CPU: 2 GiB).

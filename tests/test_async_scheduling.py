@@ -7,8 +7,6 @@ overlap must really happen: the runner sees dispatch(n + 1) before collect(n).
 
 from __future__ import annotations
 
-import threading
-
 import jax
 import pytest
 
@@ -157,52 +155,3 @@ def test_shutdown_waits_for_the_step_in_flight() -> None:
     assert engine._in_flight is not None
     engine.shutdown()
     assert engine._in_flight is None
-
-
-# -- the launcher thread ------------------------------------------------------------------
-
-
-def test_the_launcher_thread_queues_the_programs_and_changes_no_token(monkeypatch) -> None:
-    """With ``launch_thread`` the model steps and samplers are queued from the launcher's
-    thread (a constrained step's sampler from the engine thread, after its mask), and every
-    token, plain or constrained, is the one the engine thread alone gives."""
-    threaded, inline = make_llm(launch_thread=True), make_llm(launch_thread=False)
-    runner = threaded.engine.runner
-    threads: dict[str, set[str]] = {"forward": set(), "sample": set()}
-    for name in threads:
-        original = getattr(runner, name)
-
-        def wrapped(*args, _name=name, _original=original, **kwargs):
-            threads[_name].add(threading.current_thread().name.split("_")[0])
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(runner, name, wrapped)
-    params = [
-        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
-        SamplingParams(temperature=0.8, seed=3, max_tokens=20, logprobs=2),
-        SamplingParams(temperature=1.0, seed=5, max_tokens=12, n=2),
-        SamplingParams(temperature=0.7, seed=9, max_tokens=12, guided_regex="[a-z]{4}-[0-9]{4}"),
-    ]
-    prompts = [ids(PROMPTS[i % len(PROMPTS)]) for i in range(len(params))]
-    assert run(threaded, prompts, params) == run(inline, prompts, params)
-    assert threads["forward"] == {"launch"}
-    assert threads["sample"] == {"launch", "MainThread"}  # plain steps / constrained ones
-    threaded.shutdown()
-    inline.shutdown()
-
-
-def test_a_failed_launch_is_raised_where_the_engine_waits_for_it(monkeypatch) -> None:
-    """An error while queuing a step's programs on the launcher thread reaches the engine
-    thread when it collects that step (it does not hang, and is not lost)."""
-    llm = make_llm(launch_thread=True)
-    core = llm.engine
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("the device refused the step")
-
-    core.add_request("a", ids(PROMPTS[0])["prompt_token_ids"], SamplingParams(max_tokens=4))
-    monkeypatch.setattr(core.runner, "forward", broken)
-    with pytest.raises(RuntimeError, match="the device refused the step"):
-        for _ in range(3):
-            core.step()
-    llm.shutdown()

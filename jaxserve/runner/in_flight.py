@@ -7,9 +7,7 @@ hands it back to ``ModelRunner.collect``. A step whose sampler waits for a token
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -24,7 +22,7 @@ from jaxserve.runner.step import RunnerOutput
 class DeferredSampler:
     """What a step's sampler needs once its token mask is known."""
 
-    hidden: jax.Array | None  # [T, H]  the forward pass's output, on the device, once queued
+    hidden: jax.Array  # [T, H]  the forward pass's output, on the device
     logits_indices: np.ndarray  # i32[S]  the row of each sequence's last token (host)
     inputs: SamplingInputs  # on the host; token_mask [S, W] allows every token until written
     flags: SamplerFlags
@@ -39,13 +37,6 @@ class InFlight:
     spans: dict[str, tuple[int, int]]  # seq_id -> (offset, count) of its prompt logprob rows
     sampled_row: dict[str, int]  # seq_id -> its row in out.token_ids, one per scheduled seq
     deferred: DeferredSampler | None = None
-    launched: concurrent.futures.Future | None = None  # its programs queued on the launcher
-
-    def wait_launched(self) -> None:
-        """Until the launcher has queued the step's programs (its error, if they failed)."""
-        if self.launched is not None:
-            launched, self.launched = self.launched, None
-            launched.result()
 
     @property
     def sampled_ids(self) -> Any:  # i32[S_max] on the device
@@ -74,36 +65,3 @@ class InFlight:
                 for sid, (o, n) in self.spans.items()
             }
         return result
-
-
-class Launcher:
-    """Queues each step's device programs from a thread of its own, in order.
-
-    Queuing a step's programs is host work: at batch 64 on the H200 about 4-5 ms to launch the
-    model step's ~850 kernels, during which XLA holds no interpreter lock. Done on the engine
-    thread it came before the previous step's outputs (reading back, the grammars, the next
-    token masks, detokenizing), and the engine's host time per step exceeded the device's.
-    Here the engine thread builds the step's inputs, hands the launch over and goes on with
-    that work; it waits for the launch only where it needs its outputs (``collect``, a
-    deferred sampler). One thread keeps the steps in order: a step reads the previous step's
-    sampled ids and updates the KV cache it left.
-    """
-
-    def __init__(self, threaded: bool) -> None:
-        self._pool = None
-        if threaded:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="launch")
-
-    def launch(self, step: InFlight, queue: Callable[[], None], inline: bool = False) -> None:
-        """Run ``queue`` (which queues ``step``'s programs) on the launcher thread, or here
-        when ``inline`` or the launcher has no thread."""
-        if self._pool is None or inline:
-            queue()
-        else:
-            step.launched = self._pool.submit(queue)
-
-    def shutdown(self) -> None:
-        """Wait for what is queued, then end the thread."""
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None

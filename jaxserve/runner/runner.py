@@ -38,7 +38,7 @@ from jaxserve.runner.devices import (
     resolve_quantization,
     startup_lines,
 )
-from jaxserve.runner.in_flight import DeferredSampler, InFlight, Launcher
+from jaxserve.runner.in_flight import DeferredSampler, InFlight
 from jaxserve.runner.input_builder import InputBuilder, next_power_of_2, token_buckets_for
 from jaxserve.runner.model_weights import kv_cache_scales, start_loading
 from jaxserve.runner.packing import Layout, pack
@@ -126,7 +126,6 @@ class ModelRunner:
         self.background = BackgroundCompile()
         # Several processes (hosts) share this model: process 0 broadcasts each step.
         self.multihost = jax.process_count() > 1
-        self.launcher = Launcher(threaded=config.launch_thread and not self.multihost)
         self.inputs = InputBuilder(
             block_size=config.block_size,
             max_model_len=max_model_len,
@@ -258,14 +257,13 @@ class ModelRunner:
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         """One step, start to finish: dispatch, then wait for the sampled tokens."""
-        return self.collect(self.dispatch(output, inline=True))
+        return self.collect(self.dispatch(output))
 
     def dispatch(
         self,
         output: SchedulerOutput,
         previous: InFlight | None = None,
         defer_sampling: bool = False,
-        inline: bool = False,
     ) -> InFlight:
         """Queue one step on the device and return without waiting for it.
 
@@ -274,8 +272,6 @@ class ModelRunner:
         is read from ``previous``'s sampled ids on the device. With ``defer_sampling`` (a
         constrained sequence is in the step) only the forward pass is queued: the sampler
         follows in ``dispatch_sampler``, with the token mask the host builds meanwhile.
-        The inputs are built here (a bad one raises here); the programs are queued by the
-        launcher's thread (``in_flight.Launcher``), or here when ``inline``.
         """
         self.inputs.update_states(output)
         host_batch, rows = self.inputs.build_batch(output)
@@ -292,18 +288,14 @@ class ModelRunner:
         # The step's pending tokens: (source row in ``previous``'s sampled ids or -1, those ids).
         previous_rows = previous.sampled_row if previous is not None else None
         source = self.inputs.pending_sources(output, host_batch, previous_rows)
+        feed = (source, previous.sampled_ids) if source is not None and previous else None
+        hidden, prompt_out = self.forward(host_batch, next_ids, feed)
         sampled_row = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
-        step = InFlight(None, None, spans, sampled_row)
-        deferred = DeferredSampler(None, np.asarray(host_batch.logits_indices), inputs, flags)
-        step.deferred = deferred
-
-        def queue() -> None:  # the model step, then (unless deferred) the sampler
-            feed = (source, previous.sampled_ids) if source is not None and previous else None
-            deferred.hidden, step.prompt_out = self.forward(host_batch, next_ids, feed)
-            if not defer_sampling:
-                self._queue_sampler(step)
-
-        self.launcher.launch(step, queue, inline=inline)
+        step = InFlight(None, prompt_out, spans, sampled_row)
+        logits_indices = np.asarray(host_batch.logits_indices)
+        step.deferred = DeferredSampler(hidden, logits_indices, inputs, flags)
+        if not defer_sampling:
+            self.dispatch_sampler(step)
         return step
 
     def token_mask_buffer(self, step: InFlight) -> np.ndarray:
@@ -315,22 +307,16 @@ class ModelRunner:
     def dispatch_sampler(self, step: InFlight) -> None:
         """Queue the sampler of a step dispatched with ``defer_sampling``, with its token mask
         as ``token_mask_buffer`` now holds it."""
-        step.wait_launched()
-        self._queue_sampler(step)
-
-    def _queue_sampler(self, step: InFlight) -> None:
         deferred, step.deferred = step.deferred, None
         assert deferred is not None, "the step's sampler was already dispatched"
         inputs = deferred.inputs
         if deferred.flags.use_mask and self.multihost:
             inputs.token_mask = step_broadcast.share_token_mask(inputs.token_mask)
-        assert deferred.hidden is not None
         with self.precision():
             step.out = self.sample(deferred.hidden, deferred.logits_indices, inputs, deferred.flags)
 
     def collect(self, step: InFlight) -> RunnerOutput:
         """Wait for a dispatched step and copy its sampled tokens (and logprobs) to the host."""
-        step.wait_launched()
         return step.read_back()
 
     def forward(
@@ -359,7 +345,6 @@ class ModelRunner:
         """Stop compiling the buckets warm-up left to the background (what compiles now
         finishes) and release the follower processes of a multi-host replica."""
         self.background.stop()
-        self.launcher.shutdown()
         if self.multihost:
             step_broadcast.stop_followers()
             self.multihost = False
