@@ -272,3 +272,17 @@ def test_loading_a_small_checkpoint_logs_one_line(caplog):
     with caplog.at_level(logging.INFO, logger="jaxserve.models.weights"):
         load_weights(model_dir, ModelConfig.from_hf_dir(model_dir), jnp.float32)
     assert [r.getMessage()[:30] for r in caplog.records] == ["Loaded weights: 0.4 MiB from 1"]
+
+
+def test_programs_lower_with_fewer_collections_and_the_threshold_comes_back() -> None:
+    import gc
+
+    from jaxserve.runner.warmup import fewer_collections
+
+    before = gc.get_threshold()
+    with fewer_collections(50_000):
+        assert gc.get_threshold() == (50_000, *before[1:])
+    assert gc.get_threshold() == before
+    with pytest.raises(RuntimeError), fewer_collections():
+        raise RuntimeError("a lowering failed")
+    assert gc.get_threshold() == before

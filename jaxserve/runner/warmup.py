@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import os
 import threading
@@ -63,7 +65,8 @@ def warm_up(runner: ModelRunner, max_workers: int) -> int:
     kv_cache = runner.abstract_kv_cache()
     runner.ready_tokens = 0
     try:
-        _compile(runner, pool, first, kv_cache, start)
+        with fewer_collections():
+            _compile(runner, pool, first, kv_cache, start)
         waited = time.perf_counter()
         runner.wait_for_weights()
         if runner.loading.shapes is not None:
@@ -99,7 +102,8 @@ def warm_up(runner: ModelRunner, max_workers: int) -> int:
 
     def compile_rest() -> None:
         try:
-            with runner.precision():  # a context of the thread that enters it: enter it here
+            # precision: a context of the thread that enters it, so entered here
+            with runner.precision(), fewer_collections():
                 _compile(runner, pool, rest, kv_cache, start, raise_ready=True)
             _LOG.info(
                 "Compiled every bucket at %.1f s; steps of up to %d tokens run",
@@ -138,6 +142,21 @@ def _log_free_memory(runner: ModelRunner) -> None:
             format_bytes(largest),
             format_bytes(runner.capacity.kv_budget_bytes),
         )
+
+
+@contextlib.contextmanager
+def fewer_collections(threshold: int = 100_000) -> Iterator[None]:
+    """The interpreter's youngest generation collected every ``threshold`` allocations
+    instead of 700, while programs lower: lowering makes millions of short-lived objects, and
+    each collection also runs JAX's callback into XLA. In the H200's warm start (a real 8B
+    checkpoint) that callback alone took 5.0 s of the main thread's 33 s
+    (``benchmarks/startup_profile.py``)."""
+    before = gc.get_threshold()
+    gc.set_threshold(threshold, *before[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
 
 
 @dataclasses.dataclass
