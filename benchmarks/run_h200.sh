@@ -185,8 +185,10 @@ stage_startup() {  # a real 16 GB checkpoint from the page cache: start to the f
       "$OUT/startup_$phase.log" | cut -c1-160
   done
   # where the warm start goes: the main thread's stack, sampled (compilation cache filled)
-  python3 benchmarks/startup_profile.py $dir $SHAPES --top 60 > "$OUT/startup_profile.txt" 2>&1
-  grep -A7 "^phase" "$OUT/startup_profile.txt"
+  if [ "${STARTUP_PROFILE:-1}" = 1 ]; then
+    python3 benchmarks/startup_profile.py $dir $SHAPES --top 60 > "$OUT/startup_profile.txt" 2>&1
+    grep -A7 "^phase" "$OUT/startup_profile.txt"
+  fi
   rm -rf $dir
 }
 
@@ -478,7 +480,7 @@ for arg in "$@"; do
   [ "$limit" = "$arg" ] && limit=600
   echo "== $stage (limit ${limit} s, at $(( $(date +%s) - start )) s)"
   export -f "stage_$stage" first_token start_server stop_server
-  export OUT MODEL SHAPES SERVE_PROMPTS
+  export OUT MODEL SHAPES SERVE_PROMPTS STARTUP_PROFILE
   timeout --kill-after=10 "$limit" bash -c "stage_$stage"
   rc=$?
   [ $rc = 124 ] && echo "   $stage: stopped at its limit"
