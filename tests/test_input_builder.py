@@ -32,12 +32,12 @@ def one_sequence(params: SamplingParams) -> Sequence:
     return seq
 
 
-def step_inputs(inputs: InputBuilder, seq: Sequence, is_new: bool):
+def step_inputs(inputs: InputBuilder, seq: Sequence, is_new: bool, use_mask: bool = False):
     start = seq.num_tokens - 1
     output = SchedulerOutput([ScheduledSeq(seq, 1, start, is_new)], 1)
     inputs.update_states(output)
     batch, rows = inputs.build_batch(output)
-    flags = inputs.sampler_flags(rows, np.asarray(batch.kv_lens))
+    flags = inputs.sampler_flags(rows, np.asarray(batch.kv_lens), use_mask=use_mask)
     return flags, inputs.sampling_inputs([seq], rows, np.asarray(batch.kv_lens), flags)
 
 
@@ -79,5 +79,10 @@ def test_every_flag_combination_a_step_can_ask_for_is_a_compiled_variant() -> No
         for m in (0, 2)
     ]
     for fields in grid:
-        flags, _ = step_inputs(builder(), one_sequence(SamplingParams(**fields)), True)
-        assert flags in SamplerFlags.variants(), (fields, flags)
+        for use_mask in (False, True):
+            seq = one_sequence(SamplingParams(**fields))
+            flags, _ = step_inputs(builder(), seq, True, use_mask=use_mask)
+            assert flags in SamplerFlags.variants(), (fields, flags)
+            # a constrained step sorts only when some sampled row asks for top-k or top-p
+            wants_sort = fields["temperature"] > 0 and (fields["top_k"] > 0 or fields["top_p"] < 1)
+            assert flags.use_sort == wants_sort and flags.use_mask == use_mask, (fields, flags)

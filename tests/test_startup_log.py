@@ -286,3 +286,17 @@ def test_programs_lower_with_fewer_collections_and_the_threshold_comes_back() ->
     with pytest.raises(RuntimeError), fewer_collections():
         raise RuntimeError("a lowering failed")
     assert gc.get_threshold() == before
+
+
+def test_no_sampler_variant_branches_on_the_device() -> None:
+    """No compiled sampler holds an HLO ``conditional``: on a GPU, XLA copies a conditional's
+    predicate to the host and waits for the device to reach it, so a branching sampler would
+    stall the engine's host until the step before it had run."""
+    from tests.test_engine import make_llm
+
+    llm = make_llm()
+    runner = llm.engine.runner
+    assert runner.compiled_samplers
+    for (bucket, flags), compiled in runner.compiled_samplers.items():
+        assert " conditional(" not in compiled.as_text(), (bucket, flags)
+    llm.shutdown()

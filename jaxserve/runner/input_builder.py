@@ -234,13 +234,12 @@ class InputBuilder:
         holds_eos = bool(np.any((min_tokens > 0) & (num_out < min_tokens)))
         adjust_logits = bool(needs[1]) or bool(needs[2]) or holds_eos
         num_logprobs = NUM_TOP_LOGPROBS if needs[3] else -1
-        if use_mask:  # greedy-only and sorting are chosen on the device
-            return SamplerFlags(False, adjust_logits, num_logprobs, use_mask=True)
         return SamplerFlags(
             use_sort=bool(needs[0] and needs[4]),  # greedy rows never sort
             adjust_logits=adjust_logits,
             num_logprobs=num_logprobs,
-            all_greedy=not needs[4],
+            all_greedy=not needs[4] and not use_mask,
+            use_mask=use_mask,
         )
 
     def sampling_inputs(

@@ -10,8 +10,11 @@ Static flags select the variant (no sort unless some row uses top-k/top-p, no pe
 bias unless some row uses them, no logprobs unless requested). A step with a constrained
 sequence (structured outputs) takes a ``use_mask`` variant: a packed token bitmask per row,
 applied after the logit bias, where a row without a constraint allows every token; those
-variants choose greedy-only and sorting at run time (``lax.cond``), so they add only four
-programs per bucket. Every input has a fixed shape
+variants sort or not as the host says (``use_sort``) and always draw the noise (a greedy row
+takes its argmax all the same), so they add eight programs per bucket. No variant branches on
+the device: XLA runs a GPU ``conditional`` by copying its predicate to the host and waiting
+for the device to get there, so a sampler with one stalled the host until the step before
+it had run. Every input has a fixed shape
 per sequence bucket and variant (bias and token-history widths are set by the model's limits,
 not by the request), so the set of programs is fixed: ``SamplerFlags.variants()`` lists it and
 warm-up compiles all of them.
@@ -122,20 +125,21 @@ class SamplerFlags:
     adjust_logits: bool = False
     num_logprobs: int = -1  # -1: none; else the top-k logprobs to return (0 = chosen only)
     all_greedy: bool = False  # every row has temperature 0: no noise, no truncation
-    # Some row is constrained: token_mask is applied; greedy-only and sorting are chosen on
-    # the device (use_sort and all_greedy stay False).
+    # Some row is constrained: token_mask is applied (all_greedy stays False: the noise is
+    # drawn and greedy rows take their argmax).
     use_mask: bool = False
 
     @staticmethod
     def variants() -> tuple[SamplerFlags, ...]:
-        """Every variant a step can ask for (16): what warm-up compiles."""
+        """Every variant a step can ask for (20): what warm-up compiles."""
         out = []
         for adjust in (False, True):
             for num_logprobs in (-1, NUM_TOP_LOGPROBS):
                 out.append(SamplerFlags(False, adjust, num_logprobs, all_greedy=True))
                 for use_sort in (False, True):
                     out.append(SamplerFlags(use_sort, adjust, num_logprobs, all_greedy=False))
-                out.append(SamplerFlags(False, adjust, num_logprobs, use_mask=True))
+                for use_sort in (False, True):
+                    out.append(SamplerFlags(use_sort, adjust, num_logprobs, use_mask=True))
         return tuple(out)
 
 
@@ -232,21 +236,7 @@ def sample(logits: jax.Array, inputs: SamplingInputs, flags: SamplerFlags) -> Sa
     if flags.all_greedy:
         return _with_logprobs(greedy_ids, raw_logprobs, flags)
     is_greedy = inputs.temperature <= 0.0
-    if not flags.use_mask:
-        token_ids = _sample_rows(logits, greedy_ids, is_greedy, inputs, flags.use_sort)
-        return _with_logprobs(token_ids, raw_logprobs, flags)
-    # NOTE: the masked variants decide on the device what the others fix by flags: rows that
-    # need no sort skip it, and an all-greedy batch draws no noise (both as their variants do).
-    needs_sort = jnp.any(((inputs.top_k > 0) | (inputs.top_p < 1.0)) & ~is_greedy)
-    token_ids = jax.lax.cond(
-        jnp.all(is_greedy),
-        lambda: greedy_ids,
-        lambda: jax.lax.cond(
-            needs_sort,
-            lambda: _sample_rows(logits, greedy_ids, is_greedy, inputs, True),
-            lambda: _sample_rows(logits, greedy_ids, is_greedy, inputs, False),
-        ),
-    )
+    token_ids = _sample_rows(logits, greedy_ids, is_greedy, inputs, flags.use_sort)
     return _with_logprobs(token_ids, raw_logprobs, flags)
 
 
