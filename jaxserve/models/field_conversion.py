@@ -48,11 +48,12 @@ def _converted(
     return jnp.asarray(value).astype(dtype)
 
 
-# NOTE: the field's memory is taken before its pieces are sent, and the conversion writes into
-# it (donated). Taken after, as XLA would, each field lay above its own pieces, and the pieces
-# of the last fields to load left holes under them: 1-3 GiB of an H200's memory in pieces too
-# small for the KV cache's per-layer arrays, and the first start of a real 8B checkpoint ran
-# out of memory allocating the cache the capacity plan had counted on.
+# NOTE: on one device the loader takes every field's memory before it sends any piece, and the
+# conversion writes into it (donated), so the weights end as one block and only the pieces
+# come and go above them. Each field made by XLA after its own pieces left the freed pieces as
+# holes among the weights, and reused chunks the allocator hands out whole: on the H200 a real
+# 8B checkpoint left the largest free block 1-4 GiB short of the pool less the weights, and the
+# start ran out of memory allocating the KV cache the capacity plan had counted on.
 @functools.partial(
     jax.jit,
     static_argnames=("field", "config", "shape"),

@@ -297,11 +297,7 @@ def load_weights(
             id(job): min((str(files[name]), reader.info(name).begin) for name in job.names)
             for job in jobs
         }
-        # The largest jobs (the embedding, the head) first, so that what later jobs free is
-        # taken again by the jobs after them rather than left under the last ones.
-        order = sorted(
-            jobs, key=lambda job: (-_job_bytes(job, reader) // LARGE_JOB_BYTES, start[id(job)])
-        )
+        order = sorted(jobs, key=lambda job: start[id(job)])
         futures = {
             id(job): pool.submit(run, job, devices[i % len(devices)]) for i, job in enumerate(order)
         }
@@ -320,13 +316,6 @@ def load_weights(
         lw = LayerWeights(**fields)
         layers.append(_with_fused(lw, layer, memory))
     return Weights(layers=layers, **{f.name: values[(f.name,)] for f in model_fields(config)})
-
-
-LARGE_JOB_BYTES = 256 * 1024 * 1024
-
-
-def _job_bytes(job: _Job, reader: CheckpointReader) -> int:
-    return sum(reader.info(name).num_bytes for name in job.names)
 
 
 # path of a part -> (path of the joined array, the part's offset on axis 1, the joined shape)
