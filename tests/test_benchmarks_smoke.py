@@ -288,3 +288,16 @@ def test_load_speed_writes_a_checkpoint_that_loads_and_times_nothing(tmp_path, m
     config = ModelConfig.from_hf_dir(ckpt)
     weights = load_weights(ckpt, config, jnp.bfloat16)
     assert weights.embed.shape == (config.vocab_size, config.hidden_size)
+
+
+def test_startup_profile_smoke(monkeypatch, capsys) -> None:
+    """The sampled start-up profile: each phase timed, and the functions that took the most of
+    it, with the engine's warm-up among them."""
+    args = [str(fixture_dir("llama")), "--max-model-len", "64", "--max-num-seqs", "4",
+            "--max-num-batched-tokens", "16", "--dtype", "float32", "--top", "40"]  # fmt: skip
+    run_script("benchmarks/startup_profile.py", args, monkeypatch)
+    out = capsys.readouterr().out
+    for line in ("imports and arguments", "backend", "engine (tokenizer, weights, warm-up)"):
+        assert line in out
+    assert "inclusive (a function and everything it called)" in out
+    assert "jaxserve/runner/warmup.py:warm_up" in out
