@@ -328,10 +328,12 @@ def _fused_parts(config: ModelConfig) -> FusedParts:
     parts: FusedParts = {}
     for layer in range(config.num_layers):
         fields = {f.name: f for f in layer_fields(config, layer) if not f.per_expert}
-        groups = [(name, names) for name, names in FUSED_FIELDS if set(names) <= set(fields)]
-        if not groups or groups[0][0] != FUSED_FIELDS[0][0]:
-            continue  # no q/k/v to join: the layer stays as it is
-        for joined, names in groups:
+        _, qkv = FUSED_FIELDS[0]
+        if not set(qkv) <= set(fields):
+            continue  # no q/k/v to join: the layer stays as it is (and so do gate/up)
+        for joined, names in FUSED_FIELDS:
+            if not set(names) <= set(fields):
+                continue  # a layer with experts: gate/up are theirs
             shapes = [fields[name].shape_for(config) for name in names]
             whole = (shapes[0][0], sum(shape[1] for shape in shapes), *shapes[0][2:])
             offset = 0
@@ -342,7 +344,11 @@ def _fused_parts(config: ModelConfig) -> FusedParts:
 
 
 def _take_memory(
-    jobs: list[_Job], parts: FusedParts, config: ModelConfig, dtype: jnp.dtype, scheme: Any
+    jobs: list[_Job],
+    parts: FusedParts,
+    config: ModelConfig,
+    dtype: jnp.dtype,
+    scheme: QuantScheme | None,
 ) -> dict[tuple[Any, ...], jax.Array]:
     """Every field's device memory (a joined array's once for its parts), in table order."""
     memory: dict[tuple[Any, ...], jax.Array] = {}
