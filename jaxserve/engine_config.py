@@ -77,8 +77,9 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     compilation_cache_dir: str | None = None
     warmup: bool = True  # compile every shape bucket at start-up
-    # Take requests once the decode-sized buckets (up to max_num_seqs tokens) have compiled;
-    # the larger ones compile meanwhile and each step's token budget rises as they finish.
+    # Take requests once the smallest bucket has compiled; the others compile meanwhile
+    # (those of up to max_num_seqs tokens first) and each step's token budget rises as they
+    # finish.
     serve_while_compiling: bool = False
     # Schedule and dispatch step n + 1 before reading step n's tokens back (host work
     # overlaps the device); off: every step is read back before the next is scheduled.

@@ -1,9 +1,9 @@
 """Start-up: the weights load while the programs compile against their shapes, and with
-``serve_while_compiling`` the engine takes requests once the decode-sized buckets have
-compiled, its step budget rising as the larger buckets finish in the background.
+``serve_while_compiling`` the engine takes requests once the smallest bucket has compiled, its
+step budget rising as the others finish in the background (the decode-sized buckets, of up to
+``max_num_seqs`` tokens, before the larger ones).
 
-The fixture Llama in float32 with buckets of 16, 32 and 64 tokens and 4 sequences: the first
-set is the 16-token bucket (``max_num_seqs`` rounds up to 4, below the smallest bucket).
+The fixture Llama in float32 with buckets of 16, 32 and 64 tokens.
 """
 
 from __future__ import annotations
@@ -115,6 +115,25 @@ def test_the_engine_serves_the_compiled_buckets_first_and_every_bucket_once_comp
     assert runner.step_fn._cache_size() == 0  # every step ran a warm-up executable
     core.shutdown()
     reference.shutdown()
+
+
+def test_the_decode_buckets_compile_in_the_background_before_the_prefill_ones(caplog) -> None:
+    # 32 sequences: the 32-token bucket is a decode bucket, the 64-token one is not
+    with caplog.at_level(logging.INFO, logger="jaxserve.runner.warmup"):
+        core = EngineCore(engine_config(max_num_seqs=32))
+        assert sorted(core.runner.compiled_steps)[0] == 16 and core.runner.ready_tokens >= 16
+        core.runner.background.thread.join(120)
+    log = caplog.text
+    assert "Serving steps of up to 16 tokens; the buckets of 32, 64 tokens" in log
+    # each group's steps, then its samplers: 32's samplers come before 64's step
+    assert log.index("Compiled model step for 16 tokens") < log.index("Serving steps")
+    assert log.index("Steps of up to 32 tokens now run") < log.index(
+        "Compiled model step for 64 tokens"
+    )
+    assert core.runner.ready_tokens == 64
+    tokens, steps = generate(core, "after", PROMPT)
+    assert len(tokens) == 6 and steps[0] == 40
+    core.shutdown()
 
 
 def test_a_bucket_that_fails_to_compile_leaves_the_engine_serving_the_smaller_ones(

@@ -144,9 +144,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "--serve-while-compiling",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="take requests as soon as the steps of up to --max-num-seqs tokens have "
-        "compiled, while the larger prefill steps compile (prompts are cut into smaller "
-        "chunks until they finish); off: every step compiles before the server starts",
+        help="take requests as soon as the smallest step has compiled, while the others "
+        "compile (those of up to --max-num-seqs tokens first; meanwhile prompts run in "
+        "smaller chunks and fewer sequences share a step); off: every step compiles before "
+        "the server starts",
     )
     add(
         "--grammar-compile-timeout",
