@@ -102,8 +102,9 @@ def main() -> None:
     with StackSampler(threading.get_ident(), interval) as sampler:
         import logging
 
-        from jaxserve.cli import build_parser
+        from jaxserve.cli import build_parser, hide_torch
 
+        hide_torch()  # as launch does
         args = build_parser(["launch", *argv]).parse_args(["launch", *argv])
         logging.basicConfig(level="INFO", format="%(levelname)s %(asctime)s %(name)s: %(message)s")
         from jaxserve.runner.devices import quiet_backend_probe
@@ -130,7 +131,10 @@ def main() -> None:
         last = at
     print(f"{'total':40} {last - START:7.2f}")
     print(
-        "torch imported:", "torch" in sys.modules, "; transformers:", "transformers" in sys.modules
+        "torch imported:",
+        sys.modules.get("torch") is not None,
+        "; transformers:",
+        "transformers" in sys.modules,
     )
     sampler.report(top)
 

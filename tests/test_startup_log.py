@@ -300,3 +300,36 @@ def test_no_sampler_variant_branches_on_the_device() -> None:
     for (bucket, flags), compiled in runner.compiled_samplers.items():
         assert " conditional(" not in compiled.as_text(), (bucket, flags)
     llm.shutdown()
+
+
+HIDDEN_TORCH_SCRIPT = """
+import importlib.util, sys
+sys.path.insert(0, sys.argv[1])  # a package named torch that leaves a mark when imported
+assert importlib.util.find_spec("torch") is not None
+from jaxserve.cli import main
+main(["capacity", sys.argv[2]])  # reads the config through transformers
+from jaxserve.engine.tokenizer import Tokenizer
+Tokenizer(sys.argv[3])
+from transformers.utils import is_torch_available
+print("torch available to transformers:", is_torch_available())
+"""
+
+
+def test_launch_and_capacity_hide_torch_from_transformers(tmp_path) -> None:
+    # where torch is installed, transformers imported it (and torchvision) for each config and
+    # tokenizer: 5-9 s of a start on the H200 host; the server never runs it
+    fake = tmp_path / "site" / "torch"
+    fake.mkdir(parents=True)
+    mark = tmp_path / "imported"
+    (fake / "__init__.py").write_text(f"open({str(mark)!r}, 'w').close()\n__version__ = '2.11.0'\n")
+    demo = Path(__file__).parents[1] / "jaxserve" / "assets" / "demo"
+    args = [str(tmp_path / "site"), str(fixture_dir("llama")), str(demo)]
+    done = subprocess.run(
+        [sys.executable, "-c", HIDDEN_TORCH_SCRIPT, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "torch available to transformers: False" in done.stdout
+    assert not mark.exists()
