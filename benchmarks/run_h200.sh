@@ -17,6 +17,10 @@
 #   startup      a real checkpoint (Llama-3-8B shape, bf16, 16 GB in 4 shards, written first and
 #                read from the page cache): cold and warm start to the first served token, the
 #                exit status after SIGTERM, the start-up lines (about 3 minutes) -> startup.jsonl
+#   sweep        the launch stage's serving sweep alone on a started server, after its background
+#                compile ends (no cold/warm starts; run it after `startup`, whose programs it shares)
+#   imports      ModelConfig and the tokenizer read through transformers, with torch hidden (as
+#                launch does) and not: seconds, and whether torch was imported
 #   throughput   offline throughput through jaxserve.LLM: 256 x 512/256 and 1000 x 1024/128
 #   hf           offline throughput, Hugging Face generate_batch, 256 x 512/256
 #   latency      offline latency of one batch (jaxserve bench latency) at batch 1, 8 and 64,
@@ -190,6 +194,39 @@ stage_startup() {  # a real 16 GB checkpoint from the page cache: start to the f
     grep -A7 "^phase" "$OUT/startup_profile.txt"
   fi
   rm -rf $dir
+}
+
+stage_sweep() {  # the launch stage's serving sweep alone, once every bucket has compiled
+  start_server "$OUT/sweep.log" $MODEL --load-format dummy $SHAPES
+  until grep -q "Compiled every bucket" "$OUT/sweep.log"; do
+    sleep 0.5
+    kill -0 $pid 2>/dev/null || return 1
+  done
+  python3 -m jaxserve.cli bench serve --base-url http://localhost:8011 \
+    --request-rates 2,4,8,16,inf --num-prompts $SERVE_PROMPTS --random-input-len 512 \
+    --random-output-len 128 --ignore-eos --result-dir "$OUT/serve" --disable-tqdm \
+    > "$OUT/serve.log" 2>&1
+  grep -E "Request rate|Output token|Median TTFT|P95 TTFT|Median ITL|P95 ITL" "$OUT/serve.log"
+  stop_server
+}
+
+stage_imports() {  # a config and a tokenizer read through transformers, torch hidden or not
+  local hide
+  for hide in 0 1; do
+    python3 - $hide <<'PY'
+import sys, time
+t0 = time.perf_counter()
+if sys.argv[1] == "1":
+    from jaxserve.cli import hide_torch
+    hide_torch()
+from jaxserve.config import ModelConfig
+from jaxserve.engine.tokenizer import Tokenizer
+ModelConfig.from_hf_dir("jaxserve/assets/configs/llama-3-8b")
+Tokenizer("jaxserve/assets/demo")
+print(f"torch hidden: {sys.argv[1] == '1'}: config and tokenizer in {time.perf_counter() - t0:.1f} s,"
+      f" torch imported: {sys.modules.get('torch') is not None}")
+PY
+  done
 }
 
 stage_throughput() {  # the CLI's default step budget (8192 tokens); see `launch` for 2048
