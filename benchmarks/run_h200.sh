@@ -19,6 +19,8 @@
 #                exit status after SIGTERM, the start-up lines (about 3 minutes) -> startup.jsonl
 #   sweep        the launch stage's serving sweep alone on a started server, after its background
 #                compile ends (no cold/warm starts; run it after `startup`, whose programs it shares)
+#   background   a cold launch (dummy weights): the first token, then the background compile to
+#                its end (every bucket, or the one that failed), and its out-of-memory retries
 #   imports      ModelConfig and the tokenizer read through transformers, with torch hidden (as
 #                launch does) and not: seconds, and whether torch was imported
 #   throughput   offline throughput through jaxserve.LLM: 256 x 512/256 and 1000 x 1024/128
@@ -207,6 +209,21 @@ stage_sweep() {  # the launch stage's serving sweep alone, once every bucket has
     --random-output-len 128 --ignore-eos --result-dir "$OUT/serve" --disable-tqdm \
     > "$OUT/serve.log" 2>&1
   grep -E "Request rate|Output token|Median TTFT|P95 TTFT|Median ITL|P95 ITL" "$OUT/serve.log"
+  stop_server
+}
+
+stage_background() {  # a cold launch: the first token, then the background compile to its end
+  rm -rf "$JAXSERVE_COMPILATION_CACHE"
+  start_server "$OUT/background.log" $MODEL --load-format dummy $SHAPES
+  kill -0 $pid 2>/dev/null && first_token "$t0" cold
+  until grep -q -E "Compiled every bucket|tokens failed" "$OUT/background.log"; do
+    sleep 0.5
+    kill -0 $pid 2>/dev/null || break
+  done
+  echo "   at $(awk "BEGIN {printf \"%.1f\", $(date +%s.%N) - $t0}") s:"
+  grep -E "Serving steps|Steps of up|Compiled every|failed|Out of device memory" \
+    "$OUT/background.log" | cut -c1-150
+  echo "   RESOURCE_EXHAUSTED lines: $(grep -c RESOURCE_EXHAUSTED "$OUT/background.log")"
   stop_server
 }
 

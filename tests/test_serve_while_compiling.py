@@ -8,10 +8,12 @@ The fixture Llama in float32 with buckets of 16, 32 and 64 tokens.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import textwrap
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -248,3 +250,75 @@ def test_pre_quantized_checkpoints_load_before_the_compile() -> None:
     model_config = ModelConfig.from_hf_dir(str(fixture_dir("llama")))
     scheme = dataclasses.replace(QuantScheme("int8", "int8"), from_checkpoint=True)
     assert abstract_model_weights(model_config, jnp.float32, scheme) is None
+
+
+class FakeLowered:
+    """A lowered program whose compile fails with ``errors`` in turn, then returns "done";
+    records how many compile at once and whether a retry had every slot."""
+
+    def __init__(self, background, errors=(), hold_s=0.0, record=None):
+        self.background, self.errors, self.hold_s = background, list(errors), hold_s
+        self.record = (
+            record if record is not None else {"now": 0, "most": 0, "lock": threading.Lock()}
+        )
+        self.calls, self.retry_had_every_slot = 0, []
+
+    def compile(self):
+        self.calls += 1
+        if self.calls > 1:  # a retry: no slot is left for another compile
+            free = self.background.slots.acquire(blocking=False)
+            if free:
+                self.background.slots.release()
+            self.retry_had_every_slot.append(not free)
+        with self.record["lock"]:
+            self.record["now"] += 1
+            self.record["most"] = max(self.record["most"], self.record["now"])
+        try:
+            time.sleep(self.hold_s)
+            if self.errors:
+                raise self.errors.pop(0)
+            return "done"
+        finally:
+            with self.record["lock"]:
+                self.record["now"] -= 1
+
+
+OOM = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+
+
+@pytest.fixture
+def no_sleep(monkeypatch):
+    monkeypatch.setattr(warmup.time, "sleep", lambda s: None)
+
+
+def test_a_background_compile_out_of_memory_compiles_again_alone(no_sleep) -> None:
+    background = warmup.BackgroundCompile()
+    lowered = FakeLowered(background, [OOM, OOM])
+    assert background.compile(lowered) == "done"
+    assert lowered.calls == 3 and lowered.retry_had_every_slot == [True, True]
+
+
+def test_a_background_compile_gives_up_after_its_retries_and_other_errors_at_once(
+    no_sleep,
+) -> None:
+    background = warmup.BackgroundCompile()
+    always = FakeLowered(background, [OOM] * 10)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+        background.compile(always)
+    assert always.calls == 1 + warmup.BACKGROUND_RETRIES
+    other = FakeLowered(background, [jax.errors.JaxRuntimeError("INTERNAL: bad")])
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        background.compile(other)
+    assert other.calls == 1
+    background.stopping.set()
+    with pytest.raises(concurrent.futures.CancelledError):
+        background.compile(FakeLowered(background))
+
+
+def test_background_compiles_run_two_at_a_time() -> None:
+    background = warmup.BackgroundCompile()
+    record = {"now": 0, "most": 0, "lock": threading.Lock()}
+    programs = [FakeLowered(background, hold_s=0.05, record=record) for _ in range(6)]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        assert list(pool.map(background.compile, programs)) == ["done"] * 6
+    assert record["most"] == warmup.BACKGROUND_SLOTS == 2

@@ -168,13 +168,50 @@ def fewer_collections(threshold: int = 100_000) -> Iterator[None]:
         gc.set_threshold(*before)
 
 
+BACKGROUND_SLOTS = 2  # compiles at a time once the KV cache is allocated
+BACKGROUND_RETRIES = 3  # compiles alone after running out of device memory
+
+
 @dataclasses.dataclass
 class BackgroundCompile:
-    """The buckets warm-up leaves to compile while the engine serves (``serve_while_compiling``)."""
+    """The buckets warm-up leaves to compile while the engine serves (``serve_while_compiling``).
+
+    NOTE: XLA's autotuner times candidate kernels on buffers of each program's shapes (141 MiB
+    for a 256-row sampler's logits of Llama-3's vocabulary). Once the KV cache is allocated
+    only the activation headroom is left (1.3 GiB on the H200 for Llama-3-8B): sixteen
+    sampler variants autotuning at once ran out of it and the background compile stopped at
+    128 tokens. So two compile at a time, and one that runs out of memory again alone."""
 
     thread: threading.Thread | None = None
     pool: concurrent.futures.ThreadPoolExecutor | None = None
     stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
+    slots: threading.Semaphore = dataclasses.field(
+        default_factory=lambda: threading.BoundedSemaphore(BACKGROUND_SLOTS)
+    )
+    _alone: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def compile(self, lowered: Any) -> Any:
+        """``lowered.compile()`` in one of the slots; out of device memory, again alone (every
+        slot held), up to ``BACKGROUND_RETRIES`` times a second apart."""
+        for attempt in range(BACKGROUND_RETRIES + 1):
+            if attempt:
+                time.sleep(1.0)
+            with self._alone if attempt else contextlib.nullcontext():
+                held = BACKGROUND_SLOTS if attempt else 1
+                for _ in range(held):
+                    self.slots.acquire()
+                try:
+                    if self.stopping.is_set():
+                        raise concurrent.futures.CancelledError("the runner shut down")
+                    return lowered.compile()
+                except jax.errors.JaxRuntimeError as exc:
+                    if "RESOURCE_EXHAUSTED" not in str(exc) or attempt == BACKGROUND_RETRIES:
+                        raise
+                    _LOG.info("Out of device memory compiling a program; again, alone")
+                finally:
+                    for _ in range(held):
+                        self.slots.release()
+        raise AssertionError("unreachable")
 
     def stop(self) -> None:
         """Cancel what has not started and wait for what has (a compile thread still running
@@ -195,20 +232,24 @@ def _compile(
     raise_ready: bool = False,
 ) -> None:
     """Every program of ``buckets``: model steps first, then the sampler variants and prompt
-    logprobs; raises the weights' load error as soon as it comes. ``runner.ready_tokens``
-    rises to each bucket whose programs (and all smaller buckets') are done."""
+    logprobs; raises the weights' load error as soon as it comes. ``raise_ready``: the
+    background's compile, beside the KV cache (``BackgroundCompile.compile``), and
+    ``runner.ready_tokens`` rises to each bucket whose programs (and all smaller buckets')
+    are done."""
     variants = SamplerFlags.variants()
     _LOG.info(
         "Compiling the model step for %d token buckets (%s)",
         len(buckets),
         ", ".join(map(str, buckets)),
     )
-    # Each program's compile starts as soon as it is lowered, while the next one lowers.
+    # Each program's compile starts as soon as it is lowered, while the next one lowers; beside
+    # the KV cache (the background), in the background's slots.
+    compile_fn = runner.background.compile if raise_ready else _compile_whole_device
     steps = {}
     for bucket in buckets:
         _check(runner)
         lowered = runner.lower_step(bucket, kv_cache)
-        steps[pool.submit(lowered.compile)] = bucket
+        steps[pool.submit(compile_fn, lowered)] = bucket
     for done, future in enumerate(concurrent.futures.as_completed(steps), 1):
         runner.loading.raise_if_failed()
         runner.compiled_steps[steps[future]] = future.result()
@@ -231,12 +272,16 @@ def _compile(
     others = []
     for lowered, table, key, bucket in _sampler_and_logprob_programs(runner, buckets, variants):
         _check(runner)
-        future = pool.submit(lowered.compile)
+        future = pool.submit(compile_fn, lowered)
         future.add_done_callback(functools.partial(progress.done, bucket, table, key))
         others.append((future, table, key))
     for future, table, key in others:
         runner.loading.raise_if_failed()
         table[key] = future.result()  # the callback may not have run yet
+
+
+def _compile_whole_device(lowered: Any) -> Any:
+    return lowered.compile()
 
 
 def _check(runner: ModelRunner) -> None:
