@@ -29,6 +29,7 @@ from jaxserve.models.quant_scheme import QuantScheme
 from jaxserve.runner import warmup
 from jaxserve.runner.model_weights import abstract_model_weights, model_weights
 from jaxserve.runner.runner import ModelRunner
+from jaxserve.runner.sampling import SamplerFlags
 from jaxserve.sampling_params import SamplingParams
 from tests.conftest import fixture_dir, run_with_devices
 
@@ -78,10 +79,10 @@ def held_background(monkeypatch):
     release = threading.Event()
     compile_buckets = warmup._compile
 
-    def held(runner, pool, buckets, kv_cache, start, raise_ready=False):
+    def held(runner, pool, buckets, kv_cache, start, raise_ready=False, **parts):
         while raise_ready and not release.wait(0.05) and not runner.background.stopping.is_set():
             pass
-        compile_buckets(runner, pool, buckets, kv_cache, start, raise_ready)
+        compile_buckets(runner, pool, buckets, kv_cache, start, raise_ready, **parts)
 
     monkeypatch.setattr(warmup, "_compile", held)
     yield release
@@ -119,16 +120,23 @@ def test_the_engine_serves_the_compiled_buckets_first_and_every_bucket_once_comp
     reference.shutdown()
 
 
-def test_the_decode_buckets_compile_in_the_background_before_the_prefill_ones(caplog) -> None:
+def test_the_decode_buckets_compile_in_the_background_before_the_prefill_ones(
+    held_background, caplog
+) -> None:
     # 32 sequences: the 32-token bucket is a decode bucket, the 64-token one is not
     with caplog.at_level(logging.INFO, logger="jaxserve.runner.warmup"):
         core = EngineCore(engine_config(max_num_seqs=32))
-        assert sorted(core.runner.compiled_steps)[0] == 16 and core.runner.ready_tokens >= 16
-        core.runner.background.thread.join(120)
+        runner = core.runner
+        assert sorted(runner.compiled_steps) == [16] and runner.ready_tokens == 16
+        # the decode buckets' samplers compile before the KV cache takes the device's memory
+        assert {b for b, _ in runner.compiled_samplers} == {16, 32}
+        assert len(runner.compiled_samplers) == 2 * len(SamplerFlags.variants())
+        assert sorted(runner.compiled_prompt_lp) == [16, 32]
+        held_background.set()
+        runner.background.thread.join(120)
     log = caplog.text
     assert "Serving steps of up to 16 tokens; the buckets of 32, 64 tokens" in log
-    # each group's steps, then its samplers: 32's samplers come before 64's step
-    assert log.index("Compiled model step for 16 tokens") < log.index("Serving steps")
+    # 32's step runs once compiled, before 64's programs start
     assert log.index("Steps of up to 32 tokens now run") < log.index(
         "Compiled model step for 64 tokens"
     )
@@ -315,10 +323,10 @@ def test_a_background_compile_gives_up_after_its_retries_and_other_errors_at_onc
         background.compile(FakeLowered(background))
 
 
-def test_background_compiles_run_two_at_a_time() -> None:
+def test_background_compiles_run_four_at_a_time() -> None:
     background = warmup.BackgroundCompile()
     record = {"now": 0, "most": 0, "lock": threading.Lock()}
-    programs = [FakeLowered(background, hold_s=0.05, record=record) for _ in range(6)]
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        assert list(pool.map(background.compile, programs)) == ["done"] * 6
-    assert record["most"] == warmup.BACKGROUND_SLOTS == 2
+    programs = [FakeLowered(background, hold_s=0.05, record=record) for _ in range(10)]
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        assert list(pool.map(background.compile, programs)) == ["done"] * 10
+    assert record["most"] == warmup.BACKGROUND_SLOTS == 4

@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -51,23 +51,28 @@ def enable_compilation_cache(cache_dir: str) -> None:
 
 
 def warm_up(runner: ModelRunner, max_workers: int) -> int:
-    """Compile every program (with ``serve_while_compiling``, those of the smallest bucket;
-    the others then compile on a thread of their own while the engine serves, the decode-sized
-    buckets before the larger ones, ``runner.ready_tokens`` rising as each bucket is ready),
-    wait for the weights, allocate the KV cache and run one small step; returns the number of
-    model step shapes compiled before serving."""
+    """Compile every program (with ``serve_while_compiling``, the smallest bucket's and the
+    sampler programs of the decode-sized buckets; the other model steps then compile on a
+    thread of their own while the engine serves, the decode-sized ones first, then the larger
+    buckets' programs, ``runner.ready_tokens`` rising as each bucket is ready), wait for the
+    weights, allocate the KV cache and run one small step; returns the number of model step
+    shapes compiled before serving."""
     start = time.perf_counter()
     buckets = runner.token_buckets
-    first, groups = buckets, []
+    first, decode, prefill = buckets, [], []
     if runner.config.serve_while_compiling and not runner.multihost:
-        # NOTE: one bucket, then serve. With a full compilation cache each step program still
-        # lowers for 1.5-2 s (the Mosaic GPU attention kernel's lowering most of it) and each
-        # bucket's samplers for 1.5 s more: the five decode buckets of 256 sequences made 17 s
-        # of a 31 s warm start of Llama-3-8B on the H200. Serving 16-token steps meanwhile is
-        # better than not serving; the decode buckets come first, then the prefill ones.
+        # NOTE: one model step, then serve. With a full compilation cache each step program
+        # still lowers for 1.5-2 s (the Mosaic GPU attention kernel's lowering most of it):
+        # the five decode buckets of 256 sequences made 10 s of a 31 s warm start of
+        # Llama-3-8B on the H200. Serving 16-token steps meanwhile is better than not serving.
+        # The decode buckets' sampler programs still compile first: each has a matmul by the
+        # head with its own number of rows, and XLA's autotuner times it on a copy of the head
+        # (1 GiB for Llama-3's vocabulary), which does not fit beside the KV cache (measured:
+        # every one of them ran out of memory there). The larger buckets' samplers have the
+        # rows of the largest decode bucket, whose timings XLA keeps.
         first = buckets[:1]
         decode = [b for b in buckets[1:] if b <= runner.max_seq_bucket]
-        groups = [g for g in (decode, buckets[1 + len(decode) :]) if g]
+        prefill = buckets[1 + len(decode) :]
     workers = max(1, min(max_workers, os.cpu_count() or 1))
     pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile")
     kv_cache = runner.abstract_kv_cache()
@@ -75,6 +80,8 @@ def warm_up(runner: ModelRunner, max_workers: int) -> int:
     try:
         with fewer_collections():
             _compile(runner, pool, first, kv_cache, start)
+            if decode:
+                _compile(runner, pool, decode, kv_cache, start, steps=False)
         waited = time.perf_counter()
         runner.wait_for_weights()
         if runner.loading.shapes is not None:
@@ -98,13 +105,13 @@ def warm_up(runner: ModelRunner, max_workers: int) -> int:
         raise
     runner.compile_seconds = time.perf_counter() - start
     runner.ready_tokens = first[-1]
-    if not groups:
+    if not decode and not prefill:
         pool.shutdown()
         return len(first)
     _LOG.info(
         "Serving steps of up to %d tokens; the buckets of %s tokens compile in the background",
         first[-1],
-        ", ".join(str(b) for group in groups for b in group),
+        ", ".join(map(str, decode + prefill)),
     )
 
     def compile_rest() -> None:
@@ -112,8 +119,14 @@ def warm_up(runner: ModelRunner, max_workers: int) -> int:
         try:
             # precision: a context of the thread that enters it, so entered here
             with runner.precision(), fewer_collections():
-                for group in groups:
-                    _compile(runner, pool, group, kv_cache, start, raise_ready=True)
+                if decode:
+                    group = decode
+                    _compile(
+                        runner, pool, decode, kv_cache, start, raise_ready=True, samplers=False
+                    )
+                if prefill:
+                    group = prefill
+                    _compile(runner, pool, prefill, kv_cache, start, raise_ready=True)
             _LOG.info(
                 "Compiled every bucket at %.1f s; steps of up to %d tokens run",
                 time.perf_counter() - start,
@@ -168,7 +181,7 @@ def fewer_collections(threshold: int = 100_000) -> Iterator[None]:
         gc.set_threshold(*before)
 
 
-BACKGROUND_SLOTS = 2  # compiles at a time once the KV cache is allocated
+BACKGROUND_SLOTS = 4  # compiles at a time once the KV cache is allocated
 BACKGROUND_RETRIES = 3  # compiles alone after running out of device memory
 
 
@@ -176,11 +189,12 @@ BACKGROUND_RETRIES = 3  # compiles alone after running out of device memory
 class BackgroundCompile:
     """The buckets warm-up leaves to compile while the engine serves (``serve_while_compiling``).
 
-    NOTE: XLA's autotuner times candidate kernels on buffers of each program's shapes (141 MiB
-    for a 256-row sampler's logits of Llama-3's vocabulary). Once the KV cache is allocated
-    only the activation headroom is left (1.3 GiB on the H200 for Llama-3-8B): sixteen
-    sampler variants autotuning at once ran out of it and the background compile stopped at
-    128 tokens. So two compile at a time, and one that runs out of memory again alone."""
+    NOTE: XLA's autotuner times candidate kernels on buffers of each program's shapes. Once
+    the KV cache is allocated only the activation headroom is left (1.3 GiB on the H200 for
+    Llama-3-8B). Measured there: model steps of up to 256 tokens compiled beside it, sixteen
+    at a time; a sampler with a new number of rows did not, even alone (its matmul by the
+    head is timed on a 1 GiB copy of it), so those compile before the cache (``warm_up``).
+    Four compile at a time here, and one that runs out of memory compiles again alone."""
 
     thread: threading.Thread | None = None
     pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -230,38 +244,26 @@ def _compile(
     kv_cache: Any,
     start: float,
     raise_ready: bool = False,
+    steps: bool = True,
+    samplers: bool = True,
 ) -> None:
-    """Every program of ``buckets``: model steps first, then the sampler variants and prompt
-    logprobs; raises the weights' load error as soon as it comes. ``raise_ready``: the
-    background's compile, beside the KV cache (``BackgroundCompile.compile``), and
-    ``runner.ready_tokens`` rises to each bucket whose programs (and all smaller buckets')
-    are done."""
-    variants = SamplerFlags.variants()
-    _LOG.info(
-        "Compiling the model step for %d token buckets (%s)",
-        len(buckets),
-        ", ".join(map(str, buckets)),
-    )
+    """The programs of ``buckets``: model steps first, then the sampler variants and prompt
+    logprobs (either alone: ``steps``, ``samplers``); raises the weights' load error as soon
+    as it comes. ``raise_ready``: the background's compile, beside the KV cache
+    (``BackgroundCompile.compile``), and ``runner.ready_tokens`` rises to each bucket whose
+    programs (and all smaller buckets') are done."""
     # Each program's compile starts as soon as it is lowered, while the next one lowers; beside
     # the KV cache (the background), in the background's slots.
     compile_fn = runner.background.compile if raise_ready else _compile_whole_device
-    steps = {}
-    for bucket in buckets:
-        _check(runner)
-        lowered = runner.lower_step(bucket, kv_cache)
-        steps[pool.submit(compile_fn, lowered)] = bucket
-    for done, future in enumerate(concurrent.futures.as_completed(steps), 1):
-        runner.loading.raise_if_failed()
-        runner.compiled_steps[steps[future]] = future.result()
-        _LOG.info(
-            "Compiled model step for %d tokens (%d/%d) at %.1f s",
-            steps[future],
-            done,
-            len(buckets),
-            time.perf_counter() - start,
+    if steps:
+        _compile_steps(
+            runner, pool, buckets, kv_cache, start, compile_fn, raise_ready and not samplers
         )
+    if not samplers:
+        return
     # NOTE: after the steps, not beside them: XLA times candidate kernels on the device
     # while it compiles, and the steps' choices are the ones that matter.
+    variants = SamplerFlags.variants()
     _LOG.info(
         "Compiling %d sampler variants and the prompt-logprob program for each token "
         "bucket (%d programs)",
@@ -278,6 +280,47 @@ def _compile(
     for future, table, key in others:
         runner.loading.raise_if_failed()
         table[key] = future.result()  # the callback may not have run yet
+
+
+def _compile_steps(
+    runner: ModelRunner,
+    pool: concurrent.futures.ThreadPoolExecutor,
+    buckets: list[int],
+    kv_cache: Any,
+    start: float,
+    compile_fn: Callable[[Any], Any],
+    raise_ready: bool,
+) -> None:
+    """The model step of each bucket; ``raise_ready`` (their samplers already compiled): each
+    bucket's steps run once it and every smaller bucket are done."""
+    _LOG.info(
+        "Compiling the model step for %d token buckets (%s)",
+        len(buckets),
+        ", ".join(map(str, buckets)),
+    )
+    futures = {}
+    for bucket in buckets:
+        _check(runner)
+        lowered = runner.lower_step(bucket, kv_cache)
+        futures[pool.submit(compile_fn, lowered)] = bucket
+    for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+        runner.loading.raise_if_failed()
+        runner.compiled_steps[futures[future]] = future.result()
+        _LOG.info(
+            "Compiled model step for %d tokens (%d/%d) at %.1f s",
+            futures[future],
+            done,
+            len(buckets),
+            time.perf_counter() - start,
+        )
+        ready = runner.ready_tokens
+        for bucket in buckets:
+            if bucket not in runner.compiled_steps:
+                break
+            ready = bucket
+        if raise_ready and ready > runner.ready_tokens:
+            _LOG.info("Steps of up to %d tokens now run", ready)
+            runner.ready_tokens = ready
 
 
 def _compile_whole_device(lowered: Any) -> Any:
