@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import sys
 import textwrap
 import threading
 import time
@@ -143,6 +144,18 @@ def test_the_decode_buckets_compile_in_the_background_before_the_prefill_ones(
     assert core.runner.ready_tokens == 64
     tokens, steps = generate(core, "after", PROMPT)
     assert len(tokens) == 6 and steps[0] == 40
+    core.shutdown()
+
+
+def test_the_interpreter_switches_threads_sooner_while_the_background_compiles(
+    held_background,
+) -> None:
+    before = sys.getswitchinterval()
+    core = EngineCore(engine_config())
+    assert sys.getswitchinterval() == warmup.BACKGROUND_SWITCH_INTERVAL_S < before
+    held_background.set()
+    core.runner.background.thread.join(120)
+    assert sys.getswitchinterval() == before
     core.shutdown()
 
 
