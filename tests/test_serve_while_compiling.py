@@ -136,6 +136,7 @@ def test_the_decode_buckets_compile_in_the_background_before_the_prefill_ones(
         held_background.set()
         runner.background.thread.join(120)
     log = caplog.text
+    assert "Compiling the model step for 1 token bucket (16)\n" in log
     assert "Serving steps of up to 16 tokens; the buckets of 32, 64 tokens" in log
     # 32's step runs once compiled, before 64's programs start
     assert log.index("Steps of up to 32 tokens now run") < log.index(

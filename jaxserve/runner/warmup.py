@@ -303,8 +303,9 @@ def _compile_steps(
     """The model step of each bucket; ``raise_ready`` (their samplers already compiled): each
     bucket's steps run once it and every smaller bucket are done."""
     _LOG.info(
-        "Compiling the model step for %d token buckets (%s)",
+        "Compiling the model step for %d token bucket%s (%s)",
         len(buckets),
+        "" if len(buckets) == 1 else "s",
         ", ".join(map(str, buckets)),
     )
     futures = {}
