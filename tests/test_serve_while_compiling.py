@@ -27,7 +27,7 @@ from jaxserve.engine.core import EngineCore
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.checkpoint_reader import WeightsError
 from jaxserve.models.quant_scheme import QuantScheme
-from jaxserve.runner import warmup
+from jaxserve.runner import bucket_compile, warmup
 from jaxserve.runner.model_weights import abstract_model_weights, model_weights
 from jaxserve.runner.runner import ModelRunner
 from jaxserve.runner.sampling import SamplerFlags
@@ -78,14 +78,14 @@ def held_background(monkeypatch):
     """Holds the background compile at its start until the event is set (or the runner shuts
     down)."""
     release = threading.Event()
-    compile_buckets = warmup._compile
+    compile_buckets = bucket_compile.compile_buckets
 
     def held(runner, pool, buckets, kv_cache, start, raise_ready=False, **parts):
         while raise_ready and not release.wait(0.05) and not runner.background.stopping.is_set():
             pass
         compile_buckets(runner, pool, buckets, kv_cache, start, raise_ready, **parts)
 
-    monkeypatch.setattr(warmup, "_compile", held)
+    monkeypatch.setattr(bucket_compile, "compile_buckets", held)
     yield release
     release.set()
 
@@ -310,11 +310,11 @@ OOM = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying
 
 @pytest.fixture
 def no_sleep(monkeypatch):
-    monkeypatch.setattr(warmup.time, "sleep", lambda s: None)
+    monkeypatch.setattr(bucket_compile.time, "sleep", lambda s: None)
 
 
 def test_a_background_compile_out_of_memory_compiles_again_alone(no_sleep) -> None:
-    background = warmup.BackgroundCompile()
+    background = bucket_compile.BackgroundCompile()
     lowered = FakeLowered(background, [OOM, OOM])
     assert background.compile(lowered) == "done"
     assert lowered.calls == 3 and lowered.retry_had_every_slot == [True, True]
@@ -323,11 +323,11 @@ def test_a_background_compile_out_of_memory_compiles_again_alone(no_sleep) -> No
 def test_a_background_compile_gives_up_after_its_retries_and_other_errors_at_once(
     no_sleep,
 ) -> None:
-    background = warmup.BackgroundCompile()
+    background = bucket_compile.BackgroundCompile()
     always = FakeLowered(background, [OOM] * 10)
     with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
         background.compile(always)
-    assert always.calls == 1 + warmup.BACKGROUND_RETRIES
+    assert always.calls == 1 + bucket_compile.BACKGROUND_RETRIES
     other = FakeLowered(background, [jax.errors.JaxRuntimeError("INTERNAL: bad")])
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
         background.compile(other)
@@ -338,9 +338,9 @@ def test_a_background_compile_gives_up_after_its_retries_and_other_errors_at_onc
 
 
 def test_background_compiles_run_four_at_a_time() -> None:
-    background = warmup.BackgroundCompile()
+    background = bucket_compile.BackgroundCompile()
     record = {"now": 0, "most": 0, "lock": threading.Lock()}
     programs = [FakeLowered(background, hold_s=0.05, record=record) for _ in range(10)]
     with concurrent.futures.ThreadPoolExecutor(10) as pool:
         assert list(pool.map(background.compile, programs)) == ["done"] * 10
-    assert record["most"] == warmup.BACKGROUND_SLOTS == 4
+    assert record["most"] == bucket_compile.BACKGROUND_SLOTS == 4

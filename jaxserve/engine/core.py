@@ -80,9 +80,8 @@ class EngineCore:
         self.num_compiled_shapes = runner.warmup() if config.warmup else 0
         if config.warmup:
             _LOG.info(
-                "Compiled %d step shape%s in %.1f s (compilation cache: %s)",
+                "Compiled %d step shapes in %.1f s (compilation cache: %s)",
                 self.num_compiled_shapes,
-                "" if self.num_compiled_shapes == 1 else "s",
                 getattr(runner, "compile_seconds", 0.0),
                 config.cache_dir,
             )

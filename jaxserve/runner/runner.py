@@ -24,7 +24,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.batch import Batch, kv_page_shapes, make_kv_cache_for
 from jaxserve.models.kv_scales import kv_dtype_label
-from jaxserve.runner import step_broadcast
+from jaxserve.runner import bucket_compile, step_broadcast
 from jaxserve.runner.capacity import (
     Capacity,
     detect_device_memory,
@@ -51,7 +51,7 @@ from jaxserve.runner.programs import (
 from jaxserve.runner.sampling import SamplerFlags, SamplingInputs
 from jaxserve.runner.sharding import prepare_tp
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
-from jaxserve.runner.warmup import BackgroundCompile, enable_compilation_cache, warm_up
+from jaxserve.runner.warmup import enable_compilation_cache, warm_up
 
 _LOG = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class ModelRunner:
         # Steps of up to this many tokens have every program compiled (warm-up lowers it, then
         # raises it as the larger buckets compile in ``background``).
         self.ready_tokens = self.token_buckets[-1]
-        self.background = BackgroundCompile()
+        self.background = bucket_compile.BackgroundCompile()
         # Several processes (hosts) share this model: process 0 broadcasts each step.
         self.multihost = jax.process_count() > 1
         self.inputs = InputBuilder(
