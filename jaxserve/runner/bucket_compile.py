@@ -162,14 +162,21 @@ def _compile_steps(
             len(buckets),
             time.perf_counter() - start,
         )
-        ready = runner.ready_tokens
-        for bucket in buckets:
-            if bucket not in runner.compiled_steps:
-                break
-            ready = bucket
-        if raise_ready and ready > runner.ready_tokens:
-            _LOG.info("Steps of up to %d tokens now run", ready)
-            runner.ready_tokens = ready
+        if raise_ready:
+            _raise_ready(runner, buckets, lambda b: b in runner.compiled_steps)
+
+
+def _raise_ready(runner: ModelRunner, buckets: list[int], is_done: Callable[[int], bool]) -> None:
+    """Raise ``runner.ready_tokens`` to the largest of ``buckets`` up to which every one is
+    done (ascending; the smaller buckets outside them are ready already)."""
+    ready = runner.ready_tokens
+    for bucket in buckets:
+        if not is_done(bucket):
+            break
+        ready = bucket
+    if ready > runner.ready_tokens:
+        _LOG.info("Steps of up to %d tokens now run", ready)
+        runner.ready_tokens = ready
 
 
 def _compile_whole_device(lowered: Any) -> Any:
@@ -208,7 +215,7 @@ class _BucketProgress:
 
     def done(self, bucket: int, table: dict, key: Any, future: concurrent.futures.Future) -> None:
         if future.cancelled() or future.exception() is not None:
-            return  # raised by _compile (or shut down); the bucket never becomes ready
+            return  # raised by compile_buckets (or shut down); the bucket never becomes ready
         table[key] = future.result()
         with self.lock:
             self.num_done[bucket] += 1
@@ -222,16 +229,12 @@ class _BucketProgress:
                 len(self.buckets),
                 time.perf_counter() - self.start,
             )
-            if not self.raise_ready:
-                return
-            ready = self.runner.ready_tokens
-            for b in self.buckets:
-                if self.num_done[b] < self.programs_per_bucket:
-                    break
-                ready = b
-            if ready > self.runner.ready_tokens:
-                _LOG.info("Steps of up to %d tokens now run", ready)
-                self.runner.ready_tokens = ready
+            if self.raise_ready:
+                _raise_ready(
+                    self.runner,
+                    self.buckets,
+                    lambda b: self.num_done[b] >= self.programs_per_bucket,
+                )
 
 
 def _sampler_and_logprob_programs(
