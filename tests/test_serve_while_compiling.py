@@ -111,7 +111,10 @@ def test_the_engine_serves_the_compiled_buckets_first_and_every_bucket_once_comp
     assert runner.ready_tokens == 64
     assert sorted(runner.compiled_steps) == [16, 32, 64]
     assert sorted(runner.compiled_prompt_lp) == [16, 32, 64]
-    assert {bucket for bucket, _ in runner.compiled_samplers} == {16, 32, 64}
+    assert sorted(runner.compiled_logits) == [16, 32, 64]
+    # the sampler variants belong to a sequence bucket: 4 rows for every token bucket here
+    assert {rows for rows, _ in runner.compiled_samplers} == {4}
+    assert len(runner.compiled_samplers) == len(SamplerFlags.variants())
     # float32 means float32 in the background thread's programs too (no TF32 on a GPU)
     assert "operand_precision={highest" in runner.compiled_steps[64].as_text()
     tokens, steps = generate(core, "late", PROMPT[::-1])
@@ -129,12 +132,18 @@ def test_the_decode_buckets_compile_in_the_background_before_the_prefill_ones(
         core = EngineCore(engine_config(max_num_seqs=32))
         runner = core.runner
         assert sorted(runner.compiled_steps) == [16] and runner.ready_tokens == 16
-        # the decode buckets' samplers compile before the KV cache takes the device's memory
-        assert {b for b, _ in runner.compiled_samplers} == {16, 32}
-        assert len(runner.compiled_samplers) == 2 * len(SamplerFlags.variants())
+        # every matmul by the head compiles before the KV cache takes the device's memory:
+        # the logits of every bucket, the prompt logprobs of the decode ones; the sampler
+        # variants (no matmul) of the larger sequence buckets compile beside the cache
+        assert sorted(runner.compiled_logits) == [16, 32, 64]
         assert sorted(runner.compiled_prompt_lp) == [16, 32]
+        assert {rows for rows, _ in runner.compiled_samplers} == {16}
+        assert len(runner.compiled_samplers) == len(SamplerFlags.variants())
         held_background.set()
         runner.background.thread.join(120)
+        assert {rows for rows, _ in runner.compiled_samplers} == {16, 32}  # 64 tokens: 32 rows
+        assert len(runner.compiled_samplers) == 2 * len(SamplerFlags.variants())
+        assert sorted(runner.compiled_prompt_lp) == [16, 32, 64]
     log = caplog.text
     assert "Compiling the model step for 1 token bucket (16)\n" in log
     assert "Serving steps of up to 16 tokens; the buckets of 32, 64 tokens" in log

@@ -91,9 +91,9 @@ def test_llm_shows_each_startup_stage_in_order_where_logging_is_not_set_up(noteb
         r"KV cache size: 4,096 tokens \(KV cache dtype float32\)\n",
         r"Compiling the model step for 2 token buckets \(16, 32\)\n",
         r"Compiled model step for \d+ tokens \(2/2\)",
-        rf"Compiling {NUM_VARIANTS} sampler variants and the prompt-logprob program for each "
-        rf"token bucket \({2 * (NUM_VARIANTS + 1)} programs\)\n",
-        r"Compiled the sampler programs for \d+ tokens \(2/2\)",
+        rf"Compiling the logits, the prompt logprobs and {NUM_VARIANTS} sampler variants for "
+        rf"the buckets of 16, 32 tokens \({4 + NUM_VARIANTS} programs\)\n",
+        r"Compiled the programs of \d+ tokens \(2/2\)",
         r"Weights ready \d+\.\d s after the compile \(\d+\.\d s to load, beside it\)\n",
         r"Allocated the KV cache \(64\.0 MiB\)",
         r"Compiled 2 step shapes in",
@@ -137,8 +137,10 @@ def test_warm_up_compiles_every_bucket_but_runs_only_the_smallest(monkeypatch):
     monkeypatch.setattr(runner, "run_step", recording_run_step)
     runner.warmup()
     assert sorted(runner.compiled_steps) == runner.token_buckets == [16, 32]
-    assert sorted(runner.compiled_prompt_lp) == [16, 32]
-    assert len(runner.compiled_samplers) == 2 * NUM_VARIANTS
+    assert sorted(runner.compiled_prompt_lp) == sorted(runner.compiled_logits) == [16, 32]
+    # the variants of one sequence bucket: both token buckets sample 8 rows
+    assert sorted({rows for rows, _ in runner.compiled_samplers}) == [8]
+    assert len(runner.compiled_samplers) == NUM_VARIANTS
     assert ran == [16, 16]  # the second reads its input ids from the first's samples
     assert runner.kv_cache is not None
 
@@ -297,8 +299,10 @@ def test_no_sampler_variant_branches_on_the_device() -> None:
     llm = make_llm()
     runner = llm.engine.runner
     assert runner.compiled_samplers
-    for (bucket, flags), compiled in runner.compiled_samplers.items():
-        assert " conditional(" not in compiled.as_text(), (bucket, flags)
+    for (rows, flags), compiled in runner.compiled_samplers.items():
+        assert " conditional(" not in compiled.as_text(), (rows, flags)
+    for bucket, compiled in runner.compiled_logits.items():
+        assert " conditional(" not in compiled.as_text(), bucket
     llm.shutdown()
 
 

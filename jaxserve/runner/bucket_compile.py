@@ -1,7 +1,7 @@
-"""Compiling the programs of a set of token buckets: the model steps, then the sampler variants
-and the prompt-logprob program of each bucket, in a pool of threads (lowering holds the GIL,
-XLA's compile does not), and ``BackgroundCompile``, what warm-up leaves to compile while the
-engine serves. ``warmup.warm_up`` decides which buckets compile when.
+"""Compiling the programs of a set of token buckets: the model steps, then the logits, the
+sampler variants and the prompt-logprob program of each bucket, in a pool of threads
+(lowering holds the GIL, XLA's compile does not), and ``BackgroundCompile``, what warm-up
+leaves to compile while the engine serves. ``warmup.warm_up`` decides which compile when.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ class BackgroundCompile:
     NOTE: XLA's autotuner times candidate kernels on buffers of each program's shapes. Once
     the KV cache is allocated only the activation headroom is left (1.3 GiB on the H200 for
     Llama-3-8B). Measured there: model steps of up to 256 tokens compiled beside it, sixteen
-    at a time; a sampler with a new number of rows did not, even alone (its matmul by the
-    head is timed on a 1 GiB copy of it), so those compile before the cache (``warm_up``).
+    at a time; a sampler with a new number of rows did not, even alone, while it held the
+    matmul by the head (timed on a 1 GiB copy of it): that matmul is now a program of its own
+    (``programs.logits_step``), compiled before the cache (``warm_up``).
     Four compile at a time here, and one that runs out of memory compiles again alone."""
 
     thread: threading.Thread | None = None
@@ -85,6 +86,10 @@ class BackgroundCompile:
             self.thread.join()
 
 
+# The programs of a token bucket besides its model step (``compile_buckets``' ``programs``).
+PROGRAMS = ("logits", "prompt_logprobs", "samplers")
+
+
 def compile_buckets(
     runner: ModelRunner,
     pool: concurrent.futures.ThreadPoolExecutor,
@@ -93,39 +98,41 @@ def compile_buckets(
     start: float,
     raise_ready: bool = False,
     steps: bool = True,
-    samplers: bool = True,
+    programs: tuple[str, ...] = PROGRAMS,
 ) -> None:
-    """The programs of ``buckets``: model steps first, then the sampler variants and prompt
-    logprobs (either alone: ``steps``, ``samplers``); raises the weights' load error as soon
-    as it comes. ``raise_ready``: the background's compile, beside the KV cache
+    """The programs of ``buckets``: model steps first (unless ``steps`` is off), then those
+    of ``programs`` not compiled yet (the sampler variants belong to a sequence bucket, which
+    several token buckets share); raises the weights' load error as soon as it comes.
+    ``raise_ready``: the background's compile, beside the KV cache
     (``BackgroundCompile.compile``), and ``runner.ready_tokens`` rises to each bucket whose
     programs (and all smaller buckets') are done."""
     # Each program's compile starts as soon as it is lowered, while the next one lowers; beside
     # the KV cache (the background), in the background's slots.
     compile_fn = runner.background.compile if raise_ready else _compile_whole_device
+    todo = list(_bucket_programs(runner, buckets, programs))
     if steps:
-        _compile_steps(
-            runner, pool, buckets, kv_cache, start, compile_fn, raise_ready and not samplers
-        )
-    if not samplers:
+        _compile_steps(runner, pool, buckets, kv_cache, start, compile_fn, raise_ready and not todo)
+    if not todo:
         return
     # NOTE: after the steps, not beside them: XLA times candidate kernels on the device
     # while it compiles, and the steps' choices are the ones that matter.
-    variants = SamplerFlags.variants()
+    kinds = collections.Counter(kind for kind, *_ in todo)
+    names = {"logits": "the logits", "prompt_logprobs": "the prompt logprobs"}
+    what = [names.get(kind, f"{kinds[kind]} sampler variants") for kind in PROGRAMS if kinds[kind]]
     _LOG.info(
-        "Compiling %d sampler variants and the prompt-logprob program for each token "
-        "bucket (%d programs)",
-        len(variants),
-        len(buckets) * (len(variants) + 1),
+        "Compiling %s for the buckets of %s tokens (%d programs)",
+        " and ".join([", ".join(what[:-1]), what[-1]] if len(what) > 1 else what),
+        ", ".join(map(str, buckets)),
+        len(todo),
     )
-    progress = _BucketProgress(runner, buckets, len(variants) + 1, start, raise_ready)
-    others = []
-    for lowered, table, key, bucket in _sampler_and_logprob_programs(runner, buckets, variants):
+    progress = _BucketProgress(runner, buckets, todo, start, raise_ready)
+    futures = []
+    for kind, table, key, bucket in todo:
         _check(runner)
-        future = pool.submit(compile_fn, lowered)
+        future = pool.submit(compile_fn, _lower(runner, kind, key))
         future.add_done_callback(functools.partial(progress.done, bucket, table, key))
-        others.append((future, table, key))
-    for future, table, key in others:
+        futures.append((future, table, key))
+    for future, table, key in futures:
         runner.loading.raise_if_failed()
         table[key] = future.result()  # the callback may not have run yet
 
@@ -139,8 +146,8 @@ def _compile_steps(
     compile_fn: Callable[[Any], Any],
     raise_ready: bool,
 ) -> None:
-    """The model step of each bucket; ``raise_ready`` (their samplers already compiled): each
-    bucket's steps run once it and every smaller bucket are done."""
+    """The model step of each bucket; ``raise_ready`` (their other programs already compiled):
+    each bucket's steps run once it and every smaller bucket are done."""
     _LOG.info(
         "Compiling the model step for %d token bucket%s (%s)",
         len(buckets),
@@ -191,73 +198,101 @@ def _check(runner: ModelRunner) -> None:
 
 
 class _BucketProgress:
-    """Called from the compiling threads as each sampler or prompt-logprob program finishes:
-    puts it in the runner's table, logs each token bucket whose programs have all compiled,
-    and (``raise_ready``) raises ``runner.ready_tokens`` to the largest bucket up to which
-    every bucket is done."""
+    """Called from the compiling threads as each of ``todo``'s programs finishes: puts it in
+    the runner's table, logs each token bucket whose programs have all compiled, and
+    (``raise_ready``) raises ``runner.ready_tokens`` to the largest bucket up to which every
+    bucket is done."""
 
     def __init__(
         self,
         runner: ModelRunner,
         buckets: list[int],
-        programs_per_bucket: int,
+        todo: list[tuple[str, dict, Any, int]],
         start: float,
         raise_ready: bool,
     ) -> None:
         self.runner = runner
         self.buckets = buckets
-        self.programs_per_bucket = programs_per_bucket
+        self.left = collections.Counter(bucket for *_, bucket in todo)
         self.start = start
         self.raise_ready = raise_ready
-        self.num_done: collections.Counter[int] = collections.Counter()
-        self.num_buckets_done = 0
+        self.num_buckets_done = len(buckets) - len(self.left)
         self.lock = threading.Lock()
+        if raise_ready:  # buckets with nothing left to compile
+            _raise_ready(runner, buckets, lambda b: self.left[b] == 0)
 
     def done(self, bucket: int, table: dict, key: Any, future: concurrent.futures.Future) -> None:
         if future.cancelled() or future.exception() is not None:
             return  # raised by compile_buckets (or shut down); the bucket never becomes ready
         table[key] = future.result()
         with self.lock:
-            self.num_done[bucket] += 1
-            if self.num_done[bucket] < self.programs_per_bucket:
+            self.left[bucket] -= 1
+            if self.left[bucket] > 0:
                 return
             self.num_buckets_done += 1
             _LOG.info(
-                "Compiled the sampler programs for %d tokens (%d/%d) at %.1f s",
+                "Compiled the programs of %d tokens (%d/%d) at %.1f s",
                 bucket,
                 self.num_buckets_done,
                 len(self.buckets),
                 time.perf_counter() - self.start,
             )
             if self.raise_ready:
-                _raise_ready(
-                    self.runner,
-                    self.buckets,
-                    lambda b: self.num_done[b] >= self.programs_per_bucket,
-                )
+                _raise_ready(self.runner, self.buckets, lambda b: self.left[b] == 0)
 
 
-def _sampler_and_logprob_programs(
-    runner: ModelRunner, buckets: list[int], variants: tuple[SamplerFlags, ...]
-) -> Iterator[tuple[Any, dict, object, int]]:
-    """(lowered program, the runner's table for it, its key, its token bucket) for every
-    sampler variant and the prompt logprobs of every token bucket, lowered against arguments
-    laid out as at run time."""
-    hidden_size, dtype = runner.model_config.hidden_size, runner.dtype
+def _bucket_programs(
+    runner: ModelRunner, buckets: list[int], programs: tuple[str, ...]
+) -> Iterator[tuple[str, dict, Any, int]]:
+    """(kind, the runner's table for it, its key, its token bucket) of each program of
+    ``programs`` that ``buckets`` need and the runner has not compiled: the logits and the
+    prompt logprobs per token bucket, the sampler variants per sequence bucket."""
+    queued: set[Any] = set()
     for bucket in buckets:
-        hidden = runner.put(np.zeros((bucket, hidden_size), dtype))
-        for flags in variants:
-            batch, inputs = runner.inputs.padding_step(bucket, flags)
-            packed, layout = pack((batch.logits_indices, inputs))
-            lowered = runner.sample_fn.lower(
-                runner.head,
-                hidden,
-                runner.put(packed),
-                layout=layout,
-                tied=runner.tied,
-                flags=flags,
-            )
-            yield lowered, runner.compiled_samplers, (bucket, flags), bucket
-        next_ids = runner.put(np.zeros(bucket, np.int32))
-        lowered = runner.prompt_lp_fn.lower(runner.head, hidden, next_ids, tied=runner.tied)
-        yield lowered, runner.compiled_prompt_lp, bucket, bucket
+        rows = runner.inputs.seq_bucket(bucket)
+        wanted: list[tuple[str, dict, Any]] = []
+        if "logits" in programs:
+            wanted.append(("logits", runner.compiled_logits, bucket))
+        if "prompt_logprobs" in programs:
+            wanted.append(("prompt_logprobs", runner.compiled_prompt_lp, bucket))
+        if "samplers" in programs:
+            for flags in SamplerFlags.variants():
+                wanted.append(("samplers", runner.compiled_samplers, (rows, flags)))
+        for kind, table, key in wanted:
+            if key not in table and (kind, key) not in queued:
+                queued.add((kind, key))
+                yield kind, table, key, bucket
+
+
+def _lower(runner: ModelRunner, kind: str, key: Any) -> Any:
+    """The program ``kind`` of ``key`` (a token bucket, or a sampler's (sequence bucket,
+    variant)), lowered against arguments laid out as at run time."""
+    if kind == "samplers":
+        rows, flags = key
+        _, inputs = runner.inputs.padding_step(rows, flags)
+        packed, layout = pack(inputs)
+        logits = _logits_spec(runner, rows)
+        return runner.sample_fn.lower(logits, runner.put(packed), layout=layout, flags=flags)
+    hidden = runner.put(np.zeros((key, runner.model_config.hidden_size), runner.dtype))
+    if kind == "logits":
+        return runner.logits_fn.lower(runner.head, hidden, _indices(runner, key), tied=runner.tied)
+    next_ids = runner.put(np.zeros(key, np.int32))
+    return runner.prompt_lp_fn.lower(runner.head, hidden, next_ids, tied=runner.tied)
+
+
+def _indices(runner: ModelRunner, bucket: int) -> Any:
+    return runner.put(np.zeros(runner.inputs.seq_bucket(bucket), np.int32))
+
+
+def _logits_spec(runner: ModelRunner, rows: int) -> jax.ShapeDtypeStruct:
+    """The logits a sampler of ``rows`` rows takes, as the logits program returns them
+    (replicated; not made: 128 MiB at 256 rows of a 128k vocabulary)."""
+    hidden = runner.put(np.zeros((rows, runner.model_config.hidden_size), runner.dtype))
+    shape = jax.eval_shape(
+        functools.partial(runner.logits_fn, tied=runner.tied),
+        runner.head,
+        hidden,
+        _indices(runner, rows),
+    )
+    sharding = runner.tp.replicated if runner.tp is not None else hidden.sharding
+    return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)

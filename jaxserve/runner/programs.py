@@ -74,6 +74,21 @@ def jitted_model_step(model_config: ModelConfig, kv_scales: Any, tp: Any = None)
     return jax.jit(step, static_argnums=(4,), donate_argnames=("kv_cache",), **shardings)
 
 
+def jitted_head_programs(model_config: ModelConfig, max_seq_bucket: int, tp: Any = None) -> Any:
+    """(logits, sampler, prompt logprobs) jitted; with ``tp``, the logits replicated, as
+    warm-up lowers the samplers (which gather them anyway)."""
+    soft_cap = model_config.final_logit_softcap  # Gemma 2's, in both logits programs
+    out = {} if tp is None else {"out_shardings": tp.replicated}
+    logits = functools.partial(logits_step, soft_cap=soft_cap)
+    sample = functools.partial(sample_step, num_rows=max_seq_bucket)
+    prompt_lp = functools.partial(prompt_logprobs_step, soft_cap=soft_cap)
+    return (
+        jax.jit(logits, static_argnames=("tied",), **out),
+        jax.jit(sample, static_argnames=("layout", "flags")),
+        jax.jit(prompt_lp, static_argnames=("tied",)),
+    )
+
+
 def shared_attention(attention_fn: Any) -> Any:
     """``attention_fn`` under one ``jax.jit``, so every layer's call shares one lowering.
 
@@ -118,21 +133,36 @@ def unpack_logprobs(packed: np.ndarray) -> tuple[np.ndarray, ...]:
     )
 
 
-def sample_step(
+def logits_step(
     head: jax.Array,  # [V, H] (tied embedding) or [H, V]
     hidden: jax.Array,  # [T, H]
-    packed: jax.Array,  # i32[N]: (logits_indices i32[S], SamplingInputs) as ``layout`` says
+    logits_indices: jax.Array,  # i32[S]  the row of each sequence's last token
+    *,
+    tied: bool,
+    soft_cap: float | None = None,  # the model's final logit soft-capping (Gemma 2)
+) -> jax.Array:  # f32[S, V]
+    """The logits of each sequence's last row, for the sampler.
+
+    NOTE: a program of its own (one per token bucket), not part of each sampler variant: its
+    matmul by the head is what XLA's autotuner times, on a copy of the head (1 GiB for
+    Llama-3's vocabulary), and that does not fit beside the KV cache (measured on the H200:
+    every sampler variant of a new bucket ran out of memory there, even alone). So these few
+    compile before the cache, and the twenty sampler variants of each bucket, with no matmul,
+    can compile beside it while the engine serves. The logits go through device memory
+    between the two either way; the split costs one launch per step.
+    """
+    return llama.compute_logits(_head_weights(head, tied), hidden[logits_indices], soft_cap)
+
+
+def sample_step(
+    logits: jax.Array,  # f32[S, V]  from ``logits_step``
+    packed: jax.Array,  # i32[N]: SamplingInputs packed as ``layout`` says
     *,
     layout: Layout,
-    tied: bool,
     flags: SamplerFlags,
     num_rows: int,
-    soft_cap: float | None = None,  # the model's final logit soft-capping (Gemma 2)
 ) -> StepSamples:
-    logits_indices, inputs = unpack(packed, layout)
-    rows = hidden[logits_indices]  # [S, H]
-    logits = llama.compute_logits(_head_weights(head, tied), rows, soft_cap)  # f32[S, V]
-    out = sampling.sample(logits, inputs, flags)
+    out = sampling.sample(logits, unpack(packed, layout), flags)
     # Token ids padded to the largest sequence bucket: the next step's on-device feed of
     # pending tokens then has one shape per token bucket, all compiled at warm-up.
     token_ids = jnp.pad(out.token_ids, (0, num_rows - out.token_ids.shape[0]))

@@ -1,13 +1,12 @@
 """ModelRunner: ``SchedulerOutput`` -> padded arrays -> one jitted model step -> sampled tokens.
 
-The only ``jax.jit`` sites of the engine live here: the model step and prompt logprobs (one
-program per token bucket; the KV cache is donated so it is updated in place) and the sampler
-(one per sequence bucket and variant). Each step's inputs travel packed, one host-to-device
-copy per program (``packing.py``). Shapes are padded to powers of two: T tokens in
-``token_buckets``, S = min(T, max sequences) sequence rows. Warm-up (``warmup.py``) compiles
-every program at start-up, with JAX's persistent compilation cache so a second start is fast;
-no request compiles anything.
-"""
+The engine's programs are jitted here (``programs.py`` builds them): the model step, the logits
+and prompt logprobs (one program per token bucket; the KV cache is donated so it is updated in
+place) and the sampler (one per sequence bucket and variant). Each step's inputs travel packed,
+one host-to-device copy per program (``packing.py``). Shapes are padded to powers of two: T
+tokens in ``token_buckets``, S = min(T, max sequences) sequence rows. Warm-up (``warmup.py``)
+compiles every program at start-up, with JAX's persistent compilation cache so a second start
+is fast; no request compiles anything."""
 
 from __future__ import annotations
 
@@ -44,9 +43,8 @@ from jaxserve.runner.model_weights import kv_cache_scales, start_loading
 from jaxserve.runner.packing import Layout, pack
 from jaxserve.runner.programs import (
     StepSamples,
+    jitted_head_programs,
     jitted_model_step,
-    prompt_logprobs_step,
-    sample_step,
 )
 from jaxserve.runner.sampling import SamplerFlags, SamplingInputs
 from jaxserve.runner.sharding import prepare_tp
@@ -107,16 +105,15 @@ class ModelRunner:
         if not config.warmup:
             self.allocate_kv_cache()
         self.step_fn = jitted_model_step(model_config, self.kv_scales, self.tp)
-        # Ahead-of-time executables from warm-up: model step and prompt logprobs per token
-        # bucket, sampler per (token bucket, variant).
+        # Ahead-of-time executables from warm-up: model step, logits and prompt logprobs per
+        # token bucket, sampler per (sequence bucket, variant).
         self.compiled_steps: dict[int, Any] = {}
+        self.compiled_logits: dict[int, Any] = {}
         self.compiled_prompt_lp: dict[int, Any] = {}
         self.compiled_samplers: dict[tuple[int, SamplerFlags], Any] = {}
-        soft_cap = model_config.final_logit_softcap  # Gemma 2's, in both logits programs
-        sample = functools.partial(sample_step, num_rows=self.max_seq_bucket, soft_cap=soft_cap)
-        self.sample_fn = jax.jit(sample, static_argnames=("layout", "tied", "flags"))
-        prompt_lp = functools.partial(prompt_logprobs_step, soft_cap=soft_cap)
-        self.prompt_lp_fn = jax.jit(prompt_lp, static_argnames=("tied",))
+        self.logits_fn, self.sample_fn, self.prompt_lp_fn = jitted_head_programs(
+            model_config, self.max_seq_bucket, self.tp
+        )
         # The sampled ids a step reads its pending tokens from when no step came before it.
         self.no_previous_ids = self.put(np.zeros(self.max_seq_bucket, np.int32))
         self.compile_seconds = 0.0
@@ -235,13 +232,15 @@ class ModelRunner:
         inputs: SamplingInputs,  # host
         flags: SamplerFlags,
     ) -> StepSamples:
-        packed, layout = pack((logits_indices, inputs))
-        compiled = self.compiled_samplers.get((hidden.shape[0], flags))
+        packed, layout = pack(inputs)
+        indices, packed = self.put((logits_indices, packed))
+        logits_fn = self.compiled_logits.get(hidden.shape[0])
+        logits_fn = logits_fn or functools.partial(self.logits_fn, tied=self.tied)
+        logits = logits_fn(self.head, hidden, indices)
+        compiled = self.compiled_samplers.get((len(logits_indices), flags))
         if compiled is None:
-            return self.sample_fn(
-                self.head, hidden, self.put(packed), layout=layout, tied=self.tied, flags=flags
-            )
-        return compiled(self.head, hidden, self.put(packed))
+            return self.sample_fn(logits, packed, layout=layout, flags=flags)
+        return compiled(logits, packed)
 
     def prompt_logprobs(self, hidden: jax.Array, next_ids: Any) -> tuple[jax.Array, ...]:
         compiled = self.compiled_prompt_lp.get(hidden.shape[0])

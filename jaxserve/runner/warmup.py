@@ -1,13 +1,13 @@
 """Warm-up: every program a request can reach is compiled before the server takes traffic (or,
-with ``serve_while_compiling``, those of the smallest bucket and the decode buckets' samplers,
-the rest in the background: ``warm_up``).
+with ``serve_while_compiling``, those of the smallest bucket and every matmul by the head, the
+rest in the background: ``warm_up``).
 
 The model step is compiled ahead of time for every token bucket, in parallel threads (lowering
-holds the GIL, XLA's compile does not); then the sampler variants and the prompt-logprob
-program of every bucket (``bucket_compile``). Then the KV cache is allocated and one step of
-the smallest bucket runs end to end (model step, both sampler kinds, and the pending-token feed
-of every bucket, which compiles on that first call), so a broken program fails the start, not
-a request.
+holds the GIL, XLA's compile does not); then the logits, the sampler variants and the
+prompt-logprob program of every bucket (``bucket_compile``). Then the KV cache is allocated
+and one step of the smallest bucket runs end to end (model step, both sampler kinds, and the
+pending-token feed of every bucket, which compiles on that first call), so a broken program
+fails the start, not a request.
 
 NOTE: the larger buckets are compiled but not run. Running each once added nothing the compile
 had not done, and on the CPU the reference attention's largest steps took 12-16 s of a demo
@@ -53,7 +53,7 @@ def enable_compilation_cache(cache_dir: str) -> None:
 
 def warm_up(runner: ModelRunner, max_workers: int) -> int:
     """Compile every program (with ``serve_while_compiling``, the smallest bucket's and the
-    sampler programs of the decode-sized buckets; the other model steps then compile on a
+    matmuls by the head of the others; the other model steps then compile on a
     thread of their own while the engine serves, the decode-sized ones first, then the larger
     buckets' programs, ``runner.ready_tokens`` rising as each bucket is ready), wait for the
     weights, allocate the KV cache and run one small step; returns the number of model step
@@ -66,11 +66,12 @@ def warm_up(runner: ModelRunner, max_workers: int) -> int:
         # still lowers for 1.5-2 s (the Mosaic GPU attention kernel's lowering most of it):
         # the five decode buckets of 256 sequences made 10 s of a 31 s warm start of
         # Llama-3-8B on the H200. Serving 16-token steps meanwhile is better than not serving.
-        # The decode buckets' sampler programs still compile first: each has a matmul by the
-        # head with its own number of rows, and XLA's autotuner times it on a copy of the head
-        # (1 GiB for Llama-3's vocabulary), which does not fit beside the KV cache (measured:
-        # every one of them ran out of memory there). The larger buckets' samplers have the
-        # rows of the largest decode bucket, whose timings XLA keeps.
+        # The programs with a matmul by the head (the logits of every bucket, the prompt
+        # logprobs of the decode buckets) still compile first: XLA's autotuner times each new
+        # number of rows on a copy of the head (1 GiB for Llama-3's vocabulary), which does
+        # not fit beside the KV cache (measured: every sampler of a new bucket ran out of
+        # memory there while the matmul was in them). The larger buckets' prompt logprobs, in
+        # chunks of 128 rows, compiled beside it.
         first = buckets[:1]
         decode = [b for b in buckets[1:] if b <= runner.max_seq_bucket]
         prefill = buckets[1 + len(decode) :]
@@ -81,8 +82,14 @@ def warm_up(runner: ModelRunner, max_workers: int) -> int:
     try:
         with fewer_collections():
             bucket_compile.compile_buckets(runner, pool, first, kv_cache, start)
-            if decode:
-                bucket_compile.compile_buckets(runner, pool, decode, kv_cache, start, steps=False)
+            if decode or prefill:
+                heads = ("logits", "prompt_logprobs")
+                bucket_compile.compile_buckets(
+                    runner, pool, decode, kv_cache, start, steps=False, programs=heads
+                )
+                bucket_compile.compile_buckets(
+                    runner, pool, prefill, kv_cache, start, steps=False, programs=heads[:1]
+                )
         waited = time.perf_counter()
         runner.wait_for_weights()
         if runner.loading.shapes is not None:
@@ -123,7 +130,7 @@ def warm_up(runner: ModelRunner, max_workers: int) -> int:
                 if decode:
                     group = decode
                     bucket_compile.compile_buckets(
-                        runner, pool, decode, kv_cache, start, raise_ready=True, samplers=False
+                        runner, pool, decode, kv_cache, start, raise_ready=True
                     )
                 if prefill:
                     group = prefill
