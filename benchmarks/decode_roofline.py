@@ -117,8 +117,8 @@ def time_device(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> tupl
     )
 
     def step():
-        runner.kv_cache, hidden = runner.run_step(host_batch)
-        return runner.sample(hidden, host_batch.logits_indices, inputs, flags).token_ids
+        runner.kv_cache, forward = runner.run_step(host_batch)
+        return runner.sample(forward, inputs, flags).token_ids
 
     jax.block_until_ready(step())
     samples, launches = [], []

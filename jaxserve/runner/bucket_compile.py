@@ -275,24 +275,20 @@ def _lower(runner: ModelRunner, kind: str, key: Any) -> Any:
         return runner.sample_fn.lower(logits, runner.put(packed), layout=layout, flags=flags)
     hidden = runner.put(np.zeros((key, runner.model_config.hidden_size), runner.dtype))
     if kind == "logits":
-        return runner.logits_fn.lower(runner.head, hidden, _indices(runner, key), tied=runner.tied)
+        packed, layout = runner.step_inputs(runner.inputs.padding_step(key)[0])
+        return runner.logits_fn.lower(
+            runner.head, hidden, runner.put(packed), layout, tied=runner.tied
+        )
     next_ids = runner.put(np.zeros(key, np.int32))
     return runner.prompt_lp_fn.lower(runner.head, hidden, next_ids, tied=runner.tied)
-
-
-def _indices(runner: ModelRunner, bucket: int) -> Any:
-    return runner.put(np.zeros(runner.inputs.seq_bucket(bucket), np.int32))
 
 
 def _logits_spec(runner: ModelRunner, rows: int) -> jax.ShapeDtypeStruct:
     """The logits a sampler of ``rows`` rows takes, as the logits program returns them
     (replicated; not made: 128 MiB at 256 rows of a 128k vocabulary)."""
     hidden = runner.put(np.zeros((rows, runner.model_config.hidden_size), runner.dtype))
-    shape = jax.eval_shape(
-        functools.partial(runner.logits_fn, tied=runner.tied),
-        runner.head,
-        hidden,
-        _indices(runner, rows),
-    )
+    packed, layout = runner.step_inputs(runner.inputs.padding_step(rows)[0])
+    logits = functools.partial(runner.logits_fn, layout=layout, tied=runner.tied)
+    shape = jax.eval_shape(logits, runner.head, hidden, runner.put(packed))
     sharding = runner.tp.replicated if runner.tp is not None else hidden.sharding
     return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)

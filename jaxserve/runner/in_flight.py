@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxserve.runner.programs import StepSamples, unpack_logprobs
+from jaxserve.runner.programs import Forward, StepSamples, unpack_logprobs
 from jaxserve.runner.sampling import SamplerFlags, SamplingInputs
 from jaxserve.runner.step import RunnerOutput
 
@@ -22,8 +22,7 @@ from jaxserve.runner.step import RunnerOutput
 class DeferredSampler:
     """What a step's sampler needs once its token mask is known."""
 
-    hidden: jax.Array  # [T, H]  the forward pass's output, on the device
-    logits_indices: np.ndarray  # i32[S]  the row of each sequence's last token (host)
+    forward: Forward  # the forward pass's output, on the device
     inputs: SamplingInputs  # on the host; token_mask [S, W] allows every token until written
     flags: SamplerFlags
 

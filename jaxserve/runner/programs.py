@@ -83,7 +83,7 @@ def jitted_head_programs(model_config: ModelConfig, max_seq_bucket: int, tp: Any
     sample = functools.partial(sample_step, num_rows=max_seq_bucket)
     prompt_lp = functools.partial(prompt_logprobs_step, soft_cap=soft_cap)
     return (
-        jax.jit(logits, static_argnames=("tied",), **out),
+        jax.jit(logits, static_argnames=("layout", "tied"), **out),
         jax.jit(sample, static_argnames=("layout", "flags")),
         jax.jit(prompt_lp, static_argnames=("tied",)),
     )
@@ -133,10 +133,22 @@ def unpack_logprobs(packed: np.ndarray) -> tuple[np.ndarray, ...]:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Forward:
+    """A model step's output on the device, and its packed inputs there: the logits program
+    reads each sequence's last row from them (``Batch.logits_indices``), so the sampler's
+    rows need no second copy to the device."""
+
+    hidden: jax.Array  # [T, H]
+    packed: jax.Array  # i32[N]  the step's inputs, as ``model_step`` took them
+    layout: Layout
+
+
 def logits_step(
     head: jax.Array,  # [V, H] (tied embedding) or [H, V]
     hidden: jax.Array,  # [T, H]
-    logits_indices: jax.Array,  # i32[S]  the row of each sequence's last token
+    packed: jax.Array,  # i32[N]  the model step's inputs (``Forward.packed``)
+    layout: Layout,  # static: theirs
     *,
     tied: bool,
     soft_cap: float | None = None,  # the model's final logit soft-capping (Gemma 2)
@@ -151,7 +163,9 @@ def logits_step(
     can compile beside it while the engine serves. The logits go through device memory
     between the two either way; the split costs one launch per step.
     """
-    return llama.compute_logits(_head_weights(head, tied), hidden[logits_indices], soft_cap)
+    batch, _ = unpack(packed, layout)
+    rows = hidden[batch.logits_indices]
+    return llama.compute_logits(_head_weights(head, tied), rows, soft_cap)
 
 
 def sample_step(

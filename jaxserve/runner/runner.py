@@ -42,6 +42,7 @@ from jaxserve.runner.input_builder import InputBuilder, next_power_of_2, token_b
 from jaxserve.runner.model_weights import kv_cache_scales, start_loading
 from jaxserve.runner.packing import Layout, pack
 from jaxserve.runner.programs import (
+    Forward,
     StepSamples,
     jitted_head_programs,
     jitted_model_step,
@@ -216,31 +217,29 @@ class ModelRunner:
         batch: Batch,  # host arrays
         source: np.ndarray | None = None,  # i32[T]  see ``step_inputs``
         previous_ids: jax.Array | None = None,  # i32[S_max]  the previous step's sampled ids
-    ) -> tuple[Any, jax.Array]:
-        """(kv_cache, hidden[T, H]) of one model step."""
+    ) -> tuple[Any, Forward]:
+        """(kv_cache, the step's output) of one model step."""
         packed, layout = self.step_inputs(batch, source)
         args = (self.put(packed), self.no_previous_ids if previous_ids is None else previous_ids)
         step = self.compiled_steps.get(batch.num_tokens)
         if step is None:
-            return self.step_fn(self.weights, self.kv_cache, *args, layout)
-        return step(self.weights, self.kv_cache, *args)
+            kv_cache, hidden = self.step_fn(self.weights, self.kv_cache, *args, layout)
+        else:
+            kv_cache, hidden = step(self.weights, self.kv_cache, *args)
+        return kv_cache, Forward(hidden, args[0], layout)
 
-    def sample(
-        self,
-        hidden: jax.Array,
-        logits_indices: np.ndarray,  # i32[S]  host
-        inputs: SamplingInputs,  # host
-        flags: SamplerFlags,
-    ) -> StepSamples:
+    def sample(self, forward: Forward, inputs: SamplingInputs, flags: SamplerFlags) -> StepSamples:
+        """The logits of the step's last rows, then the sampler variant ``flags``."""
+        num_tokens = forward.hidden.shape[0]
+        logits_fn = self.compiled_logits.get(num_tokens)
+        if logits_fn is None:
+            logits_fn = functools.partial(self.logits_fn, layout=forward.layout, tied=self.tied)
+        logits = logits_fn(self.head, forward.hidden, forward.packed)
         packed, layout = pack(inputs)
-        indices, packed = self.put((logits_indices, packed))
-        logits_fn = self.compiled_logits.get(hidden.shape[0])
-        logits_fn = logits_fn or functools.partial(self.logits_fn, tied=self.tied)
-        logits = logits_fn(self.head, hidden, indices)
-        compiled = self.compiled_samplers.get((len(logits_indices), flags))
+        compiled = self.compiled_samplers.get((self.inputs.seq_bucket(num_tokens), flags))
         if compiled is None:
-            return self.sample_fn(logits, packed, layout=layout, flags=flags)
-        return compiled(logits, packed)
+            return self.sample_fn(logits, self.put(packed), layout=layout, flags=flags)
+        return compiled(logits, self.put(packed))
 
     def prompt_logprobs(self, hidden: jax.Array, next_ids: Any) -> tuple[jax.Array, ...]:
         compiled = self.compiled_prompt_lp.get(hidden.shape[0])
@@ -288,11 +287,10 @@ class ModelRunner:
         previous_rows = previous.sampled_row if previous is not None else None
         source = self.inputs.pending_sources(output, host_batch, previous_rows)
         feed = (source, previous.sampled_ids) if source is not None and previous else None
-        hidden, prompt_out = self.forward(host_batch, next_ids, feed)
+        forward, prompt_out = self.forward(host_batch, next_ids, feed)
         sampled_row = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
         step = InFlight(None, prompt_out, spans, sampled_row)
-        logits_indices = np.asarray(host_batch.logits_indices)
-        step.deferred = DeferredSampler(hidden, logits_indices, inputs, flags)
+        step.deferred = DeferredSampler(forward, inputs, flags)
         if not defer_sampling:
             self.dispatch_sampler(step)
         return step
@@ -312,7 +310,7 @@ class ModelRunner:
         if deferred.flags.use_mask and self.multihost:
             inputs.token_mask = step_broadcast.share_token_mask(inputs.token_mask)
         with self.precision():
-            step.out = self.sample(deferred.hidden, deferred.logits_indices, inputs, deferred.flags)
+            step.out = self.sample(deferred.forward, inputs, deferred.flags)
 
     def collect(self, step: InFlight) -> RunnerOutput:
         """Wait for a dispatched step and copy its sampled tokens (and logprobs) to the host."""
@@ -323,16 +321,16 @@ class ModelRunner:
         host_batch: Batch,
         next_ids: np.ndarray | None,
         feed: tuple[np.ndarray, jax.Array] | None = None,
-    ) -> tuple[jax.Array, tuple[jax.Array, ...] | None]:
-        """Model step and (when asked) prompt logprobs on the device: (hidden states, prompt
-        logprobs). ``feed``: (source, previous sampled ids) of the step's pending tokens."""
+    ) -> tuple[Forward, tuple[jax.Array, ...] | None]:
+        """Model step and (when asked) prompt logprobs on the device: (the step's output,
+        prompt logprobs). ``feed``: (source, previous sampled ids) of the step's pending tokens."""
         source, previous_ids = feed if feed is not None else (None, None)
         with self.precision():  # also keys the jit caches: warm-up runs under it too
-            self.kv_cache, hidden = self.run_step(host_batch, source, previous_ids)
+            self.kv_cache, forward = self.run_step(host_batch, source, previous_ids)
             prompt_out = None
             if next_ids is not None:
-                prompt_out = self.prompt_logprobs(hidden, self.put(next_ids))
-        return hidden, prompt_out
+                prompt_out = self.prompt_logprobs(forward.hidden, self.put(next_ids))
+        return forward, prompt_out
 
     # -- multi-host ------------------------------------------------------------------------
 

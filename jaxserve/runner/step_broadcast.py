@@ -88,8 +88,8 @@ def follow(runner: ModelRunner) -> None:
         batch, inputs = runner.inputs.padding_step(header.num_tokens, header.flags)
         next_ids = np.zeros(header.num_tokens, np.int32) if header.has_prompt_logprobs else None
         batch, inputs, next_ids = broadcast_step_inputs((batch, inputs, next_ids))
-        hidden, _ = runner.forward(batch, next_ids)
+        forward, _ = runner.forward(batch, next_ids)
         if header.flags.use_mask:
             inputs.token_mask = share_token_mask(inputs.token_mask)
         with runner.precision():
-            runner.sample(hidden, np.asarray(batch.logits_indices), inputs, header.flags)
+            runner.sample(forward, inputs, header.flags)

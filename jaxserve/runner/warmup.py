@@ -206,10 +206,10 @@ def _run_smallest_step(runner: ModelRunner) -> None:
     then one that reads its input ids from those samples (the pending-token feed)."""
     batch, inputs = runner.inputs.padding_step(runner.token_buckets[0])
     with runner.precision():
-        runner.kv_cache, hidden = runner.run_step(batch)
+        runner.kv_cache, forward = runner.run_step(batch)
         for flags in (SamplerFlags(all_greedy=True), SamplerFlags()):
-            out = runner.sample(hidden, np.asarray(batch.logits_indices), inputs, flags)
+            out = runner.sample(forward, inputs, flags)
             jax.block_until_ready(out.token_ids)
         source = np.zeros(batch.num_tokens, np.int32)
-        runner.kv_cache, hidden = runner.run_step(batch, source, out.token_ids)
-        jax.block_until_ready(hidden)
+        runner.kv_cache, forward = runner.run_step(batch, source, out.token_ids)
+        jax.block_until_ready(forward.hidden)
