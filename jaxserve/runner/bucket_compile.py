@@ -127,9 +127,10 @@ def compile_buckets(
     )
     progress = _BucketProgress(runner, buckets, todo, start, raise_ready)
     futures = []
+    specs: dict[int, jax.ShapeDtypeStruct] = {}  # the samplers' logits, per number of rows
     for kind, table, key, bucket in todo:
         _check(runner)
-        future = pool.submit(compile_fn, _lower(runner, kind, key))
+        future = pool.submit(compile_fn, _lower(runner, kind, key, specs))
         future.add_done_callback(functools.partial(progress.done, bucket, table, key))
         futures.append((future, table, key))
     for future, table, key in futures:
@@ -264,14 +265,17 @@ def _bucket_programs(
                 yield kind, table, key, bucket
 
 
-def _lower(runner: ModelRunner, kind: str, key: Any) -> Any:
+def _lower(runner: ModelRunner, kind: str, key: Any, specs: dict) -> Any:
     """The program ``kind`` of ``key`` (a token bucket, or a sampler's (sequence bucket,
-    variant)), lowered against arguments laid out as at run time."""
+    variant)), lowered against arguments laid out as at run time; ``specs``: the samplers'
+    logits found so far, by number of rows."""
     if kind == "samplers":
         rows, flags = key
         _, inputs = runner.inputs.padding_step(rows, flags)
         packed, layout = pack(inputs)
-        logits = _logits_spec(runner, rows)
+        if rows not in specs:
+            specs[rows] = _logits_spec(runner, rows)
+        logits = specs[rows]
         return runner.sample_fn.lower(logits, runner.put(packed), layout=layout, flags=flags)
     hidden = runner.put(np.zeros((key, runner.model_config.hidden_size), runner.dtype))
     if kind == "logits":
