@@ -86,6 +86,11 @@ class EngineConfig:
     async_scheduling: bool = True
     # The longest a request's structured-output grammar may take to compile (then a 400).
     grammar_compile_timeout_s: float = 10.0
+    # The largest structured-output source (schema, regex, choices, grammar) compiled, in bytes
+    # (docs/security.md: what bounds the grammar compiler's stack).
+    max_grammar_bytes: int = 256 << 10
+    # Native memory the compiled grammars kept for reuse may hold (least recently used first out).
+    grammar_cache_bytes: int = 1 << 30
     # Memory the KV budget is a fraction of; None: what the device reports (CPU: 2 GiB).
     device_memory_bytes: int | None = None
 
@@ -129,6 +134,10 @@ class EngineConfig:
             raise ValueError(
                 f"grammar_compile_timeout_s={self.grammar_compile_timeout_s} must be positive"
             )
+        if self.max_grammar_bytes < 1:
+            raise ValueError(f"max_grammar_bytes={self.max_grammar_bytes} must be positive")
+        if self.grammar_cache_bytes < 0:
+            raise ValueError(f"grammar_cache_bytes={self.grammar_cache_bytes} must be >= 0")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
 

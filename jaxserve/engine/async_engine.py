@@ -130,8 +130,9 @@ class AsyncEngine:
                 self.core.abort_request(request_id)
                 self._wake.set()
 
-    def compile_grammar(self, params: SamplingParams) -> None:
-        self.core.compile_grammar(params)
+    async def compile_grammar(self, params: SamplingParams, client: str = "") -> None:
+        if params.structured_outputs is not None:
+            await self.core.grammar_compiler.compile_async(params.structured_outputs, client)
 
     async def abort(self, request_id: str) -> None:
         self.core.abort_request(request_id)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxserve.config import ModelConfig
-from jaxserve.engine.grammar import GrammarCompiler
+from jaxserve.engine.grammar import GrammarCompiler, GrammarLimits
 from jaxserve.engine.interfaces import EngineStats, Runner
 from jaxserve.engine.kv_cache import KVCacheManager
 from jaxserve.engine.output_processor import OutputProcessor
@@ -70,9 +70,11 @@ class EngineCore:
         self.output_processor = OutputProcessor(
             self.tokenizer, self.eos_token_ids, self.max_model_len
         )
-        timeout_s = config.grammar_compile_timeout_s
+        grammar_limits = GrammarLimits(
+            config.grammar_compile_timeout_s, config.max_grammar_bytes, config.grammar_cache_bytes
+        )
         self.grammar_compiler = GrammarCompiler(
-            self.tokenizer.hf_tokenizer, self.vocab_size, self.eos_token_ids, timeout_s
+            self.tokenizer.hf_tokenizer, self.vocab_size, self.eos_token_ids, grammar_limits
         )
         self.structured_outputs = StructuredOutputs(self.vocab_size)
         for line in self.capacity_lines():

@@ -5,26 +5,41 @@ matcher from a JSON schema, a regex, a list of choices or a Lark / GBNF grammar 
 model's tokenizer, and fills packed token bitmasks in numpy. A compiled grammar is a matcher
 in its start state; each sequence that uses it gets a copy (``structured_outputs.py``).
 
-The server compiles a request's grammar on its host-work thread before it submits the request
-(``EngineClient.compile_grammar``); ``EngineCore.add_request`` then finds it in the cache (the
-offline ``LLM`` compiles there, on the caller's thread). Compiling runs on this module's own
-threads, so a caller waits at most ``timeout_s``: a grammar that takes longer is refused, as
-is any invalid input, with a ``GrammarError`` naming the field.
+The server asks for a request's grammar before it submits the request (``compile_async``, which
+waits without holding a thread); ``EngineCore.add_request`` then finds it in the cache (the
+offline ``LLM`` compiles there, blocking, with ``compile``). What reaches llguidance is bounded
+(docs/security.md): a source of at most ``max_grammar_bytes``, compiled on the big-stack workers
+of ``compile_queue.py`` within ``timeout_s``, GBNF converted in a process of its own (gbnf.py),
+and a grammar that cannot take its first tokens within llguidance's limits refused here rather
+than in a step. Every refusal is a ``GrammarError`` naming the field; a timeout is never cached.
+The cache is bounded in bytes: each grammar's native memory is measured as it compiles.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
+import ctypes
+import ctypes.util
+import dataclasses
+import functools
 import json
 import threading
 from typing import Any
 
+import numpy as np
+
+from jaxserve.engine.compile_queue import CompileQueue, Job
+from jaxserve.engine.gbnf import ConversionError, gbnf_to_lark, is_gbnf
 from jaxserve.engine.request_checks import RequestError
 from jaxserve.sampling_params import StructuredOutputsParams
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
-CACHE_SIZE = 512  # compiled grammars kept (least recently used goes first)
+DEFAULT_MAX_GRAMMAR_BYTES = 256 << 10  # see compile_queue.py: the stack this leaves room for
+DEFAULT_CACHE_BYTES = 1 << 30
+ERROR_CACHE_BYTES = 4096  # what a cached refusal is counted as
+PROBE_TOKENS = 4  # tokens a new grammar must take (the first allowed each time) to be accepted
 
 
 class GrammarError(RequestError):
@@ -35,6 +50,10 @@ class GrammarError(RequestError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message, param=f"structured_outputs.{field}")
         self.field = field
+
+
+class _Timeout(GrammarError):
+    """A compile that missed its deadline: refused, never cached."""
 
 
 def grammar_key(spec: StructuredOutputsParams) -> tuple[str, str]:
@@ -51,34 +70,19 @@ def grammar_key(spec: StructuredOutputsParams) -> tuple[str, str]:
     return "grammar", spec.grammar
 
 
-def llguidance_grammar(field: str, source: str) -> str:
-    """The llguidance grammar of one constraint (not yet checked against the tokenizer)."""
-    import llguidance
+@dataclasses.dataclass(frozen=True)
+class GrammarLimits:
+    """What a constraint may cost (the server's ``--grammar-*`` flags)."""
 
-    # NOTE: compact JSON (no free whitespace between tokens): a model cannot spend its
-    # whole budget on blank space, and outputs parse the same.
-    options: Any = {"whitespace_flexible": False}
-    if field == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, options)
-    if field == "json":
-        try:
-            schema = json.loads(source)
-        except ValueError as exc:
-            raise GrammarError("json", f"the JSON schema is not valid JSON: {exc}") from None
-        if not isinstance(schema, dict | bool):
-            raise GrammarError("json", "the JSON schema must be an object or a boolean")
-        return llguidance.LLMatcher.grammar_from_json_schema(source, options)
-    if field == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(source)
-    if field == "choice":
-        choices = json.loads(source)
-        if not choices or not all(isinstance(c, str) and c for c in choices):
-            raise GrammarError("choice", "choice must be a non-empty list of non-empty strings")
-        return llguidance.grammar_from("choice", choices)
-    try:
-        return llguidance.grammar_from("grammar", source)  # Lark, or GBNF converted to it
-    except ValueError as exc:
-        raise GrammarError("grammar", f"the grammar is not valid: {exc}") from None
+    timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
+    max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
+    cache_bytes: int = DEFAULT_CACHE_BYTES
+
+
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    job: Job
+    num_bytes: int = 0  # native memory the compiled grammar keeps (0 while compiling)
 
 
 class GrammarCompiler:
@@ -89,19 +93,17 @@ class GrammarCompiler:
         hf_tokenizer: Any,
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
-        timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        limits: GrammarLimits | None = None,
     ) -> None:
         self._hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self.timeout_s = timeout_s
+        self.limits = limits or GrammarLimits()
         self._tokenizer: Any = None  # llguidance.LLTokenizer, made on first use (~1 s)
-        self._lock = threading.Lock()
-        # key -> the compile (its result: a matcher in the start state, or a GrammarError)
-        self._cache: collections.OrderedDict[tuple[str, str], concurrent.futures.Future] = (
-            collections.OrderedDict()
-        )
-        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxserve-grammar")
+        self._lock = threading.RLock()  # a done callback may run inside _request
+        self._cache: collections.OrderedDict[tuple[str, str], _Entry] = collections.OrderedDict()
+        self.cache_bytes = 0  # the finished entries' num_bytes
+        self._queue = CompileQueue()
 
     @property
     def tokenizer(self) -> Any:
@@ -120,49 +122,210 @@ class GrammarCompiler:
                 )
             return self._tokenizer
 
-    def compile(self, spec: StructuredOutputsParams) -> Any:
+    def compile(self, spec: StructuredOutputsParams, client: str = "") -> Any:
         """The compiled grammar (an ``llguidance.LLMatcher`` in its start state, to be copied,
-        never advanced); ``GrammarError`` if the constraint is invalid or compiling it takes
-        longer than ``timeout_s``."""
-        tokenizer = self.tokenizer
-        key = grammar_key(spec)
-        with self._lock:
-            future = self._cache.get(key)
-            if future is None:
-                future = self._pool.submit(_build, tokenizer, *key)
-                self._cache[key] = future
-                while len(self._cache) > CACHE_SIZE:
-                    self._cache.popitem(last=False)
-            self._cache.move_to_end(key)
+        never advanced), waited for; ``GrammarError`` if the constraint is invalid, too large,
+        or not compiled within ``limits.timeout_s``."""
+        future, key = self._request(spec, client)
         try:
-            return future.result(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            error = GrammarError(
-                key[0], f"compiling the {key[0]} constraint took longer than {self.timeout_s:g} s"
+            return future.result(timeout=self.limits.timeout_s + 1.0)[0]
+        except concurrent.futures.TimeoutError:  # the deadline watch fails it first
+            raise self._timeout(key[0]) from None
+
+    async def compile_async(self, spec: StructuredOutputsParams, client: str = "") -> Any:
+        """``compile`` for an event loop: waits without holding a thread, and a caller that is
+        cancelled (its client left) leaves the compile to the others waiting for it."""
+        future, key = self._request(spec, client)
+        try:
+            matcher, _ = await asyncio.wait_for(
+                asyncio.shield(asyncio.wrap_future(future)), self.limits.timeout_s + 1.0
             )
-            refused: concurrent.futures.Future = concurrent.futures.Future()
-            refused.set_exception(error)
-            with self._lock:  # refused from now on, even once the compile ends
-                if key in self._cache:
-                    self._cache[key] = refused
-            raise error from None
+        except TimeoutError:
+            raise self._timeout(key[0]) from None
+        return matcher
+
+    def is_cached(self, spec: StructuredOutputsParams) -> bool:
+        with self._lock:
+            entry = self._cache.get(grammar_key(spec))
+            return entry is not None and entry.job.future.done()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._queue.close()
+
+    # -- the cache ----------------------------------------------------------------------------
+
+    def _request(
+        self, spec: StructuredOutputsParams, client: str
+    ) -> tuple[concurrent.futures.Future, tuple[str, str]]:
+        key = grammar_key(spec)
+        field, source = key
+        if len(source) > self.limits.max_bytes or len(source.encode()) > self.limits.max_bytes:
+            raise GrammarError(field, self._too_large(field, len(source.encode())))
+        tokenizer = self.tokenizer
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is None:
+                job = self._queue.submit(
+                    client,
+                    lambda job: self._build(job, tokenizer, key),
+                    self.limits.timeout_s,
+                    lambda: self._timeout(field),
+                )
+                entry = self._cache[key] = _Entry(job)
+                job.future.add_done_callback(functools.partial(self._finished, key, entry))
+            elif not entry.job.future.done():
+                self._queue.extend(entry.job, self.limits.timeout_s)
+            self._cache.move_to_end(key)
+        return entry.job.future, key
+
+    def _build(self, job: Job, tokenizer: Any, key: tuple[str, str]) -> tuple[Any, int]:
+        """On a compile worker: the matcher, and the native bytes it keeps."""
+        field, source = key
+        grammar = llguidance_grammar(field, source, job)
+        if len(grammar) > self.limits.max_bytes:  # a GBNF grammar's Lark, or a choice's
+            raise GrammarError(field, self._too_large(field, len(grammar)))
+        before = _allocated_bytes()
+        matcher = _matcher(tokenizer, field, grammar)
+        return matcher, max(len(source), _allocated_bytes() - before)
+
+    def _finished(self, key: tuple[str, str], entry: _Entry, future: Any) -> None:
+        with self._lock:
+            if self._cache.get(key) is not entry:
+                return
+            error = future.exception()
+            if isinstance(error, _Timeout) or (error and not isinstance(error, GrammarError)):
+                del self._cache[key]  # a timeout or a failure of ours: the next request tries
+                return
+            entry.num_bytes = ERROR_CACHE_BYTES if error else future.result()[1]
+            self.cache_bytes += entry.num_bytes
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop the least recently used finished grammars until the cache fits (under the
+        lock); sequences using a dropped grammar keep their own copies."""
+        for key in list(self._cache):
+            if self.cache_bytes <= self.limits.cache_bytes:
+                return
+            entry = self._cache[key]
+            if entry.num_bytes:
+                del self._cache[key]
+                self.cache_bytes -= entry.num_bytes
+
+    def _timeout(self, field: str) -> GrammarError:
+        return _Timeout(
+            field,
+            f"compiling the {field} constraint took longer than {self.limits.timeout_s:g} s "
+            "(--grammar-compile-timeout)",
+        )
+
+    def _too_large(self, field: str, num_bytes: int) -> str:
+        return (
+            f"the {field} constraint is {num_bytes:,} bytes; the limit is "
+            f"{self.limits.max_bytes:,} (--max-grammar-bytes)"
+        )
 
 
-def _build(tokenizer: Any, field: str, source: str) -> Any:
+def llguidance_grammar(field: str, source: str, job: Job | None = None) -> str:
+    """The llguidance grammar of one constraint (not yet checked against the tokenizer); a
+    GBNF grammar is converted in a child process that ``job``'s cancellation kills."""
     import llguidance
 
-    grammar = llguidance_grammar(field, source)
+    # NOTE: compact JSON (no free whitespace between tokens): a model cannot spend its
+    # whole budget on blank space, and outputs parse the same.
+    options: Any = {"whitespace_flexible": False}
     try:
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        if not matcher.is_error():
-            matcher.compute_bitmask()  # the first mask's lexer work, here rather than in a step
+        if field == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, options)
+        if field == "json":
+            try:
+                schema = json.loads(source)
+            except ValueError as exc:
+                raise GrammarError("json", f"the JSON schema is not valid JSON: {exc}") from None
+            if not isinstance(schema, dict | bool):
+                raise GrammarError("json", "the JSON schema must be an object or a boolean")
+            return llguidance.LLMatcher.grammar_from_json_schema(source, options)
+        if field == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(source)
+        if field == "choice":
+            choices = json.loads(source)
+            if not choices or not all(isinstance(c, str) and c for c in choices):
+                raise GrammarError("choice", "choice must be a non-empty list of non-empty strings")
+            return llguidance.grammar_from("choice", choices)
+        if is_gbnf(source):
+            source = gbnf_to_lark(source, job.on_cancel if job else lambda kill: None)
+        return llguidance.LLMatcher.grammar_from_lark(source)
+    except (ValueError, RecursionError) as exc:
+        if isinstance(exc, GrammarError):
+            raise
+        noun = {"json": "JSON schema", "grammar": "grammar"}.get(field, field)
+        message = str(exc) if isinstance(exc, ConversionError) else _short(str(exc))
+        raise GrammarError(field, f"the {noun} is not valid: {message}") from None
+
+
+def _matcher(tokenizer: Any, field: str, grammar: str) -> Any:
+    """The compiled matcher; refused if llguidance cannot take its first ``PROBE_TOKENS``
+    tokens within its limits (``a{1000000}``, a 20,000-way choice in one rule): such a grammar
+    would otherwise fail at the first token of a step."""
+    import llguidance
+
+    # NOTE: non-verbose errors: a verbose one carries the grammar and the parser's state, which
+    # must reach neither the client nor the log.
+    limits = llguidance.LLParserLimits(verbose_errors=False)
+    try:
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
+        probe = matcher.deep_copy()
+        for _ in range(PROBE_TOKENS):
+            if probe.is_error() or probe.is_stopped():
+                break
+            allowed = np.flatnonzero(np.unpackbits(
+                np.frombuffer(probe.compute_bitmask(), np.uint8), bitorder="little"
+            ))  # fmt: skip
+            if not allowed.size or not probe.consume_token(int(allowed[0])):
+                break
     except BaseException as exc:  # noqa: BLE001  llguidance's Rust panics are BaseExceptions
         if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
             raise
-        raise GrammarError(field, f"invalid {field} constraint: {exc}") from None
-    if matcher.is_error():
-        raise GrammarError(field, f"invalid {field} constraint: {matcher.get_error().strip()}")
+        raise GrammarError(field, f"invalid {field} constraint: {_short(str(exc))}") from None
+    for state in (matcher, probe):
+        if state.is_error():
+            error = _short(state.get_error())
+            words = "invalid" if state is matcher else "too complex to follow"
+            raise GrammarError(field, f"{words} {field} constraint: {error}")
     return matcher
+
+
+def _short(error: str, limit: int = 300) -> str:
+    """An llguidance error without its ``<non-verbose/>`` marker, at most ``limit`` chars."""
+    error = error.replace("<non-verbose/>", "").strip()
+    return error if len(error) <= limit else error[: limit - 3] + "..."
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+        ).split()
+    ]
+
+
+def _mallinfo2() -> Any:
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return None
+    libc.mallinfo2.restype = _MallInfo2
+    return libc.mallinfo2
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def _allocated_bytes() -> int:
+    """Bytes malloc has handed out in the whole process (glibc; 0 elsewhere, where a grammar
+    is counted at its source's size). llguidance allocates with malloc, so the growth across a
+    compile is what the grammar keeps, give or take what other threads did meanwhile."""
+    if _MALLINFO2 is None:
+        return 0
+    info = _MALLINFO2()
+    return int(info.uordblks + info.hblkhd)

@@ -85,7 +85,8 @@ class EngineClient(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
-    def compile_grammar(self, params: SamplingParams) -> None:
-        """Compile (and cache) ``params.structured_outputs`` ahead of ``generate``: blocking,
-        for a worker thread; ``RequestError`` naming the field if it is invalid or too slow."""
+    async def compile_grammar(self, params: SamplingParams, client: str = "") -> None:
+        """Compile (and cache) ``params.structured_outputs`` ahead of ``generate``, sharing the
+        compile workers fairly between ``client``s; ``RequestError`` naming the field if it is
+        invalid, too large or too slow."""
         ...

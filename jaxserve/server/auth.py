@@ -6,11 +6,22 @@ check runs before routing, so unknown routes answer 401 (not 404) without a key.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxserve.server.errors import APIError
+
+
+def client_key(request: Request, uses_api_key: bool) -> str:
+    """Who sent a request, for per-client limits and fair shares: the API key (hashed: never
+    kept) when keys are checked, else the address (as uvicorn reports it)."""
+    if uses_api_key:
+        token = request.headers.get("authorization", "").partition(" ")[2].strip()
+        return "key:" + hashlib.sha256(token.encode()).hexdigest()[:32]
+    return "addr:" + (request.client.host if request.client else "unknown")
 
 
 def unauthorized() -> APIError:

@@ -43,7 +43,7 @@ async def create_completion(ctx: ServingContext, request: Request, raw: bytes) -
     req, engine_requests, num_entries = await ctx.offload(
         len(raw) >= OFFLOAD_BYTES, _prepare, ctx, raw, completion_id
     )
-    await ctx.compile_grammars(engine_requests, req.structured_outputs_param)
+    await ctx.compile_grammars(engine_requests, req.structured_outputs_param, request)
     generation = ctx.new_generation(engine_requests, req.priority, req.cache_salt)
     writer = _CompletionWriter(ctx, req, completion_id)
     if req.stream:

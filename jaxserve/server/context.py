@@ -28,6 +28,7 @@ from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.request_checks import RequestError, check_request
 from jaxserve.engine.tokenizer import TemplateError
 from jaxserve.sampling_params import SamplingParams, SamplingParamsError
+from jaxserve.server.auth import client_key
 from jaxserve.server.chat_output import ChatOutputRules
 from jaxserve.server.errors import APIError, internal_error, json_dumps, model_not_found
 from jaxserve.server.generation import EngineRequest, Generation, RequestRecord
@@ -137,16 +138,18 @@ class ServingContext:
         except SamplingParamsError as exc:  # e.g. min_tokens above max_tokens
             raise APIError(400, str(exc), param=exc.param) from None
 
-    async def compile_grammars(self, requests: list[EngineRequest], param: str) -> None:
-        """Compile the requests' structured-output constraints on the host-work thread, off
-        the event loop and the step loop (the engine then takes them from its cache); an
-        invalid or too slow one is a 400 naming ``param``, the field the client sent it in."""
+    async def compile_grammars(
+        self, requests: list[EngineRequest], param: str, http_request: Request
+    ) -> None:
+        """Compile the requests' structured-output constraints on the engine's compile workers,
+        shared fairly between clients (the engine then takes them from its cache); an invalid,
+        too large or too slow one is a 400 naming ``param``, the field the client sent it in."""
         specs = {r.params.structured_outputs: r.params for r in requests}
         specs.pop(None, None)
-        loop = asyncio.get_running_loop()
+        client = client_key(http_request, self.settings.api_key is not None)
         for params in specs.values():
             try:
-                await loop.run_in_executor(self.host_executor, self.engine.compile_grammar, params)
+                await self.engine.compile_grammar(params, client)
             except RequestError as exc:
                 shown = exc.param if param == "structured_outputs" and exc.param else param
                 raise APIError(400, str(exc), param=shown) from None

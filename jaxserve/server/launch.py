@@ -158,6 +158,23 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "grammar) may take to compile; a slower one is refused with a 400",
     )
     add(
+        "--max-grammar-bytes",
+        type=int,
+        metavar="BYTES",
+        default=_ENGINE_DEFAULTS["max_grammar_bytes"],
+        help="the largest structured-output constraint (a schema, regex, choice list or "
+        "grammar, or a GBNF grammar's Lark form) compiled; a larger one is refused with a 400 "
+        "(docs/security.md)",
+    )
+    add(
+        "--grammar-cache-bytes",
+        type=int,
+        metavar="BYTES",
+        default=_ENGINE_DEFAULTS["grammar_cache_bytes"],
+        help="memory the compiled grammars kept for reuse may hold; the least recently used "
+        "is dropped first",
+    )
+    add(
         "--scheduling-policy",
         choices=SCHEDULING_POLICIES,
         default=_ENGINE_DEFAULTS["scheduling_policy"],
@@ -378,6 +395,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         async_scheduling=args.async_scheduling,
         serve_while_compiling=args.serve_while_compiling,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
+        max_grammar_bytes=args.max_grammar_bytes,
+        grammar_cache_bytes=args.grammar_cache_bytes,
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import math
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from starlette.requests import Request
 
 from jaxserve.engine.interfaces import EngineClient
 from jaxserve.engine.outputs import RequestOutput
+from jaxserve.server.auth import client_key
 from jaxserve.server.context import EventStreamResponse, ServingContext
 from jaxserve.server.errors import APIError
 from jaxserve.server.generation import Generation
@@ -112,11 +112,7 @@ class RateLimiter:
         return cls(settings.rate_limit_rpm, settings.rate_limit_tpm, settings.api_key is not None)
 
     def client_of(self, request: Request) -> str:
-        """The API key (hashed: buckets never hold it) when keys are checked, else the address."""
-        if self.uses_api_key:
-            token = request.headers.get("authorization", "").partition(" ")[2].strip()
-            return "key:" + hashlib.sha256(token.encode()).hexdigest()[:32]
-        return "addr:" + (request.client.host if request.client else "unknown")
+        return client_key(request, self.uses_api_key)
 
     def charge_request(self, request: Request) -> None:
         if self.requests is None:
