@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from jaxserve.config import ModelConfig
+from jaxserve.sampling_params import DEFAULT_MAX_GRAMMAR_BYTES
 
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -88,7 +89,7 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     # The largest structured-output source (schema, regex, choices, grammar) compiled, in bytes
     # (docs/security.md: what bounds the grammar compiler's stack).
-    max_grammar_bytes: int = 256 << 10
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
     # Native memory the compiled grammars kept for reuse may hold (least recently used first out).
     grammar_cache_bytes: int = 1 << 30
     # Memory the KV budget is a fraction of; None: what the device reports (CPU: 2 GiB).

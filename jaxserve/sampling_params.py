@@ -21,7 +21,9 @@ MAX_STOP_TOKEN_IDS = 1024  # each generated token is looked up in them
 MAX_TEMPERATURE = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
 SEED_RANGE = (-(2**63), 2**64)
-MAX_GRAMMAR_CHARS = 256 * 1024  # a JSON schema, regex or grammar
+# The largest constraint source compiled (a JSON schema, regex, choice list or grammar): the
+# default of the engine's max_grammar_bytes (--max-grammar-bytes), which the compiler checks.
+DEFAULT_MAX_GRAMMAR_BYTES = 256 * 1024
 MAX_CHOICES = 1024
 # vLLM's older spellings of a structured_outputs field (SamplingParams keywords and request
 # fields alike).
@@ -71,11 +73,6 @@ class StructuredOutputsParams:
             if not isinstance(value, str) or not value:
                 raise SamplingParamsError(
                     f"structured_outputs.{name}", f"{name} must be a non-empty string"
-                )
-            if len(value) > MAX_GRAMMAR_CHARS:
-                raise SamplingParamsError(
-                    f"structured_outputs.{name}",
-                    f"{name} has {len(value)} characters; at most {MAX_GRAMMAR_CHARS} are allowed",
                 )
         if self.choice is not None:
             if not isinstance(self.choice, tuple) or not 1 <= len(self.choice) <= MAX_CHOICES:

@@ -56,7 +56,7 @@ class EchoCore:
     def capacity_lines(self) -> list[str]:
         return ["KV cache size: 1,024 tokens"]
 
-    def compile_grammar(self, params) -> None:  # it echoes; constraints are not applied
+    async def compile_grammar_async(self, params, client="") -> None:  # it echoes: no constraint
         return None
 
     def add_request(self, request_id, prompt_token_ids, params, prompt=None, priority=0,

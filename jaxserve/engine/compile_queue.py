@@ -12,8 +12,9 @@ server's routes and the offline ``LLM`` wait on the job's future.
   (``max_grammar_bytes``, 256 KiB by default: 30,000 levels at most) uses under half of it. The
   stack is reserved address space; only the pages a compile reaches are ever touched.
 - **Fair share.** Jobs wait in one queue per client (its API key or address); a free worker
-  takes the oldest job of the client with the fewest compiles running, so a client sending slow
-  grammars holds at most the workers it already has while others wait.
+  takes the oldest job of the client with the fewest compiles running, and no client runs on
+  more than ``NUM_WORKERS - 1`` workers at once: one is always left for the others, so a client
+  sending slow grammars delays only its own.
 - **Deadlines.** A job still queued or running at its deadline fails with ``on_timeout()`` and is
   told to stop: a queued job never runs, and a running one's cancel hook (the GBNF conversion's
   process, gbnf.py) is called. llguidance's own compile cannot be interrupted; its limits
@@ -31,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-NUM_WORKERS = 2
+NUM_WORKERS = 3
 COMPILE_STACK_BYTES = 256 << 20
 
 
@@ -60,6 +61,7 @@ class Job:
 
 class CompileQueue:
     def __init__(self, num_workers: int = NUM_WORKERS) -> None:
+        self._max_running_per_client = max(1, num_workers - 1)
         self._cond = threading.Condition()
         self._queues: dict[str, collections.deque[Job]] = {}
         self._running: collections.Counter[str] = collections.Counter()
@@ -108,8 +110,13 @@ class CompileQueue:
     # -- the threads ------------------------------------------------------------------------
 
     def _next_job(self) -> Job | None:
-        """The oldest queued job of the client with the fewest running (under the lock)."""
-        waiting = [(self._running[c], q[0].deadline, c) for c, q in self._queues.items() if q]
+        """The oldest queued job of the client with the fewest running, among those under
+        their share (under the lock)."""
+        waiting = [
+            (self._running[c], q[0].deadline, c)
+            for c, q in self._queues.items()
+            if q and self._running[c] < self._max_running_per_client
+        ]
         if not waiting:
             return None
         client = min(waiting, key=lambda w: (w[0], w[1]))[2]

@@ -153,6 +153,13 @@ class EngineCore:
         spec = params.structured_outputs
         return None if spec is None else self.grammar_compiler.compile(spec)
 
+    async def compile_grammar_async(self, params: SamplingParams, client: str = "") -> None:
+        """``compile_grammar`` ahead of ``add_request``, awaited without holding a thread; the
+        compile workers are shared fairly between ``client``s."""
+        spec = params.structured_outputs
+        if spec is not None:
+            await self.grammar_compiler.compile_async(spec, client)
+
     def abort_request(self, request_id: str) -> None:
         with self._lock:
             self._aborts.append(request_id)

@@ -33,10 +33,9 @@ import numpy as np
 from jaxserve.engine.compile_queue import CompileQueue, Job
 from jaxserve.engine.gbnf import ConversionError, gbnf_to_lark, is_gbnf
 from jaxserve.engine.request_checks import RequestError
-from jaxserve.sampling_params import StructuredOutputsParams
+from jaxserve.sampling_params import DEFAULT_MAX_GRAMMAR_BYTES, StructuredOutputsParams
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
-DEFAULT_MAX_GRAMMAR_BYTES = 256 << 10  # see compile_queue.py: the stack this leaves room for
 DEFAULT_CACHE_BYTES = 1 << 30
 ERROR_CACHE_BYTES = 4096  # what a cached refusal is counted as
 PROBE_TOKENS = 4  # tokens a new grammar must take (the first allowed each time) to be accepted

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from jaxserve.sampling_params import (
+    DEFAULT_MAX_GRAMMAR_BYTES,
     MAX_CHOICES,
-    MAX_GRAMMAR_CHARS,
     MAX_LOGPROBS,
     MAX_N,
     MAX_STOP_STRINGS,
@@ -119,7 +119,7 @@ def _sampling_properties(max_model_len: int, vocab_size: int) -> dict[str, Any]:
 
 def _structured_output_properties() -> dict[str, Any]:
     """response_format, structured_outputs and the guided_* aliases: at most one per request."""
-    text = {"type": "string", "minLength": 1, "maxLength": MAX_GRAMMAR_CHARS}
+    text = {"type": "string", "minLength": 1, "maxLength": DEFAULT_MAX_GRAMMAR_BYTES}
     choice = {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES, "items": text}
     schema = {"type": "object", "description": "A JSON schema."}
     json_schema = {
