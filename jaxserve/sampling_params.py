@@ -48,7 +48,9 @@ class StructuredOutputsParams:
     """A constraint on what a request may generate (vLLM's ``structured_outputs``): exactly one
     of ``json`` (a JSON schema, serialized), ``json_object``, ``regex``, ``choice`` or
     ``grammar`` (EBNF/GBNF or Lark). ``reasoning_end`` holds token ids that end a reasoning
-    section: when set, the constraint applies only after they have been generated."""
+    section: when set, the constraint applies only after they have been generated. With
+    ``reasoning_start`` (one id) too, the section is optional: the first token may be that id
+    (then the constraint waits for ``reasoning_end``), or any the constraint allows."""
 
     json: str | None = None
     json_object: bool = False
@@ -56,6 +58,7 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     reasoning_end: tuple[int, ...] = ()
+    reasoning_start: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         kinds = [self.json is not None, self.json_object, self.regex is not None]
@@ -84,17 +87,17 @@ class StructuredOutputsParams:
                 raise SamplingParamsError(
                     "structured_outputs.choice", "choice entries must be non-empty strings"
                 )
-        if not isinstance(self.reasoning_end, tuple) or not all(
-            _is_int(t) and t >= 0 for t in self.reasoning_end
-        ):
-            raise SamplingParamsError(
-                "structured_outputs.reasoning_end", "reasoning_end must be a list of token ids"
-            )
+        for name in ("reasoning_end", "reasoning_start"):
+            ids = getattr(self, name)
+            if not isinstance(ids, tuple) or not all(_is_int(t) and t >= 0 for t in ids):
+                raise SamplingParamsError(
+                    f"structured_outputs.{name}", f"{name} must be a list of token ids"
+                )
 
     @classmethod
     def of(cls, value: Any) -> StructuredOutputsParams:
-        """From a mapping as clients send it (``json`` may be a schema object, ``choice`` and
-        ``reasoning_end`` lists), or as it is."""
+        """From a mapping as clients send it (``json`` may be a schema object, ``choice``,
+        ``reasoning_end`` and ``reasoning_start`` lists), or as it is."""
         if isinstance(value, StructuredOutputsParams):
             return value
         if not isinstance(value, Mapping):
@@ -110,7 +113,7 @@ class StructuredOutputsParams:
         schema = kwargs.get("json")
         if isinstance(schema, dict | bool):
             kwargs["json"] = json.dumps(schema)
-        for name in ("choice", "reasoning_end"):
+        for name in ("choice", "reasoning_end", "reasoning_start"):
             if isinstance(kwargs.get(name), list):
                 kwargs[name] = tuple(kwargs[name])
         if kwargs.get("json_object") is False:

@@ -400,6 +400,28 @@ def test_the_constraint_starts_after_the_reasoning_end_tokens(llm) -> None:
     assert bound.token_ids[0] != end and bound.text in ("yes", "no")
 
 
+def test_an_optional_reasoning_section_is_the_model_s_choice(llm) -> None:
+    """``reasoning_start`` (qwen3's ``<think>``): the first token may open the section (then the
+    grammar waits for ``reasoning_end``) or be the grammar's, which then holds at once."""
+    start, end = 9, 7
+
+    def generate(bias: dict[int, float]):
+        spec = {"choice": ["yes", "no"], "reasoning_end": [end], "reasoning_start": [start]}
+        params = SamplingParams(
+            temperature=0, max_tokens=20, logit_bias=bias, structured_outputs=spec
+        )
+        return llm.generate({"prompt_token_ids": [3, 4]}, params, use_tqdm=False)[0].outputs[0]
+
+    # The start id outranks the grammar's first tokens; the end id is then the free choice.
+    opened = generate({start: 50.0, end: 100.0})
+    assert opened.token_ids[:2] == [start, end], opened.token_ids
+    assert llm.engine.tokenizer.decode(opened.token_ids[2:]) in ("yes", "no")
+    # Without the start id first, the grammar holds from the first token: no end id, ever.
+    held = generate({start: -100.0, end: 100.0})
+    assert held.text in ("yes", "no") and end not in held.token_ids, held.token_ids
+    assert held.finish_reason == "stop"
+
+
 # -- each tokenizer alone ------------------------------------------------------------------
 
 
@@ -437,7 +459,7 @@ def test_random_walks_through_the_mask_give_valid_documents_on_each_fixture_toke
 def _constrained_step(num_seqs: int, reasoning_end: tuple[int, ...] = ()):
     """A request of ``num_seqs`` samples and the step that runs all of them for the first time
     (duck-typed Sequence / ScheduledSeq / SchedulerOutput: what StructuredOutputs reads)."""
-    spec = SimpleNamespace(reasoning_end=reasoning_end)
+    spec = StructuredOutputsParams(choice=("yes", "no"), reasoning_end=reasoning_end)
     request = SimpleNamespace(request_id="r", seqs=[])
     request.seqs = [
         SimpleNamespace(

@@ -27,7 +27,9 @@ from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.engine_config import EngineConfig, default_model_dir
 from jaxserve.server.app import build_app
 from jaxserve.server.background import BackgroundServer
+from jaxserve.server.chat_output import ChatOutputRules
 from jaxserve.server.launch import run_launch, settings_from_args
+from jaxserve.server.protocol import parse_chat_request
 from jaxserve.server.settings import ServerSettings
 from jaxserve.server.tool_calls import MessageDelta
 
@@ -465,13 +467,52 @@ def test_reasoning_then_tool_call_and_the_message_sent_back(servers):
     assert "<tool_response>\nsunny\n</tool_response>" in core.prompts[-1]
 
 
-def test_constraints_wait_for_the_end_of_reasoning(servers):
-    client, core = servers(reasoning_parser="qwen3")
+def test_constraints_hold_at_once_for_a_model_that_cannot_reason(servers):
+    """The demo model's vocabulary has no </think> token: it never closes a reasoning section,
+    so a constraint that waited for one never applied (json_object returned Python code)."""
+    client, core = servers(reasoning_parser="deepseek_r1")
     ask(client, "[]", tools=TOOLS, tool_choice="required")
-    think_end = core.tokenizer.encode("</think>", add_special_tokens=False)
-    assert core.params[-1].structured_outputs.reasoning_end == tuple(think_end)
+    assert core.params[-1].structured_outputs.reasoning_end == ()
+    output = '[{"name": "get_time", "parameters": {}}]'
+    choice = ask(client, output, tools=TOOLS, tool_choice="required").choices[0]
+    assert calls_of(choice.message) == [("get_time", {})]  # content, not reasoning
+    assert choice.finish_reason == "tool_calls"
     ask(client, "x")  # no constraint: nothing to hold back
     assert core.params[-1].structured_outputs is None
+
+
+class ReasoningVocabulary:
+    """A reasoning model's tokenizer, as far as the rules read it: one id each for the tags."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return {"<think>": [7], "</think>": [8]}[text]
+
+
+@pytest.mark.parametrize(
+    ("parser", "kwargs", "prompt_end", "end", "start"),
+    [
+        ("qwen3", {}, "assistant\n", (8,), (7,)),  # the model's choice: <think> or the grammar
+        ("qwen3", {}, "<think>\n", (8,), ()),  # the template opened the section
+        ("deepseek_r1", {}, "assistant\n", (8,), ()),  # R1 always reasons first
+        ("qwen3", {}, "<think>\n\n</think>\n\n", (), ()),  # the template closed it
+        ("qwen3", {"enable_thinking": False}, "assistant\n", (), ()),  # the client turned it off
+        ("deepseek_r1", {"thinking": False}, "assistant\n", (), ()),
+    ],
+)
+def test_when_a_constraint_waits_for_the_reasoning(parser, kwargs, prompt_end, end, start):
+    rules = ChatOutputRules(
+        ServerSettings(served_model_names=(MODEL,), reasoning_parser=parser), ReasoningVocabulary()
+    )
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "json_object"},
+    }
+    req = parse_chat_request(body | {"chat_template_kwargs": kwargs})
+    spec = rules.params_for(req, req.params, "prompt " + prompt_end).structured_outputs
+    assert (spec.reasoning_end, spec.reasoning_start) == (end, start)
+    # The reply is content whenever the constraint holds from the first token.
+    message = rules.parser(req, "prompt " + prompt_end).parse_all('{"a": 1}')
+    assert message.content == ('{"a": 1}' if not end or start else "")
 
 
 # -- the chat template -----------------------------------------------------------------------

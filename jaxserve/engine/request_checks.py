@@ -47,6 +47,10 @@ def check_request(
     if not prompt_token_ids:
         raise RequestError(f"the {noun} is empty", param=noun)
     check_token_ids(prompt_token_ids, vocab_size, noun)
+    spec = params.structured_outputs
+    if spec is not None:  # ids that reach the token masks
+        check_token_ids(spec.reasoning_start, vocab_size, "structured_outputs.reasoning_start")
+        check_token_ids(spec.reasoning_end, vocab_size, "structured_outputs.reasoning_end")
     num_prompt = len(prompt_token_ids)
     if num_prompt >= max_model_len:
         raise RequestError(

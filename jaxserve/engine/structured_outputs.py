@@ -9,8 +9,10 @@ request retires. In the output path the engine feeds a step's tokens, all at onc
 which token broke its grammar; then ``start_masks`` fills the next step's allowed tokens into
 the sampler's packed mask on a worker thread while the engine handles the rest of the step's
 output, and the engine waits for it just before it queues the sampler. With ``reasoning_end``
-set, a sequence's tokens reach its matcher only once those ids have been generated. Requests
-without a constraint have no entry and cost nothing.
+set, a sequence's tokens reach its matcher only once those ids have been generated; with
+``reasoning_start`` too, the reasoning section is the model's choice: the first token may be
+that id (then the grammar waits for ``reasoning_end``) or any the grammar allows (then it holds
+from the first token). Requests without a constraint have no entry and cost nothing.
 """
 
 from __future__ import annotations
@@ -24,17 +26,38 @@ import numpy as np
 
 from jaxserve.engine.request import Request, Sequence, seq_of
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
+from jaxserve.sampling_params import StructuredOutputsParams
 
 
 @dataclasses.dataclass
 class _SeqGrammar:
     matcher: Any  # llguidance.LLMatcher: the tokens accepted so far
     reasoning_end: tuple[int, ...]  # ids that open the constrained part; () = from the start
+    # The one id that may open a reasoning section as the first token, the grammar holding
+    # otherwise (None: no choice left; reasoning_end alone says whether it waits).
+    may_open: int | None = None
+    opened_end: tuple[int, ...] = ()  # the reasoning_end of a section ``may_open`` opened
     recent: list[int] = dataclasses.field(default_factory=list)  # the last len(end) tokens
+
+    @classmethod
+    def of(cls, matcher: Any, spec: StructuredOutputsParams | None) -> _SeqGrammar:
+        end = spec.reasoning_end if spec is not None else ()
+        if spec is not None and end and len(spec.reasoning_start) == 1:  # the model's choice
+            return cls(matcher, (), may_open=spec.reasoning_start[0], opened_end=end)
+        return cls(matcher, end)
 
     @property
     def is_active(self) -> bool:
         return not self.reasoning_end
+
+    def opens_reasoning(self, token: int) -> bool:
+        """The first token decides: ``may_open`` starts a reasoning section (True), any other
+        is the grammar's."""
+        opening, self.may_open = self.may_open, None
+        if opening is not None and token == opening:
+            self.reasoning_end = self.opened_end
+            return True
+        return False
 
     def watch(self, token: int) -> None:
         """A token of the unconstrained part: the constraint starts after ``reasoning_end``."""
@@ -43,6 +66,8 @@ class _SeqGrammar:
             self.reasoning_end = ()  # what follows is constrained
 
     def replay(self, token: int) -> None:
+        if self.opens_reasoning(token):
+            return
         if not self.is_active:
             self.watch(token)
         elif not self.matcher.consume_token(token):
@@ -105,8 +130,7 @@ class StructuredOutputs:
             seq = seq_of(item)
             grammar = self._grammars.get(seq.request.request_id)
             if item.is_new and grammar is not None and seq.seq_id not in self._seqs:
-                spec = seq.params.structured_outputs
-                state = _SeqGrammar(grammar.deep_copy(), spec.reasoning_end if spec else ())
+                state = _SeqGrammar.of(grammar.deep_copy(), seq.params.structured_outputs)
                 for token in seq.output_token_ids[: seq.num_resolved_outputs]:
                     state.replay(token)  # a resumed sequence's tokens so far
                 self._seqs[seq.seq_id] = state
@@ -135,6 +159,8 @@ class StructuredOutputs:
             state = self._seqs.get(seq.seq_id)
             if state is None:
                 continue
+            if state.opens_reasoning(token):
+                continue
             if state.is_active:
                 active.append((seq.seq_id, state, token))
             else:
@@ -153,19 +179,22 @@ class StructuredOutputs:
     def start_masks(self, sched: SchedulerOutput, masks: np.ndarray) -> None:
         """Fill ``masks`` (i32[>= num_scheduled, W], every bit set) on the worker thread: row i
         packs the allowed next tokens (bit v % 32 of word v // 32) of scheduled sequence i;
-        rows without an active matcher keep every token. ``wait_masks`` before reading it."""
-        rows = []
+        rows without an active matcher keep every token, and a row whose first token may open a
+        reasoning section also allows that id. ``wait_masks`` before reading it."""
+        rows, openings = [], []
         for i, item in enumerate(sched.scheduled):
             state = self._seqs.get(item.seq.seq_id)
             if item.completes_sequence and state is not None and state.is_active:
                 if not state.matcher.is_stopped():
                     rows.append((state.matcher, i))
+                    if state.may_open is not None:
+                        openings.append((i, state.may_open))
         if self._mask_worker is None:
             self._mask_worker = concurrent.futures.ThreadPoolExecutor(1, "token-masks")
         assert self._pending_mask is None, "one mask at a time"
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(MASK_SWITCH_INTERVAL_S)
-        self._pending_mask = self._mask_worker.submit(self._fill, rows, masks)
+        self._pending_mask = self._mask_worker.submit(self._fill, rows, openings, masks)
 
     def wait_masks(self) -> None:
         """Wait for the mask ``start_masks`` began (its errors raise here)."""
@@ -176,11 +205,16 @@ class StructuredOutputs:
         finally:
             sys.setswitchinterval(self._switch_interval)
 
-    def _fill(self, rows: list[tuple[Any, int]], masks: np.ndarray) -> None:
+    def _fill(
+        self, rows: list[tuple[Any, int]], openings: list[tuple[int, int]], masks: np.ndarray
+    ) -> None:
         import llguidance.numpy
 
         if rows:
             llguidance.numpy.fill_next_token_bitmask_par(self.executor, rows, masks)
+        words = masks.view(np.uint32)
+        for row, token in openings:
+            words[row, token // 32] |= np.uint32(1 << (token % 32))
 
     def token_masks(self, sched: SchedulerOutput) -> np.ndarray:
         """i32[num_scheduled, W]: ``start_masks`` into a fresh array, waited for."""

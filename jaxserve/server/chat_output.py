@@ -19,7 +19,13 @@ from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.server.errors import bad_request
 from jaxserve.server.protocol import ChatRequest
-from jaxserve.server.reasoning import THINK_END, ReasoningParser, is_reasoning_over
+from jaxserve.server.reasoning import (
+    THINK_END,
+    THINK_START,
+    ReasoningParser,
+    is_reasoning_over,
+    opens_reasoning,
+)
 from jaxserve.server.settings import ServerSettings
 from jaxserve.server.tool_calls import MessageDelta, ToolCallDelta
 from jaxserve.server.tool_parsers import NamedParser, RequiredParser, ToolParser, make_tool_parser
@@ -77,6 +83,25 @@ class ChatOutputRules:
         """The token ids of ``</think>`` (one id in Qwen3 and DeepSeek-R1 vocabularies)."""
         return tuple(self.tokenizer.encode(THINK_END, add_special_tokens=False))
 
+    @functools.cached_property
+    def reasoning_start(self) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(THINK_START, add_special_tokens=False))
+
+    @functools.cached_property
+    def model_reasons(self) -> bool:
+        """Whether the model can write a reasoning section at all: a reasoning model's
+        vocabulary holds ``</think>`` as one token; a model without one (the demo model, say)
+        would spell it out of pieces only by chance, so nothing waits for it."""
+        return self.reasoning_parser is not None and len(self.reasoning_end) == 1
+
+    def reasons(self, req: ChatRequest, prompt: str) -> bool:
+        """Whether this request's output may open with a reasoning section: not when the model
+        cannot reason, the client turned thinking off (``chat_template_kwargs``
+        ``enable_thinking`` / ``thinking`` false), or the prompt already closed the section."""
+        kwargs = req.template_kwargs
+        turned_off = kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False
+        return self.model_reasons and not turned_off and not is_reasoning_over(prompt)
+
     def check(self, req: ChatRequest) -> None:
         choice = req.tool_choice
         if choice.mode == "auto" and self.tool_call_parser is None:
@@ -106,8 +131,16 @@ class ChatOutputRules:
             # tokens in some vocabularies; the parser must see them in the text.
             params = params.replace(skip_special_tokens=False)
         constraint = params.structured_outputs
-        if constraint is not None and self.reasoning_parser and not is_reasoning_over(prompt):
-            constraint = dataclasses.replace(constraint, reasoning_end=self.reasoning_end)
+        if constraint is not None and self.reasoning_parser and self.reasons(req, prompt):
+            # NOTE: qwen3's section is the model's choice (it reasons if it writes <think>
+            # first), so the first token may be <think> or whatever the constraint allows; a
+            # deepseek_r1 output, or a prompt the template ended with <think>, is reasoning
+            # until </think>.
+            is_optional = self.reasoning_parser == "qwen3" and not opens_reasoning(prompt)
+            start = self.reasoning_start if is_optional and len(self.reasoning_start) == 1 else ()
+            constraint = dataclasses.replace(
+                constraint, reasoning_end=self.reasoning_end, reasoning_start=start
+            )
             params = params.replace(structured_outputs=constraint)
         return params
 
@@ -122,7 +155,9 @@ class ChatOutputRules:
             tools = make_tool_parser(self.tool_call_parser, choice.parallel)
         reasoning = None
         if self.reasoning_parser is not None:
-            reasoning = ReasoningParser(self.reasoning_parser, prompt)
+            is_constrained = choice.is_forced or req.params.structured_outputs is not None
+            reasons = not is_constrained or self.reasons(req, prompt)
+            reasoning = ReasoningParser(self.reasoning_parser, prompt, reasons)
         return ChoiceParser(reasoning, tools)
 
 

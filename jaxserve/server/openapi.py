@@ -161,6 +161,7 @@ def _structured_output_properties() -> dict[str, Any]:
             "choice": choice,
             "grammar": {**text, "description": "Lark, or EBNF (GBNF)."},
             "reasoning_end": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+            "reasoning_start": {"type": "array", "items": {"type": "integer", "minimum": 0}},
         },
         "additionalProperties": False,
         "description": "vLLM's constraint: exactly one of json, json_object, regex, choice or "

@@ -26,13 +26,23 @@ def is_reasoning_over(prompt: str) -> bool:
     return prompt.rstrip().endswith(THINK_END)
 
 
+def opens_reasoning(prompt: str) -> bool:
+    """True when the prompt itself opened the reasoning section (the output starts in it)."""
+    return prompt.rstrip().endswith(THINK_START)
+
+
 class ReasoningParser:
-    def __init__(self, name: str, prompt: str) -> None:
+    def __init__(self, name: str, prompt: str, reasons: bool = True) -> None:
+        """``reasons``: False when the output is constrained from its first token (the model
+        cannot reason, the request turned thinking off, or the prompt closed the section):
+        it is reasoning only if it opens with ``<think>`` (which the constraint forbids)."""
         if name not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {name!r}")
-        self._starts_in_reasoning = name == "deepseek_r1"
+        self._starts_in_reasoning = name == "deepseek_r1" and reasons
         tail = prompt.rstrip()
-        if tail.endswith(THINK_END):
+        if not reasons:
+            self._state = "start"
+        elif tail.endswith(THINK_END):
             self._state = "content_start"
         elif tail.endswith(THINK_START):
             self._state = "reasoning_start"
