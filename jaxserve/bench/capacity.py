@@ -12,7 +12,6 @@ import dataclasses
 import json
 import os
 import sys
-from pathlib import Path
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import (
@@ -24,6 +23,7 @@ from jaxserve.engine_config import (
     kv_cache_dtype_name,
     weight_dtype,
 )
+from jaxserve.hf_cache import resolve_model_dir
 from jaxserve.models.families import num_active_params, num_params
 from jaxserve.models.quant_scheme import resolve_scheme
 from jaxserve.runner.capacity import (
@@ -62,7 +62,8 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
         "model",
         nargs="?",
         default=None,
-        help="model directory with config.json (default: the demo model)",
+        help="model directory with config.json, or a model id (org/name) in the local Hugging "
+        "Face cache (default: the demo model)",
     )
     add(
         "--max-model-len",
@@ -143,15 +144,15 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_capacity(args: argparse.Namespace) -> int:
-    model_dir = args.model or str(default_model_dir())
     try:
+        model_dir = resolve_model_dir(args.model) if args.model else default_model_dir()
         config = ModelConfig.from_hf_dir(model_dir)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     max_model_len = args.max_model_len or config.max_position_embeddings
     try:
-        quant = resolve_scheme(args.quantization, Path(model_dir))
+        quant = resolve_scheme(args.quantization, model_dir)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -201,7 +202,7 @@ def run_capacity(args: argparse.Namespace) -> int:
         print(
             json.dumps(
                 {
-                    "model": model_dir,
+                    "model": str(model_dir),
                     "device_memory_bytes": memory,
                     "accelerator": not on_cpu,
                     "memory_utilization": args.memory_utilization,
