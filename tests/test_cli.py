@@ -130,6 +130,7 @@ def test_vllm_flags_that_apply_reach_the_configs(tmp_path):
     assert not settings.enable_log_requests and not settings.log_stats
     assert args.uvicorn_log_level == "warning" and args.disable_uvicorn_access_log
     assert parse("serve", "--dtype", "float").dtype == "float32"
+    assert not parse("serve").enable_log_requests and parse("serve").log_level == "info"
 
 
 def test_vllm_flags_that_do_not_apply_warn_once_each(caplog):

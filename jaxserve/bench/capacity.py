@@ -92,21 +92,21 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default=_ENGINE_DEFAULTS["dtype"],
         choices=DTYPES,
-        help="weight dtype; auto is what launch uses: bfloat16 on accelerators, float32 on the CPU",
+        help="weight dtype; auto is what serve uses: bfloat16 on accelerators, float32 on the CPU",
     )
     add(
         "--quantization",
         "-q",
         choices=QUANTIZATIONS,
         default=None,
-        help="fp8 or int8 weights quantized on load, as launch's flag; default: the "
+        help="fp8 or int8 weights quantized on load, as serve's flag; default: the "
         "checkpoint's quantization_config, else none",
     )
     add(
         "--kv-cache-dtype",
         default=_ENGINE_DEFAULTS["kv_cache_dtype"],
         choices=KV_CACHE_DTYPES,
-        help="KV cache dtype, as launch takes it: auto = the weight dtype; fp8 (= fp8_e4m3) "
+        help="KV cache dtype, as serve takes it: auto = the weight dtype; fp8 (= fp8_e4m3) "
         "and fp8_e5m2 take one byte per element",
     )
     add(
@@ -119,7 +119,7 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--enable-expert-parallel",
         action="store_true",
-        help="a mixture of experts split whole over the devices, as launch's flag (sizes the "
+        help="a mixture of experts split whole over the devices, as serve's flag (sizes the "
         "experts' share of the headroom)",
     )
     add(

@@ -72,7 +72,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         default=None,
         choices=QUANTIZATIONS,
-        help="as launch's flag: fp8 / int8 weights quantized on load",
+        help="as serve's flag: fp8 / int8 weights quantized on load",
     )
     parser.add_argument(
         "--kv-cache-dtype",

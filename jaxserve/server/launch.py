@@ -131,7 +131,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=_ENGINE_DEFAULTS["gpu_memory_utilization"],
         help="fraction of device memory for weights + KV cache, taken at start from every "
-        "visible GPU; launch exits at once if another process holds more than the rest",
+        "visible GPU; serve exits at once if another process holds more than the rest",
     )
     add(
         "--max-num-seqs",
@@ -321,6 +321,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "--disable-log-requests",
         dest="enable_log_requests",
         action="store_false",
+        default=argparse.SUPPRESS,  # --enable-log-requests' default stands
         help="log no requests (the default; vLLM's older flag)",
     )
     add(
