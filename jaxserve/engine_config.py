@@ -17,6 +17,13 @@ LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 # vLLM's other names for the same dtypes (--dtype half).
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def dtype_name(text: str) -> str:
+    """A ``--dtype`` value in jaxserve's spelling (``half`` -> ``float16``)."""
+    return DTYPE_ALIASES.get(text, text)
+
+
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # --quantization: fp8 / int8 quantize bf16 weights on load; the others name a pre-quantized
 # checkpoint's method (which is detected from its config.json without the flag).

@@ -17,8 +17,8 @@ import pytest
 
 from jaxserve import __version__
 from jaxserve.cli import build_parser, main
-from jaxserve.server.flag_names import in_flag_terms
-from jaxserve.server.launch import _launch_flags, engine_config_from_args, settings_from_args
+from jaxserve.flag_names import command_flags, in_flag_terms
+from jaxserve.server.launch import add_launch_arguments, engine_config_from_args, settings_from_args
 from jaxserve.server.vllm_flags import INAPPLICABLE_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -195,7 +195,7 @@ def test_validation_errors_name_the_flag(caplog, flags, message):
 
 
 def test_errors_from_loading_name_flags_too():
-    flags = _launch_flags()
+    flags = command_flags(add_launch_arguments)
     assert in_flag_terms("tensor_parallel_size=4 must divide num_kv_heads=2", flags) == (
         "--tensor-parallel-size 4 must divide num_kv_heads=2"
     )
@@ -205,3 +205,21 @@ def test_errors_from_loading_name_flags_too():
     assert in_flag_terms("dtype='x' is not the model's dtype", flags) == (
         "--dtype 'x' is not the model's dtype"
     )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization 1.5 must be in (0, 1]"),
+        (["-tp", "0"], "--tensor-parallel-size 0 must be >= 1"),
+        (["--block-size", "12"], "--block-size 12 must be a power of two"),
+    ],
+)
+def test_capacity_checks_what_serve_checks_and_names_the_flag(capsys, flags, message):
+    assert main(["capacity", *flags, "--device-memory", "80GB"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {message}"
+
+
+def test_offline_benchmarks_name_the_flag():
+    with pytest.raises(SystemExit, match=r"^error: --max-model-len 1 must be at least 2$"):
+        main(["bench", "throughput", "--engine", "jaxserve", "--max-model-len", "1"])

@@ -138,3 +138,10 @@ def test_a_cached_model_serves_offline_as_its_directory(hf_home):
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     out = llm.generate(prompt, greedy)[0]
     assert out.outputs[0].token_ids == golden["greedy_ids"].tolist()
+
+
+def test_offline_benchmarks_say_how_to_get_a_missing_model(hf_home):
+    with pytest.raises(
+        SystemExit, match="^error: org/missing is not a local directory.*hf download"
+    ):
+        main(["bench", "latency", "--model", "org/missing", "--batch-size", "1"])

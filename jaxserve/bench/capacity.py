@@ -20,9 +20,11 @@ from jaxserve.engine_config import (
     QUANTIZATIONS,
     EngineConfig,
     default_model_dir,
+    dtype_name,
     kv_cache_dtype_name,
     weight_dtype,
 )
+from jaxserve.flag_names import command_flags, in_flag_terms
 from jaxserve.hf_cache import resolve_model_dir
 from jaxserve.models.families import num_active_params, num_params
 from jaxserve.models.quant_scheme import resolve_scheme
@@ -90,6 +92,7 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--dtype",
+        type=dtype_name,
         default=_ENGINE_DEFAULTS["dtype"],
         choices=DTYPES,
         help="weight dtype; auto is what serve uses: bfloat16 on accelerators, float32 on the CPU",
@@ -145,10 +148,24 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_capacity(args: argparse.Namespace) -> int:
     try:
+        EngineConfig(  # the checks serve makes of the same flags
+            dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
+            quantization=args.quantization,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size,
+            gpu_memory_utilization=args.memory_utilization,
+            tensor_parallel_size=args.tensor_parallel_size,
+        )
         model_dir = resolve_model_dir(args.model) if args.model else default_model_dir()
         config = ModelConfig.from_hf_dir(model_dir)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(
+            f"error: {in_flag_terms(str(exc), command_flags(add_capacity_arguments))}",
+            file=sys.stderr,
+        )
         return 2
     max_model_len = args.max_model_len or config.max_position_embeddings
     try:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import functools
 import logging
 import os
 import signal
@@ -25,14 +24,15 @@ from typing import Any
 import uvicorn
 
 from jaxserve.engine_config import (
-    DTYPE_ALIASES,
     DTYPES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
     EngineConfig,
+    dtype_name,
 )
+from jaxserve.flag_names import command_flags, in_flag_terms
 from jaxserve.hf_cache import ModelNotFoundError
 from jaxserve.runner.device_memory import (
     MemoryQuery,
@@ -40,7 +40,6 @@ from jaxserve.runner.device_memory import (
     nvml_device_memory,
     out_of_memory_message,
 )
-from jaxserve.server.flag_names import field_flags, in_flag_terms
 from jaxserve.server.preflight import PreflightError, preflight
 from jaxserve.server.reasoning import REASONING_PARSERS
 from jaxserve.server.settings import (
@@ -433,11 +432,6 @@ def port_number(text: str) -> int:
     return port
 
 
-def dtype_name(text: str) -> str:
-    """``--dtype``, with vLLM's other names (half, float) for the same dtypes."""
-    return DTYPE_ALIASES.get(text, text)
-
-
 def load_format_name(text: str) -> str:
     """``--load-format``: vLLM's ``safetensors`` is what ``auto`` loads."""
     return "auto" if text == "safetensors" else text
@@ -627,16 +621,9 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
     return 0
 
 
-@functools.cache
-def _launch_flags() -> dict[str, str]:
-    parser = argparse.ArgumentParser(add_help=False)
-    add_launch_arguments(parser)
-    return field_flags(parser)
-
-
 def flag_terms(exc: Exception) -> str:
     """The error's message naming flags, not the Python fields they set (flag_names.py)."""
-    return in_flag_terms(str(exc), _launch_flags())
+    return in_flag_terms(str(exc), command_flags(add_launch_arguments))
 
 
 class DrainingServer(uvicorn.Server):

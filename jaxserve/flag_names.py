@@ -10,10 +10,13 @@ command line. The map comes from the parser itself: a new flag is covered when i
 from __future__ import annotations
 
 import argparse
+import functools
 import re
+from collections.abc import Callable
 
 # Fields whose flag is not the field's name in kebab case (ServerSettings' *_s seconds, ...).
 _RENAMED_FIELDS = {
+    "gpu_memory_utilization": "--gpu-memory-utilization",
     "served_model_names": "--served-model-name",
     "grammar_compile_timeout_s": "--grammar-compile-timeout",
     "shutdown_timeout_s": "--shutdown-timeout",
@@ -31,6 +34,14 @@ def field_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
         if names and action.dest != "help":
             flags.setdefault(action.dest, names[0])
     return {**flags, **_RENAMED_FIELDS}
+
+
+@functools.cache
+def command_flags(add_arguments: Callable[[argparse.ArgumentParser], None]) -> dict[str, str]:
+    """``field_flags`` of the parser that ``add_arguments`` fills (a subcommand's)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    return field_flags(parser)
 
 
 def in_flag_terms(message: str, flags: dict[str, str]) -> str:
