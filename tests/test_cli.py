@@ -223,3 +223,8 @@ def test_capacity_checks_what_serve_checks_and_names_the_flag(capsys, flags, mes
 def test_offline_benchmarks_name_the_flag():
     with pytest.raises(SystemExit, match=r"^error: --max-model-len 1 must be at least 2$"):
         main(["bench", "throughput", "--engine", "jaxserve", "--max-model-len", "1"])
+
+
+def test_bench_serve_names_the_flag(capsys):
+    assert main(["bench", "serve", "--max-concurrency", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --max-concurrency 0 must be >= 1"
