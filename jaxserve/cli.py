@@ -1,19 +1,51 @@
-"""The ``jaxserve`` command: ``launch`` (the server), ``capacity`` (how much KV cache fits),
-``bench serve`` (load a running server), ``bench throughput`` (offline tokens/s) and
-``bench latency`` (offline latency of one batch).
+"""The ``jaxserve`` command (also ``python -m jaxserve``): ``serve`` (the server, as ``vllm
+serve``; ``launch`` is its older name), ``capacity`` (how much KV cache fits), ``bench serve``
+(load a running server), ``bench throughput`` (offline tokens/s) and ``bench latency`` (offline
+latency of one batch).
 
 Each subcommand's module is imported only when that subcommand runs, so ``jaxserve --help`` and
-``jaxserve launch`` stay light. Add a subcommand with ``_add_command``.
+``jaxserve serve`` stay light. Add a subcommand with ``_add_command``. An unknown flag is reported
+by the subcommand that got it, with the flags it may have meant (``CommandParser``).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from collections.abc import Callable, Sequence
+from importlib import metadata
 
 Handler = Callable[[argparse.Namespace], int]
+SERVE_ALIASES = ("serve", "launch")
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse's parser, except that arguments it does not know are an error of this parser
+    (its usage, not the top-level one's) that names each and suggests close matches:
+    ``unrecognized argument --max-model-length; did you mean --max-model-len?``."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(self.unrecognized_message(extras))
+        assert parsed is not None
+        return parsed, extras
+
+    def unrecognized_message(self, extras: Sequence[str]) -> str:
+        flags = [name for action in self._actions for name in action.option_strings]
+        # The values of unknown flags are left over too: name only the flags, when any.
+        named = [arg for arg in extras if arg.startswith("-")] or list(extras)
+        parts = []
+        for arg in named:
+            name = arg.split("=", 1)[0]
+            close = difflib.get_close_matches(name, flags, n=3, cutoff=0.6)
+            suggestion = f"; did you mean {' or '.join(close)}?" if close else ""
+            parts.append(f"unrecognized argument {name}{suggestion}")
+        return "\n".join(parts) + f"\n(`{self.prog} --help` lists every flag)"
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -26,14 +58,31 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _add_command(
-    subparsers: argparse._SubParsersAction, name: str, help_text: str
+    subparsers: argparse._SubParsersAction,
+    name: str,
+    help_text: str,
+    aliases: Sequence[str] = (),
+    usage: str | None = None,
 ) -> argparse.ArgumentParser:
     return subparsers.add_parser(
         name,
+        aliases=list(aliases),
         help=help_text,
         description=help_text,
+        usage=usage,
         formatter_class=_HelpFormatter,
     )
+
+
+def version() -> str:
+    """``jaxserve --version``: this package's version and the JAX it runs on."""
+    from jaxserve import __version__
+
+    try:
+        jax_version = metadata.version("jax")
+    except metadata.PackageNotFoundError:
+        jax_version = "not installed"
+    return f"jaxserve {__version__} (jax {jax_version}, Python {sys.version.split()[0]})"
 
 
 def hide_torch() -> None:
@@ -47,7 +96,7 @@ def hide_torch() -> None:
             sys.modules.setdefault(name, None)  # type: ignore[arg-type]
 
 
-def _run_launch(args: argparse.Namespace) -> int:
+def _run_serve(args: argparse.Namespace) -> int:
     hide_torch()
     from jaxserve.server.launch import run_launch
 
@@ -82,20 +131,34 @@ def _run_bench_latency(args: argparse.Namespace) -> int:
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     """The parser; only the subcommand named in ``argv`` gets (and imports) its arguments."""
-    parser = argparse.ArgumentParser(
-        prog="jaxserve", description="LLM serving engine in JAX with an OpenAI-compatible server."
+    parser = CommandParser(
+        prog="jaxserve",
+        description="LLM serving engine in JAX with an OpenAI-compatible server. "
+        "`jaxserve serve MODEL` serves a model as `vllm serve MODEL` does.",
     )
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.add_argument("--version", action="version", version=version())
+    commands = parser.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, parser_class=CommandParser
+    )
 
-    launch = _add_command(commands, "launch", "serve a model over an OpenAI-compatible HTTP API")
-    launch.set_defaults(handler=_run_launch)
-    if argv[:1] == ["launch"]:
+    serve = _add_command(
+        commands,
+        "serve",
+        "serve a model over an OpenAI-compatible HTTP API (`launch` is an older name for it)",
+        aliases=["launch"],
+        usage="%(prog)s [MODEL] [flags]",
+    )
+    serve.set_defaults(handler=_run_serve)
+    if argv[:1] and argv[0] in SERVE_ALIASES:
         from jaxserve.server.launch import add_launch_arguments
 
-        add_launch_arguments(launch)
+        add_launch_arguments(serve)
 
     capacity = _add_command(
-        commands, "capacity", "print KV cache capacity and max concurrency without loading weights"
+        commands,
+        "capacity",
+        "print KV cache capacity and max concurrency without loading weights",
+        usage="%(prog)s [MODEL] [flags]",
     )
     capacity.set_defaults(handler=_run_capacity)
     if argv[:1] == ["capacity"]:
@@ -105,16 +168,22 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks", description="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-    serve = _add_command(
-        bench_commands, "serve", "replay prompts against a running server and report latencies"
+    bench_serve = _add_command(
+        bench_commands,
+        "serve",
+        "replay prompts against a running server and report latencies",
+        usage="%(prog)s [flags]",
     )
-    serve.set_defaults(handler=_run_bench_serve)
+    bench_serve.set_defaults(handler=_run_bench_serve)
     if argv[:2] == ["bench", "serve"]:
         from jaxserve.bench.serve import add_serve_arguments
 
-        add_serve_arguments(serve)
+        add_serve_arguments(bench_serve)
     throughput = _add_command(
-        bench_commands, "throughput", "offline output tokens/s, against Hugging Face transformers"
+        bench_commands,
+        "throughput",
+        "offline output tokens/s, against Hugging Face transformers",
+        usage="%(prog)s [flags]",
     )
     throughput.set_defaults(handler=_run_bench_throughput)
     if argv[:2] == ["bench", "throughput"]:
@@ -122,7 +191,10 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
         add_throughput_arguments(throughput)
     latency = _add_command(
-        bench_commands, "latency", "offline latency of one batch: end to end, TTFT, TPOT"
+        bench_commands,
+        "latency",
+        "offline latency of one batch: end to end, TTFT, TPOT",
+        usage="%(prog)s [flags]",
     )
     latency.set_defaults(handler=_run_bench_latency)
     if argv[:2] == ["bench", "latency"]:

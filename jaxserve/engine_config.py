@@ -11,10 +11,20 @@ import os
 from pathlib import Path
 
 from jaxserve.config import ModelConfig
+from jaxserve.hf_cache import resolve_model_dir
 from jaxserve.sampling_params import DEFAULT_MAX_GRAMMAR_BYTES
 
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+# vLLM's other names for the same dtypes (--dtype half).
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def dtype_name(text: str) -> str:
+    """A ``--dtype`` value in jaxserve's spelling (``half`` -> ``float16``)."""
+    return DTYPE_ALIASES.get(text, text)
+
+
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # --quantization: fp8 / int8 quantize bf16 weights on load; the others name a pre-quantized
 # checkpoint's method (which is detected from its config.json without the flag).
@@ -54,9 +64,14 @@ def default_model_dir() -> Path:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    model: str = ""  # a local Hugging Face directory; "" means the embedded demo model
+    # A local Hugging Face directory, or a model id (org/name) in the Hugging Face cache; ""
+    # means the embedded demo model.
+    model: str = ""
     served_model_name: str | None = None
-    tokenizer: str | None = None  # defaults to the model directory
+    tokenizer: str | None = None  # a directory or a cached model id; None: the model's
+    revision: str | None = None  # of a model id: a branch, tag or commit; None: main
+    tokenizer_revision: str | None = None  # of a tokenizer id; None: main
+    download_dir: str | None = None  # the Hugging Face cache to look in; None: HF's default
     chat_template: str | None = None  # a Jinja file, or the template itself; None: the model's
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES; fp8 halves the cache's bytes per token
@@ -148,11 +163,17 @@ class EngineConfig:
 
     @property
     def model_dir(self) -> Path:
-        return Path(self.model) if self.model else default_model_dir()
+        """The model's directory: ``model`` itself, or its snapshot in the Hugging Face cache
+        (hf_cache.py; raises ModelNotFoundError when neither exists)."""
+        if not self.model:
+            return default_model_dir()
+        return resolve_model_dir(self.model, self.revision, self.download_dir)
 
     @property
     def tokenizer_dir(self) -> Path:
-        return Path(self.tokenizer) if self.tokenizer else self.model_dir
+        if not self.tokenizer:
+            return self.model_dir
+        return resolve_model_dir(self.tokenizer, self.tokenizer_revision, self.download_dir)
 
     @property
     def model_name(self) -> str:

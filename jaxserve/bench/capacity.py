@@ -12,7 +12,6 @@ import dataclasses
 import json
 import os
 import sys
-from pathlib import Path
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import (
@@ -21,9 +20,12 @@ from jaxserve.engine_config import (
     QUANTIZATIONS,
     EngineConfig,
     default_model_dir,
+    dtype_name,
     kv_cache_dtype_name,
     weight_dtype,
 )
+from jaxserve.flag_names import command_flags, in_flag_terms
+from jaxserve.hf_cache import resolve_model_dir
 from jaxserve.models.families import num_active_params, num_params
 from jaxserve.models.quant_scheme import resolve_scheme
 from jaxserve.runner.capacity import (
@@ -62,7 +64,8 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
         "model",
         nargs="?",
         default=None,
-        help="model directory with config.json (default: the demo model)",
+        help="model directory with config.json, or a model id (org/name) in the local Hugging "
+        "Face cache (default: the demo model)",
     )
     add(
         "--max-model-len",
@@ -89,23 +92,24 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--dtype",
+        type=dtype_name,
         default=_ENGINE_DEFAULTS["dtype"],
         choices=DTYPES,
-        help="weight dtype; auto is what launch uses: bfloat16 on accelerators, float32 on the CPU",
+        help="weight dtype; auto is what serve uses: bfloat16 on accelerators, float32 on the CPU",
     )
     add(
         "--quantization",
         "-q",
         choices=QUANTIZATIONS,
         default=None,
-        help="fp8 or int8 weights quantized on load, as launch's flag; default: the "
+        help="fp8 or int8 weights quantized on load, as serve's flag; default: the "
         "checkpoint's quantization_config, else none",
     )
     add(
         "--kv-cache-dtype",
         default=_ENGINE_DEFAULTS["kv_cache_dtype"],
         choices=KV_CACHE_DTYPES,
-        help="KV cache dtype, as launch takes it: auto = the weight dtype; fp8 (= fp8_e4m3) "
+        help="KV cache dtype, as serve takes it: auto = the weight dtype; fp8 (= fp8_e4m3) "
         "and fp8_e5m2 take one byte per element",
     )
     add(
@@ -118,7 +122,7 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--enable-expert-parallel",
         action="store_true",
-        help="a mixture of experts split whole over the devices, as launch's flag (sizes the "
+        help="a mixture of experts split whole over the devices, as serve's flag (sizes the "
         "experts' share of the headroom)",
     )
     add(
@@ -143,15 +147,29 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_capacity(args: argparse.Namespace) -> int:
-    model_dir = args.model or str(default_model_dir())
     try:
+        EngineConfig(  # the checks serve makes of the same flags
+            dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
+            quantization=args.quantization,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size,
+            gpu_memory_utilization=args.memory_utilization,
+            tensor_parallel_size=args.tensor_parallel_size,
+        )
+        model_dir = resolve_model_dir(args.model) if args.model else default_model_dir()
         config = ModelConfig.from_hf_dir(model_dir)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(
+            f"error: {in_flag_terms(str(exc), command_flags(add_capacity_arguments))}",
+            file=sys.stderr,
+        )
         return 2
     max_model_len = args.max_model_len or config.max_position_embeddings
     try:
-        quant = resolve_scheme(args.quantization, Path(model_dir))
+        quant = resolve_scheme(args.quantization, model_dir)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -201,7 +219,7 @@ def run_capacity(args: argparse.Namespace) -> int:
         print(
             json.dumps(
                 {
-                    "model": model_dir,
+                    "model": str(model_dir),
                     "device_memory_bytes": memory,
                     "accelerator": not on_cpu,
                     "memory_utilization": args.memory_utilization,

@@ -43,6 +43,7 @@ from jaxserve.bench.stats import (
     format_table,
     parse_goodput,
 )
+from jaxserve.flag_names import command_flags, in_flag_terms
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 _METRICS_POLL_S = 0.5
@@ -467,7 +468,9 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(
+            f"error: {in_flag_terms(str(e), command_flags(add_serve_arguments))}", file=sys.stderr
+        )
         return 2
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     result_dir = Path(args.result_dir or f"jaxserve-bench-{stamp}")

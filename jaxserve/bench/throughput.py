@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxserve.config import builtin_config_dir
-from jaxserve.engine_config import KV_CACHE_DTYPES, QUANTIZATIONS
+from jaxserve.engine_config import KV_CACHE_DTYPES, QUANTIZATIONS, dtype_name
+from jaxserve.flag_names import command_flags, in_flag_terms
 from jaxserve.units import COUNT_RULE, human_int
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype",
+        type=dtype_name,
         default="auto",
         help="weights and activations dtype; auto: bfloat16 on accelerators, float32 on the CPU",
     )
@@ -72,7 +74,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         default=None,
         choices=QUANTIZATIONS,
-        help="as launch's flag: fp8 / int8 weights quantized on load",
+        help="as serve's flag: fp8 / int8 weights quantized on load",
     )
     parser.add_argument(
         "--kv-cache-dtype",
@@ -99,19 +101,24 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
 
 def make_llm(args: argparse.Namespace) -> jaxserve.LLM:
     """``jaxserve.LLM`` from the engine flags (`add_engine_arguments`); the context limit
-    defaults to ``--input-len`` + ``--output-len``."""
+    defaults to ``--input-len`` + ``--output-len``. A flag out of range, or a model that is not
+    there, ends the command with one line that names the flag."""
     import jaxserve
 
-    return jaxserve.LLM(
-        args.model,
-        load_format=args.load_format,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        max_model_len=args.max_model_len or args.input_len + args.output_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+    try:
+        return jaxserve.LLM(
+            args.model,
+            load_format=args.load_format,
+            dtype=args.dtype,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
+            max_model_len=args.max_model_len or args.input_len + args.output_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+    except ValueError as exc:
+        flags = command_flags(add_engine_arguments)
+        raise SystemExit(f"error: {in_flag_terms(str(exc), flags)}") from None
 
 
 def run_jaxserve(args: argparse.Namespace) -> dict:

@@ -158,11 +158,11 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         tasks = [
-            asyncio.create_task(watch_engine(engine, settings.watchdog_interval_s, on_engine_dead)),
-            asyncio.create_task(
-                log_stats_periodically(StatsLogger(engine), settings.stats_log_interval_s)
-            ),
+            asyncio.create_task(watch_engine(engine, settings.watchdog_interval_s, on_engine_dead))
         ]
+        if settings.log_stats:
+            stats = log_stats_periodically(StatsLogger(engine), settings.stats_log_interval_s)
+            tasks.append(asyncio.create_task(stats))
         try:
             yield
         finally:

@@ -1,4 +1,5 @@
-"""``jaxserve launch``: flags (vLLM's spelling) -> EngineConfig + ServerSettings -> uvicorn.
+"""``jaxserve serve`` (alias ``launch``): flags (vLLM's spelling) -> EngineConfig +
+ServerSettings -> uvicorn.
 
 Start-up: check that the port can be bound and that the device has the memory
 ``--gpu-memory-utilization`` asks for (``preflight.py``: a start that cannot succeed ends in
@@ -29,7 +30,10 @@ from jaxserve.engine_config import (
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
     EngineConfig,
+    dtype_name,
 )
+from jaxserve.flag_names import command_flags, in_flag_terms
+from jaxserve.hf_cache import ModelNotFoundError
 from jaxserve.runner.device_memory import (
     MemoryQuery,
     is_out_of_memory,
@@ -48,6 +52,7 @@ from jaxserve.server.settings import (
     ServerSettings,
 )
 from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
+from jaxserve.server.vllm_flags import add_vllm_flags, inapplicable_flag_warnings
 from jaxserve.units import COUNT_RULE, human_bytes, human_int
 
 _LOG = logging.getLogger("jaxserve.launch")
@@ -62,9 +67,39 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "model",
         nargs="?",
-        default="",
-        metavar="MODEL_DIR",
-        help="local Hugging Face model directory; omitted: the embedded demo model",
+        default=None,
+        metavar="MODEL",
+        help="a local Hugging Face model directory, or a model id (org/name) already in the "
+        "local Hugging Face cache (nothing is downloaded); omitted: the embedded demo model",
+    )
+    add(
+        "--model",
+        dest="model_flag",
+        default=None,
+        metavar="MODEL",
+        help="the model, as a flag (vLLM's older spelling of the positional MODEL)",
+    )
+    add(
+        "--revision",
+        default=None,
+        help="of a model id: the branch, tag or commit to serve from the cache; default: main",
+    )
+    add(
+        "--tokenizer",
+        default=None,
+        help="the tokenizer's directory or cached model id; default: the model's",
+    )
+    add(
+        "--tokenizer-revision",
+        default=None,
+        help="of a tokenizer id: the branch, tag or commit; default: main",
+    )
+    add(
+        "--download-dir",
+        default=None,
+        help="the Hugging Face cache to find model ids in (vLLM downloads into it; jaxserve "
+        "only reads it); default: $HF_HUB_CACHE, else $HF_HOME/hub, else "
+        "~/.cache/huggingface/hub",
     )
     add(
         "--host",
@@ -73,13 +108,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key anyone who reaches the port can use the model (a warning says so); "
         "127.0.0.1 serves this machine only",
     )
-    add("--port", type=int, default=8000, help="port to bind")
+    add("--port", type=port_number, default=8000, help="port to bind (0-65535)")
     add(
         "--served-model-name",
         nargs="+",
         default=None,
         help="model name(s) clients send as `model` (the first is the metrics label); "
-        "default: MODEL_DIR, or jaxserve-demo",
+        "default: MODEL as given, or jaxserve-demo",
     )
     add(
         "--max-model-len",
@@ -95,7 +130,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=_ENGINE_DEFAULTS["gpu_memory_utilization"],
         help="fraction of device memory for weights + KV cache, taken at start from every "
-        "visible GPU; launch exits at once if another process holds more than the rest",
+        "visible GPU; serve exits at once if another process holds more than the rest",
     )
     add(
         "--max-num-seqs",
@@ -214,9 +249,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--dtype",
+        type=dtype_name,
         choices=DTYPES,
         default=_ENGINE_DEFAULTS["dtype"],
-        help="weights and activations dtype",
+        help="weights and activations dtype (also vLLM's half = float16, float = float32); "
+        "auto: bfloat16 on accelerators, float32 on the CPU",
     )
     add(
         "--kv-cache-dtype",
@@ -228,9 +265,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--load-format",
+        type=load_format_name,
         choices=LOAD_FORMATS,
         default=_ENGINE_DEFAULTS["load_format"],
-        help="auto: safetensors from MODEL_DIR; dummy: random weights (benchmarks)",
+        help="auto (or safetensors): the model's safetensors; dummy: random weights (benchmarks)",
     )
     add(
         "--quantization",
@@ -274,6 +312,17 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--log-level", choices=LOG_LEVELS, default="info", help="log level")
     add(
+        "--uvicorn-log-level",
+        choices=(*LOG_LEVELS, "trace"),
+        default=None,
+        help="log level of the HTTP server's own loggers; default: --log-level",
+    )
+    add(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic stats line (throughput, running and waiting requests, KV cache use)",
+    )
+    add(
         "--metrics-require-key",
         action="store_true",
         help="guard /metrics with the API key too; without it /metrics is public",
@@ -281,7 +330,20 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--enable-log-requests",
         action="store_true",
-        help="log each request's id, sizes, timings and finish reason (no text)",
+        help="log each request's id, sizes, timings and finish reason (no text), and an "
+        "access line per HTTP request",
+    )
+    add(
+        "--disable-log-requests",
+        dest="enable_log_requests",
+        action="store_false",
+        default=argparse.SUPPRESS,  # --enable-log-requests' default stands
+        help="log no requests (the default; vLLM's older flag)",
+    )
+    add(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="no access line per HTTP request, even with --enable-log-requests",
     )
     add(
         "--log-prompts",
@@ -373,12 +435,42 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "qwen3 (reasoning when the output opens <think>), deepseek_r1 (the output starts in "
         "reasoning); structured outputs and forced tool calls then apply after </think>",
     )
+    add_vllm_flags(parser)
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0-65535 (0: any free port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (0-65535)")
+    return port
+
+
+def load_format_name(text: str) -> str:
+    """``--load-format``: vLLM's ``safetensors`` is what ``auto`` loads."""
+    return "auto" if text == "safetensors" else text
+
+
+def model_from_args(args: argparse.Namespace) -> str:
+    """MODEL or --model (vLLM takes both); "" for the demo model."""
+    if args.model and args.model_flag and args.model != args.model_flag:
+        raise ValueError(
+            f"MODEL {args.model!r} and --model {args.model_flag!r} differ: give the model once"
+        )
+    return args.model or args.model_flag or ""
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model,
+        model=model_from_args(args),
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
+        tokenizer=args.tokenizer,
+        revision=args.revision,
+        tokenizer_revision=args.tokenizer_revision,
+        download_dir=args.download_dir,
         chat_template=args.chat_template,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
@@ -406,12 +498,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSettings:
+    if args.api_key == "":
+        raise ValueError("--api-key is empty: give a key, or leave the flag out (no auth)")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     return ServerSettings(
         served_model_names=tuple(args.served_model_name or [model_name]),
         api_key=api_key,
         metrics_require_key=args.metrics_require_key,
         enable_log_requests=args.enable_log_requests or args.log_prompts,
+        log_stats=not args.disable_log_stats,
         log_prompts=args.log_prompts,
         max_request_body_bytes=args.max_request_body_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
@@ -446,6 +541,8 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
 
     quiet_backend_probe()  # before JAX's backend starts
 
+    for line in inapplicable_flag_warnings(args):
+        _LOG.warning("%s", line)
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         _LOG.error("--ssl-keyfile and --ssl-certfile must be given together")
         return 2
@@ -457,8 +554,12 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
         distributed = DistributedConfig.resolve(
             args.coordinator_address, args.num_processes, args.process_id
         )
-    except ValueError as exc:
+        model_dir, _ = config.model_dir, config.tokenizer_dir  # both there, before any loading
+    except ModelNotFoundError as exc:
         _LOG.error("%s", exc)
+        return 1
+    except ValueError as exc:
+        _LOG.error("%s", flag_terms(exc))
         return 2
     try:  # before anything loads, and before JAX's backend starts and takes its memory
         preflight(
@@ -479,24 +580,27 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
     try:  # before anything touches a device
         initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
     except ValueError as exc:
-        _LOG.error("%s", exc)
+        _LOG.error("%s", flag_terms(exc))
         return 2
     if not is_coordinator():
         from jaxserve.engine.follower import run_follower
 
         run_follower(config)  # returns when process 0 shuts down
         return 0
-    _LOG.info("Loading %s", config.model_dir)
+    if str(model_dir) == config.model:
+        _LOG.info("Loading %s", model_dir)
+    else:
+        _LOG.info("Loading %s from %s", config.model or "the demo model", model_dir)
     from jaxserve.runner.devices import DeviceSupportError, start_backend
 
     try:
         start_backend()  # logged on its own: on a GPU it takes seconds of the start
         engine = AsyncEngine.from_config(config, max_queued_requests=args.max_queued_requests)
     except DeviceSupportError as exc:  # fp8 on a GPU without it: the device and the dtype
-        _LOG.error("%s", exc)
+        _LOG.error("%s", flag_terms(exc))
         return 1
     except (OSError, ValueError) as exc:  # a missing or unusable model directory
-        _LOG.error("Could not load %s: %s", config.model_dir, exc)
+        _LOG.error("Could not load %s: %s", model_dir, flag_terms(exc))
         return 1
     except RuntimeError as exc:  # one message, not XLA's traceback
         if not is_out_of_memory(exc):
@@ -517,8 +621,8 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
         h11_max_incomplete_event_size=settings.max_header_bytes,
         lifespan="on",
         log_config=None,
-        log_level=args.log_level,
-        access_log=settings.enable_log_requests,
+        log_level=args.uvicorn_log_level or args.log_level,
+        access_log=settings.enable_log_requests and not args.disable_uvicorn_access_log,
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         timeout_graceful_shutdown=5,
@@ -534,6 +638,11 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
         return 1
     _LOG.info("Shut down cleanly")
     return 0
+
+
+def flag_terms(exc: Exception) -> str:
+    """The error's message naming flags, not the Python fields they set (flag_names.py)."""
+    return in_flag_terms(str(exc), command_flags(add_launch_arguments))
 
 
 class DrainingServer(uvicorn.Server):

@@ -32,6 +32,7 @@ class ServerSettings:
     max_header_count: int = DEFAULT_MAX_HEADER_COUNT
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # names + values, all headers
     shutdown_timeout_s: float = 30.0
+    log_stats: bool = True  # the periodic stats line, every stats_log_interval_s
     stats_log_interval_s: float = 10.0
     watchdog_interval_s: float = 0.5
     # The whole body must arrive within this many seconds of the headers (else 408).
