@@ -62,6 +62,9 @@ def default_model_dir() -> Path:
     return Path(__file__).resolve().parent / "assets" / "demo"
 
 
+SAMPLER_VARIANTS = ("auto", "all", "compact")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     # A local Hugging Face directory, or a model id (org/name) in the Hugging Face cache; ""
@@ -107,6 +110,10 @@ class EngineConfig:
     max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
     # Native memory the compiled grammars kept for reuse may hold (least recently used first out).
     grammar_cache_bytes: int = 1 << 30
+    # Sampler programs per sequence bucket: "all" 20 variants, each doing only what its batch
+    # needs; "compact" 3 (greedy, plain sampling, everything), far less to compile for a
+    # little more work per step; "auto": compact on the CPU, all on accelerators.
+    sampler_variants: str = "auto"
     # Memory the KV budget is a fraction of; None: what the device reports (CPU: 2 GiB).
     device_memory_bytes: int | None = None
 
@@ -149,6 +156,11 @@ class EngineConfig:
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(
                 f"grammar_compile_timeout_s={self.grammar_compile_timeout_s} must be positive"
+            )
+        if self.sampler_variants not in SAMPLER_VARIANTS:
+            raise ValueError(
+                f"sampler_variants={self.sampler_variants!r} must be one of "
+                f"{', '.join(SAMPLER_VARIANTS)}"
             )
         if self.max_grammar_bytes < 1:
             raise ValueError(f"max_grammar_bytes={self.max_grammar_bytes} must be positive")

@@ -239,3 +239,28 @@ def test_float32_steps_use_full_precision_matmuls() -> None:
     bf16 = make_llm(warmup=True, max_num_seqs=4, dtype="bfloat16").engine.runner
     assert "operand_precision={highest" in f32.compiled_steps[16].as_text()
     assert "highest" not in bf16.compiled_steps[16].as_text()
+
+
+def test_compact_samplers_give_the_tokens_and_logprobs_of_the_specialized_ones() -> None:
+    """--sampler-variants compact runs the variant that does everything where "all" runs one
+    made for the request (each request alone, so "all" takes its own variant): same tokens,
+    same logprobs."""
+    requests = [
+        SamplingParams(temperature=0.8, seed=3, max_tokens=12, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=12, presence_penalty=0.7),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=12, min_p=0.05),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=12),
+    ]
+    prompt = {"prompt_token_ids": [5, 17, 40, 41]}
+    results = {}
+    for variants in ("all", "compact"):
+        llm = make_llm(sampler_variants=variants)
+        assert llm.engine.runner.inputs.compact_samplers == (variants == "compact")
+        outs = [llm.generate(prompt, p, use_tqdm=False)[0].outputs[0] for p in requests]
+        results[variants] = [(o.token_ids, o.logprobs) for o in outs]
+        llm.engine.shutdown()
+    for (all_ids, all_lps), (compact_ids, compact_lps) in zip(
+        results["all"], results["compact"], strict=True
+    ):
+        assert all_ids == compact_ids
+        assert all_lps == compact_lps

@@ -6,14 +6,14 @@ import numpy as np
 
 from jaxserve.engine.request import Request, Sequence
 from jaxserve.runner.input_builder import InputBuilder
-from jaxserve.runner.sampling import SamplerFlags
+from jaxserve.runner.sampling import EVERYTHING, SamplerFlags
 from jaxserve.runner.step import ScheduledSeq, SchedulerOutput
 from jaxserve.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_TOKEN_IDS, SamplingParams
 
 VOCAB = 100
 
 
-def builder() -> InputBuilder:
+def builder(compact_samplers: bool = False) -> InputBuilder:
     return InputBuilder(
         block_size=4,
         max_model_len=32,
@@ -22,6 +22,7 @@ def builder() -> InputBuilder:
         num_slots=64,
         vocab_size=VOCAB,
         eos_token_ids=(2,),
+        compact_samplers=compact_samplers,
     )
 
 
@@ -65,6 +66,26 @@ def test_plain_requests_send_no_bias_and_no_history() -> None:
     assert flags == SamplerFlags(all_greedy=True)
     assert sampling.bias_ids.shape[1] == 0 and sampling.history_ids.shape[1] == 0
     assert flags in SamplerFlags.variants()
+
+
+def test_compact_samplers_map_every_combination_to_one_of_three() -> None:
+    """--sampler-variants compact: greedy and plain sampling keep their own programs; anything
+    else (top-k/top-p, penalties, logprobs, a constraint) runs the one that does everything."""
+    assert builder(compact_samplers=True).sampler_variants == SamplerFlags.compact_variants()
+    cases = [
+        (dict(temperature=0), False, SamplerFlags(all_greedy=True)),
+        (dict(temperature=0.8), False, SamplerFlags()),
+        (dict(temperature=0.8, top_p=0.5), False, EVERYTHING),
+        (dict(temperature=0, logprobs=2), False, EVERYTHING),
+        (dict(temperature=0.8, presence_penalty=0.5), False, EVERYTHING),
+        (dict(temperature=0), True, EVERYTHING),
+    ]
+    for fields, use_mask, expected in cases:
+        seq = one_sequence(SamplingParams(**fields))
+        flags, sampling = step_inputs(builder(compact_samplers=True), seq, True, use_mask)
+        assert flags == expected, (fields, flags)
+        if flags.use_mask:  # a mask that allows everything until a constraint writes its row
+            assert (sampling.token_mask == -1).all()
 
 
 def test_every_flag_combination_a_step_can_ask_for_is_a_compiled_variant() -> None:

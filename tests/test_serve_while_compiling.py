@@ -114,7 +114,7 @@ def test_the_engine_serves_the_compiled_buckets_first_and_every_bucket_once_comp
     assert sorted(runner.compiled_logits) == [16, 32, 64]
     # the sampler variants belong to a sequence bucket: 4 rows for every token bucket here
     assert {rows for rows, _ in runner.compiled_samplers} == {4}
-    assert len(runner.compiled_samplers) == len(SamplerFlags.variants())
+    assert len(runner.compiled_samplers) == len(runner.inputs.sampler_variants)
     # float32 means float32 in the background thread's programs too (no TF32 on a GPU)
     assert "operand_precision={highest" in runner.compiled_steps[64].as_text()
     tokens, steps = generate(core, "late", PROMPT[::-1])
@@ -138,11 +138,11 @@ def test_the_decode_buckets_compile_in_the_background_before_the_prefill_ones(
         assert sorted(runner.compiled_logits) == [16, 32, 64]
         assert sorted(runner.compiled_prompt_lp) == [16, 32]
         assert {rows for rows, _ in runner.compiled_samplers} == {16}
-        assert len(runner.compiled_samplers) == len(SamplerFlags.variants())
+        assert len(runner.compiled_samplers) == len(runner.inputs.sampler_variants)
         held_background.set()
         runner.background.thread.join(120)
         assert {rows for rows, _ in runner.compiled_samplers} == {16, 32}  # 64 tokens: 32 rows
-        assert len(runner.compiled_samplers) == 2 * len(SamplerFlags.variants())
+        assert len(runner.compiled_samplers) == 2 * len(runner.inputs.sampler_variants)
         assert sorted(runner.compiled_prompt_lp) == [16, 32, 64]
     log = caplog.text
     assert "Compiling the model step for 1 token bucket (16)\n" in log

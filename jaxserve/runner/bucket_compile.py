@@ -21,7 +21,6 @@ import jax
 import numpy as np
 
 from jaxserve.runner.packing import pack
-from jaxserve.runner.sampling import SamplerFlags
 
 if TYPE_CHECKING:
     from jaxserve.runner.runner import ModelRunner
@@ -257,7 +256,7 @@ def _bucket_programs(
         if "prompt_logprobs" in programs:
             wanted.append(("prompt_logprobs", runner.compiled_prompt_lp, bucket))
         if "samplers" in programs:
-            for flags in SamplerFlags.variants():
+            for flags in runner.inputs.sampler_variants:
                 wanted.append(("samplers", runner.compiled_samplers, (rows, flags)))
         for kind, table, key in wanted:
             if key not in table and (kind, key) not in queued:

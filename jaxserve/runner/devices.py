@@ -214,6 +214,23 @@ def describe_experts(
     return line
 
 
+def uses_compact_samplers(config: EngineConfig) -> bool:
+    """``sampler_variants`` resolved: "auto" is compact on the CPU backend."""
+    if config.sampler_variants == "auto":
+        return jax.default_backend() == "cpu"
+    return config.sampler_variants == "compact"
+
+
+def describe_samplers(config: EngineConfig) -> str:
+    """``Sampler: 3 variants per sequence bucket (compact ...)``, or all 20."""
+    if uses_compact_samplers(config):
+        return (
+            "Sampler: 3 programs per sequence bucket (greedy, plain sampling, everything: "
+            "--sampler-variants compact)"
+        )
+    return "Sampler: 20 programs per sequence bucket, each doing what its batch needs"
+
+
 def startup_lines(
     model_config: ModelConfig,
     config: EngineConfig,
@@ -229,6 +246,7 @@ def startup_lines(
         describe_model(model_config, config, dtype, max_model_len),
         describe_attention(model_config, dtype, config.block_size, tp, kv_dtype),
         skinny_matmul.describe(),
+        describe_samplers(config),
         *([experts] if experts else []),
     ]
     return lines + ([quant.describe()] if quant is not None else [])

@@ -66,8 +66,12 @@ class InputBuilder:
         num_slots: int,
         vocab_size: int,
         eos_token_ids: tuple[int, ...] = (),
+        compact_samplers: bool = False,
     ) -> None:
+        """``compact_samplers``: every step's sampler is one of
+        ``SamplerFlags.compact_variants()`` (``SamplerFlags.compacted``)."""
         self.block_size = block_size
+        self.compact_samplers = compact_samplers
         self.max_model_len = max_model_len
         # Bias entries a sequence can need: its logit_bias, and its stop ids while min_tokens
         # holds them back.
@@ -234,13 +238,21 @@ class InputBuilder:
         holds_eos = bool(np.any((min_tokens > 0) & (num_out < min_tokens)))
         adjust_logits = bool(needs[1]) or bool(needs[2]) or holds_eos
         num_logprobs = NUM_TOP_LOGPROBS if needs[3] else -1
-        return SamplerFlags(
+        flags = SamplerFlags(
             use_sort=bool(needs[0] and needs[4]),  # greedy rows never sort
             adjust_logits=adjust_logits,
             num_logprobs=num_logprobs,
             all_greedy=not needs[4] and not use_mask,
             use_mask=use_mask,
         )
+        return flags.compacted() if self.compact_samplers else flags
+
+    @property
+    def sampler_variants(self) -> tuple[SamplerFlags, ...]:
+        """Every variant ``sampler_flags`` can return: what warm-up compiles."""
+        if self.compact_samplers:
+            return SamplerFlags.compact_variants()
+        return SamplerFlags.variants()
 
     def sampling_inputs(
         self, seqs: Seq[StepSequence], rows: np.ndarray, kv_lens: np.ndarray, flags: SamplerFlags

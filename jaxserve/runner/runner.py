@@ -36,6 +36,7 @@ from jaxserve.runner.devices import (
     resolve_kv_dtype,
     resolve_quantization,
     startup_lines,
+    uses_compact_samplers,
 )
 from jaxserve.runner.in_flight import DeferredSampler, InFlight
 from jaxserve.runner.input_builder import InputBuilder, next_power_of_2, token_buckets_for
@@ -132,6 +133,7 @@ class ModelRunner:
             num_slots=self.num_slots,
             vocab_size=model_config.vocab_size,
             eos_token_ids=eos_token_ids,
+            compact_samplers=uses_compact_samplers(config),
         )
 
     # -- memory ----------------------------------------------------------------------------

@@ -130,6 +130,20 @@ class SamplerFlags:
     use_mask: bool = False
 
     @staticmethod
+    def compact_variants() -> tuple[SamplerFlags, ...]:
+        """The three variants of ``compacted`` (what warm-up compiles when the sampler
+        variants are compact): greedy, plain sampling, and the one that does everything."""
+        return (SamplerFlags(all_greedy=True), SamplerFlags(), EVERYTHING)
+
+    def compacted(self) -> SamplerFlags:
+        """This step's variant among ``compact_variants``: itself if it is one, else the
+        variant that does everything. Its tokens are this variant's, as a batchmate's top-p or
+        penalties would make them (docs/determinism.md: a row's result does not depend on the
+        variant its batch needs); its extra work (a sort over the vocabulary, a bias scatter,
+        the top logprobs) is the cost of compiling 3 programs per bucket instead of 20."""
+        return self if self in SamplerFlags.compact_variants() else EVERYTHING
+
+    @staticmethod
     def variants() -> tuple[SamplerFlags, ...]:
         """Every variant a step can ask for (20): what warm-up compiles."""
         out = []
@@ -141,6 +155,10 @@ class SamplerFlags:
                 for use_sort in (False, True):
                     out.append(SamplerFlags(use_sort, adjust, num_logprobs, use_mask=True))
         return tuple(out)
+
+
+# Top-k / top-p, penalties and bias, top logprobs, and a token mask (all allowed when unused).
+EVERYTHING = SamplerFlags(True, True, NUM_TOP_LOGPROBS, all_greedy=False, use_mask=True)
 
 
 @jax.tree_util.register_dataclass

@@ -28,6 +28,7 @@ from jaxserve.engine_config import (
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     QUANTIZATIONS,
+    SAMPLER_VARIANTS,
     SCHEDULING_POLICIES,
     EngineConfig,
     dtype_name,
@@ -191,6 +192,14 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         default=_ENGINE_DEFAULTS["grammar_compile_timeout_s"],
         help="the longest a request's structured-output constraint (JSON schema, regex, "
         "grammar) may take to compile; a slower one is refused with a 400",
+    )
+    add(
+        "--sampler-variants",
+        choices=SAMPLER_VARIANTS,
+        default=_ENGINE_DEFAULTS["sampler_variants"],
+        help="sampler programs compiled per sequence bucket: all 20 variants, each doing only "
+        "what its batch needs, or a compact 3 (greedy, plain sampling, everything), far "
+        "quicker to compile for a little more work per step; auto: compact on the CPU",
     )
     add(
         "--max-grammar-bytes",
@@ -488,6 +497,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         serve_while_compiling=args.serve_while_compiling,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
         max_grammar_bytes=args.max_grammar_bytes,
+        sampler_variants=args.sampler_variants,
         grammar_cache_bytes=args.grammar_cache_bytes,
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
