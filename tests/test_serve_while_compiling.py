@@ -30,7 +30,6 @@ from jaxserve.models.quant_scheme import QuantScheme
 from jaxserve.runner import bucket_compile, warmup
 from jaxserve.runner.model_weights import abstract_model_weights, model_weights
 from jaxserve.runner.runner import ModelRunner
-from jaxserve.runner.sampling import SamplerFlags
 from jaxserve.sampling_params import SamplingParams
 from tests.conftest import fixture_dir, run_with_devices
 
