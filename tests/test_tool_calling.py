@@ -58,8 +58,10 @@ class EchoCore:
     def capacity_lines(self) -> list[str]:
         return ["KV cache size: 1,024 tokens"]
 
-    async def compile_grammar_async(self, params, client="") -> None:  # it echoes: no constraint
-        return None
+    class grammar_compiler:  # it echoes: constraints are not applied
+        @staticmethod
+        async def compile_async(spec, client=""):
+            return None
 
     def add_request(self, request_id, prompt_token_ids, params, prompt=None, priority=0,
                     cache_salt=None, arrival_time=None, group_id=None):  # fmt: skip

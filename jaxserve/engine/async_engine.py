@@ -131,7 +131,8 @@ class AsyncEngine:
                 self._wake.set()
 
     async def compile_grammar(self, params: SamplingParams, client: str = "") -> None:
-        await self.core.compile_grammar_async(params, client)
+        if params.structured_outputs is not None:
+            await self.core.grammar_compiler.compile_async(params.structured_outputs, client)
 
     async def abort(self, request_id: str) -> None:
         self.core.abort_request(request_id)

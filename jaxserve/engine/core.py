@@ -70,11 +70,9 @@ class EngineCore:
         self.output_processor = OutputProcessor(
             self.tokenizer, self.eos_token_ids, self.max_model_len
         )
-        grammar_limits = GrammarLimits(
-            config.grammar_compile_timeout_s, config.max_grammar_bytes, config.grammar_cache_bytes
-        )
+        limits = GrammarLimits.of(config)
         self.grammar_compiler = GrammarCompiler(
-            self.tokenizer.hf_tokenizer, self.vocab_size, self.eos_token_ids, grammar_limits
+            self.tokenizer.hf_tokenizer, self.vocab_size, self.eos_token_ids, limits
         )
         self.structured_outputs = StructuredOutputs(self.vocab_size)
         for line in self.capacity_lines():
@@ -152,13 +150,6 @@ class EngineCore:
         ``RequestError`` naming the field if it is invalid or too slow to compile."""
         spec = params.structured_outputs
         return None if spec is None else self.grammar_compiler.compile(spec)
-
-    async def compile_grammar_async(self, params: SamplingParams, client: str = "") -> None:
-        """``compile_grammar`` ahead of ``add_request``, awaited without holding a thread; the
-        compile workers are shared fairly between ``client``s."""
-        spec = params.structured_outputs
-        if spec is not None:
-            await self.grammar_compiler.compile_async(spec, client)
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:

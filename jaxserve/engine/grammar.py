@@ -77,6 +77,12 @@ class GrammarLimits:
     max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
     cache_bytes: int = DEFAULT_CACHE_BYTES
 
+    @classmethod
+    def of(cls, config: Any) -> GrammarLimits:
+        """An ``EngineConfig``'s limits."""
+        timeout_s = config.grammar_compile_timeout_s
+        return cls(timeout_s, config.max_grammar_bytes, config.grammar_cache_bytes)
+
 
 @dataclasses.dataclass(eq=False)
 class _Entry:
@@ -257,7 +263,7 @@ def llguidance_grammar(field: str, source: str, job: Job | None = None) -> str:
         if isinstance(exc, GrammarError):
             raise
         noun = {"json": "JSON schema", "grammar": "grammar"}.get(field, field)
-        message = str(exc) if isinstance(exc, ConversionError) else _short(str(exc))
+        message = str(exc) if isinstance(exc, ConversionError) else short_error(str(exc))
         raise GrammarError(field, f"the {noun} is not valid: {message}") from None
 
 
@@ -284,16 +290,16 @@ def _matcher(tokenizer: Any, field: str, grammar: str) -> Any:
     except BaseException as exc:  # noqa: BLE001  llguidance's Rust panics are BaseExceptions
         if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
             raise
-        raise GrammarError(field, f"invalid {field} constraint: {_short(str(exc))}") from None
+        raise GrammarError(field, f"invalid {field} constraint: {short_error(str(exc))}") from None
     for state in (matcher, probe):
         if state.is_error():
-            error = _short(state.get_error())
+            error = short_error(state.get_error())
             words = "invalid" if state is matcher else "too complex to follow"
             raise GrammarError(field, f"{words} {field} constraint: {error}")
     return matcher
 
 
-def _short(error: str, limit: int = 300) -> str:
+def short_error(error: str, limit: int = 300) -> str:
     """An llguidance error without its ``<non-verbose/>`` marker, at most ``limit`` chars."""
     error = error.replace("<non-verbose/>", "").strip()
     return error if len(error) <= limit else error[: limit - 3] + "..."

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.engine.grammar import short_error
 from jaxserve.engine.request import Request, Sequence, seq_of
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from jaxserve.sampling_params import StructuredOutputsParams
@@ -71,7 +72,8 @@ class _SeqGrammar:
         if not self.is_active:
             self.watch(token)
         elif not self.matcher.consume_token(token):
-            raise RuntimeError(f"token {token} broke the constraint: {self.matcher.get_error()}")
+            error = short_error(self.matcher.get_error())
+            raise RuntimeError(f"token {token} broke the constraint: {error}")
 
 
 @dataclasses.dataclass
@@ -170,7 +172,7 @@ class StructuredOutputs:
         oks = self.executor.consume_token_par([(state.matcher, t) for _, state, t in active])
         for (seq_id, state, token), ok in zip(active, oks, strict=True):
             if not ok:
-                error = state.matcher.get_error()
+                error = short_error(state.matcher.get_error())
                 accepted.errors[seq_id] = f"token {token} broke the constraint: {error}"
             elif state.matcher.is_stopped():
                 accepted.complete.add(seq_id)
