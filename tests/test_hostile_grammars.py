@@ -30,6 +30,7 @@ import httpx
 import pytest
 
 from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.compile_queue import CompileQueue
 from jaxserve.engine.grammar import GrammarCompiler, GrammarError, GrammarLimits
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.sampling_params import StructuredOutputsParams
@@ -395,3 +396,47 @@ def test_the_limits_have_launch_flags() -> None:
     args = build_parser(argv).parse_args(argv)
     config = engine_config_from_args(args)
     assert (config.max_grammar_bytes, config.grammar_cache_bytes) == (1000, 2000)
+
+
+def test_the_queue_runs_the_client_with_fewest_compiles_then_its_smallest_source() -> None:
+    """CompileQueue alone, one worker: while a's job holds it, a's jobs of 100, 5 and 50 bytes
+    and b's of 500 queue; then b goes (a was served last), then a's smallest first."""
+    queue = CompileQueue(num_workers=1)
+    release, order = threading.Event(), []
+
+    def job(name: str, wait: bool = False):
+        def run(_job):
+            if wait:
+                release.wait(10)
+            order.append(name)
+
+        return run
+
+    try:
+        jobs = [queue.submit("a", 1, job("held", wait=True), 30, TimeoutError)]
+        time.sleep(0.2)  # the worker takes it
+        for client, cost in (("a", 100), ("a", 5), ("a", 50), ("b", 500)):
+            jobs.append(queue.submit(client, cost, job(f"{client}{cost}"), 30, TimeoutError))
+        release.set()
+        for queued in jobs:
+            queued.future.result(10)
+    finally:
+        queue.close()
+    assert order == ["held", "b500", "a5", "a50", "a100"], order
+
+
+def test_a_queued_job_past_its_deadline_never_runs() -> None:
+    queue = CompileQueue(num_workers=1)
+    release, ran = threading.Event(), []
+    try:
+        held = queue.submit("a", 1, lambda job: release.wait(10), 30, TimeoutError)
+        time.sleep(0.2)  # the worker takes it
+        late = queue.submit("b", 1, lambda job: ran.append(1), 0.2, lambda: TimeoutError("late"))
+        with pytest.raises(TimeoutError, match="late"):
+            late.future.result(5)
+        release.set()
+        held.future.result(5)
+        time.sleep(0.1)
+    finally:
+        queue.close()
+    assert not ran

@@ -11,10 +11,12 @@ server's routes and the offline ``LLM`` wait on the job's future.
   grammar) and overflows at 108,000, so the largest source the server accepts
   (``max_grammar_bytes``, 256 KiB by default: 30,000 levels at most) uses under half of it. The
   stack is reserved address space; only the pages a compile reaches are ever touched.
-- **Fair share.** Jobs wait in one queue per client (its API key or address); a free worker
-  takes the oldest job of the client with the fewest compiles running, and no client runs on
-  more than ``NUM_WORKERS - 1`` workers at once: one is always left for the others, so a client
-  sending slow grammars delays only its own.
+- **Fair share.** Jobs wait in one queue per client (its API key and address); a free worker
+  takes a job of the client with the fewest compiles running (of those, the one served least
+  recently: clients take turns), and no client runs on more than
+  ``NUM_WORKERS - 1`` workers at once: one is always left for the others, so a client sending
+  slow grammars delays only its own. Within a client the smallest source goes first, so a
+  trivial schema does not wait behind a large grammar sent over the same key.
 - **Deadlines.** A job still queued or running at its deadline fails with ``on_timeout()`` and is
   told to stop: a queued job never runs, and a running one's cancel hook (the GBNF conversion's
   process, gbnf.py) is called. llguidance's own compile cannot be interrupted; its limits
@@ -33,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 NUM_WORKERS = 3
+MAX_CLIENTS = 10_000  # clients whose turn is remembered
 COMPILE_STACK_BYTES = 256 << 20
 
 
@@ -41,6 +44,7 @@ class Job:
     """One compile: ``run(job)`` on a worker, its result or exception into ``future``."""
 
     client: str
+    cost: int  # the source's size: within a client, the smallest goes first
     run: Callable[[Job], Any]
     deadline: float  # time.monotonic() past which the job fails
     on_timeout: Callable[[], BaseException]
@@ -63,8 +67,12 @@ class CompileQueue:
     def __init__(self, num_workers: int = NUM_WORKERS) -> None:
         self._max_running_per_client = max(1, num_workers - 1)
         self._cond = threading.Condition()
-        self._queues: dict[str, collections.deque[Job]] = {}
+        self._queues: dict[str, list[Job]] = {}
         self._running: collections.Counter[str] = collections.Counter()
+        # When each client's last job started (a count), the least recent first to go next;
+        # the oldest entries are forgotten past MAX_CLIENTS.
+        self._served: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._num_served = 0
         self._jobs: set[Job] = set()  # queued or running: what the deadline watch looks at
         self._closed = False
         self._threads = [
@@ -76,15 +84,16 @@ class CompileQueue:
     def submit(
         self,
         client: str,
+        cost: int,
         run: Callable[[Job], Any],
         timeout_s: float,
         on_timeout: Callable[[], BaseException],
     ) -> Job:
-        job = Job(client, run, time.monotonic() + timeout_s, on_timeout)
+        job = Job(client, cost, run, time.monotonic() + timeout_s, on_timeout)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the grammar compiler is closed")
-            self._queues.setdefault(client, collections.deque()).append(job)
+            self._queues.setdefault(client, []).append(job)
             self._jobs.add(job)
             self._cond.notify_all()
         return job
@@ -110,18 +119,25 @@ class CompileQueue:
     # -- the threads ------------------------------------------------------------------------
 
     def _next_job(self) -> Job | None:
-        """The oldest queued job of the client with the fewest running, among those under
+        """The smallest queued job of the client with the fewest running, among those under
         their share (under the lock)."""
         waiting = [
-            (self._running[c], q[0].deadline, c)
+            (self._running[c], min(q, key=_order), c)
             for c, q in self._queues.items()
             if q and self._running[c] < self._max_running_per_client
         ]
         if not waiting:
             return None
-        client = min(waiting, key=lambda w: (w[0], w[1]))[2]
+        _, job, client = min(
+            waiting, key=lambda w: (w[0], self._served.get(w[2], -1), _order(w[1]))
+        )
+        self._num_served += 1
+        self._served[client] = self._num_served
+        self._served.move_to_end(client)
+        if len(self._served) > MAX_CLIENTS:
+            self._served.popitem(last=False)
         queue = self._queues[client]
-        job = queue.popleft()
+        queue.remove(job)
         if not queue:
             del self._queues[client]
         return job
@@ -173,6 +189,10 @@ class CompileQueue:
                     continue
             for job in expired:
                 _fail(job, job.on_timeout())
+
+
+def _order(job: Job) -> tuple[int, float]:
+    return job.cost, job.deadline
 
 
 def _fail(job: Job, exc: BaseException) -> None:

@@ -172,6 +172,7 @@ class GrammarCompiler:
             if entry is None:
                 job = self._queue.submit(
                     client,
+                    len(source),
                     lambda job: self._build(job, tokenizer, key),
                     self.limits.timeout_s,
                     lambda: self._timeout(field),

@@ -146,7 +146,8 @@ class ServingContext:
         too large or too slow one is a 400 naming ``param``, the field the client sent it in."""
         specs = {r.params.structured_outputs: r.params for r in requests}
         specs.pop(None, None)
-        client = client_key(http_request, self.settings.api_key is not None)
+        address = http_request.client.host if http_request.client else "unknown"
+        client = client_key(http_request, self.settings.api_key is not None) + "@" + address
         for params in specs.values():
             try:
                 await self.engine.compile_grammar(params, client)
