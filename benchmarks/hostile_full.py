@@ -133,6 +133,46 @@ def finding_1(client: httpx.Client, model: str) -> list[dict[str, Any]]:
     return cases
 
 
+def lark_chain(n: int) -> str:
+    return "start: r0\n" + "".join(f'r{i}: r{i + 1} "a"\n' for i in range(n)) + f'r{n}: "b"\n'
+
+
+def gbnf_chain(n: int) -> str:
+    return "root ::= r0\n" + "".join(f'r{i} ::= r{i + 1} "a"\n' for i in range(n)) + f'r{n} ::= "b"'
+
+
+def ref_chain(n: int) -> dict[str, Any]:
+    defs: dict[str, Any] = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = {"type": "integer", "minimum": 0, "maximum": 9}
+    return {"type": "object", "properties": {"x": {"$ref": "#/$defs/d0"}}, "required": ["x"],
+            "$defs": defs}  # fmt: skip
+
+
+def deep_grammars(client: httpx.Client, model: str) -> dict[str, Any]:
+    """Round three, finding 1: a 3,000-level chain through every entry point (each killed the
+    server with a stack overflow). A forced tool choice's chain is left to the tests
+    (tests/test_hostile_grammars.py): a chat template that renders the tools makes its 100 KB
+    of parameters a prompt longer than the model's context, refused before any compile."""
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    text = {"model": model, "prompt": "hi", "max_tokens": 8}
+    schema = {"type": "json_schema", "json_schema": {"name": "deep", "schema": ref_chain(3000)}}
+    cases = {
+        "lark": ("/v1/completions", text | {"structured_outputs": {"grammar": lark_chain(3000)}}),
+        "gbnf": ("/v1/completions", text | {"guided_grammar": gbnf_chain(3000)}),
+        "json": ("/v1/completions", text | {"structured_outputs": {"json": ref_chain(3000)}}),
+        "response_format": ("/v1/chat/completions", chat | {"response_format": schema}),
+    }
+    return {name: post(client, path, body) for name, (path, body) in cases.items()}
+
+
+def rss_mb(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    with open(f"/proc/{pid}/status") as f:
+        line = next(line for line in f if line.startswith("VmRSS"))
+    return round(int(line.split()[1]) / 1024, 1)
+
+
 def many(n: int, fn: Callable[[], dict[str, Any]]) -> list[dict[str, Any]]:
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         return list(pool.map(lambda _: fn(), range(n)))
@@ -321,6 +361,72 @@ def main() -> None:
         }
 
     step("7_top_p_1e-300", tiny_top_p)
+
+    # -- round three: grammars, schemas and tools -----------------------------------------
+    text = {"model": model, "prompt": "hi", "max_tokens": 4}
+    step("g1_deep_chains_every_entry_point", lambda: deep_grammars(client, model))
+
+    def cache_in_bytes() -> dict[str, Any]:
+        before = rss_mb(args.pid)
+        regexes = [post(client, "/v1/completions", text | {"guided_regex": f"a{{{1000000 + i}}}"})
+                   for i in range(25)]  # fmt: skip
+        choices = [post(client, "/v1/completions", text | {"guided_choice": [c * 200_000]})
+                   for c in "abcdefghijklmnopqrst"]  # fmt: skip
+        return {
+            "rss_mb_before": before,
+            "rss_mb_after": rss_mb(args.pid),
+            "regex_statuses": sorted({r["status"] for r in regexes}),
+            "choice_statuses": sorted({r["status"] for r in choices}),
+        }
+
+    step("g2_25_huge_regexes_20_huge_choices", cache_in_bytes)
+
+    def timeout_then_json_object() -> dict[str, Any]:
+        slow = post(client, "/v1/completions", text | {"guided_grammar": gbnf_chain(4000)})
+        again = post(client, "/v1/completions", text | {"guided_grammar": gbnf_chain(4000)})
+        plain = post(client, "/v1/completions", text | {"response_format": {"type": "json_object"}})
+        return {"slow": slow, "slow_again": again, "json_object_after": plain}
+
+    step("g3_timeout_not_cached", timeout_then_json_object)
+
+    def slow_grammars_and_a_neighbour_schema() -> dict[str, Any]:
+        # The neighbour connects from 127.0.0.2: another client than the attacker's 127.0.0.1.
+        transport = httpx.HTTPTransport(local_address="127.0.0.2")
+        with httpx.Client(
+            base_url=args.base_url, headers=headers, timeout=600, transport=transport
+        ) as other:
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                slow = [
+                    pool.submit(post, client, "/v1/completions",
+                                text | {"guided_grammar": gbnf_chain(4000 + i)})
+                    for i in range(4)
+                ]  # fmt: skip
+                time.sleep(0.5)
+                schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+                neighbour = post(other, "/v1/completions", text | {"guided_json": schema})
+                big = json.dumps(text) + " " * 20_000  # parsed on the host-work thread
+                large = post(other, "/v1/completions", None, raw=big.encode())
+                return {
+                    "neighbour_schema": neighbour,
+                    "neighbour_large_body": large,
+                    "attacker": [f.result() for f in slow],
+                }
+
+    step("g4_slow_grammars_beside_a_neighbour", slow_grammars_and_a_neighbour_schema)
+    unfollowable = {
+        "a{1000000}": {"guided_regex": "a{1000000}"},
+        "(a{1000}){1000}": {"guided_regex": "(a{1000}){1000}"},
+        "20000_way_rule": {
+            "guided_grammar": "start: " + " | ".join(f'"w{i}"' for i in range(20_000))
+        },
+    }
+    step(
+        "g7_grammars_that_cannot_be_followed",
+        lambda: {
+            name: post(client, "/v1/completions", text | body)
+            for name, body in unfollowable.items()
+        },
+    )
     if args.output_json:
         args.output_json.write_text(json.dumps(report, indent=1))
     idle = report["idle"]

@@ -31,7 +31,12 @@ import pytest
 
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.compile_queue import CompileQueue
-from jaxserve.engine.grammar import GrammarCompiler, GrammarError, GrammarLimits
+from jaxserve.engine.grammar import (
+    GrammarCompiler,
+    GrammarError,
+    GrammarLimits,
+    _allocated_bytes,
+)
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.sampling_params import StructuredOutputsParams
 from jaxserve.server.app import build_app
@@ -40,8 +45,11 @@ from jaxserve.server.settings import ServerSettings
 from tests.conftest import fixture_dir, tiny_engine_config
 
 MODEL = "tiny"
-TIMEOUT_S = 2.0  # the server's and the compilers' --grammar-compile-timeout
+TIMEOUT_S = 5.0  # the server's and the compilers' --grammar-compile-timeout
 MESSAGES = [{"role": "user", "content": "hi"}]
+# A GBNF chain this long converts in about 18 s on one core (quadratic): past the timeout on
+# any machine, so its compile is the slow one the tests need.
+SLOW_RULES = 5000
 
 
 def lark_chain(n: int) -> str:
@@ -139,14 +147,14 @@ TOOL = {
 )
 def test_a_3000_level_chain_compiles_through_every_entry_point(http, route, body) -> None:
     """Finding 1: each of these killed the process with a stack overflow. GBNF's conversion of
-    so long a chain takes longer than the timeout (its own 400); the others generate."""
+    so long a chain may take longer than the timeout (its own 400); the others generate."""
     if route == "chat":
         request = {"model": MODEL, "messages": MESSAGES, "max_tokens": 8, **body}
     else:
         request = {"model": MODEL, "prompt": "x", "max_tokens": 8, **body}
     r = http.post(f"/v1/{'chat/' if route == 'chat' else ''}completions", json=request)
-    if "guided_grammar" in body:
-        assert r.status_code == 400 and "took longer" in r.json()["error"]["message"], r.text
+    if "guided_grammar" in body and r.status_code == 400:
+        assert "took longer" in r.json()["error"]["message"], r.text
     else:
         assert r.status_code == 200, r.text[:500]
     assert_healthy(http)
@@ -219,10 +227,14 @@ def test_the_cache_keeps_what_its_bytes_allow_least_recently_used_first_out(toke
     """A 60,000-character choice keeps about 25 MB of native memory; 40 MB hold one of them."""
     grammars = compiler(tokenizer, cache_bytes=40 << 20)
     specs = [StructuredOutputsParams(choice=(c * 60_000,)) for c in "xyz"]
+    grammars.compile(StructuredOutputsParams(regex="warm"))
+    before = _allocated_bytes()
     try:
         for spec in specs:
             grammars.compile(spec)
             assert grammars.cache_bytes <= 40 << 20
+        # what an evicted grammar held is freed (not kept alive by a callback's cycle)
+        assert _allocated_bytes() - before < (40 << 20) + (20 << 20)
         assert grammars.is_cached(specs[-1])
         assert not grammars.is_cached(specs[0])
         small = StructuredOutputsParams(regex="[a-z]{3}")
@@ -230,6 +242,21 @@ def test_the_cache_keeps_what_its_bytes_allow_least_recently_used_first_out(toke
         assert grammars.is_cached(small)  # a small grammar fits beside the large one
     finally:
         grammars.close()
+
+
+def test_a_refused_grammar_keeps_none_of_what_its_compile_built(tokenizer) -> None:
+    """Each a{1000000+i} builds about 90 MB before the probe refuses it; the cached refusal's
+    traceback held all of it (2.2 GB after 25 such requests)."""
+    grammars = compiler(tokenizer)
+    grammars.compile(StructuredOutputsParams(regex="warm"))
+    before = _allocated_bytes()
+    try:
+        for i in range(4):
+            with pytest.raises(GrammarError, match="too complex"):
+                grammars.compile(StructuredOutputsParams(regex=f"a{{{1_000_000 + i}}}"))
+    finally:
+        grammars.close()
+    assert _allocated_bytes() - before < 40 << 20
 
 
 def test_a_large_grammar_is_counted_at_its_native_memory_not_its_source(tokenizer) -> None:
@@ -261,7 +288,7 @@ def test_a_timeout_is_never_cached_and_kills_its_conversion(tokenizer) -> None:
     """Finding 3: one slow compile refused every later request for the same constraint, and a
     json_object request that timed out behind slow grammars refused json_object for everyone."""
     grammars = compiler(tokenizer, timeout_s=1.0)
-    slow = StructuredOutputsParams(grammar=gbnf_chain(3000))
+    slow = StructuredOutputsParams(grammar=gbnf_chain(SLOW_RULES))
     before = child_pids()
     try:
         start = time.monotonic()
@@ -300,7 +327,11 @@ def test_one_client_s_slow_grammars_do_not_hold_another_s(tokenizer) -> None:
     threads = [
         threading.Thread(
             target=compile_as,
-            args=("attacker", StructuredOutputsParams(grammar=gbnf_chain(3000 + i)), f"slow{i}"),
+            args=(
+                "attacker",
+                StructuredOutputsParams(grammar=gbnf_chain(SLOW_RULES + i)),
+                f"slow{i}",
+            ),
         )
         for i in range(4)
     ]
@@ -321,7 +352,7 @@ def test_one_client_s_slow_grammars_do_not_hold_another_s(tokenizer) -> None:
 def test_a_compile_holds_no_host_thread_while_it_waits(http) -> None:
     """Finding 4: a compile waited on the server's one host-work thread, so large bodies (their
     JSON parsed there) waited up to the timeout behind it."""
-    slow = {"model": MODEL, "prompt": "x", "guided_grammar": gbnf_chain(3001)}
+    slow = {"model": MODEL, "prompt": "x", "guided_grammar": gbnf_chain(SLOW_RULES + 1)}
     # Past OFFLOAD_BYTES (JSON's trailing blanks): its body is parsed on the host-work thread.
     large = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}) + " " * 20_000
     done: dict[str, float] = {}

@@ -29,11 +29,13 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+_LOG = logging.getLogger(__name__)
 NUM_WORKERS = 3
 MAX_CLIENTS = 10_000  # clients whose turn is remembered
 COMPILE_STACK_BYTES = 256 << 20
@@ -155,20 +157,27 @@ class CompileQueue:
                     continue
                 job.is_running = True
                 self._running[job.client] += 1
-            try:
-                result = job.run(job)
-            except BaseException as exc:  # noqa: BLE001  delivered to the waiters
-                _fail(job, exc)
-            else:
-                if not job.future.done():
-                    job.future.set_result(result)
-            finally:
-                with self._cond:
-                    self._running[job.client] -= 1
-                    if not self._running[job.client]:
-                        del self._running[job.client]
-                    self._jobs.discard(job)
-                    self._cond.notify_all()
+            # NOTE: in a function of its own, so no local of this loop keeps the last job (and
+            # its compiled grammar) alive while the worker waits for the next.
+            self._run(job)
+            del job
+
+    def _run(self, job: Job) -> None:
+        try:
+            result = job.run(job)
+        except BaseException as exc:  # noqa: BLE001  delivered to the waiters
+            _LOG.debug("A compile job failed", exc_info=True)
+            _fail(job, exc)
+        else:
+            if not job.future.done():
+                job.future.set_result(result)
+        finally:
+            with self._cond:
+                self._running[job.client] -= 1
+                if not self._running[job.client]:
+                    del self._running[job.client]
+                self._jobs.discard(job)
+                self._cond.notify_all()
 
     def _watch_deadlines(self) -> None:
         while True:
@@ -196,7 +205,12 @@ def _order(job: Job) -> tuple[int, float]:
 
 
 def _fail(job: Job, exc: BaseException) -> None:
-    """The job's waiters get ``exc`` (unless it already ended), then its cancel hooks run."""
+    """The job's waiters get ``exc`` (unless it already ended), then its cancel hooks run.
+
+    ``exc`` loses its traceback and context first: a failed compile's frames hold the matcher
+    it built (tens of MB of native memory for ``a{1000000}``), and a refusal is kept in the
+    cache for as long as the grammar would be."""
+    exc.__traceback__ = exc.__context__ = exc.__cause__ = None
     try:
         job.future.set_exception(exc)
     except concurrent.futures.InvalidStateError:

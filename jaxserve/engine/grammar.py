@@ -25,6 +25,7 @@ import ctypes.util
 import dataclasses
 import functools
 import json
+import logging
 import threading
 from typing import Any
 
@@ -35,6 +36,7 @@ from jaxserve.engine.gbnf import ConversionError, gbnf_to_lark, is_gbnf
 from jaxserve.engine.request_checks import RequestError
 from jaxserve.sampling_params import DEFAULT_MAX_GRAMMAR_BYTES, StructuredOutputsParams
 
+_LOG = logging.getLogger(__name__)
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 DEFAULT_CACHE_BYTES = 1 << 30
 ERROR_CACHE_BYTES = 4096  # what a cached refusal is counted as
@@ -86,7 +88,8 @@ class GrammarLimits:
 
 @dataclasses.dataclass(eq=False)
 class _Entry:
-    job: Job
+    future: concurrent.futures.Future  # (matcher, native bytes), or the GrammarError
+    job: Job | None  # while it compiles: a later caller extends its deadline
     num_bytes: int = 0  # native memory the compiled grammar keeps (0 while compiling)
 
 
@@ -152,7 +155,7 @@ class GrammarCompiler:
     def is_cached(self, spec: StructuredOutputsParams) -> bool:
         with self._lock:
             entry = self._cache.get(grammar_key(spec))
-            return entry is not None and entry.job.future.done()
+            return entry is not None and entry.future.done()
 
     def close(self) -> None:
         self._queue.close()
@@ -177,12 +180,15 @@ class GrammarCompiler:
                     self.limits.timeout_s,
                     lambda: self._timeout(field),
                 )
-                entry = self._cache[key] = _Entry(job)
-                job.future.add_done_callback(functools.partial(self._finished, key, entry))
-            elif not entry.job.future.done():
+                # NOTE: the callback holds the key, not the entry: an evicted entry is then freed
+                # at once (its matcher holds tens of MB of native memory, which the cyclic
+                # collector, counting Python objects, would leave for a long while).
+                entry = self._cache[key] = _Entry(job.future, job)
+                job.future.add_done_callback(functools.partial(self._finished, key))
+            elif entry.job is not None:
                 self._queue.extend(entry.job, self.limits.timeout_s)
             self._cache.move_to_end(key)
-        return entry.job.future, key
+        return entry.future, key
 
     def _build(self, job: Job, tokenizer: Any, key: tuple[str, str]) -> tuple[Any, int]:
         """On a compile worker: the matcher, and the native bytes it keeps."""
@@ -194,11 +200,15 @@ class GrammarCompiler:
         matcher = _matcher(tokenizer, field, grammar)
         return matcher, max(len(source), _allocated_bytes() - before)
 
-    def _finished(self, key: tuple[str, str], entry: _Entry, future: Any) -> None:
+    def _finished(self, key: tuple[str, str], future: concurrent.futures.Future) -> None:
+        error = future.exception()
+        if error is not None and not isinstance(error, GrammarError):
+            _LOG.error("Compiling a %s constraint failed: %r", key[0], error)
         with self._lock:
-            if self._cache.get(key) is not entry:
+            entry = self._cache.get(key)
+            if entry is None or entry.future is not future:
                 return
-            error = future.exception()
+            entry.job = None
             if isinstance(error, _Timeout) or (error and not isinstance(error, GrammarError)):
                 del self._cache[key]  # a timeout or a failure of ours: the next request tries
                 return
