@@ -139,6 +139,8 @@ class GrammarCompiler:
             return future.result(timeout=self.limits.timeout_s + 1.0)[0]
         except concurrent.futures.TimeoutError:  # the deadline watch fails it first
             raise self._timeout(key[0]) from None
+        except GrammarError as exc:
+            raise _fresh(exc) from None
 
     async def compile_async(self, spec: StructuredOutputsParams, client: str = "") -> Any:
         """``compile`` for an event loop: waits without holding a thread, and a caller that is
@@ -150,6 +152,8 @@ class GrammarCompiler:
             )
         except TimeoutError:
             raise self._timeout(key[0]) from None
+        except GrammarError as exc:
+            raise _fresh(exc) from None
         return matcher
 
     def is_cached(self, spec: StructuredOutputsParams) -> bool:
@@ -239,6 +243,12 @@ class GrammarCompiler:
             f"the {field} constraint is {num_bytes:,} bytes; the limit is "
             f"{self.limits.max_bytes:,} (--max-grammar-bytes)"
         )
+
+
+def _fresh(error: GrammarError) -> GrammarError:
+    """A copy of a cached refusal for one caller to raise: raising the cached one would hang
+    each caller's frames (and the request body they hold) on it until the next raise."""
+    return type(error)(error.field, str(error))
 
 
 def llguidance_grammar(field: str, source: str, job: Job | None = None) -> str:
