@@ -136,8 +136,10 @@ class HermesParser(ToolParser):
                 if is_final:
                     out.content += self._call_prefix
                 return False
-            if rest[0] != "{":
-                out.content += self._call_prefix
+            if rest[0] != "{":  # not a call: the marker and the whitespace after it are text
+                out.content += self._call_prefix + self._buffer[: len(self._buffer) - len(rest)]
+                self._buffer = rest
+                self._is_between_calls = False
                 self._state = "text"
                 return True
             self._call_prefix += self._buffer[: len(self._buffer) - len(rest)]
@@ -169,9 +171,13 @@ class Llama3JsonParser(ToolParser):
     def _step(self, out: MessageDelta, is_final: bool) -> bool:
         if self._state == "start":  # calls if the output starts with { or the python tag
             rest = self._buffer.lstrip()
-            if rest.startswith(self.PYTHON_TAG):
-                self._buffer = rest = rest[len(self.PYTHON_TAG) :].lstrip()
+            if not self._is_tagged and rest.startswith(self.PYTHON_TAG):
+                rest = rest[len(self.PYTHON_TAG) :].lstrip()
                 self._is_tagged = True
+            if self._is_tagged:
+                # NOTE: whitespace after the tag is dropped, whether it comes with the tag or
+                # in a later delta (vLLM strips it too).
+                self._buffer = rest
             if not is_final and (
                 not rest or (not self._is_tagged and self.PYTHON_TAG.startswith(rest))
             ):
