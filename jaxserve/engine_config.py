@@ -51,6 +51,28 @@ def default_model_dir() -> Path:
     return Path(__file__).resolve().parent / "assets" / "demo"
 
 
+# Either lets max_model_len exceed what the model was made for (vLLM's name is the second).
+ALLOW_LONG_MAX_MODEL_LEN = ("JAXSERVE_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+
+
+def is_long_max_model_len_allowed() -> bool:
+    return any(
+        os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
+        for name in ALLOW_LONG_MAX_MODEL_LEN
+    )
+
+
+def _limit_source(model_config: ModelConfig) -> str:
+    text = f"max_position_embeddings={model_config.max_position_embeddings}"
+    scaling = model_config.rope_scaling
+    if model_config.derived_max_model_len != model_config.max_position_embeddings and scaling:
+        text += f", rope {scaling.rope_type} factor {scaling.factor:g}"
+        if scaling.rope_type == "yarn":
+            original = scaling.original_max_position_embeddings
+            text += f" over original_max_position_embeddings={original}"
+    return text
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: str = ""  # a local Hugging Face directory; "" means the embedded demo model
@@ -133,8 +155,21 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
 
     def resolved_max_model_len(self, model_config: ModelConfig) -> int:
-        """The context length served: ``max_model_len`` or the model's own."""
-        return self.max_model_len or model_config.max_position_embeddings
+        """The context length served: ``max_model_len`` or the model's own. One longer than
+        the model was made for is a ``ValueError`` unless ``$JAXSERVE_ALLOW_LONG_MAX_MODEL_LEN``
+        (or vLLM's ``$VLLM_ALLOW_LONG_MAX_MODEL_LEN``) is 1, as vLLM refuses it."""
+        limit = model_config.derived_max_model_len
+        if self.max_model_len is None:
+            return model_config.max_position_embeddings
+        if self.max_model_len > limit and not is_long_max_model_len_allowed():
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is longer than the {limit} tokens the "
+                f"model was made for ({_limit_source(model_config)} in its config.json): past "
+                f"them its positions are untrained and the output is garbage. Lower "
+                f"--max-model-len to {limit} or less, or set {ALLOW_LONG_MAX_MODEL_LEN[0]}=1 to "
+                "serve it anyway"
+            )
+        return self.max_model_len
 
     @property
     def model_dir(self) -> Path:
