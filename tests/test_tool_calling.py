@@ -693,6 +693,7 @@ def test_whitespace_after_a_marker_is_the_same_whole_and_streamed(
         "Use [TOOL_CALLS]get_weather[AR",
         "[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e",  # an id, then the end
         "[TOOL_CALLS]get_weather[CALL_ID]not an id[ARGS]{}",
+        '[TOOL_CALLS]get_weather[ARGS], "arguments": {"a": 1}',  # no object after [ARGS]
     ],
 )
 def test_mistral_marker_without_a_call_stays_text(text) -> None:

@@ -313,7 +313,10 @@ class MistralParser(_ArrayParser):
         is_name = all(c.isalnum() or c in "_-." for c in name + call_id)
         if i < 0 and is_name and len(head) <= self.MAX_NAME and not is_final:
             return False
-        if i < 0 or not is_name or not name:
+        args = self._buffer[i + len(self.ARGS) :].lstrip() if i >= 0 else ""
+        if i >= 0 and not args and not is_final:  # is an object next?
+            return False
+        if i < 0 or not is_name or not name or (args and args[0] != "{"):
             out.content += self.MARKER
             self._state = "text"
             self._is_between_calls = False
