@@ -7,10 +7,13 @@ passed down to the scheduler, the KV-cache manager and the runner (so it lives b
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 
 from jaxserve.config import ModelConfig
+
+_LOG = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -154,22 +157,30 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
 
-    def resolved_max_model_len(self, model_config: ModelConfig) -> int:
+    def resolved_max_model_len(self, model_config: ModelConfig, warn: bool = False) -> int:
         """The context length served: ``max_model_len`` or the model's own. One longer than
         the model was made for is a ``ValueError`` unless ``$JAXSERVE_ALLOW_LONG_MAX_MODEL_LEN``
-        (or vLLM's ``$VLLM_ALLOW_LONG_MAX_MODEL_LEN``) is 1, as vLLM refuses it."""
+        (or vLLM's ``$VLLM_ALLOW_LONG_MAX_MODEL_LEN``) is 1, as vLLM refuses it; ``warn``
+        logs a warning when it is allowed (the engine's one call does)."""
         limit = model_config.derived_max_model_len
-        if self.max_model_len is None:
-            return model_config.max_position_embeddings
-        if self.max_model_len > limit and not is_long_max_model_len_allowed():
-            raise ValueError(
-                f"max_model_len={self.max_model_len} is longer than the {limit} tokens the "
-                f"model was made for ({_limit_source(model_config)} in its config.json): past "
-                f"them its positions are untrained and the output is garbage. Lower "
-                f"--max-model-len to {limit} or less, or set {ALLOW_LONG_MAX_MODEL_LEN[0]}=1 to "
-                "serve it anyway"
-            )
-        return self.max_model_len
+        if self.max_model_len is None or self.max_model_len <= limit:
+            return self.max_model_len or model_config.max_position_embeddings
+        if is_long_max_model_len_allowed():
+            if warn:
+                _LOG.warning(
+                    "max_model_len=%d is longer than the %d tokens the model was made for "
+                    "(allowed by $%s or $%s): outputs past them may be garbage",
+                    self.max_model_len,
+                    limit,
+                    *ALLOW_LONG_MAX_MODEL_LEN,
+                )
+            return self.max_model_len
+        raise ValueError(
+            f"max_model_len={self.max_model_len} is longer than the {limit} tokens the model "
+            f"was made for ({_limit_source(model_config)} in its config.json): past them its "
+            f"positions are untrained and the output is garbage. Lower --max-model-len to "
+            f"{limit} or less, or set {ALLOW_LONG_MAX_MODEL_LEN[0]}=1 to serve it anyway"
+        )
 
     @property
     def model_dir(self) -> Path:

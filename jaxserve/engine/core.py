@@ -29,7 +29,7 @@ from jaxserve.engine.request_checks import RequestError, check_request
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.structured_outputs import Accepted, StructuredOutputs
 from jaxserve.engine.tokenizer import end_of_sequence_ids, load_tokenizer
-from jaxserve.engine_config import ALLOW_LONG_MAX_MODEL_LEN, EngineConfig
+from jaxserve.engine_config import EngineConfig
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -51,15 +51,7 @@ class EngineCore:
         self.tokenizer = load_tokenizer(config, self.model_config.vocab_size)
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = end_of_sequence_ids(self.model_config, model_dir, self.tokenizer)
-        self.max_model_len = config.resolved_max_model_len(self.model_config)
-        if self.max_model_len > self.model_config.derived_max_model_len:  # allowed by the env
-            _LOG.warning(
-                "max_model_len=%d is longer than the %d tokens the model was made for "
-                "(allowed by $%s): outputs past them may be garbage",
-                self.max_model_len,
-                self.model_config.derived_max_model_len,
-                ALLOW_LONG_MAX_MODEL_LEN[0],
-            )
+        self.max_model_len = config.resolved_max_model_len(self.model_config, warn=True)
         if runner is None:  # a test may pass its own (same interface, hand-computable tokens)
             from jaxserve.runner.runner import ModelRunner
 
