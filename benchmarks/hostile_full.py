@@ -1,12 +1,16 @@
 """Hostile input at full scale against a running ``jaxserve launch``: the seven findings of
-"hostile input, round two", each sent as the attacker sent it, while a neighbour's ordinary
-request is timed.
+"hostile input, round two" and findings 6 and 8-10 of round three (schemas, tool parameters and
+tool-call arguments; integer bounds past 64 bits; the llama3_json parser; operator input), each
+sent as the attacker sent it, while a neighbour's ordinary request is timed.
 
 For every case it records what the hostile request got (status, seconds, response bytes), the
 neighbour's latency and ``/health``'s while it ran (against the same measured idle), and that the
 server still answers afterwards. With ``--pid`` it counts the server's memory maps (a compile
 storm adds about 87 per sampler variant); with ``--server-log`` of a server started with
-``JAX_LOG_COMPILES=1`` it counts programs compiled while the attack ran (should be none).
+``JAX_LOG_COMPILES=1`` it counts programs compiled while the attack ran (should be none), and
+the tracebacks logged (each 500 is one). Round three's finding 9 runs the parser in this
+process, and finding 10 starts ``jaxserve launch`` itself (a malformed config.json, a
+``--max-model-len`` past the model): neither needs the server.
 
     python benchmarks/hostile_full.py --base-url http://localhost:8011 --pid PID \
         --server-log launch.log --output-json hostile.json
@@ -18,7 +22,11 @@ import argparse
 import concurrent.futures
 import json
 import random
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -206,6 +214,185 @@ def random_params(rng: random.Random) -> dict[str, Any]:
     return {k: v for k, v in body.items() if v is not None}
 
 
+def nested(depth: int, leaf: Any = None) -> Any:
+    """An object schema with ``depth`` objects nested in one another."""
+    schema = leaf if leaf is not None else {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def round_three_6(client: httpx.Client, model: str) -> dict[str, Any]:
+    """Finding 6: each answered 500 (and was logged twice); each must be a 400 naming the
+    field, and the schema true a 200."""
+    completion: dict[str, Any] = {"model": model, "prompt": NEIGHBOUR_PROMPT, "max_tokens": 8}
+    user = {"role": "user", "content": "hi"}
+    chat: dict[str, Any] = {"model": model, "messages": [user], "max_tokens": 8}
+    draft = "http://json-schema.org/draft-0{}/schema#"
+
+    def tool(parameters: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+    deep_call = {
+        "role": "assistant",
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "f", "arguments": "[" * 100_000 + "]" * 100_000},
+            }
+        ],
+    }
+    cases: dict[str, tuple[str, dict[str, Any]]] = {
+        "structured_outputs_json_true": (
+            "/v1/completions",
+            completion | {"structured_outputs": {"json": True}},
+        ),
+        "structured_outputs_json_false": (
+            "/v1/completions",
+            completion | {"structured_outputs": {"json": False}},
+        ),
+        "guided_json_text_false": ("/v1/completions", completion | {"guided_json": "false"}),
+        "response_format_200_deep": (
+            "/v1/chat/completions",
+            chat
+            | {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": nested(100)},
+                }
+            },
+        ),
+        "guided_json_text_5000_deep": (
+            "/v1/completions",
+            completion | {"guided_json": "[" * 5000 + "]" * 5000},
+        ),
+        "tool_defs_draft_03": (
+            "/v1/chat/completions",
+            chat
+            | {
+                "tools": [tool({"$schema": draft.format(3), "type": "object", "$defs": [1]})],
+                "tool_choice": "required",
+            },
+        ),
+        "tool_definitions_draft_04": (
+            "/v1/chat/completions",
+            chat
+            | {
+                "tools": [tool({"$schema": draft.format(4), "type": "object", "definitions": 5})],
+                "tool_choice": "required",
+            },
+        ),
+        "tool_parameters_300_deep": (
+            "/v1/chat/completions",
+            chat | {"tools": [tool(nested(150))], "tool_choice": "required"},
+        ),
+        "tool_call_arguments_100000_deep": (
+            "/v1/chat/completions",
+            chat | {"messages": [user, deep_call, user]},
+        ),
+    }
+    return {
+        name: post(client, path, None, raw=json.dumps(body).encode())
+        for name, (path, body) in cases.items()
+    }
+
+
+def round_three_8(client: httpx.Client, model: str) -> dict[str, Any]:
+    """Finding 8: integer bounds past 64 bits. Those that admit only integers past ±(2**53 - 1)
+    must be a 400 (min 1e30 and max 1e31 made every output 2**63 - 1; min -1e30 and max -1e29
+    crashed the server); those that only exclude them must generate integers inside them."""
+    results: dict[str, Any] = {}
+    bounds_cases: dict[str, dict[str, float]] = {
+        "minimum_1e30": {"minimum": 1e30},
+        "minimum_1e30_maximum_1e31": {"minimum": 1e30, "maximum": 1e31},
+        "minimum_-1e30_maximum_-1e29": {"minimum": -1e30, "maximum": -1e29},
+        "maximum_1e30": {"maximum": 1e30},
+        "minimum_-1e30": {"minimum": -1e30},
+        "maximum_2**63-2": {"maximum": 2**63 - 2},
+    }
+    for name, bounds in bounds_cases.items():
+        body = {
+            "model": model,
+            "prompt": NEIGHBOUR_PROMPT,
+            "max_tokens": 24,
+            "temperature": 1.0,
+            "seed": 0,
+            "guided_json": {"type": "integer", **bounds},
+        }
+        result = post(client, "/v1/completions", body)
+        if result["status"] == 200:
+            choice = client.post("/v1/completions", json=body).json()["choices"][0]
+            result["text"] = choice["text"]
+            if choice["finish_reason"] == "stop":
+                value = int(choice["text"])
+                result["in_bounds"] = (
+                    bounds.get("minimum", value) <= value <= bounds.get("maximum", value)
+                )
+        results[name] = result
+    return results
+
+
+def round_three_9() -> dict[str, Any]:
+    """Finding 9, in this process: the llama3_json parser's message for text after
+    <|python_tag|>, whole and a character at a time (they differed)."""
+    from jaxserve.server.tool_calls import MessageDelta
+    from jaxserve.server.tool_parsers import make_tool_parser
+
+    def parse(pieces: list[str]) -> tuple[str, int]:
+        parser = make_tool_parser("llama3_json", parallel=True)
+        message = MessageDelta()
+        for piece in pieces:
+            message.extend(parser.feed(piece))
+        message.extend(parser.finish())
+        return message.content, len(message.tool_calls)
+
+    texts = ["<|python_tag|> It is sunny.", '<|python_tag|>\n {"name": "f", "parameters": {}}']
+    return {
+        text: {"whole": parse([text]), "streamed": parse(list(text))}
+        | {"same": parse([text]) == parse(list(text))}
+        for text in texts
+    }
+
+
+def round_three_10() -> dict[str, Any]:
+    """Finding 10, by starting ``jaxserve launch``: a config.json whose rope factor is "abc"
+    and a --max-model-len of 131072 on the demo model (1,024 positions). Each must exit
+    non-zero with one line naming the field, or both lengths, and no traceback."""
+    from jaxserve.engine_config import default_model_dir
+
+    def launch(*argv: str) -> dict[str, Any]:
+        command = [sys.executable, "-c", "from jaxserve.cli import main; raise SystemExit(main())"]
+        t0 = time.perf_counter()
+        try:
+            done = subprocess.run(
+                [*command, "launch", *argv, "--host", "127.0.0.1", "--port", "0"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+        except subprocess.TimeoutExpired:
+            return {"exit": "still running after 120 s (it started)"}
+        errors = [line for line in done.stderr.splitlines() if line.startswith("ERROR")]
+        return {
+            "exit": done.returncode,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "error": errors[-1][-240:] if errors else None,
+            "traceback": "Traceback" in done.stderr,
+        }
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "model"
+        shutil.copytree(default_model_dir(), model)
+        config = json.loads((model / "config.json").read_text())
+        config["rope_parameters"] = {"rope_type": "linear", "factor": "abc", "rope_theta": 1e4}
+        (model / "config.json").write_text(json.dumps(config))
+        return {
+            "rope_factor_abc": launch(str(model)),
+            "max_model_len_131072": launch("--max-model-len", "131072"),
+        }
+
+
 def map_count(pid: int | None) -> int | None:
     if pid is None:
         return None
@@ -218,6 +405,12 @@ def compile_count(log: Path | None) -> int | None:
         return None
     text = log.read_text(errors="replace")
     return text.count("Finished XLA compilation") + text.count("Compiling ")
+
+
+def traceback_count(log: Path | None) -> int | None:
+    if log is None:
+        return None
+    return log.read_text(errors="replace").count("Traceback (most recent call last)")
 
 
 def main() -> None:
@@ -241,12 +434,15 @@ def main() -> None:
         if args.only and not name.startswith(tuple(args.only.split(","))):
             return
         before = map_count(args.pid), compile_count(args.server_log)
+        tracebacks = traceback_count(args.server_log)
         report[name] = probe.during(attack)
         after = map_count(args.pid), compile_count(args.server_log)
         if args.pid:
             report[name]["maps_added"] = after[0] - before[0]  # type: ignore[operator]
         if args.server_log:
             report[name]["compiles"] = after[1] - before[1]  # type: ignore[operator]
+            added = traceback_count(args.server_log) - tracebacks  # type: ignore[operator]
+            report[name]["tracebacks"] = added
         report[name]["healthy_after"] = client.get("/health").status_code == 200
         print(name, json.dumps({k: v for k, v in report[name].items() if k != "attack"}))
 
@@ -361,6 +557,10 @@ def main() -> None:
         }
 
     step("7_top_p_1e-300", tiny_top_p)
+    step("r3_6_schemas_tools_arguments", lambda: round_three_6(client, model))
+    step("r3_8_integer_bounds_past_64_bits", lambda: round_three_8(client, model))
+    step("r3_9_llama3_python_tag_whitespace", round_three_9)
+    step("r3_10_operator_input", round_three_10)
 
     # -- round three: grammars, schemas and tools -----------------------------------------
     text = {"model": model, "prompt": "hi", "max_tokens": 4}

@@ -8,6 +8,7 @@ including Gemma 3's rope parameters per layer type (one base for local, one for 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -15,6 +16,8 @@ import math
 import os
 from pathlib import Path
 from typing import Any
+
+from jaxserve.config_fields import ConfigError, ConfigFields
 
 # Hugging Face architecture -> its model_type; every one is served by jaxserve.models.llama.
 SUPPORTED_ARCHITECTURES = {
@@ -39,10 +42,6 @@ SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_ty
 MOE_SCORINGS = ("softmax", "sigmoid")
 
 _LOG = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A model directory or config.json that jaxserve cannot serve."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,6 +291,22 @@ class ModelConfig:
                     f"mlp_only_layers {outside} outside num_hidden_layers={self.num_layers}"
                 )
 
+    @property
+    def derived_max_model_len(self) -> int:
+        """The longest context the model was made for, by vLLM's rule: max_position_embeddings,
+        times the rope factor where the rope stretches it (linear, dynamic; yarn from its
+        original length). llama3, longrope and Gemma 3 count it in max_position_embeddings."""
+        scaling = self.rope_scaling
+        if (
+            scaling is None
+            or scaling.rope_type in ("llama3", "longrope")
+            or self.model_type == "gemma3_text"
+        ):
+            return self.max_position_embeddings
+        is_yarn = scaling.rope_type == "yarn"
+        base = scaling.original_max_position_embeddings if is_yarn else self.max_position_embeddings
+        return int(base * scaling.factor)
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer`` runs experts (else its dense MLP)."""
         return self.moe is not None and layer not in self.moe.dense_layers
@@ -349,6 +364,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Build from a config.json dict (either rope key spelling)."""
+        ConfigFields(raw)  # an object, or a ConfigError
         architectures = raw.get("architectures") or []
         if architectures and not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
             raise ConfigError(
@@ -363,13 +379,15 @@ class ModelConfig:
                 f"(architectures {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         raw = _rename_su(raw)
+        _check_rope_fields(raw)  # before transformers, whose checks name no field
         try:
             from transformers import AutoConfig
 
-            hf = AutoConfig.for_model(**raw).to_dict()
+            # a copy: transformers moves fields into the nested rope dict of what it is given
+            hf = AutoConfig.for_model(**copy.deepcopy(raw)).to_dict()
         except Exception as exc:  # transformers rejects malformed fields with many exception types
             raise ConfigError(f"config.json could not be parsed: {exc}") from exc
-        return cls._from_parsed(hf)
+        return cls._from_parsed(ConfigFields(hf))
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike[str]) -> ModelConfig:
@@ -386,19 +404,26 @@ class ModelConfig:
             raise ConfigError(f"{config_path}: {exc}") from exc
 
     @classmethod
-    def _from_parsed(cls, hf: dict[str, Any]) -> ModelConfig:
-        model_type = hf["model_type"]
-        num_q_heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_q_heads
-        rope = hf.get("rope_parameters") or {}
+    def _from_parsed(cls, hf: ConfigFields) -> ModelConfig:
+        """Every field read through ``ConfigFields``: a wrong type is a ``ConfigError`` that
+        names it."""
+        model_type = hf.string("model_type") or ""
+        num_q_heads = _required_integer(hf, "num_attention_heads")
+        hidden_size = _required_integer(hf, "hidden_size")
+        head_dim = hf.optional_integer("head_dim") or hidden_size // max(num_q_heads, 1)
+        rope = hf.section("rope_parameters")
         local_rope = None
         if FULL in rope or SLIDING in rope:  # per layer type (Gemma 3)
-            local_rope = rope.get(SLIDING) or {}
-            rope = rope.get(FULL) or {}
-        if not rope:  # older transformers spelling
-            rope = dict(hf.get("rope_scaling") or {})
-            rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
-        partial = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor")) or 1.0)
+            local_rope = rope.section(SLIDING)
+            rope = rope.section(FULL)
+        if not rope.raw:  # older transformers spelling
+            rope = hf.section("rope_scaling")
+            rope = ConfigFields(
+                {"rope_theta": hf.number("rope_theta", 10000.0), **rope.raw}, rope.prefix
+            )
+        partial = rope.optional_number("partial_rotary_factor") or hf.number(
+            "partial_rotary_factor", 1.0
+        )
         if partial != 1.0:
             raise ConfigError(f"partial_rotary_factor={partial} is not supported; only 1.0")
         rope_local_theta = None
@@ -408,12 +433,10 @@ class ModelConfig:
                     f"rope_parameters[{SLIDING!r}]: rope_type={_rope_type(local_rope)!r} is not "
                     "supported for the local layers; only default"
                 )
-            rope_local_theta = float(local_rope.get("rope_theta", 10000.0))
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        sliding_window = hf.get("sliding_window")
+            rope_local_theta = local_rope.number("rope_theta", 10000.0)
+        sliding_window = hf.optional_integer("sliding_window")
         qwen = model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
-        if qwen and not hf.get("use_sliding_window", False):
+        if qwen and not hf.boolean("use_sliding_window", False):
             sliding_window = None
         is_gemma = model_type in GEMMA_MODEL_TYPES
         layer_types: tuple[str, ...] = ()
@@ -422,51 +445,60 @@ class ModelConfig:
         is_gpt_oss = model_type == "gpt_oss"
         mla = _mla_config(hf, rope)
         if is_gpt_oss and sliding_window is not None:  # alternating sliding and full layers
-            layer_types = tuple(hf.get("layer_types") or ())
+            layer_types = hf.strings("layer_types")
+        attention_bias = hf.boolean("attention_bias", False)
         return cls(
             model_type=model_type,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            vocab_size=_required_integer(hf, "vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=_required_integer(hf, "intermediate_size"),
+            num_layers=_required_integer(hf, "num_hidden_layers"),
             num_q_heads=num_q_heads,
             # MLA: one latent, shared by every query head, is what the cache holds per token.
-            num_kv_heads=1 if mla else hf.get("num_key_value_heads") or num_q_heads,
+            num_kv_heads=1 if mla else hf.optional_integer("num_key_value_heads") or num_q_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            rms_norm_eps=hf.number("rms_norm_eps", 1e-6),
+            rope_theta=rope.number("rope_theta", 10000.0),
             rope_scaling=_rope_scaling(rope, hf),
-            max_position_embeddings=hf.get("max_position_embeddings") or 4096,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=hf.optional_integer("max_position_embeddings") or 4096,
+            tie_word_embeddings=hf.boolean("tie_word_embeddings", False),
             attention_bias=model_type == "qwen2"
-            or bool(hf.get("attention_bias", False))
-            or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
+            or attention_bias
+            or (model_type == "qwen2_moe" and hf.boolean("qkv_bias", True)),
             qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             sliding_window=sliding_window,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
+            bos_token_id=hf.optional_integer("bos_token_id"),
+            eos_token_ids=hf.integers("eos_token_id"),
+            hidden_act=hf.string("hidden_activation") or hf.string("hidden_act") or "silu",
             layer_types=layer_types,
             rope_local_theta=rope_local_theta,
-            attn_logit_softcap=_optional_float(hf.get("attn_logit_softcapping")),
-            final_logit_softcap=_optional_float(hf.get("final_logit_softcapping")),
-            query_pre_attn_scalar=_optional_float(hf.get("query_pre_attn_scalar")),
+            attn_logit_softcap=hf.optional_number("attn_logit_softcapping"),
+            final_logit_softcap=hf.optional_number("final_logit_softcapping"),
+            query_pre_attn_scalar=hf.optional_number("query_pre_attn_scalar"),
             is_gemma=is_gemma,
             moe=_moe_config(hf),
             attention_sinks=is_gpt_oss,
-            o_proj_bias=is_gpt_oss and bool(hf.get("attention_bias", False)),
+            o_proj_bias=is_gpt_oss and attention_bias,
             mla=mla,
         )
 
 
-def _mla_config(hf: dict[str, Any], rope: dict[str, Any]) -> MlaConfig | None:
+def _required_integer(hf: ConfigFields, key: str) -> int:
+    """An integer config.json must have (its range is checked by the config dataclass)."""
+    value = hf.optional_integer(key)
+    if value is None:
+        raise ConfigError(f"{hf.prefix}{key} is missing; it must be an integer")
+    return value
+
+
+def _mla_config(hf: ConfigFields, rope: ConfigFields) -> MlaConfig | None:
     """DeepSeek-V3's latent attention, its softmax scale as transformers' ``yarn_apply_mscale``
     makes it; None for every other family."""
-    if hf["model_type"] != "deepseek_v3":
+    if hf.raw["model_type"] != "deepseek_v3":
         return None
-    if hf.get("attention_bias"):
+    if hf.boolean("attention_bias", False):
         raise ConfigError("attention_bias=True is not supported for deepseek_v3; only false")
-    quant = hf.get("quantization_config")
+    quant = hf.raw.get("quantization_config")
     if quant:  # its latent and expert projections too: none would be read with their scales
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
         raise ConfigError(
@@ -474,33 +506,35 @@ def _mla_config(hf: dict[str, Any], rope: dict[str, Any]) -> MlaConfig | None:
             "serve a bf16 checkpoint (--quantization fp8 or int8 quantizes it on load)"
         )
     mla = MlaConfig(
-        kv_lora_rank=hf["kv_lora_rank"],
-        qk_nope_head_dim=hf["qk_nope_head_dim"],
-        qk_rope_head_dim=hf["qk_rope_head_dim"],
-        v_head_dim=hf["v_head_dim"],
-        q_lora_rank=hf.get("q_lora_rank"),
-        rope_interleave=bool(hf.get("rope_interleave", True)),
+        kv_lora_rank=_required_integer(hf, "kv_lora_rank"),
+        qk_nope_head_dim=_required_integer(hf, "qk_nope_head_dim"),
+        qk_rope_head_dim=_required_integer(hf, "qk_rope_head_dim"),
+        v_head_dim=_required_integer(hf, "v_head_dim"),
+        q_lora_rank=hf.optional_integer("q_lora_rank"),
+        rope_interleave=hf.boolean("rope_interleave", True),
     )
     scale = mla.qk_head_dim**-0.5
-    mscale_all_dim = rope.get("mscale_all_dim")
+    mscale_all_dim = rope.optional_number("mscale_all_dim")
     if _rope_type(rope) != "default" and mscale_all_dim:
-        factor = float(rope["factor"])
+        factor = rope.optional_number("factor")
+        if factor is None:
+            raise ConfigError(f"{rope.prefix}factor is needed with mscale_all_dim")
         mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0 if factor > 1 else 1.0
         scale *= mscale * mscale
     return dataclasses.replace(mla, softmax_scale=scale)
 
 
-def _moe_config(hf: dict[str, Any]) -> MoeConfig | None:
+def _moe_config(hf: ConfigFields) -> MoeConfig | None:
     """The experts of Mixtral (every layer, renormalized top-k) and Qwen3-MoE (sparse every
     ``decoder_sparse_step``-th layer except ``mlp_only_layers``), Qwen2-MoE (Qwen3-MoE's
     layers and a shared expert behind a sigmoid gate) and GPT-OSS (every layer, biases, the
     clamped swiglu); None for a dense model."""
-    model_type = hf["model_type"]
+    model_type = hf.raw["model_type"]
     if model_type == "deepseek_v3":
         return _deepseek_moe_config(hf)
     if model_type not in ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"):
         return None
-    quant = hf.get("quantization_config")
+    quant = hf.raw.get("quantization_config")
     method = quant.get("quant_method") if isinstance(quant, dict) else quant
     if quant and method != "mxfp4":  # (GPT-OSS's MXFP4 gets its own message at the scheme)
         raise ConfigError(
@@ -508,67 +542,96 @@ def _moe_config(hf: dict[str, Any]) -> MoeConfig | None:
             "its experts would be read without their scales; serve a bf16 checkpoint "
             "(--quantization fp8 or int8 then quantizes its attention on load; experts stay bf16)"
         )
-    num_experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
-    top_k = hf.get("num_experts_per_tok") or 0
-    num_layers = hf["num_hidden_layers"]
+    num_experts = hf.optional_integer("num_local_experts") or hf.integer("num_experts", 0)
+    top_k = hf.integer("num_experts_per_tok", 0)
+    num_layers = _required_integer(hf, "num_hidden_layers")
+    intermediate_size = _required_integer(hf, "intermediate_size")
     if model_type == "mixtral":
-        return MoeConfig(num_experts, top_k, hf["intermediate_size"], norm_topk_prob=True)
+        return MoeConfig(num_experts, top_k, intermediate_size, norm_topk_prob=True)
     if model_type == "gpt_oss":
         # NOTE: Hugging Face's router takes the softmax of the top-k logits; a softmax over
         # every expert renormalized over the top k (norm_topk_prob) is the same weights.
         return MoeConfig(
             num_experts,
             top_k,
-            hf["intermediate_size"],
+            intermediate_size,
             norm_topk_prob=True,
             has_biases=True,
-            swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
-            swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+            swiglu_limit=hf.number("swiglu_limit", 7.0),
+            swiglu_alpha=hf.number("swiglu_alpha", 1.702),
         )
-    step = hf.get("decoder_sparse_step") or 1
-    only_dense = set(hf.get("mlp_only_layers") or ())
+    step = hf.optional_integer("decoder_sparse_step") or 1
+    only_dense = set(hf.integers("mlp_only_layers"))
     dense = tuple(i for i in range(num_layers) if i in only_dense or (i + 1) % step)
     return MoeConfig(
         num_experts,
         top_k,
-        hf.get("moe_intermediate_size") or 0,
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        hf.integer("moe_intermediate_size", 0),
+        norm_topk_prob=hf.boolean("norm_topk_prob", False),
         dense_layers=dense,
         shared_intermediate_size=(
-            hf.get("shared_expert_intermediate_size") or 0 if model_type == "qwen2_moe" else 0
+            hf.integer("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
         ),
         has_shared_gate=model_type == "qwen2_moe",
     )
 
 
-def _deepseek_moe_config(hf: dict[str, Any]) -> MoeConfig:
+def _deepseek_moe_config(hf: ConfigFields) -> MoeConfig:
     """DeepSeek-V3: ``first_k_dense_replace`` dense layers, then routed experts with sigmoid
     scores, grouped top-k steered by ``e_score_correction_bias``, the routed scaling factor,
     and ``n_shared_experts`` shared experts (one dense MLP of their summed width)."""
-    num_layers = hf["num_hidden_layers"]
-    first_dense = hf.get("first_k_dense_replace") or 0
-    moe_intermediate = hf.get("moe_intermediate_size") or 0
+    num_layers = _required_integer(hf, "num_hidden_layers")
+    first_dense = hf.integer("first_k_dense_replace", 0)
+    moe_intermediate = hf.integer("moe_intermediate_size", 0)
     return MoeConfig(
-        hf.get("n_routed_experts") or 0,
-        hf.get("num_experts_per_tok") or 0,
+        hf.integer("n_routed_experts", 0),
+        hf.integer("num_experts_per_tok", 0),
         moe_intermediate,
         scoring="sigmoid",
-        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-        n_group=hf.get("n_group") or 1,
-        topk_group=hf.get("topk_group") or 1,
-        routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+        norm_topk_prob=hf.boolean("norm_topk_prob", True),
+        n_group=hf.optional_integer("n_group") or 1,
+        topk_group=hf.optional_integer("topk_group") or 1,
+        routed_scaling_factor=hf.optional_number("routed_scaling_factor") or 1.0,
         has_correction_bias=True,
-        shared_intermediate_size=moe_intermediate * (hf.get("n_shared_experts") or 0),
+        shared_intermediate_size=moe_intermediate * hf.integer("n_shared_experts", 0),
         dense_layers=tuple(range(min(first_dense, num_layers))),
     )
 
 
-def _optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)
+def _rope_type(rope: ConfigFields) -> str:
+    return rope.string("rope_type") or rope.string("type") or "default"
 
 
-def _rope_type(rope: dict[str, Any]) -> str:
-    return rope.get("rope_type") or rope.get("type") or "default"
+ROPE_NUMBERS = (
+    "rope_theta",
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "attention_factor",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "partial_rotary_factor",
+)
+
+
+def _check_rope_fields(raw: dict[str, Any]) -> None:
+    """The types of the rope fields config.py reads, in either spelling and per layer type."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if raw.get(key) is None:
+            continue
+        ropes = [ConfigFields(raw).section(key)]
+        ropes += [ropes[0].section(t) for t in (FULL, SLIDING) if ropes[0].raw.get(t) is not None]
+        for rope in ropes:
+            for name in ROPE_NUMBERS:
+                rope.optional_number(name)
+            rope.optional_integer("original_max_position_embeddings")
+            rope.string("rope_type")
+            rope.string("type")
+            rope.numbers("short_factor")
+            rope.numbers("long_factor")
+            rope.boolean("truncate", True)
 
 
 def _rename_su(raw: dict[str, Any]) -> dict[str, Any]:
@@ -581,7 +644,7 @@ def _rename_su(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-def _rope_scaling(rope: dict[str, Any], hf: dict[str, Any]) -> RopeScaling | None:
+def _rope_scaling(rope: ConfigFields, hf: ConfigFields) -> RopeScaling | None:
     """The scaling of one rope parameter dict (None for the unscaled default)."""
     rope_type = _rope_type(rope)
     if rope_type == "default":
@@ -590,48 +653,45 @@ def _rope_scaling(rope: dict[str, Any], hf: dict[str, Any]) -> RopeScaling | Non
         raise ConfigError(
             f"rope_type={rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
         )
-    max_positions = hf.get("max_position_embeddings") or 4096
+    max_positions = hf.optional_integer("max_position_embeddings") or 4096
     # NOTE: dynamic NTK counts from max_position_embeddings, as transformers does; Phi-3 keeps
     # its pretraining length outside the rope dict.
-    original = rope.get("original_max_position_embeddings") or hf.get(
+    original = rope.optional_integer("original_max_position_embeddings") or hf.optional_integer(
         "original_max_position_embeddings"
     )
     if rope_type == "dynamic":
         original = max_positions
-    factor = rope.get("factor")
+    factor = rope.optional_number("factor")
     if factor is None:  # yarn, longrope: the ratio of the two lengths
         factor = max_positions / original if original else 1.0
-    factor = float(factor)
-    try:
-        return RopeScaling(
-            rope_type=rope_type,
-            factor=factor,
-            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(original or 0),
-            attention_factor=_attention_factor(rope_type, rope, factor, original),
-            beta_fast=float(rope.get("beta_fast") or 32.0),
-            beta_slow=float(rope.get("beta_slow") or 1.0),
-            truncate=bool(rope.get("truncate", True)),
-            short_factor=tuple(float(x) for x in rope.get("short_factor") or ()),
-            long_factor=tuple(float(x) for x in rope.get("long_factor") or ()),
-        )
-    except KeyError as exc:
-        raise ConfigError(f"rope_type={rope_type!r} needs {exc}") from exc
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=factor,
+        low_freq_factor=rope.number("low_freq_factor", 1.0),
+        high_freq_factor=rope.number("high_freq_factor", 4.0),
+        original_max_position_embeddings=original or 0,
+        attention_factor=_attention_factor(rope_type, rope, factor, original),
+        beta_fast=rope.optional_number("beta_fast") or 32.0,
+        beta_slow=rope.optional_number("beta_slow") or 1.0,
+        truncate=rope.boolean("truncate", True),
+        short_factor=rope.numbers("short_factor"),
+        long_factor=rope.numbers("long_factor"),
+    )
 
 
 def _attention_factor(
-    rope_type: str, rope: dict[str, Any], factor: float, original: int | None
+    rope_type: str, rope: ConfigFields, factor: float, original: int | None
 ) -> float:
     """The cos/sin scale of yarn and longrope: the config's, else the papers' rule."""
-    if rope.get("attention_factor") is not None:
-        return float(rope["attention_factor"])
+    attention_factor = rope.optional_number("attention_factor")
+    if attention_factor is not None:
+        return attention_factor
     if rope_type == "yarn":
 
         def mscale(scale: float, m: float = 1.0) -> float:
             return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        m, m_all = rope.optional_number("mscale"), rope.optional_number("mscale_all_dim")
         if m and m_all:
             return mscale(factor, m) / mscale(factor, m_all)
         return mscale(factor)
@@ -640,13 +700,17 @@ def _attention_factor(
     return 1.0
 
 
-def _gemma_layer_types(hf: dict[str, Any]) -> tuple[str, ...]:
+def _gemma_layer_types(hf: ConfigFields) -> tuple[str, ...]:
     """Local/global pattern: ``layer_types``, else ``sliding_window_pattern`` (every n-th layer
     global), else Gemma 2's alternation (even layers local)."""
-    num_layers = hf["num_hidden_layers"]
-    if hf.get("layer_types"):
-        return tuple(hf["layer_types"])
-    pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 2
+    num_layers = _required_integer(hf, "num_hidden_layers")
+    if hf.strings("layer_types"):
+        return hf.strings("layer_types")
+    pattern = (
+        hf.optional_integer("sliding_window_pattern")
+        or hf.optional_integer("_sliding_window_pattern")
+        or 2
+    )
     return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
 
 

@@ -7,12 +7,15 @@ passed down to the scheduler, the KV-cache manager and the runner (so it lives b
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 
 from jaxserve.config import ModelConfig
 from jaxserve.hf_cache import resolve_model_dir
 from jaxserve.sampling_params import DEFAULT_MAX_GRAMMAR_BYTES
+
+_LOG = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -63,6 +66,27 @@ def default_model_dir() -> Path:
 
 
 SAMPLER_VARIANTS = ("auto", "all", "compact")
+
+# Either lets max_model_len exceed what the model was made for (vLLM's name is the second).
+ALLOW_LONG_MAX_MODEL_LEN = ("JAXSERVE_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+
+
+def is_long_max_model_len_allowed() -> bool:
+    return any(
+        os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
+        for name in ALLOW_LONG_MAX_MODEL_LEN
+    )
+
+
+def _limit_source(model_config: ModelConfig) -> str:
+    text = f"max_position_embeddings={model_config.max_position_embeddings}"
+    scaling = model_config.rope_scaling
+    if model_config.derived_max_model_len != model_config.max_position_embeddings and scaling:
+        text += f", rope {scaling.rope_type} factor {scaling.factor:g}"
+        if scaling.rope_type == "yarn":
+            original = scaling.original_max_position_embeddings
+            text += f" over original_max_position_embeddings={original}"
+    return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +193,30 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
 
-    def resolved_max_model_len(self, model_config: ModelConfig) -> int:
-        """The context length served: ``max_model_len`` or the model's own."""
-        return self.max_model_len or model_config.max_position_embeddings
+    def resolved_max_model_len(self, model_config: ModelConfig, warn: bool = False) -> int:
+        """The context length served: ``max_model_len`` or the model's own. One longer than
+        the model was made for is a ``ValueError`` unless ``$JAXSERVE_ALLOW_LONG_MAX_MODEL_LEN``
+        (or vLLM's ``$VLLM_ALLOW_LONG_MAX_MODEL_LEN``) is 1, as vLLM refuses it; ``warn``
+        logs a warning when it is allowed (the engine's one call does)."""
+        limit = model_config.derived_max_model_len
+        if self.max_model_len is None or self.max_model_len <= limit:
+            return self.max_model_len or model_config.max_position_embeddings
+        if is_long_max_model_len_allowed():
+            if warn:
+                _LOG.warning(
+                    "max_model_len=%d is longer than the %d tokens the model was made for "
+                    "(allowed by $%s or $%s): outputs past them may be garbage",
+                    self.max_model_len,
+                    limit,
+                    *ALLOW_LONG_MAX_MODEL_LEN,
+                )
+            return self.max_model_len
+        raise ValueError(
+            f"max_model_len={self.max_model_len} is longer than the {limit} tokens the model "
+            f"was made for ({_limit_source(model_config)} in its config.json): past them its "
+            f"positions are untrained and the output is garbage. Lower --max-model-len to "
+            f"{limit} or less, or set {ALLOW_LONG_MAX_MODEL_LEN[0]}=1 to serve it anyway"
+        )
 
     @property
     def model_dir(self) -> Path:

@@ -56,7 +56,9 @@ def engine():
         max_num_batched_tokens=64,
         num_gpu_blocks_override=NUM_BLOCKS,
     )
-    engine = AsyncEngine.from_config(config)
+    with pytest.MonkeyPatch.context() as env:  # past the fixture's 256 positions, on purpose
+        env.setenv("JAXSERVE_ALLOW_LONG_MAX_MODEL_LEN", "1")
+        engine = AsyncEngine.from_config(config)
     engine.start()
     yield engine
     engine.shutdown()

@@ -696,6 +696,39 @@ def test_parsers_give_the_same_message_however_the_text_is_cut(parser, output, c
 
 
 @pytest.mark.parametrize(
+    ("parser", "text", "content", "num_calls"),
+    [
+        ("llama3_json", "<|python_tag|> It is sunny.", "It is sunny.", 0),
+        ("llama3_json", " <|python_tag|>\n\n It is sunny.", "It is sunny.", 0),
+        ("llama3_json", '<|python_tag|>\n {"name": "get_time", "parameters": {}}', "", 1),
+        ("llama3_json", "<|python_tag|>   ", "", 0),
+        ("hermes", "<tool_call> <tool_call>", "<tool_call> <tool_call>", 0),
+        (
+            "hermes",
+            '<tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+            "<tool_call>\n",
+            1,
+        ),
+    ],
+)
+def test_whitespace_after_a_marker_is_the_same_whole_and_streamed(
+    parser, text, content, num_calls
+) -> None:
+    """Whitespace after llama3's ``<|python_tag|>`` is dropped (as vLLM strips it) whether it
+    arrives with the tag or in a later delta; after a Hermes ``<tool_call>`` that opens no
+    call it is content. Each used to differ between a streamed and a whole output."""
+    from jaxserve.server.tool_parsers import make_tool_parser
+
+    for pieces in ([text], list(text), [text[:15], text[15:]]):
+        tool_parser = make_tool_parser(parser, parallel=True)
+        message = MessageDelta()
+        for piece in pieces:
+            message.extend(tool_parser.feed(piece))
+        message.extend(tool_parser.finish())
+        assert (message.content, len(message.tool_calls)) == (content, num_calls), pieces
+
+
+@pytest.mark.parametrize(
     "text",
     [
         "[TOOL_CALLS] is how the marker looks",
@@ -703,6 +736,7 @@ def test_parsers_give_the_same_message_however_the_text_is_cut(parser, output, c
         "Use [TOOL_CALLS]get_weather[AR",
         "[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e",  # an id, then the end
         "[TOOL_CALLS]get_weather[CALL_ID]not an id[ARGS]{}",
+        '[TOOL_CALLS]get_weather[ARGS], "arguments": {"a": 1}',  # no object after [ARGS]
     ],
 )
 def test_mistral_marker_without_a_call_stays_text(text) -> None:

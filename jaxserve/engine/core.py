@@ -51,7 +51,7 @@ class EngineCore:
         self.tokenizer = load_tokenizer(config, self.model_config.vocab_size)
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = end_of_sequence_ids(self.model_config, model_dir, self.tokenizer)
-        self.max_model_len = config.resolved_max_model_len(self.model_config)
+        self.max_model_len = config.resolved_max_model_len(self.model_config, warn=True)
         if runner is None:  # a test may pass its own (same interface, hand-computable tokens)
             from jaxserve.runner.runner import ModelRunner
 

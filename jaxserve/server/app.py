@@ -24,6 +24,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jaxserve.engine.interfaces import EngineClient
 from jaxserve.sampling_params import SamplingParamsError
@@ -134,6 +135,7 @@ def build_app(
         Route("/openapi.json", openapi, methods=["GET"]),
     ]
     middleware = [
+        Middleware(UnexpectedErrorMiddleware),
         Middleware(
             HeaderLimitMiddleware,
             max_header_count=settings.max_header_count,
@@ -211,5 +213,39 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:
-    _LOG.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    # Only reached once a response has started (UnexpectedErrorMiddleware passes those on):
+    # uvicorn logs the error then, so it is not logged here a second time.
     return internal_error().response()
+
+
+class UnexpectedErrorMiddleware:
+    """An error no handler knows: logged once and answered 500 in OpenAI's shape.
+
+    NOTE: Starlette hands such errors to its outermost middleware, which answers and then
+    raises them again for the server to log: each was logged twice, and uvicorn closed the
+    keep-alive connection, so the client's next request on it failed. Caught here, the
+    connection stays usable. An error after the response has started (a stream) can only end
+    it: that one goes on to uvicorn, which logs it.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        is_started = False
+
+        async def send_and_track(message: Message) -> None:
+            nonlocal is_started
+            is_started = is_started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_track)
+        except Exception as exc:
+            if is_started:
+                raise
+            _LOG.error("unhandled error on %s %s", scope["method"], scope["path"], exc_info=exc)
+            await internal_error().response()(scope, receive, send)

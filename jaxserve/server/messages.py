@@ -10,11 +10,11 @@ completions) are a 400 naming the field.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from jaxserve.server.errors import bad_request, unsupported
 from jaxserve.server.fields import json_type, optional
+from jaxserve.server.json_limits import load_json
 from jaxserve.server.tools import ToolChoice, parse_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -159,18 +159,22 @@ def _tool_calls(tool_calls: Any, path: str) -> list[dict[str, Any]]:
                 "type": "function",
                 "function": {
                     "name": function["name"],
-                    "arguments": _arguments_for_template(function["arguments"]),
+                    "arguments": _arguments_for_template(
+                        function["arguments"], f"{where}.function.arguments"
+                    ),
                 },
             }
         )
     return calls
 
 
-def _arguments_for_template(arguments: str) -> dict[str, Any] | str:
+def _arguments_for_template(arguments: str, path: str) -> dict[str, Any] | str:
     """The arguments as an object when they are one (templates serialize them with ``tojson``);
-    otherwise the string as sent (a call the model cut short is still shown as it was)."""
+    otherwise the string as sent (a call the model cut short is still shown as it was). JSON
+    nested more than ``MAX_JSON_DEPTH`` levels is a 400: reading it, or the template writing
+    it, would recurse past Python's limit."""
     try:
-        value = json.loads(arguments)
+        value = load_json(arguments, path)
     except ValueError:
         return arguments
     return value if isinstance(value, dict) else arguments

@@ -11,7 +11,6 @@ of the three may be sent. ``protocol.py`` calls ``parse_structured_outputs``; th
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from jaxserve.sampling_params import (
@@ -20,6 +19,7 @@ from jaxserve.sampling_params import (
     StructuredOutputsParams,
 )
 from jaxserve.server.errors import bad_request
+from jaxserve.server.json_limits import grammar_schema, load_json
 
 FIELDS = ("response_format", "structured_outputs", *GUIDED_ALIASES)
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -43,11 +43,14 @@ def parse_structured_outputs(body: dict[str, Any]) -> tuple[StructuredOutputsPar
         if param == "response_format":
             spec = _response_format(body["response_format"])
         elif param == "structured_outputs":
-            spec = StructuredOutputsParams.of(body["structured_outputs"])
+            value = body["structured_outputs"]
+            if isinstance(value, dict) and value.get("json") is not None:
+                value = {**value, "json": _schema_text(value["json"], "structured_outputs.json")}
+            spec = StructuredOutputsParams.of(value)
         else:
             value = body[param]
-            if param == "guided_json" and isinstance(value, str):
-                value = _json_schema_text(value, param)
+            if param == "guided_json":
+                value = _schema_text(value, param)
             spec = StructuredOutputsParams.of({GUIDED_ALIASES[param]: value})
     except SamplingParamsError as exc:
         shown = exc.param if param == "structured_outputs" else param
@@ -91,12 +94,18 @@ def _response_format(value: Any) -> StructuredOutputsParams:
     schema = spec.get("schema", {})
     if not isinstance(schema, dict):
         raise bad_request("response_format.json_schema.schema must be an object", "response_format")
-    return StructuredOutputsParams(json=json.dumps(schema))
+    return StructuredOutputsParams(json=_schema_text(schema, "response_format"))
 
 
-def _json_schema_text(text: str, param: str) -> str:
-    try:
-        json.loads(text)
-    except ValueError as exc:
-        raise bad_request(f"{param} is not valid JSON: {exc}", param=param) from None
-    return text
+def _schema_text(value: Any, param: str) -> Any:
+    """A JSON schema sent as an object, a boolean or a JSON text -> the text the grammar engine
+    compiles (json_limits.grammar_schema); anything else is left to StructuredOutputsParams
+    to refuse."""
+    if isinstance(value, str):
+        try:
+            value = load_json(value, param)
+        except ValueError as exc:
+            raise bad_request(f"{param} is not valid JSON: {exc}", param=param) from None
+    elif not isinstance(value, dict | bool):
+        return value
+    return grammar_schema(value, param)

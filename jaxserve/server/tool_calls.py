@@ -211,7 +211,7 @@ class CallObject:
 def _loads(text: str, default: object) -> object:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # a model's output may nest past Python's limit
         return default
 
 

@@ -136,8 +136,10 @@ class HermesParser(ToolParser):
                 if is_final:
                     out.content += self._call_prefix
                 return False
-            if rest[0] != "{":
-                out.content += self._call_prefix
+            if rest[0] != "{":  # not a call: the marker and the whitespace after it are text
+                out.content += self._call_prefix + self._buffer[: len(self._buffer) - len(rest)]
+                self._buffer = rest
+                self._is_between_calls = False
                 self._state = "text"
                 return True
             self._call_prefix += self._buffer[: len(self._buffer) - len(rest)]
@@ -169,9 +171,13 @@ class Llama3JsonParser(ToolParser):
     def _step(self, out: MessageDelta, is_final: bool) -> bool:
         if self._state == "start":  # calls if the output starts with { or the python tag
             rest = self._buffer.lstrip()
-            if rest.startswith(self.PYTHON_TAG):
-                self._buffer = rest = rest[len(self.PYTHON_TAG) :].lstrip()
+            if not self._is_tagged and rest.startswith(self.PYTHON_TAG):
+                rest = rest[len(self.PYTHON_TAG) :].lstrip()
                 self._is_tagged = True
+            if self._is_tagged:
+                # NOTE: whitespace after the tag is dropped, whether it comes with the tag or
+                # in a later delta (vLLM strips it too).
+                self._buffer = rest
             if not is_final and (
                 not rest or (not self._is_tagged and self.PYTHON_TAG.startswith(rest))
             ):
@@ -307,7 +313,10 @@ class MistralParser(_ArrayParser):
         is_name = all(c.isalnum() or c in "_-." for c in name + call_id)
         if i < 0 and is_name and len(head) <= self.MAX_NAME and not is_final:
             return False
-        if i < 0 or not is_name or not name:
+        args = self._buffer[i + len(self.ARGS) :].lstrip() if i >= 0 else ""
+        if i >= 0 and not args and not is_final:  # is an object next?
+            return False
+        if i < 0 or not is_name or not name or (args and args[0] != "{"):
             out.content += self.MARKER
             self._state = "text"
             self._is_between_calls = False

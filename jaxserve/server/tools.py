@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import re
 from typing import Any
 
@@ -19,6 +18,12 @@ import jsonschema
 
 from jaxserve.server.errors import bad_request
 from jaxserve.server.fields import json_type
+from jaxserve.server.json_limits import (
+    MAX_JSON_DEPTH,
+    check_depth,
+    grammar_schema,
+    integer_bounds_to_tighten,
+)
 
 MAX_TOOLS = 128  # OpenAI's limit
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -26,6 +31,7 @@ TOOL_FIELDS = frozenset(("type", "function"))
 FUNCTION_FIELDS = frozenset(("name", "description", "parameters", "strict"))
 MODES = ("none", "auto", "required")
 DEFS_KEYS = ("$defs", "definitions")
+REQUIRED_DEPTH = 5  # levels a "required" choice's array schema puts above each parameters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,15 +112,21 @@ def _check_tool(tool: Any, path: str) -> str:
 
 
 def check_parameters_schema(schema: Any, path: str) -> None:
-    """A function's ``parameters``: a JSON schema of an object whose local ``$ref``s resolve."""
+    """A function's ``parameters``: a JSON schema of an object whose local ``$ref``s resolve,
+    nested at most ``MAX_JSON_DEPTH`` levels, whose integer bounds the grammar can hold."""
     if not isinstance(schema, dict):
         raise bad_request(f"{path} must be a JSON schema object, got {json_type(schema)}", path)
+    check_depth(schema, path)  # first: the checks below recurse
     if schema.get("type", "object") != "object":
         raise bad_request(
             f'{path} must describe an object (type "object"); got type {schema["type"]!r}', path
         )
     if not isinstance(schema.get("$schema", ""), str):
         raise bad_request(f"{path}.$schema must be a string (a JSON schema dialect)", path)
+    for key in DEFS_KEYS:  # whatever the dialect: a "required" choice moves them to its root
+        defs = schema.get(key, {})
+        if not isinstance(defs, dict) or not all(isinstance(d, dict | bool) for d in defs.values()):
+            raise bad_request(f"{path}.{key} must be an object of JSON schemas", param=path)
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
@@ -128,6 +140,7 @@ def check_parameters_schema(schema: Any, path: str) -> None:
             raise bad_request(f"{path}: $ref {ref!r} must be local (start with #)", param=path)
         if _resolve(schema, ref) is None:
             raise bad_request(f"{path}: $ref {ref!r} points to nothing in the schema", path)
+    integer_bounds_to_tighten(schema, path)  # a 400 for bounds the grammar cannot hold
 
 
 def _refs(node: Any) -> list[str]:
@@ -200,7 +213,7 @@ def tool_calls_schema(tools: tuple[dict[str, Any], ...], choice: ToolChoice) -> 
     tool, at least one call (exactly one when ``parallel_tool_calls`` is false)."""
     if choice.mode == "function":
         tool = next(t for t in tools if t["function"]["name"] == choice.name)
-        return json.dumps(parameters_of(tool))
+        return grammar_schema(parameters_of(tool), "tools")
     items = []
     defs: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):
@@ -231,7 +244,7 @@ def tool_calls_schema(tools: tuple[dict[str, Any], ...], choice: ToolChoice) -> 
     if not choice.parallel:
         schema["maxItems"] = 1
     schema.update(defs)
-    return json.dumps(schema)
+    return grammar_schema(schema, "tools", MAX_JSON_DEPTH + REQUIRED_DEPTH)
 
 
 def _rebase_refs(node: Any, base: str) -> None:
