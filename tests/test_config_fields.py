@@ -163,7 +163,7 @@ def test_launch_refuses_a_max_model_len_past_the_model(tmp_path, caplog, monkeyp
     status, errors = launch(tmp_path, caplog, monkeypatch, model, "--max-model-len", "131072")
     assert status == 1
     (message,) = errors
-    assert "max_model_len=131072" in message and "256 tokens" in message
+    assert "--max-model-len 131072" in message and "256 tokens" in message  # the flag named
     assert "max_position_embeddings=256" in message
 
 

@@ -31,12 +31,8 @@ import pytest
 
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.compile_queue import CompileQueue
-from jaxserve.engine.grammar import (
-    GrammarCompiler,
-    GrammarError,
-    GrammarLimits,
-    _allocated_bytes,
-)
+from jaxserve.engine.grammar import GrammarCompiler, GrammarError, GrammarLimits
+from jaxserve.engine.native_memory import allocated_bytes
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.sampling_params import StructuredOutputsParams
 from jaxserve.server.app import build_app
@@ -228,13 +224,13 @@ def test_the_cache_keeps_what_its_bytes_allow_least_recently_used_first_out(toke
     grammars = compiler(tokenizer, cache_bytes=40 << 20)
     specs = [StructuredOutputsParams(choice=(c * 60_000,)) for c in "xyz"]
     grammars.compile(StructuredOutputsParams(regex="warm"))
-    before = _allocated_bytes()
+    before = allocated_bytes()
     try:
         for spec in specs:
             grammars.compile(spec)
             assert grammars.cache_bytes <= 40 << 20
         # what an evicted grammar held is freed (not kept alive by a callback's cycle)
-        assert _allocated_bytes() - before < (40 << 20) + (20 << 20)
+        assert allocated_bytes() - before < (40 << 20) + (20 << 20)
         assert grammars.is_cached(specs[-1])
         assert not grammars.is_cached(specs[0])
         small = StructuredOutputsParams(regex="[a-z]{3}")
@@ -249,14 +245,14 @@ def test_a_refused_grammar_keeps_none_of_what_its_compile_built(tokenizer) -> No
     traceback held all of it (2.2 GB after 25 such requests)."""
     grammars = compiler(tokenizer)
     grammars.compile(StructuredOutputsParams(regex="warm"))
-    before = _allocated_bytes()
+    before = allocated_bytes()
     try:
         for i in range(4):
             with pytest.raises(GrammarError, match="too complex"):
                 grammars.compile(StructuredOutputsParams(regex=f"a{{{1_000_000 + i}}}"))
     finally:
         grammars.close()
-    assert _allocated_bytes() - before < 40 << 20
+    assert allocated_bytes() - before < 40 << 20
 
 
 def test_a_large_grammar_is_counted_at_its_native_memory_not_its_source(tokenizer) -> None:
@@ -471,3 +467,24 @@ def test_a_queued_job_past_its_deadline_never_runs() -> None:
     finally:
         queue.close()
     assert not ran
+
+
+def test_the_compiler_holds_every_schema_to_the_request_rules(tokenizer) -> None:
+    """The offline LLM reaches the compiler without the server's checks: the same rules hold
+    there (two integer bounds below -2**63 crashed the grammar engine, and the process)."""
+    grammars = compiler(tokenizer)
+    nested = '{"type": "array", "items": ' * 200 + "{}" + "}" * 200
+    try:
+        grammars.compile(StructuredOutputsParams(json="true"))  # any JSON value
+        for schema, words in (
+            ("false", "no output satisfies"),
+            ('{"type": "integer", "minimum": -1e30, "maximum": -1e29}', "cannot be enforced"),
+            ('{"type": "integer", "minimum": 1e30}', "cannot be enforced"),
+            (nested, "levels deep"),
+        ):
+            with pytest.raises(GrammarError, match=words) as error:
+                grammars.compile(StructuredOutputsParams(json=schema))
+            assert error.value.param == "structured_outputs.json"
+        grammars.compile(StructuredOutputsParams(json='{"type": "integer", "maximum": 1e30}'))
+    finally:
+        grammars.close()

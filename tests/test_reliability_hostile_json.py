@@ -21,17 +21,17 @@ import httpx
 import pytest
 
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.server import app as app_module
-from jaxserve.server.app import build_app
-from jaxserve.server.background import BackgroundServer
-from jaxserve.server.errors import APIError
-from jaxserve.server.json_limits import (
+from jaxserve.json_limits import (
     MAX_EXACT_INTEGER,
     MAX_JSON_DEPTH,
+    JsonLimitError,
     grammar_schema,
     load_json,
     nesting_depth,
 )
+from jaxserve.server import app as app_module
+from jaxserve.server.app import build_app
+from jaxserve.server.background import BackgroundServer
 from jaxserve.server.protocol import CHAT_FIELDS, COMPLETION_FIELDS
 from jaxserve.server.settings import ServerSettings
 from jaxserve.server.tools import ToolChoice, tool_calls_schema
@@ -384,9 +384,9 @@ def test_nesting_depth_counts_objects_and_arrays_without_recursion() -> None:
     for _ in range(100_000):  # far past Python's recursion limit
         deep = [deep]
     assert nesting_depth(deep, limit=10) == 11  # stops one level past the limit
-    with pytest.raises(APIError) as error:
+    with pytest.raises(JsonLimitError) as error:
         load_json(nested_arrays(100_000), "x")
-    assert error.value.status == 400 and error.value.param == "x"
+    assert error.value.param == "x"
     with pytest.raises(ValueError):
         load_json("{", "x")
 
@@ -415,7 +415,7 @@ def test_grammar_schema_tightens_bounds_in_schema_positions_only() -> None:
     assert schema["properties"]["minimum"]["maximum"] == 1e30  # the request's own is unchanged
     assert grammar_schema(True, "p") == "{}"
     for bad in (False, {"minimum": float("inf")}, {"allOf": [{"minimum": 2**64}]}, [1]):
-        with pytest.raises(APIError):
+        with pytest.raises(JsonLimitError):
             grammar_schema(bad, "p")
 
 

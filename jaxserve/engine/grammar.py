@@ -20,8 +20,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import ctypes
-import ctypes.util
 import dataclasses
 import functools
 import json
@@ -33,7 +31,13 @@ import numpy as np
 
 from jaxserve.engine.compile_queue import CompileQueue, Job
 from jaxserve.engine.gbnf import ConversionError, gbnf_to_lark, is_gbnf
+from jaxserve.engine.native_memory import allocated_bytes
 from jaxserve.engine.request_checks import RequestError
+from jaxserve.json_limits import (
+    MAX_GRAMMAR_ENGINE_DEPTH,
+    JsonLimitError,
+    grammar_schema,
+)
 from jaxserve.sampling_params import DEFAULT_MAX_GRAMMAR_BYTES, StructuredOutputsParams
 
 _LOG = logging.getLogger(__name__)
@@ -200,9 +204,9 @@ class GrammarCompiler:
         grammar = llguidance_grammar(field, source, job)
         if len(grammar) > self.limits.max_bytes:  # a GBNF grammar's Lark, or a choice's
             raise GrammarError(field, self._too_large(field, len(grammar)))
-        before = _allocated_bytes()
+        before = allocated_bytes()
         matcher = _matcher(tokenizer, field, grammar)
-        return matcher, max(len(source), _allocated_bytes() - before)
+        return matcher, max(len(source), allocated_bytes() - before)
 
     def _finished(self, key: tuple[str, str], future: concurrent.futures.Future) -> None:
         error = future.exception()
@@ -264,12 +268,13 @@ def llguidance_grammar(field: str, source: str, job: Job | None = None) -> str:
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, options)
         if field == "json":
             try:
-                schema = json.loads(source)
+                schema = json.loads(source)  # RecursionError: too deep, below
             except ValueError as exc:
                 raise GrammarError("json", f"the JSON schema is not valid JSON: {exc}") from None
-            if not isinstance(schema, dict | bool):
-                raise GrammarError("json", "the JSON schema must be an object or a boolean")
-            return llguidance.LLMatcher.grammar_from_json_schema(source, options)
+            # true -> {}, false refused, depth and integer bounds as llguidance reads them
+            # (two bounds below -2**63 crashed it); the server has done the same already
+            text = grammar_schema(schema, "the JSON schema", MAX_GRAMMAR_ENGINE_DEPTH)
+            return llguidance.LLMatcher.grammar_from_json_schema(text, options)
         if field == "regex":
             return llguidance.LLMatcher.grammar_from_regex(source)
         if field == "choice":
@@ -280,6 +285,8 @@ def llguidance_grammar(field: str, source: str, job: Job | None = None) -> str:
         if is_gbnf(source):
             source = gbnf_to_lark(source, job.on_cancel if job else lambda kill: None)
         return llguidance.LLMatcher.grammar_from_lark(source)
+    except JsonLimitError as exc:
+        raise GrammarError(field, str(exc)) from None
     except (ValueError, RecursionError) as exc:
         if isinstance(exc, GrammarError):
             raise
@@ -324,34 +331,3 @@ def short_error(error: str, limit: int = 300) -> str:
     """An llguidance error without its ``<non-verbose/>`` marker, at most ``limit`` chars."""
     error = error.replace("<non-verbose/>", "").strip()
     return error if len(error) <= limit else error[: limit - 3] + "..."
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
-        ).split()
-    ]
-
-
-def _mallinfo2() -> Any:
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    if libc is None or not hasattr(libc, "mallinfo2"):
-        return None
-    libc.mallinfo2.restype = _MallInfo2
-    return libc.mallinfo2
-
-
-_MALLINFO2 = _mallinfo2()
-
-
-def _allocated_bytes() -> int:
-    """Bytes malloc has handed out in the whole process (glibc; 0 elsewhere, where a grammar
-    is counted at its source's size). llguidance allocates with malloc, so the growth across a
-    compile is what the grammar keeps, give or take what other threads did meanwhile."""
-    if _MALLINFO2 is None:
-        return 0
-    info = _MALLINFO2()
-    return int(info.uordblks + info.hblkhd)

@@ -27,6 +27,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jaxserve.engine.interfaces import EngineClient
+from jaxserve.json_limits import JsonLimitError
 from jaxserve.sampling_params import SamplingParamsError
 from jaxserve.server.auth import APIKeyMiddleware
 from jaxserve.server.chat import create_chat_completion
@@ -179,6 +180,7 @@ def build_app(
         exception_handlers={
             APIError: _api_error,
             SamplingParamsError: _sampling_error,
+            JsonLimitError: _json_limit_error,
             HTTPException: _http_error,
             Exception: _unexpected_error,
         },
@@ -197,6 +199,11 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 
 async def _sampling_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, SamplingParamsError)
+    return APIError(400, str(exc), param=exc.param).response()
+
+
+async def _json_limit_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, JsonLimitError)
     return APIError(400, str(exc), param=exc.param).response()
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxserve.json_limits import load_json
 from jaxserve.server.errors import bad_request, unsupported
 from jaxserve.server.fields import json_type, optional
-from jaxserve.server.json_limits import load_json
 from jaxserve.server.tools import ToolChoice, parse_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

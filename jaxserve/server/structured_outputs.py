@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxserve.json_limits import grammar_schema, load_json
 from jaxserve.sampling_params import (
     GUIDED_ALIASES,
     SamplingParamsError,
     StructuredOutputsParams,
 )
 from jaxserve.server.errors import bad_request
-from jaxserve.server.json_limits import grammar_schema, load_json
 
 FIELDS = ("response_format", "structured_outputs", *GUIDED_ALIASES)
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")

@@ -16,14 +16,14 @@ from typing import Any
 
 import jsonschema
 
-from jaxserve.server.errors import bad_request
-from jaxserve.server.fields import json_type
-from jaxserve.server.json_limits import (
+from jaxserve.json_limits import (
     MAX_JSON_DEPTH,
     check_depth,
     grammar_schema,
     integer_bounds_to_tighten,
 )
+from jaxserve.server.errors import bad_request
+from jaxserve.server.fields import json_type
 
 MAX_TOOLS = 128  # OpenAI's limit
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

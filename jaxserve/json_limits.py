@@ -7,9 +7,10 @@ a 500 (a ``RecursionError``, or llguidance's error past the request checks). ``c
 walks without recursion, so it can run first, before anything that recurses.
 ``grammar_schema`` turns a request's schema into the one llguidance compiles: ``true`` is any
 JSON value, ``false`` is refused, and integer bounds are kept where llguidance reads them
-exactly. Used by ``structured_outputs.py`` (``response_format``, ``structured_outputs.json``,
-``guided_json``), ``tools.py`` (``tools[i].function.parameters``) and ``messages.py`` (the
-``arguments`` of assistant tool calls). docs/security.md lists the limits.
+exactly. Used by the server's ``structured_outputs.py`` (``response_format``,
+``structured_outputs.json``, ``guided_json``), ``tools.py`` (``tools[i].function.parameters``)
+and ``messages.py`` (the ``arguments`` of assistant tool calls), and by the grammar compiler
+(engine/grammar.py) for every schema, the offline ``LLM``'s too. docs/security.md lists them.
 """
 
 from __future__ import annotations
@@ -18,13 +19,26 @@ import json
 import math
 from typing import Any
 
-from jaxserve.server.errors import bad_request
+
+class JsonLimitError(Exception):
+    """JSON past a limit, or a schema the grammar engine cannot hold; ``param`` names the
+    field. The server answers it with a 400 (server/app.py), the grammar compiler with a
+    ``GrammarError`` (engine/grammar.py). Not a ValueError: callers that take a ValueError
+    for "not JSON" must not take this for it."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
 
 # NOTE: 64 levels of objects and arrays: llguidance's JSON reader stops at 128, and a
 # ``tool_choice: "required"`` grammar puts the parameters 5 levels down; a schema's nested
 # object costs 2 levels (the schema and its "properties"), so this is 32 levels of nested
 # objects, three times OpenAI's 10. Python's own recursion limit (1,000 frames) is far away.
 MAX_JSON_DEPTH = 64
+# What llguidance's JSON reader takes: the grammar compiler's own bound, for schemas that did
+# not come through the server (the offline LLM) or that it wrapped (a forced tool choice).
+MAX_GRAMMAR_ENGINE_DEPTH = 127
 # llguidance reads integer bounds as doubles, then as 64-bit integers: past 2**53 they round
 # (a maximum of 2**63 - 2 let 2**63 - 1 through) and past 2**63 they clamp.
 MAX_EXACT_INTEGER = 2**53 - 1
@@ -86,8 +100,8 @@ def load_json(text: str, param: str) -> Any:
     return value
 
 
-def _too_deep(param: str, limit: int = MAX_JSON_DEPTH) -> Exception:
-    return bad_request(
+def _too_deep(param: str, limit: int = MAX_JSON_DEPTH) -> JsonLimitError:
+    return JsonLimitError(
         f"{param} nests objects and arrays more than {limit} levels deep; at most {limit} are "
         "allowed",
         param=param,
@@ -107,9 +121,9 @@ def grammar_schema(schema: Any, param: str, max_depth: int = MAX_JSON_DEPTH) -> 
     if schema is True:
         return "{}"
     if schema is False:
-        raise bad_request(f"{param} is the schema false, which no output satisfies", param=param)
+        raise JsonLimitError(f"{param} is the schema false, which no output satisfies", param=param)
     if not isinstance(schema, dict):
-        raise bad_request(f"{param} must be a JSON schema object or a boolean", param=param)
+        raise JsonLimitError(f"{param} must be a JSON schema object or a boolean", param=param)
     text = json.dumps(schema)
     if integer_bounds_to_tighten(schema, param):
         schema = json.loads(text)  # a copy to change
@@ -136,7 +150,7 @@ def integer_bounds_to_tighten(schema: dict[str, Any], param: str) -> list[tuple[
                     continue
                 is_lower = key in LOWER_BOUNDS
                 if not math.isfinite(value) or (value if is_lower else -value) > MAX_EXACT_INTEGER:
-                    raise bad_request(
+                    raise JsonLimitError(
                         f"{param}: {key} {value} at {where or '/'} cannot be enforced; integer "
                         f"bounds must lie within ±{MAX_EXACT_INTEGER} (2**53 - 1)",
                         param=param,
