@@ -309,7 +309,7 @@ def test_one_client_s_slow_grammars_do_not_hold_another_s(tokenizer) -> None:
     """Finding 4: four slow grammars were answered at 10, 20, 30 and 40 s, and another client's
     trivial schema waited behind them into its own timeout."""
     grammars = compiler(tokenizer, timeout_s=TIMEOUT_S)
-    assert grammars.tokenizer is not None  # made once, before the clock starts
+    assert grammars.grammar_tokenizer("json") is not None  # made once, before the clock starts
     answered: dict[str, float] = {}
     start = time.monotonic()
 
@@ -486,5 +486,27 @@ def test_the_compiler_holds_every_schema_to_the_request_rules(tokenizer) -> None
                 grammars.compile(StructuredOutputsParams(json=schema))
             assert error.value.param == "structured_outputs.json"
         grammars.compile(StructuredOutputsParams(json='{"type": "integer", "maximum": 1e30}'))
+    finally:
+        grammars.close()
+
+
+def test_a_tokenizer_the_grammar_engine_cannot_read_is_a_400_once_tried(tokenizer) -> None:
+    """A dummy model's stand-in tokenizer (``<tN>`` per id) has no decoder llguidance knows:
+    every constraint was a 500, each retrying the 0.25 s tokenizer build on the event loop."""
+
+    class Unreadable:
+        def __len__(self) -> int:
+            return tokenizer.vocab_size
+
+    grammars = GrammarCompiler(Unreadable(), tokenizer.vocab_size, (1,))
+    try:
+        for spec, field in (
+            (StructuredOutputsParams(json_object=True), "json_object"),
+            (StructuredOutputsParams(regex="[a-z]+"), "regex"),
+        ):
+            with pytest.raises(GrammarError, match="tokenizer the grammar engine can read") as e:
+                grammars.compile(spec)
+            assert e.value.param == f"structured_outputs.{field}"
+        assert grammars._tokenizer_error is not None
     finally:
         grammars.close()

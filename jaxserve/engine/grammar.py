@@ -112,27 +112,39 @@ class GrammarCompiler:
         self.eos_token_ids = eos_token_ids
         self.limits = limits or GrammarLimits()
         self._tokenizer: Any = None  # llguidance.LLTokenizer, made on first use (~1 s)
+        self._tokenizer_error: str | None = None  # why it cannot be made (then never tried again)
         self._lock = threading.RLock()  # a done callback may run inside _request
+        self._tokenizer_lock = threading.Lock()
         self._cache: collections.OrderedDict[tuple[str, str], _Entry] = collections.OrderedDict()
         self.cache_bytes = 0  # the finished entries' num_bytes
         self._queue = CompileQueue()
 
-    @property
-    def tokenizer(self) -> Any:
+    def grammar_tokenizer(self, field: str) -> Any:
         """The llguidance tokenizer over the model's vocabulary (ids past the tokenizer's own
-        are never allowed)."""
-        with self._lock:
-            if self._tokenizer is None:
+        are never allowed), made on a compile worker on first use; ``GrammarError`` naming
+        ``field`` if llguidance cannot read the model's tokenizer (made once, tried once)."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None and self._tokenizer_error is None:
                 import llguidance.hf
 
                 # Only ids the tokenizer has can end a constrained output (a dummy model's
                 # config may name an EOS past a small stand-in tokenizer).
                 size = len(self._hf_tokenizer)
                 eos = [t for t in self.eos_token_ids if t < size] or None
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos
-                )
-            return self._tokenizer
+                try:
+                    self._tokenizer = llguidance.hf.from_tokenizer(
+                        self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos
+                    )
+                except Exception as exc:  # noqa: BLE001  the same for every constraint
+                    self._tokenizer_error = short_error(str(exc))
+                    _LOG.warning("Structured outputs are off: %s", self._tokenizer_error)
+        if self._tokenizer_error is not None:
+            raise GrammarError(
+                field,
+                "constraints need a tokenizer the grammar engine can read; this model's "
+                f"could not be read ({self._tokenizer_error})",
+            )
+        return self._tokenizer
 
     def compile(self, spec: StructuredOutputsParams, client: str = "") -> Any:
         """The compiled grammar (an ``llguidance.LLMatcher`` in its start state, to be copied,
@@ -177,14 +189,13 @@ class GrammarCompiler:
         field, source = key
         if len(source) > self.limits.max_bytes or len(source.encode()) > self.limits.max_bytes:
             raise GrammarError(field, self._too_large(field, len(source.encode())))
-        tokenizer = self.tokenizer
         with self._lock:
             entry = self._cache.get(key)
             if entry is None:
                 job = self._queue.submit(
                     client,
                     len(source),
-                    lambda job: self._build(job, tokenizer, key),
+                    lambda job: self._build(job, key),
                     self.limits.timeout_s,
                     lambda: self._timeout(field),
                 )
@@ -198,9 +209,10 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
         return entry.future, key
 
-    def _build(self, job: Job, tokenizer: Any, key: tuple[str, str]) -> tuple[Any, int]:
+    def _build(self, job: Job, key: tuple[str, str]) -> tuple[Any, int]:
         """On a compile worker: the matcher, and the native bytes it keeps."""
         field, source = key
+        tokenizer = self.grammar_tokenizer(field)
         grammar = llguidance_grammar(field, source, job)
         if len(grammar) > self.limits.max_bytes:  # a GBNF grammar's Lark, or a choice's
             raise GrammarError(field, self._too_large(field, len(grammar)))
