@@ -366,7 +366,18 @@ def round_three_10() -> dict[str, Any]:
         t0 = time.perf_counter()
         try:
             done = subprocess.run(
-                [*command, "launch", *argv, "--host", "127.0.0.1", "--port", "0"],
+                # a small memory share: the attacked server holds the rest of a GPU
+                [
+                    *command,
+                    "launch",
+                    *argv,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--gpu-memory-utilization",
+                    "0.05",
+                ],  # fmt: skip
                 capture_output=True,
                 text=True,
                 timeout=120,

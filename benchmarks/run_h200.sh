@@ -41,6 +41,9 @@
 #                fp8 with bf16 (benchmarks/greedy_agreement.py), one table -> $OUT/kv_fp8.md
 #   hostile      the seven findings of hostile input at full scale against a served Llama-3-8B
 #                (benchmarks/hostile_full.py): neighbour latency, memory maps, compiles
+#   hostile_demo round three of hostile input (grammars, schemas, tools, operator input:
+#                hostile_full.py --only r3,g) against the demo model, whose tokenizer the grammar
+#                engine reads (the Llama-3-8B config ships none: its stand-in refuses constraints)
 #   reliability  the reliability suite: load scenarios at full scale (JAXSERVE_RELIABILITY_SCALE=full),
 #                schema fuzzing, faults, and both rounds of hostile input
 #   moe          Qwen3-30B-A3B (dummy bf16): decode at batch 1, 64, 256 against its roofline, one
@@ -391,6 +394,23 @@ stage_hostile() {  # the seven findings of hostile input, round two, at the atta
     --pid $pid --server-log "$OUT/hostile_launch.log" --output-json "$OUT/hostile.json" \
     > "$OUT/hostile.log" 2>&1
   tail -18 "$OUT/hostile.log"
+  kill -0 $pid 2>/dev/null && echo "server alive after the attacks"
+  kill -TERM $pid
+  wait $pid
+}
+
+stage_hostile_demo() {  # round three (grammars, schemas, tools, operator input) on the demo model
+  JAX_LOG_COMPILES=1 python3 -m jaxserve.cli serve --port 8012 --api-key hostile \
+    > "$OUT/hostile_demo_launch.log" 2>&1 &
+  local pid=$!
+  until curl -sf localhost:8012/health >/dev/null; do
+    sleep 0.5
+    kill -0 $pid 2>/dev/null || { tail -5 "$OUT/hostile_demo_launch.log"; return 1; }
+  done
+  python3 benchmarks/hostile_full.py --base-url http://127.0.0.1:8012 --api-key hostile \
+    --pid $pid --server-log "$OUT/hostile_demo_launch.log" --only r3,g \
+    --output-json "$OUT/hostile_demo.json" > "$OUT/hostile_demo.log" 2>&1
+  tail -14 "$OUT/hostile_demo.log"
   kill -0 $pid 2>/dev/null && echo "server alive after the attacks"
   kill -TERM $pid
   wait $pid
