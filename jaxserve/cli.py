@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -138,7 +139,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     handler: Handler = args.handler
-    return handler(args)
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        # Ctrl-C while a model loads or a benchmark runs (``launch`` serving handles its
+        # own): what was starting has stopped (the engine cancels its weight load and
+        # compiles); a second Ctrl-C while the interpreter winds down ends the process.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        print("Interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -200,3 +200,36 @@ def test_running_out_of_device_memory_while_starting_is_one_message(caplog, monk
     (message,) = errors(caplog)
     assert message.startswith("Out of device memory while starting (RESOURCE_EXHAUSTED")
     assert "lower --gpu-memory-utilization, --max-model-len" in message
+
+
+LLAMA_3_8B = Path(__file__).parents[1] / "jaxserve" / "assets" / "configs" / "llama-3-8b"
+
+
+# The README's `bench latency` example (dummy Llama-3-8B weights by default).
+README_LATENCY = "bench latency --input-len 1000 --output-len 256 --max-model-len 4096".split()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["launch", str(LLAMA_3_8B), "--load-format", "dummy", "--host", "127.0.0.1"], README_LATENCY],
+    ids=["launch", "bench-latency"],
+)
+def test_a_model_that_does_not_fit_ends_the_process_with_one_line(command):
+    """Guards the process that printed this error and then went on making the weights (29.9
+    GiB here, on a thread the interpreter's exit waited for; Ctrl-C was ignored): now the
+    capacity plan comes before the load starts. The timeout is far from the few seconds it
+    takes, and far from the minutes the old process ran."""
+    env = {k: v for k, v in os.environ.items() if k != "JAXSERVE_API_KEY"}
+    if command[0] == "launch":
+        command = [*command, "--port", str(free_port())]
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", *command],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert "llama-3-8b" in last and "do not fit in 90% of 2.00 GiB" in last, last
+    assert "Traceback" not in done.stderr and "random weights in" not in done.stderr

@@ -77,7 +77,11 @@ class EngineCore:
         self.structured_outputs = StructuredOutputs(self.vocab_size)
         for line in self.capacity_lines():
             _LOG.info(line)
-        self.num_compiled_shapes = runner.warmup() if config.warmup else 0
+        try:
+            self.num_compiled_shapes = runner.warmup() if config.warmup else 0
+        except BaseException:  # an error or a Ctrl-C: the weights stop loading, compiles stop
+            runner.shutdown()
+            raise
         if config.warmup:
             _LOG.info(
                 "Compiled %d step shapes in %.1f s (compilation cache: %s)",

@@ -108,8 +108,8 @@ def warm_up(runner: ModelRunner, max_workers: int) -> int:
             time.perf_counter() - allocated,
         )
         _run_smallest_step(runner)
-    except BaseException:
-        pool.shutdown(cancel_futures=True)
+    except BaseException:  # the compiles running finish before the interpreter exits
+        pool.shutdown(wait=False, cancel_futures=True)
         raise
     runner.compile_seconds = time.perf_counter() - start
     runner.ready_tokens = first[-1]
