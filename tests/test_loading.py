@@ -229,7 +229,8 @@ def test_cancel_reaches_a_load_on_its_thread() -> None:
         assert stop.wait(60), "the load was never told to stop"
         raise LoadCancelled
 
-    loading = WeightsLoading(load, shapes=object())  # shapes: the load runs on its thread
+    # shapes: the load runs on its thread
+    loading = WeightsLoading(load, shapes=object(), stop=threading.Event())
     assert started.wait(60)
     (thread,) = [t for t in threading.enumerate() if t.name.startswith("weights")]
     loading.cancel()

@@ -76,16 +76,18 @@ def start_loading(
     dtype: jnp.dtype,
     quant: QuantScheme | None,
     tp: TensorParallel | None,
+    stop: threading.Event,
 ) -> WeightsLoading:
     """The weights as the engine configuration asks, loading on a thread of their own when
-    warm-up can compile against their shapes meanwhile, else here."""
+    warm-up can compile against their shapes meanwhile, else here; once ``stop`` is set, the
+    load raises ``LoadCancelled`` at its next tensor."""
     shardings = tp.weight_shardings if tp is not None else None
     shapes = None
     if config.warmup:
         shapes = abstract_model_weights(model_config, dtype, quant, shardings)
     placement = tp.placement if tp is not None else None
     load = functools.partial(model_weights, model_config, config, dtype, placement, quant)
-    return WeightsLoading(load, shapes)
+    return WeightsLoading(load, shapes, stop)
 
 
 def abstract_model_weights(
@@ -124,10 +126,13 @@ class WeightsLoading:
     serves held the process (and gigabytes more of memory each second) for minutes."""
 
     def __init__(
-        self, load: Callable[[threading.Event], tuple[Weights, float]], shapes: Weights | None
+        self,
+        load: Callable[[threading.Event], tuple[Weights, float]],
+        shapes: Weights | None,
+        stop: threading.Event,
     ) -> None:
         self.shapes = shapes
-        self._stop = threading.Event()
+        self._stop = stop
         self._pool = None
         if shapes is None:
             self._done = load(self._stop)

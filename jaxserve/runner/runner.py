@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 from typing import Any
 
 import jax
@@ -96,11 +97,14 @@ class ModelRunner:
         self.num_blocks = self.capacity.num_blocks
         self.num_slots = self.num_blocks * self.block_size
         # With warm-up on, the weights load while the programs compile against their shapes.
-        self.loading = start_loading(model_config, config, self.dtype, self.quant, self.tp)
+        stop = threading.Event()  # set: the load ends at its next tensor
         try:
+            self.loading = start_loading(
+                model_config, config, self.dtype, self.quant, self.tp, stop
+            )
             self._finish_init(model_config, config, max_model_len, eos_token_ids)
-        except BaseException:  # an error or a Ctrl-C: the load ends with the start-up
-            self.loading.cancel()
+        except BaseException:  # an error or a Ctrl-C (even inside start_loading): the load ends
+            stop.set()
             raise
 
     def _finish_init(
