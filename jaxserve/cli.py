@@ -18,10 +18,14 @@ Handler = Callable[[argparse.Namespace], int]
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows every default, except empty ones (whose help text says what happens)."""
+    """Shows every default, except empty ones (whose help text says what happens) and those of
+    flags that take no value (``--disable-tqdm`` showed "(default: True)": the default of the
+    setting it turns off, not of the flag)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default in (None, "", argparse.SUPPRESS):
+            return action.help
+        if isinstance(action, argparse._StoreConstAction):  # store_true / store_false
             return action.help
         return super()._get_help_string(action)
 

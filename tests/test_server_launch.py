@@ -89,6 +89,19 @@ def test_launch_flags_map_to_configs(monkeypatch):
     assert demo.model == "" and demo.model_name == "jaxserve-demo"
 
 
+def test_the_compilation_cache_follows_xdg_cache_home(monkeypatch, tmp_path):
+    monkeypatch.delenv("JAXSERVE_COMPILATION_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    config = engine_config_from_args(parse_launch())
+    assert config.cache_dir == str(tmp_path / "jaxserve" / "xla")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert config.cache_dir == str(Path.home() / ".cache" / "jaxserve" / "xla")
+    monkeypatch.setenv("JAXSERVE_COMPILATION_CACHE", str(tmp_path / "own"))
+    assert config.cache_dir == str(tmp_path / "own")
+    flagged = engine_config_from_args(parse_launch("--compilation-cache-dir", "x"))
+    assert flagged.cache_dir == "x"
+
+
 def test_launch_help_documents_defaults(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["launch", "--help"])
@@ -115,6 +128,17 @@ def test_launch_help_documents_defaults(capsys):
 TINY_FLAGS = ("--host", "127.0.0.1", "--served-model-name", "tiny", "--dtype", "float32",
               "--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
               "--num-gpu-blocks-override", "64")  # fmt: skip
+
+
+def test_a_flag_that_takes_no_value_states_no_default(capsys):
+    """``--disable-tqdm`` and ``--no-server-metrics`` said "(default: True)", the default of
+    what they turn off."""
+    with pytest.raises(SystemExit):
+        main(["bench", "serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--disable-tqdm no progress bars --no-server-metrics" in text
+    assert "queue length --" in text or text.rstrip().endswith("queue length")
+    assert "(default: False)" not in text and "(default: True)" not in text
 
 
 def stream_completion(url: str, body: dict, first_chunk: threading.Event, out: dict) -> None:

@@ -29,6 +29,8 @@ from jaxserve.runner.device_memory import (
     nvml_device_memory,
 )
 from jaxserve.server.launch import run_launch
+from jaxserve.server.preflight import warn_if_open
+from jaxserve.server.settings import ServerSettings
 from tests.conftest import free_port
 
 FAKE_PYNVML = Path(__file__).parent / "fixtures" / "fake_pynvml"
@@ -171,25 +173,29 @@ def test_a_bad_host_is_named(caplog):
 
 
 @pytest.mark.parametrize(
-    ("flags", "warned"),
-    [
-        ((), True),
-        (("--api-key", "k"), False),
-        (("--host", "127.0.0.1"), False),
-    ],
+    ("host", "api_key", "warned"),
+    [("0.0.0.0", None, True), ("0.0.0.0", "k", False), ("127.0.0.1", None, False)],
 )
-def test_all_interfaces_without_an_api_key_is_warned_of(caplog, monkeypatch, flags, warned):
-    monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)
-    with socket.socket() as server:  # busy, so launch stops right after its checks
-        server.bind(("0.0.0.0", 0))
-        server.listen()
-        port = server.getsockname()[1]
-        assert run_launch(parse_launch("--port", str(port), *flags), no_device) == 1
+def test_all_interfaces_without_an_api_key_is_warned_of(caplog, host, api_key, warned):
+    warn_if_open(host, 8000, ServerSettings(served_model_names=("m",), api_key=api_key))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     open_door = [w for w in warnings if "Listening on all interfaces" in w]
     assert bool(open_door) == warned, warnings
     if warned:
         assert "--api-key" in open_door[0] and "--host 127.0.0.1" in open_door[0]
+
+
+def test_a_failed_launch_says_only_why(caplog, monkeypatch, no_engine):
+    """The open-door warning came before every failed start's real error; it now comes when
+    the server starts."""
+    monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)
+    with socket.socket() as server:  # busy, so launch stops right after its checks
+        server.bind(("0.0.0.0", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert run_launch(parse_launch("--port", str(port)), no_device) == 1
+    (message,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert message.startswith(f"Cannot listen on 0.0.0.0:{port}")
 
 
 def test_running_out_of_device_memory_while_starting_is_one_message(caplog, monkeypatch):

@@ -40,7 +40,7 @@ from jaxserve.runner.device_memory import (
     nvml_device_memory,
     out_of_memory_message,
 )
-from jaxserve.server.preflight import PreflightError, preflight
+from jaxserve.server.preflight import PreflightError, preflight, warn_if_open
 from jaxserve.server.reasoning import REASONING_PARSERS
 from jaxserve.server.settings import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -256,8 +256,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--compilation-cache-dir",
         default=None,
-        help="persistent XLA compilation cache; default: $JAXSERVE_COMPILATION_CACHE or "
-        "~/.cache/jaxserve/xla",
+        help="persistent XLA compilation cache; default: $JAXSERVE_COMPILATION_CACHE, else "
+        "$XDG_CACHE_HOME/jaxserve/xla (~/.cache/jaxserve/xla without it)",
     )
     add("--log-level", choices=LOG_LEVELS, default="info", help="log level")
     add(
@@ -450,7 +450,6 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
             args.host,
             args.port,
             config,
-            settings,
             memory_query,
             serves_http=not distributed.is_multi_process or distributed.process_id == 0,
         )
@@ -512,6 +511,7 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
     )
     server = DrainingServer(uvicorn_config, app.state.ctx.state, settings.shutdown_timeout_s)
     holder["server"] = server
+    warn_if_open(args.host, args.port, settings)  # now that it will serve
     try:
         engine.start()
         server.run()
