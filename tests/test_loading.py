@@ -22,6 +22,7 @@ from jaxserve.models.checkpoint_reader import CheckpointReader, WeightsError
 from jaxserve.models.families import HF_LAYER_PREFIX, layer_fields, model_fields
 from jaxserve.models.field_conversion import to_field, to_field_into
 from jaxserve.models.llama import fuse_projections
+from jaxserve.models.load_progress import format_rate
 from jaxserve.models.weights import LoadCancelled, dummy_weights, load_weights
 from jaxserve.runner.model_weights import WeightsLoading
 from tests.conftest import fixture_dir
@@ -236,3 +237,12 @@ def test_cancel_reaches_a_load_on_its_thread() -> None:
     loading.cancel()
     thread.join(60)
     assert not thread.is_alive()
+
+
+@pytest.mark.parametrize(
+    ("bytes_per_s", "text"),
+    [(2.5e9, "2.50 GB/s"), (1e9, "1.00 GB/s"), (4.4e8, "440 MB/s"), (3.2e6, "3.2 MB/s")],
+)
+def test_the_load_rate_says_something_for_small_models(bytes_per_s, text) -> None:
+    """A small model's load line said "(0.00 GB/s)"."""
+    assert format_rate(bytes_per_s) == text
