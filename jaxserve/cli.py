@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
@@ -49,10 +50,14 @@ class CommandParser(argparse.ArgumentParser):
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows every default, except empty ones (whose help text says what happens)."""
+    """Shows every default, except empty ones (whose help text says what happens) and those of
+    flags that take no value (``--disable-tqdm`` showed "(default: True)": the default of the
+    setting it turns off, not of the flag)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default in (None, "", argparse.SUPPRESS):
+            return action.help
+        if isinstance(action, argparse._StoreConstAction):  # store_true / store_false
             return action.help
         return super()._get_help_string(action)
 
@@ -210,7 +215,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     handler: Handler = args.handler
-    return handler(args)
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        # Ctrl-C while a model loads or a benchmark runs (``launch`` serving handles its
+        # own): what was starting has stopped (the engine cancels its weight load and
+        # compiles); a second Ctrl-C while the interpreter winds down ends the process.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        print("Interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

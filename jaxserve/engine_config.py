@@ -241,6 +241,11 @@ class EngineConfig:
 
     @property
     def cache_dir(self) -> str:
-        return self.compilation_cache_dir or os.environ.get(
-            "JAXSERVE_COMPILATION_CACHE", str(Path.home() / ".cache" / "jaxserve" / "xla")
-        )
+        """--compilation-cache-dir, else $JAXSERVE_COMPILATION_CACHE, else jaxserve/xla in the
+        user's cache directory ($XDG_CACHE_HOME, else ~/.cache, as the XDG spec says)."""
+        if self.compilation_cache_dir:
+            return self.compilation_cache_dir
+        if os.environ.get("JAXSERVE_COMPILATION_CACHE"):
+            return os.environ["JAXSERVE_COMPILATION_CACHE"]
+        user_cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        return str(Path(user_cache) / "jaxserve" / "xla")

@@ -61,7 +61,7 @@ def test_host_overhead_smoke(monkeypatch, capsys) -> None:
     assert "total" in capsys.readouterr().out
 
 
-def test_throughput_smoke(tmp_path, monkeypatch) -> None:
+def test_throughput_smoke(tmp_path, monkeypatch, capsys) -> None:
     from jaxserve.bench.throughput import main
 
     out = tmp_path / "t.json"
@@ -91,6 +91,30 @@ def test_throughput_smoke(tmp_path, monkeypatch) -> None:
     assert main() == 0
     result = json.loads(out.read_text())
     assert result["output_tokens"] == 16 and result["output_tokens_per_s"] > 0
+    # A table for people (it printed the raw JSON); the JSON is in --output-json.
+    printed = capsys.readouterr().out
+    assert "out tok/s" in printed and "jaxserve" in printed and "{" not in printed
+
+
+def test_throughput_hf_without_torch_is_one_line(monkeypatch, capsys) -> None:
+    import importlib.util
+
+    from jaxserve.bench import throughput
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "torch" else real_find_spec(name, *a),
+    )
+    assert "needs PyTorch" in throughput.hf_unavailable()
+    monkeypatch.setattr(sys, "argv", ["throughput", "--engine", "hf"])
+    assert throughput.main() == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "jaxserve bench throughput: error: --engine hf needs PyTorch, which is not installed "
+        "(pip install torch)"
+    )
 
 
 def test_compile_time_smoke(tmp_path, monkeypatch) -> None:

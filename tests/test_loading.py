@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import tracemalloc
 from pathlib import Path
 
@@ -21,7 +22,9 @@ from jaxserve.models.checkpoint_reader import CheckpointReader, WeightsError
 from jaxserve.models.families import HF_LAYER_PREFIX, layer_fields, model_fields
 from jaxserve.models.field_conversion import to_field, to_field_into
 from jaxserve.models.llama import fuse_projections
-from jaxserve.models.weights import load_weights
+from jaxserve.models.load_progress import format_rate
+from jaxserve.models.weights import LoadCancelled, dummy_weights, load_weights
+from jaxserve.runner.model_weights import WeightsLoading
 from tests.conftest import fixture_dir
 
 KiB, MiB = 1024, 1024**2
@@ -201,3 +204,45 @@ def test_a_failed_read_gives_its_buffers_back(tmp_path) -> None:
                     np.asarray(jnp.concatenate(future.result(timeout=60))), tensors[f"t{i}"]
                 )
         pool.shutdown(wait=False)
+
+
+# -- a start-up that fails or is interrupted stops the load ----------------------------------
+
+
+def test_a_set_stop_ends_a_load_and_dummy_weights_at_the_next_tensor() -> None:
+    model_dir = fixture_dir("llama")
+    config = ModelConfig.from_hf_dir(model_dir)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(LoadCancelled):
+        load_weights(model_dir, config, jnp.float32, stop=stop)
+    with pytest.raises(LoadCancelled):
+        dummy_weights(config, jnp.float32, stop=stop)
+
+
+def test_cancel_reaches_a_load_on_its_thread() -> None:
+    """Guards the start-up that failed while its weights went on loading: nothing stopped the
+    load's thread, and the interpreter's exit waited for it (minutes, gigabytes)."""
+    started = threading.Event()
+
+    def load(stop: threading.Event):
+        started.set()
+        assert stop.wait(60), "the load was never told to stop"
+        raise LoadCancelled
+
+    # shapes: the load runs on its thread
+    loading = WeightsLoading(load, shapes=object(), stop=threading.Event())
+    assert started.wait(60)
+    (thread,) = [t for t in threading.enumerate() if t.name.startswith("weights")]
+    loading.cancel()
+    thread.join(60)
+    assert not thread.is_alive()
+
+
+@pytest.mark.parametrize(
+    ("bytes_per_s", "text"),
+    [(2.5e9, "2.50 GB/s"), (1e9, "1.00 GB/s"), (4.4e8, "440 MB/s"), (3.2e6, "3.2 MB/s")],
+)
+def test_the_load_rate_says_something_for_small_models(bytes_per_s, text) -> None:
+    """A small model's load line said "(0.00 GB/s)"."""
+    assert format_rate(bytes_per_s) == text

@@ -124,7 +124,9 @@ def test_slow_body_gets_408_and_a_prompt_one_is_served(engine):
             bg.port, post_head(b"Content-Length: %d" % len(body)), [body[:10]], pause_s=0.0
         )
         assert reply.startswith(b"HTTP/1.1 408"), reply
-        assert 0.5 <= time.monotonic() - start < 5
+        # Not before the deadline (no machine's slowness makes it early); not stuck past it
+        # either, or the socket's own timeout ends raw_request first.
+        assert time.monotonic() - start >= 0.5
         assert b"connection: close" in reply.lower()
         error = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
         assert error["code"] == "request_timeout" and "0.5 seconds" in error["message"]
@@ -277,7 +279,8 @@ def test_tokens_per_minute_per_address(engine):
 
 
 async def burst(url: str, count: int) -> list[tuple[int, dict, float | None]]:
-    """``count`` concurrent streams: (status, headers or the finish, time to first token)."""
+    """``count`` concurrent streams: (status, headers or the finish, time to first token);
+    the finish's ``seconds``: the request's end-to-end time."""
 
     async def one(http: httpx.AsyncClient) -> tuple[int, dict, float | None]:
         start = time.monotonic()
@@ -294,6 +297,7 @@ async def burst(url: str, count: int) -> list[tuple[int, dict, float | None]]:
                     for choice in event["choices"]:
                         out["finish"] = choice["finish_reason"] or out.get("finish")
                     out["usage"] = event.get("usage") or out.get("usage")
+            out["seconds"] = time.monotonic() - start
             return 200, out, ttft
 
     limits = httpx.Limits(max_connections=None)
@@ -333,8 +337,13 @@ def test_burst_past_capacity_gets_429_and_admitted_requests_finish(engine):
         for out, _ in admitted:
             assert out["finish"] == "length" and out["usage"]["completion_tokens"] == 16
         assert most_waiting <= MAX_QUEUED
-        # An admitted request waits behind at most a full queue: its first token comes fast.
-        assert max(ttft for _, ttft in admitted) < 3.0
+        # An admitted request waits behind at most a full queue: its first token comes before
+        # twice the median admitted request's whole time, in the same burst (measured: 1.0-1.1
+        # times, beside a CPU hog or not; "< 3 s" was a shared machine's clock). A request
+        # left waiting until the others finished would be past it.
+        last_ttft = max(ttft for _, ttft in admitted)
+        e2e = sorted(out["seconds"] for out, _ in admitted)
+        assert last_ttft < 2 * e2e[len(e2e) // 2], (last_ttft, e2e)
         assert metric(bg.url, "jaxserve:rate_limited_requests_total", 'reason="queue_full"') == (
             len(refused)
         )
@@ -372,9 +381,10 @@ def test_engine_exception_fails_every_waiter_and_exits_nonzero(tmp_path):
     url = f"http://127.0.0.1:{port}"
     crash_file = tmp_path / "crash"
     log_path = tmp_path / "server.log"
-    # The step loop raises once `crash_file` exists; steps of at least 5 ms keep the 240-token
-    # streams running until then on any device.
-    launch, env = paced_launch_command(0.005, crash_file=crash_file)
+    # The step loop raises once `crash_file` exists; steps of at least 50 ms keep the 240-token
+    # streams running (12 s at least) until then, on any device and however long the
+    # requests below take to reach the engine on a busy machine.
+    launch, env = paced_launch_command(0.05, crash_file=crash_file)
     command = [
         *launch, str(FIXTURE), "--host", "127.0.0.1",
         "--port", str(port), "--served-model-name", MODEL, "--dtype", "float32",
@@ -403,12 +413,12 @@ def test_engine_exception_fails_every_waiter_and_exits_nonzero(tmp_path):
         threads += [threading.Thread(target=post, args=(url, completion(240), o)) for o in posts]
         for thread in threads[3:]:
             thread.start()
-        wait_for(lambda: engine_load(url) >= 6, 10, "the plain requests to reach the engine")
+        wait_for(lambda: engine_load(url) >= 6, 30, "the plain requests to reach the engine")
         crash_file.touch()
-        crashed_at = time.monotonic()
-        wait_for(lambda: health(url) != 200, 5, "/health to stop answering 200")
+        # "/health 503 within 5 s" is the watchdog's poll interval (test_server_faults checks
+        # it); the wait here only has to see it, however busy the machine.
+        wait_for(lambda: health(url) != 200, 60, "/health to stop answering 200")
         assert health(url) in (503, None)  # 503 while the server stops, then the port closes
-        assert time.monotonic() - crashed_at < 5
         assert process.wait(timeout=30) == 1
         for thread in threads:
             thread.join(30)

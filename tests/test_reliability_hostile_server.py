@@ -116,9 +116,7 @@ def assert_still_serving(http: httpx.Client) -> None:
 def test_256_prompts_with_n_128_are_refused_before_anything_runs(http, server) -> None:
     body = completion(prompt=[PROMPT] * 256, n=128, max_tokens=8, temperature=1.0)
     before = server.engine.core.stats.prompt_tokens
-    start = time.perf_counter()
-    r = http.post("/v1/completions", json=body, timeout=10)
-    assert time.perf_counter() - start < 5
+    r = http.post("/v1/completions", json=body, timeout=60)
     message = assert_bad_request(r, "n", "32768", "256", "--max-seqs-per-request")
     assert "n=128" in message
     assert server.engine.core.stats.prompt_tokens == before  # nothing reached the engine
@@ -193,15 +191,16 @@ def long_prompt_ids(num_tokens: int) -> list[int]:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_echo_logprobs_n_128_on_a_long_prompt_is_refused_quickly(http, stream) -> None:
+def test_echo_logprobs_n_128_on_a_long_prompt_is_refused_quickly(http, server, stream) -> None:
     body = completion(
         prompt=long_prompt_ids(1000), echo=True, logprobs=20, n=128, max_tokens=16, stream=stream
     )
     raw = json.dumps(body).encode()
     assert len(raw) < 6000  # a 5 KB request ...
-    start = time.perf_counter()
-    r = http.post("/v1/completions", content=raw, headers=JSON, timeout=10)
-    assert time.perf_counter() - start < 5
+    before = server.engine.core.stats.prompt_tokens
+    r = http.post("/v1/completions", content=raw, headers=JSON, timeout=60)
+    # Quickly: before anything reached the engine (timing it measured the machine).
+    assert server.engine.core.stats.prompt_tokens == before
     # ... that asked for 128 x (1,000 + 16) x (1 + 20) entries, about 65 MB of JSON.
     assert_bad_request(r, "logprobs", str(128 * 1016 * 21), "--max-response-entries")
     assert_still_serving(http)
@@ -259,8 +258,14 @@ def test_stop_token_ids_are_capped(http) -> None:
     # The attacker's body: 900,000 entries and n=32, 1.8 MB.
     raw = json.dumps(completion(stop_token_ids=[1] * 900_000, n=32), separators=(",", ":"))
     start = time.perf_counter()
+    json.loads(raw)
+    parse_s = time.perf_counter() - start  # what the server cannot avoid doing
+    start = time.perf_counter()
     r = post_raw(http, "/v1/completions", raw.encode())
-    assert time.perf_counter() - start < 5
+    # Refused in a small multiple of one parse of the body, measured here in the same run
+    # (the check is linear in the ids); not "< 5 s" of a shared machine's clock.
+    refused_s = time.perf_counter() - start
+    assert refused_s < 50 * parse_s, (refused_s, parse_s)
     assert_bad_request(r, "stop_token_ids", "900000")
     with pytest.raises(SamplingParamsError) as info:
         SamplingParams(stop_token_ids=range(MAX_STOP_TOKEN_IDS + 1))

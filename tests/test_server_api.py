@@ -106,7 +106,13 @@ def greedy(**kwargs):
 def test_models_version_and_health(server, client, http):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL, "alias"]
-    assert models.data[0].model_dump()["max_model_len"] == MAX_MODEL_LEN
+    card = models.data[0].model_dump()
+    assert card["max_model_len"] == MAX_MODEL_LEN
+    # vLLM's model card: parent and permission too.
+    assert card["parent"] is None
+    (permission,) = card["permission"]
+    assert permission["object"] == "model_permission" and permission["allow_sampling"] is True
+    assert permission["id"].startswith("modelperm-") and permission["organization"] == "*"
     assert http.get("/version").json()["version"]
     assert httpx.get(f"{server.url}/health").status_code == 200  # public: no key
 
@@ -712,6 +718,9 @@ def test_auth_rejected(server, authorization):
         assert response.status_code == 401, path
         error = response.json()["error"]
         assert error["code"] == "invalid_api_key" and response.headers["www-authenticate"]
+        # No key is not an incorrect one.
+        said = "No API key provided" if authorization is None else "Incorrect API key provided"
+        assert error["message"].startswith(said), error
 
 
 def test_auth_scheme_case_insensitive_and_public_paths(server):

@@ -1,19 +1,23 @@
-"""``jaxserve launch``: flag parsing, and one real process drained by SIGTERM.
+"""``jaxserve launch``: flag parsing, and real processes stopped by signals.
 
-The subprocess test runs ``python -m jaxserve.cli launch`` on the tiny Llama fixture (start-up
-compiles, so there is only one) and checks RELIABILITY.md's shutdown scenario: readiness and new
-requests answer 503 with Retry-After, a request that can finish within ``--shutdown-timeout``
-finishes, the rest end with ``finish_reason="abort"``, and the process exits 0.
+The subprocess tests run ``jaxserve launch`` on the tiny Llama fixture. SIGTERM checks
+RELIABILITY.md's shutdown scenario: readiness and new requests answer 503 with Retry-After, a
+request that can finish within ``--shutdown-timeout`` finishes, the rest end with
+``finish_reason="abort"``, and the process exits 0. Ctrl-C (SIGINT) while starting ends the
+start (its weight load too) with status 130; a second Ctrl-C while draining aborts the requests
+in flight (no 500, no traceback) and exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
+import subprocess
+import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -21,7 +25,13 @@ import pytest
 
 from jaxserve.cli import build_parser, main
 from jaxserve.server.launch import engine_config_from_args, human_int, settings_from_args
-from tests.conftest import free_port, paced_launch_command, start_server
+from tests.conftest import (
+    free_port,
+    metric,
+    paced_launch_command,
+    start_server,
+    wait_for,
+)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "models" / "llama"
 
@@ -79,6 +89,19 @@ def test_launch_flags_map_to_configs(monkeypatch):
     assert demo.model == "" and demo.model_name == "jaxserve-demo"
 
 
+def test_the_compilation_cache_follows_xdg_cache_home(monkeypatch, tmp_path):
+    monkeypatch.delenv("JAXSERVE_COMPILATION_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    config = engine_config_from_args(parse_launch())
+    assert config.cache_dir == str(tmp_path / "jaxserve" / "xla")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert config.cache_dir == str(Path.home() / ".cache" / "jaxserve" / "xla")
+    monkeypatch.setenv("JAXSERVE_COMPILATION_CACHE", str(tmp_path / "own"))
+    assert config.cache_dir == str(tmp_path / "own")
+    flagged = engine_config_from_args(parse_launch("--compilation-cache-dir", "x"))
+    assert flagged.cache_dir == "x"
+
+
 def test_launch_help_documents_defaults(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["launch", "--help"])
@@ -100,6 +123,22 @@ def test_launch_help_documents_defaults(capsys):
                  "--metrics-require-key", "--enable-log-requests", "--log-prompts",
                  "--max-queued-requests", "--served-model-name", "--seed", "--dtype"):  # fmt: skip
         assert flag in text, flag
+
+
+TINY_FLAGS = ("--host", "127.0.0.1", "--served-model-name", "tiny", "--dtype", "float32",
+              "--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+              "--num-gpu-blocks-override", "64")  # fmt: skip
+
+
+def test_a_flag_that_takes_no_value_states_no_default(capsys):
+    """``--disable-tqdm`` and ``--no-server-metrics`` said "(default: True)", the default of
+    what they turn off."""
+    with pytest.raises(SystemExit):
+        main(["bench", "serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--disable-tqdm no progress bars --no-server-metrics" in text
+    assert "queue length --" in text or text.rstrip().endswith("queue length")
+    assert "(default: False)" not in text and "(default: True)" not in text
 
 
 def stream_completion(url: str, body: dict, first_chunk: threading.Event, out: dict) -> None:
@@ -131,19 +170,22 @@ def stream_completion(url: str, body: dict, first_chunk: threading.Event, out: d
 
 
 def test_sigterm_drains_then_exits_zero(tmp_path):
+    """A request that fits in the drain finishes; one that does not ends with "abort".
+
+    NOTE: every step takes at least 50 ms (paced), so who finishes within the 3 s drain is a
+    matter of step counts, not of the machine's speed: the short request needs 4 steps (it
+    fits unless a step takes 0.75 s), the long one 240 (12 s at least). Before, with 5 ms steps,
+    a 0.5 s drain and 8 tokens, a busy machine's slower steps aborted the short request too,
+    and /health was read 50 ms after the signal, before the server had handled it."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "server.log"
-    # Steps of at least 5 ms: the 240-token streams outlast the 0.5 s drain on any device.
-    launch, env = paced_launch_command(0.005)
+    launch, env = paced_launch_command(0.05)
     command = [
-        *launch, str(FIXTURE),
-        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
-        "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
-        "--max-num-batched-tokens", "64", "--num-gpu-blocks-override", "64",
-        "--shutdown-timeout", "0.5", "--compilation-cache-dir", str(tmp_path / "xla"),
+        *launch, str(FIXTURE), *TINY_FLAGS, "--port", str(port),
+        "--shutdown-timeout", "3", "--compilation-cache-dir", str(tmp_path / "xla"),
     ]  # fmt: skip
-    process = start_server(command, env, log_path, url, timeout_s=120)
+    process = start_server(command, env, log_path, url, timeout_s=300)
     try:
         startup_log = log_path.read_text()
         assert "Devices: 1 x cpu" in startup_log and "Attention: " in startup_log
@@ -165,14 +207,14 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
         )
         short = threading.Thread(
             target=stream_completion,
-            args=(url, {**base, "max_tokens": 8}, short_started, short_out),
+            args=(url, {**base, "max_tokens": 4}, short_started, short_out),
         )
         long.start()
         assert long_started.wait(30) and "error" not in long_out, long_out
         short.start()
         assert short_started.wait(30) and "error" not in short_out, short_out
         process.send_signal(signal.SIGTERM)
-        time.sleep(0.05)  # let the signal land
+        wait_for(lambda: "Received SIGTERM: draining" in log_path.read_text(), 30, "the drain")
 
         health = httpx.get(f"{url}/health", timeout=5)
         assert health.status_code == 503 and health.headers["retry-after"]
@@ -180,15 +222,15 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
         assert refused.status_code == 503 and refused.headers["retry-after"]
         assert refused.json()["error"]["code"] == "service_unavailable"
 
-        short.join(30)
-        long.join(30)
+        short.join(60)
+        long.join(60)
         assert short_out["status"] == 200 and short_out["done"]
         assert short_out["finish"] == {0: "length"}
-        assert short_out["usage"]["completion_tokens"] == 8
+        assert short_out["usage"]["completion_tokens"] == 4
         assert long_out["status"] == 200 and long_out["done"]
         assert long_out["finish"] == {i: "abort" for i in range(4)}
         assert long_out["usage"]["completion_tokens"] < 4 * 240
-        assert process.wait(timeout=30) == 0, log_path.read_text()
+        assert process.wait(timeout=60) == 0, log_path.read_text()
     finally:
         if process.poll() is None:
             process.kill()
@@ -196,6 +238,7 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
     shutdown_log = log_path.read_text()
     assert "Shutdown timeout reached: aborting 1 requests" in shutdown_log
     assert "quokka" not in shutdown_log  # no prompt text in the logs by default
+    assert "Traceback" not in shutdown_log
 
 
 @pytest.mark.parametrize("command", ["launch", "capacity"])
@@ -209,3 +252,92 @@ def test_every_flag_has_help_that_states_its_default_once(command):
     entries = re.split(r"\n  (?=-)", sub.format_help())
     for entry in entries[1:]:
         assert entry.count("default:") <= 1, entry
+
+
+# ``jaxserve launch`` whose weights "load" until the start-up tells the load to stop: a Ctrl-C
+# lands while the process starts, whatever the machine's speed, and the load's end is logged.
+HELD_LOAD_LAUNCH = """
+import sys
+from jaxserve.cli import main
+from jaxserve.models.weights import LoadCancelled
+from jaxserve.runner import model_weights
+def held_load(*args):
+    stop = args[-1]
+    print("weights: loading until told to stop", flush=True)
+    stop.wait()
+    print("weights: told to stop", flush=True)
+    raise LoadCancelled
+model_weights.model_weights = held_load
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_while_starting_stops_the_load_and_exits_130(tmp_path):
+    """Guards the start that went on after Ctrl-C (a traceback, then the interpreter's exit
+    waiting for the weights' thread): the load is told to stop, one line, status 130."""
+    log_path = tmp_path / "server.log"
+    env = {k: v for k, v in os.environ.items() if k != "JAXSERVE_API_KEY"}
+    command = [sys.executable, "-c", HELD_LOAD_LAUNCH, "launch", str(FIXTURE), *TINY_FLAGS,
+               "--port", str(free_port())]  # fmt: skip
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_for(lambda: "loading until told" in log_path.read_text(), 120, "the load to start")
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 130, log_path.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    log = log_path.read_text()
+    # (the load's thread prints beside the main thread: cancel does not wait for it)
+    assert "weights: told to stop" in log and "Interrupted" in log, log
+    assert "Traceback" not in log and "Uvicorn running" not in log, log
+
+
+def test_second_ctrl_c_aborts_requests_in_flight_and_exits_130(tmp_path):
+    """Guards the second Ctrl-C that waited 5 s, then cancelled the responses' tasks: a
+    traceback per request, a 500 for the non-streaming one, and exit status 0."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "server.log"
+    # Steps of at least 50 ms: 200 tokens outlast the two signals on any device.
+    launch, env = paced_launch_command(0.05)
+    command = [*launch, str(FIXTURE), *TINY_FLAGS, "--port", str(port), "--shutdown-timeout", "600"]
+    process = start_server(command, env, log_path, url, timeout_s=120)
+    try:
+        body = {"model": "tiny", "prompt": "quokka secret", "max_tokens": 200, "ignore_eos": True}
+        started, streamed = threading.Event(), {}
+        stream = threading.Thread(
+            target=stream_completion, args=(url, {**body, "stream": True}, started, streamed)
+        )
+        whole: dict = {}
+
+        def complete() -> None:
+            whole["response"] = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+        plain = threading.Thread(target=complete)
+        stream.start()
+        plain.start()
+        assert started.wait(30) and "error" not in streamed, streamed
+        running = "jaxserve:num_requests_running"
+        wait_for(lambda: metric(url, running) == 2, 30, "both requests to run")
+
+        process.send_signal(signal.SIGINT)
+        wait_for(lambda: "Received SIGINT: draining" in log_path.read_text(), 30, "the drain")
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 503
+        process.send_signal(signal.SIGINT)
+        stream.join(60)
+        plain.join(60)
+        assert process.wait(timeout=60) == 130, log_path.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    assert streamed["status"] == 200 and streamed["done"] and streamed["finish"] == {0: "abort"}
+    response = whole["response"]
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] == "abort"
+    log = log_path.read_text()
+    assert "Second SIGINT: aborting 2 requests in flight" in log
+    assert "Traceback" not in log and "Shut down cleanly" not in log, log

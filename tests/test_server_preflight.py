@@ -14,7 +14,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -30,6 +29,8 @@ from jaxserve.runner.device_memory import (
     nvml_device_memory,
 )
 from jaxserve.server.launch import run_launch
+from jaxserve.server.preflight import warn_if_open
+from jaxserve.server.settings import ServerSettings
 from tests.conftest import free_port
 
 FAKE_PYNVML = Path(__file__).parent / "fixtures" / "fake_pynvml"
@@ -54,12 +55,22 @@ def errors(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
-def test_a_busy_device_ends_launch_in_seconds_with_the_fix(caplog):
+@pytest.fixture
+def no_engine(monkeypatch):
+    """Building the engine (loading, compiling) fails the test: "ends in seconds" is checked as
+    "ends before any of that", which no machine's speed changes (timing it failed on a busy
+    machine: an 11.5 s start against a 10 s bound)."""
+
+    def build(*args, **kwargs):
+        raise AssertionError("the engine was built")
+
+    monkeypatch.setattr(AsyncEngine, "from_config", build)
+
+
+def test_a_busy_device_ends_launch_in_seconds_with_the_fix(caplog, no_engine):
     caplog.set_level(logging.INFO)
     args = parse_launch("--host", "127.0.0.1", "--port", str(free_port()))
-    start = time.monotonic()
     assert run_launch(args, memory_query=busy_device) == 1
-    assert time.monotonic() - start < 5
     (message,) = errors(caplog)
     assert "Device 0 (Fake GPU) has 38.18 GiB free of 131.32 GiB" in message
     assert "--gpu-memory-utilization 0.9 asks for 118.18 GiB" in message
@@ -133,26 +144,22 @@ def test_launch_on_a_busy_gpu_exits_non_zero_within_seconds(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(FAKE_PYNVML), env.get("PYTHONPATH", ".")])
     command = [sys.executable, "-m", "jaxserve.cli", "launch", "--host", "127.0.0.1",
                "--port", str(free_port())]  # fmt: skip
-    start = time.monotonic()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
-    assert time.monotonic() - start < 15  # the interpreter's start and imports, no loading
     last = done.stderr.strip().splitlines()[-1]
     assert "Device 0 (Fake GPU) has 38.18 GiB free of 131.32 GiB" in last
     assert "lower --gpu-memory-utilization to at most 0.29" in last
     assert "CUDA_ERROR_OUT_OF_MEMORY" not in done.stderr and "Loading" not in done.stderr
 
 
-def test_a_busy_port_ends_launch_before_loading(caplog):
+def test_a_busy_port_ends_launch_before_loading(caplog, no_engine):
     caplog.set_level(logging.INFO)
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
         args = parse_launch("--host", "127.0.0.1", "--port", str(port))
-        start = time.monotonic()
         assert run_launch(args, memory_query=no_device) == 1
-    assert time.monotonic() - start < 5
     (message,) = errors(caplog)
     assert f"Cannot listen on 127.0.0.1:{port}" in message and "choose another --port" in message
     assert "Loading" not in caplog.text
@@ -166,25 +173,29 @@ def test_a_bad_host_is_named(caplog):
 
 
 @pytest.mark.parametrize(
-    ("flags", "warned"),
-    [
-        ((), True),
-        (("--api-key", "k"), False),
-        (("--host", "127.0.0.1"), False),
-    ],
+    ("host", "api_key", "warned"),
+    [("0.0.0.0", None, True), ("0.0.0.0", "k", False), ("127.0.0.1", None, False)],
 )
-def test_all_interfaces_without_an_api_key_is_warned_of(caplog, monkeypatch, flags, warned):
-    monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)
-    with socket.socket() as server:  # busy, so launch stops right after its checks
-        server.bind(("0.0.0.0", 0))
-        server.listen()
-        port = server.getsockname()[1]
-        assert run_launch(parse_launch("--port", str(port), *flags), no_device) == 1
+def test_all_interfaces_without_an_api_key_is_warned_of(caplog, host, api_key, warned):
+    warn_if_open(host, 8000, ServerSettings(served_model_names=("m",), api_key=api_key))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     open_door = [w for w in warnings if "Listening on all interfaces" in w]
     assert bool(open_door) == warned, warnings
     if warned:
         assert "--api-key" in open_door[0] and "--host 127.0.0.1" in open_door[0]
+
+
+def test_a_failed_launch_says_only_why(caplog, monkeypatch, no_engine):
+    """The open-door warning came before every failed start's real error; it now comes when
+    the server starts."""
+    monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)
+    with socket.socket() as server:  # busy, so launch stops right after its checks
+        server.bind(("0.0.0.0", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert run_launch(parse_launch("--port", str(port)), no_device) == 1
+    (message,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert message.startswith(f"Cannot listen on 0.0.0.0:{port}")
 
 
 def test_running_out_of_device_memory_while_starting_is_one_message(caplog, monkeypatch):
@@ -194,9 +205,40 @@ def test_running_out_of_device_memory_while_starting_is_one_message(caplog, monk
     monkeypatch.setattr(AsyncEngine, "from_config", allocate_too_much)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # restored afterwards
     args = parse_launch("--host", "127.0.0.1", "--port", str(free_port()))
-    start = time.monotonic()
     assert run_launch(args, memory_query=no_device) == 1
-    assert time.monotonic() - start < 10
     (message,) = errors(caplog)
     assert message.startswith("Out of device memory while starting (RESOURCE_EXHAUSTED")
     assert "lower --gpu-memory-utilization, --max-model-len" in message
+
+
+LLAMA_3_8B = Path(__file__).parents[1] / "jaxserve" / "assets" / "configs" / "llama-3-8b"
+
+
+# The README's `bench latency` example (dummy Llama-3-8B weights by default).
+README_LATENCY = "bench latency --input-len 1000 --output-len 256 --max-model-len 4096".split()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["launch", str(LLAMA_3_8B), "--load-format", "dummy", "--host", "127.0.0.1"], README_LATENCY],
+    ids=["launch", "bench-latency"],
+)
+def test_a_model_that_does_not_fit_ends_the_process_with_one_line(command):
+    """Guards the process that printed this error and then went on making the weights (29.9
+    GiB here, on a thread the interpreter's exit waited for; Ctrl-C was ignored): now the
+    capacity plan comes before the load starts. The timeout is far from the few seconds it
+    takes, and far from the minutes the old process ran."""
+    env = {k: v for k, v in os.environ.items() if k != "JAXSERVE_API_KEY"}
+    if command[0] == "launch":
+        command = [*command, "--port", str(free_port())]
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", *command],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert "llama-3-8b" in last and "do not fit in 90% of 2.00 GiB" in last, last
+    assert "Traceback" not in done.stderr and "random weights in" not in done.stderr

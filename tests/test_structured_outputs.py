@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from types import SimpleNamespace
 
 import httpx
@@ -293,8 +292,9 @@ def test_bad_constraints_are_a_400_naming_the_field(http, route, body, param, wo
         request = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **body}
     else:
         request = {"model": MODEL, "prompt": "x", **body}
+    # (the slow schema's "took longer" 400 is the timeout's own proof: a clock bound, 5 s past
+    # a 0.1 s timeout for a 0.5 s compile, could not tell it from no timeout at all)
     for stream in (False, True):
-        start = time.monotonic()
         r = http.post(
             f"/v1/{'chat/' if route == 'chat' else ''}completions",
             json=request | {"stream": stream},
@@ -303,7 +303,6 @@ def test_bad_constraints_are_a_400_naming_the_field(http, route, body, param, wo
         error = r.json()["error"]
         assert param is None or error["param"] == param, error
         assert words in error["message"], error
-        assert time.monotonic() - start < COMPILE_TIMEOUT_S + 5
     ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
     assert ok.status_code == 200
 

@@ -147,7 +147,8 @@ def test_the_readmes_examples_run_against_the_demo_model(client, capsys) -> None
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     start = readme[: readme.index("## Serving a real model")]
     code = "\n".join(re.findall(r"```python\n(.*?)```", start, re.S))
-    assert code.count("client.chat.completions") >= 4, "the README's examples moved"
+    assert code.count("client.chat.completions") >= 5, "the README's examples moved"
+    assert "stream=True" in code  # the streaming example runs too
     url = 'base_url="http://localhost:8000/v1"'
     assert url in code
     exec(compile(code.replace(url, f'base_url="{client.base_url}"'), "README.md", "exec"), {})

@@ -193,19 +193,38 @@ def run_hf(args: argparse.Namespace) -> dict:
     }
 
 
+def hf_unavailable() -> str | None:
+    """Why the Hugging Face engine cannot run here (it needs PyTorch and a CUDA GPU), or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return "needs PyTorch, which is not installed (pip install torch)"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU, and PyTorch sees none"
+    return None
+
+
 def run_throughput(args: argparse.Namespace) -> int:
     if args.engine != "both":
+        if args.engine == "hf" and (problem := hf_unavailable()) is not None:
+            print(f"jaxserve bench throughput: error: --engine hf {problem}", file=sys.stderr)
+            return 2
         result = run_jaxserve(args) if args.engine == "jaxserve" else run_hf(args)
         result.update(
             num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len
         )
-        print(json.dumps(result))
+        print_table({args.engine: result}, args)  # the numbers: --output-json
         if args.output_json:
             Path(args.output_json).write_text(json.dumps(result, indent=2))
         return 0
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for engine in ("hf", "jaxserve"):
+            if engine == "hf" and (problem := hf_unavailable()) is not None:
+                results[engine] = {"engine": engine, "error": problem}
+                continue
             out = os.path.join(tmp, f"{engine}.json")
             cmd = [
                 sys.executable,

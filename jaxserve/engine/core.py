@@ -57,34 +57,34 @@ class EngineCore:
 
             runner = ModelRunner(self.model_config, config, self.eos_token_ids)
         self.runner = runner
-        kv_args = (runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.kv = KVCacheManager(*kv_args, sliding_window=self.model_config.all_layers_window)
-        self.scheduler = Scheduler(
-            self.kv,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            policy=config.scheduling_policy,
-        )
-        self.output_processor = OutputProcessor(
-            self.tokenizer, self.eos_token_ids, self.max_model_len
-        )
-        limits = GrammarLimits.of(config)
-        self.grammar_compiler = GrammarCompiler(
-            self.tokenizer.hf_tokenizer, self.vocab_size, self.eos_token_ids, limits
-        )
-        self.structured_outputs = StructuredOutputs(self.vocab_size)
-        for line in self.capacity_lines():
-            _LOG.info(line)
-        self.num_compiled_shapes = runner.warmup() if config.warmup else 0
-        if config.warmup:
-            _LOG.info(
-                "Compiled %d step shapes in %.1f s (compilation cache: %s)",
-                self.num_compiled_shapes,
-                getattr(runner, "compile_seconds", 0.0),
-                config.cache_dir,
+        # NOTE: from here to the end of warm-up the runner's weights may be loading on a
+        # thread of their own: an error or a Ctrl-C stops them (the interpreter's exit would
+        # wait for them) and the compiles.
+        try:
+            kv_args = (runner.num_blocks, config.block_size, config.enable_prefix_caching)
+            self.kv = KVCacheManager(*kv_args, sliding_window=self.model_config.all_layers_window)
+            self.scheduler = Scheduler(
+                self.kv,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                policy=config.scheduling_policy,
             )
+            self.output_processor = OutputProcessor(
+                self.tokenizer, self.eos_token_ids, self.max_model_len
+            )
+            limits = GrammarLimits.of(config)
+            self.grammar_compiler = GrammarCompiler(
+                self.tokenizer.hf_tokenizer, self.vocab_size, self.eos_token_ids, limits
+            )
+            self.structured_outputs = StructuredOutputs(self.vocab_size)
+            for line in self.capacity_lines():
+                _LOG.info(line)
+            self.num_compiled_shapes = runner.warmup() if config.warmup else 0
+        except BaseException:
+            runner.shutdown()
+            raise
         self.requests: dict[str, Request] = {}
         self._inbox: collections.deque[Request] = collections.deque()
         self._aborts: collections.deque[str] = collections.deque()

@@ -22,7 +22,11 @@ def run_follower(config: EngineConfig) -> None:
     model_config = ModelConfig.from_hf_dir(config.model_dir)
     runner = ModelRunner(model_config, config)  # sampling happens, but only process 0 reads it
     if config.warmup:  # process 0 warms up the same buckets in the same order
-        runner.warmup()
+        try:
+            runner.warmup()
+        except BaseException:  # the weights stop loading, the compiles stop
+            runner.shutdown()
+            raise
     _LOG.info("Process %d follows process 0's steps", jax.process_index())
     runner.follow()
     _LOG.info("Process %d: process 0 stopped", jax.process_index())

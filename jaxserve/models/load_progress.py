@@ -1,5 +1,5 @@
 """How far loading a checkpoint has got, in the log: a line at every tenth of the bytes (for a
-large checkpoint) and one at the end with the bytes, seconds and GB/s. ``weights.load_weights``
+large checkpoint) and one at the end with the bytes, seconds and rate. ``weights.load_weights``
 counts each piece its reading threads read."""
 
 from __future__ import annotations
@@ -18,6 +18,13 @@ def format_bytes(num_bytes: int) -> str:
     if num_bytes >= GiB:
         return f"{num_bytes / GiB:.2f} GiB"
     return f"{num_bytes / 1024**2:.1f} MiB"
+
+
+def format_rate(bytes_per_s: float) -> str:
+    """``1.37 GB/s``; below 1 GB/s in MB/s (a small model's "0.00 GB/s" said nothing)."""
+    if bytes_per_s >= 1e9:
+        return f"{bytes_per_s / 1e9:.2f} GB/s"
+    return f"{bytes_per_s / 1e6:.{1 if bytes_per_s < 1e7 else 0}f} MB/s"
 
 
 class LoadProgress:
@@ -56,10 +63,10 @@ class LoadProgress:
         num_shards = len(self.shards)
         seconds = time.perf_counter() - self.start
         _LOG.info(
-            "Loaded weights: %s from %d shard%s in %.1f s (%.2f GB/s)",
+            "Loaded weights: %s from %d shard%s in %.1f s (%s)",
             format_bytes(self.num_bytes),
             num_shards,
             "" if num_shards == 1 else "s",
             seconds,
-            self.num_bytes / max(seconds, 1e-9) / 1e9,
+            format_rate(self.num_bytes / max(seconds, 1e-9)),
         )

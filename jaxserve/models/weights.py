@@ -203,6 +203,7 @@ def load_weights(
     num_threads: int | None = None,
     staging_bytes: int = STAGING_BYTES,
     fuse: bool = False,
+    stop: threading.Event | None = None,
 ) -> Weights:
     """Read a safetensors checkpoint into ``Weights`` (missing or misshapen tensors raise).
 
@@ -213,6 +214,7 @@ def load_weights(
     A checkpoint of ``progress_above_bytes`` or more logs its progress at every tenth.
     ``fuse`` (one device, unquantized): each layer's q/k/v and gate/up are written into their
     joined arrays (``llama.FusedProjections``) as they load, as ``fuse_projections`` joins them.
+    Once ``stop`` is set, the next tensor read raises ``LoadCancelled``.
     """
     model_dir = Path(model_dir)
     files = _tensor_files(model_dir)
@@ -247,6 +249,8 @@ def load_weights(
         devices: list[Any] = sorted(embed.addressable_devices, key=str) if embed else [None]
 
         def run(job: _Job, device: Any) -> dict[tuple[Any, ...], Any]:
+            if stop is not None:
+                raise_if_stopped(stop)
             if job.on_host:
                 ((path, field, prefix),) = job.fields
                 assert scheme is not None
@@ -374,6 +378,15 @@ def _with_fused(lw: LayerWeights, layer: int, memory: dict) -> LayerWeights:
     return dataclasses.replace(lw, fused=FusedProjections(wqkv, gate_up))
 
 
+class LoadCancelled(Exception):
+    """The weights stopped loading because the start-up failed or was interrupted."""
+
+
+def raise_if_stopped(stop: threading.Event) -> None:
+    if stop.is_set():
+        raise LoadCancelled("the start-up stopped while the weights loaded")
+
+
 def dummy_weights(
     config: ModelConfig,
     dtype: jnp.dtype = jnp.bfloat16,
@@ -381,16 +394,27 @@ def dummy_weights(
     placement: Placement | None = None,
     scale: float = 0.02,
     scheme: QuantScheme | None = None,
+    stop: threading.Event | None = None,
 ) -> Weights:
     """Random weights in the real architecture (for benchmarks and tests); made on the device.
 
     With a quantize-on-load ``scheme`` the Linear weights are the same random weights (the
-    same seed gives the same bf16 values), quantized."""
+    same seed gives the same bf16 values), quantized. Once ``stop`` is set, the next tensor
+    raises ``LoadCancelled``."""
     key = jax.random.key(seed)
     if scheme is not None and scheme.from_checkpoint:
         raise ValueError(f"dummy weights cannot be made for a {scheme.method} checkpoint")
 
     def make(path: tuple[Any, ...], field: WeightField) -> Any:
+        if stop is not None:
+            raise_if_stopped(stop)
+        made = make_one(path, field)
+        # NOTE: with a stop to obey, one tensor at a time: dispatched ahead, every tensor
+        # would be queued on the device before the first check (one sync per tensor costs
+        # nothing beside making it).
+        return jax.block_until_ready(made) if stop is not None else made
+
+    def make_one(path: tuple[Any, ...], field: WeightField) -> Any:
         nonlocal key
         key, sub = jax.random.split(key)
         shape = field.shape_for(config)

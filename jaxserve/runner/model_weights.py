@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,12 +33,14 @@ def model_weights(
     dtype: jnp.dtype,
     placement: Placement | None,
     quant: QuantScheme | None,
+    stop: threading.Event | None = None,
 ) -> tuple[Weights, float]:
-    """(the weights, seconds it took to make or load them and place them)."""
+    """(the weights, seconds it took to make or load them and place them); once ``stop`` is
+    set, ``LoadCancelled`` at the next tensor."""
     start = time.perf_counter()
     if config.load_format == "dummy":
         weights = dummy_weights(
-            model_config, dtype, seed=config.seed, placement=placement, scheme=quant
+            model_config, dtype, seed=config.seed, placement=placement, scheme=quant, stop=stop
         )
     else:  # q/k/v and gate/up written into their joined arrays as they load
         weights = load_weights(
@@ -47,6 +50,7 @@ def model_weights(
             placement=placement,
             scheme=quant,
             fuse=_fuses(placement is None, quant),
+            stop=stop,
         )
     weights = _as_served(weights, placement is None, quant)
     jax.block_until_ready(weights)
@@ -72,16 +76,18 @@ def start_loading(
     dtype: jnp.dtype,
     quant: QuantScheme | None,
     tp: TensorParallel | None,
+    stop: threading.Event,
 ) -> WeightsLoading:
     """The weights as the engine configuration asks, loading on a thread of their own when
-    warm-up can compile against their shapes meanwhile, else here."""
+    warm-up can compile against their shapes meanwhile, else here; once ``stop`` is set, the
+    load raises ``LoadCancelled`` at its next tensor."""
     shardings = tp.weight_shardings if tp is not None else None
     shapes = None
     if config.warmup:
         shapes = abstract_model_weights(model_config, dtype, quant, shardings)
     placement = tp.placement if tp is not None else None
     load = functools.partial(model_weights, model_config, config, dtype, placement, quant)
-    return WeightsLoading(load, shapes)
+    return WeightsLoading(load, shapes, stop)
 
 
 def abstract_model_weights(
@@ -113,16 +119,34 @@ def abstract_model_weights(
 
 class WeightsLoading:
     """Weights loading on a thread of their own, so that warm-up compiles against their
-    ``shapes`` meanwhile; ``shapes`` None: ``load`` runs here, before anything compiles."""
+    ``shapes`` meanwhile; ``shapes`` None: ``load`` runs here, before anything compiles.
 
-    def __init__(self, load: Callable[[], tuple[Weights, float]], shapes: Weights | None) -> None:
+    NOTE: a start-up that fails or is interrupted while they load must ``cancel`` them: the
+    interpreter's exit waits for the thread, and made on, the weights of a model that never
+    serves held the process (and gigabytes more of memory each second) for minutes."""
+
+    def __init__(
+        self,
+        load: Callable[[threading.Event], tuple[Weights, float]],
+        shapes: Weights | None,
+        stop: threading.Event,
+    ) -> None:
         self.shapes = shapes
+        self._stop = stop
         self._pool = None
         if shapes is None:
-            self._done = load()
+            self._done = load(self._stop)
             return
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weights")
-        self._future = self._pool.submit(load)
+        self._future = self._pool.submit(load, self._stop)
+
+    def cancel(self) -> None:
+        """Stop the load at its next tensor. Returns at once: the interpreter's exit waits for
+        the tensor being made (a Ctrl-C meanwhile ends the process, ``cli.main``)."""
+        self._stop.set()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def raise_if_failed(self) -> None:
         """The load's error as soon as it has one (a missing tensor ends the start before every

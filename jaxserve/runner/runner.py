@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 from typing import Any
 
 import jax
@@ -89,18 +90,37 @@ class ModelRunner:
             self.tp = prepare_tp(
                 model_config, config.tensor_parallel_size, quant=self.quant, expert_parallel=ep
             )
+        self.kv_scales = kv_cache_scales(model_config, config, self.kv_dtype)
+        # NOTE: the capacity plan needs the weights' size, not the weights: a model that does
+        # not fit ends the start here, before a weight is made (made on a thread of their own,
+        # they held the process after its error, the interpreter's exit waiting for them).
+        self.capacity = self._plan_capacity()
+        self.num_blocks = self.capacity.num_blocks
+        self.num_slots = self.num_blocks * self.block_size
         # With warm-up on, the weights load while the programs compile against their shapes.
-        self.loading = start_loading(model_config, config, self.dtype, self.quant, self.tp)
+        stop = threading.Event()  # set: the load ends at its next tensor
+        try:
+            self.loading = start_loading(
+                model_config, config, self.dtype, self.quant, self.tp, stop
+            )
+            self._finish_init(model_config, config, max_model_len, eos_token_ids)
+        except BaseException:  # an error or a Ctrl-C (even inside start_loading): the load ends
+            stop.set()
+            raise
+
+    def _finish_init(
+        self,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        """The rest of ``__init__``, once the weights have begun to load."""
         self.load_seconds = 0.0
         if self.loading.shapes is None:
             self.wait_for_weights()
         else:  # shapes only, until wait_for_weights
             self._set_weights(self.loading.shapes)
-        self.kv_scales = kv_cache_scales(model_config, config, self.kv_dtype)
-
-        self.capacity = self._plan_capacity()
-        self.num_blocks = self.capacity.num_blocks
-        self.num_slots = self.num_blocks * self.block_size
         # NOTE: with warm-up on, the cache is allocated after the step buckets are compiled,
         # so XLA's autotuner compiles with the memory the cache will take still free.
         self.kv_cache: Any = None
@@ -341,8 +361,10 @@ class ModelRunner:
         step_broadcast.follow(self)
 
     def shutdown(self) -> None:
-        """Stop compiling the buckets warm-up left to the background (what compiles now
-        finishes) and release the follower processes of a multi-host replica."""
+        """Stop loading the weights if they still load (a start-up that failed), stop compiling
+        the buckets warm-up left to the background (what compiles now finishes) and release
+        the follower processes of a multi-host replica."""
+        self.loading.cancel()
         self.background.stop()
         if self.multihost:
             step_broadcast.stop_followers()

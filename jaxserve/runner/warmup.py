@@ -108,10 +108,16 @@ def warm_up(runner: ModelRunner, max_workers: int) -> int:
             time.perf_counter() - allocated,
         )
         _run_smallest_step(runner)
-    except BaseException:
-        pool.shutdown(cancel_futures=True)
+    except BaseException:  # the compiles running finish before the interpreter exits
+        pool.shutdown(wait=False, cancel_futures=True)
         raise
     runner.compile_seconds = time.perf_counter() - start
+    _LOG.info(
+        "Compiled %d step shapes in %.1f s (compilation cache: %s)",
+        len(first),
+        runner.compile_seconds,
+        runner.config.cache_dir,
+    )
     runner.ready_tokens = first[-1]
     if not decode and not prefill:
         pool.shutdown()

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from importlib import metadata
 
@@ -103,7 +104,9 @@ def build_app(
                 "created": created,
                 "owned_by": "jaxserve",
                 "root": engine.config.model or settings.model_name,
+                "parent": None,
                 "max_model_len": ctx.max_model_len,
+                "permission": [model_permission(created)],
             }
             for name in settings.served_model_names
         ]
@@ -256,3 +259,22 @@ class UnexpectedErrorMiddleware:
                 raise
             _LOG.error("unhandled error on %s %s", scope["method"], scope["path"], exc_info=exc)
             await internal_error().response()(scope, receive, send)
+
+
+def model_permission(created: int) -> dict:
+    """A ``/v1/models`` entry's permission, with vLLM's fields and values (clients written
+    against vLLM read them)."""
+    return {
+        "id": f"modelperm-{uuid.uuid4().hex}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }

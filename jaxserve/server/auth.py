@@ -24,10 +24,13 @@ def client_key(request: Request, uses_api_key: bool) -> str:
     return "addr:" + (request.client.host if request.client else "unknown")
 
 
-def unauthorized() -> APIError:
+def unauthorized(is_missing: bool = False) -> APIError:
+    """401 ``invalid_api_key``; a request that sent no Authorization header is told so, not
+    that its key is wrong."""
+    what = "No API key provided" if is_missing else "Incorrect API key provided"
     return APIError(
         401,
-        "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
+        f"{what}. Send it as 'Authorization: Bearer <key>'.",
         code="invalid_api_key",
         headers={"WWW-Authenticate": "Bearer"},
     )
@@ -43,15 +46,15 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in self.public_paths:
             await self.app(scope, receive, send)
             return
-        given = b""
+        given: bytes | None = None
         for name, value in scope["headers"]:
             if name == b"authorization":
                 given = value
                 break
-        scheme, _, token = given.partition(b" ")
+        scheme, _, token = (given or b"").partition(b" ")
         # NOTE: compare_digest runs whatever the scheme, so timing says nothing about the key.
         is_valid = hmac.compare_digest(token.strip(), self.key)
         if not (is_valid and scheme.lower() == b"bearer"):
-            await unauthorized().response()(scope, receive, send)
+            await unauthorized(is_missing=given is None).response()(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -5,9 +5,13 @@ Start-up: check that the port can be bound and that the device has the memory
 ``--gpu-memory-utilization`` asks for (``preflight.py``: a start that cannot succeed ends in
 seconds), build the engine (load weights, compile every shape bucket), log the KV capacity
 lines, start the engine loop, then bind the port, so nothing is accepted before it can be
-served. SIGTERM/SIGINT: stop admitting (503 with Retry-After, ``/health`` 503), let in-flight
-requests finish for ``--shutdown-timeout`` seconds, abort the rest, exit 0; a second signal
-exits at once. If the engine loop dies, the watchdog stops the server and the exit code is 1.
+served. A failed start logs one line and exits 1 (a Ctrl-C during it: 130, ``cli.main``).
+
+While serving, SIGTERM or SIGINT (Ctrl-C): stop admitting (503 with Retry-After, ``/health``
+503), let in-flight requests finish for ``--shutdown-timeout`` seconds, abort the rest, exit 0.
+A second signal aborts the requests in flight at once (each ends with ``"abort"``, no 500) and
+exits 128 + the signal's number (130 for Ctrl-C); a third exits without waiting for anything.
+If the engine loop dies, the watchdog stops the server and the exit code is 1.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from jaxserve.runner.device_memory import (
     nvml_device_memory,
     out_of_memory_message,
 )
-from jaxserve.server.preflight import PreflightError, preflight
+from jaxserve.server.preflight import PreflightError, preflight, warn_if_open
 from jaxserve.server.reasoning import REASONING_PARSERS
 from jaxserve.server.settings import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -316,8 +320,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--compilation-cache-dir",
         default=None,
-        help="persistent XLA compilation cache; default: $JAXSERVE_COMPILATION_CACHE or "
-        "~/.cache/jaxserve/xla",
+        help="persistent XLA compilation cache; default: $JAXSERVE_COMPILATION_CACHE, else "
+        "$XDG_CACHE_HOME/jaxserve/xla (~/.cache/jaxserve/xla without it)",
     )
     add("--log-level", choices=LOG_LEVELS, default="info", help="log level")
     add(
@@ -541,7 +545,7 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
         level=args.log_level.upper(),
         format="%(levelname)s %(asctime)s %(name)s: %(message)s",
     )
-    from jaxserve.runner.capacity import reserve_device_memory
+    from jaxserve.runner.capacity import CapacityError, reserve_device_memory
     from jaxserve.runner.devices import quiet_backend_probe
     from jaxserve.runner.distributed import (
         DistributedConfig,
@@ -576,7 +580,6 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
             args.host,
             args.port,
             config,
-            settings,
             memory_query,
             serves_http=not distributed.is_multi_process or distributed.process_id == 0,
         )
@@ -609,6 +612,9 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
     except DeviceSupportError as exc:  # fp8 on a GPU without it: the device and the dtype
         _LOG.error("%s", flag_terms(exc))
         return 1
+    except CapacityError as exc:  # before a weight is made
+        _LOG.error("Cannot serve %s: %s", config.model_dir, exc)
+        return 1
     except (OSError, ValueError) as exc:  # a missing or unusable model directory
         _LOG.error("Could not load %s: %s", model_dir, flag_terms(exc))
         return 1
@@ -618,7 +624,6 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
         _LOG.error("%s", out_of_memory_message(exc, config.gpu_memory_utilization))
         return 1
     # The engine core has logged the capacity lines and the compiled shapes.
-    engine.start()
     holder: dict[str, DrainingServer] = {}
     app = build_app(
         engine, settings, on_engine_dead=lambda: holder["server"].stop_on_engine_death()
@@ -639,13 +644,19 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
     )
     server = DrainingServer(uvicorn_config, app.state.ctx.state, settings.shutdown_timeout_s)
     holder["server"] = server
+    warn_if_open(args.host, args.port, settings)  # now that it will serve
     try:
+        engine.start()
         server.run()
     finally:
         engine.shutdown()
     if server.engine_died or engine.dead_error is not None:
         _LOG.error("Exiting with status 1: the engine loop died")
         return 1
+    if server.forced_by is not None:
+        status = 128 + server.forced_by
+        _LOG.warning("Exiting with status %d: stopped before the requests finished", status)
+        return status
     _LOG.info("Shut down cleanly")
     return 0
 
@@ -664,8 +675,10 @@ class DrainingServer(uvicorn.Server):
         self.shutdown_timeout_s = shutdown_timeout_s
         self.engine_died = False
         self.is_draining = False
+        self.forced_by: int | None = None  # the signal that cut the drain short
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
+        self._abort_task: asyncio.Task | None = None
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -674,12 +687,20 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # NOTE: uvicorn's own handler closes the listening socket at once (new clients would get
         # "connection refused", not a 503) and re-raises the signal after shutdown (exit -15).
-        if self.is_draining or self._loop is None:
-            _LOG.warning("Second %s: exiting now", signal.Signals(sig).name)
-            self.force_exit = True
-            self.should_exit = True
+        # Its forced exit (a second Ctrl-C) still waits for open responses, up to
+        # timeout_graceful_shutdown, then cancels their tasks: a traceback each and a 500 for
+        # a client waiting for a whole completion. Here the second signal aborts them instead.
+        name = signal.Signals(sig).name
+        if self.forced_by is not None or self._loop is None:
+            _LOG.warning("Received %s: exiting now", name)
+            logging.shutdown()
+            os._exit(128 + sig)
+        if self.is_draining:
+            _LOG.warning("Second %s: aborting %d requests in flight", name, len(self.state.active))
+            self.forced_by = sig
+            self._loop.call_soon_threadsafe(self._start_abort)
             return
-        _LOG.info("Received %s: draining", signal.Signals(sig).name)
+        _LOG.info("Received %s: draining (again to abort the requests in flight)", name)
         self.is_draining = True
         self._loop.call_soon_threadsafe(self._start_drain)
 
@@ -688,6 +709,15 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         await self.state.drain(self.shutdown_timeout_s)
+        self.should_exit = True
+
+    def _start_abort(self) -> None:
+        if self._drain_task is not None:
+            self._drain_task.cancel()
+        self._abort_task = asyncio.create_task(self._abort())
+
+    async def _abort(self) -> None:
+        await self.state.abort_all()
         self.should_exit = True
 
     def stop_on_engine_death(self) -> None:

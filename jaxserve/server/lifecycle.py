@@ -67,11 +67,17 @@ class ServerState:
         aborted = len(self.active)
         if aborted:
             _LOG.info("Shutdown timeout reached: aborting %d requests", aborted)
-            for generation in list(self.active):
-                generation.cancel(abort=True)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._idle.wait(), ABORT_GRACE_S)
+            await self.abort_all()
         return aborted
+
+    async def abort_all(self) -> None:
+        """Stop admitting and end every request in flight now: each unfinished sample ends
+        with ``"abort"`` (a stream sends its last chunk and ``[DONE]``)."""
+        self.is_draining = True
+        for generation in list(self.active):
+            generation.cancel(abort=True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), ABORT_GRACE_S)
 
 
 async def watch_engine(

@@ -4,7 +4,8 @@ ends in seconds, not after minutes of loading and compiling.
 - The address: a port another server listens on, or an address this machine does not have.
 - The device: free memory against what ``--gpu-memory-utilization`` asks for
   (``runner/device_memory.py``), before JAX's backend starts and takes it.
-- An open door: all interfaces with no API key is allowed (containers need it) but warned of.
+- An open door: all interfaces with no API key is allowed (containers need it) but warned of,
+  by ``launch`` once the server starts (``warn_if_open``): a start that fails says only why.
 """
 
 from __future__ import annotations
@@ -67,15 +68,13 @@ def preflight(
     host: str,
     port: int,
     config: EngineConfig,
-    settings: ServerSettings,
     memory_query: MemoryQuery,
     serves_http: bool = True,
 ) -> None:
-    """Warn of an open server; raise ``PreflightError`` if the address or the device will not
-    serve. Call before the model loads (and before anything touches a device). A follower of
-    a multi-host replica (``serves_http`` false) checks only its devices."""
+    """Raise ``PreflightError`` if the address or the device will not serve. Call before the
+    model loads (and before anything touches a device). A follower of a multi-host replica
+    (``serves_http`` false) checks only its devices."""
     if serves_http:
-        warn_if_open(host, port, settings)
         check_address(host, port)
     try:
         check_free_memory(config.gpu_memory_utilization, memory_query)
