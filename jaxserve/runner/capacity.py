@@ -18,11 +18,13 @@ names it.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from jaxserve.config import ModelConfig
-from jaxserve.engine_config import KV_DTYPE_BYTES
+from jaxserve.engine_config import KV_DTYPE_BYTES, EngineConfig
 from jaxserve.models.batch import kv_bytes_per_token
 from jaxserve.models.quant_scheme import QuantScheme, weight_bytes
+from jaxserve.runner.input_builder import next_power_of_2, token_buckets_for
 from jaxserve.runner.sampling import PROMPT_LOGPROBS_CHUNK
 
 GiB = 1024**3
@@ -297,4 +299,31 @@ def plan_capacity(
         max_model_len=max_model_len,
         sliding_window=config.all_layers_window,
         kv_cache_dtype=kv_cache_dtype,
+    )
+
+
+def engine_capacity(
+    model_config: ModelConfig,
+    config: EngineConfig,
+    dtype: Any,
+    quant: QuantScheme | None,
+    kv_cache_dtype: str,
+) -> Capacity:
+    """``plan_capacity`` of an engine's settings: its largest token bucket and sequence bucket,
+    the device's memory unless ``device_memory_bytes`` says otherwise."""
+    memory = config.device_memory_bytes  # what the KV budget is a fraction of
+    return plan_capacity(
+        model_config,
+        max_model_len=config.resolved_max_model_len(model_config),
+        device_memory_bytes=detect_device_memory() if memory is None else memory,
+        memory_utilization=config.gpu_memory_utilization,
+        dtype_bytes=dtype.itemsize,
+        quant=quant,
+        kv_cache_dtype=kv_cache_dtype,
+        block_size=config.block_size,
+        tensor_parallel_size=config.tensor_parallel_size,
+        max_num_batched_tokens=token_buckets_for(config.max_num_batched_tokens)[-1],
+        max_num_seqs=next_power_of_2(config.max_num_seqs),
+        num_blocks_override=config.num_gpu_blocks_override,
+        expert_parallel=config.enable_expert_parallel,
     )

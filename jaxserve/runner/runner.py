@@ -25,12 +25,7 @@ from jaxserve.engine_config import EngineConfig
 from jaxserve.models.batch import Batch, kv_page_shapes, make_kv_cache_for
 from jaxserve.models.kv_scales import kv_dtype_label
 from jaxserve.runner import bucket_compile, step_broadcast
-from jaxserve.runner.capacity import (
-    Capacity,
-    detect_device_memory,
-    plan_capacity,
-    reserve_device_memory,
-)
+from jaxserve.runner.capacity import Capacity, engine_capacity, reserve_device_memory
 from jaxserve.runner.devices import (
     quiet_backend_probe,
     resolve_dtype,
@@ -103,19 +98,14 @@ class ModelRunner:
             self.loading = start_loading(
                 model_config, config, self.dtype, self.quant, self.tp, stop
             )
-            self._finish_init(model_config, config, max_model_len, eos_token_ids)
+            self._finish_init(eos_token_ids)
         except BaseException:  # an error or a Ctrl-C (even inside start_loading): the load ends
             stop.set()
             raise
 
-    def _finish_init(
-        self,
-        model_config: ModelConfig,
-        config: EngineConfig,
-        max_model_len: int,
-        eos_token_ids: tuple[int, ...],
-    ) -> None:
+    def _finish_init(self, eos_token_ids: tuple[int, ...]) -> None:
         """The rest of ``__init__``, once the weights have begun to load."""
+        model_config, config, max_model_len = self.model_config, self.config, self.max_model_len
         self.load_seconds = 0.0
         if self.loading.shapes is None:
             self.wait_for_weights()
@@ -159,22 +149,8 @@ class ModelRunner:
     # -- memory ----------------------------------------------------------------------------
 
     def _plan_capacity(self) -> Capacity:
-        memory = self.config.device_memory_bytes  # what the KV budget is a fraction of
-        return plan_capacity(
-            self.model_config,
-            max_model_len=self.max_model_len,
-            device_memory_bytes=detect_device_memory() if memory is None else memory,
-            memory_utilization=self.config.gpu_memory_utilization,
-            dtype_bytes=self.dtype.itemsize,
-            quant=self.quant,
-            kv_cache_dtype=kv_dtype_label(self.kv_dtype),
-            block_size=self.block_size,
-            tensor_parallel_size=self.config.tensor_parallel_size,
-            max_num_batched_tokens=self.token_buckets[-1],
-            max_num_seqs=self.max_seq_bucket,
-            num_blocks_override=self.config.num_gpu_blocks_override,
-            expert_parallel=self.config.enable_expert_parallel,
-        )
+        kv_dtype = kv_dtype_label(self.kv_dtype)
+        return engine_capacity(self.model_config, self.config, self.dtype, self.quant, kv_dtype)
 
     def wait_for_weights(self) -> None:
         """The loaded weights in place of the shapes warm-up compiled against."""
