@@ -1,11 +1,17 @@
-"""Native memory in use: what a grammar's compile keeps, for the byte-bounded cache
-(grammar.py). llguidance's Rust allocates with the C library's malloc, which Python's own
-memory accounting (``tracemalloc``, the cyclic collector's counts) never sees."""
+"""Native memory in use, which Python's own accounting (``tracemalloc``, the cyclic collector's
+counts) never sees: llguidance's Rust allocates with the C library's malloc.
+
+``resident_bytes`` is cheap (one read of ``/proc/self/statm``) and is what the grammar cache
+charges a compile with (grammar.py). ``allocated_bytes`` is exact but walks every free chunk of
+every malloc arena: 0.03 ms in a small process, 20-25 ms per call in a served 8B model's after
+warm-up (XLA's compiles leave the heap in many pieces; measured on the H200), so it is for tests
+and diagnostics only."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 from typing import Any
 
 
@@ -38,3 +44,15 @@ def allocated_bytes() -> int:
         return 0
     info = _MALLINFO2()
     return int(info.uordblks + info.hblkhd)
+
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def resident_bytes() -> int:
+    """The process's resident memory (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE_BYTES
+    except OSError:
+        return 0
