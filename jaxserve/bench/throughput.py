@@ -82,6 +82,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         help="KV cache dtype, as `jaxserve launch` takes it (fp8: one byte per element)",
     )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="as serve's flag: the share of device memory for weights, activations and KV cache",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1, help="as serve's flag: devices"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
 
 
@@ -104,6 +113,7 @@ def make_llm(args: argparse.Namespace) -> jaxserve.LLM:
     defaults to ``--input-len`` + ``--output-len``. A flag out of range, or a model that is not
     there, ends the command with one line that names the flag."""
     import jaxserve
+    from jaxserve.runner.capacity import CapacityError
 
     try:
         return jaxserve.LLM(
@@ -115,10 +125,15 @@ def make_llm(args: argparse.Namespace) -> jaxserve.LLM:
             max_model_len=args.max_model_len or args.input_len + args.output_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     except ValueError as exc:
         flags = command_flags(add_engine_arguments)
-        raise SystemExit(f"error: {in_flag_terms(str(exc), flags)}") from None
+        message = in_flag_terms(str(exc), flags)
+        if isinstance(exc, CapacityError):  # found before a weight is made, as serve says it
+            message = f"{args.model} does not fit: {message}"
+        raise SystemExit(f"error: {message}") from None
 
 
 def run_jaxserve(args: argparse.Namespace) -> dict:
