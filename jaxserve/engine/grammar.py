@@ -45,12 +45,10 @@ _LOG = logging.getLogger(__name__)
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 DEFAULT_CACHE_BYTES = 1 << 30
 ERROR_CACHE_BYTES = 4096  # what a cached refusal is counted as
-# NOTE: a compile is charged the most of its source's size, the resident memory it added, and
-# its seconds at this rate: what llguidance keeps grows with the time it takes to build it
-# (measured, one core: a{1000000} 90 MB in 0.43 s, a 200,000-character choice 85 MB in 0.27 s,
-# a 20,000-way rule 28 MB in 0.63 s; a typical schema under 1 MB in 1-2 ms), and memory reused
-# from what evicted grammars freed adds no resident memory. Exact accounting (mallinfo2) cost
-# 20-25 ms a call in a served process (native_memory.py).
+# NOTE: a compile is charged the most of its source's size, the resident memory it added and its
+# seconds at this rate: what llguidance keeps grows with its build time (one core: a{1000000}
+# 90 MB in 0.43 s, a 200,000-character choice 85 MB in 0.27 s). Exact accounting (mallinfo2)
+# cost 20-25 ms a call in a served process (native_memory.py).
 BYTES_PER_COMPILE_SECOND = 400 << 20
 
 
