@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -166,6 +167,39 @@ def tiny_engine_config(served_model_name: str, **overrides):
 
 
 # -- servers and processes the tests start ------------------------------------------------
+
+
+@contextlib.contextmanager
+def tiny_server(
+    served_model_name: str, settings: dict | None = None, **config
+) -> Iterator[SimpleNamespace]:
+    """The llama fixture's engine (``tiny_engine_config`` with ``config``) behind a loopback
+    server with ``ServerSettings(**settings)``: yields ``SimpleNamespace(url, engine)``."""
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.server.app import build_app
+    from jaxserve.server.background import BackgroundServer
+    from jaxserve.server.settings import ServerSettings
+
+    engine = AsyncEngine.from_config(tiny_engine_config(served_model_name, **config))
+    engine.start()
+    app = build_app(
+        engine, ServerSettings(served_model_names=(served_model_name,), **(settings or {}))
+    )
+    try:
+        with BackgroundServer(app) as background:
+            yield SimpleNamespace(url=background.url, engine=engine)
+    finally:
+        engine.shutdown()
+
+
+def assert_bad_request(r: httpx.Response, param: str, *words: str) -> str:
+    """A 400 ``invalid_request_error`` naming ``param``, whose message has every word."""
+    assert r.status_code == 400, r.text[:1000]
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    for word in words:
+        assert word in error["message"], (word, error["message"])
+    return error["message"]
 
 
 def free_port() -> int:

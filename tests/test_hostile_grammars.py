@@ -24,21 +24,16 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.compile_queue import CompileQueue
 from jaxserve.engine.grammar import GrammarCompiler, GrammarError, GrammarLimits
 from jaxserve.engine.native_memory import allocated_bytes
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.sampling_params import StructuredOutputsParams
-from jaxserve.server.app import build_app
-from jaxserve.server.background import BackgroundServer
-from jaxserve.server.settings import ServerSettings
-from tests.conftest import fixture_dir, tiny_engine_config
+from tests.conftest import fixture_dir, tiny_server
 
 MODEL = "tiny"
 TIMEOUT_S = 5.0  # the server's and the compilers' --grammar-compile-timeout
@@ -72,21 +67,15 @@ def ref_chain(n: int) -> dict:
 
 @pytest.fixture(scope="module")
 def server():
-    config = tiny_engine_config(
+    with tiny_server(
         MODEL,
         max_model_len=256,
         max_num_seqs=8,
         max_num_batched_tokens=64,
         num_gpu_blocks_override=64,
         grammar_compile_timeout_s=TIMEOUT_S,
-    )
-    engine = AsyncEngine.from_config(config)
-    engine.start()
-    try:
-        with BackgroundServer(build_app(engine, ServerSettings(served_model_names=(MODEL,)))) as bg:
-            yield SimpleNamespace(url=bg.url, engine=engine)
-    finally:
-        engine.shutdown()
+    ) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

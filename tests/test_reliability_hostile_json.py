@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import json
 import logging
-from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.json_limits import (
     MAX_EXACT_INTEGER,
     MAX_JSON_DEPTH,
@@ -30,12 +28,9 @@ from jaxserve.json_limits import (
     nesting_depth,
 )
 from jaxserve.server import app as app_module
-from jaxserve.server.app import build_app
-from jaxserve.server.background import BackgroundServer
 from jaxserve.server.protocol import CHAT_FIELDS, COMPLETION_FIELDS
-from jaxserve.server.settings import ServerSettings
 from jaxserve.server.tools import ToolChoice, tool_calls_schema
-from tests.conftest import tiny_engine_config
+from tests.conftest import assert_bad_request, tiny_server
 
 MODEL = "tiny"
 JSON = {"Content-Type": "application/json"}
@@ -43,23 +38,16 @@ JSON = {"Content-Type": "application/json"}
 
 @pytest.fixture(scope="module")
 def server():
-    config = tiny_engine_config(
+    settings = {"enable_auto_tool_choice": True, "tool_call_parser": "hermes"}
+    with tiny_server(
         MODEL,
+        settings,
         max_model_len=256,
         max_num_seqs=8,
         max_num_batched_tokens=64,
         num_gpu_blocks_override=64,
-    )
-    engine = AsyncEngine.from_config(config)
-    engine.start()
-    settings = ServerSettings(
-        served_model_names=(MODEL,), enable_auto_tool_choice=True, tool_call_parser="hermes"
-    )
-    try:
-        with BackgroundServer(build_app(engine, settings)) as background:
-            yield SimpleNamespace(url=background.url, engine=engine)
-    finally:
-        engine.shutdown()
+    ) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +68,6 @@ def chat(**extra) -> dict:
 def post(http: httpx.Client, path: str, body: dict) -> httpx.Response:
     # json.dumps here, not httpx's: the bodies nest past what its encoder allows.
     return http.post(path, content=json.dumps(body), headers=JSON)
-
-
-def assert_bad_request(r: httpx.Response, param: str, *words: str) -> str:
-    assert r.status_code == 400, r.text[:1000]
-    error = r.json()["error"]
-    assert error["type"] == "invalid_request_error" and error["param"] == param, error
-    for word in words:
-        assert word in error["message"], (word, error["message"])
-    return error["message"]
 
 
 def assert_still_serving(http: httpx.Client) -> None:

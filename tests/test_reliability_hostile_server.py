@@ -36,7 +36,7 @@ from jaxserve.server.errors import APIError
 from jaxserve.server.fields import parse_json_object
 from jaxserve.server.launch import settings_from_args
 from jaxserve.server.settings import ServerSettings
-from tests.conftest import tiny_engine_config
+from tests.conftest import assert_bad_request, tiny_engine_config
 
 MODEL = "tiny"
 VOCAB = 320
@@ -92,15 +92,6 @@ def chat(**extra) -> dict:
 
 def post_raw(http: httpx.Client, path: str, raw: bytes) -> httpx.Response:
     return http.post(path, content=raw, headers=JSON)
-
-
-def assert_bad_request(r: httpx.Response, param: str, *words: str) -> str:
-    assert r.status_code == 400, r.text[:1000]
-    error = r.json()["error"]
-    assert error["type"] == "invalid_request_error" and error["param"] == param, error
-    for word in words:
-        assert word in error["message"], (word, error["message"])
-    return error["message"]
 
 
 def assert_still_serving(http: httpx.Client) -> None:
