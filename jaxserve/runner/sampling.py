@@ -133,7 +133,7 @@ class SamplerFlags:
     def compact_variants() -> tuple[SamplerFlags, ...]:
         """The three variants of ``compacted`` (what warm-up compiles when the sampler
         variants are compact): greedy, plain sampling, and the one that does everything."""
-        return (SamplerFlags(all_greedy=True), SamplerFlags(), EVERYTHING)
+        return COMPACT_VARIANTS
 
     def compacted(self) -> SamplerFlags:
         """This step's variant among ``compact_variants``: itself if it is one, else the
@@ -141,7 +141,7 @@ class SamplerFlags:
         penalties would make them (docs/determinism.md: a row's result does not depend on the
         variant its batch needs); its extra work (a sort over the vocabulary, a bias scatter,
         the top logprobs) is the cost of compiling 3 programs per bucket instead of 20."""
-        return self if self in SamplerFlags.compact_variants() else EVERYTHING
+        return self if self in COMPACT_VARIANTS else EVERYTHING
 
     @staticmethod
     def variants() -> tuple[SamplerFlags, ...]:
@@ -159,6 +159,7 @@ class SamplerFlags:
 
 # Top-k / top-p, penalties and bias, top logprobs, and a token mask (all allowed when unused).
 EVERYTHING = SamplerFlags(True, True, NUM_TOP_LOGPROBS, all_greedy=False, use_mask=True)
+COMPACT_VARIANTS = (SamplerFlags(all_greedy=True), SamplerFlags(), EVERYTHING)
 
 
 @jax.tree_util.register_dataclass
