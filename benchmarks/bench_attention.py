@@ -46,7 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import gpu, gpu_triton, reference
+from pallas_kernels.ragged_paged_attention import mosaic_gpu, reference
+from pallas_kernels.ragged_paged_attention import triton as triton_kernel
 
 FLOOR_BYTES_PER_S = 4.3e12
 
@@ -95,13 +96,13 @@ class Variant:
     head_major_kv: bool = False
 
 
-def mosaic(label: str, config: gpu.KernelConfig, interpret: bool) -> Variant:
-    fn = functools.partial(gpu.ragged_paged_attention, config=config, interpret=interpret)
+def mosaic(label: str, config: mosaic_gpu.KernelConfig, interpret: bool) -> Variant:
+    fn = functools.partial(mosaic_gpu.ragged_paged_attention, config=config, interpret=interpret)
     return Variant(label, fn, config.head_major_kv)
 
 
-def triton(label: str, config: gpu_triton.TritonConfig, interpret: bool) -> Variant:
-    fn = functools.partial(gpu_triton.ragged_paged_attention, config=config, interpret=interpret)
+def triton(label: str, config: triton_kernel.TritonConfig, interpret: bool) -> Variant:
+    fn = functools.partial(triton_kernel.ragged_paged_attention, config=config, interpret=interpret)
     return Variant(label, fn)
 
 
@@ -287,13 +288,18 @@ def format_table(rows) -> str:
 
 def tiers_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Variant], bool]]:
     """(shape, batch, variants, with_reference) for ``--suite tiers``."""
-    forced = gpu_triton.TritonConfig()
+    forced = triton_kernel.TritonConfig()
     if smoke:
         small = Shape(num_q_heads=4, num_kv_heads=2, head_dim=64)
         gemma = dataclasses.replace(small, head_dim=256, soft_cap=50.0, sliding_window=32)
         return [
             (small, decode_batch(2, 40), [triton("triton", forced, True)], True),
-            (gemma, mixed_batch(20, 2, 50), [mosaic("mosaic", gpu.KernelConfig(), True)], False),
+            (
+                gemma,
+                mixed_batch(20, 2, 50),
+                [mosaic("mosaic", mosaic_gpu.KernelConfig(), True)],
+                False,
+            ),
         ]
     decodes = [decode_batch(1, 4096), decode_batch(8, 4096), decode_batch(64, 1024)]
     decodes += [decode_batch(64, 4096), decode_batch(256, 1024)]
@@ -303,13 +309,16 @@ def tiers_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Varian
         variants = [triton("triton", forced, False)]
         if sweep and batch.name == "decode b=64 ctx=4096":
             for warps, stages, block_kv in ((8, 2, 64), (4, 3, 64), (4, 2, 128), (8, 3, 128)):
-                config = gpu_triton.TritonConfig(
+                config = triton_kernel.TritonConfig(
                     num_warps=warps, num_stages=stages, block_kv=block_kv
                 )
                 variants.append(triton(f"triton w{warps} s{stages} bk{block_kv}", config, False))
         plan.append((LLAMA_3_8B, batch, variants, batch is not mixed))
     for batch in decodes + [mixed]:
-        variants = [mosaic("mosaic", gpu.KernelConfig(), False), triton("triton", forced, False)]
+        variants = [
+            mosaic("mosaic", mosaic_gpu.KernelConfig(), False),
+            triton("triton", forced, False),
+        ]
         plan.append((GEMMA_2_9B, batch, variants, batch is not mixed))
     return plan
 
@@ -321,11 +330,13 @@ def head256_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Vari
         return tiers_plan(smoke, sweep)
     plan = []
     for batch in (decode_batch(1, 4096), decode_batch(64, 1024), decode_batch(64, 4096)):
-        variants = [triton("triton", gpu_triton.TritonConfig(), False)]
+        variants = [triton("triton", triton_kernel.TritonConfig(), False)]
         for warps, stages, block_kv in (
             (8, 2, 32), (4, 3, 32), (8, 3, 32), (4, 2, 64), (8, 2, 64), (8, 3, 64), (4, 4, 32)
         ):  # fmt: skip
-            config = gpu_triton.TritonConfig(num_warps=warps, num_stages=stages, block_kv=block_kv)
+            config = triton_kernel.TritonConfig(
+                num_warps=warps, num_stages=stages, block_kv=block_kv
+            )
             variants.append(triton(f"triton w{warps} s{stages} bk{block_kv}", config, False))
         plan.append((GEMMA_2_9B, batch, variants, False))
     return plan
@@ -333,7 +344,7 @@ def head256_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Vari
 
 def llama_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Variant], bool]]:
     """(shape, batch, variants, with_reference) for the default suite (the Mosaic kernel)."""
-    base = gpu.KernelConfig()
+    base = mosaic_gpu.KernelConfig()
     if smoke:
         shape = Shape(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
         batches = [decode_batch(2, 40), mixed_batch(20, 2, 50)]
@@ -369,8 +380,8 @@ def sinks_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Varian
         batches += [mixed_batch(2048, 63, 4096)]
         windows = (None, 128)
     variants = [
-        mosaic("mosaic", gpu.KernelConfig(), smoke),
-        triton("triton", gpu_triton.TritonConfig(), smoke),
+        mosaic("mosaic", mosaic_gpu.KernelConfig(), smoke),
+        triton("triton", triton_kernel.TritonConfig(), smoke),
     ]
     plan = []
     for batch in batches:

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import jax
 
-import pallas_kernels
 from jaxserve.config import ModelConfig, builtin_config_dir
 from jaxserve.engine_config import EngineConfig
 from jaxserve.runner.programs import model_step
 from jaxserve.runner.runner import ModelRunner
 from jaxserve.units import human_int
+from pallas_kernels.ragged_paged_attention import reference
 
 
 def timed(fn):
@@ -72,7 +72,7 @@ def main() -> None:
     kv = runner.abstract_kv_cache()
     reference_step = jax.jit(
         functools.partial(
-            model_step, config=model_config, attention_fn=pallas_kernels.reference_attention
+            model_step, config=model_config, attention_fn=reference.ragged_paged_attention
         ),
         static_argnums=(4,),
         donate_argnames=("kv_cache",),

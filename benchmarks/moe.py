@@ -72,7 +72,7 @@ from jaxserve.config import ModelConfig, builtin_config_dir  # noqa: E402
 from jaxserve.models import moe  # noqa: E402
 from jaxserve.models.families import layer_fields, num_params  # noqa: E402
 from jaxserve.runner.step import SchedulerOutput  # noqa: E402
-from pallas_kernels import grouped_matmul_triton as gmt  # noqa: E402
+from pallas_kernels.grouped_matmul import triton as gmt  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
 PEAK_BF16_FLOPS = 989e12  # the H200's dense bf16 tensor-core peak (datasheet)

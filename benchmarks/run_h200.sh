@@ -467,7 +467,7 @@ stage_skinny_step() {
         --profile-batches 1 > "$OUT/$run.log" 2>&1
       echo "-- $quant weights, JAXSERVE_SKINNY_MATMUL=$mode"
       JAXSERVE_SKINNY_MATMUL=$mode python3 -c \
-        'from pallas_kernels import skinny_matmul as s; print(s.describe())' 2>/dev/null
+        'from pallas_kernels.skinny_matmul import dispatch; print(dispatch.describe())' 2>/dev/null
       grep -v -i warn "$OUT/$run.log" | tail -4
       # Batch 1's kernels by device time (3 steps traced), beside the other mode's.
       python3 benchmarks/trace_summary.py "$OUT/${run}_profile" --steps 3 --top 10 \

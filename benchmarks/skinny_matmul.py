@@ -5,7 +5,7 @@ For each projection (fused qkv 4096 -> 6144, o 4096 -> 4096, fused gate/up 4096 
 [K, N] layout; fp8 e4m3 [N, K] with per-channel scales, as ``quant.QArray``), times:
   XLA     ``jnp.einsum`` for bf16, ``quant.linear``'s weight-only path for fp8 (what the model
           runs with JAXSERVE_SKINNY_MATMUL=off),
-  kernel  ``pallas_kernels.skinny_matmul`` with its planned tiles, and a few other tile
+  kernel  ``pallas_kernels.skinny_matmul.triton`` with its planned tiles, and a few other tile
           configs (``--sweep``: more),
 against the floor: the weight's bytes (values and scales) / 4.3 TB/s. Each executable runs the
 matmul over ``--copies`` distinct weights (so nothing is served from the 50 MB L2) and returns
@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.models import quant
-from pallas_kernels import skinny_matmul as sm
+from pallas_kernels.skinny_matmul import triton as sm
 
 sys.path.insert(0, str(Path(__file__).parent))
 from timing import best_time  # noqa: E402

@@ -32,7 +32,7 @@ def imported_modules(path: Path) -> set[str]:
 def test_no_module_imports_from_a_layer_above_it(package) -> None:
     offenders = [
         f"{path.relative_to(ROOT)} imports {name}"
-        for path in sorted((ROOT / package).glob("*.py"))
+        for path in sorted((ROOT / package).rglob("*.py"))
         for name in imported_modules(path)
         if any(name == above or name.startswith(above + ".") for above in ABOVE[package])
     ]

@@ -20,7 +20,6 @@ from safetensors import safe_open
 from transformers import AutoTokenizer
 
 import jaxserve
-import pallas_kernels
 from jaxserve.bench.capacity import add_capacity_arguments, run_capacity
 from jaxserve.config import ConfigError, ModelConfig, builtin_config_dir
 from jaxserve.models import mla, rope
@@ -29,7 +28,9 @@ from jaxserve.models.families import num_active_params, num_params
 from jaxserve.models.weights import dummy_weights, load_weights
 from jaxserve.runner.devices import describe_attention
 from jaxserve.runner.mesh import validate_tensor_parallel_size
-from pallas_kernels.reference import ragged_paged_attention
+from pallas_kernels import kv_cache
+from pallas_kernels.mla import reference as mla_reference
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
 from tests.conftest import (
     assert_long_completion_is_golden,
     fixture_dir,
@@ -152,7 +153,7 @@ def test_latent_attention_is_one_head_attention_over_the_joined_latent() -> None
     ckv = jnp.asarray(rng.normal(size=(num_pages, page_size, 1, latent)), jnp.float32)
     kpe = jnp.asarray(rng.normal(size=(num_pages, page_size, 1, rope_dim)), jnp.float32)
     batch = random_batch(rng, q_lens, kv_lens, page_size, num_pages)
-    got = pallas_kernels.ragged_paged_mla_attention(q_latent, q_pe, ckv, kpe, *batch, sm_scale=0.3)
+    got = mla_reference.ragged_paged_mla_attention(q_latent, q_pe, ckv, kpe, *batch, sm_scale=0.3)
     joined = jnp.concatenate([ckv, kpe], axis=-1)
     q = jnp.concatenate([q_latent, q_pe], axis=-1)
     want = ragged_paged_attention(q, joined, joined, *batch, sm_scale=0.3)[..., :latent]
@@ -323,7 +324,7 @@ def test_capacity_matches_the_engines_latent_cache(capsys) -> None:
     cache_bytes = sum(x.nbytes for layer in runner.kv_cache for x in layer)
     assert cache_bytes == out["num_blocks"] * block_size * out["kv_bytes_per_token"]
     line = describe_attention(runner.model_config, jnp.float32, block_size, 1)
-    assert line == f"Attention: pure-jnp reference ({pallas_kernels.MLA_FALLBACK})"
+    assert line == f"Attention: pure-jnp reference ({mla_reference.MLA_FALLBACK})"
 
 
 def test_over_http_with_the_prefix_cache() -> None:
@@ -394,7 +395,7 @@ def test_fp8_latent_cache_stores_scaled_latents_and_reads_them_back() -> None:
     c_kv = jnp.asarray(rng.normal(size=(3, 32)), jnp.float32)
     k_pe = jnp.asarray(rng.normal(size=(3, 8)), jnp.float32)
     slots = jnp.asarray([5, 6, 16], jnp.int32)  # the last is past the 16 slots: padding
-    ckv, kpe = pallas_kernels.write_latent(
+    ckv, kpe = kv_cache.write_latent(
         jnp.zeros((4, 4, 1, 32), e4m3), jnp.zeros((4, 4, 1, 8), e4m3), c_kv, k_pe, slots,
         ckv_scale=0.5, kpe_scale=2.0,
     )  # fmt: skip
@@ -411,11 +412,11 @@ def test_fp8_latent_cache_stores_scaled_latents_and_reads_them_back() -> None:
         jnp.asarray([0, 2], jnp.int32),
         jnp.asarray([1], jnp.int32),
     )
-    got = pallas_kernels.ragged_paged_mla_attention(
+    got = mla_reference.ragged_paged_mla_attention(
         q_latent, q_pe, ckv, kpe, *batch, sm_scale=0.2, ckv_scale=0.5, kpe_scale=2.0
     )
     plain = (np.asarray(ckv, np.float32) * 0.5, np.asarray(kpe, np.float32) * 2.0)
-    want = pallas_kernels.ragged_paged_mla_attention(
+    want = mla_reference.ragged_paged_mla_attention(
         q_latent, q_pe, *map(jnp.asarray, plain), *batch, sm_scale=0.2
     )
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)

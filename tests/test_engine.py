@@ -209,18 +209,18 @@ def test_step_lowers_attention_once_for_all_layers(monkeypatch) -> None:
     kernel costs about a second to lower, and an 8B model has 32 layers and 8 buckets."""
     import jax
 
-    import pallas_kernels
     from jaxserve.config import ModelConfig
     from jaxserve.runner.runner import ModelRunner
+    from pallas_kernels.ragged_paged_attention import dispatch, reference
     from tests.conftest import tiny_engine_config
 
     traces = []
 
     def counting_attention(*args, **kwargs):
         traces.append(args[0].shape)
-        return pallas_kernels.reference_attention(*args, **kwargs)
+        return reference.ragged_paged_attention(*args, **kwargs)
 
-    monkeypatch.setattr(pallas_kernels, "ragged_paged_attention", counting_attention)
+    monkeypatch.setattr(dispatch, "ragged_paged_attention", counting_attention)
     config = tiny_engine_config(
         "t", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, warmup=False
     )

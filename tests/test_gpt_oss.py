@@ -18,13 +18,13 @@ import pytest
 from safetensors import safe_open
 
 import jaxserve
-import pallas_kernels
 from jaxserve.config import ModelConfig, builtin_config_dir
 from jaxserve.models.families import num_active_params, num_params
 from jaxserve.models.quant_scheme import QuantizationError
 from jaxserve.models.weights import load_weights
 from jaxserve.runner.devices import describe_attention
 from jaxserve.runner.sharding import layer_specs
+from pallas_kernels.ragged_paged_attention import dispatch
 from tests.conftest import (
     assert_long_completion_is_golden,
     fixture_dir,
@@ -127,7 +127,7 @@ def test_attention_sinks_take_the_kernels_on_gpu_and_tpu_and_the_log_says_so(
     monkeypatch,
 ) -> None:
     monkeypatch.delenv("JAXSERVE_ATTENTION", raising=False)
-    monkeypatch.setattr(pallas_kernels, "_is_hopper_or_newer", lambda: True)
+    monkeypatch.setattr(dispatch, "_is_hopper_or_newer", lambda: True)
     config = ModelConfig.from_hf_dir("jaxserve/assets/configs/gpt-oss-20b")  # head_dim 64
     for backend, name in (("gpu", "Pallas Mosaic GPU kernel"), ("tpu", "Pallas Mosaic TPU kernel")):
         monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from jaxserve.models import moe
-from pallas_kernels import grouped_matmul as gm
-from pallas_kernels import grouped_matmul_triton as gmt
+from pallas_kernels.grouped_matmul import dispatch as gm
+from pallas_kernels.grouped_matmul import reference
+from pallas_kernels.grouped_matmul import triton as gmt
 from tests.conftest import run_with_devices
 
 # The Pallas Triton backend warns at lowering that it is deprecated (jax 0.11).
@@ -93,7 +94,7 @@ def test_interpret_matches_reference(case: Case):
     lhs, rhs, sizes = make_inputs(np.random.default_rng(seed), case)
     out = gmt.grouped_matmul(lhs, rhs, sizes, config=case.config, interpret=True)
     assert out.shape == (case.num_rows, case.size_n) and out.dtype == lhs.dtype
-    ref = gm.reference_grouped_matmul(lhs, rhs, sizes)
+    ref = reference.grouped_matmul(lhs, rhs, sizes)
     want = numpy_grouped_matmul(lhs, rhs, sizes)
     np.testing.assert_allclose(np.asarray(ref, np.float64), want, atol=tolerance(case.dtype))
     np.testing.assert_allclose(
@@ -239,7 +240,7 @@ def test_native_matches_reference(case: Case):
     seed = int(np.random.default_rng().integers(2**31))
     lhs, rhs, sizes = make_inputs(np.random.default_rng(seed), case)
     out = jax.jit(gmt.grouped_matmul)(lhs, rhs, sizes)
-    want = jax.jit(gm.reference_grouped_matmul)(lhs, rhs, sizes)
+    want = jax.jit(reference.grouped_matmul)(lhs, rhs, sizes)
     np.testing.assert_allclose(
         np.asarray(out, np.float32),
         np.asarray(want, np.float32),

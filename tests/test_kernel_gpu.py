@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-import pallas_kernels
-from pallas_kernels import gpu, reference
+from pallas_kernels import kv_cache
+from pallas_kernels.ragged_paged_attention import dispatch, mosaic_gpu, reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +71,8 @@ def make_inputs(rng: np.random.Generator, case: Case):
     dtype = jnp.dtype(case.dtype)
     k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
     if case.kv_dtype is not None:
-        k = reference.quantize_kv(k, case.kv_dtype, case.k_scale)
-        v = reference.quantize_kv(v, case.kv_dtype, case.v_scale)
+        k = kv_cache.quantize_kv(k, case.kv_dtype, case.k_scale)
+        v = kv_cache.quantize_kv(v, case.kv_dtype, case.v_scale)
     return (
         jnp.asarray(q, dtype),
         k,
@@ -103,12 +103,12 @@ def attention_kwargs(case: Case) -> dict:
 
 
 def kernel_call(case: Case, *, interpret: bool | plgpu.InterpretGPUParams):
-    config = gpu.KernelConfig(num_splits=case.num_splits, head_major_kv=case.head_major_kv)
+    config = mosaic_gpu.KernelConfig(num_splits=case.num_splits, head_major_kv=case.head_major_kv)
 
     def call(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, **sinks):
         if case.head_major_kv:
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        return gpu.ragged_paged_attention(
+        return mosaic_gpu.ragged_paged_attention(
             q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs,
             **attention_kwargs(case), **sinks, config=config, interpret=interpret,
         )  # fmt: skip
@@ -191,10 +191,12 @@ def test_sinks_kernel_lowers_for_cuda(case: Case):
 def test_shared_memory_over_the_limit_is_refused():
     case = Case("smem", (1,), (20,), 2, 1, 256)
     args = make_inputs(np.random.default_rng(0), case)
-    config = gpu.KernelConfig(block_kv=128, num_stages=2)
+    config = mosaic_gpu.KernelConfig(block_kv=128, num_stages=2)
     with pytest.raises(ValueError, match=r"head_dim=256 with block_kv=128 .* the limit is 232,448"):
-        gpu.ragged_paged_attention(*args, **attention_kwargs(case), config=config, interpret=True)
-    assert gpu.smem_bytes(256, 2, 64, 2) <= gpu.SMEM_BYTES  # the default fits
+        mosaic_gpu.ragged_paged_attention(
+            *args, **attention_kwargs(case), config=config, interpret=True
+        )
+    assert mosaic_gpu.smem_bytes(256, 2, 64, 2) <= mosaic_gpu.SMEM_BYTES  # the default fits
 
 
 @pytest.mark.parametrize(
@@ -205,7 +207,7 @@ def test_shared_memory_over_the_limit_is_refused():
 def test_unsupported_reason_names_the_field(dtype: str, head_dim: int, why: str):
     q = jax.ShapeDtypeStruct((1, 8, head_dim), jnp.dtype(dtype))
     k_pages = jax.ShapeDtypeStruct((1, 16, 2, head_dim), jnp.dtype(dtype))
-    reason = gpu.unsupported_reason(q, k_pages, None, None)
+    reason = mosaic_gpu.unsupported_reason(q, k_pages, None, None)
     assert reason is not None and why in reason
 
 
@@ -226,7 +228,7 @@ def test_plan_tiles_covers_every_row_once():
     cu_q_lens = jnp.asarray([0, 1, 18, 18, 23, 23], jnp.int32)  # a zero-length sequence inside
     kv_lens = jnp.asarray([5, 40, 3, 21, 9], jnp.int32)
     num_seqs = jnp.asarray([4], jnp.int32)
-    plan = gpu.plan_tiles(
+    plan = mosaic_gpu.plan_tiles(
         cu_q_lens, kv_lens, num_seqs, num_tokens=30, block_q=8, max_tiles=10, with_padding=True
     )
     seq, first, size, pos0, kv = np.asarray(plan)
@@ -244,7 +246,7 @@ def test_plan_tiles_covers_every_row_once():
 def test_entry_point_on_cpu_is_the_reference():
     case = CPU_CASES[0]
     args = make_inputs(np.random.default_rng(1), case)
-    out = pallas_kernels.ragged_paged_attention(*args, **attention_kwargs(case))
+    out = dispatch.ragged_paged_attention(*args, **attention_kwargs(case))
     ref = reference.ragged_paged_attention(*args, **attention_kwargs(case))
     if jax.default_backend() == "cpu":
         np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
@@ -341,10 +343,10 @@ def test_entry_point_on_hopper_runs_the_kernel():
     case = CPU_CASES[0]
     args = make_inputs(np.random.default_rng(), case)
     jaxpr = jax.make_jaxpr(
-        lambda *a: pallas_kernels.ragged_paged_attention(*a, **attention_kwargs(case))
+        lambda *a: dispatch.ragged_paged_attention(*a, **attention_kwargs(case))
     )(*args)
     assert "kernel_name='ragged_paged_attention'" in str(jaxpr)  # the Mosaic GPU kernel ran
-    out = pallas_kernels.ragged_paged_attention(*args, **attention_kwargs(case))
+    out = dispatch.ragged_paged_attention(*args, **attention_kwargs(case))
     assert_matches(case, out, reference.ragged_paged_attention(*args, **attention_kwargs(case)))
 
 
@@ -353,16 +355,16 @@ def test_kernel_takes_bf16_or_fp16_queries_over_their_dtype_or_fp8_caches():
         q = jax.ShapeDtypeStruct((1, 8, 128), q_dtype)
         for dtype in (q_dtype, jnp.float8_e4m3fn, jnp.float8_e5m2):
             k_pages = jax.ShapeDtypeStruct((4, 16, 2, 128), dtype)
-            assert gpu.unsupported_reason(q, k_pages, None, None) is None
+            assert mosaic_gpu.unsupported_reason(q, k_pages, None, None) is None
     q = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
     k16 = jax.ShapeDtypeStruct((4, 16, 2, 128), jnp.float16)
-    assert "queries' dtype or fp8" in gpu.unsupported_reason(q, k16, None, None)
+    assert "queries' dtype or fp8" in mosaic_gpu.unsupported_reason(q, k16, None, None)
     q8 = jax.ShapeDtypeStruct((1, 8, 128), jnp.float8_e4m3fn)
     k8 = jax.ShapeDtypeStruct((4, 16, 2, 128), jnp.float8_e4m3fn)
-    assert "bfloat16 or float16 queries" in gpu.unsupported_reason(q8, k8, None, None)
+    assert "bfloat16 or float16 queries" in mosaic_gpu.unsupported_reason(q8, k8, None, None)
     q256 = jax.ShapeDtypeStruct((1, 8, 256), jnp.bfloat16)
     k256 = jax.ShapeDtypeStruct((4, 16, 2, 256), jnp.float8_e4m3fn)
-    assert "fp8 cache" in gpu.unsupported_reason(q256, k256, None, None)
+    assert "fp8 cache" in mosaic_gpu.unsupported_reason(q256, k256, None, None)
 
 
 @pytest.mark.parametrize(
@@ -372,8 +374,10 @@ def test_fp8_kernel_lowers_for_cuda(case: Case):
     """Cross-platform lowering on the CPU runs Mosaic GPU's layout inference and register
     lowering (not ptxas): the fp8 -> bf16 conversion of the K and V tiles is in the module."""
     args = make_inputs(np.random.default_rng(0), case)
-    config = gpu.KernelConfig(num_splits=case.num_splits)
-    fn = jax.jit(lambda *a: gpu.ragged_paged_attention(*a, **attention_kwargs(case), config=config))
+    config = mosaic_gpu.KernelConfig(num_splits=case.num_splits)
+    fn = jax.jit(
+        lambda *a: mosaic_gpu.ragged_paged_attention(*a, **attention_kwargs(case), config=config)
+    )
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     conversion = "e4m3x2" if case.kv_dtype == jnp.float8_e4m3fn else "e5m2x2"
     assert f"cvt.rn.f16x2.{conversion}" in text
@@ -431,10 +435,10 @@ def test_entry_point_with_sinks_runs_the_kernel(monkeypatch, backend: str):
     and hands it the sinks."""
     from jax.experimental.pallas import tpu as pltpu
 
-    from pallas_kernels import tpu
+    from pallas_kernels.ragged_paged_attention import tpu
 
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
-    monkeypatch.setattr(pallas_kernels, "_is_hopper_or_newer", lambda: True)
+    monkeypatch.setattr(dispatch, "_is_hopper_or_newer", lambda: True)
     monkeypatch.delenv("JAXSERVE_ATTENTION", raising=False)
     seen = []
 
@@ -445,15 +449,15 @@ def test_entry_point_with_sinks_runs_the_kernel(monkeypatch, backend: str):
         with pltpu.force_tpu_interpret_mode():
             return tpu_kernel(*args, **kwargs)
 
-    gpu_kernel, tpu_kernel = gpu.ragged_paged_attention, tpu.ragged_paged_attention
-    monkeypatch.setattr(gpu, "ragged_paged_attention", interpreted)
+    gpu_kernel, tpu_kernel = mosaic_gpu.ragged_paged_attention, tpu.ragged_paged_attention
+    monkeypatch.setattr(mosaic_gpu, "ragged_paged_attention", interpreted)
     monkeypatch.setattr(tpu, "ragged_paged_attention", interpreted)
     case = next(c for c in CPU_CASES if c.name == "sinks_mixed_g8")
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
     args, sinks = make_inputs(rng, case), make_sinks(rng, case)
-    assert pallas_kernels.choose_kernel(args[0], args[1]) == (backend, None)
-    got = pallas_kernels.ragged_paged_attention(*args, **attention_kwargs(case), **sinks)
+    assert dispatch.choose_kernel(args[0], args[1]) == (backend, None)
+    got = dispatch.ragged_paged_attention(*args, **attention_kwargs(case), **sinks)
     assert len(seen) == 1 and seen[0] is sinks["sinks"]
     want = reference.ragged_paged_attention(*args, **attention_kwargs(case), **sinks)
     assert_matches(case, got, want, seed)

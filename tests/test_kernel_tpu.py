@@ -21,7 +21,8 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as mosaic_interpret
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import reference, tpu
+from pallas_kernels import kv_cache
+from pallas_kernels.ragged_paged_attention import reference, tpu
 
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
 
@@ -73,8 +74,8 @@ def make_inputs(case: Case, seed: int) -> tuple[jax.Array, ...]:
     k_pages = normal(*kv_shape)  # [P, page_size, Hkv, D]
     v_pages = normal(*kv_shape)
     if case.kv_dtype is not None:
-        k_pages = reference.quantize_kv(k_pages, case.kv_dtype, case.k_scale)
-        v_pages = reference.quantize_kv(v_pages, case.kv_dtype, case.v_scale)
+        k_pages = kv_cache.quantize_kv(k_pages, case.kv_dtype, case.k_scale)
+        v_pages = kv_cache.quantize_kv(v_pages, case.kv_dtype, case.v_scale)
     return (
         q,
         k_pages,

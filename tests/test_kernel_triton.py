@@ -12,8 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-import pallas_kernels
-from pallas_kernels import gpu_triton, reference
+from pallas_kernels.ragged_paged_attention import dispatch, reference, triton
 from tests.test_kernel_gpu import (
     GPT_OSS_SINK_CASES,
     Case,
@@ -53,10 +52,10 @@ CPU_CASES = [
 
 
 def kernel_call(case: Case, *, interpret: bool, block_kv: int | None = None):
-    config = gpu_triton.TritonConfig(num_splits=case.num_splits, block_kv=block_kv)
+    config = triton.TritonConfig(num_splits=case.num_splits, block_kv=block_kv)
 
     def call(*args, **sinks):
-        return gpu_triton.ragged_paged_attention(
+        return triton.ragged_paged_attention(
             *args, **attention_kwargs(case), **sinks, config=config, interpret=interpret
         )
 
@@ -92,9 +91,9 @@ def test_lowers_to_triton_for_an_a100(case: Case, verify_triton_modules) -> None
 
 def test_config_and_shapes_are_validated():
     with pytest.raises(ValueError, match="block_kv=48 must be a power of two >= 16"):
-        gpu_triton.TritonConfig(block_kv=48)
+        triton.TritonConfig(block_kv=48)
     with pytest.raises(ValueError, match=r"self.num_warps=3 must be 1, 2, 4, 8 or 16"):
-        gpu_triton.TritonConfig(num_warps=3)
+        triton.TritonConfig(num_warps=3)
     case = Case("g32", (1,), (5,), 32, 1, 64)
     args = make_inputs(np.random.default_rng(0), case)
     with pytest.raises(ValueError, match=r"GQA ratio must be an integer in \[1, 16\]"):
@@ -102,9 +101,9 @@ def test_config_and_shapes_are_validated():
 
 
 def test_default_splits_fill_the_gpu_only_when_needed():
-    assert gpu_triton.default_num_splits(512, 4096, 64, 132) == 1  # decode b=64 x 8 KV heads
-    assert gpu_triton.default_num_splits(8, 4096, 64, 132) == 32  # b=1: 256 programs
-    assert gpu_triton.default_num_splits(8, 128, 64, 132) == 1  # too short to split
+    assert triton.default_num_splits(512, 4096, 64, 132) == 1  # decode b=64 x 8 KV heads
+    assert triton.default_num_splits(8, 4096, 64, 132) == 32  # b=1: 256 programs
+    assert triton.default_num_splits(8, 128, 64, 132) == 1  # too short to split
 
 
 def _is_gpu() -> bool:
@@ -154,9 +153,9 @@ def test_entry_point_runs_the_triton_kernel_when_forced(monkeypatch):
     case = CPU_CASES[0]
     args = make_inputs(np.random.default_rng(), case)
     kwargs = attention_kwargs(case)
-    jaxpr = jax.make_jaxpr(lambda *a: pallas_kernels.ragged_paged_attention(*a, **kwargs))(*args)
+    jaxpr = jax.make_jaxpr(lambda *a: dispatch.ragged_paged_attention(*a, **kwargs))(*args)
     assert "ragged_paged_attention_triton" in str(jaxpr)
-    out = pallas_kernels.ragged_paged_attention(*args, **kwargs)
+    out = dispatch.ragged_paged_attention(*args, **kwargs)
     assert_matches(case, out, reference.ragged_paged_attention(*args, **kwargs))
 
 
@@ -173,5 +172,5 @@ def test_head_dim_256_walks_64_kv_tokens_a_step_from_hopper_on(
     class Gpu:
         compute_capability = capability
 
-    monkeypatch.setattr(gpu_triton.jax, "devices", lambda *_: [Gpu()])
-    assert gpu_triton.default_block_kv(head_dim) == block_kv
+    monkeypatch.setattr(triton.jax, "devices", lambda *_: [Gpu()])
+    assert triton.default_block_kv(head_dim) == block_kv

@@ -25,14 +25,14 @@ import pytest
 from safetensors.numpy import save_file
 
 import jaxserve
-import pallas_kernels
 from jaxserve import SamplingParams
 from jaxserve.engine_config import EngineConfig, kv_cache_dtype_name
 from jaxserve.models.kv_scales import KVScales, load_kv_scales
 from jaxserve.models.weights import WeightsError
 from jaxserve.runner import devices
 from jaxserve.server.launch import engine_config_from_args
-from pallas_kernels import reference
+from pallas_kernels import kv_cache
+from pallas_kernels.ragged_paged_attention import dispatch, reference
 from tests.conftest import fixture_dir
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -50,7 +50,7 @@ def test_quantize_dequantize_round_trip(dtype) -> None:
     scale = 0.37
     finfo = jnp.finfo(dtype)
     x = jnp.asarray(np.random.default_rng(0).standard_normal(4096) * 40.0, jnp.float32)
-    got = reference.dequantize_kv(reference.quantize_kv(x, dtype, scale), scale)
+    got = kv_cache.dequantize_kv(kv_cache.quantize_kv(x, dtype, scale), scale)
     is_normal = (jnp.abs(x) >= float(finfo.smallest_normal) * scale) & (
         jnp.abs(x) <= float(finfo.max) * scale
     )
@@ -59,16 +59,14 @@ def test_quantize_dequantize_round_trip(dtype) -> None:
     assert float(jnp.mean(rel[is_normal])) < HALF_ULP[dtype] / 2  # rounds, not truncates
     # Values the cache can hold come back exactly; past the range they saturate (no inf/NaN).
     exact = jnp.asarray([0.0, 1.0, -1.5, 2.0**-6, 448.0 if dtype == E4M3 else 57344.0])
-    np.testing.assert_array_equal(
-        reference.dequantize_kv(reference.quantize_kv(exact, dtype)), exact
-    )
+    np.testing.assert_array_equal(kv_cache.dequantize_kv(kv_cache.quantize_kv(exact, dtype)), exact)
     huge = jnp.asarray([1e9, -1e9, float(finfo.max) * scale * 1.01])
-    stored = reference.quantize_kv(huge, dtype, scale)
+    stored = kv_cache.quantize_kv(huge, dtype, scale)
     np.testing.assert_array_equal(
         np.asarray(stored.astype(jnp.float32)), [finfo.max, -finfo.max, finfo.max]
     )
     # Other dtypes: a plain cast, no scale.
-    assert reference.quantize_kv(x, jnp.bfloat16).dtype == jnp.bfloat16
+    assert kv_cache.quantize_kv(x, jnp.bfloat16).dtype == jnp.bfloat16
 
 
 def test_write_kv_stores_quantized_values_and_drops_padding() -> None:
@@ -77,12 +75,12 @@ def test_write_kv_stores_quantized_values_and_drops_padding() -> None:
     k = jnp.asarray(rng.standard_normal((3, 2, 8)), jnp.bfloat16)  # [T, Hkv, D]
     v = jnp.asarray(rng.standard_normal((3, 2, 8)), jnp.bfloat16)
     slots = jnp.asarray([5, 0, 8], jnp.int32)  # 8 = P * page_size: a padding row, dropped
-    k_pages, v_pages = pallas_kernels.write_kv(pages, pages, k, v, slots, k_scale=0.5, v_scale=2.0)
+    k_pages, v_pages = kv_cache.write_kv(pages, pages, k, v, slots, k_scale=0.5, v_scale=2.0)
     assert k_pages.dtype == v_pages.dtype == E4M3
     flat_k = k_pages.reshape(8, 2, 8).astype(jnp.float32)
     flat_v = v_pages.reshape(8, 2, 8).astype(jnp.float32)
-    want_k = reference.quantize_kv(k, E4M3, 0.5).astype(jnp.float32)
-    want_v = reference.quantize_kv(v, E4M3, 2.0).astype(jnp.float32)
+    want_k = kv_cache.quantize_kv(k, E4M3, 0.5).astype(jnp.float32)
+    want_v = kv_cache.quantize_kv(v, E4M3, 2.0).astype(jnp.float32)
     np.testing.assert_array_equal(flat_k[5], want_k[0])
     np.testing.assert_array_equal(flat_k[0], want_k[1])
     np.testing.assert_array_equal(flat_v[0], want_v[1])
@@ -126,7 +124,7 @@ def test_reference_attention_over_fp8_cache_stays_close_to_bf16(dtype) -> None:
     options = dict(sm_scale=64**-0.5)
     want = reference.ragged_paged_attention(q, k, v, *meta, **options)
     k_scale, v_scale = amax_scale(k, dtype), amax_scale(v, dtype)
-    k8, v8 = reference.quantize_kv(k, dtype, k_scale), reference.quantize_kv(v, dtype, v_scale)
+    k8, v8 = kv_cache.quantize_kv(k, dtype, k_scale), kv_cache.quantize_kv(v, dtype, v_scale)
     got = reference.ragged_paged_attention(
         q, k8, v8, *meta, **options, k_scale=k_scale, v_scale=v_scale
     )
@@ -144,7 +142,7 @@ def test_reference_attention_over_fp8_cache_stays_close_to_bf16(dtype) -> None:
 
 def test_scales_of_none_mean_one() -> None:
     q, k, v, *meta = attention_inputs(seed=3)
-    k8, v8 = reference.quantize_kv(k, E4M3), reference.quantize_kv(v, E4M3)
+    k8, v8 = kv_cache.quantize_kv(k, E4M3), kv_cache.quantize_kv(v, E4M3)
     plain = reference.ragged_paged_attention(q, k8, v8, *meta, sm_scale=0.125)
     ones = reference.ragged_paged_attention(
         q, k8, v8, *meta, sm_scale=0.125, k_scale=1.0, v_scale=1.0
@@ -392,7 +390,7 @@ def test_layers_with_different_scales_share_one_attention_program() -> None:
     step = functools.partial(
         model_step,
         config=config,
-        attention_fn=shared_attention(pallas_kernels.ragged_paged_attention),
+        attention_fn=shared_attention(dispatch.ragged_paged_attention),
         kv_scales=((0.5, 0.25), (2.0, 4.0)),
     )
     batch = Batch.padding(16, 4, 4, 32)

@@ -259,8 +259,8 @@ def _check_sharded_write_kv() -> dict:
     import jax
     import jax.numpy as jnp
 
-    import pallas_kernels
     from jaxserve.runner.sharding import prepare_tp, sharded_write_kv
+    from pallas_kernels import kv_cache
 
     config = ModelConfig.from_hf_dir(FIXTURES / "llama")
     tp = prepare_tp(config, 4, devices=jax.devices()[:4])
@@ -270,11 +270,11 @@ def _check_sharded_write_kv() -> dict:
     k = rng.standard_normal(shape, np.float32)  # f32[T, K, D]
     v = rng.standard_normal(shape, np.float32)
     slots = rng.permutation(NUM_PAGES * PAGE_SIZE + 8)[:NUM_TOKENS].astype(np.int32)  # some drop
-    write = jax.jit(sharded_write_kv(pallas_kernels.write_kv, tp.mesh, config))
+    write = jax.jit(sharded_write_kv(kv_cache.write_kv, tp.mesh, config))
     hlo = write.lower(k_pages, v_pages, k, v, slots).compile().as_text()
     got = write(k_pages, v_pages, k, v, slots)
     zeros = jnp.zeros((NUM_PAGES, PAGE_SIZE, config.num_kv_heads, config.head_dim), jnp.float32)
-    want = pallas_kernels.write_kv(zeros, zeros, k, v, slots)
+    want = kv_cache.write_kv(zeros, zeros, k, v, slots)
     return {
         "err": max(
             float(np.abs(np.asarray(g) - np.asarray(w)).max())
@@ -290,8 +290,9 @@ def _check_sharded_fp8_attention() -> dict:
     import jax
     import jax.numpy as jnp
 
-    import pallas_kernels
     from jaxserve.runner.sharding import prepare_tp
+    from pallas_kernels import kv_cache
+    from pallas_kernels.ragged_paged_attention import reference
 
     config = ModelConfig.from_hf_dir(FIXTURES / "llama")
     tp = prepare_tp(config, 2, devices=jax.devices()[:2])
@@ -299,9 +300,7 @@ def _check_sharded_fp8_attention() -> dict:
     kv_shape = (NUM_PAGES, PAGE_SIZE, config.num_kv_heads, config.head_dim)
     k_pages, v_pages = (
         jax.device_put(
-            pallas_kernels.quantize_kv(
-                jnp.asarray(rng.standard_normal(kv_shape)), jnp.float8_e4m3fn, s
-            ),
+            kv_cache.quantize_kv(jnp.asarray(rng.standard_normal(kv_shape)), jnp.float8_e4m3fn, s),
             tp.kv_sharding,
         )
         for s in (0.01, 0.02)
@@ -321,7 +320,7 @@ def _check_sharded_fp8_attention() -> dict:
         q, k_pages, v_pages, *metadata, k_scale=0.01, v_scale=0.02
     )
     want = attention(
-        pallas_kernels.reference_attention,
+        reference.ragged_paged_attention,
         q,
         k_pages,
         v_pages,

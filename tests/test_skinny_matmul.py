@@ -19,7 +19,8 @@ import jaxserve
 from jaxserve import SamplingParams
 from jaxserve.models import quant
 from jaxserve.models.quant import weight_layout
-from pallas_kernels import skinny_matmul as sm
+from pallas_kernels.skinny_matmul import dispatch, reference
+from pallas_kernels.skinny_matmul import triton as sm
 from tests.conftest import fixture_dir
 
 DEPRECATED = "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
@@ -90,7 +91,7 @@ def test_interpret_matches_reference(case: Case):
     seed = int(np.random.default_rng().integers(2**31))
     x, w, scale = make_inputs(np.random.default_rng(seed), case)
     out = sm.skinny_matmul(x, w, scale, w_layout=case.w_layout, config=case.config, interpret=True)
-    assert_matches(out, sm.reference(x, w, scale, w_layout=case.w_layout), seed)
+    assert_matches(out, reference.skinny_matmul(x, w, scale, w_layout=case.w_layout), seed)
 
 
 def test_float32_logits_from_a_tied_embedding():
@@ -109,7 +110,9 @@ def test_bf16_input_with_float32_output():
     x, w, _ = make_inputs(np.random.default_rng(0), CPU_CASES[0])
     out = sm.skinny_matmul(x, w, out_dtype=jnp.float32, config=CPU_CASES[0].config, interpret=True)
     assert out.dtype == jnp.float32
-    np.testing.assert_allclose(out, sm.reference(x, w, out_dtype=jnp.float32), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        out, reference.skinny_matmul(x, w, out_dtype=jnp.float32), rtol=1e-5, atol=1e-5
+    )
 
 
 LOWERING_CASES = [
@@ -176,26 +179,26 @@ def test_bad_calls_name_the_field_and_the_limit():
 
 
 def test_switch_reads_the_environment(monkeypatch):
-    monkeypatch.delenv(sm.SKINNY_ENV, raising=False)
-    assert sm.takes(1) is None  # off by default
-    assert sm.describe().startswith("Skinny matmul: off")
-    monkeypatch.setenv(sm.SKINNY_ENV, "auto")
-    assert sm.takes(1) is None  # auto: NVIDIA GPUs only
-    assert "this is the cpu backend" in sm.describe()
-    monkeypatch.setenv(sm.SKINNY_ENV, "on")
-    assert sm.takes(64) == "interpret" and sm.takes(65) is None
-    monkeypatch.setenv(sm.MAX_TOKENS_ENV, "16")
-    assert sm.takes(16) == "interpret" and sm.takes(17) is None
-    assert sm.describe() == (
+    monkeypatch.delenv(dispatch.SKINNY_ENV, raising=False)
+    assert dispatch.takes(1) is None  # off by default
+    assert dispatch.describe().startswith("Skinny matmul: off")
+    monkeypatch.setenv(dispatch.SKINNY_ENV, "auto")
+    assert dispatch.takes(1) is None  # auto: NVIDIA GPUs only
+    assert "this is the cpu backend" in dispatch.describe()
+    monkeypatch.setenv(dispatch.SKINNY_ENV, "on")
+    assert dispatch.takes(64) == "interpret" and dispatch.takes(65) is None
+    monkeypatch.setenv(dispatch.MAX_TOKENS_ENV, "16")
+    assert dispatch.takes(16) == "interpret" and dispatch.takes(17) is None
+    assert dispatch.describe() == (
         "Skinny matmul: Pallas Triton kernel in interpret mode for steps of up to 16 tokens "
         "(JAXSERVE_SKINNY_MATMUL=on, Pallas interpret mode on the cpu backend)"
     )
-    monkeypatch.setenv(sm.MAX_TOKENS_ENV, "65")
+    monkeypatch.setenv(dispatch.MAX_TOKENS_ENV, "65")
     with pytest.raises(ValueError, match=r"JAXSERVE_SKINNY_MATMUL_MAX_TOKENS=65 must be in"):
-        sm.takes(1)
-    monkeypatch.setenv(sm.SKINNY_ENV, "yes")
+        dispatch.takes(1)
+    monkeypatch.setenv(dispatch.SKINNY_ENV, "yes")
     with pytest.raises(ValueError, match=r"JAXSERVE_SKINNY_MATMUL='yes' must be one of"):
-        sm.takes(1)
+        dispatch.takes(1)
 
 
 def _is_gpu() -> bool:
@@ -225,7 +228,7 @@ def test_native_matches_reference(case: Case):
     out = jax.jit(
         lambda x, w, s: sm.skinny_matmul(x, w, s, w_layout=case.w_layout, config=case.config)
     )(x, w, scale)
-    assert_matches(out, sm.reference(x, w, scale, w_layout=case.w_layout), seed)
+    assert_matches(out, reference.skinny_matmul(x, w, scale, w_layout=case.w_layout), seed)
 
 
 # -- the model on the kernel ---------------------------------------------------------------------
@@ -274,12 +277,12 @@ def test_linear_on_the_kernel_matches_xla(monkeypatch, spec, x_shape, w_shape, q
     out_dtype = jnp.float32 if spec.startswith("NH") else None
     if quantized is not None:
         w = quant.quantize(quant.to_out_in(w, 1), quantized, w_shape[:1], w_shape[1:])
-    monkeypatch.setenv(sm.SKINNY_ENV, "off")
+    monkeypatch.setenv(dispatch.SKINNY_ENV, "off")
     expected = quant.linear(x, w, spec, out_dtype)
     calls = []
     kernel = sm.skinny_matmul
     monkeypatch.setattr(sm, "skinny_matmul", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    monkeypatch.setenv(sm.SKINNY_ENV, "on")
+    monkeypatch.setenv(dispatch.SKINNY_ENV, "on")
     out = quant.linear(x, w, spec, out_dtype)
     assert calls and out.shape == expected.shape and out.dtype == expected.dtype
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-4)
@@ -308,7 +311,7 @@ def test_model_on_the_native_kernel_gives_the_plain_tokens(
 def check_model_on_the_kernel(
     monkeypatch, caplog, quantization: str | None, mode: str, tol: float
 ) -> None:
-    monkeypatch.delenv(sm.SKINNY_ENV, raising=False)
+    monkeypatch.delenv(dispatch.SKINNY_ENV, raising=False)
     plain_ids, plain_logprobs = _generate(quantization)
     calls: list[tuple[str, tuple[int, ...]]] = []
     kernel = sm.skinny_matmul
@@ -318,10 +321,10 @@ def check_model_on_the_kernel(
         return kernel(x, w, *args, **kwargs)
 
     monkeypatch.setattr(sm, "skinny_matmul", counted)
-    monkeypatch.setenv(sm.SKINNY_ENV, mode)
+    monkeypatch.setenv(dispatch.SKINNY_ENV, mode)
     caplog.set_level(logging.INFO, logger="jaxserve")
     ids, logprobs = _generate(quantization)
-    assert sm.describe() in caplog.messages  # the start-up log says which path runs
+    assert dispatch.describe() in caplog.messages  # the start-up log says which path runs
     assert ids == plain_ids
     np.testing.assert_allclose(logprobs, plain_logprobs, rtol=tol, atol=tol)
     shapes = {shape for _, shape in calls}

@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-import pallas_kernels
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.weights import load_weights
 from jaxserve.runner.devices import describe_attention, quiet_backend_probe
 from jaxserve.runner.runner import ModelRunner
 from jaxserve.runner.sampling import SamplerFlags
+from pallas_kernels.ragged_paged_attention import dispatch
 from tests.conftest import fixture_dir
 
 NUM_VARIANTS = len(SamplerFlags.compact_variants())  # the CPU's default
@@ -167,12 +167,12 @@ def test_attention_line_names_the_reference_and_why_on_cpu():
 
 def test_head_dim_256_takes_mosaic_for_steps_with_a_long_prefill(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(pallas_kernels, "_is_hopper_or_newer", lambda: True)
+    monkeypatch.setattr(dispatch, "_is_hopper_or_newer", lambda: True)
     monkeypatch.delenv("JAXSERVE_ATTENTION", raising=False)
     k_pages = jax.ShapeDtypeStruct((1, 16, 8, 256), jnp.bfloat16)
     for tokens, want in ((16, "triton"), (512, "triton"), (1024, "gpu"), (8192, "gpu")):
         q = jax.ShapeDtypeStruct((tokens, 16, 256), jnp.bfloat16)
-        assert pallas_kernels.choose_kernel(q, k_pages)[0] == want
+        assert dispatch.choose_kernel(q, k_pages)[0] == want
 
 
 @pytest.mark.parametrize(
@@ -198,15 +198,15 @@ def test_choose_kernel_on_a_gpu_says_why_it_falls_back(
     monkeypatch, is_hopper, env, dtype, head_dim, want
 ):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(pallas_kernels, "_is_hopper_or_newer", lambda: is_hopper)
-    monkeypatch.setattr(pallas_kernels, "_compute_capability", lambda: "8.0")
+    monkeypatch.setattr(dispatch, "_is_hopper_or_newer", lambda: is_hopper)
+    monkeypatch.setattr(dispatch, "_compute_capability", lambda: "8.0")
     if env is None:
         monkeypatch.delenv("JAXSERVE_ATTENTION", raising=False)
     else:
         monkeypatch.setenv("JAXSERVE_ATTENTION", env)
     q = jax.ShapeDtypeStruct((1, 8, head_dim), dtype)
     k_pages = jax.ShapeDtypeStruct((1, 16, 2, head_dim), dtype)
-    kernel, reason = pallas_kernels.choose_kernel(q, k_pages)
+    kernel, reason = dispatch.choose_kernel(q, k_pages)
     assert kernel == want[0]
     if want[1] is None:
         assert reason is None
@@ -216,8 +216,8 @@ def test_choose_kernel_on_a_gpu_says_why_it_falls_back(
 
 def test_attention_line_on_a_pre_hopper_gpu_names_the_triton_kernel(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(pallas_kernels, "_is_hopper_or_newer", lambda: False)
-    monkeypatch.setattr(pallas_kernels, "_compute_capability", lambda: "8.9")
+    monkeypatch.setattr(dispatch, "_is_hopper_or_newer", lambda: False)
+    monkeypatch.setattr(dispatch, "_compute_capability", lambda: "8.9")
     monkeypatch.delenv("JAXSERVE_ATTENTION", raising=False)
     config = ModelConfig.from_hf_dir(fixture_dir("gemma2"))
     line = describe_attention(config, jnp.bfloat16, block_size=16, tensor_parallel_size=1)
@@ -232,7 +232,7 @@ def test_attention_env_rejects_an_unknown_backend(monkeypatch):
     q = jax.ShapeDtypeStruct((1, 8, 64), jnp.bfloat16)
     k_pages = jax.ShapeDtypeStruct((1, 16, 2, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="JAXSERVE_ATTENTION='flash' must be one of auto, mosaic"):
-        pallas_kernels.choose_kernel(q, k_pages)
+        dispatch.choose_kernel(q, k_pages)
 
 
 def write_sharded_checkpoint(source: Path, target: Path, num_shards: int) -> int:

@@ -1,7 +1,7 @@
 """The scales of an fp8 KV cache: one ``k_scale`` and one ``v_scale`` per layer.
 
 The cache stores ``x / scale`` in fp8 and attention reads ``page * scale``
-(``pallas_kernels.reference.quantize_kv``). A checkpoint calibrated for an fp8 cache carries the
+(``pallas_kernels.kv_cache.quantize_kv``). A checkpoint calibrated for an fp8 cache carries the
 scales as scalar tensors, under the names vLLM reads (``kv_scale``, deprecated, is both):
   model.layers.N.self_attn.{k_scale, v_scale, kv_scale}          (vLLM, llm-compressor)
   model.layers.N.self_attn.attn.{k_scale, v_scale}               (vLLM's own module path)
@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-import pallas_kernels
 from jaxserve.models.families import HF_LAYER_PREFIX
 from jaxserve.models.weights import WeightsError, _tensor_files
+from pallas_kernels.kv_cache import is_quantized
 
 _LOG = logging.getLogger(__name__)
 # What each fp8 --kv-cache-dtype stores (engine_config.kv_cache_dtype_name's names).
@@ -120,7 +120,7 @@ def kv_scales_for(
 ) -> tuple[tuple[float, float], ...] | None:
     """The scales the model step takes: None for an unquantized cache; for fp8, the
     checkpoint's (``from_checkpoint``) or 1.0 (random weights), with one start-up log line."""
-    if not pallas_kernels.is_quantized(kv_dtype):
+    if not is_quantized(kv_dtype):
         return None
     if from_checkpoint:
         scales = load_kv_scales(model_dir, num_layers)

@@ -27,11 +27,12 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-import pallas_kernels
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.models import mla, moe, rope
 from jaxserve.models.batch import Batch, KVCache
 from jaxserve.models.quant import QArray, linear
+from pallas_kernels.kv_cache import write_kv
+from pallas_kernels.ragged_paged_attention import dispatch
 
 
 @jax.tree_util.register_dataclass
@@ -200,7 +201,7 @@ def attention_block(
     # NOTE: the scales reach the attention op as arguments, not static options, so every
     # layer's call still shares one lowering of the kernel (programs.shared_attention).
     scales = {} if kv_scale is None else {"k_scale": kv_scale[0], "v_scale": kv_scale[1]}
-    k_pages, v_pages = pallas_kernels.write_kv(k_pages, v_pages, k, v, batch.slot_mapping, **scales)
+    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, batch.slot_mapping, **scales)
     sinks = {} if lw.sinks is None else {"sinks": lw.sinks}  # (GPT-OSS)
     out = attention_fn(
         q,
@@ -251,7 +252,7 @@ def forward(
     ``experts_fn``: how a layer with experts runs them (``moe.run_experts``, or its sharded
     form under tensor or expert parallelism).
     """
-    attention_fn = attention_fn or pallas_kernels.ragged_paged_attention
+    attention_fn = attention_fn or dispatch.ragged_paged_attention
     eps, gemma = config.rms_norm_eps, config.is_gemma
     act = _ACTIVATIONS[config.hidden_act]
     x = weights.embed[batch.input_ids]  # [T, H]

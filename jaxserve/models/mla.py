@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-import pallas_kernels
 from jaxserve.config import ModelConfig
 from jaxserve.models import rope
 from jaxserve.models.batch import Batch
 from jaxserve.models.quant import linear
+from pallas_kernels.kv_cache import write_latent
+from pallas_kernels.mla.reference import ragged_paged_mla_attention
 
 if TYPE_CHECKING:
     from jaxserve.models.llama import LayerWeights
@@ -75,14 +76,14 @@ def mla_attention_block(
     k_pe = rope.apply_rotary(k_pe, *rotary)[:, 0]  # [T, R]
 
     scales = {} if kv_scale is None else {"ckv_scale": kv_scale[0], "kpe_scale": kv_scale[1]}
-    ckv_pages, kpe_pages = pallas_kernels.write_latent(
+    ckv_pages, kpe_pages = write_latent(
         ckv_pages, kpe_pages, c_kv, k_pe, batch.slot_mapping, **scales
     )
     # NOTE: W_UK and W_UV are slices of the one kv_b_proj tensor, as the checkpoint has it.
     w_uk = lw.w_kv_b[..., : mla.qk_nope_head_dim]  # [L, N, C]
     w_uv = lw.w_kv_b[..., mla.qk_nope_head_dim :]  # [L, N, U]
     q_latent = jnp.einsum("TNC,LNC->TNL", q_nope, w_uk)
-    out = pallas_kernels.ragged_paged_mla_attention(
+    out = ragged_paged_mla_attention(
         q_latent,
         q_pe,
         ckv_pages,

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import MoeConfig
-from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.grouped_matmul.dispatch import grouped_matmul
 
 Activation = Callable[[jax.Array], jax.Array]
 # (gate [R, M], up [R, M]) -> [R, M]: an expert's gated activation in place of act(gate) * up

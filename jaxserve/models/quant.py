@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from pallas_kernels import skinny_matmul
+from pallas_kernels.skinny_matmul import dispatch as skinny_dispatch
+from pallas_kernels.skinny_matmul import triton as skinny_triton
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -175,7 +176,7 @@ def _skinny_matmul(
     bucket) takes it and the kernel takes the weight; else None."""
     lead = x.shape[: x.ndim - len(w.in_shape)] if isinstance(w, QArray) else x.shape[:1]
     num_rows = math.prod(lead)
-    mode = skinny_matmul.takes(num_rows)
+    mode = skinny_dispatch.takes(num_rows)
     if mode is None:
         return None
     scale: jax.Array | None = None  # f32[out]
@@ -192,9 +193,9 @@ def _skinny_matmul(
         num_out = math.prod(out_shape)
         w2 = w.reshape((-1, num_out) if layout == "kn" else (num_out, -1))
     x2 = x.reshape(num_rows, -1)  # [T, in]
-    if skinny_matmul.unsupported_reason(x2, w2, scale, layout) is not None:
+    if skinny_triton.unsupported_reason(x2, w2, scale, layout) is not None:
         return None
-    y = skinny_matmul.skinny_matmul(
+    y = skinny_triton.skinny_matmul(
         x2, w2, scale, w_layout=layout, out_dtype=out_dtype, interpret=mode == "interpret"
     )
     return y.reshape(*lead, *out_shape)

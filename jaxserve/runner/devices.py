@@ -14,7 +14,6 @@ import time
 import jax
 import jax.numpy as jnp
 
-import pallas_kernels
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig, kv_cache_dtype_name, weight_dtype
 from jaxserve.models.families import num_params
@@ -26,8 +25,10 @@ from jaxserve.models.quant_scheme import (
     resolve_scheme,
 )
 from jaxserve.runner.capacity import kv_heads_per_device
-from pallas_kernels import skinny_matmul
-from pallas_kernels.grouped_matmul import GROUPED_MATMUL_NAMES, choose_grouped_matmul
+from pallas_kernels.grouped_matmul.dispatch import GROUPED_MATMUL_NAMES, choose_grouped_matmul
+from pallas_kernels.mla.reference import MLA_FALLBACK
+from pallas_kernels.ragged_paged_attention.dispatch import KERNEL_NAMES, choose_kernel
+from pallas_kernels.skinny_matmul import dispatch as skinny_dispatch
 
 _LOG = logging.getLogger(__name__)
 _PROBE_LOGGER = "jax._src.xla_bridge"
@@ -177,15 +178,15 @@ def describe_attention(
     kernel below Hopper, the reference) and why, e.g. ``Attention: Pallas Triton kernel (the
     Mosaic GPU kernel needs Hopper or newer (compute capability 9.0); this GPU has 8.0)``."""
     if model_config.mla is not None:
-        reference = pallas_kernels.KERNEL_NAMES["reference"]
-        return f"Attention: {reference} ({pallas_kernels.MLA_FALLBACK})"
+        reference = KERNEL_NAMES["reference"]
+        return f"Attention: {reference} ({MLA_FALLBACK})"
     num_q_heads = max(1, model_config.num_q_heads // tensor_parallel_size)  # per device
     num_kv_heads = kv_heads_per_device(model_config.num_kv_heads, tensor_parallel_size)
     head_dim = model_config.head_dim
     q = jax.ShapeDtypeStruct((1, num_q_heads, head_dim), dtype)
     k_pages = jax.ShapeDtypeStruct((1, block_size, num_kv_heads, head_dim), kv_dtype or dtype)
-    kernel, reason = pallas_kernels.choose_kernel(q, k_pages, model_config.sliding_window)
-    line = f"Attention: {pallas_kernels.KERNEL_NAMES[kernel]}"
+    kernel, reason = choose_kernel(q, k_pages, model_config.sliding_window)
+    line = f"Attention: {KERNEL_NAMES[kernel]}"
     return f"{line} ({reason})" if reason else line
 
 
@@ -245,7 +246,7 @@ def startup_lines(
         describe_devices(tp),
         describe_model(model_config, config, dtype, max_model_len),
         describe_attention(model_config, dtype, config.block_size, tp, kv_dtype),
-        skinny_matmul.describe(),
+        skinny_dispatch.describe(),
         describe_samplers(config),
         *([experts] if experts else []),
     ]

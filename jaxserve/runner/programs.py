@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
 from jaxserve.models.batch import KVCache
@@ -27,6 +26,7 @@ from jaxserve.runner.sampling import (
     PROMPT_LOGPROBS_CHUNK,
     SamplerFlags,
 )
+from pallas_kernels.ragged_paged_attention import dispatch
 
 
 def model_step(
@@ -58,7 +58,7 @@ def model_step(
 def jitted_model_step(model_config: ModelConfig, kv_scales: Any, tp: Any = None) -> Any:
     """``model_step`` jitted, the KV cache donated (updated in place); ``tp``: the runner's
     ``TensorParallel``, whose attention, experts and shardings it takes."""
-    attention = pallas_kernels.ragged_paged_attention if tp is None else tp.attention_fn
+    attention = dispatch.ragged_paged_attention if tp is None else tp.attention_fn
     step = functools.partial(
         model_step,
         config=model_config,

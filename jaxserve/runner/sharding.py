@@ -40,7 +40,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import pallas_kernels
 from jaxserve.config import ModelConfig
 from jaxserve.models import moe
 from jaxserve.models.batch import KVCache, kv_page_shapes
@@ -59,6 +58,7 @@ from jaxserve.runner.mesh import (
     validate_tensor_parallel_size,
 )
 from jaxserve.runner.quant_specs import quantized_specs
+from pallas_kernels.ragged_paged_attention import dispatch
 
 # Specs on the KV view. Query heads split over both of its axes, which orders the devices
 # exactly as "tp" does, so the two meshes agree and XLA moves no data between them.
@@ -316,7 +316,7 @@ def prepare_tp(
         kv_sharding=kv_cache_sharding(mesh, config),
         replicated=NamedSharding(mesh, P()),
         attention_fn=sharded_attention(
-            attention_fn or pallas_kernels.ragged_paged_attention, mesh, config
+            attention_fn or dispatch.ragged_paged_attention, mesh, config
         ),
         experts_fn=(
             sharded_experts(mesh, TP_AXIS, expert_parallel) if config.moe is not None else None

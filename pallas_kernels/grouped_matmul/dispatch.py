@@ -3,7 +3,7 @@
 ``grouped_matmul(lhs, rhs, group_sizes)`` has ``jax.lax.ragged_dot``'s semantics: ``lhs[R, K]``
 sorted by group, ``rhs[G, K, N]``, ``group_sizes i32[G]`` summing to at most R; row r of a
 group g is ``lhs[r] @ rhs[g]``, and the rows past the sum are zeros. It picks, at trace time:
-  gpu -> the Pallas Triton kernel (``pallas_kernels.grouped_matmul_triton``, any NVIDIA GPU):
+  gpu -> the Pallas Triton kernel (``triton``, any NVIDIA GPU):
          XLA's GPU ``RaggedDotRewriter`` turns a ragged dot into a dense dot over every group,
          each row broadcast to [G, K] and masked: G times the FLOPs and a G-times temporary
          (Qwen3-30B-A3B has 128 experts; its 1,024-8,192-token steps needed 70-98 GiB);
@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 
 import jax
-import jax.numpy as jnp
 
 GROUPED_MATMUL_ENV = "JAXSERVE_GROUPED_MATMUL"
 GROUPED_MATMUL_CHOICES = ("auto", "triton", "xla")
@@ -57,9 +56,9 @@ def choose_grouped_matmul(
         return "xla", f"{GROUPED_MATMUL_ENV}=xla"
     if backend != "gpu" and requested == "auto":
         return "xla", None
-    from pallas_kernels import grouped_matmul_triton
+    from pallas_kernels.grouped_matmul import triton
 
-    reason = grouped_matmul_triton.unsupported_reason(lhs, rhs)
+    reason = triton.unsupported_reason(lhs, rhs)
     if reason is not None:
         return "xla", f"the Triton grouped matmul does not run it ({reason})"
     if backend != "gpu":
@@ -75,27 +74,8 @@ def grouped_matmul(
     """``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` on the best path for the backend."""
     path, _ = choose_grouped_matmul(lhs, rhs)
     if path == "triton":
-        from pallas_kernels import grouped_matmul_triton
+        from pallas_kernels.grouped_matmul import triton
 
         interpret = jax.default_backend() != "gpu"
-        return grouped_matmul_triton.grouped_matmul(lhs, rhs, group_sizes, interpret=interpret)
+        return triton.grouped_matmul(lhs, rhs, group_sizes, interpret=interpret)
     return jax.lax.ragged_dot(lhs, rhs, group_sizes)
-
-
-def reference_grouped_matmul(
-    lhs: jax.Array,  # [R, K]  sorted by group
-    rhs: jax.Array,  # [G, K, N]
-    group_sizes: jax.Array,  # i32[G]
-) -> jax.Array:  # [R, N], lhs's dtype
-    """The semantics, as a dense dot per group (G times the work: the tests' oracle)."""
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))  # i32[G]
-    starts = ends - group_sizes.astype(jnp.int32)
-    row = jnp.arange(lhs.shape[0], dtype=jnp.int32)[:, None]  # i32[R, 1]
-    out = jnp.zeros((lhs.shape[0], rhs.shape[2]), jnp.float32)
-    for group in range(rhs.shape[0]):
-        is_row = (row >= starts[group]) & (row < ends[group])  # bool[R, 1]
-        product = jnp.dot(
-            lhs, rhs[group], preferred_element_type=jnp.float32, precision="highest"
-        )  # f32[R, N]
-        out = jnp.where(is_row, product, out)
-    return out.astype(lhs.dtype)

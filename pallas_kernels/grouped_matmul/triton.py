@@ -1,6 +1,6 @@
 """A grouped matmul as a Pallas Triton kernel: a mixture of experts' experts on NVIDIA GPUs.
 
-Same signature and semantics as ``pallas_kernels.grouped_matmul.reference_grouped_matmul``:
+Same signature and semantics as ``reference.grouped_matmul``:
 ``lhs[R, K]`` sorted by group, ``rhs[G, K, N]``, ``group_sizes i32[G]`` (summing to at most R;
 the rows past the sum come out zero), ``out[R, N]`` in ``lhs``'s dtype, accumulated in f32.
 

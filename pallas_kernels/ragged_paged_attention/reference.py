@@ -1,7 +1,7 @@
 """Ragged paged attention: the pure-jnp reference that defines the semantics.
 
-The model calls ``pallas_kernels.ragged_paged_attention``; on CPU that is this function, on GPU
-and TPU a Pallas kernel that must agree with it. Every kernel test compares against it.
+The model calls ``dispatch.ragged_paged_attention``; on CPU that is this function, on GPU and
+TPU a Pallas kernel that must agree with it. Every kernel test compares against it.
 
 Layout (one layer of the KV cache):
   k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim]
@@ -11,10 +11,9 @@ chunk offset j sits at absolute position kv_lens[i] - q_len_i + j and attends ca
 positions 0..that position (prefill chunks and decode tokens alike). Rows past
 cu_q_lens[num_seqs] are padding and come back as zeros.
 
-Quantized cache (fp8): the pages hold ``x / scale`` rounded to the cache dtype and saturated
-to its finite range (``quantize_kv``, what ``write_kv`` stores), with one float32 scale per
-tensor (``k_scale``, ``v_scale``: per layer). Attention reads ``page * scale`` in float32
-(``dequantize_kv``) before the dots. A scale of None means 1.0.
+Quantized cache (fp8): the pages hold ``x / scale`` (``pallas_kernels.kv_cache``), with one
+float32 scale per tensor (``k_scale``, ``v_scale``: per layer); attention reads ``page * scale``
+in float32 (``kv_cache.dequantize_kv``) before the dots. A scale of None means 1.0.
 
 Attention sinks (GPT-OSS): ``sinks[Hq]`` is a learned logit per query head that joins every
 row's softmax as one more column with no value: each row's weights are
@@ -26,34 +25,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_cache import Scale, dequantize_kv
+
 DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-# The 8-bit float cache dtypes: e4m3 (the OCP "fn" variant, finite only, max 448), e5m2.
-FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-
-Scale = jax.Array | float | None  # f32[] per-tensor scale; None: 1.0
-
-
-def is_quantized(dtype) -> bool:
-    """Whether a cache of this dtype stores scaled values (fp8)."""
-    return jnp.dtype(dtype) in FP8_DTYPES
-
-
-def quantize_kv(x: jax.Array, dtype, scale: Scale = None) -> jax.Array:
-    """``x / scale`` cast to ``dtype``: for fp8, saturated to its finite range and rounded to
-    nearest even (as vLLM's scaled fp8 conversion); other dtypes are a plain cast."""
-    if not is_quantized(dtype):
-        return x.astype(dtype)
-    x32 = x.astype(jnp.float32)
-    if scale is not None:
-        x32 = x32 / jnp.asarray(scale, jnp.float32)
-    finfo = jnp.finfo(dtype)
-    return jnp.clip(x32, float(finfo.min), float(finfo.max)).astype(dtype)
-
-
-def dequantize_kv(x: jax.Array, scale: Scale = None) -> jax.Array:  # float32, x's shape
-    """The float32 values a cache holds: ``x * scale``."""
-    x32 = x.astype(jnp.float32)
-    return x32 if scale is None else x32 * jnp.asarray(scale, jnp.float32)
 
 
 def query_rows(
@@ -124,24 +98,3 @@ def ragged_paged_attention(
     probs = jnp.where(mask[:, None, None, :], probs, 0.0)
     out = jnp.einsum("TKGS,TSKD->TKGD", probs, dequantize_kv(v_rows, v_scale))
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
-
-
-def write_kv(
-    k_pages: jax.Array,  # [P, page_size, Hkv, D]
-    v_pages: jax.Array,  # [P, page_size, Hkv, D]
-    k: jax.Array,  # [T, Hkv, D]
-    v: jax.Array,  # [T, Hkv, D]
-    slot_mapping: jax.Array,  # i32[T]  page * page_size + offset; >= P * page_size drops the row
-    *,
-    k_scale: Scale = None,
-    v_scale: Scale = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Scatter the new tokens' K/V into their slots (in place when the cache is donated),
-    quantized to the cache dtype (``quantize_kv``)."""
-    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
-    flat_shape = (num_pages * page_size, num_kv_heads, head_dim)
-    k_new = quantize_kv(k, k_pages.dtype, k_scale)  # [T, Hkv, D]
-    v_new = quantize_kv(v, v_pages.dtype, v_scale)
-    k_flat = k_pages.reshape(flat_shape).at[slot_mapping].set(k_new, mode="drop")
-    v_flat = v_pages.reshape(flat_shape).at[slot_mapping].set(v_new, mode="drop")
-    return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)

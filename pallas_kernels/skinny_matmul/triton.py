@@ -18,18 +18,14 @@ for the weight stream:
   are loaded as one byte each and converted to x's dtype in registers; an f32 ``scale[N]`` (per
   output channel) multiplies the f32 sums.
 
-``reference`` is the pure-jnp semantics, with the same signature. ``choose`` says, from
-``JAXSERVE_SKINNY_MATMUL`` and the backend, whether a step of a given token count takes the
-kernel: ``off`` (the default until the H200 numbers are in), ``auto`` (on an NVIDIA GPU with
-one device, for steps of up to ``max_tokens()`` tokens), ``on`` (wherever, for steps of up to
-``max_tokens()``: natively on a GPU, in Pallas interpret mode elsewhere, for tests).
+``reference.skinny_matmul`` is the pure-jnp semantics, with the same signature;
+``dispatch`` says whether a step of a given token count takes this kernel.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any
 
 import jax
@@ -256,79 +252,3 @@ def _without_scale(body):
         return body(x_ref, w_ref, None, o_ref)
 
     return wrapped
-
-
-def reference(
-    x: jax.Array,
-    w: jax.Array,
-    scale: jax.Array | None = None,
-    *,
-    w_layout: str = "kn",
-    out_dtype: Any = None,
-) -> jax.Array:  # [M, N] out_dtype
-    """The kernel's semantics in jnp: f32 sums of x times W (converted to x's dtype)."""
-    contract = (((1,), (0 if w_layout == "kn" else 1,)), ((), ()))
-    y = lax.dot_general(x, w.astype(x.dtype), contract, preferred_element_type=jnp.float32)
-    if scale is not None:
-        y = y * scale
-    return y.astype(out_dtype or x.dtype)
-
-
-# -- when the model takes the kernel ------------------------------------------------------------
-
-SKINNY_ENV = "JAXSERVE_SKINNY_MATMUL"
-SKINNY_CHOICES = ("auto", "on", "off")
-MAX_TOKENS_ENV = "JAXSERVE_SKINNY_MATMUL_MAX_TOKENS"
-
-
-def requested() -> str:
-    """``JAXSERVE_SKINNY_MATMUL`` (default ``off``), validated."""
-    value = os.environ.get(SKINNY_ENV, "off").strip().lower() or "off"
-    if value not in SKINNY_CHOICES:
-        raise ValueError(f"{SKINNY_ENV}={value!r} must be one of {', '.join(SKINNY_CHOICES)}")
-    return value
-
-
-def max_tokens() -> int:
-    """The largest step (tokens) that takes the kernel: ``JAXSERVE_SKINNY_MATMUL_MAX_TOKENS``,
-    default and at most ``MAX_ROWS``."""
-    value = int(os.environ.get(MAX_TOKENS_ENV, str(MAX_ROWS)))
-    if not 1 <= value <= MAX_ROWS:
-        raise ValueError(f"{MAX_TOKENS_ENV}={value} must be in [1, {MAX_ROWS}]")
-    return value
-
-
-def choose() -> tuple[str, str]:
-    """``("triton" | "interpret" | "xla", why)``: how decode-sized matmuls run in this process."""
-    value = requested()
-    backend = jax.default_backend()
-    if value == "off":
-        return "xla", f"{SKINNY_ENV}=off"
-    if value == "on":
-        if backend == "gpu":
-            return "triton", f"{SKINNY_ENV}=on"
-        return "interpret", f"{SKINNY_ENV}=on, Pallas interpret mode on the {backend} backend"
-    if backend != "gpu":
-        return "xla", f"the kernel is Pallas Triton; this is the {backend} backend"
-    if jax.device_count() > 1:
-        return "xla", f"{jax.device_count()} devices: the kernel is not partitioned yet"
-    return "triton", f"{SKINNY_ENV}=auto"
-
-
-def takes(num_tokens: int) -> str | None:
-    """The kernel's mode (``"triton"`` or ``"interpret"``) for a step of ``num_tokens`` tokens
-    (static: the step's bucket), or None for XLA's matmul. Read at trace time."""
-    path, _ = choose()
-    if path == "xla" or num_tokens > max_tokens():
-        return None
-    return path
-
-
-def describe() -> str:
-    """The start-up log line, e.g. ``Skinny matmul: Pallas Triton kernel for steps of up to
-    64 tokens (JAXSERVE_SKINNY_MATMUL=auto)`` or ``Skinny matmul: off (...)``."""
-    path, why = choose()
-    if path == "xla":
-        return f"Skinny matmul: off, XLA's matmuls ({why})"
-    mode = "Pallas Triton kernel" + (" in interpret mode" if path == "interpret" else "")
-    return f"Skinny matmul: {mode} for steps of up to {max_tokens()} tokens ({why})"

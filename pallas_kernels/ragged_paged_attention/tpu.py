@@ -1,7 +1,7 @@
 """Ragged paged attention as a Pallas Mosaic TPU kernel.
 
-Same op, signature and semantics as ``pallas_kernels.reference.ragged_paged_attention``; the
-package entry point dispatches here on TPU backends.
+Same op, signature and semantics as ``reference.ragged_paged_attention``; the entry point
+(``dispatch``) dispatches here on TPU backends.
 
 Data flow. The wrapper regroups the queries head-major, ``q[T, Hq, D] -> [Hkv, T_pad * G, D]``
 (row ``t * G + g`` is query head ``kv_head * G + g`` of token ``t``), so that every KV head's
@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.reference import DEFAULT_MASK_VALUE
+from pallas_kernels.ragged_paged_attention.reference import DEFAULT_MASK_VALUE
 
 # NOTE: the running max and sum are kept broadcast over a full 128-lane row, the layout Mosaic
 # loads and stores without masking; only lane 0 is read back.

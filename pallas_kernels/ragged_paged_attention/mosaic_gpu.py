@@ -1,7 +1,7 @@
 """Ragged paged attention as a Pallas Mosaic GPU kernel (Hopper and newer).
 
-Same signature and semantics as ``pallas_kernels.reference.ragged_paged_attention``. The caller
-(the model, through ``pallas_kernels.ragged_paged_attention``) passes one flattened ragged batch
+Same signature and semantics as ``reference.ragged_paged_attention``. The caller (the model,
+through ``dispatch.ragged_paged_attention``) passes one flattened ragged batch
 in which prefill chunks and decode tokens sit side by side; this module plans the work in plain
 XLA, runs one kernel launch over it and, when the KV length is split, merges the partial results.
 
@@ -50,8 +50,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.reference import FP8_DTYPES
-from pallas_kernels.splits import merge_splits
+from pallas_kernels.kv_cache import FP8_DTYPES
+from pallas_kernels.ragged_paged_attention.splits import merge_splits
 
 ROWS = 64  # query rows per program: one wgmma M tile
 LOG2E = math.log2(math.e)

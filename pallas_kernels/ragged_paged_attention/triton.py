@@ -1,13 +1,13 @@
 """Ragged paged attention as a Pallas Triton kernel: the tier for GPUs without Mosaic GPU.
 
-Same signature and semantics as ``pallas_kernels.reference.ragged_paged_attention``. Mosaic GPU
+Same signature and semantics as ``reference.ragged_paged_attention``. Mosaic GPU
 needs Hopper (compute capability 9.0); on an A100, L4 or L40S this kernel runs instead of the
 jnp reference, through Pallas' Triton lowering (deprecated in jax 0.11 but shipped, and the
 only Pallas path that compiles for those GPUs). Setting ``JAXSERVE_ATTENTION=triton`` forces it
-on Hopper too, to measure it there (``pallas_kernels.choose_kernel``).
+on Hopper too, to measure it there (``dispatch.choose_kernel``).
 
-Work decomposition. The tile plan is the Mosaic kernel's (``gpu.plan_tiles``): a tile is up to
-``block_q`` consecutive query tokens of one sequence. One program handles one tile for one KV
+Work decomposition. The tile plan is the Mosaic kernel's (``mosaic_gpu.plan_tiles``): a tile is
+up to ``block_q`` consecutive query tokens of one sequence. One program handles one tile for one KV
 head (and one KV split): its ``rows = block_q x Gp`` query rows (token-major, ``Gp`` = the GQA
 group rounded up to a power of two) are gathered straight from ``q`` with masked loads, then
 it walks the sequence's KV ``block_kv`` tokens a step, gathering each step's rows from the
@@ -36,8 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.gpu import max_tiles_for, plan_tiles
-from pallas_kernels.splits import merge_splits
+from pallas_kernels.ragged_paged_attention.mosaic_gpu import max_tiles_for, plan_tiles
+from pallas_kernels.ragged_paged_attention.splits import merge_splits
 
 LOG2E = math.log2(math.e)
 MASK_VALUE = -1e30  # finite, so fully masked rows never produce inf - inf

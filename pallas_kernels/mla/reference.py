@@ -9,9 +9,9 @@ times its key expansion, ``q_pe[T, N, R]`` its rotated part. Row t of head n sco
 returns the probability-weighted latent ``[T, N, L]``; the model expands it to each head's value.
 
 The batch (``kv_lens``, ``page_indices``, ``cu_q_lens``, ``num_seqs``) and the causal mask mean
-what they mean in ``reference.ragged_paged_attention``; this is that function with one KV head,
+what they mean in ``ragged_paged_attention.reference``; this is that function with one KV head,
 K = V = concat(c_kv, k_pe) and the output's first L columns (the tests check it), computed
-without joining the two page arrays. An fp8 cache stores ``x / scale`` (``quantize_kv``).
+without joining the two page arrays. An fp8 cache stores ``x / scale`` (``kv_cache.write_latent``).
 No Pallas kernel takes this layout yet: every backend runs this reference.
 
 Einsum letters: T tokens, N query heads, L latent, R rotary dims, S cached positions.
@@ -22,13 +22,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference import (
-    DEFAULT_MASK_VALUE,
-    Scale,
-    dequantize_kv,
-    quantize_kv,
-    query_rows,
-)
+from pallas_kernels.kv_cache import Scale, dequantize_kv
+from pallas_kernels.ragged_paged_attention.reference import DEFAULT_MASK_VALUE, query_rows
+
+# Why multi-head latent attention runs the reference whatever the backend (the start-up log).
+MLA_FALLBACK = "multi-head latent attention: no Pallas kernel takes its latent cache yet"
 
 
 def ragged_paged_mla_attention(
@@ -70,22 +68,3 @@ def ragged_paged_mla_attention(
     probs = jnp.where(mask[:, None, :], probs, 0.0)
     out = jnp.einsum("TNS,TSL->TNL", probs, ckv_rows)
     return out.astype(q_latent.dtype)
-
-
-def write_latent(
-    ckv_pages: jax.Array,  # [P, page_size, 1, L]
-    kpe_pages: jax.Array,  # [P, page_size, 1, R]
-    c_kv: jax.Array,  # [T, L]
-    k_pe: jax.Array,  # [T, R]
-    slot_mapping: jax.Array,  # i32[T]  page * page_size + offset; >= P * page_size drops the row
-    *,
-    ckv_scale: Scale = None,
-    kpe_scale: Scale = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Scatter the new tokens' latents into their slots, quantized to the cache dtype."""
-    num_slots = ckv_pages.shape[0] * ckv_pages.shape[1]
-    ckv_new = quantize_kv(c_kv, ckv_pages.dtype, ckv_scale)
-    kpe_new = quantize_kv(k_pe, kpe_pages.dtype, kpe_scale)
-    ckv_flat = ckv_pages.reshape(num_slots, -1).at[slot_mapping].set(ckv_new, mode="drop")
-    kpe_flat = kpe_pages.reshape(num_slots, -1).at[slot_mapping].set(kpe_new, mode="drop")
-    return ckv_flat.reshape(ckv_pages.shape), kpe_flat.reshape(kpe_pages.shape)

@@ -1,0 +1,185 @@
+"""Ragged paged attention: one entry point, chosen by backend.
+
+``ragged_paged_attention`` has the reference's signature and picks, at trace time, by
+``jax.default_backend()``:
+  gpu -> the Mosaic GPU kernel (``mosaic_gpu``) on Hopper or newer, for the shapes and dtypes it
+         takes (bf16 or fp16 queries over a cache of their dtype, head_dim 64/96/128/256, or over
+         an fp8 cache at head_dim 64/128; GQA ratio 1-8, power-of-two page size >= 8); otherwise
+         (an A100, L4, L40S, ... or a shape Mosaic does not take) the Pallas Triton kernel
+         (``triton``: bf16 or fp16, no fp8 cache, head_dim a multiple of 16 up to 256, GQA ratio
+         1-16, any page size);
+  tpu -> the Mosaic TPU kernel (``tpu``), imported lazily;
+  anything else, or a case no kernel takes -> the pure-jnp reference (``reference``).
+``sliding_window`` and ``soft_cap`` are handled inside the GPU kernels; an fp8 cache's per-tensor
+``k_scale`` / ``v_scale`` (``pallas_kernels.kv_cache``) by every path that takes fp8; attention
+sinks (``sinks[Hq]``, GPT-OSS) by every path, so they never change the choice.
+``choose_kernel`` says which path a model's shapes take, and why a fallback was taken, for the
+start-up log.
+
+``JAXSERVE_ATTENTION`` overrides the choice on a GPU: ``auto`` (the default, as above),
+``mosaic`` (Mosaic GPU or the reference, never Triton), ``triton`` (the Triton kernel even on
+Hopper: for benchmarking it there) or ``reference`` (the jnp reference on any backend).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from pallas_kernels.kv_cache import Scale
+from pallas_kernels.ragged_paged_attention import reference
+
+
+def _compute_capability() -> str:
+    return str(getattr(jax.devices("gpu")[0], "compute_capability", "unknown"))
+
+
+@functools.cache
+def _is_hopper_or_newer() -> bool:
+    major = _compute_capability().split(".")[0]
+    return major.isdigit() and int(major) >= 9
+
+
+def _tpu_kernel() -> Callable[..., jax.Array] | None:
+    """The TPU kernel, or None while ``pallas_kernels.tpu`` does not provide it."""
+    try:
+        module = importlib.import_module("pallas_kernels.ragged_paged_attention.tpu")
+    except ImportError:
+        return None
+    return getattr(module, "ragged_paged_attention", None)
+
+
+# What the start-up log calls each path.
+KERNEL_NAMES = {
+    "gpu": "Pallas Mosaic GPU kernel",
+    "triton": "Pallas Triton kernel",
+    "tpu": "Pallas Mosaic TPU kernel",
+    "reference": "pure-jnp reference",
+}
+
+ATTENTION_ENV = "JAXSERVE_ATTENTION"
+ATTENTION_CHOICES = ("auto", "mosaic", "triton", "reference")
+
+
+def requested_attention() -> str:
+    """``JAXSERVE_ATTENTION`` (default ``auto``), validated."""
+    value = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if value not in ATTENTION_CHOICES:
+        raise ValueError(f"{ATTENTION_ENV}={value!r} must be one of {', '.join(ATTENTION_CHOICES)}")
+    return value
+
+
+# Measured on the H200 (benchmarks/RESULTS.md, 2026-12-03): at head_dim 256 the Triton kernel
+# decodes 1.1-1.7x faster than the Mosaic one, which is 2.5x faster on a step with a long prefill.
+TRITON_HEAD_DIMS = (256,)
+TRITON_MAX_TOKENS = 512
+
+
+def _triton_decodes_faster(q: Any, requested: str) -> bool:
+    """Whether a step Mosaic can run goes to the Triton kernel on Hopper: decode-sized steps
+    (``q``'s token bucket) at the head sizes where Triton measured faster."""
+    return (
+        requested == "auto" and q.shape[-1] in TRITON_HEAD_DIMS and q.shape[0] <= TRITON_MAX_TOKENS
+    )
+
+
+def _gpu_choice(
+    q: Any, k_pages: Any, sliding_window: int | None, soft_cap: float | None, requested: str
+) -> tuple[str, str | None]:
+    """Mosaic GPU where it runs, else the Triton kernel, else the reference; and why."""
+    if requested == "triton":
+        why = f"{ATTENTION_ENV}=triton"
+    elif not _is_hopper_or_newer():
+        why = (
+            "the Mosaic GPU kernel needs Hopper or newer (compute capability 9.0); "
+            f"this GPU has {_compute_capability()}"
+        )
+    else:
+        from pallas_kernels.ragged_paged_attention import mosaic_gpu
+
+        reason = mosaic_gpu.unsupported_reason(q, k_pages, sliding_window, soft_cap)
+        if reason is None and not _triton_decodes_faster(q, requested):
+            return "gpu", None
+        why = (
+            f"the Mosaic GPU kernel does not run this model ({reason})"
+            if reason is not None
+            else f"faster than the Mosaic GPU kernel at head_dim {q.shape[-1]} in steps of up "
+            f"to {TRITON_MAX_TOKENS} tokens; larger steps take the Mosaic GPU kernel"
+        )
+    if requested == "mosaic":
+        return "reference", f"{why}; {ATTENTION_ENV}=mosaic"
+    from pallas_kernels.ragged_paged_attention import triton
+
+    reason = triton.unsupported_reason(q, k_pages, sliding_window, soft_cap)
+    if reason is not None:
+        return "reference", f"{why}; the Triton kernel does not run it either ({reason})"
+    return "triton", why
+
+
+def choose_kernel(
+    q: Any,  # [T, Hq, D]: an array or a jax.ShapeDtypeStruct (only shape and dtype are read)
+    k_pages: Any,  # [P, page_size, Hkv, D]: likewise
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> tuple[str, str | None]:
+    """The path ``ragged_paged_attention`` takes on this backend for these shapes and dtypes:
+    ``("gpu" | "triton" | "tpu" | "reference", why this backend's first choice was not taken,
+    or None)``.
+    """
+    backend = jax.default_backend()
+    requested = requested_attention()
+    if requested == "reference":
+        return "reference", f"{ATTENTION_ENV}=reference"
+    if backend == "gpu":
+        return _gpu_choice(q, k_pages, sliding_window, soft_cap, requested)
+    if backend == "tpu":
+        if _tpu_kernel() is None:
+            return "reference", "pallas_kernels.tpu provides no kernel"
+        return "tpu", None
+    return "reference", f"no Pallas kernel runs on the {backend} backend"
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [P, page_size, Hkv, D]
+    v_pages: jax.Array,  # [P, page_size, Hkv, D]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: Scale = None,
+    v_scale: Scale = None,
+    sinks: jax.Array | None = None,  # [Hq]  attention sinks (GPT-OSS)
+) -> jax.Array:  # [T, Hq, D], q's dtype
+    """Ragged paged attention on the best kernel for the current backend."""
+    args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    options: dict[str, Any] = dict(
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
+    )
+    if k_scale is not None or v_scale is not None:  # a bf16 cache calls every path as before
+        options.update(k_scale=k_scale, v_scale=v_scale)
+    if sinks is not None:  # a model without sinks calls every path as before
+        options.update(sinks=sinks)
+    kernel, _ = choose_kernel(q, k_pages, sliding_window, soft_cap)
+    if kernel == "gpu":
+        from pallas_kernels.ragged_paged_attention import mosaic_gpu
+
+        return mosaic_gpu.ragged_paged_attention(*args, **options)
+    if kernel == "triton":  # (never with an fp8 cache: choose_kernel checked)
+        from pallas_kernels.ragged_paged_attention import triton
+
+        return triton.ragged_paged_attention(*args, **options)
+    if kernel == "tpu":
+        tpu_kernel = _tpu_kernel()
+        assert tpu_kernel is not None  # choose_kernel checked
+        return tpu_kernel(*args, **options)
+    return reference.ragged_paged_attention(*args, **options)
