@@ -207,7 +207,7 @@ def test_shared_memory_over_the_limit_is_refused():
 def test_unsupported_reason_names_the_field(dtype: str, head_dim: int, why: str):
     q = jax.ShapeDtypeStruct((1, 8, head_dim), jnp.dtype(dtype))
     k_pages = jax.ShapeDtypeStruct((1, 16, 2, head_dim), jnp.dtype(dtype))
-    reason = mosaic_gpu.unsupported_reason(q, k_pages, None, None)
+    reason = mosaic_gpu.unsupported_reason(q, k_pages)
     assert reason is not None and why in reason
 
 
@@ -355,16 +355,16 @@ def test_kernel_takes_bf16_or_fp16_queries_over_their_dtype_or_fp8_caches():
         q = jax.ShapeDtypeStruct((1, 8, 128), q_dtype)
         for dtype in (q_dtype, jnp.float8_e4m3fn, jnp.float8_e5m2):
             k_pages = jax.ShapeDtypeStruct((4, 16, 2, 128), dtype)
-            assert mosaic_gpu.unsupported_reason(q, k_pages, None, None) is None
+            assert mosaic_gpu.unsupported_reason(q, k_pages) is None
     q = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
     k16 = jax.ShapeDtypeStruct((4, 16, 2, 128), jnp.float16)
-    assert "queries' dtype or fp8" in mosaic_gpu.unsupported_reason(q, k16, None, None)
+    assert "queries' dtype or fp8" in mosaic_gpu.unsupported_reason(q, k16)
     q8 = jax.ShapeDtypeStruct((1, 8, 128), jnp.float8_e4m3fn)
     k8 = jax.ShapeDtypeStruct((4, 16, 2, 128), jnp.float8_e4m3fn)
-    assert "bfloat16 or float16 queries" in mosaic_gpu.unsupported_reason(q8, k8, None, None)
+    assert "bfloat16 or float16 queries" in mosaic_gpu.unsupported_reason(q8, k8)
     q256 = jax.ShapeDtypeStruct((1, 8, 256), jnp.bfloat16)
     k256 = jax.ShapeDtypeStruct((4, 16, 2, 256), jnp.float8_e4m3fn)
-    assert "fp8 cache" in mosaic_gpu.unsupported_reason(q256, k256, None, None)
+    assert "fp8 cache" in mosaic_gpu.unsupported_reason(q256, k256)
 
 
 @pytest.mark.parametrize(

@@ -185,7 +185,7 @@ def describe_attention(
     head_dim = model_config.head_dim
     q = jax.ShapeDtypeStruct((1, num_q_heads, head_dim), dtype)
     k_pages = jax.ShapeDtypeStruct((1, block_size, num_kv_heads, head_dim), kv_dtype or dtype)
-    kernel, reason = choose_kernel(q, k_pages, model_config.sliding_window)
+    kernel, reason = choose_kernel(q, k_pages)
     line = f"Attention: {KERNEL_NAMES[kernel]}"
     return f"{line} ({reason})" if reason else line
 

@@ -31,7 +31,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-PLAN_FIELDS = 4  # segment (G: the zero rows past the groups), first row, row lo, row hi
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +109,7 @@ def plan_tiles(
     *,
     num_rows: int,
     block_m: int,
-) -> jax.Array:  # i32[PLAN_FIELDS, num_tiles]
+) -> jax.Array:  # i32[4, num_tiles]: segment (G: the zero rows), first row, row lo, row hi
     """Each row tile's segment (a group, or G for the zero rows past the groups' sum), the
     first row of its block, and the rows [lo, hi) of the segment in that block; past the
     plan's end a tile has lo == hi (no work)."""
@@ -137,7 +136,7 @@ def plan_tiles(
 
 
 def _grouped_matmul_kernel(
-    plan_ref,  # i32[PLAN_FIELDS, num_tiles]
+    plan_ref,  # i32[4, num_tiles]: segment, first row, row lo, row hi
     lhs_ref,  # [R, K]
     rhs_ref,  # [G, K, N]
     out_ref,  # [R, N]

@@ -24,9 +24,7 @@ Hopper: for benchmarking it there) or ``reference`` (the jnp reference on any ba
 from __future__ import annotations
 
 import functools
-import importlib
 import os
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -43,15 +41,6 @@ def _compute_capability() -> str:
 def _is_hopper_or_newer() -> bool:
     major = _compute_capability().split(".")[0]
     return major.isdigit() and int(major) >= 9
-
-
-def _tpu_kernel() -> Callable[..., jax.Array] | None:
-    """The TPU kernel, or None while ``pallas_kernels.tpu`` does not provide it."""
-    try:
-        module = importlib.import_module("pallas_kernels.ragged_paged_attention.tpu")
-    except ImportError:
-        return None
-    return getattr(module, "ragged_paged_attention", None)
 
 
 # What the start-up log calls each path.
@@ -88,9 +77,7 @@ def _triton_decodes_faster(q: Any, requested: str) -> bool:
     )
 
 
-def _gpu_choice(
-    q: Any, k_pages: Any, sliding_window: int | None, soft_cap: float | None, requested: str
-) -> tuple[str, str | None]:
+def _gpu_choice(q: Any, k_pages: Any, requested: str) -> tuple[str, str | None]:
     """Mosaic GPU where it runs, else the Triton kernel, else the reference; and why."""
     if requested == "triton":
         why = f"{ATTENTION_ENV}=triton"
@@ -102,7 +89,7 @@ def _gpu_choice(
     else:
         from pallas_kernels.ragged_paged_attention import mosaic_gpu
 
-        reason = mosaic_gpu.unsupported_reason(q, k_pages, sliding_window, soft_cap)
+        reason = mosaic_gpu.unsupported_reason(q, k_pages)
         if reason is None and not _triton_decodes_faster(q, requested):
             return "gpu", None
         why = (
@@ -115,7 +102,7 @@ def _gpu_choice(
         return "reference", f"{why}; {ATTENTION_ENV}=mosaic"
     from pallas_kernels.ragged_paged_attention import triton
 
-    reason = triton.unsupported_reason(q, k_pages, sliding_window, soft_cap)
+    reason = triton.unsupported_reason(q, k_pages)
     if reason is not None:
         return "reference", f"{why}; the Triton kernel does not run it either ({reason})"
     return "triton", why
@@ -124,8 +111,6 @@ def _gpu_choice(
 def choose_kernel(
     q: Any,  # [T, Hq, D]: an array or a jax.ShapeDtypeStruct (only shape and dtype are read)
     k_pages: Any,  # [P, page_size, Hkv, D]: likewise
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
 ) -> tuple[str, str | None]:
     """The path ``ragged_paged_attention`` takes on this backend for these shapes and dtypes:
     ``("gpu" | "triton" | "tpu" | "reference", why this backend's first choice was not taken,
@@ -136,10 +121,8 @@ def choose_kernel(
     if requested == "reference":
         return "reference", f"{ATTENTION_ENV}=reference"
     if backend == "gpu":
-        return _gpu_choice(q, k_pages, sliding_window, soft_cap, requested)
+        return _gpu_choice(q, k_pages, requested)
     if backend == "tpu":
-        if _tpu_kernel() is None:
-            return "reference", "pallas_kernels.tpu provides no kernel"
         return "tpu", None
     return "reference", f"no Pallas kernel runs on the {backend} backend"
 
@@ -169,7 +152,7 @@ def ragged_paged_attention(
         options.update(k_scale=k_scale, v_scale=v_scale)
     if sinks is not None:  # a model without sinks calls every path as before
         options.update(sinks=sinks)
-    kernel, _ = choose_kernel(q, k_pages, sliding_window, soft_cap)
+    kernel, _ = choose_kernel(q, k_pages)
     if kernel == "gpu":
         from pallas_kernels.ragged_paged_attention import mosaic_gpu
 
@@ -179,7 +162,7 @@ def ragged_paged_attention(
 
         return triton.ragged_paged_attention(*args, **options)
     if kernel == "tpu":
-        tpu_kernel = _tpu_kernel()
-        assert tpu_kernel is not None  # choose_kernel checked
-        return tpu_kernel(*args, **options)
+        from pallas_kernels.ragged_paged_attention import tpu
+
+        return tpu.ragged_paged_attention(*args, **options)
     return reference.ragged_paged_attention(*args, **options)

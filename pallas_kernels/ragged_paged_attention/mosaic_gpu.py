@@ -111,11 +111,9 @@ def block_q_for(group: int) -> int:
     return 8 * (8 // group)
 
 
-def unsupported_reason(
-    q, k_pages, sliding_window, soft_cap, *, head_major_kv: bool = False
-) -> str | None:
-    """Why this call cannot run on the kernel (the caller falls back to the reference)."""
-    del sliding_window, soft_cap  # both are handled in the kernel
+def unsupported_reason(q, k_pages, *, head_major_kv: bool = False) -> str | None:
+    """Why this call cannot run on the kernel (the caller falls back to the reference); sliding
+    windows and soft caps are handled in the kernel, so only shapes and dtypes count."""
     _, num_q_heads, head_dim = q.shape
     if head_major_kv:
         _, num_kv_heads, page_size, _ = k_pages.shape
@@ -460,9 +458,7 @@ def ragged_paged_attention(
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> jax.Array:  # [T, Hq, D], q's dtype
     """Mosaic GPU ragged paged attention; see the module docstring for the work layout."""
-    reason = unsupported_reason(
-        q, k_pages, sliding_window, soft_cap, head_major_kv=config.head_major_kv
-    )
+    reason = unsupported_reason(q, k_pages, head_major_kv=config.head_major_kv)
     if reason is not None:
         raise ValueError(f"ragged_paged_attention on Mosaic GPU: {reason}")
     if sliding_window is not None and sliding_window < 1:

@@ -55,16 +55,14 @@ class TritonConfig:
     """Static tuning knobs; ``None`` picks a value from the shapes."""
 
     block_kv: int | None = None  # KV tokens a step: see default_block_kv
-    rows: int | None = None  # query rows per program: 16 for decode batches, else 64
     num_splits: int | None = None
     num_warps: int | None = None  # 4 for 16-row (decode) tiles, else 8
     num_stages: int = 2
 
     def __post_init__(self):
-        for name in ("block_kv", "rows"):
-            value = getattr(self, name)
-            if value is not None and (value < 16 or value & (value - 1)):
-                raise ValueError(f"{name}={value} must be a power of two >= 16")
+        value = self.block_kv
+        if value is not None and (value < 16 or value & (value - 1)):
+            raise ValueError(f"block_kv={value} must be a power of two >= 16")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"{self.num_splits=} must be >= 1")
         if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
@@ -73,9 +71,9 @@ class TritonConfig:
             raise ValueError(f"{self.num_stages=} must be in [1, 8]")
 
 
-def unsupported_reason(q, k_pages, sliding_window, soft_cap) -> str | None:
-    """Why this call cannot run on the kernel (the caller falls back to the reference)."""
-    del sliding_window, soft_cap  # both are handled in the kernel
+def unsupported_reason(q, k_pages) -> str | None:
+    """Why this call cannot run on the kernel (the caller falls back to the reference); sliding
+    windows and soft caps are handled in the kernel, so only shapes and dtypes count."""
     _, num_q_heads, head_dim = q.shape
     _, _, num_kv_heads, _ = k_pages.shape
     if q.dtype not in DTYPES or k_pages.dtype != q.dtype:
@@ -240,7 +238,7 @@ def ragged_paged_attention(
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D], q's dtype
     """Pallas Triton ragged paged attention; see the module docstring for the work layout."""
-    reason = unsupported_reason(q, k_pages, sliding_window, soft_cap)
+    reason = unsupported_reason(q, k_pages)
     if reason is not None:
         raise ValueError(f"ragged_paged_attention on Pallas Triton: {reason}")
     if sliding_window is not None and sliding_window < 1:
@@ -252,8 +250,7 @@ def ragged_paged_attention(
     padded_group = _next_pow2(group)
     # NOTE: a batch with no more tokens than sequences is (nearly) all decodes: 16 rows (the
     # smallest tl.dot) waste the least; prefill chunks get 64 rows, to reuse each KV step more.
-    rows = config.rows or (16 if num_tokens <= num_slots else 64)
-    rows = max(rows, padded_group)
+    rows = max(16 if num_tokens <= num_slots else 64, padded_group)
     block_q = rows // padded_group
     block_kv = config.block_kv or default_block_kv(head_dim)
     # NOTE: ptxas (Triton 3.9, sm_80) fits a 16-row tile in 116-123 registers with 4 warps at
