@@ -6,6 +6,9 @@ a size, and the formatter that prints counts back.
 and byte sizes (``--max-request-body-bytes``, ``--device-memory``) through ``human_bytes``.
 The rule is vLLM's: a lowercase suffix is decimal (``8k`` = 8,000), an uppercase one binary
 (``8K`` = 8,192), and decimal suffixes take fractions (``1.5k`` = 1,500).
+
+``cdiv`` is the one ceiling division of jaxserve's integer arithmetic (pages of a sequence,
+blocks of a bucket); the module imports nothing of jaxserve, so every layer may use it.
 """
 
 from __future__ import annotations
@@ -71,3 +74,8 @@ def human_count(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f}{suffix}"
     return str(n)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``a / b`` rounded up, in integers: ``cdiv(7, 4) == 2``, ``cdiv(8, 4) == 2``."""
+    return -(-a // b)

@@ -1,8 +1,10 @@
-"""``jaxserve.units.human_int``: the one parser of counts on every command line."""
+"""``jaxserve.units.human_int``: the one parser of counts on every command line; and ``cdiv``,
+the one ceiling division."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from jaxserve.bench.capacity import add_capacity_arguments
 from jaxserve.bench.latency import add_latency_arguments
 from jaxserve.bench.throughput import add_throughput_arguments
-from jaxserve.units import human_bytes, human_count, human_int
+from jaxserve.units import cdiv, human_bytes, human_count, human_int
 
 
 @pytest.mark.parametrize(
@@ -103,3 +105,10 @@ def test_help_states_the_k_rule(capsys) -> None:
             main([command, "--help"])
         text = " ".join(capsys.readouterr().out.split())
         assert "lowercase k is 1,000 and uppercase K is 1,024" in text, command
+
+
+@pytest.mark.parametrize("b", [1, 2, 3, 16, 4096])
+def test_cdiv_is_the_ceiling_of_the_quotient(b: int) -> None:
+    for a in range(0, 3 * b + 2):
+        assert cdiv(a, b) == math.ceil(a / b) == -(-a // b)
+    assert cdiv(-1, b) == (0 if b > 1 else -1)  # the ceiling, for negative numerators too

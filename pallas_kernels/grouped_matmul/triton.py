@@ -101,7 +101,7 @@ def _resolve(config: GroupedMatmulConfig, num_rows: int, num_groups: int) -> Gro
 
 def num_tiles_for(num_rows: int, num_groups: int, block_m: int) -> int:
     """Row tiles of the grid: G groups and the zero segment, S = G + 1 segments."""
-    return -(-num_rows // block_m) + num_groups
+    return pl.cdiv(num_rows, block_m) + num_groups
 
 
 def plan_tiles(

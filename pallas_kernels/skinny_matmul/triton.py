@@ -98,11 +98,11 @@ def plan(
     if w_layout == "nk" and config.block_n is None:
         # NOTE: a tile of an [N, K] weight reads block_k contiguous bytes per row at any
         # block_n, so narrower N tiles fill the GPU first, without partial sums to add after.
-        while block_n > 16 and -(-n // block_n) < target:
+        while block_n > 16 and pl.cdiv(n, block_n) < target:
             block_n //= 2
     num_splits = config.num_splits
     if num_splits is None:
-        n_blocks, k_blocks = -(-n // block_n), -(-k // block_k)
+        n_blocks, k_blocks = pl.cdiv(n, block_n), pl.cdiv(k, block_k)
         # Partial sums: m x n f32 written and read per split, against k x n weight bytes.
         max_by_bytes = max(1, int(MAX_PARTIAL_SHARE * k * w_itemsize / (8 * m)))
         num_splits = 1
@@ -149,7 +149,7 @@ def _kernel(x_ref, w_ref, scale_ref, o_ref, *, tiles: SkinnyConfig, w_layout: st
     is_row = jnp.arange(block_m, dtype=jnp.int32) < m  # bool[block_m]
     is_col = n0 + jnp.arange(block_n, dtype=jnp.int32) < n  # bool[block_n]
     mask_k, mask_n = k % block_k != 0, n % block_n != 0  # static: masks only where needed
-    num_k_blocks = -(-k // block_k)
+    num_k_blocks = pl.cdiv(k, block_k)
     k_lo = num_k_blocks * split // num_splits
     k_hi = num_k_blocks * (split + 1) // num_splits
     rows, cols = pl.ds(0, block_m), pl.ds(n0, block_n)
@@ -232,7 +232,7 @@ def skinny_matmul(
     out = pl.pallas_call(
         body,
         out_shape=out_shape,
-        grid=(-(-n // tiles.block_n), tiles.num_splits),
+        grid=(pl.cdiv(n, tiles.block_n), tiles.num_splits),
         compiler_params=pltriton.CompilerParams(
             num_warps=tiles.num_warps, num_stages=tiles.num_stages
         ),
