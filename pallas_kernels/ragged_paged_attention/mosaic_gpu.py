@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -458,113 +459,39 @@ def ragged_paged_attention(
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> jax.Array:  # [T, Hq, D], q's dtype
     """Mosaic GPU ragged paged attention; see the module docstring for the work layout."""
-    reason = unsupported_reason(q, k_pages, head_major_kv=config.head_major_kv)
-    if reason is not None:
-        raise ValueError(f"ragged_paged_attention on Mosaic GPU: {reason}")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"{sliding_window=} must be >= 1")
-    num_tokens, num_q_heads, head_dim = q.shape
-    if config.head_major_kv:
-        num_pages, num_kv_heads, page_size, _ = k_pages.shape
-    else:
-        num_pages, page_size, num_kv_heads, _ = k_pages.shape
-    num_slots, pages_per_seq = page_indices.shape
-    group = num_q_heads // num_kv_heads
-    block_q = block_q_for(group)
-    block_kv = config.block_kv
-    if page_size > block_kv and page_size % block_kv:
-        raise ValueError(f"{page_size=} must be a multiple of {block_kv=}")
-    num_splits = config.num_splits or default_num_splits(
-        num_tokens, num_slots, num_kv_heads, pages_per_seq * page_size, block_kv
-    )
-    is_split = num_splits > 1
-    max_tiles = max_tiles_for(num_tokens, num_slots, block_q)
+    _check_call(q, k_pages, sliding_window, sinks, config)
+    launch = _launch_for(q, k_pages, page_indices, config)
+    is_split = launch.num_splits > 1
     plan = plan_tiles(
         cu_q_lens.astype(jnp.int32),
         kv_lens.astype(jnp.int32),
         num_seqs.astype(jnp.int32),
-        num_tokens=num_tokens,
-        block_q=block_q,
-        max_tiles=max_tiles,
+        num_tokens=q.shape[0],
+        block_q=launch.block_q,
+        max_tiles=launch.max_tiles,
         with_padding=not is_split,
     )
-
-    # jax 0.11.2: these subclass the Transform protocol without overriding transform_array,
-    # whose body only raises, so mypy takes them for abstract classes; jax uses them as here.
-    itemsize = jnp.dtype(q.dtype).itemsize
-    swizzle = swizzle_for(head_dim, itemsize)
-    tiled = (
-        plgpu.TilingTransform((8, swizzle // itemsize)),  # type: ignore[abstract]
-        plgpu.SwizzleTransform(swizzle),  # type: ignore[abstract]
-    )
-    stages = config.num_stages
-    smem = smem_bytes(head_dim, itemsize, block_kv, stages)
-    if smem > SMEM_BYTES:
-        raise ValueError(
-            f"{head_dim=} with {block_kv=} and num_stages={stages} needs {smem:,} bytes of "
-            f"shared memory; the limit is {SMEM_BYTES:,}: lower block_kv or num_stages"
-        )
-    o_dtype = jnp.float32 if is_split else q.dtype
-    is_fp8 = k_pages.dtype in FP8_DTYPES
-    is_scaled = k_scale is not None or v_scale is not None
-    scales = jnp.stack(
-        [jnp.asarray(1.0 if x is None else x, jnp.float32).reshape(()) for x in (k_scale, v_scale)]
-    )  # f32[2]
-    if sinks is not None and sinks.shape != (num_q_heads,):
-        raise ValueError(f"{sinks.shape=} must be ({num_q_heads},): one logit per query head")
     has_sinks = sinks is not None and not is_split  # (a split launch leaves them to the merge)
-    if sinks is not None and has_sinks:
-        scales = jnp.concatenate([scales, sinks.astype(jnp.float32)])  # f32[2 + Hq]
-    # fp8 stages land untiled: only the conversion to bf16 reads them, the wgmmas do not.
-    kv_stage = plgpu.SMEM(
-        (stages, block_kv, head_dim), k_pages.dtype, transforms=() if is_fp8 else tiled
-    )
-    kv_deq = plgpu.SMEM((block_kv, head_dim), q.dtype, transforms=tiled) if is_fp8 else None
-    col_width = min(head_dim, 128)
-    num_cols = head_dim // col_width
-    scratch = [
-        plgpu.SMEM((ROWS, head_dim), q.dtype, transforms=tiled),
-        plgpu.RefUnion((kv_stage, kv_stage), plgpu.SMEM((num_cols, ROWS, col_width), o_dtype)),
-        plgpu.RefUnion(
-            plgpu.SMEM((num_cols, ROWS, col_width), q.dtype),
-            plgpu.SMEM((ROWS, block_kv), q.dtype, transforms=tiled),
-        ),
-        plgpu.SMEM((ROWS, LSE_COLS), jnp.float32) if is_split else None,
-        plgpu.Barrier(num_arrivals=group * num_cols),
-        plgpu.Barrier(num_arrivals=block_kv // min(page_size, block_kv), num_barriers=stages),
-        plgpu.Barrier(num_arrivals=block_kv // min(page_size, block_kv), num_barriers=stages),
-        kv_deq,
-        kv_deq,
-    ]
-    out_type: tuple[jax.ShapeDtypeStruct, ...]  # (o, lse) when split, else (o,)
-    if is_split:
-        out_type = (
-            jax.ShapeDtypeStruct((num_splits, num_tokens, num_q_heads, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((num_splits, num_tokens, num_q_heads, LSE_COLS), jnp.float32),
-        )
-    else:
-        out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype),)
+    scales = _scales_operand(k_scale, v_scale, sinks if has_sinks else None)
     body = functools.partial(
         _attention_kernel,
         cfg=config,
-        is_scaled=is_scaled,
+        is_scaled=k_scale is not None or v_scale is not None,
         has_sinks=has_sinks,
-        num_splits=num_splits,
-        group=group,
-        block_q=block_q,
-        page_size=page_size,
-        num_pages=num_pages,
+        num_splits=launch.num_splits,
+        group=launch.group,
+        block_q=launch.block_q,
+        page_size=launch.page_size,
+        num_pages=launch.num_pages,
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,
         soft_cap=soft_cap,
     )
-    if not is_split:
-        body = _with_no_lse(body)
     outs = plgpu.kernel(
-        body,
-        out_type=out_type,
-        scratch_types=scratch,
-        grid=(max_tiles, num_splits, num_kv_heads),
+        body if is_split else _with_no_lse(body),
+        out_type=_out_types(q, launch.num_splits),
+        scratch_types=_scratch_types(q, k_pages, launch, config),
+        grid=(launch.max_tiles, launch.num_splits, launch.num_kv_heads),
         grid_names=("tile", "split", "head"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         kernel_name="ragged_paged_attention",
@@ -573,6 +500,126 @@ def ragged_paged_attention(
     if not is_split:
         return outs[0]
     return merge_splits(outs[0], outs[1], cu_q_lens, num_seqs, out_dtype=q.dtype, sinks=sinks)
+
+
+class _Launch(NamedTuple):
+    """The static shape of one launch, from the shapes and the config."""
+
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    group: int  # query heads per KV head
+    block_q: int  # query tokens per tile
+    num_splits: int  # of each tile's KV range
+    max_tiles: int  # the grid's tile axis: every tile the plan may hold
+
+
+def _launch_for(q, k_pages, page_indices, config: KernelConfig) -> _Launch:
+    """Tiles, KV splits and grid for this call (``config.num_splits`` or the default)."""
+    num_tokens, num_q_heads, _ = q.shape
+    num_pages, page_size, num_kv_heads = _kv_geometry(k_pages, config.head_major_kv)
+    num_slots, pages_per_seq = page_indices.shape
+    group = num_q_heads // num_kv_heads
+    block_q = block_q_for(group)
+    num_splits = config.num_splits or default_num_splits(
+        num_tokens, num_slots, num_kv_heads, pages_per_seq * page_size, config.block_kv
+    )
+    max_tiles = max_tiles_for(num_tokens, num_slots, block_q)
+    return _Launch(num_pages, page_size, num_kv_heads, group, block_q, num_splits, max_tiles)
+
+
+def _kv_geometry(k_pages, head_major_kv: bool) -> tuple[int, int, int]:
+    """``(num_pages, page_size, num_kv_heads)`` of a cache laid out ``[P, page_size, Hkv, D]``
+    (or ``[P, Hkv, page_size, D]``, head-major)."""
+    if head_major_kv:
+        num_pages, num_kv_heads, page_size, _ = k_pages.shape
+    else:
+        num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    return num_pages, page_size, num_kv_heads
+
+
+def _check_call(q, k_pages, sliding_window, sinks, config: KernelConfig) -> None:
+    """Raise ValueError for a call the kernel does not take, or whose tiles do not fit."""
+    reason = unsupported_reason(q, k_pages, head_major_kv=config.head_major_kv)
+    if reason is not None:
+        raise ValueError(f"ragged_paged_attention on Mosaic GPU: {reason}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"{sliding_window=} must be >= 1")
+    _, num_q_heads, head_dim = q.shape
+    _, page_size, _ = _kv_geometry(k_pages, config.head_major_kv)
+    block_kv, stages = config.block_kv, config.num_stages
+    if page_size > block_kv and page_size % block_kv:
+        raise ValueError(f"{page_size=} must be a multiple of {block_kv=}")
+    smem = smem_bytes(head_dim, jnp.dtype(q.dtype).itemsize, block_kv, stages)
+    if smem > SMEM_BYTES:
+        raise ValueError(
+            f"{head_dim=} with {block_kv=} and num_stages={stages} needs {smem:,} bytes of "
+            f"shared memory; the limit is {SMEM_BYTES:,}: lower block_kv or num_stages"
+        )
+    if sinks is not None and sinks.shape != (num_q_heads,):
+        raise ValueError(f"{sinks.shape=} must be ({num_q_heads},): one logit per query head")
+
+
+def _scales_operand(k_scale, v_scale, sinks: jax.Array | None) -> jax.Array:
+    """The kernel's small f32 GMEM operand: ``[k_scale, v_scale]`` (1.0 for None), then, for a
+    launch that takes them, the sink logits: f32[2] or f32[2 + Hq]."""
+    scales = jnp.stack(
+        [jnp.asarray(1.0 if x is None else x, jnp.float32).reshape(()) for x in (k_scale, v_scale)]
+    )  # f32[2]
+    if sinks is not None:
+        scales = jnp.concatenate([scales, sinks.astype(jnp.float32)])  # f32[2 + Hq]
+    return scales
+
+
+def _out_types(q: jax.Array, num_splits: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """``(o,)`` in q's dtype; or, when the KV is split, ``(o, lse)`` per split in float32."""
+    if num_splits == 1:
+        return (jax.ShapeDtypeStruct(q.shape, q.dtype),)
+    num_tokens, num_q_heads, head_dim = q.shape
+    return (
+        jax.ShapeDtypeStruct((num_splits, num_tokens, num_q_heads, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((num_splits, num_tokens, num_q_heads, LSE_COLS), jnp.float32),
+    )
+
+
+def _scratch_types(q: jax.Array, k_pages: jax.Array, launch: _Launch, config: KernelConfig) -> list:
+    """The kernel body's shared memory and barriers, in its argument order (``q_smem`` to
+    ``v_deq``); ``smem_bytes`` counts the same buffers."""
+    head_dim = q.shape[-1]
+    itemsize = jnp.dtype(q.dtype).itemsize
+    swizzle = swizzle_for(head_dim, itemsize)
+    # jax 0.11.2: these subclass the Transform protocol without overriding transform_array,
+    # whose body only raises, so mypy takes them for abstract classes; jax uses them as here.
+    tiled = (
+        plgpu.TilingTransform((8, swizzle // itemsize)),  # type: ignore[abstract]
+        plgpu.SwizzleTransform(swizzle),  # type: ignore[abstract]
+    )
+    block_kv, stages = config.block_kv, config.num_stages
+    is_split = launch.num_splits > 1
+    o_dtype = jnp.float32 if is_split else q.dtype
+    is_fp8 = k_pages.dtype in FP8_DTYPES
+    # fp8 stages land untiled: only the conversion to bf16 reads them, the wgmmas do not.
+    kv_stage = plgpu.SMEM(
+        (stages, block_kv, head_dim), k_pages.dtype, transforms=() if is_fp8 else tiled
+    )
+    kv_deq = plgpu.SMEM((block_kv, head_dim), q.dtype, transforms=tiled) if is_fp8 else None
+    col_width = min(head_dim, 128)
+    num_cols = head_dim // col_width
+    copies = block_kv // min(launch.page_size, block_kv)  # TMA copies per KV step (pages)
+    return [
+        plgpu.SMEM((ROWS, head_dim), q.dtype, transforms=tiled),
+        plgpu.RefUnion((kv_stage, kv_stage), plgpu.SMEM((num_cols, ROWS, col_width), o_dtype)),
+        plgpu.RefUnion(
+            plgpu.SMEM((num_cols, ROWS, col_width), q.dtype),
+            plgpu.SMEM((ROWS, block_kv), q.dtype, transforms=tiled),
+        ),
+        plgpu.SMEM((ROWS, LSE_COLS), jnp.float32) if is_split else None,
+        plgpu.Barrier(num_arrivals=launch.group * num_cols),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+        kv_deq,
+        kv_deq,
+    ]
 
 
 def _with_no_lse(body):

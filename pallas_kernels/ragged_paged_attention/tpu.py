@@ -269,9 +269,62 @@ def ragged_paged_attention(
     num_kv_pages_per_block: int = 8,
 ) -> jax.Array:  # [T, Hq, D], q's dtype
     """Each query row attends to its own sequence's pages, causally; float32 online softmax."""
+    _check_shapes(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sinks)
+    _check_options(sliding_window, soft_cap, num_q_tokens_per_block, num_kv_pages_per_block)
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, kv_head_dim = k_pages.shape
-    num_seq_slots, pages_per_seq = page_indices.shape
+    num_kv_heads = k_pages.shape[2]
+    group = num_q_heads // num_kv_heads
+    tokens_per_block = min(num_q_tokens_per_block, num_tokens)
+    pages_per_block = min(num_kv_pages_per_block, page_indices.shape[1])
+    num_q_blocks = pl.cdiv(num_tokens, tokens_per_block)
+    padded_tokens = num_q_blocks * tokens_per_block
+    num_rows = tokens_per_block * group
+    q_heads = _heads_major(q, num_kv_heads, padded_tokens)  # [Hkv, padded_tokens * G, D]
+    scalars = _scalar_operands(
+        kv_lens, page_indices, cu_q_lens, num_seqs, num_q_blocks, tokens_per_block
+    )
+    scales = jnp.stack(
+        [jnp.asarray(1.0 if x is None else x, jnp.float32).reshape(()) for x in (k_scale, v_scale)]
+    )  # f32[2]
+    kernel = functools.partial(
+        _attention_kernel,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        group=group,
+        pages_per_seq=page_indices.shape[1],
+    )
+    sink_args: tuple[jax.Array, ...] = ()
+    if sinks is not None:
+        sink_args = (_sink_rows(sinks, num_kv_heads, group, tokens_per_block),)
+    else:
+        kernel = _with_no_sinks(kernel)
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=_grid_spec(q_heads, k_pages, num_rows, pages_per_block, sinks is not None),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        out_shape=jax.ShapeDtypeStruct(q_heads.shape, q.dtype),
+        name="ragged_paged_attention",
+    )(*scalars, q_heads, k_pages, v_pages, scales, *sink_args)  # [Hkv, padded_tokens * G, D]
+    out = out.reshape(num_kv_heads, padded_tokens, group, head_dim).transpose(1, 0, 2, 3)
+    return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
+
+
+def _heads_major(q: jax.Array, num_kv_heads: int, padded_tokens: int) -> jax.Array:
+    """``q[T, Hq, D]`` padded to ``padded_tokens`` and regrouped ``[Hkv, T_pad * G, D]``: row
+    ``t * G + g`` of KV head h is query head ``h * G + g`` of token t."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    group = num_q_heads // num_kv_heads
+    q_heads = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    q_heads = jnp.pad(q_heads, ((0, padded_tokens - num_tokens), (0, 0), (0, 0), (0, 0)))
+    return q_heads.transpose(1, 0, 2, 3).reshape(num_kv_heads, padded_tokens * group, head_dim)
+
+
+def _check_shapes(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sinks) -> None:
+    """Raise ValueError for arrays whose shapes do not fit together."""
+    _, num_q_heads, head_dim = q.shape
+    _, _, num_kv_heads, kv_head_dim = k_pages.shape
+    num_seq_slots = page_indices.shape[0]
     if v_pages.shape != k_pages.shape:
         raise ValueError(f"{v_pages.shape=} must equal {k_pages.shape=}")
     if kv_head_dim != head_dim:
@@ -282,26 +335,37 @@ def ragged_paged_attention(
         raise ValueError(f"{kv_lens.shape=} and {cu_q_lens.shape=} must be (S,) and (S + 1,)")
     if num_seqs.shape != (1,):
         raise ValueError(f"{num_seqs.shape=} must be (1,)")
+    if sinks is not None and sinks.shape != (num_q_heads,):
+        raise ValueError(f"{sinks.shape=} must be ({num_q_heads},): one logit per query head")
+
+
+def _check_options(
+    sliding_window: int | None,
+    soft_cap: float | None,
+    num_q_tokens_per_block: int,
+    num_kv_pages_per_block: int,
+) -> None:
+    """Raise ValueError for a static option out of its range."""
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"{sliding_window=} must be positive")
     if soft_cap is not None and soft_cap <= 0.0:
         raise ValueError(f"{soft_cap=} must be positive")
-    if sinks is not None and sinks.shape != (num_q_heads,):
-        raise ValueError(f"{sinks.shape=} must be ({num_q_heads},): one logit per query head")
     if num_q_tokens_per_block <= 0 or num_kv_pages_per_block <= 0:
         raise ValueError(f"{num_q_tokens_per_block=} and {num_kv_pages_per_block=} must be > 0")
-    group = num_q_heads // num_kv_heads
-    tokens_per_block = min(num_q_tokens_per_block, num_tokens)
-    pages_per_block = min(num_kv_pages_per_block, pages_per_seq)
-    num_q_blocks = pl.cdiv(num_tokens, tokens_per_block)
-    padded_tokens = num_q_blocks * tokens_per_block
-    num_rows = tokens_per_block * group
 
-    q_heads = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    q_heads = jnp.pad(q_heads, ((0, padded_tokens - num_tokens), (0, 0), (0, 0), (0, 0)))
-    q_heads = q_heads.transpose(1, 0, 2, 3).reshape(num_kv_heads, padded_tokens * group, head_dim)
 
-    # Which sequences own rows in each query block: [seq_lo, seq_hi).
+def _scalar_operands(
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    num_q_blocks: int,
+    tokens_per_block: int,
+) -> tuple[jax.Array, ...]:
+    """The kernel's five scalar-prefetch operands (SMEM): ``kv_lens``, the flat page table,
+    ``cu_q_lens``, and for each query block the sequences that own rows in it,
+    ``[seq_lo, seq_hi)``."""
+    num_seq_slots = kv_lens.shape[0]
     block_starts = jnp.arange(num_q_blocks, dtype=jnp.int32)[:, None] * tokens_per_block
     is_live = jnp.arange(num_seq_slots, dtype=jnp.int32)[None, :] < num_seqs[0]  # bool[1, S]
     seq_lo = jnp.sum(is_live & (cu_q_lens[None, 1:] <= block_starts), axis=1, dtype=jnp.int32)
@@ -311,71 +375,67 @@ def ragged_paged_attention(
         dtype=jnp.int32,
     )
     seq_hi = jnp.maximum(seq_hi, seq_lo)  # i32[num_q_blocks]
-
-    scales = jnp.stack(
-        [jnp.asarray(1.0 if x is None else x, jnp.float32).reshape(()) for x in (k_scale, v_scale)]
-    )  # f32[2]
-    kernel = functools.partial(
-        _attention_kernel,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        group=group,
-        pages_per_seq=pages_per_seq,
-    )
-    q_spec = pl.BlockSpec((num_kv_heads, num_rows, head_dim), lambda b, *_: (0, b, 0))
-    page_buf = pltpu.VMEM((2, pages_per_block, page_size, num_kv_heads, head_dim), k_pages.dtype)
-    stat_shape = (num_kv_heads, num_rows, _STAT_LANES)
-    stat_buf = pltpu.VMEM(stat_shape, jnp.float32)
-    sink_args: tuple[jax.Array, ...] = ()
-    sink_specs: list[pl.BlockSpec] = []
-    if sinks is not None:  # row t * G + g of KV head h: query head h * G + g's sink
-        sink_rows = jnp.tile(
-            sinks.astype(jnp.float32).reshape(num_kv_heads, 1, group), (1, tokens_per_block, 1)
-        ).reshape(num_kv_heads, num_rows, 1)
-        sink_args = (jnp.broadcast_to(sink_rows, stat_shape),)  # f32[Hkv, R, 128]
-        sink_specs = [pl.BlockSpec(stat_shape, lambda b, *_: (0, 0, 0))]
-    else:
-        kernel = _with_no_sinks(kernel)
-    out = pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
-            grid=(num_q_blocks,),
-            in_specs=[
-                q_spec,
-                pl.BlockSpec(memory_space=pl.ANY),
-                pl.BlockSpec(memory_space=pl.ANY),
-                pl.BlockSpec(memory_space=pltpu.SMEM),
-                *sink_specs,
-            ],
-            out_specs=q_spec,
-            scratch_shapes=[
-                page_buf,
-                page_buf,
-                pltpu.SemaphoreType.DMA((2,)),
-                stat_buf,
-                stat_buf,
-                pltpu.VMEM((num_kv_heads, num_rows, head_dim), jnp.float32),
-            ],
-        ),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-        out_shape=jax.ShapeDtypeStruct(q_heads.shape, q.dtype),
-        name="ragged_paged_attention",
-    )(
+    return (
         kv_lens.astype(jnp.int32),
         page_indices.astype(jnp.int32).reshape(-1),
         cu_q_lens.astype(jnp.int32),
         seq_lo,
         seq_hi,
-        q_heads,
-        k_pages,
-        v_pages,
-        scales,
-        *sink_args,
-    )  # [Hkv, padded_tokens * G, D]
-    out = out.reshape(num_kv_heads, padded_tokens, group, head_dim).transpose(1, 0, 2, 3)
-    return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
+    )
+
+
+def _sink_rows(
+    sinks: jax.Array,  # [Hq]
+    num_kv_heads: int,
+    group: int,
+    tokens_per_block: int,
+) -> jax.Array:  # f32[Hkv, R, 128], laid out like the running max
+    """Row t * G + g of KV head h: query head h * G + g's sink."""
+    num_rows = tokens_per_block * group
+    sink_rows = jnp.tile(
+        sinks.astype(jnp.float32).reshape(num_kv_heads, 1, group), (1, tokens_per_block, 1)
+    ).reshape(num_kv_heads, num_rows, 1)
+    return jnp.broadcast_to(sink_rows, (num_kv_heads, num_rows, _STAT_LANES))
+
+
+def _grid_spec(
+    q_heads: jax.Array,  # [Hkv, T_pad * G, D]
+    k_pages: jax.Array,  # [P, page_size, Hkv, D]
+    num_rows: int,  # query rows of a block: tokens_per_block * G
+    pages_per_block: int,
+    has_sinks: bool,
+) -> pltpu.PrefetchScalarGridSpec:
+    """One program per query block: 5 scalar-prefetch operands, Q's block, K and V left in HBM,
+    the scales in SMEM (and the sinks' block); two VMEM slots of KV pages, their DMA semaphores
+    and the online softmax's max, sum and accumulator as scratch."""
+    num_kv_heads, padded_rows, head_dim = q_heads.shape
+    _, page_size, _, _ = k_pages.shape
+    q_spec = pl.BlockSpec((num_kv_heads, num_rows, head_dim), lambda b, *_: (0, b, 0))
+    page_buf = pltpu.VMEM((2, pages_per_block, page_size, num_kv_heads, head_dim), k_pages.dtype)
+    stat_shape = (num_kv_heads, num_rows, _STAT_LANES)
+    stat_buf = pltpu.VMEM(stat_shape, jnp.float32)
+    sink_specs = [pl.BlockSpec(stat_shape, lambda b, *_: (0, 0, 0))] if has_sinks else []
+    num_q_blocks = padded_rows // num_rows
+    return pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5,
+        grid=(num_q_blocks,),
+        in_specs=[
+            q_spec,
+            pl.BlockSpec(memory_space=pl.ANY),
+            pl.BlockSpec(memory_space=pl.ANY),
+            pl.BlockSpec(memory_space=pltpu.SMEM),
+            *sink_specs,
+        ],
+        out_specs=q_spec,
+        scratch_shapes=[
+            page_buf,
+            page_buf,
+            pltpu.SemaphoreType.DMA((2,)),
+            stat_buf,
+            stat_buf,
+            pltpu.VMEM((num_kv_heads, num_rows, head_dim), jnp.float32),
+        ],
+    )
 
 
 def _with_no_sinks(kernel):

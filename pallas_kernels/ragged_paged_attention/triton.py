@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -238,11 +239,74 @@ def ragged_paged_attention(
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D], q's dtype
     """Pallas Triton ragged paged attention; see the module docstring for the work layout."""
+    _check_call(q, k_pages, sliding_window, sinks)
+    launch = _launch_for(q, k_pages, page_indices, config)
+    is_split = launch.num_splits > 1
+    plan = plan_tiles(
+        cu_q_lens.astype(jnp.int32),
+        kv_lens.astype(jnp.int32),
+        num_seqs.astype(jnp.int32),
+        num_tokens=q.shape[0],
+        block_q=launch.block_q,
+        max_tiles=launch.max_tiles,
+        with_padding=not is_split,
+    )
+    body = functools.partial(
+        _attention_kernel,
+        rows=launch.rows,
+        group=launch.group,
+        block_kv=launch.block_kv,
+        num_splits=launch.num_splits,
+        sm_scale=float(sm_scale),
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+    kernel_sinks = () if sinks is None or is_split else (sinks.astype(jnp.float32),)
+    outs = pl.pallas_call(
+        _bind_refs(body, has_sinks=bool(kernel_sinks), has_lse=is_split),
+        out_shape=_out_shape(q, launch.num_splits),
+        grid=(launch.max_tiles, k_pages.shape[2], launch.num_splits),
+        compiler_params=pltriton.CompilerParams(
+            num_warps=launch.num_warps, num_stages=config.num_stages
+        ),
+        interpret=interpret,
+        name="ragged_paged_attention_triton",
+    )(plan, page_indices.astype(jnp.int32), q, k_pages, v_pages, *kernel_sinks)
+    if is_split:
+        out = merge_splits(
+            outs[0], outs[1][..., None], cu_q_lens, num_seqs, out_dtype=q.dtype, sinks=sinks
+        )
+    else:
+        out = outs[0]
+    return out[..., : q.shape[-1]]
+
+
+def _check_call(q, k_pages, sliding_window, sinks) -> None:
+    """Raise ValueError for a call the kernel does not take."""
     reason = unsupported_reason(q, k_pages)
     if reason is not None:
         raise ValueError(f"ragged_paged_attention on Pallas Triton: {reason}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"{sliding_window=} must be >= 1")
+    num_q_heads = q.shape[1]
+    if sinks is not None and sinks.shape != (num_q_heads,):
+        raise ValueError(f"{sinks.shape=} must be ({num_q_heads},): one logit per query head")
+
+
+class _Launch(NamedTuple):
+    """The static shape of one launch, from the shapes and the config."""
+
+    group: int  # query heads per KV head
+    rows: int  # query rows per program: block_q tokens x the group rounded up to a power of two
+    block_q: int  # query tokens per tile
+    block_kv: int  # KV tokens a step
+    num_warps: int
+    max_tiles: int  # the grid's tile axis: every tile the plan may hold
+    num_splits: int  # of each tile's KV range
+
+
+def _launch_for(q, k_pages, page_indices, config: TritonConfig) -> _Launch:
+    """Tiles, warps, KV splits and grid for this call (``config``'s, where it gives them)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     num_slots, pages_per_seq = page_indices.shape
@@ -260,53 +324,20 @@ def ragged_paged_attention(
     num_splits = config.num_splits or default_num_splits(
         max_tiles * num_kv_heads, pages_per_seq * page_size, block_kv, num_sms()
     )
-    is_split = num_splits > 1
-    plan = plan_tiles(
-        cu_q_lens.astype(jnp.int32),
-        kv_lens.astype(jnp.int32),
-        num_seqs.astype(jnp.int32),
-        num_tokens=num_tokens,
-        block_q=block_q,
-        max_tiles=max_tiles,
-        with_padding=not is_split,
-    )
+    return _Launch(group, rows, block_q, block_kv, num_warps, max_tiles, num_splits)
+
+
+def _out_shape(q: jax.Array, num_splits: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """``(o,)`` in q's dtype; or, when the KV is split, ``(o, lse)`` per split in float32; o's
+    head_dim padded to a power of two (sliced after)."""
+    num_tokens, num_q_heads, head_dim = q.shape
     o_shape = (num_tokens, num_q_heads, max(16, _next_pow2(head_dim)))  # head_dim padded
-    out_shape: tuple[jax.ShapeDtypeStruct, ...]  # (o, lse) when split, else (o,)
-    if is_split:
-        out_shape = (
-            jax.ShapeDtypeStruct((num_splits, *o_shape), jnp.float32),
-            jax.ShapeDtypeStruct((num_splits, num_tokens, num_q_heads), jnp.float32),
-        )
-    else:
-        out_shape = (jax.ShapeDtypeStruct(o_shape, q.dtype),)
-    body = functools.partial(
-        _attention_kernel,
-        rows=rows,
-        group=group,
-        block_kv=block_kv,
-        num_splits=num_splits,
-        sm_scale=float(sm_scale),
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
+    if num_splits == 1:
+        return (jax.ShapeDtypeStruct(o_shape, q.dtype),)
+    return (
+        jax.ShapeDtypeStruct((num_splits, *o_shape), jnp.float32),
+        jax.ShapeDtypeStruct((num_splits, num_tokens, num_q_heads), jnp.float32),
     )
-    if sinks is not None and sinks.shape != (num_q_heads,):
-        raise ValueError(f"{sinks.shape=} must be ({num_q_heads},): one logit per query head")
-    kernel_sinks = () if sinks is None or is_split else (sinks.astype(jnp.float32),)
-    outs = pl.pallas_call(
-        _bind_refs(body, has_sinks=bool(kernel_sinks), has_lse=is_split),
-        out_shape=out_shape,
-        grid=(max_tiles, num_kv_heads, num_splits),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=config.num_stages),
-        interpret=interpret,
-        name="ragged_paged_attention_triton",
-    )(plan, page_indices.astype(jnp.int32), q, k_pages, v_pages, *kernel_sinks)
-    if is_split:
-        out = merge_splits(
-            outs[0], outs[1][..., None], cu_q_lens, num_seqs, out_dtype=q.dtype, sinks=sinks
-        )
-    else:
-        out = outs[0]
-    return out[..., :head_dim]
 
 
 def _bind_refs(body, *, has_sinks: bool, has_lse: bool):
