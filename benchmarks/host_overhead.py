@@ -4,7 +4,7 @@ No model runs: the sampled token is computed on the host, so what is timed is ex
 Python work the engine does around each device step. Default: 256 running requests decoding
 after a 512-token prompt, Llama-3-8B vocabulary and max_model_len 4096.
 
-    python benchmarks/host_overhead.py [--num-seqs 256] [--steps 200]
+    python -m benchmarks.host_overhead [--num-seqs 256] [--steps 200]
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ the tracebacks logged (each 500 is one). Round three's finding 9 runs the parser
 process, and finding 10 starts ``jaxserve launch`` itself (a malformed config.json, a
 ``--max-model-len`` past the model): neither needs the server.
 
-    python benchmarks/hostile_full.py --base-url http://localhost:8011 --pid PID \
+    python -m benchmarks.hostile_full --base-url http://localhost:8011 --pid PID \
         --server-log launch.log --output-json hostile.json
 """
 

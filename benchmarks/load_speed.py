@@ -15,9 +15,9 @@ page cache, then times on the same files, in this order (each GB/s over the chec
 Peak host memory (max RSS) is printed after the new loader's runs, before the old one maps the
 files. Measurements stop when --time-budget seconds have passed (the rest is listed as skipped).
 
-    python benchmarks/load_speed.py                          # Llama-3-8B: 15 GB in 4 shards
-    python benchmarks/load_speed.py --num-layers 4 --vocab-size 32000  # 1.9 GB, CPU-sized
-    python benchmarks/load_speed.py --smoke                  # tiny (CI smoke test)
+    python -m benchmarks.load_speed                          # Llama-3-8B: 15 GB in 4 shards
+    python -m benchmarks.load_speed --num-layers 4 --vocab-size 32000  # 1.9 GB, CPU-sized
+    python -m benchmarks.load_speed --smoke                  # tiny (CI smoke test)
 """
 
 from __future__ import annotations

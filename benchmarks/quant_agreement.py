@@ -7,8 +7,8 @@ per mode: the largest and mean absolute logit error, the largest relative to the
 logit, and the share of positions whose argmax agrees: all of them, and those whose reference
 top-2 margin is above ``--margin`` and above the median margin (random weights give near-ties).
 
-    python benchmarks/quant_agreement.py                          # dummy Llama-3-8B (a GPU)
-    python benchmarks/quant_agreement.py --model tests/fixtures/models/llama --load-format auto
+    python -m benchmarks.quant_agreement                          # dummy Llama-3-8B (a GPU)
+    python -m benchmarks.quant_agreement --model tests/fixtures/models/llama --load-format auto
 """
 
 from __future__ import annotations

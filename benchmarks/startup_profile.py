@@ -7,7 +7,7 @@ the most of it (inclusive: a function's share counts every sample with it on the
 Sampling, not tracing: the start runs at its own speed (``cProfile`` doubles the cost of
 tracing-heavy Python and sees nothing of the time spent in C++ with the GIL released).
 
-    python benchmarks/startup_profile.py MODEL_DIR [launch arguments] [--top 30]
+    python -m benchmarks.startup_profile MODEL_DIR [launch arguments] [--top 30]
 """
 
 from __future__ import annotations

@@ -133,8 +133,9 @@ def test_parse_memory() -> None:
 
 
 def test_the_h200_preset_plans_what_launch_logged_on_an_h200(capsys) -> None:
-    # benchmarks/RESULTS.md: every start of the launch stage (dummy Llama-3-8B, 4,096 context,
-    # 2,048 batched tokens, utilization 0.9) logged these lines on the H200.
+    # benchmarks/reports/2026-12-02-engine-on-the-h200: every start of the launch stage (dummy
+    # Llama-3-8B, 4,096 context, 2,048 batched tokens, utilization 0.9) logged these lines on the
+    # H200.
     parser = argparse.ArgumentParser()
     add_capacity_arguments(parser)
     argv = [str(builtin_config_dir("llama-3-8b")), "--device-memory", "H200"]

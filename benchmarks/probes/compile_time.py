@@ -10,8 +10,8 @@ given:
   parallel         all buckets compiled in threads at once (what warm-up does).
 Run it with XLA_FLAGS=--xla_gpu_autotune_level=0 as well to see the autotuner's share.
 
-    python benchmarks/compile_time.py                      # Llama-3-8B shape, buckets 16,256
-    python benchmarks/compile_time.py --smoke              # tiny CPU run (CI smoke test)
+    python -m benchmarks.probes.compile_time           # Llama-3-8B shape, buckets 16,256
+    python -m benchmarks.probes.compile_time --smoke   # tiny CPU run (CI smoke test)
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 import jax
 
 import pallas_kernels
+from benchmarks.common import ROOT
 from jaxserve.config import ModelConfig, builtin_config_dir
 from jaxserve.engine_config import EngineConfig
 from jaxserve.runner.programs import model_step
@@ -51,7 +52,7 @@ def main() -> None:
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     if args.smoke:
-        args.model = str(Path(__file__).parents[1] / "tests/fixtures/models/llama")
+        args.model = str(ROOT / "tests/fixtures/models/llama")
         args.buckets, args.max_model_len = "16,32", 128
     buckets = [int(b) for b in args.buckets.split(",")]
     os.environ["JAXSERVE_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="jaxserve-compile-time-")

@@ -2,21 +2,18 @@
 input projections and the MLP's gate/up, as separate matmuls and as one concatenated matmul,
 on the Llama-3-8B shapes, timed on the device.
 
-    python benchmarks/fusion_probe.py [--batches 1,8,64]
+    python -m benchmarks.probes.fusion_probe [--batches 1,8,64]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).parent))
-from timing import best_time  # noqa: E402
+from benchmarks.common import best_time
 
 H, Q, KV, INTER = 4096, 4096, 1024, 14336
 LAYERS = int(os.environ.get("PROBE_LAYERS", 32))
