@@ -30,8 +30,8 @@ from jaxserve.cli import build_parser
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.server.app import build_app
 from jaxserve.server.background import BackgroundServer
-from jaxserve.server.launch import settings_from_args
-from jaxserve.server.ratelimit import RateLimiter, TokenBucket
+from jaxserve.server.guard.ratelimit import RateLimiter, TokenBucket
+from jaxserve.server.launch.flags import settings_from_args
 from jaxserve.server.settings import ServerSettings
 from tests.conftest import (
     free_port,

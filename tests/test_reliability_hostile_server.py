@@ -30,11 +30,11 @@ from jaxserve.cli import build_parser
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.runner.sampling import apply_top_k_top_p
 from jaxserve.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams, SamplingParamsError
+from jaxserve.server.api.errors import APIError
+from jaxserve.server.api.fields import parse_json_object
 from jaxserve.server.app import build_app
 from jaxserve.server.background import BackgroundServer
-from jaxserve.server.errors import APIError
-from jaxserve.server.fields import parse_json_object
-from jaxserve.server.launch import settings_from_args
+from jaxserve.server.launch.flags import settings_from_args
 from jaxserve.server.settings import ServerSettings
 from tests.conftest import assert_bad_request, tiny_engine_config
 

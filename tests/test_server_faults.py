@@ -31,7 +31,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.app import build_app
 from jaxserve.server.background import BackgroundServer
 from jaxserve.server.generation import EngineRequest, Generation
-from jaxserve.server.launch import DrainingServer
+from jaxserve.server.launch.serve import DrainingServer
 from jaxserve.server.lifecycle import ServerState
 from jaxserve.server.metrics import StatsLogger
 from jaxserve.server.settings import ServerSettings

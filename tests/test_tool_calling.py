@@ -25,13 +25,14 @@ from jaxserve.engine.core import EngineStats
 from jaxserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.engine_config import EngineConfig, default_model_dir
+from jaxserve.server.api.protocol import parse_chat_request
 from jaxserve.server.app import build_app
 from jaxserve.server.background import BackgroundServer
-from jaxserve.server.chat_output import ChatOutputRules
-from jaxserve.server.launch import run_launch, settings_from_args
-from jaxserve.server.protocol import parse_chat_request
+from jaxserve.server.chat.output import ChatOutputRules
+from jaxserve.server.chat.tool_calls import MessageDelta
+from jaxserve.server.launch.flags import settings_from_args
+from jaxserve.server.launch.serve import run_launch
 from jaxserve.server.settings import ServerSettings
-from jaxserve.server.tool_calls import MessageDelta
 
 MODEL = "echo"
 DEMO = default_model_dir()
@@ -680,7 +681,7 @@ def test_launch_flags_for_tools_and_reasoning(capsys):
 @pytest.mark.parametrize(("parser", "output", "content", "calls"), CASES)
 def test_parsers_give_the_same_message_however_the_text_is_cut(parser, output, content, calls):
     """Fed a character at a time, a parser gives exactly what it gives for the whole text."""
-    from jaxserve.server.tool_parsers import make_tool_parser
+    from jaxserve.server.chat.tool_parsers import make_tool_parser
 
     def parse(pieces: list[str]) -> tuple[str, list[tuple[str | None, str]]]:
         tool_parser = make_tool_parser(parser, parallel=True)
@@ -717,7 +718,7 @@ def test_whitespace_after_a_marker_is_the_same_whole_and_streamed(
     """Whitespace after llama3's ``<|python_tag|>`` is dropped (as vLLM strips it) whether it
     arrives with the tag or in a later delta; after a Hermes ``<tool_call>`` that opens no
     call it is content. Each used to differ between a streamed and a whole output."""
-    from jaxserve.server.tool_parsers import make_tool_parser
+    from jaxserve.server.chat.tool_parsers import make_tool_parser
 
     for pieces in ([text], list(text), [text[:15], text[15:]]):
         tool_parser = make_tool_parser(parser, parallel=True)
@@ -740,7 +741,7 @@ def test_whitespace_after_a_marker_is_the_same_whole_and_streamed(
     ],
 )
 def test_mistral_marker_without_a_call_stays_text(text) -> None:
-    from jaxserve.server.tool_parsers import make_tool_parser
+    from jaxserve.server.chat.tool_parsers import make_tool_parser
 
     for pieces in ([text], list(text)):
         tool_parser = make_tool_parser("mistral", parallel=True)
@@ -752,7 +753,7 @@ def test_mistral_marker_without_a_call_stays_text(text) -> None:
 
 
 def test_mistral_v11_calls_keep_the_first_without_parallel_calls() -> None:
-    from jaxserve.server.tool_parsers import make_tool_parser
+    from jaxserve.server.chat.tool_parsers import make_tool_parser
 
     text = '[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}'
     tool_parser = make_tool_parser("mistral", parallel=False)

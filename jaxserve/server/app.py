@@ -1,11 +1,11 @@
 """The Starlette app: routes, middleware and error handlers around one ``AsyncEngine``.
 
-``build_app(engine, settings)`` is called by ``launch.py`` (and by tests) with an engine that is
-already started; the app never starts or stops the engine. Its lifespan runs the engine
-watchdog and the periodic stats line. Middleware, outermost first: header count (431), slow
-reader (send timeout), API key (401), body size (413) and body time (408); then routing, where
-every error becomes OpenAI's error shape. Generation routes are rate limited when
-``--rate-limit-rpm`` / ``--rate-limit-tpm`` are set (``ratelimit.py``).
+``build_app(engine, settings)`` is called by ``launch/serve.py`` (and by tests) with an engine that
+is already started; the app never starts or stops the engine. Its lifespan runs the engine watchdog
+and the periodic stats line. Middleware, outermost first: header count (431), slow reader (send
+timeout), API key (401), body size (413) and body time (408); then routing, where every error
+becomes OpenAI's error shape. Generation routes are rate limited when ``--rate-limit-rpm`` /
+``--rate-limit-tpm`` are set (``guard/ratelimit.py``).
 """
 
 from __future__ import annotations
@@ -30,18 +30,22 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from jaxserve.engine.interfaces import EngineClient
 from jaxserve.json_limits import JsonLimitError
 from jaxserve.sampling_params import SamplingParamsError
-from jaxserve.server.auth import APIKeyMiddleware
-from jaxserve.server.chat import create_chat_completion
-from jaxserve.server.completions import create_completion
+from jaxserve.server.api.completions import create_completion
+from jaxserve.server.api.errors import APIError, internal_error, json_response, unavailable
+from jaxserve.server.api.openapi import openapi_spec
+from jaxserve.server.api.tokenization import detokenize, tokenize
+from jaxserve.server.chat.completions import create_chat_completion
 from jaxserve.server.context import OFFLOAD_BYTES, ServingContext
-from jaxserve.server.errors import APIError, internal_error, json_response, unavailable
+from jaxserve.server.guard.auth import APIKeyMiddleware
+from jaxserve.server.guard.limits import (
+    BodyLimitMiddleware,
+    HeaderLimitMiddleware,
+    SendTimeoutMiddleware,
+)
+from jaxserve.server.guard.ratelimit import RateLimitedContext, RateLimiter
 from jaxserve.server.lifecycle import log_stats_periodically, watch_engine
-from jaxserve.server.limits import BodyLimitMiddleware, HeaderLimitMiddleware, SendTimeoutMiddleware
 from jaxserve.server.metrics import StatsLogger
-from jaxserve.server.openapi import openapi_spec
-from jaxserve.server.ratelimit import RateLimitedContext, RateLimiter
 from jaxserve.server.settings import ServerSettings
-from jaxserve.server.tokenization import detokenize, tokenize
 
 _LOG = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from jaxserve.sampling_params import (
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
 )
-from jaxserve.server.messages import ROLES
-from jaxserve.server.protocol import MAX_BATCH_PROMPTS
-from jaxserve.server.tools import FUNCTION_NAME, MAX_TOOLS
+from jaxserve.server.api.protocol import MAX_BATCH_PROMPTS
+from jaxserve.server.chat.messages import ROLES
+from jaxserve.server.chat.tools import FUNCTION_NAME, MAX_TOOLS
 
 
 def _ref(name: str) -> dict[str, str]:
