@@ -69,15 +69,24 @@ def build_app(
         if limiter is None
         else RateLimitedContext(engine, settings, limiter)
     )
-    created = int(time.time())
-    version = server_version()
-    spec = openapi_spec(
-        settings.served_model_names,
-        ctx.max_model_len,
-        ctx.vocab_size,
-        version,
-        public_paths=settings.public_paths if settings.api_key is not None else None,
+    app = Starlette(
+        routes=[*_generation_routes(ctx, limiter), *_info_routes(ctx, server_version())],
+        middleware=_middleware(settings),
+        exception_handlers={
+            APIError: _api_error,
+            SamplingParamsError: _sampling_error,
+            JsonLimitError: _json_limit_error,
+            HTTPException: _http_error,
+            Exception: _unexpected_error,
+        },
+        lifespan=_lifespan(ctx, on_engine_dead),
     )
+    app.state.ctx = ctx
+    return app
+
+
+def _generation_routes(ctx: ServingContext, limiter: RateLimiter | None) -> list[Route]:
+    """The routes that read a body: the two generation routes (rate limited) and tokenizing."""
 
     async def read_body(request: Request, is_generation: bool = False) -> bytes:
         """The body's bytes; each route parses them (off the event loop when they are large)."""
@@ -99,6 +108,26 @@ def build_app(
     async def detokenize_route(request: Request) -> Response:
         raw = await read_body(request)
         return await ctx.offload(len(raw) >= OFFLOAD_BYTES, detokenize, ctx, raw)
+
+    return [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/tokenize", tokenize_route, methods=["POST"]),
+        Route("/detokenize", detokenize_route, methods=["POST"]),
+    ]
+
+
+def _info_routes(ctx: ServingContext, version: str) -> list[Route]:
+    """The routes that only answer: models, health, metrics, version and the OpenAPI spec."""
+    engine, settings = ctx.engine, ctx.settings
+    created = int(time.time())
+    spec = openapi_spec(
+        settings.served_model_names,
+        ctx.max_model_len,
+        ctx.vocab_size,
+        version,
+        public_paths=settings.public_paths if settings.api_key is not None else None,
+    )
 
     async def models(request: Request) -> Response:
         data = [
@@ -131,17 +160,17 @@ def build_app(
     async def openapi(request: Request) -> Response:
         return json_response(spec)
 
-    routes = [
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/tokenize", tokenize_route, methods=["POST"]),
-        Route("/detokenize", detokenize_route, methods=["POST"]),
+    return [
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/version", version_route, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
     ]
+
+
+def _middleware(settings: ServerSettings) -> list[Middleware]:
+    """Outermost first: unexpected errors, header limits, send timeout, API key, body limits."""
     middleware = [
         Middleware(UnexpectedErrorMiddleware),
         Middleware(
@@ -164,6 +193,14 @@ def build_app(
             body_timeout_s=settings.request_body_timeout_s,
         )
     )
+    return middleware
+
+
+def _lifespan(
+    ctx: ServingContext, on_engine_dead: Callable[[], None] | None
+) -> Callable[[Starlette], contextlib.AbstractAsyncContextManager[None]]:
+    """The engine watchdog and the periodic stats line, for as long as the app serves."""
+    engine, settings = ctx.engine, ctx.settings
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -181,20 +218,7 @@ def build_app(
             await asyncio.gather(*tasks, return_exceptions=True)
             ctx.close()
 
-    app = Starlette(
-        routes=routes,
-        middleware=middleware,
-        exception_handlers={
-            APIError: _api_error,
-            SamplingParamsError: _sampling_error,
-            JsonLimitError: _json_limit_error,
-            HTTPException: _http_error,
-            Exception: _unexpected_error,
-        },
-        lifespan=lifespan,
-    )
-    app.state.ctx = ctx
-    return app
+    return lifespan
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:

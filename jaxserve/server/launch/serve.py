@@ -22,11 +22,13 @@ import asyncio
 import logging
 import os
 import signal
+from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from jaxserve.engine_config import EngineConfig
 from jaxserve.hf_cache import ModelNotFoundError
 from jaxserve.runner.device_memory import (
     MemoryQuery,
@@ -37,8 +39,21 @@ from jaxserve.runner.device_memory import (
 from jaxserve.server.launch.flags import engine_config_from_args, flag_terms, settings_from_args
 from jaxserve.server.launch.preflight import PreflightError, preflight, warn_if_open
 from jaxserve.server.launch.vllm_flags import inapplicable_flag_warnings
+from jaxserve.server.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from jaxserve.engine.async_engine import AsyncEngine
 
 _LOG = logging.getLogger("jaxserve.launch")
+
+
+class StartFailed(Exception):
+    """A start that cannot go on, already logged where it was found; ``status`` is the exit
+    code (2: the flags, 1: the model, the address or the device)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
 
 
 def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device_memory) -> int:
@@ -49,21 +64,33 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
         level=args.log_level.upper(),
         format="%(levelname)s %(asctime)s %(name)s: %(message)s",
     )
-    from jaxserve.runner.capacity import CapacityError, reserve_device_memory
     from jaxserve.runner.devices import quiet_backend_probe
-    from jaxserve.runner.distributed import (
-        DistributedConfig,
-        initialize_distributed,
-        is_coordinator,
-    )
 
     quiet_backend_probe()  # before JAX's backend starts
 
     for line in inapplicable_flag_warnings(args):
         _LOG.warning("%s", line)
+    try:
+        config, settings, model_dir = _check_before_loading(args, memory_query)
+        if not _join_replica(args, config):
+            return 0  # a follower, done when process 0 shuts down
+        engine = _build_engine(args, config, model_dir)
+    except StartFailed as exc:
+        return exc.status
+    return _serve(args, engine, settings)
+
+
+def _check_before_loading(
+    args: argparse.Namespace, memory_query: MemoryQuery
+) -> tuple[EngineConfig, ServerSettings, Path]:
+    """The flags, the model's directory, the address and the device's free memory, checked
+    before anything loads; then the device memory the engine may take is reserved."""
+    from jaxserve.runner.capacity import reserve_device_memory
+    from jaxserve.runner.distributed import DistributedConfig
+
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         _LOG.error("--ssl-keyfile and --ssl-certfile must be given together")
-        return 2
+        raise StartFailed(2)
     try:
         config = engine_config_from_args(args)
         settings = settings_from_args(args, config.model_name)
@@ -75,10 +102,10 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
         model_dir, _ = config.model_dir, config.tokenizer_dir  # both there, before any loading
     except ModelNotFoundError as exc:
         _LOG.error("%s", exc)
-        return 1
+        raise StartFailed(1) from exc
     except ValueError as exc:
         _LOG.error("%s", flag_terms(exc))
-        return 2
+        raise StartFailed(2) from exc
     try:  # before anything loads, and before JAX's backend starts and takes its memory
         preflight(
             args.host,
@@ -89,45 +116,63 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
         )
     except PreflightError as exc:
         _LOG.error("%s", exc)
-        return 1
+        raise StartFailed(1) from exc
     reserve_device_memory(config.gpu_memory_utilization)
-    from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server.app import build_app
+    return config, settings, model_dir
 
-    try:  # before anything touches a device
+
+def _join_replica(args: argparse.Namespace, config: EngineConfig) -> bool:
+    """Join the multi-host replica (if any) before anything touches a device; a process other
+    than 0 follows process 0's steps until it shuts down. True: this process serves HTTP."""
+    from jaxserve.runner.distributed import initialize_distributed, is_coordinator
+
+    try:
         initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
     except ValueError as exc:
         _LOG.error("%s", flag_terms(exc))
-        return 2
-    if not is_coordinator():
-        from jaxserve.engine.follower import run_follower
+        raise StartFailed(2) from exc
+    if is_coordinator():
+        return True
+    from jaxserve.engine.follower import run_follower
 
-        run_follower(config)  # returns when process 0 shuts down
-        return 0
+    run_follower(config)  # returns when process 0 shuts down
+    return False
+
+
+def _build_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path) -> AsyncEngine:
+    """Load the weights and compile (the engine core logs the capacity lines and the compiled
+    shapes); a failure is one line naming the model, the device or the flag."""
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.runner.capacity import CapacityError
+    from jaxserve.runner.devices import DeviceSupportError, start_backend
+
     if str(model_dir) == config.model:
         _LOG.info("Loading %s", model_dir)
     else:
         _LOG.info("Loading %s from %s", config.model or "the demo model", model_dir)
-    from jaxserve.runner.devices import DeviceSupportError, start_backend
-
     try:
         start_backend()  # logged on its own: on a GPU it takes seconds of the start
-        engine = AsyncEngine.from_config(config, max_queued_requests=args.max_queued_requests)
+        return AsyncEngine.from_config(config, max_queued_requests=args.max_queued_requests)
     except DeviceSupportError as exc:  # fp8 on a GPU without it: the device and the dtype
         _LOG.error("%s", flag_terms(exc))
-        return 1
+        raise StartFailed(1) from exc
     except CapacityError as exc:  # before a weight is made
         _LOG.error("Cannot serve %s: %s", config.model_dir, exc)
-        return 1
+        raise StartFailed(1) from exc
     except (OSError, ValueError) as exc:  # a missing or unusable model directory
         _LOG.error("Could not load %s: %s", model_dir, flag_terms(exc))
-        return 1
+        raise StartFailed(1) from exc
     except RuntimeError as exc:  # one message, not XLA's traceback
         if not is_out_of_memory(exc):
             raise
         _LOG.error("%s", out_of_memory_message(exc, config.gpu_memory_utilization))
-        return 1
-    # The engine core has logged the capacity lines and the compiled shapes.
+        raise StartFailed(1) from exc
+
+
+def _serve(args: argparse.Namespace, engine: AsyncEngine, settings: ServerSettings) -> int:
+    """Bind the port and serve until a signal or the engine's death; the exit code."""
+    from jaxserve.server.app import build_app
+
     holder: dict[str, DrainingServer] = {}
     app = build_app(
         engine, settings, on_engine_dead=lambda: holder["server"].stop_on_engine_death()
