@@ -9,6 +9,7 @@ made, so the rendered chat template and the grammar of forced tool choices can b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -26,13 +27,12 @@ from jaxserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOut
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.engine_config import EngineConfig, default_model_dir
 from jaxserve.server.api.protocol import parse_chat_request
-from jaxserve.server.app import build_app
-from jaxserve.server.background import BackgroundServer
 from jaxserve.server.chat.output import ChatOutputRules
 from jaxserve.server.chat.tool_calls import MessageDelta
 from jaxserve.server.launch.flags import settings_from_args
 from jaxserve.server.launch.serve import run_launch
 from jaxserve.server.settings import ServerSettings
+from tests.conftest import tiny_server
 
 MODEL = "echo"
 DEMO = default_model_dir()
@@ -139,30 +139,27 @@ class EchoCore:
 def servers():
     """One echo server per parser configuration, started on first use."""
     started: dict[tuple, tuple] = {}
+    with contextlib.ExitStack() as stack:
 
-    def get(tool_call_parser=None, reasoning_parser=None):
-        key = (tool_call_parser, reasoning_parser)
-        if key not in started:
-            core = EchoCore()
-            engine = AsyncEngine(core)
-            engine.start()
-            settings = ServerSettings(
-                served_model_names=(MODEL,),
-                enable_auto_tool_choice=tool_call_parser is not None,
-                tool_call_parser=tool_call_parser,
-                reasoning_parser=reasoning_parser,
-            )
-            background = BackgroundServer(build_app(engine, settings)).start()
-            client = openai.OpenAI(base_url=f"{background.url}/v1", api_key="x", max_retries=0)
-            started[key] = (client, core, engine, background)
-        client, core, _, _ = started[key]
-        return client, core
+        def get(tool_call_parser=None, reasoning_parser=None):
+            key = (tool_call_parser, reasoning_parser)
+            if key not in started:
+                core = EchoCore()
+                engine = AsyncEngine(core)
+                engine.start()
+                stack.callback(engine.shutdown)
+                settings = {
+                    "enable_auto_tool_choice": tool_call_parser is not None,
+                    "tool_call_parser": tool_call_parser,
+                    "reasoning_parser": reasoning_parser,
+                }
+                server = stack.enter_context(tiny_server(MODEL, settings, engine=engine))
+                client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+                stack.callback(client.close)
+                started[key] = (client, core)
+            return started[key]
 
-    yield get
-    for client, _, engine, background in started.values():
-        client.close()
-        background.stop()
-        engine.shutdown()
+        yield get
 
 
 WEATHER = {
