@@ -336,8 +336,8 @@ def round_three_8(client: httpx.Client, model: str) -> dict[str, Any]:
 def round_three_9() -> dict[str, Any]:
     """Finding 9, in this process: the llama3_json parser's message for text after
     <|python_tag|>, whole and a character at a time (they differed)."""
-    from jaxserve.server.tool_calls import MessageDelta
-    from jaxserve.server.tool_parsers import make_tool_parser
+    from jaxserve.server.chat.tool_calls import MessageDelta
+    from jaxserve.server.chat.tool_parsers import make_tool_parser
 
     def parse(pieces: list[str]) -> tuple[str, int]:
         parser = make_tool_parser("llama3_json", parallel=True)

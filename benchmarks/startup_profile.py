@@ -108,7 +108,7 @@ def main() -> None:
         args = build_parser(["launch", *argv]).parse_args(["launch", *argv])
         logging.basicConfig(level="INFO", format="%(levelname)s %(asctime)s %(name)s: %(message)s")
         from jaxserve.runner.devices import quiet_backend_probe
-        from jaxserve.server.launch import engine_config_from_args
+        from jaxserve.server.launch.flags import engine_config_from_args
 
         quiet_backend_probe()
         config = engine_config_from_args(args)

@@ -126,7 +126,7 @@ def test_prefix_cache_hashes_only_known_tokens(pair) -> None:
 
 def test_launch_flag() -> None:
     from jaxserve.cli import build_parser
-    from jaxserve.server.launch import engine_config_from_args
+    from jaxserve.server.launch.flags import engine_config_from_args
 
     for argv, want in ((["launch"], True), (["launch", "--no-async-scheduling"], False)):
         assert engine_config_from_args(build_parser(argv).parse_args(argv)).async_scheduling is want

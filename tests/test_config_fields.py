@@ -20,8 +20,8 @@ import jaxserve
 from jaxserve.cli import build_parser
 from jaxserve.config import ConfigError, ModelConfig
 from jaxserve.engine_config import EngineConfig
-from jaxserve.server import launch as launch_module
-from jaxserve.server.launch import run_launch
+from jaxserve.server.launch import serve as launch_module
+from jaxserve.server.launch.serve import run_launch
 from tests.conftest import fixture_dir, free_port
 
 LLAMA = json.loads((fixture_dir("llama") / "config.json").read_text())

@@ -31,10 +31,11 @@ from jaxserve.runner.devices import describe_attention
 from jaxserve.runner.mesh import validate_tensor_parallel_size
 from pallas_kernels.reference import ragged_paged_attention
 from tests.conftest import (
+    SMALL_ENGINE,
     assert_long_completion_is_golden,
     fixture_dir,
     run_with_devices,
-    serve_fixture,
+    tiny_server,
 )
 
 ROOT = Path(__file__).parents[1]
@@ -330,7 +331,8 @@ def test_over_http_with_the_prefix_cache() -> None:
     """The long greedy completion is Hugging Face's, and again when its prompt's blocks come
     from the prefix cache."""
     golden = np.load(fixture_dir("deepseek_v3") / "golden.npz")
-    with serve_fixture("deepseek_v3", "tiny-dsv3") as url:
+    with tiny_server("tiny-dsv3", family="deepseek_v3", **SMALL_ENGINE) as server:
+        url = server.url
         assert_long_completion_is_golden(url, "deepseek_v3", "tiny-dsv3")
         body = {
             "model": "tiny-dsv3",

@@ -26,11 +26,12 @@ from jaxserve.models.weights import load_weights
 from jaxserve.runner.devices import describe_attention
 from jaxserve.runner.sharding import layer_specs
 from tests.conftest import (
+    SMALL_ENGINE,
     assert_long_completion_is_golden,
     fixture_dir,
     log_softmax,
     run_with_devices,
-    serve_fixture,
+    tiny_server,
 )
 
 ROOT = Path(__file__).parents[1]
@@ -138,7 +139,8 @@ def test_attention_sinks_take_the_kernels_on_gpu_and_tpu_and_the_log_says_so(
 def test_completion_over_http_is_hugging_faces() -> None:
     """The greedy completion of the long prompt (past the sliding window and yarn's original
     context) and its logprobs are Hugging Face's."""
-    with serve_fixture("gpt_oss", "tiny-gpt-oss") as url:
+    with tiny_server("tiny-gpt-oss", family="gpt_oss", **SMALL_ENGINE) as server:
+        url = server.url
         assert_long_completion_is_golden(url, "gpt_oss", "tiny-gpt-oss")
 
 

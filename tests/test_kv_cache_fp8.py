@@ -31,7 +31,7 @@ from jaxserve.engine_config import EngineConfig, kv_cache_dtype_name
 from jaxserve.models.kv_scales import KVScales, load_kv_scales
 from jaxserve.models.weights import WeightsError
 from jaxserve.runner import devices
-from jaxserve.server.launch import engine_config_from_args
+from jaxserve.server.launch.flags import engine_config_from_args
 from pallas_kernels import reference
 from tests.conftest import fixture_dir
 
@@ -255,7 +255,7 @@ def test_fp8_on_a_gpu_without_it_is_a_startup_error(monkeypatch) -> None:
 
 def test_launch_on_a_device_without_fp8_exits_naming_device_and_dtype(caplog, monkeypatch):
     from jaxserve.cli import build_parser
-    from jaxserve.server.launch import run_launch
+    from jaxserve.server.launch.serve import run_launch
     from tests.conftest import free_port
 
     monkeypatch.setattr(devices, "has_fp8", lambda device: False)  # as an A100 answers

@@ -22,10 +22,11 @@ from jaxserve.models.families import num_active_params, num_params
 from jaxserve.models.weights import load_weights
 from jaxserve.runner.sharding import layer_specs, validate_tensor_parallel_size
 from tests.conftest import (
+    SMALL_ENGINE,
     assert_long_completion_is_golden,
     fixture_dir,
     run_with_devices,
-    serve_fixture,
+    tiny_server,
 )
 
 ROOT = Path(__file__).parents[1]
@@ -123,7 +124,8 @@ def test_shipped_qwen3_30b_a3b_config_has_the_real_shapes() -> None:
 
 def test_chat_and_completion_over_http_on_qwen3_moe() -> None:
     """The greedy completion of the long prompt is Hugging Face's; a chat answers."""
-    with serve_fixture("qwen3_moe", "tiny-moe") as url:
+    with tiny_server("tiny-moe", family="qwen3_moe", **SMALL_ENGINE) as server:
+        url = server.url
         assert_long_completion_is_golden(url, "qwen3_moe", "tiny-moe")
         chat = {
             "model": "tiny-moe",

@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import random
 import time
-from types import SimpleNamespace
 
 import httpx
 import jax
@@ -19,12 +18,8 @@ import pytest
 from jax._src import monitoring  # the public module has no unregister in jax 0.11.2
 from jax._src.dispatch import BACKEND_COMPILE_EVENT
 
-from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server.app import build_app
-from jaxserve.server.background import BackgroundServer
-from jaxserve.server.settings import ServerSettings
-from tests.conftest import pace_steps, tiny_engine_config, wait_for
+from tests.conftest import tiny_server, wait_for
 
 MODEL = "tiny"
 VOCAB = 320
@@ -33,24 +28,17 @@ NUM_BLOCKS = 64
 
 @pytest.fixture(scope="module")
 def server():
-    config = tiny_engine_config(
+    # Steps of at least 3 ms: a large request is still generating while its neighbour is
+    # timed, however fast the device.
+    with tiny_server(
         MODEL,
+        min_step_s=0.003,
         max_model_len=256,
         max_num_seqs=8,
         max_num_batched_tokens=64,
         num_gpu_blocks_override=NUM_BLOCKS,
-    )
-    engine = AsyncEngine.from_config(config)
-    # Steps of at least 3 ms: a large request is still generating while its neighbour is
-    # timed, however fast the device.
-    pace_steps(engine.core, 0.003)
-    engine.start()
-    app = build_app(engine, ServerSettings(served_model_names=(MODEL,)))
-    try:
-        with BackgroundServer(app) as background:
-            yield SimpleNamespace(url=background.url, engine=engine)
-    finally:
-        engine.shutdown()
+    ) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,8 @@ import httpx
 import pytest
 
 from jaxserve.cli import build_parser, main
-from jaxserve.server.launch import engine_config_from_args, human_int, settings_from_args
+from jaxserve.server.launch.flags import engine_config_from_args, settings_from_args
+from jaxserve.units import human_int
 from tests.conftest import (
     free_port,
     metric,

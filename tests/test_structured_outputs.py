@@ -23,14 +23,10 @@ import pytest
 
 import jaxserve
 from jaxserve import SamplingParams
-from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.grammar import GrammarCompiler, GrammarError
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.sampling_params import StructuredOutputsParams
-from jaxserve.server.app import build_app
-from jaxserve.server.background import BackgroundServer
-from jaxserve.server.settings import ServerSettings
-from tests.conftest import FAMILIES, fixture_dir, pace_steps, tiny_engine_config, wait_for
+from tests.conftest import FAMILIES, fixture_dir, tiny_server, wait_for
 from tests.test_engine import make_llm
 
 MODEL = "tiny"
@@ -56,23 +52,16 @@ LARK_MATCH = r"(yes|no)-[0-9]{1,2}"
 
 @pytest.fixture(scope="module")
 def server():
-    config = tiny_engine_config(
+    with tiny_server(
         MODEL,
+        min_step_s=0.002,  # a long stream is still running when its client leaves
         max_model_len=256,
         max_num_seqs=8,
         max_num_batched_tokens=64,
         num_gpu_blocks_override=64,
         grammar_compile_timeout_s=COMPILE_TIMEOUT_S,
-    )
-    engine = AsyncEngine.from_config(config)
-    pace_steps(engine.core, 0.002)  # a long stream is still running when its client leaves
-    engine.start()
-    app = build_app(engine, ServerSettings(served_model_names=(MODEL,)))
-    try:
-        with BackgroundServer(app) as background:
-            yield SimpleNamespace(url=background.url, engine=engine)
-    finally:
-        engine.shutdown()
+    ) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

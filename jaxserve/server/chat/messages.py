@@ -4,7 +4,7 @@ Validates OpenAI's message shapes (roles, string or text-part content, assistant
 tool results) and flattens them to what chat templates expect (tool-call arguments as objects,
 as templates such as Llama 3.1's read them). ``tools`` and ``tool_choice`` are checked in
 ``tools.py``; ``response_format`` is read with the other structured-output fields
-(``structured_outputs.py``). Fields the server cannot honour (multimodal content, stored
+(``api/structured_outputs.py``). Fields the server cannot honour (multimodal content, stored
 completions) are a 400 naming the field.
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from jaxserve.json_limits import load_json
-from jaxserve.server.errors import bad_request, unsupported
-from jaxserve.server.fields import json_type, optional
-from jaxserve.server.tools import ToolChoice, parse_tools
+from jaxserve.server.api.errors import bad_request, unsupported
+from jaxserve.server.api.fields import json_type, optional
+from jaxserve.server.chat.tools import ToolChoice, parse_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

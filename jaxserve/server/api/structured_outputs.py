@@ -6,7 +6,7 @@ The spellings clients send, on /v1/completions and /v1/chat/completions alike: O
 ``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar``, ...) and its older
 ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` fields. At most one
 of the three may be sent. ``protocol.py`` calls ``parse_structured_outputs``; the routes call
-``ServingContext.compile_grammars`` (context.py) before the generation starts.
+``ServingContext.compile_grammars`` (``context.py``) before the generation starts.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from jaxserve.sampling_params import (
     SamplingParamsError,
     StructuredOutputsParams,
 )
-from jaxserve.server.errors import bad_request
+from jaxserve.server.api.errors import bad_request
 
 FIELDS = ("response_format", "structured_outputs", *GUIDED_ALIASES)
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")

@@ -1,7 +1,7 @@
 """Reasoning parsers: ``<think>...</think>`` in a model's output -> ``reasoning_content``.
 
 ``--reasoning-parser`` (vLLM's names) picks the rule; one parser per choice, made by
-``chat_output.py`` with the rendered prompt, since templates may open (DeepSeek-R1, Qwen3
+``output.py`` with the rendered prompt, since templates may open (DeepSeek-R1, Qwen3
 thinking models) or close (Qwen3 with ``enable_thinking: false``) the section themselves:
 
 - ``qwen3``: the output is reasoning only if it starts with ``<think>``;
@@ -14,7 +14,7 @@ a parser gives the same split whether the text arrives whole or a character at a
 
 from __future__ import annotations
 
-from jaxserve.server.tool_calls import held_prefix
+from jaxserve.server.chat.tool_calls import held_prefix
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 THINK_START, THINK_END = "<think>", "</think>"

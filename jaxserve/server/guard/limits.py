@@ -21,7 +21,7 @@ import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from jaxserve.server.errors import APIError
+from jaxserve.server.api.errors import APIError
 
 _LOG = logging.getLogger(__name__)
 CLOSE = {"Connection": "close"}

@@ -1,10 +1,10 @@
 """Request bodies: JSON -> validated request dataclasses carrying ``SamplingParams``.
 
 Comes from the route handlers in ``app.py`` (raw body bytes) and goes to ``completions.py`` /
-``chat.py``. Only structure is checked here (types, shapes, which fields exist); numeric limits
-live in ``SamplingParams`` and are reused, and checks that need the model (vocabulary, context
-length) happen once the prompt is tokenized. Unknown fields and fields the server cannot honour
-are a 400 naming the field, as OpenAI's API does.
+``chat/completions.py``. Only structure is checked here (types, shapes, which fields exist); numeric
+limits live in ``SamplingParams`` and are reused, and checks that need the model (vocabulary,
+context length) happen once the prompt is tokenized. Unknown fields and fields the server cannot
+honour are a 400 naming the field, as OpenAI's API does.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 from jaxserve.engine import request_checks
 from jaxserve.engine.tokenizer import ALLOWED_TEMPLATE_KWARGS
 from jaxserve.sampling_params import SamplingParams, SamplingParamsError
-from jaxserve.server.errors import APIError, bad_request, unsupported
-from jaxserve.server.fields import (
+from jaxserve.server.api.errors import APIError, bad_request, unsupported
+from jaxserve.server.api.fields import (
     MAX_INTEGER_DIGITS,
     boolean,
     check_fields,
@@ -25,10 +25,10 @@ from jaxserve.server.fields import (
     json_type,
     optional,
 )
-from jaxserve.server.messages import check_chat_extras, parse_messages
-from jaxserve.server.structured_outputs import FIELDS as STRUCTURED_OUTPUT_FIELDS
-from jaxserve.server.structured_outputs import parse_structured_outputs
-from jaxserve.server.tools import ToolChoice
+from jaxserve.server.api.structured_outputs import FIELDS as STRUCTURED_OUTPUT_FIELDS
+from jaxserve.server.api.structured_outputs import parse_structured_outputs
+from jaxserve.server.chat.messages import check_chat_extras, parse_messages
+from jaxserve.server.chat.tools import ToolChoice
 
 MAX_BATCH_PROMPTS = 256  # prompts in one /v1/completions request
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions

@@ -1,6 +1,6 @@
 """Typed reads of a JSON request body; every failure is a 400 that names the field.
 
-Used by ``protocol.py`` and ``messages.py``. ``parse_json_object`` turns body bytes into a dict
+Used by ``protocol.py`` and ``chat/messages.py``. ``parse_json_object`` turns body bytes into a dict
 (invalid UTF-8, malformed or too deeply nested JSON, lone surrogates, integers too long to mean
 anything and non-objects are 400s, and no parser message carries a traceback).
 """
@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any
 
-from jaxserve.server.errors import bad_request
+from jaxserve.server.api.errors import bad_request
 
 # No field means anything past 2**64 (20 digits); Python refuses to convert past 4,300 digits.
 MAX_INTEGER_DIGITS = 64

@@ -2,7 +2,7 @@
 finds a call object (``{"name": ..., "arguments": {...}}``) in text that arrives a token at a
 time.
 
-Used by the output-format parsers in ``tool_parsers.py``; their deltas go to ``chat_output.py``,
+Used by the output-format parsers in ``tool_parsers.py``; their deltas go to ``output.py``,
 which turns them into OpenAI's ``message.tool_calls`` and streamed ``delta.tool_calls``.
 
 # NOTE: partial-json-parser was considered for streamed arguments and not used. It re-parses the

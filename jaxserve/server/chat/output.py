@@ -2,7 +2,7 @@
 parameters, and how each choice's generated text becomes an assistant message.
 
 Built once per server (``ServingContext.chat_output``) from ``--enable-auto-tool-choice``,
-``--tool-call-parser`` and ``--reasoning-parser``. ``chat.py`` asks it to check a request and
+``--tool-call-parser`` and ``--reasoning-parser``. ``completions.py`` asks it to check a request and
 adjust its ``SamplingParams`` (the grammar of a forced tool choice, ``reasoning_end``), then
 makes one ``ChoiceParser`` per choice and sends what it yields: ``message`` /
 ``delta`` JSON with ``content``, ``reasoning_content`` and ``tool_calls``, and the finish reason
@@ -17,19 +17,24 @@ from typing import Any
 
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
-from jaxserve.server.errors import bad_request
-from jaxserve.server.protocol import ChatRequest
-from jaxserve.server.reasoning import (
+from jaxserve.server.api.errors import bad_request
+from jaxserve.server.api.protocol import ChatRequest
+from jaxserve.server.chat.reasoning import (
     THINK_END,
     THINK_START,
     ReasoningParser,
     is_reasoning_over,
     opens_reasoning,
 )
+from jaxserve.server.chat.tool_calls import MessageDelta, ToolCallDelta
+from jaxserve.server.chat.tool_parsers import (
+    NamedParser,
+    RequiredParser,
+    ToolParser,
+    make_tool_parser,
+)
+from jaxserve.server.chat.tools import tool_calls_schema
 from jaxserve.server.settings import ServerSettings
-from jaxserve.server.tool_calls import MessageDelta, ToolCallDelta
-from jaxserve.server.tool_parsers import NamedParser, RequiredParser, ToolParser, make_tool_parser
-from jaxserve.server.tools import tool_calls_schema
 
 AUTO_NEEDS_FLAGS = (
     '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'

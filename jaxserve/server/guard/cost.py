@@ -2,10 +2,10 @@
 for, and how large a response it may ask for. Each is a 400 that names the limit, the value and
 the flag, with ``param`` set, before anything reaches the engine.
 
-Called by ``completions.py`` and ``chat.py``: the sequence count as soon as the body is parsed
-(before any prompt is tokenized), the token count and the response size once every prompt's
-``max_tokens`` is resolved. The defaults (``settings.py``) are sized so a normal client never
-meets them, while one request can no longer hold the engine or flood the network:
+Called by ``api/completions.py`` and ``chat/completions.py``: the sequence count as soon as the body
+is parsed (before any prompt is tokenized), the token count and the response size once every
+prompt's ``max_tokens`` is resolved. The defaults (``settings.py``) are sized so a normal client
+never meets them, while one request can no longer hold the engine or flood the network:
 
 - ``--max-seqs-per-request`` (256): vLLM's default ``max_num_seqs``, one full batch. 256
   prompts with ``n=128`` (32,768 sequences from one 10 KB body) stop here.
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server.errors import bad_request
+from jaxserve.server.api.errors import bad_request
 from jaxserve.server.generation import EngineRequest
 from jaxserve.server.settings import ServerSettings
 

@@ -12,7 +12,7 @@ import hmac
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from jaxserve.server.errors import APIError
+from jaxserve.server.api.errors import APIError
 
 
 def client_key(request: Request, uses_api_key: bool) -> str:

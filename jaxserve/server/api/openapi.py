@@ -17,9 +17,9 @@ from jaxserve.sampling_params import (
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
 )
-from jaxserve.server.messages import ROLES
-from jaxserve.server.protocol import MAX_BATCH_PROMPTS
-from jaxserve.server.tools import FUNCTION_NAME, MAX_TOOLS
+from jaxserve.server.api.protocol import MAX_BATCH_PROMPTS
+from jaxserve.server.chat.messages import ROLES
+from jaxserve.server.chat.tools import FUNCTION_NAME, MAX_TOOLS
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -521,52 +521,6 @@ def openapi_spec(
     public_paths: frozenset[str] | None = None,
 ) -> dict[str, Any]:
     """The spec; ``public_paths`` is None without an API key, else the paths it does not guard."""
-
-    def generated(response: str) -> dict[str, Any]:
-        return {
-            "description": "A JSON response, or server-sent events when stream is true",
-            "content": {
-                "application/json": {"schema": _ref(response)},
-                "text/event-stream": {"schema": SSE_EVENT},
-            },
-        }
-
-    def ok(schema: dict[str, Any]) -> dict[str, Any]:
-        return {"description": "OK", "content": {"application/json": {"schema": schema}}}
-
-    tokenize_ok = ok(
-        {
-            "type": "object",
-            "required": ["count", "max_model_len", "tokens"],
-            "properties": {
-                "count": {"type": "integer"},
-                "max_model_len": {"type": "integer"},
-                "tokens": {"type": "array", "items": {"type": "integer"}},
-            },
-        }
-    )
-    detokenize_ok = ok({"type": "object", "required": ["prompt"]})
-    health = {
-        "get": {
-            "summary": "Liveness and readiness: 200 while the engine loop runs",
-            "responses": {
-                "200": {"description": "Ready"},
-                "503": {"description": "Draining or engine not running"},
-            },
-        }
-    }
-    metrics = {
-        "get": {
-            "summary": "Prometheus metrics (jaxserve:*)",
-            "responses": {
-                "200": {
-                    "description": "OK",
-                    "content": {"text/plain": {"schema": {"type": "string"}}},
-                },
-                **_errors(401),
-            },
-        }
-    }
     spec: dict[str, Any] = {
         "openapi": "3.0.3",
         "info": {
@@ -574,36 +528,7 @@ def openapi_spec(
             "version": version,
             "description": f"OpenAI-compatible server for {', '.join(model_names)}.",
         },
-        "paths": {
-            "/v1/completions": _post(
-                "Text completion",
-                "CompletionRequest",
-                generated("CompletionResponse"),
-                GENERATION_ERRORS,
-            ),
-            "/v1/chat/completions": _post(
-                "Chat completion",
-                "ChatCompletionRequest",
-                generated("ChatCompletionResponse"),
-                GENERATION_ERRORS,
-            ),
-            "/tokenize": _post(
-                "Tokenize a prompt or chat messages",
-                "TokenizeRequest",
-                tokenize_ok,
-                (400, 401, 404, 408, 413, 431, 503),
-            ),
-            "/detokenize": _post(
-                "Token ids to text",
-                "DetokenizeRequest",
-                detokenize_ok,
-                (400, 401, 404, 408, 413, 431, 503),
-            ),
-            "/v1/models": _get("Served models", {"type": "object", "required": ["data"]}),
-            "/version": _get("Server version", {"type": "object", "required": ["version"]}),
-            "/health": health,
-            "/metrics": metrics,
-        },
+        "paths": _paths(),
         "components": {
             "schemas": _schemas(max_model_len, vocab_size),
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
@@ -615,3 +540,88 @@ def openapi_spec(
             for operation in spec["paths"][path].values():
                 operation["security"] = []
     return spec
+
+
+def _paths() -> dict[str, Any]:
+    tokenize_errors = (400, 401, 404, 408, 413, 431, 503)
+    return {
+        "/v1/completions": _post(
+            "Text completion",
+            "CompletionRequest",
+            _generated("CompletionResponse"),
+            GENERATION_ERRORS,
+        ),
+        "/v1/chat/completions": _post(
+            "Chat completion",
+            "ChatCompletionRequest",
+            _generated("ChatCompletionResponse"),
+            GENERATION_ERRORS,
+        ),
+        "/tokenize": _post(
+            "Tokenize a prompt or chat messages",
+            "TokenizeRequest",
+            _ok(
+                {
+                    "type": "object",
+                    "required": ["count", "max_model_len", "tokens"],
+                    "properties": {
+                        "count": {"type": "integer"},
+                        "max_model_len": {"type": "integer"},
+                        "tokens": {"type": "array", "items": {"type": "integer"}},
+                    },
+                }
+            ),
+            tokenize_errors,
+        ),
+        "/detokenize": _post(
+            "Token ids to text",
+            "DetokenizeRequest",
+            _ok({"type": "object", "required": ["prompt"]}),
+            tokenize_errors,
+        ),
+        "/v1/models": _get("Served models", {"type": "object", "required": ["data"]}),
+        "/version": _get("Server version", {"type": "object", "required": ["version"]}),
+        "/health": _health(),
+        "/metrics": _metrics(),
+    }
+
+
+def _generated(response: str) -> dict[str, Any]:
+    return {
+        "description": "A JSON response, or server-sent events when stream is true",
+        "content": {
+            "application/json": {"schema": _ref(response)},
+            "text/event-stream": {"schema": SSE_EVENT},
+        },
+    }
+
+
+def _ok(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"description": "OK", "content": {"application/json": {"schema": schema}}}
+
+
+def _health() -> dict[str, Any]:
+    return {
+        "get": {
+            "summary": "Liveness and readiness: 200 while the engine loop runs",
+            "responses": {
+                "200": {"description": "Ready"},
+                "503": {"description": "Draining or engine not running"},
+            },
+        }
+    }
+
+
+def _metrics() -> dict[str, Any]:
+    return {
+        "get": {
+            "summary": "Prometheus metrics (jaxserve:*)",
+            "responses": {
+                "200": {
+                    "description": "OK",
+                    "content": {"text/plain": {"schema": {"type": "string"}}},
+                },
+                **_errors(401),
+            },
+        }
+    }

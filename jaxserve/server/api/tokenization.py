@@ -12,14 +12,14 @@ from typing import Any
 
 from starlette.responses import Response
 
-from jaxserve.server.context import ServingContext
-from jaxserve.server.errors import json_response
-from jaxserve.server.fields import parse_json_object
-from jaxserve.server.protocol import (
+from jaxserve.server.api.errors import json_response
+from jaxserve.server.api.fields import parse_json_object
+from jaxserve.server.api.protocol import (
     check_token_ids,
     parse_detokenize_request,
     parse_tokenize_request,
 )
+from jaxserve.server.context import ServingContext
 
 
 def tokenize(ctx: ServingContext, raw: bytes) -> Response:

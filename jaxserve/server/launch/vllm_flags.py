@@ -4,7 +4,7 @@ here; the few whose other values would change what is served accept only the val
 not (``-pp 1``), and any other value ends the start with the reason.
 
 The vLLM flags that do mean something here are ``jaxserve serve``'s own flags, under vLLM's names
-(launch.py); docs/cli.md lists both. ``add_vllm_flags`` adds this table to the ``serve``
+(``flags.py``); docs/cli.md lists both. ``add_vllm_flags`` adds this table to the ``serve``
 parser; ``run_launch`` logs ``inapplicable_flag_warnings``.
 """
 

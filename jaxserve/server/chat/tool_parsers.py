@@ -1,6 +1,6 @@
 """Tool-call parsers: a model's output text -> content and tool-call deltas, fed as it streams.
 
-One parser per choice, made by ``chat_output.py``. ``--tool-call-parser`` picks the format a
+One parser per choice, made by ``output.py``. ``--tool-call-parser`` picks the format a
 model family writes when ``tool_choice`` is ``auto`` (vLLM's names):
 
 - ``hermes`` (Qwen2.5, Qwen3, Hermes): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import json
 
-from jaxserve.server.tool_calls import (
+from jaxserve.server.chat.tool_calls import (
     CallSequence,
     MessageDelta,
     ToolCallDelta,
     held_prefix,
     new_mistral_call_id,
 )
-from jaxserve.server.tool_calls import new_call_id as new_call_id
+from jaxserve.server.chat.tool_calls import new_call_id as new_call_id
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 

@@ -1,7 +1,7 @@
 """A chat request's ``tools``, ``tool_choice`` and ``parallel_tool_calls``: validated, and the
 grammar that makes ``required`` and named choices always parse.
 
-Parsed by ``protocol.parse_chat_request``; ``chat.py`` renders the tools through the chat
+Parsed by ``api/protocol.parse_chat_request``; ``completions.py`` renders the tools through the chat
 template, turns ``tool_calls_schema`` into ``StructuredOutputsParams(json=...)`` for
 ``required`` and named choices, and parses the output with ``tool_parsers.py``. Every problem is
 a 400 naming the field (``tools[2].function.parameters``) and the reason.
@@ -22,8 +22,8 @@ from jaxserve.json_limits import (
     grammar_schema,
     integer_bounds_to_tighten,
 )
-from jaxserve.server.errors import bad_request
-from jaxserve.server.fields import json_type
+from jaxserve.server.api.errors import bad_request
+from jaxserve.server.api.fields import json_type
 
 MAX_TOOLS = 128  # OpenAI's limit
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

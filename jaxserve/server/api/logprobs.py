@@ -13,7 +13,7 @@ from typing import Any
 
 from jaxserve.engine.outputs import Logprob
 from jaxserve.engine.tokenizer import Tokenizer
-from jaxserve.server.errors import finite
+from jaxserve.server.api.errors import finite
 
 
 class LogprobFormatter:

@@ -25,10 +25,10 @@ from starlette.requests import Request
 
 from jaxserve.engine.interfaces import EngineClient
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.server.auth import client_key
+from jaxserve.server.api.errors import APIError
 from jaxserve.server.context import EventStreamResponse, ServingContext
-from jaxserve.server.errors import APIError
 from jaxserve.server.generation import Generation
+from jaxserve.server.guard.auth import client_key
 from jaxserve.server.settings import ServerSettings
 
 # Buckets kept at most; the least recently used is forgotten first (a fresh, full bucket).

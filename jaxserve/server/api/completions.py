@@ -1,7 +1,7 @@
 """``POST /v1/completions``: prompts (text, token ids, or a batch of either) -> text_completion.
 
 Parsed by ``protocol.parse_completion_request`` and held to the per-request limits of
-``cost.py`` before anything reaches the engine; each prompt becomes one engine request, and
+``guard/cost.py`` before anything reaches the engine; each prompt becomes one engine request, and
 choice ``i * n + j`` is sample ``j`` of prompt ``i`` (OpenAI's order). Streams as
 ``text_completion`` chunks; ``echo`` puts the prompt (and, with ``logprobs``, its logprobs)
 before the first chunk of each choice.
@@ -17,6 +17,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jaxserve.engine.outputs import RequestOutput
+from jaxserve.server.api.errors import internal_error, json_response
+from jaxserve.server.api.fields import parse_json_object
+from jaxserve.server.api.logprobs import prompt_logprobs_json
+from jaxserve.server.api.protocol import CompletionRequest, parse_completion_request
 from jaxserve.server.context import (
     ENGINE_FAILURE,
     OFFLOAD_BYTES,
@@ -25,17 +29,13 @@ from jaxserve.server.context import (
     new_id,
     usage,
 )
-from jaxserve.server.cost import (
+from jaxserve.server.generation import EngineRequest, Generation
+from jaxserve.server.guard.cost import (
     check_num_seqs,
     check_num_tokens,
     check_response_size,
     num_response_entries,
 )
-from jaxserve.server.errors import internal_error, json_response
-from jaxserve.server.fields import parse_json_object
-from jaxserve.server.generation import EngineRequest, Generation
-from jaxserve.server.logprobs import prompt_logprobs_json
-from jaxserve.server.protocol import CompletionRequest, parse_completion_request
 
 
 async def create_completion(ctx: ServingContext, request: Request, raw: bytes) -> Response:

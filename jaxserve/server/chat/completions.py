@@ -1,12 +1,12 @@
 """``POST /v1/chat/completions``: messages -> chat template (sandboxed) -> one engine request.
 
-Parsed by ``protocol.parse_chat_request`` and held to the per-request limits of ``cost.py``
-before anything reaches the engine; ``chat_output.py`` adds what the tool choice and reasoning
-parser need to the sampling parameters and parses each choice's text into ``content``,
-``reasoning_content`` and ``tool_calls``. Streams ``chat.completion.chunk`` events: one
-``{"role": "assistant"}`` chunk per choice first, then message deltas (tool calls as OpenAI
-streams them: id and name first, then argument fragments), the finish reason on the last delta
-of each choice, and the usage chunk when ``stream_options.include_usage`` is set.
+Parsed by ``api/protocol.parse_chat_request`` and held to the per-request limits of
+``guard/cost.py`` before anything reaches the engine; ``output.py`` adds what the tool choice and
+reasoning parser need to the sampling parameters and parses each choice's text into ``content``,
+``reasoning_content`` and ``tool_calls``. Streams ``chat.completion.chunk`` events: one ``{"role":
+"assistant"}`` chunk per choice first, then message deltas (tool calls as OpenAI streams them: id
+and name first, then argument fragments), the finish reason on the last delta of each choice, and
+the usage chunk when ``stream_options.include_usage`` is set.
 """
 
 from __future__ import annotations
@@ -19,7 +19,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
-from jaxserve.server.chat_output import delta_json, finish_reason, message_json
+from jaxserve.server.api.errors import internal_error, json_response
+from jaxserve.server.api.fields import parse_json_object
+from jaxserve.server.api.logprobs import prompt_logprobs_json
+from jaxserve.server.api.protocol import ChatRequest, parse_chat_request
+from jaxserve.server.chat.output import delta_json, finish_reason, message_json
+from jaxserve.server.chat.tool_calls import MessageDelta
 from jaxserve.server.context import (
     ENGINE_FAILURE,
     OFFLOAD_BYTES,
@@ -28,18 +33,13 @@ from jaxserve.server.context import (
     new_id,
     usage,
 )
-from jaxserve.server.cost import (
+from jaxserve.server.generation import EngineRequest, Generation
+from jaxserve.server.guard.cost import (
     check_num_seqs,
     check_num_tokens,
     check_response_size,
     num_response_entries,
 )
-from jaxserve.server.errors import internal_error, json_response
-from jaxserve.server.fields import parse_json_object
-from jaxserve.server.generation import EngineRequest, Generation
-from jaxserve.server.logprobs import prompt_logprobs_json
-from jaxserve.server.protocol import ChatRequest, parse_chat_request
-from jaxserve.server.tool_calls import MessageDelta
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request, raw: bytes) -> Response:
