@@ -53,8 +53,8 @@ FUNCTION_LINES = 60
 # path::qualified name -> why it may be longer: tables read row by row, and kernel bodies,
 # which are one program for the compiler and read best as one.
 LONG_FUNCTIONS = {
-    "jaxserve/server/launch.py::add_launch_arguments": "the launch flags, a table",
-    "jaxserve/server/openapi.py::_schemas": "the OpenAPI schemas, a table",
+    "jaxserve/server/launch/flags.py::add_launch_arguments": "the launch flags, a table",
+    "jaxserve/server/api/openapi.py::_schemas": "the OpenAPI schemas, a table",
     "jaxserve/bench/capacity.py::add_capacity_arguments": "the capacity flags, a table",
     "jaxserve/bench/serve.py::add_serve_arguments": "the benchmark flags, a table",
     "jaxserve/cli.py::build_parser": "the subcommands, a table",
