@@ -116,9 +116,11 @@ def time_device(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> tupl
         [i.seq for i in sched.scheduled], rows, host_batch.kv_lens, flags
     )
 
+    programs = runner.programs
+
     def step():
-        runner.kv_cache, forward = runner.run_step(host_batch)
-        return runner.sample(forward, inputs, flags).token_ids
+        runner.kv_cache, forward = programs.run_step(runner.kv_cache, host_batch)
+        return programs.sample(forward, inputs, flags).token_ids
 
     jax.block_until_ready(step())
     samples, launches = [], []

@@ -1,5 +1,5 @@
 """The shape of the code that the design promises (docs/architecture.md): the one-way flow
-server -> engine -> runner -> models -> pallas_kernels, and short modules."""
+server -> engine -> runner -> models -> pallas_kernels."""
 
 from __future__ import annotations
 
@@ -32,18 +32,8 @@ def imported_modules(path: Path) -> set[str]:
 def test_no_module_imports_from_a_layer_above_it(package) -> None:
     offenders = [
         f"{path.relative_to(ROOT)} imports {name}"
-        for path in sorted((ROOT / package).glob("*.py"))
+        for path in sorted((ROOT / package).rglob("*.py"))
         for name in imported_modules(path)
         if any(name == above or name.startswith(above + ".") for above in ABOVE[package])
     ]
     assert not offenders, offenders
-
-
-@pytest.mark.parametrize("package", ["jaxserve/engine", "jaxserve/runner"])
-def test_engine_and_runner_modules_stay_short(package) -> None:
-    long = {
-        str(path.relative_to(ROOT)): n
-        for path in sorted((ROOT / package).glob("*.py"))
-        if (n := len(path.read_text().splitlines())) > 350
-    }
-    assert not long, long

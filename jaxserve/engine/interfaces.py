@@ -39,7 +39,9 @@ class Runner(Protocol):
     num_blocks: int
     capacity: Capacity
     multihost: bool
-    ready_tokens: int  # the largest step whose programs have all compiled (see warm-up)
+
+    @property
+    def ready_tokens(self) -> int: ...  # the largest step whose programs have all compiled
 
     def warmup(self) -> int: ...
     # A dispatched step is the runner's own handle (``InFlight``), passed back as it is.

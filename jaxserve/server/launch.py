@@ -547,7 +547,7 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
     )
     from jaxserve.runner.capacity import CapacityError, reserve_device_memory
     from jaxserve.runner.devices import quiet_backend_probe
-    from jaxserve.runner.distributed import (
+    from jaxserve.runner.parallel.distributed import (
         DistributedConfig,
         initialize_distributed,
         is_coordinator,
