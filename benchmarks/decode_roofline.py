@@ -151,10 +151,12 @@ def time_wall(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> float:
 def time_pipelined(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> float:
     """Median seconds per step with step n + 1 dispatched before step n is read back."""
     previous = runner.dispatch(sched)
+    runner.sample(previous, None)
     times = []
     for _ in range(iters + 2):
         start = time.perf_counter()
         step = runner.dispatch(sched)
+        runner.sample(step, None)
         runner.collect(previous)
         times.append(time.perf_counter() - start)
         previous = step

@@ -91,6 +91,7 @@ class InputBuilder:
         self.min_tokens = np.zeros(num_rows, np.int32)
         self.prompt_len = np.zeros(num_rows, np.int32)
         self.needs = np.zeros((num_rows, len(Need)), bool)  # per row: what its sampler needs
+        self._every_token_masks: dict[tuple[int, bool], np.ndarray] = {}  # see ``_every_token``
 
     # -- rows ------------------------------------------------------------------------------
 
@@ -244,8 +245,8 @@ class InputBuilder:
     ) -> SamplingInputs:
         """The step's sampler inputs: rows gathered from the tables; with ``adjust_logits``,
         bias entries and penalty histories in their fixed widths (one shape per variant); with
-        ``use_mask``, a token mask that allows every token until the runner writes the rows of
-        the constrained sequences."""
+        ``use_mask``, a token mask that allows every token (``ModelRunner.sample`` packs the
+        engine's mask over its leading rows)."""
         num_rows = rows.shape[0]
         vocab = self.vocab_size
         width = self.bias_width if flags.adjust_logits else 0
@@ -256,8 +257,7 @@ class InputBuilder:
         host["bias_values"] = bias_values = np.zeros((num_rows, width), np.float32)
         host["history_ids"] = history = np.full((num_rows, length), vocab, np.int32)
         host["num_prompt_tokens"] = self.prompt_len[rows]
-        mask_shape = (num_rows, mask_width(vocab) if flags.use_mask else 0)
-        host["token_mask"] = np.full(mask_shape, -1, np.int32)
+        host["token_mask"] = self._every_token(num_rows, flags.use_mask)
         if flags.adjust_logits:
             for i, seq in enumerate(seqs):
                 row = self._rows[seq.seq_id]
@@ -270,6 +270,17 @@ class InputBuilder:
                     tokens = (seq.prompt_token_ids + seq.output_token_ids)[:length]
                     history[i, : len(tokens)] = tokens
         return SamplingInputs(**host)  # numpy stands in for device arrays until device_put
+
+    def _every_token(self, num_rows: int, use_mask: bool) -> np.ndarray:
+        """i32[num_rows, W] with every bit set (W = 0 without ``use_mask``), made once per
+        number of rows and never written: the sampler's inputs are packed from it."""
+        key = (num_rows, use_mask)
+        mask = self._every_token_masks.get(key)
+        if mask is None:
+            width = mask_width(self.vocab_size) if use_mask else 0
+            mask = self._every_token_masks[key] = np.full((num_rows, width), -1, np.int32)
+            mask.flags.writeable = False
+        return mask
 
     def pending_sources(
         self, output: SchedulerOutput, host_batch: Batch, sampled_row: dict[str, int] | None

@@ -216,28 +216,26 @@ class ModelRunner:
     # -- one step --------------------------------------------------------------------------
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
-        """One step, start to finish: dispatch, then wait for the sampled tokens."""
-        return self.collect(self.dispatch(output))
+        """One unconstrained step, start to finish: dispatch, sample, then wait for the
+        sampled tokens."""
+        step = self.dispatch(output)
+        self.sample(step, None)
+        return self.collect(step)
 
-    def dispatch(
-        self,
-        output: SchedulerOutput,
-        previous: InFlight | None = None,
-        defer_sampling: bool = False,
-    ) -> InFlight:
-        """Queue one step on the device and return without waiting for it.
+    def dispatch(self, output: SchedulerOutput, previous: InFlight | None = None) -> InFlight:
+        """Queue one step's forward pass on the device and return without waiting for it;
+        ``sample`` queues its sampler.
 
         A sequence may decode a token that ``previous`` (the step dispatched just before, not
         yet collected) is still sampling: its input id is ``PENDING_TOKEN`` on the host and
-        is read from ``previous``'s sampled ids on the device. With ``defer_sampling`` (a
-        constrained sequence is in the step) only the forward pass is queued: the sampler
-        follows in ``dispatch_sampler``, with the token mask the host builds meanwhile.
+        is read from ``previous``'s sampled ids on the device. A constrained step
+        (``output.is_constrained``) takes the sampler variant that applies a token mask.
         """
         self.inputs.update_states(output)
         host_batch, rows = self.inputs.build_batch(output)
         seqs = [item.seq for item in output.scheduled]
         kv_lens = np.asarray(host_batch.kv_lens)  # host arrays until forward
-        flags = self.inputs.sampler_flags(rows, kv_lens, use_mask=defer_sampling)
+        flags = self.inputs.sampler_flags(rows, kv_lens, use_mask=output.is_constrained)
         inputs = self.inputs.sampling_inputs(seqs, rows, kv_lens, flags)
         next_ids, spans = self.inputs.prompt_logprob_targets(output, host_batch)
         if self.multihost:  # followers join the same step with process 0's inputs
@@ -253,26 +251,26 @@ class ModelRunner:
         sampled_row = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
         step = InFlight(None, prompt_out, spans, sampled_row)
         step.deferred = DeferredSampler(forward, inputs, flags)
-        if not defer_sampling:
-            self.dispatch_sampler(step)
         return step
 
-    def token_mask_buffer(self, step: InFlight) -> np.ndarray:
-        """The host mask a deferred sampler will send: i32[rows, W], every bit set; row i is
-        scheduled sequence i's (``structured_outputs.start_masks`` fills it in place)."""
-        assert step.deferred is not None, "the step's sampler was already dispatched"
-        return np.asarray(step.deferred.inputs.token_mask)  # the host array itself, no copy
-
-    def dispatch_sampler(self, step: InFlight) -> None:
-        """Queue the sampler of a step dispatched with ``defer_sampling``, with its token mask
-        as ``token_mask_buffer`` now holds it."""
+    def sample(self, step: InFlight, token_mask: np.ndarray | None) -> None:
+        """Queue the sampler of a dispatched step (once). ``token_mask`` (i32[num_scheduled,
+        ceil(V / 32)], only for a step dispatched with ``is_constrained``): row i packs the
+        tokens scheduled sequence i may take, bit v % 32 of word v // 32; None: no constraint.
+        It is copied into the sampler's inputs: the caller may reuse it once this returns."""
         deferred, step.deferred = step.deferred, None
-        assert deferred is not None, "the step's sampler was already dispatched"
-        inputs = deferred.inputs
-        if deferred.flags.use_mask and self.multihost:
-            inputs.token_mask = step_broadcast.share_token_mask(inputs.token_mask)
+        assert deferred is not None, "the step was sampled already"
+        if token_mask is not None and not deferred.flags.use_mask:
+            raise ValueError("a token mask for a step dispatched without is_constrained")
+        if deferred.flags.use_mask and self.multihost:  # the followers sample with it too
+            shared = np.array(deferred.inputs.token_mask)  # every token, in every row
+            if token_mask is not None:
+                shared[: len(token_mask)] = token_mask
+            token_mask = step_broadcast.share_token_mask(shared)
         with self.programs.precision():
-            step.out = self.programs.sample(deferred.forward, inputs, deferred.flags)
+            step.out = self.programs.sample(
+                deferred.forward, deferred.inputs, deferred.flags, token_mask
+            )
 
     def collect(self, step: InFlight) -> RunnerOutput:
         """Wait for a dispatched step and copy its sampled tokens (and logprobs) to the host."""
@@ -306,10 +304,11 @@ class ModelRunner:
             next_ids = np.zeros(header.num_tokens, np.int32) if header.has_prompt_logprobs else None
             batch, inputs, next_ids = step_broadcast.receive((batch, inputs, next_ids))
             forward, _ = self.forward(batch, next_ids)
-            if header.flags.use_mask:
-                inputs.token_mask = step_broadcast.share_token_mask(inputs.token_mask)
+            token_mask = None
+            if header.flags.use_mask:  # process 0's, once its host has built it
+                token_mask = step_broadcast.share_token_mask(inputs.token_mask)
             with self.programs.precision():
-                self.programs.sample(forward, inputs, header.flags)
+                self.programs.sample(forward, inputs, header.flags, token_mask)
 
     def shutdown(self) -> None:
         """Stop loading the weights if they still load (a start-up that failed), stop compiling

@@ -35,10 +35,10 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.batch import Batch
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.input_builder import InputBuilder
-from jaxserve.runner.packing import Layout, pack
+from jaxserve.runner.packing import Layout, pack, write_rows
 from jaxserve.runner.parallel.sharding import TensorParallel
 from jaxserve.runner.programs import Forward, StepSamples, jitted_head_programs, jitted_model_step
-from jaxserve.runner.sampling import SamplerFlags, SamplingInputs
+from jaxserve.runner.sampling import TOKEN_MASK_LEAF, SamplerFlags, SamplingInputs
 
 # The warm-up's lines, under one name: users filter them as one story.
 _LOG = logging.getLogger("jaxserve.runner.warmup")
@@ -187,14 +187,24 @@ class StepPrograms:
             kv_cache, hidden = step(self.weights, kv_cache, *args)
         return kv_cache, Forward(hidden, args[0], layout)
 
-    def sample(self, forward: Forward, inputs: SamplingInputs, flags: SamplerFlags) -> StepSamples:
-        """The logits of the step's last rows, then the sampler variant ``flags``."""
+    def sample(
+        self,
+        forward: Forward,
+        inputs: SamplingInputs,
+        flags: SamplerFlags,
+        token_mask: np.ndarray | None = None,  # i32[<= S, W]  with ``flags.use_mask``
+    ) -> StepSamples:
+        """The logits of the step's last rows, then the sampler variant ``flags``; the leading
+        rows of ``inputs.token_mask`` are ``token_mask``'s where one is given (copied once,
+        into the packed inputs)."""
         num_tokens = forward.hidden.shape[0]
         logits_fn = self.compiled_logits.get(num_tokens)
         if logits_fn is None:
             logits_fn = functools.partial(self.logits_fn, layout=forward.layout, tied=self.tied)
         logits = logits_fn(self.head, forward.hidden, forward.packed)
         packed, layout = pack(inputs)
+        if token_mask is not None:
+            write_rows(packed, layout, TOKEN_MASK_LEAF, token_mask)
         compiled = self.compiled_samplers.get((self.buckets.seq_bucket(num_tokens), flags))
         if compiled is None:
             return self.sample_fn(logits, self.put(packed), layout=layout, flags=flags)
