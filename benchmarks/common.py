@@ -70,9 +70,11 @@ def time_device(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> tupl
         [i.seq for i in sched.scheduled], rows, host_batch.kv_lens, flags
     )
 
+    programs = runner.programs
+
     def step():
-        runner.kv_cache, forward = runner.run_step(host_batch)
-        return runner.sample(forward, inputs, flags).token_ids
+        runner.kv_cache, forward = programs.run_step(runner.kv_cache, host_batch)
+        return programs.sample(forward, inputs, flags).token_ids
 
     jax.block_until_ready(step())
     samples, launches = [], []
@@ -93,10 +95,12 @@ def time_device(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> tupl
 def time_pipelined(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> float:
     """Median seconds per step with step n + 1 dispatched before step n is read back."""
     previous = runner.dispatch(sched)
+    runner.sample(previous, None)
     times = []
     for _ in range(iters + 2):
         start = time.perf_counter()
         step = runner.dispatch(sched)
+        runner.sample(step, None)
         runner.collect(previous)
         times.append(time.perf_counter() - start)
         previous = step

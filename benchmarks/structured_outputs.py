@@ -113,9 +113,8 @@ class Phases:
             "process": (engine, "_process"),
             "grammar states": (engine.structured_outputs, "update_states"),
             "start masks": (engine.structured_outputs, "start_masks"),
-            "wait masks": (engine.structured_outputs, "wait_masks"),
             "fill masks": (engine.structured_outputs, "_fill"),
-            "dispatch sampler": (engine.runner, "dispatch_sampler"),
+            "sample": (engine.runner, "sample"),
         }
         self.seconds: dict[str, list[float]] = {name: [] for name in self.targets}
 

@@ -28,7 +28,7 @@ from jaxserve.models.batch import Batch
 from jaxserve.models.families import num_active_params, num_params
 from jaxserve.models.weights import dummy_weights, load_weights
 from jaxserve.runner.devices import describe_attention
-from jaxserve.runner.mesh import validate_tensor_parallel_size
+from jaxserve.runner.parallel.mesh import validate_tensor_parallel_size
 from pallas_kernels.reference import ragged_paged_attention
 from tests.conftest import (
     SMALL_ENGINE,

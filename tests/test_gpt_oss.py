@@ -24,7 +24,7 @@ from jaxserve.models.families import num_active_params, num_params
 from jaxserve.models.quant_scheme import QuantizationError
 from jaxserve.models.weights import load_weights
 from jaxserve.runner.devices import describe_attention
-from jaxserve.runner.sharding import layer_specs
+from jaxserve.runner.parallel.sharding import layer_specs
 from tests.conftest import (
     SMALL_ENGINE,
     assert_long_completion_is_golden,

@@ -279,8 +279,8 @@ SHARDED_SCRIPT = textwrap.dedent("""
     import jax
     import numpy as np
     from jaxserve.models import moe
-    from jaxserve.runner.expert_parallel import sharded_experts
-    from jaxserve.runner.sharding import make_mesh
+    from jaxserve.runner.parallel.expert_parallel import sharded_experts
+    from jaxserve.runner.parallel.sharding import make_mesh
     rng = np.random.default_rng()
     x = rng.normal(size=(13, 8)).astype(np.float32)
     ids = rng.integers(0, 8, size=(13, 2)).astype(np.int32)

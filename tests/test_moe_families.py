@@ -20,7 +20,7 @@ from jaxserve.config import ConfigError, ModelConfig, builtin_config_dir
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.families import num_active_params, num_params
 from jaxserve.models.weights import load_weights
-from jaxserve.runner.sharding import layer_specs, validate_tensor_parallel_size
+from jaxserve.runner.parallel.sharding import layer_specs, validate_tensor_parallel_size
 from tests.conftest import (
     SMALL_ENGINE,
     assert_long_completion_is_golden,
@@ -177,8 +177,8 @@ EXPERT_PARALLEL_SCRIPT = textwrap.dedent("""
 
     # 3 devices: 16 tokens do not split evenly, and 3 of them are a bucket's padding.
     from jaxserve.models import moe
-    from jaxserve.runner.expert_parallel import sharded_experts
-    from jaxserve.runner.sharding import make_mesh
+    from jaxserve.runner.parallel.expert_parallel import sharded_experts
+    from jaxserve.runner.parallel.sharding import make_mesh
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16, 8)).astype(np.float32)
     ids = rng.integers(0, 6, size=(16, 2)).astype(np.int32)

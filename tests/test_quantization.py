@@ -45,7 +45,7 @@ from jaxserve.models.quant_scheme import (
 )
 from jaxserve.models.weights import dummy_weights, load_weights
 from jaxserve.runner.capacity import DEVICE_MEMORY_BYTES, plan_capacity
-from jaxserve.runner.sharding import weight_specs
+from jaxserve.runner.parallel.sharding import weight_specs
 from jaxserve.server.launch.flags import add_launch_arguments, engine_config_from_args
 from tests.conftest import fixture_dir, run_with_devices
 from tests.test_model_parity import PAGE, one_sequence_batch

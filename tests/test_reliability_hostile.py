@@ -209,9 +209,9 @@ class OutOfDeviceMemory:
 
 
 def test_a_step_whose_prompt_logprobs_fail_fails_only_their_request(server, http) -> None:
-    runner = server.engine.core.runner
-    real = runner.prompt_logprobs
-    runner.prompt_logprobs = lambda hidden, next_ids: (OutOfDeviceMemory(),) * 4
+    programs = server.engine.core.runner.programs
+    real = programs.prompt_logprobs
+    programs.prompt_logprobs = lambda hidden, next_ids: (OutOfDeviceMemory(),) * 4
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             plain = pool.submit(
@@ -227,7 +227,7 @@ def test_a_step_whose_prompt_logprobs_fail_fails_only_their_request(server, http
             assert echo.status_code == 500, echo.text
             assert plain.result().status_code == 200, plain.result().text
     finally:
-        runner.prompt_logprobs = real
+        programs.prompt_logprobs = real
     assert_still_serving(http)
     lp = http.post(
         "/v1/completions",

@@ -34,6 +34,7 @@ class FakeRunner:
         )
 
     ready_tokens = 1 << 30
+    compile_seconds = 0.0
 
     def warmup(self) -> int:
         return 0
@@ -42,13 +43,16 @@ class FakeRunner:
         pass
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
-        return self.collect(self.dispatch(output))
+        step = self.dispatch(output)
+        self.sample(step, None)
+        return self.collect(step)
 
-    def dispatch(
-        self, output: SchedulerOutput, previous=None, defer_sampling=False
-    ) -> SchedulerOutput:
+    def dispatch(self, output: SchedulerOutput, previous=None) -> SchedulerOutput:
         self.steps.append(output)
         return output
+
+    def sample(self, output: SchedulerOutput, token_mask) -> None:
+        assert token_mask is None or output.is_constrained
 
     def collect(self, output: SchedulerOutput) -> RunnerOutput:
         tokens = []
@@ -323,9 +327,7 @@ class RowKeepingRunner(FakeRunner):
         super().__init__(*args, **kwargs)
         self.rows: set[str] = set()
 
-    def dispatch(
-        self, output: SchedulerOutput, previous=None, defer_sampling=False
-    ) -> SchedulerOutput:
+    def dispatch(self, output: SchedulerOutput, previous=None) -> SchedulerOutput:
         self.rows -= {*output.preempted_seq_ids, *output.finished_seq_ids}
         for item in output.scheduled:
             if item.is_new:
@@ -370,9 +372,7 @@ def test_runner_state_follows_the_lifecycle_through_preemption_and_abort(
 class PoisonRunner(FakeRunner):
     """Fails to build a step that holds a request seeded 666 (as a bad parameter would)."""
 
-    def dispatch(
-        self, output: SchedulerOutput, previous=None, defer_sampling=False
-    ) -> SchedulerOutput:
+    def dispatch(self, output: SchedulerOutput, previous=None) -> SchedulerOutput:
         if any(item.seq.params.seed == 666 for item in output.scheduled):
             raise OverflowError("Python integer out of bounds for int32")
         return super().dispatch(output, previous)

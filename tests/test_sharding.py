@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from jaxserve.config import ModelConfig
-from jaxserve.runner.distributed import (
+from jaxserve.runner.parallel.distributed import (
     ENV_COORDINATOR_ADDRESS,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
@@ -29,7 +29,7 @@ from jaxserve.runner.distributed import (
     broadcast_step_inputs,
     initialize_distributed,
 )
-from jaxserve.runner.sharding import make_mesh, validate_tensor_parallel_size
+from jaxserve.runner.parallel.sharding import make_mesh, validate_tensor_parallel_size
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 PAGE_SIZE = 4
@@ -122,7 +122,7 @@ def _generate(config, weights_of, tp_size, prompts):
     import jax.numpy as jnp
 
     from jaxserve.models.batch import make_kv_cache
-    from jaxserve.runner.sharding import prepare_tp
+    from jaxserve.runner.parallel.sharding import prepare_tp
 
     lengths = [len(p) + NUM_DECODE_STEPS + 1 for p in prompts]
     tables = _page_tables(lengths)
@@ -260,7 +260,7 @@ def _check_sharded_write_kv() -> dict:
     import jax.numpy as jnp
 
     import pallas_kernels
-    from jaxserve.runner.sharding import prepare_tp, sharded_write_kv
+    from jaxserve.runner.parallel.sharding import prepare_tp, sharded_write_kv
 
     config = ModelConfig.from_hf_dir(FIXTURES / "llama")
     tp = prepare_tp(config, 4, devices=jax.devices()[:4])
@@ -291,7 +291,7 @@ def _check_sharded_fp8_attention() -> dict:
     import jax.numpy as jnp
 
     import pallas_kernels
-    from jaxserve.runner.sharding import prepare_tp
+    from jaxserve.runner.parallel.sharding import prepare_tp
 
     config = ModelConfig.from_hf_dir(FIXTURES / "llama")
     tp = prepare_tp(config, 2, devices=jax.devices()[:2])
@@ -337,7 +337,7 @@ def _check_sharded_fp8_attention() -> dict:
 
 def _check_two_processes(port: int, process_id: int) -> dict | None:
     """TP=2 over two processes, process 0 scheduling and broadcasting every step's inputs."""
-    from jaxserve.runner.distributed import (
+    from jaxserve.runner.parallel.distributed import (
         broadcast_ints,
         broadcast_step_inputs,
         initialize_distributed,
@@ -348,7 +348,7 @@ def _check_two_processes(port: int, process_id: int) -> dict | None:
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.runner.sharding import prepare_tp
+    from jaxserve.runner.parallel.sharding import prepare_tp
 
     model_dir = FIXTURES / "llama"
     config = ModelConfig.from_hf_dir(model_dir)
@@ -551,7 +551,7 @@ def test_tp_degree_errors_name_the_value():
 def test_weight_specs_follow_the_config():
     from jax.sharding import PartitionSpec as P
 
-    from jaxserve.runner.sharding import weight_specs
+    from jaxserve.runner.parallel.sharding import weight_specs
 
     llama = ModelConfig.from_hf_dir(FIXTURES / "llama")  # V 320, untied, no biases
     specs = weight_specs(llama, 4)

@@ -128,19 +128,20 @@ def test_warm_up_compiles_every_bucket_but_runs_only_the_smallest(monkeypatch):
     runner = ModelRunner(ModelConfig.from_hf_dir(config.model_dir), config)
     runner.kv_cache = None  # allocated by warm-up, as with warmup=True
     ran = []
-    run_step = runner.run_step
+    run_step = runner.programs.run_step
 
-    def recording_run_step(batch, *args):
+    def recording_run_step(kv_cache, batch, *args):
         ran.append(batch.input_ids.shape[0])
-        return run_step(batch, *args)
+        return run_step(kv_cache, batch, *args)
 
-    monkeypatch.setattr(runner, "run_step", recording_run_step)
+    monkeypatch.setattr(runner.programs, "run_step", recording_run_step)
     runner.warmup()
-    assert sorted(runner.compiled_steps) == runner.token_buckets == [16, 32]
-    assert sorted(runner.compiled_prompt_lp) == sorted(runner.compiled_logits) == [16, 32]
+    programs = runner.programs
+    assert sorted(programs.compiled_steps) == list(runner.buckets.token_buckets) == [16, 32]
+    assert sorted(programs.compiled_prompt_lp) == sorted(programs.compiled_logits) == [16, 32]
     # the variants of one sequence bucket: both token buckets sample 8 rows
-    assert sorted({rows for rows, _ in runner.compiled_samplers}) == [8]
-    assert len(runner.compiled_samplers) == NUM_VARIANTS
+    assert sorted({rows for rows, _ in programs.compiled_samplers}) == [8]
+    assert len(programs.compiled_samplers) == NUM_VARIANTS
     assert ran == [16, 16]  # the second reads its input ids from the first's samples
     assert runner.kv_cache is not None
 
@@ -298,10 +299,10 @@ def test_no_sampler_variant_branches_on_the_device() -> None:
 
     llm = make_llm()
     runner = llm.engine.runner
-    assert runner.compiled_samplers
-    for (rows, flags), compiled in runner.compiled_samplers.items():
+    assert runner.programs.compiled_samplers
+    for (rows, flags), compiled in runner.programs.compiled_samplers.items():
         assert " conditional(" not in compiled.as_text(), (rows, flags)
-    for bucket, compiled in runner.compiled_logits.items():
+    for bucket, compiled in runner.programs.compiled_logits.items():
         assert " conditional(" not in compiled.as_text(), bucket
     llm.shutdown()
 

@@ -27,7 +27,7 @@ from jaxserve.models.families import (
 )
 from jaxserve.models.llama import LayerWeights, Weights
 from jaxserve.models.weights import dummy_weights, expected_shapes, load_weights
-from jaxserve.runner.sharding import layer_specs, weight_specs
+from jaxserve.runner.parallel.sharding import layer_specs, weight_specs
 from tests.conftest import FAMILIES, fixture_dir
 
 

@@ -33,6 +33,7 @@ from jaxserve.config import ModelConfig, builtin_config_dir
 from jaxserve.engine_config import EngineConfig
 from jaxserve.runner.programs import model_step
 from jaxserve.runner.runner import ModelRunner
+from jaxserve.runner.step_programs import pack_step
 from jaxserve.units import human_int
 
 
@@ -70,6 +71,7 @@ def main() -> None:
     # Every compile below must really compile: an empty cache directory that nothing is
     # written to, and no in-memory reuse (``timed`` clears the caches).
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+    programs = runner.programs
     kv = runner.abstract_kv_cache()
     reference_step = jax.jit(
         functools.partial(
@@ -80,11 +82,11 @@ def main() -> None:
     )
     rows = []
     for bucket in buckets:
-        lowered, t_lower = timed(lambda b=bucket: runner.lower_step(b, kv))
+        lowered, t_lower = timed(lambda b=bucket: programs.lower_step(b, kv))
         _, t_kernel = timed(lowered.compile)
-        packed, layout = runner.step_inputs(runner.inputs.padding_step(bucket)[0])
+        packed, layout = pack_step(runner.inputs.padding_step(bucket)[0])
         ref_lowered = reference_step.lower(
-            runner.weights, kv, packed, runner.no_previous_ids, layout
+            runner.weights, kv, packed, programs.no_previous_ids, layout
         )
         _, t_ref = timed(ref_lowered.compile)
         rows.append(
@@ -101,7 +103,7 @@ def main() -> None:
             flush=True,
         )
     jax.clear_caches()
-    lowered = [runner.lower_step(b, kv) for b in buckets]
+    lowered = [programs.lower_step(b, kv) for b in buckets]
     with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
         _, t_parallel = timed(lambda: list(pool.map(lambda lo: lo.compile(), lowered)))
     print(

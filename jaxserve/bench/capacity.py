@@ -29,6 +29,7 @@ from jaxserve.flag_names import command_flags, in_flag_terms
 from jaxserve.hf_cache import resolve_model_dir
 from jaxserve.models.families import num_active_params, num_params
 from jaxserve.models.quant_scheme import QuantScheme, resolve_scheme
+from jaxserve.runner.buckets import next_power_of_2, token_buckets_for
 from jaxserve.runner.capacity import (
     CPU_DEVICE_MEMORY_BYTES,
     DEVICE_MEMORY_BYTES,
@@ -38,7 +39,6 @@ from jaxserve.runner.capacity import (
     detect_device_memory,
     plan_capacity,
 )
-from jaxserve.runner.input_builder import next_power_of_2, token_buckets_for
 from jaxserve.units import COUNT_RULE, human_bytes, human_count, human_int
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}

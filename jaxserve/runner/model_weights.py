@@ -22,7 +22,7 @@ from jaxserve.models.kv_scales import kv_scales_for
 from jaxserve.models.llama import Weights, fuse_projections
 from jaxserve.models.quant_scheme import QuantScheme
 from jaxserve.models.weights import Placement, dummy_weights, load_weights
-from jaxserve.runner.sharding import TensorParallel
+from jaxserve.runner.parallel.sharding import TensorParallel
 
 _LOG = logging.getLogger(__name__)
 

@@ -86,7 +86,7 @@ def _check_before_loading(
     """The flags, the model's directory, the address and the device's free memory, checked
     before anything loads; then the device memory the engine may take is reserved."""
     from jaxserve.runner.capacity import reserve_device_memory
-    from jaxserve.runner.distributed import DistributedConfig
+    from jaxserve.runner.parallel.distributed import DistributedConfig
 
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         _LOG.error("--ssl-keyfile and --ssl-certfile must be given together")
@@ -124,7 +124,7 @@ def _check_before_loading(
 def _join_replica(args: argparse.Namespace, config: EngineConfig) -> bool:
     """Join the multi-host replica (if any) before anything touches a device; a process other
     than 0 follows process 0's steps until it shuts down. True: this process serves HTTP."""
-    from jaxserve.runner.distributed import initialize_distributed, is_coordinator
+    from jaxserve.runner.parallel.distributed import initialize_distributed, is_coordinator
 
     try:
         initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)

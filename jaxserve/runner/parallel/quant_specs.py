@@ -11,7 +11,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.families import WeightField, dim_sizes
 from jaxserve.models.quant import QArray
 from jaxserve.models.quant_scheme import QuantScheme, qarray_layout
-from jaxserve.runner.mesh import KV_AXIS, TP_AXIS
+from jaxserve.runner.parallel.mesh import KV_AXIS, TP_AXIS
 
 
 def quantized_specs(

@@ -1,25 +1,24 @@
-"""Multi-host steps: process 0 announces each step, the other processes join it.
+"""The wire format of a multi-host step: what process 0 announces, what the others receive.
 
 Process 0 runs the scheduler; before each step its runner broadcasts a ``StepHeader`` (the
-shapes and sampler variant of the step, fixed-size integers) and then the padded step inputs.
-A follower (``follow``) builds placeholders of the announced shapes, receives process 0's
-values into them and runs the same jitted step on its devices. A header of all zeros (``STOP``)
-ends the followers. The collectives are in ``distributed.py``.
+shapes and sampler variant of the step, fixed-size integers, ``announce``) and then the padded
+step inputs. A follower (``ModelRunner.follow``) reads the header (``next_header``), builds
+placeholders of the announced shapes, receives process 0's values into them (``receive``) and
+runs the same compiled step on its devices; a constrained step's token mask follows once the
+host has built it (``share_token_mask``). A header of all zeros (``STOP``) ends the followers.
+The collectives are in ``distributed.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from jaxserve.models.batch import Batch
-from jaxserve.runner.distributed import broadcast_ints, broadcast_step_inputs
+from jaxserve.runner.parallel.distributed import broadcast_ints, broadcast_step_inputs
 from jaxserve.runner.sampling import SamplerFlags
-
-if TYPE_CHECKING:
-    from jaxserve.runner.runner import ModelRunner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,22 +73,17 @@ def share_token_mask(token_mask: Any) -> Any:
     return np.asarray(broadcast_step_inputs(token_mask))
 
 
+def next_header() -> StepHeader | None:
+    """On the other processes: the header of process 0's next step; None once it stops."""
+    values = broadcast_ints(None, StepHeader.SIZE)
+    return None if values[0] == 0 else StepHeader.decode(values)
+
+
+def receive(placeholders: tuple) -> tuple:
+    """On the other processes: the step inputs process 0 announced after the header, received
+    into placeholders of their shapes."""
+    return broadcast_step_inputs(placeholders)
+
+
 def stop_followers() -> None:
     broadcast_ints(STOP, StepHeader.SIZE)
-
-
-def follow(runner: ModelRunner) -> None:
-    """On processes other than 0: join every step process 0 runs, until it stops."""
-    while True:
-        values = broadcast_ints(None, StepHeader.SIZE)
-        if values[0] == 0:
-            return
-        header = StepHeader.decode(values)
-        batch, inputs = runner.inputs.padding_step(header.num_tokens, header.flags)
-        next_ids = np.zeros(header.num_tokens, np.int32) if header.has_prompt_logprobs else None
-        batch, inputs, next_ids = broadcast_step_inputs((batch, inputs, next_ids))
-        forward, _ = runner.forward(batch, next_ids)
-        if header.flags.use_mask:
-            inputs.token_mask = share_token_mask(inputs.token_mask)
-        with runner.precision():
-            runner.sample(forward, inputs, header.flags)

@@ -49,8 +49,8 @@ from jaxserve.models.llama import AttentionFn, LayerWeights, Weights
 from jaxserve.models.quant import QUANTIZED_FIELDS
 from jaxserve.models.quant_scheme import QuantScheme
 from jaxserve.models.weights import Placement
-from jaxserve.runner.expert_parallel import sharded_experts
-from jaxserve.runner.mesh import (
+from jaxserve.runner.parallel.expert_parallel import sharded_experts
+from jaxserve.runner.parallel.mesh import (
     KV_AXIS,
     KV_REPLICA_AXIS,
     TP_AXIS,
@@ -58,7 +58,7 @@ from jaxserve.runner.mesh import (
     make_mesh,
     validate_tensor_parallel_size,
 )
-from jaxserve.runner.quant_specs import quantized_specs
+from jaxserve.runner.parallel.quant_specs import quantized_specs
 
 # Specs on the KV view. Query heads split over both of its axes, which orders the devices
 # exactly as "tp" does, so the two meshes agree and XLA moves no data between them.
