@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.engine.core import EngineCore, RequestError
+from jaxserve.engine.core import EngineCore
+from jaxserve.engine.request_checks import RequestError
 from jaxserve.engine_config import EngineConfig
 from jaxserve.runner.capacity import plan_capacity
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput

@@ -24,7 +24,7 @@ import pytest
 import uvicorn
 
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.engine.core import EngineStats
+from jaxserve.engine.interfaces import EngineStats
 from jaxserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.engine_config import EngineConfig

@@ -22,7 +22,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from jaxserve.cli import main
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.engine.core import EngineStats
+from jaxserve.engine.interfaces import EngineStats
 from jaxserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.engine_config import EngineConfig, default_model_dir

@@ -36,12 +36,6 @@ if TYPE_CHECKING:
 
 _LOG = logging.getLogger(__name__)
 
-__all__ = ["EngineCore", "EngineDeadError", "EngineStats", "RequestError"]
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has died; no request can be served."""
-
 
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: Runner | None = None) -> None:

@@ -25,6 +25,14 @@ if TYPE_CHECKING:
     from jaxserve.runner.in_flight import InFlight
 
 
+class EngineDeadError(RuntimeError):
+    """The engine loop has died; no request can be served (``EngineClient.generate``)."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its cap (the server answers 429 with Retry-After)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineStats:
     num_running: int

@@ -17,9 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from jaxserve.engine.async_engine import QueueFullError
-from jaxserve.engine.core import EngineDeadError
-from jaxserve.engine.interfaces import EngineClient
+from jaxserve.engine.interfaces import EngineClient, EngineDeadError, QueueFullError
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams, SamplingParamsError
 from jaxserve.server.api.errors import (
