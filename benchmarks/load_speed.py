@@ -41,7 +41,8 @@ from safetensors import safe_open
 
 from jaxserve.config import ModelConfig, builtin_config_dir
 from jaxserve.models.checkpoint_reader import CheckpointReader, read_header
-from jaxserve.models.families import HF_LAYER_PREFIX, layer_fields, model_fields
+from jaxserve.models.families.fields import HF_LAYER_PREFIX
+from jaxserve.models.families.registry import layer_fields, model_fields
 from jaxserve.models.weights import STAGING_BYTES, default_num_threads, load_weights
 
 MiB = 1024**2

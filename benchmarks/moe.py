@@ -70,7 +70,8 @@ import jaxserve  # noqa: E402
 from jaxserve.bench.throughput import make_prompts  # noqa: E402
 from jaxserve.config import ModelConfig, builtin_config_dir  # noqa: E402
 from jaxserve.models import moe  # noqa: E402
-from jaxserve.models.families import layer_fields, num_params  # noqa: E402
+from jaxserve.models.families.counting import num_params  # noqa: E402
+from jaxserve.models.families.registry import layer_fields  # noqa: E402
 from jaxserve.runner.step import SchedulerOutput  # noqa: E402
 from pallas_kernels import grouped_matmul_triton as gmt  # noqa: E402
 

@@ -61,7 +61,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
 from jaxserve.models.batch import Batch, make_kv_cache
-from jaxserve.models.families import num_params
+from jaxserve.models.families.counting import num_params
 from jaxserve.models.weights import load_weights
 
 REPO = Path(__file__).resolve().parent.parent

@@ -25,7 +25,7 @@ from jaxserve.bench.capacity import add_capacity_arguments, run_capacity
 from jaxserve.config import ConfigError, ModelConfig, builtin_config_dir
 from jaxserve.models import mla, rope
 from jaxserve.models.batch import Batch
-from jaxserve.models.families import num_active_params, num_params
+from jaxserve.models.families.counting import num_active_params, num_params
 from jaxserve.models.weights import dummy_weights, load_weights
 from jaxserve.runner.devices import describe_attention
 from jaxserve.runner.mesh import validate_tensor_parallel_size

@@ -20,7 +20,7 @@ from safetensors import safe_open
 import jaxserve
 import pallas_kernels
 from jaxserve.config import ModelConfig, builtin_config_dir
-from jaxserve.models.families import num_active_params, num_params
+from jaxserve.models.families.counting import num_active_params, num_params
 from jaxserve.models.quant_scheme import QuantizationError
 from jaxserve.models.weights import load_weights
 from jaxserve.runner.devices import describe_attention

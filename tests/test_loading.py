@@ -19,7 +19,8 @@ from safetensors.numpy import load_file, save_file
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.checkpoint_reader import CheckpointReader, WeightsError
-from jaxserve.models.families import HF_LAYER_PREFIX, layer_fields, model_fields
+from jaxserve.models.families.fields import HF_LAYER_PREFIX
+from jaxserve.models.families.registry import layer_fields, model_fields
 from jaxserve.models.field_conversion import to_field, to_field_into
 from jaxserve.models.llama import fuse_projections
 from jaxserve.models.load_progress import format_rate

@@ -10,7 +10,7 @@ import pytest
 import jaxserve
 from jaxserve import SamplingParams
 from jaxserve.config import FULL, SLIDING, ConfigError, ModelConfig, builtin_config_dir
-from jaxserve.models.families import num_params
+from jaxserve.models.families.counting import num_params
 from tests.conftest import NEW_FAMILIES, fixture_dir
 
 

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from jaxserve.config import ConfigError, ModelConfig, builtin_config_dir
 from jaxserve.engine_config import EngineConfig
-from jaxserve.models.families import num_active_params, num_params
+from jaxserve.models.families.counting import num_active_params, num_params
 from jaxserve.models.weights import load_weights
 from jaxserve.runner.sharding import layer_specs, validate_tensor_parallel_size
 from tests.conftest import (

@@ -32,7 +32,7 @@ from jaxserve.config import ModelConfig, builtin_config_dir
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models import llama, quant
 from jaxserve.models.batch import make_kv_cache
-from jaxserve.models.families import layer_fields
+from jaxserve.models.families.registry import layer_fields
 from jaxserve.models.quant import QArray, dequantize, linear, quantize, unpack_int4
 from jaxserve.models.quant_checkpoint import pack_np
 from jaxserve.models.quant_scheme import (

@@ -21,7 +21,8 @@ from jaxserve.bench.capacity import add_capacity_arguments, run_capacity
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
 from jaxserve.models.batch import make_kv_cache
-from jaxserve.models.families import HF_LAYER_PREFIX, layer_fields
+from jaxserve.models.families.fields import HF_LAYER_PREFIX
+from jaxserve.models.families.registry import layer_fields
 from jaxserve.models.quant import QUANTIZED_FIELDS, QArray, dequantize
 from jaxserve.models.quant_checkpoint import read_fp8
 from jaxserve.models.quant_scheme import resolve_scheme

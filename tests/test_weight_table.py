@@ -1,4 +1,5 @@
-"""The weight table (jaxserve/models/families.py) is the one description of each weight.
+"""The weight tables (each family's record in jaxserve/models/families/) are the one
+description of each weight.
 
 For every fixture family, loading, ``expected_shapes``, dummy weights, the tensor-parallel
 specs and the parameter count must all agree with the table, and the table with the model's
@@ -18,13 +19,9 @@ from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.families import (
-    FAMILY_TABLES,
-    WeightField,
-    layer_fields,
-    model_fields,
-    num_params,
-)
+from jaxserve.models.families.counting import num_params
+from jaxserve.models.families.fields import WeightField
+from jaxserve.models.families.registry import families, layer_fields, model_fields
 from jaxserve.models.llama import LayerWeights, Weights
 from jaxserve.models.weights import dummy_weights, expected_shapes, load_weights
 from jaxserve.runner.sharding import layer_specs, weight_specs
@@ -45,11 +42,11 @@ def test_tables_declare_the_dataclass_fields_in_order() -> None:
     layer_names = [f.name for f in dataclasses.fields(LayerWeights) if f.name != "fused"]
     outside = [f.name for f in dataclasses.fields(Weights) if f.name != "layers"]
     covered: set[str] = set()
-    for layer_table, model_table in FAMILY_TABLES.values():
+    for family in families().values():
         # Each family's layer fields are LayerWeights' fields, in their order.
-        table_names = names(layer_table)
+        table_names = names(family.layer_table)
         assert table_names == [name for name in layer_names if name in table_names]
-        assert sorted(names(model_table)) == sorted(outside)
+        assert sorted(names(family.model_table)) == sorted(outside)
         covered |= set(table_names)
     assert covered == set(layer_names)  # every field is some family's
 

@@ -26,7 +26,7 @@ from jaxserve.engine_config import (
 )
 from jaxserve.flag_names import command_flags, in_flag_terms
 from jaxserve.hf_cache import resolve_model_dir
-from jaxserve.models.families import num_active_params, num_params
+from jaxserve.models.families.counting import num_active_params, num_params
 from jaxserve.models.quant_scheme import resolve_scheme
 from jaxserve.runner.capacity import (
     CPU_DEVICE_MEMORY_BYTES,

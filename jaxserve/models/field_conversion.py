@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.families import WeightField
+from jaxserve.models.families.fields import WeightField
 
 # (field path in Weights, e.g. ("layers", 3, "wq")) -> a sharding for it, or None (default device)
 Placement = Callable[[tuple[Any, ...], tuple[int, ...]], jax.sharding.Sharding | None]

@@ -25,7 +25,7 @@ import numpy as np
 from safetensors import safe_open
 
 import pallas_kernels
-from jaxserve.models.families import HF_LAYER_PREFIX
+from jaxserve.models.families.fields import HF_LAYER_PREFIX
 from jaxserve.models.weights import WeightsError, _tensor_files
 
 _LOG = logging.getLogger(__name__)

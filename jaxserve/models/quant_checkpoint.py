@@ -33,7 +33,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.families import WeightField, dim_sizes
+from jaxserve.models.families.fields import WeightField, dim_sizes
 from jaxserve.models.quant import PACK, QArray
 from jaxserve.models.quant_scheme import QuantScheme
 

@@ -18,13 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.families import (
-    WeightField,
-    dim_sizes,
-    layer_fields,
-    num_float32_params,
-    num_params,
-)
+from jaxserve.models.families.counting import num_float32_params, num_params
+from jaxserve.models.families.fields import WeightField, dim_sizes
+from jaxserve.models.families.registry import layer_fields
 from jaxserve.models.quant import PACK, QUANTIZED_FIELDS
 
 # What --quantization accepts: the two quantize-on-load modes, and the checkpoint methods

@@ -26,14 +26,9 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.checkpoint_reader import CheckpointReader, WeightsError, read_header
-from jaxserve.models.families import (
-    HF_LAYER_PREFIX,
-    WeightField,
-    dim_sizes,
-    layer_fields,
-    model_fields,
-    num_params,
-)
+from jaxserve.models.families.counting import num_params
+from jaxserve.models.families.fields import HF_LAYER_PREFIX, WeightField, dim_sizes
+from jaxserve.models.families.registry import layer_fields, model_fields
 from jaxserve.models.field_conversion import (
     Placement,
     layout_of,
