@@ -71,7 +71,10 @@ from jaxserve.bench.throughput import make_prompts  # noqa: E402
 from jaxserve.config import ModelConfig, builtin_config_dir  # noqa: E402
 from jaxserve.models import moe  # noqa: E402
 from jaxserve.models.families.counting import num_params  # noqa: E402
-from jaxserve.models.families.registry import layer_fields  # noqa: E402
+from jaxserve.models.families.registry import (
+    layer_fields,  # noqa: E402
+    load_model_config,  # noqa: E402
+)
 from jaxserve.runner.step import SchedulerOutput  # noqa: E402
 from pallas_kernels import grouped_matmul_triton as gmt  # noqa: E402
 
@@ -316,7 +319,7 @@ def random_moe_weights(config: ModelConfig, dtype: jnp.dtype, seed: int = 0) -> 
 def run_grouped_matmuls_only(args: argparse.Namespace) -> dict:
     """The grouped-matmul comparison alone, on one layer of random weights with the whole
     GPU free (XLA's dense expansion at prefill needs it), with the tile sweep."""
-    config = ModelConfig.from_hf_dir(args.model)
+    config = load_model_config(args.model)
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
     result: dict = {"engine": "jaxserve", "device": jax.devices()[0].device_kind}
     result["jax"] = jax.__version__
@@ -333,7 +336,7 @@ def run_grouped_matmuls_only(args: argparse.Namespace) -> dict:
 def run_jaxserve(args: argparse.Namespace) -> dict:
     """Decode, one layer's experts and its grouped matmuls, then throughput (the largest
     steps last), saving the result after each part: a failure keeps what came before it."""
-    config = ModelConfig.from_hf_dir(args.model)
+    config = load_model_config(args.model)
     assert config.moe is not None
     result: dict = {"engine": "jaxserve", "device": jax.devices()[0].device_kind}
     result["jax"] = jax.__version__

@@ -25,6 +25,7 @@ from jaxserve.config import ModelConfig, builtin_config_dir
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models import llama
 from jaxserve.models.batch import Batch, make_kv_cache
+from jaxserve.models.families.registry import load_model_config
 from jaxserve.models.weights import dummy_weights, load_weights
 from jaxserve.runner.devices import resolve_dtype, resolve_quantization
 
@@ -74,7 +75,7 @@ def main() -> None:
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
 
-    config = ModelConfig.from_hf_dir(args.model)
+    config = load_model_config(args.model)
     base = EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype)
     dtype = resolve_dtype(base)
     rng = np.random.default_rng(0)

@@ -62,6 +62,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models import llama
 from jaxserve.models.batch import Batch, make_kv_cache
 from jaxserve.models.families.counting import num_params
+from jaxserve.models.families.registry import load_model_config, model_config_from_dict
 from jaxserve.models.weights import load_weights
 
 REPO = Path(__file__).resolve().parent.parent
@@ -771,7 +772,7 @@ def evaluate(
     out: Path, corpus: Corpus, cfg: TrainConfig, hf_python: str | None
 ) -> dict[str, object]:
     """Held-out NLL of the written (bf16) weights, served in f32, against the unigram baseline."""
-    config = ModelConfig.from_hf_dir(out)
+    config = load_model_config(out)
     weights = load_weights(out, config, jnp.float32)
     wins = windows(corpus.heldout_stream, config.max_position_embeddings)
     per_position = position_nll(weights, wins, config, 4)  # f64[T]
@@ -832,7 +833,7 @@ def main() -> None:
 
     corpus = make_corpus(cfg.seed)
     hf_cfg = hf_config(corpus.tok)
-    config = ModelConfig.from_dict(hf_cfg.to_dict())
+    config = model_config_from_dict(hf_cfg.to_dict())
     num_text = int(corpus.counts.sum())
     print(
         f"{len(corpus.train)} training files ({num_text} tokens), {len(corpus.heldout)} held out;"

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 import jaxserve
-from jaxserve.config import ModelConfig
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.engine_config import default_model_dir
 from jaxserve.models import llama
 from jaxserve.models.batch import Batch, make_kv_cache
+from jaxserve.models.families.registry import load_model_config
 from jaxserve.models.weights import load_weights
 
 DEMO = default_model_dir()
@@ -43,7 +43,7 @@ def load_eval() -> dict:
 
 def paged_logits(token_ids: list[int]) -> np.ndarray:  # f32[T, V]
     """Logits at every position of one sequence through the serving forward, in f32."""
-    config = ModelConfig.from_hf_dir(DEMO)
+    config = load_model_config(DEMO)
     weights = load_weights(DEMO, config, jnp.float32)
     num_tokens = len(token_ids)
     num_pages = -(-num_tokens // PAGE)
@@ -95,7 +95,7 @@ def test_demo_is_a_small_complete_hf_directory() -> None:
         assert (DEMO / name).is_file(), name
     size = sum(f.stat().st_size for f in DEMO.iterdir() if f.is_file())
     assert size < 10 * 2**20
-    config = ModelConfig.from_hf_dir(DEMO)
+    config = load_model_config(DEMO)
     tokenizer = Tokenizer(DEMO)
     assert config.model_type == "llama" and config.tie_word_embeddings
     assert config.vocab_size == tokenizer.vocab_size

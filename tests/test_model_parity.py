@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.config import ModelConfig
 from jaxserve.models import llama
 from jaxserve.models.batch import Batch, make_kv_cache_for
+from jaxserve.models.families.registry import load_model_config
 from jaxserve.models.weights import load_weights
 from tests.conftest import FAMILIES, fixture_dir
 
@@ -38,7 +38,7 @@ def run_chunks(
 ):
     """Logits for every token, computed in chunks over a shuffled page table; ``fused``: with
     the projections joined as the runner joins them on one device."""
-    config = ModelConfig.from_hf_dir(fixture_dir(family))
+    config = load_model_config(fixture_dir(family))
     weights = load_weights(fixture_dir(family), config, dtype)
     if fused:
         weights = llama.fuse_projections(weights)

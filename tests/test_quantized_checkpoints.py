@@ -22,7 +22,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models import llama
 from jaxserve.models.batch import make_kv_cache
 from jaxserve.models.families.fields import HF_LAYER_PREFIX
-from jaxserve.models.families.registry import layer_fields
+from jaxserve.models.families.registry import layer_fields, load_model_config
 from jaxserve.models.quant import QUANTIZED_FIELDS, QArray, dequantize
 from jaxserve.models.quant_checkpoint import read_fp8
 from jaxserve.models.quant_scheme import resolve_scheme
@@ -114,7 +114,7 @@ def test_checkpoint_loads_to_its_dequantized_reference(tmp_path, family: str, fm
     and the model on the packed weights computes the logits of the dense reference model."""
     model_dir = make_quantized(fixture_dir(family), tmp_path / fmt, fmt, GROUP, BLOCK)
     qc = json.loads((model_dir / "config.json").read_text())["quantization_config"]
-    config = ModelConfig.from_hf_dir(model_dir)
+    config = load_model_config(model_dir)
     scheme = resolve_scheme(None, model_dir)
     assert scheme is not None and scheme.method == qc["quant_method"]
     weights = load_weights(model_dir, config, jnp.float32, scheme=scheme)
@@ -160,7 +160,7 @@ def test_misshapen_scale_names_the_tensor(tmp_path) -> None:
     name = "model.layers.1.mlp.down_proj.weight_scale"
     tensors[name] = np.ones((3, 1), np.float32)
     make_quantized_module.write_safetensors(model_dir / "model.safetensors", tensors)
-    config = ModelConfig.from_hf_dir(model_dir)
+    config = load_model_config(model_dir)
     with pytest.raises(WeightsError, match=f"{name}.*shape \\[3, 1\\]"):
         load_weights(model_dir, config, jnp.float32, scheme=resolve_scheme(None, model_dir))
 
@@ -190,7 +190,7 @@ def test_llm_serves_a_gptq_checkpoint_detected_from_its_config(tmp_path, capsys)
     args.json = True
     assert run_capacity(args) == 0
     assert json.loads(capsys.readouterr().out)["weight_bytes"] == on_device
-    config = ModelConfig.from_hf_dir(model_dir)
+    config = load_model_config(model_dir)
     golden = np.load(fixture_dir("llama") / "golden.npz")
     ids = golden["prompt_ids"].tolist()
     out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1))

@@ -18,10 +18,14 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 
-from jaxserve.config import ModelConfig
 from jaxserve.models.families.counting import num_params
 from jaxserve.models.families.fields import WeightField
-from jaxserve.models.families.registry import families, layer_fields, model_fields
+from jaxserve.models.families.registry import (
+    families,
+    layer_fields,
+    load_model_config,
+    model_fields,
+)
 from jaxserve.models.llama import LayerWeights, Weights
 from jaxserve.models.weights import dummy_weights, expected_shapes, load_weights
 from jaxserve.runner.sharding import layer_specs, weight_specs
@@ -53,7 +57,7 @@ def test_tables_declare_the_dataclass_fields_in_order() -> None:
 
 def test_fused_rows_split_phi3_qkv_and_gate_up() -> None:
     """Phi-3's qkv_proj and gate_up_proj are read once per part: q, k, v, gate, up."""
-    config = ModelConfig.from_hf_dir(fixture_dir("phi3"))
+    config = load_model_config(fixture_dir("phi3"))
     with safe_open(fixture_dir("phi3") / "model.safetensors", framework="numpy") as f:
         qkv = f.get_tensor("model.layers.1.self_attn.qkv_proj.weight")  # [(N + 2K) D, H]
         gate_up = f.get_tensor("model.layers.1.mlp.gate_up_proj.weight")  # [2I, H]
@@ -70,7 +74,7 @@ def test_fused_rows_split_phi3_qkv_and_gate_up() -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_loading_dummy_specs_and_counts_read_the_table(family: str) -> None:
     model_dir = fixture_dir(family)
-    config = ModelConfig.from_hf_dir(model_dir)
+    config = load_model_config(model_dir)
     loaded = load_weights(model_dir, config, jnp.float32)
     dummy = dummy_weights(config, jnp.float32, seed=0)
 
@@ -114,7 +118,7 @@ def test_loading_dummy_specs_and_counts_read_the_table(family: str) -> None:
 
 
 def test_specs_split_the_heads_and_the_mlp() -> None:
-    specs = layer_specs(ModelConfig.from_hf_dir(fixture_dir("qwen2")))  # has q/k/v biases
+    specs = layer_specs(load_model_config(fixture_dir("qwen2")))  # has q/k/v biases
     assert (specs.wq, specs.wk, specs.wo) == (
         P(None, "tp", None),
         P(None, "kv", None),
@@ -143,7 +147,7 @@ def test_a_checkpoint_tensor_the_table_does_not_read_is_named_in_a_warning(tmp_p
     tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.zeros(8, np.float32)
     save_file(tensors, tmp_path / "model.safetensors")
     shutil.copy(source / "config.json", tmp_path / "config.json")
-    config = ModelConfig.from_hf_dir(tmp_path)
+    config = load_model_config(tmp_path)
     with caplog.at_level("WARNING", logger="jaxserve.models.weights"):
         load_weights(tmp_path, config, jnp.float32)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]

@@ -13,7 +13,6 @@ import json
 import os
 import sys
 
-from jaxserve.config import ModelConfig
 from jaxserve.engine_config import (
     DTYPES,
     KV_CACHE_DTYPES,
@@ -27,6 +26,7 @@ from jaxserve.engine_config import (
 from jaxserve.flag_names import command_flags, in_flag_terms
 from jaxserve.hf_cache import resolve_model_dir
 from jaxserve.models.families.counting import num_active_params, num_params
+from jaxserve.models.families.registry import load_model_config
 from jaxserve.models.quant_scheme import resolve_scheme
 from jaxserve.runner.capacity import (
     CPU_DEVICE_MEMORY_BYTES,
@@ -160,7 +160,7 @@ def run_capacity(args: argparse.Namespace) -> int:
             tensor_parallel_size=args.tensor_parallel_size,
         )
         model_dir = resolve_model_dir(args.model) if args.model else default_model_dir()
-        config = ModelConfig.from_hf_dir(model_dir)
+        config = load_model_config(model_dir)
     except ValueError as exc:
         print(
             f"error: {in_flag_terms(str(exc), command_flags(add_capacity_arguments))}",

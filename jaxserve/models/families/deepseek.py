@@ -4,8 +4,10 @@ MLPs in the first layers, then grouped sigmoid routing over experts and a shared
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import ConfigFeatures, MlaConfig, ModelConfig, MoeConfig, rope_type_of
+from jaxserve.config_fields import ConfigError, ConfigFields
 from jaxserve.models.families.family import Family
 from jaxserve.models.families.fields import WeightField
 from jaxserve.models.families.llama import LLAMA_LAYER_FIELDS, LLAMA_MODEL_FIELDS
@@ -88,6 +90,69 @@ DEEPSEEK_V3_LAYER_FIELDS = (
     ),
 )
 
+
+def _mla(hf: ConfigFields, rope: ConfigFields) -> MlaConfig:
+    """The latent attention, its softmax scale as transformers' ``yarn_apply_mscale`` makes
+    it."""
+    model_type = hf.raw["model_type"]
+    if hf.boolean("attention_bias", False):
+        raise ConfigError(f"attention_bias=True is not supported for {model_type}; only false")
+    quant = hf.raw.get("quantization_config")
+    if quant:  # its latent and expert projections too: none would be read with their scales
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ConfigError(
+            f"quantization_config (quant_method={method!r}) is not supported for {model_type}; "
+            "serve a bf16 checkpoint (--quantization fp8 or int8 quantizes it on load)"
+        )
+    mla = MlaConfig(
+        kv_lora_rank=hf.required_integer("kv_lora_rank"),
+        qk_nope_head_dim=hf.required_integer("qk_nope_head_dim"),
+        qk_rope_head_dim=hf.required_integer("qk_rope_head_dim"),
+        v_head_dim=hf.required_integer("v_head_dim"),
+        q_lora_rank=hf.optional_integer("q_lora_rank"),
+        rope_interleave=hf.boolean("rope_interleave", True),
+    )
+    scale = mla.qk_head_dim**-0.5
+    mscale_all_dim = rope.optional_number("mscale_all_dim")
+    if rope_type_of(rope) != "default" and mscale_all_dim:
+        factor = rope.optional_number("factor")
+        if factor is None:
+            raise ConfigError(f"{rope.prefix}factor is needed with mscale_all_dim")
+        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= mscale * mscale
+    return dataclasses.replace(mla, softmax_scale=scale)
+
+
+def _moe(hf: ConfigFields) -> MoeConfig:
+    """``first_k_dense_replace`` dense layers, then routed experts with sigmoid scores,
+    grouped top-k steered by ``e_score_correction_bias``, the routed scaling factor, and
+    ``n_shared_experts`` shared experts (one dense MLP of their summed width)."""
+    num_layers = hf.required_integer("num_hidden_layers")
+    first_dense = hf.integer("first_k_dense_replace", 0)
+    moe_intermediate = hf.integer("moe_intermediate_size", 0)
+    return MoeConfig(
+        hf.integer("n_routed_experts", 0),
+        hf.integer("num_experts_per_tok", 0),
+        moe_intermediate,
+        scoring="sigmoid",
+        norm_topk_prob=hf.boolean("norm_topk_prob", True),
+        n_group=hf.optional_integer("n_group") or 1,
+        topk_group=hf.optional_integer("topk_group") or 1,
+        routed_scaling_factor=hf.optional_number("routed_scaling_factor") or 1.0,
+        has_correction_bias=True,
+        shared_intermediate_size=moe_intermediate * hf.integer("n_shared_experts", 0),
+        dense_layers=tuple(range(min(first_dense, num_layers))),
+    )
+
+
+DEEPSEEK_V3 = ConfigFeatures(mla=_mla, moe=_moe)
+
 FAMILIES = (
-    Family("deepseek_v3", ("DeepseekV3ForCausalLM",), DEEPSEEK_V3_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
+    Family(
+        "deepseek_v3",
+        ("DeepseekV3ForCausalLM",),
+        DEEPSEEK_V3_LAYER_FIELDS,
+        LLAMA_MODEL_FIELDS,
+        DEEPSEEK_V3,
+    ),
 )

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.config import ConfigFeatures
 from jaxserve.models.families.fields import WeightField
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """One model family, as config.json names it.
+    """One model family, as config.json names it: adding a family is one record.
 
     ``layer_table`` and ``model_table``: its weight tensors of each layer and outside them.
     Every family's rows are ``LayerWeights``' (``Weights``') fields in their order; a field the
@@ -24,3 +25,4 @@ class Family:
     architectures: tuple[str, ...]  # config.json's architectures it serves
     layer_table: tuple[WeightField, ...]
     model_table: tuple[WeightField, ...]
+    features: ConfigFeatures = ConfigFeatures()  # what it turns on in the config parser

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import FULL, SLIDING, ConfigFeatures, ModelConfig
+from jaxserve.config_fields import ConfigFields
 from jaxserve.models.families.family import Family
 from jaxserve.models.families.fields import WeightField
 from jaxserve.models.families.llama import LLAMA_LAYER_FIELDS, LLAMA_MODEL_FIELDS
@@ -54,7 +55,33 @@ GEMMA_MODEL_FIELDS = tuple(
     for field in LLAMA_MODEL_FIELDS
 )
 
+
+def _layer_types(hf: ConfigFields, sliding_window: int | None) -> tuple[str, ...]:
+    """Local/global pattern: ``layer_types``, else ``sliding_window_pattern`` (every n-th layer
+    global), else Gemma 2's alternation (even layers local)."""
+    num_layers = hf.required_integer("num_hidden_layers")
+    if hf.strings("layer_types"):
+        return hf.strings("layer_types")
+    pattern = (
+        hf.optional_integer("sliding_window_pattern")
+        or hf.optional_integer("_sliding_window_pattern")
+        or 2
+    )
+    return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
+
+
+GEMMA2 = ConfigFeatures(is_gemma=True, layer_types=_layer_types)
+# Gemma 3: q/k norms, a rope base of its own for the local layers, and a max_position_embeddings
+# that already counts the rope scaling.
+GEMMA3 = ConfigFeatures(
+    is_gemma=True,
+    qk_norm=True,
+    layer_types=_layer_types,
+    local_rope=True,
+    max_positions_are_scaled=True,
+)
+
 FAMILIES = (
-    Family("gemma2", ("Gemma2ForCausalLM",), GEMMA_LAYER_FIELDS, GEMMA_MODEL_FIELDS),
-    Family("gemma3_text", ("Gemma3ForCausalLM",), GEMMA_LAYER_FIELDS, GEMMA_MODEL_FIELDS),
+    Family("gemma2", ("Gemma2ForCausalLM",), GEMMA_LAYER_FIELDS, GEMMA_MODEL_FIELDS, GEMMA2),
+    Family("gemma3_text", ("Gemma3ForCausalLM",), GEMMA_LAYER_FIELDS, GEMMA_MODEL_FIELDS, GEMMA3),
 )

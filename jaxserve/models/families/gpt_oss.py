@@ -3,11 +3,12 @@ swiglu, alternating sliding and full layers."""
 
 from __future__ import annotations
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import ConfigFeatures, ModelConfig, MoeConfig
+from jaxserve.config_fields import ConfigFields
 from jaxserve.models.families.family import Family
 from jaxserve.models.families.fields import WeightField
 from jaxserve.models.families.llama import LLAMA_LAYER_FIELDS, LLAMA_MODEL_FIELDS
-from jaxserve.models.families.moe import DENSE_MLP
+from jaxserve.models.families.moe import DENSE_MLP, experts_and_top_k
 
 
 def _has_o_proj_bias(config: ModelConfig) -> bool:
@@ -67,4 +68,31 @@ GPT_OSS_LAYER_FIELDS = (
     WeightField("experts_down_bias", "mlp.experts.down_proj_bias", ("E", "H"), "EH", mlp="moe"),
 )
 
-FAMILIES = (Family("gpt_oss", ("GptOssForCausalLM",), GPT_OSS_LAYER_FIELDS, LLAMA_MODEL_FIELDS),)
+
+def _moe(hf: ConfigFields) -> MoeConfig:
+    """Experts on every layer, with biases and the clamped swiglu."""
+    num_experts, top_k = experts_and_top_k(hf)
+    intermediate_size = hf.required_integer("intermediate_size")
+    # NOTE: Hugging Face's router takes the softmax of the top-k logits; a softmax over
+    # every expert renormalized over the top k (norm_topk_prob) is the same weights.
+    return MoeConfig(
+        num_experts,
+        top_k,
+        intermediate_size,
+        norm_topk_prob=True,
+        has_biases=True,
+        swiglu_limit=hf.number("swiglu_limit", 7.0),
+        swiglu_alpha=hf.number("swiglu_alpha", 1.702),
+    )
+
+
+def _layer_types(hf: ConfigFields, sliding_window: int | None) -> tuple[str, ...]:
+    """Alternating sliding and full layers, as config.json lists them, when it has a window."""
+    return hf.strings("layer_types") if sliding_window is not None else ()
+
+
+GPT_OSS = ConfigFeatures(moe=_moe, layer_types=_layer_types, attention_sinks=True, o_proj_bias=True)
+
+FAMILIES = (
+    Family("gpt_oss", ("GptOssForCausalLM",), GPT_OSS_LAYER_FIELDS, LLAMA_MODEL_FIELDS, GPT_OSS),
+)

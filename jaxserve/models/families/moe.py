@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.config import ConfigFeatures, MoeConfig
+from jaxserve.config_fields import ConfigError, ConfigFields
 from jaxserve.models.families.family import Family
 from jaxserve.models.families.fields import WeightField
 from jaxserve.models.families.llama import LLAMA_LAYER_FIELDS, LLAMA_MODEL_FIELDS
@@ -62,8 +64,87 @@ QWEN2_MOE_LAYER_FIELDS = (
     ),
 )
 
+
+def reject_quantized_experts(hf: ConfigFields) -> None:
+    """A quantized checkpoint of these families: its experts' scales would not be read."""
+    quant = hf.raw.get("quantization_config")
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if quant and method != "mxfp4":  # (GPT-OSS's MXFP4 gets its own message at the scheme)
+        raise ConfigError(
+            f"quantization_config (quant_method={method!r}) is not supported for "
+            f"{hf.raw['model_type']}: its experts would be read without their scales; serve a "
+            "bf16 checkpoint (--quantization fp8 or int8 then quantizes its attention on load; "
+            "experts stay bf16)"
+        )
+
+
+def experts_and_top_k(hf: ConfigFields) -> tuple[int, int]:
+    """(num_experts, top_k) of every family here, after the quantization check."""
+    reject_quantized_experts(hf)
+    num_experts = hf.optional_integer("num_local_experts") or hf.integer("num_experts", 0)
+    top_k = hf.integer("num_experts_per_tok", 0)
+    return num_experts, top_k
+
+
+def _mixtral_moe(hf: ConfigFields) -> MoeConfig:
+    """Experts on every layer, the top-k weights renormalized."""
+    num_experts, top_k = experts_and_top_k(hf)
+    intermediate_size = hf.required_integer("intermediate_size")
+    return MoeConfig(num_experts, top_k, intermediate_size, norm_topk_prob=True)
+
+
+def _qwen_moe(hf: ConfigFields, *, shared: bool) -> MoeConfig:
+    """Experts on every ``decoder_sparse_step``-th layer except ``mlp_only_layers``; Qwen2-MoE
+    (``shared``) adds a shared expert behind a sigmoid gate."""
+    num_experts, top_k = experts_and_top_k(hf)
+    num_layers = hf.required_integer("num_hidden_layers")
+    step = hf.optional_integer("decoder_sparse_step") or 1
+    only_dense = set(hf.integers("mlp_only_layers"))
+    dense = tuple(i for i in range(num_layers) if i in only_dense or (i + 1) % step)
+    return MoeConfig(
+        num_experts,
+        top_k,
+        hf.integer("moe_intermediate_size", 0),
+        norm_topk_prob=hf.boolean("norm_topk_prob", False),
+        dense_layers=dense,
+        shared_intermediate_size=(
+            hf.integer("shared_expert_intermediate_size", 0) if shared else 0
+        ),
+        has_shared_gate=shared,
+    )
+
+
+def _qwen3_moe(hf: ConfigFields) -> MoeConfig:
+    return _qwen_moe(hf, shared=False)
+
+
+def _qwen2_moe(hf: ConfigFields) -> MoeConfig:
+    return _qwen_moe(hf, shared=True)
+
+
+def _qkv_bias(hf: ConfigFields) -> bool:
+    """Qwen2-MoE's q/k/v biases: ``qkv_bias``, on unless the config turns it off."""
+    return hf.boolean("attention_bias", False) or hf.boolean("qkv_bias", True)
+
+
+MIXTRAL = ConfigFeatures(moe=_mixtral_moe)
+QWEN3_MOE = ConfigFeatures(qk_norm=True, sliding_window_opt_in=True, moe=_qwen3_moe)
+QWEN2_MOE = ConfigFeatures(attention_bias=_qkv_bias, sliding_window_opt_in=True, moe=_qwen2_moe)
+
 FAMILIES = (
-    Family("mixtral", ("MixtralForCausalLM",), MIXTRAL_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
-    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), QWEN3_MOE_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
-    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), QWEN2_MOE_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
+    Family("mixtral", ("MixtralForCausalLM",), MIXTRAL_LAYER_FIELDS, LLAMA_MODEL_FIELDS, MIXTRAL),
+    Family(
+        "qwen3_moe",
+        ("Qwen3MoeForCausalLM",),
+        QWEN3_MOE_LAYER_FIELDS,
+        LLAMA_MODEL_FIELDS,
+        QWEN3_MOE,
+    ),
+    Family(
+        "qwen2_moe",
+        ("Qwen2MoeForCausalLM",),
+        QWEN2_MOE_LAYER_FIELDS,
+        LLAMA_MODEL_FIELDS,
+        QWEN2_MOE,
+    ),
 )
