@@ -23,9 +23,10 @@ import numpy as np
 
 from jaxserve.config import ModelConfig, builtin_config_dir
 from jaxserve.engine_config import EngineConfig
-from jaxserve.models import llama
+from jaxserve.models import decoder
 from jaxserve.models.batch import Batch, make_kv_cache
 from jaxserve.models.families.registry import load_model_config
+from jaxserve.models.layers import Weights
 from jaxserve.models.weights import dummy_weights, load_weights
 from jaxserve.runner.devices import resolve_dtype, resolve_quantization
 
@@ -49,8 +50,8 @@ def prompt_batch(ids: np.ndarray) -> Batch:
     )
 
 
-def all_logits(weights: llama.Weights, config: ModelConfig, prompts: np.ndarray, dtype) -> list:
-    forward = jax.jit(llama.forward, static_argnums=(3,))
+def all_logits(weights: Weights, config: ModelConfig, prompts: np.ndarray, dtype) -> list:
+    forward = jax.jit(decoder.forward, static_argnums=(3,))
     pages = -(-prompts.shape[1] // PAGE)
     out = []
     for ids in prompts:
@@ -58,7 +59,7 @@ def all_logits(weights: llama.Weights, config: ModelConfig, prompts: np.ndarray,
             config.num_layers, pages, PAGE, config.num_kv_heads, config.head_dim, dtype
         )
         _, hidden = forward(weights, cache, prompt_batch(ids), config)
-        logits = llama.compute_logits(weights, hidden, config.final_logit_softcap)
+        logits = decoder.compute_logits(weights, hidden, config.final_logit_softcap)
         out.append(np.asarray(logits, np.float32))
     return out
 
@@ -81,7 +82,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, config.vocab_size, size=(args.num_prompts, args.prompt_len))
 
-    def weights_for(engine: EngineConfig) -> llama.Weights:
+    def weights_for(engine: EngineConfig) -> Weights:
         scheme = resolve_quantization(engine)
         if args.load_format == "dummy":
             return dummy_weights(config, dtype, seed=0, scheme=scheme)

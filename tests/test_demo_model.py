@@ -20,7 +20,7 @@ import pytest
 import jaxserve
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.engine_config import default_model_dir
-from jaxserve.models import llama
+from jaxserve.models import decoder
 from jaxserve.models.batch import Batch, make_kv_cache
 from jaxserve.models.families.registry import load_model_config
 from jaxserve.models.weights import load_weights
@@ -61,8 +61,8 @@ def paged_logits(token_ids: list[int]) -> np.ndarray:  # f32[T, V]
         num_seqs=jnp.asarray([1], jnp.int32),
         logits_indices=jnp.asarray([num_tokens - 1], jnp.int32),
     )
-    _, hidden = jax.jit(llama.forward, static_argnums=(3,))(weights, cache, batch, config)
-    return np.asarray(llama.compute_logits(weights, hidden))
+    _, hidden = jax.jit(decoder.forward, static_argnums=(3,))(weights, cache, batch, config)
+    return np.asarray(decoder.compute_logits(weights, hidden))
 
 
 def mean_nll(logits: np.ndarray, targets: np.ndarray) -> float:  # f32[T, V], i32[T]

@@ -22,7 +22,7 @@ from jaxserve.models.checkpoint_reader import CheckpointReader, WeightsError
 from jaxserve.models.families.fields import HF_LAYER_PREFIX
 from jaxserve.models.families.registry import layer_fields, load_model_config, model_fields
 from jaxserve.models.field_conversion import to_field, to_field_into
-from jaxserve.models.llama import fuse_projections
+from jaxserve.models.layers import fuse_projections
 from jaxserve.models.load_progress import format_rate
 from jaxserve.models.weights import LoadCancelled, dummy_weights, load_weights
 from jaxserve.runner.model_weights import WeightsLoading

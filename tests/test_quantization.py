@@ -30,9 +30,10 @@ from jaxserve import SamplingParams
 from jaxserve.bench.capacity import add_capacity_arguments, run_capacity
 from jaxserve.config import ModelConfig, builtin_config_dir
 from jaxserve.engine_config import EngineConfig
-from jaxserve.models import llama, quant
+from jaxserve.models import decoder, quant
 from jaxserve.models.batch import make_kv_cache
 from jaxserve.models.families.registry import layer_fields, load_model_config
+from jaxserve.models.layers import Weights
 from jaxserve.models.quant import QArray, dequantize, linear, quantize, unpack_int4
 from jaxserve.models.quant_checkpoint import pack_np
 from jaxserve.models.quant_scheme import (
@@ -155,13 +156,13 @@ def test_fp8_weights_are_read_weight_only_in_decode_sized_steps() -> None:
     )
 
 
-def _logits(weights: llama.Weights, config: ModelConfig, ids: list[int]) -> np.ndarray:
+def _logits(weights: Weights, config: ModelConfig, ids: list[int]) -> np.ndarray:
     cache = make_kv_cache(
         config.num_layers, 16, PAGE, config.num_kv_heads, config.head_dim, jnp.float32
     )
     batch = one_sequence_batch(ids, 0, list(range(14)), 16 * PAGE)
-    _, hidden = jax.jit(llama.forward, static_argnums=(3,))(weights, cache, batch, config)
-    return np.asarray(llama.compute_logits(weights, hidden, config.final_logit_softcap))
+    _, hidden = jax.jit(decoder.forward, static_argnums=(3,))(weights, cache, batch, config)
+    return np.asarray(decoder.compute_logits(weights, hidden, config.final_logit_softcap))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -19,10 +19,11 @@ import jaxserve
 from jaxserve import SamplingParams
 from jaxserve.bench.capacity import add_capacity_arguments, run_capacity
 from jaxserve.config import ModelConfig
-from jaxserve.models import llama
+from jaxserve.models import decoder
 from jaxserve.models.batch import make_kv_cache
 from jaxserve.models.families.fields import HF_LAYER_PREFIX
 from jaxserve.models.families.registry import layer_fields, load_model_config
+from jaxserve.models.layers import Weights
 from jaxserve.models.quant import QUANTIZED_FIELDS, QArray, dequantize
 from jaxserve.models.quant_checkpoint import read_fp8
 from jaxserve.models.quant_scheme import resolve_scheme
@@ -88,14 +89,14 @@ def read_all(model_dir: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def logits(model_dir: Path, weights: llama.Weights, config: ModelConfig) -> np.ndarray:
+def logits(model_dir: Path, weights: Weights, config: ModelConfig) -> np.ndarray:
     ids = np.load(fixture_dir("llama") / "golden.npz")["prompt2_ids"].tolist()
     cache = make_kv_cache(
         config.num_layers, 16, PAGE, config.num_kv_heads, config.head_dim, jnp.float32
     )
     batch = one_sequence_batch(ids, 0, list(range(14)), 16 * PAGE)
-    _, hidden = jax.jit(llama.forward, static_argnums=(3,))(weights, cache, batch, config)
-    return np.asarray(llama.compute_logits(weights, hidden, config.final_logit_softcap))
+    _, hidden = jax.jit(decoder.forward, static_argnums=(3,))(weights, cache, batch, config)
+    return np.asarray(decoder.compute_logits(weights, hidden, config.final_logit_softcap))
 
 
 FORMATS = [
@@ -199,6 +200,6 @@ def test_llm_serves_a_gptq_checkpoint_detected_from_its_config(tmp_path, capsys)
         config.num_layers, 16, PAGE, config.num_kv_heads, config.head_dim, jnp.float32
     )
     batch = one_sequence_batch(ids, 0, list(range(6)), 16 * PAGE)
-    _, hidden = jax.jit(llama.forward, static_argnums=(3,))(runner.weights, cache, batch, config)
-    last = np.asarray(llama.compute_logits(runner.weights, hidden))[-1]
+    _, hidden = jax.jit(decoder.forward, static_argnums=(3,))(runner.weights, cache, batch, config)
+    last = np.asarray(decoder.compute_logits(runner.weights, hidden))[-1]
     assert out[0].outputs[0].token_ids == [int(last.argmax())]

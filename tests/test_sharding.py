@@ -94,10 +94,10 @@ def _page_tables(lengths):
 
 
 def _step(weights, kv_cache, batch, *, config, attention_fn):
-    from jaxserve.models import llama
+    from jaxserve.models import decoder
 
-    kv_cache, hidden = llama.forward(weights, kv_cache, batch, config, attention_fn)
-    return kv_cache, llama.compute_logits(weights, hidden[batch.logits_indices])  # f32[S, V]
+    kv_cache, hidden = decoder.forward(weights, kv_cache, batch, config, attention_fn)
+    return kv_cache, decoder.compute_logits(weights, hidden[batch.logits_indices])  # f32[S, V]
 
 
 def _shard_summary(array):

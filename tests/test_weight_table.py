@@ -26,7 +26,7 @@ from jaxserve.models.families.registry import (
     load_model_config,
     model_fields,
 )
-from jaxserve.models.llama import LayerWeights, Weights
+from jaxserve.models.layers import LayerWeights, Weights
 from jaxserve.models.weights import dummy_weights, expected_shapes, load_weights
 from jaxserve.runner.sharding import layer_specs, weight_specs
 from tests.conftest import FAMILIES, fixture_dir
@@ -42,7 +42,7 @@ def present(obj: Any) -> list[str]:
 
 
 def test_tables_declare_the_dataclass_fields_in_order() -> None:
-    # ``fused`` is made at load from the table's rows (llama.fuse_projections), not read.
+    # ``fused`` is made at load from the table's rows (layers.fuse_projections), not read.
     layer_names = [f.name for f in dataclasses.fields(LayerWeights) if f.name != "fused"]
     outside = [f.name for f in dataclasses.fields(Weights) if f.name != "layers"]
     covered: set[str] = set()

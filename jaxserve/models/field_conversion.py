@@ -80,7 +80,7 @@ def write_part(
     offset: int,
 ) -> jax.Array:
     """``whole`` (donated: written in place) with the field written at ``offset`` of its axis 1:
-    a part of a joined array (``llama.FusedProjections``)."""
+    a part of a joined array (``layers.FusedProjections``)."""
     value = _converted(pieces, field, config, shape, whole.dtype)
     return jax.lax.dynamic_update_slice_in_dim(whole, value, offset, axis=1)
 

@@ -38,7 +38,7 @@ from jaxserve.models.field_conversion import (
     to_field_into,
     write_part,
 )
-from jaxserve.models.llama import FUSED_FIELDS, FusedProjections, LayerWeights, Weights
+from jaxserve.models.layers import FUSED_FIELDS, FusedProjections, LayerWeights, Weights
 from jaxserve.models.load_progress import GiB, LoadProgress
 from jaxserve.models.load_progress import format_bytes as format_bytes  # (warmup reads it here)
 from jaxserve.models.quant import QUANTIZED_FIELDS, QArray, quantize, to_out_in
@@ -208,7 +208,7 @@ def load_weights(
     stores them, or quantized here on the device (``--quantization fp8 | int8``).
     A checkpoint of ``progress_above_bytes`` or more logs its progress at every tenth.
     ``fuse`` (one device, unquantized): each layer's q/k/v and gate/up are written into their
-    joined arrays (``llama.FusedProjections``) as they load, as ``fuse_projections`` joins them.
+    joined arrays (``layers.FusedProjections``) as they load, as ``fuse_projections`` joins them.
     Once ``stop`` is set, the next tensor read raises ``LoadCancelled``.
     """
     model_dir = Path(model_dir)
@@ -323,7 +323,7 @@ FusedParts = dict[tuple[Any, ...], tuple[tuple[Any, ...], int, tuple[int, ...]]]
 
 def _fused_parts(config: ModelConfig) -> FusedParts:
     """Where each layer's q/k/v (and, in a layer that has them, gate/up) go in the arrays
-    ``llama.fuse_layer`` joins them into, for the layers it joins."""
+    ``layers.fuse_layer`` joins them into, for the layers it joins."""
     parts: FusedParts = {}
     for layer in range(config.num_layers):
         fields = {f.name: f for f in layer_fields(config, layer) if not f.per_expert}
