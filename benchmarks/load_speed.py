@@ -40,10 +40,14 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxserve.config import ModelConfig, builtin_config_dir
-from jaxserve.models.checkpoint_reader import CheckpointReader, read_header
 from jaxserve.models.families.fields import HF_LAYER_PREFIX
 from jaxserve.models.families.registry import layer_fields, load_model_config, model_fields
-from jaxserve.models.weights import STAGING_BYTES, default_num_threads, load_weights
+from jaxserve.models.loading.checkpoint_loader import (
+    STAGING_BYTES,
+    default_num_threads,
+    load_weights,
+)
+from jaxserve.models.loading.checkpoint_reader import CheckpointReader, read_header
 
 MiB = 1024**2
 

@@ -27,7 +27,8 @@ from jaxserve.models import decoder
 from jaxserve.models.batch import Batch, make_kv_cache
 from jaxserve.models.families.registry import load_model_config
 from jaxserve.models.layers import Weights
-from jaxserve.models.weights import dummy_weights, load_weights
+from jaxserve.models.loading.checkpoint_loader import load_weights
+from jaxserve.models.loading.dummy import dummy_weights
 from jaxserve.runner.devices import resolve_dtype, resolve_quantization
 
 PAGE = 16

@@ -64,7 +64,7 @@ from jaxserve.models.batch import Batch, make_kv_cache
 from jaxserve.models.families.counting import num_params
 from jaxserve.models.families.registry import load_model_config, model_config_from_dict
 from jaxserve.models.layers import LayerWeights, Weights, rms_norm
-from jaxserve.models.weights import load_weights
+from jaxserve.models.loading.checkpoint_loader import load_weights
 
 REPO = Path(__file__).resolve().parent.parent
 OUT_DIR = REPO / "jaxserve" / "assets" / "demo"
@@ -537,7 +537,8 @@ def batches(wins: np.ndarray, batch_size: int, rng: np.random.Generator) -> Iter
 
 
 def hf_tensors(weights: Weights, config: ModelConfig) -> dict[str, np.ndarray]:
-    """Weights -> HF tensor names and layouts (the inverse of jaxserve.models.weights)."""
+    """Weights -> HF tensor names and layouts (the inverse of the checkpoint loader,
+    jaxserve.models.loading.checkpoint_loader)."""
     h = config.hidden_size
     out = {
         "model.embed_tokens.weight": weights.embed,

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve.models.families.registry import load_model_config
-from jaxserve.models.weights import load_weights
+from jaxserve.models.loading.checkpoint_loader import load_weights
 from tests.conftest import fixture_dir
 
 ROOT = Path(__file__).parents[1]

@@ -27,7 +27,8 @@ from jaxserve.models import mla, rope
 from jaxserve.models.batch import Batch
 from jaxserve.models.families.counting import num_active_params, num_params
 from jaxserve.models.families.registry import load_model_config, model_config_from_dict
-from jaxserve.models.weights import dummy_weights, load_weights
+from jaxserve.models.loading.checkpoint_loader import load_weights
+from jaxserve.models.loading.dummy import dummy_weights
 from jaxserve.runner.devices import describe_attention
 from jaxserve.runner.mesh import validate_tensor_parallel_size
 from pallas_kernels.reference import ragged_paged_attention

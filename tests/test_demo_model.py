@@ -23,7 +23,7 @@ from jaxserve.engine_config import default_model_dir
 from jaxserve.models import decoder
 from jaxserve.models.batch import Batch, make_kv_cache
 from jaxserve.models.families.registry import load_model_config
-from jaxserve.models.weights import load_weights
+from jaxserve.models.loading.checkpoint_loader import load_weights
 
 DEMO = default_model_dir()
 HF_FILES = (

@@ -22,8 +22,8 @@ import pallas_kernels
 from jaxserve.config import builtin_config_dir
 from jaxserve.models.families.counting import num_active_params, num_params
 from jaxserve.models.families.registry import load_model_config
+from jaxserve.models.loading.checkpoint_loader import load_weights
 from jaxserve.models.quant_scheme import QuantizationError
-from jaxserve.models.weights import load_weights
 from jaxserve.runner.devices import describe_attention
 from jaxserve.runner.sharding import layer_specs
 from tests.conftest import (

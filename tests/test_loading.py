@@ -18,13 +18,14 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.checkpoint_reader import CheckpointReader, WeightsError
 from jaxserve.models.families.fields import HF_LAYER_PREFIX
 from jaxserve.models.families.registry import layer_fields, load_model_config, model_fields
-from jaxserve.models.field_conversion import to_field, to_field_into
 from jaxserve.models.layers import fuse_projections
-from jaxserve.models.load_progress import format_rate
-from jaxserve.models.weights import LoadCancelled, dummy_weights, load_weights
+from jaxserve.models.loading.checkpoint_loader import load_weights
+from jaxserve.models.loading.checkpoint_reader import CheckpointReader, WeightsError
+from jaxserve.models.loading.dummy import dummy_weights
+from jaxserve.models.loading.field_conversion import to_field, to_field_into
+from jaxserve.models.loading.load_progress import LoadCancelled, format_rate
 from jaxserve.runner.model_weights import WeightsLoading
 from tests.conftest import fixture_dir
 

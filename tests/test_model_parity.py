@@ -11,7 +11,7 @@ from jaxserve.models import decoder
 from jaxserve.models.batch import Batch, make_kv_cache_for
 from jaxserve.models.families.registry import load_model_config
 from jaxserve.models.layers import fuse_projections
-from jaxserve.models.weights import load_weights
+from jaxserve.models.loading.checkpoint_loader import load_weights
 from tests.conftest import FAMILIES, fixture_dir
 
 PAGE = 4

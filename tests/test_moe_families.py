@@ -20,7 +20,7 @@ from jaxserve.config import ConfigError, builtin_config_dir
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.families.counting import num_active_params, num_params
 from jaxserve.models.families.registry import load_model_config, model_config_from_dict
-from jaxserve.models.weights import load_weights
+from jaxserve.models.loading.checkpoint_loader import load_weights
 from jaxserve.runner.sharding import layer_specs, validate_tensor_parallel_size
 from tests.conftest import (
     assert_long_completion_is_golden,

@@ -34,8 +34,10 @@ from jaxserve.models import decoder, quant
 from jaxserve.models.batch import make_kv_cache
 from jaxserve.models.families.registry import layer_fields, load_model_config
 from jaxserve.models.layers import Weights
+from jaxserve.models.loading.checkpoint_loader import load_weights
+from jaxserve.models.loading.dummy import dummy_weights
+from jaxserve.models.loading.quant_checkpoint import pack_np
 from jaxserve.models.quant import QArray, dequantize, linear, quantize, unpack_int4
-from jaxserve.models.quant_checkpoint import pack_np
 from jaxserve.models.quant_scheme import (
     QuantizationError,
     QuantScheme,
@@ -44,7 +46,6 @@ from jaxserve.models.quant_scheme import (
     resolve_scheme,
     weight_bytes,
 )
-from jaxserve.models.weights import dummy_weights, load_weights
 from jaxserve.runner.capacity import DEVICE_MEMORY_BYTES, plan_capacity
 from jaxserve.runner.sharding import weight_specs
 from jaxserve.server.launch import add_launch_arguments, engine_config_from_args

@@ -24,10 +24,11 @@ from jaxserve.models.batch import make_kv_cache
 from jaxserve.models.families.fields import HF_LAYER_PREFIX
 from jaxserve.models.families.registry import layer_fields, load_model_config
 from jaxserve.models.layers import Weights
+from jaxserve.models.loading.checkpoint_loader import load_weights
+from jaxserve.models.loading.checkpoint_reader import WeightsError
+from jaxserve.models.loading.quant_checkpoint import read_fp8
 from jaxserve.models.quant import QUANTIZED_FIELDS, QArray, dequantize
-from jaxserve.models.quant_checkpoint import read_fp8
 from jaxserve.models.quant_scheme import resolve_scheme
-from jaxserve.models.weights import WeightsError, load_weights
 from tests.conftest import fixture_dir
 from tests.test_model_parity import PAGE, one_sequence_batch
 
@@ -140,7 +141,7 @@ def test_checkpoint_loads_to_its_dequantized_reference(tmp_path, family: str, fm
 
 def test_hand_packed_awq_and_gptq_words(tmp_path) -> None:
     """One word of each layout written by hand: AWQ's interleaved columns, GPTQ's rows."""
-    from jaxserve.models.quant_checkpoint import AWQ_PACK_ORDER, pack_np, unpack_np
+    from jaxserve.models.loading.quant_checkpoint import AWQ_PACK_ORDER, pack_np, unpack_np
 
     values = np.arange(8, dtype=np.uint8) + 3  # columns 0..7 hold 3..10
     awq_word = sum(int(values[AWQ_PACK_ORDER[n]]) << (4 * n) for n in range(8))

@@ -24,8 +24,8 @@ from safetensors.numpy import load_file, save_file
 
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine_config import EngineConfig
-from jaxserve.models.checkpoint_reader import WeightsError
 from jaxserve.models.families.registry import load_model_config
+from jaxserve.models.loading.checkpoint_reader import WeightsError
 from jaxserve.models.quant_scheme import QuantScheme
 from jaxserve.runner import bucket_compile, warmup
 from jaxserve.runner.model_weights import abstract_model_weights, model_weights

@@ -189,7 +189,7 @@ def _generate(config, weights_of, tp_size, prompts):
 def _fixture_weights(model_dir, config):
     import jax.numpy as jnp
 
-    from jaxserve.models.weights import load_weights
+    from jaxserve.models.loading.checkpoint_loader import load_weights
 
     return lambda placement: load_weights(model_dir, config, jnp.float32, placement=placement)
 
@@ -199,7 +199,7 @@ def _check_tensor_parallel() -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.models.weights import dummy_weights
+    from jaxserve.models.loading.dummy import dummy_weights
 
     assert jax.device_count() == 8, jax.devices()
     results: dict = {}

@@ -25,7 +25,7 @@ from safetensors.numpy import load_file, save_file
 import pallas_kernels
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.families.registry import load_model_config
-from jaxserve.models.weights import load_weights
+from jaxserve.models.loading.checkpoint_loader import load_weights
 from jaxserve.runner.devices import describe_attention, quiet_backend_probe
 from jaxserve.runner.runner import ModelRunner
 from jaxserve.runner.sampling import SamplerFlags
@@ -253,7 +253,7 @@ def write_sharded_checkpoint(source: Path, target: Path, num_shards: int) -> int
 def test_loading_a_sharded_checkpoint_logs_bytes_and_shards(tmp_path, caplog):
     num_bytes = write_sharded_checkpoint(fixture_dir("llama"), tmp_path, num_shards=3)
     config = load_model_config(tmp_path)
-    with caplog.at_level(logging.INFO, logger="jaxserve.models.weights"):
+    with caplog.at_level(logging.INFO, logger="jaxserve.models.loading.checkpoint_loader"):
         load_weights(tmp_path, config, jnp.float32, progress_above_bytes=0)
     lines = [r.getMessage() for r in caplog.records]
     progress = [re.match(r"Loading weights: (\d+)% \(.* of .*\), shard (\d) of 3, at", line)
@@ -271,7 +271,7 @@ def test_loading_a_sharded_checkpoint_logs_bytes_and_shards(tmp_path, caplog):
 
 def test_loading_a_small_checkpoint_logs_one_line(caplog):
     model_dir = fixture_dir("llama")
-    with caplog.at_level(logging.INFO, logger="jaxserve.models.weights"):
+    with caplog.at_level(logging.INFO, logger="jaxserve.models.loading.checkpoint_loader"):
         load_weights(model_dir, load_model_config(model_dir), jnp.float32)
     assert [r.getMessage()[:30] for r in caplog.records] == ["Loaded weights: 0.4 MiB from 1"]
 

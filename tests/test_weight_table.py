@@ -27,7 +27,8 @@ from jaxserve.models.families.registry import (
     model_fields,
 )
 from jaxserve.models.layers import LayerWeights, Weights
-from jaxserve.models.weights import dummy_weights, expected_shapes, load_weights
+from jaxserve.models.loading.checkpoint_loader import expected_shapes, load_weights
+from jaxserve.models.loading.dummy import dummy_weights
 from jaxserve.runner.sharding import layer_specs, weight_specs
 from tests.conftest import FAMILIES, fixture_dir
 
@@ -148,13 +149,13 @@ def test_a_checkpoint_tensor_the_table_does_not_read_is_named_in_a_warning(tmp_p
     save_file(tensors, tmp_path / "model.safetensors")
     shutil.copy(source / "config.json", tmp_path / "config.json")
     config = load_model_config(tmp_path)
-    with caplog.at_level("WARNING", logger="jaxserve.models.weights"):
+    with caplog.at_level("WARNING", logger="jaxserve.models.loading.checkpoint_loader"):
         load_weights(tmp_path, config, jnp.float32)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1, warnings
     assert "1 checkpoint tensor(s) are not in the llama weight table" in warnings[0]
     assert "model.layers.0.self_attn.o_proj.bias" in warnings[0]
     caplog.clear()
-    with caplog.at_level("WARNING", logger="jaxserve.models.weights"):
+    with caplog.at_level("WARNING", logger="jaxserve.models.loading.checkpoint_loader"):
         load_weights(source, config, jnp.float32)  # the fixture itself: every tensor is read
     assert not [r for r in caplog.records if r.levelname == "WARNING"]

@@ -128,7 +128,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, unit_offset: bool = Fa
 
 
 # The joined arrays of ``FusedProjections`` and their parts, joined on axis 1 in this order
-# (the loader writes the parts in place, ``loading.weights._fused_parts``).
+# (the loader writes the parts in place, ``loading.checkpoint_loader._fused_parts``).
 FUSED_FIELDS = (("wqkv", ("wq", "wk", "wv")), ("w_gate_up", ("w_gate", "w_up")))
 
 

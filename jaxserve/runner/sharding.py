@@ -47,9 +47,9 @@ from jaxserve.models.batch import KVCache, kv_page_shapes
 from jaxserve.models.decoder import AttentionFn
 from jaxserve.models.families.registry import layer_fields, model_fields
 from jaxserve.models.layers import LayerWeights, Weights
+from jaxserve.models.loading.field_conversion import Placement
 from jaxserve.models.quant import QUANTIZED_FIELDS
 from jaxserve.models.quant_scheme import QuantScheme
-from jaxserve.models.weights import Placement
 from jaxserve.runner.expert_parallel import sharded_experts
 from jaxserve.runner.mesh import (
     KV_AXIS,

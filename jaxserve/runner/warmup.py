@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from jaxserve.models.weights import format_bytes
+from jaxserve.models.loading.load_progress import format_bytes
 from jaxserve.runner import bucket_compile
 from jaxserve.runner.sampling import SamplerFlags
 

@@ -1,4 +1,4 @@
-"""Weights: a Hugging Face safetensors checkpoint (or random ``dummy`` weights) -> ``Weights``.
+"""A Hugging Face safetensors checkpoint -> ``Weights`` (random weights: ``dummy.py``).
 
 Several threads read the checkpoint's tensors at once (``checkpoint_reader.py``: positioned
 reads through a few reusable host buffers, so peak host memory is those buffers, not the
@@ -22,42 +22,32 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.checkpoint_reader import CheckpointReader, WeightsError, read_header
-from jaxserve.models.families.counting import num_params
 from jaxserve.models.families.fields import HF_LAYER_PREFIX, WeightField, dim_sizes
 from jaxserve.models.families.registry import layer_fields, model_fields
-from jaxserve.models.field_conversion import (
+from jaxserve.models.layers import FUSED_FIELDS, FusedProjections, LayerWeights, Weights
+from jaxserve.models.loading.checkpoint_reader import CheckpointReader, WeightsError, read_header
+from jaxserve.models.loading.field_conversion import (
     Placement,
+    field_dtype,
+    is_quantized,
     layout_of,
     part_rows_of,
     place_on_device,
+    place_quantized,
     to_field,
     to_field_into,
     write_part,
 )
-from jaxserve.models.layers import FUSED_FIELDS, FusedProjections, LayerWeights, Weights
-from jaxserve.models.load_progress import GiB, LoadProgress
-from jaxserve.models.load_progress import format_bytes as format_bytes  # (warmup reads it here)
-from jaxserve.models.quant import QUANTIZED_FIELDS, QArray, quantize, to_out_in
-from jaxserve.models.quant_checkpoint import read_qarray, tensor_shapes
+from jaxserve.models.loading.load_progress import GiB, LoadProgress, raise_if_stopped
+from jaxserve.models.loading.quant_checkpoint import read_qarray, tensor_shapes
+from jaxserve.models.quant import quantize
 from jaxserve.models.quant_scheme import QuantScheme
-from jaxserve.models.quant_scheme import weight_bytes as quantized_weight_bytes
 
 _LOG = logging.getLogger(__name__)
 # Host memory the reading threads stage tensors through, in all (two buffers per thread).
 STAGING_BYTES = GiB
-
-
-def field_dtype(field: WeightField, dtype: jnp.dtype) -> jnp.dtype:
-    """The dtype a field is kept in: the weights' ``dtype``, or float32 where the table says."""
-    return jnp.dtype(jnp.float32) if field.is_float32 else jnp.dtype(dtype)
-
-
-def is_quantized(field: WeightField, scheme: QuantScheme | None) -> bool:
-    return scheme is not None and field.name in QUANTIZED_FIELDS
 
 
 def expected_shapes(
@@ -80,7 +70,7 @@ def expected_shapes(
     return shapes
 
 
-def _tensor_files(model_dir: Path) -> dict[str, Path]:
+def tensor_files(model_dir: Path) -> dict[str, Path]:
     """HF tensor name -> the safetensors file that holds it (index file or a directory scan)."""
     index_path = model_dir / "model.safetensors.index.json"
     if index_path.is_file():
@@ -93,35 +83,6 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
             "use --load-format dummy for random weights)"
         )
     return {name: file for file in files for name in read_header(file)}
-
-
-def _place(
-    array: np.ndarray, dtype: jnp.dtype, path: tuple[Any, ...], placement: Placement | None
-) -> jax.Array:
-    array = array.astype(dtype, copy=False)
-    sharding = placement(path, array.shape) if placement is not None else None
-    if sharding is None:
-        return jax.device_put(array)
-    # Each device receives only its own slice of the host tensor.
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
-
-
-def _place_quantized(
-    w: QArray, path: tuple[Any, ...], placement: Placement | None, act_quant: bool
-) -> QArray:
-    """A QArray's parts (numpy or device arrays) placed as its weight's path + part name says;
-    they keep their dtypes (the values quantized, the scales f32)."""
-    parts: dict[str, Any] = {}
-    for name in ("q", "scale", "zero", "g_idx"):
-        part = getattr(w, name)
-        if part is None:
-            continue
-        if isinstance(part, jax.Array):  # made on the device (dummy weights)
-            sharding = placement((*path, name), part.shape) if placement is not None else None
-            parts[name] = part if sharding is None else jax.device_put(part, sharding)
-        else:
-            parts[name] = _place(np.asarray(part), part.dtype, (*path, name), placement)
-    return QArray(**parts, in_shape=w.in_shape, out_shape=w.out_shape, act_quant=act_quant)
 
 
 # Checkpoint tensors read elsewhere or safely left: rotary tables the model computes, the
@@ -212,7 +173,7 @@ def load_weights(
     Once ``stop`` is set, the next tensor read raises ``LoadCancelled``.
     """
     model_dir = Path(model_dir)
-    files = _tensor_files(model_dir)
+    files = tensor_files(model_dir)
     progress = LoadProgress(sorted(set(files.values())), progress_above_bytes)
     shapes = expected_shapes(config, scheme)
     missing = [name for name in shapes if name not in files]
@@ -253,7 +214,7 @@ def load_weights(
                     w = read_qarray(reader.read_to_host, prefix, field, config, scheme)
                 except ValueError as exc:
                     raise WeightsError(f"{model_dir}: {exc}") from exc
-                return {path: _place_quantized(w, path, placement, scheme.act_quant)}
+                return {path: place_quantized(w, path, placement, scheme.act_quant)}
             pieces = reader.read_to_device(job.names, device)
             shape = (len(job.names), *reader.info(job.names[0]).shape)
             made = {}
@@ -267,7 +228,7 @@ def load_weights(
                         tuple(sizes[d] for d in field.hf_shape[1]),
                         tuple(sizes[d] for d in field.hf_shape[0]),
                     )
-                    made[path] = _place_quantized(w, path, placement, scheme.act_quant)
+                    made[path] = place_quantized(w, path, placement, scheme.act_quant)
                 elif path in parts:  # written in place into its layer's fused array
                     joined, offset, _ = parts[path]
                     with locks[joined]:
@@ -371,81 +332,3 @@ def _with_fused(lw: LayerWeights, layer: int, memory: dict) -> LayerWeights:
         return lw
     gate_up = memory.pop(("layers", layer, FUSED_FIELDS[1][0]), None)
     return dataclasses.replace(lw, fused=FusedProjections(wqkv, gate_up))
-
-
-class LoadCancelled(Exception):
-    """The weights stopped loading because the start-up failed or was interrupted."""
-
-
-def raise_if_stopped(stop: threading.Event) -> None:
-    if stop.is_set():
-        raise LoadCancelled("the start-up stopped while the weights loaded")
-
-
-def dummy_weights(
-    config: ModelConfig,
-    dtype: jnp.dtype = jnp.bfloat16,
-    seed: int = 0,
-    placement: Placement | None = None,
-    scale: float = 0.02,
-    scheme: QuantScheme | None = None,
-    stop: threading.Event | None = None,
-) -> Weights:
-    """Random weights in the real architecture (for benchmarks and tests); made on the device.
-
-    With a quantize-on-load ``scheme`` the Linear weights are the same random weights (the
-    same seed gives the same bf16 values), quantized. Once ``stop`` is set, the next tensor
-    raises ``LoadCancelled``."""
-    key = jax.random.key(seed)
-    if scheme is not None and scheme.from_checkpoint:
-        raise ValueError(f"dummy weights cannot be made for a {scheme.method} checkpoint")
-
-    def make(path: tuple[Any, ...], field: WeightField) -> Any:
-        if stop is not None:
-            raise_if_stopped(stop)
-        made = make_one(path, field)
-        # NOTE: with a stop to obey, one tensor at a time: dispatched ahead, every tensor
-        # would be queued on the device before the first check (one sync per tensor costs
-        # nothing beside making it).
-        return jax.block_until_ready(made) if stop is not None else made
-
-    def make_one(path: tuple[Any, ...], field: WeightField) -> Any:
-        nonlocal key
-        key, sub = jax.random.split(key)
-        shape = field.shape_for(config)
-        if field.init != "normal":
-            array = (jnp.ones if field.init == "ones" else jnp.zeros)(shape, dtype)
-        else:
-            array = (scale * jax.random.normal(sub, shape, jnp.float32)).astype(
-                field_dtype(field, dtype)
-            )
-        if is_quantized(field, scheme):
-            assert scheme is not None
-            sizes = dim_sizes(config)
-            num_in_axes = len(field.hf_shape[1])
-            w = quantize(
-                to_out_in(array, num_in_axes),
-                scheme.weight_format,
-                tuple(sizes[d] for d in field.hf_shape[1]),
-                tuple(sizes[d] for d in field.hf_shape[0]),
-            )
-            del array
-            return _place_quantized(w, path, placement, scheme.act_quant)
-        sharding = placement(path, shape) if placement is not None else None
-        return array if sharding is None else jax.device_put(array, sharding)
-
-    layers = [
-        LayerWeights(
-            **{f.name: make(("layers", layer, f.name), f) for f in layer_fields(config, layer)}
-        )
-        for layer in range(config.num_layers)
-    ]
-    outside: dict[str, Any] = {f.name: make((f.name,), f) for f in model_fields(config)}
-    return Weights(layers=layers, **outside)
-
-
-def weight_bytes(config: ModelConfig, dtype: jnp.dtype, scheme: QuantScheme | None = None) -> int:
-    """Bytes the weights occupy on the device (quantized Linear weights at their own size)."""
-    if scheme is not None:
-        return quantized_weight_bytes(config, jnp.dtype(dtype).itemsize, scheme)
-    return num_params(config) * jnp.dtype(dtype).itemsize
