@@ -129,6 +129,51 @@ def mlp_block(
     return linear(act(gate) * up, lw.w_down, "TI,IH->TH")
 
 
+def layer_attention(
+    lw: LayerWeights,
+    h: jax.Array,  # [T, H]  normed
+    pages: tuple[jax.Array, jax.Array],  # the layer's two page arrays
+    batch: Batch,
+    config: ModelConfig,
+    rotary: tuple[jax.Array, jax.Array],
+    attention_fn: AttentionFn,
+    layer: int,
+    kv_scale: tuple[float, float] | None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # (out [T, H], *pages)
+    """Layer ``layer``'s attention: latent attention for a config with MLA, else the
+    family's (windowed where the layer slides)."""
+    k_pages, v_pages = pages
+    if config.mla is not None:  # DeepSeek-V3: the pages hold the latent and k_pe
+        return mla.mla_attention_block(lw, h, k_pages, v_pages, batch, config, rotary, kv_scale)
+    return attention_block(
+        lw,
+        h,
+        k_pages,
+        v_pages,
+        batch,
+        config,
+        rotary,
+        attention_fn,
+        config.layer_window(layer),
+        kv_scale,
+    )
+
+
+def layer_mlp(
+    lw: LayerWeights,
+    h: jax.Array,  # [T, H]  normed
+    config: ModelConfig,
+    act: Callable[[jax.Array], jax.Array],
+    experts_fn: moe.ExpertsFn | None,
+    batch: Batch,
+) -> jax.Array:  # [T, H]
+    """The layer's experts where it has them, else its dense MLP."""
+    experts = lw.moe_weights()
+    if experts is not None and config.moe is not None:
+        return moe.moe_block(h, experts, config.moe, act, experts_fn, batch.cu_q_lens[-1])
+    return mlp_block(lw, h, act)
+
+
 def forward(
     weights: Weights,
     kv_cache: KVCache,
@@ -162,32 +207,15 @@ def forward(
             rotaries[layer_rope] = rope.cos_sin(freqs, scale, x.dtype)
         h = rms_norm(x, lw.attn_norm, eps, gemma)
         kv_scale = None if kv_scales is None else kv_scales[layer]
-        if config.mla is not None:  # DeepSeek-V3: the pages hold the latent and k_pe
-            attn, k_pages, v_pages = mla.mla_attention_block(
-                lw, h, k_pages, v_pages, batch, config, rotaries[layer_rope], kv_scale
-            )
-        else:
-            attn, k_pages, v_pages = attention_block(
-                lw,
-                h,
-                k_pages,
-                v_pages,
-                batch,
-                config,
-                rotaries[layer_rope],
-                attention_fn,
-                config.layer_window(layer),
-                kv_scale,
-            )
+        rotary = rotaries[layer_rope]
+        attn, k_pages, v_pages = layer_attention(
+            lw, h, (k_pages, v_pages), batch, config, rotary, attention_fn, layer, kv_scale
+        )
         if lw.post_attn_norm is not None:  # Gemma: a norm after attention too
             attn = rms_norm(attn, lw.post_attn_norm, eps, gemma)
         x = x + attn
         h = rms_norm(x, lw.mlp_norm, eps, gemma)
-        experts = lw.moe_weights()
-        if experts is not None and config.moe is not None:
-            mlp = moe.moe_block(h, experts, config.moe, act, experts_fn, batch.cu_q_lens[-1])
-        else:
-            mlp = mlp_block(lw, h, act)
+        mlp = layer_mlp(lw, h, config, act, experts_fn, batch)
         if lw.post_mlp_norm is not None:
             mlp = rms_norm(mlp, lw.post_mlp_norm, eps, gemma)
         x = x + mlp

@@ -176,6 +176,39 @@ def load_weights(
     files = tensor_files(model_dir)
     progress = LoadProgress(sorted(set(files.values())), progress_above_bytes)
     shapes = expected_shapes(config, scheme)
+    _check_complete(model_dir, files, shapes)
+    _warn_unread(model_dir, config.model_type, sorted(set(files) - set(shapes)))
+    num_threads = num_threads or default_num_threads()
+    num_buffers = 2 * num_threads
+    buffer_bytes = max(64, staging_bytes // num_buffers // 64 * 64)
+    reader = CheckpointReader(files, progress.add, num_buffers, buffer_bytes)
+    with reader, ThreadPoolExecutor(num_threads, thread_name_prefix="load") as pool:
+        _check_shapes(reader, shapes)  # every error before a byte is read
+        # Staged on the devices of the weights' mesh in turn (one device's link carrying all
+        # bytes would be the slowest part), then placed in their shards from there.
+        embed = placement(("embed",), (1, 1)) if placement is not None else None
+        devices: list[Any] = sorted(embed.addressable_devices, key=str) if embed else [None]
+        jobs = _jobs(config, scheme)
+        # On one device every field's memory is taken first, in one run, before any piece is
+        # sent (see to_field_into): the weights end as one block, under the free memory.
+        parts = _fused_parts(config) if fuse and placement is None and scheme is None else {}
+        memory = _take_memory(jobs, parts, config, dtype, scheme) if placement is None else {}
+        load = _Load(model_dir, config, dtype, placement, scheme, stop, reader, parts, memory)
+        values = _run_jobs(pool, jobs, load, files, devices)
+    progress.finish()
+    layers = []
+    for layer in range(config.num_layers):
+        paths = [("layers", layer, f.name) for f in layer_fields(config, layer)]
+        fields = {path[2]: values[path] for path in paths if path not in parts}
+        lw = LayerWeights(**fields)
+        layers.append(_with_fused(lw, layer, memory))
+    return Weights(layers=layers, **{f.name: values[(f.name,)] for f in model_fields(config)})
+
+
+def _check_complete(
+    model_dir: Path, files: dict[str, Path], shapes: dict[str, tuple[int, ...] | None]
+) -> None:
+    """Every tensor the model needs is in the checkpoint (the first missing one is named)."""
     missing = [name for name in shapes if name not in files]
     if missing:
         first = missing[0]
@@ -185,97 +218,122 @@ def load_weights(
             f"{model_dir}: tensor {first!r}{expected} is missing "
             f"from the checkpoint ({len(missing)} missing in all)"
         )
-    _warn_unread(model_dir, config.model_type, sorted(set(files) - set(shapes)))
-    num_threads = num_threads or default_num_threads()
-    num_buffers = 2 * num_threads
-    buffer_bytes = max(64, staging_bytes // num_buffers // 64 * 64)
-    reader = CheckpointReader(files, progress.add, num_buffers, buffer_bytes)
-    with reader, ThreadPoolExecutor(num_threads, thread_name_prefix="load") as pool:
-        for name, shape in shapes.items():  # every error before a byte is read
-            info = reader.info(name)
-            info.dtype  # noqa: B018 (a dtype the reader cannot read raises here)
-            if shape is not None and info.shape != shape:
-                raise WeightsError(
-                    f"{info.file.name}: tensor {name!r} has shape {list(info.shape)}, "
-                    f"expected {list(shape)} from config.json"
-                )
-        # Staged on the devices of the weights' mesh in turn (one device's link carrying all
-        # bytes would be the slowest part), then placed in their shards from there.
-        embed = placement(("embed",), (1, 1)) if placement is not None else None
-        devices: list[Any] = sorted(embed.addressable_devices, key=str) if embed else [None]
 
-        def run(job: _Job, device: Any) -> dict[tuple[Any, ...], Any]:
-            if stop is not None:
-                raise_if_stopped(stop)
-            if job.on_host:
-                ((path, field, prefix),) = job.fields
-                assert scheme is not None
-                try:
-                    w = read_qarray(reader.read_to_host, prefix, field, config, scheme)
-                except ValueError as exc:
-                    raise WeightsError(f"{model_dir}: {exc}") from exc
-                return {path: place_quantized(w, path, placement, scheme.act_quant)}
-            pieces = reader.read_to_device(job.names, device)
-            shape = (len(job.names), *reader.info(job.names[0]).shape)
-            made = {}
-            for path, field, _ in job.fields:
-                if is_quantized(field, scheme):  # on the device (op by op)
-                    assert scheme is not None
-                    sizes = dim_sizes(config)
-                    w = quantize(
-                        part_rows_of(pieces, layout_of(field), config, shape),
-                        scheme.weight_format,
-                        tuple(sizes[d] for d in field.hf_shape[1]),
-                        tuple(sizes[d] for d in field.hf_shape[0]),
-                    )
-                    made[path] = place_quantized(w, path, placement, scheme.act_quant)
-                elif path in parts:  # written in place into its layer's fused array
-                    joined, offset, _ = parts[path]
-                    with locks[joined]:
-                        whole = write_part(
-                            memory.pop(joined), pieces, layout_of(field), config, shape, offset
-                        )
-                        memory[joined] = jax.block_until_ready(whole)
-                elif path in memory:
-                    made[path] = to_field_into(
-                        memory.pop(path), pieces, layout_of(field), config, shape
-                    )
-                else:
-                    layout = layout_of(field)
-                    value = to_field(pieces, layout, config, shape, field_dtype(field, dtype))
-                    made[path] = place_on_device(value, path, placement)
-            jax.block_until_ready(made)  # and the pieces' device memory is free again
-            return made
 
-        jobs = _jobs(config, scheme)
-        # On one device every field's memory is taken first, in one run, before any piece is
-        # sent (see to_field_into): the weights end as one block, under the free memory.
-        parts = _fused_parts(config) if fuse and placement is None and scheme is None else {}
-        memory = _take_memory(jobs, parts, config, dtype, scheme) if placement is None else {}
-        locks = {joined: threading.Lock() for joined, _, _ in parts.values()}
-        start = {  # read in the order of the bytes in the files
-            id(job): min((str(files[name]), reader.info(name).begin) for name in job.names)
-            for job in jobs
-        }
-        order = sorted(jobs, key=lambda job: start[id(job)])
-        futures = {
-            id(job): pool.submit(run, job, devices[i % len(devices)]) for i, job in enumerate(order)
-        }
-        values: dict[tuple[Any, ...], Any] = {}
+def _check_shapes(reader: CheckpointReader, shapes: dict[str, tuple[int, ...] | None]) -> None:
+    """Every needed tensor has a dtype the reader reads and the shape config.json gives."""
+    for name, shape in shapes.items():
+        info = reader.info(name)
+        info.dtype  # noqa: B018 (a dtype the reader cannot read raises here)
+        if shape is not None and info.shape != shape:
+            raise WeightsError(
+                f"{info.file.name}: tensor {name!r} has shape {list(info.shape)}, "
+                f"expected {list(shape)} from config.json"
+            )
+
+
+def _run_jobs(
+    pool: ThreadPoolExecutor,
+    jobs: list[_Job],
+    load: _Load,
+    files: dict[str, Path],
+    devices: list[Any],
+) -> dict[tuple[Any, ...], Any]:
+    """Every job run on the pool, in the order of its bytes in the files, staged on the
+    devices in turn; path -> value. The first error in table order is the one raised."""
+    start = {  # read in the order of the bytes in the files
+        id(job): min((str(files[name]), load.reader.info(name).begin) for name in job.names)
+        for job in jobs
+    }
+    order = sorted(jobs, key=lambda job: start[id(job)])
+    futures = {
+        id(job): pool.submit(load.run, job, devices[i % len(devices)])
+        for i, job in enumerate(order)
+    }
+    values: dict[tuple[Any, ...], Any] = {}
+    try:
+        for job in jobs:  # the first error in table order is the one raised
+            values.update(futures.pop(id(job)).result())
+    except BaseException:
+        pool.shutdown(cancel_futures=True)
+        raise
+    return values
+
+
+@dataclasses.dataclass
+class _Load:
+    """What the reading threads of one ``load_weights`` share; ``run`` is one thread's job."""
+
+    model_dir: Path
+    config: ModelConfig
+    dtype: jnp.dtype
+    placement: Placement | None
+    scheme: QuantScheme | None
+    stop: threading.Event | None
+    reader: CheckpointReader
+    parts: FusedParts  # the parts written in place into their layer's joined array
+    memory: dict[tuple[Any, ...], jax.Array]  # fields' device memory, taken ahead (one device)
+    locks: dict[tuple[Any, ...], threading.Lock] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.locks = {joined: threading.Lock() for joined, _, _ in self.parts.values()}
+
+    def run(self, job: _Job, device: Any) -> dict[tuple[Any, ...], Any]:
+        """The job's tensors read and made into its fields: path -> value (a part written in
+        place has none)."""
+        if self.stop is not None:
+            raise_if_stopped(self.stop)
+        if job.on_host:
+            return self._read_quantized(job)
+        pieces = self.reader.read_to_device(job.names, device)
+        shape = (len(job.names), *self.reader.info(job.names[0]).shape)
+        made = {}
+        for path, field, _ in job.fields:
+            value = self._to_field(path, field, pieces, shape)
+            if value is not None:
+                made[path] = value
+        jax.block_until_ready(made)  # and the pieces' device memory is free again
+        return made
+
+    def _read_quantized(self, job: _Job) -> dict[tuple[Any, ...], Any]:
+        """A pre-quantized field: its tensors converted on the host, then placed."""
+        ((path, field, prefix),) = job.fields
+        scheme = self.scheme
+        assert scheme is not None
         try:
-            for job in jobs:  # the first error in table order is the one raised
-                values.update(futures.pop(id(job)).result())
-        except BaseException:
-            pool.shutdown(cancel_futures=True)
-            raise
-    progress.finish()
-    layers = []
-    for layer in range(config.num_layers):
-        paths = [("layers", layer, f.name) for f in layer_fields(config, layer)]
-        fields = {path[2]: values[path] for path in paths if path not in parts}
-        lw = LayerWeights(**fields)
-        layers.append(_with_fused(lw, layer, memory))
-    return Weights(layers=layers, **{f.name: values[(f.name,)] for f in model_fields(config)})
+            w = read_qarray(self.reader.read_to_host, prefix, field, self.config, scheme)
+        except ValueError as exc:
+            raise WeightsError(f"{self.model_dir}: {exc}") from exc
+        return {path: place_quantized(w, path, self.placement, scheme.act_quant)}
+
+    def _to_field(
+        self, path: tuple[Any, ...], field: WeightField, pieces: list[jax.Array], shape: tuple
+    ) -> Any:
+        """One field from its checkpoint pieces on the device; None for a part written in
+        place into its joined array."""
+        config, scheme = self.config, self.scheme
+        if is_quantized(field, scheme):  # on the device (op by op)
+            assert scheme is not None
+            sizes = dim_sizes(config)
+            w = quantize(
+                part_rows_of(pieces, layout_of(field), config, shape),
+                scheme.weight_format,
+                tuple(sizes[d] for d in field.hf_shape[1]),
+                tuple(sizes[d] for d in field.hf_shape[0]),
+            )
+            return place_quantized(w, path, self.placement, scheme.act_quant)
+        if path in self.parts:  # written in place into its layer's fused array
+            joined, offset, _ = self.parts[path]
+            with self.locks[joined]:
+                whole = write_part(
+                    self.memory.pop(joined), pieces, layout_of(field), config, shape, offset
+                )
+                self.memory[joined] = jax.block_until_ready(whole)
+            return None
+        if path in self.memory:
+            return to_field_into(self.memory.pop(path), pieces, layout_of(field), config, shape)
+        value = to_field(pieces, layout_of(field), config, shape, field_dtype(field, self.dtype))
+        return place_on_device(value, path, self.placement)
 
 
 # path of a part -> (path of the joined array, the part's offset on axis 1, the joined shape)
