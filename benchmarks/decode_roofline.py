@@ -39,6 +39,7 @@ import numpy as np
 from benchmarks.common import BANDWIDTH, ROOT, decode_batch, time_device, time_pipelined
 from jaxserve.config import ModelConfig, builtin_config_dir
 from jaxserve.engine_config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from jaxserve.models.families.registry import load_model_config
 from jaxserve.models.quant_scheme import weight_bytes as quantized_weight_bytes
 from jaxserve.runner.runner import ModelRunner
 from jaxserve.runner.step import SchedulerOutput
@@ -118,7 +119,7 @@ def main() -> None:
 
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
-    model_config = ModelConfig.from_hf_dir(args.model)
+    model_config = load_model_config(args.model)
     max_len = max(contexts) + 16
     # KV for the largest batch x context that fits next to the weights (B=256 x 4096 does not
     # in bf16; an fp8 cache holds twice the tokens).

@@ -67,7 +67,8 @@ from benchmarks.common import BANDWIDTH, ROOT, best_time, decode_batch, time_dev
 from jaxserve.bench.throughput import make_prompts
 from jaxserve.config import ModelConfig, builtin_config_dir
 from jaxserve.models import moe
-from jaxserve.models.families import layer_fields, num_params
+from jaxserve.models.families.counting import num_params
+from jaxserve.models.families.registry import layer_fields, load_model_config
 from jaxserve.runner.step import SchedulerOutput
 from pallas_kernels import grouped_matmul_triton as gmt
 
@@ -311,7 +312,7 @@ def random_moe_weights(config: ModelConfig, dtype: jnp.dtype, seed: int = 0) -> 
 def run_grouped_matmuls_only(args: argparse.Namespace) -> dict:
     """The grouped-matmul comparison alone, on one layer of random weights with the whole
     GPU free (XLA's dense expansion at prefill needs it), with the tile sweep."""
-    config = ModelConfig.from_hf_dir(args.model)
+    config = load_model_config(args.model)
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
     result: dict = {"engine": "jaxserve", "device": jax.devices()[0].device_kind}
     result["jax"] = jax.__version__
@@ -328,7 +329,7 @@ def run_grouped_matmuls_only(args: argparse.Namespace) -> dict:
 def run_jaxserve(args: argparse.Namespace) -> dict:
     """Decode, one layer's experts and its grouped matmuls, then throughput (the largest
     steps last), saving the result after each part: a failure keeps what came before it."""
-    config = ModelConfig.from_hf_dir(args.model)
+    config = load_model_config(args.model)
     assert config.moe is not None
     result: dict = {"engine": "jaxserve", "device": jax.devices()[0].device_kind}
     result["jax"] = jax.__version__

@@ -239,9 +239,9 @@ t0 = time.perf_counter()
 if sys.argv[1] == "1":
     from jaxserve.cli import hide_torch
     hide_torch()
-from jaxserve.config import ModelConfig
 from jaxserve.engine.tokenizer import Tokenizer
-ModelConfig.from_hf_dir("jaxserve/assets/configs/llama-3-8b")
+from jaxserve.models.families.registry import load_model_config
+load_model_config("jaxserve/assets/configs/llama-3-8b")
 Tokenizer("jaxserve/assets/demo")
 print(f"torch hidden: {sys.argv[1] == '1'}: config and tokenizer in {time.perf_counter() - t0:.1f} s,"
       f" torch imported: {sys.modules.get('torch') is not None}")

@@ -10,8 +10,8 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from jaxserve.config import ModelConfig
-from jaxserve.models.weights import load_weights
+from jaxserve.models.families.registry import load_model_config
+from jaxserve.models.loading.checkpoint_loader import load_weights
 from tests.conftest import fixture_dir
 
 
@@ -309,7 +309,7 @@ def test_load_speed_writes_a_checkpoint_that_loads_and_times_nothing(tmp_path, m
     args = ["--smoke", "--write-only", "--dir", str(ckpt), "--output-json", str(out)]
     run_script("benchmarks.load_speed", args, monkeypatch)
     assert not out.exists()
-    config = ModelConfig.from_hf_dir(ckpt)
+    config = load_model_config(ckpt)
     weights = load_weights(ckpt, config, jnp.bfloat16)
     assert weights.embed.shape == (config.vocab_size, config.hidden_size)
 

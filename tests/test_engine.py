@@ -210,7 +210,7 @@ def test_step_lowers_attention_once_for_all_layers(monkeypatch) -> None:
     import jax
 
     import pallas_kernels
-    from jaxserve.config import ModelConfig
+    from jaxserve.models.families.registry import load_model_config
     from jaxserve.runner.runner import ModelRunner
     from tests.conftest import tiny_engine_config
 
@@ -224,7 +224,7 @@ def test_step_lowers_attention_once_for_all_layers(monkeypatch) -> None:
     config = tiny_engine_config(
         "t", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, warmup=False
     )
-    model_config = ModelConfig.from_hf_dir(config.model)
+    model_config = load_model_config(config.model)
     assert model_config.num_layers > 1
     runner = ModelRunner(model_config, config)
     for bucket in runner.buckets.token_buckets:

@@ -315,11 +315,12 @@ def test_expert_and_tensor_parallel_experts_run_on_the_kernel():
 
 
 def test_startup_log_says_which_grouped_matmul_runs(monkeypatch):
-    from jaxserve.config import ModelConfig, builtin_config_dir
+    from jaxserve.config import builtin_config_dir
     from jaxserve.engine_config import EngineConfig
+    from jaxserve.models.families.registry import load_model_config
     from jaxserve.runner.devices import describe_experts
 
-    qwen3 = ModelConfig.from_hf_dir(builtin_config_dir("qwen3-30b-a3b"))
+    qwen3 = load_model_config(builtin_config_dir("qwen3-30b-a3b"))
     ep = EngineConfig(tensor_parallel_size=4, enable_expert_parallel=True)
     monkeypatch.delenv(gm.GROUPED_MATMUL_ENV, raising=False)
     assert describe_experts(qwen3, ep) == (

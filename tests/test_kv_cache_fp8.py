@@ -29,7 +29,7 @@ import pallas_kernels
 from jaxserve import SamplingParams
 from jaxserve.engine_config import EngineConfig, kv_cache_dtype_name
 from jaxserve.models.kv_scales import KVScales, load_kv_scales
-from jaxserve.models.weights import WeightsError
+from jaxserve.models.loading.checkpoint_reader import WeightsError
 from jaxserve.runner import devices
 from jaxserve.server.launch.flags import engine_config_from_args
 from pallas_kernels import reference
@@ -380,13 +380,13 @@ def test_layers_with_different_scales_share_one_attention_program() -> None:
     every layer, as with a bf16 cache (a Mosaic GPU lowering takes about a second)."""
     import functools
 
-    from jaxserve.config import ModelConfig
     from jaxserve.models.batch import Batch, make_kv_cache
-    from jaxserve.models.weights import load_weights
+    from jaxserve.models.families.registry import load_model_config
+    from jaxserve.models.loading.checkpoint_loader import load_weights
     from jaxserve.runner.packing import pack
     from jaxserve.runner.programs import model_step, shared_attention
 
-    config = ModelConfig.from_hf_dir(fixture_dir("llama"))
+    config = load_model_config(fixture_dir("llama"))
     weights = load_weights(fixture_dir("llama"), config, jnp.float32)
     cache = make_kv_cache(2, 8, 4, config.num_kv_heads, config.head_dim, E4M3)
     step = functools.partial(

@@ -78,13 +78,13 @@ def step_of(seq: Sequence, is_new: bool, is_constrained: bool) -> SchedulerOutpu
 
 
 def test_a_constrained_step_samples_only_what_its_mask_allows() -> None:
-    from jaxserve.config import ModelConfig
+    from jaxserve.models.families.registry import load_model_config
     from jaxserve.runner.runner import ModelRunner
 
     config = tiny_engine_config(
         "t", max_model_len=64, max_num_batched_tokens=16, max_num_seqs=2, warmup=False
     )
-    model_config = ModelConfig.from_hf_dir(config.model)
+    model_config = load_model_config(config.model)
     runner = ModelRunner(model_config, config)
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=8)
     request = Request("r", None, [5, 17, 40, 41], params, arrival_time=0.0)

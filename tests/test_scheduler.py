@@ -78,9 +78,9 @@ def make_core(num_blocks: int = 64, **overrides) -> tuple[EngineCore, FakeRunner
     )
     settings.update(overrides)
     config = EngineConfig(**settings)
-    from jaxserve.config import ModelConfig
+    from jaxserve.models.families.registry import load_model_config
 
-    runner = FakeRunner(num_blocks, config.block_size, ModelConfig.from_hf_dir(config.model_dir))
+    runner = FakeRunner(num_blocks, config.block_size, load_model_config(config.model_dir))
     return EngineCore(config, runner=runner), runner
 
 
@@ -340,10 +340,10 @@ class RowKeepingRunner(FakeRunner):
 
 
 def make_row_core(num_blocks: int, **overrides) -> tuple[EngineCore, RowKeepingRunner]:
-    from jaxserve.config import ModelConfig
+    from jaxserve.models.families.registry import load_model_config
 
     core, fake = make_core(num_blocks, **overrides)
-    runner = RowKeepingRunner(num_blocks, 4, ModelConfig.from_hf_dir(fixture_dir("llama")))
+    runner = RowKeepingRunner(num_blocks, 4, load_model_config(fixture_dir("llama")))
     core.runner = runner
     return core, runner
 
@@ -381,10 +381,10 @@ class PoisonRunner(FakeRunner):
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_request_that_breaks_its_step_fails_alone(async_scheduling) -> None:
-    from jaxserve.config import ModelConfig
+    from jaxserve.models.families.registry import load_model_config
 
     core, _ = make_core(async_scheduling=async_scheduling)
-    core.runner = PoisonRunner(64, 4, ModelConfig.from_hf_dir(fixture_dir("llama")))
+    core.runner = PoisonRunner(64, 4, load_model_config(fixture_dir("llama")))
     core.add_request("ok", [1, 2, 3], GREEDY)
     results: dict = {}
     run_steps(core, results, 2)  # "ok" is running when the poisoned request arrives
@@ -401,10 +401,10 @@ def test_a_request_that_breaks_its_step_fails_alone(async_scheduling) -> None:
 
 
 def test_a_step_failure_with_no_new_request_still_stops_the_engine() -> None:
-    from jaxserve.config import ModelConfig
+    from jaxserve.models.families.registry import load_model_config
 
     core, _ = make_core()
-    core.runner = PoisonRunner(64, 4, ModelConfig.from_hf_dir(fixture_dir("llama")))
+    core.runner = PoisonRunner(64, 4, load_model_config(fixture_dir("llama")))
     core.add_request("ok", [1, 2, 3], GREEDY)
     run_steps(core, {}, 1)
     core.requests["ok"].params.__dict__["seed"] = 666  # its step now breaks, nobody new to blame

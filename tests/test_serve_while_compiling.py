@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jaxserve.config import ModelConfig
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine_config import EngineConfig
-from jaxserve.models.checkpoint_reader import WeightsError
+from jaxserve.models.families.registry import load_model_config
+from jaxserve.models.loading.checkpoint_reader import WeightsError
 from jaxserve.models.quant_scheme import QuantScheme
 from jaxserve.runner import step_programs, warmup
 from jaxserve.runner.model_weights import abstract_model_weights, model_weights
@@ -208,7 +208,7 @@ def test_shutdown_stops_the_background_compile_quietly(held_background, caplog) 
 def test_the_weights_load_while_the_programs_compile_against_their_shapes(caplog) -> None:
     with caplog.at_level(logging.INFO):
         runner = ModelRunner(
-            ModelConfig.from_hf_dir(str(fixture_dir("llama"))),
+            load_model_config(str(fixture_dir("llama"))),
             engine_config(serve_while_compiling=False, max_num_batched_tokens=16),
         )
         assert isinstance(runner.weights.embed, jax.ShapeDtypeStruct)
@@ -246,7 +246,7 @@ def test_a_load_error_ends_the_start(tmp_path) -> None:
     ],
 )
 def test_the_weights_shapes_are_what_the_load_makes(family, quantization) -> None:
-    model_config = ModelConfig.from_hf_dir(str(fixture_dir(family)))
+    model_config = load_model_config(str(fixture_dir(family)))
     config = engine_config(model=str(fixture_dir(family)), quantization=quantization)
     quant = QuantScheme(quantization, quantization) if quantization else None
     loaded, _ = model_weights(model_config, config, jnp.float32, None, quant)
@@ -258,13 +258,13 @@ def test_the_weights_shapes_are_what_the_load_makes(family, quantization) -> Non
 
 SHARDED_SHAPES_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp
-    from jaxserve.config import ModelConfig
+    from jaxserve.models.families.registry import load_model_config
     from jaxserve.engine_config import EngineConfig
     from jaxserve.runner.model_weights import abstract_model_weights, model_weights
     from jaxserve.runner.parallel.sharding import prepare_tp
     for family, ep in (("qwen3", False), ("qwen3_moe", True)):
         path = f"tests/fixtures/models/{family}"
-        model_config = ModelConfig.from_hf_dir(path)
+        model_config = load_model_config(path)
         tp = prepare_tp(model_config, 2, expert_parallel=ep)
         config = EngineConfig(model=path, tensor_parallel_size=2, enable_expert_parallel=ep)
         loaded, _ = model_weights(model_config, config, jnp.float32, tp.placement, None)
@@ -283,7 +283,7 @@ def test_the_weights_shapes_carry_the_tensor_parallel_shardings() -> None:
 
 
 def test_pre_quantized_checkpoints_load_before_the_compile() -> None:
-    model_config = ModelConfig.from_hf_dir(str(fixture_dir("llama")))
+    model_config = load_model_config(str(fixture_dir("llama")))
     scheme = dataclasses.replace(QuantScheme("int8", "int8"), from_checkpoint=True)
     assert abstract_model_weights(model_config, jnp.float32, scheme) is None
 

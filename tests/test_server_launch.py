@@ -260,7 +260,7 @@ def test_every_flag_has_help_that_states_its_default_once(command):
 HELD_LOAD_LAUNCH = """
 import sys
 from jaxserve.cli import main
-from jaxserve.models.weights import LoadCancelled
+from jaxserve.models.loading.load_progress import LoadCancelled
 from jaxserve.runner import model_weights
 def held_load(*args):
     stop = args[-1]

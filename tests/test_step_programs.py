@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.batch import kv_page_shapes, make_kv_cache_for
+from jaxserve.models.families.registry import load_model_config
 from jaxserve.runner import warmup
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.input_builder import InputBuilder
@@ -49,7 +50,7 @@ def make_programs(model_config: ModelConfig) -> StepPrograms:
 
 def test_step_programs_compile_a_bucket_and_run_it_without_a_runner() -> None:
     model_dir = fixture_dir("llama")
-    model_config = ModelConfig.from_hf_dir(str(model_dir))
+    model_config = load_model_config(str(model_dir))
     programs = make_programs(model_config)
     assert programs.buckets.token_buckets == (16, 32)
     assert programs.ready_tokens == 32  # no warm-up: every step runs, through the jit

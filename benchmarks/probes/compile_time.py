@@ -29,8 +29,9 @@ import jax
 
 import pallas_kernels
 from benchmarks.common import ROOT
-from jaxserve.config import ModelConfig, builtin_config_dir
+from jaxserve.config import builtin_config_dir
 from jaxserve.engine_config import EngineConfig
+from jaxserve.models.families.registry import load_model_config
 from jaxserve.runner.programs import model_step
 from jaxserve.runner.runner import ModelRunner
 from jaxserve.runner.step_programs import pack_step
@@ -57,7 +58,7 @@ def main() -> None:
         args.buckets, args.max_model_len = "16,32", 128
     buckets = [int(b) for b in args.buckets.split(",")]
     os.environ["JAXSERVE_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="jaxserve-compile-time-")
-    model_config = ModelConfig.from_hf_dir(args.model)
+    model_config = load_model_config(args.model)
     config = EngineConfig(
         model=args.model,
         load_format="dummy",

@@ -27,7 +27,8 @@ from jaxserve.engine_config import (
 )
 from jaxserve.flag_names import command_flags, in_flag_terms
 from jaxserve.hf_cache import resolve_model_dir
-from jaxserve.models.families import num_active_params, num_params
+from jaxserve.models.families.counting import num_active_params, num_params
+from jaxserve.models.families.registry import load_model_config
 from jaxserve.models.quant_scheme import QuantScheme, resolve_scheme
 from jaxserve.runner.buckets import next_power_of_2, token_buckets_for
 from jaxserve.runner.capacity import (
@@ -228,7 +229,7 @@ def _checked_model(args: argparse.Namespace) -> tuple[Path, ModelConfig]:
         tensor_parallel_size=args.tensor_parallel_size,
     )
     model_dir = resolve_model_dir(args.model) if args.model else default_model_dir()
-    return model_dir, ModelConfig.from_hf_dir(model_dir)
+    return model_dir, load_model_config(model_dir)
 
 
 def _device_memory(args: argparse.Namespace) -> tuple[int, bool]:

@@ -16,7 +16,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from jaxserve.config import ModelConfig
 from jaxserve.engine.grammar import GrammarCompiler, GrammarLimits
 from jaxserve.engine.interfaces import EngineStats, Runner
 from jaxserve.engine.kv_cache import KVCacheManager
@@ -28,6 +27,7 @@ from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.structured_outputs import Accepted, StructuredOutputs
 from jaxserve.engine.tokenizer import end_of_sequence_ids, load_tokenizer
 from jaxserve.engine_config import EngineConfig
+from jaxserve.models.families.registry import load_model_config
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -42,7 +42,7 @@ class EngineCore:
         self.runner: Runner
         self.config = config
         model_dir = config.model_dir
-        self.model_config = ModelConfig.from_hf_dir(model_dir)
+        self.model_config = load_model_config(model_dir)
         self.tokenizer = load_tokenizer(config, self.model_config.vocab_size)
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = end_of_sequence_ids(self.model_config, model_dir, self.tokenizer)

@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxserve.models.weights import format_bytes
+from jaxserve.models.loading.load_progress import format_bytes
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.sampling import SamplerFlags
 from jaxserve.runner.step_programs import PROGRAMS, StepPrograms

@@ -8,7 +8,7 @@ from typing import Any
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.families import WeightField, dim_sizes
+from jaxserve.models.families.fields import WeightField, dim_sizes
 from jaxserve.models.quant import QArray
 from jaxserve.models.quant_scheme import QuantScheme, qarray_layout
 from jaxserve.runner.parallel.mesh import KV_AXIS, TP_AXIS

@@ -44,11 +44,12 @@ import pallas_kernels
 from jaxserve.config import ModelConfig
 from jaxserve.models import moe
 from jaxserve.models.batch import KVCache, kv_page_shapes
-from jaxserve.models.families import layer_fields, model_fields
-from jaxserve.models.llama import AttentionFn, LayerWeights, Weights
+from jaxserve.models.decoder import AttentionFn
+from jaxserve.models.families.registry import layer_fields, model_fields
+from jaxserve.models.layers import LayerWeights, Weights
+from jaxserve.models.loading.field_conversion import Placement
 from jaxserve.models.quant import QUANTIZED_FIELDS
 from jaxserve.models.quant_scheme import QuantScheme
-from jaxserve.models.weights import Placement
 from jaxserve.runner.parallel.expert_parallel import sharded_experts
 from jaxserve.runner.parallel.mesh import (
     KV_AXIS,

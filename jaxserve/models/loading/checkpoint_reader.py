@@ -1,7 +1,7 @@
 """A safetensors checkpoint's tensors, read by name from several threads at once: to the device
 through a bounded set of reusable host buffers, or to the host as numpy arrays.
 
-``weights.load_weights`` asks for tensors here. Each file's header (an 8-byte length, then
+``checkpoint_loader.load_weights`` asks for tensors here. Each file's header (an 8-byte length, then
 JSON: dtype, shape and byte offsets of every tensor) is parsed on first use, so a tensor's shape
 and dtype are known before any of its bytes are read. ``read_to_device`` copies a tensor's bytes
 with ``os.preadv`` (which releases the GIL) into one of ``num_buffers`` host buffers of

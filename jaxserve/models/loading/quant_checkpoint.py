@@ -1,6 +1,7 @@
 """Pre-quantized checkpoint tensors -> ``QArray`` parts in numpy, one Linear weight at a time.
 
-Read by ``weights.load_weights`` for a ``QuantScheme`` from a checkpoint (``quant_scheme.py``).
+Read by ``checkpoint_loader.load_weights`` for a ``QuantScheme`` from a checkpoint
+(``models/quant_scheme.py``).
 Each format is brought to the one layout of ``quant.QArray`` ([out, in], 4-bit values packed
 eight to an int32 along in, the first in the lowest bits); its values stay quantized on the
 device and are dequantized inside the matmul.
@@ -33,7 +34,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.families import WeightField, dim_sizes
+from jaxserve.models.families.fields import WeightField, dim_sizes
 from jaxserve.models.quant import PACK, QArray
 from jaxserve.models.quant_scheme import QuantScheme
 

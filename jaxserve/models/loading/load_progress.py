@@ -1,6 +1,7 @@
 """How far loading a checkpoint has got, in the log: a line at every tenth of the bytes (for a
-large checkpoint) and one at the end with the bytes, seconds and rate. ``weights.load_weights``
-counts each piece its reading threads read."""
+large checkpoint) and one at the end with the bytes, seconds and rate; and a load's stop
+(``LoadCancelled``). ``checkpoint_loader.load_weights`` counts each piece its reading threads
+read."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-_LOG = logging.getLogger("jaxserve.models.weights")  # the loader's lines, under its name
+_LOG = logging.getLogger("jaxserve.models.loading.checkpoint_loader")  # the loader's lines
 GiB = 1024**3
 
 
@@ -70,3 +71,12 @@ class LoadProgress:
             seconds,
             format_rate(self.num_bytes / max(seconds, 1e-9)),
         )
+
+
+class LoadCancelled(Exception):
+    """The weights stopped loading because the start-up failed or was interrupted."""
+
+
+def raise_if_stopped(stop: threading.Event) -> None:
+    if stop.is_set():
+        raise LoadCancelled("the start-up stopped while the weights loaded")

@@ -8,19 +8,18 @@ RMSNorm (Qwen3, Gemma 3), every RoPE scaling (``rope.py``), tied embeddings, sli
 for all layers (Mistral, Phi-3) or per layer (Gemma's local and global layers, with a rope base
 per layer type in Gemma 3), attention and final logit soft-capping and the attention scale
 (Gemma 2), Gemma's (1 + weight) RMSNorm, scaled embeddings, norms after attention and MLP and
-GeGLU. Phi-3's fused qkv and gate_up tensors are split at loading (``families.py``). A layer
+GeGLU. Phi-3's fused qkv and gate_up tensors are split at loading (``families/phi.py``). A layer
 with experts runs ``moe.moe_block`` in place of its dense MLP. GPT-OSS adds attention sinks
 (a logit per head in the softmax's denominator, passed to the attention op) and an output
 projection bias. DeepSeek-V3's layers run multi-head latent attention (``mla.py``) over a cache
 of latents, with dense MLPs first and experts after.
 
 Einsum letters: T tokens, H hidden, N query heads, K kv heads, D head dim, I intermediate,
-V vocab.
+V vocab. The weights' types and RMSNorm are ``layers.py``'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
@@ -31,116 +30,10 @@ import pallas_kernels
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.models import mla, moe, rope
 from jaxserve.models.batch import Batch, KVCache
-from jaxserve.models.quant import QArray, linear
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class FusedProjections:
-    """A layer's projections that read the same input, joined on their output axis so that
-    each is one GEMM: at small batch the separate k and v GEMMs (a quarter of q's size each)
-    ran far from the bandwidth floor (``benchmarks/fusion_probe.py``, RESULTS.md)."""
-
-    wqkv: jax.Array  # [H, N + 2K, D]  wq, wk, wv
-    w_gate_up: jax.Array | None  # [H, 2I]  w_gate, w_up; None on a layer with experts
-
-
-# NOTE: these are the model code's typed view of the weights. What each field is (checkpoint
-# name and layout, shape, dummy init, which configs have it) is its row in families.py, which
-# loading, dummy weights, sharding and parameter counting read; tests/test_weight_table.py
-# checks that the rows and these fields agree.
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class LayerWeights:
-    attn_norm: jax.Array  # [H]
-    # The Linear weights may be quantized: a QArray (quant.py) read through quant.linear.
-    # wq, wk, wv (and w_gate, w_up) are None once fuse_projections has joined them in ``fused``.
-    wq: jax.Array | QArray | None = None  # [H, N, D]  (MLA: [H, N, A]; none with q_lora_rank)
-    wk: jax.Array | QArray | None = None  # [H, K, D]  (MLA has none)
-    wv: jax.Array | QArray | None = None  # [H, K, D]
-    wo: jax.Array | QArray = dataclasses.field(kw_only=True)  # [N, D, H]  (MLA: [N, U, H])
-    mlp_norm: jax.Array = dataclasses.field(kw_only=True)  # [H]
-    w_gate: jax.Array | QArray | None = None  # [H, I]  None on a layer with experts
-    w_up: jax.Array | QArray | None = None  # [H, I]
-    w_down: jax.Array | QArray | None = None  # [I, H]
-    bq: jax.Array | None = None  # [N, D]  (Qwen2)
-    bk: jax.Array | None = None  # [K, D]
-    bv: jax.Array | None = None  # [K, D]
-    q_norm: jax.Array | None = None  # [D]  (Qwen3, Gemma 3)
-    k_norm: jax.Array | None = None  # [D]
-    post_attn_norm: jax.Array | None = None  # [H]  (Gemma: norms after attention and MLP)
-    post_mlp_norm: jax.Array | None = None  # [H]
-    router: jax.Array | None = None  # [H, E]  a layer with experts (Mixtral, Qwen3-MoE)
-    experts_gate: jax.Array | None = None  # [E, H, M]
-    experts_up: jax.Array | None = None  # [E, H, M]
-    experts_down: jax.Array | None = None  # [E, M, H]
-    shared_gate: jax.Array | None = None  # [H, S]  a shared expert (Qwen2-MoE)
-    shared_up: jax.Array | None = None  # [H, S]
-    shared_down: jax.Array | None = None  # [S, H]
-    shared_router: jax.Array | None = None  # [H, 1]  its gate
-    bo: jax.Array | None = None  # [H]  the output projection's bias (GPT-OSS)
-    sinks: jax.Array | None = None  # [N]  attention sink logits (GPT-OSS)
-    router_logit_bias: jax.Array | None = None  # [E]  (GPT-OSS)
-    experts_gate_bias: jax.Array | None = None  # [E, M]
-    experts_up_bias: jax.Array | None = None  # [E, M]
-    experts_down_bias: jax.Array | None = None  # [E, H]
-    # Multi-head latent attention (DeepSeek-V3, mla.py).
-    wq_a: jax.Array | None = None  # [H, Q]  the query's low-rank down projection
-    q_a_norm: jax.Array | None = None  # [Q]
-    wq_b: jax.Array | None = None  # [Q, N, A]
-    wkv_a: jax.Array | None = None  # [H, L]  to the KV latent
-    wk_pe: jax.Array | None = None  # [H, R]  to the shared rotary key
-    kv_a_norm: jax.Array | None = None  # [L]
-    w_kv_b: jax.Array | None = None  # [L, N, B]  latent -> each head's key part and value
-    router_bias: jax.Array | None = None  # [E]  e_score_correction_bias (DeepSeek-V3)
-    # Not a checkpoint tensor: made at load from the rows above (fuse_projections).
-    fused: FusedProjections | None = None
-
-    def moe_weights(self) -> moe.MoeWeights | None:
-        """This layer's experts, or None for a dense MLP."""
-        if self.router is None:
-            return None
-        assert self.experts_gate is not None and self.experts_up is not None
-        assert self.experts_down is not None
-        return moe.MoeWeights(
-            self.router,
-            self.experts_gate,
-            self.experts_up,
-            self.experts_down,
-            shared_gate=self.shared_gate,
-            shared_up=self.shared_up,
-            shared_down=self.shared_down,
-            shared_router=self.shared_router,
-            router_logit_bias=self.router_logit_bias,
-            router_bias=self.router_bias,
-            gate_bias=self.experts_gate_bias,
-            up_bias=self.experts_up_bias,
-            down_bias=self.experts_down_bias,
-        )
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Weights:
-    embed: jax.Array  # [V, H]
-    layers: list[LayerWeights]
-    final_norm: jax.Array  # [H]
-    lm_head: jax.Array | None = None  # [H, V]; None when tied to the embedding
-
+from jaxserve.models.layers import LayerWeights, Weights, rms_norm
+from jaxserve.models.quant import linear
 
 AttentionFn = Callable[..., jax.Array]
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, unit_offset: bool = False) -> jax.Array:
-    """RMSNorm in float32, cast back to x's dtype before the scale (as Hugging Face does).
-
-    ``unit_offset`` (Gemma): the scale is ``1 + weight`` and applies in float32 before the cast.
-    """
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    if unit_offset:
-        return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-    return weight * x32.astype(x.dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> jax.Array:  # f32[D // 2]
@@ -236,6 +129,51 @@ def mlp_block(
     return linear(act(gate) * up, lw.w_down, "TI,IH->TH")
 
 
+def layer_attention(
+    lw: LayerWeights,
+    h: jax.Array,  # [T, H]  normed
+    pages: tuple[jax.Array, jax.Array],  # the layer's two page arrays
+    batch: Batch,
+    config: ModelConfig,
+    rotary: tuple[jax.Array, jax.Array],
+    attention_fn: AttentionFn,
+    layer: int,
+    kv_scale: tuple[float, float] | None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # (out [T, H], *pages)
+    """Layer ``layer``'s attention: latent attention for a config with MLA, else the
+    family's (windowed where the layer slides)."""
+    k_pages, v_pages = pages
+    if config.mla is not None:  # DeepSeek-V3: the pages hold the latent and k_pe
+        return mla.mla_attention_block(lw, h, k_pages, v_pages, batch, config, rotary, kv_scale)
+    return attention_block(
+        lw,
+        h,
+        k_pages,
+        v_pages,
+        batch,
+        config,
+        rotary,
+        attention_fn,
+        config.layer_window(layer),
+        kv_scale,
+    )
+
+
+def layer_mlp(
+    lw: LayerWeights,
+    h: jax.Array,  # [T, H]  normed
+    config: ModelConfig,
+    act: Callable[[jax.Array], jax.Array],
+    experts_fn: moe.ExpertsFn | None,
+    batch: Batch,
+) -> jax.Array:  # [T, H]
+    """The layer's experts where it has them, else its dense MLP."""
+    experts = lw.moe_weights()
+    if experts is not None and config.moe is not None:
+        return moe.moe_block(h, experts, config.moe, act, experts_fn, batch.cu_q_lens[-1])
+    return mlp_block(lw, h, act)
+
+
 def forward(
     weights: Weights,
     kv_cache: KVCache,
@@ -269,32 +207,15 @@ def forward(
             rotaries[layer_rope] = rope.cos_sin(freqs, scale, x.dtype)
         h = rms_norm(x, lw.attn_norm, eps, gemma)
         kv_scale = None if kv_scales is None else kv_scales[layer]
-        if config.mla is not None:  # DeepSeek-V3: the pages hold the latent and k_pe
-            attn, k_pages, v_pages = mla.mla_attention_block(
-                lw, h, k_pages, v_pages, batch, config, rotaries[layer_rope], kv_scale
-            )
-        else:
-            attn, k_pages, v_pages = attention_block(
-                lw,
-                h,
-                k_pages,
-                v_pages,
-                batch,
-                config,
-                rotaries[layer_rope],
-                attention_fn,
-                config.layer_window(layer),
-                kv_scale,
-            )
+        rotary = rotaries[layer_rope]
+        attn, k_pages, v_pages = layer_attention(
+            lw, h, (k_pages, v_pages), batch, config, rotary, attention_fn, layer, kv_scale
+        )
         if lw.post_attn_norm is not None:  # Gemma: a norm after attention too
             attn = rms_norm(attn, lw.post_attn_norm, eps, gemma)
         x = x + attn
         h = rms_norm(x, lw.mlp_norm, eps, gemma)
-        experts = lw.moe_weights()
-        if experts is not None and config.moe is not None:
-            mlp = moe.moe_block(h, experts, config.moe, act, experts_fn, batch.cu_q_lens[-1])
-        else:
-            mlp = mlp_block(lw, h, act)
+        mlp = layer_mlp(lw, h, config, act, experts_fn, batch)
         if lw.post_mlp_norm is not None:
             mlp = rms_norm(mlp, lw.post_mlp_norm, eps, gemma)
         x = x + mlp
@@ -313,41 +234,3 @@ def compute_logits(
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
     return logits
-
-
-# The joined arrays of ``FusedProjections`` and their parts, joined on axis 1 in this order
-# (the loader writes the parts in place, ``weights._fused_parts``).
-FUSED_FIELDS = (("wqkv", ("wq", "wk", "wv")), ("w_gate_up", ("w_gate", "w_up")))
-
-
-def fuse_projections(weights: Weights) -> Weights:
-    """``weights`` with each layer's q/k/v (and gate/up) joined (``fuse_layer``); the separate
-    arrays are released layer by layer, so the peak is one layer's extra copy."""
-    for i, lw in enumerate(weights.layers):
-        weights.layers[i] = fuse_layer(lw)
-        del lw
-    return weights
-
-
-def fuse_layer(lw: LayerWeights) -> LayerWeights:
-    """The layer with q/k/v (and gate/up) joined in ``LayerWeights.fused``; as it is when
-    already fused or when they are not plain arrays.
-
-    For unquantized weights on one device: a tensor-parallel layout splits q and k/v heads
-    over different mesh views, and quantized weights are QArrays (``quant.linear``).
-    """
-    if lw.wq is None or not all(isinstance(w, jax.Array) for w in (lw.wq, lw.wk, lw.wv)):
-        return lw
-    wqkv = jnp.concatenate([lw.wq, lw.wk, lw.wv], axis=1)  # type: ignore[list-item]
-    gate_up = None
-    if isinstance(lw.w_gate, jax.Array) and isinstance(lw.w_up, jax.Array):
-        gate_up = jnp.concatenate([lw.w_gate, lw.w_up], axis=1)
-    return dataclasses.replace(
-        lw,
-        wq=None,
-        wk=None,
-        wv=None,
-        w_gate=None if gate_up is not None else lw.w_gate,
-        w_up=None if gate_up is not None else lw.w_up,
-        fused=FusedProjections(wqkv, gate_up),
-    )

@@ -1,6 +1,7 @@
 """A checkpoint tensor on the device -> a field of ``Weights``: the loader's compiled
 conversion (join the pieces ``checkpoint_reader`` sent, slice a fused part, transpose to the
-model's einsum layout, cast) and the placement in the field's shards."""
+model's einsum layout, cast), a field's dtype, and the placement in the field's shards (of a
+plain array or a quantized one's parts). The checkpoint loader and dummy weights use them."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.families import WeightField
+from jaxserve.models.families.fields import WeightField
+from jaxserve.models.quant import QUANTIZED_FIELDS, QArray
+from jaxserve.models.quant_scheme import QuantScheme
 
 # (field path in Weights, e.g. ("layers", 3, "wq")) -> a sharding for it, or None (default device)
 Placement = Callable[[tuple[Any, ...], tuple[int, ...]], jax.sharding.Sharding | None]
@@ -80,7 +84,7 @@ def write_part(
     offset: int,
 ) -> jax.Array:
     """``whole`` (donated: written in place) with the field written at ``offset`` of its axis 1:
-    a part of a joined array (``llama.FusedProjections``)."""
+    a part of a joined array (``layers.FusedProjections``)."""
     value = _converted(pieces, field, config, shape, whole.dtype)
     return jax.lax.dynamic_update_slice_in_dim(whole, value, offset, axis=1)
 
@@ -106,3 +110,41 @@ def place_on_device(value: jax.Array, path: tuple[Any, ...], placement: Placemen
     if sharding.is_fully_addressable:
         return jax.device_put(value, sharding)
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def field_dtype(field: WeightField, dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype a field is kept in: the weights' ``dtype``, or float32 where the table says."""
+    return jnp.dtype(jnp.float32) if field.is_float32 else jnp.dtype(dtype)
+
+
+def is_quantized(field: WeightField, scheme: QuantScheme | None) -> bool:
+    return scheme is not None and field.name in QUANTIZED_FIELDS
+
+
+def place_host(
+    array: np.ndarray, dtype: jnp.dtype, path: tuple[Any, ...], placement: Placement | None
+) -> jax.Array:
+    array = array.astype(dtype, copy=False)
+    sharding = placement(path, array.shape) if placement is not None else None
+    if sharding is None:
+        return jax.device_put(array)
+    # Each device receives only its own slice of the host tensor.
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def place_quantized(
+    w: QArray, path: tuple[Any, ...], placement: Placement | None, act_quant: bool
+) -> QArray:
+    """A QArray's parts (numpy or device arrays) placed as its weight's path + part name says;
+    they keep their dtypes (the values quantized, the scales f32)."""
+    parts: dict[str, Any] = {}
+    for name in ("q", "scale", "zero", "g_idx"):
+        part = getattr(w, name)
+        if part is None:
+            continue
+        if isinstance(part, jax.Array):  # made on the device (dummy weights)
+            sharding = placement((*path, name), part.shape) if placement is not None else None
+            parts[name] = part if sharding is None else jax.device_put(part, sharding)
+        else:
+            parts[name] = place_host(np.asarray(part), part.dtype, (*path, name), placement)
+    return QArray(**parts, in_shape=w.in_shape, out_shape=w.out_shape, act_quant=act_quant)

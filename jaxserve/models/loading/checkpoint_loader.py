@@ -1,4 +1,4 @@
-"""Weights: a Hugging Face safetensors checkpoint (or random ``dummy`` weights) -> ``Weights``.
+"""A Hugging Face safetensors checkpoint -> ``Weights`` (random weights: ``dummy.py``).
 
 Several threads read the checkpoint's tensors at once (``checkpoint_reader.py``: positioned
 reads through a few reusable host buffers, so peak host memory is those buffers, not the
@@ -22,47 +22,32 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.checkpoint_reader import CheckpointReader, WeightsError, read_header
-from jaxserve.models.families import (
-    HF_LAYER_PREFIX,
-    WeightField,
-    dim_sizes,
-    layer_fields,
-    model_fields,
-    num_params,
-)
-from jaxserve.models.field_conversion import (
+from jaxserve.models.families.fields import HF_LAYER_PREFIX, WeightField, dim_sizes
+from jaxserve.models.families.registry import layer_fields, model_fields
+from jaxserve.models.layers import FUSED_FIELDS, FusedProjections, LayerWeights, Weights
+from jaxserve.models.loading.checkpoint_reader import CheckpointReader, WeightsError, read_header
+from jaxserve.models.loading.field_conversion import (
     Placement,
+    field_dtype,
+    is_quantized,
     layout_of,
     part_rows_of,
     place_on_device,
+    place_quantized,
     to_field,
     to_field_into,
     write_part,
 )
-from jaxserve.models.llama import FUSED_FIELDS, FusedProjections, LayerWeights, Weights
-from jaxserve.models.load_progress import GiB, LoadProgress
-from jaxserve.models.load_progress import format_bytes as format_bytes  # (warmup reads it here)
-from jaxserve.models.quant import QUANTIZED_FIELDS, QArray, quantize, to_out_in
-from jaxserve.models.quant_checkpoint import read_qarray, tensor_shapes
+from jaxserve.models.loading.load_progress import GiB, LoadProgress, raise_if_stopped
+from jaxserve.models.loading.quant_checkpoint import read_qarray, tensor_shapes
+from jaxserve.models.quant import quantize
 from jaxserve.models.quant_scheme import QuantScheme
-from jaxserve.models.quant_scheme import weight_bytes as quantized_weight_bytes
 
 _LOG = logging.getLogger(__name__)
 # Host memory the reading threads stage tensors through, in all (two buffers per thread).
 STAGING_BYTES = GiB
-
-
-def field_dtype(field: WeightField, dtype: jnp.dtype) -> jnp.dtype:
-    """The dtype a field is kept in: the weights' ``dtype``, or float32 where the table says."""
-    return jnp.dtype(jnp.float32) if field.is_float32 else jnp.dtype(dtype)
-
-
-def is_quantized(field: WeightField, scheme: QuantScheme | None) -> bool:
-    return scheme is not None and field.name in QUANTIZED_FIELDS
 
 
 def expected_shapes(
@@ -85,7 +70,7 @@ def expected_shapes(
     return shapes
 
 
-def _tensor_files(model_dir: Path) -> dict[str, Path]:
+def tensor_files(model_dir: Path) -> dict[str, Path]:
     """HF tensor name -> the safetensors file that holds it (index file or a directory scan)."""
     index_path = model_dir / "model.safetensors.index.json"
     if index_path.is_file():
@@ -98,35 +83,6 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
             "use --load-format dummy for random weights)"
         )
     return {name: file for file in files for name in read_header(file)}
-
-
-def _place(
-    array: np.ndarray, dtype: jnp.dtype, path: tuple[Any, ...], placement: Placement | None
-) -> jax.Array:
-    array = array.astype(dtype, copy=False)
-    sharding = placement(path, array.shape) if placement is not None else None
-    if sharding is None:
-        return jax.device_put(array)
-    # Each device receives only its own slice of the host tensor.
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
-
-
-def _place_quantized(
-    w: QArray, path: tuple[Any, ...], placement: Placement | None, act_quant: bool
-) -> QArray:
-    """A QArray's parts (numpy or device arrays) placed as its weight's path + part name says;
-    they keep their dtypes (the values quantized, the scales f32)."""
-    parts: dict[str, Any] = {}
-    for name in ("q", "scale", "zero", "g_idx"):
-        part = getattr(w, name)
-        if part is None:
-            continue
-        if isinstance(part, jax.Array):  # made on the device (dummy weights)
-            sharding = placement((*path, name), part.shape) if placement is not None else None
-            parts[name] = part if sharding is None else jax.device_put(part, sharding)
-        else:
-            parts[name] = _place(np.asarray(part), part.dtype, (*path, name), placement)
-    return QArray(**parts, in_shape=w.in_shape, out_shape=w.out_shape, act_quant=act_quant)
 
 
 # Checkpoint tensors read elsewhere or safely left: rotary tables the model computes, the
@@ -213,105 +169,32 @@ def load_weights(
     stores them, or quantized here on the device (``--quantization fp8 | int8``).
     A checkpoint of ``progress_above_bytes`` or more logs its progress at every tenth.
     ``fuse`` (one device, unquantized): each layer's q/k/v and gate/up are written into their
-    joined arrays (``llama.FusedProjections``) as they load, as ``fuse_projections`` joins them.
+    joined arrays (``layers.FusedProjections``) as they load, as ``fuse_projections`` joins them.
     Once ``stop`` is set, the next tensor read raises ``LoadCancelled``.
     """
     model_dir = Path(model_dir)
-    files = _tensor_files(model_dir)
+    files = tensor_files(model_dir)
     progress = LoadProgress(sorted(set(files.values())), progress_above_bytes)
     shapes = expected_shapes(config, scheme)
-    missing = [name for name in shapes if name not in files]
-    if missing:
-        first = missing[0]
-        shape = shapes[first]
-        expected = f" (expected shape {list(shape)})" if shape is not None else ""
-        raise WeightsError(
-            f"{model_dir}: tensor {first!r}{expected} is missing "
-            f"from the checkpoint ({len(missing)} missing in all)"
-        )
+    _check_complete(model_dir, files, shapes)
     _warn_unread(model_dir, config.model_type, sorted(set(files) - set(shapes)))
     num_threads = num_threads or default_num_threads()
     num_buffers = 2 * num_threads
     buffer_bytes = max(64, staging_bytes // num_buffers // 64 * 64)
     reader = CheckpointReader(files, progress.add, num_buffers, buffer_bytes)
     with reader, ThreadPoolExecutor(num_threads, thread_name_prefix="load") as pool:
-        for name, shape in shapes.items():  # every error before a byte is read
-            info = reader.info(name)
-            info.dtype  # noqa: B018 (a dtype the reader cannot read raises here)
-            if shape is not None and info.shape != shape:
-                raise WeightsError(
-                    f"{info.file.name}: tensor {name!r} has shape {list(info.shape)}, "
-                    f"expected {list(shape)} from config.json"
-                )
+        _check_shapes(reader, shapes)  # every error before a byte is read
         # Staged on the devices of the weights' mesh in turn (one device's link carrying all
         # bytes would be the slowest part), then placed in their shards from there.
         embed = placement(("embed",), (1, 1)) if placement is not None else None
         devices: list[Any] = sorted(embed.addressable_devices, key=str) if embed else [None]
-
-        def run(job: _Job, device: Any) -> dict[tuple[Any, ...], Any]:
-            if stop is not None:
-                raise_if_stopped(stop)
-            if job.on_host:
-                ((path, field, prefix),) = job.fields
-                assert scheme is not None
-                try:
-                    w = read_qarray(reader.read_to_host, prefix, field, config, scheme)
-                except ValueError as exc:
-                    raise WeightsError(f"{model_dir}: {exc}") from exc
-                return {path: _place_quantized(w, path, placement, scheme.act_quant)}
-            pieces = reader.read_to_device(job.names, device)
-            shape = (len(job.names), *reader.info(job.names[0]).shape)
-            made = {}
-            for path, field, _ in job.fields:
-                if is_quantized(field, scheme):  # on the device (op by op)
-                    assert scheme is not None
-                    sizes = dim_sizes(config)
-                    w = quantize(
-                        part_rows_of(pieces, layout_of(field), config, shape),
-                        scheme.weight_format,
-                        tuple(sizes[d] for d in field.hf_shape[1]),
-                        tuple(sizes[d] for d in field.hf_shape[0]),
-                    )
-                    made[path] = _place_quantized(w, path, placement, scheme.act_quant)
-                elif path in parts:  # written in place into its layer's fused array
-                    joined, offset, _ = parts[path]
-                    with locks[joined]:
-                        whole = write_part(
-                            memory.pop(joined), pieces, layout_of(field), config, shape, offset
-                        )
-                        memory[joined] = jax.block_until_ready(whole)
-                elif path in memory:
-                    made[path] = to_field_into(
-                        memory.pop(path), pieces, layout_of(field), config, shape
-                    )
-                else:
-                    layout = layout_of(field)
-                    value = to_field(pieces, layout, config, shape, field_dtype(field, dtype))
-                    made[path] = place_on_device(value, path, placement)
-            jax.block_until_ready(made)  # and the pieces' device memory is free again
-            return made
-
         jobs = _jobs(config, scheme)
         # On one device every field's memory is taken first, in one run, before any piece is
         # sent (see to_field_into): the weights end as one block, under the free memory.
         parts = _fused_parts(config) if fuse and placement is None and scheme is None else {}
         memory = _take_memory(jobs, parts, config, dtype, scheme) if placement is None else {}
-        locks = {joined: threading.Lock() for joined, _, _ in parts.values()}
-        start = {  # read in the order of the bytes in the files
-            id(job): min((str(files[name]), reader.info(name).begin) for name in job.names)
-            for job in jobs
-        }
-        order = sorted(jobs, key=lambda job: start[id(job)])
-        futures = {
-            id(job): pool.submit(run, job, devices[i % len(devices)]) for i, job in enumerate(order)
-        }
-        values: dict[tuple[Any, ...], Any] = {}
-        try:
-            for job in jobs:  # the first error in table order is the one raised
-                values.update(futures.pop(id(job)).result())
-        except BaseException:
-            pool.shutdown(cancel_futures=True)
-            raise
+        load = _Load(model_dir, config, dtype, placement, scheme, stop, reader, parts, memory)
+        values = _run_jobs(pool, jobs, load, files, devices)
     progress.finish()
     layers = []
     for layer in range(config.num_layers):
@@ -322,13 +205,144 @@ def load_weights(
     return Weights(layers=layers, **{f.name: values[(f.name,)] for f in model_fields(config)})
 
 
+def _check_complete(
+    model_dir: Path, files: dict[str, Path], shapes: dict[str, tuple[int, ...] | None]
+) -> None:
+    """Every tensor the model needs is in the checkpoint (the first missing one is named)."""
+    missing = [name for name in shapes if name not in files]
+    if missing:
+        first = missing[0]
+        shape = shapes[first]
+        expected = f" (expected shape {list(shape)})" if shape is not None else ""
+        raise WeightsError(
+            f"{model_dir}: tensor {first!r}{expected} is missing "
+            f"from the checkpoint ({len(missing)} missing in all)"
+        )
+
+
+def _check_shapes(reader: CheckpointReader, shapes: dict[str, tuple[int, ...] | None]) -> None:
+    """Every needed tensor has a dtype the reader reads and the shape config.json gives."""
+    for name, shape in shapes.items():
+        info = reader.info(name)
+        info.dtype  # noqa: B018 (a dtype the reader cannot read raises here)
+        if shape is not None and info.shape != shape:
+            raise WeightsError(
+                f"{info.file.name}: tensor {name!r} has shape {list(info.shape)}, "
+                f"expected {list(shape)} from config.json"
+            )
+
+
+def _run_jobs(
+    pool: ThreadPoolExecutor,
+    jobs: list[_Job],
+    load: _Load,
+    files: dict[str, Path],
+    devices: list[Any],
+) -> dict[tuple[Any, ...], Any]:
+    """Every job run on the pool, in the order of its bytes in the files, staged on the
+    devices in turn; path -> value. The first error in table order is the one raised."""
+    start = {  # read in the order of the bytes in the files
+        id(job): min((str(files[name]), load.reader.info(name).begin) for name in job.names)
+        for job in jobs
+    }
+    order = sorted(jobs, key=lambda job: start[id(job)])
+    futures = {
+        id(job): pool.submit(load.run, job, devices[i % len(devices)])
+        for i, job in enumerate(order)
+    }
+    values: dict[tuple[Any, ...], Any] = {}
+    try:
+        for job in jobs:  # the first error in table order is the one raised
+            values.update(futures.pop(id(job)).result())
+    except BaseException:
+        pool.shutdown(cancel_futures=True)
+        raise
+    return values
+
+
+@dataclasses.dataclass
+class _Load:
+    """What the reading threads of one ``load_weights`` share; ``run`` is one thread's job."""
+
+    model_dir: Path
+    config: ModelConfig
+    dtype: jnp.dtype
+    placement: Placement | None
+    scheme: QuantScheme | None
+    stop: threading.Event | None
+    reader: CheckpointReader
+    parts: FusedParts  # the parts written in place into their layer's joined array
+    memory: dict[tuple[Any, ...], jax.Array]  # fields' device memory, taken ahead (one device)
+    locks: dict[tuple[Any, ...], threading.Lock] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.locks = {joined: threading.Lock() for joined, _, _ in self.parts.values()}
+
+    def run(self, job: _Job, device: Any) -> dict[tuple[Any, ...], Any]:
+        """The job's tensors read and made into its fields: path -> value (a part written in
+        place has none)."""
+        if self.stop is not None:
+            raise_if_stopped(self.stop)
+        if job.on_host:
+            return self._read_quantized(job)
+        pieces = self.reader.read_to_device(job.names, device)
+        shape = (len(job.names), *self.reader.info(job.names[0]).shape)
+        made = {}
+        for path, field, _ in job.fields:
+            value = self._to_field(path, field, pieces, shape)
+            if value is not None:
+                made[path] = value
+        jax.block_until_ready(made)  # and the pieces' device memory is free again
+        return made
+
+    def _read_quantized(self, job: _Job) -> dict[tuple[Any, ...], Any]:
+        """A pre-quantized field: its tensors converted on the host, then placed."""
+        ((path, field, prefix),) = job.fields
+        scheme = self.scheme
+        assert scheme is not None
+        try:
+            w = read_qarray(self.reader.read_to_host, prefix, field, self.config, scheme)
+        except ValueError as exc:
+            raise WeightsError(f"{self.model_dir}: {exc}") from exc
+        return {path: place_quantized(w, path, self.placement, scheme.act_quant)}
+
+    def _to_field(
+        self, path: tuple[Any, ...], field: WeightField, pieces: list[jax.Array], shape: tuple
+    ) -> Any:
+        """One field from its checkpoint pieces on the device; None for a part written in
+        place into its joined array."""
+        config, scheme = self.config, self.scheme
+        if is_quantized(field, scheme):  # on the device (op by op)
+            assert scheme is not None
+            sizes = dim_sizes(config)
+            w = quantize(
+                part_rows_of(pieces, layout_of(field), config, shape),
+                scheme.weight_format,
+                tuple(sizes[d] for d in field.hf_shape[1]),
+                tuple(sizes[d] for d in field.hf_shape[0]),
+            )
+            return place_quantized(w, path, self.placement, scheme.act_quant)
+        if path in self.parts:  # written in place into its layer's fused array
+            joined, offset, _ = self.parts[path]
+            with self.locks[joined]:
+                whole = write_part(
+                    self.memory.pop(joined), pieces, layout_of(field), config, shape, offset
+                )
+                self.memory[joined] = jax.block_until_ready(whole)
+            return None
+        if path in self.memory:
+            return to_field_into(self.memory.pop(path), pieces, layout_of(field), config, shape)
+        value = to_field(pieces, layout_of(field), config, shape, field_dtype(field, self.dtype))
+        return place_on_device(value, path, self.placement)
+
+
 # path of a part -> (path of the joined array, the part's offset on axis 1, the joined shape)
 FusedParts = dict[tuple[Any, ...], tuple[tuple[Any, ...], int, tuple[int, ...]]]
 
 
 def _fused_parts(config: ModelConfig) -> FusedParts:
     """Where each layer's q/k/v (and, in a layer that has them, gate/up) go in the arrays
-    ``llama.fuse_layer`` joins them into, for the layers it joins."""
+    ``layers.fuse_layer`` joins them into, for the layers it joins."""
     parts: FusedParts = {}
     for layer in range(config.num_layers):
         fields = {f.name: f for f in layer_fields(config, layer) if not f.per_expert}
@@ -376,81 +390,3 @@ def _with_fused(lw: LayerWeights, layer: int, memory: dict) -> LayerWeights:
         return lw
     gate_up = memory.pop(("layers", layer, FUSED_FIELDS[1][0]), None)
     return dataclasses.replace(lw, fused=FusedProjections(wqkv, gate_up))
-
-
-class LoadCancelled(Exception):
-    """The weights stopped loading because the start-up failed or was interrupted."""
-
-
-def raise_if_stopped(stop: threading.Event) -> None:
-    if stop.is_set():
-        raise LoadCancelled("the start-up stopped while the weights loaded")
-
-
-def dummy_weights(
-    config: ModelConfig,
-    dtype: jnp.dtype = jnp.bfloat16,
-    seed: int = 0,
-    placement: Placement | None = None,
-    scale: float = 0.02,
-    scheme: QuantScheme | None = None,
-    stop: threading.Event | None = None,
-) -> Weights:
-    """Random weights in the real architecture (for benchmarks and tests); made on the device.
-
-    With a quantize-on-load ``scheme`` the Linear weights are the same random weights (the
-    same seed gives the same bf16 values), quantized. Once ``stop`` is set, the next tensor
-    raises ``LoadCancelled``."""
-    key = jax.random.key(seed)
-    if scheme is not None and scheme.from_checkpoint:
-        raise ValueError(f"dummy weights cannot be made for a {scheme.method} checkpoint")
-
-    def make(path: tuple[Any, ...], field: WeightField) -> Any:
-        if stop is not None:
-            raise_if_stopped(stop)
-        made = make_one(path, field)
-        # NOTE: with a stop to obey, one tensor at a time: dispatched ahead, every tensor
-        # would be queued on the device before the first check (one sync per tensor costs
-        # nothing beside making it).
-        return jax.block_until_ready(made) if stop is not None else made
-
-    def make_one(path: tuple[Any, ...], field: WeightField) -> Any:
-        nonlocal key
-        key, sub = jax.random.split(key)
-        shape = field.shape_for(config)
-        if field.init != "normal":
-            array = (jnp.ones if field.init == "ones" else jnp.zeros)(shape, dtype)
-        else:
-            array = (scale * jax.random.normal(sub, shape, jnp.float32)).astype(
-                field_dtype(field, dtype)
-            )
-        if is_quantized(field, scheme):
-            assert scheme is not None
-            sizes = dim_sizes(config)
-            num_in_axes = len(field.hf_shape[1])
-            w = quantize(
-                to_out_in(array, num_in_axes),
-                scheme.weight_format,
-                tuple(sizes[d] for d in field.hf_shape[1]),
-                tuple(sizes[d] for d in field.hf_shape[0]),
-            )
-            del array
-            return _place_quantized(w, path, placement, scheme.act_quant)
-        sharding = placement(path, shape) if placement is not None else None
-        return array if sharding is None else jax.device_put(array, sharding)
-
-    layers = [
-        LayerWeights(
-            **{f.name: make(("layers", layer, f.name), f) for f in layer_fields(config, layer)}
-        )
-        for layer in range(config.num_layers)
-    ]
-    outside: dict[str, Any] = {f.name: make((f.name,), f) for f in model_fields(config)}
-    return Weights(layers=layers, **outside)
-
-
-def weight_bytes(config: ModelConfig, dtype: jnp.dtype, scheme: QuantScheme | None = None) -> int:
-    """Bytes the weights occupy on the device (quantized Linear weights at their own size)."""
-    if scheme is not None:
-        return quantized_weight_bytes(config, jnp.dtype(dtype).itemsize, scheme)
-    return num_params(config) * jnp.dtype(dtype).itemsize
