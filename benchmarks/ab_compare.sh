@@ -15,7 +15,7 @@ python3 -c 'import jax; print("jax", jax.__version__)' | tee -a "$OUT/device.txt
 
 run_tree() {  # $1: tree, $2: label, $3: round
   ( cd "$1" && export PYTHONPATH=.
-    python3 benchmarks/decode_roofline.py --iters 20 --batches 1,64,256 --contexts 1024 \
+    python3 -m benchmarks.decode_roofline --iters 20 --batches 1,64,256 --contexts 1024 \
       --output-json "$OUT/roofline_$2_$3.json" > "$OUT/roofline_$2_$3.log" 2>&1
     python3 -m jaxserve.bench.throughput --engine jaxserve --max-model-len 4096 \
       --output-json "$OUT/throughput_$2_$3.json" > "$OUT/throughput_$2_$3.log" 2>&1 )

@@ -23,10 +23,10 @@ The wall time of one call (dispatch included) is reported beside it. Floor: (KV 
 O write) bytes at 4.3 TB/s, the device-to-device copy rate measured on the H200 (the script also
 measures a 1 GiB copy in the same run).
 
-  PYTHONPATH=. python3 benchmarks/bench_attention.py --out /tmp/attn.json   # on the GPU
-  PYTHONPATH=. python3 benchmarks/bench_attention.py --suite tiers --out /tmp/tiers.json
-  PYTHONPATH=. python3 benchmarks/bench_attention.py --suite sinks --out /tmp/sinks.json
-  python benchmarks/bench_attention.py --smoke [--suite tiers]           # tiny, CPU interpret
+  python3 -m benchmarks.bench_attention --out /tmp/attn.json               # on the GPU
+  python3 -m benchmarks.bench_attention --suite tiers --out /tmp/tiers.json
+  python3 -m benchmarks.bench_attention --suite sinks --out /tmp/sinks.json
+  python -m benchmarks.bench_attention --smoke [--suite tiers]              # tiny, CPU interpret
 """
 
 from __future__ import annotations
@@ -46,10 +46,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import BANDWIDTH
 from pallas_kernels.ragged_paged_attention import mosaic_gpu, reference
 from pallas_kernels.ragged_paged_attention import triton as triton_kernel
-
-FLOOR_BYTES_PER_S = 4.3e12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +226,7 @@ def run_case(rng, shape, batch, *, variants, reps, pool_bytes, with_reference=Tr
     errors are against the first variant that ran and ``x XLA ref`` is left out)."""
     inputs = make_inputs(rng, shape, batch, reps, pool_bytes)
     kv_bytes, all_bytes = count_bytes(shape, batch)
-    floor_s = all_bytes / FLOOR_BYTES_PER_S
+    floor_s = all_bytes / BANDWIDTH
     kwargs = shape.attention_kwargs()
     rows, ref_s, ref_out = [], None, None
     if with_reference:

@@ -11,10 +11,10 @@ For each batch x context: B sequences with `context` tokens already in a paged K
              (at the KV cache dtype's bytes: an fp8 cache reads half of bf16's),
   MBU        floor / device,   host gap = wall - device.
 
-    python benchmarks/decode_roofline.py                 # Llama-3-8B shape, dummy bf16 weights
-    python benchmarks/decode_roofline.py --kv-cache-dtype fp8   # the same over an fp8 KV cache
-    python benchmarks/decode_roofline.py --smoke         # tiny CPU run (CI smoke test)
-    python benchmarks/decode_roofline.py --quantization fp8 [--kv-cache-dtype fp8]
+    python -m benchmarks.decode_roofline                 # Llama-3-8B shape, dummy bf16 weights
+    python -m benchmarks.decode_roofline --kv-cache-dtype fp8   # the same over an fp8 KV cache
+    python -m benchmarks.decode_roofline --smoke         # tiny CPU run (CI smoke test)
+    python -m benchmarks.decode_roofline --quantization fp8 [--kv-cache-dtype fp8]
 
 With --quantization the floor counts the quantized weight bytes (values and scales), so MBU
 stays a fraction of what that mode must read; compare modes by device ms or tokens/s.
@@ -36,35 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import BANDWIDTH, ROOT, decode_batch, time_device, time_pipelined
 from jaxserve.config import ModelConfig, builtin_config_dir
-from jaxserve.engine.request import Request, Sequence
 from jaxserve.engine_config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from jaxserve.models.families.registry import load_model_config
 from jaxserve.models.quant_scheme import weight_bytes as quantized_weight_bytes
 from jaxserve.runner.runner import ModelRunner
-from jaxserve.runner.step import ScheduledSeq, SchedulerOutput
-from jaxserve.sampling_params import SamplingParams
-
-BANDWIDTH = 4.3e12  # bytes/s, copy bandwidth measured on the H200
-
-
-def decode_batch(runner: ModelRunner, batch: int, context: int, rng) -> SchedulerOutput:
-    """`batch` sequences with `context` cached tokens each, decoding their next token."""
-    bs = runner.block_size
-    pages_per = -(-(context + 1) // bs)
-    pages = rng.permutation(runner.num_blocks)[: batch * pages_per].reshape(batch, pages_per)
-    params = SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True)
-    items = []
-    for i in range(batch):
-        prompt = rng.integers(100, 20000, size=context + 1).tolist()
-        request = Request(str(i), None, prompt, params, arrival_time=0.0)
-        seq = Sequence(str(i), request, 0, seed=i, block_ids=pages[i].tolist())
-        seq.num_computed_tokens = context
-        request.seqs.append(seq)
-        items.append(ScheduledSeq(seq, 1, context, is_new=True))
-    runner.inputs.update_states(SchedulerOutput(items, batch))  # rows for the sequences
-    for item in items:
-        item.is_new = False  # every timed step below reuses this schedule
-    return SchedulerOutput(items, batch)
+from jaxserve.runner.step import SchedulerOutput
 
 
 def kv_read_tokens(config: ModelConfig, length: int) -> int:
@@ -107,35 +85,6 @@ def fill_cache_randomly(runner: ModelRunner, seed: int) -> None:
         )
 
 
-def time_device(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> tuple[float, float]:
-    """Seconds per step of model + sampler dispatched back to back, and the host seconds of
-    one such dispatch (the calls' return, not the device's work: XLA's kernel launches)."""
-    host_batch, rows = runner.inputs.build_batch(sched)
-    flags = runner.inputs.sampler_flags(rows, host_batch.kv_lens)
-    inputs = runner.inputs.sampling_inputs(
-        [i.seq for i in sched.scheduled], rows, host_batch.kv_lens, flags
-    )
-
-    def step():
-        runner.kv_cache, forward = runner.run_step(host_batch)
-        return runner.sample(forward, inputs, flags).token_ids
-
-    jax.block_until_ready(step())
-    samples, launches = [], []
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = step()
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / iters)
-    for _ in range(iters):  # each from an idle device: nothing to wait behind
-        launch = time.perf_counter()
-        out = step()
-        launches.append(time.perf_counter() - launch)
-        jax.block_until_ready(out)
-    return min(samples), statistics.median(launches)
-
-
 def time_wall(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> float:
     runner.execute(sched)
     times = []
@@ -144,20 +93,6 @@ def time_wall(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> float:
         runner.execute(sched)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def time_pipelined(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> float:
-    """Median seconds per step with step n + 1 dispatched before step n is read back."""
-    previous = runner.dispatch(sched)
-    times = []
-    for _ in range(iters + 2):
-        start = time.perf_counter()
-        step = runner.dispatch(sched)
-        runner.collect(previous)
-        times.append(time.perf_counter() - start)
-        previous = step
-    runner.collect(previous)
-    return statistics.median(times[2:])
 
 
 def main() -> None:
@@ -179,12 +114,12 @@ def main() -> None:
     parser.add_argument("--profile-batches", default="1,64")
     args = parser.parse_args()
     if args.smoke:
-        args.model = str(Path(__file__).parents[1] / "tests/fixtures/models/llama")
+        args.model = str(ROOT / "tests/fixtures/models/llama")
         args.batches, args.contexts, args.iters = "1,4", "32", 3
 
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
-    model_config = ModelConfig.from_hf_dir(args.model)
+    model_config = load_model_config(args.model)
     max_len = max(contexts) + 16
     # KV for the largest batch x context that fits next to the weights (B=256 x 4096 does not
     # in bf16; an fp8 cache holds twice the tokens).

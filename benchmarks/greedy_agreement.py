@@ -2,8 +2,8 @@
 
 Two runs, one process each (each engine takes the device's memory):
 
-    python benchmarks/greedy_agreement.py --kv-cache-dtype auto --save ref.npz
-    python benchmarks/greedy_agreement.py --kv-cache-dtype fp8 --reference ref.npz
+    python -m benchmarks.greedy_agreement --kv-cache-dtype auto --save ref.npz
+    python -m benchmarks.greedy_agreement --kv-cache-dtype fp8 --reference ref.npz
 
 The first generates greedy continuations of random prompts and records, at every position of
 prompt + continuation, the top-1 token, its margin over the top-2 and the logprob of the next

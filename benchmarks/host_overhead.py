@@ -4,7 +4,7 @@ No model runs: the sampled token is computed on the host, so what is timed is ex
 Python work the engine does around each device step. Default: 256 running requests decoding
 after a 512-token prompt, Llama-3-8B vocabulary and max_model_len 4096.
 
-    python benchmarks/host_overhead.py [--num-seqs 256] [--steps 200]
+    python -m benchmarks.host_overhead [--num-seqs 256] [--steps 200]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 from jaxserve.engine.kv_cache import KVCacheManager
 from jaxserve.engine.request import Request, Sequence
 from jaxserve.engine.scheduler import Scheduler
+from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.input_builder import InputBuilder
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.units import human_int
@@ -33,10 +34,16 @@ def main() -> None:
     num_blocks = args.num_seqs * (args.max_model_len // block_size)
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
     scheduler = Scheduler(kv, args.num_seqs, 8192, args.max_model_len)
+    buckets = Buckets.of(
+        max_num_batched_tokens=8192,
+        max_num_seqs=args.num_seqs,
+        max_model_len=args.max_model_len,
+        block_size=block_size,
+    )
     builder = InputBuilder(
+        buckets,
         block_size=block_size,
         max_model_len=args.max_model_len,
-        max_num_batched_tokens=8192,
         max_num_seqs=args.num_seqs,
         num_slots=num_blocks * block_size,
         vocab_size=128256,

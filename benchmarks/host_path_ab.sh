@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
 
 run_tree() {  # $1: tree, $2: label
   ( cd "$1" && export PYTHONPATH=.:/tmp/site
-    python3 benchmarks/decode_roofline.py --iters 10 --batches 1,64 --contexts 1024 \
+    python3 -m benchmarks.decode_roofline --iters 10 --batches 1,64 --contexts 1024 \
       --output-json "$OUT/roofline_$2.json" > "$OUT/roofline_$2.log" 2>&1
     python3 -m jaxserve.cli bench latency --model "$MODEL" $FLAGS --batch-size 1 \
       --input-len 1000 --output-len 256 --num-iters-warmup 2 --num-iters 5 \
@@ -44,8 +44,8 @@ run_tree() {  # $1: tree, $2: label
 run_tree "$OTHER" before
 run_tree . after
 ( export PYTHONPATH=.:/tmp/site
-  python3 benchmarks/decode_roofline.py --iters 5 --batches 1 --contexts 1024 \
+  python3 -m benchmarks.decode_roofline --iters 5 --batches 1 --contexts 1024 \
     --profile-dir "$OUT/profile" --profile-batches 1 > "$OUT/profile.log" 2>&1
-  python3 benchmarks/trace_summary.py "$OUT/profile" --steps 3 --top 20 | tee "$OUT/trace_summary.txt"
+  python3 -m benchmarks.trace_summary "$OUT/profile" --steps 3 --top 20 | tee "$OUT/trace_summary.txt"
   find "$OUT/profile" -name "*.xplane.pb" -delete
-  python3 benchmarks/fusion_probe.py --batches 1,64 2>&1 | tail -4 )
+  python3 -m benchmarks.probes.fusion_probe --batches 1,64 2>&1 | tail -4 )

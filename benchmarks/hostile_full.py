@@ -12,7 +12,7 @@ the tracebacks logged (each 500 is one). Round three's finding 9 runs the parser
 process, and finding 10 starts ``jaxserve launch`` itself (a malformed config.json, a
 ``--max-model-len`` past the model): neither needs the server.
 
-    python benchmarks/hostile_full.py --base-url http://localhost:8011 --pid PID \
+    python -m benchmarks.hostile_full --base-url http://localhost:8011 --pid PID \
         --server-log launch.log --output-json hostile.json
 """
 
@@ -336,8 +336,8 @@ def round_three_8(client: httpx.Client, model: str) -> dict[str, Any]:
 def round_three_9() -> dict[str, Any]:
     """Finding 9, in this process: the llama3_json parser's message for text after
     <|python_tag|>, whole and a character at a time (they differed)."""
-    from jaxserve.server.tool_calls import MessageDelta
-    from jaxserve.server.tool_parsers import make_tool_parser
+    from jaxserve.server.chat.tool_calls import MessageDelta
+    from jaxserve.server.chat.tool_parsers import make_tool_parser
 
     def parse(pieces: list[str]) -> tuple[str, int]:
         parser = make_tool_parser("llama3_json", parallel=True)

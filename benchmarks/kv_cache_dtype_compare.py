@@ -5,7 +5,7 @@ Reads what the ``kvfp8`` stage of benchmarks/run_h200.sh writes into one directo
 from ``jaxserve bench throughput``, ``greedy_kv_fp8.json`` from greedy_agreement.py) and prints
 Markdown tables for benchmarks/RESULTS.md:
 
-    python benchmarks/kv_cache_dtype_compare.py --dir /tmp/out
+    python -m benchmarks.kv_cache_dtype_compare --dir /tmp/out
 """
 
 from __future__ import annotations

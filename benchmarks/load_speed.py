@@ -15,9 +15,9 @@ page cache, then times on the same files, in this order (each GB/s over the chec
 Peak host memory (max RSS) is printed after the new loader's runs, before the old one maps the
 files. Measurements stop when --time-budget seconds have passed (the rest is listed as skipped).
 
-    python benchmarks/load_speed.py                          # Llama-3-8B: 15 GB in 4 shards
-    python benchmarks/load_speed.py --num-layers 4 --vocab-size 32000  # 1.9 GB, CPU-sized
-    python benchmarks/load_speed.py --smoke                  # tiny (CI smoke test)
+    python -m benchmarks.load_speed                          # Llama-3-8B: 15 GB in 4 shards
+    python -m benchmarks.load_speed --num-layers 4 --vocab-size 32000  # 1.9 GB, CPU-sized
+    python -m benchmarks.load_speed --smoke                  # tiny (CI smoke test)
 """
 
 from __future__ import annotations
@@ -40,9 +40,14 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxserve.config import ModelConfig, builtin_config_dir
-from jaxserve.models.checkpoint_reader import CheckpointReader, read_header
-from jaxserve.models.families import HF_LAYER_PREFIX, layer_fields, model_fields
-from jaxserve.models.weights import STAGING_BYTES, default_num_threads, load_weights
+from jaxserve.models.families.fields import HF_LAYER_PREFIX
+from jaxserve.models.families.registry import layer_fields, load_model_config, model_fields
+from jaxserve.models.loading.checkpoint_loader import (
+    STAGING_BYTES,
+    default_num_threads,
+    load_weights,
+)
+from jaxserve.models.loading.checkpoint_reader import CheckpointReader, read_header
 
 MiB = 1024**2
 
@@ -64,7 +69,7 @@ def write_checkpoint(config_dir: Path, out: Path, overrides: dict, num_shards: i
     hf["torch_dtype"] = "bfloat16"
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf))
-    config = ModelConfig.from_hf_dir(out)
+    config = load_model_config(out)
     shapes = {field.hf_name: field.checkpoint_shape_for(config) for field in model_fields(config)}
     for layer in range(config.num_layers):
         for field in layer_fields(config, layer):
@@ -214,7 +219,7 @@ def main() -> None:
     model_dir = Path(args.dir or tempfile.mkdtemp(prefix="jaxserve-load-speed-"))
     began = time.perf_counter()
     num_bytes = write_checkpoint(Path(args.model), model_dir, overrides, args.num_shards)
-    config = ModelConfig.from_hf_dir(model_dir)
+    config = load_model_config(model_dir)
     print(f"wrote {num_bytes / 1e9:.2f} GB in {args.num_shards} shards to {model_dir} in "
           f"{time.perf_counter() - began:.1f} s; {jax.devices()[0].device_kind}, "
           f"{os.cpu_count()} CPUs")  # fmt: skip

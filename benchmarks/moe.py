@@ -21,15 +21,15 @@ then Hugging Face ``generate_batch`` runs the throughput workload in a second pr
 same GPU (``jaxserve.bench.throughput --engine hf``: random weights made the same way as for
 the dense models). Results: one JSON (--output-json) and a table.
 
-    python benchmarks/moe.py --output-json /tmp/out/moe.json     # the H200 run (~8 minutes)
-    python benchmarks/moe.py --engine jaxserve                    # jaxserve only
-    python benchmarks/moe.py --smoke                              # tiny CPU run (CI)
-    python benchmarks/moe.py --grouped-matmuls-only               # one layer's grouped
+    python -m benchmarks.moe --output-json /tmp/out/moe.json     # the H200 run (~8 minutes)
+    python -m benchmarks.moe --engine jaxserve                    # jaxserve only
+    python -m benchmarks.moe --smoke                              # tiny CPU run (CI)
+    python -m benchmarks.moe --grouped-matmuls-only               # one layer's grouped
         matmuls on random weights, the whole GPU free, with a sweep of the kernel's tiles
-    python benchmarks/moe.py --engine jaxserve --model jaxserve/assets/configs/gpt-oss-20b \
+    python -m benchmarks.moe --engine jaxserve --model jaxserve/assets/configs/gpt-oss-20b \
         --max-num-batched-tokens 2048                             # gpt-oss-20b (bf16 shape)
 
-    python benchmarks/moe.py --engine jaxserve --model DIR --mgpu-batches "" \
+    python -m benchmarks.moe --engine jaxserve --model DIR --mgpu-batches "" \
         --max-num-batched-tokens 1024 --max-model-len 2048    # DeepSeek-V3, first 5 layers
                                                               # (run_h200.sh deepseek_v3)
 
@@ -62,19 +62,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from decode_roofline import BANDWIDTH, decode_batch, time_device, time_pipelined  # noqa: E402
-from timing import best_time  # noqa: E402
+import jaxserve
+from benchmarks.common import BANDWIDTH, ROOT, best_time, decode_batch, time_device, time_pipelined
+from jaxserve.bench.throughput import make_prompts
+from jaxserve.config import ModelConfig, builtin_config_dir
+from jaxserve.models import moe
+from jaxserve.models.families.counting import num_params
+from jaxserve.models.families.registry import layer_fields, load_model_config
+from jaxserve.runner.step import SchedulerOutput
+from pallas_kernels.grouped_matmul import triton as gmt
 
-import jaxserve  # noqa: E402
-from jaxserve.bench.throughput import make_prompts  # noqa: E402
-from jaxserve.config import ModelConfig, builtin_config_dir  # noqa: E402
-from jaxserve.models import moe  # noqa: E402
-from jaxserve.models.families import layer_fields, num_params  # noqa: E402
-from jaxserve.runner.step import SchedulerOutput  # noqa: E402
-from pallas_kernels.grouped_matmul import triton as gmt  # noqa: E402
-
-ROOT = Path(__file__).parents[1]
 PEAK_BF16_FLOPS = 989e12  # the H200's dense bf16 tensor-core peak (datasheet)
 STARTED = time.perf_counter()
 
@@ -315,7 +312,7 @@ def random_moe_weights(config: ModelConfig, dtype: jnp.dtype, seed: int = 0) -> 
 def run_grouped_matmuls_only(args: argparse.Namespace) -> dict:
     """The grouped-matmul comparison alone, on one layer of random weights with the whole
     GPU free (XLA's dense expansion at prefill needs it), with the tile sweep."""
-    config = ModelConfig.from_hf_dir(args.model)
+    config = load_model_config(args.model)
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
     result: dict = {"engine": "jaxserve", "device": jax.devices()[0].device_kind}
     result["jax"] = jax.__version__
@@ -332,7 +329,7 @@ def run_grouped_matmuls_only(args: argparse.Namespace) -> dict:
 def run_jaxserve(args: argparse.Namespace) -> dict:
     """Decode, one layer's experts and its grouped matmuls, then throughput (the largest
     steps last), saving the result after each part: a failure keeps what came before it."""
-    config = ModelConfig.from_hf_dir(args.model)
+    config = load_model_config(args.model)
     assert config.moe is not None
     result: dict = {"engine": "jaxserve", "device": jax.devices()[0].device_kind}
     result["jax"] = jax.__version__
@@ -622,9 +619,10 @@ def run_child(args: argparse.Namespace, engine: str) -> dict:
         forwarded += [f"--{name.replace('_', '-')}={','.join(map(str, getattr(args, name)))}"
                       for name in lists]  # fmt: skip
         left = args.time_budget - (time.perf_counter() - STARTED)
-        cmd = [sys.executable, __file__, *forwarded, f"--time-budget={left}"]
+        cmd = [sys.executable, "-m", "benchmarks.moe", *forwarded, f"--time-budget={left}"]
         cmd += ["--engine", engine, "--output-json", str(out)]
-        proc = subprocess.run(cmd, check=False)
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        proc = subprocess.run(cmd, check=False, env={**os.environ, "PYTHONPATH": path})
         result = json.loads(out.read_text()) if out.exists() else {"engine": engine}
         if proc.returncode != 0:  # what it measured before failing, and the failure
             result["error"] = f"exit code {proc.returncode}"

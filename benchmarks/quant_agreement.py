@@ -7,8 +7,8 @@ per mode: the largest and mean absolute logit error, the largest relative to the
 logit, and the share of positions whose argmax agrees: all of them, and those whose reference
 top-2 margin is above ``--margin`` and above the median margin (random weights give near-ties).
 
-    python benchmarks/quant_agreement.py                          # dummy Llama-3-8B (a GPU)
-    python benchmarks/quant_agreement.py --model tests/fixtures/models/llama --load-format auto
+    python -m benchmarks.quant_agreement                          # dummy Llama-3-8B (a GPU)
+    python -m benchmarks.quant_agreement --model tests/fixtures/models/llama --load-format auto
 """
 
 from __future__ import annotations
@@ -23,9 +23,12 @@ import numpy as np
 
 from jaxserve.config import ModelConfig, builtin_config_dir
 from jaxserve.engine_config import EngineConfig
-from jaxserve.models import llama
+from jaxserve.models import decoder
 from jaxserve.models.batch import Batch, make_kv_cache
-from jaxserve.models.weights import dummy_weights, load_weights
+from jaxserve.models.families.registry import load_model_config
+from jaxserve.models.layers import Weights
+from jaxserve.models.loading.checkpoint_loader import load_weights
+from jaxserve.models.loading.dummy import dummy_weights
 from jaxserve.runner.devices import resolve_dtype, resolve_quantization
 
 PAGE = 16
@@ -48,8 +51,8 @@ def prompt_batch(ids: np.ndarray) -> Batch:
     )
 
 
-def all_logits(weights: llama.Weights, config: ModelConfig, prompts: np.ndarray, dtype) -> list:
-    forward = jax.jit(llama.forward, static_argnums=(3,))
+def all_logits(weights: Weights, config: ModelConfig, prompts: np.ndarray, dtype) -> list:
+    forward = jax.jit(decoder.forward, static_argnums=(3,))
     pages = -(-prompts.shape[1] // PAGE)
     out = []
     for ids in prompts:
@@ -57,7 +60,7 @@ def all_logits(weights: llama.Weights, config: ModelConfig, prompts: np.ndarray,
             config.num_layers, pages, PAGE, config.num_kv_heads, config.head_dim, dtype
         )
         _, hidden = forward(weights, cache, prompt_batch(ids), config)
-        logits = llama.compute_logits(weights, hidden, config.final_logit_softcap)
+        logits = decoder.compute_logits(weights, hidden, config.final_logit_softcap)
         out.append(np.asarray(logits, np.float32))
     return out
 
@@ -74,13 +77,13 @@ def main() -> None:
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
 
-    config = ModelConfig.from_hf_dir(args.model)
+    config = load_model_config(args.model)
     base = EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype)
     dtype = resolve_dtype(base)
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, config.vocab_size, size=(args.num_prompts, args.prompt_len))
 
-    def weights_for(engine: EngineConfig) -> llama.Weights:
+    def weights_for(engine: EngineConfig) -> Weights:
         scheme = resolve_quantization(engine)
         if args.load_format == "dummy":
             return dummy_weights(config, dtype, seed=0, scheme=scheme)

@@ -10,7 +10,7 @@
 #                without and with attention sinks, Mosaic GPU and Triton beside the XLA reference
 #                (bench_attention.py --suite sinks; the sink cases of the kernel stage alone:
 #                pytest -m gpu -k sinks)
-#   compile      compile time of one small and one large step bucket (benchmarks/compile_time.py)
+#   compile      compile time of one small and one large step bucket (benchmarks/probes/compile_time.py)
 #   launch       jaxserve launch, dummy Llama-3-8B: cold start on an empty compilation cache,
 #                first-request TTFT, bench serve sweep at 2,4,8,16,inf req/s ($SERVE_PROMPTS
 #                prompts per rate, 200 unless set: about 4 minutes), then warm start
@@ -107,7 +107,7 @@ stage_kernel() {
 }
 
 stage_attention() {
-  python3 benchmarks/bench_attention.py --suite tiers --sweep --out "$OUT/attention_tiers.json" \
+  python3 -m benchmarks.bench_attention --suite tiers --sweep --out "$OUT/attention_tiers.json" \
     > "$OUT/attention_tiers.log" 2>&1
   sed -n '/ | jax /,$p' "$OUT/attention_tiers.log"  # the final table and the target line
   grep -E "Error|error" "$OUT/attention_tiers.log" | head -5
@@ -116,14 +116,14 @@ stage_attention() {
 stage_sinks() {
   python3 -m pytest -q -m gpu -k sinks tests/test_kernel_gpu.py tests/test_kernel_triton.py 2>&1 |
     tail -3
-  python3 benchmarks/bench_attention.py --suite sinks --out "$OUT/attention_sinks.json" \
+  python3 -m benchmarks.bench_attention --suite sinks --out "$OUT/attention_sinks.json" \
     > "$OUT/attention_sinks.log" 2>&1
   sed -n '/ | jax /,$p' "$OUT/attention_sinks.log"
   grep -E "Error|error" "$OUT/attention_sinks.log" | head -5
 }
 
 stage_compile() {
-  python3 benchmarks/compile_time.py --output-json "$OUT/compile_time.json" 2>&1 |
+  python3 -m benchmarks.probes.compile_time --output-json "$OUT/compile_time.json" 2>&1 |
     grep -E "^bucket|^all"
 }
 
@@ -183,7 +183,7 @@ stage_launch() {
 
 stage_startup() {  # a real 16 GB checkpoint from the page cache: start to the first token
   local dir=/tmp/jaxserve-startup
-  python3 benchmarks/load_speed.py --dir $dir --write-only 2>&1 | tail -1
+  python3 -m benchmarks.load_speed --dir $dir --write-only 2>&1 | tail -1
   cp jaxserve/assets/demo/tokenizer* $dir/  # a tokenizer to serve with (the demo model's)
   rm -rf "$JAXSERVE_COMPILATION_CACHE"
   for phase in real_cold real_warm; do
@@ -195,7 +195,7 @@ stage_startup() {  # a real 16 GB checkpoint from the page cache: start to the f
   done
   # where the warm start goes: the main thread's stack, sampled (compilation cache filled)
   if [ "${STARTUP_PROFILE:-1}" = 1 ]; then
-    python3 benchmarks/startup_profile.py $dir $SHAPES --top 60 > "$OUT/startup_profile.txt" 2>&1
+    python3 -m benchmarks.startup_profile $dir $SHAPES --top 60 > "$OUT/startup_profile.txt" 2>&1
     grep -A7 "^phase" "$OUT/startup_profile.txt"
   fi
   rm -rf $dir
@@ -239,9 +239,9 @@ t0 = time.perf_counter()
 if sys.argv[1] == "1":
     from jaxserve.cli import hide_torch
     hide_torch()
-from jaxserve.config import ModelConfig
 from jaxserve.engine.tokenizer import Tokenizer
-ModelConfig.from_hf_dir("jaxserve/assets/configs/llama-3-8b")
+from jaxserve.models.families.registry import load_model_config
+load_model_config("jaxserve/assets/configs/llama-3-8b")
 Tokenizer("jaxserve/assets/demo")
 print(f"torch hidden: {sys.argv[1] == '1'}: config and tokenizer in {time.perf_counter() - t0:.1f} s,"
       f" torch imported: {sys.modules.get('torch') is not None}")
@@ -274,7 +274,7 @@ stage_latency() {  # the throughput stage's shapes (context 4096, 8192-token ste
 }
 
 stage_roofline() {
-  python3 benchmarks/decode_roofline.py --iters 10 --output-json "$OUT/roofline.json" \
+  python3 -m benchmarks.decode_roofline --iters 10 --output-json "$OUT/roofline.json" \
     --profile-dir "$OUT/profile" > "$OUT/roofline.log" 2>&1
   find "$OUT/profile" -name "*.xplane.pb" -delete
   grep -v -i warn "$OUT/roofline.log" | tail -20
@@ -282,7 +282,7 @@ stage_roofline() {
 
 stage_cublas() {  # the same decode cells with every GEMM on cuBLAS instead of Triton
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" \
-    python3 benchmarks/decode_roofline.py --iters 10 --batches 1,8,64 --contexts 1024 \
+    python3 -m benchmarks.decode_roofline --iters 10 --batches 1,8,64 --contexts 1024 \
     --output-json "$OUT/roofline_cublas.json" > "$OUT/roofline_cublas.log" 2>&1
   grep -v -i warn "$OUT/roofline_cublas.log" | tail -5
 }
@@ -303,7 +303,7 @@ sys.exit("kv_cache_dtype" not in {f.name for f in dataclasses.fields(E)})'; then
       fp8kv) flags="--quantization fp8 --kv-cache-dtype fp8" ;;
       *) echo "unknown mode $mode" && return 1 ;;
     esac
-    python3 benchmarks/decode_roofline.py --iters 10 --batches 1,8,64,256 --contexts 1024,4096 \
+    python3 -m benchmarks.decode_roofline --iters 10 --batches 1,8,64,256 --contexts 1024,4096 \
       $flags --output-json "$OUT/quant_roofline_$mode.json" > "$OUT/quant_roofline_$mode.log" 2>&1
     python3 -m jaxserve.bench.throughput --engine jaxserve --max-model-len 4096 $flags \
       ${QUANT_THROUGHPUT_ARGS:-} --output-json "$OUT/quant_throughput_$mode.json" \
@@ -311,7 +311,7 @@ sys.exit("kv_cache_dtype" not in {f.name for f in dataclasses.fields(E)})'; then
     echo "$mode: $(grep -m1 -o 'KV cache size: .*' "$OUT/quant_throughput_$mode.log")" \
       "$(grep -m1 -o 'Quantization: .*' "$OUT/quant_throughput_$mode.log")"
   done
-  python3 benchmarks/quant_agreement.py --output-json "$OUT/quant_agreement.json" \
+  python3 -m benchmarks.quant_agreement --output-json "$OUT/quant_agreement.json" \
     > "$OUT/quant_agreement.log" 2>&1
   grep -E "^(fp8|int8) " "$OUT/quant_agreement.log"
   python3 - "$OUT" $modes <<'PY'
@@ -352,7 +352,7 @@ PY
 stage_kvfp8() {  # the fp8 KV cache against bf16, Llama-3-8B shape, dummy bf16 weights
   python3 -m pytest -q -m gpu tests/test_kernel_gpu.py -k fp8 2>&1 | tail -3
   for kv in auto fp8; do
-    python3 benchmarks/decode_roofline.py --iters 10 --kv-cache-dtype $kv \
+    python3 -m benchmarks.decode_roofline --iters 10 --kv-cache-dtype $kv \
       --batches "${KV_BATCHES:-1,8,32,64,128,256}" --contexts "${KV_CONTEXTS:-1024,4096}" \
       --output-json "$OUT/roofline_kv_$kv.json" > "$OUT/roofline_kv_$kv.log" 2>&1
     grep -E "^device|Error" "$OUT/roofline_kv_$kv.log" | head -3
@@ -363,11 +363,11 @@ stage_kvfp8() {  # the fp8 KV cache against bf16, Llama-3-8B shape, dummy bf16 w
       head -4
   done
   # Dummy weights: near-uniform logits, so few steps clear the margins (the count is printed).
-  python3 benchmarks/greedy_agreement.py --kv-cache-dtype auto --save "$OUT/greedy_ref.npz" \
+  python3 -m benchmarks.greedy_agreement --kv-cache-dtype auto --save "$OUT/greedy_ref.npz" \
     > "$OUT/greedy_ref.log" 2>&1
-  python3 benchmarks/greedy_agreement.py --kv-cache-dtype fp8 --reference "$OUT/greedy_ref.npz" \
+  python3 -m benchmarks.greedy_agreement --kv-cache-dtype fp8 --reference "$OUT/greedy_ref.npz" \
     --output-json "$OUT/greedy_kv_fp8.json" > "$OUT/greedy_kv_fp8.log" 2>&1
-  python3 benchmarks/kv_cache_dtype_compare.py --dir "$OUT" | tee "$OUT/kv_fp8.md"
+  python3 -m benchmarks.kv_cache_dtype_compare --dir "$OUT" | tee "$OUT/kv_fp8.md"
 }
 
 stage_reliability() {  # carry .whl/rel too: openai, schemathesis and their dependencies
@@ -390,7 +390,7 @@ stage_hostile() {  # the seven findings of hostile input, round two, at the atta
     sleep 0.5
     kill -0 $pid 2>/dev/null || { tail -5 "$OUT/hostile_launch.log"; return 1; }
   done
-  python3 benchmarks/hostile_full.py --base-url http://localhost:8011 --api-key hostile \
+  python3 -m benchmarks.hostile_full --base-url http://localhost:8011 --api-key hostile \
     --pid $pid --server-log "$OUT/hostile_launch.log" --output-json "$OUT/hostile.json" \
     > "$OUT/hostile.log" 2>&1
   tail -18 "$OUT/hostile.log"
@@ -407,7 +407,7 @@ stage_hostile_demo() {  # round three (grammars, schemas, tools, operator input)
     sleep 0.5
     kill -0 $pid 2>/dev/null || { tail -5 "$OUT/hostile_demo_launch.log"; return 1; }
   done
-  python3 benchmarks/hostile_full.py --base-url http://127.0.0.1:8012 --api-key hostile \
+  python3 -m benchmarks.hostile_full --base-url http://127.0.0.1:8012 --api-key hostile \
     --pid $pid --server-log "$OUT/hostile_demo_launch.log" --only r3,g \
     --output-json "$OUT/hostile_demo.json" > "$OUT/hostile_demo.log" 2>&1
   tail -14 "$OUT/hostile_demo.log"
@@ -417,41 +417,41 @@ stage_hostile_demo() {  # round three (grammars, schemas, tools, operator input)
 }
 
 stage_moe() {  # HF gets the time jaxserve leaves of MOE_BUDGET seconds
-  python3 benchmarks/moe.py --time-budget ${MOE_BUDGET:-540} --output-json "$OUT/moe.json" \
+  python3 -m benchmarks.moe --time-budget ${MOE_BUDGET:-540} --output-json "$OUT/moe.json" \
     > "$OUT/moe.log" 2>&1
   grep -v -E "INFO|WARN" "$OUT/moe.log" | tail -24
 }
 
 stage_gmm() {
   python3 -m pytest -q -m gpu tests/test_grouped_matmul.py 2>&1 | tail -3
-  python3 benchmarks/moe.py --grouped-matmuls-only --prefill-tokens 2048,8192 \
+  python3 -m benchmarks.moe --grouped-matmuls-only --prefill-tokens 2048,8192 \
     --output-json "$OUT/gmm.json" > "$OUT/gmm.log" 2>&1
   grep -v -E "INFO|WARN|^grouped matmuls" "$OUT/gmm.log" | tail -24
 }
 
 stage_moe_hf() {
-  python3 benchmarks/moe.py --engine hf --time-budget ${MOE_BUDGET:-540} \
+  python3 -m benchmarks.moe --engine hf --time-budget ${MOE_BUDGET:-540} \
     --output-json "$OUT/moe_hf.json" > "$OUT/moe_hf.log" 2>&1
   tail -3 "$OUT/moe_hf.log"
   cat "$OUT/moe_hf.json"
 }
 
 stage_gpt_oss() {
-  python3 benchmarks/moe.py --engine jaxserve --model jaxserve/assets/configs/gpt-oss-20b \
+  python3 -m benchmarks.moe --engine jaxserve --model jaxserve/assets/configs/gpt-oss-20b \
     --max-num-batched-tokens 2048 --output-json "$OUT/gpt_oss.json" > "$OUT/gpt_oss.log" 2>&1
   grep -v -E "INFO|WARN" "$OUT/gpt_oss.log" | tail -24
 }
 
 stage_skinny() {
   python3 -m pytest -q -m gpu tests/test_skinny_matmul.py -x 2>&1 | tail -3
-  python3 benchmarks/skinny_matmul.py --output-json "$OUT/skinny_matmul.json" \
+  python3 -m benchmarks.skinny_matmul --output-json "$OUT/skinny_matmul.json" \
     > "$OUT/skinny_matmul.log" 2>&1
   sed -n '/^| projection/,$p' "$OUT/skinny_matmul.log"
   grep -E "Error|error" "$OUT/skinny_matmul.log" | head -5
 }
 
 stage_skinny_sweep() {
-  python3 benchmarks/skinny_matmul.py --sweep --batches 1,16 --budget-s 420 \
+  python3 -m benchmarks.skinny_matmul --sweep --batches 1,16 --budget-s 420 \
     --output-json "$OUT/skinny_sweep.json" > "$OUT/skinny_sweep.log" 2>&1
   sed -n '/^| projection/,$p' "$OUT/skinny_sweep.log"
 }
@@ -461,7 +461,7 @@ stage_skinny_step() {
   for quant in bf16 fp8; do
     for mode in off auto; do
       local run=skinny_step_${quant}_$mode
-      JAXSERVE_SKINNY_MATMUL=$mode python3 benchmarks/decode_roofline.py --iters 10 \
+      JAXSERVE_SKINNY_MATMUL=$mode python3 -m benchmarks.decode_roofline --iters 10 \
         --batches 1,8 --contexts 1024 $([ $quant = fp8 ] && echo --quantization fp8) \
         --output-json "$OUT/$run.json" --profile-dir "$OUT/${run}_profile" \
         --profile-batches 1 > "$OUT/$run.log" 2>&1
@@ -470,7 +470,7 @@ stage_skinny_step() {
         'from pallas_kernels.skinny_matmul import dispatch; print(dispatch.describe())' 2>/dev/null
       grep -v -i warn "$OUT/$run.log" | tail -4
       # Batch 1's kernels by device time (3 steps traced), beside the other mode's.
-      python3 benchmarks/trace_summary.py "$OUT/${run}_profile" --steps 3 --top 10 \
+      python3 -m benchmarks.trace_summary "$OUT/${run}_profile" --steps 3 --top 10 \
         > "$OUT/${run}_kernels.txt" 2>&1
       head -16 "$OUT/${run}_kernels.txt"
       find "$OUT/${run}_profile" -name "*.xplane.pb" -delete
@@ -484,25 +484,25 @@ config = json.loads(pathlib.Path("jaxserve/assets/configs/deepseek-v3/config.jso
 out = pathlib.Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
 (out / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 5}))' \
     "$OUT/deepseek-v3-5l"
-  python3 benchmarks/moe.py --engine jaxserve --model "$OUT/deepseek-v3-5l" --mgpu-batches "" \
+  python3 -m benchmarks.moe --engine jaxserve --model "$OUT/deepseek-v3-5l" --mgpu-batches "" \
     --max-num-batched-tokens 1024 --max-model-len 2048 --output-json "$OUT/deepseek_v3.json" \
     > "$OUT/deepseek_v3.log" 2>&1
   grep -v -E "INFO|WARN" "$OUT/deepseek_v3.log" | tail -24
 }
 
 stage_load() {
-  python3 benchmarks/load_speed.py --dir /tmp/jaxserve-load-speed --time-budget 150 \
+  python3 -m benchmarks.load_speed --dir /tmp/jaxserve-load-speed --time-budget 150 \
     --output-json "$OUT/load_speed.json" 2>&1 | grep -v '^\[transformers\]' | tee "$OUT/load_speed.txt"
   rm -rf /tmp/jaxserve-load-speed
 }
 
 stage_so() {
-  python3 benchmarks/structured_outputs.py --output-json "$OUT/so.json" > "$OUT/so.log" 2>&1
+  python3 -m benchmarks.structured_outputs --output-json "$OUT/so.json" > "$OUT/so.log" 2>&1
   tail -8 "$OUT/so.log"
 }
 
 stage_head256() {
-  python3 benchmarks/bench_attention.py --suite head256 --out "$OUT/head256.json" \
+  python3 -m benchmarks.bench_attention --suite head256 --out "$OUT/head256.json" \
     > "$OUT/head256.log" 2>&1
   sed -n '/ | jax /,$p' "$OUT/head256.log"
 }
@@ -510,7 +510,7 @@ stage_head256() {
 stage_gemma() {
   local model
   for model in llama-3-8b gemma-2-9b gemma-3-12b; do
-    python3 benchmarks/decode_roofline.py --model jaxserve/assets/configs/$model --iters 5 \
+    python3 -m benchmarks.decode_roofline --model jaxserve/assets/configs/$model --iters 5 \
       --batches ${GEMMA_BATCHES:-64} --contexts 1024,4096 --output-json "$OUT/gemma_$model.json" \
       > "$OUT/gemma_$model.log" 2>&1
     echo "-- $model"

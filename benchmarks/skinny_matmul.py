@@ -13,9 +13,9 @@ every output; a time is the best of 5 runs over the copies, per matmul. The last
 projections up as one model step's matmuls (32 layers + lm_head) at each M. Past
 ``--budget-s`` seconds only the planned tiles are timed, to keep the run near 3 minutes.
 
-    python benchmarks/skinny_matmul.py                    # about 3 minutes on the H200
-    python benchmarks/skinny_matmul.py --sweep --batches 1 --shapes qkv,down
-    python benchmarks/skinny_matmul.py --smoke            # tiny shapes, interpret mode (CPU)
+    python -m benchmarks.skinny_matmul                    # about 3 minutes on the H200
+    python -m benchmarks.skinny_matmul --sweep --batches 1 --shapes qkv,down
+    python -m benchmarks.skinny_matmul --smoke            # tiny shapes, interpret mode (CPU)
 """
 
 from __future__ import annotations
@@ -28,21 +28,16 @@ os.environ.setdefault("JAXSERVE_SKINNY_MATMUL", "off")  # the XLA baseline is qu
 import argparse
 import dataclasses
 import json
-import sys
 import time
 import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.common import BANDWIDTH, best_time
 from jaxserve.models import quant
 from pallas_kernels.skinny_matmul import triton as sm
 
-sys.path.insert(0, str(Path(__file__).parent))
-from timing import best_time  # noqa: E402
-
-BANDWIDTH = 4.3e12  # bytes/s, the H200's measured copy bandwidth (BENCHMARKS.md)
 LAYERS = 32
 # name: (K, N, times per model step)
 SHAPES = {

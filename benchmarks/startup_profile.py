@@ -7,7 +7,7 @@ the most of it (inclusive: a function's share counts every sample with it on the
 Sampling, not tracing: the start runs at its own speed (``cProfile`` doubles the cost of
 tracing-heavy Python and sees nothing of the time spent in C++ with the GIL released).
 
-    python benchmarks/startup_profile.py MODEL_DIR [launch arguments] [--top 30]
+    python -m benchmarks.startup_profile MODEL_DIR [launch arguments] [--top 30]
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def main() -> None:
         args = build_parser(["launch", *argv]).parse_args(["launch", *argv])
         logging.basicConfig(level="INFO", format="%(levelname)s %(asctime)s %(name)s: %(message)s")
         from jaxserve.runner.devices import quiet_backend_probe
-        from jaxserve.server.launch import engine_config_from_args
+        from jaxserve.server.launch.flags import engine_config_from_args
 
         quiet_backend_probe()
         config = engine_config_from_args(args)

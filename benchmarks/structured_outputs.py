@@ -12,8 +12,8 @@ sequence runs to ``max_tokens`` like the unconstrained ones: both batches do the
 and the difference is what the constraint costs (host masks overlapped with the forward pass,
 the mask transfer and the masked sampler).
 
-    python benchmarks/structured_outputs.py --output-json so.json          # on the H200
-    python benchmarks/structured_outputs.py --smoke                       # tiny, on the CPU
+    python -m benchmarks.structured_outputs --output-json so.json          # on the H200
+    python -m benchmarks.structured_outputs --smoke                       # tiny, on the CPU
 """
 
 from __future__ import annotations
@@ -113,9 +113,8 @@ class Phases:
             "process": (engine, "_process"),
             "grammar states": (engine.structured_outputs, "update_states"),
             "start masks": (engine.structured_outputs, "start_masks"),
-            "wait masks": (engine.structured_outputs, "wait_masks"),
             "fill masks": (engine.structured_outputs, "_fill"),
-            "dispatch sampler": (engine.runner, "dispatch_sampler"),
+            "sample": (engine.runner, "sample"),
         }
         self.seconds: dict[str, list[float]] = {name: [] for name in self.targets}
 

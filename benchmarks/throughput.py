@@ -3,8 +3,8 @@
 The same program as ``jaxserve bench throughput`` (jaxserve/bench/throughput.py), here next to
 the other benchmark scripts:
 
-    python benchmarks/throughput.py --engine both          # 256 prompts, 512 in / 256 out
-    python benchmarks/throughput.py --num-prompts 1000 --input-len 1024 --output-len 128
+    python -m benchmarks.throughput --engine both          # 256 prompts, 512 in / 256 out
+    python -m benchmarks.throughput --num-prompts 1000 --input-len 1024 --output-len 128
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ For each device stream: the span from its first kernel to its last, the time ker
 (busy) and the idle gaps between them, and the kernels grouped by name (digits dropped, so
 ``fusion.12`` and ``fusion.31`` are one row), largest total first.
 
-    python benchmarks/trace_summary.py TRACE_DIR_OR_FILE [--top 25] [--steps N]
+    python -m benchmarks.trace_summary TRACE_DIR_OR_FILE [--top 25] [--steps N]
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ def hide_torch() -> None:
 
 def _run_serve(args: argparse.Namespace) -> int:
     hide_torch()
-    from jaxserve.server.launch import run_launch
+    from jaxserve.server.launch.serve import run_launch
 
     return run_launch(args)
 
@@ -155,7 +155,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     )
     serve.set_defaults(handler=_run_serve)
     if argv[:1] and argv[0] in SERVE_ALIASES:
-        from jaxserve.server.launch import add_launch_arguments
+        from jaxserve.server.launch.flags import add_launch_arguments
 
         add_launch_arguments(serve)
 

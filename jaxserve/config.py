@@ -1,7 +1,10 @@
 """Model configuration: a frozen, validated view of a Hugging Face ``config.json``.
 
-Read once at start-up (``ModelConfig.from_hf_dir``) and passed down to the weights loader, the
-model and the runner. Parsing goes through transformers' ``AutoConfig`` so both the classic
+Read once at start-up (``models/families/registry.load_model_config``, which finds the family
+of its ``model_type``) and passed down to the weights loader, the model and the runner. One
+generic parser (``parse_model_config``) reads every family: what a family turns on is its
+``ConfigFeatures``, data and small readers its record in ``models/families/`` gives; nothing
+here names a family. Parsing goes through transformers' ``AutoConfig`` so both the classic
 ``rope_theta`` / ``rope_scaling`` keys and transformers 5's ``rope_parameters`` are understood,
 including Gemma 3's rope parameters per layer type (one base for local, one for global layers).
 """
@@ -13,29 +16,12 @@ import dataclasses
 import json
 import logging
 import math
-import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from jaxserve.config_fields import ConfigError, ConfigFields
 
-# Hugging Face architecture -> its model_type; every one is served by jaxserve.models.llama.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3_text",
-    "Phi3ForCausalLM": "phi3",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "GptOssForCausalLM": "gpt_oss",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-}
-SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
-GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_types values
@@ -234,13 +220,10 @@ class ModelConfig:
     o_proj_bias: bool = False
     # DeepSeek-V3: multi-head latent attention; the cache holds one latent per token.
     mla: MlaConfig | None = None
+    # max_position_embeddings already counts the rope scaling's stretch (Gemma 3).
+    max_positions_are_scaled: bool = False
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"model_type={self.model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
         for name in (
             "vocab_size",
             "hidden_size",
@@ -300,7 +283,7 @@ class ModelConfig:
         if (
             scaling is None
             or scaling.rope_type in ("llama3", "longrope")
-            or self.model_type == "gemma3_text"
+            or self.max_positions_are_scaled
         ):
             return self.max_position_embeddings
         is_yarn = scaling.rope_type == "yarn"
@@ -361,244 +344,143 @@ class ModelConfig:
             return self.rope_local_theta, None
         return self.rope_theta, self.rope_scaling
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Build from a config.json dict (either rope key spelling)."""
-        ConfigFields(raw)  # an object, or a ConfigError
-        architectures = raw.get("architectures") or []
-        if architectures and not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
-            raise ConfigError(
-                f"config.json: architectures={architectures} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"config.json: model_type={model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} "
-                f"(architectures {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
-        raw = _rename_su(raw)
-        _check_rope_fields(raw)  # before transformers, whose checks name no field
-        try:
-            from transformers import AutoConfig
 
-            # a copy: transformers moves fields into the nested rope dict of what it is given
-            hf = AutoConfig.for_model(**copy.deepcopy(raw)).to_dict()
-        except Exception as exc:  # transformers rejects malformed fields with many exception types
-            raise ConfigError(f"config.json could not be parsed: {exc}") from exc
-        return cls._from_parsed(ConfigFields(hf))
+def _attention_bias_key(hf: ConfigFields) -> bool:
+    return hf.boolean("attention_bias", False)
 
-    @classmethod
-    def from_hf_dir(cls, path: str | os.PathLike[str]) -> ModelConfig:
-        config_path = Path(path) / "config.json"
-        if not config_path.is_file():
-            raise ConfigError(f"{config_path} not found: a model directory needs config.json")
-        try:
-            raw = json.loads(config_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{config_path} is not valid JSON: {exc}") from exc
-        try:
-            return cls.from_dict(raw)
-        except ConfigError as exc:
-            raise ConfigError(f"{config_path}: {exc}") from exc
 
-    @classmethod
-    def _from_parsed(cls, hf: ConfigFields) -> ModelConfig:
-        """Every field read through ``ConfigFields``: a wrong type is a ``ConfigError`` that
-        names it."""
-        model_type = hf.string("model_type") or ""
-        num_q_heads = _required_integer(hf, "num_attention_heads")
-        hidden_size = _required_integer(hf, "hidden_size")
-        head_dim = hf.optional_integer("head_dim") or hidden_size // max(num_q_heads, 1)
-        rope = hf.section("rope_parameters")
-        local_rope = None
-        if FULL in rope or SLIDING in rope:  # per layer type (Gemma 3)
-            local_rope = rope.section(SLIDING)
-            rope = rope.section(FULL)
-        if not rope.raw:  # older transformers spelling
-            rope = hf.section("rope_scaling")
-            rope = ConfigFields(
-                {"rope_theta": hf.number("rope_theta", 10000.0), **rope.raw}, rope.prefix
-            )
-        partial = rope.optional_number("partial_rotary_factor") or hf.number(
-            "partial_rotary_factor", 1.0
+@dataclasses.dataclass(frozen=True)
+class ConfigFeatures:
+    """What a model family turns on in ``parse_model_config``: flags, and readers of the
+    config.json fields only that family has. Each family's record in ``models/families/`` gives
+    its own; the defaults are Llama's."""
+
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3, Gemma 3)
+    # Whether the layers have q/k/v biases; by default config.json's ``attention_bias``.
+    attention_bias: Callable[[ConfigFields], bool] = _attention_bias_key
+    # ``sliding_window`` counts only with ``use_sliding_window`` (Qwen).
+    sliding_window_opt_in: bool = False
+    # (1 + weight) RMSNorm, scaled embeddings, norms after attention and MLP (Gemma).
+    is_gemma: bool = False
+    # Each layer's SLIDING or FULL, from config.json and the sliding window (None: every layer
+    # slides when the config has a window).
+    layer_types: Callable[[ConfigFields, int | None], tuple[str, ...]] | None = None
+    # rope_parameters per layer type: the sliding layers' own unscaled base (Gemma 3).
+    local_rope: bool = False
+    max_positions_are_scaled: bool = False  # ModelConfig's, for derived_max_model_len
+    # The family's experts, from config.json (None: a dense MLP).
+    moe: Callable[[ConfigFields], MoeConfig] | None = None
+    # Multi-head latent attention, from config.json and its rope parameters (DeepSeek-V3).
+    mla: Callable[[ConfigFields, ConfigFields], MlaConfig] | None = None
+    attention_sinks: bool = False  # a sink logit per query head (GPT-OSS)
+    o_proj_bias: bool = False  # ``attention_bias`` biases the output projection too (GPT-OSS)
+
+
+def read_config_json(config_path: Path) -> dict[str, Any]:
+    """A model directory's config.json, as a dict (missing or not JSON: a ``ConfigError``)."""
+    if not config_path.is_file():
+        raise ConfigError(f"{config_path} not found: a model directory needs config.json")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{config_path} is not valid JSON: {exc}") from exc
+    return raw
+
+
+def parse_model_config(raw: dict[str, Any], features: ConfigFeatures) -> ModelConfig:
+    """A config.json dict (either rope key spelling), read as its family's ``features`` say
+    (``models/families/registry.model_config_from_dict`` finds them)."""
+    raw = _rename_su(raw)
+    _check_rope_fields(raw)  # before transformers, whose checks name no field
+    try:
+        from transformers import AutoConfig
+
+        # a copy: transformers moves fields into the nested rope dict of what it is given
+        hf = AutoConfig.for_model(**copy.deepcopy(raw)).to_dict()
+    except Exception as exc:  # transformers rejects malformed fields with many exception types
+        raise ConfigError(f"config.json could not be parsed: {exc}") from exc
+    return _from_parsed(ConfigFields(hf), features)
+
+
+def _from_parsed(hf: ConfigFields, features: ConfigFeatures) -> ModelConfig:
+    """Every field read through ``ConfigFields``: a wrong type is a ``ConfigError`` that names
+    it."""
+    num_q_heads = hf.required_integer("num_attention_heads")
+    hidden_size = hf.required_integer("hidden_size")
+    head_dim = hf.optional_integer("head_dim") or hidden_size // max(num_q_heads, 1)
+    rope, rope_local_theta = _rope_sections(hf, features)
+    sliding_window = hf.optional_integer("sliding_window")
+    if features.sliding_window_opt_in and not hf.boolean("use_sliding_window", False):
+        sliding_window = None
+    mla = features.mla(hf, rope) if features.mla is not None else None
+    layer_types: tuple[str, ...] = ()
+    if features.layer_types is not None:
+        layer_types = features.layer_types(hf, sliding_window)
+    attention_bias = hf.boolean("attention_bias", False)
+    return ModelConfig(
+        model_type=hf.string("model_type") or "",
+        vocab_size=hf.required_integer("vocab_size"),
+        hidden_size=hidden_size,
+        intermediate_size=hf.required_integer("intermediate_size"),
+        num_layers=hf.required_integer("num_hidden_layers"),
+        num_q_heads=num_q_heads,
+        # MLA: one latent, shared by every query head, is what the cache holds per token.
+        num_kv_heads=1 if mla else hf.optional_integer("num_key_value_heads") or num_q_heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf.number("rms_norm_eps", 1e-6),
+        rope_theta=rope.number("rope_theta", 10000.0),
+        rope_scaling=_rope_scaling(rope, hf),
+        max_position_embeddings=hf.optional_integer("max_position_embeddings") or 4096,
+        tie_word_embeddings=hf.boolean("tie_word_embeddings", False),
+        attention_bias=features.attention_bias(hf),
+        qk_norm=features.qk_norm,
+        sliding_window=sliding_window,
+        bos_token_id=hf.optional_integer("bos_token_id"),
+        eos_token_ids=hf.integers("eos_token_id"),
+        hidden_act=hf.string("hidden_activation") or hf.string("hidden_act") or "silu",
+        layer_types=layer_types,
+        rope_local_theta=rope_local_theta,
+        attn_logit_softcap=hf.optional_number("attn_logit_softcapping"),
+        final_logit_softcap=hf.optional_number("final_logit_softcapping"),
+        query_pre_attn_scalar=hf.optional_number("query_pre_attn_scalar"),
+        is_gemma=features.is_gemma,
+        moe=features.moe(hf) if features.moe is not None else None,
+        attention_sinks=features.attention_sinks,
+        o_proj_bias=features.o_proj_bias and attention_bias,
+        mla=mla,
+        max_positions_are_scaled=features.max_positions_are_scaled,
+    )
+
+
+def _rope_sections(hf: ConfigFields, features: ConfigFeatures) -> tuple[ConfigFields, float | None]:
+    """The (global) layers' rope parameters, either spelling, and the local layers' rope base
+    where the family has one (``features.local_rope``), else None."""
+    rope = hf.section("rope_parameters")
+    local_rope = None
+    if FULL in rope or SLIDING in rope:  # per layer type (Gemma 3)
+        local_rope = rope.section(SLIDING)
+        rope = rope.section(FULL)
+    if not rope.raw:  # older transformers spelling
+        rope = hf.section("rope_scaling")
+        rope = ConfigFields(
+            {"rope_theta": hf.number("rope_theta", 10000.0), **rope.raw}, rope.prefix
         )
-        if partial != 1.0:
-            raise ConfigError(f"partial_rotary_factor={partial} is not supported; only 1.0")
-        rope_local_theta = None
-        if local_rope is not None and model_type == "gemma3_text":
-            if _rope_type(local_rope) != "default":
-                raise ConfigError(
-                    f"rope_parameters[{SLIDING!r}]: rope_type={_rope_type(local_rope)!r} is not "
-                    "supported for the local layers; only default"
-                )
-            rope_local_theta = local_rope.number("rope_theta", 10000.0)
-        sliding_window = hf.optional_integer("sliding_window")
-        qwen = model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
-        if qwen and not hf.boolean("use_sliding_window", False):
-            sliding_window = None
-        is_gemma = model_type in GEMMA_MODEL_TYPES
-        layer_types: tuple[str, ...] = ()
-        if is_gemma:
-            layer_types = _gemma_layer_types(hf)
-        is_gpt_oss = model_type == "gpt_oss"
-        mla = _mla_config(hf, rope)
-        if is_gpt_oss and sliding_window is not None:  # alternating sliding and full layers
-            layer_types = hf.strings("layer_types")
-        attention_bias = hf.boolean("attention_bias", False)
-        return cls(
-            model_type=model_type,
-            vocab_size=_required_integer(hf, "vocab_size"),
-            hidden_size=hidden_size,
-            intermediate_size=_required_integer(hf, "intermediate_size"),
-            num_layers=_required_integer(hf, "num_hidden_layers"),
-            num_q_heads=num_q_heads,
-            # MLA: one latent, shared by every query head, is what the cache holds per token.
-            num_kv_heads=1 if mla else hf.optional_integer("num_key_value_heads") or num_q_heads,
-            head_dim=head_dim,
-            rms_norm_eps=hf.number("rms_norm_eps", 1e-6),
-            rope_theta=rope.number("rope_theta", 10000.0),
-            rope_scaling=_rope_scaling(rope, hf),
-            max_position_embeddings=hf.optional_integer("max_position_embeddings") or 4096,
-            tie_word_embeddings=hf.boolean("tie_word_embeddings", False),
-            attention_bias=model_type == "qwen2"
-            or attention_bias
-            or (model_type == "qwen2_moe" and hf.boolean("qkv_bias", True)),
-            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
-            sliding_window=sliding_window,
-            bos_token_id=hf.optional_integer("bos_token_id"),
-            eos_token_ids=hf.integers("eos_token_id"),
-            hidden_act=hf.string("hidden_activation") or hf.string("hidden_act") or "silu",
-            layer_types=layer_types,
-            rope_local_theta=rope_local_theta,
-            attn_logit_softcap=hf.optional_number("attn_logit_softcapping"),
-            final_logit_softcap=hf.optional_number("final_logit_softcapping"),
-            query_pre_attn_scalar=hf.optional_number("query_pre_attn_scalar"),
-            is_gemma=is_gemma,
-            moe=_moe_config(hf),
-            attention_sinks=is_gpt_oss,
-            o_proj_bias=is_gpt_oss and attention_bias,
-            mla=mla,
-        )
-
-
-def _required_integer(hf: ConfigFields, key: str) -> int:
-    """An integer config.json must have (its range is checked by the config dataclass)."""
-    value = hf.optional_integer(key)
-    if value is None:
-        raise ConfigError(f"{hf.prefix}{key} is missing; it must be an integer")
-    return value
-
-
-def _mla_config(hf: ConfigFields, rope: ConfigFields) -> MlaConfig | None:
-    """DeepSeek-V3's latent attention, its softmax scale as transformers' ``yarn_apply_mscale``
-    makes it; None for every other family."""
-    if hf.raw["model_type"] != "deepseek_v3":
-        return None
-    if hf.boolean("attention_bias", False):
-        raise ConfigError("attention_bias=True is not supported for deepseek_v3; only false")
-    quant = hf.raw.get("quantization_config")
-    if quant:  # its latent and expert projections too: none would be read with their scales
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    partial = rope.optional_number("partial_rotary_factor") or hf.number(
+        "partial_rotary_factor", 1.0
+    )
+    if partial != 1.0:
+        raise ConfigError(f"partial_rotary_factor={partial} is not supported; only 1.0")
+    if local_rope is None or not features.local_rope:
+        return rope, None
+    if rope_type_of(local_rope) != "default":
         raise ConfigError(
-            f"quantization_config (quant_method={method!r}) is not supported for deepseek_v3; "
-            "serve a bf16 checkpoint (--quantization fp8 or int8 quantizes it on load)"
+            f"rope_parameters[{SLIDING!r}]: rope_type={rope_type_of(local_rope)!r} is not "
+            "supported for the local layers; only default"
         )
-    mla = MlaConfig(
-        kv_lora_rank=_required_integer(hf, "kv_lora_rank"),
-        qk_nope_head_dim=_required_integer(hf, "qk_nope_head_dim"),
-        qk_rope_head_dim=_required_integer(hf, "qk_rope_head_dim"),
-        v_head_dim=_required_integer(hf, "v_head_dim"),
-        q_lora_rank=hf.optional_integer("q_lora_rank"),
-        rope_interleave=hf.boolean("rope_interleave", True),
-    )
-    scale = mla.qk_head_dim**-0.5
-    mscale_all_dim = rope.optional_number("mscale_all_dim")
-    if _rope_type(rope) != "default" and mscale_all_dim:
-        factor = rope.optional_number("factor")
-        if factor is None:
-            raise ConfigError(f"{rope.prefix}factor is needed with mscale_all_dim")
-        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0 if factor > 1 else 1.0
-        scale *= mscale * mscale
-    return dataclasses.replace(mla, softmax_scale=scale)
+    return rope, local_rope.number("rope_theta", 10000.0)
 
 
-def _moe_config(hf: ConfigFields) -> MoeConfig | None:
-    """The experts of Mixtral (every layer, renormalized top-k) and Qwen3-MoE (sparse every
-    ``decoder_sparse_step``-th layer except ``mlp_only_layers``), Qwen2-MoE (Qwen3-MoE's
-    layers and a shared expert behind a sigmoid gate) and GPT-OSS (every layer, biases, the
-    clamped swiglu); None for a dense model."""
-    model_type = hf.raw["model_type"]
-    if model_type == "deepseek_v3":
-        return _deepseek_moe_config(hf)
-    if model_type not in ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"):
-        return None
-    quant = hf.raw.get("quantization_config")
-    method = quant.get("quant_method") if isinstance(quant, dict) else quant
-    if quant and method != "mxfp4":  # (GPT-OSS's MXFP4 gets its own message at the scheme)
-        raise ConfigError(
-            f"quantization_config (quant_method={method!r}) is not supported for {model_type}: "
-            "its experts would be read without their scales; serve a bf16 checkpoint "
-            "(--quantization fp8 or int8 then quantizes its attention on load; experts stay bf16)"
-        )
-    num_experts = hf.optional_integer("num_local_experts") or hf.integer("num_experts", 0)
-    top_k = hf.integer("num_experts_per_tok", 0)
-    num_layers = _required_integer(hf, "num_hidden_layers")
-    intermediate_size = _required_integer(hf, "intermediate_size")
-    if model_type == "mixtral":
-        return MoeConfig(num_experts, top_k, intermediate_size, norm_topk_prob=True)
-    if model_type == "gpt_oss":
-        # NOTE: Hugging Face's router takes the softmax of the top-k logits; a softmax over
-        # every expert renormalized over the top k (norm_topk_prob) is the same weights.
-        return MoeConfig(
-            num_experts,
-            top_k,
-            intermediate_size,
-            norm_topk_prob=True,
-            has_biases=True,
-            swiglu_limit=hf.number("swiglu_limit", 7.0),
-            swiglu_alpha=hf.number("swiglu_alpha", 1.702),
-        )
-    step = hf.optional_integer("decoder_sparse_step") or 1
-    only_dense = set(hf.integers("mlp_only_layers"))
-    dense = tuple(i for i in range(num_layers) if i in only_dense or (i + 1) % step)
-    return MoeConfig(
-        num_experts,
-        top_k,
-        hf.integer("moe_intermediate_size", 0),
-        norm_topk_prob=hf.boolean("norm_topk_prob", False),
-        dense_layers=dense,
-        shared_intermediate_size=(
-            hf.integer("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
-        ),
-        has_shared_gate=model_type == "qwen2_moe",
-    )
-
-
-def _deepseek_moe_config(hf: ConfigFields) -> MoeConfig:
-    """DeepSeek-V3: ``first_k_dense_replace`` dense layers, then routed experts with sigmoid
-    scores, grouped top-k steered by ``e_score_correction_bias``, the routed scaling factor,
-    and ``n_shared_experts`` shared experts (one dense MLP of their summed width)."""
-    num_layers = _required_integer(hf, "num_hidden_layers")
-    first_dense = hf.integer("first_k_dense_replace", 0)
-    moe_intermediate = hf.integer("moe_intermediate_size", 0)
-    return MoeConfig(
-        hf.integer("n_routed_experts", 0),
-        hf.integer("num_experts_per_tok", 0),
-        moe_intermediate,
-        scoring="sigmoid",
-        norm_topk_prob=hf.boolean("norm_topk_prob", True),
-        n_group=hf.optional_integer("n_group") or 1,
-        topk_group=hf.optional_integer("topk_group") or 1,
-        routed_scaling_factor=hf.optional_number("routed_scaling_factor") or 1.0,
-        has_correction_bias=True,
-        shared_intermediate_size=moe_intermediate * hf.integer("n_shared_experts", 0),
-        dense_layers=tuple(range(min(first_dense, num_layers))),
-    )
-
-
-def _rope_type(rope: ConfigFields) -> str:
+def rope_type_of(rope: ConfigFields) -> str:
     return rope.string("rope_type") or rope.string("type") or "default"
 
 
@@ -646,7 +528,7 @@ def _rename_su(raw: dict[str, Any]) -> dict[str, Any]:
 
 def _rope_scaling(rope: ConfigFields, hf: ConfigFields) -> RopeScaling | None:
     """The scaling of one rope parameter dict (None for the unscaled default)."""
-    rope_type = _rope_type(rope)
+    rope_type = rope_type_of(rope)
     if rope_type == "default":
         return None
     if rope_type not in ROPE_TYPES:
@@ -698,20 +580,6 @@ def _attention_factor(
     if rope_type == "longrope" and factor > 1.0 and original:
         return math.sqrt(1 + math.log(factor) / math.log(original))
     return 1.0
-
-
-def _gemma_layer_types(hf: ConfigFields) -> tuple[str, ...]:
-    """Local/global pattern: ``layer_types``, else ``sliding_window_pattern`` (every n-th layer
-    global), else Gemma 2's alternation (even layers local)."""
-    num_layers = _required_integer(hf, "num_hidden_layers")
-    if hf.strings("layer_types"):
-        return hf.strings("layer_types")
-    pattern = (
-        hf.optional_integer("sliding_window_pattern")
-        or hf.optional_integer("_sliding_window_pattern")
-        or 2
-    )
-    return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
 
 
 def builtin_config_dir(name: str) -> Path:

@@ -52,6 +52,13 @@ class ConfigFields:
         value = self.optional_integer(key)
         return default if value is None else value
 
+    def required_integer(self, key: str) -> int:
+        """An integer config.json must have (its range is checked by the config dataclass)."""
+        value = self.optional_integer(key)
+        if value is None:
+            raise ConfigError(f"{self.prefix}{key} is missing; it must be an integer")
+        return value
+
     def optional_integer(self, key: str) -> int | None:
         value = self.raw.get(key)
         if value is None:

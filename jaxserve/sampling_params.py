@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -41,6 +41,10 @@ class SamplingParamsError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+def _fail(param: str, message: str) -> NoReturn:
+    raise SamplingParamsError(param, message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,81 +201,96 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def fail(param: str, message: str) -> None:
-            raise SamplingParamsError(param, message)
+        """Each field's type and range; the first field out of range is the error."""
+        self._check_sampling()
+        self._check_lengths()
+        self._check_stops()
+        self._check_logprobs_and_penalties()
+        self._check_logit_bias()
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, f"{name} must be a boolean")
 
+    def _check_sampling(self) -> None:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
-            fail("n", f"n={self.n!r} must be an integer in [1, {MAX_N}]")
+            _fail("n", f"n={self.n!r} must be an integer in [1, {MAX_N}]")
         if self.best_of is not None:
             if not _is_int(self.best_of) or not self.n <= self.best_of <= MAX_N:
-                fail("best_of", f"best_of={self.best_of!r} must be an integer in [n, {MAX_N}]")
+                _fail("best_of", f"best_of={self.best_of!r} must be an integer in [n, {MAX_N}]")
         if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
-            fail(
+            _fail(
                 "temperature", f"temperature={self.temperature!r} must be in [0, {MAX_TEMPERATURE}]"
             )
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            fail("top_p", f"top_p={self.top_p!r} must be in (0, 1]")
+            _fail("top_p", f"top_p={self.top_p!r} must be in (0, 1]")
         if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
-            fail("top_k", f"top_k={self.top_k!r} must be -1 (disabled) or at least 1")
+            _fail("top_k", f"top_k={self.top_k!r} must be -1 (disabled) or at least 1")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            fail("min_p", f"min_p={self.min_p!r} must be in [0, 1]")
+            _fail("min_p", f"min_p={self.min_p!r} must be in [0, 1]")
         if self.seed is not None and (
             not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]
         ):
-            fail("seed", f"seed={self.seed!r} must be an integer in [-2**63, 2**64)")
+            _fail("seed", f"seed={self.seed!r} must be an integer in [-2**63, 2**64)")
+
+    def _check_lengths(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            fail("max_tokens", f"max_tokens={self.max_tokens!r} must be a positive integer")
+            _fail("max_tokens", f"max_tokens={self.max_tokens!r} must be a positive integer")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            fail("min_tokens", f"min_tokens={self.min_tokens!r} must be a non-negative integer")
+            _fail("min_tokens", f"min_tokens={self.min_tokens!r} must be a non-negative integer")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            fail(
+            _fail(
                 "min_tokens",
                 f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}",
             )
+
+    def _check_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:
-            fail(
+            _fail(
                 "stop", f"stop has {len(self.stop)} entries; at most {MAX_STOP_STRINGS} are allowed"
             )
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                fail("stop", f"stop entries must be non-empty strings, got {s!r}")
+                _fail("stop", f"stop entries must be non-empty strings, got {s!r}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            fail(
+            _fail(
                 "stop_token_ids",
                 f"stop_token_ids has {len(self.stop_token_ids)} entries; at most "
                 f"{MAX_STOP_TOKEN_IDS} are allowed",
             )
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
-                fail("stop_token_ids", f"stop_token_ids entry {t!r} must be a non-negative integer")
+                _fail(
+                    "stop_token_ids", f"stop_token_ids entry {t!r} must be a non-negative integer"
+                )
+
+    def _check_logprobs_and_penalties(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
-                fail(name, f"{name}={value!r} must be an integer in [0, {MAX_LOGPROBS}]")
+                _fail(name, f"{name}={value!r} must be an integer in [0, {MAX_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
-                fail(name, f"{name}={value!r} must be in [-2, 2]")
+                _fail(name, f"{name}={value!r} must be in [-2, 2]")
         rp = self.repetition_penalty
         if not _is_number(rp) or not 0 < rp <= 10:
-            fail("repetition_penalty", f"repetition_penalty={rp!r} must be in (0, 10]")
+            _fail("repetition_penalty", f"repetition_penalty={rp!r} must be in (0, 10]")
+
+    def _check_logit_bias(self) -> None:
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            fail("logit_bias", f"logit_bias has more than {MAX_LOGIT_BIAS_ENTRIES} entries")
+            _fail("logit_bias", f"logit_bias has more than {MAX_LOGIT_BIAS_ENTRIES} entries")
         for token, bias in self.logit_bias:
             try:
                 token_id = int(token)
             except (TypeError, ValueError):
-                fail("logit_bias", f"logit_bias key {token!r} is not a token id")
+                _fail("logit_bias", f"logit_bias key {token!r} is not a token id")
             if token_id < 0:
-                fail("logit_bias", f"logit_bias token id {token_id} must be non-negative")
+                _fail("logit_bias", f"logit_bias token id {token_id} must be non-negative")
             if not _is_number(bias) or not -100 <= bias <= 100:
-                fail(
+                _fail(
                     "logit_bias",
                     f"logit_bias value {bias!r} for token {token} must be in [-100, 100]",
                 )
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                fail(name, f"{name} must be a boolean")
 
     def for_vocab(self, vocab_size: int) -> SamplingParams:
         """Checks that need the model: token ids must lie inside the vocabulary. Returns the

@@ -6,10 +6,10 @@
 A small Llama (4 layers, hidden 256, 4 query / 2 KV heads, vocab 4096, tied embeddings,
 4.2M parameters) trained on the CPU, in JAX, on the Python standard library's own sources
 (``sysconfig.get_paths()["stdlib"]``, so nothing is downloaded). The training forward is a dense
-causal attention written here around ``jaxserve.models.llama``'s ``rms_norm``, ``apply_rope``,
-``rope_inv_freq``, ``mlp_block``, ``compute_logits`` and ``Weights`` pytree, so the trained
-weights are exactly what the serving forward consumes (checked at the end against the paged
-forward). About 20 minutes on 2 CPU cores.
+causal attention written here around ``jaxserve.models.decoder``'s ``apply_rope``,
+``rope_inv_freq``, ``mlp_block`` and ``compute_logits`` and ``jaxserve.models.layers``'
+``rms_norm`` and ``Weights`` pytree, so the trained weights are exactly what the serving
+forward consumes (checked at the end against the paged forward). About 20 minutes on 2 CPU cores.
 
 Corpus: every ``*.py`` file under the stdlib directory, sorted by relative path, outside
 ``EXCLUDED_PARTS`` (tests, codec tables, generated data, vendored packages). Files whose sorted
@@ -59,10 +59,12 @@ from safetensors.numpy import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import llama
+from jaxserve.models import decoder
 from jaxserve.models.batch import Batch, make_kv_cache
-from jaxserve.models.families import num_params
-from jaxserve.models.weights import load_weights
+from jaxserve.models.families.counting import num_params
+from jaxserve.models.families.registry import load_model_config, model_config_from_dict
+from jaxserve.models.layers import LayerWeights, Weights, rms_norm
+from jaxserve.models.loading.checkpoint_loader import load_weights
 
 REPO = Path(__file__).resolve().parent.parent
 OUT_DIR = REPO / "jaxserve" / "assets" / "demo"
@@ -377,7 +379,7 @@ def windows(stream: np.ndarray, seq_len: int) -> np.ndarray:  # i32[N] -> i32[W,
 # -- model ------------------------------------------------------------------------------------
 
 
-def init_weights(config: ModelConfig, std: float, key: jax.Array) -> llama.Weights:
+def init_weights(config: ModelConfig, std: float, key: jax.Array) -> Weights:
     """Normal(0, std) matrices, output projections scaled by 1/sqrt(2 * layers), unit norms."""
     n, k, d, h = config.num_q_heads, config.num_kv_heads, config.head_dim, config.hidden_size
     i, v = config.intermediate_size, config.vocab_size
@@ -389,7 +391,7 @@ def init_weights(config: ModelConfig, std: float, key: jax.Array) -> llama.Weigh
 
     embed = normal((v, h), std)
     layers = [
-        llama.LayerWeights(
+        LayerWeights(
             attn_norm=jnp.ones((h,), jnp.float32),
             wq=normal((h, n, d), std),
             wk=normal((h, k, d), std),
@@ -402,13 +404,11 @@ def init_weights(config: ModelConfig, std: float, key: jax.Array) -> llama.Weigh
         )
         for _ in range(config.num_layers)
     ]
-    return llama.Weights(
-        embed=embed, layers=layers, final_norm=jnp.ones((h,), jnp.float32), lm_head=None
-    )
+    return Weights(embed=embed, layers=layers, final_norm=jnp.ones((h,), jnp.float32), lm_head=None)
 
 
 def dense_hidden(
-    weights: llama.Weights, tokens: jax.Array, config: ModelConfig
+    weights: Weights, tokens: jax.Array, config: ModelConfig
 ) -> jax.Array:  # i32[B, T] -> f32[B * T, H]
     """The serving model's math for B sequences, with dense causal attention instead of pages.
 
@@ -419,13 +419,13 @@ def dense_hidden(
     eps, d = config.rms_norm_eps, config.head_dim
     kv, group = config.num_kv_heads, config.num_q_heads // config.num_kv_heads
     positions = jnp.tile(jnp.arange(t, dtype=jnp.int32), b)  # i32[B * T]
-    inv_freq = llama.rope_inv_freq(config)  # f32[D // 2]
+    inv_freq = decoder.rope_inv_freq(config)  # f32[D // 2]
     causal = jnp.tril(jnp.ones((t, t), bool))  # bool[T, S]
     x = weights.embed[tokens.reshape(-1)]  # f32[B * T, H]
     for lw in weights.layers:
-        h = llama.rms_norm(x, lw.attn_norm, eps)
-        q = llama.apply_rope(jnp.einsum("TH,HND->TND", h, lw.wq), positions, inv_freq)
-        k = llama.apply_rope(jnp.einsum("TH,HKD->TKD", h, lw.wk), positions, inv_freq)
+        h = rms_norm(x, lw.attn_norm, eps)
+        q = decoder.apply_rope(jnp.einsum("TH,HND->TND", h, lw.wq), positions, inv_freq)
+        k = decoder.apply_rope(jnp.einsum("TH,HKD->TKD", h, lw.wk), positions, inv_freq)
         v = jnp.einsum("TH,HKD->TKD", h, lw.wv)  # f32[B * T, K, D]
         q = q.reshape(b, t, kv, group, d)  # query head n uses kv head n // group
         k, v = k.reshape(b, t, kv, d), v.reshape(b, t, kv, d)
@@ -434,15 +434,15 @@ def dense_hidden(
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v).reshape(b * t, -1, d)  # f32[BT, N, D]
         x = x + jnp.einsum("TND,NDH->TH", out, lw.wo)
-        x = x + llama.mlp_block(lw, llama.rms_norm(x, lw.mlp_norm, eps))
-    return llama.rms_norm(x, weights.final_norm, eps)
+        x = x + decoder.mlp_block(lw, rms_norm(x, lw.mlp_norm, eps))
+    return rms_norm(x, weights.final_norm, eps)
 
 
 def batch_nll(
-    weights: llama.Weights, batch: jax.Array, config: ModelConfig
+    weights: Weights, batch: jax.Array, config: ModelConfig
 ) -> jax.Array:  # i32[B, T + 1] -> f32[B, T]
     """Next-token negative log-likelihood of every position of every window."""
-    logits = llama.compute_logits(weights, dense_hidden(weights, batch[:, :-1], config))
+    logits = decoder.compute_logits(weights, dense_hidden(weights, batch[:, :-1], config))
     targets = batch[:, 1:].reshape(-1)  # i32[B * T]
     gold = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]  # f32[B * T]
     return (jax.nn.logsumexp(logits, axis=-1) - gold).reshape(batch.shape[0], -1)
@@ -454,8 +454,8 @@ def batch_nll(
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class AdamState:
-    mu: llama.Weights  # first moments, f32, shaped like the weights
-    nu: llama.Weights  # second moments
+    mu: Weights  # first moments, f32, shaped like the weights
+    nu: Weights  # second moments
 
 
 def learning_rate(step: jax.Array, cfg: TrainConfig) -> jax.Array:
@@ -468,13 +468,13 @@ def learning_rate(step: jax.Array, cfg: TrainConfig) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=(4, 5), donate_argnums=(0, 1))
 def train_step(
-    weights: llama.Weights,  # f32 master weights
+    weights: Weights,  # f32 master weights
     state: AdamState,
     batch: jax.Array,  # i32[B, T + 1]
     step: jax.Array,  # i32[]
     config: ModelConfig,
     cfg: TrainConfig,
-) -> tuple[llama.Weights, AdamState, jax.Array, jax.Array]:
+) -> tuple[Weights, AdamState, jax.Array, jax.Array]:
     """One AdamW step (decoupled weight decay on matrices only, global-norm clipping).
 
     NOTE: the forward runs in bf16 (logits, softmax and loss in f32) from f32 master weights:
@@ -482,7 +482,7 @@ def train_step(
     accelerators.
     """
 
-    def loss_fn(w: llama.Weights) -> jax.Array:
+    def loss_fn(w: Weights) -> jax.Array:
         return batch_nll(jax.tree.map(lambda a: a.astype(jnp.bfloat16), w), batch, config).mean()
 
     loss, grads = jax.value_and_grad(loss_fn)(weights)
@@ -502,12 +502,12 @@ def train_step(
 
 
 @functools.partial(jax.jit, static_argnums=(2,))
-def eval_nll(weights: llama.Weights, batch: jax.Array, config: ModelConfig) -> jax.Array:
+def eval_nll(weights: Weights, batch: jax.Array, config: ModelConfig) -> jax.Array:
     return batch_nll(weights, batch, config)  # f32[B, T]
 
 
 def position_nll(
-    weights: llama.Weights, wins: np.ndarray, config: ModelConfig, batch_size: int
+    weights: Weights, wins: np.ndarray, config: ModelConfig, batch_size: int
 ) -> np.ndarray:  # i32[W, T + 1] -> f64[T]
     """Mean NLL at each position over all windows (a partial last batch is padded, then cut)."""
     total = np.zeros(wins.shape[1] - 1)
@@ -536,8 +536,9 @@ def batches(wins: np.ndarray, batch_size: int, rng: np.random.Generator) -> Iter
 # -- output -----------------------------------------------------------------------------------
 
 
-def hf_tensors(weights: llama.Weights, config: ModelConfig) -> dict[str, np.ndarray]:
-    """Weights -> HF tensor names and layouts (the inverse of jaxserve.models.weights)."""
+def hf_tensors(weights: Weights, config: ModelConfig) -> dict[str, np.ndarray]:
+    """Weights -> HF tensor names and layouts (the inverse of the checkpoint loader,
+    jaxserve.models.loading.checkpoint_loader)."""
     h = config.hidden_size
     out = {
         "model.embed_tokens.weight": weights.embed,
@@ -563,7 +564,7 @@ def hf_tensors(weights: llama.Weights, config: ModelConfig) -> dict[str, np.ndar
 
 
 def write_model_dir(
-    out: Path, weights: llama.Weights, config: ModelConfig, tok, hf_cfg: transformers.LlamaConfig
+    out: Path, weights: Weights, config: ModelConfig, tok, hf_cfg: transformers.LlamaConfig
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name in HF_FILES:
@@ -580,7 +581,7 @@ def write_model_dir(
 
 
 def paged_logits(
-    weights: llama.Weights, config: ModelConfig, token_ids: list[int]
+    weights: Weights, config: ModelConfig, token_ids: list[int]
 ) -> np.ndarray:  # f32[T, V]
     """All-position logits of one sequence through the serving forward (paged KV cache)."""
     page, num_tokens = 16, len(token_ids)
@@ -599,8 +600,8 @@ def paged_logits(
         num_seqs=jnp.asarray([1], jnp.int32),
         logits_indices=jnp.asarray([num_tokens - 1], jnp.int32),
     )
-    _, hidden = jax.jit(llama.forward, static_argnums=(3,))(weights, cache, batch, config)
-    return np.asarray(llama.compute_logits(weights, hidden))
+    _, hidden = jax.jit(decoder.forward, static_argnums=(3,))(weights, cache, batch, config)
+    return np.asarray(decoder.compute_logits(weights, hidden))
 
 
 HF_SNIPPET = """
@@ -717,7 +718,7 @@ def make_corpus(seed: int) -> Corpus:
 
 def train(
     cfg: TrainConfig, config: ModelConfig, corpus: Corpus
-) -> tuple[llama.Weights, int, list[dict[str, float]], float]:
+) -> tuple[Weights, int, list[dict[str, float]], float]:
     """(f32 weights, steps done, learning curve, minutes)."""
     weights = init_weights(config, cfg.init_std, jax.random.key(cfg.seed))
     state = AdamState(jax.tree.map(jnp.zeros_like, weights), jax.tree.map(jnp.zeros_like, weights))
@@ -771,7 +772,7 @@ def evaluate(
     out: Path, corpus: Corpus, cfg: TrainConfig, hf_python: str | None
 ) -> dict[str, object]:
     """Held-out NLL of the written (bf16) weights, served in f32, against the unigram baseline."""
-    config = ModelConfig.from_hf_dir(out)
+    config = load_model_config(out)
     weights = load_weights(out, config, jnp.float32)
     wins = windows(corpus.heldout_stream, config.max_position_embeddings)
     per_position = position_nll(weights, wins, config, 4)  # f64[T]
@@ -787,7 +788,7 @@ def evaluate(
     slice_nll = float(np.asarray(batch_nll(weights, jnp.asarray([ids]), config)).mean())
     paged = paged_logits(weights, config, ids[:-1])  # f32[T, V]
     dense = np.asarray(
-        llama.compute_logits(weights, dense_hidden(weights, jnp.asarray([ids[:-1]]), config))
+        decoder.compute_logits(weights, dense_hidden(weights, jnp.asarray([ids[:-1]]), config))
     )  # f32[T, V]
     report: dict[str, object] = {
         "heldout": {
@@ -832,7 +833,7 @@ def main() -> None:
 
     corpus = make_corpus(cfg.seed)
     hf_cfg = hf_config(corpus.tok)
-    config = ModelConfig.from_dict(hf_cfg.to_dict())
+    config = model_config_from_dict(hf_cfg.to_dict())
     num_text = int(corpus.counts.sum())
     print(
         f"{len(corpus.train)} training files ({num_text} tokens), {len(corpus.heldout)} held out;"

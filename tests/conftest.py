@@ -94,36 +94,6 @@ def llama_dir() -> Path:
     return fixture_dir("llama")
 
 
-@contextlib.contextmanager
-def serve_fixture(family: str, served_model_name: str) -> Iterator[str]:
-    """A fixture model served in float32 in this process (no warm-up); yields the base URL."""
-    from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.engine_config import EngineConfig
-    from jaxserve.server.app import build_app
-    from jaxserve.server.background import BackgroundServer
-    from jaxserve.server.settings import ServerSettings
-
-    config = EngineConfig(
-        model=str(fixture_dir(family)),
-        served_model_name=served_model_name,
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        block_size=4,
-        num_gpu_blocks_override=64,
-        warmup=False,
-    )
-    engine = AsyncEngine.from_config(config)
-    engine.start()
-    try:
-        app = build_app(engine, ServerSettings(served_model_names=(served_model_name,)))
-        with BackgroundServer(app) as server:
-            yield server.url
-    finally:
-        engine.shutdown()
-
-
 def log_softmax(logits):  # numpy, over the last axis
     shifted = logits - logits.max(-1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
@@ -154,16 +124,24 @@ def assert_long_completion_is_golden(url: str, family: str, model: str) -> None:
     np.testing.assert_allclose(choice["logprobs"]["token_logprobs"], ref, atol=1e-4)
 
 
-def tiny_engine_config(served_model_name: str, **overrides):
-    """EngineConfig for the llama fixture in float32: what the server tests run on."""
+def tiny_engine_config(served_model_name: str, family: str = "llama", **overrides):
+    """EngineConfig for a fixture model (the llama one unless ``family`` says) in float32: what
+    the server tests run on. ``overrides`` may replace any field, ``model`` and ``dtype`` too."""
     from jaxserve.engine_config import EngineConfig
 
-    return EngineConfig(
-        model=str(fixture_dir("llama")),
-        served_model_name=served_model_name,
-        dtype="float32",
-        **overrides,
-    )
+    fields = {"model": str(fixture_dir(family)), "dtype": "float32", **overrides}
+    return EngineConfig(served_model_name=served_model_name, **fields)
+
+
+# A fixture family's engine at its smallest, with no warm-up: enough to serve its golden prompts.
+SMALL_ENGINE = dict(
+    max_model_len=128,
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    block_size=4,
+    num_gpu_blocks_override=64,
+    warmup=False,
+)
 
 
 # -- servers and processes the tests start ------------------------------------------------
@@ -171,25 +149,70 @@ def tiny_engine_config(served_model_name: str, **overrides):
 
 @contextlib.contextmanager
 def tiny_server(
-    served_model_name: str, settings: dict | None = None, **config
+    served_model_name: str,
+    settings: dict | None = None,
+    *,
+    engine=None,
+    min_step_s: float = 0.0,
+    max_queued_requests: int | None = None,
+    on_engine_dead: Callable[[], None] | None = None,
+    **config,
 ) -> Iterator[SimpleNamespace]:
-    """The llama fixture's engine (``tiny_engine_config`` with ``config``) behind a loopback
-    server with ``ServerSettings(**settings)``: yields ``SimpleNamespace(url, engine)``."""
+    """A loopback server in this process, the one way the tests start one: ``build_app`` with
+    ``ServerSettings(served_model_names=(served_model_name,), **settings)`` (``settings`` may
+    name other models) around ``engine``, which the caller started and shuts down, or else
+    around an engine of ``tiny_engine_config(served_model_name, **config)`` made, started and
+    shut down here, its steps paced to at least ``min_step_s`` (``pace_steps``). Yields
+    ``SimpleNamespace(url, port, socket, engine, ctx)`` (``socket``: the listening one)."""
     from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.server.app import build_app
     from jaxserve.server.background import BackgroundServer
     from jaxserve.server.settings import ServerSettings
 
-    engine = AsyncEngine.from_config(tiny_engine_config(served_model_name, **config))
-    engine.start()
-    app = build_app(
-        engine, ServerSettings(served_model_names=(served_model_name,), **(settings or {}))
-    )
+    is_owned = engine is None
+    if engine is None:
+        config = tiny_engine_config(served_model_name, **config)
+        engine = AsyncEngine.from_config(config, max_queued_requests=max_queued_requests)
+        if min_step_s:
+            pace_steps(engine.core, min_step_s)
+        engine.start()
     try:
+        settings = {"served_model_names": (served_model_name,), **(settings or {})}
+        app = build_app(engine, ServerSettings(**settings), on_engine_dead=on_engine_dead)
         with BackgroundServer(app) as background:
-            yield SimpleNamespace(url=background.url, engine=engine)
+            yield SimpleNamespace(
+                url=background.url,
+                port=background.port,
+                socket=background.socket,
+                engine=engine,
+                ctx=app.state.ctx,
+            )
     finally:
-        engine.shutdown()
+        if is_owned:
+            engine.shutdown()
+
+
+def wait_idle(engine, timeout_s: float = 10.0) -> None:
+    """The engine has no request left (none arriving, waiting or running) and every KV block
+    is free again."""
+    core = engine.core
+
+    def is_idle() -> bool:
+        stats = core.stats
+        return (
+            core.num_unfinished() == 0
+            and stats.num_running == 0
+            and stats.num_waiting == 0
+            and stats.kv_cache_usage == 0
+        )
+
+    deadline = time.monotonic() + timeout_s
+    while not is_idle():
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"engine not idle: {core.num_unfinished()} unfinished, {core.stats}"
+            )
+        time.sleep(0.02)
 
 
 def assert_bad_request(r: httpx.Response, param: str, *words: str) -> str:

@@ -126,7 +126,7 @@ def test_prefix_cache_hashes_only_known_tokens(pair) -> None:
 
 def test_launch_flag() -> None:
     from jaxserve.cli import build_parser
-    from jaxserve.server.launch import engine_config_from_args
+    from jaxserve.server.launch.flags import engine_config_from_args
 
     for argv, want in ((["launch"], True), (["launch", "--no-async-scheduling"], False)):
         assert engine_config_from_args(build_parser(argv).parse_args(argv)).async_scheduling is want
@@ -142,8 +142,8 @@ def test_no_program_compiles_after_warm_up() -> None:
     for count in (1, 3, 6):  # 6 > max_num_seqs: batches of several sizes, prefill + decode
         llm.generate([ids(p) for p in (PROMPTS * 2)[:count]], params, use_tqdm=False)
     # A call without a compiled program would have traced and compiled through the jit.
-    assert runner.step_fn._cache_size() == 0
-    assert runner.sample_fn._cache_size() == 0
+    assert runner.programs.step_fn._cache_size() == 0
+    assert runner.programs.sample_fn._cache_size() == 0
 
 
 def test_shutdown_waits_for_the_step_in_flight() -> None:

@@ -6,26 +6,24 @@ from __future__ import annotations
 import json
 import runpy
 import sys
-from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
 
-from jaxserve.config import ModelConfig
-from jaxserve.models.weights import load_weights
+from jaxserve.models.families.registry import load_model_config
+from jaxserve.models.loading.checkpoint_loader import load_weights
 from tests.conftest import fixture_dir
 
-ROOT = Path(__file__).parents[1]
 
-
-def run_script(path: str, args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sys, "argv", [path, *args])
-    runpy.run_path(str(ROOT / path), run_name="__main__")
+def run_script(module: str, args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m module args`` in this process."""
+    monkeypatch.setattr(sys, "argv", [module, *args])
+    runpy.run_module(module, run_name="__main__")
 
 
 def test_decode_roofline_smoke(tmp_path, monkeypatch, capsys) -> None:
     out = tmp_path / "roofline.json"
-    run_script("benchmarks/decode_roofline.py", ["--smoke", "--output-json", str(out)], monkeypatch)
+    run_script("benchmarks.decode_roofline", ["--smoke", "--output-json", str(out)], monkeypatch)
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["context"]) for r in rows] == [(1, 32), (4, 32)]
     assert all(r["device_ms"] > 0 and r["wall_ms"] > 0 for r in rows)
@@ -38,7 +36,7 @@ def test_throughput_script_is_the_cli(tmp_path, monkeypatch) -> None:
             "--input-len", "8", "--output-len", "3", "--max-num-seqs", "2",
             "--max-num-batched-tokens", "16", "--output-json", str(out)]  # fmt: skip
     with pytest.raises(SystemExit) as done:
-        run_script("benchmarks/throughput.py", args, monkeypatch)
+        run_script("benchmarks.throughput", args, monkeypatch)
     assert done.value.code == 0
     assert json.loads(out.read_text())["output_tokens"] == 2 * 3
 
@@ -47,7 +45,7 @@ def test_structured_outputs_benchmark_smoke(tmp_path, monkeypatch, capsys) -> No
     out = tmp_path / "so.json"
     args = ["--smoke", "--output-json", str(out)]
     with pytest.raises(SystemExit) as done:
-        run_script("benchmarks/structured_outputs.py", args, monkeypatch)
+        run_script("benchmarks.structured_outputs", args, monkeypatch)
     assert done.value.code == 0
     result = json.loads(out.read_text())
     assert result["json_schema"]["output_tokens"] == result["unconstrained"]["output_tokens"]
@@ -57,7 +55,7 @@ def test_structured_outputs_benchmark_smoke(tmp_path, monkeypatch, capsys) -> No
 
 
 def test_host_overhead_smoke(monkeypatch, capsys) -> None:
-    run_script("benchmarks/host_overhead.py", ["--num-seqs", "16", "--steps", "5"], monkeypatch)
+    run_script("benchmarks.host_overhead", ["--num-seqs", "16", "--steps", "5"], monkeypatch)
     assert "total" in capsys.readouterr().out
 
 
@@ -119,7 +117,9 @@ def test_throughput_hf_without_torch_is_one_line(monkeypatch, capsys) -> None:
 
 def test_compile_time_smoke(tmp_path, monkeypatch) -> None:
     out = tmp_path / "compile.json"
-    run_script("benchmarks/compile_time.py", ["--smoke", "--output-json", str(out)], monkeypatch)
+    run_script(
+        "benchmarks.probes.compile_time", ["--smoke", "--output-json", str(out)], monkeypatch
+    )
     result = json.loads(out.read_text())
     assert [r["bucket"] for r in result["rows"]] == [16, 32]
     assert all(r["compile_kernel_s"] > 0 and r["compile_reference_s"] > 0 for r in result["rows"])
@@ -128,7 +128,7 @@ def test_compile_time_smoke(tmp_path, monkeypatch) -> None:
 def test_quantized_decode_roofline_counts_the_quantized_bytes(tmp_path, monkeypatch) -> None:
     out = tmp_path / "roofline.json"
     args = ["--smoke", "--quantization", "int8", "--batches", "1", "--output-json", str(out)]
-    run_script("benchmarks/decode_roofline.py", args, monkeypatch)
+    run_script("benchmarks.decode_roofline", args, monkeypatch)
     meta = json.loads(out.read_text())["meta"]
     assert meta["quantization"].startswith("Quantization: quantized on load (int8")
     # fixture llama: 2 layers of 53,248 Linear weights at 1 byte (+ f32 scales), the norms and
@@ -142,7 +142,7 @@ def test_quant_agreement_smoke(tmp_path, monkeypatch) -> None:
     out = tmp_path / "agreement.json"
     args = ["--model", str(fixture_dir("llama")), "--load-format", "auto", "--num-prompts", "1",
             "--prompt-len", "32", "--quantizations", "int8", "--output-json", str(out)]  # fmt: skip
-    run_script("benchmarks/quant_agreement.py", args, monkeypatch)
+    run_script("benchmarks.quant_agreement", args, monkeypatch)
     result = json.loads(out.read_text())
     assert result["meta"]["positions"] == 32
     assert 0 < result["int8"]["max_error_over_max_logit"] < 0.08
@@ -152,7 +152,7 @@ def test_quant_agreement_smoke(tmp_path, monkeypatch) -> None:
 def test_decode_roofline_over_an_fp8_cache_and_the_comparison(tmp_path, monkeypatch, capsys):
     fp8 = tmp_path / "roofline_kv_fp8.json"
     args = ["--smoke", "--kv-cache-dtype", "fp8", "--output-json", str(fp8)]
-    run_script("benchmarks/decode_roofline.py", args, monkeypatch)
+    run_script("benchmarks.decode_roofline", args, monkeypatch)
     result = json.loads(fp8.read_text())
     assert result["meta"]["kv_cache_dtype"] == "float8_e4m3fn"
     assert result["meta"]["kv_bytes_per_token"] == 2 * 2 * 2 * 16  # K, V x layers x heads x dim
@@ -168,7 +168,7 @@ def test_decode_roofline_over_an_fp8_cache_and_the_comparison(tmp_path, monkeypa
               "steps_margin_0.25": 0, "agreement_margin_0.25": None}  # fmt: skip
     (tmp_path / "greedy_kv_fp8.json").write_text(json.dumps(greedy))
     capsys.readouterr()
-    run_script("benchmarks/kv_cache_dtype_compare.py", ["--dir", str(tmp_path)], monkeypatch)
+    run_script("benchmarks.kv_cache_dtype_compare", ["--dir", str(tmp_path)], monkeypatch)
     table = capsys.readouterr().out
     assert "| 1 | 32 |" in table and "| 2.00x |" in table
     assert "fp8 / bf16: 1.50x tokens/s, 2.00x KV tokens" in table
@@ -183,7 +183,7 @@ def test_greedy_agreement_smoke(tmp_path, monkeypatch, capsys) -> None:
     )
     for args in runs:
         with pytest.raises(SystemExit) as done:
-            run_script("benchmarks/greedy_agreement.py", ["--smoke", *args], monkeypatch)
+            run_script("benchmarks.greedy_agreement", ["--smoke", *args], monkeypatch)
         assert done.value.code == 0
     result = json.loads(out.read_text())
     assert result["positions"] == 2 * (20 + 8 - 1)
@@ -196,7 +196,7 @@ def test_bench_attention_tiers_smoke(tmp_path, monkeypatch, capsys) -> None:
     out = tmp_path / "tiers.json"
     args = ["--smoke", "--suite", "tiers", "--out", str(out)]
     with pytest.raises(SystemExit) as done:
-        run_script("benchmarks/bench_attention.py", args, monkeypatch)
+        run_script("benchmarks.bench_attention", args, monkeypatch)
     assert done.value.code == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["shape"], r["kernel"]) for r in rows] == [
@@ -212,7 +212,7 @@ def test_bench_attention_sinks_smoke(tmp_path, monkeypatch, capsys) -> None:
     out = tmp_path / "sinks.json"
     args = ["--smoke", "--suite", "sinks", "--out", str(out)]
     with pytest.raises(SystemExit) as done:
-        run_script("benchmarks/bench_attention.py", args, monkeypatch)
+        run_script("benchmarks.bench_attention", args, monkeypatch)
     assert done.value.code == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["shape"], r["kernel"]) for r in rows] == [
@@ -228,7 +228,7 @@ def test_moe_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
     roofline, and one layer's experts alone."""
     out = tmp_path / "moe.json"
     with pytest.raises(SystemExit) as done:
-        run_script("benchmarks/moe.py", ["--smoke", "--output-json", str(out)], monkeypatch)
+        run_script("benchmarks.moe", ["--smoke", "--output-json", str(out)], monkeypatch)
     assert done.value.code == 0
     result = json.loads(out.read_text())
     assert result["throughput"]["output_tokens"] == 4 * 4
@@ -246,7 +246,7 @@ def test_moe_grouped_matmuls_smoke(tmp_path, monkeypatch, capsys) -> None:
     out = tmp_path / "gmm.json"
     with pytest.raises(SystemExit) as done:
         run_script(
-            "benchmarks/moe.py",
+            "benchmarks.moe",
             ["--smoke", "--grouped-matmuls-only", "--output-json", str(out)],
             monkeypatch,
         )
@@ -263,7 +263,7 @@ def test_moe_grouped_matmuls_smoke(tmp_path, monkeypatch, capsys) -> None:
 def test_grouped_matmul_lowering_reads_instructions_not_metadata() -> None:
     """Every instruction of a lowered ragged_dot carries op_name=".../ragged_dot_general" in
     its metadata; only an instruction's opcode or custom-call target tells the lowering."""
-    moe_bench = runpy.run_path(str(ROOT / "benchmarks/moe.py"), run_name="moe_bench")
+    moe_bench = runpy.run_module("benchmarks.moe", run_name="moe_bench")
     lowering = moe_bench["grouped_matmul_lowering"]
     meta = 'metadata={op_name="jit(f)/ragged_dot_general" source_file="moe.py"}'
     dense = f"%dot.3 = bf16[64,8,768]{{2,1,0}} dot(%a, %b), lhs_contracting_dims={{1}}, {meta}"
@@ -280,7 +280,7 @@ def test_grouped_matmul_lowering_reads_instructions_not_metadata() -> None:
 def test_skinny_matmul_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
     out = tmp_path / "skinny.json"
     args = ["--smoke", "--batches", "3", "--formats", "fp8", "--iters", "1"]
-    run_script("benchmarks/skinny_matmul.py", [*args, "--output-json", str(out)], monkeypatch)
+    run_script("benchmarks.skinny_matmul", [*args, "--output-json", str(out)], monkeypatch)
     rows = json.loads(out.read_text())["rows"]
     assert [(r["shape"], r["m"], r["format"]) for r in rows] == [
         ("qkv", 3, "fp8"),
@@ -293,7 +293,7 @@ def test_skinny_matmul_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
 def test_load_speed_smoke(tmp_path, monkeypatch) -> None:
     out = tmp_path / "load.json"
     args = ["--smoke", "--dir", str(tmp_path / "ckpt"), "--output-json", str(out)]
-    run_script("benchmarks/load_speed.py", args, monkeypatch)
+    run_script("benchmarks.load_speed", args, monkeypatch)
     result = json.loads(out.read_text())
     names = [row["name"] for row in result["rows"]]
     assert names[0].endswith("threads (compiles)") and names[1].startswith("load_weights, ")
@@ -307,9 +307,9 @@ def test_load_speed_writes_a_checkpoint_that_loads_and_times_nothing(tmp_path, m
     out = tmp_path / "load.json"
     ckpt = tmp_path / "ckpt"
     args = ["--smoke", "--write-only", "--dir", str(ckpt), "--output-json", str(out)]
-    run_script("benchmarks/load_speed.py", args, monkeypatch)
+    run_script("benchmarks.load_speed", args, monkeypatch)
     assert not out.exists()
-    config = ModelConfig.from_hf_dir(ckpt)
+    config = load_model_config(ckpt)
     weights = load_weights(ckpt, config, jnp.bfloat16)
     assert weights.embed.shape == (config.vocab_size, config.hidden_size)
 
@@ -319,7 +319,7 @@ def test_startup_profile_smoke(monkeypatch, capsys) -> None:
     it, with the engine's warm-up among them."""
     args = [str(fixture_dir("llama")), "--max-model-len", "64", "--max-num-seqs", "4",
             "--max-num-batched-tokens", "16", "--dtype", "float32", "--top", "40"]  # fmt: skip
-    run_script("benchmarks/startup_profile.py", args, monkeypatch)
+    run_script("benchmarks.startup_profile", args, monkeypatch)
     out = capsys.readouterr().out
     for line in ("imports and arguments", "backend", "engine (tokenizer, weights, warm-up)"):
         assert line in out

@@ -12,7 +12,8 @@ import pytest
 
 import jaxserve
 from jaxserve.bench.capacity import add_capacity_arguments, parse_memory, run_capacity
-from jaxserve.config import ModelConfig, builtin_config_dir
+from jaxserve.config import builtin_config_dir
+from jaxserve.models.families.registry import load_model_config, model_config_from_dict
 from tests.conftest import fixture_dir, free_port, wait_for
 
 GiB = 1024**3
@@ -133,8 +134,9 @@ def test_parse_memory() -> None:
 
 
 def test_the_h200_preset_plans_what_launch_logged_on_an_h200(capsys) -> None:
-    # benchmarks/RESULTS.md: every start of the launch stage (dummy Llama-3-8B, 4,096 context,
-    # 2,048 batched tokens, utilization 0.9) logged these lines on the H200.
+    # benchmarks/reports/2026-12-02-engine-on-the-h200: every start of the launch stage (dummy
+    # Llama-3-8B, 4,096 context, 2,048 batched tokens, utilization 0.9) logged these lines on the
+    # H200.
     parser = argparse.ArgumentParser()
     add_capacity_arguments(parser)
     argv = [str(builtin_config_dir("llama-3-8b")), "--device-memory", "H200"]
@@ -251,7 +253,7 @@ def test_the_experts_reserve_counts_their_rows_per_device() -> None:
     all-to-all's buffers."""
     from jaxserve.runner.capacity import expert_activation_bytes
 
-    config = ModelConfig.from_hf_dir(builtin_config_dir("qwen3-30b-a3b"))
+    config = load_model_config(builtin_config_dir("qwen3-30b-a3b"))
     rows, h, m = 2048 * 8, 2048, 768
     router, index = 3 * 4 * 2048 * 128, 3 * 4 * rows
     one = router + index + rows * (3 * h + 3 * m) * 2 + 4 * rows * h
@@ -262,7 +264,7 @@ def test_the_experts_reserve_counts_their_rows_per_device() -> None:
     ep_rows = 3 * 683 * 8
     ep = router + 3 * 4 * ep_rows + ep_rows * (6 * h + 3 * m) * 2 + 4 * 683 * 8 * h
     assert expert_activation_bytes(config, 2048, 2, 3, expert_parallel=True) == ep
-    dense = ModelConfig.from_hf_dir(builtin_config_dir("llama-3-8b"))
+    dense = load_model_config(builtin_config_dir("llama-3-8b"))
     assert expert_activation_bytes(dense, 2048, 2) == 0
 
 
@@ -281,7 +283,7 @@ def test_the_experts_reserve_holds_what_xla_allocates_for_them(monkeypatch) -> N
         return (lhs[:, :1] * rhs[0, :1, :]).astype(lhs.dtype)
 
     hidden, inner, num_experts, top_k = 256, 64, 16, 4
-    config = ModelConfig.from_dict(
+    config = model_config_from_dict(
         dict(model_type="qwen3_moe", vocab_size=320, hidden_size=hidden, intermediate_size=96,
              moe_intermediate_size=inner, num_hidden_layers=1, num_attention_heads=4,
              num_key_value_heads=2, num_experts=num_experts, num_experts_per_tok=top_k)

@@ -18,8 +18,12 @@ import pytest
 from jaxserve import __version__
 from jaxserve.cli import build_parser, main
 from jaxserve.flag_names import command_flags, in_flag_terms
-from jaxserve.server.launch import add_launch_arguments, engine_config_from_args, settings_from_args
-from jaxserve.server.vllm_flags import INAPPLICABLE_FLAGS
+from jaxserve.server.launch.flags import (
+    add_launch_arguments,
+    engine_config_from_args,
+    settings_from_args,
+)
+from jaxserve.server.launch.vllm_flags import INAPPLICABLE_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = Path(__file__).parent / "fixtures" / "models" / "llama"

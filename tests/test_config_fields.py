@@ -18,10 +18,11 @@ import pytest
 
 import jaxserve
 from jaxserve.cli import build_parser
-from jaxserve.config import ConfigError, ModelConfig
+from jaxserve.config import ConfigError
 from jaxserve.engine_config import EngineConfig
-from jaxserve.server import launch as launch_module
-from jaxserve.server.launch import run_launch
+from jaxserve.models.families.registry import load_model_config, model_config_from_dict
+from jaxserve.server.launch import serve as launch_module
+from jaxserve.server.launch.serve import run_launch
 from tests.conftest import fixture_dir, free_port
 
 LLAMA = json.loads((fixture_dir("llama") / "config.json").read_text())
@@ -80,18 +81,18 @@ MALFORMED = {
 def test_a_malformed_field_is_a_config_error_naming_it(case) -> None:
     fields, words = MALFORMED[case]
     with pytest.raises(ConfigError) as error:
-        ModelConfig.from_dict(LLAMA | fields)
+        model_config_from_dict(LLAMA | fields)
     assert words in str(error.value)
 
 
 def test_a_config_that_is_not_an_object_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"config.json must be an object, got \[1\]"):
-        ModelConfig.from_dict([1])  # type: ignore[arg-type]
+        model_config_from_dict([1])  # type: ignore[arg-type]
 
 
 def test_integral_floats_read_as_integers() -> None:
     yarn = rope(rope_type="yarn", factor=2.0, original_max_position_embeddings=64.0)
-    scaling = ModelConfig.from_dict(LLAMA | yarn).rope_scaling
+    scaling = model_config_from_dict(LLAMA | yarn).rope_scaling
     assert scaling is not None and scaling.original_max_position_embeddings == 64
     assert isinstance(scaling.original_max_position_embeddings, int)
 
@@ -136,7 +137,7 @@ def test_launch_with_a_malformed_rope_factor_exits_naming_the_field(
 def test_max_model_len_past_the_derived_limit_is_refused(family, limit, monkeypatch) -> None:
     for name in ("JAXSERVE_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
         monkeypatch.delenv(name, raising=False)
-    model_config = ModelConfig.from_hf_dir(fixture_dir(family))
+    model_config = load_model_config(fixture_dir(family))
     assert model_config.derived_max_model_len == limit
     assert EngineConfig(max_model_len=limit).resolved_max_model_len(model_config) == limit
     assert EngineConfig().resolved_max_model_len(model_config) == (

@@ -21,21 +21,24 @@ from transformers import AutoTokenizer
 
 import jaxserve
 from jaxserve.bench.capacity import add_capacity_arguments, run_capacity
-from jaxserve.config import ConfigError, ModelConfig, builtin_config_dir
+from jaxserve.config import ConfigError, builtin_config_dir
 from jaxserve.models import mla, rope
 from jaxserve.models.batch import Batch
-from jaxserve.models.families import num_active_params, num_params
-from jaxserve.models.weights import dummy_weights, load_weights
+from jaxserve.models.families.counting import num_active_params, num_params
+from jaxserve.models.families.registry import load_model_config, model_config_from_dict
+from jaxserve.models.loading.checkpoint_loader import load_weights
+from jaxserve.models.loading.dummy import dummy_weights
 from jaxserve.runner.devices import describe_attention
-from jaxserve.runner.mesh import validate_tensor_parallel_size
+from jaxserve.runner.parallel.mesh import validate_tensor_parallel_size
 from pallas_kernels import kv_cache
 from pallas_kernels.mla import reference as mla_reference
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
 from tests.conftest import (
+    SMALL_ENGINE,
     assert_long_completion_is_golden,
     fixture_dir,
     run_with_devices,
-    serve_fixture,
+    tiny_server,
 )
 
 ROOT = Path(__file__).parents[1]
@@ -67,7 +70,7 @@ def mscale(factor: float, m: float) -> float:
 
 
 def test_fixture_config_reads_mla_yarn_and_the_routing() -> None:
-    config = ModelConfig.from_hf_dir(fixture_dir("deepseek_v3"))
+    config = load_model_config(fixture_dir("deepseek_v3"))
     assert config.mla is not None and config.moe is not None
     assert (config.mla.q_lora_rank, config.mla.kv_lora_rank) == (24, 32)
     assert (config.mla.qk_nope_head_dim, config.mla.qk_rope_head_dim) == (16, 8)
@@ -87,27 +90,27 @@ def test_fixture_config_reads_mla_yarn_and_the_routing() -> None:
 
 
 def test_config_variants_and_errors_name_the_field() -> None:
-    plain = ModelConfig.from_dict(TINY | {"q_lora_rank": None, "rope_interleave": False})
+    plain = model_config_from_dict(TINY | {"q_lora_rank": None, "rope_interleave": False})
     assert plain.mla is not None and plain.mla.q_lora_rank is None
     assert not plain.mla.rope_interleave and plain.sm_scale == pytest.approx(24**-0.5)
-    two_shared = ModelConfig.from_dict(TINY | {"n_shared_experts": 2, "first_k_dense_replace": 0})
+    two_shared = model_config_from_dict(TINY | {"n_shared_experts": 2, "first_k_dense_replace": 0})
     assert two_shared.moe is not None and two_shared.moe.shared_intermediate_size == 32
     assert two_shared.moe.dense_layers == ()
     with pytest.raises(ConfigError, match="attention_bias=True is not supported for deepseek_v3"):
-        ModelConfig.from_dict(TINY | {"attention_bias": True})
+        model_config_from_dict(TINY | {"attention_bias": True})
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     with pytest.raises(ConfigError, match="quant_method='fp8'.* not supported for deepseek_v3"):
-        ModelConfig.from_dict(TINY | {"quantization_config": fp8})
+        model_config_from_dict(TINY | {"quantization_config": fp8})
     with pytest.raises(ConfigError, match="kv_lora_rank=0 must be a positive integer"):
-        ModelConfig.from_dict(TINY | {"kv_lora_rank": 0})
+        model_config_from_dict(TINY | {"kv_lora_rank": 0})
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide"):
-        validate_tensor_parallel_size(ModelConfig.from_dict(TINY), 3)
+        validate_tensor_parallel_size(model_config_from_dict(TINY), 3)
 
 
 def test_weights_are_the_checkpoint_tensors() -> None:
     """kv_a_proj_with_mqa splits into the latent's rows and k_pe's; kv_b_proj keeps each
     head's key part then value together; the router bias is read."""
-    config = ModelConfig.from_hf_dir(fixture_dir("deepseek_v3"))
+    config = load_model_config(fixture_dir("deepseek_v3"))
     weights = load_weights(fixture_dir("deepseek_v3"), config, jnp.float32)
     layer, prefix = weights.layers[2], "model.layers.2."
     with safe_open(fixture_dir("deepseek_v3") / "model.safetensors", framework="numpy") as f:
@@ -218,7 +221,7 @@ def test_absorbed_attention_equals_the_expanded_form(variant) -> None:
     plain q_proj, interleaved rotary pairs or halves; positions past the original context."""
     rope_scaling = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
                     "mscale": 1.0, "mscale_all_dim": 0.7}  # fmt: skip
-    config = ModelConfig.from_dict(TINY | {"rope_scaling": rope_scaling} | variant)
+    config = model_config_from_dict(TINY | {"rope_scaling": rope_scaling} | variant)
     lw = dummy_weights(config, jnp.float32, seed=1, scale=0.3).layers[0]
     rng = np.random.default_rng(1)
     num_tokens, page_size, num_pages = 11, 4, 6
@@ -261,7 +264,7 @@ def capacity_json(capsys, *argv: str) -> dict:
 
 
 def test_shipped_deepseek_v3_config_and_its_latent_cache_bytes(capsys) -> None:
-    config = ModelConfig.from_hf_dir(builtin_config_dir("deepseek-v3"))
+    config = load_model_config(builtin_config_dir("deepseek-v3"))
     assert config.mla is not None and config.moe is not None
     # transformers' DeepseekV3ForCausalLM of this config (on the meta device) has 671.0B
     # parameters and e_score_correction_bias entries; 37.6B are read per token.
@@ -331,7 +334,8 @@ def test_over_http_with_the_prefix_cache() -> None:
     """The long greedy completion is Hugging Face's, and again when its prompt's blocks come
     from the prefix cache."""
     golden = np.load(fixture_dir("deepseek_v3") / "golden.npz")
-    with serve_fixture("deepseek_v3", "tiny-dsv3") as url:
+    with tiny_server("tiny-dsv3", family="deepseek_v3", **SMALL_ENGINE) as server:
+        url = server.url
         assert_long_completion_is_golden(url, "deepseek_v3", "tiny-dsv3")
         body = {
             "model": "tiny-dsv3",

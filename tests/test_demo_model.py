@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 import jaxserve
-from jaxserve.config import ModelConfig
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.engine_config import default_model_dir
-from jaxserve.models import llama
+from jaxserve.models import decoder
 from jaxserve.models.batch import Batch, make_kv_cache
-from jaxserve.models.weights import load_weights
+from jaxserve.models.families.registry import load_model_config
+from jaxserve.models.loading.checkpoint_loader import load_weights
 
 DEMO = default_model_dir()
 HF_FILES = (
@@ -43,7 +43,7 @@ def load_eval() -> dict:
 
 def paged_logits(token_ids: list[int]) -> np.ndarray:  # f32[T, V]
     """Logits at every position of one sequence through the serving forward, in f32."""
-    config = ModelConfig.from_hf_dir(DEMO)
+    config = load_model_config(DEMO)
     weights = load_weights(DEMO, config, jnp.float32)
     num_tokens = len(token_ids)
     num_pages = -(-num_tokens // PAGE)
@@ -61,8 +61,8 @@ def paged_logits(token_ids: list[int]) -> np.ndarray:  # f32[T, V]
         num_seqs=jnp.asarray([1], jnp.int32),
         logits_indices=jnp.asarray([num_tokens - 1], jnp.int32),
     )
-    _, hidden = jax.jit(llama.forward, static_argnums=(3,))(weights, cache, batch, config)
-    return np.asarray(llama.compute_logits(weights, hidden))
+    _, hidden = jax.jit(decoder.forward, static_argnums=(3,))(weights, cache, batch, config)
+    return np.asarray(decoder.compute_logits(weights, hidden))
 
 
 def mean_nll(logits: np.ndarray, targets: np.ndarray) -> float:  # f32[T, V], i32[T]
@@ -95,7 +95,7 @@ def test_demo_is_a_small_complete_hf_directory() -> None:
         assert (DEMO / name).is_file(), name
     size = sum(f.stat().st_size for f in DEMO.iterdir() if f.is_file())
     assert size < 10 * 2**20
-    config = ModelConfig.from_hf_dir(DEMO)
+    config = load_model_config(DEMO)
     tokenizer = Tokenizer(DEMO)
     assert config.model_type == "llama" and config.tie_word_embeddings
     assert config.vocab_size == tokenizer.vocab_size

@@ -204,7 +204,7 @@ def test_autoscalers_read_the_metric_the_server_exports():
 
 def test_deployment_matches_the_server():
     from jaxserve.cli import build_parser
-    from jaxserve.server.launch import API_KEY_ENV
+    from jaxserve.server.launch.flags import API_KEY_ENV
     from jaxserve.server.lifecycle import ABORT_GRACE_S
 
     deployment = load("deployment.yaml")

@@ -209,7 +209,7 @@ def test_step_lowers_attention_once_for_all_layers(monkeypatch) -> None:
     kernel costs about a second to lower, and an 8B model has 32 layers and 8 buckets."""
     import jax
 
-    from jaxserve.config import ModelConfig
+    from jaxserve.models.families.registry import load_model_config
     from jaxserve.runner.runner import ModelRunner
     from pallas_kernels.ragged_paged_attention import dispatch, reference
     from tests.conftest import tiny_engine_config
@@ -224,21 +224,21 @@ def test_step_lowers_attention_once_for_all_layers(monkeypatch) -> None:
     config = tiny_engine_config(
         "t", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, warmup=False
     )
-    model_config = ModelConfig.from_hf_dir(config.model)
+    model_config = load_model_config(config.model)
     assert model_config.num_layers > 1
     runner = ModelRunner(model_config, config)
-    for bucket in runner.token_buckets:
-        runner.lower_step(bucket)
+    for bucket in runner.buckets.token_buckets:
+        runner.programs.lower_step(bucket)
     jax.clear_caches()
-    assert len(traces) == len(runner.token_buckets)
+    assert len(traces) == len(runner.buckets.token_buckets)
 
 
 def test_float32_steps_use_full_precision_matmuls() -> None:
     """XLA multiplies float32 in TF32 on GPUs unless asked: the float32 engine asks."""
     f32 = make_llm(warmup=True, max_num_seqs=4).engine.runner
     bf16 = make_llm(warmup=True, max_num_seqs=4, dtype="bfloat16").engine.runner
-    assert "operand_precision={highest" in f32.compiled_steps[16].as_text()
-    assert "highest" not in bf16.compiled_steps[16].as_text()
+    assert "operand_precision={highest" in f32.programs.compiled_steps[16].as_text()
+    assert "highest" not in bf16.programs.compiled_steps[16].as_text()
 
 
 def test_compact_samplers_give_the_tokens_and_logprobs_of_the_specialized_ones() -> None:

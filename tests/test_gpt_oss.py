@@ -18,26 +18,28 @@ import pytest
 from safetensors import safe_open
 
 import jaxserve
-from jaxserve.config import ModelConfig, builtin_config_dir
-from jaxserve.models.families import num_active_params, num_params
+from jaxserve.config import builtin_config_dir
+from jaxserve.models.families.counting import num_active_params, num_params
+from jaxserve.models.families.registry import load_model_config
+from jaxserve.models.loading.checkpoint_loader import load_weights
 from jaxserve.models.quant_scheme import QuantizationError
-from jaxserve.models.weights import load_weights
 from jaxserve.runner.devices import describe_attention
-from jaxserve.runner.sharding import layer_specs
+from jaxserve.runner.parallel.sharding import layer_specs
 from pallas_kernels.ragged_paged_attention import dispatch
 from tests.conftest import (
+    SMALL_ENGINE,
     assert_long_completion_is_golden,
     fixture_dir,
     log_softmax,
     run_with_devices,
-    serve_fixture,
+    tiny_server,
 )
 
 ROOT = Path(__file__).parents[1]
 
 
 def test_config_has_sinks_biases_layer_types_and_the_clamped_swiglu() -> None:
-    config = ModelConfig.from_hf_dir(fixture_dir("gpt_oss"))
+    config = load_model_config(fixture_dir("gpt_oss"))
     assert config.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
     assert [config.layer_window(i) for i in range(3)] == [16, None, 16]
     assert config.all_layers_window is None  # the full layer keeps every block
@@ -55,7 +57,7 @@ def test_config_has_sinks_biases_layer_types_and_the_clamped_swiglu() -> None:
 def test_shipped_gpt_oss_20b_config_has_the_published_counts() -> None:
     """openai/gpt-oss-20b: 20.91B parameters, 3.61B active (its model card counts the
     unembedding and not the embedding)."""
-    config = ModelConfig.from_hf_dir(builtin_config_dir("gpt-oss-20b"))
+    config = load_model_config(builtin_config_dir("gpt-oss-20b"))
     assert config.moe is not None and config.moe.swiglu_limit == 7.0
     assert config.moe.swiglu_alpha == 1.702  # transformers' default: the config has none
     assert config.sliding_window == 128 and config.layer_types[:2] == (
@@ -68,7 +70,7 @@ def test_shipped_gpt_oss_20b_config_has_the_published_counts() -> None:
 
 
 def test_checkpoint_gate_up_is_interleaved_and_biases_and_sinks_load() -> None:
-    config = ModelConfig.from_hf_dir(fixture_dir("gpt_oss"))
+    config = load_model_config(fixture_dir("gpt_oss"))
     weights = load_weights(fixture_dir("gpt_oss"), config, jnp.float32)
     layer = weights.layers[1]
     prefix = "model.layers.1."
@@ -97,7 +99,7 @@ def test_checkpoint_gate_up_is_interleaved_and_biases_and_sinks_load() -> None:
 
 
 def test_expert_biases_split_with_their_experts_and_sinks_with_the_heads() -> None:
-    config = ModelConfig.from_hf_dir(fixture_dir("gpt_oss"))
+    config = load_model_config(fixture_dir("gpt_oss"))
     tp, ep = layer_specs(config, 0), layer_specs(config, 0, expert_parallel=True)
     assert tuple(tp.experts_gate_bias) == (None, "tp") == tuple(tp.experts_up_bias)
     assert tuple(ep.experts_gate_bias) == ("tp", None)
@@ -128,7 +130,7 @@ def test_attention_sinks_take_the_kernels_on_gpu_and_tpu_and_the_log_says_so(
 ) -> None:
     monkeypatch.delenv("JAXSERVE_ATTENTION", raising=False)
     monkeypatch.setattr(dispatch, "_is_hopper_or_newer", lambda: True)
-    config = ModelConfig.from_hf_dir("jaxserve/assets/configs/gpt-oss-20b")  # head_dim 64
+    config = load_model_config("jaxserve/assets/configs/gpt-oss-20b")  # head_dim 64
     for backend, name in (("gpu", "Pallas Mosaic GPU kernel"), ("tpu", "Pallas Mosaic TPU kernel")):
         monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
         line = describe_attention(config, jnp.bfloat16, block_size=16, tensor_parallel_size=1)
@@ -138,7 +140,8 @@ def test_attention_sinks_take_the_kernels_on_gpu_and_tpu_and_the_log_says_so(
 def test_completion_over_http_is_hugging_faces() -> None:
     """The greedy completion of the long prompt (past the sliding window and yarn's original
     context) and its logprobs are Hugging Face's."""
-    with serve_fixture("gpt_oss", "tiny-gpt-oss") as url:
+    with tiny_server("tiny-gpt-oss", family="gpt_oss", **SMALL_ENGINE) as server:
+        url = server.url
         assert_long_completion_is_golden(url, "gpt_oss", "tiny-gpt-oss")
 
 

@@ -280,8 +280,8 @@ SHARDED_SCRIPT = textwrap.dedent("""
     import jax
     import numpy as np
     from jaxserve.models import moe
-    from jaxserve.runner.expert_parallel import sharded_experts
-    from jaxserve.runner.sharding import make_mesh
+    from jaxserve.runner.parallel.expert_parallel import sharded_experts
+    from jaxserve.runner.parallel.sharding import make_mesh
     rng = np.random.default_rng()
     x = rng.normal(size=(13, 8)).astype(np.float32)
     ids = rng.integers(0, 8, size=(13, 2)).astype(np.int32)
@@ -316,11 +316,12 @@ def test_expert_and_tensor_parallel_experts_run_on_the_kernel():
 
 
 def test_startup_log_says_which_grouped_matmul_runs(monkeypatch):
-    from jaxserve.config import ModelConfig, builtin_config_dir
+    from jaxserve.config import builtin_config_dir
     from jaxserve.engine_config import EngineConfig
+    from jaxserve.models.families.registry import load_model_config
     from jaxserve.runner.devices import describe_experts
 
-    qwen3 = ModelConfig.from_hf_dir(builtin_config_dir("qwen3-30b-a3b"))
+    qwen3 = load_model_config(builtin_config_dir("qwen3-30b-a3b"))
     ep = EngineConfig(tensor_parallel_size=4, enable_expert_parallel=True)
     monkeypatch.delenv(gm.GROUPED_MATMUL_ENV, raising=False)
     assert describe_experts(qwen3, ep) == (

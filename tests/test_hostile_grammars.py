@@ -418,7 +418,7 @@ def test_invalid_grammar_errors_are_short_and_carry_no_compiler_state(http) -> N
 
 def test_the_limits_have_launch_flags() -> None:
     from jaxserve.cli import build_parser
-    from jaxserve.server.launch import engine_config_from_args
+    from jaxserve.server.launch.flags import engine_config_from_args
 
     argv = ["launch", "--max-grammar-bytes", "1000", "--grammar-cache-bytes", "2000"]
     args = build_parser(argv).parse_args(argv)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxserve.engine.request import Request, Sequence
+from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.input_builder import InputBuilder
 from jaxserve.runner.sampling import EVERYTHING, SamplerFlags
 from jaxserve.runner.step import ScheduledSeq, SchedulerOutput
@@ -14,10 +15,11 @@ VOCAB = 100
 
 
 def builder(compact_samplers: bool = False) -> InputBuilder:
+    buckets = Buckets.of(max_num_batched_tokens=16, max_num_seqs=4, max_model_len=32, block_size=4)
     return InputBuilder(
+        buckets,
         block_size=4,
         max_model_len=32,
-        max_num_batched_tokens=16,
         max_num_seqs=4,
         num_slots=64,
         vocab_size=VOCAB,

@@ -28,9 +28,9 @@ import jaxserve
 from jaxserve import SamplingParams
 from jaxserve.engine_config import EngineConfig, kv_cache_dtype_name
 from jaxserve.models.kv_scales import KVScales, load_kv_scales
-from jaxserve.models.weights import WeightsError
+from jaxserve.models.loading.checkpoint_reader import WeightsError
 from jaxserve.runner import devices
-from jaxserve.server.launch import engine_config_from_args
+from jaxserve.server.launch.flags import engine_config_from_args
 from pallas_kernels import kv_cache
 from pallas_kernels.ragged_paged_attention import dispatch, reference
 from tests.conftest import fixture_dir
@@ -253,7 +253,7 @@ def test_fp8_on_a_gpu_without_it_is_a_startup_error(monkeypatch) -> None:
 
 def test_launch_on_a_device_without_fp8_exits_naming_device_and_dtype(caplog, monkeypatch):
     from jaxserve.cli import build_parser
-    from jaxserve.server.launch import run_launch
+    from jaxserve.server.launch.serve import run_launch
     from tests.conftest import free_port
 
     monkeypatch.setattr(devices, "has_fp8", lambda device: False)  # as an A100 answers
@@ -378,13 +378,13 @@ def test_layers_with_different_scales_share_one_attention_program() -> None:
     every layer, as with a bf16 cache (a Mosaic GPU lowering takes about a second)."""
     import functools
 
-    from jaxserve.config import ModelConfig
     from jaxserve.models.batch import Batch, make_kv_cache
-    from jaxserve.models.weights import load_weights
+    from jaxserve.models.families.registry import load_model_config
+    from jaxserve.models.loading.checkpoint_loader import load_weights
     from jaxserve.runner.packing import pack
     from jaxserve.runner.programs import model_step, shared_attention
 
-    config = ModelConfig.from_hf_dir(fixture_dir("llama"))
+    config = load_model_config(fixture_dir("llama"))
     weights = load_weights(fixture_dir("llama"), config, jnp.float32)
     cache = make_kv_cache(2, 8, 4, config.num_kv_heads, config.head_dim, E4M3)
     step = functools.partial(

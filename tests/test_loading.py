@@ -18,12 +18,14 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.checkpoint_reader import CheckpointReader, WeightsError
-from jaxserve.models.families import HF_LAYER_PREFIX, layer_fields, model_fields
-from jaxserve.models.field_conversion import to_field, to_field_into
-from jaxserve.models.llama import fuse_projections
-from jaxserve.models.load_progress import format_rate
-from jaxserve.models.weights import LoadCancelled, dummy_weights, load_weights
+from jaxserve.models.families.fields import HF_LAYER_PREFIX
+from jaxserve.models.families.registry import layer_fields, load_model_config, model_fields
+from jaxserve.models.layers import fuse_projections
+from jaxserve.models.loading.checkpoint_loader import load_weights
+from jaxserve.models.loading.checkpoint_reader import CheckpointReader, WeightsError
+from jaxserve.models.loading.dummy import dummy_weights
+from jaxserve.models.loading.field_conversion import to_field, to_field_into
+from jaxserve.models.loading.load_progress import LoadCancelled, format_rate
 from jaxserve.runner.model_weights import WeightsLoading
 from tests.conftest import fixture_dir
 
@@ -51,7 +53,7 @@ def test_parallel_reads_in_small_pieces_give_the_table_s_weights(family: str) ->
     """Three threads, 1 KiB buffers (tensors in many pieces, experts sharing a buffer), the
     conversion to bf16 on the device: equal to numpy's transposes and casts."""
     model_dir = fixture_dir(family)
-    config = ModelConfig.from_hf_dir(model_dir)
+    config = load_model_config(model_dir)
     weights = load_weights(model_dir, config, jnp.bfloat16, num_threads=3, staging_bytes=6 * KiB)
     for path, expected in host_reference(model_dir, config).items():
         value = weights
@@ -67,7 +69,7 @@ def test_fused_loading_writes_the_joined_arrays_fusing_after_a_load_makes(family
     joined arrays; the weights equal ``fuse_projections`` over a plain load (a layer with
     experts joins only q/k/v)."""
     model_dir = fixture_dir(family)
-    config = ModelConfig.from_hf_dir(model_dir)
+    config = load_model_config(model_dir)
     fused = load_weights(
         model_dir, config, jnp.bfloat16, num_threads=3, staging_bytes=6 * KiB, fuse=True
     )
@@ -81,7 +83,7 @@ def test_fused_loading_writes_the_joined_arrays_fusing_after_a_load_makes(family
 
 def test_a_field_is_written_into_memory_taken_before_its_pieces() -> None:
     """``to_field_into`` gives ``to_field``'s value in the buffer it was handed (donated)."""
-    config = ModelConfig.from_hf_dir(fixture_dir("llama"))
+    config = load_model_config(fixture_dir("llama"))
     field = next(f for f in layer_fields(config, 0) if f.name == "wq")
     stored = np.random.default_rng(0).standard_normal(field.checkpoint_shape_for(config))
     pieces = [jnp.asarray(part) for part in np.array_split(stored.astype(np.float32).ravel(), 3)]
@@ -99,7 +101,7 @@ def test_host_memory_is_the_staging_buffers_not_a_tensor(tmp_path) -> None:
     source = fixture_dir("llama")
     hf = json.loads((source / "config.json").read_text()) | {"vocab_size": 32768}
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    config = ModelConfig.from_hf_dir(tmp_path)
+    config = load_model_config(tmp_path)
     tensors = load_file(source / "model.safetensors")
     rng = np.random.default_rng(0)
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -155,12 +157,12 @@ def test_a_misshapen_tensor_names_file_tensor_and_shapes(tmp_path) -> None:
     model_dir = copy_fixture(tmp_path, tensors)
     match = r"model.safetensors: tensor 'model.layers.1.mlp.up_proj.weight' has shape \[96, 63\], expected \[96, 64\]"  # noqa: E501
     with pytest.raises(WeightsError, match=match):
-        load_weights(model_dir, ModelConfig.from_hf_dir(model_dir), jnp.float32)
+        load_weights(model_dir, load_model_config(model_dir), jnp.float32)
 
 
 def test_a_cut_short_file_a_bad_header_and_a_missing_shard_are_named(tmp_path) -> None:
     model_dir = copy_fixture(tmp_path, load_file(fixture_dir("llama") / "model.safetensors"))
-    config = ModelConfig.from_hf_dir(model_dir)
+    config = load_model_config(model_dir)
     data = (model_dir / "model.safetensors").read_bytes()
     (model_dir / "model.safetensors").write_bytes(data[:-100])
     with pytest.raises(WeightsError, match=r"model.safetensors: tensor '.*' \(F32\[.*\]\) has"):
@@ -211,7 +213,7 @@ def test_a_failed_read_gives_its_buffers_back(tmp_path) -> None:
 
 def test_a_set_stop_ends_a_load_and_dummy_weights_at_the_next_tensor() -> None:
     model_dir = fixture_dir("llama")
-    config = ModelConfig.from_hf_dir(model_dir)
+    config = load_model_config(model_dir)
     stop = threading.Event()
     stop.set()
     with pytest.raises(LoadCancelled):

@@ -9,8 +9,9 @@ import pytest
 
 import jaxserve
 from jaxserve import SamplingParams
-from jaxserve.config import FULL, SLIDING, ConfigError, ModelConfig, builtin_config_dir
-from jaxserve.models.families import num_params
+from jaxserve.config import FULL, SLIDING, ConfigError, builtin_config_dir
+from jaxserve.models.families.counting import num_params
+from jaxserve.models.families.registry import load_model_config, model_config_from_dict
 from tests.conftest import NEW_FAMILIES, fixture_dir
 
 
@@ -47,9 +48,9 @@ def test_long_greedy_generation_matches_hf(family: str) -> None:
 def test_unsupported_architecture_lists_the_supported_ones() -> None:
     raw = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"}
     with pytest.raises(ConfigError, match="Gemma2ForCausalLM.*Gemma3ForCausalLM.*Phi3ForCausalLM"):
-        ModelConfig.from_dict(raw)
+        model_config_from_dict(raw)
     with pytest.raises(ConfigError, match="model_type='falcon' is not supported.*gemma2"):
-        ModelConfig.from_dict({"model_type": "falcon"})
+        model_config_from_dict({"model_type": "falcon"})
 
 
 GEMMA3 = dict(
@@ -65,7 +66,7 @@ GEMMA3 = dict(
 
 
 def test_gemma3_layer_pattern_from_sliding_window_pattern_or_layer_types() -> None:
-    old = ModelConfig.from_dict(
+    old = model_config_from_dict(
         GEMMA3
         | {
             "sliding_window_pattern": 3,
@@ -82,7 +83,7 @@ def test_gemma3_layer_pattern_from_sliding_window_pattern_or_layer_types() -> No
     assert theta == 1e6 and scaling is not None
     assert (scaling.rope_type, scaling.factor) == ("linear", 8.0)
     types = [SLIDING, FULL, FULL, SLIDING, SLIDING, SLIDING, FULL]
-    new = ModelConfig.from_dict(GEMMA3 | {"layer_types": types})
+    new = model_config_from_dict(GEMMA3 | {"layer_types": types})
     assert new.layer_types == tuple(types)
 
 
@@ -97,8 +98,10 @@ def test_rope_scaling_and_rope_parameters_spellings_agree() -> None:
         vocab_size=320,
     )
     yarn = {"factor": 4.0, "original_max_position_embeddings": 32768}
-    old = ModelConfig.from_dict(base | {"rope_theta": 1e6, "rope_scaling": {"type": "yarn"} | yarn})
-    new = ModelConfig.from_dict(
+    old = model_config_from_dict(
+        base | {"rope_theta": 1e6, "rope_scaling": {"type": "yarn"} | yarn}
+    )
+    new = model_config_from_dict(
         base | {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6} | yarn}
     )
     assert old.rope_scaling == new.rope_scaling and old.rope_theta == new.rope_theta == 1e6
@@ -117,21 +120,21 @@ def test_phi3_su_is_longrope_with_the_paper_attention_factor() -> None:
         original_max_position_embeddings=4096,
         rope_scaling={"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
     )
-    scaling = ModelConfig.from_dict(raw).rope_scaling
+    scaling = model_config_from_dict(raw).rope_scaling
     assert scaling is not None and scaling.rope_type == "longrope"
     assert scaling.long_factor == (2.0,) * 8
     assert scaling.attention_factor == pytest.approx(np.sqrt(1 + np.log(32) / np.log(4096)))
     with pytest.raises(ConfigError, match="short_factor field must have length 8, got 4"):
         raw["rope_scaling"] = {"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}
-        ModelConfig.from_dict(raw)
+        model_config_from_dict(raw)
 
 
 def test_shipped_gemma_configs_have_the_real_shapes() -> None:
-    gemma2 = ModelConfig.from_hf_dir(builtin_config_dir("gemma-2-9b"))
+    gemma2 = load_model_config(builtin_config_dir("gemma-2-9b"))
     assert num_params(gemma2) == 9_241_705_984  # google/gemma-2-9b
     assert gemma2.layer_types[:2] == (SLIDING, FULL) and gemma2.sliding_window == 4096
     assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap) == (50.0, 30.0)
     assert gemma2.sm_scale == 256**-0.5 and gemma2.hidden_act == "gelu_pytorch_tanh"
-    gemma3 = ModelConfig.from_hf_dir(builtin_config_dir("gemma-3-12b"))
+    gemma3 = load_model_config(builtin_config_dir("gemma-3-12b"))
     assert gemma3.layer_types.count(FULL) == 8 and gemma3.layer_types[5] == FULL
     assert gemma3.rope_local_theta == 1e4 and gemma3.qk_norm and gemma3.tie_word_embeddings

@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.config import ModelConfig
-from jaxserve.models import llama
+from jaxserve.models import decoder
 from jaxserve.models.batch import Batch, make_kv_cache_for
-from jaxserve.models.weights import load_weights
+from jaxserve.models.families.registry import load_model_config
+from jaxserve.models.layers import fuse_projections
+from jaxserve.models.loading.checkpoint_loader import load_weights
 from tests.conftest import FAMILIES, fixture_dir
 
 PAGE = 4
@@ -38,24 +39,26 @@ def run_chunks(
 ):
     """Logits for every token, computed in chunks over a shuffled page table; ``fused``: with
     the projections joined as the runner joins them on one device."""
-    config = ModelConfig.from_hf_dir(fixture_dir(family))
+    config = load_model_config(fixture_dir(family))
     weights = load_weights(fixture_dir(family), config, dtype)
     if fused:
-        weights = llama.fuse_projections(weights)
+        weights = fuse_projections(weights)
         if config.mla is None:  # (MLA has no q, k, v projections of one input to join)
             assert all(layer.fused is not None and layer.wq is None for layer in weights.layers)
     num_pages = 32
     cache = make_kv_cache_for(config, num_pages, PAGE, dtype)
     rng = np.random.default_rng(0)
     pages = rng.permutation(num_pages)[: -(-len(token_ids) // PAGE)].tolist()
-    forward = jax.jit(llama.forward, static_argnums=(3,))
+    forward = jax.jit(decoder.forward, static_argnums=(3,))
     chunk = chunk or len(token_ids)
     logits = []
     for start in range(0, len(token_ids), chunk):
         end = min(start + chunk, len(token_ids))
         batch = one_sequence_batch(token_ids[:end], start, pages, num_pages * PAGE)
         cache, hidden = forward(weights, cache, batch, config)
-        logits.append(np.asarray(llama.compute_logits(weights, hidden, config.final_logit_softcap)))
+        logits.append(
+            np.asarray(decoder.compute_logits(weights, hidden, config.final_logit_softcap))
+        )
     return np.concatenate(logits)
 
 

@@ -16,16 +16,18 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from jaxserve.config import ConfigError, ModelConfig, builtin_config_dir
+from jaxserve.config import ConfigError, builtin_config_dir
 from jaxserve.engine_config import EngineConfig
-from jaxserve.models.families import num_active_params, num_params
-from jaxserve.models.weights import load_weights
-from jaxserve.runner.sharding import layer_specs, validate_tensor_parallel_size
+from jaxserve.models.families.counting import num_active_params, num_params
+from jaxserve.models.families.registry import load_model_config, model_config_from_dict
+from jaxserve.models.loading.checkpoint_loader import load_weights
+from jaxserve.runner.parallel.sharding import layer_specs, validate_tensor_parallel_size
 from tests.conftest import (
+    SMALL_ENGINE,
     assert_long_completion_is_golden,
     fixture_dir,
     run_with_devices,
-    serve_fixture,
+    tiny_server,
 )
 
 ROOT = Path(__file__).parents[1]
@@ -45,33 +47,33 @@ QWEN3_MOE = dict(
 
 
 def test_qwen3_moe_sparse_step_and_mlp_only_layers_pick_the_expert_layers() -> None:
-    config = ModelConfig.from_dict(QWEN3_MOE | {"decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    config = model_config_from_dict(QWEN3_MOE | {"decoder_sparse_step": 2, "mlp_only_layers": [3]})
     assert config.moe is not None and config.moe.dense_layers == (0, 2, 3, 4)
     assert [config.is_moe_layer(i) for i in range(6)] == [0, 1, 0, 0, 0, 1]
     assert not config.moe.norm_topk_prob  # Qwen3-MoE's default
-    every = ModelConfig.from_dict(QWEN3_MOE | {"norm_topk_prob": True})
+    every = model_config_from_dict(QWEN3_MOE | {"norm_topk_prob": True})
     assert every.moe is not None and every.moe.dense_layers == () and every.moe.norm_topk_prob
-    fixture = ModelConfig.from_hf_dir(fixture_dir("qwen3_moe"))
+    fixture = load_model_config(fixture_dir("qwen3_moe"))
     assert fixture.moe is not None and fixture.moe.dense_layers == (1,) and fixture.qk_norm
-    qwen2 = ModelConfig.from_hf_dir(fixture_dir("qwen2_moe"))
+    qwen2 = load_model_config(fixture_dir("qwen2_moe"))
     assert qwen2.moe is not None and qwen2.moe.dense_layers == (0,)  # decoder_sparse_step 2
     assert qwen2.moe.shared_intermediate_size == 48 and qwen2.moe.has_shared_gate
     assert qwen2.attention_bias  # qkv_bias
-    mixtral = ModelConfig.from_hf_dir(fixture_dir("mixtral"))
+    mixtral = load_model_config(fixture_dir("mixtral"))
     assert mixtral.moe is not None and mixtral.moe.norm_topk_prob
     assert (mixtral.moe.num_experts, mixtral.moe.top_k, mixtral.moe.intermediate_size) == (4, 2, 32)
 
 
 def test_moe_config_errors_name_the_field() -> None:
     with pytest.raises(ConfigError, match="num_experts_per_tok=9 exceeds num_experts=8"):
-        ModelConfig.from_dict(QWEN3_MOE | {"num_experts_per_tok": 9})
+        model_config_from_dict(QWEN3_MOE | {"num_experts_per_tok": 9})
     # As in transformers, a mlp_only_layers entry past the last layer names no layer.
-    assert ModelConfig.from_dict(QWEN3_MOE | {"mlp_only_layers": [7]}).moe.dense_layers == ()
+    assert model_config_from_dict(QWEN3_MOE | {"mlp_only_layers": [7]}).moe.dense_layers == ()
 
 
 def test_experts_are_the_checkpoint_tensors_stacked() -> None:
     """Each expert's gate/up/down is its own checkpoint tensor; the model stacks them on E."""
-    config = ModelConfig.from_hf_dir(fixture_dir("mixtral"))
+    config = load_model_config(fixture_dir("mixtral"))
     weights = load_weights(fixture_dir("mixtral"), config, jnp.float32)
     layer = weights.layers[1]
     prefix = "model.layers.1.block_sparse_moe."
@@ -84,35 +86,35 @@ def test_experts_are_the_checkpoint_tensors_stacked() -> None:
             assert (np.asarray(layer.experts_gate[e]).T == w1).all()
             assert (np.asarray(layer.experts_up[e]).T == w3).all()
             assert (np.asarray(layer.experts_down[e]).T == w2).all()
-    qwen = load_weights(fixture_dir("qwen3_moe"), ModelConfig.from_hf_dir(fixture_dir("qwen3_moe")))
+    qwen = load_weights(fixture_dir("qwen3_moe"), load_model_config(fixture_dir("qwen3_moe")))
     assert qwen.layers[1].router is None and qwen.layers[1].w_gate is not None  # mlp_only
     assert qwen.layers[0].w_gate is None and qwen.layers[0].experts_gate is not None
 
 
 def test_expert_specs_split_slices_or_whole_experts() -> None:
-    config = ModelConfig.from_hf_dir(fixture_dir("qwen3_moe"))
+    config = load_model_config(fixture_dir("qwen3_moe"))
     tp, ep = layer_specs(config, 0), layer_specs(config, 0, expert_parallel=True)
     assert tuple(tp.experts_gate) == (None, None, "tp")  # M: a slice of every expert
     assert tuple(tp.experts_down) == (None, "tp", None)
     assert (tuple(ep.experts_gate), tuple(ep.experts_down)) == (("tp", None, None),) * 2
     assert tuple(tp.router) == (None, None)  # the router is replicated
-    shared = layer_specs(ModelConfig.from_hf_dir(fixture_dir("qwen2_moe")), 1, True)
+    shared = layer_specs(load_model_config(fixture_dir("qwen2_moe")), 1, True)
     assert (tuple(shared.shared_gate), tuple(shared.shared_down)) == ((None, "tp"), ("tp", None))
     assert tuple(shared.shared_router) == (None, None)
     assert tuple(layer_specs(config, 1).w_gate) == (None, "tp")  # the dense layer
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide num_experts=8"):
         validate_tensor_parallel_size(
-            ModelConfig.from_dict(QWEN3_MOE | {"num_attention_heads": 6, "num_key_value_heads": 3,
+            model_config_from_dict(QWEN3_MOE | {"num_attention_heads": 6, "num_key_value_heads": 3,
                                                "intermediate_size": 99}),
             3,
             expert_parallel=True,
         )  # fmt: skip
     with pytest.raises(ValueError, match="must divide moe_intermediate_size=16"):
-        validate_tensor_parallel_size(ModelConfig.from_dict(QWEN3_MOE | {"num_experts": 6}), 32)
+        validate_tensor_parallel_size(model_config_from_dict(QWEN3_MOE | {"num_experts": 6}), 32)
 
 
 def test_shipped_qwen3_30b_a3b_config_has_the_real_shapes() -> None:
-    config = ModelConfig.from_hf_dir(builtin_config_dir("qwen3-30b-a3b"))
+    config = load_model_config(builtin_config_dir("qwen3-30b-a3b"))
     assert config.moe is not None
     assert (config.moe.num_experts, config.moe.top_k, config.moe.intermediate_size) == (128, 8, 768)
     assert config.moe.norm_topk_prob and config.moe.dense_layers == ()
@@ -123,7 +125,8 @@ def test_shipped_qwen3_30b_a3b_config_has_the_real_shapes() -> None:
 
 def test_chat_and_completion_over_http_on_qwen3_moe() -> None:
     """The greedy completion of the long prompt is Hugging Face's; a chat answers."""
-    with serve_fixture("qwen3_moe", "tiny-moe") as url:
+    with tiny_server("tiny-moe", family="qwen3_moe", **SMALL_ENGINE) as server:
+        url = server.url
         assert_long_completion_is_golden(url, "qwen3_moe", "tiny-moe")
         chat = {
             "model": "tiny-moe",
@@ -175,8 +178,8 @@ EXPERT_PARALLEL_SCRIPT = textwrap.dedent("""
 
     # 3 devices: 16 tokens do not split evenly, and 3 of them are a bucket's padding.
     from jaxserve.models import moe
-    from jaxserve.runner.expert_parallel import sharded_experts
-    from jaxserve.runner.sharding import make_mesh
+    from jaxserve.runner.parallel.expert_parallel import sharded_experts
+    from jaxserve.runner.parallel.sharding import make_mesh
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16, 8)).astype(np.float32)
     ids = rng.integers(0, 6, size=(16, 2)).astype(np.int32)
@@ -220,17 +223,17 @@ def test_expert_parallel_gives_the_tokens_of_one_device() -> None:
 def test_startup_log_names_the_experts_and_how_they_are_split() -> None:
     from jaxserve.runner.devices import describe_experts
 
-    qwen2 = ModelConfig.from_hf_dir(fixture_dir("qwen2_moe"))
+    qwen2 = load_model_config(fixture_dir("qwen2_moe"))
     one = EngineConfig(model=str(fixture_dir("qwen2_moe")))
     assert describe_experts(qwen2, one) == (
         "Experts: 4, 2 per token (jax.lax.ragged_dot), a shared expert"
     )
     ep = EngineConfig(tensor_parallel_size=4, enable_expert_parallel=True)
-    qwen3 = ModelConfig.from_hf_dir(builtin_config_dir("qwen3-30b-a3b"))
+    qwen3 = load_model_config(builtin_config_dir("qwen3-30b-a3b"))
     assert describe_experts(qwen3, ep) == (
         "Experts: 128, 8 per token (jax.lax.ragged_dot), expert parallel over 4"
     )
-    assert describe_experts(ModelConfig.from_hf_dir(fixture_dir("llama")), one) is None
+    assert describe_experts(load_model_config(fixture_dir("llama")), one) is None
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -243,4 +246,4 @@ def test_a_quantized_checkpoint_of_experts_fails_at_start_naming_both(tmp_path, 
     raw["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     (model / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match=f"quant_method='fp8'.*not supported for {family}"):
-        ModelConfig.from_hf_dir(model)
+        load_model_config(model)

@@ -18,7 +18,7 @@ ROOT = Path(__file__).parents[1]
 SCRIPT = textwrap.dedent("""
     import json, sys
     import numpy as np
-    from jaxserve.runner.distributed import initialize_distributed
+    from jaxserve.runner.parallel.distributed import initialize_distributed
     port, pid = int(sys.argv[1]), int(sys.argv[2])
     initialize_distributed(f"127.0.0.1:{port}", 2, pid)
     from jaxserve.engine_config import EngineConfig

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import llama
+from jaxserve.models import decoder
+from jaxserve.models.layers import Weights
 from jaxserve.runner import capacity, programs, sampling
 from jaxserve.runner.programs import prompt_logprobs_step
 
@@ -23,9 +24,9 @@ def test_chunked_prompt_logprobs_equal_one_pass(monkeypatch, num_tokens) -> None
     hidden = jax.random.normal(keys[1], (num_tokens, 16), jnp.float32)
     next_ids = jax.random.randint(keys[2], (num_tokens,), 0, 97)
     chunked = prompt_logprobs_step(head, hidden, next_ids, tied=True)
-    weights = llama.Weights(embed=head, layers=[], final_norm=None, lm_head=None)  # type: ignore[arg-type]
+    weights = Weights(embed=head, layers=[], final_norm=None, lm_head=None)  # type: ignore[arg-type]
     whole = sampling.prompt_logprobs(
-        llama.compute_logits(weights, hidden), next_ids, sampling.NUM_TOP_LOGPROBS
+        decoder.compute_logits(weights, hidden), next_ids, sampling.NUM_TOP_LOGPROBS
     )
     for got, want in zip(chunked, whole, strict=True):
         assert got.shape == want.shape

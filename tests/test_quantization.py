@@ -30,11 +30,14 @@ from jaxserve import SamplingParams
 from jaxserve.bench.capacity import add_capacity_arguments, run_capacity
 from jaxserve.config import ModelConfig, builtin_config_dir
 from jaxserve.engine_config import EngineConfig
-from jaxserve.models import llama, quant
+from jaxserve.models import decoder, quant
 from jaxserve.models.batch import make_kv_cache
-from jaxserve.models.families import layer_fields
+from jaxserve.models.families.registry import layer_fields, load_model_config
+from jaxserve.models.layers import Weights
+from jaxserve.models.loading.checkpoint_loader import load_weights
+from jaxserve.models.loading.dummy import dummy_weights
+from jaxserve.models.loading.quant_checkpoint import pack_np
 from jaxserve.models.quant import QArray, dequantize, linear, quantize, unpack_int4
-from jaxserve.models.quant_checkpoint import pack_np
 from jaxserve.models.quant_scheme import (
     QuantizationError,
     QuantScheme,
@@ -43,10 +46,9 @@ from jaxserve.models.quant_scheme import (
     resolve_scheme,
     weight_bytes,
 )
-from jaxserve.models.weights import dummy_weights, load_weights
 from jaxserve.runner.capacity import DEVICE_MEMORY_BYTES, plan_capacity
-from jaxserve.runner.sharding import weight_specs
-from jaxserve.server.launch import add_launch_arguments, engine_config_from_args
+from jaxserve.runner.parallel.sharding import weight_specs
+from jaxserve.server.launch.flags import add_launch_arguments, engine_config_from_args
 from tests.conftest import fixture_dir, run_with_devices
 from tests.test_model_parity import PAGE, one_sequence_batch
 
@@ -155,13 +157,13 @@ def test_fp8_weights_are_read_weight_only_in_decode_sized_steps() -> None:
     )
 
 
-def _logits(weights: llama.Weights, config: ModelConfig, ids: list[int]) -> np.ndarray:
+def _logits(weights: Weights, config: ModelConfig, ids: list[int]) -> np.ndarray:
     cache = make_kv_cache(
         config.num_layers, 16, PAGE, config.num_kv_heads, config.head_dim, jnp.float32
     )
     batch = one_sequence_batch(ids, 0, list(range(14)), 16 * PAGE)
-    _, hidden = jax.jit(llama.forward, static_argnums=(3,))(weights, cache, batch, config)
-    return np.asarray(llama.compute_logits(weights, hidden, config.final_logit_softcap))
+    _, hidden = jax.jit(decoder.forward, static_argnums=(3,))(weights, cache, batch, config)
+    return np.asarray(decoder.compute_logits(weights, hidden, config.final_logit_softcap))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -173,7 +175,7 @@ def test_each_mode_stays_close_to_the_unquantized_model(
 ) -> None:
     golden = np.load(fixture_dir(family) / "golden.npz")
     ref = golden["prefill2_logits"]  # f32[56, V] from transformers
-    config = ModelConfig.from_hf_dir(fixture_dir(family))
+    config = load_model_config(fixture_dir(family))
     weights = load_weights(fixture_dir(family), config, jnp.float32, scheme=scheme)
     assert isinstance(weights.layers[0].wq, QArray)
     assert weights.layers[0].wq.act_quant == scheme.act_quant
@@ -186,7 +188,7 @@ def test_each_mode_stays_close_to_the_unquantized_model(
 
 
 def test_dummy_weights_quantize_the_same_random_weights() -> None:
-    config = ModelConfig.from_hf_dir(fixture_dir("llama"))
+    config = load_model_config(fixture_dir("llama"))
     dense = dummy_weights(config, jnp.float32, seed=3)
     quantized = dummy_weights(config, jnp.float32, seed=3, scheme=INT8)
     wo = quantized.layers[1].wo
@@ -203,7 +205,7 @@ def test_dummy_weights_quantize_the_same_random_weights() -> None:
 
 @pytest.mark.parametrize("scheme", [FP8, INT8], ids=["fp8", "int8"])
 def test_counted_bytes_are_the_device_bytes(scheme: QuantScheme) -> None:
-    config = ModelConfig.from_hf_dir(fixture_dir("phi3"))
+    config = load_model_config(fixture_dir("phi3"))
     weights = dummy_weights(config, jnp.bfloat16, scheme=scheme)
     on_device = sum(x.nbytes for x in jax.tree.leaves(weights))
     assert weight_bytes(config, 2, scheme) == on_device
@@ -280,7 +282,7 @@ def test_launch_flag_reaches_the_engine_config() -> None:
 
 
 def test_quantized_shardings_follow_the_weight_axes() -> None:
-    config = ModelConfig.from_hf_dir(fixture_dir("llama"))
+    config = load_model_config(fixture_dir("llama"))
     specs = weight_specs(config, 2, FP8).layers[0]
     P = jax.sharding.PartitionSpec
     assert (specs.wq.q, specs.wq.scale) == (P("tp", None), P("tp"))  # column parallel
@@ -307,7 +309,7 @@ def test_capacity_counts_quantized_weights_on_the_h200(capsys) -> None:
     bf16 = _capacity_json(capsys, *args)
     fp8 = _capacity_json(capsys, *args, "--quantization", "fp8")
     int8 = _capacity_json(capsys, *args, "-q", "int8")
-    config = ModelConfig.from_hf_dir(model)
+    config = load_model_config(model)
     linear_params = config.num_layers * sum(
         int(np.prod(f.shape_for(config))) for f in layer_fields(config) if f.name[0] == "w"
     )

@@ -19,13 +19,16 @@ import jaxserve
 from jaxserve import SamplingParams
 from jaxserve.bench.capacity import add_capacity_arguments, run_capacity
 from jaxserve.config import ModelConfig
-from jaxserve.models import llama
+from jaxserve.models import decoder
 from jaxserve.models.batch import make_kv_cache
-from jaxserve.models.families import HF_LAYER_PREFIX, layer_fields
+from jaxserve.models.families.fields import HF_LAYER_PREFIX
+from jaxserve.models.families.registry import layer_fields, load_model_config
+from jaxserve.models.layers import Weights
+from jaxserve.models.loading.checkpoint_loader import load_weights
+from jaxserve.models.loading.checkpoint_reader import WeightsError
+from jaxserve.models.loading.quant_checkpoint import read_fp8
 from jaxserve.models.quant import QUANTIZED_FIELDS, QArray, dequantize
-from jaxserve.models.quant_checkpoint import read_fp8
 from jaxserve.models.quant_scheme import resolve_scheme
-from jaxserve.models.weights import WeightsError, load_weights
 from tests.conftest import fixture_dir
 from tests.test_model_parity import PAGE, one_sequence_batch
 
@@ -87,14 +90,14 @@ def read_all(model_dir: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def logits(model_dir: Path, weights: llama.Weights, config: ModelConfig) -> np.ndarray:
+def logits(model_dir: Path, weights: Weights, config: ModelConfig) -> np.ndarray:
     ids = np.load(fixture_dir("llama") / "golden.npz")["prompt2_ids"].tolist()
     cache = make_kv_cache(
         config.num_layers, 16, PAGE, config.num_kv_heads, config.head_dim, jnp.float32
     )
     batch = one_sequence_batch(ids, 0, list(range(14)), 16 * PAGE)
-    _, hidden = jax.jit(llama.forward, static_argnums=(3,))(weights, cache, batch, config)
-    return np.asarray(llama.compute_logits(weights, hidden, config.final_logit_softcap))
+    _, hidden = jax.jit(decoder.forward, static_argnums=(3,))(weights, cache, batch, config)
+    return np.asarray(decoder.compute_logits(weights, hidden, config.final_logit_softcap))
 
 
 FORMATS = [
@@ -113,7 +116,7 @@ def test_checkpoint_loads_to_its_dequantized_reference(tmp_path, family: str, fm
     and the model on the packed weights computes the logits of the dense reference model."""
     model_dir = make_quantized(fixture_dir(family), tmp_path / fmt, fmt, GROUP, BLOCK)
     qc = json.loads((model_dir / "config.json").read_text())["quantization_config"]
-    config = ModelConfig.from_hf_dir(model_dir)
+    config = load_model_config(model_dir)
     scheme = resolve_scheme(None, model_dir)
     assert scheme is not None and scheme.method == qc["quant_method"]
     weights = load_weights(model_dir, config, jnp.float32, scheme=scheme)
@@ -138,7 +141,7 @@ def test_checkpoint_loads_to_its_dequantized_reference(tmp_path, family: str, fm
 
 def test_hand_packed_awq_and_gptq_words(tmp_path) -> None:
     """One word of each layout written by hand: AWQ's interleaved columns, GPTQ's rows."""
-    from jaxserve.models.quant_checkpoint import AWQ_PACK_ORDER, pack_np, unpack_np
+    from jaxserve.models.loading.quant_checkpoint import AWQ_PACK_ORDER, pack_np, unpack_np
 
     values = np.arange(8, dtype=np.uint8) + 3  # columns 0..7 hold 3..10
     awq_word = sum(int(values[AWQ_PACK_ORDER[n]]) << (4 * n) for n in range(8))
@@ -159,7 +162,7 @@ def test_misshapen_scale_names_the_tensor(tmp_path) -> None:
     name = "model.layers.1.mlp.down_proj.weight_scale"
     tensors[name] = np.ones((3, 1), np.float32)
     make_quantized_module.write_safetensors(model_dir / "model.safetensors", tensors)
-    config = ModelConfig.from_hf_dir(model_dir)
+    config = load_model_config(model_dir)
     with pytest.raises(WeightsError, match=f"{name}.*shape \\[3, 1\\]"):
         load_weights(model_dir, config, jnp.float32, scheme=resolve_scheme(None, model_dir))
 
@@ -189,7 +192,7 @@ def test_llm_serves_a_gptq_checkpoint_detected_from_its_config(tmp_path, capsys)
     args.json = True
     assert run_capacity(args) == 0
     assert json.loads(capsys.readouterr().out)["weight_bytes"] == on_device
-    config = ModelConfig.from_hf_dir(model_dir)
+    config = load_model_config(model_dir)
     golden = np.load(fixture_dir("llama") / "golden.npz")
     ids = golden["prompt_ids"].tolist()
     out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1))
@@ -198,6 +201,6 @@ def test_llm_serves_a_gptq_checkpoint_detected_from_its_config(tmp_path, capsys)
         config.num_layers, 16, PAGE, config.num_kv_heads, config.head_dim, jnp.float32
     )
     batch = one_sequence_batch(ids, 0, list(range(6)), 16 * PAGE)
-    _, hidden = jax.jit(llama.forward, static_argnums=(3,))(runner.weights, cache, batch, config)
-    last = np.asarray(llama.compute_logits(runner.weights, hidden))[-1]
+    _, hidden = jax.jit(decoder.forward, static_argnums=(3,))(runner.weights, cache, batch, config)
+    last = np.asarray(decoder.compute_logits(runner.weights, hidden))[-1]
     assert out[0].outputs[0].token_ids == [int(last.argmax())]

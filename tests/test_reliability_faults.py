@@ -28,10 +28,8 @@ import pytest
 
 from jaxserve.cli import build_parser
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.server.app import build_app
-from jaxserve.server.background import BackgroundServer
-from jaxserve.server.launch import settings_from_args
-from jaxserve.server.ratelimit import RateLimiter, TokenBucket
+from jaxserve.server.guard.ratelimit import RateLimiter, TokenBucket
+from jaxserve.server.launch.flags import settings_from_args
 from jaxserve.server.settings import ServerSettings
 from tests.conftest import (
     free_port,
@@ -39,7 +37,9 @@ from tests.conftest import (
     pace_steps,
     paced_launch_command,
     tiny_engine_config,
+    tiny_server,
     wait_for,
+    wait_idle,
 )
 
 FIXTURE = Path(__file__).parent / "fixtures" / "models" / "llama"
@@ -65,20 +65,6 @@ def engine():
     engine.start()
     yield engine
     engine.shutdown()
-
-
-def serve(engine, **settings) -> BackgroundServer:
-    return BackgroundServer(
-        build_app(engine, ServerSettings(served_model_names=(MODEL,), **settings))
-    )
-
-
-def wait_idle(engine) -> None:
-    wait_for(
-        lambda: engine.core.num_unfinished() == 0 and engine.core.kv.pool.num_free == NUM_BLOCKS,
-        10,
-        "the engine to go idle with every block free",
-    )
 
 
 def completion(max_tokens: int = 4, **extra) -> dict:
@@ -117,7 +103,7 @@ def post_head(framing: bytes) -> bytes:
 
 def test_slow_body_gets_408_and_a_prompt_one_is_served(engine):
     body = json.dumps(completion()).encode()
-    with serve(engine, request_body_timeout_s=0.5) as bg:
+    with tiny_server(MODEL, {"request_body_timeout_s": 0.5}, engine=engine) as bg:
         # Declared length, half sent, then silence.
         start = time.monotonic()
         reply = raw_request(
@@ -168,7 +154,7 @@ def test_slow_reader_is_cut_off_and_its_request_aborted(engine, caplog):
     # as the client stops reading.
     body = completion(max_tokens=240, n=8, logprobs=20, stream=True, temperature=1.0)
     request = json.dumps(body).encode()
-    with serve(engine, send_timeout_s=0.5) as bg:
+    with tiny_server(MODEL, {"send_timeout_s": 0.5}, engine=engine) as bg:
         bg.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)  # inherited on accept
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
@@ -226,7 +212,7 @@ def test_token_bucket_refills_and_forgets_the_oldest_client():
 
 
 def test_requests_per_minute_per_key(engine):
-    with serve(engine, api_key="k1", rate_limit_rpm=3) as bg:
+    with tiny_server(MODEL, {"api_key": "k1", "rate_limit_rpm": 3}, engine=engine) as bg:
         headers = {"Authorization": "Bearer k1"}
         with httpx.Client(base_url=bg.url, headers=headers, timeout=30) as http:
             for _ in range(3):
@@ -252,7 +238,7 @@ def test_requests_per_minute_per_key(engine):
 
 
 def test_tokens_per_minute_per_address(engine):
-    with serve(engine, rate_limit_tpm=100) as bg:
+    with tiny_server(MODEL, {"rate_limit_tpm": 100}, engine=engine) as bg:
         num_prompt = httpx.post(f"{bg.url}/tokenize", json={"prompt": "the river"}).json()["count"]
         cost = num_prompt + 2 * 20  # n=2 reserves max_tokens twice
         local = httpx.Client(base_url=bg.url, timeout=30)
@@ -319,7 +305,7 @@ def test_burst_past_capacity_gets_429_and_admitted_requests_finish(engine):
 
     watcher = threading.Thread(target=watch_queue)
     watcher.start()
-    with serve(engine) as bg:
+    with tiny_server(MODEL, engine=engine) as bg:
         try:
             results = asyncio.run(burst(bg.url, 10 * capacity))
         finally:

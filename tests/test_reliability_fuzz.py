@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import hypothesis
@@ -23,11 +21,7 @@ from hypothesis import HealthCheck, Phase
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.server.app import build_app
-from jaxserve.server.background import BackgroundServer
-from jaxserve.server.settings import ServerSettings
-from tests.conftest import tiny_engine_config
+from tests.conftest import tiny_server, wait_idle
 
 FIXTURE = Path(__file__).parent / "fixtures" / "models" / "llama"
 MODEL = "tiny-llama"
@@ -54,32 +48,15 @@ FUZZ_SETTINGS = hypothesis.settings(
 
 @pytest.fixture(scope="module")
 def server():
-    config = tiny_engine_config(
+    with tiny_server(
         MODEL,
+        {"api_key": API_KEY},
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=16,
         max_num_batched_tokens=64,
         num_gpu_blocks_override=64,
-    )
-    engine = AsyncEngine.from_config(config)
-    engine.start()
-    settings = ServerSettings(served_model_names=(MODEL,), api_key=API_KEY)
-    app = build_app(engine, settings)
-    try:
-        with BackgroundServer(app) as background:
-            yield SimpleNamespace(url=background.url, engine=engine)
-    finally:
-        engine.shutdown()
-
-
-def wait_idle(engine, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        stats = engine.core.stats
-        if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_cache_usage == 0:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"engine not idle: {engine.core.stats}")
+    ) as server:
+        yield server
 
 
 def shrink_generation(case):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import random
 import time
-from types import SimpleNamespace
 
 import httpx
 import jax
@@ -19,12 +18,8 @@ import pytest
 from jax._src import monitoring  # the public module has no unregister in jax 0.11.2
 from jax._src.dispatch import BACKEND_COMPILE_EVENT
 
-from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server.app import build_app
-from jaxserve.server.background import BackgroundServer
-from jaxserve.server.settings import ServerSettings
-from tests.conftest import pace_steps, tiny_engine_config, wait_for
+from tests.conftest import tiny_server, wait_for
 
 MODEL = "tiny"
 VOCAB = 320
@@ -33,24 +28,17 @@ NUM_BLOCKS = 64
 
 @pytest.fixture(scope="module")
 def server():
-    config = tiny_engine_config(
+    # Steps of at least 3 ms: a large request is still generating while its neighbour is
+    # timed, however fast the device.
+    with tiny_server(
         MODEL,
+        min_step_s=0.003,
         max_model_len=256,
         max_num_seqs=8,
         max_num_batched_tokens=64,
         num_gpu_blocks_override=NUM_BLOCKS,
-    )
-    engine = AsyncEngine.from_config(config)
-    # Steps of at least 3 ms: a large request is still generating while its neighbour is
-    # timed, however fast the device.
-    pace_steps(engine.core, 0.003)
-    engine.start()
-    app = build_app(engine, ServerSettings(served_model_names=(MODEL,)))
-    try:
-        with BackgroundServer(app) as background:
-            yield SimpleNamespace(url=background.url, engine=engine)
-    finally:
-        engine.shutdown()
+    ) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -221,9 +209,9 @@ class OutOfDeviceMemory:
 
 
 def test_a_step_whose_prompt_logprobs_fail_fails_only_their_request(server, http) -> None:
-    runner = server.engine.core.runner
-    real = runner.prompt_logprobs
-    runner.prompt_logprobs = lambda hidden, next_ids: (OutOfDeviceMemory(),) * 4
+    programs = server.engine.core.runner.programs
+    real = programs.prompt_logprobs
+    programs.prompt_logprobs = lambda hidden, next_ids: (OutOfDeviceMemory(),) * 4
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             plain = pool.submit(
@@ -239,7 +227,7 @@ def test_a_step_whose_prompt_logprobs_fail_fails_only_their_request(server, http
             assert echo.status_code == 500, echo.text
             assert plain.result().status_code == 200, plain.result().text
     finally:
-        runner.prompt_logprobs = real
+        programs.prompt_logprobs = real
     assert_still_serving(http)
     lp = http.post(
         "/v1/completions",

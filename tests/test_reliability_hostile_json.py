@@ -28,8 +28,8 @@ from jaxserve.json_limits import (
     nesting_depth,
 )
 from jaxserve.server import app as app_module
-from jaxserve.server.protocol import CHAT_FIELDS, COMPLETION_FIELDS
-from jaxserve.server.tools import ToolChoice, tool_calls_schema
+from jaxserve.server.api.protocol import CHAT_FIELDS, COMPLETION_FIELDS
+from jaxserve.server.chat.tools import ToolChoice, tool_calls_schema
 from tests.conftest import assert_bad_request, tiny_server
 
 MODEL = "tiny"

@@ -19,7 +19,6 @@ import argparse
 import json
 import threading
 import time
-from types import SimpleNamespace
 
 import httpx
 import jax.numpy as jnp
@@ -30,13 +29,11 @@ from jaxserve.cli import build_parser
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.runner.sampling import apply_top_k_top_p
 from jaxserve.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams, SamplingParamsError
-from jaxserve.server.app import build_app
-from jaxserve.server.background import BackgroundServer
-from jaxserve.server.errors import APIError
-from jaxserve.server.fields import parse_json_object
-from jaxserve.server.launch import settings_from_args
+from jaxserve.server.api.errors import APIError
+from jaxserve.server.api.fields import parse_json_object
+from jaxserve.server.launch.flags import settings_from_args
 from jaxserve.server.settings import ServerSettings
-from tests.conftest import assert_bad_request, tiny_engine_config
+from tests.conftest import assert_bad_request, tiny_engine_config, tiny_server
 
 MODEL = "tiny"
 VOCAB = 320
@@ -64,16 +61,10 @@ def engine():
     engine.shutdown()
 
 
-def serve(engine, **settings) -> BackgroundServer:
-    return BackgroundServer(
-        build_app(engine, ServerSettings(served_model_names=(MODEL,), **settings))
-    )
-
-
 @pytest.fixture(scope="module")
 def server(engine):
-    with serve(engine) as background:
-        yield SimpleNamespace(url=background.url, engine=engine)
+    with tiny_server(MODEL, engine=engine) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +107,7 @@ def test_256_prompts_with_n_128_are_refused_before_anything_runs(http, server) -
 
 def test_sequences_per_request_count_prompts_n_and_best_of(engine) -> None:
     with (
-        serve(engine, max_seqs_per_request=8) as background,
+        tiny_server(MODEL, {"max_seqs_per_request": 8}, engine=engine) as background,
         httpx.Client(base_url=background.url, timeout=60) as http,
     ):
         ok = http.post("/v1/completions", json=completion(prompt=[PROMPT] * 2, n=4))
@@ -134,7 +125,7 @@ def test_sequences_per_request_count_prompts_n_and_best_of(engine) -> None:
 
 def test_tokens_per_request_count_n_times_the_resolved_max_tokens(engine) -> None:
     with (
-        serve(engine, max_tokens_per_request=64) as background,
+        tiny_server(MODEL, {"max_tokens_per_request": 64}, engine=engine) as background,
         httpx.Client(base_url=background.url, timeout=60) as http,
     ):
         body = completion(prompt=[PROMPT] * 2, n=2, max_tokens=16)
@@ -224,7 +215,7 @@ def test_ordinary_logprobs_requests_still_work(http) -> None:
 
 def test_response_budget_is_configurable(engine) -> None:
     with (
-        serve(engine, max_response_entries=100) as background,
+        tiny_server(MODEL, {"max_response_entries": 100}, engine=engine) as background,
         httpx.Client(base_url=background.url, timeout=60) as http,
     ):
         body = completion(logprobs=1, max_tokens=50)

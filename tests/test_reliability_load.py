@@ -31,18 +31,15 @@ import pytest
 
 import jaxserve
 from jaxserve import SamplingParams
-from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.sampling_params import MAX_N
-from jaxserve.server.app import build_app
-from jaxserve.server.background import BackgroundServer
-from jaxserve.server.settings import ServerSettings
 from tests.conftest import (
     free_port,
     metric,
     paced_launch_command,
     start_server,
-    tiny_engine_config,
+    tiny_server,
     wait_for,
+    wait_idle,
 )
 
 FIXTURE = Path(__file__).parent / "fixtures" / "models" / "llama"
@@ -353,33 +350,14 @@ MAX_SEQS = 16
 
 @pytest.fixture(scope="module")
 def tiny_pool():
-    config = tiny_engine_config(
+    with tiny_server(
         MODEL,
         max_model_len=256,
         max_num_seqs=MAX_SEQS,
         max_num_batched_tokens=64,
         num_gpu_blocks_override=TINY_BLOCKS,
-    )
-    engine = AsyncEngine.from_config(config)
-    engine.start()
-    app = build_app(engine, ServerSettings(served_model_names=(MODEL,)))
-    try:
-        with BackgroundServer(app) as background:
-            yield SimpleNamespace(url=background.url, engine=engine, core=engine.core)
-    finally:
-        engine.shutdown()
-
-
-def wait_idle(core) -> None:
-    wait_for(
-        lambda: (
-            core.stats.num_running == 0
-            and core.stats.num_waiting == 0
-            and core.kv.pool.num_free == TINY_BLOCKS
-        ),
-        10,
-        "the engine to go idle with every block free",
-    )
+    ) as server:
+        yield server
 
 
 async def post_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
@@ -431,11 +409,11 @@ def test_cache_exhaustion_preempts_and_keeps_greedy_output(tiny_pool):
     assert metric(tiny_pool.url, "jaxserve:num_preemptions_total") > preemptions_before
     # Every request finished and its greedy output is unchanged.
     assert texts(pressured) == texts(alone), divergences(alone, pressured)
-    wait_idle(tiny_pool.core)
+    wait_idle(tiny_pool.engine)
 
 
 def test_n64_shares_prompt_blocks_and_n_above_cap_is_400(tiny_pool):
-    pool = tiny_pool.core.kv.pool
+    pool = tiny_pool.engine.core.kv.pool
     prompt = list(range(10, 90))  # 80 tokens: 5 blocks; 64 unshared copies would need 320+
     most_refs = 0
     running = threading.Event()
@@ -463,7 +441,7 @@ def test_n64_shares_prompt_blocks_and_n_above_cap_is_400(tiny_pool):
     too_many = httpx.post(f"{tiny_pool.url}/v1/completions", json={**body, "n": MAX_N + 1})
     assert too_many.status_code == 400
     assert too_many.json()["error"]["param"] == "n"
-    wait_idle(tiny_pool.core)
+    wait_idle(tiny_pool.engine)
 
 
 def seeded(prompt: str, seed: int) -> dict:
@@ -537,7 +515,7 @@ def test_same_seed_alone_and_in_a_concurrent_batch(tiny_pool):
         assert batch_tokens == alone_tokens
         # Not promised bit for bit: other batch shapes may round the last float bits apart.
         assert max(abs(a - b) for a, b in zip(alone_lp, batch_lp, strict=True)) < 1e-4
-    wait_idle(tiny_pool.core)
+    wait_idle(tiny_pool.engine)
 
 
 def test_seeded_output_independent_of_batchmates_for_one_shape():

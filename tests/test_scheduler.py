@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.engine.core import EngineCore, RequestError
+from jaxserve.engine.core import EngineCore
+from jaxserve.engine.request_checks import RequestError
 from jaxserve.engine_config import EngineConfig
 from jaxserve.runner.capacity import plan_capacity
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
@@ -34,6 +35,7 @@ class FakeRunner:
         )
 
     ready_tokens = 1 << 30
+    compile_seconds = 0.0
 
     def warmup(self) -> int:
         return 0
@@ -42,13 +44,16 @@ class FakeRunner:
         pass
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
-        return self.collect(self.dispatch(output))
+        step = self.dispatch(output)
+        self.sample(step, None)
+        return self.collect(step)
 
-    def dispatch(
-        self, output: SchedulerOutput, previous=None, defer_sampling=False
-    ) -> SchedulerOutput:
+    def dispatch(self, output: SchedulerOutput, previous=None) -> SchedulerOutput:
         self.steps.append(output)
         return output
+
+    def sample(self, output: SchedulerOutput, token_mask) -> None:
+        assert token_mask is None or output.is_constrained
 
     def collect(self, output: SchedulerOutput) -> RunnerOutput:
         tokens = []
@@ -73,9 +78,9 @@ def make_core(num_blocks: int = 64, **overrides) -> tuple[EngineCore, FakeRunner
     )
     settings.update(overrides)
     config = EngineConfig(**settings)
-    from jaxserve.config import ModelConfig
+    from jaxserve.models.families.registry import load_model_config
 
-    runner = FakeRunner(num_blocks, config.block_size, ModelConfig.from_hf_dir(config.model_dir))
+    runner = FakeRunner(num_blocks, config.block_size, load_model_config(config.model_dir))
     return EngineCore(config, runner=runner), runner
 
 
@@ -323,9 +328,7 @@ class RowKeepingRunner(FakeRunner):
         super().__init__(*args, **kwargs)
         self.rows: set[str] = set()
 
-    def dispatch(
-        self, output: SchedulerOutput, previous=None, defer_sampling=False
-    ) -> SchedulerOutput:
+    def dispatch(self, output: SchedulerOutput, previous=None) -> SchedulerOutput:
         self.rows -= {*output.preempted_seq_ids, *output.finished_seq_ids}
         for item in output.scheduled:
             if item.is_new:
@@ -337,10 +340,10 @@ class RowKeepingRunner(FakeRunner):
 
 
 def make_row_core(num_blocks: int, **overrides) -> tuple[EngineCore, RowKeepingRunner]:
-    from jaxserve.config import ModelConfig
+    from jaxserve.models.families.registry import load_model_config
 
     core, fake = make_core(num_blocks, **overrides)
-    runner = RowKeepingRunner(num_blocks, 4, ModelConfig.from_hf_dir(fixture_dir("llama")))
+    runner = RowKeepingRunner(num_blocks, 4, load_model_config(fixture_dir("llama")))
     core.runner = runner
     return core, runner
 
@@ -370,9 +373,7 @@ def test_runner_state_follows_the_lifecycle_through_preemption_and_abort(
 class PoisonRunner(FakeRunner):
     """Fails to build a step that holds a request seeded 666 (as a bad parameter would)."""
 
-    def dispatch(
-        self, output: SchedulerOutput, previous=None, defer_sampling=False
-    ) -> SchedulerOutput:
+    def dispatch(self, output: SchedulerOutput, previous=None) -> SchedulerOutput:
         if any(item.seq.params.seed == 666 for item in output.scheduled):
             raise OverflowError("Python integer out of bounds for int32")
         return super().dispatch(output, previous)
@@ -380,10 +381,10 @@ class PoisonRunner(FakeRunner):
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_request_that_breaks_its_step_fails_alone(async_scheduling) -> None:
-    from jaxserve.config import ModelConfig
+    from jaxserve.models.families.registry import load_model_config
 
     core, _ = make_core(async_scheduling=async_scheduling)
-    core.runner = PoisonRunner(64, 4, ModelConfig.from_hf_dir(fixture_dir("llama")))
+    core.runner = PoisonRunner(64, 4, load_model_config(fixture_dir("llama")))
     core.add_request("ok", [1, 2, 3], GREEDY)
     results: dict = {}
     run_steps(core, results, 2)  # "ok" is running when the poisoned request arrives
@@ -400,10 +401,10 @@ def test_a_request_that_breaks_its_step_fails_alone(async_scheduling) -> None:
 
 
 def test_a_step_failure_with_no_new_request_still_stops_the_engine() -> None:
-    from jaxserve.config import ModelConfig
+    from jaxserve.models.families.registry import load_model_config
 
     core, _ = make_core()
-    core.runner = PoisonRunner(64, 4, ModelConfig.from_hf_dir(fixture_dir("llama")))
+    core.runner = PoisonRunner(64, 4, load_model_config(fixture_dir("llama")))
     core.add_request("ok", [1, 2, 3], GREEDY)
     run_steps(core, {}, 1)
     core.requests["ok"].params.__dict__["seed"] = 666  # its step now breaks, nobody new to blame

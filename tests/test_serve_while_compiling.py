@@ -22,14 +22,15 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jaxserve.config import ModelConfig
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine_config import EngineConfig
-from jaxserve.models.checkpoint_reader import WeightsError
+from jaxserve.models.families.registry import load_model_config
+from jaxserve.models.loading.checkpoint_reader import WeightsError
 from jaxserve.models.quant_scheme import QuantScheme
-from jaxserve.runner import bucket_compile, warmup
+from jaxserve.runner import step_programs, warmup
 from jaxserve.runner.model_weights import abstract_model_weights, model_weights
 from jaxserve.runner.runner import ModelRunner
+from jaxserve.runner.step_programs import StepPrograms
 from jaxserve.sampling_params import SamplingParams
 from tests.conftest import fixture_dir, run_with_devices
 
@@ -77,14 +78,15 @@ def held_background(monkeypatch):
     """Holds the background compile at its start until the event is set (or the runner shuts
     down)."""
     release = threading.Event()
-    compile_buckets = bucket_compile.compile_buckets
+    compile_buckets = warmup.compile_buckets
 
-    def held(runner, pool, buckets, kv_cache, start, raise_ready=False, **parts):
-        while raise_ready and not release.wait(0.05) and not runner.background.stopping.is_set():
+    def held(programs, pool, buckets, start, check, raise_ready=False, **parts):
+        stopping = programs.background.stopping
+        while raise_ready and not release.wait(0.05) and not stopping.is_set():
             pass
-        compile_buckets(runner, pool, buckets, kv_cache, start, raise_ready, **parts)
+        compile_buckets(programs, pool, buckets, start, check, raise_ready, **parts)
 
-    monkeypatch.setattr(bucket_compile, "compile_buckets", held)
+    monkeypatch.setattr(warmup, "compile_buckets", held)
     yield release
     release.set()
 
@@ -93,32 +95,34 @@ def test_the_engine_serves_the_compiled_buckets_first_and_every_bucket_once_comp
     held_background,
 ) -> None:
     reference = EngineCore(engine_config(serve_while_compiling=False))
-    assert reference.runner.ready_tokens == 64 and reference.runner.background.thread is None
+    assert reference.runner.ready_tokens == 64
+    assert reference.runner.programs.background.thread is None
     expected, steps = generate(reference, "ref", PROMPT)
     assert steps[0] == 40  # the whole prompt in one step
 
     core = EngineCore(engine_config())
     runner = core.runner
+    programs = runner.programs
     assert runner.ready_tokens == 16
-    assert sorted(runner.compiled_steps) == [16]
+    assert sorted(programs.compiled_steps) == [16]
     tokens, steps = generate(core, "early", PROMPT)
     assert tokens == expected
     assert steps[:3] == [16, 16, 8]  # the prompt in chunks of the compiled bucket
 
     held_background.set()
-    runner.background.thread.join(120)
+    programs.background.thread.join(120)
     assert runner.ready_tokens == 64
-    assert sorted(runner.compiled_steps) == [16, 32, 64]
-    assert sorted(runner.compiled_prompt_lp) == [16, 32, 64]
-    assert sorted(runner.compiled_logits) == [16, 32, 64]
+    assert sorted(programs.compiled_steps) == [16, 32, 64]
+    assert sorted(programs.compiled_prompt_lp) == [16, 32, 64]
+    assert sorted(programs.compiled_logits) == [16, 32, 64]
     # the sampler variants belong to a sequence bucket: 4 rows for every token bucket here
-    assert {rows for rows, _ in runner.compiled_samplers} == {4}
-    assert len(runner.compiled_samplers) == len(runner.inputs.sampler_variants)
+    assert {rows for rows, _ in programs.compiled_samplers} == {4}
+    assert len(programs.compiled_samplers) == len(runner.inputs.sampler_variants)
     # float32 means float32 in the background thread's programs too (no TF32 on a GPU)
-    assert "operand_precision={highest" in runner.compiled_steps[64].as_text()
+    assert "operand_precision={highest" in programs.compiled_steps[64].as_text()
     tokens, steps = generate(core, "late", PROMPT[::-1])
     assert steps[0] == 40
-    assert runner.step_fn._cache_size() == 0  # every step ran a warm-up executable
+    assert programs.step_fn._cache_size() == 0  # every step ran a warm-up executable
     core.shutdown()
     reference.shutdown()
 
@@ -130,19 +134,20 @@ def test_the_decode_buckets_compile_in_the_background_before_the_prefill_ones(
     with caplog.at_level(logging.INFO, logger="jaxserve.runner.warmup"):
         core = EngineCore(engine_config(max_num_seqs=32))
         runner = core.runner
-        assert sorted(runner.compiled_steps) == [16] and runner.ready_tokens == 16
+        programs = runner.programs
+        assert sorted(programs.compiled_steps) == [16] and runner.ready_tokens == 16
         # every matmul by the head compiles before the KV cache takes the device's memory:
         # the logits of every bucket, the prompt logprobs of the decode ones; the sampler
         # variants (no matmul) of the larger sequence buckets compile beside the cache
-        assert sorted(runner.compiled_logits) == [16, 32, 64]
-        assert sorted(runner.compiled_prompt_lp) == [16, 32]
-        assert {rows for rows, _ in runner.compiled_samplers} == {16}
-        assert len(runner.compiled_samplers) == len(runner.inputs.sampler_variants)
+        assert sorted(programs.compiled_logits) == [16, 32, 64]
+        assert sorted(programs.compiled_prompt_lp) == [16, 32]
+        assert {rows for rows, _ in programs.compiled_samplers} == {16}
+        assert len(programs.compiled_samplers) == len(runner.inputs.sampler_variants)
         held_background.set()
-        runner.background.thread.join(120)
-        assert {rows for rows, _ in runner.compiled_samplers} == {16, 32}  # 64 tokens: 32 rows
-        assert len(runner.compiled_samplers) == 2 * len(runner.inputs.sampler_variants)
-        assert sorted(runner.compiled_prompt_lp) == [16, 32, 64]
+        programs.background.thread.join(120)
+        assert {rows for rows, _ in programs.compiled_samplers} == {16, 32}  # 64 tokens: 32 rows
+        assert len(programs.compiled_samplers) == 2 * len(runner.inputs.sampler_variants)
+        assert sorted(programs.compiled_prompt_lp) == [16, 32, 64]
     log = caplog.text
     assert "Compiling the model step for 1 token bucket (16)\n" in log
     assert "Serving steps of up to 16 tokens; the buckets of 32, 64 tokens" in log
@@ -163,7 +168,7 @@ def test_the_interpreter_switches_threads_sooner_while_the_background_compiles(
     core = EngineCore(engine_config())
     assert sys.getswitchinterval() == warmup.BACKGROUND_SWITCH_INTERVAL_S < before
     held_background.set()
-    core.runner.background.thread.join(120)
+    core.runner.programs.background.thread.join(120)
     assert sys.getswitchinterval() == before
     core.shutdown()
 
@@ -171,17 +176,17 @@ def test_the_interpreter_switches_threads_sooner_while_the_background_compiles(
 def test_a_bucket_that_fails_to_compile_leaves_the_engine_serving_the_smaller_ones(
     monkeypatch, caplog
 ) -> None:
-    lower_step = ModelRunner.lower_step
+    lower_step = StepPrograms.lower_step
 
     def failing(self, num_tokens, kv_cache=None):
         if num_tokens == 64:
             raise RuntimeError("no 64")
         return lower_step(self, num_tokens, kv_cache)
 
-    monkeypatch.setattr(ModelRunner, "lower_step", failing)
+    monkeypatch.setattr(StepPrograms, "lower_step", failing)
     with caplog.at_level(logging.INFO, logger="jaxserve.runner.warmup"):
         core = EngineCore(engine_config())
-        core.runner.background.thread.join(120)
+        core.runner.programs.background.thread.join(120)
     assert core.runner.ready_tokens == 16  # 32's step compiled, its samplers never started
     assert "Compiling the buckets of [32, 64] tokens failed" in caplog.text
     assert "no 64" in caplog.text
@@ -194,8 +199,8 @@ def test_shutdown_stops_the_background_compile_quietly(held_background, caplog) 
     with caplog.at_level(logging.INFO, logger="jaxserve.runner.warmup"):
         core = EngineCore(engine_config())
         core.shutdown()  # returns once the compile thread has stopped
-    assert not core.runner.background.thread.is_alive()
-    assert sorted(core.runner.compiled_steps) == [16]
+    assert not core.runner.programs.background.thread.is_alive()
+    assert sorted(core.runner.programs.compiled_steps) == [16]
     assert core.runner.ready_tokens == 16
     assert "failed" not in caplog.text
 
@@ -203,13 +208,14 @@ def test_shutdown_stops_the_background_compile_quietly(held_background, caplog) 
 def test_the_weights_load_while_the_programs_compile_against_their_shapes(caplog) -> None:
     with caplog.at_level(logging.INFO):
         runner = ModelRunner(
-            ModelConfig.from_hf_dir(str(fixture_dir("llama"))),
+            load_model_config(str(fixture_dir("llama"))),
             engine_config(serve_while_compiling=False, max_num_batched_tokens=16),
         )
         assert isinstance(runner.weights.embed, jax.ShapeDtypeStruct)
         runner.warmup()
     assert isinstance(runner.weights.embed, jax.Array)
-    assert runner.head is runner.weights.embed or runner.head is runner.weights.lm_head
+    head = runner.programs.head
+    assert head is runner.weights.embed or head is runner.weights.lm_head
     assert runner.load_seconds > 0
     assert "Weights ready" in caplog.text
 
@@ -240,7 +246,7 @@ def test_a_load_error_ends_the_start(tmp_path) -> None:
     ],
 )
 def test_the_weights_shapes_are_what_the_load_makes(family, quantization) -> None:
-    model_config = ModelConfig.from_hf_dir(str(fixture_dir(family)))
+    model_config = load_model_config(str(fixture_dir(family)))
     config = engine_config(model=str(fixture_dir(family)), quantization=quantization)
     quant = QuantScheme(quantization, quantization) if quantization else None
     loaded, _ = model_weights(model_config, config, jnp.float32, None, quant)
@@ -252,13 +258,13 @@ def test_the_weights_shapes_are_what_the_load_makes(family, quantization) -> Non
 
 SHARDED_SHAPES_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp
-    from jaxserve.config import ModelConfig
+    from jaxserve.models.families.registry import load_model_config
     from jaxserve.engine_config import EngineConfig
     from jaxserve.runner.model_weights import abstract_model_weights, model_weights
-    from jaxserve.runner.sharding import prepare_tp
+    from jaxserve.runner.parallel.sharding import prepare_tp
     for family, ep in (("qwen3", False), ("qwen3_moe", True)):
         path = f"tests/fixtures/models/{family}"
-        model_config = ModelConfig.from_hf_dir(path)
+        model_config = load_model_config(path)
         tp = prepare_tp(model_config, 2, expert_parallel=ep)
         config = EngineConfig(model=path, tensor_parallel_size=2, enable_expert_parallel=ep)
         loaded, _ = model_weights(model_config, config, jnp.float32, tp.placement, None)
@@ -277,7 +283,7 @@ def test_the_weights_shapes_carry_the_tensor_parallel_shardings() -> None:
 
 
 def test_pre_quantized_checkpoints_load_before_the_compile() -> None:
-    model_config = ModelConfig.from_hf_dir(str(fixture_dir("llama")))
+    model_config = load_model_config(str(fixture_dir("llama")))
     scheme = dataclasses.replace(QuantScheme("int8", "int8"), from_checkpoint=True)
     assert abstract_model_weights(model_config, jnp.float32, scheme) is None
 
@@ -318,11 +324,11 @@ OOM = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying
 
 @pytest.fixture
 def no_sleep(monkeypatch):
-    monkeypatch.setattr(bucket_compile.time, "sleep", lambda s: None)
+    monkeypatch.setattr(step_programs.time, "sleep", lambda s: None)
 
 
 def test_a_background_compile_out_of_memory_compiles_again_alone(no_sleep) -> None:
-    background = bucket_compile.BackgroundCompile()
+    background = step_programs.BackgroundCompile()
     lowered = FakeLowered(background, [OOM, OOM])
     assert background.compile(lowered) == "done"
     assert lowered.calls == 3 and lowered.retry_had_every_slot == [True, True]
@@ -331,11 +337,11 @@ def test_a_background_compile_out_of_memory_compiles_again_alone(no_sleep) -> No
 def test_a_background_compile_gives_up_after_its_retries_and_other_errors_at_once(
     no_sleep,
 ) -> None:
-    background = bucket_compile.BackgroundCompile()
+    background = step_programs.BackgroundCompile()
     always = FakeLowered(background, [OOM] * 10)
     with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
         background.compile(always)
-    assert always.calls == 1 + bucket_compile.BACKGROUND_RETRIES
+    assert always.calls == 1 + step_programs.BACKGROUND_RETRIES
     other = FakeLowered(background, [jax.errors.JaxRuntimeError("INTERNAL: bad")])
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
         background.compile(other)
@@ -346,9 +352,9 @@ def test_a_background_compile_gives_up_after_its_retries_and_other_errors_at_onc
 
 
 def test_background_compiles_run_four_at_a_time() -> None:
-    background = bucket_compile.BackgroundCompile()
+    background = step_programs.BackgroundCompile()
     record = {"now": 0, "most": 0, "lock": threading.Lock()}
     programs = [FakeLowered(background, hold_s=0.05, record=record) for _ in range(10)]
     with concurrent.futures.ThreadPoolExecutor(10) as pool:
         assert list(pool.map(background.compile, programs)) == ["done"] * 10
-    assert record["most"] == bucket_compile.BACKGROUND_SLOTS == 4
+    assert record["most"] == step_programs.BACKGROUND_SLOTS == 4

@@ -10,18 +10,13 @@ import json
 import re
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
 from openapi_spec_validator import validate
 
-from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.server.app import build_app
-from jaxserve.server.background import BackgroundServer
-from jaxserve.server.settings import ServerSettings
-from tests.conftest import pace_steps, tiny_engine_config
+from tests.conftest import tiny_server, wait_idle
 
 FIXTURE = Path(__file__).parent / "fixtures" / "models" / "llama"
 MODEL = "tiny-llama"
@@ -34,31 +29,25 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 @pytest.fixture(scope="module")
 def server():
-    config = tiny_engine_config(
-        MODEL,
-        max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        num_gpu_blocks_override=64,
-    )
-    engine = AsyncEngine.from_config(config)
-    # Steps of at least 2 ms: a 240-token stream is still running when its client disconnects,
-    # however fast the device.
-    pace_steps(engine.core, 0.002)
-    engine.start()
-    settings = ServerSettings(
+    settings = dict(
         served_model_names=(MODEL, "alias"),
         api_key=API_KEY,
         max_request_body_bytes=BODY_LIMIT,
         max_header_count=50,
         stats_log_interval_s=0.5,
     )
-    app = build_app(engine, settings)
-    try:
-        with BackgroundServer(app) as background:
-            yield SimpleNamespace(url=background.url, engine=engine, ctx=app.state.ctx)
-    finally:
-        engine.shutdown()
+    # Steps of at least 2 ms: a 240-token stream is still running when its client disconnects,
+    # however fast the device.
+    with tiny_server(
+        MODEL,
+        settings,
+        min_step_s=0.002,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        num_gpu_blocks_override=64,
+    ) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -82,17 +71,6 @@ def metric(http: httpx.Client, name: str) -> float:
             found = True
     assert found, f"{name} not in /metrics"
     return total
-
-
-def wait_idle(server, timeout_s: float = 10.0) -> None:
-    """The engine has no request left and every KV block is free again."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        stats = server.engine.core.stats
-        if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_cache_usage == 0:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"engine not idle: {server.engine.core.stats}")
 
 
 def greedy(**kwargs):
@@ -340,7 +318,7 @@ def test_prefix_cache_hits_reported_as_cached_tokens(client, http):
 def test_metrics_after_requests(server, client, http):
     before = metric(http, "jaxserve:request_success_total")
     client.completions.create(model=MODEL, prompt="metrics", **greedy(max_tokens=3))
-    wait_idle(server)
+    wait_idle(server.engine)
     text = http.get("/metrics").text
     assert metric(http, "jaxserve:request_success_total") == before + 1
     assert 'finished_reason="length"' in text
@@ -382,7 +360,7 @@ def test_stream_disconnect_aborts_and_frees_blocks(server, http):
         assert next(line for line in lines if line.startswith("data:"))
         assert server.engine.core.stats.kv_cache_usage > 0
     # Leaving the block closed the connection mid-stream.
-    wait_idle(server)
+    wait_idle(server.engine)
     deadline = time.monotonic() + 5
     while metric(http, "jaxserve:num_aborted_requests_total") == aborted_before:
         assert time.monotonic() < deadline, "the engine never saw the abort"
@@ -626,7 +604,7 @@ def test_bad_request(server, http, case):
         assert f"maximum context length is {MAX_MODEL_LEN} tokens" in error["message"]
     # The server is unharmed: healthy, no blocks held, and a normal request succeeds.
     assert httpx.get(f"{server.url}/health").status_code == 200
-    wait_idle(server)
+    wait_idle(server.engine)
     assert http.post("/v1/completions", json=COMPLETION).status_code == 200
 
 

@@ -14,12 +14,7 @@ import numpy as np
 import openai
 import pytest
 
-from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.engine_config import EngineConfig
-from jaxserve.server.app import build_app
-from jaxserve.server.background import BackgroundServer
-from jaxserve.server.settings import ServerSettings
-from tests.conftest import fixture_dir
+from tests.conftest import fixture_dir, tiny_server
 
 # The messages scripts/make_golden.py renders into golden["chat_ids"].
 CHAT_MESSAGES = [
@@ -31,28 +26,21 @@ CHAT_MESSAGES = [
 @pytest.fixture(scope="module", params=["gemma2", "phi3"])
 def served(request):
     family = request.param
-    config = EngineConfig(
-        model=str(fixture_dir(family)),
-        served_model_name=family,
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=2,
-        max_num_batched_tokens=32,
-        block_size=4,
-        num_gpu_blocks_override=64,
-        warmup=False,
-    )
-    engine = AsyncEngine.from_config(config)
-    engine.start()
-    app = build_app(engine, ServerSettings(served_model_names=(family,)))
-    try:
-        with BackgroundServer(app) as background:
-            url = f"{background.url}/v1"
-            with openai.OpenAI(base_url=url, api_key="none", max_retries=0) as client:
-                golden = np.load(fixture_dir(family) / "golden.npz")
-                yield SimpleNamespace(family=family, client=client, golden=golden, engine=engine)
-    finally:
-        engine.shutdown()
+    with (
+        tiny_server(
+            family,
+            family=family,
+            max_model_len=128,
+            max_num_seqs=2,
+            max_num_batched_tokens=32,
+            block_size=4,
+            num_gpu_blocks_override=64,
+            warmup=False,
+        ) as server,
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0) as client,
+    ):
+        golden = np.load(fixture_dir(family) / "golden.npz")
+        yield SimpleNamespace(family=family, client=client, golden=golden, engine=server.engine)
 
 
 def greedy(max_tokens: int) -> dict:

@@ -9,6 +9,7 @@ waiting queue, fail one request, or crash the step loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -23,18 +24,18 @@ import pytest
 import uvicorn
 
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.engine.core import EngineStats
+from jaxserve.engine.interfaces import EngineStats
 from jaxserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.engine_config import EngineConfig
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.app import build_app
-from jaxserve.server.background import BackgroundServer
 from jaxserve.server.generation import EngineRequest, Generation
-from jaxserve.server.launch import DrainingServer
+from jaxserve.server.launch.serve import DrainingServer
 from jaxserve.server.lifecycle import ServerState
 from jaxserve.server.metrics import StatsLogger
 from jaxserve.server.settings import ServerSettings
+from tests.conftest import tiny_server
 
 FIXTURE = Path(__file__).parent / "fixtures" / "models" / "llama"
 MODEL = "fake"
@@ -150,16 +151,19 @@ class FakeCore:
         return outputs
 
 
+@contextlib.contextmanager
 def serve(core: FakeCore, max_queued_requests: int | None = None, **settings):
+    """The fake engine behind a loopback server (``tiny_server``); yields the server and the
+    event the watchdog sets when the engine dies."""
     engine = AsyncEngine(core, max_queued_requests=max_queued_requests)
     engine.start()
     dead = threading.Event()
-    app = build_app(
-        engine,
-        ServerSettings(served_model_names=(MODEL,), watchdog_interval_s=0.05, **settings),
-        on_engine_dead=dead.set,
-    )
-    return engine, app, dead
+    try:
+        settings = {"watchdog_interval_s": 0.05, **settings}
+        with tiny_server(MODEL, settings, engine=engine, on_engine_dead=dead.set) as server:
+            yield server, dead
+    finally:
+        engine.shutdown()
 
 
 def expected_text(last_token: int, num_tokens: int, sample: int = 0) -> str:
@@ -168,8 +172,7 @@ def expected_text(last_token: int, num_tokens: int, sample: int = 0) -> str:
 
 def test_fake_engine_round_trip_and_streaming():
     core = FakeCore()
-    engine, app, _ = serve(core)
-    with BackgroundServer(app) as bg, openai.OpenAI(
+    with serve(core) as (bg, _), openai.OpenAI(
         base_url=f"{bg.url}/v1", api_key="x", max_retries=0
     ) as client:  # fmt: skip
         result = client.completions.create(model=MODEL, prompt=[3, 4], max_tokens=5, n=2)
@@ -178,15 +181,13 @@ def test_fake_engine_round_trip_and_streaming():
             client.completions.create(model=MODEL, prompt=[3, 9], max_tokens=4, stream=True)
         )
         assert "".join(c.choices[0].text for c in chunks) == expected_text(9, 4)
-    engine.shutdown()
 
 
 def test_queue_full_is_429_with_retry_after():
     core = FakeCore()
     core.hold = True
-    engine, app, _ = serve(core, max_queued_requests=2)
     body = {"model": MODEL, "prompt": [5], "max_tokens": 2}
-    with BackgroundServer(app) as bg, httpx.Client(base_url=bg.url) as http:
+    with serve(core, max_queued_requests=2) as (bg, _), httpx.Client(base_url=bg.url) as http:
         with pytest.raises(httpx.ReadTimeout):  # waits in the queue, then the client gives up
             http.post("/v1/completions", json={**body, "n": 2}, timeout=0.3)
         deadline = time.monotonic() + 60
@@ -211,13 +212,11 @@ def test_queue_full_is_429_with_retry_after():
         core.hold = False
         blocker.join(5)
         assert http.post("/v1/completions", json=body).status_code == 200
-    engine.shutdown()
 
 
 def test_one_failed_request_does_not_stop_the_others():
     core = FakeCore()
-    engine, app, _ = serve(core)
-    with BackgroundServer(app) as bg, httpx.Client(base_url=bg.url, timeout=10) as http:
+    with serve(core) as (bg, _), httpx.Client(base_url=bg.url, timeout=10) as http:
         ok_body = {"model": MODEL, "prompt": [2], "max_tokens": 30}
         neighbour: dict = {}
         thread = threading.Thread(
@@ -237,13 +236,11 @@ def test_one_failed_request_does_not_stop_the_others():
         assert neighbour["choices"][0]["text"] == expected_text(2, 30)
         assert http.get("/health").status_code == 200
         assert 'finished_reason="error"' in http.get("/metrics").text
-    engine.shutdown()
 
 
 def test_engine_crash_fails_waiters_and_turns_health_503():
     core = FakeCore(step_s=0.01)
-    engine, app, dead = serve(core)
-    with BackgroundServer(app) as bg, httpx.Client(base_url=bg.url, timeout=10) as http:
+    with serve(core) as (bg, dead), httpx.Client(base_url=bg.url, timeout=10) as http:
         body = {"model": MODEL, "prompt": [1], "max_tokens": 60, "stream": True}
         with http.stream("POST", "/v1/completions", json=body) as stream:
             lines = stream.iter_lines()
@@ -259,7 +256,6 @@ def test_engine_crash_fails_waiters_and_turns_health_503():
         assert health.status_code == 503 and health.headers["retry-after"]
         refused = http.post("/v1/completions", json={**body, "stream": False})
         assert refused.status_code == 503
-    engine.shutdown()
 
 
 def test_drain_finishes_short_requests_and_aborts_long_ones():
@@ -308,11 +304,9 @@ def test_request_log_is_off_by_default_and_private_unless_asked(caplog):
     ):
         caplog.clear()
         core = FakeCore()
-        engine, app, _ = serve(core, **settings)
-        with BackgroundServer(app) as bg:
+        with serve(core, **settings) as (bg, _):
             body = {"model": MODEL, "prompt": secret, "max_tokens": 2}
             assert httpx.post(f"{bg.url}/v1/completions", json=body).status_code == 200
-        engine.shutdown()
         logged = "\n".join(r.getMessage() for r in caplog.records)
         assert ("finish_reason=length" in logged) == expect_line
         assert (secret in logged) == expect_text
@@ -336,8 +330,7 @@ def test_stats_line_only_while_busy(caplog):
 
 def test_metrics_can_require_the_key():
     core = FakeCore()
-    engine, app, _ = serve(core, api_key="secret", metrics_require_key=True)
-    with BackgroundServer(app) as bg:
+    with serve(core, api_key="secret", metrics_require_key=True) as (bg, _):
         assert httpx.get(f"{bg.url}/metrics").status_code == 401
         assert httpx.get(f"{bg.url}/health").status_code == 200
         headers = {"Authorization": "Bearer secret"}
@@ -346,7 +339,6 @@ def test_metrics_can_require_the_key():
         assert spec["security"] == [{"bearer": []}]
         assert spec["paths"]["/health"]["get"]["security"] == []
         assert "security" not in spec["paths"]["/metrics"]["get"]
-    engine.shutdown()
 
 
 def run_draining_server(core: FakeCore, shutdown_timeout_s: float):

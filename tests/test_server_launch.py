@@ -24,7 +24,8 @@ import httpx
 import pytest
 
 from jaxserve.cli import build_parser, main
-from jaxserve.server.launch import engine_config_from_args, human_int, settings_from_args
+from jaxserve.server.launch.flags import engine_config_from_args, settings_from_args
+from jaxserve.units import human_int
 from tests.conftest import (
     free_port,
     metric,
@@ -259,7 +260,7 @@ def test_every_flag_has_help_that_states_its_default_once(command):
 HELD_LOAD_LAUNCH = """
 import sys
 from jaxserve.cli import main
-from jaxserve.models.weights import LoadCancelled
+from jaxserve.models.loading.load_progress import LoadCancelled
 from jaxserve.runner import model_weights
 def held_load(*args):
     stop = args[-1]

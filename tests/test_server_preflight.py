@@ -28,8 +28,8 @@ from jaxserve.runner.device_memory import (
     check_free_memory,
     nvml_device_memory,
 )
-from jaxserve.server.launch import run_launch
-from jaxserve.server.preflight import warn_if_open
+from jaxserve.server.launch.preflight import warn_if_open
+from jaxserve.server.launch.serve import run_launch
 from jaxserve.server.settings import ServerSettings
 from tests.conftest import free_port
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 
 from jaxserve.sampling_params import MAX_LOGPROBS
-from jaxserve.server.errors import APIError
-from jaxserve.server.fields import parse_json_object
-from jaxserve.server.messages import parse_messages
-from jaxserve.server.metrics import token_buckets
-from jaxserve.server.protocol import (
+from jaxserve.server.api.errors import APIError
+from jaxserve.server.api.fields import parse_json_object
+from jaxserve.server.api.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     parse_chat_request,
     parse_completion_request,
     parse_tokenize_request,
 )
+from jaxserve.server.chat.messages import parse_messages
+from jaxserve.server.metrics import token_buckets
 
 
 def error_of(fn, *args) -> APIError:

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxserve.config import ModelConfig
-from jaxserve.runner.distributed import (
+from jaxserve.models.families.registry import load_model_config
+from jaxserve.runner.parallel.distributed import (
     ENV_COORDINATOR_ADDRESS,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
@@ -29,7 +29,7 @@ from jaxserve.runner.distributed import (
     broadcast_step_inputs,
     initialize_distributed,
 )
-from jaxserve.runner.sharding import make_mesh, validate_tensor_parallel_size
+from jaxserve.runner.parallel.sharding import make_mesh, validate_tensor_parallel_size
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 PAGE_SIZE = 4
@@ -94,10 +94,10 @@ def _page_tables(lengths):
 
 
 def _step(weights, kv_cache, batch, *, config, attention_fn):
-    from jaxserve.models import llama
+    from jaxserve.models import decoder
 
-    kv_cache, hidden = llama.forward(weights, kv_cache, batch, config, attention_fn)
-    return kv_cache, llama.compute_logits(weights, hidden[batch.logits_indices])  # f32[S, V]
+    kv_cache, hidden = decoder.forward(weights, kv_cache, batch, config, attention_fn)
+    return kv_cache, decoder.compute_logits(weights, hidden[batch.logits_indices])  # f32[S, V]
 
 
 def _shard_summary(array):
@@ -122,7 +122,7 @@ def _generate(config, weights_of, tp_size, prompts):
     import jax.numpy as jnp
 
     from jaxserve.models.batch import make_kv_cache
-    from jaxserve.runner.sharding import prepare_tp
+    from jaxserve.runner.parallel.sharding import prepare_tp
 
     lengths = [len(p) + NUM_DECODE_STEPS + 1 for p in prompts]
     tables = _page_tables(lengths)
@@ -189,7 +189,7 @@ def _generate(config, weights_of, tp_size, prompts):
 def _fixture_weights(model_dir, config):
     import jax.numpy as jnp
 
-    from jaxserve.models.weights import load_weights
+    from jaxserve.models.loading.checkpoint_loader import load_weights
 
     return lambda placement: load_weights(model_dir, config, jnp.float32, placement=placement)
 
@@ -199,14 +199,14 @@ def _check_tensor_parallel() -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.models.weights import dummy_weights
+    from jaxserve.models.loading.dummy import dummy_weights
 
     assert jax.device_count() == 8, jax.devices()
     results: dict = {}
     # qwen2 adds q/k/v biases (split with their heads); TP=4 > 2 KV heads replicates them.
     for family, degrees in (("llama", (1, 2, 4)), ("qwen3", (1, 2, 4)), ("qwen2", (2, 4))):
         model_dir = FIXTURES / family
-        config = ModelConfig.from_hf_dir(model_dir)
+        config = load_model_config(model_dir)
         golden = np.load(model_dir / "golden.npz")
         prompts = [golden["prompt_ids"].tolist(), golden["prompt2_ids"].tolist()]
         weights_of = _fixture_weights(model_dir, config)
@@ -236,7 +236,7 @@ def _check_tensor_parallel() -> dict:
     results["fp8_attention"] = _check_sharded_fp8_attention()
 
     # 8 query heads over 2 KV heads: TP=8 replicates each KV head on 4 devices.
-    llama = ModelConfig.from_hf_dir(FIXTURES / "llama")
+    llama = load_model_config(FIXTURES / "llama")
     wide = dataclasses.replace(llama, num_q_heads=8, head_dim=8)
 
     def wide_weights(placement):
@@ -259,10 +259,10 @@ def _check_sharded_write_kv() -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.runner.sharding import prepare_tp, sharded_write_kv
+    from jaxserve.runner.parallel.sharding import prepare_tp, sharded_write_kv
     from pallas_kernels import kv_cache
 
-    config = ModelConfig.from_hf_dir(FIXTURES / "llama")
+    config = load_model_config(FIXTURES / "llama")
     tp = prepare_tp(config, 4, devices=jax.devices()[:4])
     k_pages, v_pages = tp.make_kv_cache(NUM_PAGES, PAGE_SIZE, jnp.float32)[0]
     rng = np.random.default_rng(0)
@@ -290,11 +290,11 @@ def _check_sharded_fp8_attention() -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.runner.sharding import prepare_tp
+    from jaxserve.runner.parallel.sharding import prepare_tp
     from pallas_kernels import kv_cache
     from pallas_kernels.ragged_paged_attention import reference
 
-    config = ModelConfig.from_hf_dir(FIXTURES / "llama")
+    config = load_model_config(FIXTURES / "llama")
     tp = prepare_tp(config, 2, devices=jax.devices()[:2])
     rng = np.random.default_rng(3)
     kv_shape = (NUM_PAGES, PAGE_SIZE, config.num_kv_heads, config.head_dim)
@@ -336,7 +336,7 @@ def _check_sharded_fp8_attention() -> dict:
 
 def _check_two_processes(port: int, process_id: int) -> dict | None:
     """TP=2 over two processes, process 0 scheduling and broadcasting every step's inputs."""
-    from jaxserve.runner.distributed import (
+    from jaxserve.runner.parallel.distributed import (
         broadcast_ints,
         broadcast_step_inputs,
         initialize_distributed,
@@ -347,10 +347,10 @@ def _check_two_processes(port: int, process_id: int) -> dict | None:
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.runner.sharding import prepare_tp
+    from jaxserve.runner.parallel.sharding import prepare_tp
 
     model_dir = FIXTURES / "llama"
-    config = ModelConfig.from_hf_dir(model_dir)
+    config = load_model_config(model_dir)
     tp = prepare_tp(config, 2)
     weights = _fixture_weights(model_dir, config)(tp.placement)
     cache = tp.make_kv_cache(NUM_PAGES, PAGE_SIZE, jnp.float32)
@@ -524,7 +524,7 @@ def test_two_process_distributed_matches_one_process():
 
 
 def test_tp_degree_errors_name_the_value():
-    llama = ModelConfig.from_hf_dir(FIXTURES / "llama")  # 4 q heads, 2 KV heads, I 96
+    llama = load_model_config(FIXTURES / "llama")  # 4 q heads, 2 KV heads, I 96
     with pytest.raises(ValueError, match="tensor_parallel_size=8 must divide num_q_heads=4"):
         validate_tensor_parallel_size(llama, 8)
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide num_q_heads=4"):
@@ -550,16 +550,16 @@ def test_tp_degree_errors_name_the_value():
 def test_weight_specs_follow_the_config():
     from jax.sharding import PartitionSpec as P
 
-    from jaxserve.runner.sharding import weight_specs
+    from jaxserve.runner.parallel.sharding import weight_specs
 
-    llama = ModelConfig.from_hf_dir(FIXTURES / "llama")  # V 320, untied, no biases
+    llama = load_model_config(FIXTURES / "llama")  # V 320, untied, no biases
     specs = weight_specs(llama, 4)
     assert (specs.embed, specs.lm_head) == (P("tp", None), P(None, "tp"))
     assert specs.layers[0].bq is None and specs.layers[0].q_norm is None
     # A vocabulary the degree does not divide stays whole on every device.
     odd_vocab = weight_specs(dataclasses.replace(llama, vocab_size=321), 4)
     assert (odd_vocab.embed, odd_vocab.lm_head) == (P(None, None), P(None, None))
-    qwen2 = weight_specs(ModelConfig.from_hf_dir(FIXTURES / "qwen2"), 2)  # biases, tied
+    qwen2 = weight_specs(load_model_config(FIXTURES / "qwen2"), 2)  # biases, tied
     assert (qwen2.layers[0].bq, qwen2.layers[0].bk) == (P("tp", None), P("kv", None))
     assert qwen2.lm_head is None
 

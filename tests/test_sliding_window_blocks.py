@@ -13,9 +13,9 @@ import numpy as np
 import jaxserve
 from jaxserve import SamplingParams
 from jaxserve.bench.capacity import add_capacity_arguments, run_capacity
-from jaxserve.config import ModelConfig
 from jaxserve.engine.kv_cache import NULL_BLOCK, KVCacheManager
 from jaxserve.engine.request import Request, Sequence
+from jaxserve.models.families.registry import load_model_config
 from tests.conftest import fixture_dir
 
 WINDOW = 16  # the phi3 and gemma2 fixtures' sliding_window
@@ -65,9 +65,9 @@ def generate_counting_blocks(
 
 
 def test_all_layers_window_only_when_every_layer_slides() -> None:
-    assert ModelConfig.from_hf_dir(fixture_dir("phi3")).all_layers_window == WINDOW
-    assert ModelConfig.from_hf_dir(fixture_dir("gemma2")).all_layers_window is None
-    assert ModelConfig.from_hf_dir(fixture_dir("llama")).all_layers_window is None
+    assert load_model_config(fixture_dir("phi3")).all_layers_window == WINDOW
+    assert load_model_config(fixture_dir("gemma2")).all_layers_window is None
+    assert load_model_config(fixture_dir("llama")).all_layers_window is None
 
 
 def test_blocks_behind_the_window_go_back_to_the_pool_and_stay_cached() -> None:

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
-from jaxserve.models.weights import load_weights
+from jaxserve.models.families.registry import load_model_config
+from jaxserve.models.loading.checkpoint_loader import load_weights
 from jaxserve.runner.devices import describe_attention, quiet_backend_probe
 from jaxserve.runner.runner import ModelRunner
 from jaxserve.runner.sampling import SamplerFlags
@@ -125,22 +125,23 @@ def test_warm_up_compiles_every_bucket_but_runs_only_the_smallest(monkeypatch):
         num_gpu_blocks_override=128,
         warmup=False,
     )
-    runner = ModelRunner(ModelConfig.from_hf_dir(config.model_dir), config)
+    runner = ModelRunner(load_model_config(config.model_dir), config)
     runner.kv_cache = None  # allocated by warm-up, as with warmup=True
     ran = []
-    run_step = runner.run_step
+    run_step = runner.programs.run_step
 
-    def recording_run_step(batch, *args):
+    def recording_run_step(kv_cache, batch, *args):
         ran.append(batch.input_ids.shape[0])
-        return run_step(batch, *args)
+        return run_step(kv_cache, batch, *args)
 
-    monkeypatch.setattr(runner, "run_step", recording_run_step)
+    monkeypatch.setattr(runner.programs, "run_step", recording_run_step)
     runner.warmup()
-    assert sorted(runner.compiled_steps) == runner.token_buckets == [16, 32]
-    assert sorted(runner.compiled_prompt_lp) == sorted(runner.compiled_logits) == [16, 32]
+    programs = runner.programs
+    assert sorted(programs.compiled_steps) == list(runner.buckets.token_buckets) == [16, 32]
+    assert sorted(programs.compiled_prompt_lp) == sorted(programs.compiled_logits) == [16, 32]
     # the variants of one sequence bucket: both token buckets sample 8 rows
-    assert sorted({rows for rows, _ in runner.compiled_samplers}) == [8]
-    assert len(runner.compiled_samplers) == NUM_VARIANTS
+    assert sorted({rows for rows, _ in programs.compiled_samplers}) == [8]
+    assert len(programs.compiled_samplers) == NUM_VARIANTS
     assert ran == [16, 16]  # the second reads its input ids from the first's samples
     assert runner.kv_cache is not None
 
@@ -160,7 +161,7 @@ def test_backend_probe_shows_only_at_debug_level(caplog):
 
 
 def test_attention_line_names_the_reference_and_why_on_cpu():
-    config = ModelConfig.from_hf_dir(fixture_dir("llama"))
+    config = load_model_config(fixture_dir("llama"))
     line = describe_attention(config, jnp.float32, block_size=16, tensor_parallel_size=1)
     assert line == "Attention: pure-jnp reference (no Pallas kernel runs on the cpu backend)"
 
@@ -219,7 +220,7 @@ def test_attention_line_on_a_pre_hopper_gpu_names_the_triton_kernel(monkeypatch)
     monkeypatch.setattr(dispatch, "_is_hopper_or_newer", lambda: False)
     monkeypatch.setattr(dispatch, "_compute_capability", lambda: "8.9")
     monkeypatch.delenv("JAXSERVE_ATTENTION", raising=False)
-    config = ModelConfig.from_hf_dir(fixture_dir("gemma2"))
+    config = load_model_config(fixture_dir("gemma2"))
     line = describe_attention(config, jnp.bfloat16, block_size=16, tensor_parallel_size=1)
     assert line == (
         "Attention: Pallas Triton kernel (the Mosaic GPU kernel needs Hopper or newer "
@@ -252,8 +253,8 @@ def write_sharded_checkpoint(source: Path, target: Path, num_shards: int) -> int
 
 def test_loading_a_sharded_checkpoint_logs_bytes_and_shards(tmp_path, caplog):
     num_bytes = write_sharded_checkpoint(fixture_dir("llama"), tmp_path, num_shards=3)
-    config = ModelConfig.from_hf_dir(tmp_path)
-    with caplog.at_level(logging.INFO, logger="jaxserve.models.weights"):
+    config = load_model_config(tmp_path)
+    with caplog.at_level(logging.INFO, logger="jaxserve.models.loading.checkpoint_loader"):
         load_weights(tmp_path, config, jnp.float32, progress_above_bytes=0)
     lines = [r.getMessage() for r in caplog.records]
     progress = [re.match(r"Loading weights: (\d+)% \(.* of .*\), shard (\d) of 3, at", line)
@@ -271,8 +272,8 @@ def test_loading_a_sharded_checkpoint_logs_bytes_and_shards(tmp_path, caplog):
 
 def test_loading_a_small_checkpoint_logs_one_line(caplog):
     model_dir = fixture_dir("llama")
-    with caplog.at_level(logging.INFO, logger="jaxserve.models.weights"):
-        load_weights(model_dir, ModelConfig.from_hf_dir(model_dir), jnp.float32)
+    with caplog.at_level(logging.INFO, logger="jaxserve.models.loading.checkpoint_loader"):
+        load_weights(model_dir, load_model_config(model_dir), jnp.float32)
     assert [r.getMessage()[:30] for r in caplog.records] == ["Loaded weights: 0.4 MiB from 1"]
 
 
@@ -298,10 +299,10 @@ def test_no_sampler_variant_branches_on_the_device() -> None:
 
     llm = make_llm()
     runner = llm.engine.runner
-    assert runner.compiled_samplers
-    for (rows, flags), compiled in runner.compiled_samplers.items():
+    assert runner.programs.compiled_samplers
+    for (rows, flags), compiled in runner.programs.compiled_samplers.items():
         assert " conditional(" not in compiled.as_text(), (rows, flags)
-    for bucket, compiled in runner.compiled_logits.items():
+    for bucket, compiled in runner.programs.compiled_logits.items():
         assert " conditional(" not in compiled.as_text(), bucket
     llm.shutdown()
 

@@ -23,14 +23,10 @@ import pytest
 
 import jaxserve
 from jaxserve import SamplingParams
-from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.grammar import GrammarCompiler, GrammarError
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.sampling_params import StructuredOutputsParams
-from jaxserve.server.app import build_app
-from jaxserve.server.background import BackgroundServer
-from jaxserve.server.settings import ServerSettings
-from tests.conftest import FAMILIES, fixture_dir, pace_steps, tiny_engine_config, wait_for
+from tests.conftest import FAMILIES, fixture_dir, tiny_server, wait_for
 from tests.test_engine import make_llm
 
 MODEL = "tiny"
@@ -56,23 +52,16 @@ LARK_MATCH = r"(yes|no)-[0-9]{1,2}"
 
 @pytest.fixture(scope="module")
 def server():
-    config = tiny_engine_config(
+    with tiny_server(
         MODEL,
+        min_step_s=0.002,  # a long stream is still running when its client leaves
         max_model_len=256,
         max_num_seqs=8,
         max_num_batched_tokens=64,
         num_gpu_blocks_override=64,
         grammar_compile_timeout_s=COMPILE_TIMEOUT_S,
-    )
-    engine = AsyncEngine.from_config(config)
-    pace_steps(engine.core, 0.002)  # a long stream is still running when its client leaves
-    engine.start()
-    app = build_app(engine, ServerSettings(served_model_names=(MODEL,)))
-    try:
-        with BackgroundServer(app) as background:
-            yield SimpleNamespace(url=background.url, engine=engine)
-    finally:
-        engine.shutdown()
+    ) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -483,8 +472,9 @@ def _allowed(row: np.ndarray, vocab_size: int) -> np.ndarray:
 
 def test_a_step_s_tokens_reach_the_grammars_and_the_next_masks_fill_beside_the_output():
     """accept_step advances every matcher at once and names the grammars that completed and
-    the tokens a grammar refused; start_masks fills the sampler's own mask rows on the worker
-    (the GIL handed over every 0.1 ms meanwhile, the interval restored by wait_masks)."""
+    the tokens a grammar refused; start_masks fills a mask of its own on the worker (the GIL
+    handed over every 0.1 ms meanwhile, the interval restored once the fill is done) and
+    returns a future of it."""
     import sys
 
     from jaxserve.engine.structured_outputs import MASK_SWITCH_INTERVAL_S, StructuredOutputs
@@ -500,13 +490,25 @@ def test_a_step_s_tokens_reach_the_grammars_and_the_next_masks_fill_beside_the_o
     outputs.update_states(sched)
     assert outputs.num_matchers == 2
     interval = sys.getswitchinterval()
-    masks = np.full((3, outputs.mask_width), -1, np.int32)  # one row more: the bucket's padding
-    outputs.start_masks(sched, masks)
-    assert sys.getswitchinterval() == pytest.approx(MASK_SWITCH_INTERVAL_S)
-    outputs.wait_masks()
+    fill, during_fill = outputs._fill, []
+
+    def recording_fill(*args):
+        during_fill.append(sys.getswitchinterval())
+        return fill(*args)
+
+    outputs._fill = recording_fill
+    future = outputs.start_masks(sched)
+    masks = future.result()
+    assert during_fill == [pytest.approx(MASK_SWITCH_INTERVAL_S)]
     assert sys.getswitchinterval() == interval
+    assert masks.shape == (2, outputs.mask_width) and masks.dtype == np.int32
     allowed = _allowed(masks[0], vocab)
-    assert 0 < len(allowed) < vocab and (masks[1] == masks[0]).all() and (masks[2] == -1).all()
+    assert 0 < len(allowed) < vocab and (masks[1] == masks[0]).all()
+    # the mask is reused: a row with no matcher allows every token, whatever it held before
+    unconstrained = SimpleNamespace(seq=SimpleNamespace(seq_id="free"), completes_sequence=True)
+    first_row = masks[0].copy()
+    mixed = outputs.start_masks(SimpleNamespace(scheduled=[unconstrained, *sched.scheduled]))
+    assert (mixed.result()[0] == -1).all() and (mixed.result()[1] == first_row).all()
     refused = int(np.setdiff1d(np.arange(2, vocab), allowed)[0])
     result = RunnerOutput(token_ids=np.array([allowed[0], refused], np.int32))
     accepted = outputs.accept_step(sched, result)
@@ -515,10 +517,7 @@ def test_a_step_s_tokens_reach_the_grammars_and_the_next_masks_fill_beside_the_o
     for _ in range(8):  # the first sample runs to the end of its grammar
         if "r#0" in accepted.complete:
             break
-        masks = np.full((2, outputs.mask_width), -1, np.int32)
-        outputs.start_masks(sched, masks)
-        outputs.wait_masks()
-        token = _allowed(masks[0], vocab)[0]
+        token = _allowed(outputs.start_masks(sched).result()[0], vocab)[0]
         accepted = outputs.accept_tokens([(request.seqs[0], int(token))])
     assert "r#0" in accepted.complete and not accepted.errors
     outputs.free(request)

@@ -146,7 +146,7 @@ def test_a_bad_chat_template_is_named_at_start(tmp_path) -> None:
 
 def test_launch_takes_chat_template() -> None:
     from jaxserve.cli import build_parser
-    from jaxserve.server.launch import engine_config_from_args
+    from jaxserve.server.launch.flags import engine_config_from_args
 
     argv = ["launch", "--chat-template", "t.jinja"]
     assert engine_config_from_args(build_parser(argv).parse_args(argv)).chat_template == "t.jinja"

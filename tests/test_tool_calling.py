@@ -9,6 +9,7 @@ made, so the rendered chat template and the grammar of forced tool choices can b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -21,17 +22,17 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from jaxserve.cli import main
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.engine.core import EngineStats
+from jaxserve.engine.interfaces import EngineStats
 from jaxserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.engine_config import EngineConfig, default_model_dir
-from jaxserve.server.app import build_app
-from jaxserve.server.background import BackgroundServer
-from jaxserve.server.chat_output import ChatOutputRules
-from jaxserve.server.launch import run_launch, settings_from_args
-from jaxserve.server.protocol import parse_chat_request
+from jaxserve.server.api.protocol import parse_chat_request
+from jaxserve.server.chat.output import ChatOutputRules
+from jaxserve.server.chat.tool_calls import MessageDelta
+from jaxserve.server.launch.flags import settings_from_args
+from jaxserve.server.launch.serve import run_launch
 from jaxserve.server.settings import ServerSettings
-from jaxserve.server.tool_calls import MessageDelta
+from tests.conftest import tiny_server
 
 MODEL = "echo"
 DEMO = default_model_dir()
@@ -138,30 +139,27 @@ class EchoCore:
 def servers():
     """One echo server per parser configuration, started on first use."""
     started: dict[tuple, tuple] = {}
+    with contextlib.ExitStack() as stack:
 
-    def get(tool_call_parser=None, reasoning_parser=None):
-        key = (tool_call_parser, reasoning_parser)
-        if key not in started:
-            core = EchoCore()
-            engine = AsyncEngine(core)
-            engine.start()
-            settings = ServerSettings(
-                served_model_names=(MODEL,),
-                enable_auto_tool_choice=tool_call_parser is not None,
-                tool_call_parser=tool_call_parser,
-                reasoning_parser=reasoning_parser,
-            )
-            background = BackgroundServer(build_app(engine, settings)).start()
-            client = openai.OpenAI(base_url=f"{background.url}/v1", api_key="x", max_retries=0)
-            started[key] = (client, core, engine, background)
-        client, core, _, _ = started[key]
-        return client, core
+        def get(tool_call_parser=None, reasoning_parser=None):
+            key = (tool_call_parser, reasoning_parser)
+            if key not in started:
+                core = EchoCore()
+                engine = AsyncEngine(core)
+                engine.start()
+                stack.callback(engine.shutdown)
+                settings = {
+                    "enable_auto_tool_choice": tool_call_parser is not None,
+                    "tool_call_parser": tool_call_parser,
+                    "reasoning_parser": reasoning_parser,
+                }
+                server = stack.enter_context(tiny_server(MODEL, settings, engine=engine))
+                client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+                stack.callback(client.close)
+                started[key] = (client, core)
+            return started[key]
 
-    yield get
-    for client, _, engine, background in started.values():
-        client.close()
-        background.stop()
-        engine.shutdown()
+        yield get
 
 
 WEATHER = {
@@ -680,7 +678,7 @@ def test_launch_flags_for_tools_and_reasoning(capsys):
 @pytest.mark.parametrize(("parser", "output", "content", "calls"), CASES)
 def test_parsers_give_the_same_message_however_the_text_is_cut(parser, output, content, calls):
     """Fed a character at a time, a parser gives exactly what it gives for the whole text."""
-    from jaxserve.server.tool_parsers import make_tool_parser
+    from jaxserve.server.chat.tool_parsers import make_tool_parser
 
     def parse(pieces: list[str]) -> tuple[str, list[tuple[str | None, str]]]:
         tool_parser = make_tool_parser(parser, parallel=True)
@@ -717,7 +715,7 @@ def test_whitespace_after_a_marker_is_the_same_whole_and_streamed(
     """Whitespace after llama3's ``<|python_tag|>`` is dropped (as vLLM strips it) whether it
     arrives with the tag or in a later delta; after a Hermes ``<tool_call>`` that opens no
     call it is content. Each used to differ between a streamed and a whole output."""
-    from jaxserve.server.tool_parsers import make_tool_parser
+    from jaxserve.server.chat.tool_parsers import make_tool_parser
 
     for pieces in ([text], list(text), [text[:15], text[15:]]):
         tool_parser = make_tool_parser(parser, parallel=True)
@@ -740,7 +738,7 @@ def test_whitespace_after_a_marker_is_the_same_whole_and_streamed(
     ],
 )
 def test_mistral_marker_without_a_call_stays_text(text) -> None:
-    from jaxserve.server.tool_parsers import make_tool_parser
+    from jaxserve.server.chat.tool_parsers import make_tool_parser
 
     for pieces in ([text], list(text)):
         tool_parser = make_tool_parser("mistral", parallel=True)
@@ -752,7 +750,7 @@ def test_mistral_marker_without_a_call_stays_text(text) -> None:
 
 
 def test_mistral_v11_calls_keep_the_first_without_parallel_calls() -> None:
-    from jaxserve.server.tool_parsers import make_tool_parser
+    from jaxserve.server.chat.tool_parsers import make_tool_parser
 
     text = '[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}'
     tool_parser = make_tool_parser("mistral", parallel=False)

@@ -17,11 +17,7 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.engine_config import EngineConfig
-from jaxserve.server.app import build_app
-from jaxserve.server.background import BackgroundServer
-from jaxserve.server.settings import ServerSettings
+from tests.conftest import tiny_server
 
 MODEL = "jaxserve-demo"
 # Bounded parameters (enums, integer ranges, no free strings), so any output the grammar allows
@@ -61,24 +57,19 @@ MESSAGES = [{"role": "user", "content": "What will the weather be in Paris?"}]
 
 @pytest.fixture(scope="module")
 def client():
-    config = EngineConfig(
-        served_model_name=MODEL,
-        max_model_len=1024,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        num_gpu_blocks_override=160,
-    )
-    engine = AsyncEngine.from_config(config)
-    engine.start()
-    app = build_app(engine, ServerSettings(served_model_names=(MODEL,)))
-    try:
-        with (
-            BackgroundServer(app) as background,
-            openai.OpenAI(base_url=f"{background.url}/v1", api_key="x", max_retries=0) as c,
-        ):
-            yield c
-    finally:
-        engine.shutdown()
+    with (
+        tiny_server(
+            MODEL,
+            model="",  # the demo model
+            dtype="auto",
+            max_model_len=1024,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            num_gpu_blocks_override=160,
+        ) as server,
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0) as c,
+    ):
+        yield c
 
 
 def assert_valid_calls(

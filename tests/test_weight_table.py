@@ -1,4 +1,5 @@
-"""The weight table (jaxserve/models/families.py) is the one description of each weight.
+"""The weight tables (each family's record in jaxserve/models/families/) are the one
+description of each weight.
 
 For every fixture family, loading, ``expected_shapes``, dummy weights, the tensor-parallel
 specs and the parameter count must all agree with the table, and the table with the model's
@@ -17,17 +18,18 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 
-from jaxserve.config import ModelConfig
-from jaxserve.models.families import (
-    FAMILY_TABLES,
-    WeightField,
+from jaxserve.models.families.counting import num_params
+from jaxserve.models.families.fields import WeightField
+from jaxserve.models.families.registry import (
+    families,
     layer_fields,
+    load_model_config,
     model_fields,
-    num_params,
 )
-from jaxserve.models.llama import LayerWeights, Weights
-from jaxserve.models.weights import dummy_weights, expected_shapes, load_weights
-from jaxserve.runner.sharding import layer_specs, weight_specs
+from jaxserve.models.layers import LayerWeights, Weights
+from jaxserve.models.loading.checkpoint_loader import expected_shapes, load_weights
+from jaxserve.models.loading.dummy import dummy_weights
+from jaxserve.runner.parallel.sharding import layer_specs, weight_specs
 from tests.conftest import FAMILIES, fixture_dir
 
 
@@ -41,22 +43,22 @@ def present(obj: Any) -> list[str]:
 
 
 def test_tables_declare_the_dataclass_fields_in_order() -> None:
-    # ``fused`` is made at load from the table's rows (llama.fuse_projections), not read.
+    # ``fused`` is made at load from the table's rows (layers.fuse_projections), not read.
     layer_names = [f.name for f in dataclasses.fields(LayerWeights) if f.name != "fused"]
     outside = [f.name for f in dataclasses.fields(Weights) if f.name != "layers"]
     covered: set[str] = set()
-    for layer_table, model_table in FAMILY_TABLES.values():
+    for family in families().values():
         # Each family's layer fields are LayerWeights' fields, in their order.
-        table_names = names(layer_table)
+        table_names = names(family.layer_table)
         assert table_names == [name for name in layer_names if name in table_names]
-        assert sorted(names(model_table)) == sorted(outside)
+        assert sorted(names(family.model_table)) == sorted(outside)
         covered |= set(table_names)
     assert covered == set(layer_names)  # every field is some family's
 
 
 def test_fused_rows_split_phi3_qkv_and_gate_up() -> None:
     """Phi-3's qkv_proj and gate_up_proj are read once per part: q, k, v, gate, up."""
-    config = ModelConfig.from_hf_dir(fixture_dir("phi3"))
+    config = load_model_config(fixture_dir("phi3"))
     with safe_open(fixture_dir("phi3") / "model.safetensors", framework="numpy") as f:
         qkv = f.get_tensor("model.layers.1.self_attn.qkv_proj.weight")  # [(N + 2K) D, H]
         gate_up = f.get_tensor("model.layers.1.mlp.gate_up_proj.weight")  # [2I, H]
@@ -73,7 +75,7 @@ def test_fused_rows_split_phi3_qkv_and_gate_up() -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_loading_dummy_specs_and_counts_read_the_table(family: str) -> None:
     model_dir = fixture_dir(family)
-    config = ModelConfig.from_hf_dir(model_dir)
+    config = load_model_config(model_dir)
     loaded = load_weights(model_dir, config, jnp.float32)
     dummy = dummy_weights(config, jnp.float32, seed=0)
 
@@ -117,7 +119,7 @@ def test_loading_dummy_specs_and_counts_read_the_table(family: str) -> None:
 
 
 def test_specs_split_the_heads_and_the_mlp() -> None:
-    specs = layer_specs(ModelConfig.from_hf_dir(fixture_dir("qwen2")))  # has q/k/v biases
+    specs = layer_specs(load_model_config(fixture_dir("qwen2")))  # has q/k/v biases
     assert (specs.wq, specs.wk, specs.wo) == (
         P(None, "tp", None),
         P(None, "kv", None),
@@ -146,14 +148,14 @@ def test_a_checkpoint_tensor_the_table_does_not_read_is_named_in_a_warning(tmp_p
     tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.zeros(8, np.float32)
     save_file(tensors, tmp_path / "model.safetensors")
     shutil.copy(source / "config.json", tmp_path / "config.json")
-    config = ModelConfig.from_hf_dir(tmp_path)
-    with caplog.at_level("WARNING", logger="jaxserve.models.weights"):
+    config = load_model_config(tmp_path)
+    with caplog.at_level("WARNING", logger="jaxserve.models.loading.checkpoint_loader"):
         load_weights(tmp_path, config, jnp.float32)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1, warnings
     assert "1 checkpoint tensor(s) are not in the llama weight table" in warnings[0]
     assert "model.layers.0.self_attn.o_proj.bias" in warnings[0]
     caplog.clear()
-    with caplog.at_level("WARNING", logger="jaxserve.models.weights"):
+    with caplog.at_level("WARNING", logger="jaxserve.models.loading.checkpoint_loader"):
         load_weights(source, config, jnp.float32)  # the fixture itself: every tensor is read
     assert not [r for r in caplog.records if r.levelname == "WARNING"]

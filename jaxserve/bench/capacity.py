@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import (
@@ -26,17 +27,19 @@ from jaxserve.engine_config import (
 )
 from jaxserve.flag_names import command_flags, in_flag_terms
 from jaxserve.hf_cache import resolve_model_dir
-from jaxserve.models.families import num_active_params, num_params
-from jaxserve.models.quant_scheme import resolve_scheme
+from jaxserve.models.families.counting import num_active_params, num_params
+from jaxserve.models.families.registry import load_model_config
+from jaxserve.models.quant_scheme import QuantScheme, resolve_scheme
+from jaxserve.runner.buckets import next_power_of_2, token_buckets_for
 from jaxserve.runner.capacity import (
     CPU_DEVICE_MEMORY_BYTES,
     DEVICE_MEMORY_BYTES,
+    Capacity,
     CapacityError,
     GiB,
     detect_device_memory,
     plan_capacity,
 )
-from jaxserve.runner.input_builder import next_power_of_2, token_buckets_for
 from jaxserve.units import COUNT_RULE, human_bytes, human_count, human_int
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -148,19 +151,7 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_capacity(args: argparse.Namespace) -> int:
     try:
-        EngineConfig(  # the checks serve makes of the same flags
-            dtype=args.dtype,
-            kv_cache_dtype=args.kv_cache_dtype,
-            quantization=args.quantization,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            block_size=args.block_size,
-            gpu_memory_utilization=args.memory_utilization,
-            tensor_parallel_size=args.tensor_parallel_size,
-        )
-        model_dir = resolve_model_dir(args.model) if args.model else default_model_dir()
-        config = ModelConfig.from_hf_dir(model_dir)
+        model_dir, config = _checked_model(args)
     except ValueError as exc:
         print(
             f"error: {in_flag_terms(str(exc), command_flags(add_capacity_arguments))}",
@@ -173,14 +164,7 @@ def run_capacity(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.device_memory is not None:
-        memory, on_cpu = args.device_memory, False  # a device of that size
-    else:
-        # Reading the device's size must not take its memory (a server may be running on it).
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-        import jax
-
-        memory, on_cpu = detect_device_memory(), jax.default_backend() == "cpu"
+    memory, on_cpu = _device_memory(args)
     dtype = weight_dtype(args.dtype, on_cpu)
     kv_dtype = kv_cache_dtype_name(args.kv_cache_dtype, dtype)
     try:
@@ -199,14 +183,7 @@ def run_capacity(args: argparse.Namespace) -> int:
             expert_parallel=args.enable_expert_parallel,
         )
     except CapacityError as exc:
-        if on_cpu:
-            print(
-                "error: no accelerator found (JAX sees only the CPU). To plan for a device, "
-                f"pass --device-memory H200 (or any size, such as 80GB). On the CPU: {exc}",
-                file=sys.stderr,
-            )
-        else:
-            print(f"error: {exc}", file=sys.stderr)
+        _print_capacity_error(exc, on_cpu)
         return 1
     if on_cpu:
         print(
@@ -215,37 +192,98 @@ def run_capacity(args: argparse.Namespace) -> int:
             "for a device, pass --device-memory H200 (or a size such as 80GB).",
             file=sys.stderr,
         )
+    plan = _Plan(model_dir, config, memory, on_cpu, dtype, quant, kv_dtype, cap)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "model": str(model_dir),
-                    "device_memory_bytes": memory,
-                    "accelerator": not on_cpu,
-                    "memory_utilization": args.memory_utilization,
-                    "dtype": dtype,
-                    "quantization": quant.method if quant is not None else None,
-                    "kv_cache_dtype": kv_dtype,
-                    "weight_bytes": cap.weight_bytes,
-                    "activation_bytes": cap.activation_bytes,
-                    "kv_budget_bytes": cap.kv_budget_bytes,
-                    "kv_bytes_per_token": cap.kv_bytes_per_token,
-                    "block_size": cap.block_size,
-                    "num_blocks": cap.num_blocks,
-                    "kv_cache_tokens": cap.num_tokens,
-                    "max_model_len": cap.max_model_len,
-                    "max_concurrency": cap.max_concurrency,
-                    "num_params": num_params(config),
-                    "num_active_params": num_active_params(config),
-                },
-                indent=2,
-            )
-        )
+        print(json.dumps(_plan_json(args, plan), indent=2))
         return 0
+    _print_plan(args, plan)
+    return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What ``run_capacity`` planned, for the JSON or the lines that print it."""
+
+    model_dir: Path
+    config: ModelConfig
+    memory: int  # device bytes planned for
+    on_cpu: bool
+    dtype: str  # the weights' dtype name
+    quant: QuantScheme | None
+    kv_dtype: str
+    cap: Capacity
+
+
+def _checked_model(args: argparse.Namespace) -> tuple[Path, ModelConfig]:
+    """The checks serve makes of the same flags, then the model's directory and config (a
+    ValueError names what is wrong)."""
+    EngineConfig(
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+    model_dir = resolve_model_dir(args.model) if args.model else default_model_dir()
+    return model_dir, load_model_config(model_dir)
+
+
+def _device_memory(args: argparse.Namespace) -> tuple[int, bool]:
+    """The device bytes to plan for, and whether JAX sees only the CPU."""
+    if args.device_memory is not None:
+        return args.device_memory, False  # a device of that size
+    # Reading the device's size must not take its memory (a server may be running on it).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+
+    return detect_device_memory(), jax.default_backend() == "cpu"
+
+
+def _print_capacity_error(exc: CapacityError, on_cpu: bool) -> None:
+    if on_cpu:
+        print(
+            "error: no accelerator found (JAX sees only the CPU). To plan for a device, "
+            f"pass --device-memory H200 (or any size, such as 80GB). On the CPU: {exc}",
+            file=sys.stderr,
+        )
+    else:
+        print(f"error: {exc}", file=sys.stderr)
+
+
+def _plan_json(args: argparse.Namespace, plan: _Plan) -> dict:
+    cap = plan.cap
+    return {
+        "model": str(plan.model_dir),
+        "device_memory_bytes": plan.memory,
+        "accelerator": not plan.on_cpu,
+        "memory_utilization": args.memory_utilization,
+        "dtype": plan.dtype,
+        "quantization": plan.quant.method if plan.quant is not None else None,
+        "kv_cache_dtype": plan.kv_dtype,
+        "weight_bytes": cap.weight_bytes,
+        "activation_bytes": cap.activation_bytes,
+        "kv_budget_bytes": cap.kv_budget_bytes,
+        "kv_bytes_per_token": cap.kv_bytes_per_token,
+        "block_size": cap.block_size,
+        "num_blocks": cap.num_blocks,
+        "kv_cache_tokens": cap.num_tokens,
+        "max_model_len": cap.max_model_len,
+        "max_concurrency": cap.max_concurrency,
+        "num_params": num_params(plan.config),
+        "num_active_params": num_active_params(plan.config),
+    }
+
+
+def _print_plan(args: argparse.Namespace, plan: _Plan) -> None:
+    config = plan.config
     print(
-        f"Model: {model_dir} ({config.model_type}, {human_count(num_params(config))} "
-        f"parameters, {dtype} weights"
-        + (f", {quant.method} quantized Linear weights" if quant is not None else "")
+        f"Model: {plan.model_dir} ({config.model_type}, {human_count(num_params(config))} "
+        f"parameters, {plan.dtype} weights"
+        + (f", {plan.quant.method} quantized Linear weights" if plan.quant is not None else "")
         + ")"
     )
     if config.moe is not None:
@@ -261,12 +299,11 @@ def run_capacity(args: argparse.Namespace) -> int:
             f"its {config.num_q_heads} heads"
         )
     print(
-        f"Device memory: {memory / GiB:.2f} GiB x {args.memory_utilization:.0%} utilization, "
+        f"Device memory: {plan.memory / GiB:.2f} GiB x {args.memory_utilization:.0%} utilization, "
         f"tensor parallel {args.tensor_parallel_size}"
     )
-    for line in cap.lines():
+    for line in plan.cap.lines():
         print(line)
-    return 0
 
 
 def main() -> int:

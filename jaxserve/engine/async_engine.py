@@ -14,16 +14,13 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Sequence
 
-from jaxserve.engine.core import EngineCore, EngineDeadError, EngineStats
+from jaxserve.engine.core import EngineCore
+from jaxserve.engine.interfaces import EngineDeadError, EngineStats, QueueFullError
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine_config import EngineConfig
 from jaxserve.sampling_params import SamplingParams
 
 _LOG = logging.getLogger(__name__)
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at its cap (the server answers 429 with Retry-After)."""
 
 
 class AsyncEngine:

@@ -10,15 +10,12 @@ output processor turns the sampled tokens into text, logprobs, stop decisions an
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import random
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from jaxserve.config import ModelConfig
 from jaxserve.engine.grammar import GrammarCompiler, GrammarLimits
 from jaxserve.engine.interfaces import EngineStats, Runner
 from jaxserve.engine.kv_cache import KVCacheManager
@@ -30,16 +27,14 @@ from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.structured_outputs import Accepted, StructuredOutputs
 from jaxserve.engine.tokenizer import end_of_sequence_ids, load_tokenizer
 from jaxserve.engine_config import EngineConfig
+from jaxserve.models.families.registry import load_model_config
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from jaxserve.runner.in_flight import InFlight
+
 _LOG = logging.getLogger(__name__)
-
-__all__ = ["EngineCore", "EngineDeadError", "EngineStats", "RequestError"]
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has died; no request can be served."""
 
 
 class EngineCore:
@@ -47,7 +42,7 @@ class EngineCore:
         self.runner: Runner
         self.config = config
         model_dir = config.model_dir
-        self.model_config = ModelConfig.from_hf_dir(model_dir)
+        self.model_config = load_model_config(model_dir)
         self.tokenizer = load_tokenizer(config, self.model_config.vocab_size)
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = end_of_sequence_ids(self.model_config, model_dir, self.tokenizer)
@@ -99,7 +94,7 @@ class EngineCore:
         # penalties need their full output history on the host, so while any such request
         # is live the engine reads each step back before scheduling the next.
         self.async_scheduling = config.async_scheduling and not runner.multihost
-        self._in_flight: tuple[SchedulerOutput, Any] | None = None
+        self._in_flight: tuple[SchedulerOutput, InFlight] | None = None
         self._num_sync_requests = 0
 
     def shutdown(self) -> None:
@@ -133,10 +128,17 @@ class EngineCore:
         )
         arrival = time.time() if arrival_time is None else arrival_time
         request = Request(
-            request_id, prompt, list(prompt_token_ids), params, arrival, priority, cache_salt,
-            group_id or "", metrics=RequestMetrics(arrival_time=arrival),
+            request_id,
+            prompt,
+            list(prompt_token_ids),
+            params,
+            arrival,
+            priority,
+            cache_salt,
+            group_id or "",
+            metrics=RequestMetrics(arrival_time=arrival),
             grammar=self.compile_grammar(params),
-        )  # fmt: skip
+        )
         request.add_samples(
             params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         )
@@ -200,16 +202,20 @@ class EngineCore:
             aborted = self.requests.get(request_id)
             if aborted is not None:
                 self.num_aborted += 1
-                outputs.append(self._end_request(aborted, "abort"))
+                outputs.append(self._end_request(aborted))
         return outputs
 
-    def _end_request(self, request: Request, reason: str, error: str | None = None):
-        """Finish every unfinished sample of ``request`` (aborted or failed) and retire it."""
+    def _end_request(self, request: Request, error: str | None = None) -> RequestOutput:
+        """Finish every unfinished sample of ``request`` (aborted, or failed with ``error``)
+        and retire it."""
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
                 seq.drop_pending()
-                seq.finish_reason, seq.stop_reason = reason, error
+                if error is None:
+                    self.output_processor.abort(seq)
+                else:
+                    self.output_processor.fail(seq, error)
         output = self.output_processor.make_output(request, request.seqs)
         self._retire(request)
         return output
@@ -229,29 +235,31 @@ class EngineCore:
         self.structured_outputs.update_states(sched)
         # A constrained step's sampler waits for its token masks: the forward pass runs while the
         # host reads back the previous step and fills this step's masks (``start_masks``).
-        constrained = self.structured_outputs.is_constrained(sched)
+        constrained = sched.is_constrained = self.structured_outputs.is_constrained(sched)
         try:
             previous = self._in_flight[1] if overlap and self._in_flight else None
             if overlap or constrained:
-                step = self.runner.dispatch(sched, previous, defer_sampling=constrained)
+                step = self.runner.dispatch(sched, previous)
+                if not constrained:
+                    self.runner.sample(step, None)
             else:
                 result = self.runner.execute(sched)
         except Exception as exc:
             return outputs + self._fail_new_requests(sched, exc)
         self.scheduler.update_from_output(sched)
         self.num_steps += 1
-        start_masks = None
-        if constrained:
-            mask = self.runner.token_mask_buffer(step)
-            start_masks = functools.partial(self.structured_outputs.start_masks, sched, mask)
         if overlap:
             for item in sched.scheduled:
                 if item.completes_sequence:  # its token is read back after the next dispatch
                     seq_of(item).add_pending()
-        outputs += self._read_in_flight(start_masks)  # nothing is in flight unless overlap
-        if constrained:
-            self.structured_outputs.wait_masks()
-            self.runner.dispatch_sampler(step)
+        collected = self._collect_in_flight()  # nothing is in flight unless overlap
+        # The masks once the grammars have taken the previous step's tokens, filled while
+        # the engine turns those tokens into outputs.
+        masks = self.structured_outputs.start_masks(sched) if constrained else None
+        if collected is not None:
+            outputs += self._process(*collected)
+        if masks is not None:
+            self.runner.sample(step, masks.result())
             if not overlap:
                 result = self.runner.collect(step)
         if not overlap:
@@ -267,18 +275,21 @@ class EngineCore:
             raise exc
         self.scheduler.restore_notices(sched)  # the runner may not have seen them
         _LOG.exception("a step with new requests %s failed; they fail", sorted(blamed))
-        return [self._end_request(self.requests[r], "error", repr(exc)) for r in blamed]
+        return [self._end_request(self.requests[r], repr(exc)) for r in blamed]
 
-    def _read_in_flight(self, then: Callable[[], None] | None = None) -> list[RequestOutput]:
-        """Wait for the dispatched step, if any, and process its tokens; ``then`` runs once
-        they have reached the grammars, before the rest of the output work."""
+    def _collect_in_flight(self) -> tuple[SchedulerOutput, RunnerOutput, Accepted] | None:
+        """Wait for the dispatched step, if any, and pass its tokens through the grammars."""
         in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            result = self.runner.collect(in_flight[1])
-            accepted = self.structured_outputs.accept_step(in_flight[0], result)
-        if then is not None:
-            then()
-        return [] if in_flight is None else self._process(in_flight[0], result, accepted)
+        if in_flight is None:
+            return None
+        sched, step = in_flight
+        result = self.runner.collect(step)
+        return sched, result, self.structured_outputs.accept_step(sched, result)
+
+    def _read_in_flight(self) -> list[RequestOutput]:
+        """Wait for the dispatched step, if any, and process its tokens."""
+        collected = self._collect_in_flight()
+        return [] if collected is None else self._process(*collected)
 
     def _process(
         self, sched: SchedulerOutput, result: RunnerOutput, accepted: Accepted | None = None
@@ -293,7 +304,7 @@ class EngineCore:
             request = seq_of(item).request
             if error is not None and request.request_id in self.requests:
                 _LOG.error("request %s failed on the device: %s", request.request_id, error)
-                outputs.append(self._end_request(request, "error", error))
+                outputs.append(self._end_request(request, error))
         for i, item in enumerate(sched.scheduled):
             seq = seq_of(item)
             request = seq.request
@@ -313,11 +324,11 @@ class EngineCore:
                 self.output_processor.process_token(seq, result, i)
                 if seq.seq_id in accepted.errors:
                     raise RuntimeError(accepted.errors[seq.seq_id])
-                if seq.seq_id in accepted.complete and not seq.is_finished:
-                    seq.finish_reason = "stop"  # the grammar is complete
+                if seq.seq_id in accepted.complete:
+                    self.output_processor.complete_grammar(seq)
             except Exception as exc:  # one bad request must not stop the batch
                 _LOG.exception("request %s failed while processing its output", request.request_id)
-                seq.finish_reason, seq.stop_reason = "error", repr(exc)
+                self.output_processor.fail(seq, repr(exc))
             if seq.finish_reason is not None:
                 seq.drop_pending()  # a token sampled past the end is discarded
                 self.scheduler.finish(seq)

@@ -11,15 +11,15 @@ import logging
 
 import jax
 
-from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
+from jaxserve.models.families.registry import load_model_config
 from jaxserve.runner.runner import ModelRunner
 
 _LOG = logging.getLogger(__name__)
 
 
 def run_follower(config: EngineConfig) -> None:
-    model_config = ModelConfig.from_hf_dir(config.model_dir)
+    model_config = load_model_config(config.model_dir)
     runner = ModelRunner(model_config, config)  # sampling happens, but only process 0 reads it
     if config.warmup:  # process 0 warms up the same buckets in the same order
         try:

@@ -2,21 +2,35 @@
 and what the HTTP server needs from an engine (``EngineClient``).
 
 ``ModelRunner`` and ``AsyncEngine`` implement them; tests pass fakes that do too. Nothing in
-``jaxserve.server`` reaches past ``EngineClient`` into the engine's internals.
+``jaxserve.server`` reaches past ``EngineClient`` into the engine's internals. Importing this
+module loads no jax: the runner's types that need it are named for the type checker only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncGenerator, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
 
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.engine_config import EngineConfig
-from jaxserve.runner.capacity import Capacity
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxserve.runner.capacity import Capacity
+    from jaxserve.runner.in_flight import InFlight
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has died; no request can be served (``EngineClient.generate``)."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its cap (the server answers 429 with Retry-After)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,25 +48,30 @@ class EngineStats:
 
 
 class Runner(Protocol):
-    """What the engine needs from a model runner (``ModelRunner``; tests pass a fake)."""
+    """What the engine needs from a model runner (``ModelRunner``; tests pass a fake).
+
+    A step crosses in three calls, as vLLM v1's ``execute_model`` then ``sample_tokens``:
+    ``dispatch`` queues its forward pass, ``sample`` its sampler (with the step's token mask
+    when ``SchedulerOutput.is_constrained``), ``collect`` waits for its tokens."""
 
     num_blocks: int
     capacity: Capacity
     multihost: bool
-    ready_tokens: int  # the largest step whose programs have all compiled (see warm-up)
+
+    @property
+    def ready_tokens(self) -> int: ...  # the largest step whose programs have all compiled
+
+    @property
+    def compile_seconds(self) -> float: ...  # warm-up's, before the engine serves
 
     def warmup(self) -> int: ...
-    # A dispatched step is the runner's own handle (``InFlight``), passed back as it is.
-    # ``defer_sampling``: queue the forward pass only; the engine fills the constrained
-    # sequences' rows of ``token_mask_buffer`` (i32[>= num_scheduled, ceil(V / 32)], every bit
-    # set), then ``dispatch_sampler`` queues the sampler with it.
-    def dispatch(
-        self, output: SchedulerOutput, previous: Any = None, defer_sampling: bool = False
-    ) -> Any: ...
-    def token_mask_buffer(self, step: Any) -> Any: ...
-    def dispatch_sampler(self, step: Any) -> None: ...
-    def collect(self, step: Any) -> RunnerOutput: ...
-    def execute(self, output: SchedulerOutput) -> RunnerOutput: ...
+    # ``previous``: the step dispatched just before, not yet collected (asynchronous scheduling)
+    def dispatch(self, output: SchedulerOutput, previous: InFlight | None = None) -> InFlight: ...
+    # ``token_mask``: i32[num_scheduled, ceil(V / 32)], row i the tokens sequence i may take
+    # (bit v % 32 of word v // 32); None: no constraint. Copied before ``sample`` returns.
+    def sample(self, step: InFlight, token_mask: np.ndarray | None) -> None: ...
+    def collect(self, step: InFlight) -> RunnerOutput: ...
+    def execute(self, output: SchedulerOutput) -> RunnerOutput: ...  # all three, unconstrained
     def shutdown(self) -> None: ...
 
 

@@ -3,9 +3,11 @@
 The engine core hands it each token read back from the runner (``process_token``); it appends
 the token to its sequence, detokenizes incrementally, collects logprobs, decides whether the
 sequence has finished (EOS, stop token ids, stop strings on the text, max_tokens,
-max_model_len) and builds the deltas the clients receive (``make_output``). It owns the
-per-sequence output state (text, what was sent, logprobs), created by ``add_request`` and
-freed by ``free``.
+max_model_len) and builds the deltas the clients receive (``make_output``). It makes every
+stop decision: ``finish_reason`` and ``stop_reason`` have no other writer (the engine reports
+a complete grammar, a failure or an abort through ``complete_grammar``, ``fail`` and
+``abort``). It owns the per-sequence output state (text, what was sent, logprobs), created by
+``add_request`` and freed by ``free``.
 """
 
 from __future__ import annotations
@@ -79,6 +81,19 @@ class OutputProcessor:
         assert params.max_tokens is not None  # filled in by check_request
         if num_out >= params.max_tokens or seq.num_prompt_tokens + num_out >= self.max_model_len:
             seq.finish_reason = "length"
+
+    def complete_grammar(self, seq: Sequence) -> None:
+        """The sequence's grammar is complete (nothing more may follow): it stops, unless its
+        token already ended it."""
+        if not seq.is_finished:
+            seq.finish_reason = "stop"
+
+    def fail(self, seq: Sequence, error: str) -> None:
+        """The sequence failed (on the device, or while its output was processed)."""
+        seq.finish_reason, seq.stop_reason = "error", error
+
+    def abort(self, seq: Sequence) -> None:
+        seq.finish_reason, seq.stop_reason = "abort", None
 
     def _token_logprobs(
         self, token: int, result: RunnerOutput, row: int, num_top: int | None

@@ -7,18 +7,19 @@ preemption), and loses it when the scheduler names it preempted or finished, or 
 request retires. In the output path the engine feeds a step's tokens, all at once, to
 ``accept_tokens``, which says which grammars are complete (those sequences then stop) and
 which token broke its grammar; then ``start_masks`` fills the next step's allowed tokens into
-the sampler's packed mask on a worker thread while the engine handles the rest of the step's
-output, and the engine waits for it just before it queues the sampler. With ``reasoning_end``
-set, a sequence's tokens reach its matcher only once those ids have been generated; with
-``reasoning_start`` too, the reasoning section is the model's choice: the first token may be
-that id (then the grammar waits for ``reasoning_end``) or any the grammar allows (then it holds
-from the first token). Requests without a constraint have no entry and cost nothing.
+a packed mask of its own on a worker thread while the engine handles the rest of the step's
+output, and the engine hands the mask (the future's result) to ``Runner.sample``. With
+``reasoning_end`` set, a sequence's tokens reach its matcher only once those ids have been
+generated; with ``reasoning_start`` too, the reasoning section is the model's choice: the first
+token may be that id (then the grammar waits for ``reasoning_end``) or any the grammar allows
+(then it holds from the first token). Requests without a constraint have no entry and cost nothing.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import sys
 from typing import Any
 
@@ -101,7 +102,8 @@ class StructuredOutputs:
         # spreads the rows over its own threads) while the engine thread turns step n's tokens
         # into outputs; only one mask is ever in flight.
         self._mask_worker: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pending_mask: concurrent.futures.Future[None] | None = None
+        self._pending_mask: concurrent.futures.Future[np.ndarray] | None = None
+        self._masks = np.zeros((0, self.mask_width), np.int32)  # i32[rows, W], reused
         self._switch_interval = sys.getswitchinterval()
 
     @property
@@ -178,12 +180,13 @@ class StructuredOutputs:
                 accepted.complete.add(seq_id)
         return accepted
 
-    def start_masks(self, sched: SchedulerOutput, masks: np.ndarray) -> None:
-        """Fill ``masks`` (i32[>= num_scheduled, W], every bit set) on the worker thread: row i
-        packs the allowed next tokens (bit v % 32 of word v // 32) of scheduled sequence i;
-        rows without an active matcher keep every token, and a row whose first token may open a
-        reasoning section also allows that id. ``wait_masks`` before reading it."""
-        rows, openings = [], []
+    def start_masks(self, sched: SchedulerOutput) -> concurrent.futures.Future[np.ndarray]:
+        """The token masks of a step, filled on the worker thread: i32[num_scheduled, W], row
+        i the allowed next tokens (bit v % 32 of word v // 32) of scheduled sequence i; rows
+        without an active matcher allow every token, and a row whose first token may open a
+        reasoning section also allows that id. The array is this object's own, valid until
+        the next ``start_masks``; the future raises what the fill raised."""
+        rows, openings, free_rows = [], [], []
         for i, item in enumerate(sched.scheduled):
             state = self._seqs.get(item.seq.seq_id)
             if item.completes_sequence and state is not None and state.is_active:
@@ -191,39 +194,45 @@ class StructuredOutputs:
                     rows.append((state.matcher, i))
                     if state.may_open is not None:
                         openings.append((i, state.may_open))
+                    continue
+            free_rows.append(i)
         if self._mask_worker is None:
             self._mask_worker = concurrent.futures.ThreadPoolExecutor(1, "token-masks")
-        assert self._pending_mask is None, "one mask at a time"
+        pending = self._pending_mask
+        assert pending is None or pending.done(), "one mask at a time"
+        num_rows = len(sched.scheduled)
+        if len(self._masks) < num_rows:
+            self._masks = np.zeros((num_rows, self.mask_width), np.int32)
+        masks = self._masks[:num_rows]
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(MASK_SWITCH_INTERVAL_S)
-        self._pending_mask = self._mask_worker.submit(self._fill, rows, openings, masks)
-
-    def wait_masks(self) -> None:
-        """Wait for the mask ``start_masks`` began (its errors raise here)."""
-        pending, self._pending_mask = self._pending_mask, None
-        assert pending is not None, "no mask was started"
-        try:
-            pending.result()
-        finally:
-            sys.setswitchinterval(self._switch_interval)
+        fill = functools.partial(self._fill, rows, openings, free_rows, masks)
+        self._pending_mask = self._mask_worker.submit(fill)
+        return self._pending_mask
 
     def _fill(
-        self, rows: list[tuple[Any, int]], openings: list[tuple[int, int]], masks: np.ndarray
-    ) -> None:
+        self,
+        rows: list[tuple[Any, int]],
+        openings: list[tuple[int, int]],
+        free_rows: list[int],
+        masks: np.ndarray,
+    ) -> np.ndarray:
         import llguidance.numpy
 
-        if rows:
-            llguidance.numpy.fill_next_token_bitmask_par(self.executor, rows, masks)
-        words = masks.view(np.uint32)
-        for row, token in openings:
-            words[row, token // 32] |= np.uint32(1 << (token % 32))
+        try:
+            masks[free_rows] = -1  # llguidance writes every word of the other rows
+            if rows:
+                llguidance.numpy.fill_next_token_bitmask_par(self.executor, rows, masks)
+            words = masks.view(np.uint32)
+            for row, token in openings:
+                words[row, token // 32] |= np.uint32(1 << (token % 32))
+            return masks
+        finally:  # the fill is done: the engine thread keeps the GIL as long as it likes
+            sys.setswitchinterval(self._switch_interval)
 
     def token_masks(self, sched: SchedulerOutput) -> np.ndarray:
-        """i32[num_scheduled, W]: ``start_masks`` into a fresh array, waited for."""
-        masks = np.full((len(sched.scheduled), self.mask_width), -1, np.int32)
-        self.start_masks(sched, masks)
-        self.wait_masks()
-        return masks
+        """i32[num_scheduled, W]: ``start_masks``, waited for, in an array of its own."""
+        return self.start_masks(sched).result().copy()
 
     @property
     def executor(self) -> Any:  # llguidance.LLExecutor

@@ -1,7 +1,7 @@
 """The device-side inputs of one model step, and the paged KV cache they index.
 
 The runner builds a ``Batch`` from the scheduler's per-step output (padded numpy arrays, one
-shape bucket) and hands it to ``llama.forward``. Padding tokens have ``slot_mapping`` past the
+shape bucket) and hands it to ``decoder.forward``. Padding tokens have ``slot_mapping`` past the
 end of the cache (their K/V writes are dropped) and rows past ``cu_q_lens[num_seqs]``.
 """
 

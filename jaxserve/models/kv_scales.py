@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from jaxserve.models.families import HF_LAYER_PREFIX
-from jaxserve.models.weights import WeightsError, _tensor_files
+from jaxserve.models.families.fields import HF_LAYER_PREFIX
+from jaxserve.models.loading.checkpoint_loader import tensor_files
+from jaxserve.models.loading.checkpoint_reader import WeightsError
 from pallas_kernels.kv_cache import is_quantized
 
 _LOG = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def _read_scale(file: Path, name: str) -> float:
 
 def load_kv_scales(model_dir: str | os.PathLike[str], num_layers: int) -> KVScales:
     """Each layer's scales from the checkpoint in ``model_dir``; 1.0 where it has none."""
-    files = _tensor_files(Path(model_dir))
+    files = tensor_files(Path(model_dir))
     scales = []
     num_found = 0
     for layer in range(num_layers):

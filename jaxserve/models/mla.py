@@ -1,5 +1,5 @@
 """Multi-head latent attention (DeepSeek-V2/V3) over the compressed paged KV cache, as a pure
-function ``llama.forward`` calls for a family with ``config.mla``.
+function ``decoder.forward`` calls for a family with ``config.mla``.
 
 Per token and layer the cache holds the normalized latent c_kv [kv_lora_rank] and the rotated
 shared key k_pe [qk_rope_head_dim] (``config.kv_cache_dims``: the two page arrays of the
@@ -15,20 +15,16 @@ part without rope, R rotary dims, U a head's value, A = C + R, B = C + U.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import rope
 from jaxserve.models.batch import Batch
+from jaxserve.models.layers import LayerWeights, rms_norm
 from jaxserve.models.quant import linear
 from pallas_kernels.kv_cache import write_latent
 from pallas_kernels.mla.reference import ragged_paged_mla_attention
-
-if TYPE_CHECKING:
-    from jaxserve.models.llama import LayerWeights
 
 # NOTE: the absorbed form, not expanding K and V from the latent inside the step: it keeps
 # the cache at the latent's size and reads it as one KV head (the reference's MQA semantics
@@ -53,8 +49,6 @@ def mla_attention_block(
     rotary: tuple[jax.Array, jax.Array],  # (cos, sin), each [T, 1, R] in x's dtype
     kv_scale: tuple[float, float] | None = None,  # an fp8 cache's (c_kv, k_pe) scales
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # (out [T, H], ckv_pages, kpe_pages)
-    from jaxserve.models.llama import rms_norm  # (llama imports this module)
-
     mla = config.mla
     assert mla is not None
     assert lw.wkv_a is not None and lw.wk_pe is not None and lw.kv_a_norm is not None

@@ -206,6 +206,54 @@ def combine(
     return weighted.sum(1).astype(dtype)
 
 
+def this_devices_tokens(
+    x: jax.Array,  # [T, H]
+    expert_ids: jax.Array,  # i32[T, k]
+    expert_weights: jax.Array,  # f32[T, k]
+    no_expert: int,  # E: past every device's experts
+    axis_name: str,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # [t, H], i32[t, k], f32[t, k]
+    """Device d's tokens [d * t, (d + 1) * t), t = ceil(T / n); past T, padding rows routed to
+    ``no_expert``."""
+    num_devices = jax.lax.axis_size(axis_name)
+    device = jax.lax.axis_index(axis_name)
+    num_tokens = expert_ids.shape[0]
+    local_tokens = -(-num_tokens // num_devices)  # t; past T: padding of no expert
+    padding = local_tokens * num_devices - num_tokens
+    x = jnp.pad(x, ((0, padding), (0, 0)))
+    expert_ids = jnp.pad(expert_ids, ((0, padding), (0, 0)), constant_values=no_expert)
+    expert_weights = jnp.pad(expert_weights, ((0, padding), (0, 0)))
+    start = device * local_tokens
+    x = jax.lax.dynamic_slice_in_dim(x, start, local_tokens)  # [t, H]
+    expert_ids = jax.lax.dynamic_slice_in_dim(expert_ids, start, local_tokens)  # i32[t, k]
+    expert_weights = jax.lax.dynamic_slice_in_dim(expert_weights, start, local_tokens)
+    return x, expert_ids, expert_weights
+
+
+def run_received(
+    received: jax.Array,  # [n, C, H]  the rows each device sent here
+    received_ids: jax.Array,  # i32[n, C]  their local expert; num_local: an empty row
+    experts: tuple[jax.Array, jax.Array, jax.Array],  # this device's w_gate, w_up, w_down
+    act: Activation,
+    gate_bias: jax.Array | None,
+    up_bias: jax.Array | None,
+    glu: Glu | None,
+) -> jax.Array:  # [n, C, H]  the results, as received
+    """The received rows through this device's experts (empty rows sort last, run by none)."""
+    w_gate, w_up, w_down = experts
+    num_local = w_gate.shape[0]
+    num_devices, capacity, hidden_size = received.shape
+    received_ids = received_ids.reshape(-1)  # i32[n * C]; empty rows sort last
+    local_order = jnp.argsort(received_ids, stable=True).astype(jnp.int32)
+    local_sizes = jnp.zeros(num_local, jnp.int32).at[received_ids].add(1, mode="drop")
+    local_rows = received.reshape(-1, hidden_size)[local_order]  # [n * C, H]
+    out = expert_mlp(
+        local_rows, local_sizes, w_gate, w_up, w_down, act, gate_bias, up_bias, glu
+    )  # [n * C, H]
+    out = out[inverse_permutation(local_order)]  # [n * C, H] as received
+    return out.reshape(num_devices, capacity, -1)  # [n, C, H] by source
+
+
 def run_experts_all_to_all(
     x: jax.Array,  # [T, H]  every token, the same on every device
     expert_ids: jax.Array,  # i32[T, k]
@@ -228,19 +276,12 @@ def run_experts_all_to_all(
     all-to-all), combines its tokens and gathers every device's tokens.
     """
     num_devices = jax.lax.axis_size(axis_name)
-    device = jax.lax.axis_index(axis_name)
     num_local = w_gate.shape[0]
     num_tokens, top_k = expert_ids.shape
-    local_tokens = -(-num_tokens // num_devices)  # t; past T: padding of no expert
-    padding = local_tokens * num_devices - num_tokens
-    x = jnp.pad(x, ((0, padding), (0, 0)))
-    no_expert = num_local * num_devices  # E: past every device's experts
-    expert_ids = jnp.pad(expert_ids, ((0, padding), (0, 0)), constant_values=no_expert)
-    expert_weights = jnp.pad(expert_weights, ((0, padding), (0, 0)))
-    start = device * local_tokens
-    x = jax.lax.dynamic_slice_in_dim(x, start, local_tokens)  # [t, H]
-    expert_ids = jax.lax.dynamic_slice_in_dim(expert_ids, start, local_tokens)  # i32[t, k]
-    expert_weights = jax.lax.dynamic_slice_in_dim(expert_weights, start, local_tokens)
+    x, expert_ids, expert_weights = this_devices_tokens(
+        x, expert_ids, expert_weights, num_local * num_devices, axis_name
+    )  # [t, H], i32[t, k], f32[t, k]
+    local_tokens = x.shape[0]
 
     # Send: rows sorted by expert are sorted by owner too. Each owner gets a slot of the
     # worst case (every row), so no row is ever dropped and the shapes stay fixed.
@@ -260,15 +301,9 @@ def run_experts_all_to_all(
 
     received = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=False)  # [n, C, H] by source
     received_ids = jax.lax.all_to_all(send_ids, axis_name, 0, 0, tiled=False)  # i32[n, C]
-    received_ids = received_ids.reshape(-1)  # i32[n * C]; empty rows sort last
-    local_order = jnp.argsort(received_ids, stable=True).astype(jnp.int32)
-    local_sizes = jnp.zeros(num_local, jnp.int32).at[received_ids].add(1, mode="drop")
-    local_rows = received.reshape(-1, x.shape[1])[local_order]  # [n * C, H]
-    out = expert_mlp(
-        local_rows, local_sizes, w_gate, w_up, w_down, act, gate_bias, up_bias, glu
-    )  # [n * C, H]
-    out = out[inverse_permutation(local_order)]  # [n * C, H] as received
-    out = out.reshape(num_devices, capacity, -1)  # [n, C, H] by source
+    out = run_received(
+        received, received_ids, (w_gate, w_up, w_down), act, gate_bias, up_bias, glu
+    )  # [n, C, H] by source
 
     returned = jax.lax.all_to_all(out, axis_name, 0, 0, tiled=False)  # [n, C, H] by owner
     mine = jnp.where(

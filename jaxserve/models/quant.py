@@ -1,19 +1,20 @@
 """Quantized Linear weights: values and scales, and the one matmul the model reads them through.
 
 A quantized weight is a ``QArray`` kept in the checkpoint's Linear layout ``[out, in]`` (the
-output and input axes of ``families.py``'s ``hf_shape``, flattened): 8-bit values (fp8 e4m3 or
-int8) or 4-bit values packed eight to an int32 word along ``in``, with a scale per output channel
-or per group of inputs, and for 4-bit formats a zero point per group. ``linear(x, w, spec)`` is
-the model's matmul: a plain array goes through ``jnp.einsum(spec, ...)`` exactly as before; a
-``QArray`` is multiplied in its own layout and reshaped back to the einsum's output. Steps of
-few tokens may take the skinny-matmul kernel instead (``pallas_kernels.skinny_matmul``, behind
-``JAXSERVE_SKINNY_MATMUL``), for plain weights and per-channel 8-bit ones alike.
+output and input axes of ``families/fields.py``'s ``WeightField.hf_shape``, flattened): 8-bit
+values (fp8 e4m3 or int8) or 4-bit values packed eight to an int32 word along ``in``, with a
+scale per output channel or per group of inputs, and for 4-bit formats a zero point per group.
+``linear(x, w, spec)`` is the model's matmul: a plain array goes through
+``jnp.einsum(spec, ...)`` exactly as before; a ``QArray`` is multiplied in its own layout and
+reshaped back to the einsum's output. Steps of few tokens may take the skinny-matmul kernel
+instead (``pallas_kernels.skinny_matmul``, behind ``JAXSERVE_SKINNY_MATMUL``), for plain
+weights and per-channel 8-bit ones alike.
 
 Made by ``quantize`` (``--quantization fp8 | int8``: bf16 weights quantized on load) and by
-``quant_checkpoint.py`` (fp8, compressed-tensors, AWQ and GPTQ checkpoints); laid out across
-devices by ``runner/sharding.py`` (scales follow their weight's output axis). The embedding and
-lm_head are never quantized: they stay in the model dtype (as vLLM's fp8 does), as do norms
-and biases.
+``loading/quant_checkpoint.py`` (fp8, compressed-tensors, AWQ and GPTQ checkpoints); laid out
+across devices by ``runner/sharding.py`` (scales follow their weight's output axis). The
+embedding and lm_head are never quantized: they stay in the model dtype (as vLLM's fp8 does),
+as do norms and biases.
 """
 
 from __future__ import annotations

@@ -18,13 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.families import (
-    WeightField,
-    dim_sizes,
-    layer_fields,
-    num_float32_params,
-    num_params,
-)
+from jaxserve.models.families.counting import num_float32_params, num_params
+from jaxserve.models.families.fields import WeightField, dim_sizes
+from jaxserve.models.families.registry import layer_fields
 from jaxserve.models.quant import PACK, QUANTIZED_FIELDS
 
 # What --quantization accepts: the two quantize-on-load modes, and the checkpoint methods
@@ -113,68 +109,77 @@ def parse_checkpoint(qc: dict[str, Any]) -> QuantScheme:
     # Hopper); a checkpoint's static input_scale tensors (activation_scheme "static") are not
     # read: a per-token scale is never coarser than one calibrated per tensor.
     if method == "fp8":
-        fmt = qc.get("fmt", "e4m3")
-        if fmt != "e4m3":
-            raise QuantizationError(f"fp8 checkpoint fmt={fmt!r} is not supported; only e4m3")
-        _ignored(qc, "ignored_layers")
-        _ignored(qc, "modules_to_not_convert")
-        out_block, group = _fp8_block(qc.get("weight_block_size"), "weight_block_size")
-        return QuantScheme(
-            method="fp8",
-            weight_format="fp8",
-            from_checkpoint=True,
-            group_size=group,
-            out_block=out_block,
-            scale_name="weight_scale_inv" if group else "weight_scale",
-        )
+        return _parse_fp8(qc)
     if method == "compressed-tensors":
         return _parse_compressed_tensors(qc)
     if method in ("awq", "gptq"):
-        bits = qc.get("bits", qc.get("w_bit"))
-        if bits != 4:
-            raise QuantizationError(f"{method} checkpoint bits={bits!r} is not supported; only 4")
-        group = qc.get("group_size", qc.get("q_group_size"))
-        if not isinstance(group, int) or group <= 0 or group % PACK:
+        return _parse_int4(qc, method)
+    raise QuantizationError(
+        f"quantization_config.quant_method={method!r} is not supported; supported: "
+        f"{', '.join(CHECKPOINT_METHODS)}"
+    )
+
+
+def _parse_fp8(qc: dict[str, Any]) -> QuantScheme:
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise QuantizationError(f"fp8 checkpoint fmt={fmt!r} is not supported; only e4m3")
+    _ignored(qc, "ignored_layers")
+    _ignored(qc, "modules_to_not_convert")
+    out_block, group = _fp8_block(qc.get("weight_block_size"), "weight_block_size")
+    return QuantScheme(
+        method="fp8",
+        weight_format="fp8",
+        from_checkpoint=True,
+        group_size=group,
+        out_block=out_block,
+        scale_name="weight_scale_inv" if group else "weight_scale",
+    )
+
+
+def _parse_int4(qc: dict[str, Any], method: str) -> QuantScheme:
+    """AWQ (GEMM layout, zero points) or GPTQ (v1 or v2 zero points, optional g_idx)."""
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise QuantizationError(f"{method} checkpoint bits={bits!r} is not supported; only 4")
+    group = qc.get("group_size", qc.get("q_group_size"))
+    if not isinstance(group, int) or group <= 0 or group % PACK:
+        raise QuantizationError(
+            f"{method} checkpoint group_size={group!r} is not supported; a positive "
+            f"multiple of {PACK} (per-channel -1 is not)"
+        )
+    if qc.get("lm_head"):
+        raise QuantizationError(f"{method} checkpoint lm_head=true is not supported")
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
             raise QuantizationError(
-                f"{method} checkpoint group_size={group!r} is not supported; a positive "
-                f"multiple of {PACK} (per-channel -1 is not)"
+                f"awq checkpoint version={version!r} is not supported; only 'gemm'"
             )
-        if qc.get("lm_head"):
-            raise QuantizationError(f"{method} checkpoint lm_head=true is not supported")
-        if method == "awq":
-            version = str(qc.get("version", "gemm")).lower()
-            if version != "gemm":
-                raise QuantizationError(
-                    f"awq checkpoint version={version!r} is not supported; only 'gemm'"
-                )
-            if qc.get("zero_point", True) is not True:
-                raise QuantizationError("awq checkpoint zero_point=false is not supported")
-            _ignored(qc, "modules_to_not_convert")
-            return QuantScheme(
-                method="awq",
-                weight_format="int4",
-                from_checkpoint=True,
-                group_size=group,
-                has_zero=True,
-                awq=True,
-            )
-        fmt = qc.get("checkpoint_format", "gptq")
-        if fmt not in ("gptq", "gptq_v2"):
-            raise QuantizationError(
-                f"gptq checkpoint_format={fmt!r} is not supported; only 'gptq' and 'gptq_v2'"
-            )
+        if qc.get("zero_point", True) is not True:
+            raise QuantizationError("awq checkpoint zero_point=false is not supported")
+        _ignored(qc, "modules_to_not_convert")
         return QuantScheme(
-            method="gptq",
+            method="awq",
             weight_format="int4",
             from_checkpoint=True,
             group_size=group,
             has_zero=True,
-            has_g_idx=bool(qc.get("desc_act", False)),
-            zero_offset=1 if fmt == "gptq" else 0,
+            awq=True,
         )
-    raise QuantizationError(
-        f"quantization_config.quant_method={method!r} is not supported; supported: "
-        f"{', '.join(CHECKPOINT_METHODS)}"
+    fmt = qc.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise QuantizationError(
+            f"gptq checkpoint_format={fmt!r} is not supported; only 'gptq' and 'gptq_v2'"
+        )
+    return QuantScheme(
+        method="gptq",
+        weight_format="int4",
+        from_checkpoint=True,
+        group_size=group,
+        has_zero=True,
+        has_g_idx=bool(qc.get("desc_act", False)),
+        zero_offset=1 if fmt == "gptq" else 0,
     )
 
 

@@ -24,7 +24,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine_config import KV_DTYPE_BYTES, EngineConfig
 from jaxserve.models.batch import kv_bytes_per_token
 from jaxserve.models.quant_scheme import QuantScheme, weight_bytes
-from jaxserve.runner.input_builder import next_power_of_2, token_buckets_for
+from jaxserve.runner.buckets import next_power_of_2, token_buckets_for
 from jaxserve.runner.sampling import PROMPT_LOGPROBS_CHUNK
 
 GiB = 1024**3
@@ -265,11 +265,11 @@ def plan_capacity(
         expert_parallel,
     ) + mla_reference_bytes(config, max_num_batched_tokens, max_model_len, block_size)
     per_token = cache_bytes_per_token(config, tensor_parallel_size, kv_dtype_bytes)
-    budget = int(device_memory_bytes * memory_utilization) - weights - activations
     if num_blocks_override is not None:
         num_blocks = num_blocks_override
         budget = num_blocks * block_size * per_token
     else:
+        budget = int(device_memory_bytes * memory_utilization) - weights - activations
         if budget <= 0:
             raise CapacityError(
                 f"the weights ({weights / GiB:.2f} GiB) and activations "
@@ -278,15 +278,7 @@ def plan_capacity(
                 "--tensor-parallel-size"
             )
         num_blocks = budget // (block_size * per_token)
-    # NOTE: a prompt of max_model_len tokens prefilled in one chunk holds all its blocks
-    # during that step, window or not: the pool must hold one full-length request.
-    needed = -(-max_model_len // block_size)
-    if num_blocks < needed:
-        raise CapacityError(
-            f"max_model_len={max_model_len:,} needs {needed:,} KV blocks but only "
-            f"{num_blocks:,} fit ({num_blocks * block_size:,} tokens); lower --max-model-len "
-            "or raise --gpu-memory-utilization"
-        )
+    _check_full_length_fits(num_blocks, block_size, max_model_len)
     return Capacity(
         device_memory_bytes=device_memory_bytes,
         memory_utilization=memory_utilization,
@@ -300,6 +292,18 @@ def plan_capacity(
         sliding_window=config.all_layers_window,
         kv_cache_dtype=kv_cache_dtype,
     )
+
+
+def _check_full_length_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    # NOTE: a prompt of max_model_len tokens prefilled in one chunk holds all its blocks
+    # during that step, window or not: the pool must hold one full-length request.
+    needed = -(-max_model_len // block_size)
+    if num_blocks < needed:
+        raise CapacityError(
+            f"max_model_len={max_model_len:,} needs {needed:,} KV blocks but only "
+            f"{num_blocks:,} fit ({num_blocks * block_size:,} tokens); lower --max-model-len "
+            "or raise --gpu-memory-utilization"
+        )
 
 
 def engine_capacity(

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig, kv_cache_dtype_name, weight_dtype
-from jaxserve.models.families import num_params
+from jaxserve.models.families.counting import num_params
 from jaxserve.models.kv_scales import FP8_KV_DTYPES
 from jaxserve.models.quant_scheme import (
     FP8_MIN_COMPUTE_CAPABILITY,

@@ -1,8 +1,8 @@
 """InFlight: a step queued on the device and not yet read back, and its reading back.
 
-Made by ``ModelRunner.dispatch``; the engine keeps it while it prepares the next step and
-hands it back to ``ModelRunner.collect``. A step whose sampler waits for a token mask
-(structured outputs) holds its forward pass's outputs until ``dispatch_sampler`` runs it.
+Made by ``ModelRunner.dispatch``, which queues the step's forward pass; the engine hands it
+to ``ModelRunner.sample`` (with the step's token mask, or None), which queues the sampler,
+keeps it while it prepares the next step, and hands it back to ``ModelRunner.collect``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class DeferredSampler:
     """What a step's sampler needs once its token mask is known."""
 
     forward: Forward  # the forward pass's output, on the device
-    inputs: SamplingInputs  # on the host; token_mask [S, W] allows every token until written
+    inputs: SamplingInputs  # on the host; token_mask [S, W] allows every token
     flags: SamplerFlags
 
 
@@ -31,7 +31,7 @@ class DeferredSampler:
 class InFlight:
     """A dispatched step: its device outputs, not yet read back."""
 
-    out: StepSamples | None  # None while the sampler waits (``deferred``)
+    out: StepSamples | None  # None until ``ModelRunner.sample`` queues the sampler
     prompt_out: tuple[jax.Array, ...] | None
     spans: dict[str, tuple[int, int]]  # seq_id -> (offset, count) of its prompt logprob rows
     sampled_row: dict[str, int]  # seq_id -> its row in out.token_ids, one per scheduled seq
@@ -40,14 +40,14 @@ class InFlight:
     @property
     def sampled_ids(self) -> Any:  # i32[S_max] on the device
         if self.out is None:
-            raise RuntimeError("the step's sampler has not been dispatched")
+            raise RuntimeError("the step has not been sampled (ModelRunner.sample)")
         return self.out.token_ids
 
     def read_back(self) -> RunnerOutput:
         """Wait for the step and copy its sampled tokens (and logprobs) to the host."""
         out, num = self.out, len(self.sampled_row)
         if out is None:
-            raise RuntimeError("the step's sampler has not been dispatched")
+            raise RuntimeError("the step has not been sampled (ModelRunner.sample)")
         result = RunnerOutput(token_ids=np.asarray(out.token_ids)[:num])
         if out.logprobs is not None:
             (result.logprobs, result.ranks, result.top_ids, result.top_logprobs) = unpack_logprobs(

@@ -11,13 +11,14 @@ per-sequence Python work of a decode step is a few attribute reads.
 from __future__ import annotations
 
 import dataclasses
-import math
+import enum
 from collections.abc import Sequence as Seq
 from typing import Any
 
 import numpy as np
 
 from jaxserve.models.batch import Batch
+from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.sampling import (
     NUM_TOP_LOGPROBS,
     ROW_FIELDS,
@@ -29,17 +30,15 @@ from jaxserve.runner.sampling import (
 from jaxserve.runner.step import PENDING_TOKEN, SchedulerOutput, StepSequence
 from jaxserve.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_TOKEN_IDS
 
-MIN_TOKEN_BUCKET = 16
 
+class Need(enum.IntEnum):
+    """The columns of ``InputBuilder.needs``: what a sequence asks of the sampler."""
 
-def next_power_of_2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
-
-
-def token_buckets_for(max_num_batched_tokens: int) -> list[int]:
-    """Padded token counts of the compiled steps: powers of two from 16 up."""
-    top = max(next_power_of_2(max_num_batched_tokens), MIN_TOKEN_BUCKET)
-    return [1 << i for i in range(4, top.bit_length())]
+    SORT = 0  # top-k or top-p
+    PENALTIES = 1  # presence, frequency or repetition
+    BIAS = 2  # a logit bias of its own
+    LOGPROBS = 3
+    NOISE = 4  # temperature > 0: a sampled, not greedy, token
 
 
 @dataclasses.dataclass
@@ -54,14 +53,14 @@ class _Row:
 
 
 class InputBuilder:
-    """Shape buckets, per-sequence rows, and the padded arrays of one step."""
+    """Per-sequence rows, and the padded arrays of one step in its shape bucket."""
 
     def __init__(
         self,
+        buckets: Buckets,
         *,
         block_size: int,
         max_model_len: int,
-        max_num_batched_tokens: int,
         max_num_seqs: int,
         num_slots: int,
         vocab_size: int,
@@ -70,15 +69,13 @@ class InputBuilder:
     ) -> None:
         """``compact_samplers``: every step's sampler is one of
         ``SamplerFlags.compact_variants()`` (``SamplerFlags.compacted``)."""
+        self.buckets = buckets
         self.block_size = block_size
         self.compact_samplers = compact_samplers
         self.max_model_len = max_model_len
         # Bias entries a sequence can need: its logit_bias, and its stop ids while min_tokens
         # holds them back.
         self.bias_width = MAX_LOGIT_BIAS_ENTRIES + MAX_STOP_TOKEN_IDS + len(eos_token_ids)
-        self.pages_per_seq = -(-max_model_len // block_size)
-        self.token_buckets = token_buckets_for(max_num_batched_tokens)
-        self.max_seq_bucket = next_power_of_2(max_num_seqs)
         self.num_slots = num_slots
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -87,25 +84,14 @@ class InputBuilder:
         self.pad_row = num_rows - 1
         self._free_rows = list(range(num_rows - 2, -1, -1))
         self._rows: dict[str, _Row] = {}  # seq_id -> its row
-        self.block_table = np.zeros((num_rows, self.pages_per_seq), np.int32)
+        self.block_table = np.zeros((num_rows, buckets.pages_per_seq), np.int32)
         self.sampling = {
             name: np.full(num_rows, neutral, dtype) for name, (dtype, neutral) in ROW_FIELDS.items()
         }
         self.min_tokens = np.zeros(num_rows, np.int32)
         self.prompt_len = np.zeros(num_rows, np.int32)
-        # Per-row sampler needs: sort (top-k/p), penalties, static logit bias, logprobs, noise.
-        self.needs = np.zeros((num_rows, 5), bool)
-
-    # -- buckets ---------------------------------------------------------------------------
-
-    def token_bucket(self, num_tokens: int) -> int:
-        for bucket in self.token_buckets:
-            if bucket >= num_tokens:
-                return bucket
-        raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.token_buckets[-1]}")
-
-    def seq_bucket(self, token_bucket: int) -> int:
-        return min(token_bucket, self.max_seq_bucket)
+        self.needs = np.zeros((num_rows, len(Need)), bool)  # per row: what its sampler needs
+        self._every_token_masks: dict[tuple[int, bool], np.ndarray] = {}  # see ``_every_token``
 
     # -- rows ------------------------------------------------------------------------------
 
@@ -133,13 +119,12 @@ class InputBuilder:
         self.min_tokens[row] = p.min_tokens
         self.prompt_len[row] = seq.num_prompt_tokens
         wants_logprobs = p.logprobs is not None or (p.best_of or 0) > p.n
-        self.needs[row] = (
-            p.top_k > 0 or p.top_p < 1.0,
-            p.has_penalties,
-            bool(p.logit_bias),
-            wants_logprobs,
-            p.temperature > 0,
-        )
+        needs = self.needs[row]
+        needs[Need.SORT] = p.top_k > 0 or p.top_p < 1.0
+        needs[Need.PENALTIES] = p.has_penalties
+        needs[Need.BIAS] = bool(p.logit_bias)
+        needs[Need.LOGPROBS] = wants_logprobs
+        needs[Need.NOISE] = p.temperature > 0
         state = self._rows[seq.seq_id] = _Row(row)
         if p.logit_bias:
             state.bias_ids = np.array([int(t) for t, _ in p.logit_bias], np.int32)
@@ -163,8 +148,8 @@ class InputBuilder:
     ) -> tuple[Batch, SamplingInputs]:
         """Host inputs of a step of padding only, in the bucket of ``num_tokens``, shaped for
         the sampler variant ``flags``."""
-        num_seqs = self.seq_bucket(num_tokens)
-        batch = Batch.padding(num_tokens, num_seqs, self.pages_per_seq, self.num_slots)
+        num_seqs = self.buckets.seq_bucket(num_tokens)
+        batch = Batch.padding(num_tokens, num_seqs, self.buckets.pages_per_seq, self.num_slots)
         adjust = flags is not None and flags.adjust_logits
         inputs = SamplingInputs.padding(
             num_seqs,
@@ -182,8 +167,8 @@ class InputBuilder:
         items = output.scheduled
         num_seqs = len(items)
         num_tokens = output.num_batched_tokens
-        t_pad = self.token_bucket(num_tokens)
-        s_pad = self.seq_bucket(t_pad)
+        t_pad = self.buckets.token_bucket(num_tokens)
+        s_pad = self.buckets.seq_bucket(t_pad)
         bs = self.block_size
 
         rows = np.full(s_pad, self.pad_row, np.int32)
@@ -236,13 +221,14 @@ class InputBuilder:
         num_out = kv_lens - self.prompt_len[rows]
         min_tokens = self.min_tokens[rows]
         holds_eos = bool(np.any((min_tokens > 0) & (num_out < min_tokens)))
-        adjust_logits = bool(needs[1]) or bool(needs[2]) or holds_eos
-        num_logprobs = NUM_TOP_LOGPROBS if needs[3] else -1
+        adjust_logits = bool(needs[Need.PENALTIES]) or bool(needs[Need.BIAS]) or holds_eos
+        num_logprobs = NUM_TOP_LOGPROBS if needs[Need.LOGPROBS] else -1
+        sampled = bool(needs[Need.NOISE])
         flags = SamplerFlags(
-            use_sort=bool(needs[0] and needs[4]),  # greedy rows never sort
+            use_sort=bool(needs[Need.SORT]) and sampled,  # greedy rows never sort
             adjust_logits=adjust_logits,
             num_logprobs=num_logprobs,
-            all_greedy=not needs[4] and not use_mask,
+            all_greedy=not sampled and not use_mask,
             use_mask=use_mask,
         )
         return flags.compacted() if self.compact_samplers else flags
@@ -259,8 +245,8 @@ class InputBuilder:
     ) -> SamplingInputs:
         """The step's sampler inputs: rows gathered from the tables; with ``adjust_logits``,
         bias entries and penalty histories in their fixed widths (one shape per variant); with
-        ``use_mask``, a token mask that allows every token until the runner writes the rows of
-        the constrained sequences."""
+        ``use_mask``, a token mask that allows every token (``ModelRunner.sample`` packs the
+        engine's mask over its leading rows)."""
         num_rows = rows.shape[0]
         vocab = self.vocab_size
         width = self.bias_width if flags.adjust_logits else 0
@@ -271,8 +257,7 @@ class InputBuilder:
         host["bias_values"] = bias_values = np.zeros((num_rows, width), np.float32)
         host["history_ids"] = history = np.full((num_rows, length), vocab, np.int32)
         host["num_prompt_tokens"] = self.prompt_len[rows]
-        mask_shape = (num_rows, mask_width(vocab) if flags.use_mask else 0)
-        host["token_mask"] = np.full(mask_shape, -1, np.int32)
+        host["token_mask"] = self._every_token(num_rows, flags.use_mask)
         if flags.adjust_logits:
             for i, seq in enumerate(seqs):
                 row = self._rows[seq.seq_id]
@@ -285,6 +270,17 @@ class InputBuilder:
                     tokens = (seq.prompt_token_ids + seq.output_token_ids)[:length]
                     history[i, : len(tokens)] = tokens
         return SamplingInputs(**host)  # numpy stands in for device arrays until device_put
+
+    def _every_token(self, num_rows: int, use_mask: bool) -> np.ndarray:
+        """i32[num_rows, W] with every bit set (W = 0 without ``use_mask``), made once per
+        number of rows and never written: the sampler's inputs are packed from it."""
+        key = (num_rows, use_mask)
+        mask = self._every_token_masks.get(key)
+        if mask is None:
+            width = mask_width(self.vocab_size) if use_mask else 0
+            mask = self._every_token_masks[key] = np.full((num_rows, width), -1, np.int32)
+            mask.flags.writeable = False
+        return mask
 
     def pending_sources(
         self, output: SchedulerOutput, host_batch: Batch, sampled_row: dict[str, int] | None

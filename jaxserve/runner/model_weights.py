@@ -19,10 +19,12 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.kv_scales import kv_scales_for
-from jaxserve.models.llama import Weights, fuse_projections
+from jaxserve.models.layers import Weights, fuse_projections
+from jaxserve.models.loading.checkpoint_loader import load_weights
+from jaxserve.models.loading.dummy import dummy_weights
+from jaxserve.models.loading.field_conversion import Placement
 from jaxserve.models.quant_scheme import QuantScheme
-from jaxserve.models.weights import Placement, dummy_weights, load_weights
-from jaxserve.runner.sharding import TensorParallel
+from jaxserve.runner.parallel.sharding import TensorParallel
 
 _LOG = logging.getLogger(__name__)
 

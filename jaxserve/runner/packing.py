@@ -46,6 +46,16 @@ def pack(tree: Any) -> tuple[np.ndarray, Layout]:
     return buffer, Layout(treedef, tuple((a.shape, a.dtype.str) for a in arrays))
 
 
+def write_rows(buffer: np.ndarray, layout: Layout, leaf: int, rows: np.ndarray) -> None:
+    """Overwrite the leading rows of leaf ``leaf`` of a packed ``buffer`` with ``rows`` (a
+    4-byte array of the leaf's row shape), in place: one copy, from ``rows`` to the buffer."""
+    shape, _ = layout.leaves[leaf]
+    if rows.shape[1:] != shape[1:] or rows.shape[0] > shape[0] or rows.dtype.itemsize != 4:
+        raise ValueError(f"rows {rows.dtype}{list(rows.shape)} do not fit leaf {list(shape)}")
+    offset = sum(math.prod(s) for s, _ in layout.leaves[:leaf])
+    buffer[offset : offset + rows.size] = rows.reshape(-1).view(np.int32)
+
+
 def unpack(buffer: jax.Array, layout: Layout) -> Any:
     """The pytree ``pack`` packed, from its buffer (on the device, under jit)."""
     leaves = []

@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import llama
+from jaxserve.models import decoder
 from jaxserve.models.batch import KVCache
+from jaxserve.models.layers import Weights
 from jaxserve.runner import sampling
 from jaxserve.runner.packing import Layout, unpack
 from jaxserve.runner.sampling import (
@@ -30,14 +31,14 @@ from pallas_kernels.ragged_paged_attention import dispatch
 
 
 def model_step(
-    weights: llama.Weights,
+    weights: Weights,
     kv_cache: KVCache,
     packed: jax.Array,  # i32[N]: (Batch, source) packed as ``layout`` says
     previous_ids: jax.Array,  # i32[S_max]  the previous step's sampled ids
     layout: Layout,  # static
     *,
     config: ModelConfig,
-    attention_fn: llama.AttentionFn | None = None,
+    attention_fn: decoder.AttentionFn | None = None,
     kv_scales: tuple[tuple[float, float], ...] | None = None,  # an fp8 cache's, per layer
     experts_fn: Any = None,  # moe.ExpertsFn: a mixture of experts' sharded experts
 ) -> tuple[KVCache, jax.Array]:
@@ -50,7 +51,7 @@ def model_step(
     # NOTE: the step returns only the hidden states; gathering each sequence's last row here
     # (so the sampler would depend on the sequence bucket alone) changed the step's fusions
     # and cost 4-8% of offline throughput on the H200.
-    return llama.forward(
+    return decoder.forward(
         weights, kv_cache, batch, config, attention_fn, kv_scales=kv_scales, experts_fn=experts_fn
     )
 
@@ -99,9 +100,9 @@ def shared_attention(attention_fn: Any) -> Any:
     return jax.jit(attention_fn, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
 
 
-def _head_weights(head: jax.Array, tied: bool) -> llama.Weights:
+def _head_weights(head: jax.Array, tied: bool) -> Weights:
     """Just the output projection, as ``compute_logits`` reads it."""
-    return llama.Weights(
+    return Weights(
         embed=head if tied else None,  # type: ignore[arg-type]
         layers=[],
         final_norm=None,  # type: ignore[arg-type]
@@ -165,7 +166,7 @@ def logits_step(
     """
     batch, _ = unpack(packed, layout)
     rows = hidden[batch.logits_indices]
-    return llama.compute_logits(_head_weights(head, tied), rows, soft_cap)
+    return decoder.compute_logits(_head_weights(head, tied), rows, soft_cap)
 
 
 def sample_step(
@@ -221,7 +222,7 @@ def prompt_logprobs_step(
     next_ids = jnp.pad(next_ids, (0, padding)).reshape(num_chunks, chunk)
 
     def one_chunk(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
-        logits = llama.compute_logits(_head_weights(head, tied), args[0], soft_cap)  # f32[C, V]
+        logits = decoder.compute_logits(_head_weights(head, tied), args[0], soft_cap)  # f32[C, V]
         return sampling.prompt_logprobs(logits, args[1], NUM_TOP_LOGPROBS)
 
     chosen, ranks, top_ids, top_lp = jax.lax.map(one_chunk, (hidden, next_ids))

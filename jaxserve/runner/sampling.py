@@ -113,6 +113,10 @@ class SamplingInputs:
         return cls(**host)
 
 
+# SamplingInputs' leaf that holds the token mask, in the order ``packing.pack`` lays them out.
+TOKEN_MASK_LEAF = [field.name for field in dataclasses.fields(SamplingInputs)].index("token_mask")
+
+
 def mask_width(vocab_size: int) -> int:
     """32-bit words of one row's packed token bitmask."""
     return -(-vocab_size // 32)

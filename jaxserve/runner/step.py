@@ -74,6 +74,9 @@ class SchedulerOutput:
     preempted_seq_ids: list[str] = dataclasses.field(default_factory=list)
     # Finished or aborted since the previous step: their runner state is freed.
     finished_seq_ids: list[str] = dataclasses.field(default_factory=list)
+    # A sequence that samples in this step follows a grammar (set by the engine): the step's
+    # sampler takes a token mask, which ``Runner.sample`` receives once the host has built it.
+    is_constrained: bool = False
 
     @property
     def is_empty(self) -> bool:

@@ -4,10 +4,12 @@ rest in the background: ``warm_up``).
 
 The model step is compiled ahead of time for every token bucket, in parallel threads (lowering
 holds the GIL, XLA's compile does not); then the logits, the sampler variants and the
-prompt-logprob program of every bucket (``bucket_compile``). Then the KV cache is allocated
-and one step of the smallest bucket runs end to end (model step, both sampler kinds, and the
-pending-token feed of every bucket, which compiles on that first call), so a broken program
-fails the start, not a request.
+prompt-logprob program of every bucket (``compile_buckets``), each into its table of
+``StepPrograms``. Then the runner waits for the weights, allocates the KV cache and runs one
+step of the smallest bucket end to end (model step, both sampler kinds, and the pending-token
+feed of every bucket, which compiles on that first call: ``run_smallest_step``), so a broken
+program fails the start, not a request. ``ModelRunner.warmup`` says which buckets compile when
+(``WarmUpPlan``) and does its own part between the compiles.
 
 NOTE: the larger buckets are compiled but not run. Running each once added nothing the compile
 had not done, and on the CPU the reference attention's largest steps took 12-16 s of a demo
@@ -16,28 +18,34 @@ start and most of its peak memory (2,048 tokens: 4.5 GB; ``LLM()``'s 8,192: 10.8
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
+import dataclasses
+import functools
 import gc
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
 
-from jaxserve.models.weights import format_bytes
-from jaxserve.runner import bucket_compile
+from jaxserve.models.loading.load_progress import format_bytes
+from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.sampling import SamplerFlags
-
-if TYPE_CHECKING:
-    from jaxserve.runner.runner import ModelRunner
+from jaxserve.runner.step_programs import PROGRAMS, StepPrograms
 
 _LOG = logging.getLogger(__name__)
+
+# While the background lowers (Python under the interpreter lock), the engine thread waits for
+# the lock at each handoff for up to the switch interval (5 ms by default): 16-token steps of
+# the first request took about 90 ms each on the H200 (TTFT 2.5-3.3 s for 512 tokens).
+BACKGROUND_SWITCH_INTERVAL_S = 0.0005
 
 
 def enable_compilation_cache(cache_dir: str) -> None:
@@ -51,17 +59,20 @@ def enable_compilation_cache(cache_dir: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
-def warm_up(runner: ModelRunner, max_workers: int) -> int:
-    """Compile every program (with ``serve_while_compiling``, the smallest bucket's and the
-    matmuls by the head of the others; the other model steps then compile on a
-    thread of their own while the engine serves, the decode-sized ones first, then the larger
-    buckets' programs, ``runner.ready_tokens`` rising as each bucket is ready), wait for the
-    weights, allocate the KV cache and run one small step; returns the number of model step
-    shapes compiled before serving."""
-    start = time.perf_counter()
-    buckets = runner.token_buckets
-    first, decode, prefill = buckets, [], []
-    if runner.config.serve_while_compiling and not runner.multihost:
+@dataclasses.dataclass(frozen=True)
+class WarmUpPlan:
+    """Which token buckets compile before the engine serves (``first``) and which in the
+    background, the decode-sized ones (up to the largest sequence bucket) before the rest."""
+
+    first: list[int]
+    decode: list[int]
+    prefill: list[int]
+
+    @classmethod
+    def of(cls, buckets: Buckets, serve_while_compiling: bool) -> WarmUpPlan:
+        tokens = list(buckets.token_buckets)
+        if not serve_while_compiling:
+            return cls(tokens, [], [])
         # NOTE: one model step, then serve. With a full compilation cache each step program
         # still lowers for 1.5-2 s (the Mosaic GPU attention kernel's lowering most of it):
         # the five decode buckets of 256 sequences made 10 s of a 31 s warm start of
@@ -72,118 +83,98 @@ def warm_up(runner: ModelRunner, max_workers: int) -> int:
         # not fit beside the KV cache (measured: every sampler of a new bucket ran out of
         # memory there while the matmul was in them). The larger buckets' prompt logprobs, in
         # chunks of 128 rows, compiled beside it.
-        first = buckets[:1]
-        decode = [b for b in buckets[1:] if b <= runner.max_seq_bucket]
-        prefill = buckets[1 + len(decode) :]
+        decode = [b for b in tokens[1:] if b <= buckets.max_seq_bucket]
+        return cls(tokens[:1], decode, tokens[1 + len(decode) :])
+
+
+def warm_up(
+    programs: StepPrograms,
+    plan: WarmUpPlan,
+    *,
+    check: Callable[[], None],
+    prepare: Callable[[], None],
+    cache_dir: str,
+    max_workers: int,
+) -> int:
+    """Compile the programs of ``plan.first`` and the matmuls by the head of the other
+    buckets, then ``prepare`` (the runner's part: wait for the weights, allocate the KV cache,
+    run one small step); the other buckets' programs then compile on a thread of their own
+    while the engine serves, ``programs.ready_tokens`` rising as each bucket is ready. Returns
+    the number of model step shapes compiled before serving; ``check`` raises the weights'
+    load error (called between lowerings)."""
+    start = time.perf_counter()
     workers = max(1, min(max_workers, os.cpu_count() or 1))
     pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile")
-    kv_cache = runner.abstract_kv_cache()
-    runner.ready_tokens = 0
+    programs.ready_tokens = 0
     try:
         with fewer_collections():
-            bucket_compile.compile_buckets(runner, pool, first, kv_cache, start)
-            if decode or prefill:
+            compile_buckets(programs, pool, plan.first, start, check)
+            if plan.decode or plan.prefill:
                 heads = ("logits", "prompt_logprobs")
-                bucket_compile.compile_buckets(
-                    runner, pool, decode, kv_cache, start, steps=False, programs=heads
+                compile_buckets(programs, pool, plan.decode, start, check, steps=False, kinds=heads)
+                compile_buckets(
+                    programs, pool, plan.prefill, start, check, steps=False, kinds=heads[:1]
                 )
-                bucket_compile.compile_buckets(
-                    runner, pool, prefill, kv_cache, start, steps=False, programs=heads[:1]
-                )
-        waited = time.perf_counter()
-        runner.wait_for_weights()
-        if runner.loading.shapes is not None:
-            _LOG.info(
-                "Weights ready %.1f s after the compile (%.1f s to load, beside it)",
-                time.perf_counter() - waited,
-                runner.load_seconds,
-            )
-        _log_free_memory(runner)
-        allocated = time.perf_counter()
-        runner.allocate_kv_cache()
-        jax.block_until_ready(runner.kv_cache)
-        _LOG.info(
-            "Allocated the KV cache (%s) in %.1f s",
-            format_bytes(runner.capacity.kv_budget_bytes),
-            time.perf_counter() - allocated,
-        )
-        _run_smallest_step(runner)
+        prepare()
     except BaseException:  # the compiles running finish before the interpreter exits
         pool.shutdown(wait=False, cancel_futures=True)
         raise
-    runner.compile_seconds = time.perf_counter() - start
+    programs.compile_seconds = time.perf_counter() - start
     _LOG.info(
         "Compiled %d step shapes in %.1f s (compilation cache: %s)",
-        len(first),
-        runner.compile_seconds,
-        runner.config.cache_dir,
+        len(plan.first),
+        programs.compile_seconds,
+        cache_dir,
     )
-    runner.ready_tokens = first[-1]
-    if not decode and not prefill:
+    programs.ready_tokens = plan.first[-1]
+    if not plan.decode and not plan.prefill:
         pool.shutdown()
-        return len(first)
+        return len(plan.first)
     _LOG.info(
         "Serving steps of up to %d tokens; the buckets of %s tokens compile in the background",
-        first[-1],
-        ", ".join(map(str, decode + prefill)),
+        plan.first[-1],
+        ", ".join(map(str, plan.decode + plan.prefill)),
     )
+    _start_background(programs, plan, pool, start, check)
+    return len(plan.first)
+
+
+def _start_background(
+    programs: StepPrograms,
+    plan: WarmUpPlan,
+    pool: concurrent.futures.ThreadPoolExecutor,
+    start: float,
+    check: Callable[[], None],
+) -> None:
+    """The buckets after ``plan.first``, compiled on a thread of their own (``background``),
+    the decode-sized ones first, the interpreter switching threads sooner meanwhile."""
 
     def compile_rest() -> None:
         group: list[int] = []
         try:
             # precision: a context of the thread that enters it, so entered here
-            with runner.precision(), fewer_collections():
-                if decode:
-                    group = decode
-                    bucket_compile.compile_buckets(
-                        runner, pool, decode, kv_cache, start, raise_ready=True
-                    )
-                if prefill:
-                    group = prefill
-                    bucket_compile.compile_buckets(
-                        runner, pool, prefill, kv_cache, start, raise_ready=True
-                    )
+            with programs.precision(), fewer_collections():
+                for group in (plan.decode, plan.prefill):
+                    if group:
+                        compile_buckets(programs, pool, group, start, check, raise_ready=True)
             _LOG.info(
                 "Compiled every bucket at %.1f s; steps of up to %d tokens run",
                 time.perf_counter() - start,
-                buckets[-1],
+                programs.buckets.token_buckets[-1],
             )
         except Exception:  # the engine keeps serving the steps it has compiled
-            if not runner.background.stopping.is_set():  # else the runner shut down meanwhile
+            if not programs.background.stopping.is_set():  # else the runner shut down meanwhile
                 _LOG.exception("Compiling the buckets of %s tokens failed", group)
         finally:
             pool.shutdown()
             if sys.getswitchinterval() == BACKGROUND_SWITCH_INTERVAL_S:  # else changed since
                 sys.setswitchinterval(interval)
 
-    runner.background.pool = pool
+    programs.background.pool = pool
     interval = sys.getswitchinterval()
     sys.setswitchinterval(BACKGROUND_SWITCH_INTERVAL_S)
-    runner.background.thread = threading.Thread(target=compile_rest, name="compile-rest")
-    runner.background.thread.start()
-    return len(first)
-
-
-def _log_free_memory(runner: ModelRunner) -> None:
-    """With the weights in place, before the KV cache: what the first device's allocator holds
-    and the largest block it has free (the cache's per-layer arrays each need one block; a
-    load that left its free memory in pieces fails here, and this line says so first)."""
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "largest_free_block_bytes" not in stats:
-        return  # the CPU backend keeps no such statistics
-    largest = int(stats["largest_free_block_bytes"])
-    _LOG.info(
-        "Device memory with the weights in place: %s in use, largest free block %s",
-        format_bytes(int(stats.get("bytes_in_use", 0))),
-        format_bytes(largest),
-    )
-    if largest < runner.capacity.kv_budget_bytes:
-        _LOG.warning(
-            "The largest free block (%s) is smaller than the KV cache (%s): its allocation may "
-            "fail; lower --gpu-memory-utilization or set --num-gpu-blocks-override",
-            format_bytes(largest),
-            format_bytes(runner.capacity.kv_budget_bytes),
-        )
+    programs.background.thread = threading.Thread(target=compile_rest, name="compile-rest")
+    programs.background.thread.start()
 
 
 @contextlib.contextmanager
@@ -201,21 +192,213 @@ def fewer_collections(threshold: int = 100_000) -> Iterator[None]:
         gc.set_threshold(*before)
 
 
-# While the background lowers (Python under the interpreter lock), the engine thread waits for
-# the lock at each handoff for up to the switch interval (5 ms by default): 16-token steps of
-# the first request took about 90 ms each on the H200 (TTFT 2.5-3.3 s for 512 tokens).
-BACKGROUND_SWITCH_INTERVAL_S = 0.0005
+# -- between the compiles: the runner's part (``prepare``) ---------------------------------
 
 
-def _run_smallest_step(runner: ModelRunner) -> None:
+def log_weights_ready(waited_s: float, load_seconds: float) -> None:
+    """The weights, loaded beside the compile, are in place."""
+    _LOG.info(
+        "Weights ready %.1f s after the compile (%.1f s to load, beside it)", waited_s, load_seconds
+    )
+
+
+def log_free_memory(kv_budget_bytes: int) -> None:
+    """With the weights in place, before the KV cache: what the first device's allocator holds
+    and the largest block it has free (the cache's per-layer arrays each need one block; a
+    load that left its free memory in pieces fails here, and this line says so first)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "largest_free_block_bytes" not in stats:
+        return  # the CPU backend keeps no such statistics
+    largest = int(stats["largest_free_block_bytes"])
+    _LOG.info(
+        "Device memory with the weights in place: %s in use, largest free block %s",
+        format_bytes(int(stats.get("bytes_in_use", 0))),
+        format_bytes(largest),
+    )
+    if largest < kv_budget_bytes:
+        _LOG.warning(
+            "The largest free block (%s) is smaller than the KV cache (%s): its allocation may "
+            "fail; lower --gpu-memory-utilization or set --num-gpu-blocks-override",
+            format_bytes(largest),
+            format_bytes(kv_budget_bytes),
+        )
+
+
+def log_kv_cache_allocated(kv_budget_bytes: int, seconds: float) -> None:
+    _LOG.info("Allocated the KV cache (%s) in %.1f s", format_bytes(kv_budget_bytes), seconds)
+
+
+def run_smallest_step(programs: StepPrograms, kv_cache: Any) -> Any:
     """One padding step of the smallest bucket through the model step and both sampler kinds,
-    then one that reads its input ids from those samples (the pending-token feed)."""
-    batch, inputs = runner.inputs.padding_step(runner.token_buckets[0])
-    with runner.precision():
-        runner.kv_cache, forward = runner.run_step(batch)
-        for flags in (SamplerFlags(all_greedy=True), SamplerFlags()):
-            out = runner.sample(forward, inputs, flags)
-            jax.block_until_ready(out.token_ids)
-        source = np.zeros(batch.num_tokens, np.int32)
-        runner.kv_cache, forward = runner.run_step(batch, source, out.token_ids)
-        jax.block_until_ready(forward.hidden)
+    then one that reads its input ids from those samples (the pending-token feed); returns
+    the KV cache (donated to the steps)."""
+    batch, inputs = programs.inputs.padding_step(programs.buckets.token_buckets[0])
+    kv_cache, forward = programs.run_step(kv_cache, batch)
+    for flags in (SamplerFlags(all_greedy=True), SamplerFlags()):
+        out = programs.sample(forward, inputs, flags)
+        jax.block_until_ready(out.token_ids)
+    source = np.zeros(batch.num_tokens, np.int32)
+    kv_cache, forward = programs.run_step(kv_cache, batch, source, out.token_ids)
+    jax.block_until_ready(forward.hidden)
+    return kv_cache
+
+
+# -- compiling a set of buckets ------------------------------------------------------------
+
+
+def compile_buckets(
+    programs: StepPrograms,
+    pool: concurrent.futures.ThreadPoolExecutor,
+    buckets: list[int],
+    start: float,
+    check: Callable[[], None],
+    raise_ready: bool = False,
+    steps: bool = True,
+    kinds: tuple[str, ...] = PROGRAMS,
+) -> None:
+    """The programs of ``buckets``: model steps first (unless ``steps`` is off), then those
+    of ``kinds`` not compiled yet (the sampler variants belong to a sequence bucket, which
+    several token buckets share); raises the weights' load error (``check``) as soon as it
+    comes. ``raise_ready``: the background's compile, beside the KV cache
+    (``BackgroundCompile.compile``), and ``programs.ready_tokens`` rises to each bucket whose
+    programs (and all smaller buckets') are done."""
+    # Each program's compile starts as soon as it is lowered, while the next one lowers; beside
+    # the KV cache (the background), in the background's slots.
+    compile_fn = programs.background.compile if raise_ready else _compile_whole_device
+    todo = list(programs.uncompiled(buckets, kinds))
+    if steps:
+        ready_each = raise_ready and not todo
+        _compile_steps(programs, pool, buckets, start, check, compile_fn, ready_each)
+    if not todo:
+        return
+    # NOTE: after the steps, not beside them: XLA times candidate kernels on the device
+    # while it compiles, and the steps' choices are the ones that matter.
+    _log_compiling(todo, buckets)
+    progress = _BucketProgress(programs, buckets, todo, start, raise_ready)
+    futures = []
+    specs: dict[int, jax.ShapeDtypeStruct] = {}  # the samplers' logits, per number of rows
+    for kind, table, key, bucket in todo:
+        _check(programs, check)
+        future = pool.submit(compile_fn, programs.lower(kind, key, specs))
+        future.add_done_callback(functools.partial(progress.done, bucket, table, key))
+        futures.append((future, table, key))
+    for future, table, key in futures:
+        check()
+        table[key] = future.result()  # the callback may not have run yet
+
+
+def _log_compiling(todo: list[tuple[str, dict, Any, int]], buckets: list[int]) -> None:
+    kinds = collections.Counter(kind for kind, *_ in todo)
+    names = {"logits": "the logits", "prompt_logprobs": "the prompt logprobs"}
+    what = [names.get(kind, f"{kinds[kind]} sampler variants") for kind in PROGRAMS if kinds[kind]]
+    _LOG.info(
+        "Compiling %s for the buckets of %s tokens (%d programs)",
+        " and ".join([", ".join(what[:-1]), what[-1]] if len(what) > 1 else what),
+        ", ".join(map(str, buckets)),
+        len(todo),
+    )
+
+
+def _compile_steps(
+    programs: StepPrograms,
+    pool: concurrent.futures.ThreadPoolExecutor,
+    buckets: list[int],
+    start: float,
+    check: Callable[[], None],
+    compile_fn: Callable[[Any], Any],
+    raise_ready: bool,
+) -> None:
+    """The model step of each bucket; ``raise_ready`` (their other programs already compiled):
+    each bucket's steps run once it and every smaller bucket are done."""
+    _LOG.info(
+        "Compiling the model step for %d token bucket%s (%s)",
+        len(buckets),
+        "" if len(buckets) == 1 else "s",
+        ", ".join(map(str, buckets)),
+    )
+    futures = {}
+    for bucket in buckets:
+        _check(programs, check)
+        lowered = programs.lower_step(bucket)
+        futures[pool.submit(compile_fn, lowered)] = bucket
+    for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+        check()
+        programs.compiled_steps[futures[future]] = future.result()
+        _LOG.info(
+            "Compiled model step for %d tokens (%d/%d) at %.1f s",
+            futures[future],
+            done,
+            len(buckets),
+            time.perf_counter() - start,
+        )
+        if raise_ready:
+            _raise_ready(programs, buckets, lambda b: b in programs.compiled_steps)
+
+
+def _raise_ready(
+    programs: StepPrograms, buckets: list[int], is_done: Callable[[int], bool]
+) -> None:
+    """Raise ``programs.ready_tokens`` to the largest of ``buckets`` up to which every one is
+    done (ascending; the smaller buckets outside them are ready already)."""
+    ready = programs.ready_tokens
+    for bucket in buckets:
+        if not is_done(bucket):
+            break
+        ready = bucket
+    if ready > programs.ready_tokens:
+        _LOG.info("Steps of up to %d tokens now run", ready)
+        programs.ready_tokens = ready
+
+
+def _compile_whole_device(lowered: Any) -> Any:
+    return lowered.compile()
+
+
+def _check(programs: StepPrograms, check: Callable[[], None]) -> None:
+    """Between lowerings: the weights' load error, or the runner's shutdown."""
+    check()
+    if programs.background.stopping.is_set():
+        raise concurrent.futures.CancelledError("the runner shut down")
+
+
+class _BucketProgress:
+    """Called from the compiling threads as each of ``todo``'s programs finishes: puts it in
+    its table, logs each token bucket whose programs have all compiled, and (``raise_ready``)
+    raises ``programs.ready_tokens`` to the largest bucket up to which every bucket is done."""
+
+    def __init__(
+        self,
+        programs: StepPrograms,
+        buckets: list[int],
+        todo: list[tuple[str, dict, Any, int]],
+        start: float,
+        raise_ready: bool,
+    ) -> None:
+        self.programs = programs
+        self.buckets = buckets
+        self.left = collections.Counter(bucket for *_, bucket in todo)
+        self.start = start
+        self.raise_ready = raise_ready
+        self.num_buckets_done = len(buckets) - len(self.left)
+        self.lock = threading.Lock()
+        if raise_ready:  # buckets with nothing left to compile
+            _raise_ready(programs, buckets, lambda b: self.left[b] == 0)
+
+    def done(self, bucket: int, table: dict, key: Any, future: concurrent.futures.Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return  # raised by compile_buckets (or shut down); the bucket never becomes ready
+        table[key] = future.result()
+        with self.lock:
+            self.left[bucket] -= 1
+            if self.left[bucket] > 0:
+                return
+            self.num_buckets_done += 1
+            _LOG.info(
+                "Compiled the programs of %d tokens (%d/%d) at %.1f s",
+                bucket,
+                self.num_buckets_done,
+                len(self.buckets),
+                time.perf_counter() - self.start,
+            )
+            if self.raise_ready:
+                _raise_ready(self.programs, self.buckets, lambda b: self.left[b] == 0)

@@ -1,11 +1,11 @@
 """The Starlette app: routes, middleware and error handlers around one ``AsyncEngine``.
 
-``build_app(engine, settings)`` is called by ``launch.py`` (and by tests) with an engine that is
-already started; the app never starts or stops the engine. Its lifespan runs the engine
-watchdog and the periodic stats line. Middleware, outermost first: header count (431), slow
-reader (send timeout), API key (401), body size (413) and body time (408); then routing, where
-every error becomes OpenAI's error shape. Generation routes are rate limited when
-``--rate-limit-rpm`` / ``--rate-limit-tpm`` are set (``ratelimit.py``).
+``build_app(engine, settings)`` is called by ``launch/serve.py`` (and by tests) with an engine that
+is already started; the app never starts or stops the engine. Its lifespan runs the engine watchdog
+and the periodic stats line. Middleware, outermost first: header count (431), slow reader (send
+timeout), API key (401), body size (413) and body time (408); then routing, where every error
+becomes OpenAI's error shape. Generation routes are rate limited when ``--rate-limit-rpm`` /
+``--rate-limit-tpm`` are set (``guard/ratelimit.py``).
 """
 
 from __future__ import annotations
@@ -30,18 +30,22 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from jaxserve.engine.interfaces import EngineClient
 from jaxserve.json_limits import JsonLimitError
 from jaxserve.sampling_params import SamplingParamsError
-from jaxserve.server.auth import APIKeyMiddleware
-from jaxserve.server.chat import create_chat_completion
-from jaxserve.server.completions import create_completion
+from jaxserve.server.api.completions import create_completion
+from jaxserve.server.api.errors import APIError, internal_error, json_response, unavailable
+from jaxserve.server.api.openapi import openapi_spec
+from jaxserve.server.api.tokenization import detokenize, tokenize
+from jaxserve.server.chat.completions import create_chat_completion
 from jaxserve.server.context import OFFLOAD_BYTES, ServingContext
-from jaxserve.server.errors import APIError, internal_error, json_response, unavailable
+from jaxserve.server.guard.auth import APIKeyMiddleware
+from jaxserve.server.guard.limits import (
+    BodyLimitMiddleware,
+    HeaderLimitMiddleware,
+    SendTimeoutMiddleware,
+)
+from jaxserve.server.guard.ratelimit import RateLimitedContext, RateLimiter
 from jaxserve.server.lifecycle import log_stats_periodically, watch_engine
-from jaxserve.server.limits import BodyLimitMiddleware, HeaderLimitMiddleware, SendTimeoutMiddleware
 from jaxserve.server.metrics import StatsLogger
-from jaxserve.server.openapi import openapi_spec
-from jaxserve.server.ratelimit import RateLimitedContext, RateLimiter
 from jaxserve.server.settings import ServerSettings
-from jaxserve.server.tokenization import detokenize, tokenize
 
 _LOG = logging.getLogger(__name__)
 
@@ -65,15 +69,24 @@ def build_app(
         if limiter is None
         else RateLimitedContext(engine, settings, limiter)
     )
-    created = int(time.time())
-    version = server_version()
-    spec = openapi_spec(
-        settings.served_model_names,
-        ctx.max_model_len,
-        ctx.vocab_size,
-        version,
-        public_paths=settings.public_paths if settings.api_key is not None else None,
+    app = Starlette(
+        routes=[*_generation_routes(ctx, limiter), *_info_routes(ctx, server_version())],
+        middleware=_middleware(settings),
+        exception_handlers={
+            APIError: _api_error,
+            SamplingParamsError: _sampling_error,
+            JsonLimitError: _json_limit_error,
+            HTTPException: _http_error,
+            Exception: _unexpected_error,
+        },
+        lifespan=_lifespan(ctx, on_engine_dead),
     )
+    app.state.ctx = ctx
+    return app
+
+
+def _generation_routes(ctx: ServingContext, limiter: RateLimiter | None) -> list[Route]:
+    """The routes that read a body: the two generation routes (rate limited) and tokenizing."""
 
     async def read_body(request: Request, is_generation: bool = False) -> bytes:
         """The body's bytes; each route parses them (off the event loop when they are large)."""
@@ -95,6 +108,26 @@ def build_app(
     async def detokenize_route(request: Request) -> Response:
         raw = await read_body(request)
         return await ctx.offload(len(raw) >= OFFLOAD_BYTES, detokenize, ctx, raw)
+
+    return [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/tokenize", tokenize_route, methods=["POST"]),
+        Route("/detokenize", detokenize_route, methods=["POST"]),
+    ]
+
+
+def _info_routes(ctx: ServingContext, version: str) -> list[Route]:
+    """The routes that only answer: models, health, metrics, version and the OpenAPI spec."""
+    engine, settings = ctx.engine, ctx.settings
+    created = int(time.time())
+    spec = openapi_spec(
+        settings.served_model_names,
+        ctx.max_model_len,
+        ctx.vocab_size,
+        version,
+        public_paths=settings.public_paths if settings.api_key is not None else None,
+    )
 
     async def models(request: Request) -> Response:
         data = [
@@ -127,17 +160,17 @@ def build_app(
     async def openapi(request: Request) -> Response:
         return json_response(spec)
 
-    routes = [
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/tokenize", tokenize_route, methods=["POST"]),
-        Route("/detokenize", detokenize_route, methods=["POST"]),
+    return [
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/version", version_route, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
     ]
+
+
+def _middleware(settings: ServerSettings) -> list[Middleware]:
+    """Outermost first: unexpected errors, header limits, send timeout, API key, body limits."""
     middleware = [
         Middleware(UnexpectedErrorMiddleware),
         Middleware(
@@ -160,6 +193,14 @@ def build_app(
             body_timeout_s=settings.request_body_timeout_s,
         )
     )
+    return middleware
+
+
+def _lifespan(
+    ctx: ServingContext, on_engine_dead: Callable[[], None] | None
+) -> Callable[[Starlette], contextlib.AbstractAsyncContextManager[None]]:
+    """The engine watchdog and the periodic stats line, for as long as the app serves."""
+    engine, settings = ctx.engine, ctx.settings
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -177,20 +218,7 @@ def build_app(
             await asyncio.gather(*tasks, return_exceptions=True)
             ctx.close()
 
-    app = Starlette(
-        routes=routes,
-        middleware=middleware,
-        exception_handlers={
-            APIError: _api_error,
-            SamplingParamsError: _sampling_error,
-            JsonLimitError: _json_limit_error,
-            HTTPException: _http_error,
-            Exception: _unexpected_error,
-        },
-        lifespan=lifespan,
-    )
-    app.state.ctx = ctx
-    return app
+    return lifespan
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:

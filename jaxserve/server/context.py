@@ -1,11 +1,11 @@
 """ServingContext: what every route shares (engine, settings, state, metrics, logs) and the two
 ways a generation is driven: collected for a JSON response, or streamed as server-sent events.
 
-Built once by ``build_app``; used by ``completions.py``, ``chat.py`` and ``tokenization.py``.
-Both drivers register the generation with ``ServerState`` (so a drain waits for it) and watch
-the client: a disconnect cancels the generation, which aborts it in the engine. A large
-request's host work (parsing, tokenizing, building the response) runs on the one host-work
-thread (``offload``), so the event loop keeps serving everyone else.
+Built once by ``build_app``; used by the routes (``api/completions.py``, ``chat/completions.py``,
+``api/tokenization.py``). Both drivers register the generation with ``ServerState`` (so a drain
+waits for it) and watch the client: a disconnect cancels the generation, which aborts it in the
+engine. A large request's host work (parsing, tokenizing, building the response) runs on the one
+host-work thread (``offload``), so the event loop keeps serving everyone else.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.request_checks import RequestError, check_request
 from jaxserve.engine.tokenizer import TemplateError
 from jaxserve.sampling_params import SamplingParams, SamplingParamsError
-from jaxserve.server.auth import client_key
-from jaxserve.server.chat_output import ChatOutputRules
-from jaxserve.server.errors import APIError, internal_error, json_dumps, model_not_found
+from jaxserve.server.api.errors import APIError, internal_error, json_dumps, model_not_found
+from jaxserve.server.api.logprobs import LogprobFormatter
+from jaxserve.server.chat.output import ChatOutputRules
 from jaxserve.server.generation import EngineRequest, Generation, RequestRecord
+from jaxserve.server.guard.auth import client_key
 from jaxserve.server.lifecycle import ServerState
-from jaxserve.server.logprobs import LogprobFormatter
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.request_log import RequestLogger
 from jaxserve.server.settings import ServerSettings

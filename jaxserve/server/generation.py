@@ -1,11 +1,11 @@
 """Generation: the engine requests behind one HTTP request, started, fanned in and ended together.
 
-Made by ``completions.py`` / ``chat.py`` from tokenized prompts; reads ``AsyncEngine.generate``
-(one async iterator of ``RequestOutput`` deltas per prompt) and yields ``(prompt_index, delta)``
-pairs. It ends in one of three ways: every engine request finishes; the client disconnects
-(``cancel``: the iterators are closed, which aborts them in the engine); or the server gives up
-on it while draining (``cancel(abort=True)``: the same, and unfinished samples end with
-``finish_reason="abort"``). Each finished engine request is reported to ``on_finish`` (metrics,
+Made by ``api/completions.py`` / ``chat/completions.py`` from tokenized prompts; reads
+``AsyncEngine.generate`` (one async iterator of ``RequestOutput`` deltas per prompt) and yields
+``(prompt_index, delta)`` pairs. It ends in one of three ways: every engine request finishes; the
+client disconnects (``cancel``: the iterators are closed, which aborts them in the engine); or the
+server gives up on it while draining (``cancel(abort=True)``: the same, and unfinished samples end
+with ``finish_reason="abort"``). Each finished engine request is reported to ``on_finish`` (metrics,
 request log).
 """
 
@@ -17,12 +17,16 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from jaxserve.engine.async_engine import QueueFullError
-from jaxserve.engine.core import EngineDeadError
-from jaxserve.engine.interfaces import EngineClient
+from jaxserve.engine.interfaces import EngineClient, EngineDeadError, QueueFullError
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams, SamplingParamsError
-from jaxserve.server.errors import APIError, bad_request, internal_error, rate_limited, unavailable
+from jaxserve.server.api.errors import (
+    APIError,
+    bad_request,
+    internal_error,
+    rate_limited,
+    unavailable,
+)
 
 
 @dataclasses.dataclass

@@ -1,9 +1,9 @@
 """Lifecycle: admission, draining on SIGTERM, and the engine watchdog.
 
 ``ServerState`` is shared by the routes (``admit`` before any work; ``begin`` / ``end`` around each
-``Generation``), ``launch.py`` (``drain`` on SIGTERM) and the watchdog task that the app starts:
-when the engine loop dies, ``/health`` turns 503, new requests get 503, and ``on_engine_dead``
-(the launcher's hook) makes the process exit non-zero.
+``Generation``), ``launch/serve.py`` (``drain`` on SIGTERM) and the watchdog task that the app
+starts: when the engine loop dies, ``/health`` turns 503, new requests get 503, and
+``on_engine_dead`` (the launcher's hook) makes the process exit non-zero.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxserve.engine.interfaces import EngineClient
-from jaxserve.server.errors import unavailable
+from jaxserve.server.api.errors import unavailable
 from jaxserve.server.generation import Generation
 
 _LOG = logging.getLogger(__name__)

@@ -1,14 +1,14 @@
 """ServerSettings: the HTTP side's knobs, frozen and validated (the engine's are in EngineConfig).
 
-Built by ``launch.py`` from the command line (or by tests directly) and read by ``app.py``.
+Built by ``launch/flags.py`` from the command line (or by tests directly) and read by ``app.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.server.reasoning import REASONING_PARSERS
-from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
+from jaxserve.server.chat.reasoning import REASONING_PARSERS
+from jaxserve.server.chat.tool_parsers import TOOL_CALL_PARSERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 2 * 1024 * 1024
 DEFAULT_MAX_HEADER_COUNT = 100

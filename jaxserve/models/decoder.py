@@ -1,0 +1,237 @@
+"""The decoder families (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3, and the
+mixtures of experts Mixtral, Qwen3-MoE, Qwen2-MoE, GPT-OSS and DeepSeek-V3) as pure functions.
+
+``forward(weights, kv_cache, batch, config) -> (kv_cache, hidden)`` runs one ragged batch of
+prefill chunks and decode tokens over the paged KV cache; ``compute_logits`` turns selected
+hidden rows into logits. Config switches cover the families: q/k/v biases (Qwen2), per-head q/k
+RMSNorm (Qwen3, Gemma 3), every RoPE scaling (``rope.py``), tied embeddings, sliding windows
+for all layers (Mistral, Phi-3) or per layer (Gemma's local and global layers, with a rope base
+per layer type in Gemma 3), attention and final logit soft-capping and the attention scale
+(Gemma 2), Gemma's (1 + weight) RMSNorm, scaled embeddings, norms after attention and MLP and
+GeGLU. Phi-3's fused qkv and gate_up tensors are split at loading (``families/phi.py``). A layer
+with experts runs ``moe.moe_block`` in place of its dense MLP. GPT-OSS adds attention sinks
+(a logit per head in the softmax's denominator, passed to the attention op) and an output
+projection bias. DeepSeek-V3's layers run multi-head latent attention (``mla.py``) over a cache
+of latents, with dense MLPs first and experts after.
+
+Einsum letters: T tokens, H hidden, N query heads, K kv heads, D head dim, I intermediate,
+V vocab. The weights' types and RMSNorm are ``layers.py``'s.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.models import mla, moe, rope
+from jaxserve.models.batch import Batch, KVCache
+from jaxserve.models.layers import LayerWeights, Weights, rms_norm
+from jaxserve.models.quant import linear
+from pallas_kernels.kv_cache import write_kv
+from pallas_kernels.ragged_paged_attention import dispatch
+
+AttentionFn = Callable[..., jax.Array]
+
+
+def rope_inv_freq(config: ModelConfig) -> jax.Array:  # f32[D // 2]
+    """The global layers' rotary frequencies (position-independent scalings)."""
+    return rope.inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+
+
+def apply_rope(
+    x: jax.Array,  # [T, heads, D]
+    positions: jax.Array,  # i32[T]
+    inv_freq: jax.Array,  # f32[D // 2]
+) -> jax.Array:  # [T, heads, D]
+    """Rotary embedding in the rotate-half layout of Hugging Face checkpoints."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # f32[T, D/2]
+    return rope.apply_rotary(x, *rope.cos_sin(freqs, 1.0, x.dtype))
+
+
+_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
+
+
+def attention_block(
+    lw: LayerWeights,
+    x: jax.Array,  # [T, H]
+    k_pages: jax.Array,  # [P, page_size, K, D]
+    v_pages: jax.Array,
+    batch: Batch,
+    config: ModelConfig,
+    rotary: tuple[jax.Array, jax.Array],  # (cos, sin), each [T, 1, D] in x's dtype
+    attention_fn: AttentionFn,
+    sliding_window: int | None,
+    kv_scale: tuple[float, float] | None = None,  # an fp8 cache's (k_scale, v_scale)
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    if lw.fused is not None:  # one GEMM for q, k and v
+        qkv = linear(x, lw.fused.wqkv, "TH,HXD->TXD")
+        n, kv = config.num_q_heads, config.num_kv_heads
+        q, k, v = qkv[:, :n], qkv[:, n : n + kv], qkv[:, n + kv :]
+    else:
+        assert lw.wq is not None and lw.wk is not None and lw.wv is not None
+        q = linear(x, lw.wq, "TH,HND->TND")
+        k = linear(x, lw.wk, "TH,HKD->TKD")
+        v = linear(x, lw.wv, "TH,HKD->TKD")
+    if lw.bq is not None:  # q/k/v biases (Qwen2): the config has all three or none
+        q = q + lw.bq
+    if lw.bk is not None:
+        k = k + lw.bk
+    if lw.bv is not None:
+        v = v + lw.bv
+    if lw.q_norm is not None:  # per-head RMSNorm (Qwen3, Gemma 3): both or neither
+        q = rms_norm(q, lw.q_norm, config.rms_norm_eps, config.is_gemma)
+    if lw.k_norm is not None:
+        k = rms_norm(k, lw.k_norm, config.rms_norm_eps, config.is_gemma)
+    q = rope.apply_rotary(q, *rotary)
+    k = rope.apply_rotary(k, *rotary)
+    # NOTE: the scales reach the attention op as arguments, not static options, so every
+    # layer's call still shares one lowering of the kernel (programs.shared_attention).
+    scales = {} if kv_scale is None else {"k_scale": kv_scale[0], "v_scale": kv_scale[1]}
+    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, batch.slot_mapping, **scales)
+    sinks = {} if lw.sinks is None else {"sinks": lw.sinks}  # (GPT-OSS)
+    out = attention_fn(
+        q,
+        k_pages,
+        v_pages,
+        batch.kv_lens,
+        batch.page_indices,
+        batch.cu_q_lens,
+        batch.num_seqs,
+        sm_scale=config.sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=config.attn_logit_softcap,
+        **scales,
+        **sinks,
+    )  # [T, N, D]
+    out = linear(out, lw.wo, "TND,NDH->TH")
+    if lw.bo is not None:
+        out = out + lw.bo
+    return out, k_pages, v_pages
+
+
+def mlp_block(
+    lw: LayerWeights, x: jax.Array, act: Callable[[jax.Array], jax.Array] = jax.nn.silu
+) -> jax.Array:  # [T, H] -> [T, H]
+    assert lw.w_down is not None
+    if lw.fused is not None and lw.fused.w_gate_up is not None:  # one GEMM for gate and up
+        gate_up = linear(x, lw.fused.w_gate_up, "TH,HI->TI")
+        gate, up = jnp.split(gate_up, 2, axis=1)
+    else:
+        assert lw.w_gate is not None and lw.w_up is not None
+        gate = linear(x, lw.w_gate, "TH,HI->TI")
+        up = linear(x, lw.w_up, "TH,HI->TI")
+    return linear(act(gate) * up, lw.w_down, "TI,IH->TH")
+
+
+def layer_attention(
+    lw: LayerWeights,
+    h: jax.Array,  # [T, H]  normed
+    pages: tuple[jax.Array, jax.Array],  # the layer's two page arrays
+    batch: Batch,
+    config: ModelConfig,
+    rotary: tuple[jax.Array, jax.Array],
+    attention_fn: AttentionFn,
+    layer: int,
+    kv_scale: tuple[float, float] | None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # (out [T, H], *pages)
+    """Layer ``layer``'s attention: latent attention for a config with MLA, else the
+    family's (windowed where the layer slides)."""
+    k_pages, v_pages = pages
+    if config.mla is not None:  # DeepSeek-V3: the pages hold the latent and k_pe
+        return mla.mla_attention_block(lw, h, k_pages, v_pages, batch, config, rotary, kv_scale)
+    return attention_block(
+        lw,
+        h,
+        k_pages,
+        v_pages,
+        batch,
+        config,
+        rotary,
+        attention_fn,
+        config.layer_window(layer),
+        kv_scale,
+    )
+
+
+def layer_mlp(
+    lw: LayerWeights,
+    h: jax.Array,  # [T, H]  normed
+    config: ModelConfig,
+    act: Callable[[jax.Array], jax.Array],
+    experts_fn: moe.ExpertsFn | None,
+    batch: Batch,
+) -> jax.Array:  # [T, H]
+    """The layer's experts where it has them, else its dense MLP."""
+    experts = lw.moe_weights()
+    if experts is not None and config.moe is not None:
+        return moe.moe_block(h, experts, config.moe, act, experts_fn, batch.cu_q_lens[-1])
+    return mlp_block(lw, h, act)
+
+
+def forward(
+    weights: Weights,
+    kv_cache: KVCache,
+    batch: Batch,
+    config: ModelConfig,
+    attention_fn: AttentionFn | None = None,
+    kv_scales: Sequence[tuple[float, float]] | None = None,
+    experts_fn: moe.ExpertsFn | None = None,
+) -> tuple[KVCache, jax.Array]:  # (kv_cache, hidden[T, H])
+    """One step over a ragged batch; returns the updated cache and final-normed hidden states.
+
+    ``kv_scales``: each layer's (k_scale, v_scale) of an fp8 cache (``models/kv_scales.py``).
+    ``experts_fn``: how a layer with experts runs them (``moe.run_experts``, or its sharded
+    form under tensor or expert parallelism).
+    """
+    attention_fn = attention_fn or dispatch.ragged_paged_attention
+    eps, gemma = config.rms_norm_eps, config.is_gemma
+    act = _ACTIVATIONS[config.hidden_act]
+    x = weights.embed[batch.input_ids]  # [T, H]
+    if gemma:  # the normalizer is rounded to the activations' dtype, as in Hugging Face
+        x = x * jnp.asarray(config.hidden_size**0.5, x.dtype)
+    rotaries: dict[tuple[float, RopeScaling | None], tuple[jax.Array, jax.Array]] = {}
+    new_cache: KVCache = []
+    # NOTE: a Python loop over per-layer weights (unrolled under jit), not lax.scan over stacked
+    # weights: on the H200 the scanned decode GEMMs ran at 32% of the bandwidth floor, unrolled
+    # at 88% (BENCHMARKS.md).
+    for layer, (lw, (k_pages, v_pages)) in enumerate(zip(weights.layers, kv_cache, strict=True)):
+        layer_rope = config.layer_rope(layer)
+        if layer_rope not in rotaries:
+            freqs, scale = rope.rotary_angles(batch.positions, config.head_dim, *layer_rope)
+            rotaries[layer_rope] = rope.cos_sin(freqs, scale, x.dtype)
+        h = rms_norm(x, lw.attn_norm, eps, gemma)
+        kv_scale = None if kv_scales is None else kv_scales[layer]
+        rotary = rotaries[layer_rope]
+        attn, k_pages, v_pages = layer_attention(
+            lw, h, (k_pages, v_pages), batch, config, rotary, attention_fn, layer, kv_scale
+        )
+        if lw.post_attn_norm is not None:  # Gemma: a norm after attention too
+            attn = rms_norm(attn, lw.post_attn_norm, eps, gemma)
+        x = x + attn
+        h = rms_norm(x, lw.mlp_norm, eps, gemma)
+        mlp = layer_mlp(lw, h, config, act, experts_fn, batch)
+        if lw.post_mlp_norm is not None:
+            mlp = rms_norm(mlp, lw.post_mlp_norm, eps, gemma)
+        x = x + mlp
+        new_cache.append((k_pages, v_pages))
+    return new_cache, rms_norm(x, weights.final_norm, eps, gemma)
+
+
+def compute_logits(
+    weights: Weights, hidden: jax.Array, soft_cap: float | None = None
+) -> jax.Array:  # [N, H] -> f32[N, V]
+    """Logits of the given hidden rows; ``soft_cap`` (Gemma 2): cap * tanh(logits / cap)."""
+    if weights.lm_head is None:
+        logits = linear(hidden, weights.embed, "NH,VH->NV", out_dtype=jnp.float32)
+    else:
+        logits = linear(hidden, weights.lm_head, "NH,HV->NV", out_dtype=jnp.float32)
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    return logits

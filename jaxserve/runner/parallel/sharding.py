@@ -1,0 +1,327 @@
+"""Tensor parallelism: the device mesh and every PartitionSpec of the model, spelled only here.
+
+The runner calls ``prepare_tp(config, tensor_parallel_size)`` once at start-up and gets a
+``TensorParallel``: a weight ``Placement`` for ``load_weights`` / ``dummy_weights``, the KV-cache
+sharding (and a maker that allocates the cache straight into its shards), the jit in/out
+shardings of the model step, and the attention op wrapped in ``shard_map`` so the kernel runs on
+each device's local heads. Model code names no mesh axis: XLA inserts the collectives from the
+shardings of the step's inputs (one all-reduce after each row-parallel projection, a gather of
+the vocab-parallel logits).
+
+The layout (Megatron-style, one mesh axis ``"tp"`` of N devices):
+  column parallel  wq [H, N, D], bq on the query-head axis; w_gate, w_up [H, I] on I
+                   wk, wv [H, K, D], bk, bv on the KV-head axis
+  row parallel     wo [N, D, H] on the query-head axis; w_down [I, H] on I
+  vocab parallel   embed [V, H] on V; lm_head [H, V] on V (replicated when N does not divide V)
+  replicated       the RMSNorm scales (attn_norm, mlp_norm, final_norm, q_norm, k_norm)
+  quantized        a QArray's values [out, in] split on the same letters as the weight; its
+                   scales and zero points [out] / [out, G] on the output axis (``quantized_specs``)
+  KV cache         [P, page, K, D] on the KV-head axis
+  experts          [E, H, M], [E, M, H] on M (a slice of each expert, one all-reduce), or with
+                   --enable-expert-parallel on E (whole experts, tokens sent by all-to-all:
+                   expert_parallel.py); the router replicated
+
+KV heads and the query heads they serve must sit on the same device. With N <= K each device
+holds K / N KV heads. With N > K (more devices than KV heads) each KV head is replicated on
+N / K devices: the KV side lives on a *view* of the same devices in the same order, shaped
+``(kv=K, kv_replica=N / K)``; device d holds query heads [d * Nq / N, (d + 1) * Nq / N) and KV
+head d // (N / K), which is exactly the KV head those query heads read under GQA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.config import ModelConfig
+from jaxserve.models import moe
+from jaxserve.models.batch import KVCache, kv_page_shapes
+from jaxserve.models.decoder import AttentionFn
+from jaxserve.models.families.registry import layer_fields, model_fields
+from jaxserve.models.layers import LayerWeights, Weights
+from jaxserve.models.loading.field_conversion import Placement
+from jaxserve.models.quant import QUANTIZED_FIELDS
+from jaxserve.models.quant_scheme import QuantScheme
+from jaxserve.runner.parallel.expert_parallel import sharded_experts
+from jaxserve.runner.parallel.mesh import (
+    KV_AXIS,
+    KV_REPLICA_AXIS,
+    TP_AXIS,
+    kv_mesh,
+    make_mesh,
+    validate_tensor_parallel_size,
+)
+from jaxserve.runner.parallel.quant_specs import quantized_specs
+from pallas_kernels.ragged_paged_attention import dispatch
+
+# Specs on the KV view. Query heads split over both of its axes, which orders the devices
+# exactly as "tp" does, so the two meshes agree and XLA moves no data between them.
+_Q_HEADS_ON_KV_VIEW = P(None, (KV_AXIS, KV_REPLICA_AXIS), None)  # q, attention out [T, N, D]
+_KV_HEADS = P(None, KV_AXIS, None)  # k, v [T, K, D]
+_KV_PAGES = P(None, None, KV_AXIS, None)  # k_pages, v_pages [P, page, K, D]
+_SINKS = P((KV_AXIS, KV_REPLICA_AXIS))  # attention sinks [N], with the query heads
+
+# NOTE: the weights' specs come from the weight table (jaxserve/models/families.py), which
+# writes every shape in einsum letters: a dimension named here is split over that mesh axis,
+# the others are replicated. Query heads (N) and the MLP's intermediate dim (I) go on "tp",
+# KV heads (K) on the KV view; that gives the column / row / vocab parallel layout above.
+_SPLIT_DIMS = {"N": TP_AXIS, "I": TP_AXIS, "K": KV_AXIS, "M": TP_AXIS, "S": TP_AXIS}
+# Expert parallelism: whole experts (E) on "tp" instead of slices of each (M).
+_EXPERT_PARALLEL_DIMS = {"N": TP_AXIS, "I": TP_AXIS, "K": KV_AXIS, "E": TP_AXIS, "S": TP_AXIS}
+
+
+def _spec(shape: str, split: dict[str, str]) -> P:
+    """The spec of a weight whose shape is written in einsum letters (``"HND"``)."""
+    return P(*(split.get(dim) for dim in shape))
+
+
+def layer_specs(
+    config: ModelConfig,
+    layer: int | None = None,
+    expert_parallel: bool = False,
+    quant: QuantScheme | None = None,
+    tensor_parallel_size: int = 1,
+) -> LayerWeights:
+    """PartitionSpecs of layer ``layer`` (None: of any), field for field (None where the model
+    has no such tensor); quantized Linear weights as ``QArray``s of specs."""
+    split = _EXPERT_PARALLEL_DIMS if expert_parallel else _SPLIT_DIMS
+    # A pytree of specs in the weights' own dataclass (its leaves are specs, not arrays).
+    specs: dict[str, Any] = {
+        f.name: quantized_specs(f, config, quant, tensor_parallel_size, _SPLIT_DIMS)
+        if quant is not None and f.name in QUANTIZED_FIELDS
+        else _spec(f.shape, split)
+        for f in layer_fields(config, layer)
+    }
+    return LayerWeights(**specs)
+
+
+def weight_specs(
+    config: ModelConfig,
+    tensor_parallel_size: int,
+    quant: QuantScheme | None = None,
+    expert_parallel: bool = False,
+) -> Weights:
+    """A ``Weights`` pytree of PartitionSpecs, parallel to the model's weights."""
+    split = _SPLIT_DIMS
+    # NOTE: jax shards only evenly; a vocabulary N does not divide stays replicated.
+    if config.vocab_size % tensor_parallel_size == 0:
+        split = split | {"V": TP_AXIS}
+    specs: dict[str, Any] = {f.name: _spec(f.shape, split) for f in model_fields(config)}
+    layers = [
+        layer_specs(config, i, expert_parallel, quant, tensor_parallel_size)
+        for i in range(config.num_layers)
+    ]
+    return Weights(layers=layers, **specs)
+
+
+def _is_kv_spec(spec: P) -> bool:
+    """Whether a spec names the KV view's axes (and so belongs on that mesh)."""
+    for entry in spec:
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if KV_AXIS in names:
+            return True
+    return False
+
+
+def placement_from(shardings: Weights) -> Placement:
+    """A ``Placement`` that looks each weight's path up in a ``Weights`` of shardings."""
+
+    def place(path: tuple[Any, ...], shape: tuple[int, ...]) -> NamedSharding:
+        node: Any = shardings
+        for key in path:
+            node = node[key] if isinstance(key, int) else getattr(node, key)
+        if not isinstance(node, NamedSharding):
+            raise KeyError(f"no sharding for weight path {path!r} (shape {list(shape)})")
+        return node
+
+    return place
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """Everything the runner needs to run the model step on a ``"tp"`` mesh."""
+
+    mesh: Mesh
+    kv_mesh: Mesh
+    config: ModelConfig
+    weight_shardings: Weights  # a NamedSharding per weight, parallel to the weights
+    kv_sharding: NamedSharding  # each layer's k_pages and v_pages [P, page, K, D]
+    replicated: NamedSharding  # the batch, sampling inputs, hidden states
+    attention_fn: AttentionFn  # the attention op under shard_map, for llama.forward
+    experts_fn: moe.ExpertsFn | None = None  # the experts under shard_map (None: dense model)
+    expert_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mesh.axis_names != (TP_AXIS,):
+            raise ValueError(f"mesh.axis_names={self.mesh.axis_names} must be ({TP_AXIS!r},)")
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.mesh.devices.size
+
+    @property
+    def placement(self) -> Placement:
+        """``(path, shape) -> sharding`` for ``load_weights`` / ``dummy_weights``."""
+        return placement_from(self.weight_shardings)
+
+    def kv_cache_shardings(self, num_layers: int) -> list[tuple[NamedSharding, NamedSharding]]:
+        return [(self.kv_sharding, self.kv_sharding)] * num_layers
+
+    def make_kv_cache(self, num_pages: int, page_size: int, dtype: jnp.dtype) -> KVCache:
+        """A zeroed cache allocated directly in its shards (no device ever holds all of it)."""
+        shapes = kv_page_shapes(self.config, num_pages, page_size)  # [P, page, K, D] each
+        zeros = [
+            jax.jit(lambda shape=shape: jnp.zeros(shape, dtype), out_shardings=self.kv_sharding)
+            for shape in shapes
+        ]
+        return [(zeros[0](), zeros[1]()) for _ in range(self.config.num_layers)]
+
+    def step_shardings(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """(in_shardings, out_shardings) for ``jit(step(weights, kv_cache, packed inputs,
+        previous sampled ids))``."""
+        kv = self.kv_cache_shardings(self.config.num_layers)
+        return (self.weight_shardings, kv, self.replicated, self.replicated), (kv, self.replicated)
+
+    def put_replicated(self, tree: Any) -> Any:
+        """Host arrays (the batch, sampling inputs) -> device arrays replicated on the mesh."""
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(self.replicated, np.asarray(x)),
+            tree,
+        )
+
+
+def weight_shardings(
+    mesh: Mesh,
+    config: ModelConfig,
+    quant: QuantScheme | None = None,
+    expert_parallel: bool = False,
+) -> Weights:
+    """A ``Weights`` pytree of NamedShardings: KV-side specs on the KV view, the rest on "tp"."""
+    view = kv_mesh(mesh, config.num_kv_heads)
+    return jax.tree.map(
+        lambda spec: NamedSharding(view if _is_kv_spec(spec) else mesh, spec),
+        weight_specs(config, mesh.devices.size, quant, expert_parallel),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def weight_placement(
+    mesh: Mesh,
+    config: ModelConfig,
+    quant: QuantScheme | None = None,
+    expert_parallel: bool = False,
+) -> Placement:
+    """The ``Placement`` to pass to ``load_weights`` / ``dummy_weights``."""
+    validate_tensor_parallel_size(config, mesh.devices.size, expert_parallel)
+    return placement_from(weight_shardings(mesh, config, quant, expert_parallel))
+
+
+def kv_cache_sharding(mesh: Mesh, config: ModelConfig) -> NamedSharding:
+    """[P, page, K, D] split on K; replicated per KV head when the mesh has more devices."""
+    return NamedSharding(kv_mesh(mesh, config.num_kv_heads), _KV_PAGES)
+
+
+def sharded_attention(attention_fn: AttentionFn, mesh: Mesh, config: ModelConfig) -> AttentionFn:
+    """``attention_fn`` run per device on its local query and KV heads (metadata replicated)."""
+    view = kv_mesh(mesh, config.num_kv_heads)
+    meta = P()
+
+    def attention(
+        q: jax.Array,  # [T, N, D]
+        k_pages: jax.Array,  # [P, page, K, D]
+        v_pages: jax.Array,  # [P, page, K, D]
+        kv_lens: jax.Array,  # i32[S]
+        page_indices: jax.Array,  # i32[S, pages_per_seq]
+        cu_q_lens: jax.Array,  # i32[S + 1]
+        num_seqs: jax.Array,  # i32[1]
+        **kwargs: Any,  # sm_scale, sliding_window, soft_cap: static; k_scale, v_scale: f32[]
+    ) -> jax.Array:  # [T, N, D]
+        # An fp8 cache's scales are arrays: they enter the shard_map replicated, by argument;
+        # attention sinks (GPT-OSS, [N]) split as the query heads are.
+        scale_names = tuple(n for n in ("k_scale", "v_scale") if kwargs.get(n) is not None)
+        scales = tuple(jnp.asarray(kwargs[n], jnp.float32) for n in scale_names)
+        sinks = kwargs.get("sinks")
+        sink_args = () if sinks is None else (sinks,)
+        kwargs = {n: v for n, v in kwargs.items() if n not in ("k_scale", "v_scale", "sinks")}
+
+        def local(*args: jax.Array) -> jax.Array:
+            arrays, rest = args[:7], args[7:]
+            local_scales, local_sinks = rest[: len(scales)], rest[len(scales) :]
+            options = dict(zip(scale_names, local_scales, strict=True))
+            if local_sinks:
+                options["sinks"] = local_sinks[0]
+            return attention_fn(*arrays, **kwargs, **options)
+
+        # NOTE: check_vma=False: a Pallas kernel is opaque to shard_map's replication checker;
+        # the specs below are the whole contract (heads split, metadata identical everywhere).
+        return jax.shard_map(
+            local,
+            mesh=view,
+            in_specs=(_Q_HEADS_ON_KV_VIEW, _KV_PAGES, _KV_PAGES, meta, meta, meta, meta)
+            + (meta,) * len(scales)
+            + (_SINKS,) * len(sink_args),
+            out_specs=_Q_HEADS_ON_KV_VIEW,
+            check_vma=False,
+        )(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *scales, *sink_args)
+
+    return attention
+
+
+def sharded_write_kv(
+    write_fn: Callable[..., tuple[jax.Array, jax.Array]], mesh: Mesh, config: ModelConfig
+) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """``write_fn(k_pages, v_pages, k, v, slot_mapping)`` run per device on its KV heads.
+
+    A plain scatter (the reference ``write_kv``) is partitioned locally by XLA already; a
+    kernel that writes the cache (a custom call XLA cannot partition) needs this wrapper.
+    """
+    view = kv_mesh(mesh, config.num_kv_heads)
+    return jax.shard_map(
+        write_fn,
+        mesh=view,
+        in_specs=(_KV_PAGES, _KV_PAGES, _KV_HEADS, _KV_HEADS, P()),
+        out_specs=(_KV_PAGES, _KV_PAGES),
+        check_vma=False,
+    )
+
+
+def prepare_tp(
+    config: ModelConfig,
+    tensor_parallel_size: int | None = None,
+    *,
+    mesh: Mesh | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    attention_fn: AttentionFn | None = None,
+    quant: QuantScheme | None = None,
+    expert_parallel: bool = False,
+) -> TensorParallel:
+    """The mesh (made here unless given), shardings and sharded attention for one model;
+    ``expert_parallel`` splits a mixture of experts by whole experts."""
+    if mesh is None:
+        if tensor_parallel_size is None:
+            raise ValueError("prepare_tp needs tensor_parallel_size or a mesh")
+        mesh = make_mesh(tensor_parallel_size, devices=devices)
+    validate_tensor_parallel_size(config, mesh.devices.size, expert_parallel)
+    return TensorParallel(
+        mesh=mesh,
+        kv_mesh=kv_mesh(mesh, config.num_kv_heads),
+        config=config,
+        weight_shardings=weight_shardings(mesh, config, quant, expert_parallel),
+        kv_sharding=kv_cache_sharding(mesh, config),
+        replicated=NamedSharding(mesh, P()),
+        attention_fn=sharded_attention(
+            attention_fn or dispatch.ragged_paged_attention, mesh, config
+        ),
+        experts_fn=(
+            sharded_experts(mesh, TP_AXIS, expert_parallel) if config.moe is not None else None
+        ),
+        # NOTE: as in vLLM, the flag changes only the layers with experts.
+        expert_parallel=expert_parallel and config.moe is not None,
+    )

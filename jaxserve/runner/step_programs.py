@@ -1,0 +1,276 @@
+"""StepPrograms: the engine's compiled programs, their lowering, and the calls that run them.
+
+The programs are the bodies in ``programs.py``, jitted here (the only jit sites): the model step
+(the KV cache donated, so it is updated in place) and the logits and prompt logprobs, one
+program per token bucket; the sampler, one per sequence bucket and variant. Warm-up
+(``warmup.py``) lowers each one (``lower_step``, ``lower``) against arguments laid out as at
+run time and puts the executables in the tables here; a call (``run_step``, ``sample``,
+``prompt_logprobs``) runs the executable of its shape, or the jitted program where none was
+compiled (warm-up off). ``ready_tokens`` says up to which bucket every program is compiled, and
+``background`` is the compile warm-up leaves running while the engine serves.
+
+What it takes comes from the runner: the model config, the shape buckets, the weights (their
+shapes until they have loaded: ``set_weights``), the KV cache's shapes, the tensor-parallel
+layout; the padding steps it lowers against come from ``InputBuilder``. It holds no KV cache:
+``run_step`` takes the runner's and returns the updated one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.models.batch import Batch
+from jaxserve.runner.buckets import Buckets
+from jaxserve.runner.input_builder import InputBuilder
+from jaxserve.runner.packing import Layout, pack, write_rows
+from jaxserve.runner.parallel.sharding import TensorParallel
+from jaxserve.runner.programs import Forward, StepSamples, jitted_head_programs, jitted_model_step
+from jaxserve.runner.sampling import TOKEN_MASK_LEAF, SamplerFlags, SamplingInputs
+
+# The warm-up's lines, under one name: users filter them as one story.
+_LOG = logging.getLogger("jaxserve.runner.warmup")
+
+BACKGROUND_SLOTS = 4  # compiles at a time once the KV cache is allocated
+BACKGROUND_RETRIES = 3  # compiles alone after running out of device memory
+
+# The programs of a token bucket besides its model step (``StepPrograms.uncompiled``' kinds).
+PROGRAMS = ("logits", "prompt_logprobs", "samplers")
+
+KVCacheShapes = list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]
+
+
+def pack_step(batch: Batch, source: np.ndarray | None = None) -> tuple[np.ndarray, Layout]:
+    """A step's host inputs packed for the model step: the batch, and for each token the row
+    of the previous step's sampled ids it reads (-1: its own input id)."""
+    if source is None:
+        source = np.full(batch.num_tokens, -1, np.int32)
+    return pack((batch, source))
+
+
+@dataclasses.dataclass
+class BackgroundCompile:
+    """The buckets warm-up leaves to compile while the engine serves (``serve_while_compiling``).
+
+    NOTE: XLA's autotuner times candidate kernels on buffers of each program's shapes. Once
+    the KV cache is allocated only the activation headroom is left (1.3 GiB on the H200 for
+    Llama-3-8B). Measured there: model steps of up to 256 tokens compiled beside it, sixteen
+    at a time; a sampler with a new number of rows did not, even alone, while it held the
+    matmul by the head (timed on a 1 GiB copy of it): that matmul is now a program of its own
+    (``programs.logits_step``), compiled before the cache (``warm_up``).
+    Four compile at a time here, and one that runs out of memory compiles again alone."""
+
+    thread: threading.Thread | None = None
+    pool: concurrent.futures.ThreadPoolExecutor | None = None
+    stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
+    slots: threading.Semaphore = dataclasses.field(
+        default_factory=lambda: threading.BoundedSemaphore(BACKGROUND_SLOTS)
+    )
+    _alone: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def compile(self, lowered: Any) -> Any:
+        """``lowered.compile()`` in one of the slots; out of device memory, again alone (every
+        slot held), up to ``BACKGROUND_RETRIES`` times a second apart."""
+        for attempt in range(BACKGROUND_RETRIES + 1):
+            if attempt:
+                time.sleep(1.0)
+            with self._alone if attempt else contextlib.nullcontext():
+                held = BACKGROUND_SLOTS if attempt else 1
+                for _ in range(held):
+                    self.slots.acquire()
+                try:
+                    if self.stopping.is_set():
+                        raise concurrent.futures.CancelledError("the runner shut down")
+                    return lowered.compile()
+                except jax.errors.JaxRuntimeError as exc:
+                    if "RESOURCE_EXHAUSTED" not in str(exc) or attempt == BACKGROUND_RETRIES:
+                        raise
+                    _LOG.info("Out of device memory compiling a program; again, alone")
+                finally:
+                    for _ in range(held):
+                        self.slots.release()
+        raise AssertionError("unreachable")
+
+    def stop(self) -> None:
+        """Cancel what has not started and wait for what has (a compile thread still running
+        at the interpreter's exit can crash it)."""
+        self.stopping.set()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.thread is not None:
+            self.thread.join()
+
+
+class StepPrograms:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        buckets: Buckets,
+        inputs: InputBuilder,  # the padding steps the programs are lowered against
+        *,
+        weights: Any,  # llama.Weights, or their jax.ShapeDtypeStruct until they have loaded
+        kv_cache_shapes: KVCacheShapes,  # (K, V) pages per layer, with their shardings
+        dtype: Any,  # the activations' (jnp.float32, jnp.bfloat16, ...)
+        tp: TensorParallel | None = None,  # None: one device, the plain programs
+        kv_scales: tuple[tuple[float, float], ...] | None = None,  # an fp8 cache's, per layer
+    ) -> None:
+        self.model_config = model_config
+        self.buckets = buckets
+        self.inputs = inputs
+        self.kv_cache_shapes = kv_cache_shapes
+        self.dtype = dtype
+        self.tp = tp
+        self.step_fn = jitted_model_step(model_config, kv_scales, tp)
+        self.logits_fn, self.sample_fn, self.prompt_lp_fn = jitted_head_programs(
+            model_config, buckets.max_seq_bucket, tp
+        )
+        # Ahead-of-time executables from warm-up: model step, logits and prompt logprobs per
+        # token bucket, sampler per (sequence bucket, variant).
+        self.compiled_steps: dict[int, Any] = {}
+        self.compiled_logits: dict[int, Any] = {}
+        self.compiled_prompt_lp: dict[int, Any] = {}
+        self.compiled_samplers: dict[tuple[int, SamplerFlags], Any] = {}
+        self.compile_seconds = 0.0  # warm-up's, until the engine serves
+        # Steps of up to this many tokens have every program compiled (warm-up lowers it, then
+        # raises it as the larger buckets compile in ``background``).
+        self.ready_tokens = buckets.token_buckets[-1]
+        self.background = BackgroundCompile()
+        # The sampled ids a step reads its pending tokens from when no step came before it.
+        self.no_previous_ids = self.put(np.zeros(buckets.max_seq_bucket, np.int32))
+        self.set_weights(weights)
+
+    def set_weights(self, weights: Any) -> None:
+        """The weights the programs run on (or are lowered against, as shapes)."""
+        self.weights = weights
+        self.tied = weights.lm_head is None
+        self.head = weights.embed if self.tied else weights.lm_head
+
+    def put(self, tree: Any) -> Any:
+        """Host step inputs on the device(s), laid out as every compiled program expects."""
+        return self.tp.put_replicated(tree) if self.tp is not None else jax.device_put(tree)
+
+    def precision(self) -> contextlib.AbstractContextManager:
+        """float32 means float32: on GPUs XLA would otherwise multiply f32 in TF32 (also keys
+        the jit caches: every program is lowered and run under it)."""
+        if self.dtype == jnp.float32:
+            return jax.default_matmul_precision("highest")
+        return contextlib.nullcontext()
+
+    # -- running ---------------------------------------------------------------------------
+
+    def run_step(
+        self,
+        kv_cache: Any,  # donated: use the one returned
+        batch: Batch,  # host arrays
+        source: np.ndarray | None = None,  # i32[T]  see ``pack_step``
+        previous_ids: jax.Array | None = None,  # i32[S_max]  the previous step's sampled ids
+    ) -> tuple[Any, Forward]:
+        """(kv_cache, the step's output) of one model step."""
+        packed, layout = pack_step(batch, source)
+        args = (self.put(packed), self.no_previous_ids if previous_ids is None else previous_ids)
+        step = self.compiled_steps.get(batch.num_tokens)
+        if step is None:
+            kv_cache, hidden = self.step_fn(self.weights, kv_cache, *args, layout)
+        else:
+            kv_cache, hidden = step(self.weights, kv_cache, *args)
+        return kv_cache, Forward(hidden, args[0], layout)
+
+    def sample(
+        self,
+        forward: Forward,
+        inputs: SamplingInputs,
+        flags: SamplerFlags,
+        token_mask: np.ndarray | None = None,  # i32[<= S, W]  with ``flags.use_mask``
+    ) -> StepSamples:
+        """The logits of the step's last rows, then the sampler variant ``flags``; the leading
+        rows of ``inputs.token_mask`` are ``token_mask``'s where one is given (copied once,
+        into the packed inputs)."""
+        num_tokens = forward.hidden.shape[0]
+        logits_fn = self.compiled_logits.get(num_tokens)
+        if logits_fn is None:
+            logits_fn = functools.partial(self.logits_fn, layout=forward.layout, tied=self.tied)
+        logits = logits_fn(self.head, forward.hidden, forward.packed)
+        packed, layout = pack(inputs)
+        if token_mask is not None:
+            write_rows(packed, layout, TOKEN_MASK_LEAF, token_mask)
+        compiled = self.compiled_samplers.get((self.buckets.seq_bucket(num_tokens), flags))
+        if compiled is None:
+            return self.sample_fn(logits, self.put(packed), layout=layout, flags=flags)
+        return compiled(logits, self.put(packed))
+
+    def prompt_logprobs(self, hidden: jax.Array, next_ids: Any) -> tuple[jax.Array, ...]:
+        compiled = self.compiled_prompt_lp.get(hidden.shape[0])
+        if compiled is None:
+            return self.prompt_lp_fn(self.head, hidden, next_ids, tied=self.tied)
+        return compiled(self.head, hidden, next_ids)
+
+    # -- lowering --------------------------------------------------------------------------
+
+    def lower_step(self, num_tokens: int, kv_cache: Any = None) -> Any:
+        """The model step of a token bucket, lowered (not yet compiled); ``kv_cache``: the
+        cache's shapes by default."""
+        packed, layout = pack_step(self.inputs.padding_step(num_tokens)[0])
+        kv_cache = self.kv_cache_shapes if kv_cache is None else kv_cache
+        return self.step_fn.lower(self.weights, kv_cache, packed, self.no_previous_ids, layout)
+
+    def uncompiled(
+        self, buckets: list[int], kinds: tuple[str, ...] = PROGRAMS
+    ) -> Iterator[tuple[str, dict, Any, int]]:
+        """(kind, its table, its key, its token bucket) of each program of ``kinds`` that
+        ``buckets`` need and no table holds yet: the logits and the prompt logprobs per token
+        bucket, the sampler variants per sequence bucket (several token buckets share one)."""
+        queued: set[Any] = set()
+        for bucket in buckets:
+            rows = self.buckets.seq_bucket(bucket)
+            wanted: list[tuple[str, dict, Any]] = []
+            if "logits" in kinds:
+                wanted.append(("logits", self.compiled_logits, bucket))
+            if "prompt_logprobs" in kinds:
+                wanted.append(("prompt_logprobs", self.compiled_prompt_lp, bucket))
+            if "samplers" in kinds:
+                for flags in self.inputs.sampler_variants:
+                    wanted.append(("samplers", self.compiled_samplers, (rows, flags)))
+            for kind, table, key in wanted:
+                if key not in table and (kind, key) not in queued:
+                    queued.add((kind, key))
+                    yield kind, table, key, bucket
+
+    def lower(self, kind: str, key: Any, specs: dict[int, jax.ShapeDtypeStruct]) -> Any:
+        """The program ``kind`` of ``key`` (a token bucket, or a sampler's (sequence bucket,
+        variant)), lowered against arguments laid out as at run time; ``specs``: the samplers'
+        logits found so far, by number of rows."""
+        if kind == "samplers":
+            rows, flags = key
+            _, inputs = self.inputs.padding_step(rows, flags)
+            packed, layout = pack(inputs)
+            if rows not in specs:
+                specs[rows] = self._logits_spec(rows)
+            return self.sample_fn.lower(specs[rows], self.put(packed), layout=layout, flags=flags)
+        hidden = self.put(np.zeros((key, self.model_config.hidden_size), self.dtype))
+        if kind == "logits":
+            packed, layout = pack_step(self.inputs.padding_step(key)[0])
+            return self.logits_fn.lower(self.head, hidden, self.put(packed), layout, tied=self.tied)
+        next_ids = self.put(np.zeros(key, np.int32))
+        return self.prompt_lp_fn.lower(self.head, hidden, next_ids, tied=self.tied)
+
+    def _logits_spec(self, rows: int) -> jax.ShapeDtypeStruct:
+        """The logits a sampler of ``rows`` rows takes, as the logits program returns them
+        (replicated; not made: 128 MiB at 256 rows of a 128k vocabulary)."""
+        hidden = self.put(np.zeros((rows, self.model_config.hidden_size), self.dtype))
+        packed, layout = pack_step(self.inputs.padding_step(rows)[0])
+        logits = functools.partial(self.logits_fn, layout=layout, tied=self.tied)
+        shape = jax.eval_shape(logits, self.head, hidden, self.put(packed))
+        sharding = self.tp.replicated if self.tp is not None else hidden.sharding
+        return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)
