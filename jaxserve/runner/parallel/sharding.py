@@ -154,7 +154,7 @@ class TensorParallel:
     weight_shardings: Weights  # a NamedSharding per weight, parallel to the weights
     kv_sharding: NamedSharding  # each layer's k_pages and v_pages [P, page, K, D]
     replicated: NamedSharding  # the batch, sampling inputs, hidden states
-    attention_fn: AttentionFn  # the attention op under shard_map, for llama.forward
+    attention_fn: AttentionFn  # the attention op under shard_map, for decoder.forward
     experts_fn: moe.ExpertsFn | None = None  # the experts under shard_map (None: dense model)
     expert_parallel: bool = False
 
