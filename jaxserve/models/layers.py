@@ -26,7 +26,7 @@ from jaxserve.models.quant import QArray
 class FusedProjections:
     """A layer's projections that read the same input, joined on their output axis so that
     each is one GEMM: at small batch the separate k and v GEMMs (a quarter of q's size each)
-    ran far from the bandwidth floor (``benchmarks/fusion_probe.py``, RESULTS.md)."""
+    ran far from the bandwidth floor (``benchmarks/probes/fusion_probe.py``, RESULTS.md)."""
 
     wqkv: jax.Array  # [H, N + 2K, D]  wq, wk, wv
     w_gate_up: jax.Array | None  # [H, 2I]  w_gate, w_up; None on a layer with experts

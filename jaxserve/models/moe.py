@@ -5,7 +5,8 @@ functions.
 token's ``top_k`` experts and their weights from the router logits, ``run_experts`` runs every
 (token, expert) pair as a grouped matmul and sums each token's pairs, and a shared expert, where
 the model has one, adds a dense MLP over every token. Under expert parallelism the runner swaps
-``run_experts`` for ``run_experts_all_to_all`` inside ``shard_map`` (``runner/sharding.py``).
+``run_experts`` for ``run_experts_all_to_all`` inside ``shard_map``
+(``runner/parallel/sharding.py``).
 
 Shapes are fixed by the token count alone: T tokens make T * top_k rows sorted by expert, and
 only the group sizes (data) change with the routing, so a new routing never recompiles. The

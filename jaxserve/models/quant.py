@@ -12,7 +12,7 @@ weights and per-channel 8-bit ones alike.
 
 Made by ``quantize`` (``--quantization fp8 | int8``: bf16 weights quantized on load) and by
 ``loading/quant_checkpoint.py`` (fp8, compressed-tensors, AWQ and GPTQ checkpoints); laid out
-across devices by ``runner/sharding.py`` (scales follow their weight's output axis). The
+across devices by ``runner/parallel/sharding.py`` (scales follow their weight's output axis). The
 embedding and lm_head are never quantized: they stay in the model dtype (as vLLM's fp8 does),
 as do norms and biases.
 """

@@ -4,7 +4,7 @@ checkpoint and what it is in ``layers.Weights``; ``dim_sizes`` gives the einsum 
 Each family module of this package writes its tables of these rows (``Family.layer_table``,
 ``Family.model_table``). The checkpoint loader, ``expected_shapes``, dummy weights, parameter
 counting (``counting.py``: capacity planning and weight bytes) and the tensor-parallel layout
-(``runner/sharding.py``, which maps the letters to mesh axes) all read the tables, so a new
+(``runner/parallel/sharding.py``, which maps the letters to mesh axes) all read the tables, so a new
 weight is one row in its family's table plus its attribute in ``LayerWeights`` or ``Weights``.
 
 Shapes are written in the einsum letters of ``decoder.py``: H hidden, N query heads, K kv heads,

@@ -68,7 +68,7 @@ _KV_HEADS = P(None, KV_AXIS, None)  # k, v [T, K, D]
 _KV_PAGES = P(None, None, KV_AXIS, None)  # k_pages, v_pages [P, page, K, D]
 _SINKS = P((KV_AXIS, KV_REPLICA_AXIS))  # attention sinks [N], with the query heads
 
-# NOTE: the weights' specs come from the weight table (jaxserve/models/families.py), which
+# NOTE: the weights' specs come from the weight table (jaxserve/models/families/), which
 # writes every shape in einsum letters: a dimension named here is split over that mesh axis,
 # the others are replicated. Query heads (N) and the MLP's intermediate dim (I) go on "tp",
 # KV heads (K) on the KV view; that gives the column / row / vocab parallel layout above.
@@ -154,7 +154,7 @@ class TensorParallel:
     weight_shardings: Weights  # a NamedSharding per weight, parallel to the weights
     kv_sharding: NamedSharding  # each layer's k_pages and v_pages [P, page, K, D]
     replicated: NamedSharding  # the batch, sampling inputs, hidden states
-    attention_fn: AttentionFn  # the attention op under shard_map, for llama.forward
+    attention_fn: AttentionFn  # the attention op under shard_map, for decoder.forward
     experts_fn: moe.ExpertsFn | None = None  # the experts under shard_map (None: dense model)
     expert_parallel: bool = False
 
