@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import BANDWIDTH
+from jaxserve.units import cdiv
 from pallas_kernels.ragged_paged_attention import mosaic_gpu, reference
 from pallas_kernels.ragged_paged_attention import triton as triton_kernel
 
@@ -127,7 +128,7 @@ def mixed_batch(prefill: int, decodes: int, context: int) -> Batch:
 def make_inputs(rng, shape: Shape, batch: Batch, num_calls: int, pool_bytes: int):
     """q, a KV pool, and one shuffled page table per call (disjoint pages when the pool allows)."""
     page = shape.page_size
-    seq_pages = [-(-kv // page) for kv in batch.kv_lens]
+    seq_pages = [cdiv(kv, page) for kv in batch.kv_lens]
     pages_per_seq = max(seq_pages)
     needed = sum(seq_pages)
     page_bytes = page * shape.num_kv_heads * shape.head_dim * 2 * 2

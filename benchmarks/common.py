@@ -19,6 +19,7 @@ import jax
 from jaxserve.engine.request import Request, Sequence
 from jaxserve.runner.step import ScheduledSeq, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.units import cdiv
 
 if TYPE_CHECKING:
     from jaxserve.runner.runner import ModelRunner
@@ -44,7 +45,7 @@ def best_time(fn, *args, iters: int = 20, runs: int = 3) -> float:
 def decode_batch(runner: ModelRunner, batch: int, context: int, rng) -> SchedulerOutput:
     """`batch` sequences with `context` cached tokens each, decoding their next token."""
     bs = runner.block_size
-    pages_per = -(-(context + 1) // bs)
+    pages_per = cdiv(context + 1, bs)
     pages = rng.permutation(runner.num_blocks)[: batch * pages_per].reshape(batch, pages_per)
     params = SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True)
     items = []

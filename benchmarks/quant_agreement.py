@@ -30,6 +30,7 @@ from jaxserve.models.layers import Weights
 from jaxserve.models.loading.checkpoint_loader import load_weights
 from jaxserve.models.loading.dummy import dummy_weights
 from jaxserve.runner.devices import resolve_dtype, resolve_quantization
+from jaxserve.units import cdiv
 
 PAGE = 16
 
@@ -38,7 +39,7 @@ def prompt_batch(ids: np.ndarray) -> Batch:
     """One sequence, all of ``ids`` computed, pages 0.. in order."""
     n = len(ids)
     pos = np.arange(n, dtype=np.int32)
-    pages = np.arange(-(-n // PAGE), dtype=np.int32)
+    pages = np.arange(cdiv(n, PAGE), dtype=np.int32)
     return Batch(
         input_ids=jnp.asarray(ids, jnp.int32),
         positions=jnp.asarray(pos),
@@ -53,7 +54,7 @@ def prompt_batch(ids: np.ndarray) -> Batch:
 
 def all_logits(weights: Weights, config: ModelConfig, prompts: np.ndarray, dtype) -> list:
     forward = jax.jit(decoder.forward, static_argnums=(3,))
-    pages = -(-prompts.shape[1] // PAGE)
+    pages = cdiv(prompts.shape[1], PAGE)
     out = []
     for ids in prompts:
         cache = make_kv_cache(

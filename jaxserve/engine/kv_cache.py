@@ -23,6 +23,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 
 from jaxserve.engine.request import Sequence
+from jaxserve.units import cdiv
 
 NONE_HASH = b"\x00" * 32
 # NOTE: the page-table entry of a block released behind the sliding window. The attention never
@@ -136,7 +137,7 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def num_held_blocks(self, seq: Sequence) -> int:
         """Blocks the sequence holds a reference to (its released ones not counted)."""
@@ -195,7 +196,7 @@ class KVCacheManager:
             self._release_behind_window(seq, seq.num_computed_tokens)
         if cached:
             total = max(seq.num_computed_tokens, len(cached) * bs) + num_new_tokens
-            need = -(-total // bs) - len(seq.block_ids) - len(cached)
+            need = cdiv(total, bs) - len(seq.block_ids) - len(cached)
             # Cached blocks sitting in the free list are taken out of it by touch().
             reclaimed = sum(1 for b in cached if self.pool.ref_counts[b] == 0)
             if need > self.pool.num_free - reclaimed:
@@ -205,7 +206,7 @@ class KVCacheManager:
             seq.block_ids.extend(cached)
         else:
             total = seq.num_computed_tokens + num_new_tokens
-            need = -(-total // bs) - len(seq.block_ids)
+            need = cdiv(total, bs) - len(seq.block_ids)
             if need > self.pool.num_free:
                 return False
         if need > 0:

@@ -29,6 +29,7 @@ from jaxserve.engine.grammar import short_error
 from jaxserve.engine.request import Request, Sequence, seq_of
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from jaxserve.sampling_params import StructuredOutputsParams
+from jaxserve.units import cdiv
 
 
 @dataclasses.dataclass
@@ -94,7 +95,7 @@ MASK_SWITCH_INTERVAL_S = 1e-4
 
 class StructuredOutputs:
     def __init__(self, vocab_size: int) -> None:
-        self.mask_width = -(-vocab_size // 32)  # i32 words of one packed row
+        self.mask_width = cdiv(vocab_size, 32)  # i32 words of one packed row
         self._grammars: dict[str, Any] = {}  # request_id -> its compiled grammar
         self._seqs: dict[str, _SeqGrammar] = {}  # seq_id -> its matcher
         self._executor: Any = None  # llguidance.LLExecutor, made with the first mask

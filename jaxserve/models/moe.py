@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import MoeConfig
+from jaxserve.units import cdiv
 from pallas_kernels.grouped_matmul.dispatch import grouped_matmul
 
 Activation = Callable[[jax.Array], jax.Array]
@@ -219,7 +220,7 @@ def this_devices_tokens(
     num_devices = jax.lax.axis_size(axis_name)
     device = jax.lax.axis_index(axis_name)
     num_tokens = expert_ids.shape[0]
-    local_tokens = -(-num_tokens // num_devices)  # t; past T: padding of no expert
+    local_tokens = cdiv(num_tokens, num_devices)  # t; past T: padding of no expert
     padding = local_tokens * num_devices - num_tokens
     x = jnp.pad(x, ((0, padding), (0, 0)))
     expert_ids = jnp.pad(expert_ids, ((0, padding), (0, 0)), constant_values=no_expert)

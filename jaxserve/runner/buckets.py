@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jaxserve.units import cdiv
+
 MIN_TOKEN_BUCKET = 16
 
 
@@ -39,7 +41,7 @@ class Buckets:
         return cls(
             token_buckets=tuple(token_buckets_for(max_num_batched_tokens)),
             max_seq_bucket=next_power_of_2(max_num_seqs),
-            pages_per_seq=-(-max_model_len // block_size),
+            pages_per_seq=cdiv(max_model_len, block_size),
         )
 
     def token_bucket(self, num_tokens: int) -> int:

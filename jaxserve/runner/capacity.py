@@ -26,6 +26,7 @@ from jaxserve.models.batch import kv_bytes_per_token
 from jaxserve.models.quant_scheme import QuantScheme, weight_bytes
 from jaxserve.runner.buckets import next_power_of_2, token_buckets_for
 from jaxserve.runner.sampling import PROMPT_LOGPROBS_CHUNK
+from jaxserve.units import cdiv
 
 GiB = 1024**3
 # The CPU backend reports no memory: its KV budget is a fraction of this (or of
@@ -164,13 +165,13 @@ def expert_activation_bytes(
     router = 3 * 4 * num_tokens * moe.num_experts
     if expert_parallel:
         n = tensor_parallel_size
-        local_tokens = -(-num_tokens // n)
+        local_tokens = cdiv(num_tokens, n)
         rows = n * local_tokens * k
         exchange = 3 * rows * hidden * dtype_bytes  # send, receive, return
         combine = 4 * local_tokens * k * hidden
     else:
         rows = num_tokens * k
-        inner = -(-inner // tensor_parallel_size)
+        inner = cdiv(inner, tensor_parallel_size)
         exchange, combine = 0, 4 * rows * hidden
     mlp = rows * (3 * hidden + 3 * inner) * dtype_bytes  # rows, gate/up/hidden, down, reorder
     return router + 3 * 4 * rows + mlp + combine + exchange
@@ -228,7 +229,7 @@ def mla_reference_bytes(
     positions."""
     if config.mla is None:
         return 0
-    positions = -(-max_model_len // block_size) * block_size
+    positions = cdiv(max_model_len, block_size) * block_size
     latent = config.mla.kv_lora_rank + config.mla.qk_rope_head_dim
     per_position = latent * (4 + 4) + 2 * config.num_q_heads * 4
     return num_tokens * positions * per_position
@@ -297,7 +298,7 @@ def plan_capacity(
 def _check_full_length_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:
     # NOTE: a prompt of max_model_len tokens prefilled in one chunk holds all its blocks
     # during that step, window or not: the pool must hold one full-length request.
-    needed = -(-max_model_len // block_size)
+    needed = cdiv(max_model_len, block_size)
     if num_blocks < needed:
         raise CapacityError(
             f"max_model_len={max_model_len:,} needs {needed:,} KV blocks but only "

@@ -27,6 +27,7 @@ from jaxserve.runner.sampling import (
     PROMPT_LOGPROBS_CHUNK,
     SamplerFlags,
 )
+from jaxserve.units import cdiv
 from pallas_kernels.ragged_paged_attention import dispatch
 
 
@@ -216,7 +217,7 @@ def prompt_logprobs_step(
     # of 128 rows takes 0.39 GiB on the H200, which capacity.activation_bytes reserves.
     num_tokens = hidden.shape[0]
     chunk = min(num_tokens, PROMPT_LOGPROBS_CHUNK)
-    num_chunks = -(-num_tokens // chunk)
+    num_chunks = cdiv(num_tokens, chunk)
     padding = num_chunks * chunk - num_tokens
     hidden = jnp.pad(hidden, ((0, padding), (0, 0))).reshape(num_chunks, chunk, -1)
     next_ids = jnp.pad(next_ids, (0, padding)).reshape(num_chunks, chunk)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxserve.units import cdiv
 
 NEG_INF = float("-inf")
 # Top logprobs computed for any request that asks: the API's cap, so one sampler variant serves
@@ -119,7 +120,7 @@ TOKEN_MASK_LEAF = [field.name for field in dataclasses.fields(SamplingInputs)].i
 
 def mask_width(vocab_size: int) -> int:
     """32-bit words of one row's packed token bitmask."""
-    return -(-vocab_size // 32)
+    return cdiv(vocab_size, 32)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,6 +37,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.families.fields import WeightField, dim_sizes
 from jaxserve.models.quant import PACK, QArray
 from jaxserve.models.quant_scheme import QuantScheme
+from jaxserve.units import cdiv
 
 # AutoAWQ packs output columns (0, 2, 4, 6, 1, 3, 5, 7) into nibbles 0..7 of a word.
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -115,7 +116,7 @@ def _fp8_scale(scale: np.ndarray, name: str, num_out: int, num_in: int, scheme: 
             f"per-channel ([{num_out}, 1]) scale expected"
         )
     bo, bi = scheme.out_block, scheme.group_size
-    expected = (-(-num_out // bo), -(-num_in // bi))
+    expected = (cdiv(num_out, bo), cdiv(num_in, bi))
     if scale.shape != expected or num_in % bi:
         raise QuantizedCheckpointError(
             f"tensor {name!r} has shape {list(scale.shape)}, expected {list(expected)} for "
