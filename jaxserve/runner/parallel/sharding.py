@@ -44,11 +44,12 @@ from jaxserve.config import ModelConfig
 from jaxserve.models import moe
 from jaxserve.models.batch import KVCache, kv_page_shapes
 from jaxserve.models.decoder import AttentionFn
+from jaxserve.models.families.fields import WeightField, dim_sizes
 from jaxserve.models.families.registry import layer_fields, model_fields
 from jaxserve.models.layers import LayerWeights, Weights
 from jaxserve.models.loading.field_conversion import Placement
-from jaxserve.models.quant import QUANTIZED_FIELDS
-from jaxserve.models.quant_scheme import QuantScheme
+from jaxserve.models.quant import QUANTIZED_FIELDS, QArray
+from jaxserve.models.quant_scheme import QuantScheme, qarray_layout
 from jaxserve.runner.parallel.expert_parallel import sharded_experts
 from jaxserve.runner.parallel.mesh import (
     KV_AXIS,
@@ -58,7 +59,6 @@ from jaxserve.runner.parallel.mesh import (
     make_mesh,
     validate_tensor_parallel_size,
 )
-from jaxserve.runner.parallel.quant_specs import quantized_specs
 from pallas_kernels.ragged_paged_attention import dispatch
 
 # Specs on the KV view. Query heads split over both of its axes, which orders the devices
@@ -80,6 +80,43 @@ _EXPERT_PARALLEL_DIMS = {"N": TP_AXIS, "I": TP_AXIS, "K": KV_AXIS, "E": TP_AXIS,
 def _spec(shape: str, split: dict[str, str]) -> P:
     """The spec of a weight whose shape is written in einsum letters (``"HND"``)."""
     return P(*(split.get(dim) for dim in shape))
+
+
+def quantized_specs(
+    field: WeightField,
+    config: ModelConfig,
+    quant: QuantScheme,
+    tensor_parallel_size: int,
+    split_dims: dict[str, str],  # einsum letter -> mesh axis, as sharding.py splits weights
+) -> QArray:
+    """A ``QArray`` of specs: values [out, in] split as the weight's output and input letters
+    are, scales and zero points [out] / [out, G] following the output axis (and the input
+    axis where the groups split evenly), g_idx replicated."""
+    axis_sizes = {
+        TP_AXIS: tensor_parallel_size,
+        KV_AXIS: min(tensor_parallel_size, config.num_kv_heads),
+    }
+
+    def axis(letters: str, size: int) -> str | None:
+        name = next((split_dims[d] for d in letters if d in split_dims), None)
+        # NOTE: jax shards only evenly: an axis that does not divide stays replicated.
+        return name if name is not None and size % axis_sizes[name] == 0 else None
+
+    out_letters, in_letters = field.hf_shape
+    parts: dict[str, Any] = {}
+    for name, (shape, _) in qarray_layout(field, config, quant).items():
+        if name == "g_idx":
+            parts[name] = P(None)
+        else:
+            letters = (out_letters, in_letters)[: len(shape)]
+            parts[name] = P(*(axis(ls, n) for ls, n in zip(letters, shape, strict=True)))
+    sizes = dim_sizes(config)
+    return QArray(
+        **parts,
+        in_shape=tuple(sizes[d] for d in in_letters),
+        out_shape=tuple(sizes[d] for d in out_letters),
+        act_quant=quant.act_quant,
+    )
 
 
 def layer_specs(
