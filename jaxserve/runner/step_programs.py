@@ -120,7 +120,7 @@ class StepPrograms:
         buckets: Buckets,
         inputs: InputBuilder,  # the padding steps the programs are lowered against
         *,
-        weights: Any,  # llama.Weights, or their jax.ShapeDtypeStruct until they have loaded
+        weights: Any,  # layers.Weights, or their jax.ShapeDtypeStruct until they have loaded
         kv_cache_shapes: KVCacheShapes,  # (K, V) pages per layer, with their shardings
         dtype: Any,  # the activations' (jnp.float32, jnp.bfloat16, ...)
         tp: TensorParallel | None = None,  # None: one device, the plain programs
