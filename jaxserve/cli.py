@@ -108,6 +108,13 @@ def _run_serve(args: argparse.Namespace) -> int:
     return run_launch(args)
 
 
+def _run_batch(args: argparse.Namespace) -> int:
+    hide_torch()
+    from jaxserve.server.launch.run_batch import run_batch
+
+    return run_batch(args)
+
+
 def _run_bench_serve(args: argparse.Namespace) -> int:
     from jaxserve.bench.serve import run_serve
 
@@ -158,6 +165,18 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         from jaxserve.server.launch.flags import add_launch_arguments
 
         add_launch_arguments(serve)
+
+    run_batch = _add_command(
+        commands,
+        "run-batch",
+        "run an OpenAI batch file (JSON lines) through a model offline, as `vllm run-batch`",
+        usage="%(prog)s -i INPUT.jsonl -o OUTPUT.jsonl [MODEL] [flags]",
+    )
+    run_batch.set_defaults(handler=_run_batch)
+    if argv[:1] == ["run-batch"]:
+        from jaxserve.server.launch.run_batch import add_run_batch_arguments
+
+        add_run_batch_arguments(run_batch)
 
     capacity = _add_command(
         commands,

@@ -1,7 +1,7 @@
 """The HTTP server imports no JAX: a process that serves only HTTP (a multi-host follower's
 peer, a test, a tool that builds the app around a fake engine) does not pay JAX's start-up or
-its memory. Only ``launch/serve.py`` builds an engine, and it loads JAX inside ``run_launch``,
-after the pre-flight checks; importing it loads none."""
+its memory. Only ``launch/serve.py`` and ``launch/run_batch.py`` build an engine; they load JAX
+inside ``run_launch`` (after the pre-flight checks) and ``run_batch``: importing them loads none."""
 
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ SERVER_MODULES = (
     "jaxserve.server.launch",
     "jaxserve.server.launch.flags",
     "jaxserve.server.launch.preflight",
+    "jaxserve.server.launch.run_batch",  # loads JAX only inside run_batch
     "jaxserve.server.launch.serve",  # loads JAX only inside run_launch
     "jaxserve.server.launch.vllm_flags",
     "jaxserve.server.lifecycle",

@@ -74,7 +74,7 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
         config, settings, model_dir = _check_before_loading(args, memory_query)
         if not _join_replica(args, config):
             return 0  # a follower, done when process 0 shuts down
-        engine = _build_engine(args, config, model_dir)
+        engine = build_engine(args, config, model_dir)
     except StartFailed as exc:
         return exc.status
     return _serve(args, engine, settings)
@@ -139,7 +139,7 @@ def _join_replica(args: argparse.Namespace, config: EngineConfig) -> bool:
     return False
 
 
-def _build_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path) -> AsyncEngine:
+def build_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path) -> AsyncEngine:
     """Load the weights and compile (the engine core logs the capacity lines and the compiled
     shapes); a failure is one line naming the model, the device or the flag."""
     from jaxserve.engine.async_engine import AsyncEngine
