@@ -14,7 +14,8 @@ import logging
 import random
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from jaxserve.engine.grammar import GrammarCompiler, GrammarLimits
 from jaxserve.engine.interfaces import EngineStats, Runner
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from jaxserve.runner.in_flight import InFlight
 
 _LOG = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 class EngineCore:
@@ -104,6 +106,23 @@ class EngineCore:
         self.runner.shutdown()
         self.grammar_compiler.close()
         self.structured_outputs.close()
+
+    def swap_weights(self, swap: Callable[[], _T]) -> _T:
+        """Run ``swap`` (the runner's weight update) between requests: once the step still on
+        the device is read back; the prefix cache is cleared after it, its blocks holding the
+        old weights' keys and values. ``RuntimeError`` while a request is unfinished."""
+        if self._inbox:
+            raise RuntimeError("requests are queued: update the weights between generate calls")
+        self._drain_inbox()  # the aborts asked for (an interrupted generate's)
+        if self.requests:
+            raise RuntimeError(
+                f"{len(self.requests)} requests are unfinished: update the weights between "
+                "generate calls"
+            )
+        self._read_in_flight()  # the last step of requests already finished
+        result = swap()
+        self.kv.pool.reset_prefix_cache()
+        return result
 
     def capacity_lines(self) -> list[str]:
         return self.runner.capacity.lines()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncGenerator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -59,6 +60,9 @@ class Runner(Protocol):
     multihost: bool
 
     @property
+    def weights(self) -> object: ...  # the served weights, a pytree (``models/layers.Weights``)
+
+    @property
     def ready_tokens(self) -> int: ...  # the largest step whose programs have all compiled
 
     @property
@@ -72,6 +76,10 @@ class Runner(Protocol):
     def sample(self, step: InFlight, token_mask: np.ndarray | None) -> None: ...
     def collect(self, step: InFlight) -> RunnerOutput: ...
     def execute(self, output: SchedulerOutput) -> RunnerOutput: ...  # all three, unconstrained
+    # New weights, served from the next step (``runner/weight_update.py``): a pytree laid out
+    # as ``weights``, or a safetensors checkpoint of this model (returns the load's seconds).
+    def update_weights(self, weights: object) -> None: ...
+    def load_weights_from(self, model_dir: str | Path) -> float: ...
     def shutdown(self) -> None: ...
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence as Seq
+from pathlib import Path
 from typing import Any, cast
 
 from jaxserve.engine.core import EngineCore
@@ -91,6 +92,27 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def weights(self) -> Any:
+        """The weights served now: a pytree of arrays (``models/layers.Weights``), the layout
+        ``update_weights`` takes."""
+        return self.engine.runner.weights
+
+    def update_weights(self, weights: Any) -> None:
+        """Sample with ``weights`` from the next ``generate``: a pytree laid out as
+        ``self.weights`` (a trainer's ``jax.tree.map`` over it, say). A leaf that already has
+        the served dtype and sharding is served as it is, without a copy; another is cast and
+        placed on the device. A leaf missing, extra or of another shape is a
+        ``WeightsUpdateError`` naming it, and nothing changes. The prefix cache is cleared."""
+        self.engine.swap_weights(lambda: self.engine.runner.update_weights(weights))
+
+    def update_weights_from_disk(self, model_path: str | Path) -> float:
+        """Load the safetensors checkpoint in ``model_path`` (this model's tensors and shapes:
+        a fine-tuned copy, say) and sample with it from the next ``generate``; the load's
+        seconds. A checkpoint that does not fit raises before anything changes; the prefix
+        cache is cleared."""
+        return self.engine.swap_weights(lambda: self.engine.runner.load_weights_from(model_path))
 
     def shutdown(self) -> None:
         """Release the follower processes of a multi-host replica (no-op on one host)."""

@@ -12,9 +12,11 @@ process 0 announces each step (``parallel/step_broadcast.py``) and the other pro
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -37,12 +39,13 @@ from jaxserve.runner.devices import (
 )
 from jaxserve.runner.in_flight import DeferredSampler, InFlight
 from jaxserve.runner.input_builder import InputBuilder
-from jaxserve.runner.model_weights import kv_cache_scales, start_loading
+from jaxserve.runner.model_weights import kv_cache_scales, model_weights, start_loading
 from jaxserve.runner.parallel import step_broadcast
 from jaxserve.runner.parallel.sharding import prepare_tp
 from jaxserve.runner.programs import Forward
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from jaxserve.runner.step_programs import KVCacheShapes, StepPrograms
+from jaxserve.runner.weight_update import checked_weights
 
 _LOG = logging.getLogger(__name__)
 
@@ -145,6 +148,29 @@ class ModelRunner:
     @property
     def compile_seconds(self) -> float:
         return self.programs.compile_seconds
+
+    # -- weight updates --------------------------------------------------------------------
+
+    def update_weights(self, weights: Any) -> None:
+        """Serve ``weights`` (a pytree laid out as ``self.weights``) from the next step; a
+        leaf that does not fit is a ``WeightsUpdateError`` naming it, and nothing changes."""
+        self._swap_weights(checked_weights(self.weights, weights))
+
+    def load_weights_from(self, model_dir: str | Path) -> float:
+        """Load the safetensors checkpoint in ``model_dir`` (this model's tensors and shapes)
+        as the start-up loads this model's, and serve it from the next step; the load's
+        seconds. A checkpoint that does not fit raises before anything changes."""
+        config = dataclasses.replace(self.config, model=str(model_dir), load_format="auto")
+        placement = self.tp.placement if self.tp is not None else None
+        weights, seconds = model_weights(
+            self.model_config, config, self.dtype, placement, self.quant
+        )
+        self._swap_weights(checked_weights(self.weights, weights))
+        return seconds
+
+    def _swap_weights(self, weights: Any) -> None:
+        self.weights = weights
+        self.programs.set_weights(weights)
 
     # -- memory ----------------------------------------------------------------------------
 
