@@ -56,6 +56,7 @@ SERVER_MODULES = (
     "jaxserve.server.metrics",
     "jaxserve.server.request_log",
     "jaxserve.server.settings",
+    "jaxserve.server.training",
 )
 
 # Imports each module in turn; at the first that brings in JAX, prints the module and the chain

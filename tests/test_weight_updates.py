@@ -5,6 +5,7 @@ weights that do not fit change nothing; the prefix cache is cleared."""
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import jax
@@ -62,6 +63,15 @@ def other(tmp_path_factory) -> tuple[Path, list[list[int]], np.ndarray, object]:
     weights = jax.tree.map(np.asarray, fresh.weights)  # on the host, as a trainer might hand them
     fresh.shutdown()
     return path, tokens, logprobs, weights
+
+
+def text_of(path: Path, prompt: list[int]) -> str:
+    """What a fresh engine on ``path`` answers ``complete`` with."""
+    fresh = make_llm(path)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    text = fresh.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].text
+    fresh.shutdown()
+    return text
 
 
 @pytest.fixture(scope="module")
@@ -125,18 +135,119 @@ def test_weights_that_do_not_fit_change_nothing(llm, tmp_path) -> None:
     assert sample(llm)[0] == before
 
 
-def test_an_update_clears_the_prefix_cache_and_waits_for_no_request(llm, other) -> None:
+def test_an_update_clears_the_prefix_cache_and_runs_between_requests(llm, other) -> None:
+    """A running sequence refuses an update; a request queued meanwhile waits for it and
+    starts on the new weights."""
+    _, tokens, _, host_weights = other
     before, _ = sample(llm)
     assert llm.engine.kv.pool.cached  # the prompts' blocks stay cached for the next request
     served = llm.weights
     llm.update_weights(served)
     assert not llm.engine.kv.pool.cached
+    held = llm.weights
     llm.engine.add_request("running", PROMPTS[0], PARAMS)
-    with pytest.raises(RuntimeError, match="requests are queued"):
-        llm.update_weights(served)
     llm.engine.step()
-    with pytest.raises(RuntimeError, match="1 requests are unfinished"):
-        llm.update_weights(served)
+    with pytest.raises(RuntimeError, match="1 sequences are running"):
+        llm.update_weights(host_weights)
+    assert llm.weights is held
     llm.engine.abort_request("running")
-    llm.update_weights(served)  # the abort taken, nothing runs
+    llm.engine.add_request("queued", PROMPTS[0], PARAMS)
+    llm.update_weights(host_weights)  # the abort taken, the queued request not started
+    assert llm.engine.scheduler.is_admitting
+    deltas = [o for _ in range(50) for o in llm.engine.step()]
+    assert {o.request_id for o in deltas} == {"queued"} and deltas[-1].finished
+    queued = deltas[0]
+    for delta in deltas[1:]:
+        queued.merge(delta)
+    assert list(queued.outputs[0].token_ids) == tokens[0]  # the new weights' tokens
+    llm.update_weights(served)
     assert sample(llm)[0] == before
+
+
+# -- over HTTP: POST /update_weights_from_disk ---------------------------------------------------
+
+KEY = "weights-key"
+
+
+@pytest.fixture(scope="module")
+def server():
+    from tests.conftest import tiny_server
+
+    settings = {"api_key": KEY, "enable_weight_updates": True}
+    with tiny_server("updated", settings, min_step_s=0.01, **SMALL_ENGINE) as running:
+        yield running
+
+
+def complete(client, prompt: list[int], max_tokens: int = 6) -> str:
+    body = {"model": "updated", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+    response = client.post("/v1/completions", json={**body, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def test_the_route_serves_another_checkpoint_and_back(server, other) -> None:
+    import httpx
+
+    path = other[0]
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}) as client:
+        before = complete(client, PROMPTS[0])
+        assert httpx.post(f"{server.url}/update_weights_from_disk", json={}).status_code == 401
+        done = client.post("/update_weights_from_disk", json={"model_path": str(path)})
+        assert done.status_code == 200 and done.json()["success"] is True
+        assert done.json()["load_seconds"] >= 0 and str(path) in done.json()["message"]
+        assert complete(client, PROMPTS[0]) == text_of(path, PROMPTS[0])
+        for body, words in [
+            ({"model_path": str(path / "missing")}, "missing"),
+            ({"model_path": 3}, "model_path must be"),
+            ([1], "model_path must be"),
+        ]:
+            refused = client.post("/update_weights_from_disk", json=body)
+            assert refused.status_code == 400 and refused.json()["success"] is False
+            assert words in refused.json()["message"]
+        back = client.post(
+            "/update_weights_from_disk", json={"model_path": str(fixture_dir("llama"))}
+        )
+        assert back.status_code == 200
+        assert complete(client, PROMPTS[0]) == before
+
+
+def test_a_running_request_finishes_on_the_weights_it_started_with(server, other) -> None:
+    """The update waits for the sequences that run; a request sent during it waits and gets
+    the new weights."""
+    import concurrent.futures
+
+    import httpx
+
+    path = other[0]
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=server.url, headers=auth, timeout=60) as client:
+        old_long = complete(client, PROMPTS[1], max_tokens=40)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            running = pool.submit(complete, client, PROMPTS[1], 40)
+            wait_until(lambda: server.engine.core.scheduler.running)  # until it runs
+            update = pool.submit(
+                client.post, "/update_weights_from_disk", json={"model_path": str(path)}
+            )
+            wait_until(lambda: not server.engine.core.scheduler.is_admitting)  # the update waits
+            waiting = pool.submit(complete, client, PROMPTS[0])
+            assert running.result() == old_long
+            assert update.result().status_code == 200
+            assert waiting.result() == text_of(path, PROMPTS[0])
+        client.post("/update_weights_from_disk", json={"model_path": str(fixture_dir("llama"))})
+
+
+def wait_until(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def test_the_route_is_off_unless_enabled() -> None:
+    import httpx
+
+    from tests.conftest import tiny_server
+
+    with tiny_server("plain", **SMALL_ENGINE) as plain:
+        response = httpx.post(f"{plain.url}/update_weights_from_disk", json={"model_path": "x"})
+        assert response.status_code == 404

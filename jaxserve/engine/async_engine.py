@@ -9,10 +9,12 @@ cancellation) aborts the request, which frees its blocks within one step.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
+from pathlib import Path
 
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.interfaces import EngineDeadError, EngineStats, QueueFullError
@@ -36,6 +38,9 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.dead_error: BaseException | None = None
+        # Weight updates waiting for the engine to be quiet (``_between_steps``).
+        self._jobs: list[tuple[Callable[[], float], concurrent.futures.Future[float]]] = []
+        self._jobs_lock = threading.Lock()
 
     @classmethod
     def from_config(
@@ -131,6 +136,41 @@ class AsyncEngine:
         if params.structured_outputs is not None:
             await self.core.grammar_compiler.compile_async(params.structured_outputs, client)
 
+    async def update_weights_from_disk(self, model_path: str | Path) -> float:
+        """Serve the safetensors checkpoint in ``model_path`` (this model's tensors and
+        shapes); the load's seconds. No waiting request starts meanwhile: the running ones
+        finish on the old weights, the weights change, and the waiting ones start on the new.
+        A checkpoint that does not fit raises before anything changes."""
+        return await self._between_steps(lambda: self.core.runner.load_weights_from(model_path))
+
+    async def _between_steps(self, swap: Callable[[], float]) -> float:
+        """``swap`` on the engine thread once no sequence runs (``EngineCore.swap_weights``)."""
+        future: concurrent.futures.Future[float] = concurrent.futures.Future()
+        with self._jobs_lock:
+            if self.dead_error is not None or self._stop.is_set():
+                raise EngineDeadError("the engine has stopped: no weights can change")
+            self._jobs.append((swap, future))
+        self._wake.set()
+        return await asyncio.wrap_future(future)
+
+    def _run_jobs(self) -> bool:
+        """The weight updates asked for, once the engine is quiet (admission stopped until
+        then); False while sequences still run."""
+        with self._jobs_lock:
+            if not self._jobs:
+                return False
+            self.core.scheduler.is_admitting = False
+            if not self.core.is_quiet():
+                return False
+            jobs, self._jobs = self._jobs, []
+        for swap, future in jobs:
+            try:
+                future.set_result(self.core.swap_weights(swap))
+            except Exception as exc:  # the update's error, to its caller; the engine goes on
+                future.set_exception(exc)
+        self.core.scheduler.is_admitting = True
+        return True
+
     async def abort(self, request_id: str) -> None:
         self.core.abort_request(request_id)
         self._wake.set()
@@ -150,6 +190,8 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                if self._run_jobs():
+                    continue
                 if not self.core.has_work():
                     self._wake.wait(0.05)
                     self._wake.clear()
@@ -162,3 +204,8 @@ class AsyncEngine:
             error = EngineDeadError(f"engine loop died: {exc!r}")
             for request_id in list(self._queues):
                 self._deliver(error, request_id)
+        finally:  # a weight update asked for and never run fails (the engine stopped or died)
+            with self._jobs_lock:
+                jobs, self._jobs = self._jobs, []
+            for _, future in jobs:
+                future.set_exception(EngineDeadError("the engine stopped before the update ran"))

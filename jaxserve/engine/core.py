@@ -107,19 +107,20 @@ class EngineCore:
         self.grammar_compiler.close()
         self.structured_outputs.close()
 
+    def is_quiet(self) -> bool:
+        """No sequence runs and no step is on the device: weights may change."""
+        return not self.scheduler.running and self._in_flight is None
+
     def swap_weights(self, swap: Callable[[], _T]) -> _T:
-        """Run ``swap`` (the runner's weight update) between requests: once the step still on
-        the device is read back; the prefix cache is cleared after it, its blocks holding the
-        old weights' keys and values. ``RuntimeError`` while a request is unfinished."""
-        if self._inbox:
-            raise RuntimeError("requests are queued: update the weights between generate calls")
-        self._drain_inbox()  # the aborts asked for (an interrupted generate's)
-        if self.requests:
+        """Run ``swap`` (the runner's weight update) while the engine is quiet (``is_quiet``:
+        the caller stops admission and steps until it is), then clear the prefix cache, whose
+        blocks hold the old weights' keys and values. Requests still waiting start on the
+        new weights."""
+        if not self.is_quiet():
             raise RuntimeError(
-                f"{len(self.requests)} requests are unfinished: update the weights between "
-                "generate calls"
+                f"{len(self.scheduler.running)} sequences are running: weights change between "
+                "steps with none running"
             )
-        self._read_in_flight()  # the last step of requests already finished
         result = swap()
         self.kv.pool.reset_prefix_cache()
         return result
@@ -204,7 +205,8 @@ class EngineCore:
 
     # -- the step (engine thread) ----------------------------------------------------------
 
-    def _drain_inbox(self) -> list[RequestOutput]:
+    def drain_inbox(self) -> list[RequestOutput]:
+        """New requests to the scheduler's waiting queue, aborts carried out (their outputs)."""
         with self._lock:
             new, self._inbox = list(self._inbox), collections.deque()
             aborts, self._aborts = list(self._aborts), collections.deque()
@@ -240,7 +242,7 @@ class EngineCore:
         return output
 
     def step(self) -> list[RequestOutput]:
-        outputs = self._drain_inbox()
+        outputs = self.drain_inbox()
         overlap = self.async_scheduling and self._num_sync_requests == 0
         if not overlap:
             outputs += self._read_in_flight()

@@ -112,6 +112,13 @@ class EngineClient(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
+    async def update_weights_from_disk(self, model_path: str | Path) -> float:
+        """Serve the safetensors checkpoint in ``model_path`` (this model's tensors): running
+        sequences finish first, waiting ones start on the new weights; the load's seconds.
+        ``ValueError`` / ``OSError`` naming the tensor or file that does not fit, and nothing
+        changes."""
+        ...
+
     async def compile_grammar(self, params: SamplingParams, client: str = "") -> None:
         """Compile (and cache) ``params.structured_outputs`` ahead of ``generate``, sharing the
         compile workers fairly between ``client``s; ``RequestError`` naming the field if it is

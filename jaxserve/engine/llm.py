@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.outputs import RequestOutput
@@ -22,6 +23,7 @@ from jaxserve.engine_config import EngineConfig
 from jaxserve.sampling_params import SamplingParams
 
 _LOG = logging.getLogger(__name__)
+_T = TypeVar("_T")
 LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"  # the server's
 
 
@@ -105,14 +107,33 @@ class LLM:
         the served dtype and sharding is served as it is, without a copy; another is cast and
         placed on the device. A leaf missing, extra or of another shape is a
         ``WeightsUpdateError`` naming it, and nothing changes. The prefix cache is cleared."""
-        self.engine.swap_weights(lambda: self.engine.runner.update_weights(weights))
+        self._swap_weights(lambda: self.engine.runner.update_weights(weights))
 
     def update_weights_from_disk(self, model_path: str | Path) -> float:
         """Load the safetensors checkpoint in ``model_path`` (this model's tensors and shapes:
         a fine-tuned copy, say) and sample with it from the next ``generate``; the load's
         seconds. A checkpoint that does not fit raises before anything changes; the prefix
         cache is cleared."""
-        return self.engine.swap_weights(lambda: self.engine.runner.load_weights_from(model_path))
+        return self._swap_weights(lambda: self.engine.runner.load_weights_from(model_path))
+
+    def _swap_weights(self, swap: Callable[[], _T]) -> _T:
+        """``swap`` between ``generate`` calls: the aborts of an interrupted ``generate``
+        taken and the last step of the finished requests read back first (``RuntimeError`` if
+        a request of the engine's own API still runs)."""
+        core = self.engine
+        core.drain_inbox()  # a queued request waits, and starts on the new weights
+        if core.scheduler.running:
+            raise RuntimeError(
+                f"{len(core.scheduler.running)} sequences are running: update the weights "
+                "between generate calls"
+            )
+        core.scheduler.is_admitting = False  # a request queued meanwhile starts on the new ones
+        try:
+            while not core.is_quiet():
+                core.step()
+            return core.swap_weights(swap)
+        finally:
+            core.scheduler.is_admitting = True
 
     def shutdown(self) -> None:
         """Release the follower processes of a multi-host replica (no-op on one host)."""

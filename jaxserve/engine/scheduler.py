@@ -41,6 +41,8 @@ class Scheduler:
         self.policy = policy
         self.waiting = WaitingQueue(by_priority=policy == "priority")
         self.num_reserved_slots = max(1, max_num_seqs // 16) if max_num_seqs > 1 else 0
+        # False: no waiting sequence starts (a weight update waits for the running ones)
+        self.is_admitting = True
         self.running: list[Sequence] = []
         self.parked: list[Sequence] = []  # samples waiting for their sibling's prefill
         self.num_preemptions = 0
@@ -131,7 +133,7 @@ class Scheduler:
         # blocks allow (none after a preemption: the pool is short). The last few slots are
         # kept for groups with nothing running, so a request that arrives while a large one
         # fills the batch starts at the next step instead of waiting for a slot to free.
-        if len(self._preempted_ids) == num_preempted:
+        if self.is_admitting and len(self._preempted_ids) == num_preempted:
             open_slots = self.max_num_seqs - self.num_reserved_slots
             running_groups: set[str] | None = None
             for seq in self.waiting.round_robin():

@@ -46,6 +46,7 @@ from jaxserve.server.guard.ratelimit import RateLimitedContext, RateLimiter
 from jaxserve.server.lifecycle import log_stats_periodically, watch_engine
 from jaxserve.server.metrics import StatsLogger
 from jaxserve.server.settings import ServerSettings
+from jaxserve.server.training import training_routes
 
 _LOG = logging.getLogger(__name__)
 
@@ -70,7 +71,11 @@ def build_app(
         else RateLimitedContext(engine, settings, limiter)
     )
     app = Starlette(
-        routes=[*_generation_routes(ctx, limiter), *_info_routes(ctx, server_version())],
+        routes=[
+            *_generation_routes(ctx, limiter),
+            *_info_routes(ctx, server_version()),
+            *(training_routes(ctx) if settings.enable_weight_updates else []),
+        ],
         middleware=_middleware(settings),
         exception_handlers={
             APIError: _api_error,

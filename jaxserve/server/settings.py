@@ -53,6 +53,8 @@ class ServerSettings:
     tool_call_parser: str | None = None
     # Splits <think>...</think> into reasoning_content; None: the output is all content.
     reasoning_parser: str | None = None
+    # POST /update_weights_from_disk: a client may load other weights from the server's disk.
+    enable_weight_updates: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):

@@ -318,6 +318,12 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         help="guard /metrics with the API key too; without it /metrics is public",
     )
     add(
+        "--enable-weight-updates",
+        action="store_true",
+        help="serve POST /update_weights_from_disk (SGLang's route): a client with the API key "
+        "may load a safetensors checkpoint of this model from the server's disk",
+    )
+    add(
         "--enable-log-requests",
         action="store_true",
         help="log each request's id, sizes, timings and finish reason (no text), and an "
@@ -511,6 +517,7 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        enable_weight_updates=args.enable_weight_updates,
     )
 
 
