@@ -127,6 +127,9 @@ class EngineConfig:
     # Schedule and dispatch step n + 1 before reading step n's tokens back (host work
     # overlaps the device); off: every step is read back before the next is scheduled.
     async_scheduling: bool = True
+    # The model may sleep (give its device memory up) and wake: LLM.sleep / wake_up and the
+    # server's /sleep, /wake_up and /is_sleeping, as vLLM's --enable-sleep-mode.
+    enable_sleep_mode: bool = False
     # The longest a request's structured-output grammar may take to compile (then a 400).
     grammar_compile_timeout_s: float = 10.0
     # The largest structured-output source (schema, regex, choices, grammar) compiled, in bytes

@@ -84,6 +84,8 @@ class FakeCore:
                         queue.remove(request)
                         self.aborted.append(request_id)
 
+    is_sleeping = False  # no sleep mode
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running) or self.crash is not None
 

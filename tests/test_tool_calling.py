@@ -91,6 +91,8 @@ class EchoCore:
         with self._lock:
             self.requests = [r for r in self.requests if r["id"] != request_id]
 
+    is_sleeping = False  # no sleep mode
+
     def has_work(self) -> bool:
         return bool(self.requests)
 

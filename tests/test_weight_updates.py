@@ -251,3 +251,70 @@ def test_the_route_is_off_unless_enabled() -> None:
     with tiny_server("plain", **SMALL_ENGINE) as plain:
         response = httpx.post(f"{plain.url}/update_weights_from_disk", json={"model_path": "x"})
         assert response.status_code == 404
+
+
+# -- sleep and wake ------------------------------------------------------------------------------
+
+
+def live_device_bytes() -> int:
+    return sum(a.nbytes for a in jax.live_arrays())
+
+
+def test_sleep_gives_the_device_memory_up_and_wake_restores_the_same_model(llm) -> None:
+    with pytest.raises(RuntimeError, match="enable_sleep_mode"):
+        llm.sleep(1)  # the module's engine runs without sleep mode
+    sleepy = LLM(str(fixture_dir("llama")), dtype="float32", enable_sleep_mode=True, **SMALL_ENGINE)
+    before, logprobs = sample(sleepy)
+    runner = sleepy.engine.runner
+    held, live = runner.device_bytes(), live_device_bytes()
+    num_programs = runner.programs.step_fn._cache_size()
+    for level in (1, 2):
+        sleepy.sleep(level)
+        assert sleepy.is_sleeping and runner.device_bytes() == 0
+        assert live - live_device_bytes() >= 0.95 * held  # given back, not only forgotten
+        assert not sleepy.engine.kv.pool.cached  # the KV cache wakes empty
+        with pytest.raises(RuntimeError, match="asleep"):
+            sample(sleepy)
+        with pytest.raises(RuntimeError, match="asleep already"):
+            sleepy.sleep(1)
+        sleepy.wake_up(["weights"])
+        assert sleepy.is_sleeping  # the KV cache still sleeps
+        sleepy.wake_up(["kv_cache"])
+        assert not sleepy.is_sleeping and runner.device_bytes() == held
+        again, again_logprobs = sample(sleepy)
+        assert again == before
+        np.testing.assert_array_equal(again_logprobs, logprobs)
+    assert runner.programs.step_fn._cache_size() == num_programs  # nothing compiled again
+    with pytest.raises(ValueError, match="level=3 must be 1"):
+        sleepy.sleep(3)
+    with pytest.raises(ValueError, match="must name some of weights, kv_cache"):
+        sleepy.wake_up(["optimizer"])
+    sleepy.shutdown()
+
+
+def test_the_server_sleeps_and_wakes() -> None:
+    import httpx
+
+    from tests.conftest import tiny_server
+
+    with tiny_server("sleepy", enable_sleep_mode=True, **SMALL_ENGINE) as running:
+        with httpx.Client(base_url=running.url, timeout=60) as client:
+            before = complete_as(client, "sleepy", PROMPTS[0])
+            assert client.post("/sleep", params={"level": 3}).status_code == 400
+            assert client.post("/sleep", params={"level": 1}).status_code == 200
+            assert client.get("/is_sleeping").json() == {"is_sleeping": True}
+            asleep = client.post(
+                "/v1/completions", json={"model": "sleepy", "prompt": "hi", "max_tokens": 2}
+            )
+            assert asleep.status_code == 503 and "asleep" in asleep.text
+            assert client.post("/wake_up", params={"tags": "optimizer"}).status_code == 400
+            assert client.post("/wake_up").status_code == 200
+            assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+            assert complete_as(client, "sleepy", PROMPTS[0]) == before
+
+
+def complete_as(client, model: str, prompt: list[int]) -> str:
+    body = {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0.0}
+    response = client.post("/v1/completions", json={**body, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.interfaces import EngineDeadError, EngineStats, QueueFullError
@@ -23,6 +25,7 @@ from jaxserve.engine_config import EngineConfig
 from jaxserve.sampling_params import SamplingParams
 
 _LOG = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 class AsyncEngine:
@@ -39,7 +42,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self.dead_error: BaseException | None = None
         # Weight updates waiting for the engine to be quiet (``_between_steps``).
-        self._jobs: list[tuple[Callable[[], float], concurrent.futures.Future[float]]] = []
+        self._jobs: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []
         self._jobs_lock = threading.Lock()
 
     @classmethod
@@ -141,21 +144,35 @@ class AsyncEngine:
         shapes); the load's seconds. No waiting request starts meanwhile: the running ones
         finish on the old weights, the weights change, and the waiting ones start on the new.
         A checkpoint that does not fit raises before anything changes."""
-        return await self._between_steps(lambda: self.core.runner.load_weights_from(model_path))
+        load = functools.partial(self.core.runner.load_weights_from, model_path)
+        return await self._between_steps(functools.partial(self.core.swap_weights, load))
 
-    async def _between_steps(self, swap: Callable[[], float]) -> float:
-        """``swap`` on the engine thread once no sequence runs (``EngineCore.swap_weights``)."""
-        future: concurrent.futures.Future[float] = concurrent.futures.Future()
+    @property
+    def is_sleeping(self) -> bool:
+        return self.core.is_sleeping
+
+    async def sleep(self, level: int) -> None:
+        """Give the model's device memory up once the running sequences finish (sleep mode:
+        ``runner/sleep.py``); requests wait until it wakes."""
+        await self._between_steps(functools.partial(self.core.sleep, level))
+
+    async def wake_up(self, tags: tuple[str, ...]) -> None:
+        await self._between_steps(functools.partial(self.core.wake_up, tags))
+
+    async def _between_steps(self, action: Callable[[], _T]) -> _T:
+        """``action`` on the engine thread once no sequence runs and no step is on the device
+        (admission stopped until then)."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._jobs_lock:
             if self.dead_error is not None or self._stop.is_set():
-                raise EngineDeadError("the engine has stopped: no weights can change")
-            self._jobs.append((swap, future))
+                raise EngineDeadError("the engine has stopped")
+            self._jobs.append((action, future))
         self._wake.set()
         return await asyncio.wrap_future(future)
 
     def _run_jobs(self) -> bool:
-        """The weight updates asked for, once the engine is quiet (admission stopped until
-        then); False while sequences still run."""
+        """The actions ``_between_steps`` asked for, once the engine is quiet (admission
+        stopped until then); False while sequences still run."""
         with self._jobs_lock:
             if not self._jobs:
                 return False
@@ -163,9 +180,9 @@ class AsyncEngine:
             if not self.core.is_quiet():
                 return False
             jobs, self._jobs = self._jobs, []
-        for swap, future in jobs:
+        for action, future in jobs:
             try:
-                future.set_result(self.core.swap_weights(swap))
+                future.set_result(action())
             except Exception as exc:  # the update's error, to its caller; the engine goes on
                 future.set_exception(exc)
         self.core.scheduler.is_admitting = True
@@ -191,6 +208,12 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 if self._run_jobs():
+                    continue
+                if self.core.is_sleeping:  # aborts taken; requests wait for the wake
+                    for output in self.core.drain_inbox():
+                        self._deliver(output, output.request_id)
+                    self._wake.wait(0.05)
+                    self._wake.clear()
                     continue
                 if not self.core.has_work():
                     self._wake.wait(0.05)

@@ -125,6 +125,24 @@ class EngineCore:
         self.kv.pool.reset_prefix_cache()
         return result
 
+    @property
+    def is_sleeping(self) -> bool:
+        return self.runner.is_sleeping
+
+    def sleep(self, level: int) -> None:
+        """Give the model's device memory up (``runner/sleep.py``) while the engine is quiet;
+        the prefix cache is forgotten (the KV cache wakes empty). Steps wait until it wakes."""
+        self._check_sleep_mode()
+        self.swap_weights(lambda: self.runner.sleep(level))
+
+    def wake_up(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        self._check_sleep_mode()
+        self.runner.wake_up(tags)
+
+    def _check_sleep_mode(self) -> None:
+        if not self.config.enable_sleep_mode:
+            raise RuntimeError("sleep mode is off: start the engine with enable_sleep_mode")
+
     def capacity_lines(self) -> list[str]:
         return self.runner.capacity.lines()
 
@@ -243,6 +261,8 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         outputs = self.drain_inbox()
+        if self.is_sleeping:  # nothing runs until it wakes
+            return outputs
         overlap = self.async_scheduling and self._num_sync_requests == 0
         if not overlap:
             outputs += self._read_in_flight()

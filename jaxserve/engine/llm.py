@@ -107,17 +107,38 @@ class LLM:
         the served dtype and sharding is served as it is, without a copy; another is cast and
         placed on the device. A leaf missing, extra or of another shape is a
         ``WeightsUpdateError`` naming it, and nothing changes. The prefix cache is cleared."""
-        self._swap_weights(lambda: self.engine.runner.update_weights(weights))
+        core = self.engine
+        self._between_requests(
+            lambda: core.swap_weights(lambda: core.runner.update_weights(weights))
+        )
 
     def update_weights_from_disk(self, model_path: str | Path) -> float:
         """Load the safetensors checkpoint in ``model_path`` (this model's tensors and shapes:
         a fine-tuned copy, say) and sample with it from the next ``generate``; the load's
         seconds. A checkpoint that does not fit raises before anything changes; the prefix
         cache is cleared."""
-        return self._swap_weights(lambda: self.engine.runner.load_weights_from(model_path))
+        core = self.engine
+        load = lambda: core.runner.load_weights_from(model_path)  # noqa: E731
+        return self._between_requests(lambda: core.swap_weights(load))
 
-    def _swap_weights(self, swap: Callable[[], _T]) -> _T:
-        """``swap`` between ``generate`` calls: the aborts of an interrupted ``generate``
+    def sleep(self, level: int = 1) -> None:
+        """Give the model's device memory up between rollouts (``LLM(enable_sleep_mode=True)``):
+        level 1 keeps the weights in host memory, level 2 drops them (waking makes them as the
+        start did); the KV cache is freed and the prefix cache forgotten. Nothing compiles on
+        waking."""
+        self._between_requests(lambda: self.engine.sleep(level))
+
+    def wake_up(self, tags: Seq[str] | None = None) -> None:
+        """Take the memory back: ``tags`` some of ``"weights"`` and ``"kv_cache"`` (both when
+        None); ``generate`` runs once both are awake."""
+        self.engine.wake_up(tuple(tags) if tags is not None else ("weights", "kv_cache"))
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
+    def _between_requests(self, action: Callable[[], _T]) -> _T:
+        """``action`` between ``generate`` calls: the aborts of an interrupted ``generate``
         taken and the last step of the finished requests read back first (``RuntimeError`` if
         a request of the engine's own API still runs)."""
         core = self.engine
@@ -131,7 +152,7 @@ class LLM:
         try:
             while not core.is_quiet():
                 core.step()
-            return core.swap_weights(swap)
+            return action()
         finally:
             core.scheduler.is_admitting = True
 
@@ -163,6 +184,8 @@ class LLM:
         priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts."""
+        if self.engine.is_sleeping:
+            raise RuntimeError("the model is asleep: wake_up() before generate")
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):

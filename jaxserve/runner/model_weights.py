@@ -156,6 +156,11 @@ class WeightsLoading:
         if self._pool is not None and self._future.done() and self._future.exception():
             self.wait()
 
+    def forget(self) -> None:
+        """Drop the reference to the weights made (their memory goes with the runner's)."""
+        self.wait()
+        self._done = (None, self._done[1])  # type: ignore[assignment]
+
     def wait(self) -> tuple[Weights, float]:
         """(the weights, seconds it took to make or load them)."""
         if self._pool is not None:

@@ -43,9 +43,10 @@ from jaxserve.runner.model_weights import kv_cache_scales, model_weights, start_
 from jaxserve.runner.parallel import step_broadcast
 from jaxserve.runner.parallel.sharding import prepare_tp
 from jaxserve.runner.programs import Forward
+from jaxserve.runner.sleep import WAKE_TAGS, SleepState, abstract, device_bytes, free, placements
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from jaxserve.runner.step_programs import KVCacheShapes, StepPrograms
-from jaxserve.runner.weight_update import checked_weights
+from jaxserve.runner.weight_update import checked_weights, place
 
 _LOG = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class ModelRunner:
         if weights is None:
             weights, self.load_seconds = self.loading.wait()
         self.weights = weights
+        self.asleep = SleepState()
         # NOTE: with warm-up on, the cache is allocated after the step buckets are compiled,
         # so XLA's autotuner compiles with the memory the cache will take still free.
         self.kv_cache: Any = None
@@ -154,12 +156,14 @@ class ModelRunner:
     def update_weights(self, weights: Any) -> None:
         """Serve ``weights`` (a pytree laid out as ``self.weights``) from the next step; a
         leaf that does not fit is a ``WeightsUpdateError`` naming it, and nothing changes."""
+        self._check_weights_awake()
         self._swap_weights(checked_weights(self.weights, weights))
 
     def load_weights_from(self, model_dir: str | Path) -> float:
         """Load the safetensors checkpoint in ``model_dir`` (this model's tensors and shapes)
         as the start-up loads this model's, and serve it from the next step; the load's
         seconds. A checkpoint that does not fit raises before anything changes."""
+        self._check_weights_awake()
         config = dataclasses.replace(self.config, model=str(model_dir), load_format="auto")
         placement = self.tp.placement if self.tp is not None else None
         weights, seconds = model_weights(
@@ -168,9 +172,60 @@ class ModelRunner:
         self._swap_weights(checked_weights(self.weights, weights))
         return seconds
 
+    def _check_weights_awake(self) -> None:
+        if self.asleep.weights_asleep:
+            raise RuntimeError("the weights are asleep: wake_up(['weights']) before an update")
+
     def _swap_weights(self, weights: Any) -> None:
         self.weights = weights
         self.programs.set_weights(weights)
+
+    # -- sleep and wake (``sleep.py``) ------------------------------------------------------
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.asleep.level > 0
+
+    def sleep(self, level: int) -> None:
+        """Level 1: the weights to host memory; level 2: the weights dropped. The KV cache is
+        freed in both; the compiled programs stay."""
+        self.asleep.check_sleep(level)
+        self.loading.forget()  # the loader's reference to the weights it made
+        self.asleep = SleepState(level, True, True, placements=placements(self.weights))
+        if level == 1:
+            self.asleep.host_weights = jax.device_get(self.weights)
+        free(self.kv_cache)
+        self.kv_cache = None
+        self._swap_weights(abstract(self.weights))  # the last reference: the memory is free
+
+    def wake_up(self, tags: tuple[str, ...] = WAKE_TAGS) -> None:
+        """Make the weights (``"weights"``: from host memory after level 1, else as the
+        start-up made them) and an empty KV cache (``"kv_cache"``) again."""
+        self.asleep.check_tags(tags)
+        if "weights" in tags and self.asleep.weights_asleep:
+            if self.asleep.host_weights is not None:
+                weights = jax.tree.map(
+                    lambda host, at: place(host, *at),
+                    self.asleep.host_weights,
+                    self.asleep.placements,
+                    is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2,
+                )
+            else:
+                placement = self.tp.placement if self.tp is not None else None
+                weights, _ = model_weights(
+                    self.model_config, self.config, self.dtype, placement, self.quant
+                )
+            self._swap_weights(checked_weights(self.weights, weights))
+            self.asleep.weights_asleep, self.asleep.host_weights = False, None
+        if "kv_cache" in tags and self.asleep.kv_cache_asleep:
+            self.allocate_kv_cache()
+            self.asleep.kv_cache_asleep = False
+        if not self.asleep.weights_asleep and not self.asleep.kv_cache_asleep:
+            self.asleep = SleepState()
+
+    def device_bytes(self) -> int:
+        """Device memory the weights and the KV cache hold now."""
+        return device_bytes(self.weights, self.kv_cache)
 
     # -- memory ----------------------------------------------------------------------------
 

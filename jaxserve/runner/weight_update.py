@@ -51,9 +51,17 @@ def checked_weights(served: Weights, new: Any) -> Weights:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _as_served(new: Any, old: jax.Array) -> jax.Array:
-    """``new`` with ``old``'s dtype and sharding; ``new`` itself when it has both."""
+def _as_served(new: Any, old: Any) -> jax.Array:
+    """``new`` with ``old``'s dtype and sharding; ``new`` itself when it has both. An array
+    the runner placed on its default device without committing it to one (one device) stays
+    uncommitted where ``new`` is: a jitted program compiles again for a committed one."""
+    committed = getattr(old, "committed", True)
     if isinstance(new, jax.Array) and new.dtype == old.dtype and new.sharding == old.sharding:
         return new
-    value = jnp.asarray(new) if not isinstance(new, jax.Array) else new
-    return jax.device_put(value.astype(old.dtype), old.sharding)
+    return place(jnp.asarray(new).astype(old.dtype), old.sharding, committed)
+
+
+def place(value: Any, sharding: jax.sharding.Sharding, committed: bool) -> jax.Array:
+    """``value`` on the device(s) of ``sharding``; on the default device, uncommitted, where
+    ``committed`` is False (as the loader leaves one device's weights)."""
+    return jax.device_put(value, sharding) if committed else jax.device_put(value)

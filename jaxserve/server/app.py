@@ -46,7 +46,7 @@ from jaxserve.server.guard.ratelimit import RateLimitedContext, RateLimiter
 from jaxserve.server.lifecycle import log_stats_periodically, watch_engine
 from jaxserve.server.metrics import StatsLogger
 from jaxserve.server.settings import ServerSettings
-from jaxserve.server.training import training_routes
+from jaxserve.server.training import sleep_routes, training_routes
 
 _LOG = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ def build_app(
             *_generation_routes(ctx, limiter),
             *_info_routes(ctx, server_version()),
             *(training_routes(ctx) if settings.enable_weight_updates else []),
+            *(sleep_routes(ctx) if engine.config.enable_sleep_mode else []),
         ],
         middleware=_middleware(settings),
         exception_handlers={

@@ -43,6 +43,8 @@ class ServerState:
             raise unavailable("The server is shutting down.")
         if not self.engine.is_alive:
             raise unavailable("The engine is not running.")
+        if self.engine.is_sleeping:
+            raise unavailable("The model is asleep (POST /wake_up wakes it).")
 
     def begin(self, generation: Generation) -> None:
         self.active.add(generation)

@@ -1,8 +1,14 @@
-"""The routes a training loop drives (``--enable-weight-updates``): ``POST
-/update_weights_from_disk`` (SGLang's name and shape) loads a safetensors checkpoint of the
-served model from the server's disk and serves it from the next step. Running sequences finish
-on the old weights first and waiting requests start on the new ones (``AsyncEngine``); a
-checkpoint that does not fit is a 400 naming the tensor or file, and nothing changes.
+"""The routes a training loop drives.
+
+``POST /update_weights_from_disk`` (SGLang's name and shape; ``--enable-weight-updates``) loads
+a safetensors checkpoint of the served model from the server's disk and serves it from the next
+step. Running sequences finish on the old weights first and waiting requests start on the new
+ones (``AsyncEngine``); a checkpoint that does not fit is a 400 naming the tensor or file, and
+nothing changes.
+
+``POST /sleep?level=1|2``, ``POST /wake_up[?tags=weights&tags=kv_cache]`` and ``GET
+/is_sleeping`` (vLLM's; ``--enable-sleep-mode``): the model gives its device memory up once the
+running sequences finish (``runner/sleep.py``), requests get 503 until it wakes.
 """
 
 from __future__ import annotations
@@ -13,6 +19,34 @@ from starlette.routing import Route
 
 from jaxserve.json_limits import JsonLimitError, load_json
 from jaxserve.server.context import ServingContext
+
+
+def sleep_routes(ctx: ServingContext) -> list[Route]:
+    engine = ctx.engine
+
+    async def sleep(request: Request) -> Response:
+        try:
+            await engine.sleep(int(request.query_params.get("level", "1")))
+        except (RuntimeError, ValueError) as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        return Response(status_code=200)
+
+    async def wake_up(request: Request) -> Response:
+        tags = tuple(request.query_params.getlist("tags")) or ("weights", "kv_cache")
+        try:
+            await engine.wake_up(tags)
+        except (RuntimeError, ValueError) as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        return Response(status_code=200)
+
+    async def is_sleeping(request: Request) -> Response:
+        return JSONResponse({"is_sleeping": engine.is_sleeping})
+
+    return [
+        Route("/sleep", sleep, methods=["POST"]),
+        Route("/wake_up", wake_up, methods=["POST"]),
+        Route("/is_sleeping", is_sleeping, methods=["GET"]),
+    ]
 
 
 def training_routes(ctx: ServingContext) -> list[Route]:

@@ -318,6 +318,12 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         help="guard /metrics with the API key too; without it /metrics is public",
     )
     add(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="serve POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (vLLM's): the "
+        "model gives its device memory up between a training loop's rollouts",
+    )
+    add(
         "--enable-weight-updates",
         action="store_true",
         help="serve POST /update_weights_from_disk (SGLang's route): a client with the API key "
@@ -481,6 +487,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         async_scheduling=args.async_scheduling,
+        enable_sleep_mode=args.enable_sleep_mode,
         serve_while_compiling=args.serve_while_compiling,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
         max_grammar_bytes=args.max_grammar_bytes,
