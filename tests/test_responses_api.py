@@ -90,10 +90,12 @@ def chat_text(client: openai.OpenAI, messages: list[dict[str, Any]], max_tokens:
 
 
 def without_ids(response: Any) -> dict[str, Any]:
-    """A response's JSON without what differs between two runs of one request."""
+    """A response's JSON without what differs between two runs of one request (ids, times,
+    and the prompt tokens the prefix cache held)."""
     data = response.model_dump(exclude_none=True)
     for key in ("id", "created_at", "completed_at"):
         data.pop(key, None)
+    data.get("usage", {}).pop("input_tokens_details", None)
     for item in data["output"]:
         item.pop("id", None)
         item.pop("call_id", None)
@@ -418,3 +420,70 @@ def test_unknown_ids_are_404(http):
         r = http.request(method, path)
         assert r.status_code == 404, r.text
         assert "resp_nope" in r.json()["error"]["message"]
+
+
+# -- reasoning -------------------------------------------------------------------------------
+
+
+def test_reasoning_item_with_the_reasoning_parser(server):
+    # deepseek_r1: the output is reasoning until </think>, which the fixture never writes.
+    settings = {"reasoning_parser": "deepseek_r1"}
+    with tiny_server(MODEL, settings, engine=server.engine) as reasoning:
+        with openai.OpenAI(base_url=f"{reasoning.url}/v1", api_key="none") as client:
+            whole = client.responses.create(model=MODEL, input="Hello", **GREEDY)
+            chat = client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "Hello"}],
+                temperature=0.0,
+                max_tokens=6,
+                extra_body={"ignore_eos": True},
+            )
+            body = {"model": MODEL, "input": "Hello", "temperature": 0.0, "ignore_eos": True}
+            with httpx.Client(base_url=reasoning.url, timeout=30) as http:
+                raw = sse_events(http, {**body, "max_output_tokens": 6})
+            chained = client.responses.create(
+                model=MODEL, input="More", previous_response_id=whole.id, **GREEDY
+            )
+    (item,) = whole.output
+    assert item.type == "reasoning" and whole.output_text == ""
+    assert item.content[0].text == chat.choices[0].message.model_extra["reasoning_content"]
+    assert 0 < whole.usage.output_tokens_details.reasoning_tokens <= 6
+    events = [EVENTS.validate_python(event) for event in raw]
+    kinds = [e.type for e in events]
+    assert "response.reasoning_text.delta" in kinds and "response.reasoning_text.done" in kinds
+    assert without_ids(events[-1].response) == without_ids(whole)
+    assert chained.status == "incomplete"
+
+
+def test_output_items_are_the_same_streamed_or_whole():
+    from jaxserve.server.chat.tool_calls import MessageDelta, ToolCallDelta
+    from jaxserve.server.responses.output import OutputItems
+
+    pieces = [
+        MessageDelta(reasoning="Let me "),
+        MessageDelta(reasoning="think."),
+        MessageDelta(content="Calling"),
+        MessageDelta(content=" now."),
+        MessageDelta(tool_calls=[ToolCallDelta(0, '{"city":', "call_1", "get_weather")]),
+        MessageDelta(tool_calls=[ToolCallDelta(0, ' "Rome"}')]),
+        MessageDelta(tool_calls=[ToolCallDelta(1, "{}", "call_2", "now")]),
+    ]
+    whole, streamed = OutputItems(), OutputItems()
+    message = MessageDelta()
+    for piece in pieces:
+        message.extend(piece)
+    whole.add(message)
+    whole.close("completed")
+    events = [e for piece in pieces for e in streamed.add(piece)] + streamed.close("completed")
+    strip = [{k: v for k, v in item.items() if k != "id"} for item in whole.items]
+    assert [{k: v for k, v in item.items() if k != "id"} for item in streamed.items] == strip
+    assert [item["type"] for item in whole.items] == [
+        "reasoning",
+        "message",
+        "function_call",
+        "function_call",
+    ]
+    for number, event in enumerate(events):
+        EVENTS.validate_python({**event, "sequence_number": number})
+    assert whole.items[2]["arguments"] == '{"city": "Rome"}'
+    assert whole.reasoning_text == "Let me think."
