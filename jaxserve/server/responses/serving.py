@@ -271,7 +271,7 @@ class ResponseWriter:
         status = status_of(finish_reason)
         items.close(item_status(status))
         reasoning = items.reasoning_text
-        num_reasoning = len(self.ctx.tokenizer.encode(reasoning)) if reasoning else 0
+        num_reasoning = len(self.ctx.tokenizer.encode(reasoning, add_special_tokens=False))
         usage = {
             "input_tokens": self.num_prompt,
             "input_tokens_details": {"cached_tokens": num_cached, "cache_write_tokens": 0},
