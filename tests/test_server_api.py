@@ -98,7 +98,13 @@ def test_models_version_and_health(server, client, http):
 def test_openapi_is_valid_and_describes_request_bodies(http):
     spec = http.get("/openapi.json").json()
     validate(spec)
-    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+    for path in (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/tokenize",
+        "/detokenize",
+    ):
         body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         name = body["schema"]["$ref"].rsplit("/", 1)[1]
         assert spec["components"]["schemas"][name]["additionalProperties"] is False

@@ -55,6 +55,12 @@ SERVER_MODULES = (
     "jaxserve.server.lifecycle",
     "jaxserve.server.metrics",
     "jaxserve.server.request_log",
+    "jaxserve.server.responses",
+    "jaxserve.server.responses.items",
+    "jaxserve.server.responses.output",
+    "jaxserve.server.responses.protocol",
+    "jaxserve.server.responses.serving",
+    "jaxserve.server.responses.store",
     "jaxserve.server.settings",
     "jaxserve.server.training",
 )

@@ -45,6 +45,7 @@ from jaxserve.server.guard.limits import (
 from jaxserve.server.guard.ratelimit import RateLimitedContext, RateLimiter
 from jaxserve.server.lifecycle import log_stats_periodically, watch_engine
 from jaxserve.server.metrics import StatsLogger
+from jaxserve.server.responses.serving import ResponsesAPI
 from jaxserve.server.settings import ServerSettings
 from jaxserve.server.training import sleep_routes, training_routes
 
@@ -70,9 +71,11 @@ def build_app(
         if limiter is None
         else RateLimitedContext(engine, settings, limiter)
     )
+    responses = ResponsesAPI(ctx)
     app = Starlette(
         routes=[
-            *_generation_routes(ctx, limiter),
+            *_generation_routes(ctx, limiter, responses),
+            *_stored_response_routes(responses),
             *_info_routes(ctx, server_version()),
             *(training_routes(ctx) if settings.enable_weight_updates else []),
             *(sleep_routes(ctx) if engine.config.enable_sleep_mode else []),
@@ -91,8 +94,10 @@ def build_app(
     return app
 
 
-def _generation_routes(ctx: ServingContext, limiter: RateLimiter | None) -> list[Route]:
-    """The routes that read a body: the two generation routes (rate limited) and tokenizing."""
+def _generation_routes(
+    ctx: ServingContext, limiter: RateLimiter | None, api: ResponsesAPI
+) -> list[Route]:
+    """The routes that read a body: the generation routes (rate limited) and tokenizing."""
 
     async def read_body(request: Request, is_generation: bool = False) -> bytes:
         """The body's bytes; each route parses them (off the event loop when they are large)."""
@@ -107,6 +112,9 @@ def _generation_routes(ctx: ServingContext, limiter: RateLimiter | None) -> list
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(ctx, request, await read_body(request, True))
 
+    async def responses(request: Request) -> Response:
+        return await api.create(request, await read_body(request, True))
+
     async def tokenize_route(request: Request) -> Response:
         raw = await read_body(request)
         return await ctx.offload(len(raw) >= OFFLOAD_BYTES, tokenize, ctx, raw)
@@ -118,8 +126,27 @@ def _generation_routes(ctx: ServingContext, limiter: RateLimiter | None) -> list
     return [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/tokenize", tokenize_route, methods=["POST"]),
         Route("/detokenize", detokenize_route, methods=["POST"]),
+    ]
+
+
+def _stored_response_routes(api: ResponsesAPI) -> list[Route]:
+    """Stored responses of ``/v1/responses``: retrieve, delete and cancel (``responses/``)."""
+
+    async def stored(request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        if request.method == "DELETE":
+            return await api.delete(response_id)
+        return await api.retrieve(response_id)
+
+    async def cancel(request: Request) -> Response:
+        return await api.cancel(request.path_params["response_id"])
+
+    return [
+        Route("/v1/responses/{response_id}", stored, methods=["GET", "DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", cancel, methods=["POST"]),
     ]
 
 

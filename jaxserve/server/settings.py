@@ -19,6 +19,8 @@ DEFAULT_SEND_TIMEOUT_S = 30.0
 DEFAULT_MAX_SEQS_PER_REQUEST = 256
 DEFAULT_MAX_TOKENS_PER_REQUEST = 2**20
 DEFAULT_MAX_RESPONSE_ENTRIES = 2**20
+# Responses kept for GET /v1/responses/{id} and previous_response_id (responses/store.py).
+DEFAULT_MAX_STORED_RESPONSES = 1000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,8 @@ class ServerSettings:
     tool_call_parser: str | None = None
     # Splits <think>...</think> into reasoning_content; None: the output is all content.
     reasoning_parser: str | None = None
+    # Responses kept in memory (store: true); past it the least recently used is dropped.
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
     # POST /update_weights_from_disk: a client may load other weights from the server's disk.
     enable_weight_updates: bool = False
 
@@ -79,7 +83,12 @@ class ServerSettings:
             raise ValueError(f"request_body_timeout_s={self.request_body_timeout_s} must be > 0")
         if self.send_timeout_s <= 0:
             raise ValueError(f"send_timeout_s={self.send_timeout_s} must be > 0")
-        for name in ("max_seqs_per_request", "max_tokens_per_request", "max_response_entries"):
+        for name in (
+            "max_seqs_per_request",
+            "max_tokens_per_request",
+            "max_response_entries",
+            "max_stored_responses",
+        ):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")

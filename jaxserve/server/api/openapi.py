@@ -528,9 +528,12 @@ def openapi_spec(
             "version": version,
             "description": f"OpenAI-compatible server for {', '.join(model_names)}.",
         },
-        "paths": _paths(),
+        "paths": {**_paths(), **_responses_paths()},
         "components": {
-            "schemas": _schemas(max_model_len, vocab_size),
+            "schemas": {
+                **_schemas(max_model_len, vocab_size),
+                **_responses_schemas(max_model_len, vocab_size),
+            },
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }
@@ -583,6 +586,107 @@ def _paths() -> dict[str, Any]:
         "/version": _get("Server version", {"type": "object", "required": ["version"]}),
         "/health": _health(),
         "/metrics": _metrics(),
+    }
+
+
+RESPONSES_SAMPLING = (
+    "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "stream",
+    "user",
+    "priority",
+    "cache_salt",
+)
+
+
+def _responses_schemas(max_model_len: int, vocab_size: int) -> dict[str, Any]:
+    """The Responses API's bodies (``server/responses/``): the request's main fields; items,
+    ``text.format`` and tools are checked by the server, which names the field of a 400."""
+    sampling = _sampling_properties(max_model_len, vocab_size)
+    item = {"type": "object", "description": "a message, function_call or function_call_output"}
+    properties = {
+        **{name: sampling[name] for name in RESPONSES_SAMPLING},
+        "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": item}]},
+        "instructions": {"type": "string"},
+        "max_output_tokens": _max_tokens(max_model_len, "Past it: status incomplete."),
+        "text": {"type": "object", "description": "format: text, json_object or json_schema"},
+        "tools": {"type": "array", "items": {"type": "object"}, "maxItems": MAX_TOOLS},
+        "tool_choice": {
+            "oneOf": [
+                {"type": "string", "enum": ["none", "auto", "required"]},
+                {"type": "object", "required": ["type", "name"]},
+            ]
+        },
+        "parallel_tool_calls": {"type": "boolean"},
+        "store": {"type": "boolean", "description": "default true"},
+        "background": {"type": "boolean", "description": "needs store"},
+        "previous_response_id": {"type": "string"},
+        "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+        "truncation": {"type": "string", "enum": ["disabled"]},
+    }
+    request = {
+        "type": "object",
+        "required": ["input"],
+        "properties": properties,
+        "additionalProperties": False,
+    }
+    _optional_nullable(request)
+    response = {
+        "type": "object",
+        "required": ["id", "object", "created_at", "status", "output"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string", "enum": ["response"]},
+            "created_at": {"type": "integer"},
+            "status": {"type": "string"},
+            "output": {"type": "array", "items": {"type": "object"}},
+            "usage": _nullable({"type": "object"}),
+        },
+        "description": "Streamed as the typed response.* events of OpenAI's Responses API.",
+    }
+    return {"ResponsesRequest": request, "ResponseObject": response}
+
+
+def _responses_paths() -> dict[str, Any]:
+    ok = _ok(_ref("ResponseObject"))
+    deleted = _ok({"type": "object", "required": ["id", "object", "deleted"]})
+    return {
+        "/v1/responses": _post(
+            "Create a response (OpenAI's Responses API)",
+            "ResponsesRequest",
+            _generated("ResponseObject"),
+            GENERATION_ERRORS,
+        ),
+        "/v1/responses/{response_id}": {
+            "get": _by_id("A stored response", ok, 401, 404),
+            "delete": _by_id("Delete a stored response", deleted, 401, 404),
+        },
+        "/v1/responses/{response_id}/cancel": {
+            "post": _by_id("Cancel a background response", ok, 400, 401, 404),
+        },
+    }
+
+
+def _by_id(summary: str, ok: dict[str, Any], *errors: int) -> dict[str, Any]:
+    response_id = {"name": "response_id", "in": "path", "required": True}
+    return {
+        "summary": summary,
+        "parameters": [{**response_id, "schema": {"type": "string"}}],
+        "responses": {"200": ok, **_errors(*errors)},
     }
 
 

@@ -31,6 +31,7 @@ from jaxserve.server.settings import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_MAX_RESPONSE_ENTRIES,
     DEFAULT_MAX_SEQS_PER_REQUEST,
+    DEFAULT_MAX_STORED_RESPONSES,
     DEFAULT_MAX_TOKENS_PER_REQUEST,
     DEFAULT_REQUEST_BODY_TIMEOUT_S,
     DEFAULT_SEND_TIMEOUT_S,
@@ -437,6 +438,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "qwen3 (reasoning when the output opens <think>), deepseek_r1 (the output starts in "
         "reasoning); structured outputs and forced tool calls then apply after </think>",
     )
+    add(
+        "--max-stored-responses",
+        type=human_int,
+        default=DEFAULT_MAX_STORED_RESPONSES,
+        help="responses of /v1/responses kept in memory (store: true) for GET and "
+        "previous_response_id; past it the least recently used one is dropped (404 after)",
+    )
     add_vllm_flags(parser)
 
 
@@ -525,6 +533,7 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         enable_weight_updates=args.enable_weight_updates,
+        max_stored_responses=args.max_stored_responses,
     )
 
 
