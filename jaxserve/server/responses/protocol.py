@@ -19,24 +19,13 @@ from typing import Any
 
 from jaxserve.server.api.errors import APIError, bad_request, unsupported
 from jaxserve.server.api.fields import boolean, check_fields, json_type, optional
-from jaxserve.server.api.protocol import ChatRequest, parse_chat_request
+from jaxserve.server.api.protocol import SAMPLING_FIELDS, ChatRequest, parse_chat_request
 from jaxserve.server.responses.items import input_messages
 
-# vLLM's extension fields, passed to the chat request as they are.
+# vLLM's extension fields, passed to the chat request as they are: chat's sampling fields but
+# those the Responses API names its own way (or has no place for), and a few of chat's own.
 EXTENSION_FIELDS = (
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "include_stop_str_in_output",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "logit_bias",
-    "skip_special_tokens",
-    "min_tokens",
+    *(f for f in SAMPLING_FIELDS if f not in ("n", "temperature", "top_p", "prompt_logprobs")),
     "priority",
     "cache_salt",
     "chat_template_kwargs",
