@@ -145,8 +145,8 @@ class LLM:
         core.drain_inbox()  # a queued request waits, and starts on the new weights
         if core.scheduler.running:
             raise RuntimeError(
-                f"{len(core.scheduler.running)} sequences are running: update the weights "
-                "between generate calls"
+                f"{len(core.scheduler.running)} sequences are running: weights change and the "
+                "model sleeps between generate calls"
             )
         core.scheduler.is_admitting = False  # a request queued meanwhile starts on the new ones
         try:
