@@ -36,6 +36,7 @@ class FakeRunner:
 
     ready_tokens = 1 << 30
     compile_seconds = 0.0
+    is_sleeping = False  # no sleep mode
 
     def warmup(self) -> int:
         return 0
