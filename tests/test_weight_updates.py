@@ -318,3 +318,45 @@ def complete_as(client, model: str, prompt: list[int]) -> str:
     response = client.post("/v1/completions", json={**body, "ignore_eos": True})
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["text"]
+
+
+def test_pause_waits_aborts_or_keeps_and_resume_goes_on(server) -> None:
+    """Between rollout batches: ``wait`` lets the running request finish, ``abort`` ends it,
+    ``keep`` freezes it in place (its text unchanged once resumed); a request sent while
+    paused waits for the resume."""
+    import concurrent.futures
+
+    import httpx
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    core = server.engine.core
+    with httpx.Client(base_url=server.url, headers=auth, timeout=60) as client:
+        reference = complete(client, PROMPTS[1], max_tokens=30)
+        assert client.post("/pause", params={"mode": "later"}).status_code == 400
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            for mode in ("wait", "abort", "keep"):
+                body = {"model": "updated", "prompt": PROMPTS[1], "max_tokens": 30}
+                body.update(temperature=0.0, ignore_eos=True)
+                running = pool.submit(client.post, "/v1/completions", json=body)
+                wait_until(lambda: core.scheduler.running)
+                assert client.post("/pause", params={"mode": mode}).status_code == 200
+                assert client.get("/is_paused").json() == {"is_paused": True}
+                if mode == "keep":
+                    assert core.scheduler.running and not running.done()
+                    refused = client.post(
+                        "/update_weights_from_disk", json={"model_path": str(fixture_dir("llama"))}
+                    )
+                    assert refused.status_code == 400 and "kept in place" in refused.text
+                else:
+                    choice = running.result().json()["choices"][0]
+                    assert choice["finish_reason"] == ("length" if mode == "wait" else "abort")
+                    assert (choice["text"] == reference) == (mode == "wait")
+                waiting = pool.submit(complete, client, PROMPTS[1], 30) if mode == "wait" else None
+                time.sleep(0.3)
+                assert waiting is None or not waiting.done()  # it waits for the resume
+                assert client.post("/resume").status_code == 200
+                assert client.get("/is_paused").json() == {"is_paused": False}
+                if waiting is not None:
+                    assert waiting.result() == reference
+                if mode == "keep":
+                    assert running.result().json()["choices"][0]["text"] == reference

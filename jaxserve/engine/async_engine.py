@@ -26,6 +26,7 @@ from jaxserve.sampling_params import SamplingParams
 
 _LOG = logging.getLogger(__name__)
 _T = TypeVar("_T")
+PAUSE_MODES = ("wait", "abort", "keep")
 
 
 class AsyncEngine:
@@ -42,7 +43,8 @@ class AsyncEngine:
         self._wake = threading.Event()
         self.dead_error: BaseException | None = None
         # Weight updates waiting for the engine to be quiet (``_between_steps``).
-        self._jobs: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []
+        self._jobs: list[tuple[Callable[[], Any], concurrent.futures.Future[Any], bool]] = []
+        self._paused: str | None = None  # a mode of PAUSE_MODES while paused
         self._jobs_lock = threading.Lock()
 
     @classmethod
@@ -159,33 +161,69 @@ class AsyncEngine:
     async def wake_up(self, tags: tuple[str, ...]) -> None:
         await self._between_steps(functools.partial(self.core.wake_up, tags))
 
-    async def _between_steps(self, action: Callable[[], _T]) -> _T:
-        """``action`` on the engine thread once no sequence runs and no step is on the device
-        (admission stopped until then)."""
+    @property
+    def is_paused(self) -> bool:
+        return self._paused is not None
+
+    async def pause(self, mode: str = "wait") -> None:
+        """Stop generating until ``resume``, as a training loop does between rollout batches:
+        ``"wait"`` lets the running sequences finish first, ``"abort"`` aborts every request
+        (each ends with finish_reason "abort"), ``"keep"`` freezes the running ones in place
+        (their KV cache kept) after the step on the device. New requests wait meanwhile."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode={mode!r} must be one of {', '.join(PAUSE_MODES)}")
+        if mode == "abort":
+            for request_id in list(self._queues):
+                self.core.abort_request(request_id)
+        await self._between_steps(functools.partial(self._set_paused, mode), mode != "keep")
+
+    async def resume(self) -> None:
+        await self._between_steps(functools.partial(self._set_paused, None), False)
+
+    def _set_paused(self, mode: str | None) -> None:
+        self._paused = mode
+
+    async def _between_steps(self, action: Callable[[], _T], needs_quiet: bool = True) -> _T:
+        """``action`` on the engine thread between steps: with ``needs_quiet``, once no
+        sequence runs and no step is on the device (admission stopped until then), else once
+        the step on the device is read back."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._jobs_lock:
             if self.dead_error is not None or self._stop.is_set():
                 raise EngineDeadError("the engine has stopped")
-            self._jobs.append((action, future))
+            self._jobs.append((action, future, needs_quiet))
         self._wake.set()
         return await asyncio.wrap_future(future)
 
     def _run_jobs(self) -> bool:
-        """The actions ``_between_steps`` asked for, once the engine is quiet (admission
-        stopped until then); False while sequences still run."""
+        """The first action ``_between_steps`` asked for, when the engine is ready for it;
+        False while it waits for sequences to finish (or there is none)."""
         with self._jobs_lock:
             if not self._jobs:
                 return False
-            self.core.scheduler.is_admitting = False
-            if not self.core.is_quiet():
-                return False
-            jobs, self._jobs = self._jobs, []
-        for action, future in jobs:
-            try:
-                future.set_result(action())
-            except Exception as exc:  # the update's error, to its caller; the engine goes on
-                future.set_exception(exc)
-        self.core.scheduler.is_admitting = True
+            action, future, needs_quiet = self._jobs[0]
+            if needs_quiet and not self.core.is_quiet() and self._paused == "keep":
+                self._jobs.pop(0)  # nothing will finish while the sequences are kept
+                future.set_exception(
+                    RuntimeError(
+                        "paused with sequences kept in place: resume, or pause with "
+                        "mode wait or abort, before the weights change or it sleeps"
+                    )
+                )
+                return True
+            if needs_quiet:
+                self.core.scheduler.is_admitting = False
+                if not self.core.is_quiet():
+                    return False
+            self._jobs.pop(0)
+        if not needs_quiet:
+            for output in self.core.settle():  # the step on the device, read back
+                self._deliver(output, output.request_id)
+        try:
+            future.set_result(action())
+        except Exception as exc:  # the action's error, to its caller; the engine goes on
+            future.set_exception(exc)
+        self.core.scheduler.is_admitting = self._paused is None
         return True
 
     async def abort(self, request_id: str) -> None:
@@ -209,7 +247,7 @@ class AsyncEngine:
             while not self._stop.is_set():
                 if self._run_jobs():
                     continue
-                if self.core.is_sleeping:  # aborts taken; requests wait for the wake
+                if self.core.is_sleeping or self._paused:  # aborts taken; requests wait
                     for output in self.core.drain_inbox():
                         self._deliver(output, output.request_id)
                     self._wake.wait(0.05)
@@ -230,5 +268,5 @@ class AsyncEngine:
         finally:  # a weight update asked for and never run fails (the engine stopped or died)
             with self._jobs_lock:
                 jobs, self._jobs = self._jobs, []
-            for _, future in jobs:
+            for _, future, _ in jobs:
                 future.set_exception(EngineDeadError("the engine stopped before the update ran"))

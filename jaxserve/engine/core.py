@@ -107,6 +107,10 @@ class EngineCore:
         self.grammar_compiler.close()
         self.structured_outputs.close()
 
+    def settle(self) -> list[RequestOutput]:
+        """Read back the step on the device, if any (its outputs)."""
+        return self._read_in_flight()
+
     def is_quiet(self) -> bool:
         """No sequence runs and no step is on the device: weights may change."""
         return not self.scheduler.running and self._in_flight is None

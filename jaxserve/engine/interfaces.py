@@ -136,6 +136,16 @@ class EngineClient(Protocol):
         """Take back the memory of ``tags`` (some of "weights", "kv_cache")."""
         ...
 
+    @property
+    def is_paused(self) -> bool: ...
+
+    async def pause(self, mode: str = "wait") -> None:
+        """Stop generating until ``resume``: ``"wait"`` for the running sequences, ``"abort"``
+        them, or ``"keep"`` them in place; ``ValueError`` for another mode."""
+        ...
+
+    async def resume(self) -> None: ...
+
     async def compile_grammar(self, params: SamplingParams, client: str = "") -> None:
         """Compile (and cache) ``params.structured_outputs`` ahead of ``generate``, sharing the
         compile workers fairly between ``client``s; ``RequestError`` naming the field if it is

@@ -6,6 +6,10 @@ step. Running sequences finish on the old weights first and waiting requests sta
 ones (``AsyncEngine``); a checkpoint that does not fit is a 400 naming the tensor or file, and
 nothing changes.
 
+``POST /pause?mode=wait|abort|keep``, ``POST /resume`` and ``GET /is_paused`` (also with
+``--enable-weight-updates``): generation stops between rollout batches, the running sequences
+finished, aborted or kept in place; requests sent meanwhile wait.
+
 ``POST /sleep?level=1|2``, ``POST /wake_up[?tags=weights&tags=kv_cache]`` and ``GET
 /is_sleeping`` (vLLM's; ``--enable-sleep-mode``): the model gives its device memory up once the
 running sequences finish (``runner/sleep.py``), requests get 503 until it wakes.
@@ -61,12 +65,31 @@ def training_routes(ctx: ServingContext) -> list[Route]:
             return _refused("model_path must be the path of a model directory on the server")
         try:
             seconds = await ctx.engine.update_weights_from_disk(path)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RuntimeError) as exc:
             return _refused(f"{path}: {exc}")
         message = f"Loaded the weights of {path} in {seconds:.2f} s"
         return JSONResponse({"success": True, "message": message, "load_seconds": seconds})
 
-    return [Route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"])]
+    async def pause(request: Request) -> Response:
+        try:
+            await ctx.engine.pause(request.query_params.get("mode", "wait"))
+        except ValueError as exc:
+            return _refused(str(exc))
+        return JSONResponse({"success": True, "message": "paused"})
+
+    async def resume(request: Request) -> Response:
+        await ctx.engine.resume()
+        return JSONResponse({"success": True, "message": "resumed"})
+
+    async def is_paused(request: Request) -> Response:
+        return JSONResponse({"is_paused": ctx.engine.is_paused})
+
+    return [
+        Route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"]),
+        Route("/pause", pause, methods=["POST"]),
+        Route("/resume", resume, methods=["POST"]),
+        Route("/is_paused", is_paused, methods=["GET"]),
+    ]
 
 
 def _refused(message: str) -> Response:
