@@ -4,10 +4,12 @@ host memory stays at the staging buffers, and a broken checkpoint names its file
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import threading
 import tracemalloc
+import weakref
 from pathlib import Path
 
 import jax
@@ -239,6 +241,25 @@ def test_cancel_reaches_a_load_on_its_thread() -> None:
     loading.cancel()
     thread.join(60)
     assert not thread.is_alive()
+
+
+def test_forget_drops_every_reference_to_the_weights_loaded_on_a_thread() -> None:
+    """A sleeping model frees its weights only when nothing holds them: the load's future held
+    them too, so they stayed on the device through sleep."""
+
+    class Weights:
+        pass
+
+    loading = WeightsLoading(lambda stop: (Weights(), 1.5), shapes=object(), stop=threading.Event())
+    weights, seconds = loading.wait()
+    alive = weakref.ref(weights)
+    del weights
+    loading.forget()
+    loading.forget()  # once is enough; again changes nothing
+    gc.collect()
+    assert alive() is None and seconds == 1.5
+    with pytest.raises(RuntimeError, match="forgotten"):
+        loading.wait()
 
 
 @pytest.mark.parametrize(

@@ -198,6 +198,8 @@ class AsyncEngine:
     def _run_jobs(self) -> bool:
         """The first action ``_between_steps`` asked for, when the engine is ready for it;
         False while it waits for sequences to finish (or there is none)."""
+        if not self._jobs:  # every step: no lock taken while nothing is asked for
+            return False
         with self._jobs_lock:
             if not self._jobs:
                 return False

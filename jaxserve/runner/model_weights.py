@@ -136,6 +136,8 @@ class WeightsLoading:
         self.shapes = shapes
         self._stop = stop
         self._pool = None
+        self._future: concurrent.futures.Future[tuple[Weights, float]] | None = None
+        self._done: tuple[Weights | None, float]
         if shapes is None:
             self._done = load(self._stop)
             return
@@ -153,23 +155,31 @@ class WeightsLoading:
     def raise_if_failed(self) -> None:
         """The load's error as soon as it has one (a missing tensor ends the start before every
         program has compiled)."""
-        if self._pool is not None and self._future.done() and self._future.exception():
+        future = self._future
+        if self._pool is not None and future is not None and future.done() and future.exception():
             self.wait()
 
     def forget(self) -> None:
-        """Drop the reference to the weights made (their memory goes with the runner's)."""
-        self.wait()
-        self._done = (None, self._done[1])  # type: ignore[assignment]
+        """Drop every reference this holds to the weights made, once handed over (a sleeping
+        model's memory is free only when nothing holds them); once is enough."""
+        if self._pool is None and self._done[0] is None:
+            return
+        _, seconds = self.wait()
+        self._done = (None, seconds)
 
     def wait(self) -> tuple[Weights, float]:
         """(the weights, seconds it took to make or load them)."""
         if self._pool is not None:
+            assert self._future is not None
             try:
                 self._done = self._future.result()
             finally:
                 self._pool.shutdown()
-                self._pool = None
-        return self._done
+                self._pool, self._future = None, None  # the future held the weights too
+        weights, seconds = self._done
+        if weights is None:
+            raise RuntimeError("the weights were handed over and forgotten (forget)")
+        return weights, seconds
 
 
 def kv_cache_scales(model_config: ModelConfig, config: EngineConfig, kv_dtype: jnp.dtype) -> Any:

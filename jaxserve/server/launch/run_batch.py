@@ -18,6 +18,7 @@ file ends when it is run again with the same files.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -194,7 +195,7 @@ def opened_for_append(path: Path) -> Iterator[IO[str]]:
         yield f
 
 
-def add_run_batch_arguments(parser: Any) -> None:
+def add_run_batch_arguments(parser: argparse.ArgumentParser) -> None:
     """``-i`` and ``-o``, then every engine flag of ``jaxserve serve`` (the HTTP ones unused)."""
     from jaxserve.server.launch.flags import add_launch_arguments
 
@@ -215,7 +216,7 @@ def add_run_batch_arguments(parser: Any) -> None:
     add_launch_arguments(parser)
 
 
-def run_batch(args: Any) -> int:
+def run_batch(args: argparse.Namespace) -> int:
     """Run the batch file; 0 once every line has an output line (failed requests included),
     2 for flags or files that cannot run, 1 when the model cannot be served."""
     import logging
