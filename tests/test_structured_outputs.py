@@ -540,8 +540,13 @@ def test_the_constraint_starts_after_the_reasoning_ends():
     seq = request.seqs[0]
     for token in (9, 5, 7, 5):  # free text, and an end that is not (5, 6) yet
         assert outputs.accept_tokens([(seq, token)]).errors == {}
-        assert (outputs.token_masks(sched) == -1).all()  # unconstrained while reasoning
+        assert (token_masks(outputs, sched) == -1).all()  # unconstrained while reasoning
     outputs.accept_tokens([(seq, 6)])
-    assert len(_allowed(outputs.token_masks(sched)[0], vocab)) < vocab
+    assert len(_allowed(token_masks(outputs, sched)[0], vocab)) < vocab
     outputs.close()
     compiler.close()
+
+
+def token_masks(outputs, sched) -> np.ndarray:
+    """i32[num_scheduled, W]: ``start_masks``, waited for, in an array of its own."""
+    return outputs.start_masks(sched).result().copy()

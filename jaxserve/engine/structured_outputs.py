@@ -231,10 +231,6 @@ class StructuredOutputs:
         finally:  # the fill is done: the engine thread keeps the GIL as long as it likes
             sys.setswitchinterval(self._switch_interval)
 
-    def token_masks(self, sched: SchedulerOutput) -> np.ndarray:
-        """i32[num_scheduled, W]: ``start_masks``, waited for, in an array of its own."""
-        return self.start_masks(sched).result().copy()
-
     @property
     def executor(self) -> Any:  # llguidance.LLExecutor
         if self._executor is None:
