@@ -133,7 +133,8 @@ def _generation_routes(
 
 
 def _stored_response_routes(api: ResponsesAPI) -> list[Route]:
-    """Stored responses of ``/v1/responses``: retrieve, delete and cancel (``responses/``)."""
+    """Stored responses of ``/v1/responses``: retrieve, delete, cancel and list the input items
+    (``responses/``)."""
 
     async def stored(request: Request) -> Response:
         response_id = request.path_params["response_id"]
@@ -144,9 +145,13 @@ def _stored_response_routes(api: ResponsesAPI) -> list[Route]:
     async def cancel(request: Request) -> Response:
         return await api.cancel(request.path_params["response_id"])
 
+    async def input_items(request: Request) -> Response:
+        return await api.list_input_items(request.path_params["response_id"], request.query_params)
+
     return [
         Route("/v1/responses/{response_id}", stored, methods=["GET", "DELETE"]),
         Route("/v1/responses/{response_id}/cancel", cancel, methods=["POST"]),
+        Route("/v1/responses/{response_id}/input_items", input_items, methods=["GET"]),
     ]
 
 

@@ -664,6 +664,7 @@ def _responses_schemas(max_model_len: int, vocab_size: int) -> dict[str, Any]:
 def _responses_paths() -> dict[str, Any]:
     ok = _ok(_ref("ResponseObject"))
     deleted = _ok({"type": "object", "required": ["id", "object", "deleted"]})
+    items = _ok({"type": "object", "required": ["object", "data", "has_more"]})
     return {
         "/v1/responses": _post(
             "Create a response (OpenAI's Responses API)",
@@ -677,6 +678,9 @@ def _responses_paths() -> dict[str, Any]:
         },
         "/v1/responses/{response_id}/cancel": {
             "post": _by_id("Cancel a background response", ok, 400, 401, 404),
+        },
+        "/v1/responses/{response_id}/input_items": {
+            "get": _by_id("A stored response's input items, a cursor page", items, 400, 401, 404),
         },
     }
 
