@@ -188,6 +188,6 @@ def _listed(item: dict[str, Any]) -> dict[str, Any]:
         listed.setdefault("status", "completed")
     if kind == "message" and isinstance(item.get("content"), str):
         part = "output_text" if item.get("role") == "assistant" else "input_text"
-        extra = {"annotations": []} if part == "output_text" else {}
+        extra: dict[str, Any] = {"annotations": []} if part == "output_text" else {}
         listed["content"] = [{"type": part, "text": item["content"], **extra}]
     return listed
