@@ -83,6 +83,11 @@
 #                -> $OUT/gemma_<model>.{log,json}: issue 19's "within 10 points of Llama" cells
 #   occupied     a second jaxserve launch on the GPU a first server (demo model, default flags)
 #                holds: seconds until it exits, its exit code and last lines -> $OUT/occupied.txt
+#   responses    Responses API streaming against chat completions on the same request, one at
+#                a time, dummy Llama-3-8B, 256 output tokens (benchmarks/responses_overhead.py)
+#   weights      update_weights from device arrays and from host memory, sleep level 1 and 2
+#                and wake times, device memory asleep (JAX's and the driver's view), with the
+#                default allocator and with the platform allocator (benchmarks/weight_updates.py)
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
 #   bash benchmarks/run_h200.sh launch:330 throughput:200
 set -uo pipefail
@@ -516,6 +521,19 @@ stage_gemma() {
     echo "-- $model"
     grep -v -i warn "$OUT/gemma_$model.log" | tail -4
   done
+}
+
+stage_responses() {  # Responses API streaming against chat completions, the same request
+  start_server "$OUT/responses_launch.log" $MODEL --load-format dummy --max-model-len 2048 \
+    --max-num-batched-tokens 512 --max-num-seqs 8
+  python3 -m benchmarks.responses_overhead --out "$OUT/responses_overhead.json" 2>&1 | tail -4
+  stop_server
+}
+
+stage_weights() {  # a training loop's hooks: update_weights, sleep and wake, memory asleep
+  python3 -m benchmarks.weight_updates --out "$OUT/weight_updates_bfc.json" 2>&1 | tail -6
+  XLA_PYTHON_CLIENT_ALLOCATOR=platform python3 -m benchmarks.weight_updates \
+    --out "$OUT/weight_updates_platform.json" 2>&1 | tail -6
 }
 
 stage_occupied() {  # the second start must end in seconds with the fix, not retry allocations
