@@ -66,6 +66,8 @@ def default_model_dir() -> Path:
 
 
 SAMPLER_VARIANTS = ("auto", "all", "compact")
+# How a data-parallel server picks the replica of a request (engine/balancer.py).
+DATA_PARALLEL_BALANCERS = ("prefix", "least-loaded", "round-robin")
 
 # Either lets max_model_len exceed what the model was made for (vLLM's name is the second).
 ALLOW_LONG_MAX_MODEL_LEN = ("JAXSERVE_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")
@@ -118,6 +120,12 @@ class EngineConfig:
     # A mixture of experts split by whole experts over the tensor-parallel devices (tokens
     # exchanged by all-to-all), attention staying tensor parallel; off: each expert is split.
     enable_expert_parallel: bool = False
+    # Data parallel on one host: data_parallel_size engines behind one server, each on its own
+    # tensor_parallel_size devices; this engine is replica data_parallel_rank and runs on the
+    # devices [rank * tensor_parallel_size, (rank + 1) * tensor_parallel_size).
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    data_parallel_balancer: str = "prefix"  # DATA_PARALLEL_BALANCERS (engine/balancer.py)
     compilation_cache_dir: str | None = None
     warmup: bool = True  # compile every shape bucket at start-up
     # Take requests once the smallest bucket has compiled; the others compile meanwhile
@@ -195,6 +203,18 @@ class EngineConfig:
             raise ValueError(f"grammar_cache_bytes={self.grammar_cache_bytes} must be >= 0")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size} must be >= 1")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank={self.data_parallel_rank} must be in "
+                f"[0, data_parallel_size={self.data_parallel_size})"
+            )
+        if self.data_parallel_balancer not in DATA_PARALLEL_BALANCERS:
+            raise ValueError(
+                f"data_parallel_balancer={self.data_parallel_balancer!r} must be one of "
+                f"{', '.join(DATA_PARALLEL_BALANCERS)}"
+            )
 
     def resolved_max_model_len(self, model_config: ModelConfig, warn: bool = False) -> int:
         """The context length served: ``max_model_len`` or the model's own. One longer than

@@ -41,6 +41,7 @@ from jaxserve.runner.in_flight import DeferredSampler, InFlight
 from jaxserve.runner.input_builder import InputBuilder
 from jaxserve.runner.model_weights import kv_cache_scales, model_weights, start_loading
 from jaxserve.runner.parallel import step_broadcast
+from jaxserve.runner.parallel.mesh import replica_devices
 from jaxserve.runner.parallel.sharding import prepare_tp
 from jaxserve.runner.programs import Forward
 from jaxserve.runner.sleep import WAKE_TAGS, SleepState, abstract, device_bytes, free, placements
@@ -81,11 +82,20 @@ class ModelRunner:
         ):
             _LOG.info(line)
         # Tensor parallelism: shardings from sharding.py; TP=1 keeps the plain program.
+        # A data-parallel replica runs on its own devices: a mesh even of one device, so every
+        # array and program is placed there rather than on the first device.
         self.tp = None
-        if config.tensor_parallel_size > 1:
+        if config.tensor_parallel_size > 1 or config.data_parallel_size > 1:
             ep = config.enable_expert_parallel
+            devices = replica_devices(
+                config.tensor_parallel_size, config.data_parallel_size, config.data_parallel_rank
+            )
             self.tp = prepare_tp(
-                model_config, config.tensor_parallel_size, quant=self.quant, expert_parallel=ep
+                model_config,
+                config.tensor_parallel_size,
+                devices=devices,
+                quant=self.quant,
+                expert_parallel=ep,
             )
         self.kv_scales = kv_cache_scales(model_config, config, self.kv_dtype)
         # NOTE: the capacity plan needs the weights' size, not the weights: a model that does

@@ -1,0 +1,167 @@
+"""DataParallelEngine: ``data_parallel_size`` engines on one host behind one ``EngineClient``.
+
+``jaxserve serve --data-parallel-size N`` (and tests) build it with ``from_config``: replica
+``r`` is an ``AsyncEngine`` of its own (scheduler, KV cache, engine thread) on the devices
+``[r x TP, (r + 1) x TP)`` (``runner/parallel/mesh.replica_devices``). The server sees one
+engine: ``generate`` asks the ``Balancer`` (``balancer.py``) for a replica and streams that
+replica's outputs; ``abort`` finds the replica that holds the request; ``stats`` sums the
+replicas (``replica_stats`` gives each one's); the weight, sleep and pause calls go to every
+replica. The server stays unchanged, and like it this module loads no jax of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncGenerator, Sequence
+from pathlib import Path
+from typing import Any
+
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.balancer import Balancer
+from jaxserve.engine.interfaces import EngineStats
+from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine_config import EngineConfig
+from jaxserve.sampling_params import SamplingParams
+
+_LOG = logging.getLogger(__name__)
+
+
+class DataParallelEngine:
+    def __init__(self, replicas: Sequence[Any], balancer: Balancer) -> None:
+        """``replicas``: started or startable engine clients of one model (AsyncEngines;
+        tests may pass fakes), in rank order."""
+        if not replicas:
+            raise ValueError("a data-parallel engine needs at least one replica")
+        self.replicas = list(replicas)
+        self.balancer = balancer
+        first = self.replicas[0]
+        self.config: EngineConfig = first.config
+        self.tokenizer = first.tokenizer
+        self.max_model_len: int = first.max_model_len
+        self._owner: dict[str, int] = {}  # request id -> the replica that serves it
+
+    @classmethod
+    def from_config(
+        cls, config: EngineConfig, max_queued_requests: int | None = None
+    ) -> DataParallelEngine:
+        """Build ``config.data_parallel_size`` engines, one after another (each loads its
+        weights and compiles on its own devices); ``max_queued_requests`` caps each
+        replica's waiting queue."""
+        replicas: list[AsyncEngine] = []
+        try:
+            for rank in range(config.data_parallel_size):
+                _LOG.info("Data parallel replica %d of %d", rank, config.data_parallel_size)
+                replica_config = dataclasses.replace(config, data_parallel_rank=rank)
+                replicas.append(AsyncEngine.from_config(replica_config, max_queued_requests))
+        except BaseException:
+            for replica in replicas:
+                replica.shutdown()
+            raise
+        from jaxserve.runner.capacity import data_parallel_lines
+
+        for line in data_parallel_lines(replicas[0].core.runner.capacity, len(replicas)):
+            _LOG.info(line)
+        return cls(replicas, Balancer(len(replicas), config.block_size, config.data_parallel_balancer))
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for replica in self.replicas:
+            replica.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        for replica in self.replicas:
+            replica.shutdown(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        """Every replica's loop runs (one dead replica turns /health 503: the process exits
+        and its orchestrator restarts it, as with one engine)."""
+        return all(replica.is_alive for replica in self.replicas)
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return next((r.dead_error for r in self.replicas if r.dead_error is not None), None)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.replicas[0].vocab_size)
+
+    def num_unfinished(self) -> int:
+        return sum(replica.num_unfinished() for replica in self.replicas)
+
+    def replica_stats(self) -> list[EngineStats]:
+        return [replica.stats() for replica in self.replicas]
+
+    def stats(self) -> EngineStats:
+        """The replicas' counts summed; KV-cache usage their mean (equal pools)."""
+        each = self.replica_stats()
+        summed = {
+            field.name: sum(getattr(s, field.name) for s in each)
+            for field in dataclasses.fields(EngineStats)
+        }
+        summed["kv_cache_usage"] = summed["kv_cache_usage"] / len(each)
+        return EngineStats(**summed)
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        prompt: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        group_id: str | None = None,
+    ) -> AsyncGenerator[RequestOutput]:
+        """The chosen replica's deltas (the balancer counts the request until it ends)."""
+        num_seqs = params.num_samples
+        rank = self.balancer.pick(prompt_token_ids, num_seqs, cache_salt)
+        self._owner[request_id] = rank
+        try:
+            stream = self.replicas[rank].generate(
+                prompt_token_ids, params, request_id, prompt, priority, cache_salt, group_id
+            )
+            async for output in stream:
+                yield output
+        finally:
+            self._owner.pop(request_id, None)
+            self.balancer.release(rank, num_seqs)
+
+    async def abort(self, request_id: str) -> None:
+        rank = self._owner.get(request_id)
+        if rank is not None:
+            await self.replicas[rank].abort(request_id)
+
+    async def compile_grammar(self, params: SamplingParams, client: str = "") -> None:
+        """Compiled by every replica (each keeps its own cache; the request may go to any)."""
+        await asyncio.gather(*(r.compile_grammar(params, client) for r in self.replicas))
+
+    async def update_weights_from_disk(self, model_path: str | Path) -> float:
+        seconds = await asyncio.gather(
+            *(r.update_weights_from_disk(model_path) for r in self.replicas)
+        )
+        return max(seconds)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return any(replica.is_sleeping for replica in self.replicas)
+
+    async def sleep(self, level: int) -> None:
+        await asyncio.gather(*(replica.sleep(level) for replica in self.replicas))
+
+    async def wake_up(self, tags: tuple[str, ...]) -> None:
+        await asyncio.gather(*(replica.wake_up(tags) for replica in self.replicas))
+
+    @property
+    def is_paused(self) -> bool:
+        return any(replica.is_paused for replica in self.replicas)
+
+    async def pause(self, mode: str = "wait") -> None:
+        await asyncio.gather(*(replica.pause(mode) for replica in self.replicas))
+
+    async def resume(self) -> None:
+        await asyncio.gather(*(replica.resume() for replica in self.replicas))
