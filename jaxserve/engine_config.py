@@ -203,6 +203,9 @@ class EngineConfig:
             raise ValueError(f"grammar_cache_bytes={self.grammar_cache_bytes} must be >= 0")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        self._check_data_parallel()
+
+    def _check_data_parallel(self) -> None:
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size={self.data_parallel_size} must be >= 1")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
+import re
 
 import jax
 import pytest
@@ -199,14 +201,27 @@ replica_devices = [
     for r in dp.replicas
 ]
 stats = [s.__dict__ for s in dp.replica_stats()]
-owners = [dp.balancer.num_prefix_routed]
+owners = [list(dp.balancer.num_prefix_routed)]
+
+import httpx
+from jaxserve.server.app import build_app
+from jaxserve.server.background import BackgroundServer
+from jaxserve.server.settings import ServerSettings
+
+with BackgroundServer(build_app(dp, ServerSettings(served_model_names=("m",)))) as server:
+    body = {"model": "m", "prompt": b + [70], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    completion = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    health = httpx.get(server.url + "/health").status_code
+    metrics = httpx.get(server.url + "/metrics").text
+queries = [l for l in metrics.splitlines() if l.startswith("jaxserve:prefix_cache_queries")]
+http = dict(tokens=completion["usage"]["completion_tokens"], health=health, queries=queries)
 dp.shutdown()
 single = AsyncEngine.from_config(config)
 single.start()
 single_tokens = asyncio.run(run(single, prompts))
 single.shutdown()
 print(json.dumps(dict(dp=dp_tokens, single=single_tokens, devices=replica_devices,
-                      stats=stats, prefix_routed=owners[0])))
+                      stats=stats, prefix_routed=owners[0], http=http)))
 """
 
 
@@ -223,3 +238,47 @@ def test_two_replicas_on_two_devices_route_by_prefix_and_match_one_engine():
     assert [s["prefix_cache_hits"] for s in stats] == [48, 48]
     assert [s["prompt_tokens"] for s in stats] == [75 - 48, 75 - 48]
     assert result["prefix_routed"] == [2, 2]
+    # the unchanged server in front: one more request of prefix b, the replicas' stats summed
+    http = result["http"]
+    assert http["tokens"] == 4 and http["health"] == 200
+    assert [q.split()[-1] for q in http["queries"]] == [str(75 + 75 + 25.0)]
+
+
+def test_serve_flags_set_the_data_parallel_fields():
+    from jaxserve.cli import build_parser
+    from jaxserve.server.launch.flags import engine_config_from_args
+
+    argv = ["serve", "-dp", "2", "--data-parallel-balancer", "round-robin"]
+    config = engine_config_from_args(build_parser(argv).parse_args(argv))
+    assert config.data_parallel_size == 2 and config.data_parallel_rank == 0
+    assert config.data_parallel_balancer == "round-robin"
+    default = engine_config_from_args(build_parser(["serve"]).parse_args(["serve"]))
+    assert default.data_parallel_size == 1 and default.data_parallel_balancer == "prefix"
+
+
+def test_serve_refuses_more_replicas_than_devices_naming_both_flags(caplog):
+    from jaxserve.cli import main
+
+    caplog.set_level(logging.INFO)
+    n = len(jax.devices()) + 1
+    argv = ["serve", str(fixture_dir("llama")), "-dp", str(n), "--port", "0"]
+    assert main(argv) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [
+        f"--data-parallel-size {n} x --tensor-parallel-size 1 needs {n} devices; "
+        f"{n - 1} cpu devices are visible"
+    ]
+
+
+def test_capacity_counts_the_replicas(capsys):
+    from jaxserve.cli import main
+
+    argv = ["capacity", str(fixture_dir("llama")), "-dp", "4", "--device-memory", "80GB"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel 1, data parallel 4" in out
+    per_replica = int(re.search(r"^KV cache size: ([\d,]+) tokens", out, re.M)[1].replace(",", ""))
+    assert f"{per_replica:,} tokens per replica, {4 * per_replica:,} tokens in all" in out
+    assert main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["kv_cache_tokens_all_replicas"] == 4 * plan["kv_cache_tokens"]

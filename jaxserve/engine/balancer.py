@@ -77,7 +77,9 @@ class Balancer:
         elif self.policy == "least-loaded":
             replica = self._least_loaded()
         else:
-            replica = self._by_prefix(prefix_block_hashes(prompt_token_ids, self.block_size, cache_salt))
+            replica = self._by_prefix(
+                prefix_block_hashes(prompt_token_ids, self.block_size, cache_salt)
+            )
         self.loads[replica] += num_seqs
         return replica
 

@@ -41,6 +41,7 @@ class DataParallelEngine:
         self.tokenizer = first.tokenizer
         self.max_model_len: int = first.max_model_len
         self._owner: dict[str, int] = {}  # request id -> the replica that serves it
+        self._dead_error: BaseException | None = None
 
     @classmethod
     def from_config(
@@ -63,7 +64,9 @@ class DataParallelEngine:
 
         for line in data_parallel_lines(replicas[0].core.runner.capacity, len(replicas)):
             _LOG.info(line)
-        return cls(replicas, Balancer(len(replicas), config.block_size, config.data_parallel_balancer))
+        return cls(
+            replicas, Balancer(len(replicas), config.block_size, config.data_parallel_balancer)
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -79,11 +82,17 @@ class DataParallelEngine:
     def is_alive(self) -> bool:
         """Every replica's loop runs (one dead replica turns /health 503: the process exits
         and its orchestrator restarts it, as with one engine)."""
-        return all(replica.is_alive for replica in self.replicas)
+        return self._dead_error is None and all(r.is_alive for r in self.replicas)
 
     @property
     def dead_error(self) -> BaseException | None:
-        return next((r.dead_error for r in self.replicas if r.dead_error is not None), None)
+        """The first dead replica's error (or one set here)."""
+        errors = [self._dead_error, *(replica.dead_error for replica in self.replicas)]
+        return next((error for error in errors if error is not None), None)
+
+    @dead_error.setter
+    def dead_error(self, error: BaseException | None) -> None:
+        self._dead_error = error
 
     @property
     def vocab_size(self) -> int:

@@ -42,7 +42,7 @@ from jaxserve.runner.input_builder import InputBuilder
 from jaxserve.runner.model_weights import kv_cache_scales, model_weights, start_loading
 from jaxserve.runner.parallel import step_broadcast
 from jaxserve.runner.parallel.mesh import replica_devices
-from jaxserve.runner.parallel.sharding import prepare_tp
+from jaxserve.runner.parallel.sharding import TensorParallel, prepare_tp
 from jaxserve.runner.programs import Forward
 from jaxserve.runner.sleep import WAKE_TAGS, SleepState, abstract, device_bytes, free, placements
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
@@ -81,22 +81,7 @@ class ModelRunner:
             model_config, config, self.dtype, max_model_len, self.quant, self.kv_dtype
         ):
             _LOG.info(line)
-        # Tensor parallelism: shardings from sharding.py; TP=1 keeps the plain program.
-        # A data-parallel replica runs on its own devices: a mesh even of one device, so every
-        # array and program is placed there rather than on the first device.
-        self.tp = None
-        if config.tensor_parallel_size > 1 or config.data_parallel_size > 1:
-            ep = config.enable_expert_parallel
-            devices = replica_devices(
-                config.tensor_parallel_size, config.data_parallel_size, config.data_parallel_rank
-            )
-            self.tp = prepare_tp(
-                model_config,
-                config.tensor_parallel_size,
-                devices=devices,
-                quant=self.quant,
-                expert_parallel=ep,
-            )
+        self.tp = self._prepare_parallel()
         self.kv_scales = kv_cache_scales(model_config, config, self.kv_dtype)
         # NOTE: the capacity plan needs the weights' size, not the weights: a model that does
         # not fit ends the start here, before a weight is made (made on a thread of their own,
@@ -114,6 +99,24 @@ class ModelRunner:
         except BaseException:  # an error or a Ctrl-C (even inside start_loading): the load ends
             stop.set()
             raise
+
+    def _prepare_parallel(self) -> TensorParallel | None:
+        """Tensor parallelism's shardings (``sharding.py``); None (TP=1) keeps the plain
+        program. A data-parallel replica runs on its own devices: a mesh even of one device,
+        so every array and program is placed there rather than on the first device."""
+        config = self.config
+        if config.tensor_parallel_size == 1 and config.data_parallel_size == 1:
+            return None
+        devices = replica_devices(
+            config.tensor_parallel_size, config.data_parallel_size, config.data_parallel_rank
+        )
+        return prepare_tp(
+            self.model_config,
+            config.tensor_parallel_size,
+            devices=devices,
+            quant=self.quant,
+            expert_parallel=config.enable_expert_parallel,
+        )
 
     def _finish_init(self, eos_token_ids: tuple[int, ...]) -> None:
         """The rest of ``__init__``, once the weights have begun to load."""

@@ -14,6 +14,7 @@ import dataclasses
 import os
 
 from jaxserve.engine_config import (
+    DATA_PARALLEL_BALANCERS,
     DTYPES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
@@ -212,6 +213,23 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=_ENGINE_DEFAULTS["tensor_parallel_size"],
         help="devices per model replica",
+    )
+    add(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=_ENGINE_DEFAULTS["data_parallel_size"],
+        help="model replicas (engines) behind this one server, each on its own "
+        "--tensor-parallel-size devices; data parallel size x tensor parallel size must fit "
+        "the visible devices (docs/scaling.md)",
+    )
+    add(
+        "--data-parallel-balancer",
+        choices=DATA_PARALLEL_BALANCERS,
+        default=_ENGINE_DEFAULTS["data_parallel_balancer"],
+        help="how a request's replica is picked when --data-parallel-size > 1: prefix (the "
+        "replica that took the prompt's prefix, unless it is much busier than the least "
+        "loaded one), least-loaded or round-robin",
     )
     add(
         "--enable-expert-parallel",
@@ -504,6 +522,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        data_parallel_balancer=args.data_parallel_balancer,
         enable_expert_parallel=args.enable_expert_parallel,
         compilation_cache_dir=args.compilation_cache_dir,
     )

@@ -43,6 +43,7 @@ from jaxserve.server.settings import ServerSettings
 
 if TYPE_CHECKING:
     from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.engine.data_parallel import DataParallelEngine
 
 _LOG = logging.getLogger("jaxserve.launch")
 
@@ -139,10 +140,14 @@ def _join_replica(args: argparse.Namespace, config: EngineConfig) -> bool:
     return False
 
 
-def build_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path) -> AsyncEngine:
+def build_engine(
+    args: argparse.Namespace, config: EngineConfig, model_dir: Path
+) -> AsyncEngine | DataParallelEngine:
     """Load the weights and compile (the engine core logs the capacity lines and the compiled
-    shapes); a failure is one line naming the model, the device or the flag."""
+    shapes); a failure is one line naming the model, the device or the flag. With
+    ``--data-parallel-size N`` above 1, N engines, each on its own devices, behind one client."""
     from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.engine.data_parallel import DataParallelEngine
     from jaxserve.runner.capacity import CapacityError
     from jaxserve.runner.devices import DeviceSupportError, start_backend
 
@@ -152,6 +157,9 @@ def build_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path
         _LOG.info("Loading %s from %s", config.model or "the demo model", model_dir)
     try:
         start_backend()  # logged on its own: on a GPU it takes seconds of the start
+        _check_replicas_fit(config)
+        if config.data_parallel_size > 1:
+            return DataParallelEngine.from_config(config, args.max_queued_requests)
         return AsyncEngine.from_config(config, max_queued_requests=args.max_queued_requests)
     except DeviceSupportError as exc:  # fp8 on a GPU without it: the device and the dtype
         _LOG.error("%s", flag_terms(exc))
@@ -169,7 +177,21 @@ def build_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path
         raise StartFailed(1) from exc
 
 
-def _serve(args: argparse.Namespace, engine: AsyncEngine, settings: ServerSettings) -> int:
+def _check_replicas_fit(config: EngineConfig) -> None:
+    """Every data-parallel replica's devices are visible, before any weight loads (exit 2,
+    naming both flags, otherwise)."""
+    from jaxserve.runner.parallel.mesh import replica_devices
+
+    try:
+        replica_devices(config.tensor_parallel_size, config.data_parallel_size)
+    except ValueError as exc:
+        _LOG.error("%s", flag_terms(exc))
+        raise StartFailed(2) from exc
+
+
+def _serve(
+    args: argparse.Namespace, engine: AsyncEngine | DataParallelEngine, settings: ServerSettings
+) -> int:
     """Bind the port and serve until a signal or the engine's death; the exit code."""
     from jaxserve.server.app import build_app
 
