@@ -41,7 +41,7 @@ from jaxserve.runner.in_flight import DeferredSampler, InFlight
 from jaxserve.runner.input_builder import InputBuilder
 from jaxserve.runner.model_weights import kv_cache_scales, model_weights, start_loading
 from jaxserve.runner.parallel import step_broadcast
-from jaxserve.runner.parallel.mesh import replica_devices
+from jaxserve.runner.parallel.mesh import replica_devices, replica_mesh
 from jaxserve.runner.parallel.sharding import TensorParallel, prepare_tp
 from jaxserve.runner.programs import Forward
 from jaxserve.runner.sleep import WAKE_TAGS, SleepState, abstract, device_bytes, free, placements
@@ -107,13 +107,15 @@ class ModelRunner:
         config = self.config
         if config.tensor_parallel_size == 1 and config.data_parallel_size == 1:
             return None
-        devices = replica_devices(
-            config.tensor_parallel_size, config.data_parallel_size, config.data_parallel_rank
-        )
+        mesh = None  # one replica: the first tensor_parallel_size devices (make_mesh)
+        if config.data_parallel_size > 1:
+            rank = config.data_parallel_rank
+            devices = replica_devices(config.tensor_parallel_size, config.data_parallel_size, rank)
+            mesh = replica_mesh(devices)
         return prepare_tp(
             self.model_config,
             config.tensor_parallel_size,
-            devices=devices,
+            mesh=mesh,
             quant=self.quant,
             expert_parallel=config.enable_expert_parallel,
         )

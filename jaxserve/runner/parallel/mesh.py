@@ -73,6 +73,13 @@ def replica_devices(
     return devices[start : start + tensor_parallel_size]
 
 
+def replica_mesh(devices: Sequence[jax.Device]) -> Mesh:
+    """The ``"tp"`` mesh of one data-parallel replica over its devices, in the given order
+    (``replica_devices``: a slice of the host's devices, which jax's topology-aware
+    ``make_mesh`` would not take)."""
+    return Mesh(np.asarray(devices), (TP_AXIS,), axis_types=(AxisType.Auto,))
+
+
 def make_mesh(
     tensor_parallel_size: int,
     config: ModelConfig | None = None,
