@@ -143,6 +143,10 @@ class EngineConfig:
     sampler_variants: str = "auto"
     # Memory the KV budget is a fraction of; None: what the device reports (CPU: 2 GiB).
     device_memory_bytes: int | None = None
+    # A sequence's logits bitwise the same whatever else is in its step and however its prompt
+    # is chunked (vLLM's VLLM_BATCH_INVARIANT): GEMMs in fixed row tiles, attention unsplit
+    # (docs/determinism.md). Dense decoders on one device.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -195,6 +199,12 @@ class EngineConfig:
             raise ValueError(f"grammar_cache_bytes={self.grammar_cache_bytes} must be >= 0")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"batch_invariant=True needs tensor_parallel_size=1, not "
+                f"{self.tensor_parallel_size}: the all-reduces of a tensor-parallel step are "
+                "not batch-invariant"
+            )
 
     def resolved_max_model_len(self, model_config: ModelConfig, warn: bool = False) -> int:
         """The context length served: ``max_model_len`` or the model's own. One longer than

@@ -69,16 +69,17 @@ def attention_block(
     attention_fn: AttentionFn,
     sliding_window: int | None,
     kv_scale: tuple[float, float] | None = None,  # an fp8 cache's (k_scale, v_scale)
+    row_tile: int | None = None,  # batch-invariant mode's GEMM rows (quant.linear)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     if lw.fused is not None:  # one GEMM for q, k and v
-        qkv = linear(x, lw.fused.wqkv, "TH,HXD->TXD")
+        qkv = linear(x, lw.fused.wqkv, "TH,HXD->TXD", row_tile=row_tile)
         n, kv = config.num_q_heads, config.num_kv_heads
         q, k, v = qkv[:, :n], qkv[:, n : n + kv], qkv[:, n + kv :]
     else:
         assert lw.wq is not None and lw.wk is not None and lw.wv is not None
-        q = linear(x, lw.wq, "TH,HND->TND")
-        k = linear(x, lw.wk, "TH,HKD->TKD")
-        v = linear(x, lw.wv, "TH,HKD->TKD")
+        q = linear(x, lw.wq, "TH,HND->TND", row_tile=row_tile)
+        k = linear(x, lw.wk, "TH,HKD->TKD", row_tile=row_tile)
+        v = linear(x, lw.wv, "TH,HKD->TKD", row_tile=row_tile)
     if lw.bq is not None:  # q/k/v biases (Qwen2): the config has all three or none
         q = q + lw.bq
     if lw.bk is not None:
@@ -86,9 +87,9 @@ def attention_block(
     if lw.bv is not None:
         v = v + lw.bv
     if lw.q_norm is not None:  # per-head RMSNorm (Qwen3, Gemma 3): both or neither
-        q = rms_norm(q, lw.q_norm, config.rms_norm_eps, config.is_gemma)
+        q = rms_norm(q, lw.q_norm, config.rms_norm_eps, config.is_gemma, row_tile)
     if lw.k_norm is not None:
-        k = rms_norm(k, lw.k_norm, config.rms_norm_eps, config.is_gemma)
+        k = rms_norm(k, lw.k_norm, config.rms_norm_eps, config.is_gemma, row_tile)
     q = rope.apply_rotary(q, *rotary)
     k = rope.apply_rotary(k, *rotary)
     # NOTE: the scales reach the attention op as arguments, not static options, so every
@@ -110,24 +111,27 @@ def attention_block(
         **scales,
         **sinks,
     )  # [T, N, D]
-    out = linear(out, lw.wo, "TND,NDH->TH")
+    out = linear(out, lw.wo, "TND,NDH->TH", row_tile=row_tile)
     if lw.bo is not None:
         out = out + lw.bo
     return out, k_pages, v_pages
 
 
 def mlp_block(
-    lw: LayerWeights, x: jax.Array, act: Callable[[jax.Array], jax.Array] = jax.nn.silu
+    lw: LayerWeights,
+    x: jax.Array,
+    act: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+    row_tile: int | None = None,  # batch-invariant mode's GEMM rows (quant.linear)
 ) -> jax.Array:  # [T, H] -> [T, H]
     assert lw.w_down is not None
     if lw.fused is not None and lw.fused.w_gate_up is not None:  # one GEMM for gate and up
-        gate_up = linear(x, lw.fused.w_gate_up, "TH,HI->TI")
+        gate_up = linear(x, lw.fused.w_gate_up, "TH,HI->TI", row_tile=row_tile)
         gate, up = jnp.split(gate_up, 2, axis=1)
     else:
         assert lw.w_gate is not None and lw.w_up is not None
-        gate = linear(x, lw.w_gate, "TH,HI->TI")
-        up = linear(x, lw.w_up, "TH,HI->TI")
-    return linear(act(gate) * up, lw.w_down, "TI,IH->TH")
+        gate = linear(x, lw.w_gate, "TH,HI->TI", row_tile=row_tile)
+        up = linear(x, lw.w_up, "TH,HI->TI", row_tile=row_tile)
+    return linear(act(gate) * up, lw.w_down, "TI,IH->TH", row_tile=row_tile)
 
 
 def layer_attention(
@@ -140,6 +144,7 @@ def layer_attention(
     attention_fn: AttentionFn,
     layer: int,
     kv_scale: tuple[float, float] | None,
+    row_tile: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # (out [T, H], *pages)
     """Layer ``layer``'s attention: latent attention for a config with MLA, else the
     family's (windowed where the layer slides)."""
@@ -157,6 +162,7 @@ def layer_attention(
         attention_fn,
         config.layer_window(layer),
         kv_scale,
+        row_tile,
     )
 
 
@@ -167,12 +173,29 @@ def layer_mlp(
     act: Callable[[jax.Array], jax.Array],
     experts_fn: moe.ExpertsFn | None,
     batch: Batch,
+    row_tile: int | None = None,
 ) -> jax.Array:  # [T, H]
     """The layer's experts where it has them, else its dense MLP."""
     experts = lw.moe_weights()
     if experts is not None and config.moe is not None:
         return moe.moe_block(h, experts, config.moe, act, experts_fn, batch.cu_q_lens[-1])
-    return mlp_block(lw, h, act)
+    return mlp_block(lw, h, act, row_tile)
+
+
+def check_row_tile(config: ModelConfig, row_tile: int | None) -> None:
+    """Batch-invariant GEMMs cover the dense decoders: a mixture of experts groups a step's
+    rows by expert (its GEMMs' shapes follow the routing) and latent attention (DeepSeek) has
+    GEMMs of its own, neither tiled."""
+    if row_tile is None:
+        return
+    if row_tile < 1:
+        raise ValueError(f"{row_tile=} must be >= 1")
+    if config.moe is not None or config.mla is not None:
+        kind = "a mixture of experts" if config.moe is not None else "multi-head latent attention"
+        raise ValueError(
+            f"batch_invariant: {config.model_type} has {kind}, which batch-invariant mode does "
+            "not cover (only dense decoders); serve it without --batch-invariant"
+        )
 
 
 def forward(
@@ -183,13 +206,16 @@ def forward(
     attention_fn: AttentionFn | None = None,
     kv_scales: Sequence[tuple[float, float]] | None = None,
     experts_fn: moe.ExpertsFn | None = None,
+    row_tile: int | None = None,
 ) -> tuple[KVCache, jax.Array]:  # (kv_cache, hidden[T, H])
     """One step over a ragged batch; returns the updated cache and final-normed hidden states.
 
     ``kv_scales``: each layer's (k_scale, v_scale) of an fp8 cache (``models/kv_scales.py``).
     ``experts_fn``: how a layer with experts runs them (``moe.run_experts``, or its sharded
     form under tensor or expert parallelism).
+    ``row_tile``: batch-invariant mode's GEMM rows (``quant.linear``); None: plain GEMMs.
     """
+    check_row_tile(config, row_tile)
     attention_fn = attention_fn or dispatch.ragged_paged_attention
     eps, gemma = config.rms_norm_eps, config.is_gemma
     act = _ACTIVATIONS[config.hidden_act]
@@ -206,32 +232,35 @@ def forward(
         if layer_rope not in rotaries:
             freqs, scale = rope.rotary_angles(batch.positions, config.head_dim, *layer_rope)
             rotaries[layer_rope] = rope.cos_sin(freqs, scale, x.dtype)
-        h = rms_norm(x, lw.attn_norm, eps, gemma)
+        h = rms_norm(x, lw.attn_norm, eps, gemma, row_tile)
         kv_scale = None if kv_scales is None else kv_scales[layer]
-        rotary = rotaries[layer_rope]
+        rotary, pages = rotaries[layer_rope], (k_pages, v_pages)
         attn, k_pages, v_pages = layer_attention(
-            lw, h, (k_pages, v_pages), batch, config, rotary, attention_fn, layer, kv_scale
+            lw, h, pages, batch, config, rotary, attention_fn, layer, kv_scale, row_tile
         )
         if lw.post_attn_norm is not None:  # Gemma: a norm after attention too
-            attn = rms_norm(attn, lw.post_attn_norm, eps, gemma)
+            attn = rms_norm(attn, lw.post_attn_norm, eps, gemma, row_tile)
         x = x + attn
-        h = rms_norm(x, lw.mlp_norm, eps, gemma)
-        mlp = layer_mlp(lw, h, config, act, experts_fn, batch)
+        h = rms_norm(x, lw.mlp_norm, eps, gemma, row_tile)
+        mlp = layer_mlp(lw, h, config, act, experts_fn, batch, row_tile)
         if lw.post_mlp_norm is not None:
-            mlp = rms_norm(mlp, lw.post_mlp_norm, eps, gemma)
+            mlp = rms_norm(mlp, lw.post_mlp_norm, eps, gemma, row_tile)
         x = x + mlp
         new_cache.append((k_pages, v_pages))
-    return new_cache, rms_norm(x, weights.final_norm, eps, gemma)
+    return new_cache, rms_norm(x, weights.final_norm, eps, gemma, row_tile)
 
 
 def compute_logits(
-    weights: Weights, hidden: jax.Array, soft_cap: float | None = None
+    weights: Weights,
+    hidden: jax.Array,
+    soft_cap: float | None = None,
+    row_tile: int | None = None,  # batch-invariant mode's GEMM rows (quant.linear)
 ) -> jax.Array:  # [N, H] -> f32[N, V]
     """Logits of the given hidden rows; ``soft_cap`` (Gemma 2): cap * tanh(logits / cap)."""
     if weights.lm_head is None:
-        logits = linear(hidden, weights.embed, "NH,VH->NV", out_dtype=jnp.float32)
+        logits = linear(hidden, weights.embed, "NH,VH->NV", jnp.float32, row_tile)
     else:
-        logits = linear(hidden, weights.lm_head, "NH,HV->NV", out_dtype=jnp.float32)
+        logits = linear(hidden, weights.lm_head, "NH,HV->NV", jnp.float32, row_tile)
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
     return logits

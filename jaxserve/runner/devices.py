@@ -18,6 +18,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig, kv_cache_dtype_name, weight_dtype
 from jaxserve.models.families.counting import num_params
 from jaxserve.models.kv_scales import FP8_KV_DTYPES
+from jaxserve.models.quant import INVARIANT_ROW_TILE
 from jaxserve.models.quant_scheme import (
     FP8_MIN_COMPUTE_CAPABILITY,
     QuantScheme,
@@ -190,6 +191,14 @@ def describe_attention(
     return f"{line} ({reason})" if reason else line
 
 
+def describe_batch_invariance() -> str:
+    """The start-up log's line for ``--batch-invariant``."""
+    return (
+        f"Batch-invariant mode: on (each sequence's logits bitwise independent of its batch "
+        f"and chunking; GEMMs in {INVARIANT_ROW_TILE}-row tiles, attention unsplit)"
+    )
+
+
 def describe_experts(
     model_config: ModelConfig, config: EngineConfig, dtype: jnp.dtype = jnp.bfloat16
 ) -> str | None:
@@ -249,5 +258,6 @@ def startup_lines(
         skinny_dispatch.describe(),
         describe_samplers(config),
         *([experts] if experts else []),
+        *([describe_batch_invariance()] if config.batch_invariant else []),
     ]
     return lines + ([quant.describe()] if quant is not None else [])

@@ -25,6 +25,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.batch import Batch, kv_page_shapes, make_kv_cache_for
+from jaxserve.models.decoder import check_row_tile
 from jaxserve.models.kv_scales import kv_dtype_label
 from jaxserve.runner import warmup
 from jaxserve.runner.buckets import Buckets
@@ -42,7 +43,7 @@ from jaxserve.runner.input_builder import InputBuilder
 from jaxserve.runner.model_weights import kv_cache_scales, model_weights, start_loading
 from jaxserve.runner.parallel import step_broadcast
 from jaxserve.runner.parallel.sharding import prepare_tp
-from jaxserve.runner.programs import Forward
+from jaxserve.runner.programs import Forward, invariant_row_tile
 from jaxserve.runner.sleep import WAKE_TAGS, SleepState, abstract, device_bytes, free, placements
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from jaxserve.runner.step_programs import KVCacheShapes, StepPrograms
@@ -80,6 +81,7 @@ class ModelRunner:
             model_config, config, self.dtype, max_model_len, self.quant, self.kv_dtype
         ):
             _LOG.info(line)
+        check_row_tile(model_config, invariant_row_tile(config.batch_invariant))
         # Tensor parallelism: shardings from sharding.py; TP=1 keeps the plain program.
         self.tp = None
         if config.tensor_parallel_size > 1:
@@ -140,6 +142,7 @@ class ModelRunner:
             dtype=self.dtype,
             tp=self.tp,
             kv_scales=self.kv_scales,
+            batch_invariant=config.batch_invariant,
         )
 
     @property

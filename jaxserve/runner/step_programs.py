@@ -125,6 +125,7 @@ class StepPrograms:
         dtype: Any,  # the activations' (jnp.float32, jnp.bfloat16, ...)
         tp: TensorParallel | None = None,  # None: one device, the plain programs
         kv_scales: tuple[tuple[float, float], ...] | None = None,  # an fp8 cache's, per layer
+        batch_invariant: bool = False,  # each row's result independent of its step
     ) -> None:
         self.model_config = model_config
         self.buckets = buckets
@@ -132,9 +133,9 @@ class StepPrograms:
         self.kv_cache_shapes = kv_cache_shapes
         self.dtype = dtype
         self.tp = tp
-        self.step_fn = jitted_model_step(model_config, kv_scales, tp)
+        self.step_fn = jitted_model_step(model_config, kv_scales, tp, batch_invariant)
         self.logits_fn, self.sample_fn, self.prompt_lp_fn = jitted_head_programs(
-            model_config, buckets.max_seq_bucket, tp
+            model_config, buckets.max_seq_bucket, tp, batch_invariant
         )
         # Ahead-of-time executables from warm-up: model step, logits and prompt logprobs per
         # token bucket, sampler per (sequence bucket, variant).

@@ -159,6 +159,15 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "back, so host work overlaps the device (off while a request uses penalties)",
     )
     add(
+        "--batch-invariant",
+        action="store_true",
+        help="a sequence's logits and logprobs are bitwise the same whatever else is in its "
+        "batch and however its prompt is chunked (vLLM's VLLM_BATCH_INVARIANT), so an RL "
+        "rollout replays exactly: every matmul runs on 128-row tiles and attention unsplit. "
+        "Costs little at decode, more on long prefills (docs/determinism.md); dense models "
+        "on one device only",
+    )
+    add(
         "--serve-while-compiling",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -496,6 +505,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=args.enable_chunked_prefill,
         async_scheduling=args.async_scheduling,
         enable_sleep_mode=args.enable_sleep_mode,
+        batch_invariant=args.batch_invariant,
         serve_while_compiling=args.serve_while_compiling,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
         max_grammar_bytes=args.max_grammar_bytes,
