@@ -8,7 +8,8 @@ scale per output channel or per group of inputs, and for 4-bit formats a zero po
 ``jnp.einsum(spec, ...)`` exactly as before; a ``QArray`` is multiplied in its own layout and
 reshaped back to the einsum's output. Steps of few tokens may take the skinny-matmul kernel
 instead (``pallas_kernels.skinny_matmul``, behind ``JAXSERVE_SKINNY_MATMUL``), for plain
-weights and per-channel 8-bit ones alike.
+weights and per-channel 8-bit ones alike. In batch-invariant mode (``row_tile``) every call runs
+on fixed tiles of rows (``tiled_rows``), so a row's result does not depend on its step.
 
 Made by ``quantize`` (``--quantization fp8 | int8``: bf16 weights quantized on load) and by
 ``loading/quant_checkpoint.py`` (fp8, compressed-tensors, AWQ and GPTQ checkpoints); laid out
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -177,7 +179,7 @@ INVARIANT_ROW_TILE = 128
 # and each row is reduced in the same order. On the CPU both forms were bitwise invariant; an
 # untiled float32 GEMM was not (a row alone and the same row among 2-16 differed by 5e-5).
 def tiled_rows(
-    fn: Any,  # [row_tile, ...] -> [row_tile, ...], each row's result its own row's alone
+    fn: Callable[[jax.Array], jax.Array],  # [row_tile, ...] -> [row_tile, ...], row by row
     x: jax.Array,  # [T, ...]
     row_tile: int,
 ) -> jax.Array:  # [T, ...]
