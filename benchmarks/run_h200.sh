@@ -81,6 +81,11 @@
 #   gemma        decode at batch 64, contexts 1,024 and 4,096, for Llama-3-8B, Gemma-2-9B and
 #                Gemma-3-12B side by side (dummy bf16 weights, decode_roofline.py; about 3 minutes)
 #                -> $OUT/gemma_<model>.{log,json}: issue 19's "within 10 points of Llama" cells
+#   invariant    batch-invariant mode: its GPU test (logits bitwise equal alone, among 63 others
+#                and chunked, on the Mosaic GPU kernel, pytest -m gpu), then its cost: decode at
+#                batch 1/16/64 (context 1,024) and offline 256 x 512/128 with the mode off and on
+#                (benchmarks/batch_invariant.py, Llama-3-8B shape; a few minutes)
+#                -> $OUT/batch_invariant.{log,json}
 #   occupied     a second jaxserve launch on the GPU a first server (demo model, default flags)
 #                holds: seconds until it exits, its exit code and last lines -> $OUT/occupied.txt
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
@@ -454,6 +459,13 @@ stage_skinny_sweep() {
   python3 -m benchmarks.skinny_matmul --sweep --batches 1,16 --budget-s 420 \
     --output-json "$OUT/skinny_sweep.json" > "$OUT/skinny_sweep.log" 2>&1
   sed -n '/^| projection/,$p' "$OUT/skinny_sweep.log"
+}
+
+stage_invariant() {
+  python3 -m pytest -q -m gpu tests/test_batch_invariant.py 2>&1 | tail -3
+  python3 -m benchmarks.batch_invariant --out "$OUT/batch_invariant.json" \
+    > "$OUT/batch_invariant.log" 2>&1
+  grep -v -i warn "$OUT/batch_invariant.log" | tail -6
 }
 
 stage_skinny_step() {
