@@ -265,3 +265,15 @@ def test_the_flag_sets_the_engine_config() -> None:
 
     for argv, want in ((["launch"], False), (["launch", "--batch-invariant"], True)):
         assert engine_config_from_args(build_parser(argv).parse_args(argv)).batch_invariant is want
+
+
+def test_a_row_without_top_k_or_top_p_keeps_every_token_in_a_sorting_batch() -> None:
+    """Its sampler variant is chosen by its batchmates; a row with neither option keeps its
+    logits bit for bit there (a cumulative sum that rounds to 1 dropped its tail before)."""
+    from jaxserve.runner.sampling import NEG_INF, apply_top_k_top_p
+
+    row = jnp.zeros(1000, jnp.float32).at[0].set(30.0)  # the tail's mass rounds away
+    logits = jnp.stack([row, row])
+    out = np.asarray(apply_top_k_top_p(logits, jnp.array([0, 0]), jnp.array([1.0, 0.5])))
+    assert np.array_equal(out[0], np.asarray(row))
+    assert out[1, 0] == 30.0 and (out[1, 1:] == NEG_INF).all()
