@@ -58,9 +58,11 @@ def convert(config: EngineConfig, out: str | Path, show_progress: bool = True) -
     weights, load_seconds = model_weights(model_config, config, dtype, placement, quant)
     manifest = manifest_for(weights, model_config.model_type, model_dir, dtype, quant)
     _LOG.info(
-        "Converting %s (%s) to %s: %s", model_dir, manifest.describe(), out, format_bytes(
-            manifest.num_bytes
-        )
+        "Converting %s (%s) to %s: %s",
+        model_dir,
+        manifest.describe(),
+        out,
+        format_bytes(manifest.num_bytes),
     )
     seconds = write_checkpoint(weights, model_dir, out, manifest, show_progress)
     _LOG.info(
@@ -100,4 +102,3 @@ def manifest_for(
         kv_scales=kv_scales,
         num_kv_scales_from_checkpoint=scales.num_from_checkpoint,
     )
-

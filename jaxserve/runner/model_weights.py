@@ -1,7 +1,7 @@
 """The model's weights on the device(s), as the engine configuration asks: random (``dummy``),
-read from the safetensors checkpoint or restored from a converted (orbax) one, quantized or not, placed for tensor parallelism (on one device,
-unquantized, with the projections that share an input fused); and the per-layer scales of an
-fp8 KV cache."""
+read from the safetensors checkpoint or restored from a converted (orbax) one, quantized or
+not, placed for tensor parallelism (on one device, unquantized, with the projections that
+share an input fused); and the per-layer scales of an fp8 KV cache."""
 
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ class Manifest:
     model_type: str
     num_layers: int
     num_bytes: int
-    leaves: dict[str, str]  # leaf path -> dtype and shape: ``".layers[0].wo": "bfloat16[32,128,4096]"``
+    leaves: dict[str, str]  # leaf path -> dtype[shape]: ".layers[0].wo": "bfloat16[32,128,4096]"
     kv_scales: list[list[float]] | None = None  # per layer [k, v], where the source had them
     num_kv_scales_from_checkpoint: int = 0
     format_version: int = FORMAT_VERSION
@@ -117,7 +117,7 @@ def read_manifest(model_dir: str | os.PathLike[str]) -> Manifest:
 def leaf_table(weights: Any) -> dict[str, str]:
     """Leaf path -> ``dtype[shape]`` of a pytree of arrays (or of shapes)."""
     return {
-        jax.tree_util.keystr(path): f"{np.dtype(leaf.dtype).name}{list(leaf.shape)}".replace(" ", "")
+        jax.tree_util.keystr(path): f"{np.dtype(leaf.dtype).name}[{','.join(map(str, leaf.shape))}]"
         for path, leaf in jax.tree_util.tree_flatten_with_path(weights)[0]
     }
 
@@ -127,11 +127,12 @@ def check_served_as(
 ) -> None:
     """The checkpoint holds weights of ``dtype`` and ``quantization``, in a layout the
     placement can take (a fused checkpoint serves on one device only; ``fused`` None: either)."""
-    if manifest.dtype != np.dtype(dtype).name:
+    served = np.dtype(dtype).name
+    if manifest.dtype != served:
         raise ConvertedCheckpointError(
             f"{model_dir} holds {manifest.dtype} weights (converted with --dtype "
-            f"{manifest.dtype}); the model is served in {np.dtype(dtype).name}: serve it with "
-            f"--dtype {manifest.dtype} or auto, or convert again with --dtype {np.dtype(dtype).name}"
+            f"{manifest.dtype}); the model is served in {served}: serve it with --dtype "
+            f"{manifest.dtype} or auto, or convert again with --dtype {served}"
         )
     if manifest.quantization != quantization:
         raise ConvertedCheckpointError(
