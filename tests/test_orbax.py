@@ -179,6 +179,13 @@ for a, b, want in zip(
     assert a.sharding == want, (a.sharding, want)
     for shard in a.addressable_shards:  # each device holds its slice, as loaded
         np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(b)[shard.index])
+one = EngineConfig(model=source, dtype="float32")  # the tp=2 checkpoint on one device: fused
+loaded_one, _ = model_weights(model_config, one, np.float32, None, None)
+restored_one, _ = model_weights(model_config, EngineConfig(model=out), np.float32, None, None)
+assert restored_one.layers[0].fused is not None
+assert jax.tree.structure(restored_one) == jax.tree.structure(loaded_one)
+for a, b in zip(jax.tree.leaves(restored_one), jax.tree.leaves(loaded_one)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 try:
     model_weights(model_config, EngineConfig(model=fused), np.float32, tp.placement, None)
 except ConvertedCheckpointError as exc:
