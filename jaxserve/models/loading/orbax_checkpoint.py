@@ -111,7 +111,10 @@ def read_manifest(model_dir: str | os.PathLike[str]) -> Manifest:
             f"{FORMAT_VERSION} (convert the model again with this version)"
         )
     names = {f.name for f in dataclasses.fields(Manifest)}
-    return Manifest(**{k: v for k, v in raw.items() if k in names})
+    try:
+        return Manifest(**{k: v for k, v in raw.items() if k in names})
+    except TypeError as exc:  # a field missing
+        raise WeightsError(f"{path}: not a whole manifest: {exc}") from exc
 
 
 def leaf_table(weights: Any) -> dict[str, str]:
