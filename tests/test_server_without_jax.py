@@ -48,6 +48,7 @@ SERVER_MODULES = (
     "jaxserve.server.guard.limits",
     "jaxserve.server.guard.ratelimit",
     "jaxserve.server.launch",
+    "jaxserve.server.launch.convert",  # loads JAX only inside run_convert
     "jaxserve.server.launch.flags",
     "jaxserve.server.launch.preflight",
     "jaxserve.server.launch.run_batch",  # loads JAX only inside run_batch

@@ -142,9 +142,10 @@ class AsyncEngine:
             await self.core.grammar_compiler.compile_async(params.structured_outputs, client)
 
     async def update_weights_from_disk(self, model_path: str | Path) -> float:
-        """Serve the safetensors checkpoint in ``model_path`` (this model's tensors and
-        shapes); the load's seconds. No waiting request starts meanwhile: the running ones
-        finish on the old weights, the weights change, and the waiting ones start on the new.
+        """Serve the checkpoint in ``model_path`` (this model's tensors and shapes; safetensors
+        or converted with orbax); the load's seconds. No waiting request starts meanwhile: the
+        running ones finish on the old weights, the weights change, and the waiting ones start
+        on the new.
         A checkpoint that does not fit raises before anything changes."""
         load = functools.partial(self.core.runner.load_weights_from, model_path)
         return await self._between_steps(functools.partial(self.core.swap_weights, load))

@@ -77,7 +77,8 @@ class Runner(Protocol):
     def collect(self, step: InFlight) -> RunnerOutput: ...
     def execute(self, output: SchedulerOutput) -> RunnerOutput: ...  # all three, unconstrained
     # New weights, served from the next step (``runner/weight_update.py``): a pytree laid out
-    # as ``weights``, or a safetensors checkpoint of this model (returns the load's seconds).
+    # as ``weights``, or a checkpoint of this model, safetensors or converted (orbax) (returns
+    # the load's seconds).
     def update_weights(self, weights: object) -> None: ...
     def load_weights_from(self, model_dir: str | Path) -> float: ...
     # Sleep mode (``runner/sleep.py``): level 1 keeps the weights in host memory, 2 drops them.
@@ -118,8 +119,9 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     async def update_weights_from_disk(self, model_path: str | Path) -> float:
-        """Serve the safetensors checkpoint in ``model_path`` (this model's tensors): running
-        sequences finish first, waiting ones start on the new weights; the load's seconds.
+        """Serve the checkpoint in ``model_path`` (this model's tensors; safetensors or
+        converted with orbax): running sequences finish first, waiting ones start on the new
+        weights; the load's seconds.
         ``ValueError`` / ``OSError`` naming the tensor or file that does not fit, and nothing
         changes."""
         ...

@@ -113,8 +113,9 @@ class LLM:
         )
 
     def update_weights_from_disk(self, model_path: str | Path) -> float:
-        """Load the safetensors checkpoint in ``model_path`` (this model's tensors and shapes:
-        a fine-tuned copy, say) and sample with it from the next ``generate``; the load's
+        """Load the checkpoint in ``model_path`` (this model's tensors and shapes: a fine-tuned
+        copy, say), safetensors or converted with ``jaxserve convert`` (orbax, restored into the
+        weights' shardings), and sample with it from the next ``generate``; the load's
         seconds. A checkpoint that does not fit raises before anything changes; the prefix
         cache is cleared."""
         core = self.engine

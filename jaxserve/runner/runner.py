@@ -160,9 +160,10 @@ class ModelRunner:
         self._swap_weights(checked_weights(self.weights, weights))
 
     def load_weights_from(self, model_dir: str | Path) -> float:
-        """Load the safetensors checkpoint in ``model_dir`` (this model's tensors and shapes)
-        as the start-up loads this model's, and serve it from the next step; the load's
-        seconds. A checkpoint that does not fit raises before anything changes."""
+        """Load the checkpoint in ``model_dir`` (this model's tensors and shapes; safetensors,
+        or a converted orbax one of this dtype and quantization) as the start-up loads one, and
+        serve it from the next step; the load's seconds. A checkpoint that does not fit raises
+        before anything changes."""
         self._check_weights_awake()
         config = dataclasses.replace(self.config, model=str(model_dir), load_format="auto")
         placement = self.tp.placement if self.tp is not None else None

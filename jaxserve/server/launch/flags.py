@@ -540,3 +540,14 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
 def flag_terms(exc: Exception) -> str:
     """The error's message naming flags, not the Python fields they set (flag_names.py)."""
     return in_flag_terms(str(exc), command_flags(add_launch_arguments))
+
+
+def add_launch_arguments_named(parser: argparse.ArgumentParser, dests: tuple[str, ...]) -> None:
+    """The launch flags that set ``dests`` (``"dtype"``, ``"quantization"``...), exactly as
+    ``serve`` defines them: another command that takes them (``convert``) reads them the same."""
+    launch = argparse.ArgumentParser(add_help=False)
+    add_launch_arguments(launch)
+    for action in launch._actions:
+        if action.dest in dests:
+            # NOTE: argparse's own way to share an action (``parents=`` adds them so too).
+            parser._add_action(action)
