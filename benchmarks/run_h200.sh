@@ -88,6 +88,9 @@
 #   weights      update_weights from device arrays and from host memory, sleep level 1 and 2
 #                and wake times, device memory asleep (JAX's and the driver's view), with the
 #                default allocator and with the platform allocator (benchmarks/weight_updates.py)
+#   checkpoints  Llama-3-8B bf16 (dummy, 4 shards, page cache): a start's load and
+#                update_weights_from_disk from safetensors and from the jaxserve convert output
+#                (orbax) (benchmarks/checkpoint_load.py; about 32 GB under /tmp)
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
 #   bash benchmarks/run_h200.sh launch:330 throughput:200
 set -uo pipefail
@@ -534,6 +537,10 @@ stage_weights() {  # a training loop's hooks: update_weights, sleep and wake, me
   python3 -m benchmarks.weight_updates --out "$OUT/weight_updates_bfc.json" 2>&1 | tail -6
   XLA_PYTHON_CLIENT_ALLOCATOR=platform python3 -m benchmarks.weight_updates \
     --out "$OUT/weight_updates_platform.json" 2>&1 | tail -6
+}
+
+stage_checkpoints() {  # start-up load and update from disk: safetensors against converted orbax
+  python3 -m benchmarks.checkpoint_load --out "$OUT/checkpoint_load.json" 2>&1 | tail -8
 }
 
 stage_occupied() {  # the second start must end in seconds with the fix, not retry allocations
