@@ -245,9 +245,9 @@ def make_cross_encoder(name: str, family: str, tok, tmp: Path) -> None:
 
 def main() -> None:
     torch.use_deterministic_algorithms(True)
-    if FIXTURES.exists():
-        shutil.rmtree(FIXTURES)
-    FIXTURES.mkdir(parents=True)
+    for name in ("bert_embed", "xlmr_embed", "bert_cross_encoder", "xlmr_cross_encoder"):
+        shutil.rmtree(FIXTURES / name, ignore_errors=True)  # (README.md stays)
+    FIXTURES.mkdir(parents=True, exist_ok=True)
     bert, xlmr = bert_tokenizer(), xlmr_tokenizer()
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
