@@ -179,6 +179,9 @@ def test_unknown_architectures_keep_their_errors():
     raw = {**raw_config("bert_embed"), "architectures": ["BertForMaskedLM"]}
     with pytest.raises(ConfigError, match="BertForMaskedLM.*supported encoders: BertModel"):
         encoder_config_from_dict(raw)
+    raw = {**raw_config("bert_embed"), "architectures": ["XLMRobertaModel"]}
+    with pytest.raises(ConfigError, match="model_type='bert' with architectures=.'XLMRoberta"):
+        encoder_config_from_dict(raw)
     # the decoder registry still names what it serves for an encoder's config
     with pytest.raises(ConfigError, match=r"architectures=\['BertModel'\] is not supported"):
         model_config_from_dict(raw_config("bert_embed"))

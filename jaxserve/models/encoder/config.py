@@ -151,7 +151,10 @@ def encoder_config_from_dict(raw: dict[str, Any]) -> EncoderConfig:
         )
     model_type = fields.string("model_type")
     family = ENCODER_FAMILIES.get(model_type or "")
-    if family is None or not set(architectures) <= set(ENCODER_ARCHITECTURES):
+    if family is None or not set(architectures) <= {
+        family.base_architecture,
+        family.classifier_architecture,
+    }:
         raise ConfigError(
             f"config.json: model_type={model_type!r} with architectures={list(architectures)} "
             f"is not supported; supported: "
