@@ -183,3 +183,28 @@ def test_the_layout_is_told_apart_from_the_tree() -> None:
     assert weights_layout({"embedder": {"embedding": np.ones(2)}}) == "nnx"
     assert weights_layout(object()) == "engine"
     assert weights_layout({"model.norm.weight": np.ones(2)}, layout="nnx") == "nnx"
+
+
+TP_SCRIPT = """
+import jax, numpy as np
+import jaxserve
+from safetensors.numpy import load_file
+golden = np.load("tests/fixtures/models/qwen3/golden.npz")
+llm = jaxserve.LLM("tests/fixtures/models/qwen3", tensor_parallel_size=2, load_format="dummy",
+                   max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
+                   num_gpu_blocks_override=64, dtype="float32", warmup=False)
+served = llm.weights
+llm.update_weights(load_file("tests/fixtures/models/qwen3/model.safetensors"))
+pairs = zip(jax.tree.leaves(llm.weights), jax.tree.leaves(served), strict=True)
+print(all(a.sharding == b.sharding for a, b in pairs))
+prompt = {"prompt_token_ids": golden["prompt_ids"].tolist()}
+out = llm.generate(prompt, jaxserve.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+print(out[0].outputs[0].token_ids == golden["greedy_ids"].tolist())
+"""
+
+
+def test_hugging_face_names_are_placed_in_the_tensor_parallel_shards() -> None:
+    """On two devices each field lands in the shards the loader places it in."""
+    from tests.conftest import run_with_devices
+
+    assert run_with_devices(TP_SCRIPT, 2, timeout=300).split() == ["True", "True"]
