@@ -101,15 +101,23 @@ class LLM:
         ``update_weights`` takes."""
         return self.engine.runner.weights
 
-    def update_weights(self, weights: Any) -> None:
-        """Sample with ``weights`` from the next ``generate``: a pytree laid out as
-        ``self.weights`` (a trainer's ``jax.tree.map`` over it, say). A leaf that already has
-        the served dtype and sharding is served as it is, without a copy; another is cast and
-        placed on the device. A leaf missing, extra or of another shape is a
-        ``WeightsUpdateError`` naming it, and nothing changes. The prefix cache is cleared."""
+    def update_weights(self, weights: Any, layout: str = "auto") -> None:
+        """Sample with ``weights`` from the next ``generate``, in one of three layouts
+        (docs/training.md), told apart from the tree unless ``layout`` names one:
+
+        - ``"engine"``: a pytree laid out as ``self.weights`` (a trainer's ``jax.tree.map``
+          over it, say). A leaf that already has the served dtype and sharding is served as
+          it is, without a copy; another is cast and placed on the device.
+        - ``"hf"``: a flat dict of Hugging Face names (``model.state_dict()``, safetensors):
+          transposed, reshaped, fused and cast on the device as the loader does.
+        - ``"nnx"``: ``nnx.state(model)`` of a flax.nnx Llama / Qwen in the documented layout
+          (``models/loading/named_weights.py``), renamed to Hugging Face's names, then as above.
+
+        A leaf or name missing, unknown or of another shape is a ``WeightsUpdateError``
+        naming it as it was given, and nothing changes. The prefix cache is cleared."""
         core = self.engine
         self._between_requests(
-            lambda: core.swap_weights(lambda: core.runner.update_weights(weights))
+            lambda: core.swap_weights(lambda: core.runner.update_weights(weights, layout))
         )
 
     def update_weights_from_disk(self, model_path: str | Path) -> float:

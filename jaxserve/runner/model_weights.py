@@ -64,7 +64,7 @@ def model_weights(
             fuse=_fuses(placement is None, quant),
             stop=stop,
         )
-    weights = _as_served(weights, placement is None, quant)
+    weights = as_served(weights, placement is None, quant)
     jax.block_until_ready(weights)
     seconds = time.perf_counter() - start
     if config.load_format == "dummy":
@@ -131,9 +131,10 @@ def _abstract_in_layout(
     return jax.tree_util.tree_map_with_path(with_sharding, shapes)
 
 
-def _as_served(weights: Weights, one_device: bool, quant: QuantScheme | None) -> Weights:
-    """On one device, unquantized, the projections that share an input joined (see
-    ``fuse_projections``); else as they are."""
+def as_served(weights: Weights, one_device: bool, quant: QuantScheme | None) -> Weights:
+    """``weights`` (as the tables lay them out) as the runner serves them: on one device,
+    unquantized, the projections that share an input joined (see ``fuse_projections``); else
+    as they are."""
     return fuse_projections(weights) if _fuses(one_device, quant) else weights
 
 
@@ -176,7 +177,7 @@ def abstract_model_weights(
 
     def make() -> Weights:
         weights = dummy_weights(model_config, dtype, scheme=quant)
-        return _as_served(weights, shardings is None, quant)
+        return as_served(weights, shardings is None, quant)
 
     shapes = jax.eval_shape(make)
     if shardings is None:

@@ -46,7 +46,12 @@ from jaxserve.runner.programs import Forward
 from jaxserve.runner.sleep import WAKE_TAGS, SleepState, abstract, device_bytes, free, placements
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from jaxserve.runner.step_programs import KVCacheShapes, StepPrograms
-from jaxserve.runner.weight_update import checked_weights, place
+from jaxserve.runner.weight_update import (
+    checked_weights,
+    place,
+    weights_from_named,
+    weights_layout,
+)
 
 _LOG = logging.getLogger(__name__)
 
@@ -153,10 +158,18 @@ class ModelRunner:
 
     # -- weight updates --------------------------------------------------------------------
 
-    def update_weights(self, weights: Any) -> None:
-        """Serve ``weights`` (a pytree laid out as ``self.weights``) from the next step; a
-        leaf that does not fit is a ``WeightsUpdateError`` naming it, and nothing changes."""
+    def update_weights(self, weights: Any, layout: str = "auto") -> None:
+        """Serve ``weights`` from the next step: a pytree laid out as ``self.weights``, or
+        named as Hugging Face or a flax.nnx model names them (``layout``: one of
+        ``weight_update.LAYOUTS``), converted on the device; a leaf or name that does not fit
+        is a ``WeightsUpdateError`` naming it, and nothing changes."""
         self._check_weights_awake()
+        layout = weights_layout(weights, layout)
+        if layout != "engine":
+            placement = self.tp.placement if self.tp is not None else None
+            weights = weights_from_named(
+                weights, layout, self.model_config, self.dtype, placement, self.quant
+            )
         self._swap_weights(checked_weights(self.weights, weights))
 
     def load_weights_from(self, model_dir: str | Path) -> float:
