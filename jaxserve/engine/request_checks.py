@@ -80,3 +80,22 @@ def check_request(
         return params.for_vocab(vocab_size)
     except SamplingParamsError as exc:  # e.g. min_tokens above the budget left
         raise RequestError(str(exc), param=exc.param) from None
+
+
+def check_pooling_request(
+    prompt_token_ids: Sequence[int], *, vocab_size: int, max_model_len: int, noun: str = "input"
+) -> None:
+    """Check a pooling request's tokenized prompt against the model: not empty, in the
+    vocabulary, and at most ``max_model_len`` tokens (it generates nothing, so the whole
+    context is its own)."""
+    if not prompt_token_ids:
+        raise RequestError(f"the {noun} is empty", param=noun)
+    check_token_ids(prompt_token_ids, vocab_size, noun)
+    if len(prompt_token_ids) > max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"{noun} resulted in {len(prompt_token_ids)} tokens. Please reduce the length of "
+            f"the {noun}.",
+            param=noun,
+            code="context_length_exceeded",
+        )

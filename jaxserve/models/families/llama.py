@@ -60,6 +60,8 @@ LLAMA_MODEL_FIELDS = (
 )
 
 FAMILIES = (
-    Family("llama", ("LlamaForCausalLM",), LLAMA_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
-    Family("mistral", ("MistralForCausalLM",), LLAMA_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
+    Family("llama", ("LlamaForCausalLM", "LlamaModel"), LLAMA_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
+    Family(
+        "mistral", ("MistralForCausalLM", "MistralModel"), LLAMA_LAYER_FIELDS, LLAMA_MODEL_FIELDS
+    ),
 )
