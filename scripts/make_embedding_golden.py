@@ -11,8 +11,8 @@ saved with ``SentenceTransformer.save``, so the directory holds what a real embe
 does: ``config.json`` and ``model.safetensors`` (tensor names without the ``model.`` prefix),
 ``modules.json``, ``1_Pooling/config.json`` (sentence-transformers 6 writes ``pooling_mode``;
 older versions wrote ``pooling_mode_lasttoken`` and the like: the engine reads both),
-``config_sentence_transformers.json``, the tokenizer. The tokenizer is the parity fixtures' (``tests/fixtures/models/qwen3``), with the
-special tokens each kind of model adds:
+``config_sentence_transformers.json``, the tokenizer. The tokenizer is the parity fixtures'
+(``tests/fixtures/models/qwen3``), with the special tokens each kind of model adds:
 
 - ``qwen3_last``: last-token pooling and Normalize; the tokenizer appends ``<|eos|>`` and
   prepends nothing, as Qwen3-Embedding's appends ``<|endoftext|>``; Matryoshka dimensions

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from jaxserve.config import ModelConfig, read_config_json
 from jaxserve.engine.grammar import GrammarCompiler, GrammarLimits
 from jaxserve.engine.interfaces import EngineStats, Runner
 from jaxserve.engine.kv_cache import KVCacheManager
@@ -30,7 +31,6 @@ from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.structured_outputs import Accepted, StructuredOutputs
 from jaxserve.engine.tokenizer import end_of_sequence_ids, load_tokenizer
 from jaxserve.engine_config import EngineConfig
-from jaxserve.config import ModelConfig, read_config_json
 from jaxserve.models.families.registry import load_model_config
 from jaxserve.models.pooling import PoolingConfig, is_base_model
 from jaxserve.pooling_params import PoolingParams

@@ -260,9 +260,9 @@ def compile_buckets(
     kinds: tuple[str, ...] | None = None,
 ) -> None:
     """The programs of ``buckets``: model steps first (unless ``steps`` is off), then those
-    of ``kinds`` (None: all of the runner's) not compiled yet (the sampler variants belong to a sequence bucket, which
-    several token buckets share); raises the weights' load error (``check``) as soon as it
-    comes. ``raise_ready``: the background's compile, beside the KV cache
+    of ``kinds`` (None: all of the runner's) not compiled yet (the sampler variants belong to
+    a sequence bucket, which several token buckets share); raises the weights' load error
+    (``check``) as soon as it comes. ``raise_ready``: the background's compile, beside the KV cache
     (``BackgroundCompile.compile``), and ``programs.ready_tokens`` rises to each bucket whose
     programs (and all smaller buckets') are done."""
     # Each program's compile starts as soon as it is lowered, while the next one lowers; beside
