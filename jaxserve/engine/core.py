@@ -26,7 +26,13 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.outputs import RequestMetrics, RequestOutput
 from jaxserve.engine.pooler import Pooler
 from jaxserve.engine.request import Request, Sequence, mark_scheduled, seq_of
-from jaxserve.engine.request_checks import RequestError, check_pooling_request, check_request
+from jaxserve.engine.request_checks import (
+    GENERATION_REFUSED,
+    POOLING_REFUSED,
+    RequestError,
+    check_pooling_request,
+    check_request,
+)
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.structured_outputs import Accepted, StructuredOutputs
 from jaxserve.engine.tokenizer import end_of_sequence_ids, load_tokenizer
@@ -44,13 +50,6 @@ _LOG = logging.getLogger(__name__)
 _T = TypeVar("_T")
 # A pooling request's placeholder sampling parameters: it samples nothing.
 _POOLING_SAMPLING = SamplingParams(temperature=0.0, max_tokens=1)
-GENERATION_REFUSED = (
-    "this model is served for pooling: it answers /v1/embeddings (LLM.embed); completions and "
-    "chat need the engine started with --runner generate"
-)
-POOLING_REFUSED = (
-    "this model is served for generation: embeddings need the engine started with --runner pooling"
-)
 
 
 def resolve_runner(config: EngineConfig, model_dir: Any) -> EngineConfig:
@@ -61,6 +60,15 @@ def resolve_runner(config: EngineConfig, model_dir: Any) -> EngineConfig:
     architectures = read_config_json(model_dir / "config.json").get("architectures") or []
     runner = "pooling" if is_base_model(list(architectures)) else "generate"
     return dataclasses.replace(config, runner=runner)
+
+
+def pooler_for(config: EngineConfig, model_dir: Any, model_config: ModelConfig) -> Pooler | None:
+    """A pooling engine's pooler, its pooling read from the model's directory; else None."""
+    if config.runner != "pooling":
+        return None
+    pooling = PoolingConfig.from_model_dir(model_dir, model_config.hidden_size)
+    _LOG.info("Pooling runner: %s", pooling.describe())
+    return Pooler(pooling)
 
 
 def runner_model_config(model_config: ModelConfig, pooling: bool) -> ModelConfig:
@@ -79,12 +87,7 @@ class EngineCore:
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = end_of_sequence_ids(self.model_config, model_dir, self.tokenizer)
         self.max_model_len = config.resolved_max_model_len(self.model_config, warn=True)
-        # --runner pooling: prompts only, embeddings out (docs/embeddings.md)
-        self.pooler: Pooler | None = None
-        if config.runner == "pooling":
-            pooling = PoolingConfig.from_model_dir(model_dir, self.model_config.hidden_size)
-            _LOG.info("Pooling runner: %s", pooling.describe())
-            self.pooler = Pooler(pooling)
+        self.pooler = pooler_for(config, model_dir, self.model_config)  # docs/embeddings.md
         if runner is None:  # a test may pass its own (same interface, hand-computable tokens)
             from jaxserve.runner.runner import ModelRunner
 
@@ -432,15 +435,12 @@ class EngineCore:
             if error is not None and request.request_id in self.requests:
                 _LOG.error("request %s failed on the device: %s", request.request_id, error)
                 outputs.append(self._end_request(request, error))
+        if self.pooler is not None:  # a pooling engine runs pooling requests only
+            return outputs + self._process_pooled(sched, result)
         for i, item in enumerate(sched.scheduled):
             seq = seq_of(item)
             request = seq.request
-            self.prompt_tokens += max(
-                0, min(item.start + item.num_new_tokens, seq.num_prompt_tokens) - item.start
-            )
-            if request.pooling is not None:
-                outputs += self._process_pooled(item, i, result)
-                continue
+            self._count_prompt_tokens(item)
             if seq.index == 0 and seq.seq_id in result.prompt_logprobs:
                 self.output_processor.add_prompt_logprobs(
                     seq, item.start, result.prompt_logprobs[seq.seq_id]
@@ -482,9 +482,23 @@ class EngineCore:
                 self._retire(request)
         return outputs
 
-    def _process_pooled(self, item: ScheduledSeq, row: int, result: RunnerOutput) -> list:
-        """A pooling request's chunk: folded into its pooled state; after its last chunk, its
-        embedding is made, it finishes and retires (its blocks are freed)."""
+    def _count_prompt_tokens(self, item: ScheduledSeq) -> None:
+        seq = item.seq
+        self.prompt_tokens += max(
+            0, min(item.start + item.num_new_tokens, seq.num_prompt_tokens) - item.start
+        )
+
+    def _process_pooled(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        """A pooling step: each request's chunk folded into its pooled state."""
+        outputs = []
+        for row, item in enumerate(sched.scheduled):
+            self._count_prompt_tokens(item)
+            outputs += self._pool_chunk(item, row, result)
+        return outputs
+
+    def _pool_chunk(self, item: ScheduledSeq, row: int, result: RunnerOutput) -> list:
+        """One pooling request's chunk: folded into its pooled state; after its last chunk,
+        its embedding is made, it finishes and retires (its blocks are freed)."""
         seq = seq_of(item)
         request = seq.request
         if seq.is_finished or request.request_id not in self.requests:
@@ -501,8 +515,6 @@ class EngineCore:
             return [self._end_request(request, repr(exc))]
         self.output_processor.finish_prompt(seq)
         self.scheduler.finish(seq)
-        if request.metrics is not None:
-            request.metrics.first_token_time = request.metrics.last_token_time = time.time()
         output = self.output_processor.make_output(request, [seq])
         output.embedding = embedding
         self._retire(request)

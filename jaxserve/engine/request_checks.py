@@ -11,6 +11,16 @@ from collections.abc import Sequence
 
 from jaxserve.sampling_params import SamplingParams, SamplingParamsError
 
+# What an engine answers a request of the other kind (``--runner``): the server's 400s too.
+GENERATION_REFUSED = (
+    "this model is served for pooling (--runner pooling): it answers /v1/embeddings; "
+    "completions and chat need the server started with --runner generate"
+)
+POOLING_REFUSED = (
+    "this model is served for generation: /v1/embeddings needs the server started with "
+    "--runner pooling (an embedding model)"
+)
+
 
 class RequestError(ValueError):
     """A request the engine cannot take; ``param`` names the offending field."""

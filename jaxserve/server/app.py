@@ -31,6 +31,7 @@ from jaxserve.engine.interfaces import EngineClient
 from jaxserve.json_limits import JsonLimitError
 from jaxserve.sampling_params import SamplingParamsError
 from jaxserve.server.api.completions import create_completion
+from jaxserve.server.api.embeddings import create_embedding
 from jaxserve.server.api.errors import APIError, internal_error, json_response, unavailable
 from jaxserve.server.api.openapi import openapi_spec
 from jaxserve.server.api.tokenization import detokenize, tokenize
@@ -115,6 +116,9 @@ def _generation_routes(
     async def responses(request: Request) -> Response:
         return await api.create(request, await read_body(request, True))
 
+    async def embeddings(request: Request) -> Response:
+        return await create_embedding(ctx, request, await read_body(request, True))
+
     async def tokenize_route(request: Request) -> Response:
         raw = await read_body(request)
         return await ctx.offload(len(raw) >= OFFLOAD_BYTES, tokenize, ctx, raw)
@@ -127,6 +131,7 @@ def _generation_routes(
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/tokenize", tokenize_route, methods=["POST"]),
         Route("/detokenize", detokenize_route, methods=["POST"]),
     ]

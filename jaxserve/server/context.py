@@ -25,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from jaxserve.engine.interfaces import EngineClient
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.engine.request_checks import RequestError, check_request
+from jaxserve.engine.request_checks import GENERATION_REFUSED, RequestError, check_request
 from jaxserve.engine.tokenizer import TemplateError
 from jaxserve.sampling_params import SamplingParams, SamplingParamsError
 from jaxserve.server.api.errors import APIError, internal_error, json_dumps, model_not_found
@@ -122,7 +122,9 @@ class ServingContext:
         """The engine's request checks (context length, vocabulary, the budget), as a 400 in
         OpenAI's words. ``max_tokens`` is what the client sent; without it the budget is
         ``default_max_tokens`` clamped to the room left, or all of the room left. ``noun`` is
-        "prompt" or "messages"."""
+        "prompt" or "messages". A pooling model (``--runner pooling``) generates nothing: 400."""
+        if self.engine.config.runner == "pooling":
+            raise APIError(400, GENERATION_REFUSED, code="pooling_model")
         try:
             return check_request(
                 token_ids,
