@@ -107,14 +107,19 @@ def _generation_routes(
             limiter.charge_request(request)
         return await request.body()
 
+    async def generation_body(request: Request) -> bytes:
+        """A generation route's body; a pooling model (--runner pooling) answers 400 first."""
+        ctx.refuse_generation_if_pooling()
+        return await read_body(request, True)
+
     async def completions(request: Request) -> Response:
-        return await create_completion(ctx, request, await read_body(request, True))
+        return await create_completion(ctx, request, await generation_body(request))
 
     async def chat_completions(request: Request) -> Response:
-        return await create_chat_completion(ctx, request, await read_body(request, True))
+        return await create_chat_completion(ctx, request, await generation_body(request))
 
     async def responses(request: Request) -> Response:
-        return await api.create(request, await read_body(request, True))
+        return await api.create(request, await generation_body(request))
 
     async def embeddings(request: Request) -> Response:
         return await create_embedding(ctx, request, await read_body(request, True))

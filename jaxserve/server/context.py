@@ -110,6 +110,11 @@ class ServingContext:
         except (TemplateError, TypeError, KeyError, ValueError) as exc:
             raise APIError(400, f"The chat template could not render: {exc}", "messages") from None
 
+    def refuse_generation_if_pooling(self) -> None:
+        """A model served for pooling (``--runner pooling``) generates nothing: 400."""
+        if self.engine.config.runner == "pooling":
+            raise APIError(400, GENERATION_REFUSED, code="pooling_model")
+
     def check_request(
         self,
         token_ids: list[int],
@@ -123,8 +128,7 @@ class ServingContext:
         OpenAI's words. ``max_tokens`` is what the client sent; without it the budget is
         ``default_max_tokens`` clamped to the room left, or all of the room left. ``noun`` is
         "prompt" or "messages". A pooling model (``--runner pooling``) generates nothing: 400."""
-        if self.engine.config.runner == "pooling":
-            raise APIError(400, GENERATION_REFUSED, code="pooling_model")
+        self.refuse_generation_if_pooling()
         try:
             return check_request(
                 token_ids,

@@ -145,11 +145,12 @@ async def create_embedding(ctx: ServingContext, request: Request, raw: bytes) ->
 def _prepare(
     ctx: ServingContext, raw: bytes, embedding_id: str
 ) -> tuple[EmbeddingRequest, list[EngineRequest]]:
-    """Body -> the request and one checked pooling engine request per input."""
-    req = parse_embedding_request(parse_json_object(raw))
-    ctx.check_model(req.model)
+    """Body -> the request and one checked pooling engine request per input; a generation
+    model answers 400 naming --runner pooling whatever the body holds."""
     if ctx.engine.config.runner != "pooling":
         raise APIError(400, POOLING_REFUSED, code="generation_model")
+    req = parse_embedding_request(parse_json_object(raw))
+    ctx.check_model(req.model)
     engine_requests = []
     for i, item in enumerate(req.inputs):
         if isinstance(item, str):
