@@ -60,10 +60,12 @@ def test_the_pooling_comes_from_the_sentence_transformers_files(name, pooling_ty
 def write_model(tmp_path: Path, pooling: dict | None, normalize: bool, **config) -> Path:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", **config}))
     if pooling is not None:
-        modules = [{"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"}]
-        modules.append({"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"})  # fmt: skip
-        if normalize:
-            modules.append({"idx": 2, "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})  # fmt: skip
+        kinds = ["Transformer", "Pooling"] + (["Normalize"] if normalize else [])
+        paths = ["", "1_Pooling", "2_Normalize"]
+        modules = [
+            {"idx": i, "path": paths[i], "type": f"sentence_transformers.models.{kind}"}
+            for i, kind in enumerate(kinds)
+        ]
         (tmp_path / "modules.json").write_text(json.dumps(modules))
         (tmp_path / "1_Pooling").mkdir()
         (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
