@@ -173,9 +173,11 @@ def last_llm():
 
 
 def test_matryoshka_dimensions_truncate_then_normalize(last_llm) -> None:
+    import jaxserve
+
     g = golden("qwen3_last")
     texts = [str(t) for t in g["texts"]]
-    outputs = last_llm.embed(texts, PoolingParams(dimensions=16), use_tqdm=False)
+    outputs = last_llm.embed(texts, jaxserve.PoolingParams(dimensions=16), use_tqdm=False)
     got = np.array([o.outputs.embedding for o in outputs])
     expected = np.array([unit(p[:16]) for p in g["pooled"]])
     np.testing.assert_allclose(got, expected, atol=TOLERANCE)
@@ -210,3 +212,15 @@ def test_a_generation_engine_refuses_embeddings() -> None:
     assert llm.engine.config.runner == "generate"  # auto: a *ForCausalLM checkpoint generates
     with pytest.raises(RequestError, match="--runner pooling"):
         llm.embed("Hi")
+
+
+def test_warm_up_compiles_the_pooling_program_and_no_sampler(tmp_path: Path) -> None:
+    g = golden("mistral_mean")
+    llm = make_llm("mistral_mean", warmup=True, compilation_cache_dir=str(tmp_path))
+    programs = llm.engine.runner.programs
+    assert set(programs.compiled_steps) == set(programs.compiled_pool) == {16}
+    assert not programs.compiled_samplers and not programs.compiled_logits
+    assert not programs.compiled_prompt_lp
+    got = [o.outputs.embedding for o in llm.embed(str(g["texts"][2]), use_tqdm=False)]
+    np.testing.assert_allclose(got[0], g["embeddings"][2], atol=TOLERANCE)
+    llm.shutdown()
