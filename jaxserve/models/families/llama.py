@@ -59,6 +59,7 @@ LLAMA_MODEL_FIELDS = (
     WeightField("final_norm", "model.norm.weight", ("H",), "H", init="ones"),
 )
 
+# The base models (``*Model``, no head) are what embedding checkpoints name: --runner pooling.
 FAMILIES = (
     Family("llama", ("LlamaForCausalLM", "LlamaModel"), LLAMA_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
     Family(
