@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "jaxserve.engine.llm",
     "SamplingParams": "jaxserve.sampling_params",
+    "PoolingParams": "jaxserve.pooling_params",
+    "EmbeddingRequestOutput": "jaxserve.engine.outputs",
     "RequestOutput": "jaxserve.engine.outputs",
     "CompletionOutput": "jaxserve.engine.outputs",
     "Logprob": "jaxserve.engine.outputs",

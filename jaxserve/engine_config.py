@@ -66,6 +66,9 @@ def default_model_dir() -> Path:
 
 
 SAMPLER_VARIANTS = ("auto", "all", "compact")
+# --runner, vLLM's: generate (completions and chat), pooling (embeddings: docs/embeddings.md);
+# auto pools a checkpoint whose config.json names only base models (Qwen3Model, MistralModel).
+RUNNERS = ("auto", "generate", "pooling")
 
 # Either lets max_model_len exceed what the model was made for (vLLM's name is the second).
 ALLOW_LONG_MAX_MODEL_LEN = ("JAXSERVE_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")
@@ -143,6 +146,8 @@ class EngineConfig:
     sampler_variants: str = "auto"
     # Memory the KV budget is a fraction of; None: what the device reports (CPU: 2 GiB).
     device_memory_bytes: int | None = None
+    # What the model serves (RUNNERS): "pooling" runs prompts only and returns embeddings.
+    runner: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -195,6 +200,8 @@ class EngineConfig:
             raise ValueError(f"grammar_cache_bytes={self.grammar_cache_bytes} must be >= 0")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner={self.runner!r} must be one of {', '.join(RUNNERS)}")
 
     def resolved_max_model_len(self, model_config: ModelConfig, warn: bool = False) -> int:
         """The context length served: ``max_model_len`` or the model's own. One longer than

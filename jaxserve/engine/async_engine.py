@@ -22,6 +22,7 @@ from jaxserve.engine.core import EngineCore
 from jaxserve.engine.interfaces import EngineDeadError, EngineStats, QueueFullError
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine_config import EngineConfig
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 _LOG = logging.getLogger(__name__)
@@ -94,11 +95,54 @@ class AsyncEngine:
         group_id: str | None = None,
     ) -> AsyncGenerator[RequestOutput]:
         """Yield deltas until one with ``finished=True``; validation errors raise ValueError."""
+        add = functools.partial(
+            self.core.add_request,
+            request_id,
+            list(prompt_token_ids),
+            params,
+            prompt=prompt,
+            priority=priority,
+            cache_salt=cache_salt,
+            arrival_time=time.time(),
+            group_id=group_id,
+        )
+        async for output in self._outputs(request_id, params.num_samples, add):
+            yield output
+
+    async def encode(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: PoolingParams,
+        request_id: str,
+        prompt: str | None = None,
+        priority: int = 0,
+        group_id: str | None = None,
+    ) -> AsyncGenerator[RequestOutput]:
+        """A pooling request (``--runner pooling``): yields its one finished output, whose
+        ``embedding`` is set; validation errors raise ValueError (``RequestError``)."""
+        add = functools.partial(
+            self.core.add_pooling_request,
+            request_id,
+            list(prompt_token_ids),
+            params,
+            prompt=prompt,
+            priority=priority,
+            arrival_time=time.time(),
+            group_id=group_id,
+        )
+        async for output in self._outputs(request_id, 1, add):
+            yield output
+
+    async def _outputs(
+        self, request_id: str, num_seqs: int, add: Callable[[], None]
+    ) -> AsyncGenerator[RequestOutput]:
+        """Queue a request (``add``) and yield its outputs until the finished one; leaving
+        early aborts it."""
         if self.dead_error is not None:
             raise EngineDeadError(f"engine loop died: {self.dead_error!r}")
         if (
             self.max_queued_requests is not None
-            and self.core.num_waiting() + params.num_samples > self.max_queued_requests
+            and self.core.num_waiting() + num_seqs > self.max_queued_requests
         ):
             raise QueueFullError(
                 f"waiting queue is full ({self.max_queued_requests} requests); retry later"
@@ -107,16 +151,7 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (loop, queue)
         try:
-            self.core.add_request(
-                request_id,
-                list(prompt_token_ids),
-                params,
-                prompt=prompt,
-                priority=priority,
-                cache_salt=cache_salt,
-                arrival_time=time.time(),
-                group_id=group_id,
-            )
+            add()
         except Exception:
             self._queues.pop(request_id, None)
             raise

@@ -10,6 +10,7 @@ output processor turns the sampled tokens into text, logprobs, stop decisions an
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import random
 import threading
@@ -17,42 +18,81 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from jaxserve.config import ModelConfig, read_config_json
 from jaxserve.engine.grammar import GrammarCompiler, GrammarLimits
 from jaxserve.engine.interfaces import EngineStats, Runner
 from jaxserve.engine.kv_cache import KVCacheManager
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.outputs import RequestMetrics, RequestOutput
+from jaxserve.engine.pooler import Pooler
 from jaxserve.engine.request import Request, Sequence, mark_scheduled, seq_of
-from jaxserve.engine.request_checks import RequestError, check_request
+from jaxserve.engine.request_checks import (
+    GENERATION_REFUSED,
+    POOLING_REFUSED,
+    RequestError,
+    check_pooling_request,
+    check_request,
+)
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.structured_outputs import Accepted, StructuredOutputs
 from jaxserve.engine.tokenizer import end_of_sequence_ids, load_tokenizer
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.families.registry import load_model_config
-from jaxserve.runner.step import RunnerOutput, SchedulerOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.models.pooling import PoolingConfig, is_base_model
+from jaxserve.pooling_params import PoolingParams
+from jaxserve.runner.step import RunnerOutput, ScheduledSeq, SchedulerOutput
+from jaxserve.sampling_params import SamplingParams, SamplingParamsError
 
 if TYPE_CHECKING:
     from jaxserve.runner.in_flight import InFlight
 
 _LOG = logging.getLogger(__name__)
 _T = TypeVar("_T")
+# A pooling request's placeholder sampling parameters: it samples nothing.
+_POOLING_SAMPLING = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def resolve_runner(config: EngineConfig, model_dir: Any) -> EngineConfig:
+    """``config`` with ``runner`` "generate" or "pooling": "auto" pools a checkpoint whose
+    config.json names only base models (``Qwen3Model``: no language-model head)."""
+    if config.runner != "auto":
+        return config
+    architectures = read_config_json(model_dir / "config.json").get("architectures") or []
+    runner = "pooling" if is_base_model(list(architectures)) else "generate"
+    return dataclasses.replace(config, runner=runner)
+
+
+def pooler_for(config: EngineConfig, model_dir: Any, model_config: ModelConfig) -> Pooler | None:
+    """A pooling engine's pooler, its pooling read from the model's directory; else None."""
+    if config.runner != "pooling":
+        return None
+    pooling = PoolingConfig.from_model_dir(model_dir, model_config.hidden_size)
+    _LOG.info("Pooling runner: %s", pooling.describe())
+    return Pooler(pooling)
+
+
+def runner_model_config(model_config: ModelConfig, pooling: bool) -> ModelConfig:
+    """The config the runner loads: a pooling runner reads no language-model head (the
+    embedding stands in for it, never used), as embedding checkpoints publish none."""
+    return dataclasses.replace(model_config, tie_word_embeddings=True) if pooling else model_config
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: Runner | None = None) -> None:
         self.runner: Runner
-        self.config = config
         model_dir = config.model_dir
+        self.config = config = resolve_runner(config, model_dir)
         self.model_config = load_model_config(model_dir)
         self.tokenizer = load_tokenizer(config, self.model_config.vocab_size)
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = end_of_sequence_ids(self.model_config, model_dir, self.tokenizer)
         self.max_model_len = config.resolved_max_model_len(self.model_config, warn=True)
+        self.pooler = pooler_for(config, model_dir, self.model_config)  # docs/embeddings.md
         if runner is None:  # a test may pass its own (same interface, hand-computable tokens)
             from jaxserve.runner.runner import ModelRunner
 
-            runner = ModelRunner(self.model_config, config, self.eos_token_ids)
+            loaded = runner_model_config(self.model_config, self.pooler is not None)
+            runner = ModelRunner(loaded, config, self.eos_token_ids)
         self.runner = runner
         # NOTE: from here to the end of warm-up the runner's weights may be loading on a
         # thread of their own: an error or a Ctrl-C stops them (the interpreter's exit would
@@ -165,6 +205,8 @@ class EngineCore:
     ) -> None:
         """Queue a request for the next step (``RequestError`` if it cannot run); requests of
         one ``group_id`` (the prompts of one API call) take one admission turn together."""
+        if self.pooler is not None:
+            raise RequestError(GENERATION_REFUSED, code="pooling_model")
         params = check_request(
             prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
@@ -184,6 +226,49 @@ class EngineCore:
         request.add_samples(
             params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         )
+        self._enqueue(request)
+
+    def add_pooling_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        prompt: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        group_id: str | None = None,
+    ) -> None:
+        """Queue a pooling request (an embedding: ``--runner pooling``); ``RequestError``
+        naming the field if it cannot run. Its prompt runs like a prefill, chunked by the
+        step's token budget, and its one output (``RequestOutput.embedding``) comes once the
+        last chunk has run."""
+        if self.pooler is None:
+            raise RequestError(POOLING_REFUSED, code="generation_model")
+        check_pooling_request(
+            prompt_token_ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len
+        )
+        try:
+            self.pooler.config.check(params)
+        except SamplingParamsError as exc:
+            raise RequestError(str(exc), param=exc.param) from None
+        arrival = time.time() if arrival_time is None else arrival_time
+        request = Request(
+            request_id,
+            prompt,
+            list(prompt_token_ids),
+            _POOLING_SAMPLING,
+            arrival,
+            priority,
+            group_id=group_id or "",
+            metrics=RequestMetrics(arrival_time=arrival),
+            pooling=params,
+            reads_prefix_cache=not self.pooler.config.uses_every_token,
+        )
+        request.add_samples(0)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        request_id = request.request_id
         with self._lock:
             if request_id in self.requests or any(r.request_id == request_id for r in self._inbox):
                 raise RequestError(f"request id {request_id!r} is in use", param="request_id")
@@ -294,8 +379,8 @@ class EngineCore:
         self.scheduler.update_from_output(sched)
         self.num_steps += 1
         if overlap:
-            for item in sched.scheduled:
-                if item.completes_sequence:  # its token is read back after the next dispatch
+            for item in sched.scheduled:  # its token is read back after the next dispatch
+                if item.completes_sequence and seq_of(item).request.pooling is None:
                     seq_of(item).add_pending()
         collected = self._collect_in_flight()  # nothing is in flight unless overlap
         # The masks once the grammars have taken the previous step's tokens, filled while
@@ -350,12 +435,12 @@ class EngineCore:
             if error is not None and request.request_id in self.requests:
                 _LOG.error("request %s failed on the device: %s", request.request_id, error)
                 outputs.append(self._end_request(request, error))
+        if self.pooler is not None:  # a pooling engine runs pooling requests only
+            return outputs + self._process_pooled(sched, result)
         for i, item in enumerate(sched.scheduled):
             seq = seq_of(item)
             request = seq.request
-            self.prompt_tokens += max(
-                0, min(item.start + item.num_new_tokens, seq.num_prompt_tokens) - item.start
-            )
+            self._count_prompt_tokens(item)
             if seq.index == 0 and seq.seq_id in result.prompt_logprobs:
                 self.output_processor.add_prompt_logprobs(
                     seq, item.start, result.prompt_logprobs[seq.seq_id]
@@ -397,6 +482,44 @@ class EngineCore:
                 self._retire(request)
         return outputs
 
+    def _count_prompt_tokens(self, item: ScheduledSeq) -> None:
+        seq = item.seq
+        self.prompt_tokens += max(
+            0, min(item.start + item.num_new_tokens, seq.num_prompt_tokens) - item.start
+        )
+
+    def _process_pooled(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        """A pooling step: each request's chunk folded into its pooled state."""
+        outputs = []
+        for row, item in enumerate(sched.scheduled):
+            self._count_prompt_tokens(item)
+            outputs += self._pool_chunk(item, row, result)
+        return outputs
+
+    def _pool_chunk(self, item: ScheduledSeq, row: int, result: RunnerOutput) -> list:
+        """One pooling request's chunk: folded into its pooled state; after its last chunk,
+        its embedding is made, it finishes and retires (its blocks are freed)."""
+        seq = seq_of(item)
+        request = seq.request
+        if seq.is_finished or request.request_id not in self.requests:
+            return []  # failed or aborted while the step was on the device
+        assert self.pooler is not None and request.pooling is not None
+        assert result.pooled is not None, "a pooling step without pooled outputs"
+        self.pooler.add_chunk(seq.seq_id, item.start, item.num_new_tokens, result.pooled[row])
+        if not item.completes_sequence:
+            return []
+        try:
+            embedding = self.pooler.embedding(seq.seq_id, request.pooling)
+        except Exception as exc:  # one bad request must not stop the batch
+            _LOG.exception("request %s failed while pooling", request.request_id)
+            return [self._end_request(request, repr(exc))]
+        self.output_processor.finish_prompt(seq)
+        self.scheduler.finish(seq)
+        output = self.output_processor.make_output(request, [seq])
+        output.embedding = embedding
+        self._retire(request)
+        return [output]
+
     def _retire(self, request: Request) -> None:
         if self.requests.pop(request.request_id, None) is not None:
             self._num_sync_requests -= request.params.has_penalties
@@ -404,3 +527,5 @@ class EngineCore:
         self.structured_outputs.free(request)
         for seq in request.seqs:
             self.kv.forget_hashes(seq)
+            if self.pooler is not None:
+                self.pooler.free(seq.seq_id)

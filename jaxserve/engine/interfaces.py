@@ -18,6 +18,7 @@ import numpy as np
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.engine_config import EngineConfig
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -115,6 +116,20 @@ class EngineClient(Protocol):
         cache_salt: str | None = None,
         group_id: str | None = None,
     ) -> AsyncGenerator[RequestOutput]: ...
+
+    def encode(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: PoolingParams,
+        request_id: str,
+        prompt: str | None = None,
+        priority: int = 0,
+        group_id: str | None = None,
+    ) -> AsyncGenerator[RequestOutput]:
+        """A pooling request (an engine started with ``runner="pooling"``): one finished
+        output whose ``embedding`` is set. ``RequestError`` (a ``ValueError`` naming the
+        field) for a request it cannot take, a generation engine's included."""
+        ...
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -3,6 +3,9 @@
     llm = jaxserve.LLM("path/to/model")
     outputs = llm.generate(["Hello"], jaxserve.SamplingParams(temperature=0.7, max_tokens=64))
 
+    embedder = jaxserve.LLM("path/to/embedding-model", runner="pooling")
+    vectors = [o.outputs.embedding for o in embedder.embed(["Hello", "World"])]
+
 It drives ``EngineCore`` directly in the calling thread until every request has finished.
 Start-up logs what the server logs (devices, model, weights, capacity, each compiled bucket):
 where nothing has set up logging, as in a fresh notebook, ``LLM`` shows those lines on stderr.
@@ -18,8 +21,9 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from jaxserve.engine.core import EngineCore
-from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from jaxserve.engine_config import EngineConfig
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 _LOG = logging.getLogger(__name__)
@@ -245,6 +249,47 @@ class LLM:
             )
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, False)})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """The embedding of every prompt (``LLM(..., runner="pooling")``), in the order of the
+        prompts, as vLLM's ``LLM.embed``: ``outputs[i].outputs.embedding`` is a list of floats.
+        The text is tokenized as the tokenizer does by default (its special tokens added)."""
+        prompts = self._prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} pooling_params for {len(prompts)} prompts"
+                )
+        request_ids = []
+        for prompt, params in zip(prompts, params_list, strict=True):
+            text, token_ids = self._to_token_ids(prompt)
+            request_id = str(next(self._ids))
+            self.engine.add_pooling_request(request_id, token_ids, params, prompt=text)
+            request_ids.append(request_id)
+        return [
+            EmbeddingRequestOutput(
+                out.request_id,
+                EmbeddingOutput(out.embedding.tolist() if out.embedding is not None else []),
+                out.prompt_token_ids,
+                out.finished,
+            )
+            for out in self._run(request_ids, use_tqdm)
+        ]
+
+    def _prompt_list(self, prompts: PromptType | Seq[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            return [prompts]  # type: ignore[list-item]
+        return list(prompts)  # type: ignore[arg-type]
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

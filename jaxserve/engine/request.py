@@ -19,6 +19,7 @@ import hashlib
 from typing import Any, cast
 
 from jaxserve.engine.outputs import Logprob, RequestMetrics
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.runner.step import PENDING_TOKEN, ScheduledSeq, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -149,6 +150,12 @@ class Request:
     # The compiled constraint (structured outputs), handed to StructuredOutputs, its owner,
     # when the request joins the step loop; None without one.
     grammar: Any = None
+    # A pooling request (an embedding): its prompt runs, in chunks like a prefill, and it ends
+    # when the last chunk has run; nothing is sampled (``params`` is a neutral placeholder).
+    pooling: PoolingParams | None = None
+    # False: its prompt is computed whole, never taken from the prefix cache (a pooling that
+    # needs every token's hidden state: mean, CLS).
+    reads_prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id

@@ -167,7 +167,8 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Move a waiting sequence to running with blocks for its next chunk; returns the
         chunk's tokens, or 0 (nothing changed) when it does not fit."""
-        cached = self.kv.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
+        reads_cache = seq.num_computed_tokens == 0 and seq.request.reads_prefix_cache
+        cached = self.kv.find_cached_prefix(seq) if reads_cache else []
         computed = max(seq.num_computed_tokens, len(cached) * self.kv.block_size)
         remaining = seq.num_tokens - computed
         num_new = min(remaining, budget)

@@ -193,6 +193,29 @@ def sample_step(
     return StepSamples(token_ids, packed_lp)
 
 
+def pool_step(
+    hidden: jax.Array,  # [T, H]
+    packed: jax.Array,  # i32[N]  the model step's inputs (``Forward.packed``)
+    layout: Layout,  # static: theirs
+) -> jax.Array:  # f32[S, 3, H]
+    """What pooling needs of each sequence's chunk in the step, in f32: the sum of its tokens'
+    hidden states, its first token's and its last token's (the pooling runner's output; the
+    host sums the chunks of a prompt and picks, truncates and normalizes: ``models/pooling.py``).
+    Rows past the step's sequences hold padding."""
+    batch, _ = unpack(packed, layout)
+    cu_q_lens = batch.cu_q_lens  # i32[S + 1]
+    num_rows = cu_q_lens.shape[0] - 1
+    hidden = hidden.astype(jnp.float32)
+    # Token t belongs to the row r with cu_q_lens[r] <= t < cu_q_lens[r + 1]; padding tokens
+    # fall past the last row, and segment_sum drops them.
+    token = jnp.arange(hidden.shape[0], dtype=jnp.int32)
+    row = jnp.searchsorted(cu_q_lens[1:], token, side="right")
+    sums = jax.ops.segment_sum(hidden, row, num_segments=num_rows)
+    first = hidden[jnp.minimum(cu_q_lens[:-1], hidden.shape[0] - 1)]
+    last = hidden[batch.logits_indices]
+    return jnp.stack([sums, first, last], axis=1)
+
+
 def feed_pending(
     input_ids: jax.Array,  # i32[T]
     source: jax.Array,  # i32[T]  row of the previous step's samples, or -1

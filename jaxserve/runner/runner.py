@@ -126,6 +126,8 @@ class ModelRunner:
             self.allocate_kv_cache()
         # Several processes (hosts) share this model: process 0 broadcasts each step.
         self.multihost = jax.process_count() > 1
+        if self.multihost and self.is_pooling:
+            raise ValueError("--runner pooling runs on one host: start it without multi-host")
         self.inputs = InputBuilder(
             self.buckets,
             block_size=config.block_size,
@@ -145,7 +147,13 @@ class ModelRunner:
             dtype=self.dtype,
             tp=self.tp,
             kv_scales=self.kv_scales,
+            pooling=self.is_pooling,
         )
+
+    @property
+    def is_pooling(self) -> bool:
+        """Prompts only, embeddings out (``--runner pooling``): no logits, no sampler."""
+        return self.config.runner == "pooling"
 
     @property
     def ready_tokens(self) -> int:
@@ -327,6 +335,8 @@ class ModelRunner:
         (``output.is_constrained``) takes the sampler variant that applies a token mask.
         """
         self.inputs.update_states(output)
+        if self.is_pooling:
+            return self._dispatch_pooling(output)
         host_batch, rows = self.inputs.build_batch(output)
         seqs = [item.seq for item in output.scheduled]
         kv_lens = np.asarray(host_batch.kv_lens)  # host arrays until forward
@@ -348,11 +358,24 @@ class ModelRunner:
         step.deferred = DeferredSampler(forward, inputs, flags)
         return step
 
+    def _dispatch_pooling(self, output: SchedulerOutput) -> InFlight:
+        """A pooling runner's step: the model step, then what pooling needs of each sequence's
+        chunk (``StepPrograms.pool``); nothing is sampled."""
+        host_batch, _ = self.inputs.build_batch(output)
+        forward, _ = self.forward(host_batch, None)
+        with self.programs.precision():
+            pooled = self.programs.pool(forward)
+        sampled_row = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
+        return InFlight(None, None, {}, sampled_row, pooled=pooled)
+
     def sample(self, step: InFlight, token_mask: np.ndarray | None) -> None:
         """Queue the sampler of a dispatched step (once). ``token_mask`` (i32[num_scheduled,
         ceil(V / 32)], only for a step dispatched with ``is_constrained``): row i packs the
         tokens scheduled sequence i may take, bit v % 32 of word v // 32; None: no constraint.
-        It is copied into the sampler's inputs: the caller may reuse it once this returns."""
+        It is copied into the sampler's inputs: the caller may reuse it once this returns.
+        A pooling runner's step has no sampler: nothing is queued."""
+        if step.pooled is not None:
+            return
         deferred, step.deferred = step.deferred, None
         assert deferred is not None, "the step was sampled already"
         if token_mask is not None and not deferred.flags.use_mask:

@@ -37,7 +37,13 @@ from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.input_builder import InputBuilder
 from jaxserve.runner.packing import Layout, pack, write_rows
 from jaxserve.runner.parallel.sharding import TensorParallel
-from jaxserve.runner.programs import Forward, StepSamples, jitted_head_programs, jitted_model_step
+from jaxserve.runner.programs import (
+    Forward,
+    StepSamples,
+    jitted_head_programs,
+    jitted_model_step,
+    pool_step,
+)
 from jaxserve.runner.sampling import TOKEN_MASK_LEAF, SamplerFlags, SamplingInputs
 
 # The warm-up's lines, under one name: users filter them as one story.
@@ -46,8 +52,10 @@ _LOG = logging.getLogger("jaxserve.runner.warmup")
 BACKGROUND_SLOTS = 4  # compiles at a time once the KV cache is allocated
 BACKGROUND_RETRIES = 3  # compiles alone after running out of device memory
 
-# The programs of a token bucket besides its model step (``StepPrograms.uncompiled``' kinds).
+# The programs of a token bucket besides its model step (``StepPrograms.uncompiled``' kinds):
+# a generating runner's, and a pooling runner's (``--runner pooling``: no logits, no sampler).
 PROGRAMS = ("logits", "prompt_logprobs", "samplers")
+POOLING_PROGRAMS = ("pooling",)
 
 KVCacheShapes = list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]
 
@@ -125,8 +133,10 @@ class StepPrograms:
         dtype: Any,  # the activations' (jnp.float32, jnp.bfloat16, ...)
         tp: TensorParallel | None = None,  # None: one device, the plain programs
         kv_scales: tuple[tuple[float, float], ...] | None = None,  # an fp8 cache's, per layer
+        pooling: bool = False,  # a pooling runner's programs: model step and pooling only
     ) -> None:
         self.model_config = model_config
+        self.kinds = POOLING_PROGRAMS if pooling else PROGRAMS
         self.buckets = buckets
         self.inputs = inputs
         self.kv_cache_shapes = kv_cache_shapes
@@ -142,6 +152,8 @@ class StepPrograms:
         self.compiled_logits: dict[int, Any] = {}
         self.compiled_prompt_lp: dict[int, Any] = {}
         self.compiled_samplers: dict[tuple[int, SamplerFlags], Any] = {}
+        self.pool_fn = jax.jit(pool_step, static_argnames=("layout",))
+        self.compiled_pool: dict[int, Any] = {}
         self.compile_seconds = 0.0  # warm-up's, until the engine serves
         # Steps of up to this many tokens have every program compiled (warm-up lowers it, then
         # raises it as the larger buckets compile in ``background``).
@@ -210,6 +222,14 @@ class StepPrograms:
             return self.sample_fn(logits, self.put(packed), layout=layout, flags=flags)
         return compiled(logits, self.put(packed))
 
+    def pool(self, forward: Forward) -> jax.Array:
+        """f32[S, 3, H]: per sequence of the step, the sum of its hidden states, its first
+        token's and its last token's (``programs.pool_step``)."""
+        compiled = self.compiled_pool.get(forward.hidden.shape[0])
+        if compiled is None:
+            return self.pool_fn(forward.hidden, forward.packed, layout=forward.layout)
+        return compiled(forward.hidden, forward.packed)
+
     def prompt_logprobs(self, hidden: jax.Array, next_ids: Any) -> tuple[jax.Array, ...]:
         compiled = self.compiled_prompt_lp.get(hidden.shape[0])
         if compiled is None:
@@ -226,15 +246,18 @@ class StepPrograms:
         return self.step_fn.lower(self.weights, kv_cache, packed, self.no_previous_ids, layout)
 
     def uncompiled(
-        self, buckets: list[int], kinds: tuple[str, ...] = PROGRAMS
+        self, buckets: list[int], kinds: tuple[str, ...] | None = None
     ) -> Iterator[tuple[str, dict, Any, int]]:
         """(kind, its table, its key, its token bucket) of each program of ``kinds`` that
         ``buckets`` need and no table holds yet: the logits and the prompt logprobs per token
         bucket, the sampler variants per sequence bucket (several token buckets share one)."""
+        kinds = self.kinds if kinds is None else tuple(k for k in kinds if k in self.kinds)
         queued: set[Any] = set()
         for bucket in buckets:
             rows = self.buckets.seq_bucket(bucket)
             wanted: list[tuple[str, dict, Any]] = []
+            if "pooling" in kinds:
+                wanted.append(("pooling", self.compiled_pool, bucket))
             if "logits" in kinds:
                 wanted.append(("logits", self.compiled_logits, bucket))
             if "prompt_logprobs" in kinds:
@@ -259,6 +282,9 @@ class StepPrograms:
                 specs[rows] = self._logits_spec(rows)
             return self.sample_fn.lower(specs[rows], self.put(packed), layout=layout, flags=flags)
         hidden = self.put(np.zeros((key, self.model_config.hidden_size), self.dtype))
+        if kind == "pooling":
+            packed, layout = pack_step(self.inputs.padding_step(key)[0])
+            return self.pool_fn.lower(hidden, self.put(packed), layout=layout)
         if kind == "logits":
             packed, layout = pack_step(self.inputs.padding_step(key)[0])
             return self.logits_fn.lower(self.head, hidden, self.put(packed), layout, tied=self.tied)

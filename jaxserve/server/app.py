@@ -31,6 +31,7 @@ from jaxserve.engine.interfaces import EngineClient
 from jaxserve.json_limits import JsonLimitError
 from jaxserve.sampling_params import SamplingParamsError
 from jaxserve.server.api.completions import create_completion
+from jaxserve.server.api.embeddings import create_embedding
 from jaxserve.server.api.errors import APIError, internal_error, json_response, unavailable
 from jaxserve.server.api.openapi import openapi_spec
 from jaxserve.server.api.tokenization import detokenize, tokenize
@@ -106,14 +107,22 @@ def _generation_routes(
             limiter.charge_request(request)
         return await request.body()
 
+    async def generation_body(request: Request) -> bytes:
+        """A generation route's body; a pooling model (--runner pooling) answers 400 first."""
+        ctx.refuse_generation_if_pooling()
+        return await read_body(request, True)
+
     async def completions(request: Request) -> Response:
-        return await create_completion(ctx, request, await read_body(request, True))
+        return await create_completion(ctx, request, await generation_body(request))
 
     async def chat_completions(request: Request) -> Response:
-        return await create_chat_completion(ctx, request, await read_body(request, True))
+        return await create_chat_completion(ctx, request, await generation_body(request))
 
     async def responses(request: Request) -> Response:
-        return await api.create(request, await read_body(request, True))
+        return await api.create(request, await generation_body(request))
+
+    async def embeddings(request: Request) -> Response:
+        return await create_embedding(ctx, request, await read_body(request, True))
 
     async def tokenize_route(request: Request) -> Response:
         raw = await read_body(request)
@@ -127,6 +136,7 @@ def _generation_routes(
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/tokenize", tokenize_route, methods=["POST"]),
         Route("/detokenize", detokenize_route, methods=["POST"]),
     ]

@@ -25,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from jaxserve.engine.interfaces import EngineClient
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.engine.request_checks import RequestError, check_request
+from jaxserve.engine.request_checks import GENERATION_REFUSED, RequestError, check_request
 from jaxserve.engine.tokenizer import TemplateError
 from jaxserve.sampling_params import SamplingParams, SamplingParamsError
 from jaxserve.server.api.errors import APIError, internal_error, json_dumps, model_not_found
@@ -110,6 +110,11 @@ class ServingContext:
         except (TemplateError, TypeError, KeyError, ValueError) as exc:
             raise APIError(400, f"The chat template could not render: {exc}", "messages") from None
 
+    def refuse_generation_if_pooling(self) -> None:
+        """A model served for pooling (``--runner pooling``) generates nothing: 400."""
+        if self.engine.config.runner == "pooling":
+            raise APIError(400, GENERATION_REFUSED, code="pooling_model")
+
     def check_request(
         self,
         token_ids: list[int],
@@ -122,7 +127,8 @@ class ServingContext:
         """The engine's request checks (context length, vocabulary, the budget), as a 400 in
         OpenAI's words. ``max_tokens`` is what the client sent; without it the budget is
         ``default_max_tokens`` clamped to the room left, or all of the room left. ``noun`` is
-        "prompt" or "messages"."""
+        "prompt" or "messages". A pooling model (``--runner pooling``) generates nothing: 400."""
+        self.refuse_generation_if_pooling()
         try:
             return check_request(
                 token_ids,

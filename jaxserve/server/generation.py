@@ -19,6 +19,7 @@ from typing import Any
 
 from jaxserve.engine.interfaces import EngineClient, EngineDeadError, QueueFullError
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams, SamplingParamsError
 from jaxserve.server.api.errors import (
     APIError,
@@ -37,6 +38,8 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None  # the text, for echo and the request log
+    # A pooling request (``/v1/embeddings``): ``params`` is unused, the engine's ``encode`` runs
+    pooling: PoolingParams | None = None
 
 
 @dataclasses.dataclass
@@ -127,15 +130,26 @@ class Generation:
             primed.add(index)
 
     async def _pump(self, index: int, request: EngineRequest) -> None:
-        stream = self.engine.generate(
-            request.prompt_token_ids,
-            request.params,
-            request.request_id,
-            prompt=request.prompt,
-            priority=self.priority,
-            cache_salt=self.cache_salt,
-            group_id=self.requests[0].request_id,  # one admission turn for all its prompts
-        )
+        group_id = self.requests[0].request_id  # one admission turn for all its prompts
+        if request.pooling is not None:
+            stream = self.engine.encode(
+                request.prompt_token_ids,
+                request.pooling,
+                request.request_id,
+                prompt=request.prompt,
+                priority=self.priority,
+                group_id=group_id,
+            )
+        else:
+            stream = self.engine.generate(
+                request.prompt_token_ids,
+                request.params,
+                request.request_id,
+                prompt=request.prompt,
+                priority=self.priority,
+                cache_salt=self.cache_salt,
+                group_id=group_id,
+            )
         try:
             async for delta in stream:
                 self._queue.put_nowait((index, delta))

@@ -85,6 +85,19 @@ def tensor_files(model_dir: Path) -> dict[str, Path]:
     return {name: file for file in files for name in read_header(file)}
 
 
+# A base model's checkpoint (``Qwen3Model``, ``MistralModel``: what embedding models publish)
+# names its tensors without the prefix of the ``*ForCausalLM`` tables.
+BASE_MODEL_PREFIX = "model."
+
+
+def base_model_names(files: dict[str, Path]) -> dict[str, str]:
+    """Table name -> stored name of a base model's tensors (``model.layers.0...`` ->
+    ``layers.0...``); empty for a checkpoint that names them with the prefix."""
+    if any(name.startswith(BASE_MODEL_PREFIX) for name in files):
+        return {}
+    return {BASE_MODEL_PREFIX + name: name for name in files if not name.startswith("lm_head.")}
+
+
 # Checkpoint tensors read elsewhere or safely left: rotary tables the model computes, the
 # fp8 KV cache's scales (kv_scales.py) and fp8 checkpoints' static activation scales (unread,
 # docs/quantization.md).
@@ -174,6 +187,9 @@ def load_weights(
     """
     model_dir = Path(model_dir)
     files = tensor_files(model_dir)
+    stored_names = base_model_names(files)
+    if stored_names:
+        files = {name: files[stored] for name, stored in stored_names.items()}
     progress = LoadProgress(sorted(set(files.values())), progress_above_bytes)
     shapes = expected_shapes(config, scheme)
     _check_complete(model_dir, files, shapes)
@@ -181,7 +197,7 @@ def load_weights(
     num_threads = num_threads or default_num_threads()
     num_buffers = 2 * num_threads
     buffer_bytes = max(64, staging_bytes // num_buffers // 64 * 64)
-    reader = CheckpointReader(files, progress.add, num_buffers, buffer_bytes)
+    reader = CheckpointReader(files, progress.add, num_buffers, buffer_bytes, stored_names)
     with reader, ThreadPoolExecutor(num_threads, thread_name_prefix="load") as pool:
         _check_shapes(reader, shapes)  # every error before a byte is read
         # Staged on the devices of the weights' mesh in turn (one device's link carrying all

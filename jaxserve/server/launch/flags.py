@@ -18,6 +18,7 @@ from jaxserve.engine_config import (
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     QUANTIZATIONS,
+    RUNNERS,
     SAMPLER_VARIANTS,
     SCHEDULING_POLICIES,
     EngineConfig,
@@ -41,6 +42,8 @@ from jaxserve.units import COUNT_RULE, human_bytes, human_int
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 API_KEY_ENV = "JAXSERVE_API_KEY"
+# --task (vLLM's older flag) -> the --runner it means.
+TASKS = {"generate": "generate", "embed": "pooling"}
 # Flag defaults are EngineConfig's, so the two cannot drift apart.
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
@@ -98,6 +101,22 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="model name(s) clients send as `model` (the first is the metrics label); "
         "default: MODEL as given, or jaxserve-demo",
+    )
+    add(
+        "--runner",
+        choices=RUNNERS,
+        default=None,
+        help="what the model serves: generate (completions, chat, responses) or pooling "
+        "(POST /v1/embeddings, with the pooling and normalization of the model's "
+        "sentence-transformers config: docs/embeddings.md); auto (the default): pooling for a "
+        "checkpoint whose config.json names only base models (Qwen3Model, MistralModel)",
+    )
+    add(
+        "--task",
+        choices=TASKS,
+        default=None,
+        help="vLLM's older spelling of --runner: embed is --runner pooling, generate is "
+        "--runner generate",
     )
     add(
         "--max-model-len",
@@ -473,8 +492,19 @@ def model_from_args(args: argparse.Namespace) -> str:
     return args.model or args.model_flag or ""
 
 
+def runner_from_args(args: argparse.Namespace) -> str:
+    """--runner, or what --task means (they must agree when both are given)."""
+    runner, task = getattr(args, "runner", None), getattr(args, "task", None)
+    if task is not None:
+        if runner is not None and runner != TASKS[task]:
+            raise ValueError(f"--task {task} means --runner {TASKS[task]}, not --runner {runner}")
+        runner = TASKS[task]
+    return str(runner or _ENGINE_DEFAULTS["runner"])
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
+        runner=runner_from_args(args),
         model=model_from_args(args),
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
         tokenizer=args.tokenizer,
