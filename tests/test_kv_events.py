@@ -35,7 +35,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 # vLLM's event fields, in declaration order, as its subscribers read them (the fields with a
 # default may be absent from a map).
-STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
+STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+)
 
 
 def events_config(**changes: Any) -> KVEventsConfig:
