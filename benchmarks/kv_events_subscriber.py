@@ -45,6 +45,7 @@ def main() -> None:
         num_bytes += len(payload)
         for event in msgpack.unpackb(payload, raw=False)[1]:
             counts[event["type"] if isinstance(event, dict) else event[0]] += 1
+    sub.close(linger=0)
     result = {
         "batches": num_batches,
         "events": dict(counts),

@@ -281,3 +281,37 @@ def test_the_server_publishes_the_blocks_of_a_completion() -> None:
             assert hashes == expected_chain(tokens)
         finally:
             sub.close()
+
+
+def test_benchmark_subscriber_counts_the_stream(tmp_path, monkeypatch) -> None:
+    """benchmarks/kv_events_subscriber.py, the kv_events stage's drain, against a publisher."""
+    import json
+    import signal
+    import sys
+    import threading
+
+    from benchmarks import kv_events_subscriber
+    from jaxserve.engine.kv_event_publisher import ZmqEventPublisher
+
+    publisher = ZmqEventPublisher(events_config(replay_endpoint=None))
+    out = tmp_path / "subscriber.json"
+    argv = ["kv_events_subscriber", "--endpoint", publisher.endpoint, "--seconds", "2"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(out)])
+    stored = BlockStored([1], None, [1, 2, 3, 4], 4, [None])
+
+    def send() -> None:
+        for _ in range(3):
+            publisher.publish([stored, BlockRemoved([1])])
+
+    timer = threading.Timer(0.5, send)
+    timer.start()
+    on_sigterm = signal.getsignal(signal.SIGTERM)  # the script sets its own
+    try:
+        kv_events_subscriber.main()
+    finally:
+        signal.signal(signal.SIGTERM, on_sigterm)
+        timer.cancel()
+        publisher.shutdown()
+    result = json.loads(out.read_text())
+    assert result["batches"] == 3 and result["sequence_gaps"] == 0
+    assert result["events"] == {"BlockStored": 3, "BlockRemoved": 3}
