@@ -55,7 +55,7 @@ class ZmqEventPublisher:
             maxlen=config.buffer_steps
         )
         self._topic = config.topic.encode()
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         endpoint = offset_endpoint_port(config.endpoint, data_parallel_rank)
