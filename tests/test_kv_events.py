@@ -315,3 +315,18 @@ def test_benchmark_subscriber_counts_the_stream(tmp_path, monkeypatch) -> None:
     result = json.loads(out.read_text())
     assert result["batches"] == 3 and result["sequence_gaps"] == 0
     assert result["events"] == {"BlockStored": 3, "BlockRemoved": 3}
+
+
+def test_the_flag_reaches_the_engine_config() -> None:
+    import argparse
+
+    from jaxserve.server.launch.flags import add_launch_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_launch_arguments(parser)
+    args = parser.parse_args(["--kv-events-config", '{"enable_kv_cache_events": true}'])
+    config = engine_config_from_args(args).kv_events_config
+    assert config is not None and config.is_publishing and config.endpoint == "tcp://*:5557"
+    assert engine_config_from_args(parser.parse_args([])).kv_events_config is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-events-config", '{"publisher": "kafka"}'])
