@@ -7,6 +7,7 @@ passed down to the scheduler, the KV-cache manager and the runner (so it lives b
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from pathlib import Path
@@ -58,6 +59,90 @@ def kv_cache_dtype_name(kv_cache_dtype: str, weight_dtype: str) -> str:
     if kv_cache_dtype == "auto":
         return weight_dtype
     return "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
+
+
+# --kv-events-config (vLLM's KVEventsConfig): its publishers, and how each event is encoded.
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+# "map": each event a msgpack map tagged by "type", as vLLM publishes since its events dropped
+# array_like (vllm#42892); "array": the earlier positional layout, tag first, that subscribers
+# older than that decode (docs/kv_events.md).
+KV_EVENT_ENCODINGS = ("map", "array")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's ``KVEventsConfig``: the same fields, defaults and meaning, plus ``event_encoding``.
+
+    Read by the engine (``engine/kv_events.py`` collects the block pool's events, and
+    ``engine/kv_event_publisher.py`` sends them) from ``EngineConfig.kv_events_config``."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # None: "zmq" when events are enabled, else "null"
+    endpoint: str = "tcp://*:5557"  # PUB socket: bound when it has * or ::, else connected
+    replay_endpoint: str | None = None  # ROUTER socket replaying buffered batches
+    buffer_steps: int = 10_000  # batches (one per engine step) kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread; then dropped
+    topic: str = ""
+    event_encoding: str = "map"
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        if self.publisher not in KV_EVENT_PUBLISHERS:
+            raise ValueError(
+                f"kv_events_config publisher={self.publisher!r} must be one of "
+                f"{', '.join(KV_EVENT_PUBLISHERS)}"
+            )
+        if self.event_encoding not in KV_EVENT_ENCODINGS:
+            raise ValueError(
+                f"kv_events_config event_encoding={self.event_encoding!r} must be one of "
+                f"{', '.join(KV_EVENT_ENCODINGS)}"
+            )
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"kv_events_config {name}={getattr(self, name)} must be >= 1")
+        if not self.endpoint:
+            raise ValueError("kv_events_config endpoint must not be empty")
+
+    @property
+    def is_publishing(self) -> bool:
+        """Events are collected and sent: enabled, with a publisher other than null."""
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """``--kv-events-config``'s JSON object; ``ValueError`` naming a key it does not know
+        or a value of the wrong type."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"kv_events_config is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError("kv_events_config must be a JSON object")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for key, value in data.items():
+            if key not in fields:
+                raise ValueError(
+                    f"kv_events_config has no field {key!r} (fields: {', '.join(fields)})"
+                )
+            kinds = _KV_EVENT_FIELD_TYPES[key]
+            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+                raise ValueError(f"kv_events_config {key}={value!r} has the wrong type")
+        return cls(**data)
+
+
+_KV_EVENT_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "enable_kv_cache_events": (bool,),
+    "publisher": (str, type(None)),
+    "endpoint": (str,),
+    "replay_endpoint": (str, type(None)),
+    "buffer_steps": (int,),
+    "hwm": (int,),
+    "max_queue_size": (int,),
+    "topic": (str,),
+    "event_encoding": (str,),
+}
 
 
 def default_model_dir() -> Path:
@@ -148,6 +233,9 @@ class EngineConfig:
     device_memory_bytes: int | None = None
     # What the model serves (RUNNERS): "pooling" runs prompts only and returns embeddings.
     runner: str = "auto"
+    # KV-cache events (vLLM's --kv-events-config): BlockStored / BlockRemoved / AllBlocksCleared
+    # published over ZeroMQ for prefix-aware routers (docs/kv_events.md); None: none.
+    kv_events_config: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

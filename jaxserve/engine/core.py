@@ -22,6 +22,8 @@ from jaxserve.config import ModelConfig, read_config_json
 from jaxserve.engine.grammar import GrammarCompiler, GrammarLimits
 from jaxserve.engine.interfaces import EngineStats, Runner
 from jaxserve.engine.kv_cache import KVCacheManager
+from jaxserve.engine.kv_event_publisher import make_publisher
+from jaxserve.engine.kv_events import KVEventLog
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.outputs import RequestMetrics, RequestOutput
 from jaxserve.engine.pooler import Pooler
@@ -98,8 +100,7 @@ class EngineCore:
         # thread of their own: an error or a Ctrl-C stops them (the interpreter's exit would
         # wait for them) and the compiles.
         try:
-            kv_args = (runner.num_blocks, config.block_size, config.enable_prefix_caching)
-            self.kv = KVCacheManager(*kv_args, sliding_window=self.model_config.all_layers_window)
+            self.kv = self._make_kv_cache(runner)
             self.scheduler = Scheduler(
                 self.kv,
                 max_num_seqs=config.max_num_seqs,
@@ -121,6 +122,9 @@ class EngineCore:
             self.num_compiled_shapes = runner.warmup() if config.warmup else 0
         except BaseException:
             runner.shutdown()
+            publisher = getattr(self, "kv_event_publisher", None)
+            if publisher is not None:
+                publisher.shutdown()
             raise
         self.requests: dict[str, Request] = {}
         self._inbox: collections.deque[Request] = collections.deque()
@@ -139,6 +143,16 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, InFlight] | None = None
         self._num_sync_requests = 0
 
+    def _make_kv_cache(self, runner: Runner) -> KVCacheManager:
+        """The block pool; it records KV-cache events when --kv-events-config publishes them
+        (each step hands them to ``kv_event_publisher``)."""
+        config = self.config
+        window = self.model_config.all_layers_window
+        self.kv_event_publisher = make_publisher(config.kv_events_config)
+        events = KVEventLog(window) if self.kv_event_publisher is not None else None
+        kv_args = (runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        return KVCacheManager(*kv_args, sliding_window=window, events=events)
+
     def shutdown(self) -> None:
         """Wait for a step still on the device, stop warm-up's background compile, release
         the follower processes of a multi-host replica. Call it once the step loop stopped."""
@@ -146,6 +160,16 @@ class EngineCore:
         self.runner.shutdown()
         self.grammar_compiler.close()
         self.structured_outputs.close()
+        if self.kv_event_publisher is not None:
+            self.publish_kv_events()
+            self.kv_event_publisher.shutdown()
+
+    def publish_kv_events(self) -> None:
+        """Hand the KV-cache events recorded since the last call to the publisher (one batch;
+        nothing when there are none or events are off)."""
+        events = self.kv.pool.events
+        if self.kv_event_publisher is not None and events is not None and events.pending:
+            self.kv_event_publisher.publish(events.take())
 
     def settle(self) -> list[RequestOutput]:
         """Read back the step on the device, if any (its outputs)."""
@@ -167,6 +191,7 @@ class EngineCore:
             )
         result = swap()
         self.kv.pool.reset_prefix_cache()
+        self.publish_kv_events()
         return result
 
     @property
@@ -308,6 +333,7 @@ class EngineCore:
             generation_tokens=self.generation_tokens,
             num_aborted=self.num_aborted,
             num_steps=self.num_steps,
+            num_gpu_blocks=self.kv.num_blocks,
         )
 
     # -- the step (engine thread) ----------------------------------------------------------
@@ -349,6 +375,11 @@ class EngineCore:
         return output
 
     def step(self) -> list[RequestOutput]:
+        outputs = self._step()
+        self.publish_kv_events()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         outputs = self.drain_inbox()
         if self.is_sleeping:  # nothing runs until it wakes
             return outputs

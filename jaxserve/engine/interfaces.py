@@ -47,6 +47,13 @@ class EngineStats:
     generation_tokens: int
     num_aborted: int
     num_steps: int
+    # KV-cache blocks in the pool (vllm:cache_config_info's num_gpu_blocks); 0: not known.
+    num_gpu_blocks: int = 0
+    # LoRA (vllm:lora_requests_info): how many adapters may be loaded at once, and the adapters
+    # of running and waiting requests. Nothing until the engine serves adapters.
+    max_loras: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 class Runner(Protocol):

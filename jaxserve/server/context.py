@@ -57,7 +57,9 @@ class ServingContext:
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.vocab_size
         self.state = ServerState(engine)
-        self.metrics = ServerMetrics(engine, settings.model_name, self.max_model_len)
+        self.metrics = ServerMetrics(
+            engine, settings.model_name, self.max_model_len, settings.metrics_prefix
+        )
         self.request_logger = (
             RequestLogger(settings.log_prompts) if settings.enable_log_requests else None
         )

@@ -22,6 +22,7 @@ from jaxserve.engine_config import (
     SAMPLER_VARIANTS,
     SCHEDULING_POLICIES,
     EngineConfig,
+    KVEventsConfig,
     dtype_name,
 )
 from jaxserve.flag_names import command_flags, in_flag_terms
@@ -36,6 +37,7 @@ from jaxserve.server.settings import (
     DEFAULT_MAX_TOKENS_PER_REQUEST,
     DEFAULT_REQUEST_BODY_TIMEOUT_S,
     DEFAULT_SEND_TIMEOUT_S,
+    METRICS_PREFIXES,
     ServerSettings,
 )
 from jaxserve.units import COUNT_RULE, human_bytes, human_int
@@ -333,6 +335,26 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         help="no periodic stats line (throughput, running and waiting requests, KV cache use)",
     )
     add(
+        "--metrics-prefix",
+        choices=METRICS_PREFIXES,
+        default="both",
+        help="the names /metrics uses: both (every series under vllm: as vLLM names and labels "
+        'it, with engine="0", and under jaxserve:), vllm (only vLLM\'s series, as a vLLM '
+        "server exports them; jaxserve's own, such as rate_limited_requests, are left out), or "
+        "jaxserve (only jaxserve:, as before)",
+    )
+    add(
+        "--kv-events-config",
+        type=kv_events_config,
+        default=None,
+        metavar="JSON",
+        help="publish KV-cache events as vLLM does, for prefix-aware routers (llm-d): a JSON "
+        "object of vLLM's KVEventsConfig, e.g. '{\"enable_kv_cache_events\": true, "
+        '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", '
+        '"topic": "kv-events"}\' (also buffer_steps, hwm, max_queue_size, and event_encoding: '
+        "map as vLLM now sends, or array for older subscribers; docs/kv_events.md)",
+    )
+    add(
         "--metrics-require-key",
         action="store_true",
         help="guard /metrics with the API key too; without it /metrics is public",
@@ -478,6 +500,14 @@ def port_number(text: str) -> int:
     return port
 
 
+def kv_events_config(text: str) -> KVEventsConfig:
+    """``--kv-events-config``: vLLM's JSON object (a bad field is a usage error naming it)."""
+    try:
+        return KVEventsConfig.from_json(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def load_format_name(text: str) -> str:
     """``--load-format``: vLLM's ``safetensors`` is what ``auto`` loads."""
     return "auto" if text == "safetensors" else text
@@ -536,6 +566,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         compilation_cache_dir=args.compilation_cache_dir,
+        kv_events_config=args.kv_events_config,
     )
 
 
@@ -547,6 +578,7 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
         served_model_names=tuple(args.served_model_name or [model_name]),
         api_key=api_key,
         metrics_require_key=args.metrics_require_key,
+        metrics_prefix=args.metrics_prefix,
         enable_log_requests=args.enable_log_requests or args.log_prompts,
         log_stats=not args.disable_log_stats,
         log_prompts=args.log_prompts,
