@@ -121,10 +121,7 @@ class EngineCore:
                 _LOG.info(line)
             self.num_compiled_shapes = runner.warmup() if config.warmup else 0
         except BaseException:
-            runner.shutdown()
-            publisher = getattr(self, "kv_event_publisher", None)
-            if publisher is not None:
-                publisher.shutdown()
+            self._abandon(runner)
             raise
         self.requests: dict[str, Request] = {}
         self._inbox: collections.deque[Request] = collections.deque()
@@ -142,6 +139,13 @@ class EngineCore:
         self.async_scheduling = config.async_scheduling and not runner.multihost
         self._in_flight: tuple[SchedulerOutput, InFlight] | None = None
         self._num_sync_requests = 0
+
+    def _abandon(self, runner: Runner) -> None:
+        """A start that failed: the runner's threads and the event publisher stopped."""
+        runner.shutdown()
+        publisher = getattr(self, "kv_event_publisher", None)
+        if publisher is not None:
+            publisher.shutdown()
 
     def _make_kv_cache(self, runner: Runner) -> KVCacheManager:
         """The block pool; it records KV-cache events when --kv-events-config publishes them
