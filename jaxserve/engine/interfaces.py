@@ -46,6 +46,11 @@ class EngineStats:
     generation_tokens: int
     num_aborted: int
     num_steps: int
+    # LoRA (vLLM's lora_requests_info gauge): the adapters of running and of waiting requests,
+    # and the device slots; empty / 0 with LoRA off.
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
 
 
 class Runner(Protocol):

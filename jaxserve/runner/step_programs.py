@@ -35,6 +35,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.batch import Batch
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.input_builder import InputBuilder
+from jaxserve.runner.lora_slots import LoraSlots
 from jaxserve.runner.packing import Layout, pack, write_rows
 from jaxserve.runner.parallel.sharding import TensorParallel
 from jaxserve.runner.programs import Forward, StepSamples, jitted_head_programs, jitted_model_step
@@ -52,12 +53,17 @@ PROGRAMS = ("logits", "prompt_logprobs", "samplers")
 KVCacheShapes = list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]
 
 
-def pack_step(batch: Batch, source: np.ndarray | None = None) -> tuple[np.ndarray, Layout]:
+def pack_step(
+    batch: Batch, source: np.ndarray | None = None, lora_slots: np.ndarray | None = None
+) -> tuple[np.ndarray, Layout]:
     """A step's host inputs packed for the model step: the batch, and for each token the row
-    of the previous step's sampled ids it reads (-1: its own input id)."""
+    of the previous step's sampled ids it reads (-1: its own input id); with LoRA on, each
+    token's adapter slot (i32[T], 0: none) too."""
     if source is None:
         source = np.full(batch.num_tokens, -1, np.int32)
-    return pack((batch, source))
+    if lora_slots is None:
+        return pack((batch, source))
+    return pack((batch, source, lora_slots))
 
 
 @dataclasses.dataclass
@@ -125,8 +131,10 @@ class StepPrograms:
         dtype: Any,  # the activations' (jnp.float32, jnp.bfloat16, ...)
         tp: TensorParallel | None = None,  # None: one device, the plain programs
         kv_scales: tuple[tuple[float, float], ...] | None = None,  # an fp8 cache's, per layer
+        lora: LoraSlots | None = None,  # the adapter slots (--enable-lora), read at each step
     ) -> None:
         self.model_config = model_config
+        self.lora = lora
         self.buckets = buckets
         self.inputs = inputs
         self.kv_cache_shapes = kv_cache_shapes
@@ -176,16 +184,24 @@ class StepPrograms:
         batch: Batch,  # host arrays
         source: np.ndarray | None = None,  # i32[T]  see ``pack_step``
         previous_ids: jax.Array | None = None,  # i32[S_max]  the previous step's sampled ids
+        lora_slots: np.ndarray | None = None,  # i32[T]  each token's adapter slot (LoRA on)
     ) -> tuple[Any, Forward]:
         """(kv_cache, the step's output) of one model step."""
-        packed, layout = pack_step(batch, source)
+        if self.lora is not None and lora_slots is None:
+            lora_slots = np.zeros(batch.num_tokens, np.int32)
+        packed, layout = pack_step(batch, source, lora_slots)
         args = (self.put(packed), self.no_previous_ids if previous_ids is None else previous_ids)
+        extra = self._lora_args()
         step = self.compiled_steps.get(batch.num_tokens)
         if step is None:
-            kv_cache, hidden = self.step_fn(self.weights, kv_cache, *args, layout)
+            kv_cache, hidden = self.step_fn(self.weights, kv_cache, *args, layout, **extra)
         else:
-            kv_cache, hidden = step(self.weights, kv_cache, *args)
+            kv_cache, hidden = step(self.weights, kv_cache, *args, **extra)
         return kv_cache, Forward(hidden, args[0], layout)
+
+    def _lora_args(self) -> dict[str, Any]:
+        """The model step's adapter stacks, as they are now (none without LoRA)."""
+        return {} if self.lora is None else {"lora_weights": self.lora.weights}
 
     def sample(
         self,
@@ -221,9 +237,13 @@ class StepPrograms:
     def lower_step(self, num_tokens: int, kv_cache: Any = None) -> Any:
         """The model step of a token bucket, lowered (not yet compiled); ``kv_cache``: the
         cache's shapes by default."""
-        packed, layout = pack_step(self.inputs.padding_step(num_tokens)[0])
+        batch = self.inputs.padding_step(num_tokens)[0]
+        lora_slots = None if self.lora is None else np.zeros(num_tokens, np.int32)
+        packed, layout = pack_step(batch, None, lora_slots)
         kv_cache = self.kv_cache_shapes if kv_cache is None else kv_cache
-        return self.step_fn.lower(self.weights, kv_cache, packed, self.no_previous_ids, layout)
+        return self.step_fn.lower(
+            self.weights, kv_cache, packed, self.no_previous_ids, layout, **self._lora_args()
+        )
 
     def uncompiled(
         self, buckets: list[int], kinds: tuple[str, ...] = PROGRAMS
