@@ -22,7 +22,7 @@ from jaxserve.engine.interfaces import EngineStats, Runner
 from jaxserve.engine.kv_cache import KVCacheManager
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.outputs import RequestMetrics, RequestOutput
-from jaxserve.engine.request import Request, Sequence, SeqStatus, mark_scheduled, seq_of
+from jaxserve.engine.request import Request, SeqStatus, Sequence, mark_scheduled, seq_of
 from jaxserve.engine.request_checks import RequestError, check_request
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.structured_outputs import Accepted, StructuredOutputs
@@ -56,8 +56,7 @@ class EngineCore:
 
             runner = ModelRunner(self.model_config, config, self.eos_token_ids)
         self.runner = runner
-        # The adapter slots (--enable-lora; ModelRunner's), or None.
-        self.lora_slots: LoraSlots | None = getattr(runner, "lora_slots", None)
+        self.lora_slots: LoraSlots | None = getattr(runner, "lora_slots", None)  # --enable-lora
         # NOTE: from here to the end of warm-up the runner's weights may be loading on a
         # thread of their own: an error or a Ctrl-C stops them (the interpreter's exit would
         # wait for them) and the compiles.
@@ -227,7 +226,8 @@ class EngineCore:
     def lora_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The adapters of the running and of the waiting requests (vLLM's
         ``lora_requests_info``), each name once."""
-        running, waiting = {}, {}
+        running: dict[str, bool] = {}
+        waiting: dict[str, bool] = {}
         for request in list(self.requests.values()):
             lora = request.lora_request
             if lora is None:

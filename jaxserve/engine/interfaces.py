@@ -18,6 +18,7 @@ import numpy as np
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.engine_config import EngineConfig
+from jaxserve.lora_request import LoRARequest
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -118,7 +119,14 @@ class EngineClient(Protocol):
         priority: int = 0,
         cache_salt: str | None = None,
         group_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput]: ...
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter (``ValueError`` naming what does not fit)."""
+        ...
+
+    async def remove_lora(self, lora_int_id: int) -> None: ...
 
     async def abort(self, request_id: str) -> None: ...
 

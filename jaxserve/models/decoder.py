@@ -59,6 +59,28 @@ _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 }
 
 
+def qkv_projections(
+    lw: LayerWeights,
+    x: jax.Array,  # [T, H]
+    config: ModelConfig,
+    lora: lora_ops.LayerLora | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # [T, N, D], [T, K, D], [T, K, D]
+    """q, k and v (one GEMM when fused), each token's adapter term added."""
+    if lw.fused is not None:  # one GEMM for q, k and v
+        qkv = linear(x, lw.fused.wqkv, "TH,HXD->TXD")
+        n, kv = config.num_q_heads, config.num_kv_heads
+        q, k, v = qkv[:, :n], qkv[:, n : n + kv], qkv[:, n + kv :]
+    else:
+        assert lw.wq is not None and lw.wk is not None and lw.wv is not None
+        q = linear(x, lw.wq, "TH,HND->TND")
+        k = linear(x, lw.wk, "TH,HKD->TKD")
+        v = linear(x, lw.wv, "TH,HKD->TKD")
+    if lora is not None:
+        dq, dk, dv = lora_ops.qkv_deltas(x, lora, q.shape[1:], k.shape[1:])
+        q, k, v = q + dq, k + dk, v + dv
+    return q, k, v
+
+
 def attention_block(
     lw: LayerWeights,
     x: jax.Array,  # [T, H]
@@ -72,18 +94,7 @@ def attention_block(
     kv_scale: tuple[float, float] | None = None,  # an fp8 cache's (k_scale, v_scale)
     lora: lora_ops.LayerLora | None = None,  # the layer's adapter slots (--enable-lora)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    if lw.fused is not None:  # one GEMM for q, k and v
-        qkv = linear(x, lw.fused.wqkv, "TH,HXD->TXD")
-        n, kv = config.num_q_heads, config.num_kv_heads
-        q, k, v = qkv[:, :n], qkv[:, n : n + kv], qkv[:, n + kv :]
-    else:
-        assert lw.wq is not None and lw.wk is not None and lw.wv is not None
-        q = linear(x, lw.wq, "TH,HND->TND")
-        k = linear(x, lw.wk, "TH,HKD->TKD")
-        v = linear(x, lw.wv, "TH,HKD->TKD")
-    if lora is not None:  # each token's adapter
-        dq, dk, dv = lora_ops.qkv_deltas(x, lora, q.shape[1:], k.shape[1:])
-        q, k, v = q + dq, k + dk, v + dv
+    q, k, v = qkv_projections(lw, x, config, lora)
     if lw.bq is not None:  # q/k/v biases (Qwen2): the config has all three or none
         q = q + lw.bq
     if lw.bk is not None:

@@ -118,7 +118,7 @@ def zeros(shapes: LoraShapes, dtype: jnp.dtype) -> LoraWeights:
     for i in range(len(shapes.dims)):
         arrays = {k: jnp.zeros(s, dtype) for k, s in shapes.layer_arrays(i).items()}
         fields = {f.name: arrays.get(f.name) for f in dataclasses.fields(LoraLayer)}
-        layers.append(LoraLayer(**fields))
+        layers.append(LoraLayer(**fields))  # type: ignore[arg-type]
     return LoraWeights(layers)
 
 
@@ -188,8 +188,8 @@ LayerLora = tuple[LoraLayer, jax.Array]  # (the layer's slots, the step's slot m
 def qkv_deltas(
     x: jax.Array,  # [T, H]  the attention's normed input
     lora: LayerLora,
-    q_shape: tuple[int, int],  # (N, D)
-    kv_shape: tuple[int, int],  # (K, D)
+    q_shape: tuple[int, ...],  # (N, D)
+    kv_shape: tuple[int, ...],  # (K, D)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # [T, N, D], [T, K, D], [T, K, D]
     """The q, k and v terms: one shrink GEMM for the three (their A matrices joined)."""
     layer, mask = lora

@@ -167,7 +167,7 @@ class LoraSlots:
                 f.name: None if f.name not in arrays else jnp.asarray(arrays[f.name], self.dtype)
                 for f in dataclasses.fields(lora.LoraLayer)
             }
-            layers.append(lora.LoraLayer(**fields))
+            layers.append(lora.LoraLayer(**fields))  # type: ignore[arg-type]
         return lora.LoraWeights(layers)
 
     # -- what runs --------------------------------------------------------------------------
