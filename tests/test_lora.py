@@ -122,10 +122,12 @@ def test_a_replaced_adapter_serves_new_requests_while_running_ones_finish_on_the
 
 
 def test_least_recently_used_adapters_are_evicted_from_one_slot():
+    """Also with warm-up on: the compiled programs take the adapter inputs."""
     from jaxserve import LLM
 
+    engine = ENGINE | {"warmup": True, "max_num_batched_tokens": 32, "max_num_seqs": 4}
     with LLM(
-        str(fixture_dir("llama")), enable_lora=True, max_loras=1, max_cpu_loras=2, **ENGINE
+        str(fixture_dir("llama")), enable_lora=True, max_loras=1, max_cpu_loras=2, **engine
     ) as llm:
         slots = llm.engine.lora_slots
         for name in ("alpha", "beta", "gamma", "alpha"):

@@ -237,13 +237,16 @@ class StepPrograms:
     def lower_step(self, num_tokens: int, kv_cache: Any = None) -> Any:
         """The model step of a token bucket, lowered (not yet compiled); ``kv_cache``: the
         cache's shapes by default."""
-        batch = self.inputs.padding_step(num_tokens)[0]
-        lora_slots = None if self.lora is None else np.zeros(num_tokens, np.int32)
-        packed, layout = pack_step(batch, None, lora_slots)
+        packed, layout = self._padding_packed(num_tokens)
         kv_cache = self.kv_cache_shapes if kv_cache is None else kv_cache
         return self.step_fn.lower(
             self.weights, kv_cache, packed, self.no_previous_ids, layout, **self._lora_args()
         )
+
+    def _padding_packed(self, num_tokens: int) -> tuple[np.ndarray, Layout]:
+        """A padding step's model inputs, packed as ``run_step`` packs a step's."""
+        lora_slots = None if self.lora is None else np.zeros(num_tokens, np.int32)
+        return pack_step(self.inputs.padding_step(num_tokens)[0], None, lora_slots)
 
     def uncompiled(
         self, buckets: list[int], kinds: tuple[str, ...] = PROGRAMS
@@ -280,7 +283,7 @@ class StepPrograms:
             return self.sample_fn.lower(specs[rows], self.put(packed), layout=layout, flags=flags)
         hidden = self.put(np.zeros((key, self.model_config.hidden_size), self.dtype))
         if kind == "logits":
-            packed, layout = pack_step(self.inputs.padding_step(key)[0])
+            packed, layout = self._padding_packed(key)
             return self.logits_fn.lower(self.head, hidden, self.put(packed), layout, tied=self.tied)
         next_ids = self.put(np.zeros(key, np.int32))
         return self.prompt_lp_fn.lower(self.head, hidden, next_ids, tied=self.tied)
@@ -289,7 +292,7 @@ class StepPrograms:
         """The logits a sampler of ``rows`` rows takes, as the logits program returns them
         (replicated; not made: 128 MiB at 256 rows of a 128k vocabulary)."""
         hidden = self.put(np.zeros((rows, self.model_config.hidden_size), self.dtype))
-        packed, layout = pack_step(self.inputs.padding_step(rows)[0])
+        packed, layout = self._padding_packed(rows)
         logits = functools.partial(self.logits_fn, layout=layout, tied=self.tied)
         shape = jax.eval_shape(logits, self.head, hidden, self.put(packed))
         sharding = self.tp.replicated if self.tp is not None else hidden.sharding
