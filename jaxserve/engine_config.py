@@ -236,6 +236,11 @@ class EngineConfig:
     # KV-cache events (vLLM's --kv-events-config): BlockStored / BlockRemoved / AllBlocksCleared
     # published over ZeroMQ for prefix-aware routers (docs/kv_events.md); None: none.
     kv_events_config: KVEventsConfig | None = None
+    # LoRA adapters (docs/lora.md): device slots, their rank, adapters kept in host memory.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -290,6 +295,26 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner={self.runner!r} must be one of {', '.join(RUNNERS)}")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras={self.max_loras} must be at least 1")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank={self.max_lora_rank} must be at least 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras={self.max_cpu_loras} must be at least max_loras={self.max_loras}"
+            )
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"enable_lora with tensor_parallel_size={self.tensor_parallel_size}: LoRA runs "
+                "on one device for now (docs/lora.md)"
+            )
+
+    @property
+    def resolved_max_cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     def resolved_max_model_len(self, model_config: ModelConfig, warn: bool = False) -> int:
         """The context length served: ``max_model_len`` or the model's own. One longer than

@@ -27,7 +27,7 @@ from jaxserve.engine.kv_events import KVEventLog
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.outputs import RequestMetrics, RequestOutput
 from jaxserve.engine.pooler import Pooler
-from jaxserve.engine.request import Request, Sequence, mark_scheduled, seq_of
+from jaxserve.engine.request import Request, SeqStatus, Sequence, mark_scheduled, seq_of
 from jaxserve.engine.request_checks import (
     GENERATION_REFUSED,
     POOLING_REFUSED,
@@ -39,6 +39,7 @@ from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.structured_outputs import Accepted, StructuredOutputs
 from jaxserve.engine.tokenizer import end_of_sequence_ids, load_tokenizer
 from jaxserve.engine_config import EngineConfig
+from jaxserve.lora_request import LoRARequest
 from jaxserve.models.families.registry import load_model_config
 from jaxserve.models.pooling import PoolingConfig, is_base_model
 from jaxserve.pooling_params import PoolingParams
@@ -47,6 +48,7 @@ from jaxserve.sampling_params import SamplingParams, SamplingParamsError
 
 if TYPE_CHECKING:
     from jaxserve.runner.in_flight import InFlight
+    from jaxserve.runner.lora_slots import LoraSlots
 
 _LOG = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -96,6 +98,7 @@ class EngineCore:
             loaded = runner_model_config(self.model_config, self.pooler is not None)
             runner = ModelRunner(loaded, config, self.eos_token_ids)
         self.runner = runner
+        self.lora_slots: LoraSlots | None = getattr(runner, "lora_slots", None)  # --enable-lora
         # NOTE: from here to the end of warm-up the runner's weights may be loading on a
         # thread of their own: an error or a Ctrl-C stops them (the interpreter's exit would
         # wait for them) and the compiles.
@@ -108,6 +111,7 @@ class EngineCore:
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 policy=config.scheduling_policy,
+                lora_slots=self.lora_slots,
             )
             self.output_processor = OutputProcessor(
                 self.tokenizer, self.eos_token_ids, self.max_model_len
@@ -231,14 +235,19 @@ class EngineCore:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         group_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request for the next step (``RequestError`` if it cannot run); requests of
-        one ``group_id`` (the prompts of one API call) take one admission turn together."""
+        one ``group_id`` (the prompts of one API call) take one admission turn together.
+        ``lora_request``: its adapter, read and checked here if the engine does not know it
+        yet (``AdapterError``)."""
         if self.pooler is not None:
             raise RequestError(GENERATION_REFUSED, code="pooling_model")
         params = check_request(
             prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
+        if lora_request is not None:
+            self.ensure_lora(lora_request)
         arrival = time.time() if arrival_time is None else arrival_time
         request = Request(
             request_id,
@@ -251,6 +260,7 @@ class EngineCore:
             group_id or "",
             metrics=RequestMetrics(arrival_time=arrival),
             grammar=self.compile_grammar(params),
+            lora_request=lora_request,
         )
         request.add_samples(
             params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -303,6 +313,46 @@ class EngineCore:
                 raise RequestError(f"request id {request_id!r} is in use", param="request_id")
             self._inbox.append(request)
 
+    # -- LoRA adapters (any thread) --------------------------------------------------------
+
+    def ensure_lora(self, lora_request: LoRARequest) -> None:
+        if self.lora_slots is None:
+            raise RequestError(
+                f"adapter {lora_request.lora_name!r} asked for, but LoRA is off "
+                "(start the engine with enable_lora / --enable-lora)",
+                param="model",
+            )
+        if not self.lora_slots.has_lora(lora_request.lora_int_id):
+            self.lora_slots.add_lora(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read, check and keep the adapter in host memory (``AdapterError`` if it does not
+        fit the model); requests may then name it."""
+        if self.lora_slots is None:
+            raise RuntimeError("LoRA is off: start the engine with enable_lora / --enable-lora")
+        self.lora_slots.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget the adapter; sequences that run with it finish on it."""
+        if self.lora_slots is not None:
+            self.lora_slots.remove_lora(lora_int_id)
+
+    def lora_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The adapters of the running and of the waiting requests (vLLM's
+        ``lora_requests_info``), each name once."""
+        running: dict[str, bool] = {}
+        waiting: dict[str, bool] = {}
+        for request in list(self.requests.values()):
+            lora = request.lora_request
+            if lora is None:
+                continue
+            is_running = any(s.status == SeqStatus.RUNNING for s in request.seqs)
+            (running if is_running else waiting)[lora.lora_name] = True
+        for request in list(self._inbox):
+            if request.lora_request is not None:
+                waiting[request.lora_request.lora_name] = True
+        return tuple(running), tuple(w for w in waiting if w not in running)
+
     def compile_grammar(self, params: SamplingParams) -> Any:
         """The compiled grammar of ``params.structured_outputs`` (None without one; cached);
         ``RequestError`` naming the field if it is invalid or too slow to compile."""
@@ -338,7 +388,18 @@ class EngineCore:
             num_aborted=self.num_aborted,
             num_steps=self.num_steps,
             num_gpu_blocks=self.kv.num_blocks,
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        if self.lora_slots is None:
+            return {}
+        running, waiting = self.lora_names()
+        return {
+            "running_lora_adapters": running,
+            "waiting_lora_adapters": waiting,
+            "max_lora": self.config.max_loras,
+        }
 
     # -- the step (engine thread) ----------------------------------------------------------
 

@@ -190,7 +190,7 @@ class KVCacheManager:
 
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
         hashes = self._hashes.setdefault(seq.seq_id, [])
-        salt = seq.request.cache_salt
+        salt = seq.request.prefix_cache_key
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.models import lora as lora_ops
 from jaxserve.models import mla, moe, rope
 from jaxserve.models.batch import Batch, KVCache
 from jaxserve.models.layers import LayerWeights, Weights, rms_norm
@@ -58,6 +59,28 @@ _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 }
 
 
+def qkv_projections(
+    lw: LayerWeights,
+    x: jax.Array,  # [T, H]
+    config: ModelConfig,
+    lora: lora_ops.LayerLora | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # [T, N, D], [T, K, D], [T, K, D]
+    """q, k and v (one GEMM when fused), each token's adapter term added."""
+    if lw.fused is not None:  # one GEMM for q, k and v
+        qkv = linear(x, lw.fused.wqkv, "TH,HXD->TXD")
+        n, kv = config.num_q_heads, config.num_kv_heads
+        q, k, v = qkv[:, :n], qkv[:, n : n + kv], qkv[:, n + kv :]
+    else:
+        assert lw.wq is not None and lw.wk is not None and lw.wv is not None
+        q = linear(x, lw.wq, "TH,HND->TND")
+        k = linear(x, lw.wk, "TH,HKD->TKD")
+        v = linear(x, lw.wv, "TH,HKD->TKD")
+    if lora is not None:
+        dq, dk, dv = lora_ops.qkv_deltas(x, lora, q.shape[1:], k.shape[1:])
+        q, k, v = q + dq, k + dk, v + dv
+    return q, k, v
+
+
 def attention_block(
     lw: LayerWeights,
     x: jax.Array,  # [T, H]
@@ -69,16 +92,9 @@ def attention_block(
     attention_fn: AttentionFn,
     sliding_window: int | None,
     kv_scale: tuple[float, float] | None = None,  # an fp8 cache's (k_scale, v_scale)
+    lora: lora_ops.LayerLora | None = None,  # the layer's adapter slots (--enable-lora)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    if lw.fused is not None:  # one GEMM for q, k and v
-        qkv = linear(x, lw.fused.wqkv, "TH,HXD->TXD")
-        n, kv = config.num_q_heads, config.num_kv_heads
-        q, k, v = qkv[:, :n], qkv[:, n : n + kv], qkv[:, n + kv :]
-    else:
-        assert lw.wq is not None and lw.wk is not None and lw.wv is not None
-        q = linear(x, lw.wq, "TH,HND->TND")
-        k = linear(x, lw.wk, "TH,HKD->TKD")
-        v = linear(x, lw.wv, "TH,HKD->TKD")
+    q, k, v = qkv_projections(lw, x, config, lora)
     if lw.bq is not None:  # q/k/v biases (Qwen2): the config has all three or none
         q = q + lw.bq
     if lw.bk is not None:
@@ -110,14 +126,20 @@ def attention_block(
         **scales,
         **sinks,
     )  # [T, N, D]
+    delta = None if lora is None else lora_ops.o_delta(out, lora)
     out = linear(out, lw.wo, "TND,NDH->TH")
+    if delta is not None:
+        out = out + delta
     if lw.bo is not None:
         out = out + lw.bo
     return out, k_pages, v_pages
 
 
 def mlp_block(
-    lw: LayerWeights, x: jax.Array, act: Callable[[jax.Array], jax.Array] = jax.nn.silu
+    lw: LayerWeights,
+    x: jax.Array,
+    act: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+    lora: lora_ops.LayerLora | None = None,  # the layer's adapter slots (--enable-lora)
 ) -> jax.Array:  # [T, H] -> [T, H]
     assert lw.w_down is not None
     if lw.fused is not None and lw.fused.w_gate_up is not None:  # one GEMM for gate and up
@@ -127,7 +149,11 @@ def mlp_block(
         assert lw.w_gate is not None and lw.w_up is not None
         gate = linear(x, lw.w_gate, "TH,HI->TI")
         up = linear(x, lw.w_up, "TH,HI->TI")
-    return linear(act(gate) * up, lw.w_down, "TI,IH->TH")
+    if lora is None:
+        return linear(act(gate) * up, lw.w_down, "TI,IH->TH")
+    d_gate, d_up = lora_ops.gate_up_deltas(x, lora)
+    h = act(gate + d_gate) * (up + d_up)
+    return linear(h, lw.w_down, "TI,IH->TH") + lora_ops.down_delta(h, lora)
 
 
 def layer_attention(
@@ -140,6 +166,7 @@ def layer_attention(
     attention_fn: AttentionFn,
     layer: int,
     kv_scale: tuple[float, float] | None,
+    lora: lora_ops.LayerLora | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # (out [T, H], *pages)
     """Layer ``layer``'s attention: latent attention for a config with MLA, else the
     family's (windowed where the layer slides)."""
@@ -157,6 +184,7 @@ def layer_attention(
         attention_fn,
         config.layer_window(layer),
         kv_scale,
+        lora,
     )
 
 
@@ -167,12 +195,13 @@ def layer_mlp(
     act: Callable[[jax.Array], jax.Array],
     experts_fn: moe.ExpertsFn | None,
     batch: Batch,
+    lora: lora_ops.LayerLora | None = None,
 ) -> jax.Array:  # [T, H]
-    """The layer's experts where it has them, else its dense MLP."""
+    """The layer's experts where it has them (no adapter reaches them), else its dense MLP."""
     experts = lw.moe_weights()
     if experts is not None and config.moe is not None:
         return moe.moe_block(h, experts, config.moe, act, experts_fn, batch.cu_q_lens[-1])
-    return mlp_block(lw, h, act)
+    return mlp_block(lw, h, act, lora)
 
 
 def forward(
@@ -183,17 +212,20 @@ def forward(
     attention_fn: AttentionFn | None = None,
     kv_scales: Sequence[tuple[float, float]] | None = None,
     experts_fn: moe.ExpertsFn | None = None,
+    lora: lora_ops.LoraInputs | None = None,
 ) -> tuple[KVCache, jax.Array]:  # (kv_cache, hidden[T, H])
     """One step over a ragged batch; returns the updated cache and final-normed hidden states.
 
     ``kv_scales``: each layer's (k_scale, v_scale) of an fp8 cache (``models/kv_scales.py``).
     ``experts_fn``: how a layer with experts runs them (``moe.run_experts``, or its sharded
-    form under tensor or expert parallelism).
+    form under tensor or expert parallelism). ``lora``: the adapter slots and each token's
+    slot (``models/lora.py``); None traces no LoRA code at all.
     """
     attention_fn = attention_fn or dispatch.ragged_paged_attention
     eps, gemma = config.rms_norm_eps, config.is_gemma
     act = _ACTIVATIONS[config.hidden_act]
     x = weights.embed[batch.input_ids]  # [T, H]
+    mask = None if lora is None else lora.slot_mask(x.dtype)  # [T, M]
     if gemma:  # the normalizer is rounded to the activations' dtype, as in Hugging Face
         x = x * jnp.asarray(config.hidden_size**0.5, x.dtype)
     rotaries: dict[tuple[float, RopeScaling | None], tuple[jax.Array, jax.Array]] = {}
@@ -209,14 +241,24 @@ def forward(
         h = rms_norm(x, lw.attn_norm, eps, gemma)
         kv_scale = None if kv_scales is None else kv_scales[layer]
         rotary = rotaries[layer_rope]
+        lora_layer = None if lora is None or mask is None else (lora.weights.layers[layer], mask)
         attn, k_pages, v_pages = layer_attention(
-            lw, h, (k_pages, v_pages), batch, config, rotary, attention_fn, layer, kv_scale
+            lw,
+            h,
+            (k_pages, v_pages),
+            batch,
+            config,
+            rotary,
+            attention_fn,
+            layer,
+            kv_scale,
+            lora_layer,
         )
         if lw.post_attn_norm is not None:  # Gemma: a norm after attention too
             attn = rms_norm(attn, lw.post_attn_norm, eps, gemma)
         x = x + attn
         h = rms_norm(x, lw.mlp_norm, eps, gemma)
-        mlp = layer_mlp(lw, h, config, act, experts_fn, batch)
+        mlp = layer_mlp(lw, h, config, act, experts_fn, batch, lora_layer)
         if lw.post_mlp_norm is not None:
             mlp = rms_norm(mlp, lw.post_mlp_norm, eps, gemma)
         x = x + mlp

@@ -20,6 +20,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models import decoder
 from jaxserve.models.batch import KVCache
 from jaxserve.models.layers import Weights
+from jaxserve.models.lora import LoraInputs, LoraWeights
 from jaxserve.runner import sampling
 from jaxserve.runner.packing import Layout, unpack
 from jaxserve.runner.sampling import (
@@ -42,18 +43,30 @@ def model_step(
     attention_fn: decoder.AttentionFn | None = None,
     kv_scales: tuple[tuple[float, float], ...] | None = None,  # an fp8 cache's, per layer
     experts_fn: Any = None,  # moe.ExpertsFn: a mixture of experts' sharded experts
+    lora_weights: LoraWeights | None = None,  # the adapter slots (--enable-lora)
 ) -> tuple[KVCache, jax.Array]:
     """The model over one step's batch. A pending input token (``source`` >= 0: the step
     before this one was still sampling it when this one was built) is read from that step's
-    sampled ids, on the device."""
-    batch, source = unpack(packed, layout)
+    sampled ids, on the device. With ``lora_weights`` the packed inputs also carry each
+    token's adapter slot (``step_programs.pack_step``)."""
+    batch, source, *token_slots = unpack(packed, layout)
+    lora = None
+    if lora_weights is not None:
+        lora = LoraInputs(lora_weights, token_slots[0])
     input_ids = feed_pending(batch.input_ids, source, previous_ids)
     batch = dataclasses.replace(batch, input_ids=input_ids)
     # NOTE: the step returns only the hidden states; gathering each sequence's last row here
     # (so the sampler would depend on the sequence bucket alone) changed the step's fusions
     # and cost 4-8% of offline throughput on the H200.
     return decoder.forward(
-        weights, kv_cache, batch, config, attention_fn, kv_scales=kv_scales, experts_fn=experts_fn
+        weights,
+        kv_cache,
+        batch,
+        config,
+        attention_fn,
+        kv_scales=kv_scales,
+        experts_fn=experts_fn,
+        lora=lora,
     )
 
 
@@ -165,7 +178,7 @@ def logits_step(
     can compile beside it while the engine serves. The logits go through device memory
     between the two either way; the split costs one launch per step.
     """
-    batch, _ = unpack(packed, layout)
+    batch = unpack(packed, layout)[0]
     rows = hidden[batch.logits_indices]
     return decoder.compute_logits(_head_weights(head, tied), rows, soft_cap)
 

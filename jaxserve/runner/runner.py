@@ -26,6 +26,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.batch import Batch, kv_page_shapes, make_kv_cache_for
 from jaxserve.models.kv_scales import kv_dtype_label
+from jaxserve.models.lora import lora_shapes
 from jaxserve.runner import warmup
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.capacity import Capacity, engine_capacity, reserve_device_memory
@@ -39,6 +40,7 @@ from jaxserve.runner.devices import (
 )
 from jaxserve.runner.in_flight import DeferredSampler, InFlight
 from jaxserve.runner.input_builder import InputBuilder
+from jaxserve.runner.lora_slots import LoraSlots
 from jaxserve.runner.model_weights import kv_cache_scales, model_weights, start_loading
 from jaxserve.runner.parallel import step_broadcast
 from jaxserve.runner.parallel.sharding import prepare_tp
@@ -137,7 +139,9 @@ class ModelRunner:
             vocab_size=model_config.vocab_size,
             eos_token_ids=eos_token_ids,
             compact_samplers=uses_compact_samplers(config),
+            enable_lora=config.enable_lora,
         )
+        self.lora_slots = self._make_lora_slots()
         self.programs = StepPrograms(
             model_config,
             self.buckets,
@@ -148,7 +152,19 @@ class ModelRunner:
             tp=self.tp,
             kv_scales=self.kv_scales,
             pooling=self.is_pooling,
+            lora=self.lora_slots,
         )
+
+    def _make_lora_slots(self) -> LoraSlots | None:
+        """The adapter slots with ``--enable-lora`` (on one host: a follower process would
+        need each slot write too), else None."""
+        config = self.config
+        if not config.enable_lora:
+            return None
+        if self.multihost:
+            raise ValueError("enable_lora on a multi-host replica is not supported (docs/lora.md)")
+        shapes = lora_shapes(self.model_config, config.max_loras, config.max_lora_rank)
+        return LoraSlots(shapes, self.dtype, config.resolved_max_cpu_loras)
 
     @property
     def is_pooling(self) -> bool:
@@ -352,7 +368,8 @@ class ModelRunner:
         previous_rows = previous.sampled_row if previous is not None else None
         source = self.inputs.pending_sources(output, host_batch, previous_rows)
         feed = (source, previous.sampled_ids) if source is not None and previous else None
-        forward, prompt_out = self.forward(host_batch, next_ids, feed)
+        lora_slots = self.inputs.lora_token_slots(host_batch, rows)
+        forward, prompt_out = self.forward(host_batch, next_ids, feed, lora_slots)
         sampled_row = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
         step = InFlight(None, prompt_out, spans, sampled_row)
         step.deferred = DeferredSampler(forward, inputs, flags)
@@ -399,14 +416,16 @@ class ModelRunner:
         host_batch: Batch,
         next_ids: np.ndarray | None,
         feed: tuple[np.ndarray, jax.Array] | None = None,
+        lora_slots: np.ndarray | None = None,
     ) -> tuple[Forward, tuple[jax.Array, ...] | None]:
         """Model step and (when asked) prompt logprobs on the device: (the step's output,
-        prompt logprobs). ``feed``: (source, previous sampled ids) of the step's pending tokens."""
+        prompt logprobs). ``feed``: (source, previous sampled ids) of the step's pending tokens;
+        ``lora_slots``: each token's adapter slot (i32[T])."""
         source, previous_ids = feed if feed is not None else (None, None)
         programs = self.programs
         with programs.precision():  # also keys the jit caches: warm-up runs under it too
             self.kv_cache, forward = programs.run_step(
-                self.kv_cache, host_batch, source, previous_ids
+                self.kv_cache, host_batch, source, previous_ids, lora_slots
             )
             prompt_out = None
             if next_ids is not None:

@@ -171,7 +171,7 @@ def lora_requests_info(stats: EngineStats) -> Metric:
         labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
     )
     values = [
-        str(stats.max_loras),
+        str(stats.max_lora),
         ",".join(stats.waiting_lora_adapters),
         ",".join(stats.running_lora_adapters),
     ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.lora_request import LoRARequest
 from jaxserve.server.chat.reasoning import REASONING_PARSERS
 from jaxserve.server.chat.tool_parsers import TOOL_CALL_PARSERS
 
@@ -63,6 +64,8 @@ class ServerSettings:
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
     # POST /update_weights_from_disk: a client may load other weights from the server's disk.
     enable_weight_updates: bool = False
+    # LoRA adapters served by name (--lora-modules; docs/lora.md), each a LoRARequest.
+    lora_modules: tuple[LoRARequest, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):

@@ -26,9 +26,11 @@ from jaxserve.engine_config import (
     dtype_name,
 )
 from jaxserve.flag_names import command_flags, in_flag_terms
+from jaxserve.lora_request import LoRARequest
 from jaxserve.server.chat.reasoning import REASONING_PARSERS
 from jaxserve.server.chat.tool_parsers import TOOL_CALL_PARSERS
 from jaxserve.server.launch.vllm_flags import add_vllm_flags
+from jaxserve.server.lora import parse_lora_module
 from jaxserve.server.settings import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_MAX_RESPONSE_ENTRIES,
@@ -366,6 +368,38 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "model gives its device memory up between a training loop's rollouts",
     )
     add(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (docs/lora.md): a request picks one by its model name",
+    )
+    add(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="adapters served at start: name=path (a PEFT adapter directory), or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; needs --enable-lora',
+    )
+    add(
+        "--max-loras",
+        type=int,
+        default=1,
+        help="adapters on the device at once, each in a slot; one step mixes them freely "
+        "(default: 1)",
+    )
+    add(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        help="the largest adapter rank served; smaller ranks are padded to it (default: 16)",
+    )
+    add(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters kept in host memory, least recently used out first (default: --max-loras)",
+    )
+    add(
         "--enable-weight-updates",
         action="store_true",
         help="serve POST /update_weights_from_disk (SGLang's route): a client with the API key "
@@ -567,6 +601,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_expert_parallel=args.enable_expert_parallel,
         compilation_cache_dir=args.compilation_cache_dir,
         kv_events_config=args.kv_events_config,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
     )
 
 
@@ -596,7 +634,21 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
         reasoning_parser=args.reasoning_parser,
         enable_weight_updates=args.enable_weight_updates,
         max_stored_responses=args.max_stored_responses,
+        lora_modules=lora_modules_from_args(args),
     )
+
+
+def lora_modules_from_args(args: argparse.Namespace) -> tuple[LoRARequest, ...]:
+    """``--lora-modules``, ids from 1 in the order given; a name twice is an error."""
+    specs = args.lora_modules or []
+    if specs and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    modules = tuple(parse_lora_module(text, i + 1) for i, text in enumerate(specs))
+    names = [m.lora_name for m in modules]
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+    return modules
 
 
 def flag_terms(exc: Exception) -> str:
