@@ -145,7 +145,7 @@ def test_metrics_prefix_keeps_one_name() -> None:
 
 def test_lora_adapters_fill_lora_requests_info() -> None:
     engine = fake_engine(
-        max_loras=2, running_lora_adapters=("a", "b"), waiting_lora_adapters=("c",)
+        max_lora=2, running_lora_adapters=("a", "b"), waiting_lora_adapters=("c",)
     )
     text = ServerMetrics(engine, "m", 64).render().decode()
     (lora,) = samples(text)["vllm:lora_requests_info"]

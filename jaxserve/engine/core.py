@@ -132,10 +132,7 @@ class EngineCore:
         self._aborts: collections.deque[str] = collections.deque()
         self._lock = threading.Lock()
         self._seed_rng = random.Random(config.seed)
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.num_aborted = 0
-        self.num_steps = 0
+        self.prompt_tokens = self.generation_tokens = self.num_aborted = self.num_steps = 0
         # Asynchronous scheduling: step n + 1 is scheduled and dispatched before step n's
         # tokens are read back, so the host's work overlaps the device's. Sequences with
         # penalties need their full output history on the host, so while any such request
