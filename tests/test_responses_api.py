@@ -267,6 +267,37 @@ def test_previous_response_id_continues_the_conversation(client, http):
     assert second.previous_response_id == first.id
 
 
+def test_input_items_list_the_request_input_newest_first(client, http):
+    items = [
+        {"type": "message", "role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+        {"type": "message", "role": "assistant", "content": "Hello.", "id": "msg_given"},
+        {"role": "user", "content": "Weather?"},
+    ]
+    response = client.responses.create(model=MODEL, input=items, **GREEDY)
+    listed = client.responses.input_items.list(response.id)  # the SDK's typed items
+    assert [item.role for item in listed.data] == ["user", "assistant", "user", "developer"]
+    assert listed.data[1].id == "msg_given"
+    assert all(item.id.startswith("msg_") and item.status == "completed" for item in listed.data)
+    assert listed.data[0].content[0].type == "input_text"
+    assert listed.data[0].content[0].text == "Weather?"
+    assert listed.data[1].content[0].type == "output_text"
+    # asc order, pages of 3 then the rest (the SDK follows ``after``)
+    pages = client.responses.input_items.list(response.id, order="asc", limit=3)
+    assert [item.role for item in pages.data] == ["developer", "user", "assistant"]
+    assert pages.has_more
+    rest = pages.get_next_page()
+    assert [item.role for item in rest.data] == ["user"] and not rest.has_more
+    assert [item.id for item in pages] == [item.id for item in listed.data[::-1]]  # all pages
+    text = client.responses.create(model=MODEL, input="Hello", **GREEDY)
+    (only,) = client.responses.input_items.list(text.id).data
+    assert only.role == "user" and only.content[0].text == "Hello"
+    for query, param in (("limit=0", "limit"), ("limit=101", "limit"), ("order=up", "order")):
+        assert_bad_request(http.get(f"/v1/responses/{text.id}/input_items?{query}"), param)
+    assert_bad_request(http.get(f"/v1/responses/{text.id}/input_items?after=nope"), "after")
+    assert http.get("/v1/responses/resp_nope/input_items").status_code == 404
+
+
 def test_least_recently_used_response_is_dropped_past_the_bound(client):
     ids = [client.responses.create(model=MODEL, input="x", **GREEDY).id for _ in range(MAX_STORED)]
     client.responses.retrieve(ids[0])  # now the most recently used

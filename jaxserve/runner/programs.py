@@ -20,6 +20,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models import decoder
 from jaxserve.models.batch import KVCache
 from jaxserve.models.layers import Weights
+from jaxserve.models.lora import LoraInputs, LoraWeights
 from jaxserve.models.quant import INVARIANT_ROW_TILE
 from jaxserve.runner import sampling
 from jaxserve.runner.packing import Layout, unpack
@@ -44,11 +45,16 @@ def model_step(
     kv_scales: tuple[tuple[float, float], ...] | None = None,  # an fp8 cache's, per layer
     experts_fn: Any = None,  # moe.ExpertsFn: a mixture of experts' sharded experts
     row_tile: int | None = None,  # batch-invariant mode's GEMM rows (quant.linear)
+    lora_weights: LoraWeights | None = None,  # the adapter slots (--enable-lora)
 ) -> tuple[KVCache, jax.Array]:
     """The model over one step's batch. A pending input token (``source`` >= 0: the step
     before this one was still sampling it when this one was built) is read from that step's
-    sampled ids, on the device."""
-    batch, source = unpack(packed, layout)
+    sampled ids, on the device. With ``lora_weights`` the packed inputs also carry each
+    token's adapter slot (``step_programs.pack_step``)."""
+    batch, source, *token_slots = unpack(packed, layout)
+    lora = None
+    if lora_weights is not None:
+        lora = LoraInputs(lora_weights, token_slots[0])
     input_ids = feed_pending(batch.input_ids, source, previous_ids)
     batch = dataclasses.replace(batch, input_ids=input_ids)
     # NOTE: the step returns only the hidden states; gathering each sequence's last row here
@@ -63,6 +69,7 @@ def model_step(
         kv_scales=kv_scales,
         experts_fn=experts_fn,
         row_tile=row_tile,
+        lora=lora,
     )
 
 
@@ -191,7 +198,7 @@ def logits_step(
     can compile beside it while the engine serves. The logits go through device memory
     between the two either way; the split costs one launch per step.
     """
-    batch, _ = unpack(packed, layout)
+    batch = unpack(packed, layout)[0]
     rows = hidden[batch.logits_indices]
     return decoder.compute_logits(_head_weights(head, tied), rows, soft_cap, row_tile)
 
@@ -217,6 +224,29 @@ def sample_step(
         axis=1,
     )
     return StepSamples(token_ids, packed_lp)
+
+
+def pool_step(
+    hidden: jax.Array,  # [T, H]
+    packed: jax.Array,  # i32[N]  the model step's inputs (``Forward.packed``)
+    layout: Layout,  # static: theirs
+) -> jax.Array:  # f32[S, 3, H]
+    """What pooling needs of each sequence's chunk in the step, in f32: the sum of its tokens'
+    hidden states, its first token's and its last token's (the pooling runner's output; the
+    host sums the chunks of a prompt and picks, truncates and normalizes: ``models/pooling.py``).
+    Rows past the step's sequences hold padding."""
+    batch, _ = unpack(packed, layout)
+    cu_q_lens = batch.cu_q_lens  # i32[S + 1]
+    num_rows = cu_q_lens.shape[0] - 1
+    hidden = hidden.astype(jnp.float32)
+    # Token t belongs to the row r with cu_q_lens[r] <= t < cu_q_lens[r + 1]; padding tokens
+    # fall past the last row, and segment_sum drops them.
+    token = jnp.arange(hidden.shape[0], dtype=jnp.int32)
+    row = jnp.searchsorted(cu_q_lens[1:], token, side="right")
+    sums = jax.ops.segment_sum(hidden, row, num_segments=num_rows)
+    first = hidden[jnp.minimum(cu_q_lens[:-1], hidden.shape[0] - 1)]
+    last = hidden[batch.logits_indices]
+    return jnp.stack([sums, first, last], axis=1)
 
 
 def feed_pending(

@@ -17,6 +17,7 @@ from jaxserve.sampling_params import (
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
 )
+from jaxserve.server.api.embeddings import ENCODING_FORMATS, MAX_EMBEDDING_INPUTS
 from jaxserve.server.api.protocol import MAX_BATCH_PROMPTS
 from jaxserve.server.chat.messages import ROLES
 from jaxserve.server.chat.tools import FUNCTION_NAME, MAX_TOOLS
@@ -528,11 +529,12 @@ def openapi_spec(
             "version": version,
             "description": f"OpenAI-compatible server for {', '.join(model_names)}.",
         },
-        "paths": {**_paths(), **_responses_paths()},
+        "paths": {**_paths(), **_responses_paths(), **_embeddings_paths()},
         "components": {
             "schemas": {
                 **_schemas(max_model_len, vocab_size),
                 **_responses_schemas(max_model_len, vocab_size),
+                **_embeddings_schemas(vocab_size),
             },
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
@@ -664,6 +666,7 @@ def _responses_schemas(max_model_len: int, vocab_size: int) -> dict[str, Any]:
 def _responses_paths() -> dict[str, Any]:
     ok = _ok(_ref("ResponseObject"))
     deleted = _ok({"type": "object", "required": ["id", "object", "deleted"]})
+    items = _ok({"type": "object", "required": ["object", "data", "has_more"]})
     return {
         "/v1/responses": _post(
             "Create a response (OpenAI's Responses API)",
@@ -678,6 +681,85 @@ def _responses_paths() -> dict[str, Any]:
         "/v1/responses/{response_id}/cancel": {
             "post": _by_id("Cancel a background response", ok, 400, 401, 404),
         },
+        "/v1/responses/{response_id}/input_items": {
+            "get": _by_id("A stored response's input items, a cursor page", items, 400, 401, 404),
+        },
+    }
+
+
+EMBEDDING = {
+    "type": "object",
+    "required": ["object", "index", "embedding"],
+    "properties": {
+        "object": {"type": "string", "enum": ["embedding"]},
+        "index": {"type": "integer"},
+        "embedding": {
+            "oneOf": [
+                {"type": "array", "items": {"type": "number"}},
+                {"type": "string", "description": "base64 of little-endian float32"},
+            ]
+        },
+    },
+}
+
+
+def _embeddings_schemas(vocab_size: int) -> dict[str, Any]:
+    """``/v1/embeddings`` (``server/api/embeddings.py``; a model served with --runner pooling,
+    else a 400 naming the flag)."""
+    token_ids = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1},
+    }
+    text = {"type": "string", "minLength": 1}
+    item = {"oneOf": [text, token_ids]}
+    many = {"type": "array", "minItems": 1, "maxItems": MAX_EMBEDDING_INPUTS, "items": item}
+    request = {
+        "type": "object",
+        "required": ["input"],
+        "properties": {
+            "model": {"type": "string"},
+            "input": {"oneOf": [text, token_ids, many]},
+            "encoding_format": {"type": "string", "enum": list(ENCODING_FORMATS)},
+            "dimensions": {"type": "integer", "minimum": 1},
+            "user": {"type": "string"},
+            "normalize": {"type": "boolean"},
+            "add_special_tokens": {"type": "boolean"},
+            "priority": {"type": "integer"},
+        },
+        "additionalProperties": False,
+    }
+    _optional_nullable(request)
+    response = {
+        "type": "object",
+        "required": ["object", "data", "model", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string", "enum": ["list"]},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "data": {"type": "array", "items": EMBEDDING},
+            "usage": {
+                "type": "object",
+                "required": ["prompt_tokens", "total_tokens"],
+                "properties": {
+                    "prompt_tokens": {"type": "integer"},
+                    "total_tokens": {"type": "integer"},
+                },
+            },
+        },
+    }
+    return {"EmbeddingRequest": request, "EmbeddingResponse": response}
+
+
+def _embeddings_paths() -> dict[str, Any]:
+    return {
+        "/v1/embeddings": _post(
+            "Embeddings (a model served with --runner pooling)",
+            "EmbeddingRequest",
+            _ok(_ref("EmbeddingResponse")),
+            GENERATION_ERRORS,
+        )
     }
 
 
@@ -719,7 +801,7 @@ def _health() -> dict[str, Any]:
 def _metrics() -> dict[str, Any]:
     return {
         "get": {
-            "summary": "Prometheus metrics (jaxserve:*)",
+            "summary": "Prometheus metrics (vllm:* and jaxserve:*)",
             "responses": {
                 "200": {
                     "description": "OK",

@@ -75,6 +75,7 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
         if not _join_replica(args, config):
             return 0  # a follower, done when process 0 shuts down
         engine = build_engine(args, config, model_dir)
+        _load_lora_modules(engine, settings)
     except StartFailed as exc:
         return exc.status
     return _serve(args, engine, settings)
@@ -167,6 +168,18 @@ def build_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path
             raise
         _LOG.error("%s", out_of_memory_message(exc, config.gpu_memory_utilization))
         raise StartFailed(1) from exc
+
+
+def _load_lora_modules(engine: AsyncEngine, settings: ServerSettings) -> None:
+    """Read and check each ``--lora-modules`` adapter; one that does not fit ends the start."""
+    for lora in settings.lora_modules:
+        try:
+            engine.core.add_lora(lora)
+        except (OSError, ValueError) as exc:
+            _LOG.error("--lora-modules %s=%s: %s", lora.lora_name, lora.lora_path, exc)
+            engine.core.shutdown()
+            raise StartFailed(1) from exc
+        _LOG.info("Serving LoRA adapter %s from %s", lora.lora_name, lora.lora_path)
 
 
 def _serve(args: argparse.Namespace, engine: AsyncEngine, settings: ServerSettings) -> int:

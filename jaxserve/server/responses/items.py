@@ -11,6 +11,7 @@ items ``tool`` messages, and a ``reasoning`` item's text the next assistant mess
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from jaxserve.server.api.errors import bad_request, unsupported
@@ -154,3 +155,39 @@ def _text(content: Any, path: str) -> str:
             raise bad_request(f"{where}.text must be a string", param=f"{where}.text")
         texts.append(text)
     return "\n".join(texts)
+
+
+def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A request's ``input`` (already checked by ``input_messages``) as the items
+    ``GET /v1/responses/{id}/input_items`` lists: a text is one user message, a message's text
+    content becomes its parts, and each item has an ``id`` (its own, or a new one)."""
+    items = (
+        [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else value
+    )
+    return [_listed(item) for item in items]
+
+
+_ID_PREFIXES = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
+
+
+def _listed(item: dict[str, Any]) -> dict[str, Any]:
+    kind = item.get("type", "message")
+    listed = {
+        **item,
+        "type": kind,
+        "id": item.get("id") or f"{_ID_PREFIXES[kind]}_{uuid.uuid4().hex}",
+    }
+    if kind == "reasoning":
+        listed.setdefault("summary", [])
+    else:
+        listed.setdefault("status", "completed")
+    if kind == "message" and isinstance(item.get("content"), str):
+        part = "output_text" if item.get("role") == "assistant" else "input_text"
+        extra: dict[str, Any] = {"annotations": []} if part == "output_text" else {}
+        listed["content"] = [{"type": part, "text": item["content"], **extra}]
+    return listed

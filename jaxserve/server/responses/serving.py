@@ -17,7 +17,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any, cast
 
 from starlette.requests import Request
@@ -36,7 +36,7 @@ from jaxserve.server.guard.cost import (
     check_response_size,
     num_response_entries,
 )
-from jaxserve.server.responses.items import input_messages
+from jaxserve.server.responses.items import input_items, input_messages
 from jaxserve.server.responses.output import Event, OutputItems
 from jaxserve.server.responses.protocol import (
     ResponsesRequest,
@@ -44,7 +44,7 @@ from jaxserve.server.responses.protocol import (
     parse_responses_request,
     renamed,
 )
-from jaxserve.server.responses.store import ResponseStore, StoredResponse
+from jaxserve.server.responses.store import ResponseStore, StoredResponse, input_items_page
 
 _LOG = logging.getLogger(__name__)
 # How long a cancel waits for the background task to wind up before it answers.
@@ -83,7 +83,9 @@ class ResponsesAPI:
         else:
             param = chat.structured_outputs_param
         await ctx.compile_grammars([engine_request], param, request)
-        generation = ctx.new_generation([engine_request], chat.priority, chat.cache_salt)
+        generation = ctx.new_generation(
+            [engine_request], chat.priority, chat.cache_salt, chat.model
+        )
         writer = ResponseWriter(ctx, req, chat, response_id, engine_request, history)
         if req.background:
             return self._start_background(generation, request, writer)
@@ -125,14 +127,15 @@ class ResponsesAPI:
 
     def _save(self, writer: ResponseWriter, response: dict[str, Any]) -> None:
         if writer.req.store:
-            self.store.put(writer.id, StoredResponse(response, writer.conversation(response)))
+            entry = StoredResponse(response, writer.conversation(response), None, writer.items)
+            self.store.put(writer.id, entry)
 
     # -- background ------------------------------------------------------------------------
 
     def _start_background(
         self, generation: Generation, request: Request, writer: ResponseWriter
     ) -> Response:
-        entry = StoredResponse(writer.snapshot("queued"), [], generation)
+        entry = StoredResponse(writer.snapshot("queued"), [], generation, writer.items)
         self.store.put(writer.id, entry)
         task = asyncio.create_task(self._run_background(entry, generation, request, writer))
         self.running[writer.id] = task
@@ -184,6 +187,14 @@ class ResponsesAPI:
     async def retrieve(self, response_id: str) -> Response:
         return json_response(self.store.get(response_id).response)
 
+    async def list_input_items(self, response_id: str, query: Mapping[str, str]) -> Response:
+        """A stored response's input items, a cursor page as OpenAI lists them: ``order``
+        (``desc``, the default, or ``asc``), ``limit`` (1 to 100, 20 by default) and ``after``
+        (an item id of the previous page)."""
+        items = self.store.get(response_id).input_items
+        page = input_items_page(items, query)
+        return json_response(page)
+
     async def delete(self, response_id: str) -> Response:
         self.store.delete(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
@@ -220,6 +231,7 @@ class ResponseWriter:
         self.req = req
         self.chat = chat
         self.id = response_id
+        self.items = input_items(req.body["input"])  # what GET .../input_items lists
         self.created_at = int(time.time())
         self.prompt = engine_request.prompt or ""  # the rendered chat, for the reasoning parser
         self.num_prompt = len(engine_request.prompt_token_ids)

@@ -1,0 +1,152 @@
+"""A training loop's hooks on the Llama-3-8B shape (dummy weights, bf16), timed through ``LLM``:
+``update_weights`` from arrays already on the device (the served layout), from host memory, and
+from Hugging Face names and a flax.nnx state on the device (each converted on the device);
+``sleep(1)`` / ``wake_up()`` and ``sleep(2)`` / ``wake_up()``, with the device memory held while
+asleep; and that the tokens after each round trip are the tokens before.
+
+Device memory is read two ways: ``bytes_in_use`` of JAX's allocator (what a trainer in the same
+process can use again) and the process's memory as the driver sees it (``nvidia-smi``: what
+another process can use). Run it once per allocator to compare, e.g. with
+``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` (memory goes back to the driver when freed).
+
+    python -m benchmarks.weight_updates --out weight_updates.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import ROOT
+from jaxserve import LLM, SamplingParams
+from jaxserve.models.loading.checkpoint_loader import expected_shapes
+from jaxserve.models.loading.named_weights import nnx_from_hf
+
+GiB = 2**30
+
+
+def memory() -> dict[str, float]:
+    """GiB: JAX's live allocations on device 0, and this process's memory per the driver."""
+    stats = jax.devices()[0].memory_stats() or {}
+    held = None
+    try:
+        rows = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
+        for row in rows:
+            pid, used = (field.strip() for field in row.split(","))
+            if int(pid) == os.getpid():
+                held = int(used) / 1024  # MiB -> GiB
+    except (OSError, subprocess.CalledProcessError, ValueError):
+        pass
+    return {"in_use_gib": stats.get("bytes_in_use", 0) / GiB, "driver_gib": held}
+
+
+def timed(action: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(action())
+    return time.perf_counter() - start
+
+
+def tokens(llm: LLM) -> list[int]:
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    (out,) = llm.generate([[(7 * i) % 251 + 5 for i in range(128)]], params, use_tqdm=False)
+    return list(out.outputs[0].token_ids)
+
+
+def update_rows(llm: LLM) -> dict[str, float]:
+    """Seconds of each ``update_weights`` source, the served weights handed back each time."""
+    served = llm.weights
+    rows = {}
+    copies = jax.tree.map(jnp.copy, served)  # other arrays, the served dtype and sharding
+    jax.block_until_ready(copies)
+    rows["update_device_s"] = timed(lambda: llm.update_weights(copies))
+    host = jax.device_get(served)
+    rows["update_host_s"] = timed(lambda: llm.update_weights(host))
+    hf = hf_named_on_device(llm)  # as a trainer's state_dict names them, on the device
+    rows["update_hf_device_s"] = timed(lambda: llm.update_weights(hf))
+    nnx_state = nnx_from_hf(hf)  # as flax.nnx lays them out (kernels [in, out])
+    jax.block_until_ready(nnx_state)
+    rows["update_nnx_device_s"] = timed(lambda: llm.update_weights(nnx_state))
+    return rows
+
+
+def hf_named_on_device(llm: LLM) -> dict[str, jax.Array]:
+    """Random bf16 tensors under every Hugging Face name the model reads, on the device."""
+    shapes = expected_shapes(llm.engine.model_config)
+    key = jax.random.key(1)
+    tensors = {}
+    for i, (name, shape) in enumerate(sorted(shapes.items())):
+        assert shape is not None
+        tensors[name] = 0.02 * jax.random.normal(jax.random.fold_in(key, i), shape, jnp.bfloat16)
+    return jax.block_until_ready(tensors)
+
+
+def sleep_rows(llm: LLM, level: int) -> dict[str, Any]:
+    row: dict[str, Any] = {"awake": memory()}
+    row["sleep_s"] = timed(lambda: llm.sleep(level))
+    row["asleep"] = memory()
+    row["wake_s"] = timed(llm.wake_up)
+    row["woken"] = memory()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(ROOT / "jaxserve/assets/configs/llama-3-8b"))
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--out", default="weight_updates.json")
+    args = parser.parse_args()
+    llm = LLM(
+        args.model,
+        load_format="dummy",
+        max_model_len=args.max_model_len,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        enable_sleep_mode=True,
+    )
+    before = tokens(llm)
+    result: dict[str, Any] = {"allocator": os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "bfc")}
+    served = llm.weights
+    result.update(update_rows(llm))
+    llm.update_weights(served)  # the weights the tokens were made with
+    result["tokens_after_updates"] = tokens(llm) == before
+    result["level1"] = sleep_rows(llm, 1)
+    result["tokens_after_level1"] = tokens(llm) == before
+    result["level2"] = sleep_rows(llm, 2)  # dummy weights wake as the same random ones
+    result["tokens_after_level2"] = tokens(llm) == before
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"allocator {result['allocator']}")
+    for key, value in result.items():
+        if key.endswith("_s"):
+            print(f"{key:<24} {value:8.3f} s")
+    for level in ("level1", "level2"):
+        row = result[level]
+        print(
+            f"{level}: sleep {row['sleep_s']:.2f} s, wake {row['wake_s']:.2f} s; GiB in use / "
+            f"held by the process: awake {_gib(row['awake'])}, asleep {_gib(row['asleep'])}, "
+            f"woken {_gib(row['woken'])}"
+        )
+    same = [result[k] for k in result if k.startswith("tokens_after")]
+    print(f"same tokens after every update and wake: {all(same)} {same}")
+
+
+def _gib(row: dict[str, float | None]) -> str:
+    driver = row["driver_gib"]
+    return f"{row['in_use_gib']:.1f} / {'-' if driver is None else f'{driver:.1f}'}"
+
+
+if __name__ == "__main__":
+    main()
