@@ -297,20 +297,25 @@ class EngineConfig:
             raise ValueError(f"grammar_cache_bytes={self.grammar_cache_bytes} must be >= 0")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
-        if self.batch_invariant and self.tensor_parallel_size > 1:
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner={self.runner!r} must be one of {', '.join(RUNNERS)}")
+        self._check_lora()
+        self._check_batch_invariant()
+
+    def _check_batch_invariant(self) -> None:
+        if not self.batch_invariant:
+            return
+        if self.tensor_parallel_size > 1:
             raise ValueError(
                 f"batch_invariant=True needs tensor_parallel_size=1, not "
                 f"{self.tensor_parallel_size}: the all-reduces of a tensor-parallel step are "
                 "not batch-invariant"
             )
-        if self.batch_invariant and self.enable_lora:
+        if self.enable_lora:
             raise ValueError(
                 "batch_invariant=True with enable_lora: the adapters' GEMMs are not in fixed row "
                 "tiles; serve one or the other"
             )
-        if self.runner not in RUNNERS:
-            raise ValueError(f"runner={self.runner!r} must be one of {', '.join(RUNNERS)}")
-        self._check_lora()
 
     def _check_lora(self) -> None:
         if self.max_loras < 1:
