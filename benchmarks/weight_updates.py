@@ -1,5 +1,6 @@
 """A training loop's hooks on the Llama-3-8B shape (dummy weights, bf16), timed through ``LLM``:
-``update_weights`` from arrays already on the device (the served layout) and from host memory;
+``update_weights`` from arrays already on the device (the served layout), from host memory, and
+from Hugging Face names and a flax.nnx state on the device (each converted on the device);
 ``sleep(1)`` / ``wake_up()`` and ``sleep(2)`` / ``wake_up()``, with the device memory held while
 asleep; and that the tokens after each round trip are the tokens before.
 
@@ -26,6 +27,8 @@ import jax.numpy as jnp
 
 from benchmarks.common import ROOT
 from jaxserve import LLM, SamplingParams
+from jaxserve.models.loading.checkpoint_loader import expected_shapes
+from jaxserve.models.loading.named_weights import nnx_from_hf
 
 GiB = 2**30
 
@@ -71,7 +74,23 @@ def update_rows(llm: LLM) -> dict[str, float]:
     rows["update_device_s"] = timed(lambda: llm.update_weights(copies))
     host = jax.device_get(served)
     rows["update_host_s"] = timed(lambda: llm.update_weights(host))
+    hf = hf_named_on_device(llm)  # as a trainer's state_dict names them, on the device
+    rows["update_hf_device_s"] = timed(lambda: llm.update_weights(hf))
+    nnx_state = nnx_from_hf(hf)  # as flax.nnx lays them out (kernels [in, out])
+    jax.block_until_ready(nnx_state)
+    rows["update_nnx_device_s"] = timed(lambda: llm.update_weights(nnx_state))
     return rows
+
+
+def hf_named_on_device(llm: LLM) -> dict[str, jax.Array]:
+    """Random bf16 tensors under every Hugging Face name the model reads, on the device."""
+    shapes = expected_shapes(llm.engine.model_config)
+    key = jax.random.key(1)
+    tensors = {}
+    for i, (name, shape) in enumerate(sorted(shapes.items())):
+        assert shape is not None
+        tensors[name] = 0.02 * jax.random.normal(jax.random.fold_in(key, i), shape, jnp.bfloat16)
+    return jax.block_until_ready(tensors)
 
 
 def sleep_rows(llm: LLM, level: int) -> dict[str, Any]:
@@ -99,7 +118,9 @@ def main() -> None:
     )
     before = tokens(llm)
     result: dict[str, Any] = {"allocator": os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "bfc")}
+    served = llm.weights
     result.update(update_rows(llm))
+    llm.update_weights(served)  # the weights the tokens were made with
     result["tokens_after_updates"] = tokens(llm) == before
     result["level1"] = sleep_rows(llm, 1)
     result["tokens_after_level1"] = tokens(llm) == before

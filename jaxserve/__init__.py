@@ -14,11 +14,14 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "jaxserve.engine.llm",
     "SamplingParams": "jaxserve.sampling_params",
+    "PoolingParams": "jaxserve.pooling_params",
+    "EmbeddingRequestOutput": "jaxserve.engine.outputs",
     "RequestOutput": "jaxserve.engine.outputs",
     "CompletionOutput": "jaxserve.engine.outputs",
     "Logprob": "jaxserve.engine.outputs",
     "EngineConfig": "jaxserve.engine_config",
     "ModelConfig": "jaxserve.config",
+    "LoRARequest": "jaxserve.lora_request",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

@@ -1,6 +1,7 @@
 """The ``jaxserve`` command (also ``python -m jaxserve``): ``serve`` (the server, as ``vllm
 serve``; ``launch`` is its older name), ``capacity`` (how much KV cache fits), ``bench serve``
-(load a running server), ``bench throughput`` (offline tokens/s) and ``bench latency`` (offline
+(load a running server), ``convert`` (a model's served weights to an orbax checkpoint),
+``bench throughput`` (offline tokens/s) and ``bench latency`` (offline
 latency of one batch).
 
 Each subcommand's module is imported only when that subcommand runs, so ``jaxserve --help`` and
@@ -115,6 +116,13 @@ def _run_batch(args: argparse.Namespace) -> int:
     return run_batch(args)
 
 
+def _run_convert(args: argparse.Namespace) -> int:
+    hide_torch()
+    from jaxserve.server.launch.convert import run_convert
+
+    return run_convert(args)
+
+
 def _run_bench_serve(args: argparse.Namespace) -> int:
     from jaxserve.bench.serve import run_serve
 
@@ -189,6 +197,19 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         from jaxserve.bench.capacity import add_capacity_arguments
 
         add_capacity_arguments(capacity)
+
+    convert = _add_command(
+        commands,
+        "convert",
+        "write a model's weights as they are served (cast, fused, quantized) to an orbax "
+        "checkpoint that `serve OUT` restores straight into the devices' shards",
+        usage="%(prog)s MODEL_DIR OUT [--dtype DTYPE] [--quantization fp8|int8] [flags]",
+    )
+    convert.set_defaults(handler=_run_convert)
+    if argv[:1] == ["convert"]:
+        from jaxserve.server.launch.convert import add_convert_arguments
+
+        add_convert_arguments(convert)
 
     bench = commands.add_parser("bench", help="benchmarks", description="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)

@@ -77,7 +77,7 @@ def test_a_request_line_keeps_its_url_and_body() -> None:
     request = parse_line(chat_line("x"))
     assert request.error is None and request.url == "/v1/chat/completions"
     assert request.body["messages"] == [{"role": "user", "content": "Hi"}]
-    assert set(BATCH_URLS) == {"/v1/chat/completions", "/v1/completions"}
+    assert set(BATCH_URLS) == {"/v1/chat/completions", "/v1/completions", "/v1/embeddings"}
 
 
 # -- resuming ------------------------------------------------------------------------------
@@ -148,11 +148,14 @@ def test_every_line_is_answered_in_order_whatever_its_outcome(app) -> None:
     chat = by_id["chat-1"]["response"]["body"]
     assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"]
     assert by_id["c-2"]["response"]["body"]["usage"]["prompt_tokens"] == 3
-    for custom_id, code in [("get", "invalid_method"), ("emb", "invalid_url"),
-                            ("streamed", "invalid_body")]:  # fmt: skip
+    for custom_id, code in [("get", "invalid_method"), ("streamed", "invalid_body")]:
         assert by_id[custom_id]["response"] is None
         assert by_id[custom_id]["error"]["code"] == code
     assert results[2]["error"]["code"] == "invalid_json"
+    # An embeddings line against a generation model: the server's 400 naming the flag.
+    embedding = by_id["emb"]["response"]
+    assert embedding["status_code"] == 400 and by_id["emb"]["error"] is None
+    assert "--runner pooling" in embedding["body"]["error"]["message"]
     refused = by_id["too-long"]["response"]
     assert refused["status_code"] == 400 and by_id["too-long"]["error"] is None
     assert "max_tokens" in json.dumps(refused["body"]["error"])

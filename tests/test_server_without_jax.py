@@ -22,11 +22,13 @@ SERVER_MODULES = (
     "jaxserve.server",
     "jaxserve.server.api",
     "jaxserve.server.api.completions",
+    "jaxserve.server.api.embeddings",
     "jaxserve.server.api.errors",
     "jaxserve.server.api.fields",
     "jaxserve.server.api.logprobs",
     "jaxserve.server.api.openapi",
     "jaxserve.server.api.protocol",
+    "jaxserve.server.api.scoring",
     "jaxserve.server.api.structured_outputs",
     "jaxserve.server.api.tokenization",
     "jaxserve.server.app",
@@ -47,12 +49,14 @@ SERVER_MODULES = (
     "jaxserve.server.guard.limits",
     "jaxserve.server.guard.ratelimit",
     "jaxserve.server.launch",
+    "jaxserve.server.launch.convert",  # loads JAX only inside run_convert
     "jaxserve.server.launch.flags",
     "jaxserve.server.launch.preflight",
     "jaxserve.server.launch.run_batch",  # loads JAX only inside run_batch
     "jaxserve.server.launch.serve",  # loads JAX only inside run_launch
     "jaxserve.server.launch.vllm_flags",
     "jaxserve.server.lifecycle",
+    "jaxserve.server.lora",
     "jaxserve.server.metrics",
     "jaxserve.server.request_log",
     "jaxserve.server.responses",

@@ -22,6 +22,8 @@ from jaxserve.engine.core import EngineCore
 from jaxserve.engine.interfaces import EngineDeadError, EngineStats, QueueFullError
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine_config import EngineConfig
+from jaxserve.lora_request import LoRARequest
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 _LOG = logging.getLogger(__name__)
@@ -92,13 +94,58 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         group_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput]:
         """Yield deltas until one with ``finished=True``; validation errors raise ValueError."""
+        add = functools.partial(
+            self.core.add_request,
+            request_id,
+            list(prompt_token_ids),
+            params,
+            prompt=prompt,
+            priority=priority,
+            cache_salt=cache_salt,
+            arrival_time=time.time(),
+            group_id=group_id,
+            lora_request=lora_request,
+        )
+        async for output in self._outputs(request_id, params.num_samples, add):
+            yield output
+
+    async def encode(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: PoolingParams,
+        request_id: str,
+        prompt: str | None = None,
+        priority: int = 0,
+        group_id: str | None = None,
+    ) -> AsyncGenerator[RequestOutput]:
+        """A pooling request (``--runner pooling``): yields its one finished output, whose
+        ``embedding`` is set; validation errors raise ValueError (``RequestError``)."""
+        add = functools.partial(
+            self.core.add_pooling_request,
+            request_id,
+            list(prompt_token_ids),
+            params,
+            prompt=prompt,
+            priority=priority,
+            arrival_time=time.time(),
+            group_id=group_id,
+        )
+        async for output in self._outputs(request_id, 1, add):
+            yield output
+
+    async def _outputs(
+        self, request_id: str, num_seqs: int, add: Callable[[], None]
+    ) -> AsyncGenerator[RequestOutput]:
+        """Queue a request (``add``) and yield its outputs until the finished one; leaving
+        early aborts it."""
         if self.dead_error is not None:
             raise EngineDeadError(f"engine loop died: {self.dead_error!r}")
         if (
             self.max_queued_requests is not None
-            and self.core.num_waiting() + params.num_samples > self.max_queued_requests
+            and self.core.num_waiting() + num_seqs > self.max_queued_requests
         ):
             raise QueueFullError(
                 f"waiting queue is full ({self.max_queued_requests} requests); retry later"
@@ -107,16 +154,7 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (loop, queue)
         try:
-            self.core.add_request(
-                request_id,
-                list(prompt_token_ids),
-                params,
-                prompt=prompt,
-                priority=priority,
-                cache_salt=cache_salt,
-                arrival_time=time.time(),
-                group_id=group_id,
-            )
+            add()
         except Exception:
             self._queues.pop(request_id, None)
             raise
@@ -142,12 +180,21 @@ class AsyncEngine:
             await self.core.grammar_compiler.compile_async(params.structured_outputs, client)
 
     async def update_weights_from_disk(self, model_path: str | Path) -> float:
-        """Serve the safetensors checkpoint in ``model_path`` (this model's tensors and
-        shapes); the load's seconds. No waiting request starts meanwhile: the running ones
-        finish on the old weights, the weights change, and the waiting ones start on the new.
+        """Serve the checkpoint in ``model_path`` (this model's tensors and shapes; safetensors
+        or converted with orbax); the load's seconds. No waiting request starts meanwhile: the
+        running ones finish on the old weights, the weights change, and the waiting ones start
+        on the new.
         A checkpoint that does not fit raises before anything changes."""
         load = functools.partial(self.core.runner.load_weights_from, model_path)
         return await self._between_steps(functools.partial(self.core.swap_weights, load))
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter on a worker thread (``AdapterError`` if it does not fit);
+        requests may then name it."""
+        await asyncio.get_running_loop().run_in_executor(None, self.core.add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        self.core.remove_lora(lora_int_id)
 
     @property
     def is_sleeping(self) -> bool:

@@ -10,6 +10,7 @@ output processor turns the sampled tokens into text, logprobs, stop decisions an
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import random
 import threading
@@ -17,49 +18,92 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from jaxserve.config import ModelConfig, read_config_json
 from jaxserve.engine.grammar import GrammarCompiler, GrammarLimits
 from jaxserve.engine.interfaces import EngineStats, Runner
 from jaxserve.engine.kv_cache import KVCacheManager
+from jaxserve.engine.kv_event_publisher import make_publisher
+from jaxserve.engine.kv_events import KVEventLog
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.outputs import RequestMetrics, RequestOutput
-from jaxserve.engine.request import Request, Sequence, mark_scheduled, seq_of
-from jaxserve.engine.request_checks import RequestError, check_request
+from jaxserve.engine.pooler import Pooler
+from jaxserve.engine.request import Request, SeqStatus, Sequence, mark_scheduled, seq_of
+from jaxserve.engine.request_checks import (
+    GENERATION_REFUSED,
+    POOLING_REFUSED,
+    RequestError,
+    check_pooling_request,
+    check_request,
+)
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.structured_outputs import Accepted, StructuredOutputs
 from jaxserve.engine.tokenizer import end_of_sequence_ids, load_tokenizer
 from jaxserve.engine_config import EngineConfig
+from jaxserve.lora_request import LoRARequest
 from jaxserve.models.families.registry import load_model_config
-from jaxserve.runner.step import RunnerOutput, SchedulerOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.models.pooling import PoolingConfig, is_base_model
+from jaxserve.pooling_params import PoolingParams
+from jaxserve.runner.step import RunnerOutput, ScheduledSeq, SchedulerOutput
+from jaxserve.sampling_params import SamplingParams, SamplingParamsError
 
 if TYPE_CHECKING:
     from jaxserve.runner.in_flight import InFlight
+    from jaxserve.runner.lora_slots import LoraSlots
 
 _LOG = logging.getLogger(__name__)
 _T = TypeVar("_T")
+# A pooling request's placeholder sampling parameters: it samples nothing.
+_POOLING_SAMPLING = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def resolve_runner(config: EngineConfig, model_dir: Any) -> EngineConfig:
+    """``config`` with ``runner`` "generate" or "pooling": "auto" pools a checkpoint whose
+    config.json names only base models (``Qwen3Model``: no language-model head)."""
+    if config.runner != "auto":
+        return config
+    architectures = read_config_json(model_dir / "config.json").get("architectures") or []
+    runner = "pooling" if is_base_model(list(architectures)) else "generate"
+    return dataclasses.replace(config, runner=runner)
+
+
+def pooler_for(config: EngineConfig, model_dir: Any, model_config: ModelConfig) -> Pooler | None:
+    """A pooling engine's pooler, its pooling read from the model's directory; else None."""
+    if config.runner != "pooling":
+        return None
+    pooling = PoolingConfig.from_model_dir(model_dir, model_config.hidden_size)
+    _LOG.info("Pooling runner: %s", pooling.describe())
+    return Pooler(pooling)
+
+
+def runner_model_config(model_config: ModelConfig, pooling: bool) -> ModelConfig:
+    """The config the runner loads: a pooling runner reads no language-model head (the
+    embedding stands in for it, never used), as embedding checkpoints publish none."""
+    return dataclasses.replace(model_config, tie_word_embeddings=True) if pooling else model_config
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: Runner | None = None) -> None:
         self.runner: Runner
-        self.config = config
         model_dir = config.model_dir
+        self.config = config = resolve_runner(config, model_dir)
         self.model_config = load_model_config(model_dir)
         self.tokenizer = load_tokenizer(config, self.model_config.vocab_size)
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = end_of_sequence_ids(self.model_config, model_dir, self.tokenizer)
         self.max_model_len = config.resolved_max_model_len(self.model_config, warn=True)
+        self.pooler = pooler_for(config, model_dir, self.model_config)  # docs/embeddings.md
         if runner is None:  # a test may pass its own (same interface, hand-computable tokens)
             from jaxserve.runner.runner import ModelRunner
 
-            runner = ModelRunner(self.model_config, config, self.eos_token_ids)
+            loaded = runner_model_config(self.model_config, self.pooler is not None)
+            runner = ModelRunner(loaded, config, self.eos_token_ids)
         self.runner = runner
+        self.lora_slots: LoraSlots | None = getattr(runner, "lora_slots", None)  # --enable-lora
         # NOTE: from here to the end of warm-up the runner's weights may be loading on a
         # thread of their own: an error or a Ctrl-C stops them (the interpreter's exit would
         # wait for them) and the compiles.
         try:
-            kv_args = (runner.num_blocks, config.block_size, config.enable_prefix_caching)
-            self.kv = KVCacheManager(*kv_args, sliding_window=self.model_config.all_layers_window)
+            self.kv = self._make_kv_cache(runner)
             self.scheduler = Scheduler(
                 self.kv,
                 max_num_seqs=config.max_num_seqs,
@@ -67,6 +111,7 @@ class EngineCore:
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 policy=config.scheduling_policy,
+                lora_slots=self.lora_slots,
             )
             self.output_processor = OutputProcessor(
                 self.tokenizer, self.eos_token_ids, self.max_model_len
@@ -80,17 +125,14 @@ class EngineCore:
                 _LOG.info(line)
             self.num_compiled_shapes = runner.warmup() if config.warmup else 0
         except BaseException:
-            runner.shutdown()
+            self._abandon(runner)
             raise
         self.requests: dict[str, Request] = {}
         self._inbox: collections.deque[Request] = collections.deque()
         self._aborts: collections.deque[str] = collections.deque()
         self._lock = threading.Lock()
         self._seed_rng = random.Random(config.seed)
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.num_aborted = 0
-        self.num_steps = 0
+        self.prompt_tokens = self.generation_tokens = self.num_aborted = self.num_steps = 0
         # Asynchronous scheduling: step n + 1 is scheduled and dispatched before step n's
         # tokens are read back, so the host's work overlaps the device's. Sequences with
         # penalties need their full output history on the host, so while any such request
@@ -99,6 +141,23 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, InFlight] | None = None
         self._num_sync_requests = 0
 
+    def _abandon(self, runner: Runner) -> None:
+        """A start that failed: the runner's threads and the event publisher stopped."""
+        runner.shutdown()
+        publisher = getattr(self, "kv_event_publisher", None)
+        if publisher is not None:
+            publisher.shutdown()
+
+    def _make_kv_cache(self, runner: Runner) -> KVCacheManager:
+        """The block pool; it records KV-cache events when --kv-events-config publishes them
+        (each step hands them to ``kv_event_publisher``)."""
+        config = self.config
+        window = self.model_config.all_layers_window
+        self.kv_event_publisher = make_publisher(config.kv_events_config)
+        events = KVEventLog(window) if self.kv_event_publisher is not None else None
+        kv_args = (runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        return KVCacheManager(*kv_args, sliding_window=window, events=events)
+
     def shutdown(self) -> None:
         """Wait for a step still on the device, stop warm-up's background compile, release
         the follower processes of a multi-host replica. Call it once the step loop stopped."""
@@ -106,6 +165,16 @@ class EngineCore:
         self.runner.shutdown()
         self.grammar_compiler.close()
         self.structured_outputs.close()
+        if self.kv_event_publisher is not None:
+            self.publish_kv_events()
+            self.kv_event_publisher.shutdown()
+
+    def publish_kv_events(self) -> None:
+        """Hand the KV-cache events recorded since the last call to the publisher (one batch;
+        nothing when there are none or events are off)."""
+        events = self.kv.pool.events
+        if self.kv_event_publisher is not None and events is not None and events.pending:
+            self.kv_event_publisher.publish(events.take())
 
     def settle(self) -> list[RequestOutput]:
         """Read back the step on the device, if any (its outputs)."""
@@ -127,6 +196,7 @@ class EngineCore:
             )
         result = swap()
         self.kv.pool.reset_prefix_cache()
+        self.publish_kv_events()
         return result
 
     @property
@@ -162,12 +232,19 @@ class EngineCore:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         group_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request for the next step (``RequestError`` if it cannot run); requests of
-        one ``group_id`` (the prompts of one API call) take one admission turn together."""
+        one ``group_id`` (the prompts of one API call) take one admission turn together.
+        ``lora_request``: its adapter, read and checked here if the engine does not know it
+        yet (``AdapterError``)."""
+        if self.pooler is not None:
+            raise RequestError(GENERATION_REFUSED, code="pooling_model")
         params = check_request(
             prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
+        if lora_request is not None:
+            self.ensure_lora(lora_request)
         arrival = time.time() if arrival_time is None else arrival_time
         request = Request(
             request_id,
@@ -180,14 +257,98 @@ class EngineCore:
             group_id or "",
             metrics=RequestMetrics(arrival_time=arrival),
             grammar=self.compile_grammar(params),
+            lora_request=lora_request,
         )
         request.add_samples(
             params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         )
+        self._enqueue(request)
+
+    def add_pooling_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        prompt: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        group_id: str | None = None,
+    ) -> None:
+        """Queue a pooling request (an embedding: ``--runner pooling``); ``RequestError``
+        naming the field if it cannot run. Its prompt runs like a prefill, chunked by the
+        step's token budget, and its one output (``RequestOutput.embedding``) comes once the
+        last chunk has run."""
+        if self.pooler is None:
+            raise RequestError(POOLING_REFUSED, code="generation_model")
+        check_pooling_request(
+            prompt_token_ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len
+        )
+        try:
+            self.pooler.config.check(params)
+        except SamplingParamsError as exc:
+            raise RequestError(str(exc), param=exc.param) from None
+        arrival = time.time() if arrival_time is None else arrival_time
+        request = Request(
+            request_id,
+            prompt,
+            list(prompt_token_ids),
+            _POOLING_SAMPLING,
+            arrival,
+            priority,
+            group_id=group_id or "",
+            metrics=RequestMetrics(arrival_time=arrival),
+            pooling=params,
+            reads_prefix_cache=not self.pooler.config.uses_every_token,
+        )
+        request.add_samples(0)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        request_id = request.request_id
         with self._lock:
             if request_id in self.requests or any(r.request_id == request_id for r in self._inbox):
                 raise RequestError(f"request id {request_id!r} is in use", param="request_id")
             self._inbox.append(request)
+
+    # -- LoRA adapters (any thread) --------------------------------------------------------
+
+    def ensure_lora(self, lora_request: LoRARequest) -> None:
+        if self.lora_slots is None:
+            raise RequestError(
+                f"adapter {lora_request.lora_name!r} asked for, but LoRA is off "
+                "(start the engine with enable_lora / --enable-lora)",
+                param="model",
+            )
+        if not self.lora_slots.has_lora(lora_request.lora_int_id):
+            self.lora_slots.add_lora(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read, check and keep the adapter in host memory (``AdapterError`` if it does not
+        fit the model); requests may then name it."""
+        if self.lora_slots is None:
+            raise RuntimeError("LoRA is off: start the engine with enable_lora / --enable-lora")
+        self.lora_slots.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget the adapter; sequences that run with it finish on it."""
+        if self.lora_slots is not None:
+            self.lora_slots.remove_lora(lora_int_id)
+
+    def lora_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The adapters of the running and of the waiting requests (vLLM's
+        ``lora_requests_info``), each name once."""
+        running: dict[str, bool] = {}
+        waiting: dict[str, bool] = {}
+        for request in list(self.requests.values()):
+            lora = request.lora_request
+            if lora is None:
+                continue
+            is_running = any(s.status == SeqStatus.RUNNING for s in request.seqs)
+            (running if is_running else waiting)[lora.lora_name] = True
+        for request in list(self._inbox):
+            if request.lora_request is not None:
+                waiting[request.lora_request.lora_name] = True
+        return tuple(running), tuple(w for w in waiting if w not in running)
 
     def compile_grammar(self, params: SamplingParams) -> Any:
         """The compiled grammar of ``params.structured_outputs`` (None without one; cached);
@@ -223,7 +384,19 @@ class EngineCore:
             generation_tokens=self.generation_tokens,
             num_aborted=self.num_aborted,
             num_steps=self.num_steps,
+            num_gpu_blocks=self.kv.num_blocks,
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        if self.lora_slots is None:
+            return {}
+        running, waiting = self.lora_names()
+        return {
+            "running_lora_adapters": running,
+            "waiting_lora_adapters": waiting,
+            "max_lora": self.config.max_loras,
+        }
 
     # -- the step (engine thread) ----------------------------------------------------------
 
@@ -264,6 +437,11 @@ class EngineCore:
         return output
 
     def step(self) -> list[RequestOutput]:
+        outputs = self._step()
+        self.publish_kv_events()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         outputs = self.drain_inbox()
         if self.is_sleeping:  # nothing runs until it wakes
             return outputs
@@ -294,8 +472,8 @@ class EngineCore:
         self.scheduler.update_from_output(sched)
         self.num_steps += 1
         if overlap:
-            for item in sched.scheduled:
-                if item.completes_sequence:  # its token is read back after the next dispatch
+            for item in sched.scheduled:  # its token is read back after the next dispatch
+                if item.completes_sequence and seq_of(item).request.pooling is None:
                     seq_of(item).add_pending()
         collected = self._collect_in_flight()  # nothing is in flight unless overlap
         # The masks once the grammars have taken the previous step's tokens, filled while
@@ -350,12 +528,12 @@ class EngineCore:
             if error is not None and request.request_id in self.requests:
                 _LOG.error("request %s failed on the device: %s", request.request_id, error)
                 outputs.append(self._end_request(request, error))
+        if self.pooler is not None:  # a pooling engine runs pooling requests only
+            return outputs + self._process_pooled(sched, result)
         for i, item in enumerate(sched.scheduled):
             seq = seq_of(item)
             request = seq.request
-            self.prompt_tokens += max(
-                0, min(item.start + item.num_new_tokens, seq.num_prompt_tokens) - item.start
-            )
+            self._count_prompt_tokens(item)
             if seq.index == 0 and seq.seq_id in result.prompt_logprobs:
                 self.output_processor.add_prompt_logprobs(
                     seq, item.start, result.prompt_logprobs[seq.seq_id]
@@ -397,6 +575,44 @@ class EngineCore:
                 self._retire(request)
         return outputs
 
+    def _count_prompt_tokens(self, item: ScheduledSeq) -> None:
+        seq = item.seq
+        self.prompt_tokens += max(
+            0, min(item.start + item.num_new_tokens, seq.num_prompt_tokens) - item.start
+        )
+
+    def _process_pooled(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        """A pooling step: each request's chunk folded into its pooled state."""
+        outputs = []
+        for row, item in enumerate(sched.scheduled):
+            self._count_prompt_tokens(item)
+            outputs += self._pool_chunk(item, row, result)
+        return outputs
+
+    def _pool_chunk(self, item: ScheduledSeq, row: int, result: RunnerOutput) -> list:
+        """One pooling request's chunk: folded into its pooled state; after its last chunk,
+        its embedding is made, it finishes and retires (its blocks are freed)."""
+        seq = seq_of(item)
+        request = seq.request
+        if seq.is_finished or request.request_id not in self.requests:
+            return []  # failed or aborted while the step was on the device
+        assert self.pooler is not None and request.pooling is not None
+        assert result.pooled is not None, "a pooling step without pooled outputs"
+        self.pooler.add_chunk(seq.seq_id, item.start, item.num_new_tokens, result.pooled[row])
+        if not item.completes_sequence:
+            return []
+        try:
+            embedding = self.pooler.embedding(seq.seq_id, request.pooling)
+        except Exception as exc:  # one bad request must not stop the batch
+            _LOG.exception("request %s failed while pooling", request.request_id)
+            return [self._end_request(request, repr(exc))]
+        self.output_processor.finish_prompt(seq)
+        self.scheduler.finish(seq)
+        output = self.output_processor.make_output(request, [seq])
+        output.embedding = embedding
+        self._retire(request)
+        return [output]
+
     def _retire(self, request: Request) -> None:
         if self.requests.pop(request.request_id, None) is not None:
             self._num_sync_requests -= request.params.has_penalties
@@ -404,3 +620,5 @@ class EngineCore:
         self.structured_outputs.free(request)
         for seq in request.seqs:
             self.kv.forget_hashes(seq)
+            if self.pooler is not None:
+                self.pooler.free(seq.seq_id)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,8 @@ from jaxserve.engine.balancer import Balancer
 from jaxserve.engine.interfaces import EngineStats
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine_config import EngineConfig
+from jaxserve.lora_request import LoRARequest
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 _LOG = logging.getLogger(__name__)
@@ -125,20 +127,67 @@ class DataParallelEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         group_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput]:
-        """The chosen replica's deltas (the balancer counts the request until it ends)."""
-        num_seqs = params.num_samples
-        rank = self.balancer.pick(prompt_token_ids, num_seqs, cache_salt)
+        """The chosen replica's deltas (the balancer counts the request until it ends). An
+        adapter's prompts hash apart from the base model's, as their KV blocks do."""
+        salt = (
+            cache_salt if lora_request is None else f"{cache_salt or ''}|{lora_request.cache_key}"
+        )
+        stream = lambda replica: replica.generate(  # noqa: E731
+            prompt_token_ids,
+            params,
+            request_id,
+            prompt,
+            priority,
+            cache_salt,
+            group_id,
+            lora_request=lora_request,
+        )
+        async for output in self._routed(
+            request_id, prompt_token_ids, params.num_samples, salt, stream
+        ):
+            yield output
+
+    async def encode(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: PoolingParams,
+        request_id: str,
+        prompt: str | None = None,
+        priority: int = 0,
+        group_id: str | None = None,
+    ) -> AsyncGenerator[RequestOutput]:
+        """A pooling request, on the replica the balancer picks."""
+        stream = lambda replica: replica.encode(  # noqa: E731
+            prompt_token_ids, params, request_id, prompt, priority, group_id
+        )
+        async for output in self._routed(request_id, prompt_token_ids, 1, None, stream):
+            yield output
+
+    async def _routed(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        num_seqs: int,
+        salt: str | None,
+        stream: Callable[[Any], AsyncGenerator[RequestOutput]],
+    ) -> AsyncGenerator[RequestOutput]:
+        rank = self.balancer.pick(prompt_token_ids, num_seqs, salt)
         self._owner[request_id] = rank
         try:
-            stream = self.replicas[rank].generate(
-                prompt_token_ids, params, request_id, prompt, priority, cache_salt, group_id
-            )
-            async for output in stream:
+            async for output in stream(self.replicas[rank]):
                 yield output
         finally:
             self._owner.pop(request_id, None)
             self.balancer.release(rank, num_seqs)
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Loaded on every replica (a request for it may go to any)."""
+        await asyncio.gather(*(r.add_lora(lora_request) for r in self.replicas))
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        await asyncio.gather(*(r.remove_lora(lora_int_id) for r in self.replicas))
 
     async def abort(self, request_id: str) -> None:
         rank = self._owner.get(request_id)

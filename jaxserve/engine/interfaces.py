@@ -18,6 +18,8 @@ import numpy as np
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.engine_config import EngineConfig
+from jaxserve.lora_request import LoRARequest
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -46,6 +48,13 @@ class EngineStats:
     generation_tokens: int
     num_aborted: int
     num_steps: int
+    # KV-cache blocks in the pool (vllm:cache_config_info's num_gpu_blocks); 0: not known.
+    num_gpu_blocks: int = 0
+    # LoRA (vllm:lora_requests_info): the adapters of running and of waiting requests, and the
+    # device slots; empty / 0 with LoRA off.
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
 
 
 class Runner(Protocol):
@@ -77,8 +86,9 @@ class Runner(Protocol):
     def collect(self, step: InFlight) -> RunnerOutput: ...
     def execute(self, output: SchedulerOutput) -> RunnerOutput: ...  # all three, unconstrained
     # New weights, served from the next step (``runner/weight_update.py``): a pytree laid out
-    # as ``weights``, or a safetensors checkpoint of this model (returns the load's seconds).
-    def update_weights(self, weights: object) -> None: ...
+    # as ``weights`` or named as Hugging Face or flax.nnx name them (``layout``), or a
+    # checkpoint of this model, safetensors or converted (orbax) (returns the load's seconds).
+    def update_weights(self, weights: object, layout: str = "auto") -> None: ...
     def load_weights_from(self, model_dir: str | Path) -> float: ...
     # Sleep mode (``runner/sleep.py``): level 1 keeps the weights in host memory, 2 drops them.
     @property
@@ -113,13 +123,35 @@ class EngineClient(Protocol):
         priority: int = 0,
         cache_salt: str | None = None,
         group_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput]: ...
+
+    def encode(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: PoolingParams,
+        request_id: str,
+        prompt: str | None = None,
+        priority: int = 0,
+        group_id: str | None = None,
+    ) -> AsyncGenerator[RequestOutput]:
+        """A pooling request (an engine started with ``runner="pooling"``): one finished
+        output whose ``embedding`` is set. ``RequestError`` (a ``ValueError`` naming the
+        field) for a request it cannot take, a generation engine's included."""
+        ...
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter (``ValueError`` naming what does not fit)."""
+        ...
+
+    async def remove_lora(self, lora_int_id: int) -> None: ...
 
     async def abort(self, request_id: str) -> None: ...
 
     async def update_weights_from_disk(self, model_path: str | Path) -> float:
-        """Serve the safetensors checkpoint in ``model_path`` (this model's tensors): running
-        sequences finish first, waiting ones start on the new weights; the load's seconds.
+        """Serve the checkpoint in ``model_path`` (this model's tensors; safetensors or
+        converted with orbax): running sequences finish first, waiting ones start on the new
+        weights; the load's seconds.
         ``ValueError`` / ``OSError`` naming the tensor or file that does not fit, and nothing
         changes."""
         ...

@@ -3,6 +3,9 @@
     llm = jaxserve.LLM("path/to/model")
     outputs = llm.generate(["Hello"], jaxserve.SamplingParams(temperature=0.7, max_tokens=64))
 
+    embedder = jaxserve.LLM("path/to/embedding-model", runner="pooling")
+    vectors = [o.outputs.embedding for o in embedder.embed(["Hello", "World"])]
+
 It drives ``EngineCore`` directly in the calling thread until every request has finished.
 Start-up logs what the server logs (devices, model, weights, capacity, each compiled bucket):
 where nothing has set up logging, as in a fresh notebook, ``LLM`` shows those lines on stderr.
@@ -18,8 +21,10 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from jaxserve.engine.core import EngineCore
-from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from jaxserve.engine_config import EngineConfig
+from jaxserve.lora_request import LoRARequest
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 _LOG = logging.getLogger(__name__)
@@ -41,6 +46,18 @@ def show_startup_log() -> None:
 
 
 PromptType = str | dict[str, Any] | list[int]
+
+
+def _per_prompt(
+    lora_request: LoRARequest | Seq[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    """``generate``'s ``lora_request`` as one entry per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(f"got {len(loras)} lora_request entries for {num_prompts} prompts")
+    return loras
 
 
 class LLM:
@@ -65,6 +82,10 @@ class LLM:
         quantization: str | None = None,
         compilation_cache_dir: str | None = None,
         warmup: bool = True,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
         **kwargs: Any,
     ) -> None:
         show_startup_log()
@@ -87,6 +108,10 @@ class LLM:
             quantization=quantization,
             compilation_cache_dir=compilation_cache_dir,
             warmup=warmup,
+            enable_lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras,
             **kwargs,
         )
         self.engine = EngineCore(config)
@@ -101,20 +126,29 @@ class LLM:
         ``update_weights`` takes."""
         return self.engine.runner.weights
 
-    def update_weights(self, weights: Any) -> None:
-        """Sample with ``weights`` from the next ``generate``: a pytree laid out as
-        ``self.weights`` (a trainer's ``jax.tree.map`` over it, say). A leaf that already has
-        the served dtype and sharding is served as it is, without a copy; another is cast and
-        placed on the device. A leaf missing, extra or of another shape is a
-        ``WeightsUpdateError`` naming it, and nothing changes. The prefix cache is cleared."""
+    def update_weights(self, weights: Any, layout: str = "auto") -> None:
+        """Sample with ``weights`` from the next ``generate``, in one of three layouts
+        (docs/training.md), told apart from the tree unless ``layout`` names one:
+
+        - ``"engine"``: a pytree laid out as ``self.weights`` (a trainer's ``jax.tree.map``
+          over it, say). A leaf that already has the served dtype and sharding is served as
+          it is, without a copy; another is cast and placed on the device.
+        - ``"hf"``: a flat dict of Hugging Face names (``model.state_dict()``, safetensors):
+          transposed, reshaped, fused and cast on the device as the loader does.
+        - ``"nnx"``: ``nnx.state(model)`` of a flax.nnx Llama / Qwen in the documented layout
+          (``models/loading/named_weights.py``), renamed to Hugging Face's names, then as above.
+
+        A leaf or name missing, unknown or of another shape is a ``WeightsUpdateError``
+        naming it as it was given, and nothing changes. The prefix cache is cleared."""
         core = self.engine
         self._between_requests(
-            lambda: core.swap_weights(lambda: core.runner.update_weights(weights))
+            lambda: core.swap_weights(lambda: core.runner.update_weights(weights, layout))
         )
 
     def update_weights_from_disk(self, model_path: str | Path) -> float:
-        """Load the safetensors checkpoint in ``model_path`` (this model's tensors and shapes:
-        a fine-tuned copy, say) and sample with it from the next ``generate``; the load's
+        """Load the checkpoint in ``model_path`` (this model's tensors and shapes: a fine-tuned
+        copy, say), safetensors or converted with ``jaxserve convert`` (orbax, restored into the
+        weights' shardings), and sample with it from the next ``generate``; the load's
         seconds. A checkpoint that does not fit raises before anything changes; the prefix
         cache is cleared."""
         core = self.engine
@@ -182,8 +216,11 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Seq[int] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the order of the prompts."""
+        """Generate for every prompt; outputs come back in the order of the prompts.
+        ``lora_request``: the adapter of every prompt, or one per prompt (None: the base
+        model); needs ``LLM(enable_lora=True)``."""
         if self.engine.is_sleeping:
             raise RuntimeError("the model is asleep: wake_up() before generate")
         if isinstance(prompts, str | dict) or (
@@ -201,6 +238,9 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
                 )
+        loras = _per_prompt(lora_request, len(prompts))
+        for lora in {lr.lora_int_id: lr for lr in loras if lr is not None}.values():
+            self.engine.ensure_lora(lora)  # a bad adapter raises before any request is queued
         request_ids = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
             text, token_ids = self._to_token_ids(prompt)
@@ -211,9 +251,18 @@ class LLM:
                 params,
                 prompt=text,
                 priority=priority[i] if priority is not None else 0,
+                lora_request=loras[i],
             )
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter ahead of ``generate`` (``AdapterError`` if it does not
+        fit the model)."""
+        self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.engine.remove_lora(lora_int_id)
 
     def chat(
         self,
@@ -236,6 +285,47 @@ class LLM:
             )
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, False)})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """The embedding of every prompt (``LLM(..., runner="pooling")``), in the order of the
+        prompts, as vLLM's ``LLM.embed``: ``outputs[i].outputs.embedding`` is a list of floats.
+        The text is tokenized as the tokenizer does by default (its special tokens added)."""
+        prompts = self._prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} pooling_params for {len(prompts)} prompts"
+                )
+        request_ids = []
+        for prompt, params in zip(prompts, params_list, strict=True):
+            text, token_ids = self._to_token_ids(prompt)
+            request_id = str(next(self._ids))
+            self.engine.add_pooling_request(request_id, token_ids, params, prompt=text)
+            request_ids.append(request_id)
+        return [
+            EmbeddingRequestOutput(
+                out.request_id,
+                EmbeddingOutput(out.embedding.tolist() if out.embedding is not None else []),
+                out.prompt_token_ids,
+                out.finished,
+            )
+            for out in self._run(request_ids, use_tqdm)
+        ]
+
+    def _prompt_list(self, prompts: PromptType | Seq[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            return [prompts]  # type: ignore[list-item]
+        return list(prompts)  # type: ignore[arg-type]
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

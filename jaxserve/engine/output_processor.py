@@ -88,6 +88,10 @@ class OutputProcessor:
         if not seq.is_finished:
             seq.finish_reason = "stop"
 
+    def finish_prompt(self, seq: Sequence) -> None:
+        """A pooling sequence's last prompt chunk has run: it ends (nothing is generated)."""
+        seq.finish_reason, seq.stop_reason = "stop", None
+
     def fail(self, seq: Sequence, error: str) -> None:
         """The sequence failed (on the device, or while its output was processed)."""
         seq.finish_reason, seq.stop_reason = "error", error

@@ -2,12 +2,16 @@
 
 Shaped like vLLM's classes so notebook users know them. The async engine streams *deltas*
 (new text, new token ids and their logprobs since the last output); ``LLM.generate`` and the
-non-streaming server routes merge the deltas with ``RequestOutput.merge``.
+non-streaming server routes merge the deltas with ``RequestOutput.merge``. A pooling request
+(``--runner pooling``) gets one finished ``RequestOutput`` whose ``embedding`` is set;
+``LLM.embed`` hands it back as an ``EmbeddingRequestOutput``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 
 @dataclasses.dataclass
@@ -56,6 +60,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the engine failed this request
+    # A pooling request's result, on its one (finished) output: f32[dimensions or hidden size]
+    embedding: np.ndarray | None = None
 
     def merge(self, delta: RequestOutput) -> None:
         """Fold a streamed delta into this accumulated output."""
@@ -85,3 +91,30 @@ class RequestOutput:
         self.finished = delta.finished
         self.metrics = delta.metrics or self.metrics
         self.error = delta.error or self.error
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    """vLLM's ``EmbeddingOutput``: the embedding of one prompt."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt, as vLLM's class of the same name."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

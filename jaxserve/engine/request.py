@@ -19,6 +19,8 @@ import hashlib
 from typing import Any, cast
 
 from jaxserve.engine.outputs import Logprob, RequestMetrics
+from jaxserve.lora_request import LoRARequest
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.runner.step import PENDING_TOKEN, ScheduledSeq, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -52,6 +54,9 @@ class Sequence:
     block_ids: list[int] = dataclasses.field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
+    # The device slot of its adapter while it runs (the scheduler acquires and releases it);
+    # 0: the base model, or not running.
+    lora_slot: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -149,6 +154,21 @@ class Request:
     # The compiled constraint (structured outputs), handed to StructuredOutputs, its owner,
     # when the request joins the step loop; None without one.
     grammar: Any = None
+    # A pooling request (an embedding): its prompt runs, in chunks like a prefill, and it ends
+    # when the last chunk has run; nothing is sampled (``params`` is a neutral placeholder).
+    pooling: PoolingParams | None = None
+    # False: its prompt is computed whole, never taken from the prefix cache (a pooling that
+    # needs every token's hidden state: mean, CLS).
+    reads_prefix_cache: bool = True
+    lora_request: LoRARequest | None = None  # its adapter; None: the base model
+
+    @property
+    def prefix_cache_key(self) -> str | None:
+        """What its blocks' hashes take in besides the tokens: the cache salt and the
+        adapter, so neither tenants nor adapters share blocks."""
+        if self.lora_request is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}|{self.lora_request.cache_key}"
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id

@@ -11,6 +11,16 @@ from collections.abc import Sequence
 
 from jaxserve.sampling_params import SamplingParams, SamplingParamsError
 
+# What an engine answers a request of the other kind (``--runner``): the server's 400s too.
+GENERATION_REFUSED = (
+    "this model is served for pooling (--runner pooling): it answers /v1/embeddings; "
+    "completions and chat need the server started with --runner generate"
+)
+POOLING_REFUSED = (
+    "this model is served for generation: /v1/embeddings needs the server started with "
+    "--runner pooling (an embedding model)"
+)
+
 
 class RequestError(ValueError):
     """A request the engine cannot take; ``param`` names the offending field."""
@@ -80,3 +90,22 @@ def check_request(
         return params.for_vocab(vocab_size)
     except SamplingParamsError as exc:  # e.g. min_tokens above the budget left
         raise RequestError(str(exc), param=exc.param) from None
+
+
+def check_pooling_request(
+    prompt_token_ids: Sequence[int], *, vocab_size: int, max_model_len: int, noun: str = "input"
+) -> None:
+    """Check a pooling request's tokenized prompt against the model: not empty, in the
+    vocabulary, and at most ``max_model_len`` tokens (it generates nothing, so the whole
+    context is its own)."""
+    if not prompt_token_ids:
+        raise RequestError(f"the {noun} is empty", param=noun)
+    check_token_ids(prompt_token_ids, vocab_size, noun)
+    if len(prompt_token_ids) > max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"{noun} resulted in {len(prompt_token_ids)} tokens. Please reduce the length of "
+            f"the {noun}.",
+            param=noun,
+            code="context_length_exceeded",
+        )

@@ -27,6 +27,7 @@ from safetensors import safe_open
 from jaxserve.models.families.fields import HF_LAYER_PREFIX
 from jaxserve.models.loading.checkpoint_loader import tensor_files
 from jaxserve.models.loading.checkpoint_reader import WeightsError
+from jaxserve.models.loading.orbax_checkpoint import is_converted_checkpoint, read_manifest
 from pallas_kernels.kv_cache import is_quantized
 
 _LOG = logging.getLogger(__name__)
@@ -100,7 +101,14 @@ def _read_scale(file: Path, name: str) -> float:
 
 
 def load_kv_scales(model_dir: str | os.PathLike[str], num_layers: int) -> KVScales:
-    """Each layer's scales from the checkpoint in ``model_dir``; 1.0 where it has none."""
+    """Each layer's scales from the checkpoint in ``model_dir``; 1.0 where it has none (a
+    converted checkpoint keeps its source's in its manifest)."""
+    if is_converted_checkpoint(model_dir):
+        manifest = read_manifest(model_dir)
+        if manifest.kv_scales is None:
+            return KVScales.ones(num_layers)
+        pairs = tuple((float(k), float(v)) for k, v in manifest.kv_scales)
+        return KVScales(pairs, manifest.num_kv_scales_from_checkpoint)
     files = tensor_files(Path(model_dir))
     scales = []
     num_found = 0

@@ -18,6 +18,14 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig, kv_cache_dtype_name, weight_dtype
 from jaxserve.models.families.counting import num_params
 from jaxserve.models.kv_scales import FP8_KV_DTYPES
+from jaxserve.models.loading.orbax_checkpoint import (
+    Manifest,
+    is_converted_checkpoint,
+    read_manifest,
+    served_dtype,
+    served_quantization,
+)
+from jaxserve.models.quant import INVARIANT_ROW_TILE
 from jaxserve.models.quant_scheme import (
     FP8_MIN_COMPUTE_CAPABILITY,
     QuantScheme,
@@ -67,14 +75,29 @@ def start_backend() -> None:
 
 
 def resolve_dtype(config: EngineConfig) -> jnp.dtype:
-    """``auto``: bfloat16 on accelerators, float32 on the CPU (``weight_dtype``)."""
+    """``auto``: bfloat16 on accelerators, float32 on the CPU (``weight_dtype``); of a converted
+    checkpoint, its own (another ``--dtype`` raises ``ConvertedCheckpointError``)."""
+    converted = converted_manifest(config)
+    if converted is not None:
+        return jnp.dtype(served_dtype(converted, config.model_dir, config.dtype))
     return jnp.dtype(weight_dtype(config.dtype, on_cpu=jax.default_backend() == "cpu"))
+
+
+def converted_manifest(config: EngineConfig) -> Manifest | None:
+    """The manifest of a checkpoint ``jaxserve convert`` wrote, when the model is one."""
+    if config.load_format == "dummy" or not is_converted_checkpoint(config.model_dir):
+        return None
+    return read_manifest(config.model_dir)
 
 
 def resolve_quantization(config: EngineConfig) -> QuantScheme | None:
     """The quantization served (``--quantization`` or the checkpoint's), checked against the
     first device: fp8 on a GPU without fp8 raises ``QuantizationError``; fp8 GPUs get W8A8."""
-    scheme = resolve_scheme(config.quantization, config.model_dir, config.load_format)
+    quantization = config.quantization
+    converted = converted_manifest(config)
+    if converted is not None:  # quantized on conversion: as a quantize-on-load scheme
+        quantization = served_quantization(converted, config.model_dir, quantization)
+    scheme = resolve_scheme(quantization, config.model_dir, config.load_format)
     if scheme is None:
         return None
     device = jax.devices()[0]
@@ -152,7 +175,9 @@ def describe_model(
     """``Model: DIR (llama, 4 layers, 8.4M parameters), dtype float32 (auto: ...), ...``."""
     params = num_params(model_config)
     size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
-    if config.dtype == "auto":
+    if config.dtype == "auto" and converted_manifest(config) is not None:
+        why = "auto: the converted checkpoint's"
+    elif config.dtype == "auto":
         on_cpu = jax.default_backend() == "cpu"
         why = "auto: float32 on the CPU" if on_cpu else "auto: bfloat16 on accelerators"
     else:
@@ -188,6 +213,14 @@ def describe_attention(
     kernel, reason = choose_kernel(q, k_pages)
     line = f"Attention: {KERNEL_NAMES[kernel]}"
     return f"{line} ({reason})" if reason else line
+
+
+def describe_batch_invariance() -> str:
+    """The start-up log's line for ``--batch-invariant``."""
+    return (
+        f"Batch-invariant mode: on (each sequence's logits bitwise independent of its batch "
+        f"and chunking; GEMMs in {INVARIANT_ROW_TILE}-row tiles, attention unsplit)"
+    )
 
 
 def describe_experts(
@@ -249,5 +282,6 @@ def startup_lines(
         skinny_dispatch.describe(),
         describe_samplers(config),
         *([experts] if experts else []),
+        *([describe_batch_invariance()] if config.batch_invariant else []),
     ]
     return lines + ([quant.describe()] if quant is not None else [])

@@ -36,6 +36,9 @@ class InFlight:
     spans: dict[str, tuple[int, int]]  # seq_id -> (offset, count) of its prompt logprob rows
     sampled_row: dict[str, int]  # seq_id -> its row in out.token_ids, one per scheduled seq
     deferred: DeferredSampler | None = None
+    # A pooling runner's step: f32[S_pad, 3, H] on the device (``programs.pool_step``), and
+    # no sampler, ever.
+    pooled: jax.Array | None = None
 
     @property
     def sampled_ids(self) -> Any:  # i32[S_max] on the device
@@ -46,6 +49,8 @@ class InFlight:
     def read_back(self) -> RunnerOutput:
         """Wait for the step and copy its sampled tokens (and logprobs) to the host."""
         out, num = self.out, len(self.sampled_row)
+        if self.pooled is not None:
+            return RunnerOutput(np.zeros(0, np.int32), pooled=np.asarray(self.pooled)[:num])
         if out is None:
             raise RuntimeError("the step has not been sampled (ModelRunner.sample)")
         result = RunnerOutput(token_ids=np.asarray(out.token_ids)[:num])

@@ -1,7 +1,7 @@
-"""The model's weights on the device(s), as the engine configuration asks: random (``dummy``)
-or read from the checkpoint, quantized or not, placed for tensor parallelism (on one device,
-unquantized, with the projections that share an input fused); and the per-layer scales of an
-fp8 KV cache."""
+"""The model's weights on the device(s), as the engine configuration asks: random (``dummy``),
+read from the safetensors checkpoint or restored from a converted (orbax) one, quantized or
+not, placed for tensor parallelism (on one device, unquantized, with the projections that
+share an input fused); and the per-layer scales of an fp8 KV cache."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -23,6 +24,13 @@ from jaxserve.models.layers import Weights, fuse_projections
 from jaxserve.models.loading.checkpoint_loader import load_weights
 from jaxserve.models.loading.dummy import dummy_weights
 from jaxserve.models.loading.field_conversion import Placement
+from jaxserve.models.loading.load_progress import format_bytes, format_rate
+from jaxserve.models.loading.orbax_checkpoint import (
+    check_served_as,
+    is_converted_checkpoint,
+    read_manifest,
+    restore_weights,
+)
 from jaxserve.models.quant_scheme import QuantScheme
 from jaxserve.runner.parallel.sharding import TensorParallel
 
@@ -44,6 +52,8 @@ def model_weights(
         weights = dummy_weights(
             model_config, dtype, seed=config.seed, placement=placement, scheme=quant, stop=stop
         )
+    elif is_converted_checkpoint(config.model_dir):
+        weights = restored_weights(model_config, config.model_dir, dtype, placement, quant)
     else:  # q/k/v and gate/up written into their joined arrays as they load
         weights = load_weights(
             config.model_dir,
@@ -54,7 +64,7 @@ def model_weights(
             fuse=_fuses(placement is None, quant),
             stop=stop,
         )
-    weights = _as_served(weights, placement is None, quant)
+    weights = as_served(weights, placement is None, quant)
     jax.block_until_ready(weights)
     seconds = time.perf_counter() - start
     if config.load_format == "dummy":
@@ -62,9 +72,69 @@ def model_weights(
     return weights, seconds
 
 
-def _as_served(weights: Weights, one_device: bool, quant: QuantScheme | None) -> Weights:
-    """On one device, unquantized, the projections that share an input joined (see
-    ``fuse_projections``); else as they are."""
+def restored_weights(
+    model_config: ModelConfig,
+    model_dir: Path,
+    dtype: jnp.dtype,
+    placement: Placement | None,
+    quant: QuantScheme | None,
+) -> Weights:
+    """The weights of a checkpoint ``jaxserve convert`` wrote, checked against what is served
+    (dtype, quantization, layout, every leaf) before a byte is read. With a placement each
+    leaf is restored straight into its sharding (each device reads its shards); on one device
+    into host memory, then onto the default device as the loader leaves them (uncommitted: a
+    committed array would compile the programs again)."""
+    start = time.perf_counter()
+    manifest = read_manifest(model_dir)
+    method = quant.method if quant is not None else None
+    check_served_as(manifest, model_dir, dtype, method, None if placement is None else False)
+    target = _abstract_in_layout(model_config, dtype, quant, manifest.fused, placement)
+    weights = restore_weights(model_dir, target)
+    if placement is None:
+        weights = jax.device_put(weights)
+    jax.block_until_ready(weights)
+    seconds = time.perf_counter() - start
+    _LOG.info(
+        "Restored weights from the orbax checkpoint %s (%s): %s in %.1f s (%s)",
+        model_dir,
+        manifest.describe(),
+        format_bytes(manifest.num_bytes),
+        seconds,
+        format_rate(manifest.num_bytes / max(seconds, 1e-9)),
+    )
+    return weights
+
+
+def _abstract_in_layout(
+    model_config: ModelConfig,
+    dtype: jnp.dtype,
+    quant: QuantScheme | None,
+    fused: bool,
+    placement: Placement | None,
+) -> Weights:
+    """The shapes and dtypes of the weights, fused or not, each with the sharding
+    ``placement`` gives its path (none without one)."""
+
+    def make() -> Weights:
+        weights = dummy_weights(model_config, dtype, scheme=quant)
+        return fuse_projections(weights) if fused else weights
+
+    shapes = jax.eval_shape(make)
+    if placement is None:
+        return shapes
+
+    def with_sharding(path: tuple[Any, ...], shape: jax.ShapeDtypeStruct) -> Any:
+        names = tuple(getattr(key, "name", getattr(key, "idx", None)) for key in path)
+        sharding = placement(names, shape.shape)
+        return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map_with_path(with_sharding, shapes)
+
+
+def as_served(weights: Weights, one_device: bool, quant: QuantScheme | None) -> Weights:
+    """``weights`` (as the tables lay them out) as the runner serves them: on one device,
+    unquantized, the projections that share an input joined (see ``fuse_projections``); else
+    as they are."""
     return fuse_projections(weights) if _fuses(one_device, quant) else weights
 
 
@@ -107,7 +177,7 @@ def abstract_model_weights(
 
     def make() -> Weights:
         weights = dummy_weights(model_config, dtype, scheme=quant)
-        return _as_served(weights, shardings is None, quant)
+        return as_served(weights, shardings is None, quant)
 
     shapes = jax.eval_shape(make)
     if shardings is None:

@@ -25,7 +25,9 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.batch import Batch, kv_page_shapes, make_kv_cache_for
+from jaxserve.models.decoder import check_row_tile
 from jaxserve.models.kv_scales import kv_dtype_label
+from jaxserve.models.lora import lora_shapes
 from jaxserve.runner import warmup
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.capacity import Capacity, engine_capacity, reserve_device_memory
@@ -39,15 +41,21 @@ from jaxserve.runner.devices import (
 )
 from jaxserve.runner.in_flight import DeferredSampler, InFlight
 from jaxserve.runner.input_builder import InputBuilder
+from jaxserve.runner.lora_slots import LoraSlots
 from jaxserve.runner.model_weights import kv_cache_scales, model_weights, start_loading
 from jaxserve.runner.parallel import step_broadcast
 from jaxserve.runner.parallel.mesh import replica_devices, replica_mesh
 from jaxserve.runner.parallel.sharding import TensorParallel, prepare_tp
-from jaxserve.runner.programs import Forward
+from jaxserve.runner.programs import Forward, invariant_row_tile
 from jaxserve.runner.sleep import WAKE_TAGS, SleepState, abstract, device_bytes, free, placements
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from jaxserve.runner.step_programs import KVCacheShapes, StepPrograms
-from jaxserve.runner.weight_update import checked_weights, place
+from jaxserve.runner.weight_update import (
+    checked_weights,
+    place,
+    weights_from_named,
+    weights_layout,
+)
 
 _LOG = logging.getLogger(__name__)
 
@@ -81,6 +89,7 @@ class ModelRunner:
             model_config, config, self.dtype, max_model_len, self.quant, self.kv_dtype
         ):
             _LOG.info(line)
+        check_row_tile(model_config, invariant_row_tile(config.batch_invariant))
         self.tp = self._prepare_parallel()
         self.kv_scales = kv_cache_scales(model_config, config, self.kv_dtype)
         # NOTE: the capacity plan needs the weights' size, not the weights: a model that does
@@ -136,6 +145,8 @@ class ModelRunner:
             self.allocate_kv_cache()
         # Several processes (hosts) share this model: process 0 broadcasts each step.
         self.multihost = jax.process_count() > 1
+        if self.multihost and self.is_pooling:
+            raise ValueError("--runner pooling runs on one host: start it without multi-host")
         self.inputs = InputBuilder(
             self.buckets,
             block_size=config.block_size,
@@ -145,7 +156,9 @@ class ModelRunner:
             vocab_size=model_config.vocab_size,
             eos_token_ids=eos_token_ids,
             compact_samplers=uses_compact_samplers(config),
+            enable_lora=config.enable_lora,
         )
+        self.lora_slots = self._make_lora_slots()
         self.programs = StepPrograms(
             model_config,
             self.buckets,
@@ -155,7 +168,26 @@ class ModelRunner:
             dtype=self.dtype,
             tp=self.tp,
             kv_scales=self.kv_scales,
+            batch_invariant=config.batch_invariant,
+            pooling=self.is_pooling,
+            lora=self.lora_slots,
         )
+
+    def _make_lora_slots(self) -> LoraSlots | None:
+        """The adapter slots with ``--enable-lora`` (on one host: a follower process would
+        need each slot write too), else None."""
+        config = self.config
+        if not config.enable_lora:
+            return None
+        if self.multihost:
+            raise ValueError("enable_lora on a multi-host replica is not supported (docs/lora.md)")
+        shapes = lora_shapes(self.model_config, config.max_loras, config.max_lora_rank)
+        return LoraSlots(shapes, self.dtype, config.resolved_max_cpu_loras)
+
+    @property
+    def is_pooling(self) -> bool:
+        """Prompts only, embeddings out (``--runner pooling``): no logits, no sampler."""
+        return self.config.runner == "pooling"
 
     @property
     def ready_tokens(self) -> int:
@@ -168,16 +200,25 @@ class ModelRunner:
 
     # -- weight updates --------------------------------------------------------------------
 
-    def update_weights(self, weights: Any) -> None:
-        """Serve ``weights`` (a pytree laid out as ``self.weights``) from the next step; a
-        leaf that does not fit is a ``WeightsUpdateError`` naming it, and nothing changes."""
+    def update_weights(self, weights: Any, layout: str = "auto") -> None:
+        """Serve ``weights`` from the next step: a pytree laid out as ``self.weights``, or
+        named as Hugging Face or a flax.nnx model names them (``layout``: one of
+        ``weight_update.LAYOUTS``), converted on the device; a leaf or name that does not fit
+        is a ``WeightsUpdateError`` naming it, and nothing changes."""
         self._check_weights_awake()
+        layout = weights_layout(weights, layout)
+        if layout != "engine":
+            placement = self.tp.placement if self.tp is not None else None
+            weights = weights_from_named(
+                weights, layout, self.model_config, self.dtype, placement, self.quant
+            )
         self._swap_weights(checked_weights(self.weights, weights))
 
     def load_weights_from(self, model_dir: str | Path) -> float:
-        """Load the safetensors checkpoint in ``model_dir`` (this model's tensors and shapes)
-        as the start-up loads this model's, and serve it from the next step; the load's
-        seconds. A checkpoint that does not fit raises before anything changes."""
+        """Load the checkpoint in ``model_dir`` (this model's tensors and shapes; safetensors,
+        or a converted orbax one of this dtype and quantization) as the start-up loads one, and
+        serve it from the next step; the load's seconds. A checkpoint that does not fit raises
+        before anything changes."""
         self._check_weights_awake()
         config = dataclasses.replace(self.config, model=str(model_dir), load_format="auto")
         placement = self.tp.placement if self.tp is not None else None
@@ -328,6 +369,8 @@ class ModelRunner:
         (``output.is_constrained``) takes the sampler variant that applies a token mask.
         """
         self.inputs.update_states(output)
+        if self.is_pooling:
+            return self._dispatch_pooling(output)
         host_batch, rows = self.inputs.build_batch(output)
         seqs = [item.seq for item in output.scheduled]
         kv_lens = np.asarray(host_batch.kv_lens)  # host arrays until forward
@@ -343,17 +386,31 @@ class ModelRunner:
         previous_rows = previous.sampled_row if previous is not None else None
         source = self.inputs.pending_sources(output, host_batch, previous_rows)
         feed = (source, previous.sampled_ids) if source is not None and previous else None
-        forward, prompt_out = self.forward(host_batch, next_ids, feed)
+        lora_slots = self.inputs.lora_token_slots(host_batch, rows)
+        forward, prompt_out = self.forward(host_batch, next_ids, feed, lora_slots)
         sampled_row = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
         step = InFlight(None, prompt_out, spans, sampled_row)
         step.deferred = DeferredSampler(forward, inputs, flags)
         return step
 
+    def _dispatch_pooling(self, output: SchedulerOutput) -> InFlight:
+        """A pooling runner's step: the model step, then what pooling needs of each sequence's
+        chunk (``StepPrograms.pool``); nothing is sampled."""
+        host_batch, _ = self.inputs.build_batch(output)
+        forward, _ = self.forward(host_batch, None)
+        with self.programs.precision():
+            pooled = self.programs.pool(forward)
+        sampled_row = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
+        return InFlight(None, None, {}, sampled_row, pooled=pooled)
+
     def sample(self, step: InFlight, token_mask: np.ndarray | None) -> None:
         """Queue the sampler of a dispatched step (once). ``token_mask`` (i32[num_scheduled,
         ceil(V / 32)], only for a step dispatched with ``is_constrained``): row i packs the
         tokens scheduled sequence i may take, bit v % 32 of word v // 32; None: no constraint.
-        It is copied into the sampler's inputs: the caller may reuse it once this returns."""
+        It is copied into the sampler's inputs: the caller may reuse it once this returns.
+        A pooling runner's step has no sampler: nothing is queued."""
+        if step.pooled is not None:
+            return
         deferred, step.deferred = step.deferred, None
         assert deferred is not None, "the step was sampled already"
         if token_mask is not None and not deferred.flags.use_mask:
@@ -377,14 +434,16 @@ class ModelRunner:
         host_batch: Batch,
         next_ids: np.ndarray | None,
         feed: tuple[np.ndarray, jax.Array] | None = None,
+        lora_slots: np.ndarray | None = None,
     ) -> tuple[Forward, tuple[jax.Array, ...] | None]:
         """Model step and (when asked) prompt logprobs on the device: (the step's output,
-        prompt logprobs). ``feed``: (source, previous sampled ids) of the step's pending tokens."""
+        prompt logprobs). ``feed``: (source, previous sampled ids) of the step's pending tokens;
+        ``lora_slots``: each token's adapter slot (i32[T])."""
         source, previous_ids = feed if feed is not None else (None, None)
         programs = self.programs
         with programs.precision():  # also keys the jit caches: warm-up runs under it too
             self.kv_cache, forward = programs.run_step(
-                self.kv_cache, host_batch, source, previous_ids
+                self.kv_cache, host_batch, source, previous_ids, lora_slots
             )
             prompt_out = None
             if next_ids is not None:

@@ -13,6 +13,9 @@ the engine's ``Sequence`` satisfies ``StepSequence`` structurally.
 Asynchronous scheduling (docs/architecture.md): an output token that a dispatched step will
 sample, not yet read back, is ``PENDING_TOKEN`` in the host's token lists. A step whose input
 is a pending token takes it, on the device, from the previous step's sampled ids.
+
+A pooling runner (``--runner pooling``) runs prompts only: a step's sequences are prompt chunks,
+nothing is sampled, and ``RunnerOutput.pooled`` carries what pooling needs of each chunk.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class StepSequence(Protocol):
     def num_tokens(self) -> int: ...
     @property
     def last_token_id(self) -> int: ...
+    @property
+    def lora_slot(self) -> int: ...  # its adapter's device slot, 0: the base model
     def token_ids(self, start: int, stop: int) -> list[int]: ...
 
 
@@ -92,6 +97,10 @@ class RunnerOutput:
     top_logprobs: np.ndarray | None = None  # f32[S, K]
     # seq_id -> (logprob[n], rank[n], top_ids[n, K], top_lp[n, K]) for the chunk's next tokens
     prompt_logprobs: dict[str, tuple[np.ndarray, ...]] = dataclasses.field(default_factory=dict)
+    # f32[S, 3, H], a pooling runner's (``--runner pooling``; its token_ids are empty: it never
+    # samples): per scheduled sequence, the sum of its hidden states in this step, its first
+    # token's and its last token's (``programs.pool_step``)
+    pooled: np.ndarray | None = None
     # seq_id -> error, for sequences whose part of the step failed on the device (their prompt
     # logprobs ran out of memory, say): their requests fail, the rest of the batch carries on
     failed: dict[str, str] = dataclasses.field(default_factory=dict)

@@ -35,9 +35,16 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.batch import Batch
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.input_builder import InputBuilder
+from jaxserve.runner.lora_slots import LoraSlots
 from jaxserve.runner.packing import Layout, pack, write_rows
 from jaxserve.runner.parallel.sharding import TensorParallel
-from jaxserve.runner.programs import Forward, StepSamples, jitted_head_programs, jitted_model_step
+from jaxserve.runner.programs import (
+    Forward,
+    StepSamples,
+    jitted_head_programs,
+    jitted_model_step,
+    pool_step,
+)
 from jaxserve.runner.sampling import TOKEN_MASK_LEAF, SamplerFlags, SamplingInputs
 
 # The warm-up's lines, under one name: users filter them as one story.
@@ -46,18 +53,25 @@ _LOG = logging.getLogger("jaxserve.runner.warmup")
 BACKGROUND_SLOTS = 4  # compiles at a time once the KV cache is allocated
 BACKGROUND_RETRIES = 3  # compiles alone after running out of device memory
 
-# The programs of a token bucket besides its model step (``StepPrograms.uncompiled``' kinds).
+# The programs of a token bucket besides its model step (``StepPrograms.uncompiled``' kinds):
+# a generating runner's, and a pooling runner's (``--runner pooling``: no logits, no sampler).
 PROGRAMS = ("logits", "prompt_logprobs", "samplers")
+POOLING_PROGRAMS = ("pooling",)
 
 KVCacheShapes = list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]
 
 
-def pack_step(batch: Batch, source: np.ndarray | None = None) -> tuple[np.ndarray, Layout]:
+def pack_step(
+    batch: Batch, source: np.ndarray | None = None, lora_slots: np.ndarray | None = None
+) -> tuple[np.ndarray, Layout]:
     """A step's host inputs packed for the model step: the batch, and for each token the row
-    of the previous step's sampled ids it reads (-1: its own input id)."""
+    of the previous step's sampled ids it reads (-1: its own input id); with LoRA on, each
+    token's adapter slot (i32[T], 0: none) too."""
     if source is None:
         source = np.full(batch.num_tokens, -1, np.int32)
-    return pack((batch, source))
+    if lora_slots is None:
+        return pack((batch, source))
+    return pack((batch, source, lora_slots))
 
 
 @dataclasses.dataclass
@@ -125,16 +139,21 @@ class StepPrograms:
         dtype: Any,  # the activations' (jnp.float32, jnp.bfloat16, ...)
         tp: TensorParallel | None = None,  # None: one device, the plain programs
         kv_scales: tuple[tuple[float, float], ...] | None = None,  # an fp8 cache's, per layer
+        batch_invariant: bool = False,  # each row's result independent of its step
+        pooling: bool = False,  # a pooling runner's programs: model step and pooling only
+        lora: LoraSlots | None = None,  # the adapter slots (--enable-lora), read at each step
     ) -> None:
         self.model_config = model_config
+        self.kinds = POOLING_PROGRAMS if pooling else PROGRAMS
+        self.lora = lora
         self.buckets = buckets
         self.inputs = inputs
         self.kv_cache_shapes = kv_cache_shapes
         self.dtype = dtype
         self.tp = tp
-        self.step_fn = jitted_model_step(model_config, kv_scales, tp)
+        self.step_fn = jitted_model_step(model_config, kv_scales, tp, batch_invariant)
         self.logits_fn, self.sample_fn, self.prompt_lp_fn = jitted_head_programs(
-            model_config, buckets.max_seq_bucket, tp
+            model_config, buckets.max_seq_bucket, tp, batch_invariant
         )
         # Ahead-of-time executables from warm-up: model step, logits and prompt logprobs per
         # token bucket, sampler per (sequence bucket, variant).
@@ -142,6 +161,8 @@ class StepPrograms:
         self.compiled_logits: dict[int, Any] = {}
         self.compiled_prompt_lp: dict[int, Any] = {}
         self.compiled_samplers: dict[tuple[int, SamplerFlags], Any] = {}
+        self.pool_fn = jax.jit(pool_step, static_argnames=("layout",))
+        self.compiled_pool: dict[int, Any] = {}
         self.compile_seconds = 0.0  # warm-up's, until the engine serves
         # Steps of up to this many tokens have every program compiled (warm-up lowers it, then
         # raises it as the larger buckets compile in ``background``).
@@ -176,16 +197,24 @@ class StepPrograms:
         batch: Batch,  # host arrays
         source: np.ndarray | None = None,  # i32[T]  see ``pack_step``
         previous_ids: jax.Array | None = None,  # i32[S_max]  the previous step's sampled ids
+        lora_slots: np.ndarray | None = None,  # i32[T]  each token's adapter slot (LoRA on)
     ) -> tuple[Any, Forward]:
         """(kv_cache, the step's output) of one model step."""
-        packed, layout = pack_step(batch, source)
+        if self.lora is not None and lora_slots is None:
+            lora_slots = np.zeros(batch.num_tokens, np.int32)
+        packed, layout = pack_step(batch, source, lora_slots)
         args = (self.put(packed), self.no_previous_ids if previous_ids is None else previous_ids)
+        extra = self._lora_args()
         step = self.compiled_steps.get(batch.num_tokens)
         if step is None:
-            kv_cache, hidden = self.step_fn(self.weights, kv_cache, *args, layout)
+            kv_cache, hidden = self.step_fn(self.weights, kv_cache, *args, layout, **extra)
         else:
-            kv_cache, hidden = step(self.weights, kv_cache, *args)
+            kv_cache, hidden = step(self.weights, kv_cache, *args, **extra)
         return kv_cache, Forward(hidden, args[0], layout)
+
+    def _lora_args(self) -> dict[str, Any]:
+        """The model step's adapter stacks, as they are now (none without LoRA)."""
+        return {} if self.lora is None else {"lora_weights": self.lora.weights}
 
     def sample(
         self,
@@ -210,6 +239,14 @@ class StepPrograms:
             return self.sample_fn(logits, self.put(packed), layout=layout, flags=flags)
         return compiled(logits, self.put(packed))
 
+    def pool(self, forward: Forward) -> jax.Array:
+        """f32[S, 3, H]: per sequence of the step, the sum of its hidden states, its first
+        token's and its last token's (``programs.pool_step``)."""
+        compiled = self.compiled_pool.get(forward.hidden.shape[0])
+        if compiled is None:
+            return self.pool_fn(forward.hidden, forward.packed, layout=forward.layout)
+        return compiled(forward.hidden, forward.packed)
+
     def prompt_logprobs(self, hidden: jax.Array, next_ids: Any) -> tuple[jax.Array, ...]:
         compiled = self.compiled_prompt_lp.get(hidden.shape[0])
         if compiled is None:
@@ -221,20 +258,30 @@ class StepPrograms:
     def lower_step(self, num_tokens: int, kv_cache: Any = None) -> Any:
         """The model step of a token bucket, lowered (not yet compiled); ``kv_cache``: the
         cache's shapes by default."""
-        packed, layout = pack_step(self.inputs.padding_step(num_tokens)[0])
+        packed, layout = self._padding_packed(num_tokens)
         kv_cache = self.kv_cache_shapes if kv_cache is None else kv_cache
-        return self.step_fn.lower(self.weights, kv_cache, packed, self.no_previous_ids, layout)
+        return self.step_fn.lower(
+            self.weights, kv_cache, packed, self.no_previous_ids, layout, **self._lora_args()
+        )
+
+    def _padding_packed(self, num_tokens: int) -> tuple[np.ndarray, Layout]:
+        """A padding step's model inputs, packed as ``run_step`` packs a step's."""
+        lora_slots = None if self.lora is None else np.zeros(num_tokens, np.int32)
+        return pack_step(self.inputs.padding_step(num_tokens)[0], None, lora_slots)
 
     def uncompiled(
-        self, buckets: list[int], kinds: tuple[str, ...] = PROGRAMS
+        self, buckets: list[int], kinds: tuple[str, ...] | None = None
     ) -> Iterator[tuple[str, dict, Any, int]]:
         """(kind, its table, its key, its token bucket) of each program of ``kinds`` that
         ``buckets`` need and no table holds yet: the logits and the prompt logprobs per token
         bucket, the sampler variants per sequence bucket (several token buckets share one)."""
+        kinds = self.kinds if kinds is None else tuple(k for k in kinds if k in self.kinds)
         queued: set[Any] = set()
         for bucket in buckets:
             rows = self.buckets.seq_bucket(bucket)
             wanted: list[tuple[str, dict, Any]] = []
+            if "pooling" in kinds:
+                wanted.append(("pooling", self.compiled_pool, bucket))
             if "logits" in kinds:
                 wanted.append(("logits", self.compiled_logits, bucket))
             if "prompt_logprobs" in kinds:
@@ -259,8 +306,11 @@ class StepPrograms:
                 specs[rows] = self._logits_spec(rows)
             return self.sample_fn.lower(specs[rows], self.put(packed), layout=layout, flags=flags)
         hidden = self.put(np.zeros((key, self.model_config.hidden_size), self.dtype))
-        if kind == "logits":
+        if kind == "pooling":
             packed, layout = pack_step(self.inputs.padding_step(key)[0])
+            return self.pool_fn.lower(hidden, self.put(packed), layout=layout)
+        if kind == "logits":
+            packed, layout = self._padding_packed(key)
             return self.logits_fn.lower(self.head, hidden, self.put(packed), layout, tied=self.tied)
         next_ids = self.put(np.zeros(key, np.int32))
         return self.prompt_lp_fn.lower(self.head, hidden, next_ids, tied=self.tied)
@@ -269,7 +319,7 @@ class StepPrograms:
         """The logits a sampler of ``rows`` rows takes, as the logits program returns them
         (replicated; not made: 128 MiB at 256 rows of a 128k vocabulary)."""
         hidden = self.put(np.zeros((rows, self.model_config.hidden_size), self.dtype))
-        packed, layout = pack_step(self.inputs.padding_step(rows)[0])
+        packed, layout = self._padding_packed(rows)
         logits = functools.partial(self.logits_fn, layout=layout, tied=self.tied)
         shape = jax.eval_shape(logits, self.head, hidden, self.put(packed))
         sharding = self.tp.replicated if self.tp is not None else hidden.sharding

@@ -38,7 +38,7 @@ import numpy as np
 from jaxserve.models.loading.load_progress import format_bytes
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.sampling import SamplerFlags
-from jaxserve.runner.step_programs import PROGRAMS, StepPrograms
+from jaxserve.runner.step_programs import POOLING_PROGRAMS, PROGRAMS, StepPrograms
 
 _LOG = logging.getLogger(__name__)
 
@@ -234,6 +234,9 @@ def run_smallest_step(programs: StepPrograms, kv_cache: Any) -> Any:
     the KV cache (donated to the steps)."""
     batch, inputs = programs.inputs.padding_step(programs.buckets.token_buckets[0])
     kv_cache, forward = programs.run_step(kv_cache, batch)
+    if programs.kinds == POOLING_PROGRAMS:  # a pooling runner samples nothing
+        jax.block_until_ready(programs.pool(forward))
+        return kv_cache
     for flags in (SamplerFlags(all_greedy=True), SamplerFlags()):
         out = programs.sample(forward, inputs, flags)
         jax.block_until_ready(out.token_ids)
@@ -254,12 +257,12 @@ def compile_buckets(
     check: Callable[[], None],
     raise_ready: bool = False,
     steps: bool = True,
-    kinds: tuple[str, ...] = PROGRAMS,
+    kinds: tuple[str, ...] | None = None,
 ) -> None:
     """The programs of ``buckets``: model steps first (unless ``steps`` is off), then those
-    of ``kinds`` not compiled yet (the sampler variants belong to a sequence bucket, which
-    several token buckets share); raises the weights' load error (``check``) as soon as it
-    comes. ``raise_ready``: the background's compile, beside the KV cache
+    of ``kinds`` (None: all of the runner's) not compiled yet (the sampler variants belong to
+    a sequence bucket, which several token buckets share); raises the weights' load error
+    (``check``) as soon as it comes. ``raise_ready``: the background's compile, beside the KV cache
     (``BackgroundCompile.compile``), and ``programs.ready_tokens`` rises to each bucket whose
     programs (and all smaller buckets') are done."""
     # Each program's compile starts as soon as it is lowered, while the next one lowers; beside
@@ -289,8 +292,12 @@ def compile_buckets(
 
 def _log_compiling(todo: list[tuple[str, dict, Any, int]], buckets: list[int]) -> None:
     kinds = collections.Counter(kind for kind, *_ in todo)
-    names = {"logits": "the logits", "prompt_logprobs": "the prompt logprobs"}
-    what = [names.get(kind, f"{kinds[kind]} sampler variants") for kind in PROGRAMS if kinds[kind]]
+    names = {"logits": "the logits", "prompt_logprobs": "the prompt logprobs", "pooling": "pooling"}
+    what = [
+        names.get(kind, f"{kinds[kind]} sampler variants")
+        for kind in PROGRAMS + POOLING_PROGRAMS
+        if kinds[kind]
+    ]
     _LOG.info(
         "Compiling %s for the buckets of %s tokens (%d programs)",
         " and ".join([", ".join(what[:-1]), what[-1]] if len(what) > 1 else what),

@@ -1,6 +1,7 @@
 """New weights for a running model: a pytree laid out as the served ``Weights``, checked leaf by
 leaf against them before anything changes, then brought to their dtype and sharding on the
-device.
+device. Weights named as Hugging Face or a flax.nnx model names them (``LAYOUTS``) are checked
+name by name, then made into that layout on the device (``models/loading/named_weights.py``).
 
 The compiled programs take the weights as an argument, so new weights of the same shapes,
 dtypes and shardings run in the same executables: nothing compiles. A leaf that already has
@@ -11,12 +12,24 @@ them in between steps.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jaxserve.config import ModelConfig
 from jaxserve.models.layers import Weights
+from jaxserve.models.loading.field_conversion import Placement
+from jaxserve.models.loading.named_weights import hf_problems, read_nnx, weights_from_hf
+from jaxserve.models.quant_scheme import QuantScheme
+from jaxserve.runner import model_weights
+
+# How new weights may be laid out (docs/training.md): "engine" as ``LLM.weights`` (served
+# without a copy where dtype and sharding match), "hf" Hugging Face's names and layout
+# (``{"model.layers.0.self_attn.q_proj.weight": [out, in], ...}``), "nnx" a flax.nnx model's
+# state in the layout of ``named_weights``; "auto" tells them apart (``weights_layout``).
+LAYOUTS = ("auto", "engine", "hf", "nnx")
 
 
 class WeightsUpdateError(ValueError):
@@ -65,3 +78,51 @@ def place(value: Any, sharding: jax.sharding.Sharding, committed: bool) -> jax.A
     """``value`` on the device(s) of ``sharding``; on the default device, uncommitted, where
     ``committed`` is False (as the loader leaves one device's weights)."""
     return jax.device_put(value, sharding) if committed else jax.device_put(value)
+
+
+def weights_layout(new: Any, layout: str = "auto") -> str:
+    """The layout of ``new``: ``layout`` itself unless "auto". A flax ``State`` (or a dict with
+    an ``embedder``, as ``nnx.to_pure_dict`` writes it) is "nnx"; a flat dict of dotted names
+    is "hf"; anything else "engine"."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"{layout=} must be one of {', '.join(LAYOUTS)}")
+    if layout != "auto":
+        return layout
+    if type(new).__module__.startswith("flax.") or (isinstance(new, Mapping) and "embedder" in new):
+        return "nnx"
+    if (
+        isinstance(new, Mapping)
+        and new
+        and all(isinstance(key, str) and "." in key for key in new)
+        and not any(isinstance(value, Mapping) for value in new.values())
+    ):
+        return "hf"
+    return "engine"
+
+
+def weights_from_named(
+    new: Any,
+    layout: str,
+    config: ModelConfig,
+    dtype: Any,
+    placement: Placement | None,
+    quant: QuantScheme | None,
+) -> Weights:
+    """``new``, named as ``layout`` ("hf" or "nnx") says, as the runner serves weights (fused,
+    quantized, placed as at load), made on the device. ``WeightsUpdateError`` names every
+    name missing, unknown or of another shape before anything is made."""
+    if layout == "nnx":
+        read = read_nnx(new)
+        problems = [f"{path}: not a parameter of the nnx layout" for path in read.unknown]
+        problems += hf_problems(read.shapes(), config, quant, as_nnx=True)
+    elif isinstance(new, Mapping):
+        problems = hf_problems({k: tuple(jnp.shape(v)) for k, v in new.items()}, config, quant)
+    else:
+        problems = [f"Hugging Face names need a dict of name -> array, not {type(new).__name__}"]
+    if problems:
+        shown = "; ".join(problems[:8]) + ("; ..." if len(problems) > 8 else "")
+        raise WeightsUpdateError(f"{len(problems)} weights do not fit the model: {shown}")
+    # The kernels of an nnx state transposed only once nothing is wrong.
+    tensors = read_nnx(new).tensors() if layout == "nnx" else new
+    weights = weights_from_hf(tensors, config, dtype, placement, quant)
+    return model_weights.as_served(weights, placement is None, quant)

@@ -31,6 +31,7 @@ from jaxserve.engine.interfaces import EngineClient
 from jaxserve.json_limits import JsonLimitError
 from jaxserve.sampling_params import SamplingParamsError
 from jaxserve.server.api.completions import create_completion
+from jaxserve.server.api.embeddings import create_embedding
 from jaxserve.server.api.errors import APIError, internal_error, json_response, unavailable
 from jaxserve.server.api.openapi import openapi_spec
 from jaxserve.server.api.tokenization import detokenize, tokenize
@@ -44,6 +45,7 @@ from jaxserve.server.guard.limits import (
 )
 from jaxserve.server.guard.ratelimit import RateLimitedContext, RateLimiter
 from jaxserve.server.lifecycle import log_stats_periodically, watch_engine
+from jaxserve.server.lora import is_runtime_updating_allowed, lora_routes, model_cards
 from jaxserve.server.metrics import StatsLogger
 from jaxserve.server.responses.serving import ResponsesAPI
 from jaxserve.server.settings import ServerSettings
@@ -79,6 +81,7 @@ def build_app(
             *_info_routes(ctx, server_version()),
             *(training_routes(ctx) if settings.enable_weight_updates else []),
             *(sleep_routes(ctx) if engine.config.enable_sleep_mode else []),
+            *(lora_routes(engine, ctx.loras) if _serves_lora_updates(engine) else []),
         ],
         middleware=_middleware(settings),
         exception_handlers={
@@ -94,6 +97,12 @@ def build_app(
     return app
 
 
+def _serves_lora_updates(engine: EngineClient) -> bool:
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter: with LoRA on and the
+    environment switch vLLM uses (server/lora.py)."""
+    return engine.config.enable_lora and is_runtime_updating_allowed()
+
+
 def _generation_routes(
     ctx: ServingContext, limiter: RateLimiter | None, api: ResponsesAPI
 ) -> list[Route]:
@@ -106,14 +115,22 @@ def _generation_routes(
             limiter.charge_request(request)
         return await request.body()
 
+    async def generation_body(request: Request) -> bytes:
+        """A generation route's body; a pooling model (--runner pooling) answers 400 first."""
+        ctx.refuse_generation_if_pooling()
+        return await read_body(request, True)
+
     async def completions(request: Request) -> Response:
-        return await create_completion(ctx, request, await read_body(request, True))
+        return await create_completion(ctx, request, await generation_body(request))
 
     async def chat_completions(request: Request) -> Response:
-        return await create_chat_completion(ctx, request, await read_body(request, True))
+        return await create_chat_completion(ctx, request, await generation_body(request))
 
     async def responses(request: Request) -> Response:
-        return await api.create(request, await read_body(request, True))
+        return await api.create(request, await generation_body(request))
+
+    async def embeddings(request: Request) -> Response:
+        return await create_embedding(ctx, request, await read_body(request, True))
 
     async def tokenize_route(request: Request) -> Response:
         raw = await read_body(request)
@@ -127,6 +144,7 @@ def _generation_routes(
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/tokenize", tokenize_route, methods=["POST"]),
         Route("/detokenize", detokenize_route, methods=["POST"]),
     ]
@@ -168,19 +186,17 @@ def _info_routes(ctx: ServingContext, version: str) -> list[Route]:
     )
 
     async def models(request: Request) -> Response:
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": created,
-                "owned_by": "jaxserve",
-                "root": engine.config.model or settings.model_name,
-                "parent": None,
-                "max_model_len": ctx.max_model_len,
-                "permission": [model_permission(created)],
-            }
-            for name in settings.served_model_names
-        ]
+        common = {
+            "object": "model",
+            "created": created,
+            "owned_by": "jaxserve",
+            "root": engine.config.model or settings.model_name,
+            "parent": None,
+            "max_model_len": ctx.max_model_len,
+            "permission": [model_permission(created)],
+        }
+        data = [common | {"id": name} for name in settings.served_model_names]
+        data += model_cards(ctx.loras, settings.model_name, common)
         return json_response({"object": "list", "data": data})
 
     async def health(request: Request) -> Response:

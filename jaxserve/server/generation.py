@@ -19,6 +19,8 @@ from typing import Any
 
 from jaxserve.engine.interfaces import EngineClient, EngineDeadError, QueueFullError
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
+from jaxserve.lora_request import LoRARequest
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams, SamplingParamsError
 from jaxserve.server.api.errors import (
     APIError,
@@ -37,6 +39,8 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None  # the text, for echo and the request log
+    # A pooling request (``/v1/embeddings``): ``params`` is unused, the engine's ``encode`` runs
+    pooling: PoolingParams | None = None
 
 
 @dataclasses.dataclass
@@ -86,8 +90,10 @@ class Generation:
         cache_salt: str | None = None,
         on_finish: Callable[[RequestRecord], None] | None = None,
         keep_texts: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.engine = engine
+        self.lora_request = lora_request  # the adapter its prompts run with, if any
         self.requests = requests
         self.priority = priority
         self.cache_salt = cache_salt
@@ -127,15 +133,27 @@ class Generation:
             primed.add(index)
 
     async def _pump(self, index: int, request: EngineRequest) -> None:
-        stream = self.engine.generate(
-            request.prompt_token_ids,
-            request.params,
-            request.request_id,
-            prompt=request.prompt,
-            priority=self.priority,
-            cache_salt=self.cache_salt,
-            group_id=self.requests[0].request_id,  # one admission turn for all its prompts
-        )
+        group_id = self.requests[0].request_id  # one admission turn for all its prompts
+        if request.pooling is not None:
+            stream = self.engine.encode(
+                request.prompt_token_ids,
+                request.pooling,
+                request.request_id,
+                prompt=request.prompt,
+                priority=self.priority,
+                group_id=group_id,
+            )
+        else:
+            stream = self.engine.generate(
+                request.prompt_token_ids,
+                request.params,
+                request.request_id,
+                prompt=request.prompt,
+                priority=self.priority,
+                cache_salt=self.cache_salt,
+                group_id=group_id,
+                **({"lora_request": self.lora_request} if self.lora_request is not None else {}),
+            )
         try:
             async for delta in stream:
                 self._queue.put_nowait((index, delta))

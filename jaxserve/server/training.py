@@ -1,10 +1,11 @@
 """The routes a training loop drives.
 
-``POST /update_weights_from_disk`` (SGLang's name and shape; ``--enable-weight-updates``) loads
-a safetensors checkpoint of the served model from the server's disk and serves it from the next
-step. Running sequences finish on the old weights first and waiting requests start on the new
-ones (``AsyncEngine``); a checkpoint that does not fit is a 400 naming the tensor or file, and
-nothing changes.
+``POST /update_weights_from_disk`` (SGLang's name and shape; ``--enable-weight-updates``) loads a
+checkpoint of the served model from the server's disk (safetensors, or one ``jaxserve convert``
+wrote with orbax: told apart by the directory's content) and serves it from the next step. Running
+sequences finish on the old weights first and waiting requests start on the new ones
+(``AsyncEngine``); a checkpoint that does not fit is a 400 naming the tensor or file, and nothing
+changes.
 
 ``POST /pause?mode=wait|abort|keep``, ``POST /resume`` and ``GET /is_paused`` (also with
 ``--enable-weight-updates``): generation stops between rollout batches, the running sequences

@@ -59,7 +59,10 @@ LLAMA_MODEL_FIELDS = (
     WeightField("final_norm", "model.norm.weight", ("H",), "H", init="ones"),
 )
 
+# The base models (``*Model``, no head) are what embedding checkpoints name: --runner pooling.
 FAMILIES = (
-    Family("llama", ("LlamaForCausalLM",), LLAMA_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
-    Family("mistral", ("MistralForCausalLM",), LLAMA_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
+    Family("llama", ("LlamaForCausalLM", "LlamaModel"), LLAMA_LAYER_FIELDS, LLAMA_MODEL_FIELDS),
+    Family(
+        "mistral", ("MistralForCausalLM", "MistralModel"), LLAMA_LAYER_FIELDS, LLAMA_MODEL_FIELDS
+    ),
 )

@@ -16,7 +16,12 @@ def _always(hf: ConfigFields) -> bool:
 QWEN2 = ConfigFeatures(attention_bias=_always, sliding_window_opt_in=True)
 QWEN3 = ConfigFeatures(qk_norm=True, sliding_window_opt_in=True)
 
+# The base models (``*Model``, no head) are what embedding checkpoints name: --runner pooling.
 FAMILIES = (
-    Family("qwen2", ("Qwen2ForCausalLM",), LLAMA_LAYER_FIELDS, LLAMA_MODEL_FIELDS, QWEN2),
-    Family("qwen3", ("Qwen3ForCausalLM",), LLAMA_LAYER_FIELDS, LLAMA_MODEL_FIELDS, QWEN3),
+    Family(
+        "qwen2", ("Qwen2ForCausalLM", "Qwen2Model"), LLAMA_LAYER_FIELDS, LLAMA_MODEL_FIELDS, QWEN2
+    ),
+    Family(
+        "qwen3", ("Qwen3ForCausalLM", "Qwen3Model"), LLAMA_LAYER_FIELDS, LLAMA_MODEL_FIELDS, QWEN3
+    ),
 )

@@ -85,10 +85,23 @@ def tensor_files(model_dir: Path) -> dict[str, Path]:
     return {name: file for file in files for name in read_header(file)}
 
 
+# A base model's checkpoint (``Qwen3Model``, ``MistralModel``: what embedding models publish)
+# names its tensors without the prefix of the ``*ForCausalLM`` tables.
+BASE_MODEL_PREFIX = "model."
+
+
+def base_model_names(files: dict[str, Path]) -> dict[str, str]:
+    """Table name -> stored name of a base model's tensors (``model.layers.0...`` ->
+    ``layers.0...``); empty for a checkpoint that names them with the prefix."""
+    if any(name.startswith(BASE_MODEL_PREFIX) for name in files):
+        return {}
+    return {BASE_MODEL_PREFIX + name: name for name in files if not name.startswith("lm_head.")}
+
+
 # Checkpoint tensors read elsewhere or safely left: rotary tables the model computes, the
 # fp8 KV cache's scales (kv_scales.py) and fp8 checkpoints' static activation scales (unread,
 # docs/quantization.md).
-_UNREAD_OK = (
+UNREAD_OK = (
     "rotary_emb.inv_freq",
     "k_scale",
     "v_scale",
@@ -101,7 +114,7 @@ _UNREAD_OK = (
 def _warn_unread(model_dir: Path, model_type: str, unread: list[str]) -> None:
     """Log the checkpoint tensors the model does not read: a bias or norm the family table
     does not know would otherwise be dropped without a word."""
-    unread = [name for name in unread if not name.endswith(_UNREAD_OK)]
+    unread = [name for name in unread if not name.endswith(UNREAD_OK)]
     if unread:
         shown = ", ".join(unread[:5]) + (", ..." if len(unread) > 5 else "")
         _LOG.warning(
@@ -115,7 +128,7 @@ def _warn_unread(model_dir: Path, model_type: str, unread: list[str]) -> None:
 
 
 @dataclasses.dataclass
-class _Job:
+class FieldJob:
     """Checkpoint tensors read together, and the fields made from them (a fused tensor's
     parts, an expert field's experts); a pre-quantized field reads its own tensors."""
 
@@ -124,17 +137,17 @@ class _Job:
     on_host: bool = False  # a pre-quantized field: its tensors converted on the host
 
 
-def _jobs(config: ModelConfig, scheme: QuantScheme | None) -> list[_Job]:
+def field_jobs(config: ModelConfig, scheme: QuantScheme | None) -> list[FieldJob]:
     """Every field's job, in the weight table's order."""
-    jobs: dict[Any, _Job] = {}
+    jobs: dict[Any, FieldJob] = {}
 
     def add(path: tuple[Any, ...], field: WeightField, prefix: str) -> None:
         if scheme is not None and scheme.from_checkpoint and is_quantized(field, scheme):
             names = tuple(prefix + name for name in tensor_shapes(field, config, scheme))
-            jobs[path] = _Job(names, [(path, field, prefix)], on_host=True)
+            jobs[path] = FieldJob(names, [(path, field, prefix)], on_host=True)
             return
         names = tuple(field.hf_names(config, prefix))
-        jobs.setdefault(names, _Job(names, [])).fields.append((path, field, prefix))
+        jobs.setdefault(names, FieldJob(names, [])).fields.append((path, field, prefix))
 
     for layer in range(config.num_layers):
         prefix = HF_LAYER_PREFIX.format(layer=layer)
@@ -174,6 +187,9 @@ def load_weights(
     """
     model_dir = Path(model_dir)
     files = tensor_files(model_dir)
+    stored_names = base_model_names(files)
+    if stored_names:
+        files = {name: files[stored] for name, stored in stored_names.items()}
     progress = LoadProgress(sorted(set(files.values())), progress_above_bytes)
     shapes = expected_shapes(config, scheme)
     _check_complete(model_dir, files, shapes)
@@ -181,14 +197,14 @@ def load_weights(
     num_threads = num_threads or default_num_threads()
     num_buffers = 2 * num_threads
     buffer_bytes = max(64, staging_bytes // num_buffers // 64 * 64)
-    reader = CheckpointReader(files, progress.add, num_buffers, buffer_bytes)
+    reader = CheckpointReader(files, progress.add, num_buffers, buffer_bytes, stored_names)
     with reader, ThreadPoolExecutor(num_threads, thread_name_prefix="load") as pool:
         _check_shapes(reader, shapes)  # every error before a byte is read
         # Staged on the devices of the weights' mesh in turn (one device's link carrying all
         # bytes would be the slowest part), then placed in their shards from there.
         embed = placement(("embed",), (1, 1)) if placement is not None else None
         devices: list[Any] = sorted(embed.addressable_devices, key=str) if embed else [None]
-        jobs = _jobs(config, scheme)
+        jobs = field_jobs(config, scheme)
         # On one device every field's memory is taken first, in one run, before any piece is
         # sent (see to_field_into): the weights end as one block, under the free memory.
         parts = _fused_parts(config) if fuse and placement is None and scheme is None else {}
@@ -234,7 +250,7 @@ def _check_shapes(reader: CheckpointReader, shapes: dict[str, tuple[int, ...] | 
 
 def _run_jobs(
     pool: ThreadPoolExecutor,
-    jobs: list[_Job],
+    jobs: list[FieldJob],
     load: _Load,
     files: dict[str, Path],
     devices: list[Any],
@@ -278,7 +294,7 @@ class _Load:
     def __post_init__(self) -> None:
         self.locks = {joined: threading.Lock() for joined, _, _ in self.parts.values()}
 
-    def run(self, job: _Job, device: Any) -> dict[tuple[Any, ...], Any]:
+    def run(self, job: FieldJob, device: Any) -> dict[tuple[Any, ...], Any]:
         """The job's tensors read and made into its fields: path -> value (a part written in
         place has none)."""
         if self.stop is not None:
@@ -295,7 +311,7 @@ class _Load:
         jax.block_until_ready(made)  # and the pieces' device memory is free again
         return made
 
-    def _read_quantized(self, job: _Job) -> dict[tuple[Any, ...], Any]:
+    def _read_quantized(self, job: FieldJob) -> dict[tuple[Any, ...], Any]:
         """A pre-quantized field: its tensors converted on the host, then placed."""
         ((path, field, prefix),) = job.fields
         scheme = self.scheme
@@ -312,17 +328,7 @@ class _Load:
         """One field from its checkpoint pieces on the device; None for a part written in
         place into its joined array."""
         config, scheme = self.config, self.scheme
-        if is_quantized(field, scheme):  # on the device (op by op)
-            assert scheme is not None
-            sizes = dim_sizes(config)
-            w = quantize(
-                part_rows_of(pieces, layout_of(field), config, shape),
-                scheme.weight_format,
-                tuple(sizes[d] for d in field.hf_shape[1]),
-                tuple(sizes[d] for d in field.hf_shape[0]),
-            )
-            return place_quantized(w, path, self.placement, scheme.act_quant)
-        if path in self.parts:  # written in place into its layer's fused array
+        if path in self.parts:  # written in place into its layer's fused array (unquantized)
             joined, offset, _ = self.parts[path]
             with self.locks[joined]:
                 whole = write_part(
@@ -332,8 +338,50 @@ class _Load:
             return None
         if path in self.memory:
             return to_field_into(self.memory.pop(path), pieces, layout_of(field), config, shape)
-        value = to_field(pieces, layout_of(field), config, shape, field_dtype(field, self.dtype))
-        return place_on_device(value, path, self.placement)
+        return field_from_pieces(
+            pieces, shape, path, field, config, self.dtype, self.placement, scheme
+        )
+
+
+def field_from_pieces(
+    pieces: list[Any],
+    shape: tuple,
+    path: tuple[Any, ...],
+    field: WeightField,
+    config: ModelConfig,
+    dtype: Any,
+    placement: Placement | None,
+    scheme: QuantScheme | None,
+) -> Any:
+    """One field from its checkpoint tensors' pieces (``shape``: [number of tensors, *one
+    tensor's shape]), converted on their device, quantized where ``scheme`` says, placed."""
+    if is_quantized(field, scheme):  # on the device (op by op)
+        assert scheme is not None
+        sizes = dim_sizes(config)
+        w = quantize(
+            part_rows_of(pieces, layout_of(field), config, shape),
+            scheme.weight_format,
+            tuple(sizes[d] for d in field.hf_shape[1]),
+            tuple(sizes[d] for d in field.hf_shape[0]),
+        )
+        return place_quantized(w, path, placement, scheme.act_quant)
+    value = to_field(pieces, layout_of(field), config, shape, field_dtype(field, dtype))
+    return place_on_device(value, path, placement)
+
+
+def field_from_tensors(
+    tensors: list[Any],
+    path: tuple[Any, ...],
+    field: WeightField,
+    config: ModelConfig,
+    dtype: Any,
+    placement: Placement | None = None,
+    scheme: QuantScheme | None = None,
+) -> Any:
+    """One field from its whole checkpoint tensors (arrays on a device or the host, as
+    ``field.hf_names`` lists them), as the loader makes it from their pieces."""
+    shape = (len(tensors), *jnp.shape(tensors[0]))
+    return field_from_pieces(list(tensors), shape, path, field, config, dtype, placement, scheme)
 
 
 # path of a part -> (path of the joined array, the part's offset on axis 1, the joined shape)
@@ -362,7 +410,7 @@ def _fused_parts(config: ModelConfig) -> FusedParts:
 
 
 def _take_memory(
-    jobs: list[_Job],
+    jobs: list[FieldJob],
     parts: FusedParts,
     config: ModelConfig,
     dtype: jnp.dtype,

@@ -134,7 +134,9 @@ def _tensor_info(file: Path, name: str, entry: dict, data_start: int, size: int)
 class CheckpointReader:
     """Reads the tensors of ``files`` (tensor name -> its file); safe to call from threads.
 
-    ``on_read(file, num_bytes)`` is called (from the reading thread) after every piece."""
+    ``on_read(file, num_bytes)`` is called (from the reading thread) after every piece;
+    ``stored_names`` maps a name to the one its file stores it under, where they differ (a
+    base model's tensors, without the ``model.`` prefix)."""
 
     def __init__(
         self,
@@ -142,12 +144,14 @@ class CheckpointReader:
         on_read: Callable[[Path, int], None] | None = None,
         num_buffers: int = 4,
         buffer_bytes: int = 64 * MiB,
+        stored_names: dict[str, str] | None = None,
     ) -> None:
         if num_buffers < 1 or buffer_bytes < 64 or buffer_bytes % 64:
             raise ValueError(
                 f"{num_buffers=} must be >= 1 and {buffer_bytes=} a positive multiple of 64"
             )
         self.files = files
+        self.stored_names = stored_names or {}
         self.on_read = on_read or (lambda file, num_bytes: None)
         self.num_buffers = num_buffers
         self.buffer_bytes = buffer_bytes
@@ -178,9 +182,10 @@ class CheckpointReader:
                 self._headers[file] = read_header(file)
                 self._fds[file] = os.open(file, os.O_RDONLY)
             header = self._headers[file]
-        if name not in header:
+        stored = self.stored_names.get(name, name)
+        if stored not in header:
             raise WeightsError(f"{file.name}: tensor {name!r}, named by the index, is not in it")
-        return header[name]
+        return header[stored]
 
     def read_to_host(self, name: str) -> np.ndarray:
         """The tensor as a numpy array of its own."""

@@ -17,6 +17,7 @@ from jaxserve.sampling_params import (
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
 )
+from jaxserve.server.api.embeddings import ENCODING_FORMATS, MAX_EMBEDDING_INPUTS
 from jaxserve.server.api.protocol import MAX_BATCH_PROMPTS
 from jaxserve.server.chat.messages import ROLES
 from jaxserve.server.chat.tools import FUNCTION_NAME, MAX_TOOLS
@@ -528,11 +529,12 @@ def openapi_spec(
             "version": version,
             "description": f"OpenAI-compatible server for {', '.join(model_names)}.",
         },
-        "paths": {**_paths(), **_responses_paths()},
+        "paths": {**_paths(), **_responses_paths(), **_embeddings_paths()},
         "components": {
             "schemas": {
                 **_schemas(max_model_len, vocab_size),
                 **_responses_schemas(max_model_len, vocab_size),
+                **_embeddings_schemas(vocab_size),
             },
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
@@ -685,6 +687,82 @@ def _responses_paths() -> dict[str, Any]:
     }
 
 
+EMBEDDING = {
+    "type": "object",
+    "required": ["object", "index", "embedding"],
+    "properties": {
+        "object": {"type": "string", "enum": ["embedding"]},
+        "index": {"type": "integer"},
+        "embedding": {
+            "oneOf": [
+                {"type": "array", "items": {"type": "number"}},
+                {"type": "string", "description": "base64 of little-endian float32"},
+            ]
+        },
+    },
+}
+
+
+def _embeddings_schemas(vocab_size: int) -> dict[str, Any]:
+    """``/v1/embeddings`` (``server/api/embeddings.py``; a model served with --runner pooling,
+    else a 400 naming the flag)."""
+    token_ids = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1},
+    }
+    text = {"type": "string", "minLength": 1}
+    item = {"oneOf": [text, token_ids]}
+    many = {"type": "array", "minItems": 1, "maxItems": MAX_EMBEDDING_INPUTS, "items": item}
+    request = {
+        "type": "object",
+        "required": ["input"],
+        "properties": {
+            "model": {"type": "string"},
+            "input": {"oneOf": [text, token_ids, many]},
+            "encoding_format": {"type": "string", "enum": list(ENCODING_FORMATS)},
+            "dimensions": {"type": "integer", "minimum": 1},
+            "user": {"type": "string"},
+            "normalize": {"type": "boolean"},
+            "add_special_tokens": {"type": "boolean"},
+            "priority": {"type": "integer"},
+        },
+        "additionalProperties": False,
+    }
+    _optional_nullable(request)
+    response = {
+        "type": "object",
+        "required": ["object", "data", "model", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string", "enum": ["list"]},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "data": {"type": "array", "items": EMBEDDING},
+            "usage": {
+                "type": "object",
+                "required": ["prompt_tokens", "total_tokens"],
+                "properties": {
+                    "prompt_tokens": {"type": "integer"},
+                    "total_tokens": {"type": "integer"},
+                },
+            },
+        },
+    }
+    return {"EmbeddingRequest": request, "EmbeddingResponse": response}
+
+
+def _embeddings_paths() -> dict[str, Any]:
+    return {
+        "/v1/embeddings": _post(
+            "Embeddings (a model served with --runner pooling)",
+            "EmbeddingRequest",
+            _ok(_ref("EmbeddingResponse")),
+            GENERATION_ERRORS,
+        )
+    }
+
+
 def _by_id(summary: str, ok: dict[str, Any], *errors: int) -> dict[str, Any]:
     response_id = {"name": "response_id", "in": "path", "required": True}
     return {
@@ -723,7 +801,7 @@ def _health() -> dict[str, Any]:
 def _metrics() -> dict[str, Any]:
     return {
         "get": {
-            "summary": "Prometheus metrics (jaxserve:*)",
+            "summary": "Prometheus metrics (vllm:* and jaxserve:*)",
             "responses": {
                 "200": {
                     "description": "OK",

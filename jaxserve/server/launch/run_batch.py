@@ -34,8 +34,9 @@ from starlette.applications import Starlette
 
 _LOG = logging.getLogger("jaxserve.run_batch")
 
-# The endpoints a batch line may name (OpenAI's batch format; embeddings need a pooling model).
-BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
+# The endpoints a batch line may name (OpenAI's batch format). Embeddings need a pooling model
+# (--runner pooling): against a generation model their lines get the server's 400.
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
 class ResumeError(ValueError):

@@ -76,6 +76,7 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
         if not _join_replica(args, config):
             return 0  # a follower, done when process 0 shuts down
         engine = build_engine(args, config, model_dir)
+        _load_lora_modules(engine, settings)
     except StartFailed as exc:
         return exc.status
     return _serve(args, engine, settings)
@@ -187,6 +188,22 @@ def _check_replicas_fit(config: EngineConfig) -> None:
     except ValueError as exc:
         _LOG.error("%s", flag_terms(exc))
         raise StartFailed(2) from exc
+
+
+def _load_lora_modules(engine: AsyncEngine | DataParallelEngine, settings: ServerSettings) -> None:
+    """Read and check each ``--lora-modules`` adapter on every replica; one that does not fit
+    ends the start."""
+    replicas = getattr(engine, "replicas", [engine])  # data parallel: each replica's engine
+    for lora in settings.lora_modules:
+        try:
+            for replica in replicas:
+                replica.core.add_lora(lora)
+        except (OSError, ValueError) as exc:
+            _LOG.error("--lora-modules %s=%s: %s", lora.lora_name, lora.lora_path, exc)
+            for replica in replicas:
+                replica.core.shutdown()
+            raise StartFailed(1) from exc
+        _LOG.info("Serving LoRA adapter %s from %s", lora.lora_name, lora.lora_path)
 
 
 def _serve(

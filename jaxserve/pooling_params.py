@@ -1,0 +1,42 @@
+"""PoolingParams: what one pooling request (an embedding) asks of the engine, beside
+``SamplingParams`` for generation; validated where it is made.
+
+Made by the server (``/v1/embeddings``) and by ``LLM.embed``; checked against the model (its
+hidden size, its Matryoshka dimensions) by ``models/pooling.py``'s ``PoolingConfig.check`` when
+the engine takes the request; read on the host when the request's last prompt chunk has run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.sampling_params import SamplingParamsError
+
+POOLING_TASKS = ("embed",)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolingParams:
+    task: str = "embed"
+    # Keep only the first ``dimensions`` values (a Matryoshka model's), then normalize again;
+    # None: the model's hidden size.
+    dimensions: int | None = None
+    # Scale the embedding to unit length; None: as the model's sentence-transformers config
+    # says (a Normalize module), and True for a decoder without one (vLLM's default).
+    normalize: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.task not in POOLING_TASKS:
+            raise SamplingParamsError(
+                "task", f"task={self.task!r} must be one of {', '.join(POOLING_TASKS)}"
+            )
+        if self.dimensions is not None and (
+            isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
+        ):
+            raise SamplingParamsError(
+                "dimensions", f"dimensions={self.dimensions!r} must be an integer"
+            )
+        if self.dimensions is not None and self.dimensions < 1:
+            raise SamplingParamsError(
+                "dimensions", f"dimensions={self.dimensions} must be at least 1"
+            )
