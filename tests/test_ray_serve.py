@@ -86,8 +86,13 @@ APP_ARGS = {
 }
 
 
-def complete(url: str, i: int) -> int:
-    body = {"model": "demo", "prompt": f"def f{i}(x):", "max_tokens": 24, "ignore_eos": True}
+def complete(url: str, i: int, max_tokens: int = 24) -> int:
+    body = {
+        "model": "demo",
+        "prompt": f"def f{i}(x):",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+    }
     try:
         return httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code
     except httpx.HTTPError:
@@ -110,10 +115,13 @@ def test_two_cpu_replicas_serve_and_survive_one_killed(ray_cluster):
     ]
     assert len(replicas) == 2
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        before = [pool.submit(complete, url, i) for i in range(8)]
-        time.sleep(0.5)  # requests on both replicas
+        # long requests (200 tokens), so that the victim still holds some when it is killed
+        before = [pool.submit(complete, url, i, 200) for i in range(8)]
         victim = ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"])
-        held = ray.get(victim.get_num_ongoing_requests.remote())
+        held, deadline = 0, time.monotonic() + 30
+        while held < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            held = ray.get(victim.get_num_ongoing_requests.remote())
         assert held >= 1  # killed mid-load
         ray.kill(victim, no_restart=True)
         after = [pool.submit(complete, url, 100 + i) for i in range(8)]

@@ -12,6 +12,7 @@ replica. The server stays unchanged, and like it this module loads no jax of its
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -107,13 +108,18 @@ class DataParallelEngine:
         return [replica.stats() for replica in self.replicas]
 
     def stats(self) -> EngineStats:
-        """The replicas' counts summed; KV-cache usage their mean (equal pools)."""
+        """The replicas' counts summed; KV-cache usage their mean (equal pools); the adapters
+        of running and waiting requests in all, each named once; the slots of one replica."""
         each = self.replica_stats()
-        summed = {
-            field.name: sum(getattr(s, field.name) for s in each)
-            for field in dataclasses.fields(EngineStats)
-        }
+        summed: dict[str, Any] = {}
+        for field in dataclasses.fields(EngineStats):
+            values = [getattr(s, field.name) for s in each]
+            if isinstance(values[0], tuple):
+                summed[field.name] = tuple(dict.fromkeys(v for value in values for v in value))
+            else:
+                summed[field.name] = sum(values)
         summed["kv_cache_usage"] = summed["kv_cache_usage"] / len(each)
+        summed["max_lora"] = each[0].max_lora
         return EngineStats(**summed)
 
     # -- requests --------------------------------------------------------------------------
@@ -142,12 +148,12 @@ class DataParallelEngine:
             priority,
             cache_salt,
             group_id,
-            lora_request=lora_request,
+            **({"lora_request": lora_request} if lora_request is not None else {}),
         )
-        async for output in self._routed(
-            request_id, prompt_token_ids, params.num_samples, salt, stream
-        ):
-            yield output
+        routed = self._routed(request_id, prompt_token_ids, params.num_samples, salt, stream)
+        async with contextlib.aclosing(routed) as outputs:  # closed with this generator
+            async for output in outputs:
+                yield output
 
     async def encode(
         self,
@@ -162,8 +168,10 @@ class DataParallelEngine:
         stream = lambda replica: replica.encode(  # noqa: E731
             prompt_token_ids, params, request_id, prompt, priority, group_id
         )
-        async for output in self._routed(request_id, prompt_token_ids, 1, None, stream):
-            yield output
+        routed = self._routed(request_id, prompt_token_ids, 1, None, stream)
+        async with contextlib.aclosing(routed) as outputs:  # closed with this generator
+            async for output in outputs:
+                yield output
 
     async def _routed(
         self,
@@ -176,8 +184,9 @@ class DataParallelEngine:
         rank = self.balancer.pick(prompt_token_ids, num_seqs, salt)
         self._owner[request_id] = rank
         try:
-            async for output in stream(self.replicas[rank]):
-                yield output
+            async with contextlib.aclosing(stream(self.replicas[rank])) as outputs:
+                async for output in outputs:
+                    yield output
         finally:
             self._owner.pop(request_id, None)
             self.balancer.release(rank, num_seqs)
