@@ -16,6 +16,9 @@ of latents, with dense MLPs first and experts after.
 
 Einsum letters: T tokens, H hidden, N query heads, K kv heads, D head dim, I intermediate,
 V vocab. The weights' types and RMSNorm are ``layers.py``'s.
+
+``forward_with_aux`` also returns the residual stream entering the layers it is asked for (an
+EAGLE-3 head's input, ``eagle3.py``).
 """
 
 from __future__ import annotations
@@ -245,7 +248,39 @@ def forward(
     slot (``models/lora.py``); None traces no LoRA code at all.
     ``row_tile``: batch-invariant mode's GEMM rows (``quant.linear``); None: plain GEMMs.
     """
+    new_cache, hidden, _ = forward_with_aux(
+        weights, kv_cache, batch, config, (), attention_fn, kv_scales, experts_fn, lora, row_tile
+    )
+    return new_cache, hidden
+
+
+def check_aux_layers(config: ModelConfig, aux_layers: Sequence[int]) -> None:
+    """Each id names a layer whose input ``forward_with_aux`` can return: 0 <= id < layers."""
+    outside = [i for i in aux_layers if not 0 <= i < config.num_layers]
+    if outside:
+        raise ValueError(
+            f"aux_layers {list(outside)} outside [0, num_layers={config.num_layers}): id j is "
+            "the residual stream entering layer j"
+        )
+
+
+def forward_with_aux(
+    weights: Weights,
+    kv_cache: KVCache,
+    batch: Batch,
+    config: ModelConfig,
+    aux_layers: Sequence[int],
+    attention_fn: AttentionFn | None = None,
+    kv_scales: Sequence[tuple[float, float]] | None = None,
+    experts_fn: moe.ExpertsFn | None = None,
+    lora: lora_ops.LoraInputs | None = None,
+    row_tile: int | None = None,
+) -> tuple[KVCache, jax.Array, tuple[jax.Array, ...]]:  # (kv_cache, hidden[T, H], aux)
+    """``forward``, and the residual stream entering each layer of ``aux_layers`` (id j: the
+    output of layer j - 1, id 0 the embedding; vLLM's numbering for EAGLE-3's aux hidden
+    states), one [T, H] array per id in the order given (``models/eagle3.py`` reads them)."""
     check_row_tile(config, row_tile)
+    check_aux_layers(config, aux_layers)
     attention_fn = attention_fn or dispatch.ragged_paged_attention
     x = weights.embed[batch.input_ids]  # [T, H]
     mask = None if lora is None else lora.slot_mask(x.dtype)  # [T, M]
@@ -253,10 +288,13 @@ def forward(
         x = x * jnp.asarray(config.hidden_size**0.5, x.dtype)
     rotaries: dict[tuple[float, RopeScaling | None], tuple[jax.Array, jax.Array]] = {}
     new_cache: KVCache = []
+    entering: dict[int, jax.Array] = {}  # layer -> its input [T, H]
     # NOTE: a Python loop over per-layer weights (unrolled under jit), not lax.scan over stacked
     # weights: on the H200 the scanned decode GEMMs ran at 32% of the bandwidth floor, unrolled
     # at 88% (BENCHMARKS.md).
     for layer, (lw, pages) in enumerate(zip(weights.layers, kv_cache, strict=True)):
+        if layer in aux_layers:
+            entering[layer] = x
         layer_rope = config.layer_rope(layer)
         if layer_rope not in rotaries:
             freqs, scale = rope.rotary_angles(batch.positions, config.head_dim, *layer_rope)
@@ -278,9 +316,8 @@ def forward(
             row_tile,
         )
         new_cache.append(pages)
-    return new_cache, rms_norm(
-        x, weights.final_norm, config.rms_norm_eps, config.is_gemma, row_tile
-    )
+    hidden = rms_norm(x, weights.final_norm, config.rms_norm_eps, config.is_gemma, row_tile)
+    return new_cache, hidden, tuple(entering[i] for i in aux_layers)
 
 
 def decoder_layer(
