@@ -43,7 +43,8 @@ def read_eagle3_config(model_dir: str | os.PathLike[str]) -> Eagle3Config:
     eagle = raw.get("eagle_config") or {}
     ids = eagle.get("eagle_aux_hidden_state_layer_ids", raw.get("eagle_aux_hidden_state_layer_ids"))
     try:
-        layer = model_config_from_dict({**raw, "architectures": ["LlamaForCausalLM"]})
+        # The layer is read by its model_type's family (llama); the architecture is the head's.
+        layer = model_config_from_dict({k: v for k, v in raw.items() if k != "architectures"})
         return Eagle3Config(
             layer=layer,
             draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
