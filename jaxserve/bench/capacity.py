@@ -276,6 +276,7 @@ def _plan_json(args: argparse.Namespace, plan: _Plan) -> dict:
         "kv_cache_dtype": plan.kv_dtype,
         "weight_bytes": cap.weight_bytes,
         "activation_bytes": cap.activation_bytes,
+        "mla_temporary_bytes": cap.mla_bytes,
         "kv_budget_bytes": cap.kv_budget_bytes,
         "kv_bytes_per_token": cap.kv_bytes_per_token,
         "block_size": cap.block_size,

@@ -18,6 +18,7 @@ names it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from jaxserve.config import ModelConfig
@@ -27,6 +28,7 @@ from jaxserve.models.quant_scheme import QuantScheme, weight_bytes
 from jaxserve.runner.buckets import next_power_of_2, token_buckets_for
 from jaxserve.runner.sampling import PROMPT_LOGPROBS_CHUNK
 from jaxserve.units import cdiv
+from pallas_kernels.mla import reference as mla_reference
 
 GiB = 1024**3
 # The CPU backend reports no memory: its KV budget is a fraction of this (or of
@@ -95,6 +97,8 @@ class Capacity:
     max_model_len: int
     sliding_window: int | None = None  # when every layer slides: the window, else None
     kv_cache_dtype: str | None = None  # what the cache stores (fp8_e4m3, bfloat16, ...)
+    mla_bytes: int = 0  # of activation_bytes: one latent attention call's temporaries
+    mla_path: str | None = None  # the latent attention's path (MLA_PATH), with mla_bytes
 
     @property
     def num_tokens(self) -> int:
@@ -115,7 +119,13 @@ class Capacity:
     def lines(self) -> list[str]:
         return [
             f"Model weights take {self.weight_bytes / GiB:.2f} GiB per device; "
-            f"activation headroom {self.activation_bytes / GiB:.2f} GiB",
+            f"activation headroom {self.activation_bytes / GiB:.2f} GiB"
+            + (
+                f" (of which {self.mla_bytes / GiB:.2f} GiB for multi-head latent attention's "
+                f"temporaries on the {self.mla_path} path, per step, not per max model len)"
+                if self.mla_path is not None
+                else ""
+            ),
             f"Available KV cache memory: {self.kv_budget_bytes / GiB:.2f} GiB "
             f"({self.kv_bytes_per_token:,} bytes per token, {self.num_blocks:,} blocks of "
             f"{self.block_size})",
@@ -220,7 +230,7 @@ def activation_bytes(
     per_token = (4 * config.intermediate_size + 6 * config.hidden_size) * dtype_bytes
     if config.mla is not None:  # each head's query (A), absorbed query and output (L), value
         mla = config.mla
-        heads = config.num_q_heads
+        heads = max(1, config.num_q_heads // tensor_parallel_size)  # split over the devices
         per_token += heads * (mla.qk_head_dim + 2 * mla.kv_lora_rank + mla.v_head_dim) * dtype_bytes
     experts = expert_activation_bytes(
         config, max_num_batched_tokens, dtype_bytes, tensor_parallel_size, expert_parallel
@@ -233,20 +243,43 @@ def activation_bytes(
     return max_num_batched_tokens * per_token + experts + sampler + slack
 
 
-def mla_reference_bytes(
-    config: ModelConfig, num_tokens: int, max_model_len: int, block_size: int
+# What each path of multi-head latent attention allocates in one call, besides its inputs and
+# output: (tokens, heads per device, kv_lora_rank, rope dims, block size, pages per sequence,
+# the cache's element size, the query's) -> bytes. A kernel declares its own here beside the
+# reference's (``pallas_kernels.mla``); ``MLA_PATH`` is the one the model runs.
+MLA_TEMPORARY_BYTES: dict[str, Callable[[int, int, int, int, int, int, int, int], int]] = {
+    "reference": mla_reference.temporary_bytes,
+}
+MLA_PATH = "reference"
+
+
+def mla_attention_bytes(
+    config: ModelConfig,
+    num_tokens: int,
+    max_model_len: int,
+    block_size: int,
+    tensor_parallel_size: int = 1,
+    dtype_bytes: int = 2,
+    kv_dtype_bytes: int | None = None,  # the cache's element size; None: dtype_bytes
 ) -> int:
-    """The temporaries of multi-head latent attention's reference (``pallas_kernels.mla``, its
-    only path) in the largest step, 0 for other families: each row gathers its sequence's
-    latents and rotary keys (in the cache's dtype, then float32: counted at 4 bytes each) and
-    scores every position for every head twice (scores, probabilities), over max_model_len
-    positions."""
+    """The temporaries of one multi-head latent attention call in the largest step, per
+    device, as its path declares them (``MLA_TEMPORARY_BYTES``); 0 for other families. The
+    reference walks each row's positions in blocks sized by the step's rows, so this grows
+    with the token bucket and a block, not with max_model_len (the page table's width only
+    caps a block at decode sizes)."""
     if config.mla is None:
         return 0
-    positions = cdiv(max_model_len, block_size) * block_size
-    latent = config.mla.kv_lora_rank + config.mla.qk_rope_head_dim
-    per_position = latent * (4 + 4) + 2 * config.num_q_heads * 4
-    return num_tokens * positions * per_position
+    heads = max(1, config.num_q_heads // tensor_parallel_size)
+    return MLA_TEMPORARY_BYTES[MLA_PATH](
+        num_tokens,
+        heads,
+        config.mla.kv_lora_rank,
+        config.mla.qk_rope_head_dim,
+        block_size,
+        cdiv(max_model_len, block_size),
+        dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes,
+        dtype_bytes,
+    )
 
 
 def plan_capacity(
@@ -270,7 +303,16 @@ def plan_capacity(
     # NOTE: every expert of a mixture of experts is counted: all stay resident, split over the
     # devices whether by slices (tensor parallel) or whole experts (expert parallel).
     weights = weight_bytes(config, dtype_bytes, quant) // tensor_parallel_size
-    activations = activation_bytes(
+    mla = mla_attention_bytes(
+        config,
+        max_num_batched_tokens,
+        max_model_len,
+        block_size,
+        tensor_parallel_size,
+        dtype_bytes,
+        kv_dtype_bytes,
+    )
+    activations = mla + activation_bytes(
         config,
         max_num_batched_tokens,
         max_num_seqs,
@@ -278,7 +320,7 @@ def plan_capacity(
         device_memory_bytes,
         tensor_parallel_size,
         expert_parallel,
-    ) + mla_reference_bytes(config, max_num_batched_tokens, max_model_len, block_size)
+    )
     per_token = cache_bytes_per_token(config, tensor_parallel_size, kv_dtype_bytes)
     if num_blocks_override is not None:
         num_blocks = num_blocks_override
@@ -306,6 +348,8 @@ def plan_capacity(
         max_model_len=max_model_len,
         sliding_window=config.all_layers_window,
         kv_cache_dtype=kv_cache_dtype,
+        mla_bytes=mla,
+        mla_path=MLA_PATH if config.mla is not None else None,
     )
 
 
