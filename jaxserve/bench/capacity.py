@@ -190,6 +190,7 @@ def run_capacity(args: argparse.Namespace) -> int:
             max_num_batched_tokens=token_buckets_for(args.max_num_batched_tokens)[-1],
             max_num_seqs=next_power_of_2(args.max_num_seqs),
             expert_parallel=args.enable_expert_parallel,
+            reference_attention=_plans_attention_reference(args, config, dtype),
         )
     except CapacityError as exc:
         _print_capacity_error(exc, on_cpu)
@@ -253,6 +254,23 @@ def _device_memory(args: argparse.Namespace) -> tuple[int, bool]:
     return detect_device_memory(), jax.default_backend() == "cpu"
 
 
+def _plans_attention_reference(args: argparse.Namespace, config: ModelConfig, dtype: str) -> bool:
+    """Whether the plan reserves the jnp attention reference's temporaries: not for a named
+    device (H200, TPU-v5p, ...: its Pallas kernels run attention), else where this backend
+    takes the reference (the CPU), as ``launch`` would here. Latent attention is planned
+    apart (``mla_attention_bytes``)."""
+    if config.mla is not None or args.device_memory in DEVICE_MEMORY_BYTES.values():
+        return False
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # read, do not take
+    import jax.numpy as jnp
+
+    from jaxserve.runner.capacity import runs_attention_reference
+
+    return runs_attention_reference(
+        config, jnp.dtype(dtype), jnp.dtype(dtype), args.block_size, args.tensor_parallel_size
+    )
+
+
 def _print_capacity_error(exc: CapacityError, on_cpu: bool) -> None:
     if on_cpu:
         print(
@@ -277,6 +295,7 @@ def _plan_json(args: argparse.Namespace, plan: _Plan) -> dict:
         "weight_bytes": cap.weight_bytes,
         "activation_bytes": cap.activation_bytes,
         "mla_temporary_bytes": cap.mla_bytes,
+        "reference_attention_bytes": cap.reference_attention_bytes,
         "kv_budget_bytes": cap.kv_budget_bytes,
         "kv_bytes_per_token": cap.kv_bytes_per_token,
         "block_size": cap.block_size,

@@ -29,6 +29,7 @@ from jaxserve.runner.buckets import next_power_of_2, token_buckets_for
 from jaxserve.runner.sampling import PROMPT_LOGPROBS_CHUNK
 from jaxserve.units import cdiv
 from pallas_kernels.mla import reference as mla_reference
+from pallas_kernels.ragged_paged_attention import reference as attention_reference
 
 GiB = 1024**3
 # The CPU backend reports no memory: its KV budget is a fraction of this (or of
@@ -99,6 +100,7 @@ class Capacity:
     kv_cache_dtype: str | None = None  # what the cache stores (fp8_e4m3, bfloat16, ...)
     mla_bytes: int = 0  # of activation_bytes: one latent attention call's temporaries
     mla_path: str | None = None  # the latent attention's path (MLA_PATH), with mla_bytes
+    reference_attention_bytes: int = 0  # of activation_bytes: the jnp attention reference's
 
     @property
     def num_tokens(self) -> int:
@@ -124,6 +126,12 @@ class Capacity:
                 f" (of which {self.mla_bytes / GiB:.2f} GiB for multi-head latent attention's "
                 f"temporaries on the {self.mla_path} path, per step, not per max model len)"
                 if self.mla_path is not None
+                else ""
+            )
+            + (
+                f" (of which {self.reference_attention_bytes / GiB:.2f} GiB for the pure-jnp "
+                "attention reference's temporaries: tokens x max model len)"
+                if self.reference_attention_bytes
                 else ""
             ),
             f"Available KV cache memory: {self.kv_budget_bytes / GiB:.2f} GiB "
@@ -282,6 +290,76 @@ def mla_attention_bytes(
     )
 
 
+def reference_attention_bytes(
+    config: ModelConfig,
+    num_tokens: int,
+    max_model_len: int,
+    block_size: int,
+    tensor_parallel_size: int = 1,
+) -> int:
+    """The temporaries of one call of the pure-jnp attention reference
+    (``pallas_kernels.ragged_paged_attention.reference``) in the largest step, per device: every
+    row gathers and scores the whole page table, so this grows with tokens x max_model_len.
+    0 for latent attention (``mla_attention_bytes``). Reserved only where the reference is the
+    path (the CPU, ``JAXSERVE_ATTENTION=reference``, a shape no kernel takes); the kernels write
+    their output only."""
+    if config.mla is not None:
+        return 0
+    return attention_reference.temporary_bytes(
+        num_tokens,
+        max(1, config.num_q_heads // tensor_parallel_size),
+        kv_heads_per_device(config.num_kv_heads, tensor_parallel_size),
+        config.head_dim,
+        cdiv(max_model_len, block_size) * block_size,
+        sinks=config.attention_sinks,
+    )
+
+
+def _planned_activations(
+    config: ModelConfig,
+    *,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    block_size: int,
+    dtype_bytes: int,
+    kv_dtype_bytes: int,
+    device_memory_bytes: int,
+    tensor_parallel_size: int,
+    expert_parallel: bool,
+    reference_attention: bool,
+) -> tuple[int, int, int]:
+    """(latent attention's temporaries, the attention reference's, all the activations)."""
+    mla = mla_attention_bytes(
+        config,
+        max_num_batched_tokens,
+        max_model_len,
+        block_size,
+        tensor_parallel_size,
+        dtype_bytes,
+        kv_dtype_bytes,
+    )
+    attention = 0
+    if reference_attention:
+        attention = reference_attention_bytes(
+            config, max_num_batched_tokens, max_model_len, block_size, tensor_parallel_size
+        )
+    activations = (
+        mla
+        + attention
+        + activation_bytes(
+            config,
+            max_num_batched_tokens,
+            max_num_seqs,
+            dtype_bytes,
+            device_memory_bytes,
+            tensor_parallel_size,
+            expert_parallel,
+        )
+    )
+    return mla, attention, activations
+
+
 def plan_capacity(
     config: ModelConfig,
     *,
@@ -297,43 +375,32 @@ def plan_capacity(
     max_num_seqs: int = 256,
     num_blocks_override: int | None = None,
     expert_parallel: bool = False,
+    reference_attention: bool = False,  # the jnp reference runs attention (no kernel)
 ) -> Capacity:
     kv_dtype_bytes = KV_DTYPE_BYTES[kv_cache_dtype] if kv_cache_dtype else dtype_bytes
     # Quantized Linear weights count at their own bytes (values, scales, zero points).
     # NOTE: every expert of a mixture of experts is counted: all stay resident, split over the
     # devices whether by slices (tensor parallel) or whole experts (expert parallel).
     weights = weight_bytes(config, dtype_bytes, quant) // tensor_parallel_size
-    mla = mla_attention_bytes(
+    mla, attention, activations = _planned_activations(
         config,
-        max_num_batched_tokens,
-        max_model_len,
-        block_size,
-        tensor_parallel_size,
-        dtype_bytes,
-        kv_dtype_bytes,
-    )
-    activations = mla + activation_bytes(
-        config,
-        max_num_batched_tokens,
-        max_num_seqs,
-        dtype_bytes,
-        device_memory_bytes,
-        tensor_parallel_size,
-        expert_parallel,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        dtype_bytes=dtype_bytes,
+        kv_dtype_bytes=kv_dtype_bytes,
+        device_memory_bytes=device_memory_bytes,
+        tensor_parallel_size=tensor_parallel_size,
+        expert_parallel=expert_parallel,
+        reference_attention=reference_attention,
     )
     per_token = cache_bytes_per_token(config, tensor_parallel_size, kv_dtype_bytes)
     if num_blocks_override is not None:
         num_blocks = num_blocks_override
         budget = num_blocks * block_size * per_token
     else:
-        budget = int(device_memory_bytes * memory_utilization) - weights - activations
-        if budget <= 0:
-            raise CapacityError(
-                f"the weights ({weights / GiB:.2f} GiB) and activations "
-                f"({activations / GiB:.2f} GiB) do not fit in {memory_utilization:.0%} of "
-                f"{device_memory_bytes / GiB:.2f} GiB; raise --gpu-memory-utilization or "
-                "--tensor-parallel-size"
-            )
+        budget = _kv_budget(device_memory_bytes, memory_utilization, weights, activations)
         num_blocks = budget // (block_size * per_token)
     _check_full_length_fits(num_blocks, block_size, max_model_len)
     return Capacity(
@@ -350,7 +417,22 @@ def plan_capacity(
         kv_cache_dtype=kv_cache_dtype,
         mla_bytes=mla,
         mla_path=MLA_PATH if config.mla is not None else None,
+        reference_attention_bytes=attention,
     )
+
+
+def _kv_budget(
+    device_memory_bytes: int, memory_utilization: float, weights: int, activations: int
+) -> int:
+    budget = int(device_memory_bytes * memory_utilization) - weights - activations
+    if budget <= 0:
+        raise CapacityError(
+            f"the weights ({weights / GiB:.2f} GiB) and activations "
+            f"({activations / GiB:.2f} GiB) do not fit in {memory_utilization:.0%} of "
+            f"{device_memory_bytes / GiB:.2f} GiB; raise --gpu-memory-utilization or "
+            "--tensor-parallel-size"
+        )
+    return budget
 
 
 def _check_full_length_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:
@@ -371,10 +453,15 @@ def engine_capacity(
     dtype: Any,
     quant: QuantScheme | None,
     kv_cache_dtype: str,
+    kv_dtype: Any = None,  # the cache's jnp dtype; None: dtype
 ) -> Capacity:
     """``plan_capacity`` of an engine's settings: its largest token bucket and sequence bucket,
-    the device's memory unless ``device_memory_bytes`` says otherwise."""
+    the device's memory unless ``device_memory_bytes`` says otherwise, and the attention
+    reference's temporaries where it is the path this backend takes."""
     memory = config.device_memory_bytes  # what the KV budget is a fraction of
+    reference = model_config.mla is None and runs_attention_reference(
+        model_config, dtype, kv_dtype or dtype, config.block_size, config.tensor_parallel_size
+    )
     return plan_capacity(
         model_config,
         max_model_len=config.resolved_max_model_len(model_config),
@@ -389,4 +476,27 @@ def engine_capacity(
         max_num_seqs=next_power_of_2(config.max_num_seqs),
         num_blocks_override=config.num_gpu_blocks_override,
         expert_parallel=config.enable_expert_parallel,
+        reference_attention=reference,
     )
+
+
+def runs_attention_reference(
+    model_config: ModelConfig, dtype: Any, kv_dtype: Any, block_size: int, tensor_parallel_size: int
+) -> bool:
+    """Whether the plan reserves the jnp attention reference's temporaries: where
+    ``dispatch.ragged_paged_attention`` takes it for this model on an accelerator (a shape or
+    GPU no kernel takes), or anywhere ``JAXSERVE_ATTENTION=reference`` asks for it. Not on the
+    CPU by default: its budget is a nominal ``CPU_DEVICE_MEMORY_BYTES``, and the reference's
+    rows x max_model_len (2 GiB for the demo model's 2,048-token steps) would leave it no KV
+    cache, while the host's memory is what the step really takes."""
+    import jax
+
+    from pallas_kernels.ragged_paged_attention.dispatch import choose_kernel, requested_attention
+
+    heads = max(1, model_config.num_q_heads // tensor_parallel_size)
+    kv_heads = kv_heads_per_device(model_config.num_kv_heads, tensor_parallel_size)
+    q = jax.ShapeDtypeStruct((1, heads, model_config.head_dim), dtype)
+    k_pages = jax.ShapeDtypeStruct((1, block_size, kv_heads, model_config.head_dim), kv_dtype)
+    if choose_kernel(q, k_pages)[0] != "reference":
+        return False
+    return jax.default_backend() != "cpu" or requested_attention() == "reference"

@@ -287,7 +287,9 @@ class ModelRunner:
 
     def _plan_capacity(self) -> Capacity:
         kv_dtype = kv_dtype_label(self.kv_dtype)
-        return engine_capacity(self.model_config, self.config, self.dtype, self.quant, kv_dtype)
+        return engine_capacity(
+            self.model_config, self.config, self.dtype, self.quant, kv_dtype, self.kv_dtype
+        )
 
     def wait_for_weights(self) -> None:
         """The loaded weights in place of the shapes warm-up compiled against."""
