@@ -56,6 +56,10 @@
 #                kernel (default tiles and a sweep), XLA's ragged_dot, Mosaic GPU, at batch 1, 64,
 #                256 and prefill steps of 2,048 and 8,192 tokens -> $OUT/gmm.json (a few minutes)
 #   moe_hf       only the Hugging Face half of moe, for a call of its own when it did not fit
+#   lora_kernel  the grouped LoRA kernel (pallas_kernels/lora): its native tests (pytest -m gpu),
+#                then benchmarks/lora_kernel.py: rank 16 on Llama-3-8B's projection groups, 1/8/64
+#                slots x 1/64/256 tokens, kernel vs the dense product vs the bytes floor, and one
+#                model step's sum -> $OUT/lora_kernel.json (a few minutes)
 #   gpt_oss      gpt-oss-20b (dummy bf16, shipped config): benchmarks/moe.py's decode, experts and
 #                throughput for jaxserve only, attention sinks in the kernels, 2048-token steps
 #   skinny       the skinny-matmul kernel: its native tests (pytest -m gpu), then against XLA and
@@ -459,6 +463,14 @@ stage_gpt_oss() {
   python3 -m benchmarks.moe --engine jaxserve --model jaxserve/assets/configs/gpt-oss-20b \
     --max-num-batched-tokens 2048 --output-json "$OUT/gpt_oss.json" > "$OUT/gpt_oss.log" 2>&1
   grep -v -E "INFO|WARN" "$OUT/gpt_oss.log" | tail -24
+}
+
+stage_lora_kernel() {  # the grouped LoRA kernel: native tests, then kernel vs dense vs floor
+  python3 -m pytest -q -m gpu tests/test_lora_kernel.py -x 2>&1 | tail -3
+  python3 -m benchmarks.lora_kernel --output-json "$OUT/lora_kernel.json" \
+    > "$OUT/lora_kernel.log" 2>&1
+  sed -n '/^| group/,$p' "$OUT/lora_kernel.log"
+  grep -E "Error|error" "$OUT/lora_kernel.log" | head -5
 }
 
 stage_skinny() {
