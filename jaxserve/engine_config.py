@@ -349,11 +349,6 @@ class EngineConfig:
             raise ValueError(
                 f"max_cpu_loras={self.max_cpu_loras} must be at least max_loras={self.max_loras}"
             )
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"enable_lora with tensor_parallel_size={self.tensor_parallel_size}: LoRA runs "
-                "on one device for now (docs/lora.md)"
-            )
 
     @property
     def resolved_max_cpu_loras(self) -> int:

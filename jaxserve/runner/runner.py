@@ -182,7 +182,9 @@ class ModelRunner:
         if self.multihost:
             raise ValueError("enable_lora on a multi-host replica is not supported (docs/lora.md)")
         shapes = lora_shapes(self.model_config, config.max_loras, config.max_lora_rank)
-        return LoraSlots(shapes, self.dtype, config.resolved_max_cpu_loras)
+        # Under tensor parallelism the stacks are split as their base projections are.
+        shardings = None if self.tp is None else self.tp.lora_shardings(shapes)
+        return LoraSlots(shapes, self.dtype, config.resolved_max_cpu_loras, shardings=shardings)
 
     @property
     def is_pooling(self) -> bool:
