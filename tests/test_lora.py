@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import textwrap
+import time
 from pathlib import Path
 
 import httpx
@@ -346,3 +347,46 @@ def test_lora_modules_flag_parses_both_forms():
     assert parse_lora_module(spec, 2) == LoRARequest("b", 2, "/y", "m")
     with pytest.raises(ValueError, match="name=path"):
         parse_lora_module("nopath", 3)
+
+
+def test_lora_requests_info_names_running_and_waiting_adapters_through_the_server():
+    """One slot, two adapters: alpha's long request runs and holds it, beta's waits; vLLM's
+    gauge says so on /metrics, then empties when both finish."""
+    import threading
+
+    from tests.test_metrics_vllm import samples
+
+    modules = (lora("alpha"), lora("beta"))
+    engine = {**SMALL_ENGINE, "max_num_seqs": 4, "enable_lora": True, "max_loras": 1}
+    with tiny_server("llama", {"lora_modules": modules}, min_step_s=0.05, **engine) as served:
+
+        def complete(model: str, max_tokens: int) -> None:
+            body = {"model": model, "prompt": prompt(), "max_tokens": max_tokens,
+                    "ignore_eos": True}  # fmt: skip
+            r = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+
+        def gauge() -> dict:
+            text = httpx.get(f"{served.url}/metrics").text
+            (info,) = samples(text)["vllm:lora_requests_info"]
+            return info.labels
+
+        threads = [threading.Thread(target=complete, args=("alpha", 60))]
+        threads[0].start()
+        deadline = time.monotonic() + 30
+        while gauge()["running_lora_adapters"] != "alpha":
+            assert time.monotonic() < deadline, gauge()
+            time.sleep(0.02)
+        threads.append(threading.Thread(target=complete, args=("beta", 2)))
+        threads[1].start()
+        seen = gauge()
+        while seen["waiting_lora_adapters"] != "beta":
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.02)
+            seen = gauge()
+        assert seen == {"max_lora": "1", "running_lora_adapters": "alpha",
+                        "waiting_lora_adapters": "beta"}  # fmt: skip
+        for thread in threads:
+            thread.join(timeout=60)
+        final = gauge()
+        assert final["running_lora_adapters"] == final["waiting_lora_adapters"] == ""
