@@ -95,7 +95,9 @@ def measure(args, groups) -> list[dict]:
     key = jax.random.key(0)
     for name, (x_in, outs) in groups.items():
         for m in [int(s) for s in args.slots.split(",")]:
-            stacks = make_stacks(jax.random.fold_in(key, m), m, x_in, outs, args.rank, copies, dtype)
+            stacks = make_stacks(
+                jax.random.fold_in(key, m), m, x_in, outs, args.rank, copies, dtype
+            )
             for t in [int(s) for s in args.tokens.split(",")]:
                 xs = [jax.random.normal(jax.random.key(i), (t, x_in), dtype) for i in range(copies)]
                 slots_np = token_slots(t, m, args.base_share)

@@ -44,15 +44,30 @@ CPU_CASES = [
     # Only base-model tokens: zeros, no weight read.
     Case("base_tokens_only", (0, 0, 0, 0, 0), 4, 8, 32, (32,)),
     # Tokens of every slot and the base, shuffled; X and O the tiles do not divide; K split.
-    Case("mixed_ragged_split", _mixed(37, 4, 1), 4, 8, 40, (24,),
-         config=lt.LoraKernelConfig(block_k=16, block_n=16, num_splits=2)),  # fmt: skip
+    Case(
+        "mixed_ragged_split",
+        _mixed(37, 4, 1),
+        4,
+        8,
+        40,
+        (24,),
+        config=lt.LoraKernelConfig(block_k=16, block_n=16, num_splits=2),
+    ),  # fmt: skip
     # q, k, v: one shrink over the joined A, three expands; a rank below the 16-wide tile.
     Case("qkv_rank4_three_expands", _mixed(19, 3, 2), 3, 4, 32, (32, 16, 16)),
     # Many tokens on one slot crossing 16-row blocks, a few on another, bf16.
     Case("one_slot_many_rows_bf16", (2,) * 40 + (1, 0, 1), 2, 16, 64, (64,), "bfloat16"),
     # Most slots unused at 8 slots, 64-row tiles, fp16, gate/up.
-    Case("few_of_8_slots_fp16", _mixed(24, 2, 3), 8, 8, 48, (40, 40), "float16",
-         config=lt.LoraKernelConfig(block_m=64, block_k=32, block_n=32)),  # fmt: skip
+    Case(
+        "few_of_8_slots_fp16",
+        _mixed(24, 2, 3),
+        8,
+        8,
+        48,
+        (40, 40),
+        "float16",
+        config=lt.LoraKernelConfig(block_m=64, block_k=32, block_n=32),
+    ),  # fmt: skip
 ]
 
 
@@ -62,7 +77,9 @@ def make_inputs(case: Case, seed: int):
     n = len(case.size_os)
     x = rng.normal(size=(len(case.slots), case.size_x))
     a = rng.normal(size=(case.num_slots, case.size_x, n * case.rank)) / np.sqrt(case.size_x)
-    bs = [rng.normal(size=(case.num_slots, case.rank, o)) / np.sqrt(case.rank) for o in case.size_os]
+    bs = [
+        rng.normal(size=(case.num_slots, case.rank, o)) / np.sqrt(case.rank) for o in case.size_os
+    ]
     return (
         jnp.asarray(x, dtype),
         jnp.asarray(a, dtype),
@@ -132,7 +149,9 @@ def test_the_shrink_splits_x_while_few_tiles_hold_rows():
     with pytest.raises(ValueError, match="num_splits=3 must be a power of two"):
         lt.LoraKernelConfig(num_splits=3)
     x, a = jnp.zeros((2, 8)), jnp.zeros((2, 8, 4))
-    assert "b (2, 3, 8) must be [2, 4, O]" in str(lt.unsupported_reason(x, a, [jnp.zeros((2, 3, 8))]))
+    assert "b (2, 3, 8) must be [2, 4, O]" in str(
+        lt.unsupported_reason(x, a, [jnp.zeros((2, 3, 8))])
+    )
     assert "dtypes" in str(lt.unsupported_reason(x, a, [jnp.zeros((2, 4, 8), jnp.bfloat16)]))
 
 
@@ -207,8 +226,16 @@ def _is_gpu() -> bool:
 
 # Llama-3-8B's projections at rank 16 (bf16): qkv (joined A), o, gate/up (joined), down.
 GPU_CASES = [
-    Case(f"llama_{name}_t{t}_m{m}", _mixed(t, m, t + m), m, 16, x, os_, "bfloat16",
-         lt.LoraKernelConfig())  # fmt: skip
+    Case(
+        f"llama_{name}_t{t}_m{m}",
+        _mixed(t, m, t + m),
+        m,
+        16,
+        x,
+        os_,
+        "bfloat16",
+        lt.LoraKernelConfig(),
+    )  # fmt: skip
     for name, x, os_ in (
         ("qkv", 4096, (4096, 1024, 1024)),
         ("o", 4096, (4096,)),
@@ -238,3 +265,21 @@ def test_native_matches_reference(case: Case):
             atol=tolerance(case.dtype), err_msg=f"{seed=}",
         )  # fmt: skip
         assert (np.asarray(g)[base] == 0).all()
+
+
+def test_the_start_up_log_says_how_the_lora_product_runs(monkeypatch):
+    from jaxserve.engine_config import EngineConfig
+    from jaxserve.models.families.registry import load_model_config
+    from jaxserve.runner.devices import startup_lines
+    from tests.conftest import fixture_dir
+
+    monkeypatch.delenv(dispatch.LORA_KERNEL_ENV, raising=False)
+    config = load_model_config(fixture_dir("llama"))
+    lines = startup_lines(config, EngineConfig(enable_lora=True), jnp.float32, 128)
+    assert (
+        "LoRA product: dense one-hot product over every slot (XLA) (the kernel is Pallas "
+        "Triton; this is the cpu backend)" in lines
+    )
+    assert not any(
+        "LoRA" in line for line in startup_lines(config, EngineConfig(), jnp.float32, 128)
+    )

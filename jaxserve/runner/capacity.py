@@ -305,8 +305,9 @@ def plan_capacity(
     # NOTE: every expert of a mixture of experts is counted: all stay resident, split over the
     # devices whether by slices (tensor parallel) or whole experts (expert parallel).
     weights = weight_bytes(config, dtype_bytes, quant) // tensor_parallel_size
-    lora = 0 if lora_slots is None else lora_slot_bytes(config, *lora_slots, dtype_bytes,
-                                                        tensor_parallel_size)  # fmt: skip
+    lora = (
+        lora_slot_bytes(config, *lora_slots, dtype_bytes, tensor_parallel_size) if lora_slots else 0
+    )
     activations = activation_bytes(
         config,
         max_num_batched_tokens,
@@ -323,14 +324,7 @@ def plan_capacity(
     else:
         budget = int(device_memory_bytes * memory_utilization) - weights - activations - lora
         if budget <= 0:
-            raise CapacityError(
-                f"the weights ({weights / GiB:.2f} GiB) and activations "
-                f"({activations / GiB:.2f} GiB)"
-                + (f" and LoRA adapter slots ({lora / GiB:.2f} GiB)" if lora else "")
-                + f" do not fit in {memory_utilization:.0%} of "
-                f"{device_memory_bytes / GiB:.2f} GiB; raise --gpu-memory-utilization or "
-                "--tensor-parallel-size"
-            )
+            raise _budget_error(weights, activations, lora, memory_utilization, device_memory_bytes)
         num_blocks = budget // (block_size * per_token)
     _check_full_length_fits(num_blocks, block_size, max_model_len)
     return Capacity(
@@ -347,6 +341,17 @@ def plan_capacity(
         kv_cache_dtype=kv_cache_dtype,
         lora_bytes=lora,
         lora_slots=lora_slots,
+    )
+
+
+def _budget_error(
+    weights: int, activations: int, lora: int, memory_utilization: float, memory: int
+) -> CapacityError:
+    return CapacityError(
+        f"the weights ({weights / GiB:.2f} GiB) and activations ({activations / GiB:.2f} GiB)"
+        + (f" and LoRA adapter slots ({lora / GiB:.2f} GiB)" if lora else "")
+        + f" do not fit in {memory_utilization:.0%} of {memory / GiB:.2f} GiB; raise "
+        "--gpu-memory-utilization or --tensor-parallel-size"
     )
 
 

@@ -34,6 +34,7 @@ from jaxserve.models.quant_scheme import (
 )
 from jaxserve.runner.capacity import kv_heads_per_device
 from pallas_kernels.grouped_matmul.dispatch import GROUPED_MATMUL_NAMES, choose_grouped_matmul
+from pallas_kernels.lora import dispatch as lora_dispatch
 from pallas_kernels.mla.reference import MLA_FALLBACK
 from pallas_kernels.ragged_paged_attention.dispatch import KERNEL_NAMES, choose_kernel
 from pallas_kernels.skinny_matmul import dispatch as skinny_dispatch
@@ -283,5 +284,6 @@ def startup_lines(
         describe_samplers(config),
         *([experts] if experts else []),
         *([describe_batch_invariance()] if config.batch_invariant else []),
+        *([lora_dispatch.describe()] if config.enable_lora else []),
     ]
     return lines + ([quant.describe()] if quant is not None else [])

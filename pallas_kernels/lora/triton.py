@@ -72,7 +72,9 @@ class LoraKernelConfig:
     def __post_init__(self):
         for name in ("block_m", "block_k", "block_n"):
             _check_block(name, getattr(self, name))
-        if self.num_splits is not None and (self.num_splits < 1 or self.num_splits & (self.num_splits - 1)):
+        if self.num_splits is not None and (
+            self.num_splits < 1 or self.num_splits & (self.num_splits - 1)
+        ):
             raise ValueError(f"num_splits={self.num_splits} must be a power of two >= 1")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"{self.num_warps=} must be 1, 2, 4, 8 or 16")

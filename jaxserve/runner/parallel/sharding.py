@@ -186,9 +186,11 @@ def lora_specs(shapes: LoraShapes) -> LoraWeights:
     layers = []
     for i in range(len(shapes.dims)):
         present = shapes.layer_arrays(i)
-        fields = {f.name: _LORA_SPECS[f.name] if f.name in present else None
-                  for f in dataclasses.fields(LoraLayer)}  # fmt: skip
-        layers.append(LoraLayer(**fields))
+        fields = {
+            f.name: _LORA_SPECS[f.name] if f.name in present else None
+            for f in dataclasses.fields(LoraLayer)
+        }
+        layers.append(LoraLayer(**fields))  # type: ignore[arg-type]  # specs, not arrays
     return LoraWeights(layers)
 
 
