@@ -36,6 +36,7 @@ from jaxserve.engine.request_checks import (
     check_request,
 )
 from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.spec_decode import Proposer, SpecDecodeStats, accepted_run, make_proposer
 from jaxserve.engine.structured_outputs import Accepted, StructuredOutputs
 from jaxserve.engine.tokenizer import end_of_sequence_ids, load_tokenizer
 from jaxserve.engine_config import EngineConfig
@@ -43,6 +44,7 @@ from jaxserve.lora_request import LoRARequest
 from jaxserve.models.families.registry import load_model_config
 from jaxserve.models.pooling import PoolingConfig, is_base_model
 from jaxserve.pooling_params import PoolingParams
+from jaxserve.runner.buckets import next_power_of_2
 from jaxserve.runner.step import RunnerOutput, ScheduledSeq, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams, SamplingParamsError
 
@@ -121,6 +123,7 @@ class EngineCore:
                 self.tokenizer.hf_tokenizer, self.vocab_size, self.eos_token_ids, limits
             )
             self.structured_outputs = StructuredOutputs(self.vocab_size)
+            self.proposer = self._make_proposer()
             for line in self.capacity_lines():
                 _LOG.info(line)
             self.num_compiled_shapes = runner.warmup() if config.warmup else 0
@@ -140,6 +143,42 @@ class EngineCore:
         self.async_scheduling = config.async_scheduling and not runner.multihost
         self._in_flight: tuple[SchedulerOutput, InFlight] | None = None
         self._num_sync_requests = 0
+
+    def _make_proposer(self) -> Proposer | None:
+        """The drafter of ``speculative_config`` (None: off); a method not built yet, or a
+        pooling runner, is refused here, before warm-up."""
+        spec = self.config.speculative_config
+        self.spec_stats = SpecDecodeStats()
+        if spec is None:
+            return None
+        if self.pooler is not None:
+            raise ValueError("speculative_config with a pooling runner: it generates nothing")
+        proposer = make_proposer(spec)
+        # A step's sequences and drafted tokens share the sampler's rows.
+        self.scheduler.max_sample_rows = next_power_of_2(self.config.max_num_seqs)
+        _LOG.info(
+            "Speculative decoding: %s; drafts while at most %d sequences run (above: none); "
+            "a step with drafts is read back before the next is scheduled "
+            "(docs/speculative_decoding.md)",
+            spec.describe(),
+            spec.max_batch_size,
+        )
+        return proposer
+
+    def _propose(self) -> dict[str, list[int]] | None:
+        """This step's drafts (speculative decoding), or None: off, or more sequences run
+        than ``disable_by_batch_size``. Only sequences that decode, every token known."""
+        spec = self.config.speculative_config
+        running = self.scheduler.running
+        if self.proposer is None or spec is None or not running:
+            return None
+        if len(running) > spec.max_batch_size:
+            return None
+        decoding = [
+            s for s in running if not s.num_pending and s.num_computed_tokens == s.num_tokens - 1
+        ]
+        drafts = self.proposer.propose(decoding, spec.num_speculative_tokens)
+        return self.structured_outputs.cut_drafts(drafts)
 
     def _abandon(self, runner: Runner) -> None:
         """A start that failed: the runner's threads and the event publisher stopped."""
@@ -445,13 +484,16 @@ class EngineCore:
         outputs = self.drain_inbox()
         if self.is_sleeping:  # nothing runs until it wakes
             return outputs
-        overlap = self.async_scheduling and self._num_sync_requests == 0
+        # A step that may draft (speculative decoding, few sequences running) needs every token
+        # known to draft from, and its own read back before the next step is scheduled.
+        drafting = self.proposer is not None and self._may_draft()
+        overlap = self.async_scheduling and self._num_sync_requests == 0 and not drafting
         if not overlap:
             outputs += self._read_in_flight()
         # Until warm-up's background compile is done, steps stay within the compiled buckets.
         budget = min(self.config.max_num_batched_tokens, self.runner.ready_tokens)
         self.scheduler.max_num_batched_tokens = budget
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self._propose() if drafting else None)
         if sched.is_empty:
             return outputs + self._read_in_flight()
         mark_scheduled(sched, time.time())
@@ -490,6 +532,11 @@ class EngineCore:
         self._in_flight = (sched, step)
         return outputs
 
+    def _may_draft(self) -> bool:
+        spec = self.config.speculative_config
+        running = len(self.scheduler.running)
+        return spec is not None and 0 < running <= spec.max_batch_size
+
     def _fail_new_requests(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """A step whose inputs could not be built: the requests that joined it fail, and the
         engine carries on (with no new request to blame, the step loop dies)."""
@@ -519,6 +566,8 @@ class EngineCore:
     ) -> list[RequestOutput]:
         if accepted is None:
             accepted = self.structured_outputs.accept_step(sched, result)
+        if sched.has_drafts:
+            self._verified(sched, result)
         now = time.time()
         touched: dict[str, list[Sequence]] = {}
         outputs = []
@@ -530,7 +579,7 @@ class EngineCore:
                 outputs.append(self._end_request(request, error))
         if self.pooler is not None:  # a pooling engine runs pooling requests only
             return outputs + self._process_pooled(sched, result)
-        for i, item in enumerate(sched.scheduled):
+        for item, row in zip(sched.scheduled, sched.sample_rows(), strict=True):
             seq = seq_of(item)
             request = seq.request
             self._count_prompt_tokens(item)
@@ -542,19 +591,14 @@ class EngineCore:
                 if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
                     touched.setdefault(request.request_id, [])
                 continue
-            self.generation_tokens += 1
-            try:
-                self.output_processor.process_token(seq, result, i)
-                if seq.seq_id in accepted.errors:
-                    raise RuntimeError(accepted.errors[seq.seq_id])
-                if seq.seq_id in accepted.complete:
-                    self.output_processor.complete_grammar(seq)
-            except Exception as exc:  # one bad request must not stop the batch
-                _LOG.exception("request %s failed while processing its output", request.request_id)
-                self.output_processor.fail(seq, repr(exc))
-            if seq.finish_reason is not None:
-                seq.drop_pending()  # a token sampled past the end is discarded
-                self.scheduler.finish(seq)
+            count = self._num_emitted(item, result, row, accepted)
+            for r in range(row, row + count):
+                self.generation_tokens += 1
+                self._process_token(seq, result, r, accepted if r == row + count - 1 else None)
+                if seq.finish_reason is not None:  # a stop inside a verified run ends it there
+                    seq.drop_pending()  # a token sampled past the end is discarded
+                    self.scheduler.finish(seq)
+                    break
             if seq.index == 0 and seq.num_resolved_outputs == 1:
                 self.scheduler.release_parked(seq)
             metrics = request.metrics
@@ -574,6 +618,42 @@ class EngineCore:
             if request.is_finished:
                 self._retire(request)
         return outputs
+
+    def _process_token(
+        self, seq: Sequence, result: RunnerOutput, row: int, accepted: Accepted | None
+    ) -> None:
+        """One sampled token to the output processor; ``accepted``: what the grammars said of
+        the sequence's last token of the step (None for the tokens before it)."""
+        try:
+            self.output_processor.process_token(seq, result, row)
+            if accepted is not None and seq.seq_id in accepted.errors:
+                raise RuntimeError(accepted.errors[seq.seq_id])
+            if accepted is not None and seq.seq_id in accepted.complete:
+                self.output_processor.complete_grammar(seq)
+        except Exception as exc:  # one bad request must not stop the batch
+            _LOG.exception("request %s failed while processing its output", seq.request.request_id)
+            self.output_processor.fail(seq, repr(exc))
+
+    def _num_emitted(
+        self, item: ScheduledSeq, result: RunnerOutput, row: int, accepted: Accepted
+    ) -> int:
+        """The tokens a step gives a sequence that completes in it: one, or after verifying
+        drafts the accepted ones and the target's next (cut where its grammar completed)."""
+        drafts = item.draft_token_ids
+        if not drafts:
+            return 1
+        run = accepted_run(drafts, result.token_ids, row)
+        return min(len(run), accepted.cut.get(item.seq.seq_id, len(run)))
+
+    def _verified(self, sched: SchedulerOutput, result: RunnerOutput) -> None:
+        """A verify step's bookkeeping: counters, and each sequence's rejected drafts taken
+        back from its computed tokens (their KV is overwritten by the steps that follow)."""
+        for item, row in zip(sched.scheduled, sched.sample_rows(), strict=True):
+            drafts = item.draft_token_ids
+            if drafts and item.seq.seq_id not in result.failed:
+                num_accepted = len(accepted_run(drafts, result.token_ids, row)) - 1
+                self.spec_stats.add(len(drafts), num_accepted)
+                self.scheduler.reject_drafts(seq_of(item), len(drafts) - num_accepted)
 
     def _count_prompt_tokens(self, item: ScheduledSeq) -> None:
         seq = item.seq

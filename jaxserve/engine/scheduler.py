@@ -59,6 +59,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.parked: list[Sequence] = []  # samples waiting for their sibling's prefill
         self.num_preemptions = 0
+        # The sampler's rows in a step (the runner's largest sequence bucket): a step's
+        # sequences and drafted tokens together fit them.
+        self.max_sample_rows = max_num_seqs
         # Told to the runner with the next step that runs: their runner state goes.
         self._preempted_ids: list[str] = []
         self._finished_ids: list[str] = []
@@ -119,7 +122,10 @@ class Scheduler:
         remaining = min(seq.num_tokens, self.max_model_len) - seq.num_computed_tokens
         return min(remaining, budget)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
+        """The step's work. ``drafts`` (speculative decoding): seq id -> tokens drafted after
+        its last one; a decoding sequence verifies what the step's budget, its blocks, its
+        ``max_tokens`` and the sampler's ``max_sample_rows`` leave of them (``_add_drafts``)."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         num_preempted = len(self._preempted_ids)
@@ -170,11 +176,45 @@ class Scheduler:
                 budget -= num_new
             self.waiting.remove_admitted()
 
+        if drafts:
+            budget = self._add_drafts(scheduled, drafts, budget)
         output = SchedulerOutput(scheduled, self.max_num_batched_tokens - budget)
         if scheduled:  # lifecycle notices travel with the next step that runs
             output.preempted_seq_ids, self._preempted_ids = self._preempted_ids, []
             output.finished_seq_ids, self._finished_ids = self._finished_ids, []
         return output
+
+    def _add_drafts(
+        self, scheduled: list[ScheduledSeq], drafts: dict[str, list[int]], budget: int
+    ) -> int:
+        """Give decoding sequences their drafted tokens to verify, oldest first, while the
+        token budget, the sampler's rows and the block pool allow (a draft never preempts);
+        the budget left. A draft stops where the sequence could not go: ``max_tokens`` (the
+        token after the last draft is sampled too) and ``max_model_len``."""
+        rows_left = self.max_sample_rows - len(scheduled)
+        for n, item in enumerate(scheduled):
+            draft = drafts.get(item.seq.seq_id)
+            seq = seq_of(item)
+            if not draft or item.num_new_tokens != 1 or not item.completes_sequence:
+                continue
+            if seq.num_pending or budget <= 0 or rows_left <= 0:
+                continue
+            max_tokens = seq.params.max_tokens
+            room = self.max_model_len - seq.num_tokens - 1
+            if max_tokens is not None:
+                room = min(room, max_tokens - len(seq.output_token_ids) - 1)
+            k = min(len(draft), budget, rows_left, room)
+            if k <= 0 or not self.kv.allocate(seq, 1 + k):
+                continue
+            scheduled[n] = ScheduledSeq(seq, 1 + k, item.start, item.is_new, list(draft[:k]))
+            budget -= k
+            rows_left -= k
+        return budget
+
+    def reject_drafts(self, seq: Sequence, num_rejected: int) -> None:
+        """A verify step's rejected drafts: their KV is not the sequence's (slots past
+        ``num_computed_tokens`` are written again by the steps that follow)."""
+        seq.num_computed_tokens -= num_rejected
 
     def _acquire_adapter(self, seq: Sequence) -> bool:
         """A device slot for the sequence's adapter (``seq.lora_slot``); False when none is
