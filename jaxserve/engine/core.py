@@ -77,6 +77,12 @@ def pooler_for(config: EngineConfig, model_dir: Any, model_config: ModelConfig) 
     return Pooler(pooling)
 
 
+def check_speculative(config: EngineConfig) -> None:
+    """A speculative method that is not built yet ends the start (``NotImplementedError``)."""
+    if config.speculative_config is not None:
+        config.speculative_config.check_built()
+
+
 def runner_model_config(model_config: ModelConfig, pooling: bool) -> ModelConfig:
     """The config the runner loads: a pooling runner reads no language-model head (the
     embedding stands in for it, never used), as embedding checkpoints publish none."""
@@ -86,6 +92,7 @@ def runner_model_config(model_config: ModelConfig, pooling: bool) -> ModelConfig
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: Runner | None = None) -> None:
         self.runner: Runner
+        check_speculative(config)  # before anything loads
         model_dir = config.model_dir
         self.config = config = resolve_runner(config, model_dir)
         self.model_config = load_model_config(model_dir)
@@ -425,7 +432,20 @@ class EngineCore:
             num_steps=self.num_steps,
             num_gpu_blocks=self.kv.num_blocks,
             **self._lora_stats(),
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        if self.proposer is None:
+            return {}
+        spec = self.spec_stats.copy()  # the engine thread adds to it meanwhile
+        return {
+            "spec_decode": True,
+            "spec_num_drafts": spec.num_drafts,
+            "spec_num_draft_tokens": spec.num_draft_tokens,
+            "spec_num_accepted_tokens": spec.num_accepted_tokens,
+            "spec_accepted_per_pos": tuple(spec.accepted_per_pos),
+        }
 
     def _lora_stats(self) -> dict[str, Any]:
         if self.lora_slots is None:

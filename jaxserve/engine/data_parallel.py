@@ -120,6 +120,12 @@ class DataParallelEngine:
                 summed[field.name] = sum(values)
         summed["kv_cache_usage"] = summed["kv_cache_usage"] / len(each)
         summed["max_lora"] = each[0].max_lora
+        summed["spec_decode"] = any(s.spec_decode for s in each)
+        per_pos = [s.spec_accepted_per_pos for s in each]  # position by position
+        width = max(map(len, per_pos))
+        summed["spec_accepted_per_pos"] = tuple(
+            sum(p[i] for p in per_pos if i < len(p)) for i in range(width)
+        )
         return EngineStats(**summed)
 
     # -- requests --------------------------------------------------------------------------

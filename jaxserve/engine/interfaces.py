@@ -55,6 +55,14 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_lora: int = 0
+    # Speculative decoding (vllm:spec_decode_*; engine/spec_decode.py SpecDecodeStats): drafts
+    # verified, tokens drafted, drafts accepted, and accepted drafts by position in the draft;
+    # spec_decode False: speculation is off (those series are not exported).
+    spec_decode: bool = False
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 class Runner(Protocol):

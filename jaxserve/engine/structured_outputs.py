@@ -235,7 +235,10 @@ class StructuredOutputs:
         without an active matcher allow every token, and a row whose first token may open a
         reasoning section also allows that id. The array is this object's own, valid until
         the next ``start_masks``; the future raises what the fill raised."""
-        rows, openings, free_rows, drafted = [], [], [], []
+        rows: list[tuple[Any, int]] = []
+        openings: list[tuple[int, int]] = []
+        free_rows: list[int] = []
+        drafted: list[tuple[Any, int, list[int]]] = []
         for item, i in zip(sched.scheduled, sched.sample_rows(), strict=True):
             state = self._seqs.get(item.seq.seq_id)
             drafts = item.draft_token_ids

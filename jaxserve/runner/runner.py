@@ -390,7 +390,9 @@ class ModelRunner:
         lora_slots = self.inputs.lora_token_slots(host_batch, rows)
         forward, prompt_out = self.forward(host_batch, next_ids, feed, lora_slots)
         first_rows = output.sample_rows()
-        sampled_row = {item.seq.seq_id: r for item, r in zip(output.scheduled, first_rows)}
+        sampled_row = {
+            item.seq.seq_id: r for item, r in zip(output.scheduled, first_rows, strict=True)
+        }
         step = InFlight(None, prompt_out, spans, sampled_row, num_rows=len(seqs))
         step.deferred = DeferredSampler(forward, inputs, flags)
         return step

@@ -24,6 +24,7 @@ from jaxserve.engine_config import (
     SCHEDULING_POLICIES,
     EngineConfig,
     KVEventsConfig,
+    SpeculativeConfig,
     dtype_name,
 )
 from jaxserve.flag_names import command_flags, in_flag_terms
@@ -373,6 +374,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "jaxserve (only jaxserve:, as before)",
     )
     add(
+        "--speculative-config",
+        type=speculative_config,
+        default=None,
+        metavar="JSON",
+        help=SPECULATIVE_CONFIG_HELP,
+    )
+    add(
         "--kv-events-config",
         type=kv_events_config,
         default=None,
@@ -561,6 +569,23 @@ def port_number(text: str) -> int:
     return port
 
 
+SPECULATIVE_CONFIG_HELP = (
+    'speculative decoding as vLLM configures it: a JSON object, e.g. \'{"method": "ngram", '
+    '"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
+    "(also disable_by_batch_size: no drafts in a step with more running sequences, default "
+    "32). Built: ngram; draft_model, eagle3 and mtp are refused until they land. Lossless: "
+    "greedy output is unchanged (docs/speculative_decoding.md)"
+)
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """``--speculative-config``: vLLM's JSON object (a bad field is a usage error naming it)."""
+    try:
+        return SpeculativeConfig.of(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def kv_events_config(text: str) -> KVEventsConfig:
     """``--kv-events-config``: vLLM's JSON object (a bad field is a usage error naming it)."""
     try:
@@ -631,6 +656,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_expert_parallel=args.enable_expert_parallel,
         compilation_cache_dir=args.compilation_cache_dir,
         kv_events_config=args.kv_events_config,
+        speculative_config=args.speculative_config,
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
