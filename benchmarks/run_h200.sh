@@ -28,6 +28,9 @@
 #   latency      offline latency of one batch (jaxserve bench latency) at batch 1, 8 and 64,
 #                1000 in / 256 out: end to end (avg, p10-p99), TTFT, TPOT, tokens/s
 #   roofline     decode MBU grid through the runner (scenario 1)
+#   spec         speculative decoding (benchmarks/spec_decode.py): a verify step with k = 1..7
+#                drafted tokens against a plain decode step at batch 1, 8, 64 (Llama-3-8B, dummy
+#                bf16), the n-gram drafter's host time, the demo model's batch-1 n-gram speed-up
 #   cublas       a few roofline cells with XLA's Triton GEMMs off (cuBLAS for every matmul)
 #   quant        bf16 vs fp8 weights (W8A8) vs fp8 weights + fp8 KV cache (when the build has
 #                EngineConfig.kv_cache_dtype; $QUANT_MODES picks, e.g. "bf16 fp8"): decode
@@ -297,6 +300,12 @@ stage_roofline() {
     --profile-dir "$OUT/profile" > "$OUT/roofline.log" 2>&1
   find "$OUT/profile" -name "*.xplane.pb" -delete
   grep -v -i warn "$OUT/roofline.log" | tail -20
+}
+
+stage_spec() {  # speculative decoding: verify cost k = 0..7 at batch 1/8/64, n-gram end to end
+  python3 -m benchmarks.spec_decode --iters 20 --output-json "$OUT/spec_decode.json" \
+    > "$OUT/spec_decode.log" 2>&1
+  grep -v -i warn "$OUT/spec_decode.log" | tail -40
 }
 
 stage_cublas() {  # the same decode cells with every GEMM on cuBLAS instead of Triton
