@@ -351,3 +351,19 @@ def test_metrics_export_vllms_spec_decode_counters(spec) -> None:
     logger = StatsLogger(Client())
     token_ids(spec, PROMPTS[:1])
     assert "Mean acceptance length" in (logger.log() or "")
+
+
+def test_adapters_verify_their_drafts_with_their_own_weights() -> None:
+    """With LoRA, each drafted token runs under its sequence's adapter: the same greedy
+    tokens, and peft's golden ones, with n-gram drafting on."""
+    from tests.test_lora import NAMES, golden, lora
+
+    llm = make_llm(NGRAM, enable_lora=True, max_loras=4, max_cpu_loras=8)
+    g = golden(None)
+    params = SamplingParams(temperature=0, max_tokens=len(g["greedy_ids"]), ignore_eos=True)
+    loras = [lora(n) for n in NAMES[:2]] + [None]
+    prompt = g["prompt_ids"].tolist()
+    outs = llm.generate([prompt] * 3, params, lora_request=loras, use_tqdm=False)
+    for out, name in zip(outs, [*NAMES[:2], None], strict=True):
+        assert list(out.outputs[0].token_ids) == golden(name)["greedy_ids"].tolist(), name
+    assert llm.engine.spec_stats.num_drafts > 0  # a step verified drafts under adapters

@@ -374,9 +374,9 @@ class ModelRunner:
         host_batch, rows = self.inputs.build_batch(output)
         kv_lens = np.asarray(host_batch.kv_lens)  # host arrays until forward
         # One sampler row per sequence, and one more per drafted token (speculative decoding).
-        seqs, rows, positions, drafted = self.inputs.sampled_positions(output, rows, kv_lens)
-        flags = self.inputs.sampler_flags(rows, positions, use_mask=output.is_constrained)
-        inputs = self.inputs.sampling_inputs(seqs, rows, positions, flags, drafted)
+        seqs, sample_rows, positions, drafted = self.inputs.sampled_positions(output, rows, kv_lens)
+        flags = self.inputs.sampler_flags(sample_rows, positions, use_mask=output.is_constrained)
+        inputs = self.inputs.sampling_inputs(seqs, sample_rows, positions, flags, drafted)
         next_ids, spans = self.inputs.prompt_logprob_targets(output, host_batch)
         if self.multihost:  # followers join the same step with process 0's inputs
             header = step_broadcast.StepHeader.of(host_batch, flags, next_ids)
