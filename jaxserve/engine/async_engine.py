@@ -37,6 +37,7 @@ class AsyncEngine:
         self.model_config = core.model_config
         self.tokenizer = core.tokenizer
         self.max_model_len: int = core.max_model_len
+        self.scoring = core.scoring  # whether and how the model scores pairs
         self.max_queued_requests = max_queued_requests
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
@@ -117,9 +118,11 @@ class AsyncEngine:
         prompt: str | None = None,
         priority: int = 0,
         group_id: str | None = None,
+        token_type_ids: Sequence[int] | None = None,
     ) -> AsyncGenerator[RequestOutput]:
         """A pooling request (``--runner pooling``): yields its one finished output, whose
-        ``embedding`` is set; validation errors raise ValueError (``RequestError``)."""
+        ``embedding`` (or with ``task="score"``, ``score``) is set; validation errors raise
+        ValueError (``RequestError``). ``token_type_ids``: an encoder pair's."""
         add = functools.partial(
             self.core.add_pooling_request,
             request_id,
@@ -129,6 +132,7 @@ class AsyncEngine:
             priority=priority,
             arrival_time=time.time(),
             group_id=group_id,
+            token_type_ids=list(token_type_ids) if token_type_ids is not None else None,
         )
         async for output in self._outputs(request_id, 1, add):
             yield output

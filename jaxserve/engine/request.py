@@ -69,6 +69,10 @@ class Sequence:
         return len(self.request.prompt_token_ids)
 
     @property
+    def token_type_ids(self) -> list[int] | None:
+        return self.request.token_type_ids
+
+    @property
     def num_tokens(self) -> int:
         return len(self.request.prompt_token_ids) + len(self.output_token_ids)
 
@@ -156,6 +160,9 @@ class Request:
     # False: its prompt is computed whole, never taken from the prefix cache (a pooling that
     # needs every token's hidden state: mean, CLS).
     reads_prefix_cache: bool = True
+    # An encoder's token type per prompt token (0 / 1 for the two texts of a BERT pair, as the
+    # tokenizer gives them); None: all 0.
+    token_type_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id
