@@ -91,6 +91,10 @@
 #   checkpoints  Llama-3-8B bf16 (dummy, 4 shards, page cache): a start's load and
 #                update_weights_from_disk from safetensors and from the jaxserve convert output
 #                (orbax) (benchmarks/checkpoint_load.py; about 32 GB under /tmp)
+#   embeddings   LLM.embed of 10,000 texts of 256 random tokens, dummy bf16 weights: a
+#                Qwen3-Embedding-0.6B-shaped decoder and a BGE-large-en-v1.5-shaped BERT, texts/s,
+#                tokens/s and the share of the 989 TFLOP/s bf16 roofline (benchmarks/embeddings.py;
+#                $EMBED_TOKENS the step budget, 16384 unless set) -> $OUT/embeddings.{log,json}
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
 #   bash benchmarks/run_h200.sh launch:330 throughput:200
 set -uo pipefail
@@ -531,6 +535,12 @@ stage_responses() {  # Responses API streaming against chat completions, the sam
     --max-num-batched-tokens 512 --max-num-seqs 8
   python3 -m benchmarks.responses_overhead --out "$OUT/responses_overhead.json" 2>&1 | tail -4
   stop_server
+}
+
+stage_embeddings() {  # issue 40's table: texts/s and the share of the compute roofline
+  python3 -m benchmarks.embeddings --out "$OUT/embeddings.json" \
+    --max-num-batched-tokens "${EMBED_TOKENS:-16384}" > "$OUT/embeddings.log" 2>&1
+  grep -E '^(qwen3|bge):' "$OUT/embeddings.log" || tail -20 "$OUT/embeddings.log"
 }
 
 stage_weights() {  # a training loop's hooks: update_weights, sleep and wake, memory asleep

@@ -194,20 +194,10 @@ class EngineCore:
         model_dir = config.model_dir
         self.config = config = resolve_runner(config, model_dir)
         served = ServedModel.of(config, model_dir)
-        self.model_config: Any
-        if served.is_encoder:  # models/encoder/, runner/encoder_runner.py
-            self.model_config = load_encoder_config(model_dir)
-            self.config = config = encoder_engine_config(config, self.model_config)
-        else:
-            self.model_config = decoder_config(served, model_dir)
+        self.config = config = self._read_model(served, model_dir)
         self.tokenizer = load_tokenizer(config, self.model_config.vocab_size)
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = self._eos_ids(served, model_dir)
-        self.max_model_len = (  # an encoder's was resolved by encoder_engine_config
-            config.max_model_len or 0
-            if served.is_encoder
-            else config.resolved_max_model_len(self.model_config, warn=True)
-        )
         self.pooler = pooler_for(config, model_dir, self.model_config)  # docs/embeddings.md
         if runner is None:  # a test may pass its own (same interface, hand-computable tokens)
             runner = self._make_runner(served)
@@ -258,6 +248,20 @@ class EngineCore:
         self.async_scheduling = config.async_scheduling and not runner.multihost
         self._in_flight: tuple[SchedulerOutput, InFlight] | None = None
         self._num_sync_requests = 0
+
+    def _read_model(self, served: ServedModel, model_dir: Any) -> EngineConfig:
+        """``model_config`` (an encoder's or a decoder's) and ``max_model_len``; the engine
+        config, with an encoder's settings (``encoder_engine_config``)."""
+        config = self.config
+        self.model_config: Any
+        if served.is_encoder:  # models/encoder/, runner/encoder_runner.py
+            self.model_config = load_encoder_config(model_dir)
+            config = encoder_engine_config(config, self.model_config)
+            self.max_model_len = config.max_model_len or 0
+            return config
+        self.model_config = decoder_config(served, model_dir)
+        self.max_model_len = config.resolved_max_model_len(self.model_config, warn=True)
+        return config
 
     def _eos_ids(self, served: ServedModel, model_dir: Any) -> tuple[int, ...]:
         if served.is_encoder:  # nothing is generated: the tokenizer's, for completeness

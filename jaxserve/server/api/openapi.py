@@ -815,6 +815,11 @@ def _scoring_schemas() -> dict[str, Any]:
     }
     _optional_nullable(score)
     _optional_nullable(rerank)
+    return {"ScoreRequest": score, "RerankRequest": rerank, **_scoring_responses()}
+
+
+def _scoring_responses() -> dict[str, Any]:
+    text = {"type": "string"}
     usage = {
         "type": "object",
         "properties": {"prompt_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"}},
@@ -833,7 +838,6 @@ def _scoring_schemas() -> dict[str, Any]:
         },
     }
     return {
-        "ScoreRequest": score,
         "ScoreResponse": {
             "type": "object",
             "required": ["data", "usage"],
@@ -846,7 +850,6 @@ def _scoring_schemas() -> dict[str, Any]:
                 "usage": usage,
             },
         },
-        "RerankRequest": rerank,
         "RerankResponse": {
             "type": "object",
             "required": ["results", "usage"],
