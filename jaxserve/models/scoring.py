@@ -58,7 +58,9 @@ def check_hf_overrides(overrides: dict[str, Any]) -> None:
         )
 
 
-def reranker_tokens(raw: dict[str, Any], overrides: dict[str, Any] | None) -> tuple[str, str] | None:
+def reranker_tokens(
+    raw: dict[str, Any], overrides: dict[str, Any] | None
+) -> tuple[str, str] | None:
     """("no", "yes")-style token strings of a decoder reranker, from config.json ``raw`` with
     ``overrides`` on top; None when the model is not one. A ``*ForSequenceClassification``
     architecture with ``classifier_from_token`` of two tokens and ``is_original_qwen3_reranker``

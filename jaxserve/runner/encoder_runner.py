@@ -23,6 +23,7 @@ them), so its cost grows as T times the tile, not T squared.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -45,7 +46,7 @@ from jaxserve.models.encoder.weights import (
 )
 from jaxserve.runner import warmup
 from jaxserve.runner.buckets import Buckets, next_power_of_2
-from jaxserve.runner.capacity import GiB, Capacity
+from jaxserve.runner.capacity import Capacity, GiB
 from jaxserve.runner.devices import quiet_backend_probe, resolve_dtype
 from jaxserve.runner.in_flight import InFlight
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
@@ -161,7 +162,7 @@ class EncoderRunner:
         self.weights = self._load(config.model_dir, config.load_format)
         self.load_seconds = time.perf_counter() - start
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.weights))
-        self.capacity = EncoderCapacity(
+        self.capacity: Capacity = EncoderCapacity(
             device_memory_bytes=0,
             memory_utilization=config.gpu_memory_utilization,
             weight_bytes=weight_bytes,
@@ -195,10 +196,9 @@ class EncoderRunner:
         return load_encoder_weights(model_dir, self.model_config, self.dtype)
 
     def _precision(self) -> Any:
+        """float32 means float32 (no TF32 on GPUs), as ``StepPrograms.precision``."""
         if self.dtype == jnp.float32:
             return jax.default_matmul_precision("highest")
-        import contextlib
-
         return contextlib.nullcontext()
 
     # -- warm-up ---------------------------------------------------------------------------
@@ -267,7 +267,7 @@ class EncoderRunner:
         if layout not in ("auto", "engine"):
             raise ValueError(f"layout={layout!r}: an encoder takes its own pytree layout only")
         old = jax.tree.structure(self.weights)
-        if jax.tree.structure(weights) != old:
+        if jax.tree.structure(weights) != old:  # type: ignore[operator]
             raise ValueError("the weights' tree differs from the encoder's (EncoderWeights)")
         for new, now in zip(jax.tree.leaves(weights), jax.tree.leaves(self.weights), strict=True):
             if tuple(new.shape) != tuple(now.shape):

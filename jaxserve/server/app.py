@@ -32,9 +32,9 @@ from jaxserve.json_limits import JsonLimitError
 from jaxserve.sampling_params import SamplingParamsError
 from jaxserve.server.api.completions import create_completion
 from jaxserve.server.api.embeddings import create_embedding
-from jaxserve.server.api.score_handler import create_rerank, create_score
 from jaxserve.server.api.errors import APIError, internal_error, json_response, unavailable
 from jaxserve.server.api.openapi import openapi_spec
+from jaxserve.server.api.score_handler import create_rerank, create_score
 from jaxserve.server.api.tokenization import detokenize, tokenize
 from jaxserve.server.chat.completions import create_chat_completion
 from jaxserve.server.context import OFFLOAD_BYTES, ServingContext

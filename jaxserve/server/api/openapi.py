@@ -18,8 +18,8 @@ from jaxserve.sampling_params import (
     MAX_TEMPERATURE,
 )
 from jaxserve.server.api.embeddings import ENCODING_FORMATS, MAX_EMBEDDING_INPUTS
-from jaxserve.server.api.scoring import SCORE_SIDES
 from jaxserve.server.api.protocol import MAX_BATCH_PROMPTS
+from jaxserve.server.api.scoring import SCORE_SIDES
 from jaxserve.server.chat.messages import ROLES
 from jaxserve.server.chat.tools import FUNCTION_NAME, MAX_TOOLS
 
@@ -872,8 +872,7 @@ def _scoring_paths() -> dict[str, Any]:
         GENERATION_ERRORS,
     )
     rerank = _post(
-        "Documents ranked by their score against the query, best first (Cohere's and Jina's "
-        "shape)",
+        "Documents ranked by their score against the query, best first (Cohere's and Jina's shape)",
         "RerankRequest",
         _ok(_ref("RerankResponse")),
         GENERATION_ERRORS,
