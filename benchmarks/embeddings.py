@@ -4,8 +4,9 @@
 
 - ``qwen3``: a Qwen3-Embedding-0.6B-shaped decoder
   (``jaxserve/assets/configs/qwen3-embedding-0.6b``: hidden 1024, 28 layers, 16 / 8 heads of
-  128, intermediate 3072, vocabulary 151,669, tied embeddings; last-token pooling and Normalize from its sentence-transformers files), served by
-  the decoder's pooling runner (paged attention kernel, a KV cache);
+  128, intermediate 3072, vocabulary 151,669, tied embeddings; last-token pooling and
+  Normalize from its sentence-transformers files), served by the decoder's pooling runner
+  (paged attention kernel, a KV cache);
 - ``bge``: a BGE-large-en-v1.5-shaped BERT (``jaxserve/assets/configs/bge-large-en-v1.5``:
   hidden 1024, 24 layers, 16 heads, intermediate 4096, vocabulary 30,522, 512 positions; CLS
   pooling and Normalize), served by the encoder runner (``runner/encoder_runner.py``).
