@@ -111,6 +111,11 @@ def encoder_engine_config(config: EngineConfig, encoder: EncoderConfig) -> Engin
     """An encoder's engine settings: ``max_model_len`` at most (and by default) its position
     table's ``max_seq_len``, every prompt whole in one step (no chunking, so the step's token
     budget must hold the longest), no prefix cache (every token is computed)."""
+    if config.tensor_parallel_size > 1:
+        raise ValueError(
+            f"tensor_parallel_size={config.tensor_parallel_size}: an encoder runs on one "
+            "device; start it with --tensor-parallel-size 1"
+        )
     limit = encoder.max_seq_len
     max_model_len = config.max_model_len or limit
     if max_model_len > limit:
