@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.interfaces import EngineDeadError, EngineStats, QueueFullError
 from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.scoring import ScoringModel
 from jaxserve.engine_config import EngineConfig
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
@@ -37,7 +38,6 @@ class AsyncEngine:
         self.model_config = core.model_config
         self.tokenizer = core.tokenizer
         self.max_model_len: int = core.max_model_len
-        self.scoring = core.scoring  # whether and how the model scores pairs
         self.max_queued_requests = max_queued_requests
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
@@ -72,6 +72,11 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self.dead_error is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def scoring(self) -> ScoringModel:
+        """Whether and how the model scores pairs (``/v1/score``, ``/v1/rerank``)."""
+        return self.core.scoring
 
     @property
     def vocab_size(self) -> int:
