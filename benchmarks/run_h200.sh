@@ -81,6 +81,11 @@
 #   gemma        decode at batch 64, contexts 1,024 and 4,096, for Llama-3-8B, Gemma-2-9B and
 #                Gemma-3-12B side by side (dummy bf16 weights, decode_roofline.py; about 3 minutes)
 #                -> $OUT/gemma_<model>.{log,json}: issue 19's "within 10 points of Llama" cells
+#   invariant    batch-invariant mode: its GPU test (logits bitwise equal alone, among 63 others
+#                and chunked, on the Mosaic GPU kernel, pytest -m gpu), then its cost: decode at
+#                batch 1/16/64 (context 1,024) and offline 256 x 512/128 with the mode off and on
+#                (benchmarks/batch_invariant.py, Llama-3-8B shape; a few minutes)
+#                -> $OUT/batch_invariant.{log,json}
 #   occupied     a second jaxserve launch on the GPU a first server (demo model, default flags)
 #                holds: seconds until it exits, its exit code and last lines -> $OUT/occupied.txt
 #   responses    Responses API streaming against chat completions on the same request, one at
@@ -95,6 +100,12 @@
 #                Qwen3-Embedding-0.6B-shaped decoder and a BGE-large-en-v1.5-shaped BERT, texts/s,
 #                tokens/s and the share of the 989 TFLOP/s bf16 roofline (benchmarks/embeddings.py;
 #                $EMBED_TOKENS the step budget, 16384 unless set) -> $OUT/embeddings.{log,json}
+#   kv_events    the cost of publishing KV-cache events: the launch stage's serving sweep (dummy
+#                Llama-3-8B, every bucket compiled first) without and with --kv-events-config
+#                (zmq, replay socket on), a subscriber draining the stream
+#                (benchmarks/kv_events_subscriber.py); output tok/s of each rate side by side
+#                (target: within 1%) -> $OUT/kv_events_{off,on}.log, kv_events_subscriber.json;
+#                about 10 minutes: kv_events:900 ($KV_EVENTS_RATES picks the rates, 16,inf)
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
 #   bash benchmarks/run_h200.sh launch:330 throughput:200
 set -uo pipefail
@@ -468,6 +479,13 @@ stage_skinny_sweep() {
   sed -n '/^| projection/,$p' "$OUT/skinny_sweep.log"
 }
 
+stage_invariant() {
+  python3 -m pytest -q -m gpu tests/test_batch_invariant.py 2>&1 | tail -3
+  python3 -m benchmarks.batch_invariant --out "$OUT/batch_invariant.json" \
+    > "$OUT/batch_invariant.log" 2>&1
+  grep -v -i warn "$OUT/batch_invariant.log" | tail -6
+}
+
 stage_skinny_step() {
   local quant mode
   for quant in bf16 fp8; do
@@ -582,6 +600,38 @@ stage_occupied() {  # the second start must end in seconds with the fix, not ret
   wait $first
 }
 
+stage_kv_events() {  # the serving sweep without and with KV-event publishing, one table
+  local config='{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",
+    "replay_endpoint": "tcp://*:5558", "topic": "kv-events"}'
+  local mode sub
+  for mode in off on; do
+    if [ $mode = on ]; then
+      start_server "$OUT/kv_events_${mode}_launch.log" $MODEL --load-format dummy $SHAPES \
+        --kv-events-config "$config"
+      python3 -m benchmarks.kv_events_subscriber --endpoint tcp://localhost:5557 \
+        --out "$OUT/kv_events_subscriber.json" > /dev/null &
+      sub=$!
+    else
+      start_server "$OUT/kv_events_${mode}_launch.log" $MODEL --load-format dummy $SHAPES
+    fi
+    until grep -q "Compiled every bucket" "$OUT/kv_events_${mode}_launch.log"; do
+      sleep 0.5
+      kill -0 $pid 2>/dev/null || return 1
+    done
+    python3 -m jaxserve.cli bench serve --base-url http://localhost:8011 \
+      --request-rates "${KV_EVENTS_RATES:-16,inf}" --num-prompts $SERVE_PROMPTS \
+      --random-input-len 512 --random-output-len 128 --ignore-eos \
+      --result-dir "$OUT/kv_events_$mode" --disable-tqdm > "$OUT/kv_events_$mode.log" 2>&1
+    [ $mode = on ] && kill -TERM $sub && wait $sub
+    stop_server
+  done
+  echo "   output token throughput (tok/s) by request rate, events off | on:"
+  paste <(grep -E "Request rate configured|Output token throughput" "$OUT/kv_events_off.log") \
+    <(grep -E "Output token throughput|Request rate configured" "$OUT/kv_events_on.log" |
+      awk '{print $NF}') | sed 's/^/   /'
+  echo "   subscriber: $(cat "$OUT/kv_events_subscriber.json")"
+}
+
 start=$(date +%s)
 for arg in "$@"; do
   stage=${arg%%:*}
@@ -589,7 +639,7 @@ for arg in "$@"; do
   [ "$limit" = "$arg" ] && limit=600
   echo "== $stage (limit ${limit} s, at $(( $(date +%s) - start )) s)"
   export -f "stage_$stage" first_token start_server stop_server
-  export OUT MODEL SHAPES SERVE_PROMPTS STARTUP_PROFILE
+  export OUT MODEL SHAPES SERVE_PROMPTS STARTUP_PROFILE KV_EVENTS_RATES
   timeout --kill-after=10 "$limit" bash -c "stage_$stage"
   rc=$?
   [ $rc = 124 ] && echo "   $stage: stopped at its limit"

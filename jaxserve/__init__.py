@@ -22,6 +22,7 @@ _EXPORTS = {
     "Logprob": "jaxserve.engine.outputs",
     "EngineConfig": "jaxserve.engine_config",
     "ModelConfig": "jaxserve.config",
+    "LoRARequest": "jaxserve.lora_request",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

@@ -7,6 +7,7 @@ passed down to the scheduler, the KV-cache manager and the runner (so it lives b
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from pathlib import Path
@@ -61,12 +62,98 @@ def kv_cache_dtype_name(kv_cache_dtype: str, weight_dtype: str) -> str:
     return "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
 
 
+# --kv-events-config (vLLM's KVEventsConfig): its publishers, and how each event is encoded.
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+# "map": each event a msgpack map tagged by "type", as vLLM publishes since its events dropped
+# array_like (vllm#42892); "array": the earlier positional layout, tag first, that subscribers
+# older than that decode (docs/kv_events.md).
+KV_EVENT_ENCODINGS = ("map", "array")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's ``KVEventsConfig``: the same fields, defaults and meaning, plus ``event_encoding``.
+
+    Read by the engine (``engine/kv_events.py`` collects the block pool's events, and
+    ``engine/kv_event_publisher.py`` sends them) from ``EngineConfig.kv_events_config``."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # None: "zmq" when events are enabled, else "null"
+    endpoint: str = "tcp://*:5557"  # PUB socket: bound when it has * or ::, else connected
+    replay_endpoint: str | None = None  # ROUTER socket replaying buffered batches
+    buffer_steps: int = 10_000  # batches (one per engine step) kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread; then dropped
+    topic: str = ""
+    event_encoding: str = "map"
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        if self.publisher not in KV_EVENT_PUBLISHERS:
+            raise ValueError(
+                f"kv_events_config publisher={self.publisher!r} must be one of "
+                f"{', '.join(KV_EVENT_PUBLISHERS)}"
+            )
+        if self.event_encoding not in KV_EVENT_ENCODINGS:
+            raise ValueError(
+                f"kv_events_config event_encoding={self.event_encoding!r} must be one of "
+                f"{', '.join(KV_EVENT_ENCODINGS)}"
+            )
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"kv_events_config {name}={getattr(self, name)} must be >= 1")
+        if not self.endpoint:
+            raise ValueError("kv_events_config endpoint must not be empty")
+
+    @property
+    def is_publishing(self) -> bool:
+        """Events are collected and sent: enabled, with a publisher other than null."""
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """``--kv-events-config``'s JSON object; ``ValueError`` naming a key it does not know
+        or a value of the wrong type."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"kv_events_config is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError("kv_events_config must be a JSON object")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for key, value in data.items():
+            if key not in fields:
+                raise ValueError(
+                    f"kv_events_config has no field {key!r} (fields: {', '.join(fields)})"
+                )
+            kinds = _KV_EVENT_FIELD_TYPES[key]
+            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+                raise ValueError(f"kv_events_config {key}={value!r} has the wrong type")
+        return cls(**data)
+
+
+_KV_EVENT_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "enable_kv_cache_events": (bool,),
+    "publisher": (str, type(None)),
+    "endpoint": (str,),
+    "replay_endpoint": (str, type(None)),
+    "buffer_steps": (int,),
+    "hwm": (int,),
+    "max_queue_size": (int,),
+    "topic": (str,),
+    "event_encoding": (str,),
+}
+
+
 def default_model_dir() -> Path:
     """The model served when none is named: the demo model shipped inside the package."""
     return Path(__file__).resolve().parent / "assets" / "demo"
 
 
 SAMPLER_VARIANTS = ("auto", "all", "compact")
+# How a data-parallel server picks the replica of a request (engine/balancer.py).
+DATA_PARALLEL_BALANCERS = ("prefix", "least-loaded", "round-robin")
 # --runner, vLLM's: generate (completions and chat), pooling (embeddings: docs/embeddings.md);
 # auto pools a checkpoint whose config.json names only base models (Qwen3Model, MistralModel).
 RUNNERS = ("auto", "generate", "pooling")
@@ -122,6 +209,12 @@ class EngineConfig:
     # A mixture of experts split by whole experts over the tensor-parallel devices (tokens
     # exchanged by all-to-all), attention staying tensor parallel; off: each expert is split.
     enable_expert_parallel: bool = False
+    # Data parallel on one host: data_parallel_size engines behind one server, each on its own
+    # tensor_parallel_size devices; this engine is replica data_parallel_rank and runs on the
+    # devices [rank * tensor_parallel_size, (rank + 1) * tensor_parallel_size).
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    data_parallel_balancer: str = "prefix"  # DATA_PARALLEL_BALANCERS (engine/balancer.py)
     compilation_cache_dir: str | None = None
     warmup: bool = True  # compile every shape bucket at start-up
     # Take requests once the smallest bucket has compiled; the others compile meanwhile
@@ -147,11 +240,23 @@ class EngineConfig:
     sampler_variants: str = "auto"
     # Memory the KV budget is a fraction of; None: what the device reports (CPU: 2 GiB).
     device_memory_bytes: int | None = None
+    # A sequence's logits bitwise the same whatever else is in its step and however its prompt
+    # is chunked (vLLM's VLLM_BATCH_INVARIANT): GEMMs in fixed row tiles, attention unsplit
+    # (docs/determinism.md). Dense decoders on one device.
+    batch_invariant: bool = False
     # What the model serves (RUNNERS): "pooling" runs prompts only and returns embeddings.
     runner: str = "auto"
     # vLLM's --hf-overrides: config.json keys set on top of the file's. Served: a decoder
     # reranker's (architectures, classifier_from_token, is_original_qwen3_reranker).
     hf_overrides: dict[str, Any] | None = dataclasses.field(default=None, hash=False)
+    # KV-cache events (vLLM's --kv-events-config): BlockStored / BlockRemoved / AllBlocksCleared
+    # published over ZeroMQ for prefix-aware routers (docs/kv_events.md); None: none.
+    kv_events_config: KVEventsConfig | None = None
+    # LoRA adapters (docs/lora.md): device slots, their rank, adapters kept in host memory.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -206,8 +311,59 @@ class EngineConfig:
             raise ValueError(f"grammar_cache_bytes={self.grammar_cache_bytes} must be >= 0")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        self._check_data_parallel()
+
+    def _check_data_parallel(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size} must be >= 1")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank={self.data_parallel_rank} must be in "
+                f"[0, data_parallel_size={self.data_parallel_size})"
+            )
+        if self.data_parallel_balancer not in DATA_PARALLEL_BALANCERS:
+            raise ValueError(
+                f"data_parallel_balancer={self.data_parallel_balancer!r} must be one of "
+                f"{', '.join(DATA_PARALLEL_BALANCERS)}"
+            )
         if self.runner not in RUNNERS:
             raise ValueError(f"runner={self.runner!r} must be one of {', '.join(RUNNERS)}")
+        self._check_lora()
+        self._check_batch_invariant()
+
+    def _check_batch_invariant(self) -> None:
+        if not self.batch_invariant:
+            return
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"batch_invariant=True needs tensor_parallel_size=1, not "
+                f"{self.tensor_parallel_size}: the all-reduces of a tensor-parallel step are "
+                "not batch-invariant"
+            )
+        if self.enable_lora:
+            raise ValueError(
+                "batch_invariant=True with enable_lora: the adapters' GEMMs are not in fixed row "
+                "tiles; serve one or the other"
+            )
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras={self.max_loras} must be at least 1")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank={self.max_lora_rank} must be at least 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras={self.max_cpu_loras} must be at least max_loras={self.max_loras}"
+            )
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"enable_lora with tensor_parallel_size={self.tensor_parallel_size}: LoRA runs "
+                "on one device for now (docs/lora.md)"
+            )
+
+    @property
+    def resolved_max_cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     def resolved_max_model_len(self, model_config: ModelConfig, warn: bool = False) -> int:
         """The context length served: ``max_model_len`` or the model's own. One longer than

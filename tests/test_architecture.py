@@ -33,8 +33,9 @@ BASE = (
     "jaxserve.sampling_params",
     "jaxserve.units",
 )
-# The command line and the benchmark clients sit beside the server, above the engine.
-TOP = ("jaxserve.cli", "jaxserve.__main__", "jaxserve.bench")
+# The command line, the benchmark clients and the integrations (Ray Serve) sit beside the
+# server, above the engine.
+TOP = ("jaxserve.cli", "jaxserve.__main__", "jaxserve.bench", "jaxserve.integrations")
 LAYERS = ("jaxserve.server", "jaxserve.engine", "jaxserve.runner", "jaxserve.models")
 # module prefix -> the prefixes it must not import (the layers above it)
 ABOVE: dict[str, tuple[str, ...]] = {

@@ -30,6 +30,16 @@ def test_decode_roofline_smoke(tmp_path, monkeypatch, capsys) -> None:
     assert "MBU" in capsys.readouterr().out
 
 
+def test_batch_invariant_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
+    out = tmp_path / "bi.json"
+    run_script("benchmarks.batch_invariant", ["--smoke", "--out", str(out)], monkeypatch)
+    result = json.loads(out.read_text())
+    for mode in ("off", "on"):
+        assert sorted(result[mode]["decode_ms"]) == ["1", "4"]
+        assert result[mode]["offline_tokens_per_s"] > 0
+    assert "on/off" in capsys.readouterr().out
+
+
 def test_throughput_script_is_the_cli(tmp_path, monkeypatch) -> None:
     out = tmp_path / "t.json"
     args = ["--model", str(fixture_dir("llama")), "--load-format", "auto", "--num-prompts", "2",

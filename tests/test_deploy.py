@@ -191,12 +191,12 @@ def test_autoscalers_read_the_metric_the_server_exports():
 
     assert '"num_requests_waiting"' in Path(metrics.__file__).read_text()
     (rule,) = load("prometheus-adapter-values.yaml")["rules"]["custom"]
-    assert rule["seriesQuery"].startswith("jaxserve:num_requests_waiting{")
-    assert re.fullmatch(rule["name"]["matches"], "jaxserve:num_requests_waiting")
+    assert rule["seriesQuery"].startswith("vllm:num_requests_waiting{")
+    assert re.fullmatch(rule["name"]["matches"], "vllm:num_requests_waiting")
     (metric,) = load("hpa.yaml")["spec"]["metrics"]
     assert metric["pods"]["metric"]["name"] == rule["name"]["as"]
     (trigger,) = load("keda-scaledobject.yaml")["spec"]["triggers"]
-    assert trigger["metadata"]["query"].startswith("sum(jaxserve:num_requests_waiting{")
+    assert trigger["metadata"]["query"].startswith("sum(vllm:num_requests_waiting{")
     assert float(trigger["metadata"]["threshold"]) == float(
         metric["pods"]["target"]["averageValue"]
     )

@@ -57,6 +57,7 @@ SERVER_MODULES = (
     "jaxserve.server.launch.serve",  # loads JAX only inside run_launch
     "jaxserve.server.launch.vllm_flags",
     "jaxserve.server.lifecycle",
+    "jaxserve.server.lora",
     "jaxserve.server.metrics",
     "jaxserve.server.request_log",
     "jaxserve.server.responses",

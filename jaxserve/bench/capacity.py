@@ -37,6 +37,7 @@ from jaxserve.runner.capacity import (
     Capacity,
     CapacityError,
     GiB,
+    data_parallel_lines,
     detect_device_memory,
     plan_capacity,
 )
@@ -121,6 +122,14 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=_ENGINE_DEFAULTS["tensor_parallel_size"],
         help="devices per model replica: each holds 1/N of the weights and KV heads",
+    )
+    add(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=_ENGINE_DEFAULTS["data_parallel_size"],
+        help="model replicas on one host, as serve's flag: each has its own KV cache of the "
+        "size printed, on its own --tensor-parallel-size devices",
     )
     add(
         "--enable-expert-parallel",
@@ -227,6 +236,7 @@ def _checked_model(args: argparse.Namespace) -> tuple[Path, ModelConfig]:
         block_size=args.block_size,
         gpu_memory_utilization=args.memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
     )
     model_dir = resolve_model_dir(args.model) if args.model else default_model_dir()
     return model_dir, load_model_config(model_dir)
@@ -273,6 +283,9 @@ def _plan_json(args: argparse.Namespace, plan: _Plan) -> dict:
         "kv_cache_tokens": cap.num_tokens,
         "max_model_len": cap.max_model_len,
         "max_concurrency": cap.max_concurrency,
+        "data_parallel_size": args.data_parallel_size,
+        "kv_cache_tokens_all_replicas": args.data_parallel_size * cap.num_tokens,
+        "max_concurrency_all_replicas": args.data_parallel_size * cap.max_concurrency,
         "num_params": num_params(plan.config),
         "num_active_params": num_active_params(plan.config),
     }
@@ -301,8 +314,9 @@ def _print_plan(args: argparse.Namespace, plan: _Plan) -> None:
     print(
         f"Device memory: {plan.memory / GiB:.2f} GiB x {args.memory_utilization:.0%} utilization, "
         f"tensor parallel {args.tensor_parallel_size}"
+        + (f", data parallel {args.data_parallel_size}" if args.data_parallel_size > 1 else "")
     )
-    for line in plan.cap.lines():
+    for line in plan.cap.lines() + data_parallel_lines(plan.cap, args.data_parallel_size):
         print(line)
 
 

@@ -23,6 +23,7 @@ from jaxserve.engine.interfaces import EngineDeadError, EngineStats, QueueFullEr
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.scoring import ScoringModel
 from jaxserve.engine_config import EngineConfig
+from jaxserve.lora_request import LoRARequest
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
@@ -99,6 +100,7 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         group_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput]:
         """Yield deltas until one with ``finished=True``; validation errors raise ValueError."""
         add = functools.partial(
@@ -111,6 +113,7 @@ class AsyncEngine:
             cache_salt=cache_salt,
             arrival_time=time.time(),
             group_id=group_id,
+            lora_request=lora_request,
         )
         async for output in self._outputs(request_id, params.num_samples, add):
             yield output
@@ -193,6 +196,14 @@ class AsyncEngine:
         A checkpoint that does not fit raises before anything changes."""
         load = functools.partial(self.core.runner.load_weights_from, model_path)
         return await self._between_steps(functools.partial(self.core.swap_weights, load))
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter on a worker thread (``AdapterError`` if it does not fit);
+        requests may then name it."""
+        await asyncio.get_running_loop().run_in_executor(None, self.core.add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        self.core.remove_lora(lora_int_id)
 
     @property
     def is_sleeping(self) -> bool:

@@ -22,10 +22,12 @@ from jaxserve.config import ModelConfig, read_config_json
 from jaxserve.engine.grammar import GrammarCompiler, GrammarLimits
 from jaxserve.engine.interfaces import EngineStats, Runner
 from jaxserve.engine.kv_cache import KVCacheManager
+from jaxserve.engine.kv_event_publisher import make_publisher
+from jaxserve.engine.kv_events import KVEventLog
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.outputs import RequestMetrics, RequestOutput
 from jaxserve.engine.pooler import Pooler
-from jaxserve.engine.request import Request, Sequence, mark_scheduled, seq_of
+from jaxserve.engine.request import Request, SeqStatus, Sequence, mark_scheduled, seq_of
 from jaxserve.engine.request_checks import (
     GENERATION_REFUSED,
     POOLING_REFUSED,
@@ -44,6 +46,7 @@ from jaxserve.engine.scoring import (
 from jaxserve.engine.structured_outputs import Accepted, StructuredOutputs
 from jaxserve.engine.tokenizer import end_of_sequence_ids, load_tokenizer
 from jaxserve.engine_config import EngineConfig
+from jaxserve.lora_request import LoRARequest
 from jaxserve.models.encoder.config import EncoderConfig, is_encoder, load_encoder_config
 from jaxserve.models.families.registry import load_model_config, model_config_from_dict
 from jaxserve.models.pooling import PoolingConfig, is_base_model
@@ -59,6 +62,7 @@ from jaxserve.sampling_params import SamplingParams, SamplingParamsError
 
 if TYPE_CHECKING:
     from jaxserve.runner.in_flight import InFlight
+    from jaxserve.runner.lora_slots import LoraSlots
 
 _LOG = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -207,13 +211,12 @@ class EngineCore:
         if runner is None:  # a test may pass its own (same interface, hand-computable tokens)
             runner = self._make_runner(served)
         self.runner = runner
+        self.lora_slots: LoraSlots | None = getattr(runner, "lora_slots", None)  # --enable-lora
         # NOTE: from here to the end of warm-up the runner's weights may be loading on a
         # thread of their own: an error or a Ctrl-C stops them (the interpreter's exit would
         # wait for them) and the compiles.
         try:
-            kv_args = (runner.num_blocks, config.block_size, config.enable_prefix_caching)
-            window = getattr(self.model_config, "all_layers_window", None)
-            self.kv = KVCacheManager(*kv_args, sliding_window=window)
+            self.kv = self._make_kv_cache(runner)
             self.scheduler = Scheduler(
                 self.kv,
                 max_num_seqs=config.max_num_seqs,
@@ -221,6 +224,7 @@ class EngineCore:
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 policy=config.scheduling_policy,
+                lora_slots=self.lora_slots,
             )
             self.output_processor = OutputProcessor(
                 self.tokenizer, self.eos_token_ids, self.max_model_len
@@ -235,17 +239,14 @@ class EngineCore:
             self.num_compiled_shapes = runner.warmup() if config.warmup else 0
             self.scoring = self._scoring_model(served)  # a reranker's reads loaded weights
         except BaseException:
-            runner.shutdown()
+            self._abandon(runner)
             raise
         self.requests: dict[str, Request] = {}
         self._inbox: collections.deque[Request] = collections.deque()
         self._aborts: collections.deque[str] = collections.deque()
         self._lock = threading.Lock()
         self._seed_rng = random.Random(config.seed)
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.num_aborted = 0
-        self.num_steps = 0
+        self.prompt_tokens = self.generation_tokens = self.num_aborted = self.num_steps = 0
         # Asynchronous scheduling: step n + 1 is scheduled and dispatched before step n's
         # tokens are read back, so the host's work overlaps the device's. Sequences with
         # penalties need their full output history on the host, so while any such request
@@ -285,6 +286,23 @@ class EngineCore:
         loaded = runner_model_config(self.model_config, pooling, reranker)
         return ModelRunner(loaded, self.config, self.eos_token_ids)
 
+    def _abandon(self, runner: Runner) -> None:
+        """A start that failed: the runner's threads and the event publisher stopped."""
+        runner.shutdown()
+        publisher = getattr(self, "kv_event_publisher", None)
+        if publisher is not None:
+            publisher.shutdown()
+
+    def _make_kv_cache(self, runner: Runner) -> KVCacheManager:
+        """The block pool; it records KV-cache events when --kv-events-config publishes them
+        (each step hands them to ``kv_event_publisher``)."""
+        config = self.config
+        window = getattr(self.model_config, "all_layers_window", None)  # an encoder has none
+        self.kv_event_publisher = make_publisher(config.kv_events_config)
+        events = KVEventLog(window) if self.kv_event_publisher is not None else None
+        kv_args = (runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        return KVCacheManager(*kv_args, sliding_window=window, events=events)
+
     def _scoring_model(self, served: ServedModel) -> ScoringModel:
         """What the model scores pairs with (docs/embeddings.md); its head to the pooler."""
         if self.pooler is None:
@@ -302,6 +320,16 @@ class EngineCore:
         self.runner.shutdown()
         self.grammar_compiler.close()
         self.structured_outputs.close()
+        if self.kv_event_publisher is not None:
+            self.publish_kv_events()
+            self.kv_event_publisher.shutdown()
+
+    def publish_kv_events(self) -> None:
+        """Hand the KV-cache events recorded since the last call to the publisher (one batch;
+        nothing when there are none or events are off)."""
+        events = self.kv.pool.events
+        if self.kv_event_publisher is not None and events is not None and events.pending:
+            self.kv_event_publisher.publish(events.take())
 
     def settle(self) -> list[RequestOutput]:
         """Read back the step on the device, if any (its outputs)."""
@@ -323,6 +351,7 @@ class EngineCore:
             )
         result = swap()
         self.kv.pool.reset_prefix_cache()
+        self.publish_kv_events()
         return result
 
     @property
@@ -358,14 +387,19 @@ class EngineCore:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         group_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request for the next step (``RequestError`` if it cannot run); requests of
-        one ``group_id`` (the prompts of one API call) take one admission turn together."""
+        one ``group_id`` (the prompts of one API call) take one admission turn together.
+        ``lora_request``: its adapter, read and checked here if the engine does not know it
+        yet (``AdapterError``)."""
         if self.pooler is not None:
             raise RequestError(GENERATION_REFUSED, code="pooling_model")
         params = check_request(
             prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
+        if lora_request is not None:
+            self.ensure_lora(lora_request)
         arrival = time.time() if arrival_time is None else arrival_time
         request = Request(
             request_id,
@@ -378,6 +412,7 @@ class EngineCore:
             group_id or "",
             metrics=RequestMetrics(arrival_time=arrival),
             grammar=self.compile_grammar(params),
+            lora_request=lora_request,
         )
         request.add_samples(
             params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -442,6 +477,46 @@ class EngineCore:
                 raise RequestError(f"request id {request_id!r} is in use", param="request_id")
             self._inbox.append(request)
 
+    # -- LoRA adapters (any thread) --------------------------------------------------------
+
+    def ensure_lora(self, lora_request: LoRARequest) -> None:
+        if self.lora_slots is None:
+            raise RequestError(
+                f"adapter {lora_request.lora_name!r} asked for, but LoRA is off "
+                "(start the engine with enable_lora / --enable-lora)",
+                param="model",
+            )
+        if not self.lora_slots.has_lora(lora_request.lora_int_id):
+            self.lora_slots.add_lora(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read, check and keep the adapter in host memory (``AdapterError`` if it does not
+        fit the model); requests may then name it."""
+        if self.lora_slots is None:
+            raise RuntimeError("LoRA is off: start the engine with enable_lora / --enable-lora")
+        self.lora_slots.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget the adapter; sequences that run with it finish on it."""
+        if self.lora_slots is not None:
+            self.lora_slots.remove_lora(lora_int_id)
+
+    def lora_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The adapters of the running and of the waiting requests (vLLM's
+        ``lora_requests_info``), each name once."""
+        running: dict[str, bool] = {}
+        waiting: dict[str, bool] = {}
+        for request in list(self.requests.values()):
+            lora = request.lora_request
+            if lora is None:
+                continue
+            is_running = any(s.status == SeqStatus.RUNNING for s in request.seqs)
+            (running if is_running else waiting)[lora.lora_name] = True
+        for request in list(self._inbox):
+            if request.lora_request is not None:
+                waiting[request.lora_request.lora_name] = True
+        return tuple(running), tuple(w for w in waiting if w not in running)
+
     def compile_grammar(self, params: SamplingParams) -> Any:
         """The compiled grammar of ``params.structured_outputs`` (None without one; cached);
         ``RequestError`` naming the field if it is invalid or too slow to compile."""
@@ -476,7 +551,19 @@ class EngineCore:
             generation_tokens=self.generation_tokens,
             num_aborted=self.num_aborted,
             num_steps=self.num_steps,
+            num_gpu_blocks=self.kv.num_blocks,
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        if self.lora_slots is None:
+            return {}
+        running, waiting = self.lora_names()
+        return {
+            "running_lora_adapters": running,
+            "waiting_lora_adapters": waiting,
+            "max_lora": self.config.max_loras,
+        }
 
     # -- the step (engine thread) ----------------------------------------------------------
 
@@ -517,6 +604,11 @@ class EngineCore:
         return output
 
     def step(self) -> list[RequestOutput]:
+        outputs = self._step()
+        self.publish_kv_events()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         outputs = self.drain_inbox()
         if self.is_sleeping:  # nothing runs until it wakes
             return outputs

@@ -18,6 +18,7 @@ import numpy as np
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.engine_config import EngineConfig
+from jaxserve.lora_request import LoRARequest
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
@@ -47,6 +48,13 @@ class EngineStats:
     generation_tokens: int
     num_aborted: int
     num_steps: int
+    # KV-cache blocks in the pool (vllm:cache_config_info's num_gpu_blocks); 0: not known.
+    num_gpu_blocks: int = 0
+    # LoRA (vllm:lora_requests_info): the adapters of running and of waiting requests, and the
+    # device slots; empty / 0 with LoRA off.
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
 
 
 class Runner(Protocol):
@@ -115,6 +123,7 @@ class EngineClient(Protocol):
         priority: int = 0,
         cache_salt: str | None = None,
         group_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput]: ...
 
     def encode(
@@ -132,6 +141,12 @@ class EngineClient(Protocol):
         ``token_type_ids``: an encoder text pair's). ``RequestError`` (a ``ValueError`` naming the
         field) for a request it cannot take, a generation engine's included."""
         ...
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter (``ValueError`` naming what does not fit)."""
+        ...
+
+    async def remove_lora(self, lora_int_id: int) -> None: ...
 
     async def abort(self, request_id: str) -> None: ...
 

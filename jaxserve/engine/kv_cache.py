@@ -12,6 +12,10 @@ go back to the pool (they stay hittable in the prefix cache like any freed block
 in ``block_ids`` become ``NULL_BLOCK``, so the list keeps one entry per block of positions and the
 page table keeps its layout. A hybrid model (global layers too) keeps every block: one pool
 serves all layers.
+
+KV-cache events (``kv_events.py``): given a ``KVEventLog``, the pool records a ``BlockStored``
+for each run of blocks whose hashes enter the prefix cache, a ``BlockRemoved`` for each cached
+block evicted, and an ``AllBlocksCleared`` when a reset leaves nothing cached.
 """
 
 from __future__ import annotations
@@ -22,6 +26,13 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
+from jaxserve.engine.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventLog,
+    external_block_hash,
+)
 from jaxserve.engine.request import Sequence
 from jaxserve.units import cdiv
 
@@ -47,8 +58,11 @@ def hash_block(parent_hash: bytes, token_ids: Seq[int], extra_key: str | None = 
 class BlockPool:
     """Blocks with ref counts; free blocks in LRU order; hash -> cached block id."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: KVEventLog | None = None) -> None:
         self.num_blocks = num_blocks
+        # With events: the published hash of each cached block (block id -> hash).
+        self.events = events
+        self.external_hashes: dict[int, int] = {}
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[bytes | None] = [None] * num_blocks
         # Free blocks, least recently freed first (dict keeps insertion order).
@@ -78,6 +92,9 @@ class BlockPool:
             if self.cached.get(block_hash) == block_id:
                 del self.cached[block_hash]
             self.block_hashes[block_id] = None
+        if self.events is not None and block_id in self.external_hashes:
+            removed = BlockRemoved([self.external_hashes.pop(block_id)])
+            self.events.pending.append(removed)
 
     def touch(self, block_id: int) -> None:
         """Take one more reference (a prefix hit or a shared prompt block)."""
@@ -92,17 +109,25 @@ class BlockPool:
             if self.ref_counts[block_id] == 0:
                 self.free[block_id] = None
 
-    def cache(self, block_id: int, block_hash: bytes) -> None:
+    def cache(self, block_id: int, block_hash: bytes) -> bool:
+        """Register the block under ``block_hash``; False if it or the hash already is."""
         if self.block_hashes[block_id] is None and block_hash not in self.cached:
             self.block_hashes[block_id] = block_hash
             self.cached[block_hash] = block_id
+            return True
+        return False
 
     def lookup(self, block_hash: bytes) -> int | None:
         return self.cached.get(block_hash)
 
     def reset_prefix_cache(self) -> None:
+        num_events = len(self.events.pending) if self.events is not None else 0
         for block_id in list(self.free):
             self._evict(block_id)
+        if self.events is not None and not self.cached:
+            # Nothing is cached any more: one AllBlocksCleared says it for every block.
+            del self.events.pending[num_events:]
+            self.events.pending.append(AllBlocksCleared())
 
 
 class KVCacheManager:
@@ -112,13 +137,17 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool,
         sliding_window: int | None = None,
+        events: KVEventLog | None = None,
     ) -> None:
         """``sliding_window``: the window of a model whose every layer slides (blocks behind
-        it are released while a sequence runs); None keeps every block."""
+        it are released while a sequence runs); None keeps every block. ``events``: where the
+        pool records KV-cache events; None records none."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, events)
+        # With events, per sequence: the published hashes of its leading full blocks.
+        self._external_hashes: dict[str, list[int]] = {}
         # Per sequence: hashes of its leading full blocks (the hash chain), and how many of its
         # blocks are registered in the prefix cache.
         self._hashes: dict[str, list[bytes]] = {}
@@ -161,7 +190,7 @@ class KVCacheManager:
 
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
         hashes = self._hashes.setdefault(seq.seq_id, [])
-        salt = seq.request.cache_salt
+        salt = seq.request.prefix_cache_key
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
@@ -225,9 +254,51 @@ class KVCacheManager:
         if num_full <= done:
             return
         hashes = self._block_hashes(seq, num_full)
-        for i in range(done, num_full):
-            self.pool.cache(seq.block_ids[i], hashes[i])
+        stored = [i for i in range(done, num_full) if self.pool.cache(seq.block_ids[i], hashes[i])]
         self._num_hashed[seq.seq_id] = num_full
+        if stored and self.pool.events is not None:
+            self._record_stored(seq, stored)
+
+    def _record_stored(self, seq: Sequence, stored: list[int]) -> None:
+        """One ``BlockStored`` per run of consecutive newly cached blocks of ``seq``."""
+        events = self.pool.events
+        assert events is not None
+        external = self._external_block_hashes(seq, stored[-1] + 1)
+        salt = seq.request.cache_salt
+        bs = self.block_size
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            for i in run:
+                self.pool.external_hashes[seq.block_ids[i]] = external[i]
+            event = BlockStored(
+                block_hashes=[external[i] for i in run],
+                parent_block_hash=external[run[0] - 1] if run[0] else None,
+                token_ids=seq.token_ids(run[0] * bs, (run[-1] + 1) * bs),
+                block_size=bs,
+                extra_keys=[[salt] if salt and i == 0 else None for i in run],
+                sliding_window=self.sliding_window,
+            )
+            events.pending.append(event)
+
+    def _external_block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The published hashes of the sequence's first ``num_blocks`` blocks (``kv_events``);
+        a cache salt enters the first block's, as vLLM's extra keys carry it."""
+        events = self.pool.events
+        assert events is not None
+        hashes = self._external_hashes.setdefault(seq.seq_id, [])
+        salt = seq.request.cache_salt
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else events.root_hash
+            extra = [salt] if salt and i == 0 else None
+            hashes.append(external_block_hash(parent, seq.token_ids(i * bs, (i + 1) * bs), extra))
+        return hashes
 
     def share_prefix(self, child: Sequence, parent: Sequence) -> int:
         """Give ``child`` references to ``parent``'s full prompt blocks; returns tokens shared.
@@ -254,6 +325,8 @@ class KVCacheManager:
         seq.block_ids = []
         self._num_hashed.pop(seq.seq_id, None)
         self._hashes.pop(seq.seq_id, None)
+        self._external_hashes.pop(seq.seq_id, None)
 
     def forget_hashes(self, seq: Sequence) -> None:
         self._hashes.pop(seq.seq_id, None)
+        self._external_hashes.pop(seq.seq_id, None)

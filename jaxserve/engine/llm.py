@@ -29,6 +29,7 @@ from jaxserve.engine.outputs import (
     ScoringRequestOutput,
 )
 from jaxserve.engine_config import EngineConfig
+from jaxserve.lora_request import LoRARequest
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
@@ -53,6 +54,18 @@ def show_startup_log() -> None:
 PromptType = str | dict[str, Any] | list[int]
 
 
+def _per_prompt(
+    lora_request: LoRARequest | Seq[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    """``generate``'s ``lora_request`` as one entry per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(f"got {len(loras)} lora_request entries for {num_prompts} prompts")
+    return loras
+
+
 class LLM:
     def __init__(
         self,
@@ -75,6 +88,10 @@ class LLM:
         quantization: str | None = None,
         compilation_cache_dir: str | None = None,
         warmup: bool = True,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
         **kwargs: Any,
     ) -> None:
         show_startup_log()
@@ -97,6 +114,10 @@ class LLM:
             quantization=quantization,
             compilation_cache_dir=compilation_cache_dir,
             warmup=warmup,
+            enable_lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras,
             **kwargs,
         )
         self.engine = EngineCore(config)
@@ -201,8 +222,11 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Seq[int] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the order of the prompts."""
+        """Generate for every prompt; outputs come back in the order of the prompts.
+        ``lora_request``: the adapter of every prompt, or one per prompt (None: the base
+        model); needs ``LLM(enable_lora=True)``."""
         if self.engine.is_sleeping:
             raise RuntimeError("the model is asleep: wake_up() before generate")
         if isinstance(prompts, str | dict) or (
@@ -220,6 +244,9 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
                 )
+        loras = _per_prompt(lora_request, len(prompts))
+        for lora in {lr.lora_int_id: lr for lr in loras if lr is not None}.values():
+            self.engine.ensure_lora(lora)  # a bad adapter raises before any request is queued
         request_ids = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
             text, token_ids = self._to_token_ids(prompt)
@@ -230,9 +257,18 @@ class LLM:
                 params,
                 prompt=text,
                 priority=priority[i] if priority is not None else 0,
+                lora_request=loras[i],
             )
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter ahead of ``generate`` (``AdapterError`` if it does not
+        fit the model)."""
+        self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.engine.remove_lora(lora_int_id)
 
     def chat(
         self,

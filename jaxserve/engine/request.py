@@ -19,6 +19,7 @@ import hashlib
 from typing import Any, cast
 
 from jaxserve.engine.outputs import Logprob, RequestMetrics
+from jaxserve.lora_request import LoRARequest
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.runner.step import PENDING_TOKEN, ScheduledSeq, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
@@ -53,6 +54,9 @@ class Sequence:
     block_ids: list[int] = dataclasses.field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
+    # The device slot of its adapter while it runs (the scheduler acquires and releases it);
+    # 0: the base model, or not running.
+    lora_slot: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -163,6 +167,15 @@ class Request:
     # An encoder's token type per prompt token (0 / 1 for the two texts of a BERT pair, as the
     # tokenizer gives them); None: all 0.
     token_type_ids: list[int] | None = None
+    lora_request: LoRARequest | None = None  # its adapter; None: the base model
+
+    @property
+    def prefix_cache_key(self) -> str | None:
+        """What its blocks' hashes take in besides the tokens: the cache salt and the
+        adapter, so neither tenants nor adapters share blocks."""
+        if self.lora_request is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}|{self.lora_request.cache_key}"
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id

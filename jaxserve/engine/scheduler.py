@@ -17,10 +17,20 @@ sequences once the step is dispatched.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from jaxserve.engine.kv_cache import KVCacheManager
 from jaxserve.engine.request import SeqStatus, Sequence, seq_of
 from jaxserve.engine.waiting_queue import WaitingQueue
+from jaxserve.lora_request import LoRARequest
 from jaxserve.runner.step import ScheduledSeq, SchedulerOutput
+
+
+class AdapterSlots(Protocol):
+    """What the scheduler asks of the adapter slots (``runner/lora_slots.LoraSlots``)."""
+
+    def acquire(self, request: LoRARequest) -> int | None: ...
+    def release(self, slot_number: int) -> None: ...
 
 
 class Scheduler:
@@ -32,8 +42,11 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
+        lora_slots: AdapterSlots | None = None,
     ) -> None:
+        """``lora_slots``: the runner's adapter slots (``runner/lora_slots.py``), with LoRA on."""
         self.kv = kv
+        self.lora_slots = lora_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -69,6 +82,7 @@ class Scheduler:
         elif seq.status == SeqStatus.WAITING:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        self._release_adapter(seq)
         self._finished_ids.append(seq.seq_id)
 
     @property
@@ -83,6 +97,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free(seq)
+        self._release_adapter(seq)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
@@ -145,8 +160,11 @@ class Scheduler:
                     if seq.request.group_id in running_groups:
                         continue
                     running_groups.add(seq.request.group_id)
+                if not self._acquire_adapter(seq):
+                    continue  # every adapter slot is held: it waits, others may start
                 num_new = self._admit(seq, budget)
                 if num_new == 0:
+                    self._release_adapter(seq)
                     break
                 scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens, True))
                 budget -= num_new
@@ -157,6 +175,23 @@ class Scheduler:
             output.preempted_seq_ids, self._preempted_ids = self._preempted_ids, []
             output.finished_seq_ids, self._finished_ids = self._finished_ids, []
         return output
+
+    def _acquire_adapter(self, seq: Sequence) -> bool:
+        """A device slot for the sequence's adapter (``seq.lora_slot``); False when none is
+        free. True for a sequence of the base model."""
+        lora = seq.request.lora_request
+        if lora is None or self.lora_slots is None:
+            return True
+        slot = self.lora_slots.acquire(lora)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.lora_slot and self.lora_slots is not None:
+            self.lora_slots.release(seq.lora_slot)
+        seq.lora_slot = 0
 
     def restore_notices(self, output: SchedulerOutput) -> None:
         """Tell the runner ``output``'s preemptions and finishes again with the next step (the

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.models import moe
-from jaxserve.models.quant import QArray
+from jaxserve.models.quant import QArray, tiled_rows
 
 
 @jax.tree_util.register_dataclass
@@ -115,11 +115,22 @@ class Weights:
     lm_head: jax.Array | None = None  # [H, V]; None when tied to the embedding
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, unit_offset: bool = False) -> jax.Array:
+def rms_norm(
+    x: jax.Array,
+    weight: jax.Array,
+    eps: float,
+    unit_offset: bool = False,
+    row_tile: int | None = None,
+) -> jax.Array:
     """RMSNorm in float32, cast back to x's dtype before the scale (as Hugging Face does).
 
     ``unit_offset`` (Gemma): the scale is ``1 + weight`` and applies in float32 before the cast.
+    ``row_tile`` (batch-invariant mode): ``row_tile`` rows at a time, as ``quant.linear``.
     """
+    if row_tile is not None:
+        # NOTE: on the CPU a row's mean of squares, fused into a step of other shape, came out
+        # 1 ulp apart between token buckets; one fixed shape reduces every row alike.
+        return tiled_rows(lambda tile: rms_norm(tile, weight, eps, unit_offset), x, row_tile)
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     if unit_offset:

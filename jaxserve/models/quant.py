@@ -8,7 +8,8 @@ scale per output channel or per group of inputs, and for 4-bit formats a zero po
 ``jnp.einsum(spec, ...)`` exactly as before; a ``QArray`` is multiplied in its own layout and
 reshaped back to the einsum's output. Steps of few tokens may take the skinny-matmul kernel
 instead (``pallas_kernels.skinny_matmul``, behind ``JAXSERVE_SKINNY_MATMUL``), for plain
-weights and per-channel 8-bit ones alike.
+weights and per-channel 8-bit ones alike. In batch-invariant mode (``row_tile``) every call runs
+on fixed tiles of rows (``tiled_rows``), so a row's result does not depend on its step.
 
 Made by ``quantize`` (``--quantization fp8 | int8``: bf16 weights quantized on load) and by
 ``loading/quant_checkpoint.py`` (fp8, compressed-tensors, AWQ and GPTQ checkpoints); laid out
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -125,10 +127,20 @@ W8A8_MIN_TOKENS = int(os.environ.get("JAXSERVE_W8A8_MIN_TOKENS", "128"))
 # tiling (AWQ and GPTQ checkpoints would be repacked either way), and brings 13,928 lines plus
 # flax, optax, chex, orbax, absl and opt_einsum, none of which jaxserve otherwise needs. This
 # function is the whole of what the model uses.
-def linear(x: jax.Array, w: jax.Array | QArray, spec: str, out_dtype: Any = None) -> jax.Array:
+def linear(
+    x: jax.Array,
+    w: jax.Array | QArray,
+    spec: str,
+    out_dtype: Any = None,
+    row_tile: int | None = None,
+) -> jax.Array:
     """The model's matmul: ``jnp.einsum(spec, x, w)`` for a plain weight; for a ``QArray``,
     x ``[T, *in_shape]`` -> ``[T, *out_shape]`` in x's dtype, dequantized inside the matmul.
-    ``out_dtype`` (default x's): the result's dtype, summed in f32 either way (logits)."""
+    ``out_dtype`` (default x's): the result's dtype, summed in f32 either way (logits).
+    ``row_tile`` (batch-invariant mode): the rows go through one GEMM of that many rows at a
+    time (``tiled_rows``), so a row's result does not depend on how many rows there are."""
+    if row_tile is not None:
+        return tiled_rows(lambda tile: linear(tile, w, spec, out_dtype), x, row_tile)
     kernel = _skinny_matmul(x, w, spec, out_dtype)
     if kernel is not None:
         return kernel
@@ -151,6 +163,34 @@ def linear(x: jax.Array, w: jax.Array | QArray, spec: str, out_dtype: Any = None
             x2, dequantize(w, x.dtype), _CONTRACT_IN, preferred_element_type=jnp.float32
         )
     return y.astype(out_dtype or x.dtype).reshape(*lead, *w.out_shape)
+
+
+# Batch-invariant mode's GEMM rows. A decode step of up to 128 sequences costs about what it
+# did on a GPU (the GEMM reads the weights once and stays memory-bound: on the H200 bf16 turns
+# compute-bound near 200 rows); a prefill step re-reads the weights once per 128 rows, and a
+# smaller bucket computes padding rows up to 128.
+INVARIANT_ROW_TILE = 128
+
+
+# NOTE: lax.map (a loop over tiles), not one batched dot over [tiles, tile, H]: a weight with
+# no batch axis lets XLA fold the tiles back into one GEMM of every row (which then picks its
+# algorithm, and on GPUs its split of the reduction, by the row count). Inside the loop each
+# GEMM has the one shape [row_tile, in], so every step of every bucket runs the same algorithm
+# and each row is reduced in the same order. On the CPU both forms were bitwise invariant; an
+# untiled float32 GEMM was not (a row alone and the same row among 2-16 differed by 5e-5).
+def tiled_rows(
+    fn: Callable[[jax.Array], jax.Array],  # [row_tile, ...] -> [row_tile, ...], row by row
+    x: jax.Array,  # [T, ...]
+    row_tile: int,
+) -> jax.Array:  # [T, ...]
+    """``fn`` over ``x``'s rows, ``row_tile`` at a time: the rows padded with zeros to whole
+    tiles, each tile one call of the one shape."""
+    num_rows = x.shape[0]
+    num_tiles = -(-num_rows // row_tile)
+    padding = num_tiles * row_tile - num_rows
+    tiles = jnp.pad(x, ((0, padding),) + ((0, 0),) * (x.ndim - 1))
+    out = jax.lax.map(fn, tiles.reshape(num_tiles, row_tile, *x.shape[1:]))
+    return out.reshape(num_tiles * row_tile, *out.shape[2:])[:num_rows]
 
 
 def weight_layout(spec: str) -> tuple[str, int] | None:

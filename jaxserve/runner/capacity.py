@@ -131,6 +131,20 @@ class Capacity:
         ]
 
 
+def data_parallel_lines(capacity: Capacity, data_parallel_size: int) -> list[str]:
+    """What ``data_parallel_size`` replicas of ``capacity`` hold together (each replica has
+    its own KV cache: a request's blocks live in one of them)."""
+    if data_parallel_size <= 1:
+        return []
+    n = data_parallel_size
+    return [
+        f"Data parallel: {n} replicas; KV cache size: {capacity.num_tokens:,} tokens per "
+        f"replica, {n * capacity.num_tokens:,} tokens in all",
+        f"Maximum concurrency for {capacity.max_model_len:,} tokens per request: "
+        f"{capacity.max_concurrency:.2f}x per replica, {n * capacity.max_concurrency:.2f}x in all",
+    ]
+
+
 def kv_heads_per_device(num_kv_heads: int, tensor_parallel_size: int) -> int:
     """KV heads are split over devices, or replicated when there are more devices than heads."""
     return max(1, num_kv_heads // tensor_parallel_size)

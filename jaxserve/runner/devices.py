@@ -25,6 +25,7 @@ from jaxserve.models.loading.orbax_checkpoint import (
     served_dtype,
     served_quantization,
 )
+from jaxserve.models.quant import INVARIANT_ROW_TILE
 from jaxserve.models.quant_scheme import (
     FP8_MIN_COMPUTE_CAPABILITY,
     QuantScheme,
@@ -214,6 +215,14 @@ def describe_attention(
     return f"{line} ({reason})" if reason else line
 
 
+def describe_batch_invariance() -> str:
+    """The start-up log's line for ``--batch-invariant``."""
+    return (
+        f"Batch-invariant mode: on (each sequence's logits bitwise independent of its batch "
+        f"and chunking; GEMMs in {INVARIANT_ROW_TILE}-row tiles, attention unsplit)"
+    )
+
+
 def describe_experts(
     model_config: ModelConfig, config: EngineConfig, dtype: jnp.dtype = jnp.bfloat16
 ) -> str | None:
@@ -273,5 +282,6 @@ def startup_lines(
         skinny_dispatch.describe(),
         describe_samplers(config),
         *([experts] if experts else []),
+        *([describe_batch_invariance()] if config.batch_invariant else []),
     ]
     return lines + ([quant.describe()] if quant is not None else [])

@@ -66,9 +66,11 @@ class InputBuilder:
         vocab_size: int,
         eos_token_ids: tuple[int, ...] = (),
         compact_samplers: bool = False,
+        enable_lora: bool = False,
     ) -> None:
         """``compact_samplers``: every step's sampler is one of
-        ``SamplerFlags.compact_variants()`` (``SamplerFlags.compacted``)."""
+        ``SamplerFlags.compact_variants()`` (``SamplerFlags.compacted``); ``enable_lora``: each
+        step carries every token's adapter slot (``lora_token_slots``)."""
         self.buckets = buckets
         self.block_size = block_size
         self.compact_samplers = compact_samplers
@@ -91,6 +93,8 @@ class InputBuilder:
         self.min_tokens = np.zeros(num_rows, np.int32)
         self.prompt_len = np.zeros(num_rows, np.int32)
         self.needs = np.zeros((num_rows, len(Need)), bool)  # per row: what its sampler needs
+        self.enable_lora = enable_lora
+        self.lora_slot = np.zeros(num_rows, np.int32)  # per row: its adapter's slot, 0: none
         self._every_token_masks: dict[tuple[int, bool], np.ndarray] = {}  # see ``_every_token``
 
     # -- rows ------------------------------------------------------------------------------
@@ -118,6 +122,7 @@ class InputBuilder:
             self.sampling[name][row] = value
         self.min_tokens[row] = p.min_tokens
         self.prompt_len[row] = seq.num_prompt_tokens
+        self.lora_slot[row] = seq.lora_slot
         wants_logprobs = p.logprobs is not None or (p.best_of or 0) > p.n
         needs = self.needs[row]
         needs[Need.SORT] = p.top_k > 0 or p.top_p < 1.0
@@ -211,6 +216,17 @@ class InputBuilder:
             logits_indices=np.maximum(cu_q_lens[1:] - 1, 0),
         )
         return Batch(**host), rows
+
+    def lora_token_slots(self, host_batch: Batch, rows: np.ndarray) -> np.ndarray | None:
+        """Each token's adapter slot (i32[T], 0 for the base model and padding), or None
+        without ``enable_lora``."""
+        if not self.enable_lora:
+            return None
+        num_tokens = host_batch.input_ids.shape[0]
+        slots = np.zeros(num_tokens, np.int32)
+        per_token = np.repeat(self.lora_slot[rows], np.diff(np.asarray(host_batch.cu_q_lens)))
+        slots[: per_token.size] = per_token
+        return slots
 
     def sampler_flags(
         self, rows: np.ndarray, kv_lens: np.ndarray, use_mask: bool = False

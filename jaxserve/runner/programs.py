@@ -20,6 +20,8 @@ from jaxserve.config import ModelConfig
 from jaxserve.models import decoder
 from jaxserve.models.batch import KVCache
 from jaxserve.models.layers import Weights
+from jaxserve.models.lora import LoraInputs, LoraWeights
+from jaxserve.models.quant import INVARIANT_ROW_TILE
 from jaxserve.runner import sampling
 from jaxserve.runner.packing import Layout, unpack
 from jaxserve.runner.sampling import (
@@ -42,30 +44,51 @@ def model_step(
     attention_fn: decoder.AttentionFn | None = None,
     kv_scales: tuple[tuple[float, float], ...] | None = None,  # an fp8 cache's, per layer
     experts_fn: Any = None,  # moe.ExpertsFn: a mixture of experts' sharded experts
+    row_tile: int | None = None,  # batch-invariant mode's GEMM rows (quant.linear)
+    lora_weights: LoraWeights | None = None,  # the adapter slots (--enable-lora)
 ) -> tuple[KVCache, jax.Array]:
     """The model over one step's batch. A pending input token (``source`` >= 0: the step
     before this one was still sampling it when this one was built) is read from that step's
-    sampled ids, on the device."""
-    batch, source = unpack(packed, layout)
+    sampled ids, on the device. With ``lora_weights`` the packed inputs also carry each
+    token's adapter slot (``step_programs.pack_step``)."""
+    batch, source, *token_slots = unpack(packed, layout)
+    lora = None
+    if lora_weights is not None:
+        lora = LoraInputs(lora_weights, token_slots[0])
     input_ids = feed_pending(batch.input_ids, source, previous_ids)
     batch = dataclasses.replace(batch, input_ids=input_ids)
     # NOTE: the step returns only the hidden states; gathering each sequence's last row here
     # (so the sampler would depend on the sequence bucket alone) changed the step's fusions
     # and cost 4-8% of offline throughput on the H200.
     return decoder.forward(
-        weights, kv_cache, batch, config, attention_fn, kv_scales=kv_scales, experts_fn=experts_fn
+        weights,
+        kv_cache,
+        batch,
+        config,
+        attention_fn,
+        kv_scales=kv_scales,
+        experts_fn=experts_fn,
+        row_tile=row_tile,
+        lora=lora,
     )
 
 
-def jitted_model_step(model_config: ModelConfig, kv_scales: Any, tp: Any = None) -> Any:
+def jitted_model_step(
+    model_config: ModelConfig, kv_scales: Any, tp: Any = None, batch_invariant: bool = False
+) -> Any:
     """``model_step`` jitted, the KV cache donated (updated in place); ``tp``: the runner's
-    ``TensorParallel``, whose attention, experts and shardings it takes."""
+    ``TensorParallel``, whose attention, experts and shardings it takes; ``batch_invariant``:
+    each row's result independent of its step (docs/determinism.md): GEMMs in fixed row tiles,
+    attention with its reduction pinned."""
     attention = dispatch.ragged_paged_attention if tp is None else tp.attention_fn
+    if batch_invariant:
+        attention = functools.partial(attention, batch_invariant=True)
     step = functools.partial(
         model_step,
         config=model_config,
         attention_fn=shared_attention(attention),
         kv_scales=kv_scales,
+        row_tile=invariant_row_tile(batch_invariant),
     )
     shardings: dict[str, Any] = {}
     if tp is not None:
@@ -76,19 +99,28 @@ def jitted_model_step(model_config: ModelConfig, kv_scales: Any, tp: Any = None)
     return jax.jit(step, static_argnums=(4,), donate_argnames=("kv_cache",), **shardings)
 
 
-def jitted_head_programs(model_config: ModelConfig, max_seq_bucket: int, tp: Any = None) -> Any:
+def jitted_head_programs(
+    model_config: ModelConfig, max_seq_bucket: int, tp: Any = None, batch_invariant: bool = False
+) -> Any:
     """(logits, sampler, prompt logprobs) jitted; with ``tp``, the logits replicated, as
-    warm-up lowers the samplers (which gather them anyway)."""
+    warm-up lowers the samplers (which gather them anyway); ``batch_invariant``: the head's
+    GEMM in fixed row tiles, as the model step's."""
     soft_cap = model_config.final_logit_softcap  # Gemma 2's, in both logits programs
     out = {} if tp is None else {"out_shardings": tp.replicated}
-    logits = functools.partial(logits_step, soft_cap=soft_cap)
+    row_tile = invariant_row_tile(batch_invariant)
+    logits = functools.partial(logits_step, soft_cap=soft_cap, row_tile=row_tile)
     sample = functools.partial(sample_step, num_rows=max_seq_bucket)
-    prompt_lp = functools.partial(prompt_logprobs_step, soft_cap=soft_cap)
+    prompt_lp = functools.partial(prompt_logprobs_step, soft_cap=soft_cap, row_tile=row_tile)
     return (
         jax.jit(logits, static_argnames=("layout", "tied"), **out),
         jax.jit(sample, static_argnames=("layout", "flags")),
         jax.jit(prompt_lp, static_argnames=("tied",)),
     )
+
+
+def invariant_row_tile(batch_invariant: bool) -> int | None:
+    """The GEMMs' row tile in batch-invariant mode (``quant.INVARIANT_ROW_TILE``), else None."""
+    return INVARIANT_ROW_TILE if batch_invariant else None
 
 
 def shared_attention(attention_fn: Any) -> Any:
@@ -154,6 +186,7 @@ def logits_step(
     *,
     tied: bool,
     soft_cap: float | None = None,  # the model's final logit soft-capping (Gemma 2)
+    row_tile: int | None = None,  # batch-invariant mode's GEMM rows (quant.linear)
 ) -> jax.Array:  # f32[S, V]
     """The logits of each sequence's last row, for the sampler.
 
@@ -165,9 +198,9 @@ def logits_step(
     can compile beside it while the engine serves. The logits go through device memory
     between the two either way; the split costs one launch per step.
     """
-    batch, _ = unpack(packed, layout)
+    batch = unpack(packed, layout)[0]
     rows = hidden[batch.logits_indices]
-    return decoder.compute_logits(_head_weights(head, tied), rows, soft_cap)
+    return decoder.compute_logits(_head_weights(head, tied), rows, soft_cap, row_tile)
 
 
 def sample_step(
@@ -233,6 +266,7 @@ def prompt_logprobs_step(
     *,
     tied: bool,
     soft_cap: float | None = None,  # the model's final logit soft-capping (Gemma 2)
+    row_tile: int | None = None,  # batch-invariant mode's GEMM rows (quant.linear)
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Prompt logprobs of every position, ``PROMPT_LOGPROBS_CHUNK`` rows at a time."""
     # NOTE: one pass over a 2,048-token step with a 128k vocabulary needs 2.9 GiB of logits
@@ -246,7 +280,8 @@ def prompt_logprobs_step(
     next_ids = jnp.pad(next_ids, (0, padding)).reshape(num_chunks, chunk)
 
     def one_chunk(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
-        logits = decoder.compute_logits(_head_weights(head, tied), args[0], soft_cap)  # f32[C, V]
+        head_weights = _head_weights(head, tied)
+        logits = decoder.compute_logits(head_weights, args[0], soft_cap, row_tile)  # f32[C, V]
         return sampling.prompt_logprobs(logits, args[1], NUM_TOP_LOGPROBS)
 
     chosen, ranks, top_ids, top_lp = jax.lax.map(one_chunk, (hidden, next_ids))

@@ -25,7 +25,9 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.batch import Batch, kv_page_shapes, make_kv_cache_for
+from jaxserve.models.decoder import check_row_tile
 from jaxserve.models.kv_scales import kv_dtype_label
+from jaxserve.models.lora import lora_shapes
 from jaxserve.runner import warmup
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.capacity import Capacity, engine_capacity, reserve_device_memory
@@ -39,10 +41,12 @@ from jaxserve.runner.devices import (
 )
 from jaxserve.runner.in_flight import DeferredSampler, InFlight
 from jaxserve.runner.input_builder import InputBuilder
+from jaxserve.runner.lora_slots import LoraSlots
 from jaxserve.runner.model_weights import kv_cache_scales, model_weights, start_loading
 from jaxserve.runner.parallel import step_broadcast
-from jaxserve.runner.parallel.sharding import prepare_tp
-from jaxserve.runner.programs import Forward
+from jaxserve.runner.parallel.mesh import replica_devices, replica_mesh
+from jaxserve.runner.parallel.sharding import TensorParallel, prepare_tp
+from jaxserve.runner.programs import Forward, invariant_row_tile
 from jaxserve.runner.sleep import WAKE_TAGS, SleepState, abstract, device_bytes, free, placements
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from jaxserve.runner.step_programs import KVCacheShapes, StepPrograms
@@ -85,13 +89,8 @@ class ModelRunner:
             model_config, config, self.dtype, max_model_len, self.quant, self.kv_dtype
         ):
             _LOG.info(line)
-        # Tensor parallelism: shardings from sharding.py; TP=1 keeps the plain program.
-        self.tp = None
-        if config.tensor_parallel_size > 1:
-            ep = config.enable_expert_parallel
-            self.tp = prepare_tp(
-                model_config, config.tensor_parallel_size, quant=self.quant, expert_parallel=ep
-            )
+        check_row_tile(model_config, invariant_row_tile(config.batch_invariant))
+        self.tp = self._prepare_parallel()
         self.kv_scales = kv_cache_scales(model_config, config, self.kv_dtype)
         # NOTE: the capacity plan needs the weights' size, not the weights: a model that does
         # not fit ends the start here, before a weight is made (made on a thread of their own,
@@ -109,6 +108,26 @@ class ModelRunner:
         except BaseException:  # an error or a Ctrl-C (even inside start_loading): the load ends
             stop.set()
             raise
+
+    def _prepare_parallel(self) -> TensorParallel | None:
+        """Tensor parallelism's shardings (``sharding.py``); None (TP=1) keeps the plain
+        program. A data-parallel replica runs on its own devices: a mesh even of one device,
+        so every array and program is placed there rather than on the first device."""
+        config = self.config
+        if config.tensor_parallel_size == 1 and config.data_parallel_size == 1:
+            return None
+        mesh = None  # one replica: the first tensor_parallel_size devices (make_mesh)
+        if config.data_parallel_size > 1:
+            rank = config.data_parallel_rank
+            devices = replica_devices(config.tensor_parallel_size, config.data_parallel_size, rank)
+            mesh = replica_mesh(devices)
+        return prepare_tp(
+            self.model_config,
+            config.tensor_parallel_size,
+            mesh=mesh,
+            quant=self.quant,
+            expert_parallel=config.enable_expert_parallel,
+        )
 
     def _finish_init(self, eos_token_ids: tuple[int, ...]) -> None:
         """The rest of ``__init__``, once the weights have begun to load."""
@@ -137,7 +156,9 @@ class ModelRunner:
             vocab_size=model_config.vocab_size,
             eos_token_ids=eos_token_ids,
             compact_samplers=uses_compact_samplers(config),
+            enable_lora=config.enable_lora,
         )
+        self.lora_slots = self._make_lora_slots()
         self.programs = StepPrograms(
             model_config,
             self.buckets,
@@ -147,8 +168,21 @@ class ModelRunner:
             dtype=self.dtype,
             tp=self.tp,
             kv_scales=self.kv_scales,
+            batch_invariant=config.batch_invariant,
             pooling=self.is_pooling,
+            lora=self.lora_slots,
         )
+
+    def _make_lora_slots(self) -> LoraSlots | None:
+        """The adapter slots with ``--enable-lora`` (on one host: a follower process would
+        need each slot write too), else None."""
+        config = self.config
+        if not config.enable_lora:
+            return None
+        if self.multihost:
+            raise ValueError("enable_lora on a multi-host replica is not supported (docs/lora.md)")
+        shapes = lora_shapes(self.model_config, config.max_loras, config.max_lora_rank)
+        return LoraSlots(shapes, self.dtype, config.resolved_max_cpu_loras)
 
     @property
     def is_pooling(self) -> bool:
@@ -363,7 +397,8 @@ class ModelRunner:
         previous_rows = previous.sampled_row if previous is not None else None
         source = self.inputs.pending_sources(output, host_batch, previous_rows)
         feed = (source, previous.sampled_ids) if source is not None and previous else None
-        forward, prompt_out = self.forward(host_batch, next_ids, feed)
+        lora_slots = self.inputs.lora_token_slots(host_batch, rows)
+        forward, prompt_out = self.forward(host_batch, next_ids, feed, lora_slots)
         sampled_row = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
         step = InFlight(None, prompt_out, spans, sampled_row)
         step.deferred = DeferredSampler(forward, inputs, flags)
@@ -410,14 +445,16 @@ class ModelRunner:
         host_batch: Batch,
         next_ids: np.ndarray | None,
         feed: tuple[np.ndarray, jax.Array] | None = None,
+        lora_slots: np.ndarray | None = None,
     ) -> tuple[Forward, tuple[jax.Array, ...] | None]:
         """Model step and (when asked) prompt logprobs on the device: (the step's output,
-        prompt logprobs). ``feed``: (source, previous sampled ids) of the step's pending tokens."""
+        prompt logprobs). ``feed``: (source, previous sampled ids) of the step's pending tokens;
+        ``lora_slots``: each token's adapter slot (i32[T])."""
         source, previous_ids = feed if feed is not None else (None, None)
         programs = self.programs
         with programs.precision():  # also keys the jit caches: warm-up runs under it too
             self.kv_cache, forward = programs.run_step(
-                self.kv_cache, host_batch, source, previous_ids
+                self.kv_cache, host_batch, source, previous_ids, lora_slots
             )
             prompt_out = None
             if next_ids is not None:

@@ -222,7 +222,11 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     # here: nothing would be kept, and index -1 would wrap to the last token, keeping them all.
     last_kept = jnp.maximum(jnp.sum(keep, axis=-1) - 1, 0)  # i32[S]
     cutoff = jnp.take_along_axis(sorted_desc, last_kept[:, None], axis=-1)
-    return jnp.where(logits < cutoff, NEG_INF, logits)
+    # NOTE: a row with neither top-k nor top-p (in a batch where another row has one) keeps
+    # every token: float32 rounding of the cumulative sum could otherwise drop its tail, so
+    # its draw would depend on its batchmates' parameters.
+    is_unmasked = ((top_k <= 0) & (top_p >= 1.0))[:, None]  # bool[S, 1]
+    return jnp.where(~is_unmasked & (logits < cutoff), NEG_INF, logits)
 
 
 def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:

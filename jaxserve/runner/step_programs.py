@@ -35,6 +35,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.batch import Batch
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.input_builder import InputBuilder
+from jaxserve.runner.lora_slots import LoraSlots
 from jaxserve.runner.packing import Layout, pack, write_rows
 from jaxserve.runner.parallel.sharding import TensorParallel
 from jaxserve.runner.programs import (
@@ -60,12 +61,17 @@ POOLING_PROGRAMS = ("pooling",)
 KVCacheShapes = list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]
 
 
-def pack_step(batch: Batch, source: np.ndarray | None = None) -> tuple[np.ndarray, Layout]:
+def pack_step(
+    batch: Batch, source: np.ndarray | None = None, lora_slots: np.ndarray | None = None
+) -> tuple[np.ndarray, Layout]:
     """A step's host inputs packed for the model step: the batch, and for each token the row
-    of the previous step's sampled ids it reads (-1: its own input id)."""
+    of the previous step's sampled ids it reads (-1: its own input id); with LoRA on, each
+    token's adapter slot (i32[T], 0: none) too."""
     if source is None:
         source = np.full(batch.num_tokens, -1, np.int32)
-    return pack((batch, source))
+    if lora_slots is None:
+        return pack((batch, source))
+    return pack((batch, source, lora_slots))
 
 
 @dataclasses.dataclass
@@ -133,18 +139,21 @@ class StepPrograms:
         dtype: Any,  # the activations' (jnp.float32, jnp.bfloat16, ...)
         tp: TensorParallel | None = None,  # None: one device, the plain programs
         kv_scales: tuple[tuple[float, float], ...] | None = None,  # an fp8 cache's, per layer
+        batch_invariant: bool = False,  # each row's result independent of its step
         pooling: bool = False,  # a pooling runner's programs: model step and pooling only
+        lora: LoraSlots | None = None,  # the adapter slots (--enable-lora), read at each step
     ) -> None:
         self.model_config = model_config
         self.kinds = POOLING_PROGRAMS if pooling else PROGRAMS
+        self.lora = lora
         self.buckets = buckets
         self.inputs = inputs
         self.kv_cache_shapes = kv_cache_shapes
         self.dtype = dtype
         self.tp = tp
-        self.step_fn = jitted_model_step(model_config, kv_scales, tp)
+        self.step_fn = jitted_model_step(model_config, kv_scales, tp, batch_invariant)
         self.logits_fn, self.sample_fn, self.prompt_lp_fn = jitted_head_programs(
-            model_config, buckets.max_seq_bucket, tp
+            model_config, buckets.max_seq_bucket, tp, batch_invariant
         )
         # Ahead-of-time executables from warm-up: model step, logits and prompt logprobs per
         # token bucket, sampler per (sequence bucket, variant).
@@ -188,16 +197,24 @@ class StepPrograms:
         batch: Batch,  # host arrays
         source: np.ndarray | None = None,  # i32[T]  see ``pack_step``
         previous_ids: jax.Array | None = None,  # i32[S_max]  the previous step's sampled ids
+        lora_slots: np.ndarray | None = None,  # i32[T]  each token's adapter slot (LoRA on)
     ) -> tuple[Any, Forward]:
         """(kv_cache, the step's output) of one model step."""
-        packed, layout = pack_step(batch, source)
+        if self.lora is not None and lora_slots is None:
+            lora_slots = np.zeros(batch.num_tokens, np.int32)
+        packed, layout = pack_step(batch, source, lora_slots)
         args = (self.put(packed), self.no_previous_ids if previous_ids is None else previous_ids)
+        extra = self._lora_args()
         step = self.compiled_steps.get(batch.num_tokens)
         if step is None:
-            kv_cache, hidden = self.step_fn(self.weights, kv_cache, *args, layout)
+            kv_cache, hidden = self.step_fn(self.weights, kv_cache, *args, layout, **extra)
         else:
-            kv_cache, hidden = step(self.weights, kv_cache, *args)
+            kv_cache, hidden = step(self.weights, kv_cache, *args, **extra)
         return kv_cache, Forward(hidden, args[0], layout)
+
+    def _lora_args(self) -> dict[str, Any]:
+        """The model step's adapter stacks, as they are now (none without LoRA)."""
+        return {} if self.lora is None else {"lora_weights": self.lora.weights}
 
     def sample(
         self,
@@ -241,9 +258,16 @@ class StepPrograms:
     def lower_step(self, num_tokens: int, kv_cache: Any = None) -> Any:
         """The model step of a token bucket, lowered (not yet compiled); ``kv_cache``: the
         cache's shapes by default."""
-        packed, layout = pack_step(self.inputs.padding_step(num_tokens)[0])
+        packed, layout = self._padding_packed(num_tokens)
         kv_cache = self.kv_cache_shapes if kv_cache is None else kv_cache
-        return self.step_fn.lower(self.weights, kv_cache, packed, self.no_previous_ids, layout)
+        return self.step_fn.lower(
+            self.weights, kv_cache, packed, self.no_previous_ids, layout, **self._lora_args()
+        )
+
+    def _padding_packed(self, num_tokens: int) -> tuple[np.ndarray, Layout]:
+        """A padding step's model inputs, packed as ``run_step`` packs a step's."""
+        lora_slots = None if self.lora is None else np.zeros(num_tokens, np.int32)
+        return pack_step(self.inputs.padding_step(num_tokens)[0], None, lora_slots)
 
     def uncompiled(
         self, buckets: list[int], kinds: tuple[str, ...] | None = None
@@ -286,7 +310,7 @@ class StepPrograms:
             packed, layout = pack_step(self.inputs.padding_step(key)[0])
             return self.pool_fn.lower(hidden, self.put(packed), layout=layout)
         if kind == "logits":
-            packed, layout = pack_step(self.inputs.padding_step(key)[0])
+            packed, layout = self._padding_packed(key)
             return self.logits_fn.lower(self.head, hidden, self.put(packed), layout, tied=self.tied)
         next_ids = self.put(np.zeros(key, np.int32))
         return self.prompt_lp_fn.lower(self.head, hidden, next_ids, tied=self.tied)
@@ -295,7 +319,7 @@ class StepPrograms:
         """The logits a sampler of ``rows`` rows takes, as the logits program returns them
         (replicated; not made: 128 MiB at 256 rows of a 128k vocabulary)."""
         hidden = self.put(np.zeros((rows, self.model_config.hidden_size), self.dtype))
-        packed, layout = pack_step(self.inputs.padding_step(rows)[0])
+        packed, layout = self._padding_packed(rows)
         logits = functools.partial(self.logits_fn, layout=layout, tied=self.tied)
         shape = jax.eval_shape(logits, self.head, hidden, self.put(packed))
         sharding = self.tp.replicated if self.tp is not None else hidden.sharding

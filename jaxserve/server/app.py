@@ -46,6 +46,7 @@ from jaxserve.server.guard.limits import (
 )
 from jaxserve.server.guard.ratelimit import RateLimitedContext, RateLimiter
 from jaxserve.server.lifecycle import log_stats_periodically, watch_engine
+from jaxserve.server.lora import is_runtime_updating_allowed, lora_routes, model_cards
 from jaxserve.server.metrics import StatsLogger
 from jaxserve.server.responses.serving import ResponsesAPI
 from jaxserve.server.settings import ServerSettings
@@ -81,6 +82,7 @@ def build_app(
             *_info_routes(ctx, server_version()),
             *(training_routes(ctx) if settings.enable_weight_updates else []),
             *(sleep_routes(ctx) if engine.config.enable_sleep_mode else []),
+            *(lora_routes(engine, ctx.loras) if _serves_lora_updates(engine) else []),
         ],
         middleware=_middleware(settings),
         exception_handlers={
@@ -94,6 +96,12 @@ def build_app(
     )
     app.state.ctx = ctx
     return app
+
+
+def _serves_lora_updates(engine: EngineClient) -> bool:
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter: with LoRA on and the
+    environment switch vLLM uses (server/lora.py)."""
+    return engine.config.enable_lora and is_runtime_updating_allowed()
 
 
 def _generation_routes(
@@ -191,19 +199,17 @@ def _info_routes(ctx: ServingContext, version: str) -> list[Route]:
     )
 
     async def models(request: Request) -> Response:
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": created,
-                "owned_by": "jaxserve",
-                "root": engine.config.model or settings.model_name,
-                "parent": None,
-                "max_model_len": ctx.max_model_len,
-                "permission": [model_permission(created)],
-            }
-            for name in settings.served_model_names
-        ]
+        common = {
+            "object": "model",
+            "created": created,
+            "owned_by": "jaxserve",
+            "root": engine.config.model or settings.model_name,
+            "parent": None,
+            "max_model_len": ctx.max_model_len,
+            "permission": [model_permission(created)],
+        }
+        data = [common | {"id": name} for name in settings.served_model_names]
+        data += model_cards(ctx.loras, settings.model_name, common)
         return json_response({"object": "list", "data": data})
 
     async def health(request: Request) -> Response:

@@ -34,6 +34,7 @@ from jaxserve.server.chat.output import ChatOutputRules
 from jaxserve.server.generation import EngineRequest, Generation, RequestRecord
 from jaxserve.server.guard.auth import client_key
 from jaxserve.server.lifecycle import ServerState
+from jaxserve.server.lora import LoraModules
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.request_log import RequestLogger
 from jaxserve.server.settings import ServerSettings
@@ -57,7 +58,10 @@ class ServingContext:
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.vocab_size
         self.state = ServerState(engine)
-        self.metrics = ServerMetrics(engine, settings.model_name, self.max_model_len)
+        self.loras = LoraModules(settings.lora_modules)  # adapters served by name
+        self.metrics = ServerMetrics(
+            engine, settings.model_name, self.max_model_len, settings.metrics_prefix
+        )
         self.request_logger = (
             RequestLogger(settings.log_prompts) if settings.enable_log_requests else None
         )
@@ -72,8 +76,9 @@ class ServingContext:
         return self.settings.model_name
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.settings.served_model_names:
-            raise model_not_found(model)
+        if model is None or model in self.settings.served_model_names or model in self.loras:
+            return
+        raise model_not_found(model)
 
     @property
     def keeps_prompt_text(self) -> bool:
@@ -164,13 +169,19 @@ class ServingContext:
     # -- generations -----------------------------------------------------------------------
 
     def new_generation(
-        self, requests: list[EngineRequest], priority: int, cache_salt: str | None
+        self,
+        requests: list[EngineRequest],
+        priority: int,
+        cache_salt: str | None,
+        model: str | None = None,
     ) -> Generation:
+        """``model``: the request's; an adapter's name runs its prompts with that adapter."""
         return Generation(
             self.engine,
             requests,
             priority=priority,
             cache_salt=cache_salt,
+            lora_request=self.loras.lora_for(model),
             on_finish=self._on_finish,
             keep_texts=self.keeps_prompt_text,
         )

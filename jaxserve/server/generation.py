@@ -19,6 +19,7 @@ from typing import Any
 
 from jaxserve.engine.interfaces import EngineClient, EngineDeadError, QueueFullError
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
+from jaxserve.lora_request import LoRARequest
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams, SamplingParamsError
 from jaxserve.server.api.errors import (
@@ -91,8 +92,10 @@ class Generation:
         cache_salt: str | None = None,
         on_finish: Callable[[RequestRecord], None] | None = None,
         keep_texts: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.engine = engine
+        self.lora_request = lora_request  # the adapter its prompts run with, if any
         self.requests = requests
         self.priority = priority
         self.cache_salt = cache_salt
@@ -152,6 +155,7 @@ class Generation:
                 priority=self.priority,
                 cache_salt=self.cache_salt,
                 group_id=group_id,
+                **({"lora_request": self.lora_request} if self.lora_request is not None else {}),
             )
         try:
             async for delta in stream:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.lora_request import LoRARequest
 from jaxserve.server.chat.reasoning import REASONING_PARSERS
 from jaxserve.server.chat.tool_parsers import TOOL_CALL_PARSERS
 
@@ -21,6 +22,8 @@ DEFAULT_MAX_TOKENS_PER_REQUEST = 2**20
 DEFAULT_MAX_RESPONSE_ENTRIES = 2**20
 # Responses kept for GET /v1/responses/{id} and previous_response_id (responses/store.py).
 DEFAULT_MAX_STORED_RESPONSES = 1000
+# --metrics-prefix: the names /metrics uses (metrics.py).
+METRICS_PREFIXES = ("both", "vllm", "jaxserve")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +31,8 @@ class ServerSettings:
     served_model_names: tuple[str, ...]  # the first is the metrics label
     api_key: str | None = None
     metrics_require_key: bool = False
+    # The names /metrics uses: "both" (vllm: and jaxserve:), "vllm" or "jaxserve" (metrics.py).
+    metrics_prefix: str = "both"
     enable_log_requests: bool = False
     log_prompts: bool = False
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -59,12 +64,19 @@ class ServerSettings:
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
     # POST /update_weights_from_disk: a client may load other weights from the server's disk.
     enable_weight_updates: bool = False
+    # LoRA adapters served by name (--lora-modules; docs/lora.md), each a LoRARequest.
+    lora_modules: tuple[LoRARequest, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
             raise ValueError(f"served_model_names={self.served_model_names!r} must be non-empty")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be None (no auth) or a non-empty string")
+        if self.metrics_prefix not in METRICS_PREFIXES:
+            raise ValueError(
+                f"metrics_prefix={self.metrics_prefix!r} must be one of "
+                f"{', '.join(METRICS_PREFIXES)}"
+            )
         if self.max_request_body_bytes < 1024:
             raise ValueError(
                 f"max_request_body_bytes={self.max_request_body_bytes} must be at least 1024"

@@ -16,6 +16,18 @@ sinks (``sinks[Hq]``, GPT-OSS) by every path, so they never change the choice.
 ``choose_kernel`` says which path a model's shapes take, and why a fallback was taken, for the
 start-up log.
 
+``batch_invariant=True`` (the engine's batch-invariant mode) makes each query row's result
+independent of the step it is in (its batchmates, the token bucket, the chunking of its
+prompt): every kernel then walks each sequence's KV in blocks aligned to absolute positions
+(block ``i`` holds positions ``[i * block_kv, (i + 1) * block_kv)``) in one pass, so keys a row
+may not see add exact zeros to its online softmax, and the per-step choices that change the
+reduction are pinned: no KV split on GPU (the split count follows the step's size, and a split
+row is merged from partial sums), one Mosaic GPU kernel for every step on Hopper (not the
+Triton kernel for decode-sized steps at head_dim 256), 64-row Triton programs (not 16 for
+decode-only steps), and 16-token query blocks on TPU (the smallest bucket's). The reference
+reduces over the whole page table (``pages_per_seq * page_size`` keys, fixed by
+``max_model_len``) in every step already.
+
 ``JAXSERVE_ATTENTION`` overrides the choice on a GPU: ``auto`` (the default, as above),
 ``mosaic`` (Mosaic GPU or the reference, never Triton), ``triton`` (the Triton kernel even on
 Hopper: for benchmarking it there) or ``reference`` (the jnp reference on any backend).
@@ -66,6 +78,9 @@ def requested_attention() -> str:
 # Measured on the H200 (benchmarks/RESULTS.md, 2026-12-03): at head_dim 256 the Triton kernel
 # decodes 1.1-1.7x faster than the Mosaic one, which is 2.5x faster on a step with a long prefill.
 TRITON_HEAD_DIMS = (256,)
+# Batch-invariant mode's TPU query block: the smallest token bucket's (runner/buckets.py), so
+# every bucket cuts its queries alike (the kernel takes min(block, tokens)).
+INVARIANT_TPU_Q_TOKENS = 16
 TRITON_MAX_TOKENS = 512
 
 
@@ -77,7 +92,9 @@ def _triton_decodes_faster(q: Any, requested: str) -> bool:
     )
 
 
-def _gpu_choice(q: Any, k_pages: Any, requested: str) -> tuple[str, str | None]:
+def _gpu_choice(
+    q: Any, k_pages: Any, requested: str, batch_invariant: bool = False
+) -> tuple[str, str | None]:
     """Mosaic GPU where it runs, else the Triton kernel, else the reference; and why."""
     if requested == "triton":
         why = f"{ATTENTION_ENV}=triton"
@@ -90,7 +107,7 @@ def _gpu_choice(q: Any, k_pages: Any, requested: str) -> tuple[str, str | None]:
         from pallas_kernels.ragged_paged_attention import mosaic_gpu
 
         reason = mosaic_gpu.unsupported_reason(q, k_pages)
-        if reason is None and not _triton_decodes_faster(q, requested):
+        if reason is None and (batch_invariant or not _triton_decodes_faster(q, requested)):
             return "gpu", None
         why = (
             f"the Mosaic GPU kernel does not run this model ({reason})"
@@ -111,6 +128,7 @@ def _gpu_choice(q: Any, k_pages: Any, requested: str) -> tuple[str, str | None]:
 def choose_kernel(
     q: Any,  # [T, Hq, D]: an array or a jax.ShapeDtypeStruct (only shape and dtype are read)
     k_pages: Any,  # [P, page_size, Hkv, D]: likewise
+    batch_invariant: bool = False,
 ) -> tuple[str, str | None]:
     """The path ``ragged_paged_attention`` takes on this backend for these shapes and dtypes:
     ``("gpu" | "triton" | "tpu" | "reference", why this backend's first choice was not taken,
@@ -121,7 +139,7 @@ def choose_kernel(
     if requested == "reference":
         return "reference", f"{ATTENTION_ENV}=reference"
     if backend == "gpu":
-        return _gpu_choice(q, k_pages, requested)
+        return _gpu_choice(q, k_pages, requested, batch_invariant)
     if backend == "tpu":
         return "tpu", None
     return "reference", f"no Pallas kernel runs on the {backend} backend"
@@ -142,6 +160,7 @@ def ragged_paged_attention(
     k_scale: Scale = None,
     v_scale: Scale = None,
     sinks: jax.Array | None = None,  # [Hq]  attention sinks (GPT-OSS)
+    batch_invariant: bool = False,  # each row's result independent of its step (see above)
 ) -> jax.Array:  # [T, Hq, D], q's dtype
     """Ragged paged attention on the best kernel for the current backend."""
     args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
@@ -152,17 +171,23 @@ def ragged_paged_attention(
         options.update(k_scale=k_scale, v_scale=v_scale)
     if sinks is not None:  # a model without sinks calls every path as before
         options.update(sinks=sinks)
-    kernel, _ = choose_kernel(q, k_pages)
+    kernel, _ = choose_kernel(q, k_pages, batch_invariant)
     if kernel == "gpu":
         from pallas_kernels.ragged_paged_attention import mosaic_gpu
 
+        if batch_invariant:
+            options.update(config=mosaic_gpu.KernelConfig(num_splits=1))
         return mosaic_gpu.ragged_paged_attention(*args, **options)
     if kernel == "triton":  # (never with an fp8 cache: choose_kernel checked)
         from pallas_kernels.ragged_paged_attention import triton
 
+        if batch_invariant:
+            options.update(config=triton.TritonConfig(num_splits=1, block_rows=64))
         return triton.ragged_paged_attention(*args, **options)
     if kernel == "tpu":
         from pallas_kernels.ragged_paged_attention import tpu
 
+        if batch_invariant:
+            options.update(num_q_tokens_per_block=INVARIANT_TPU_Q_TOKENS)
         return tpu.ragged_paged_attention(*args, **options)
     return reference.ragged_paged_attention(*args, **options)

@@ -59,6 +59,9 @@ class TritonConfig:
     num_splits: int | None = None
     num_warps: int | None = None  # 4 for 16-row (decode) tiles, else 8
     num_stages: int = 2
+    # Query rows per program (block_q tokens x the padded group): None picks 16 for steps of
+    # no more tokens than sequences, else 64; fixed, every step reduces each row alike.
+    block_rows: int | None = None
 
     def __post_init__(self):
         value = self.block_kv
@@ -70,6 +73,9 @@ class TritonConfig:
             raise ValueError(f"{self.num_warps=} must be 1, 2, 4, 8 or 16")
         if not 1 <= self.num_stages <= 8:
             raise ValueError(f"{self.num_stages=} must be in [1, 8]")
+        rows = self.block_rows
+        if rows is not None and (rows < 16 or rows & (rows - 1)):
+            raise ValueError(f"block_rows={rows} must be a power of two >= 16")
 
 
 def unsupported_reason(q, k_pages) -> str | None:
@@ -314,7 +320,7 @@ def _launch_for(q, k_pages, page_indices, config: TritonConfig) -> _Launch:
     padded_group = _next_pow2(group)
     # NOTE: a batch with no more tokens than sequences is (nearly) all decodes: 16 rows (the
     # smallest tl.dot) waste the least; prefill chunks get 64 rows, to reuse each KV step more.
-    rows = max(16 if num_tokens <= num_slots else 64, padded_group)
+    rows = max(config.block_rows or (16 if num_tokens <= num_slots else 64), padded_group)
     block_q = rows // padded_group
     block_kv = config.block_kv or default_block_kv(head_dim)
     # NOTE: ptxas (Triton 3.9, sm_80) fits a 16-row tile in 116-123 registers with 4 warps at

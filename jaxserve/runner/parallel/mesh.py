@@ -51,6 +51,35 @@ def validate_tensor_parallel_size(
         )
 
 
+def replica_devices(
+    tensor_parallel_size: int,
+    data_parallel_size: int = 1,
+    data_parallel_rank: int = 0,
+    devices: Sequence[jax.Device] | None = None,
+) -> list[jax.Device]:
+    """The devices of data-parallel replica ``data_parallel_rank``: the
+    ``tensor_parallel_size`` devices after the ranks before it. A ``ValueError`` names both
+    sizes when the replicas together need more devices than are visible."""
+    devices = list(jax.devices() if devices is None else devices)
+    needed = data_parallel_size * tensor_parallel_size
+    if needed > len(devices):
+        platform = devices[0].platform if devices else "none"
+        raise ValueError(
+            f"data_parallel_size={data_parallel_size} x tensor_parallel_size="
+            f"{tensor_parallel_size} needs {needed} devices; {len(devices)} {platform} "
+            "devices are visible"
+        )
+    start = data_parallel_rank * tensor_parallel_size
+    return devices[start : start + tensor_parallel_size]
+
+
+def replica_mesh(devices: Sequence[jax.Device]) -> Mesh:
+    """The ``"tp"`` mesh of one data-parallel replica over its devices, in the given order
+    (``replica_devices``: a slice of the host's devices, which jax's topology-aware
+    ``make_mesh`` would not take)."""
+    return Mesh(np.asarray(devices), (TP_AXIS,), axis_types=(AxisType.Auto,))
+
+
 def make_mesh(
     tensor_parallel_size: int,
     config: ModelConfig | None = None,

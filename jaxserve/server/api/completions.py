@@ -44,7 +44,7 @@ async def create_completion(ctx: ServingContext, request: Request, raw: bytes) -
         len(raw) >= OFFLOAD_BYTES, _prepare, ctx, raw, completion_id
     )
     await ctx.compile_grammars(engine_requests, req.structured_outputs_param, request)
-    generation = ctx.new_generation(engine_requests, req.priority, req.cache_salt)
+    generation = ctx.new_generation(engine_requests, req.priority, req.cache_salt, req.model)
     writer = _CompletionWriter(ctx, req, completion_id)
     if req.stream:
         return await ctx.stream(generation, request, writer.events)

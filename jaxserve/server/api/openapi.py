@@ -921,7 +921,7 @@ def _health() -> dict[str, Any]:
 def _metrics() -> dict[str, Any]:
     return {
         "get": {
-            "summary": "Prometheus metrics (jaxserve:*)",
+            "summary": "Prometheus metrics (vllm:* and jaxserve:*)",
             "responses": {
                 "200": {
                     "description": "OK",

@@ -50,7 +50,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request, raw: byt
     # A forced tool choice's grammar comes from the tools' parameter schemas.
     param = "tools" if req.tool_choice.is_forced else req.structured_outputs_param
     await ctx.compile_grammars([engine_request], param, request)
-    generation = ctx.new_generation([engine_request], req.priority, req.cache_salt)
+    generation = ctx.new_generation([engine_request], req.priority, req.cache_salt, req.model)
     writer = _ChatWriter(ctx, req, chat_id, engine_request.prompt or "")
     if req.stream:
         return await ctx.stream(generation, request, writer.events)

@@ -15,6 +15,7 @@ import json
 import os
 
 from jaxserve.engine_config import (
+    DATA_PARALLEL_BALANCERS,
     DTYPES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
@@ -23,12 +24,15 @@ from jaxserve.engine_config import (
     SAMPLER_VARIANTS,
     SCHEDULING_POLICIES,
     EngineConfig,
+    KVEventsConfig,
     dtype_name,
 )
 from jaxserve.flag_names import command_flags, in_flag_terms
+from jaxserve.lora_request import LoRARequest
 from jaxserve.server.chat.reasoning import REASONING_PARSERS
 from jaxserve.server.chat.tool_parsers import TOOL_CALL_PARSERS
 from jaxserve.server.launch.vllm_flags import add_vllm_flags
+from jaxserve.server.lora import parse_lora_module
 from jaxserve.server.settings import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_MAX_RESPONSE_ENTRIES,
@@ -37,6 +41,7 @@ from jaxserve.server.settings import (
     DEFAULT_MAX_TOKENS_PER_REQUEST,
     DEFAULT_REQUEST_BODY_TIMEOUT_S,
     DEFAULT_SEND_TIMEOUT_S,
+    METRICS_PREFIXES,
     ServerSettings,
 )
 from jaxserve.units import COUNT_RULE, human_bytes, human_int
@@ -189,6 +194,15 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "back, so host work overlaps the device (off while a request uses penalties)",
     )
     add(
+        "--batch-invariant",
+        action="store_true",
+        help="a sequence's logits and logprobs are bitwise the same whatever else is in its "
+        "batch and however its prompt is chunked (vLLM's VLLM_BATCH_INVARIANT), so an RL "
+        "rollout replays exactly: every matmul runs on 128-row tiles and attention unsplit. "
+        "Costs little at decode, more on long prefills (docs/determinism.md); dense models "
+        "on one device only",
+    )
+    add(
         "--serve-while-compiling",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -242,6 +256,23 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=_ENGINE_DEFAULTS["tensor_parallel_size"],
         help="devices per model replica",
+    )
+    add(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=_ENGINE_DEFAULTS["data_parallel_size"],
+        help="model replicas (engines) behind this one server, each on its own "
+        "--tensor-parallel-size devices; data parallel size x tensor parallel size must fit "
+        "the visible devices (docs/scaling.md)",
+    )
+    add(
+        "--data-parallel-balancer",
+        choices=DATA_PARALLEL_BALANCERS,
+        default=_ENGINE_DEFAULTS["data_parallel_balancer"],
+        help="how a request's replica is picked when --data-parallel-size > 1: prefix (the "
+        "replica that took the prompt's prefix, unless it is much busier than the least "
+        "loaded one), least-loaded or round-robin",
     )
     add(
         "--enable-expert-parallel",
@@ -344,6 +375,26 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         help="no periodic stats line (throughput, running and waiting requests, KV cache use)",
     )
     add(
+        "--metrics-prefix",
+        choices=METRICS_PREFIXES,
+        default="both",
+        help="the names /metrics uses: both (every series under vllm: as vLLM names and labels "
+        'it, with engine="0", and under jaxserve:), vllm (only vLLM\'s series, as a vLLM '
+        "server exports them; jaxserve's own, such as rate_limited_requests, are left out), or "
+        "jaxserve (only jaxserve:, as before)",
+    )
+    add(
+        "--kv-events-config",
+        type=kv_events_config,
+        default=None,
+        metavar="JSON",
+        help="publish KV-cache events as vLLM does, for prefix-aware routers (llm-d): a JSON "
+        "object of vLLM's KVEventsConfig, e.g. '{\"enable_kv_cache_events\": true, "
+        '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", '
+        '"topic": "kv-events"}\' (also buffer_steps, hwm, max_queue_size, and event_encoding: '
+        "map as vLLM now sends, or array for older subscribers; docs/kv_events.md)",
+    )
+    add(
         "--metrics-require-key",
         action="store_true",
         help="guard /metrics with the API key too; without it /metrics is public",
@@ -353,6 +404,38 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (vLLM's): the "
         "model gives its device memory up between a training loop's rollouts",
+    )
+    add(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (docs/lora.md): a request picks one by its model name",
+    )
+    add(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="adapters served at start: name=path (a PEFT adapter directory), or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; needs --enable-lora',
+    )
+    add(
+        "--max-loras",
+        type=int,
+        default=1,
+        help="adapters on the device at once, each in a slot; one step mixes them freely "
+        "(default: 1)",
+    )
+    add(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        help="the largest adapter rank served; smaller ranks are padded to it (default: 16)",
+    )
+    add(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters kept in host memory, least recently used out first (default: --max-loras)",
     )
     add(
         "--enable-weight-updates",
@@ -489,6 +572,14 @@ def port_number(text: str) -> int:
     return port
 
 
+def kv_events_config(text: str) -> KVEventsConfig:
+    """``--kv-events-config``: vLLM's JSON object (a bad field is a usage error naming it)."""
+    try:
+        return KVEventsConfig.from_json(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def load_format_name(text: str) -> str:
     """``--load-format``: vLLM's ``safetensors`` is what ``auto`` loads."""
     return "auto" if text == "safetensors" else text
@@ -549,6 +640,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=args.enable_chunked_prefill,
         async_scheduling=args.async_scheduling,
         enable_sleep_mode=args.enable_sleep_mode,
+        batch_invariant=args.batch_invariant,
         serve_while_compiling=args.serve_while_compiling,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
         max_grammar_bytes=args.max_grammar_bytes,
@@ -557,8 +649,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        data_parallel_balancer=args.data_parallel_balancer,
         enable_expert_parallel=args.enable_expert_parallel,
         compilation_cache_dir=args.compilation_cache_dir,
+        kv_events_config=args.kv_events_config,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
     )
 
 
@@ -570,6 +669,7 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
         served_model_names=tuple(args.served_model_name or [model_name]),
         api_key=api_key,
         metrics_require_key=args.metrics_require_key,
+        metrics_prefix=args.metrics_prefix,
         enable_log_requests=args.enable_log_requests or args.log_prompts,
         log_stats=not args.disable_log_stats,
         log_prompts=args.log_prompts,
@@ -587,7 +687,21 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
         reasoning_parser=args.reasoning_parser,
         enable_weight_updates=args.enable_weight_updates,
         max_stored_responses=args.max_stored_responses,
+        lora_modules=lora_modules_from_args(args),
     )
+
+
+def lora_modules_from_args(args: argparse.Namespace) -> tuple[LoRARequest, ...]:
+    """``--lora-modules``, ids from 1 in the order given; a name twice is an error."""
+    specs = args.lora_modules or []
+    if specs and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    modules = tuple(parse_lora_module(text, i + 1) for i, text in enumerate(specs))
+    names = [m.lora_name for m in modules]
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+    return modules
 
 
 def flag_terms(exc: Exception) -> str:

@@ -43,6 +43,7 @@ from jaxserve.server.settings import ServerSettings
 
 if TYPE_CHECKING:
     from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.engine.data_parallel import DataParallelEngine
 
 _LOG = logging.getLogger("jaxserve.launch")
 
@@ -75,6 +76,7 @@ def run_launch(args: argparse.Namespace, memory_query: MemoryQuery = nvml_device
         if not _join_replica(args, config):
             return 0  # a follower, done when process 0 shuts down
         engine = build_engine(args, config, model_dir)
+        _load_lora_modules(engine, settings)
     except StartFailed as exc:
         return exc.status
     return _serve(args, engine, settings)
@@ -139,10 +141,14 @@ def _join_replica(args: argparse.Namespace, config: EngineConfig) -> bool:
     return False
 
 
-def build_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path) -> AsyncEngine:
+def build_engine(
+    args: argparse.Namespace, config: EngineConfig, model_dir: Path
+) -> AsyncEngine | DataParallelEngine:
     """Load the weights and compile (the engine core logs the capacity lines and the compiled
-    shapes); a failure is one line naming the model, the device or the flag."""
+    shapes); a failure is one line naming the model, the device or the flag. With
+    ``--data-parallel-size N`` above 1, N engines, each on its own devices, behind one client."""
     from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.engine.data_parallel import DataParallelEngine
     from jaxserve.runner.capacity import CapacityError
     from jaxserve.runner.devices import DeviceSupportError, start_backend
 
@@ -152,6 +158,9 @@ def build_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path
         _LOG.info("Loading %s from %s", config.model or "the demo model", model_dir)
     try:
         start_backend()  # logged on its own: on a GPU it takes seconds of the start
+        _check_replicas_fit(config)
+        if config.data_parallel_size > 1:
+            return DataParallelEngine.from_config(config, args.max_queued_requests)
         return AsyncEngine.from_config(config, max_queued_requests=args.max_queued_requests)
     except DeviceSupportError as exc:  # fp8 on a GPU without it: the device and the dtype
         _LOG.error("%s", flag_terms(exc))
@@ -169,7 +178,37 @@ def build_engine(args: argparse.Namespace, config: EngineConfig, model_dir: Path
         raise StartFailed(1) from exc
 
 
-def _serve(args: argparse.Namespace, engine: AsyncEngine, settings: ServerSettings) -> int:
+def _check_replicas_fit(config: EngineConfig) -> None:
+    """Every data-parallel replica's devices are visible, before any weight loads (exit 2,
+    naming both flags, otherwise)."""
+    from jaxserve.runner.parallel.mesh import replica_devices
+
+    try:
+        replica_devices(config.tensor_parallel_size, config.data_parallel_size)
+    except ValueError as exc:
+        _LOG.error("%s", flag_terms(exc))
+        raise StartFailed(2) from exc
+
+
+def _load_lora_modules(engine: AsyncEngine | DataParallelEngine, settings: ServerSettings) -> None:
+    """Read and check each ``--lora-modules`` adapter on every replica; one that does not fit
+    ends the start."""
+    replicas = getattr(engine, "replicas", [engine])  # data parallel: each replica's engine
+    for lora in settings.lora_modules:
+        try:
+            for replica in replicas:
+                replica.core.add_lora(lora)
+        except (OSError, ValueError) as exc:
+            _LOG.error("--lora-modules %s=%s: %s", lora.lora_name, lora.lora_path, exc)
+            for replica in replicas:
+                replica.core.shutdown()
+            raise StartFailed(1) from exc
+        _LOG.info("Serving LoRA adapter %s from %s", lora.lora_name, lora.lora_path)
+
+
+def _serve(
+    args: argparse.Namespace, engine: AsyncEngine | DataParallelEngine, settings: ServerSettings
+) -> int:
     """Bind the port and serve until a signal or the engine's death; the exit code."""
     from jaxserve.server.app import build_app
 

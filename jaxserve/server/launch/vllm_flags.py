@@ -109,12 +109,6 @@ INAPPLICABLE_FLAGS = (
         metavar="N",
         only="1",
     ),
-    InapplicableFlag(
-        ("--data-parallel-size", "-dp"),
-        "one server is one replica: run several behind a load balancer (docs/scaling.md)",
-        metavar="N",
-        only="1",
-    ),
 )
 
 

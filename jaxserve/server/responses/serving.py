@@ -83,7 +83,9 @@ class ResponsesAPI:
         else:
             param = chat.structured_outputs_param
         await ctx.compile_grammars([engine_request], param, request)
-        generation = ctx.new_generation([engine_request], chat.priority, chat.cache_salt)
+        generation = ctx.new_generation(
+            [engine_request], chat.priority, chat.cache_salt, chat.model
+        )
         writer = ResponseWriter(ctx, req, chat, response_id, engine_request, history)
         if req.background:
             return self._start_background(generation, request, writer)
