@@ -106,6 +106,8 @@
 #                (benchmarks/kv_events_subscriber.py); output tok/s of each rate side by side
 #                (target: within 1%) -> $OUT/kv_events_{off,on}.log, kv_events_subscriber.json;
 #                about 10 minutes: kv_events:900 ($KV_EVENTS_RATES picks the rates, 16,inf)
+#   lora         Llama-3-8B shape, dummy weights: offline throughput 256 x 512/256 with 0, 1, 8
+#                and 64 distinct rank-16 adapters, and batch-1 TPOT with one (benchmarks/lora.py)
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
 #   bash benchmarks/run_h200.sh launch:330 throughput:200
 set -uo pipefail
@@ -569,6 +571,10 @@ stage_weights() {  # a training loop's hooks: update_weights, sleep and wake, me
 
 stage_checkpoints() {  # start-up load and update from disk: safetensors against converted orbax
   python3 -m benchmarks.checkpoint_load --out "$OUT/checkpoint_load.json" 2>&1 | tail -8
+}
+
+stage_lora() {  # offline throughput with 0, 1, 8 and 64 rank-16 adapters; batch-1 TPOT with one
+  python3 -m benchmarks.lora --out "$OUT/lora.json" 2>&1 | tail -8
 }
 
 stage_occupied() {  # the second start must end in seconds with the fix, not retry allocations
