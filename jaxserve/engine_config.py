@@ -11,6 +11,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from jaxserve.config import ModelConfig
 from jaxserve.hf_cache import resolve_model_dir
@@ -359,6 +360,9 @@ class EngineConfig:
     batch_invariant: bool = False
     # What the model serves (RUNNERS): "pooling" runs prompts only and returns embeddings.
     runner: str = "auto"
+    # vLLM's --hf-overrides: config.json keys set on top of the file's. Served: a decoder
+    # reranker's (architectures, classifier_from_token, is_original_qwen3_reranker).
+    hf_overrides: dict[str, Any] | None = dataclasses.field(default=None, hash=False)
     # KV-cache events (vLLM's --kv-events-config): BlockStored / BlockRemoved / AllBlocksCleared
     # published over ZeroMQ for prefix-aware routers (docs/kv_events.md); None: none.
     kv_events_config: KVEventsConfig | None = None
@@ -419,6 +423,8 @@ class EngineConfig:
                 f"sampler_variants={self.sampler_variants!r} must be one of "
                 f"{', '.join(SAMPLER_VARIANTS)}"
             )
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides={self.hf_overrides!r} must be a JSON object")
         if self.max_grammar_bytes < 1:
             raise ValueError(f"max_grammar_bytes={self.max_grammar_bytes} must be positive")
         if self.grammar_cache_bytes < 0:

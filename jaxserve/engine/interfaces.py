@@ -142,9 +142,11 @@ class EngineClient(Protocol):
         prompt: str | None = None,
         priority: int = 0,
         group_id: str | None = None,
+        token_type_ids: Sequence[int] | None = None,
     ) -> AsyncGenerator[RequestOutput]:
         """A pooling request (an engine started with ``runner="pooling"``): one finished
-        output whose ``embedding`` is set. ``RequestError`` (a ``ValueError`` naming the
+        output whose ``embedding`` is set (``score`` with ``params.task == "score"``;
+        ``token_type_ids``: an encoder text pair's). ``RequestError`` (a ``ValueError`` naming the
         field) for a request it cannot take, a generation engine's included."""
         ...
 

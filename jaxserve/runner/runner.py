@@ -236,6 +236,17 @@ class ModelRunner:
         self.weights = weights
         self.programs.set_weights(weights)
 
+    def head_rows(self, token_ids: list[int]) -> np.ndarray:
+        """f32[len(token_ids), H]: the language-model head's rows of these tokens (a decoder
+        reranker's score is made of two of them: ``models/scoring.py``)."""
+        head = self.weights.embed if self.weights.lm_head is None else self.weights.lm_head
+        if not isinstance(head, jax.Array):
+            raise ValueError("a decoder reranker needs an unquantized language-model head")
+        host = np.asarray(jax.device_get(head), np.float32)
+        # the tied embedding is [V, H]; an untied head is stored [H, V]
+        rows = host[token_ids] if self.weights.lm_head is None else host[:, token_ids].T
+        return np.ascontiguousarray(rows)
+
     # -- sleep and wake (``sleep.py``) ------------------------------------------------------
 
     @property

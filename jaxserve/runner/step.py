@@ -56,6 +56,8 @@ class StepSequence(Protocol):
     @property
     def lora_slot(self) -> int: ...  # its adapter's device slot, 0: the base model
     def token_ids(self, start: int, stop: int) -> list[int]: ...
+    @property
+    def token_type_ids(self) -> list[int] | None: ...  # an encoder pair's (tokenizer's); or None
 
 
 @dataclasses.dataclass
@@ -128,6 +130,9 @@ class RunnerOutput:
     # samples): per scheduled sequence, the sum of its hidden states in this step, its first
     # token's and its last token's (``programs.pool_step``)
     pooled: np.ndarray | None = None
+    # f32[S, L], an encoder sequence classifier's (a cross-encoder, ``runner/encoder_runner.py``):
+    # per scheduled sequence, the logits of its classification head on its first token
+    classified: np.ndarray | None = None
     # seq_id -> error, for sequences whose part of the step failed on the device (their prompt
     # logprobs ran out of memory, say): their requests fail, the rest of the batch carries on
     failed: dict[str, str] = dataclasses.field(default_factory=dict)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 
 from jaxserve.engine_config import (
@@ -49,7 +50,7 @@ from jaxserve.units import COUNT_RULE, human_bytes, human_int
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 API_KEY_ENV = "JAXSERVE_API_KEY"
 # --task (vLLM's older flag) -> the --runner it means.
-TASKS = {"generate": "generate", "embed": "pooling"}
+TASKS = {"generate": "generate", "embed": "pooling", "score": "pooling"}
 # Flag defaults are EngineConfig's, so the two cannot drift apart.
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
@@ -121,8 +122,18 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "--task",
         choices=TASKS,
         default=None,
-        help="vLLM's older spelling of --runner: embed is --runner pooling, generate is "
-        "--runner generate",
+        help="vLLM's older spelling of --runner: embed and score are --runner pooling, "
+        "generate is --runner generate",
+    )
+    add(
+        "--hf-overrides",
+        type=hf_overrides_json,
+        default=None,
+        metavar="JSON",
+        help="config.json keys to set on top of the model's, as vLLM's: served for a "
+        "Qwen3-Reranker-style decoder reranker (POST /v1/rerank, /v1/score), e.g. "
+        '\'{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": '
+        '["no", "yes"], "is_original_qwen3_reranker": true}\' (docs/embeddings.md)',
     )
     add(
         "--max-model-len",
@@ -608,6 +619,17 @@ def model_from_args(args: argparse.Namespace) -> str:
     return args.model or args.model_flag or ""
 
 
+def hf_overrides_json(text: str) -> dict:
+    """``--hf-overrides``: a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object of config.json keys is expected")
+    return value
+
+
 def runner_from_args(args: argparse.Namespace) -> str:
     """--runner, or what --task means (they must agree when both are given)."""
     runner, task = getattr(args, "runner", None), getattr(args, "task", None)
@@ -621,6 +643,7 @@ def runner_from_args(args: argparse.Namespace) -> str:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         runner=runner_from_args(args),
+        hf_overrides=getattr(args, "hf_overrides", None),
         model=model_from_args(args),
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
         tokenizer=args.tokenizer,
