@@ -335,3 +335,18 @@ def test_startup_profile_smoke(monkeypatch, capsys) -> None:
         assert line in out
     assert "inclusive (a function and everything it called)" in out
     assert "jaxserve/runner/warmup.py:warm_up" in out
+
+
+def test_spec_decode_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
+    """Verify steps of k = 0..3 drafted tokens at batch 1 and 4, the n-gram drafter's host
+    time, and the batch-1 n-gram run against the same without speculation (same tokens)."""
+    out = tmp_path / "spec.json"
+    run_script("benchmarks.spec_decode", ["--smoke", "--output-json", str(out)], monkeypatch)
+    report = json.loads(out.read_text())
+    assert [(r["batch"], r["k"]) for r in report["verify"]] == [
+        (b, k) for b in (1, 4) for k in range(4)
+    ]
+    assert all(r["device_ms"] > 0 for r in report["verify"])
+    assert [r["batch"] for r in report["ngram_host"]] == [1, 8]
+    assert report["end_to_end"]["same_tokens"]
+    assert "speed-up at batch 1" in capsys.readouterr().out
