@@ -303,9 +303,7 @@ def ragged_paged_mla_attention(
         with_padding=not is_split,
     )
     is_scaled = ckv_scale is not None or kpe_scale is not None
-    scales = jnp.stack(
-        [jnp.asarray(1.0 if s is None else s, jnp.float32) for s in (ckv_scale, kpe_scale)]
-    )  # f32[2]
+    scales = _scales(ckv_scale, kpe_scale)
     body = functools.partial(
         _mla_kernel,
         block_h=launch.block_h,
@@ -332,6 +330,12 @@ def ragged_paged_mla_attention(
     else:
         out = outs[0]
     return out[..., : q_latent.shape[-1]]
+
+
+def _scales(ckv_scale: Scale, kpe_scale: Scale) -> jax.Array:  # f32[2]
+    """The kernel's scales operand (1.0 for None)."""
+    values = (1.0 if scale is None else scale for scale in (ckv_scale, kpe_scale))
+    return jnp.stack([jnp.asarray(value, jnp.float32) for value in values])
 
 
 def _unsplit(body, *refs):
