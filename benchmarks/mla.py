@@ -9,8 +9,8 @@ bf16; ``--heads 16`` for a tensor-parallel-8 shard), timed as one jitted call:
            compute floor: 2 x heads x (visible keys summed over the rows) x (L + R + L) FLOPs
            / 989e12 FLOP/s (bf16 dense);
 each on the reference (``JAXSERVE_MLA=off``'s path) and the Pallas Triton kernel with its
-default blocking; ``--sweep`` also times other blockings (heads per program, KV tokens a
-step, warps, stages, splits) at every decode cell and reports the best. A reference cell whose
+default blocking; ``--sweep`` also times other blockings (heads per program, rows, KV tokens
+a step, warps, stages, splits) at every cell and reports the best. A reference cell whose
 temporaries would pass ``--reference-max-gb`` is skipped.
 
     python -m benchmarks.mla --out mla.json                 # a few minutes on the H200
@@ -125,6 +125,16 @@ def sweep_configs(shape: Shape) -> list[mla_triton.MlaConfig]:
     return configs
 
 
+# Prefill: more rows per program (fewer re-reads of each latent tile), or fewer heads per token.
+PREFILL_SWEEP = [
+    mla_triton.MlaConfig(block_rows=128, num_warps=8),
+    mla_triton.MlaConfig(block_rows=32, num_warps=4),
+    mla_triton.MlaConfig(block_h=16),
+    mla_triton.MlaConfig(block_kv=64),
+    mla_triton.MlaConfig(num_stages=3),
+]
+
+
 def label(config: mla_triton.MlaConfig) -> str:
     """The fields that differ from the default blocking, or ``default``."""
     default = dataclasses.asdict(mla_triton.MlaConfig())
@@ -145,8 +155,8 @@ def time_cell(cell: Cell, shape: Shape, args, *, interpret: bool, sweep: bool, i
         except Exception as error:  # out of memory
             print(f"   {cell} reference: {type(error).__name__}: {str(error)[:120]}")
     configs = [mla_triton.MlaConfig()]
-    if sweep and cell.step == "decode":
-        configs += sweep_configs(shape)
+    if sweep:
+        configs += sweep_configs(shape) if cell.step == "decode" else PREFILL_SWEEP
     timings = {}
     for config in configs:
         kernel = functools.partial(
