@@ -28,6 +28,9 @@
 #   latency      offline latency of one batch (jaxserve bench latency) at batch 1, 8 and 64,
 #                1000 in / 256 out: end to end (avg, p10-p99), TTFT, TPOT, tokens/s
 #   roofline     decode MBU grid through the runner (scenario 1)
+#   spec         speculative decoding (benchmarks/spec_decode.py): a verify step with k = 1..7
+#                drafted tokens against a plain decode step at batch 1, 8, 64 (Llama-3-8B, dummy
+#                bf16), the n-gram drafter's host time, the demo model's batch-1 n-gram speed-up
 #   cublas       a few roofline cells with XLA's Triton GEMMs off (cuBLAS for every matmul)
 #   quant        bf16 vs fp8 weights (W8A8) vs fp8 weights + fp8 KV cache (when the build has
 #                EngineConfig.kv_cache_dtype; $QUANT_MODES picks, e.g. "bf16 fp8"): decode
@@ -104,12 +107,18 @@
 #   checkpoints  Llama-3-8B bf16 (dummy, 4 shards, page cache): a start's load and
 #                update_weights_from_disk from safetensors and from the jaxserve convert output
 #                (orbax) (benchmarks/checkpoint_load.py; about 32 GB under /tmp)
+#   embeddings   LLM.embed of 10,000 texts of 256 random tokens, dummy bf16 weights: a
+#                Qwen3-Embedding-0.6B-shaped decoder and a BGE-large-en-v1.5-shaped BERT, texts/s,
+#                tokens/s and the share of the 989 TFLOP/s bf16 roofline (benchmarks/embeddings.py;
+#                $EMBED_TOKENS the step budget, 16384 unless set) -> $OUT/embeddings.{log,json}
 #   kv_events    the cost of publishing KV-cache events: the launch stage's serving sweep (dummy
 #                Llama-3-8B, every bucket compiled first) without and with --kv-events-config
 #                (zmq, replay socket on), a subscriber draining the stream
 #                (benchmarks/kv_events_subscriber.py); output tok/s of each rate side by side
 #                (target: within 1%) -> $OUT/kv_events_{off,on}.log, kv_events_subscriber.json;
 #                about 10 minutes: kv_events:900 ($KV_EVENTS_RATES picks the rates, 16,inf)
+#   lora         Llama-3-8B shape, dummy weights: offline throughput 256 x 512/256 with 0, 1, 8
+#                and 64 distinct rank-16 adapters, and batch-1 TPOT with one (benchmarks/lora.py)
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
 #   bash benchmarks/run_h200.sh launch:330 throughput:200
 set -uo pipefail
@@ -305,6 +314,12 @@ stage_roofline() {
     --profile-dir "$OUT/profile" > "$OUT/roofline.log" 2>&1
   find "$OUT/profile" -name "*.xplane.pb" -delete
   grep -v -i warn "$OUT/roofline.log" | tail -20
+}
+
+stage_spec() {  # speculative decoding: verify cost k = 0..7 at batch 1/8/64, n-gram end to end
+  python3 -m benchmarks.spec_decode --iters 20 --output-json "$OUT/spec_decode.json" \
+    > "$OUT/spec_decode.log" 2>&1
+  grep -v -i warn "$OUT/spec_decode.log" | tail -40
 }
 
 stage_cublas() {  # the same decode cells with every GEMM on cuBLAS instead of Triton
@@ -580,6 +595,12 @@ stage_responses() {  # Responses API streaming against chat completions, the sam
   stop_server
 }
 
+stage_embeddings() {  # issue 40's table: texts/s and the share of the compute roofline
+  python3 -m benchmarks.embeddings --out "$OUT/embeddings.json" \
+    --max-num-batched-tokens "${EMBED_TOKENS:-16384}" > "$OUT/embeddings.log" 2>&1
+  grep -E '^(qwen3|bge):' "$OUT/embeddings.log" || tail -20 "$OUT/embeddings.log"
+}
+
 stage_weights() {  # a training loop's hooks: update_weights, sleep and wake, memory asleep
   python3 -m benchmarks.weight_updates --out "$OUT/weight_updates_bfc.json" 2>&1 | tail -6
   XLA_PYTHON_CLIENT_ALLOCATOR=platform python3 -m benchmarks.weight_updates \
@@ -588,6 +609,10 @@ stage_weights() {  # a training loop's hooks: update_weights, sleep and wake, me
 
 stage_checkpoints() {  # start-up load and update from disk: safetensors against converted orbax
   python3 -m benchmarks.checkpoint_load --out "$OUT/checkpoint_load.json" 2>&1 | tail -8
+}
+
+stage_lora() {  # offline throughput with 0, 1, 8 and 64 rank-16 adapters; batch-1 TPOT with one
+  python3 -m benchmarks.lora --out "$OUT/lora.json" 2>&1 | tail -8
 }
 
 stage_occupied() {  # the second start must end in seconds with the fix, not retry allocations
