@@ -76,6 +76,14 @@
 #                dense, 2 of 256 experts; all 61 do not fit one GPU): benchmarks/moe.py's decode,
 #                experts and throughput for jaxserve only; latent attention on the reference,
 #                1024-token steps, 2048-token context -> $OUT/deepseek_v3.json
+#   mla          the paged MLA kernel: its native tests (pytest -m gpu tests/test_mla_kernel.py),
+#                then one layer's latent attention at DeepSeek-V3's shapes (128 heads, 512 + 64,
+#                bf16) on the reference and the Pallas Triton kernel: decode at batch 1, 64, 256
+#                x context 4,096 and 32,768 against the byte floor (target >= 70% at 64 x 4,096),
+#                2,048-token prefill steps against the compute floor, with a blocking sweep at
+#                the decode cells (benchmarks/mla.py --sweep) -> $OUT/mla.{log,json}; then the
+#                deepseek_v3 stage's 5-layer model with JAXSERVE_MLA=off and auto side by side
+#                -> $OUT/deepseek_v3_mla_{off,auto}.{log,json}; about 10 minutes: mla:900
 #   load         loading a 15 GB safetensors checkpoint (Llama-3-8B shape, bf16, 4 shards) from the
 #                page cache (benchmarks/load_speed.py): load_weights' GB/s (target >= 5) beside the
 #                loader before it, read / read + device_put alone, threads and staging swept;
@@ -541,6 +549,27 @@ out = pathlib.Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
     --max-num-batched-tokens 1024 --max-model-len 2048 --output-json "$OUT/deepseek_v3.json" \
     > "$OUT/deepseek_v3.log" 2>&1
   grep -v -E "INFO|WARN" "$OUT/deepseek_v3.log" | tail -24
+}
+
+stage_mla() {
+  python3 -m pytest -q -m gpu tests/test_mla_kernel.py 2>&1 | tail -3
+  python3 -m benchmarks.mla --sweep --out "$OUT/mla.json" > "$OUT/mla.log" 2>&1
+  sed -n '/^| step/,$p' "$OUT/mla.log"
+  grep -E "Error|error" "$OUT/mla.log" | head -5
+  python3 -c 'import json, pathlib, sys
+config = json.loads(pathlib.Path("jaxserve/assets/configs/deepseek-v3/config.json").read_text())
+out = pathlib.Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+(out / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 5}))' \
+    "$OUT/deepseek-v3-5l"
+  local mode
+  for mode in off auto; do
+    echo "-- the 5-layer model, JAXSERVE_MLA=$mode"
+    JAXSERVE_MLA=$mode python3 -m benchmarks.moe --engine jaxserve --model "$OUT/deepseek-v3-5l" \
+      --mgpu-batches "" --max-num-batched-tokens 1024 --max-model-len 2048 \
+      --output-json "$OUT/deepseek_v3_mla_$mode.json" > "$OUT/deepseek_v3_mla_$mode.log" 2>&1
+    grep -E "Attention:" "$OUT/deepseek_v3_mla_$mode.log" | head -1
+    grep -v -E "INFO|WARN" "$OUT/deepseek_v3_mla_$mode.log" | tail -12
+  done
 }
 
 stage_load() {
