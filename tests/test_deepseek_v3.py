@@ -326,7 +326,10 @@ def test_capacity_matches_the_engines_latent_cache(capsys) -> None:
     cache_bytes = sum(x.nbytes for layer in runner.kv_cache for x in layer)
     assert cache_bytes == out["num_blocks"] * block_size * out["kv_bytes_per_token"]
     line = describe_attention(runner.model_config, jnp.float32, block_size, 1)
-    assert line == f"Attention: pure-jnp reference ({mla_reference.MLA_FALLBACK})"
+    assert line == (
+        "Attention: pure-jnp reference (multi-head latent attention: the MLA kernel is Pallas "
+        "Triton; this is the cpu backend)"
+    )
 
 
 def test_over_http_with_the_prefix_cache() -> None:

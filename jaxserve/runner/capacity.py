@@ -18,12 +18,14 @@ names it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import KV_DTYPE_BYTES, EngineConfig
 from jaxserve.models.batch import kv_bytes_per_token
+from jaxserve.models.lora import lora_shapes
 from jaxserve.models.quant_scheme import QuantScheme, weight_bytes
 from jaxserve.runner.buckets import next_power_of_2, token_buckets_for
 from jaxserve.runner.sampling import PROMPT_LOGPROBS_CHUNK
@@ -101,6 +103,8 @@ class Capacity:
     mla_bytes: int = 0  # of activation_bytes: one latent attention call's temporaries
     mla_path: str | None = None  # the latent attention's path (MLA_PATH), with mla_bytes
     reference_attention_bytes: int = 0  # of activation_bytes: the jnp attention reference's
+    lora_bytes: int = 0  # the adapter slots (--enable-lora), per device
+    lora_slots: tuple[int, int] | None = None  # (--max-loras, --max-lora-rank) with LoRA on
 
     @property
     def num_tokens(self) -> int:
@@ -119,6 +123,13 @@ class Capacity:
         return self.num_tokens / self.tokens_per_request
 
     def lines(self) -> list[str]:
+        lora = []
+        if self.lora_slots is not None:
+            slots, rank = self.lora_slots
+            lora = [
+                f"LoRA adapter slots take {self.lora_bytes / GiB:.2f} GiB per device ({slots} "
+                f"slots of rank {rank}, every projection's A and B)"
+            ]
         return [
             f"Model weights take {self.weight_bytes / GiB:.2f} GiB per device; "
             f"activation headroom {self.activation_bytes / GiB:.2f} GiB"
@@ -134,6 +145,7 @@ class Capacity:
                 if self.reference_attention_bytes
                 else ""
             ),
+            *lora,
             f"Available KV cache memory: {self.kv_budget_bytes / GiB:.2f} GiB "
             f"({self.kv_bytes_per_token:,} bytes per token, {self.num_blocks:,} blocks of "
             f"{self.block_size})",
@@ -360,6 +372,28 @@ def _planned_activations(
     return mla, attention, activations
 
 
+def lora_slot_bytes(
+    config: ModelConfig,
+    max_loras: int,
+    max_lora_rank: int,
+    dtype_bytes: int = 2,
+    tensor_parallel_size: int = 1,
+) -> int:
+    """Device bytes of the adapter slots, per device: per slot, layer and projection
+    (models/lora.py's stacks: attention on every layer, the MLP on layers without experts) A
+    [in, R] and B [R, out] in the model dtype; under tensor parallelism the B of q, k, v, gate
+    and up split on their output, the A of o and down on their input (parallel/sharding.py's
+    ``lora_specs``), the rest replicated. Latent attention: a ``ValueError``."""
+    shapes = lora_shapes(config, max_loras, max_lora_rank)
+    tp, kv = tensor_parallel_size, min(tensor_parallel_size, config.num_kv_heads)
+    splits = {"q_b": tp, "k_b": kv, "v_b": kv, "o_a": tp, "gate_b": tp, "up_b": tp, "down_a": tp}
+    total = 0
+    for layer in range(len(shapes.dims)):
+        for name, shape in shapes.layer_arrays(layer).items():
+            total += math.prod(shape) // splits.get(name, 1)
+    return total * dtype_bytes
+
+
 def plan_capacity(
     config: ModelConfig,
     *,
@@ -376,12 +410,16 @@ def plan_capacity(
     num_blocks_override: int | None = None,
     expert_parallel: bool = False,
     reference_attention: bool = False,  # the jnp reference runs attention (no kernel)
+    lora_slots: tuple[int, int] | None = None,  # (--max-loras, --max-lora-rank) with LoRA on
 ) -> Capacity:
     kv_dtype_bytes = KV_DTYPE_BYTES[kv_cache_dtype] if kv_cache_dtype else dtype_bytes
     # Quantized Linear weights count at their own bytes (values, scales, zero points).
     # NOTE: every expert of a mixture of experts is counted: all stay resident, split over the
     # devices whether by slices (tensor parallel) or whole experts (expert parallel).
     weights = weight_bytes(config, dtype_bytes, quant) // tensor_parallel_size
+    lora = (
+        lora_slot_bytes(config, *lora_slots, dtype_bytes, tensor_parallel_size) if lora_slots else 0
+    )
     mla, attention, activations = _planned_activations(
         config,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -400,7 +438,7 @@ def plan_capacity(
         num_blocks = num_blocks_override
         budget = num_blocks * block_size * per_token
     else:
-        budget = _kv_budget(device_memory_bytes, memory_utilization, weights, activations)
+        budget = _kv_budget(device_memory_bytes, memory_utilization, weights, activations, lora)
         num_blocks = budget // (block_size * per_token)
     _check_full_length_fits(num_blocks, block_size, max_model_len)
     return Capacity(
@@ -418,19 +456,21 @@ def plan_capacity(
         mla_bytes=mla,
         mla_path=MLA_PATH if config.mla is not None else None,
         reference_attention_bytes=attention,
+        lora_bytes=lora,
+        lora_slots=lora_slots,
     )
 
 
 def _kv_budget(
-    device_memory_bytes: int, memory_utilization: float, weights: int, activations: int
+    device_memory_bytes: int, memory_utilization: float, weights: int, activations: int, lora: int
 ) -> int:
-    budget = int(device_memory_bytes * memory_utilization) - weights - activations
+    budget = int(device_memory_bytes * memory_utilization) - weights - activations - lora
     if budget <= 0:
         raise CapacityError(
-            f"the weights ({weights / GiB:.2f} GiB) and activations "
-            f"({activations / GiB:.2f} GiB) do not fit in {memory_utilization:.0%} of "
-            f"{device_memory_bytes / GiB:.2f} GiB; raise --gpu-memory-utilization or "
-            "--tensor-parallel-size"
+            f"the weights ({weights / GiB:.2f} GiB) and activations ({activations / GiB:.2f} GiB)"
+            + (f" and LoRA adapter slots ({lora / GiB:.2f} GiB)" if lora else "")
+            + f" do not fit in {memory_utilization:.0%} of {device_memory_bytes / GiB:.2f} GiB; "
+            "raise --gpu-memory-utilization or --tensor-parallel-size"
         )
     return budget
 
@@ -477,6 +517,7 @@ def engine_capacity(
         num_blocks_override=config.num_gpu_blocks_override,
         expert_parallel=config.enable_expert_parallel,
         reference_attention=reference,
+        lora_slots=(config.max_loras, config.max_lora_rank) if config.enable_lora else None,
     )
 
 

@@ -12,10 +12,10 @@ The batch (``kv_lens``, ``page_indices``, ``cu_q_lens``, ``num_seqs``) and the c
 what they mean in ``ragged_paged_attention.reference``; this is that function with one KV head,
 K = V = concat(c_kv, k_pe) and the output's first L columns (the tests check it), computed
 without joining the two page arrays. An fp8 cache stores ``x / scale`` (``kv_cache.write_latent``).
-No Pallas kernel takes this layout yet: every backend runs this reference. It walks each row's
-positions in blocks (``block_pages``) with an online softmax, so what it allocates in a step
-grows with the step's rows and a block, not with max_model_len: ``temporary_bytes`` says how
-much, for the capacity planner (``runner/capacity.py``).
+The Pallas Triton kernel (``triton``) computes the same; ``dispatch`` picks between them. This
+reference walks each row's positions in blocks (``block_pages``) with an online softmax, so what
+it allocates in a step grows with the step's rows and a block, not with max_model_len:
+``temporary_bytes`` says how much, for the capacity planner (``runner/capacity.py``).
 
 Einsum letters: T tokens, N query heads, L latent, R rotary dims, S cached positions.
 """
@@ -27,9 +27,6 @@ import jax.numpy as jnp
 
 from pallas_kernels.kv_cache import Scale, dequantize_kv
 from pallas_kernels.ragged_paged_attention.reference import DEFAULT_MASK_VALUE, query_rows
-
-# Why multi-head latent attention runs the reference whatever the backend (the start-up log).
-MLA_FALLBACK = "multi-head latent attention: no Pallas kernel takes its latent cache yet"
 
 
 # The reference walks each row's positions in blocks of whole pages (an online softmax, as the
