@@ -36,7 +36,6 @@ from jaxserve.engine.request_checks import (
     check_request,
 )
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.engine.spec_decode import Proposer, SpecDecodeStats, accepted_run, make_proposer
 from jaxserve.engine.scoring import (
     CANNOT_SCORE,
     CROSS_ENCODER,
@@ -44,6 +43,7 @@ from jaxserve.engine.scoring import (
     SCORE_NEEDS_POOLING,
     ScoringModel,
 )
+from jaxserve.engine.spec_decode import Proposer, SpecDecodeStats, accepted_run, make_proposer
 from jaxserve.engine.structured_outputs import Accepted, StructuredOutputs
 from jaxserve.engine.tokenizer import end_of_sequence_ids, load_tokenizer
 from jaxserve.engine_config import EngineConfig

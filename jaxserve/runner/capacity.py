@@ -413,13 +413,11 @@ def plan_capacity(
     lora_slots: tuple[int, int] | None = None,  # (--max-loras, --max-lora-rank) with LoRA on
 ) -> Capacity:
     kv_dtype_bytes = KV_DTYPE_BYTES[kv_cache_dtype] if kv_cache_dtype else dtype_bytes
-    # Quantized Linear weights count at their own bytes (values, scales, zero points).
-    # NOTE: every expert of a mixture of experts is counted: all stay resident, split over the
-    # devices whether by slices (tensor parallel) or whole experts (expert parallel).
+    # Quantized Linear weights count at their own bytes (values, scales, zero points); every
+    # expert of a mixture of experts, split over the devices (tensor or expert parallel).
     weights = weight_bytes(config, dtype_bytes, quant) // tensor_parallel_size
-    lora = (
-        lora_slot_bytes(config, *lora_slots, dtype_bytes, tensor_parallel_size) if lora_slots else 0
-    )
+    tp = tensor_parallel_size
+    lora = lora_slot_bytes(config, *lora_slots, dtype_bytes, tp) if lora_slots else 0
     mla, attention, activations = _planned_activations(
         config,
         max_num_batched_tokens=max_num_batched_tokens,

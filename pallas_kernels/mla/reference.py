@@ -28,7 +28,6 @@ import jax.numpy as jnp
 from pallas_kernels.kv_cache import Scale, dequantize_kv
 from pallas_kernels.ragged_paged_attention.reference import DEFAULT_MASK_VALUE, query_rows
 
-
 # The reference walks each row's positions in blocks of whole pages (an online softmax, as the
 # kernels do), so its temporaries are a block's, not max_model_len's: ROW_POSITIONS bounds the
 # rows x positions of one block (T rows gather T x block positions of latents), MAX_BLOCK the
