@@ -413,11 +413,7 @@ def plan_capacity(
     lora_slots: tuple[int, int] | None = None,  # (--max-loras, --max-lora-rank) with LoRA on
 ) -> Capacity:
     kv_dtype_bytes = KV_DTYPE_BYTES[kv_cache_dtype] if kv_cache_dtype else dtype_bytes
-    # Quantized Linear weights count at their own bytes (values, scales, zero points); every
-    # expert of a mixture of experts, split over the devices (tensor or expert parallel).
-    weights = weight_bytes(config, dtype_bytes, quant) // tensor_parallel_size
-    tp = tensor_parallel_size
-    lora = lora_slot_bytes(config, *lora_slots, dtype_bytes, tp) if lora_slots else 0
+    weights, lora = _resident_bytes(config, dtype_bytes, quant, tensor_parallel_size, lora_slots)
     mla, attention, activations = _planned_activations(
         config,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -432,12 +428,12 @@ def plan_capacity(
         reference_attention=reference_attention,
     )
     per_token = cache_bytes_per_token(config, tensor_parallel_size, kv_dtype_bytes)
+    block_bytes = block_size * per_token
     if num_blocks_override is not None:
-        num_blocks = num_blocks_override
-        budget = num_blocks * block_size * per_token
+        num_blocks, budget = num_blocks_override, num_blocks_override * block_bytes
     else:
         budget = _kv_budget(device_memory_bytes, memory_utilization, weights, activations, lora)
-        num_blocks = budget // (block_size * per_token)
+        num_blocks = budget // block_bytes
     _check_full_length_fits(num_blocks, block_size, max_model_len)
     return Capacity(
         device_memory_bytes=device_memory_bytes,
@@ -457,6 +453,22 @@ def plan_capacity(
         lora_bytes=lora,
         lora_slots=lora_slots,
     )
+
+
+def _resident_bytes(
+    config: ModelConfig,
+    dtype_bytes: int,
+    quant: QuantScheme | None,
+    tensor_parallel_size: int,
+    lora_slots: tuple[int, int] | None,
+) -> tuple[int, int]:
+    """(weights, LoRA slots) per device. Quantized Linear weights count at their own bytes
+    (values, scales, zero points); every expert of a mixture of experts, split over the devices
+    (tensor or expert parallel)."""
+    weights = weight_bytes(config, dtype_bytes, quant) // tensor_parallel_size
+    if lora_slots is None:
+        return weights, 0
+    return weights, lora_slot_bytes(config, *lora_slots, dtype_bytes, tensor_parallel_size)
 
 
 def _kv_budget(
