@@ -113,7 +113,8 @@ class AsyncEngine:
             cache_salt=cache_salt,
             arrival_time=time.time(),
             group_id=group_id,
-            lora_request=lora_request,
+            # (an engine double without adapters takes no such argument)
+            **({"lora_request": lora_request} if lora_request is not None else {}),
         )
         async for output in self._outputs(request_id, params.num_samples, add):
             yield output

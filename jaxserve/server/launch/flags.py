@@ -430,14 +430,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-loras",
         type=int,
         default=1,
-        help="adapters on the device at once, each in a slot; one step mixes them freely "
-        "(default: 1)",
+        help="adapters on the device at once, each in a slot; one step mixes them freely",
     )
     add(
         "--max-lora-rank",
         type=int,
         default=16,
-        help="the largest adapter rank served; smaller ranks are padded to it (default: 16)",
+        help="the largest adapter rank served; smaller ranks are padded to it",
     )
     add(
         "--max-cpu-loras",
