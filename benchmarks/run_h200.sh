@@ -28,6 +28,9 @@
 #   latency      offline latency of one batch (jaxserve bench latency) at batch 1, 8 and 64,
 #                1000 in / 256 out: end to end (avg, p10-p99), TTFT, TPOT, tokens/s
 #   roofline     decode MBU grid through the runner (scenario 1)
+#   spec         speculative decoding (benchmarks/spec_decode.py): a verify step with k = 1..7
+#                drafted tokens against a plain decode step at batch 1, 8, 64 (Llama-3-8B, dummy
+#                bf16), the n-gram drafter's host time, the demo model's batch-1 n-gram speed-up
 #   cublas       a few roofline cells with XLA's Triton GEMMs off (cuBLAS for every matmul)
 #   quant        bf16 vs fp8 weights (W8A8) vs fp8 weights + fp8 KV cache (when the build has
 #                EngineConfig.kv_cache_dtype; $QUANT_MODES picks, e.g. "bf16 fp8"): decode
@@ -56,6 +59,10 @@
 #                kernel (default tiles and a sweep), XLA's ragged_dot, Mosaic GPU, at batch 1, 64,
 #                256 and prefill steps of 2,048 and 8,192 tokens -> $OUT/gmm.json (a few minutes)
 #   moe_hf       only the Hugging Face half of moe, for a call of its own when it did not fit
+#   lora_kernel  the grouped LoRA kernel (pallas_kernels/lora): its native tests (pytest -m gpu),
+#                then benchmarks/lora_kernel.py: rank 16 on Llama-3-8B's projection groups, 1/8/64
+#                slots x 1/64/256 tokens, kernel vs the dense product vs the bytes floor, and one
+#                model step's sum -> $OUT/lora_kernel.json (a few minutes)
 #   gpt_oss      gpt-oss-20b (dummy bf16, shipped config): benchmarks/moe.py's decode, experts and
 #                throughput for jaxserve only, attention sinks in the kernels, 2048-token steps
 #   skinny       the skinny-matmul kernel: its native tests (pytest -m gpu), then against XLA and
@@ -69,6 +76,14 @@
 #                dense, 2 of 256 experts; all 61 do not fit one GPU): benchmarks/moe.py's decode,
 #                experts and throughput for jaxserve only; latent attention on the reference,
 #                1024-token steps, 2048-token context -> $OUT/deepseek_v3.json
+#   mla          the paged MLA kernel: its native tests (pytest -m gpu tests/test_mla_kernel.py),
+#                then one layer's latent attention at DeepSeek-V3's shapes (128 heads, 512 + 64,
+#                bf16) on the reference and the Pallas Triton kernel: decode at batch 1, 64, 256
+#                x context 4,096 and 32,768 against the byte floor (target >= 70% at 64 x 4,096),
+#                2,048-token prefill steps against the compute floor, with a blocking sweep at
+#                the decode cells (benchmarks/mla.py --sweep) -> $OUT/mla.{log,json}; then the
+#                deepseek_v3 stage's 5-layer model with JAXSERVE_MLA=off and auto side by side
+#                -> $OUT/deepseek_v3_mla_{off,auto}.{log,json}; about 10 minutes: mla:900
 #   load         loading a 15 GB safetensors checkpoint (Llama-3-8B shape, bf16, 4 shards) from the
 #                page cache (benchmarks/load_speed.py): load_weights' GB/s (target >= 5) beside the
 #                loader before it, read / read + device_put alone, threads and staging swept;
@@ -96,12 +111,18 @@
 #   checkpoints  Llama-3-8B bf16 (dummy, 4 shards, page cache): a start's load and
 #                update_weights_from_disk from safetensors and from the jaxserve convert output
 #                (orbax) (benchmarks/checkpoint_load.py; about 32 GB under /tmp)
+#   embeddings   LLM.embed of 10,000 texts of 256 random tokens, dummy bf16 weights: a
+#                Qwen3-Embedding-0.6B-shaped decoder and a BGE-large-en-v1.5-shaped BERT, texts/s,
+#                tokens/s and the share of the 989 TFLOP/s bf16 roofline (benchmarks/embeddings.py;
+#                $EMBED_TOKENS the step budget, 16384 unless set) -> $OUT/embeddings.{log,json}
 #   kv_events    the cost of publishing KV-cache events: the launch stage's serving sweep (dummy
 #                Llama-3-8B, every bucket compiled first) without and with --kv-events-config
 #                (zmq, replay socket on), a subscriber draining the stream
 #                (benchmarks/kv_events_subscriber.py); output tok/s of each rate side by side
 #                (target: within 1%) -> $OUT/kv_events_{off,on}.log, kv_events_subscriber.json;
 #                about 10 minutes: kv_events:900 ($KV_EVENTS_RATES picks the rates, 16,inf)
+#   lora         Llama-3-8B shape, dummy weights: offline throughput 256 x 512/256 with 0, 1, 8
+#                and 64 distinct rank-16 adapters, and batch-1 TPOT with one (benchmarks/lora.py)
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
 #   bash benchmarks/run_h200.sh launch:330 throughput:200
 set -uo pipefail
@@ -299,6 +320,12 @@ stage_roofline() {
   grep -v -i warn "$OUT/roofline.log" | tail -20
 }
 
+stage_spec() {  # speculative decoding: verify cost k = 0..7 at batch 1/8/64, n-gram end to end
+  python3 -m benchmarks.spec_decode --iters 20 --output-json "$OUT/spec_decode.json" \
+    > "$OUT/spec_decode.log" 2>&1
+  grep -v -i warn "$OUT/spec_decode.log" | tail -40
+}
+
 stage_cublas() {  # the same decode cells with every GEMM on cuBLAS instead of Triton
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" \
     python3 -m benchmarks.decode_roofline --iters 10 --batches 1,8,64 --contexts 1024 \
@@ -461,6 +488,14 @@ stage_gpt_oss() {
   grep -v -E "INFO|WARN" "$OUT/gpt_oss.log" | tail -24
 }
 
+stage_lora_kernel() {  # the grouped LoRA kernel: native tests, then kernel vs dense vs floor
+  python3 -m pytest -q -m gpu tests/test_lora_kernel.py -x 2>&1 | tail -3
+  python3 -m benchmarks.lora_kernel --output-json "$OUT/lora_kernel.json" \
+    > "$OUT/lora_kernel.log" 2>&1
+  sed -n '/^| group/,$p' "$OUT/lora_kernel.log"
+  grep -E "Error|error" "$OUT/lora_kernel.log" | head -5
+}
+
 stage_skinny() {
   python3 -m pytest -q -m gpu tests/test_skinny_matmul.py -x 2>&1 | tail -3
   python3 -m benchmarks.skinny_matmul --output-json "$OUT/skinny_matmul.json" \
@@ -516,6 +551,27 @@ out = pathlib.Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
   grep -v -E "INFO|WARN" "$OUT/deepseek_v3.log" | tail -24
 }
 
+stage_mla() {
+  python3 -m pytest -q -m gpu tests/test_mla_kernel.py 2>&1 | tail -3
+  python3 -m benchmarks.mla --sweep --out "$OUT/mla.json" > "$OUT/mla.log" 2>&1
+  sed -n '/^| step/,$p' "$OUT/mla.log"
+  grep -E "Error|error" "$OUT/mla.log" | head -5
+  python3 -c 'import json, pathlib, sys
+config = json.loads(pathlib.Path("jaxserve/assets/configs/deepseek-v3/config.json").read_text())
+out = pathlib.Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+(out / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 5}))' \
+    "$OUT/deepseek-v3-5l"
+  local mode
+  for mode in off auto; do
+    echo "-- the 5-layer model, JAXSERVE_MLA=$mode"
+    JAXSERVE_MLA=$mode python3 -m benchmarks.moe --engine jaxserve --model "$OUT/deepseek-v3-5l" \
+      --mgpu-batches "" --max-num-batched-tokens 1024 --max-model-len 2048 \
+      --output-json "$OUT/deepseek_v3_mla_$mode.json" > "$OUT/deepseek_v3_mla_$mode.log" 2>&1
+    grep -E "Attention:" "$OUT/deepseek_v3_mla_$mode.log" | head -1
+    grep -v -E "INFO|WARN" "$OUT/deepseek_v3_mla_$mode.log" | tail -12
+  done
+}
+
 stage_load() {
   python3 -m benchmarks.load_speed --dir /tmp/jaxserve-load-speed --time-budget 150 \
     --output-json "$OUT/load_speed.json" 2>&1 | grep -v '^\[transformers\]' | tee "$OUT/load_speed.txt"
@@ -551,6 +607,12 @@ stage_responses() {  # Responses API streaming against chat completions, the sam
   stop_server
 }
 
+stage_embeddings() {  # issue 40's table: texts/s and the share of the compute roofline
+  python3 -m benchmarks.embeddings --out "$OUT/embeddings.json" \
+    --max-num-batched-tokens "${EMBED_TOKENS:-16384}" > "$OUT/embeddings.log" 2>&1
+  grep -E '^(qwen3|bge):' "$OUT/embeddings.log" || tail -20 "$OUT/embeddings.log"
+}
+
 stage_weights() {  # a training loop's hooks: update_weights, sleep and wake, memory asleep
   python3 -m benchmarks.weight_updates --out "$OUT/weight_updates_bfc.json" 2>&1 | tail -6
   XLA_PYTHON_CLIENT_ALLOCATOR=platform python3 -m benchmarks.weight_updates \
@@ -559,6 +621,10 @@ stage_weights() {  # a training loop's hooks: update_weights, sleep and wake, me
 
 stage_checkpoints() {  # start-up load and update from disk: safetensors against converted orbax
   python3 -m benchmarks.checkpoint_load --out "$OUT/checkpoint_load.json" 2>&1 | tail -8
+}
+
+stage_lora() {  # offline throughput with 0, 1, 8 and 64 rank-16 adapters; batch-1 TPOT with one
+  python3 -m benchmarks.lora --out "$OUT/lora.json" 2>&1 | tail -8
 }
 
 stage_occupied() {  # the second start must end in seconds with the fix, not retry allocations

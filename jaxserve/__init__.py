@@ -16,6 +16,7 @@ _EXPORTS = {
     "SamplingParams": "jaxserve.sampling_params",
     "PoolingParams": "jaxserve.pooling_params",
     "EmbeddingRequestOutput": "jaxserve.engine.outputs",
+    "ScoringRequestOutput": "jaxserve.engine.outputs",
     "RequestOutput": "jaxserve.engine.outputs",
     "CompletionOutput": "jaxserve.engine.outputs",
     "Logprob": "jaxserve.engine.outputs",

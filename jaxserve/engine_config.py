@@ -11,6 +11,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from jaxserve.config import ModelConfig
 from jaxserve.hf_cache import resolve_model_dir
@@ -145,6 +146,120 @@ _KV_EVENT_FIELD_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
+# --speculative-config (vLLM's): the drafting methods a config may name; those of
+# SPECULATIVE_METHODS_BUILT run, the others are refused at start-up until they land.
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3", "mtp")
+SPECULATIVE_METHODS_BUILT = ("ngram",)
+# The most tokens drafted per sequence and step.
+MAX_SPECULATIVE_TOKENS = 15
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``--speculative-config``: how tokens are drafted, and how many per step.
+
+    Read by the engine (``engine/spec_decode.py`` drafts and verifies) from
+    ``EngineConfig.speculative_config``; docs/speculative_decoding.md."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    # ngram: the longest suffix of prompt + output of a length in [min, max] found earlier in
+    # them proposes the tokens that followed it.
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    # draft_model, eagle3: the drafter's directory or model id; mtp: None (the target's own).
+    model: str | None = None
+    # No token is drafted in a step whose running sequences exceed this (vLLM's name): at a
+    # large batch the step is bound by compute, and a verify's extra tokens cost more than
+    # they save. None: DEFAULT_DISABLE_BY_BATCH_SIZE.
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config method={self.method!r} must be one of "
+                f"{', '.join(SPECULATIVE_METHODS)}"
+            )
+        k = self.num_speculative_tokens
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config num_speculative_tokens={k} must be in "
+                f"[1, {MAX_SPECULATIVE_TOKENS}]"
+            )
+        if self.prompt_lookup_min < 1:
+            raise ValueError(
+                f"speculative_config prompt_lookup_min={self.prompt_lookup_min} must be >= 1"
+            )
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(
+                f"speculative_config prompt_lookup_max={self.prompt_lookup_max} must be >= "
+                f"prompt_lookup_min={self.prompt_lookup_min}"
+            )
+        if self.method in ("draft_model", "eagle3") and not self.model:
+            raise ValueError(f"speculative_config method={self.method!r} needs model (a directory)")
+        size = self.disable_by_batch_size
+        if size is not None and size < 1:
+            raise ValueError(f"speculative_config disable_by_batch_size={size} must be >= 1")
+
+    @property
+    def max_batch_size(self) -> int:
+        """The most running sequences a step drafts for (``disable_by_batch_size``)."""
+        size = self.disable_by_batch_size
+        return DEFAULT_DISABLE_BY_BATCH_SIZE if size is None else size
+
+    def check_built(self) -> None:
+        """Start-up: ``NotImplementedError`` naming a method that does not run yet."""
+        if self.method not in SPECULATIVE_METHODS_BUILT:
+            raise NotImplementedError(
+                f"speculative_config method={self.method!r} is not built yet (built: "
+                f"{', '.join(SPECULATIVE_METHODS_BUILT)}); docs/speculative_decoding.md"
+            )
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | dict | str) -> SpeculativeConfig:
+        """A config from itself, a dict (``LLM(speculative_config={...})``) or JSON text
+        (``--speculative-config``); ``ValueError`` naming an unknown key or a wrong type."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a JSON object (a dict)")
+        for key, item in value.items():
+            if key not in _SPECULATIVE_FIELD_TYPES:
+                fields = ", ".join(_SPECULATIVE_FIELD_TYPES)
+                raise ValueError(f"speculative_config has no field {key!r} (fields: {fields})")
+            kinds = _SPECULATIVE_FIELD_TYPES[key]
+            if not isinstance(item, kinds) or (isinstance(item, bool) and bool not in kinds):
+                raise ValueError(f"speculative_config {key}={item!r} has the wrong type")
+        return cls(**value)
+
+    def describe(self) -> str:
+        text = f"{self.method}, {self.num_speculative_tokens} tokens per step"
+        if self.method == "ngram":
+            text += f", n-grams of {self.prompt_lookup_min} to {self.prompt_lookup_max} tokens"
+        return text
+
+
+# A step with more running sequences than this drafts nothing: at batch 32 a decode step of an
+# 8B model on an H100-class GPU still reads the weights far longer than it computes, so k more
+# tokens per sequence cost little; the measured crossover on the H200 replaces it
+# (benchmarks/spec_decode.py).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 32
+
+_SPECULATIVE_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "method": (str,),
+    "num_speculative_tokens": (int,),
+    "prompt_lookup_min": (int,),
+    "prompt_lookup_max": (int,),
+    "model": (str, type(None)),
+    "disable_by_batch_size": (int, type(None)),
+}
+
+
 def default_model_dir() -> Path:
     """The model served when none is named: the demo model shipped inside the package."""
     return Path(__file__).resolve().parent / "assets" / "demo"
@@ -245,6 +360,9 @@ class EngineConfig:
     batch_invariant: bool = False
     # What the model serves (RUNNERS): "pooling" runs prompts only and returns embeddings.
     runner: str = "auto"
+    # vLLM's --hf-overrides: config.json keys set on top of the file's. Served: a decoder
+    # reranker's (architectures, classifier_from_token, is_original_qwen3_reranker).
+    hf_overrides: dict[str, Any] | None = dataclasses.field(default=None, hash=False)
     # KV-cache events (vLLM's --kv-events-config): BlockStored / BlockRemoved / AllBlocksCleared
     # published over ZeroMQ for prefix-aware routers (docs/kv_events.md); None: none.
     kv_events_config: KVEventsConfig | None = None
@@ -253,8 +371,14 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
+    # Speculative decoding (vLLM's --speculative-config; docs/speculative_decoding.md): a
+    # SpeculativeConfig, or its dict / JSON text; None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            spec = SpeculativeConfig.of(self.speculative_config)
+            object.__setattr__(self, "speculative_config", spec)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -299,6 +423,8 @@ class EngineConfig:
                 f"sampler_variants={self.sampler_variants!r} must be one of "
                 f"{', '.join(SAMPLER_VARIANTS)}"
             )
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides={self.hf_overrides!r} must be a JSON object")
         if self.max_grammar_bytes < 1:
             raise ValueError(f"max_grammar_bytes={self.max_grammar_bytes} must be positive")
         if self.grammar_cache_bytes < 0:
@@ -348,11 +474,6 @@ class EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras={self.max_cpu_loras} must be at least max_loras={self.max_loras}"
-            )
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"enable_lora with tensor_parallel_size={self.tensor_parallel_size}: LoRA runs "
-                "on one device for now (docs/lora.md)"
             )
 
     @property

@@ -1,7 +1,8 @@
-"""PoolingParams: what one pooling request (an embedding) asks of the engine, beside
-``SamplingParams`` for generation; validated where it is made.
+"""PoolingParams: what one pooling request (an embedding, or a score of a pair) asks of the
+engine, beside ``SamplingParams`` for generation; validated where it is made.
 
-Made by the server (``/v1/embeddings``) and by ``LLM.embed``; checked against the model (its
+Made by the server (``/v1/embeddings``; ``/v1/score`` and ``/v1/rerank`` with ``task="score"``)
+and by ``LLM.embed`` and ``LLM.score``; checked against the model (its
 hidden size, its Matryoshka dimensions) by ``models/pooling.py``'s ``PoolingConfig.check`` when
 the engine takes the request; read on the host when the request's last prompt chunk has run.
 """
@@ -12,7 +13,9 @@ import dataclasses
 
 from jaxserve.sampling_params import SamplingParamsError
 
-POOLING_TASKS = ("embed",)
+# "embed": an embedding; "score": the relevance score of a (query, document) pair, from a
+# cross-encoder's classifier or a decoder reranker's "yes" / "no" logits (models/scoring.py).
+POOLING_TASKS = ("embed", "score")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +27,8 @@ class PoolingParams:
     # Scale the embedding to unit length; None: as the model's sentence-transformers config
     # says (a Normalize module), and True for a decoder without one (vLLM's default).
     normalize: bool | None = None
+    # A score through the model's activation (sigmoid for one label); False: the raw logit.
+    use_activation: bool = True
 
     def __post_init__(self) -> None:
         if self.task not in POOLING_TASKS:

@@ -77,9 +77,12 @@ def write_latent(
     kpe_scale: Scale = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter the new tokens' latents into their slots, quantized to the cache dtype."""
-    num_slots = ckv_pages.shape[0] * ckv_pages.shape[1]
+    page_size = ckv_pages.shape[1]
     ckv_new = quantize_kv(c_kv, ckv_pages.dtype, ckv_scale)
     kpe_new = quantize_kv(k_pe, kpe_pages.dtype, kpe_scale)
-    ckv_flat = ckv_pages.reshape(num_slots, -1).at[slot_mapping].set(ckv_new, mode="drop")
-    kpe_flat = kpe_pages.reshape(num_slots, -1).at[slot_mapping].set(kpe_new, mode="drop")
-    return ckv_flat.reshape(ckv_pages.shape), kpe_flat.reshape(kpe_pages.shape)
+    # NOTE: indexed by (page, offset), not through a flat [P * page_size] view: XLA copied the
+    # whole (donated) page array when a reshaped one fed the reference's loop over blocks.
+    page, offset = slot_mapping // page_size, slot_mapping % page_size
+    ckv_pages = ckv_pages.at[page, offset, 0].set(ckv_new, mode="drop")
+    kpe_pages = kpe_pages.at[page, offset, 0].set(kpe_new, mode="drop")
+    return ckv_pages, kpe_pages

@@ -66,6 +66,7 @@ LONG_FUNCTIONS = {
     "pallas_kernels/ragged_paged_attention/tpu.py::_attention_kernel": KERNEL_BODY,
     "pallas_kernels/ragged_paged_attention/triton.py::_attention_kernel": KERNEL_BODY,
     "pallas_kernels/grouped_matmul/triton.py::_grouped_matmul_kernel": KERNEL_BODY,
+    "pallas_kernels/mla/triton.py::_mla_kernel": KERNEL_BODY,
 }
 # Modules whose lines the formatter may leave alone, and why (a line-count bypass is none).
 UNFORMATTED = {"jaxserve/server/metrics.py": "the histogram bucket edges, a table of numbers"}

@@ -335,3 +335,37 @@ def test_startup_profile_smoke(monkeypatch, capsys) -> None:
         assert line in out
     assert "inclusive (a function and everything it called)" in out
     assert "jaxserve/runner/warmup.py:warm_up" in out
+
+
+def test_mla_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
+    out = tmp_path / "mla.json"
+    run_script("benchmarks.mla", ["--smoke", "--out", str(out)], monkeypatch)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["step"], r["batch"], r["context"]) for r in rows] == [
+        ("decode", 3, 70),
+        ("prefill", 1, 48),
+    ]
+    assert all(r["kernel_us"] > 0 and r["reference_us"] > 0 and r["floor_us"] > 0 for r in rows)
+    assert "| decode | 3 | 70 | 1 |" in capsys.readouterr().out
+    # The floors at DeepSeek-V3's shapes: 64 x 4,096 latents of 576 bf16 read at 4.3 TB/s; a
+    # 2,048-token prompt's causal FLOPs at 989 TFLOP/s.
+    from benchmarks.mla import V3, Cell, floor_us
+
+    assert floor_us(Cell("decode", 64, 4096, 1), V3, 2) == pytest.approx(70.2, abs=0.1)
+    flops = 2 * 128 * (2048 * 2049 // 2) * (512 + 64 + 512)
+    assert floor_us(Cell("prefill", 1, 2048, 2048), V3, 2) == pytest.approx(flops / 989e6)
+
+
+def test_spec_decode_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
+    """Verify steps of k = 0..3 drafted tokens at batch 1 and 4, the n-gram drafter's host
+    time, and the batch-1 n-gram run against the same without speculation (same tokens)."""
+    out = tmp_path / "spec.json"
+    run_script("benchmarks.spec_decode", ["--smoke", "--output-json", str(out)], monkeypatch)
+    report = json.loads(out.read_text())
+    assert [(r["batch"], r["k"]) for r in report["verify"]] == [
+        (b, k) for b in (1, 4) for k in range(4)
+    ]
+    assert all(r["device_ms"] > 0 for r in report["verify"])
+    assert [r["batch"] for r in report["ngram_host"]] == [1, 8]
+    assert report["end_to_end"]["same_tokens"]
+    assert "speed-up at batch 1" in capsys.readouterr().out

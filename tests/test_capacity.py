@@ -314,3 +314,52 @@ def test_capacity_plans_expert_parallel_as_launch_would(capsys) -> None:
     whole = capacity(capsys, model, *flags, "--enable-expert-parallel")
     assert whole["activation_bytes"] > sliced["activation_bytes"]
     assert whole["num_blocks"] < sliced["num_blocks"]
+
+
+def test_lora_slots_are_counted_on_their_own_line(capsys) -> None:
+    """--enable-lora: per slot, layer and projection A [in, R] + B [R, out] in bf16, out of
+    the KV budget; under TP=2 the split matrices count half."""
+    llama = str(builtin_config_dir("llama-3-8b"))
+    flags = ("--device-memory", "H200", "--max-model-len", "8K")
+    base = capacity(capsys, llama, *flags)
+    lora = ("--enable-lora", "--max-loras", "8", "--max-lora-rank", "16")
+    out = capacity(capsys, llama, *flags, *lora)
+    # q, k, v, o, gate, up, down: (in + out) x rank, per slot and layer
+    per_slot_layer = 16 * ((4096 + 4096) * 2 + (4096 + 1024) * 2 + (4096 + 14336) * 3)
+    assert out["lora_bytes"] == 8 * 32 * per_slot_layer * 2 == 671_088_640  # 0.625 GiB
+    assert base["lora_bytes"] == 0
+    kv_bytes = out["kv_bytes_per_token"] * out["block_size"]
+    assert out["num_blocks"] == (base["kv_budget_bytes"] - out["lora_bytes"]) // kv_bytes
+    tp2 = capacity(capsys, llama, *flags, *lora, "-tp", "2")
+    # Replicated: A of q/k/v/gate/up, B of o/down; split: the rest.
+    replicated = 16 * (4096 * 5 + 4096 * 2)
+    split = 16 * (4096 + 1024 * 2 + 4096 + 14336 * 3)
+    assert tp2["lora_bytes"] == 8 * 32 * (replicated + split // 2) * 2
+    parser = argparse.ArgumentParser()
+    add_capacity_arguments(parser)
+    assert run_capacity(parser.parse_args([llama, *flags, *lora])) == 0
+    text = capsys.readouterr().out
+    assert "LoRA adapter slots take 0.62 GiB per device (8 slots of rank 16" in text
+
+
+def test_the_engine_takes_the_lora_slots_out_of_the_kv_budget(capsys) -> None:
+    import jax
+
+    memory = 96 * 1024**2
+    engine = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32)
+    with jaxserve.LLM(
+        str(fixture_dir("llama")), dtype="float32", device_memory_bytes=memory, warmup=False,
+        enable_lora=True, max_loras=3, max_lora_rank=8, **engine,
+    ) as llm:  # fmt: skip
+        core = llm.engine
+        slots_bytes = sum(x.nbytes for x in jax.tree.leaves(core.lora_slots.weights))
+        num_blocks = core.runner.num_blocks
+        lines = core.capacity_lines()
+    out = capacity(
+        capsys, str(fixture_dir("llama")), "--max-model-len", "256", "--device-memory",
+        str(memory), "--dtype", "float32", "--max-num-seqs", "4", "--max-num-batched-tokens",
+        "32", "--enable-lora", "--max-loras", "3", "--max-lora-rank", "8",
+    )  # fmt: skip
+    assert out["lora_bytes"] == slots_bytes > 0  # what is allocated is what was counted
+    assert out["num_blocks"] == num_blocks
+    assert any(line.startswith("LoRA adapter slots take") for line in lines)

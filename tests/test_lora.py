@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import textwrap
+import time
 from pathlib import Path
 
 import httpx
@@ -17,7 +19,7 @@ import pytest
 
 from jaxserve.config import ModelConfig
 from jaxserve.lora_request import LoRARequest
-from tests.conftest import SMALL_ENGINE, fixture_dir, log_softmax, tiny_server
+from tests.conftest import SMALL_ENGINE, fixture_dir, log_softmax, run_with_devices, tiny_server
 
 LORA = Path(__file__).parent / "fixtures" / "lora"
 NAMES = ("alpha", "beta", "gamma", "delta")  # ranks 8, 4 (rsLoRA), 16 (attention), 2 (MLP)
@@ -141,6 +143,48 @@ def test_least_recently_used_adapters_are_evicted_from_one_slot():
         )
         for output, name in zip(outputs, ["beta", "gamma", None], strict=True):
             assert_golden(output, name)
+
+
+TENSOR_PARALLEL_SCRIPT = textwrap.dedent("""
+    import json
+    import numpy as np
+    from jaxserve import LLM, LoRARequest, SamplingParams
+    lora = "tests/fixtures/lora/"
+    names = ("alpha", "beta", "gamma", "delta")
+    prompt = np.load("tests/fixtures/models/llama/golden.npz")["prompt_ids"].tolist()
+    with LLM("tests/fixtures/models/llama", tensor_parallel_size=2, enable_lora=True,
+             max_loras=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+        loras = [LoRARequest(n, i + 1, lora + n) for i, n in enumerate(names)] + [None]
+        outputs = llm.generate([prompt] * 5, params, lora_request=loras, use_tqdm=False)
+        layer = llm.engine.lora_slots.weights.layers[0]
+        shards = {name: list(getattr(layer, name).addressable_shards[0].data.shape)
+                  for name in ("qkv_a", "q_b", "k_b", "o_a", "o_b", "gate_b", "down_a")}
+        for out, name in zip(outputs, [*names, None]):
+            c = out.outputs[0]
+            print(json.dumps({"name": name, "tokens": list(c.token_ids), "shards": shards,
+                              "logprobs": [s[t].logprob for s, t in zip(c.logprobs, c.token_ids)]}))
+""")
+
+
+def test_tensor_parallel_on_two_devices_equals_peft():
+    """TP=2 (virtual CPU devices): the stacks split as their base projections (B of q, k,
+    gate on the output, A of o and down on the input), four adapters and the base in one batch
+    (warm-up on: the compiled steps take the stacks with their shardings)."""
+    stdout = run_with_devices(TENSOR_PARALLEL_SCRIPT, 2, timeout=600)
+    runs = [json.loads(line) for line in stdout.strip().splitlines()]
+    assert [r["name"] for r in runs] == [*NAMES, None]
+    # M = 4 slots, R = 16, H = 64, N * D = 64 (2 x 32 per device), K * D = 32, I = 96.
+    assert runs[0]["shards"] == {
+        "qkv_a": [4, 64, 48], "q_b": [4, 16, 32], "k_b": [4, 16, 16], "o_a": [4, 32, 16],
+        "o_b": [4, 16, 64], "gate_b": [4, 16, 48], "down_a": [4, 48, 16],
+    }  # fmt: skip
+    for run in runs:
+        g = golden(run["name"])
+        ids = g["greedy_ids"].tolist()
+        assert run["tokens"] == ids, run["name"]
+        want = log_softmax(g["decode_logits"])[np.arange(len(ids)), ids]
+        np.testing.assert_allclose(run["logprobs"], want, atol=1e-4)
 
 
 # -- adapters that do not fit -----------------------------------------------------------------
@@ -303,3 +347,46 @@ def test_lora_modules_flag_parses_both_forms():
     assert parse_lora_module(spec, 2) == LoRARequest("b", 2, "/y", "m")
     with pytest.raises(ValueError, match="name=path"):
         parse_lora_module("nopath", 3)
+
+
+def test_lora_requests_info_names_running_and_waiting_adapters_through_the_server():
+    """One slot, two adapters: alpha's long request runs and holds it, beta's waits; vLLM's
+    gauge says so on /metrics, then empties when both finish."""
+    import threading
+
+    from tests.test_metrics_vllm import samples
+
+    modules = (lora("alpha"), lora("beta"))
+    engine = {**SMALL_ENGINE, "max_num_seqs": 4, "enable_lora": True, "max_loras": 1}
+    with tiny_server("llama", {"lora_modules": modules}, min_step_s=0.05, **engine) as served:
+
+        def complete(model: str, max_tokens: int) -> None:
+            body = {"model": model, "prompt": prompt(), "max_tokens": max_tokens,
+                    "ignore_eos": True}  # fmt: skip
+            r = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+
+        def gauge() -> dict:
+            text = httpx.get(f"{served.url}/metrics").text
+            (info,) = samples(text)["vllm:lora_requests_info"]
+            return info.labels
+
+        threads = [threading.Thread(target=complete, args=("alpha", 60))]
+        threads[0].start()
+        deadline = time.monotonic() + 30
+        while gauge()["running_lora_adapters"] != "alpha":
+            assert time.monotonic() < deadline, gauge()
+            time.sleep(0.02)
+        threads.append(threading.Thread(target=complete, args=("beta", 2)))
+        threads[1].start()
+        seen = gauge()
+        while seen["waiting_lora_adapters"] != "beta":
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.02)
+            seen = gauge()
+        assert seen == {"max_lora": "1", "running_lora_adapters": "alpha",
+                        "waiting_lora_adapters": "beta"}  # fmt: skip
+        for thread in threads:
+            thread.join(timeout=60)
+        final = gauge()
+        assert final["running_lora_adapters"] == final["waiting_lora_adapters"] == ""

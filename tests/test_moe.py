@@ -301,3 +301,26 @@ def test_row_bias_follows_the_groups() -> None:
 def test_swiglu_limit_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="swiglu_limit=0.0 must be positive"):
         MoeConfig(8, 2, M, swiglu_limit=0.0)
+
+
+def test_grouped_routing_runs_on_the_grouped_matmul_kernel(monkeypatch) -> None:
+    """DeepSeek-V3's routing (groups, sigmoid scores steered by e_score_correction_bias,
+    scaled weights) feeds the same sorted rows as every router, so its experts take the
+    Pallas Triton grouped matmul (interpreted here; the GPU's first choice): three kernel
+    calls, no ragged_dot, and the per-token numpy reference's output, shared expert included;
+    padding tokens stay out of every group."""
+    from pallas_kernels.grouped_matmul import dispatch as gm
+
+    config = CONFIGS["grouped_sigmoid"]
+    w = make_weights(config, seed=5, shared=True)
+    x = np.random.default_rng(6).normal(0, 1.0, (11, H))
+    monkeypatch.setenv(gm.GROUPED_MATMUL_ENV, "triton")
+
+    def layer(x, weights):
+        return moe.moe_block(x, weights, config, jax.nn.silu, num_valid_tokens=jnp.int32(9))
+
+    jaxpr = str(jax.make_jaxpr(layer)(jnp.asarray(x, jnp.float32), to_jax(w)))
+    assert jaxpr.count("grouped_matmul_triton") == 3 and "ragged_dot" not in jaxpr
+    got = np.asarray(layer(jnp.asarray(x, jnp.float32), to_jax(w)))
+    want = numpy_moe(x, w, config)
+    np.testing.assert_allclose(got[:9], want[:9], rtol=1e-4, atol=1e-4)

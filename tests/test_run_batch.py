@@ -77,7 +77,13 @@ def test_a_request_line_keeps_its_url_and_body() -> None:
     request = parse_line(chat_line("x"))
     assert request.error is None and request.url == "/v1/chat/completions"
     assert request.body["messages"] == [{"role": "user", "content": "Hi"}]
-    assert set(BATCH_URLS) == {"/v1/chat/completions", "/v1/completions", "/v1/embeddings"}
+    assert set(BATCH_URLS) == {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/score",
+        "/v1/rerank",
+    }
 
 
 # -- resuming ------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ SERVER_MODULES = (
     "jaxserve.server.api.logprobs",
     "jaxserve.server.api.openapi",
     "jaxserve.server.api.protocol",
+    "jaxserve.server.api.score_handler",
     "jaxserve.server.api.scoring",
     "jaxserve.server.api.structured_outputs",
     "jaxserve.server.api.tokenization",

@@ -25,6 +25,7 @@ import jaxserve
 from jaxserve import SamplingParams
 from jaxserve.engine.grammar import GrammarCompiler, GrammarError
 from jaxserve.engine.tokenizer import Tokenizer
+from jaxserve.runner.step import SchedulerOutput
 from jaxserve.sampling_params import StructuredOutputsParams
 from tests.conftest import FAMILIES, fixture_dir, tiny_server, wait_for
 from tests.test_engine import make_llm
@@ -460,9 +461,16 @@ def _constrained_step(num_seqs: int, reasoning_end: tuple[int, ...] = ()):
         )
         for i in range(num_seqs)
     ]
-    items = [SimpleNamespace(seq=s, is_new=True, completes_sequence=True) for s in request.seqs]
-    sched = SimpleNamespace(scheduled=items, preempted_seq_ids=[], finished_seq_ids=[])
+    items = [_item(s, is_new=True) for s in request.seqs]
+    sched = SchedulerOutput(items, len(items))
     return request, sched
+
+
+def _item(seq, **fields) -> SimpleNamespace:
+    """A duck-typed ScheduledSeq that completes its sequence, with no drafted tokens."""
+    return SimpleNamespace(
+        seq=seq, completes_sequence=True, draft_token_ids=[], num_sampled=1, **fields
+    )
 
 
 def _allowed(row: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -505,9 +513,9 @@ def test_a_step_s_tokens_reach_the_grammars_and_the_next_masks_fill_beside_the_o
     allowed = _allowed(masks[0], vocab)
     assert 0 < len(allowed) < vocab and (masks[1] == masks[0]).all()
     # the mask is reused: a row with no matcher allows every token, whatever it held before
-    unconstrained = SimpleNamespace(seq=SimpleNamespace(seq_id="free"), completes_sequence=True)
+    unconstrained = _item(SimpleNamespace(seq_id="free"))
     first_row = masks[0].copy()
-    mixed = outputs.start_masks(SimpleNamespace(scheduled=[unconstrained, *sched.scheduled]))
+    mixed = outputs.start_masks(SchedulerOutput([unconstrained, *sched.scheduled], 3))
     assert (mixed.result()[0] == -1).all() and (mixed.result()[1] == first_row).all()
     refused = int(np.setdiff1d(np.arange(2, vocab), allowed)[0])
     result = RunnerOutput(token_ids=np.array([allowed[0], refused], np.int32))

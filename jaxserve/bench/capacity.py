@@ -155,6 +155,24 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
         default=_ENGINE_DEFAULTS["max_num_batched_tokens"],
         help="tokens in one step at most (sizes the activation headroom)",
     )
+    add(
+        "--enable-lora",
+        action="store_true",
+        help="count the LoRA adapter slots' memory, as serve's flag (docs/lora.md)",
+    )
+    add(
+        "--max-loras",
+        type=int,
+        default=_ENGINE_DEFAULTS["max_loras"],
+        help="adapter slots on the device, with --enable-lora",
+    )
+    add(
+        "--max-lora-rank",
+        type=int,
+        default=_ENGINE_DEFAULTS["max_lora_rank"],
+        help="the slots' rank, with --enable-lora: each slot holds A [in, rank] and "
+        "B [rank, out] of every projection",
+    )
     add("--json", action="store_true", help="print the numbers as JSON")
 
 
@@ -190,10 +208,15 @@ def run_capacity(args: argparse.Namespace) -> int:
             max_num_batched_tokens=token_buckets_for(args.max_num_batched_tokens)[-1],
             max_num_seqs=next_power_of_2(args.max_num_seqs),
             expert_parallel=args.enable_expert_parallel,
+            reference_attention=_plans_attention_reference(args, config, dtype),
+            lora_slots=(args.max_loras, args.max_lora_rank) if args.enable_lora else None,
         )
     except CapacityError as exc:
         _print_capacity_error(exc, on_cpu)
         return 1
+    except ValueError as exc:  # LoRA on a model it does not serve (latent attention)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if on_cpu:
         print(
             "No accelerator found: JAX sees only the CPU, so this plans as `jaxserve launch` "
@@ -237,6 +260,9 @@ def _checked_model(args: argparse.Namespace) -> tuple[Path, ModelConfig]:
         gpu_memory_utilization=args.memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
     )
     model_dir = resolve_model_dir(args.model) if args.model else default_model_dir()
     return model_dir, load_model_config(model_dir)
@@ -251,6 +277,23 @@ def _device_memory(args: argparse.Namespace) -> tuple[int, bool]:
     import jax
 
     return detect_device_memory(), jax.default_backend() == "cpu"
+
+
+def _plans_attention_reference(args: argparse.Namespace, config: ModelConfig, dtype: str) -> bool:
+    """Whether the plan reserves the jnp attention reference's temporaries: not for a named
+    device (H200, TPU-v5p, ...: its Pallas kernels run attention), else where this backend
+    takes the reference (the CPU), as ``launch`` would here. Latent attention is planned
+    apart (``mla_attention_bytes``)."""
+    if config.mla is not None or args.device_memory in DEVICE_MEMORY_BYTES.values():
+        return False
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # read, do not take
+    import jax.numpy as jnp
+
+    from jaxserve.runner.capacity import runs_attention_reference
+
+    return runs_attention_reference(
+        config, jnp.dtype(dtype), jnp.dtype(dtype), args.block_size, args.tensor_parallel_size
+    )
 
 
 def _print_capacity_error(exc: CapacityError, on_cpu: bool) -> None:
@@ -275,7 +318,10 @@ def _plan_json(args: argparse.Namespace, plan: _Plan) -> dict:
         "quantization": plan.quant.method if plan.quant is not None else None,
         "kv_cache_dtype": plan.kv_dtype,
         "weight_bytes": cap.weight_bytes,
+        "lora_bytes": cap.lora_bytes,
         "activation_bytes": cap.activation_bytes,
+        "mla_temporary_bytes": cap.mla_bytes,
+        "reference_attention_bytes": cap.reference_attention_bytes,
         "kv_budget_bytes": cap.kv_budget_bytes,
         "kv_bytes_per_token": cap.kv_bytes_per_token,
         "block_size": cap.block_size,

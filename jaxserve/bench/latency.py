@@ -20,7 +20,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -133,6 +133,20 @@ def summarize(batch_size: int, output_len: int, timings: list[tuple[float, float
     return result
 
 
+def spec_decode_numbers(before: Any, after: Any) -> dict:
+    """Speculative decoding between two ``SpecDecodeStats``: drafts, tokens drafted and
+    accepted, and the mean acceptance length (1 + accepted drafts per draft)."""
+    drafts = after.num_drafts - before.num_drafts
+    drafted = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    return {
+        "spec_num_drafts": drafts,
+        "spec_num_draft_tokens": drafted,
+        "spec_num_accepted_tokens": accepted,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+    }
+
+
 def print_batch(result: dict) -> None:
     print(f"\nBatch size {result['batch_size']}:")
     print(f"Avg latency: {result['avg_latency']} seconds")
@@ -144,6 +158,12 @@ def print_batch(result: dict) -> None:
         + (f"{tpot * 1e3:.2f} ms" if tpot is not None else "- (one output token)")
         + f", output tokens/s: {result['output_tokens_per_s']:.1f}"
     )
+    if "mean_acceptance_length" in result:
+        print(
+            f"Mean acceptance length: {result['mean_acceptance_length']:.2f} "
+            f"({result['spec_num_accepted_tokens']} of {result['spec_num_draft_tokens']} "
+            "drafted tokens accepted)"
+        )
 
 
 def print_table(report: dict) -> None:
@@ -178,12 +198,16 @@ def run_latency(args: argparse.Namespace) -> int:
     for batch_size in batch_sizes:
         timings = []
         for i in range(args.num_iters_warmup + args.num_iters):
+            if i == args.num_iters_warmup:
+                spec_before = llm.engine.spec_stats.copy()
             prompts = make_prompts(batch_size, args.input_len, vocab, seed)
             seed += 1  # fresh prompts each time: no prefix-cache hits
             timing = time_batch(llm, prompts, args.output_len)
             if i >= args.num_iters_warmup:
                 timings.append(timing)
         results.append(summarize(batch_size, args.output_len, timings))
+        if llm.engine.proposer is not None:  # speculative decoding: over the measured batches
+            results[-1].update(spec_decode_numbers(spec_before, llm.engine.spec_stats))
         print_batch(results[-1])
     report = {
         "model": args.model,
@@ -196,6 +220,7 @@ def run_latency(args: argparse.Namespace) -> int:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "num_compiled_shapes": llm.engine.num_compiled_shapes,
+        "speculative_config": getattr(args, "speculative_config", None),
         "results": results,
     }
     print_table(report)

@@ -92,6 +92,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size", "-tp", type=int, default=1, help="as serve's flag: devices"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    add_speculative_argument(parser)
+
+
+def add_speculative_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='as serve\'s flag: speculative decoding, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 3}\'; the mean acceptance length is reported',
+    )
 
 
 def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,6 +138,7 @@ def make_llm(args: argparse.Namespace) -> jaxserve.LLM:
             max_num_batched_tokens=args.max_num_batched_tokens,
             gpu_memory_utilization=args.gpu_memory_utilization,
             tensor_parallel_size=args.tensor_parallel_size,
+            speculative_config=getattr(args, "speculative_config", None),
         )
     except ValueError as exc:
         flags = command_flags(add_engine_arguments)

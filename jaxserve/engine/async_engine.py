@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.interfaces import EngineDeadError, EngineStats, QueueFullError
 from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.scoring import ScoringModel
 from jaxserve.engine_config import EngineConfig
 from jaxserve.lora_request import LoRARequest
 from jaxserve.pooling_params import PoolingParams
@@ -74,6 +75,11 @@ class AsyncEngine:
         return self.dead_error is None and self._thread is not None and self._thread.is_alive()
 
     @property
+    def scoring(self) -> ScoringModel:
+        """Whether and how the model scores pairs (``/v1/score``, ``/v1/rerank``)."""
+        return self.core.scoring
+
+    @property
     def vocab_size(self) -> int:
         return self.core.vocab_size
 
@@ -107,7 +113,8 @@ class AsyncEngine:
             cache_salt=cache_salt,
             arrival_time=time.time(),
             group_id=group_id,
-            lora_request=lora_request,
+            # (an engine double without adapters takes no such argument)
+            **({"lora_request": lora_request} if lora_request is not None else {}),
         )
         async for output in self._outputs(request_id, params.num_samples, add):
             yield output
@@ -120,9 +127,11 @@ class AsyncEngine:
         prompt: str | None = None,
         priority: int = 0,
         group_id: str | None = None,
+        token_type_ids: Sequence[int] | None = None,
     ) -> AsyncGenerator[RequestOutput]:
         """A pooling request (``--runner pooling``): yields its one finished output, whose
-        ``embedding`` is set; validation errors raise ValueError (``RequestError``)."""
+        ``embedding`` (or with ``task="score"``, ``score``) is set; validation errors raise
+        ValueError (``RequestError``). ``token_type_ids``: an encoder pair's."""
         add = functools.partial(
             self.core.add_pooling_request,
             request_id,
@@ -132,6 +141,7 @@ class AsyncEngine:
             priority=priority,
             arrival_time=time.time(),
             group_id=group_id,
+            token_type_ids=list(token_type_ids) if token_type_ids is not None else None,
         )
         async for output in self._outputs(request_id, 1, add):
             yield output

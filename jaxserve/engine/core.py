@@ -36,13 +36,29 @@ from jaxserve.engine.request_checks import (
     check_request,
 )
 from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.scoring import (
+    CANNOT_SCORE,
+    CROSS_ENCODER,
+    RERANKER,
+    SCORE_NEEDS_POOLING,
+    ScoringModel,
+)
+from jaxserve.engine.spec_decode import Proposer, SpecDecodeStats, accepted_run, make_proposer
 from jaxserve.engine.structured_outputs import Accepted, StructuredOutputs
 from jaxserve.engine.tokenizer import end_of_sequence_ids, load_tokenizer
 from jaxserve.engine_config import EngineConfig
 from jaxserve.lora_request import LoRARequest
-from jaxserve.models.families.registry import load_model_config
+from jaxserve.models.encoder.config import EncoderConfig, is_encoder, load_encoder_config
+from jaxserve.models.families.registry import load_model_config, model_config_from_dict
 from jaxserve.models.pooling import PoolingConfig, is_base_model
+from jaxserve.models.scoring import (
+    ScoreHead,
+    check_hf_overrides,
+    reranker_tokens,
+    token_difference_head,
+)
 from jaxserve.pooling_params import PoolingParams
+from jaxserve.runner.buckets import next_power_of_2
 from jaxserve.runner.step import RunnerOutput, ScheduledSeq, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams, SamplingParamsError
 
@@ -56,47 +72,153 @@ _T = TypeVar("_T")
 _POOLING_SAMPLING = SamplingParams(temperature=0.0, max_tokens=1)
 
 
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    """What config.json (with ``--hf-overrides`` on top) says the model is."""
+
+    raw: dict[str, Any]
+    is_encoder: bool  # BERT / XLM-RoBERTa (models/encoder/): pooling only
+    reranker: tuple[str, str] | None  # a decoder reranker's ("no", "yes") tokens
+
+    @classmethod
+    def of(cls, config: EngineConfig, model_dir: Any) -> ServedModel:
+        raw = read_config_json(model_dir / "config.json")
+        overrides = config.hf_overrides or {}
+        check_hf_overrides(overrides)
+        encoder = is_encoder(raw)
+        return cls(raw, encoder, None if encoder else reranker_tokens(raw, overrides))
+
+
 def resolve_runner(config: EngineConfig, model_dir: Any) -> EngineConfig:
     """``config`` with ``runner`` "generate" or "pooling": "auto" pools a checkpoint whose
-    config.json names only base models (``Qwen3Model``: no language-model head)."""
+    config.json names only base models (``Qwen3Model``: no language-model head), an encoder
+    and a decoder reranker; "generate" on those last two is a ``ValueError``."""
+    served = ServedModel.of(config, model_dir)
+    if served.is_encoder or served.reranker is not None:
+        if config.runner == "generate":
+            what = (
+                f"an encoder ({', '.join(served.raw.get('architectures') or ['BERT'])})"
+                if served.is_encoder
+                else "a decoder reranker (classifier_from_token)"
+            )
+            raise ValueError(
+                f"--runner generate: {model_dir} is {what}; it serves embeddings and scores, "
+                "not generation: start it with --runner pooling (or auto)"
+            )
+        return dataclasses.replace(config, runner="pooling")
     if config.runner != "auto":
         return config
-    architectures = read_config_json(model_dir / "config.json").get("architectures") or []
+    architectures = served.raw.get("architectures") or []
     runner = "pooling" if is_base_model(list(architectures)) else "generate"
     return dataclasses.replace(config, runner=runner)
 
 
-def pooler_for(config: EngineConfig, model_dir: Any, model_config: ModelConfig) -> Pooler | None:
-    """A pooling engine's pooler, its pooling read from the model's directory; else None."""
+def encoder_engine_config(config: EngineConfig, encoder: EncoderConfig) -> EngineConfig:
+    """An encoder's engine settings: ``max_model_len`` at most (and by default) its position
+    table's ``max_seq_len``, every prompt whole in one step (no chunking, so the step's token
+    budget must hold the longest), no prefix cache (every token is computed)."""
+    if config.tensor_parallel_size > 1:
+        raise ValueError(
+            f"tensor_parallel_size={config.tensor_parallel_size}: an encoder runs on one "
+            "device; start it with --tensor-parallel-size 1"
+        )
+    limit = encoder.max_seq_len
+    max_model_len = config.max_model_len or limit
+    if max_model_len > limit:
+        raise ValueError(
+            f"max_model_len={max_model_len} is longer than the {limit} positions of this "
+            f"encoder (max_position_embeddings={encoder.max_position_embeddings} in its "
+            f"config.json); lower --max-model-len to {limit} or less"
+        )
+    if config.max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens={config.max_num_batched_tokens} is less than "
+            f"max_model_len={max_model_len}: an encoder runs each prompt whole in one step; "
+            f"raise --max-num-batched-tokens to {max_model_len} or more, or lower --max-model-len"
+        )
+    return dataclasses.replace(
+        config,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=False,
+        enable_prefix_caching=False,
+    )
+
+
+def pooler_for(
+    config: EngineConfig, model_dir: Any, model_config: ModelConfig | EncoderConfig
+) -> Pooler | None:
+    """A pooling engine's pooler, its pooling read from the model's directory; else None. An
+    encoder without sentence-transformers files pools its CLS token, normalized (vLLM's
+    default for BERT); a decoder its last token."""
     if config.runner != "pooling":
         return None
-    pooling = PoolingConfig.from_model_dir(model_dir, model_config.hidden_size)
+    default = "cls" if isinstance(model_config, EncoderConfig) else "last"
+    pooling = PoolingConfig.from_model_dir(model_dir, model_config.hidden_size, default)
     _LOG.info("Pooling runner: %s", pooling.describe())
     return Pooler(pooling)
 
 
-def runner_model_config(model_config: ModelConfig, pooling: bool) -> ModelConfig:
+def check_speculative(config: EngineConfig) -> None:
+    """A speculative method that is not built yet ends the start (``NotImplementedError``)."""
+    if config.speculative_config is not None:
+        config.speculative_config.check_built()
+
+
+def score_head_for(served: ServedModel, model_config: Any, runner: Any, tokenizer: Any) -> Any:
+    """(ScoringModel, ScoreHead or None): what the model scores pairs with."""
+    if isinstance(model_config, EncoderConfig):
+        if model_config.num_labels == 1:
+            head = ScoreHead("classifier", model_config.score_activation)
+            head = dataclasses.replace(head, description=f"cross-encoder, {head.activation}")
+            return ScoringModel(CROSS_ENCODER), head
+        if model_config.has_classifier:
+            why = f"this model cannot score pairs: its classifier has {model_config.num_labels} "
+            return ScoringModel(None, why + "labels; a score needs one"), None
+        return ScoringModel(None, CANNOT_SCORE), None
+    if served.reranker is None:
+        return ScoringModel(None, CANNOT_SCORE), None
+    ids = []
+    for token in served.reranker:
+        token_id = tokenizer.hf_tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id == tokenizer.hf_tokenizer.unk_token_id:
+            raise ValueError(f"classifier_from_token: {token!r} is not a token of the tokenizer")
+        ids.append(int(token_id))
+    return ScoringModel(RERANKER), token_difference_head(runner.head_rows(ids), served.reranker)
+
+
+def runner_model_config(
+    model_config: ModelConfig, pooling: bool, reranker: bool = False
+) -> ModelConfig:
     """The config the runner loads: a pooling runner reads no language-model head (the
-    embedding stands in for it, never used), as embedding checkpoints publish none."""
-    return dataclasses.replace(model_config, tie_word_embeddings=True) if pooling else model_config
+    embedding stands in for it, never used), as embedding checkpoints publish none; a decoder
+    reranker reads its head (two rows of it make its score)."""
+    if pooling and not reranker:
+        return dataclasses.replace(model_config, tie_word_embeddings=True)
+    return model_config
+
+
+def decoder_config(served: ServedModel, model_dir: Any) -> ModelConfig:
+    """A decoder's config; a reranker's config.json may name ``*ForSequenceClassification``,
+    which the decoder families do not: it is read by its ``model_type``."""
+    if served.reranker is not None:
+        return model_config_from_dict({**served.raw, "architectures": []})
+    return load_model_config(model_dir)
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: Runner | None = None) -> None:
         self.runner: Runner
+        check_speculative(config)  # before anything loads
         model_dir = config.model_dir
         self.config = config = resolve_runner(config, model_dir)
-        self.model_config = load_model_config(model_dir)
+        served = ServedModel.of(config, model_dir)
+        self.config = config = self._read_model(served, model_dir)
         self.tokenizer = load_tokenizer(config, self.model_config.vocab_size)
         self.vocab_size = self.model_config.vocab_size
-        self.eos_token_ids = end_of_sequence_ids(self.model_config, model_dir, self.tokenizer)
-        self.max_model_len = config.resolved_max_model_len(self.model_config, warn=True)
+        self.eos_token_ids = self._eos_ids(served, model_dir)
         self.pooler = pooler_for(config, model_dir, self.model_config)  # docs/embeddings.md
         if runner is None:  # a test may pass its own (same interface, hand-computable tokens)
-            from jaxserve.runner.runner import ModelRunner
-
-            loaded = runner_model_config(self.model_config, self.pooler is not None)
-            runner = ModelRunner(loaded, config, self.eos_token_ids)
+            runner = self._make_runner(served)
         self.runner = runner
         self.lora_slots: LoraSlots | None = getattr(runner, "lora_slots", None)  # --enable-lora
         # NOTE: from here to the end of warm-up the runner's weights may be loading on a
@@ -121,9 +243,11 @@ class EngineCore:
                 self.tokenizer.hf_tokenizer, self.vocab_size, self.eos_token_ids, limits
             )
             self.structured_outputs = StructuredOutputs(self.vocab_size)
+            self.proposer = self._make_proposer()
             for line in self.capacity_lines():
                 _LOG.info(line)
             self.num_compiled_shapes = runner.warmup() if config.warmup else 0
+            self.scoring = self._scoring_model(served)  # a reranker's reads loaded weights
         except BaseException:
             self._abandon(runner)
             raise
@@ -141,6 +265,73 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, InFlight] | None = None
         self._num_sync_requests = 0
 
+    def _make_proposer(self) -> Proposer | None:
+        """The drafter of ``speculative_config`` (None: off); a method not built yet, or a
+        pooling runner, is refused here, before warm-up."""
+        spec = self.config.speculative_config
+        self.spec_stats = SpecDecodeStats()
+        if spec is None:
+            return None
+        if self.pooler is not None:
+            raise ValueError("speculative_config with a pooling runner: it generates nothing")
+        proposer = make_proposer(spec)
+        # A step's sequences and drafted tokens share the sampler's rows.
+        self.scheduler.max_sample_rows = next_power_of_2(self.config.max_num_seqs)
+        _LOG.info(
+            "Speculative decoding: %s; drafts while at most %d sequences run (above: none); "
+            "a step with drafts is read back before the next is scheduled "
+            "(docs/speculative_decoding.md)",
+            spec.describe(),
+            spec.max_batch_size,
+        )
+        return proposer
+
+    def _propose(self) -> dict[str, list[int]] | None:
+        """This step's drafts (speculative decoding), or None: off, or more sequences run
+        than ``disable_by_batch_size``. Only sequences that decode, every token known."""
+        spec = self.config.speculative_config
+        running = self.scheduler.running
+        if self.proposer is None or spec is None or not running:
+            return None
+        if len(running) > spec.max_batch_size:
+            return None
+        decoding = [
+            s for s in running if not s.num_pending and s.num_computed_tokens == s.num_tokens - 1
+        ]
+        drafts = self.proposer.propose(decoding, spec.num_speculative_tokens)
+        return self.structured_outputs.cut_drafts(drafts)
+
+    def _read_model(self, served: ServedModel, model_dir: Any) -> EngineConfig:
+        """``model_config`` (an encoder's or a decoder's) and ``max_model_len``; the engine
+        config, with an encoder's settings (``encoder_engine_config``)."""
+        config = self.config
+        self.model_config: Any
+        if served.is_encoder:  # models/encoder/, runner/encoder_runner.py
+            self.model_config = load_encoder_config(model_dir)
+            config = encoder_engine_config(config, self.model_config)
+            self.max_model_len = config.max_model_len or 0
+            return config
+        self.model_config = decoder_config(served, model_dir)
+        self.max_model_len = config.resolved_max_model_len(self.model_config, warn=True)
+        return config
+
+    def _eos_ids(self, served: ServedModel, model_dir: Any) -> tuple[int, ...]:
+        if served.is_encoder:  # nothing is generated: the tokenizer's, for completeness
+            eos = self.tokenizer.eos_token_id
+            return () if eos is None else (eos,)
+        return end_of_sequence_ids(self.model_config, model_dir, self.tokenizer)
+
+    def _make_runner(self, served: ServedModel) -> Runner:
+        if served.is_encoder:
+            from jaxserve.runner.encoder_runner import EncoderRunner
+
+            return EncoderRunner(self.model_config, self.config)
+        from jaxserve.runner.runner import ModelRunner
+
+        pooling, reranker = self.pooler is not None, served.reranker is not None
+        loaded = runner_model_config(self.model_config, pooling, reranker)
+        return ModelRunner(loaded, self.config, self.eos_token_ids)
+
     def _abandon(self, runner: Runner) -> None:
         """A start that failed: the runner's threads and the event publisher stopped."""
         runner.shutdown()
@@ -152,11 +343,21 @@ class EngineCore:
         """The block pool; it records KV-cache events when --kv-events-config publishes them
         (each step hands them to ``kv_event_publisher``)."""
         config = self.config
-        window = self.model_config.all_layers_window
+        window = getattr(self.model_config, "all_layers_window", None)  # an encoder has none
         self.kv_event_publisher = make_publisher(config.kv_events_config)
         events = KVEventLog(window) if self.kv_event_publisher is not None else None
         kv_args = (runner.num_blocks, config.block_size, config.enable_prefix_caching)
         return KVCacheManager(*kv_args, sliding_window=window, events=events)
+
+    def _scoring_model(self, served: ServedModel) -> ScoringModel:
+        """What the model scores pairs with (docs/embeddings.md); its head to the pooler."""
+        if self.pooler is None:
+            return ScoringModel(None, SCORE_NEEDS_POOLING)
+        scoring, head = score_head_for(served, self.model_config, self.runner, self.tokenizer)
+        self.pooler.score_head = head
+        if head is not None:
+            _LOG.info("Scores pairs: %s", head.description)
+        return scoring
 
     def shutdown(self) -> None:
         """Wait for a step still on the device, stop warm-up's background compile, release
@@ -273,16 +474,27 @@ class EngineCore:
         priority: int = 0,
         arrival_time: float | None = None,
         group_id: str | None = None,
+        token_type_ids: list[int] | None = None,
     ) -> None:
-        """Queue a pooling request (an embedding: ``--runner pooling``); ``RequestError``
-        naming the field if it cannot run. Its prompt runs like a prefill, chunked by the
-        step's token budget, and its one output (``RequestOutput.embedding``) comes once the
-        last chunk has run."""
+        """Queue a pooling request (an embedding, or with ``task="score"`` a pair's score:
+        ``--runner pooling``); ``RequestError`` naming the field if it cannot run. Its prompt
+        runs like a prefill, chunked by the step's token budget (an encoder's whole in one
+        step), and its one output (``RequestOutput.embedding`` or ``.score``) comes once the
+        last chunk has run. ``token_type_ids``: an encoder's, one per prompt token (a text
+        pair's 0 then 1, as the tokenizer gives them)."""
         if self.pooler is None:
             raise RequestError(POOLING_REFUSED, code="generation_model")
+        if params.task == "score" and self.pooler.score_head is None:
+            raise RequestError(self.scoring.refusal, code="model_cannot_score")
         check_pooling_request(
             prompt_token_ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
+        if token_type_ids is not None and len(token_type_ids) != len(prompt_token_ids):
+            raise RequestError(
+                f"token_type_ids has {len(token_type_ids)} entries for "
+                f"{len(prompt_token_ids)} prompt tokens",
+                param="token_type_ids",
+            )
         try:
             self.pooler.config.check(params)
         except SamplingParamsError as exc:
@@ -299,6 +511,7 @@ class EngineCore:
             metrics=RequestMetrics(arrival_time=arrival),
             pooling=params,
             reads_prefix_cache=not self.pooler.config.uses_every_token,
+            token_type_ids=list(token_type_ids) if token_type_ids is not None else None,
         )
         request.add_samples(0)
         self._enqueue(request)
@@ -386,7 +599,20 @@ class EngineCore:
             num_steps=self.num_steps,
             num_gpu_blocks=self.kv.num_blocks,
             **self._lora_stats(),
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        if self.proposer is None:
+            return {}
+        spec = self.spec_stats.copy()  # the engine thread adds to it meanwhile
+        return {
+            "spec_decode": True,
+            "spec_num_drafts": spec.num_drafts,
+            "spec_num_draft_tokens": spec.num_draft_tokens,
+            "spec_num_accepted_tokens": spec.num_accepted_tokens,
+            "spec_accepted_per_pos": tuple(spec.accepted_per_pos),
+        }
 
     def _lora_stats(self) -> dict[str, Any]:
         if self.lora_slots is None:
@@ -445,13 +671,16 @@ class EngineCore:
         outputs = self.drain_inbox()
         if self.is_sleeping:  # nothing runs until it wakes
             return outputs
-        overlap = self.async_scheduling and self._num_sync_requests == 0
+        # A step that may draft (speculative decoding, few sequences running) needs every token
+        # known to draft from, and its own read back before the next step is scheduled.
+        drafting = self.proposer is not None and self._may_draft()
+        overlap = self.async_scheduling and self._num_sync_requests == 0 and not drafting
         if not overlap:
             outputs += self._read_in_flight()
         # Until warm-up's background compile is done, steps stay within the compiled buckets.
         budget = min(self.config.max_num_batched_tokens, self.runner.ready_tokens)
         self.scheduler.max_num_batched_tokens = budget
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self._propose() if drafting else None)
         if sched.is_empty:
             return outputs + self._read_in_flight()
         mark_scheduled(sched, time.time())
@@ -490,6 +719,11 @@ class EngineCore:
         self._in_flight = (sched, step)
         return outputs
 
+    def _may_draft(self) -> bool:
+        spec = self.config.speculative_config
+        running = len(self.scheduler.running)
+        return spec is not None and 0 < running <= spec.max_batch_size
+
     def _fail_new_requests(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """A step whose inputs could not be built: the requests that joined it fail, and the
         engine carries on (with no new request to blame, the step loop dies)."""
@@ -519,6 +753,8 @@ class EngineCore:
     ) -> list[RequestOutput]:
         if accepted is None:
             accepted = self.structured_outputs.accept_step(sched, result)
+        if sched.has_drafts:
+            self._verified(sched, result)
         now = time.time()
         touched: dict[str, list[Sequence]] = {}
         outputs = []
@@ -530,7 +766,7 @@ class EngineCore:
                 outputs.append(self._end_request(request, error))
         if self.pooler is not None:  # a pooling engine runs pooling requests only
             return outputs + self._process_pooled(sched, result)
-        for i, item in enumerate(sched.scheduled):
+        for item, row in zip(sched.scheduled, sched.sample_rows(), strict=True):
             seq = seq_of(item)
             request = seq.request
             self._count_prompt_tokens(item)
@@ -542,19 +778,14 @@ class EngineCore:
                 if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
                     touched.setdefault(request.request_id, [])
                 continue
-            self.generation_tokens += 1
-            try:
-                self.output_processor.process_token(seq, result, i)
-                if seq.seq_id in accepted.errors:
-                    raise RuntimeError(accepted.errors[seq.seq_id])
-                if seq.seq_id in accepted.complete:
-                    self.output_processor.complete_grammar(seq)
-            except Exception as exc:  # one bad request must not stop the batch
-                _LOG.exception("request %s failed while processing its output", request.request_id)
-                self.output_processor.fail(seq, repr(exc))
-            if seq.finish_reason is not None:
-                seq.drop_pending()  # a token sampled past the end is discarded
-                self.scheduler.finish(seq)
+            count = self._num_emitted(item, result, row, accepted)
+            for r in range(row, row + count):
+                self.generation_tokens += 1
+                self._process_token(seq, result, r, accepted if r == row + count - 1 else None)
+                if seq.finish_reason is not None:  # a stop inside a verified run ends it there
+                    seq.drop_pending()  # a token sampled past the end is discarded
+                    self.scheduler.finish(seq)
+                    break
             if seq.index == 0 and seq.num_resolved_outputs == 1:
                 self.scheduler.release_parked(seq)
             metrics = request.metrics
@@ -574,6 +805,42 @@ class EngineCore:
             if request.is_finished:
                 self._retire(request)
         return outputs
+
+    def _process_token(
+        self, seq: Sequence, result: RunnerOutput, row: int, accepted: Accepted | None
+    ) -> None:
+        """One sampled token to the output processor; ``accepted``: what the grammars said of
+        the sequence's last token of the step (None for the tokens before it)."""
+        try:
+            self.output_processor.process_token(seq, result, row)
+            if accepted is not None and seq.seq_id in accepted.errors:
+                raise RuntimeError(accepted.errors[seq.seq_id])
+            if accepted is not None and seq.seq_id in accepted.complete:
+                self.output_processor.complete_grammar(seq)
+        except Exception as exc:  # one bad request must not stop the batch
+            _LOG.exception("request %s failed while processing its output", seq.request.request_id)
+            self.output_processor.fail(seq, repr(exc))
+
+    def _num_emitted(
+        self, item: ScheduledSeq, result: RunnerOutput, row: int, accepted: Accepted
+    ) -> int:
+        """The tokens a step gives a sequence that completes in it: one, or after verifying
+        drafts the accepted ones and the target's next (cut where its grammar completed)."""
+        drafts = item.draft_token_ids
+        if not drafts:
+            return 1
+        run = accepted_run(drafts, result.token_ids, row)
+        return min(len(run), accepted.cut.get(item.seq.seq_id, len(run)))
+
+    def _verified(self, sched: SchedulerOutput, result: RunnerOutput) -> None:
+        """A verify step's bookkeeping: counters, and each sequence's rejected drafts taken
+        back from its computed tokens (their KV is overwritten by the steps that follow)."""
+        for item, row in zip(sched.scheduled, sched.sample_rows(), strict=True):
+            drafts = item.draft_token_ids
+            if drafts and item.seq.seq_id not in result.failed:
+                num_accepted = len(accepted_run(drafts, result.token_ids, row)) - 1
+                self.spec_stats.add(len(drafts), num_accepted)
+                self.scheduler.reject_drafts(seq_of(item), len(drafts) - num_accepted)
 
     def _count_prompt_tokens(self, item: ScheduledSeq) -> None:
         seq = item.seq
@@ -601,15 +868,23 @@ class EngineCore:
         self.pooler.add_chunk(seq.seq_id, item.start, item.num_new_tokens, result.pooled[row])
         if not item.completes_sequence:
             return []
+        params = request.pooling
         try:
-            embedding = self.pooler.embedding(seq.seq_id, request.pooling)
+            if params.task == "score":
+                classified = None if result.classified is None else result.classified[row]
+                score = self.pooler.score(seq.seq_id, params, classified)
+            else:
+                embedding = self.pooler.embedding(seq.seq_id, params)
         except Exception as exc:  # one bad request must not stop the batch
             _LOG.exception("request %s failed while pooling", request.request_id)
             return [self._end_request(request, repr(exc))]
         self.output_processor.finish_prompt(seq)
         self.scheduler.finish(seq)
         output = self.output_processor.make_output(request, [seq])
-        output.embedding = embedding
+        if params.task == "score":
+            output.score = score
+        else:
+            output.embedding = embedding
         self._retire(request)
         return [output]
 

@@ -101,6 +101,11 @@ class DataParallelEngine:
     def vocab_size(self) -> int:
         return int(self.replicas[0].vocab_size)
 
+    @property
+    def scoring(self) -> Any:
+        """How the model scores pairs (``engine/scoring.py``): the same on every replica."""
+        return self.replicas[0].scoring
+
     def num_unfinished(self) -> int:
         return sum(replica.num_unfinished() for replica in self.replicas)
 
@@ -120,6 +125,12 @@ class DataParallelEngine:
                 summed[field.name] = sum(values)
         summed["kv_cache_usage"] = summed["kv_cache_usage"] / len(each)
         summed["max_lora"] = each[0].max_lora
+        summed["spec_decode"] = any(s.spec_decode for s in each)
+        per_pos = [s.spec_accepted_per_pos for s in each]  # position by position
+        width = max(map(len, per_pos))
+        summed["spec_accepted_per_pos"] = tuple(
+            sum(p[i] for p in per_pos if i < len(p)) for i in range(width)
+        )
         return EngineStats(**summed)
 
     # -- requests --------------------------------------------------------------------------
@@ -163,10 +174,11 @@ class DataParallelEngine:
         prompt: str | None = None,
         priority: int = 0,
         group_id: str | None = None,
+        token_type_ids: Sequence[int] | None = None,
     ) -> AsyncGenerator[RequestOutput]:
         """A pooling request, on the replica the balancer picks."""
         stream = lambda replica: replica.encode(  # noqa: E731
-            prompt_token_ids, params, request_id, prompt, priority, group_id
+            prompt_token_ids, params, request_id, prompt, priority, group_id, token_type_ids
         )
         routed = self._routed(request_id, prompt_token_ids, 1, None, stream)
         async with contextlib.aclosing(routed) as outputs:  # closed with this generator

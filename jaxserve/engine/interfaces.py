@@ -55,6 +55,14 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_lora: int = 0
+    # Speculative decoding (vllm:spec_decode_*; engine/spec_decode.py SpecDecodeStats): drafts
+    # verified, tokens drafted, drafts accepted, and accepted drafts by position in the draft;
+    # spec_decode False: speculation is off (those series are not exported).
+    spec_decode: bool = False
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 class Runner(Protocol):
@@ -134,9 +142,11 @@ class EngineClient(Protocol):
         prompt: str | None = None,
         priority: int = 0,
         group_id: str | None = None,
+        token_type_ids: Sequence[int] | None = None,
     ) -> AsyncGenerator[RequestOutput]:
         """A pooling request (an engine started with ``runner="pooling"``): one finished
-        output whose ``embedding`` is set. ``RequestError`` (a ``ValueError`` naming the
+        output whose ``embedding`` is set (``score`` with ``params.task == "score"``;
+        ``token_type_ids``: an encoder text pair's). ``RequestError`` (a ``ValueError`` naming the
         field) for a request it cannot take, a generation engine's included."""
         ...
 

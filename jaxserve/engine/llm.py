@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from jaxserve.engine.core import EngineCore
-from jaxserve.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from jaxserve.engine.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from jaxserve.engine_config import EngineConfig
 from jaxserve.lora_request import LoRARequest
 from jaxserve.pooling_params import PoolingParams
@@ -314,6 +320,52 @@ class LLM:
             EmbeddingRequestOutput(
                 out.request_id,
                 EmbeddingOutput(out.embedding.tolist() if out.embedding is not None else []),
+                out.prompt_token_ids,
+                out.finished,
+            )
+            for out in self._run(request_ids, use_tqdm)
+        ]
+
+    def score(
+        self,
+        data_1: str | Seq[str],
+        data_2: str | Seq[str],
+        *,
+        instruction: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_activation: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """The score of each (query, document) pair, as vLLM's ``LLM.score``: one ``data_1``
+        text against each of ``data_2`` (1:N), or the two lists pairwise (N:N);
+        ``outputs[i].outputs.score``. A cross-encoder or a decoder reranker served for pooling
+        (docs/embeddings.md); ``instruction``: a reranker prompt's; ``use_activation=False``:
+        the raw logit."""
+        firsts = [data_1] if isinstance(data_1, str) else list(data_1)
+        seconds = [data_2] if isinstance(data_2, str) else list(data_2)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds) or not seconds:
+            raise ValueError(
+                f"data_1 has {len(firsts)} texts and data_2 {len(seconds)}: give one data_1 "
+                "text, or as many as data_2 (and at least one)"
+            )
+        core = self.engine
+        if not core.scoring.can_score:
+            raise ValueError(core.scoring.refusal)
+        params = PoolingParams(task="score", use_activation=use_activation)
+        request_ids = []
+        for query, document in zip(firsts, seconds, strict=True):
+            ids, types = core.scoring.tokenize_pair(
+                core.tokenizer, query, document, instruction, truncate_prompt_tokens
+            )
+            request_id = str(next(self._ids))
+            core.add_pooling_request(request_id, ids, params, token_type_ids=types)
+            request_ids.append(request_id)
+        return [
+            ScoringRequestOutput(
+                out.request_id,
+                ScoringOutput(float(out.score) if out.score is not None else float("nan")),
                 out.prompt_token_ids,
                 out.finished,
             )

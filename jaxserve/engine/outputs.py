@@ -62,6 +62,8 @@ class RequestOutput:
     error: str | None = None  # set when the engine failed this request
     # A pooling request's result, on its one (finished) output: f32[dimensions or hidden size]
     embedding: np.ndarray | None = None
+    # A score request's result (``PoolingParams(task="score")``): the pair's relevance score
+    score: float | None = None
 
     def merge(self, delta: RequestOutput) -> None:
         """Fold a streamed delta into this accumulated output."""
@@ -93,6 +95,8 @@ class RequestOutput:
         self.error = delta.error or self.error
         if delta.embedding is not None:
             self.embedding = delta.embedding
+        if delta.score is not None:
+            self.score = delta.score
 
 
 @dataclasses.dataclass
@@ -104,6 +108,23 @@ class EmbeddingOutput:
     @property
     def hidden_size(self) -> int:
         return len(self.embedding)
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    """vLLM's ``ScoringOutput``: the score of one pair."""
+
+    score: float
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput:
+    """What ``LLM.score`` returns per pair, as vLLM's class of the same name."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
 
 
 @dataclasses.dataclass

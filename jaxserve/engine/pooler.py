@@ -8,6 +8,10 @@ token for last-token pooling, and ``embedding`` finishes the vector on the host
 (``models/pooling.py``: pick, truncate to ``dimensions``, normalize). It owns that state, keyed
 by ``seq_id``, from the first chunk to ``free`` (the request retires).
 
+A score (``PoolingParams(task="score")``) is made here too, by the model's ``ScoreHead``
+(``models/scoring.py``): from a cross-encoder's logits (``RunnerOutput.classified``, given to
+``score``) or from the last token's hidden state (a decoder reranker).
+
 NOTE: truncation and normalization run here, on the host, not on the device: a request's
 vector is a few thousand floats, once, and its ``dimensions`` and ``normalize`` then never
 reach a compiled program (one pooling program per token bucket, whatever the requests ask).
@@ -20,6 +24,7 @@ import dataclasses
 import numpy as np
 
 from jaxserve.models.pooling import PoolingConfig
+from jaxserve.models.scoring import ScoreHead
 from jaxserve.pooling_params import PoolingParams
 
 
@@ -32,8 +37,9 @@ class _Chunks:
 
 
 class Pooler:
-    def __init__(self, config: PoolingConfig) -> None:
+    def __init__(self, config: PoolingConfig, score_head: ScoreHead | None = None) -> None:
         self.config = config
+        self.score_head = score_head  # None: the model cannot score pairs
         self._seqs: dict[str, _Chunks] = {}
 
     def add_chunk(
@@ -60,6 +66,15 @@ class Pooler:
         return self.config.embedding(
             state.sum_hidden, state.first, state.last, state.num_tokens, params
         )
+
+    def score(
+        self, seq_id: str, params: PoolingParams, classified: np.ndarray | None = None
+    ) -> float:
+        """The finished score of a sequence whose last chunk has been added; ``classified``:
+        a cross-encoder's logits of it (f32[L])."""
+        assert self.score_head is not None, "a score request to a model that cannot score"
+        state = self._seqs[seq_id]
+        return self.score_head.score(state.last, classified, params.use_activation)
 
     def free(self, seq_id: str) -> None:
         self._seqs.pop(seq_id, None)

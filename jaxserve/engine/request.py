@@ -73,6 +73,10 @@ class Sequence:
         return len(self.request.prompt_token_ids)
 
     @property
+    def token_type_ids(self) -> list[int] | None:
+        return self.request.token_type_ids
+
+    @property
     def num_tokens(self) -> int:
         return len(self.request.prompt_token_ids) + len(self.output_token_ids)
 
@@ -160,6 +164,9 @@ class Request:
     # False: its prompt is computed whole, never taken from the prefix cache (a pooling that
     # needs every token's hidden state: mean, CLS).
     reads_prefix_cache: bool = True
+    # An encoder's token type per prompt token (0 / 1 for the two texts of a BERT pair, as the
+    # tokenizer gives them); None: all 0.
+    token_type_ids: list[int] | None = None
     lora_request: LoRARequest | None = None  # its adapter; None: the base model
 
     @property

@@ -59,6 +59,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.parked: list[Sequence] = []  # samples waiting for their sibling's prefill
         self.num_preemptions = 0
+        # The sampler's rows in a step (the runner's largest sequence bucket): a step's
+        # sequences and drafted tokens together fit them.
+        self.max_sample_rows = max_num_seqs
         # Told to the runner with the next step that runs: their runner state goes.
         self._preempted_ids: list[str] = []
         self._finished_ids: list[str] = []
@@ -119,30 +122,14 @@ class Scheduler:
         remaining = min(seq.num_tokens, self.max_model_len) - seq.num_computed_tokens
         return min(remaining, budget)
 
-    def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledSeq] = []
+    def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
+        """The step's work. ``drafts`` (speculative decoding): seq id -> tokens drafted after
+        its last one; a decoding sequence verifies what the step's budget, its blocks, its
+        ``max_tokens`` and the sampler's ``max_sample_rows`` leave of them (``_with_draft``)."""
         num_preempted = len(self._preempted_ids)
-
-        # 1. Running sequences, oldest first; preempt from the back when blocks run out.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = self._num_new_tokens(seq, budget)
-            if num_new <= 0:
-                i += 1
-                continue
-            while not self.kv.allocate(seq, num_new):
-                victim = self._victim(i)
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
-                budget -= num_new
-                i += 1
-                continue
-            # `seq` itself was preempted; the loop index now points at the next sequence.
+        scheduled, budget = self._schedule_running(self.max_num_batched_tokens, drafts or {})
+        # drafted tokens scheduled: each takes a row of the sampler
+        num_drafted = sum(len(item.draft_token_ids) for item in scheduled)
 
         # 2. Waiting sequences, round-robin over requests, while budget, sequence cap and
         # blocks allow (none after a preemption: the pool is short). The last few slots are
@@ -153,6 +140,8 @@ class Scheduler:
             running_groups: set[str] | None = None
             for seq in self.waiting.round_robin():
                 if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                    break
+                if len(scheduled) + num_drafted >= self.max_sample_rows:
                     break
                 if len(self.running) >= open_slots:
                     if running_groups is None:
@@ -175,6 +164,63 @@ class Scheduler:
             output.preempted_seq_ids, self._preempted_ids = self._preempted_ids, []
             output.finished_seq_ids, self._finished_ids = self._finished_ids, []
         return output
+
+    def _schedule_running(
+        self, budget: int, drafts: dict[str, list[int]]
+    ) -> tuple[list[ScheduledSeq], int]:
+        """Running sequences, oldest first, with their drafts; preempt from the back when
+        blocks run out. The step's entries so far and the budget left."""
+        scheduled: list[ScheduledSeq] = []
+        num_drafted = 0
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = self._num_new_tokens(seq, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate(seq, num_new):
+                victim = self._victim(i)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                item = ScheduledSeq(seq, num_new, seq.num_computed_tokens)
+                if seq.seq_id in drafts:  # its drafts verified, as the budget allows
+                    item = self._with_draft(item, drafts[seq.seq_id], budget, num_drafted)
+                    num_drafted += len(item.draft_token_ids)
+                scheduled.append(item)
+                budget -= item.num_new_tokens
+                i += 1
+                continue
+            # `seq` itself was preempted; the loop index now points at the next sequence.
+        return scheduled, budget
+
+    def _with_draft(
+        self, item: ScheduledSeq, draft: list[int], budget: int, num_drafted: int
+    ) -> ScheduledSeq:
+        """A decoding sequence's step with its drafted tokens to verify: as many as the token
+        budget, the sampler's rows (``max_sample_rows``, the running sequences each keeping
+        one) and the block pool allow (a draft never preempts), and no more than the sequence
+        could use: ``max_tokens`` and ``max_model_len`` (the token after the last draft is
+        sampled too)."""
+        seq = seq_of(item)
+        if item.num_new_tokens != 1 or not item.completes_sequence or seq.num_pending:
+            return item
+        room = self.max_model_len - seq.num_tokens - 1
+        max_tokens = seq.params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - len(seq.output_token_ids) - 1)
+        rows_left = self.max_sample_rows - len(self.running) - num_drafted
+        k = min(len(draft), budget - 1, rows_left, room)
+        if k <= 0 or not self.kv.allocate(seq, 1 + k):
+            return item
+        return ScheduledSeq(seq, 1 + k, item.start, item.is_new, list(draft[:k]))
+
+    def reject_drafts(self, seq: Sequence, num_rejected: int) -> None:
+        """A verify step's rejected drafts: their KV is not the sequence's (slots past
+        ``num_computed_tokens`` are written again by the steps that follow)."""
+        seq.num_computed_tokens -= num_rejected
 
     def _acquire_adapter(self, seq: Sequence) -> bool:
         """A device slot for the sequence's adapter (``seq.lora_slot``); False when none is

@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxserve.engine.grammar import short_error
 from jaxserve.engine.request import Request, Sequence, seq_of
+from jaxserve.engine.spec_decode import accepted_run
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from jaxserve.sampling_params import StructuredOutputsParams
 from jaxserve.units import cdiv
@@ -84,6 +85,9 @@ class Accepted:
 
     complete: set[str] = dataclasses.field(default_factory=set)  # seq ids
     errors: dict[str, str] = dataclasses.field(default_factory=dict)  # seq id -> why
+    # A verify step's sequence (speculative decoding) whose grammar completed, or refused a
+    # token, inside its run: the tokens it keeps, up to that one (seq id -> count).
+    cut: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 # NOTE: while a mask fills, the interpreter hands the GIL between threads every 0.1 ms instead of
@@ -142,18 +146,62 @@ class StructuredOutputs:
 
     def accept_step(self, sched: SchedulerOutput, result: RunnerOutput) -> Accepted:
         """A step's sampled tokens through the grammars of the sequences that have one (not
-        those of a request whose part of the step failed: it ends)."""
+        those of a request whose part of the step failed: it ends). A sequence that verified
+        drafts takes its accepted run, token by token (``_accept_run``)."""
         if not self._seqs:
             return Accepted()
         scheduled = sched.scheduled
         failed = {seq_of(i).request.request_id for i in scheduled if i.seq.seq_id in result.failed}
         tokens = []
-        for i, item in enumerate(scheduled):
+        runs = []
+        for item, row in zip(scheduled, sched.sample_rows(), strict=True):
             seq = seq_of(item)
             if item.completes_sequence and not seq.is_finished:
-                if seq.request.request_id not in failed:
-                    tokens.append((seq, int(result.token_ids[i])))
-        return self.accept_tokens(tokens)
+                if seq.request.request_id in failed:
+                    continue
+                if item.draft_token_ids:
+                    runs.append((seq, accepted_run(item.draft_token_ids, result.token_ids, row)))
+                else:
+                    tokens.append((seq, int(result.token_ids[row])))
+        accepted = self.accept_tokens(tokens)
+        for seq, run in runs:
+            self._accept_run(seq, run, accepted)
+        return accepted
+
+    def _accept_run(self, seq: Sequence, run: list[int], accepted: Accepted) -> None:
+        """A verify step's tokens through the sequence's grammar, in order, up to the one that
+        completes it or that it refuses (``Accepted.cut``). Its drafts were cut to what the
+        grammar takes (``cut_drafts``) and each position sampled under its mask, so a refusal
+        is a bug, reported as without speculation."""
+        state = self._seqs.get(seq.seq_id)
+        if state is None or not state.is_active:
+            return
+        for j, token in enumerate(run):
+            if not state.matcher.consume_token(token):
+                error = short_error(state.matcher.get_error())
+                accepted.errors[seq.seq_id] = f"token {token} broke the constraint: {error}"
+            elif state.matcher.is_stopped():
+                accepted.complete.add(seq.seq_id)
+            else:
+                continue
+            accepted.cut[seq.seq_id] = j + 1
+            return
+
+    def cut_drafts(self, drafts: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Drafts cut at the first token the sequence's grammar refuses (speculative decoding:
+        nothing the grammar refuses is verified). A sequence whose constraint has not started
+        (a reasoning section, or the choice to open one) drafts nothing."""
+        if not self._seqs:
+            return drafts
+        for seq_id, draft in drafts.items():
+            state = self._seqs.get(seq_id)
+            if state is None:
+                continue
+            if not state.is_active or state.may_open is not None or state.matcher.is_stopped():
+                drafts[seq_id] = []
+            else:
+                drafts[seq_id] = draft[: state.matcher.validate_tokens(draft)]
+        return drafts
 
     def accept_tokens(self, tokens: list[tuple[Sequence, int]]) -> Accepted:
         """Advance the matchers of these sequences by the tokens read back, in one parallel
@@ -187,27 +235,35 @@ class StructuredOutputs:
         without an active matcher allow every token, and a row whose first token may open a
         reasoning section also allows that id. The array is this object's own, valid until
         the next ``start_masks``; the future raises what the fill raised."""
-        rows, openings, free_rows = [], [], []
-        for i, item in enumerate(sched.scheduled):
+        rows: list[tuple[Any, int]] = []
+        openings: list[tuple[int, int]] = []
+        free_rows: list[int] = []
+        drafted: list[tuple[Any, int, list[int]]] = []
+        for item, i in zip(sched.scheduled, sched.sample_rows(), strict=True):
             state = self._seqs.get(item.seq.seq_id)
+            drafts = item.draft_token_ids
             if item.completes_sequence and state is not None and state.is_active:
+                if drafts:  # a row per position, the grammar advanced through the drafts
+                    free_rows.extend(range(i, i + len(drafts) + 1))
+                    drafted.append((state.matcher, i, list(drafts)))
+                    continue
                 if not state.matcher.is_stopped():
                     rows.append((state.matcher, i))
                     if state.may_open is not None:
                         openings.append((i, state.may_open))
                     continue
-            free_rows.append(i)
+            free_rows.extend(range(i, i + len(drafts) + 1))
         if self._mask_worker is None:
             self._mask_worker = concurrent.futures.ThreadPoolExecutor(1, "token-masks")
         pending = self._pending_mask
         assert pending is None or pending.done(), "one mask at a time"
-        num_rows = len(sched.scheduled)
+        num_rows = sum(item.num_sampled for item in sched.scheduled)
         if len(self._masks) < num_rows:
             self._masks = np.zeros((num_rows, self.mask_width), np.int32)
         masks = self._masks[:num_rows]
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(MASK_SWITCH_INTERVAL_S)
-        fill = functools.partial(self._fill, rows, openings, free_rows, masks)
+        fill = functools.partial(self._fill, rows, openings, free_rows, masks, drafted)
         self._pending_mask = self._mask_worker.submit(fill)
         return self._pending_mask
 
@@ -217,6 +273,7 @@ class StructuredOutputs:
         openings: list[tuple[int, int]],
         free_rows: list[int],
         masks: np.ndarray,
+        drafted: list[tuple[Any, int, list[int]]],
     ) -> np.ndarray:
         import llguidance.numpy
 
@@ -224,6 +281,9 @@ class StructuredOutputs:
             masks[free_rows] = -1  # llguidance writes every word of the other rows
             if rows:
                 llguidance.numpy.fill_next_token_bitmask_par(self.executor, rows, masks)
+            if drafted:  # rows past a completed grammar stay open: those tokens are cut
+                fill = llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens
+                fill(self.executor, drafted, masks)
             words = masks.view(np.uint32)
             for row, token in openings:
                 words[row, token // 32] |= np.uint32(1 << (token % 32))

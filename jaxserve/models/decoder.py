@@ -283,7 +283,7 @@ def forward_with_aux(
     check_aux_layers(config, aux_layers)
     attention_fn = attention_fn or dispatch.ragged_paged_attention
     x = weights.embed[batch.input_ids]  # [T, H]
-    mask = None if lora is None else lora.slot_mask(x.dtype)  # [T, M]
+    route = None if lora is None else lora.routing(x.dtype)  # tokens -> slots
     if config.is_gemma:  # the normalizer is rounded to the activations' dtype, as in Hugging Face
         x = x * jnp.asarray(config.hidden_size**0.5, x.dtype)
     rotaries: dict[tuple[float, RopeScaling | None], tuple[jax.Array, jax.Array]] = {}
@@ -300,7 +300,7 @@ def forward_with_aux(
             freqs, scale = rope.rotary_angles(batch.positions, config.head_dim, *layer_rope)
             rotaries[layer_rope] = rope.cos_sin(freqs, scale, x.dtype)
         kv_scale = None if kv_scales is None else kv_scales[layer]
-        lora_layer = None if lora is None or mask is None else (lora.weights.layers[layer], mask)
+        lora_layer = None if lora is None or route is None else (lora.weights.layers[layer], route)
         x, pages = decoder_layer(
             lw,
             x,

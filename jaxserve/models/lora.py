@@ -13,8 +13,10 @@ the tokens' one-hot slot mask between them: ``x [T, in] @ A [in, M * R]`` -> ``[
 masked to each token's own slot, then ``@ B [M * R, out]``. It is exact (other slots contribute
 zeros), has no gather or sort, and costs ``M * R`` extra columns per projection: with 8 slots of
 rank 16 that is 128 columns beside q_proj's 4,096. ``lora_delta_ragged`` is the same product with
-``jax.lax.ragged_dot`` over tokens sorted by slot (tested equal); see docs/lora.md for the
-measurements and the grouped kernel this stands in for on GPUs.
+``jax.lax.ragged_dot`` over tokens sorted by slot (tested equal). The decoder's projections
+(``qkv_deltas`` ... ``down_delta``) take the product from ``pallas_kernels.lora.dispatch``: on
+one NVIDIA GPU the grouped Pallas Triton kernel (tokens sorted by slot, each used slot's A and B
+read once, none of an empty slot's), elsewhere this dense form (docs/lora.md).
 
 Einsum letters: T tokens, M slots, R rank, H hidden, I intermediate; X a projection's inputs and
 O its outputs (flattened heads).
@@ -28,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
+from pallas_kernels.lora import dispatch
 
 # The projections an adapter may target, PEFT's module names -> ours. q/k/v share one input
 # (their A matrices are joined: one GEMM), as do gate/up.
@@ -136,6 +139,20 @@ class LoraInputs:
         rows = jnp.arange(1, num_slots + 1, dtype=jnp.int32)
         return (self.token_slots[:, None] == rows[None, :]).astype(dtype)
 
+    def routing(self, dtype: jnp.dtype) -> LoraRouting:
+        """The step's tokens -> slots, as every layer's projections read them."""
+        return LoraRouting(self.token_slots, self.slot_mask(dtype))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LoraRouting:
+    """Each token's slot, and its one-hot row (the dense product's; XLA drops it when the
+    kernel runs)."""
+
+    token_slots: jax.Array  # i32[T]  0: no adapter
+    mask: jax.Array  # [T, M]
+
 
 def lora_shrink(x: jax.Array, a: jax.Array, mask: jax.Array) -> jax.Array:
     """``x [T, X] @ a [M, X, R']`` for every slot, kept only in each token's own slot:
@@ -182,7 +199,11 @@ def lora_delta_ragged(
 
 # -- the decoder's projections ------------------------------------------------------------------
 
-LayerLora = tuple[LoraLayer, jax.Array]  # (the layer's slots, the step's slot mask [T, M])
+LayerLora = tuple[LoraLayer, LoraRouting]  # (the layer's slots, the step's tokens -> slots)
+
+
+def _deltas(x: jax.Array, a: jax.Array, bs: tuple[jax.Array, ...], route: LoraRouting):
+    return dispatch.lora_deltas(x, a, bs, route.token_slots, route.mask)
 
 
 def qkv_deltas(
@@ -191,32 +212,27 @@ def qkv_deltas(
     q_shape: tuple[int, ...],  # (N, D)
     kv_shape: tuple[int, ...],  # (K, D)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # [T, N, D], [T, K, D], [T, K, D]
-    """The q, k and v terms: one shrink GEMM for the three (their A matrices joined)."""
-    layer, mask = lora
-    xa = lora_shrink(x, layer.qkv_a, mask)  # [T, M, 3R]
-    q, k, v = jnp.split(xa, 3, axis=2)
-    return (
-        lora_expand(q, layer.q_b, q_shape),
-        lora_expand(k, layer.k_b, kv_shape),
-        lora_expand(v, layer.v_b, kv_shape),
-    )
+    """The q, k and v terms: one shrink for the three (their A matrices joined)."""
+    layer, route = lora
+    q, k, v = _deltas(x, layer.qkv_a, (layer.q_b, layer.k_b, layer.v_b), route)
+    t = x.shape[0]
+    return q.reshape(t, *q_shape), k.reshape(t, *kv_shape), v.reshape(t, *kv_shape)
 
 
 def o_delta(out: jax.Array, lora: LayerLora) -> jax.Array:  # [T, N, D] -> [T, H]
-    layer, mask = lora
-    return lora_delta(out.reshape(out.shape[0], -1), layer.o_a, layer.o_b, mask)
+    layer, route = lora
+    return _deltas(out.reshape(out.shape[0], -1), layer.o_a, (layer.o_b,), route)[0]
 
 
 def gate_up_deltas(x: jax.Array, lora: LayerLora) -> tuple[jax.Array, jax.Array]:  # [T, I] x2
-    """The gate and up terms: one shrink GEMM for both."""
-    layer, mask = lora
+    """The gate and up terms: one shrink for both."""
+    layer, route = lora
     assert layer.gate_up_a is not None and layer.gate_b is not None and layer.up_b is not None
-    gate, up = jnp.split(lora_shrink(x, layer.gate_up_a, mask), 2, axis=2)
-    width = (layer.gate_b.shape[-1],)
-    return lora_expand(gate, layer.gate_b, width), lora_expand(up, layer.up_b, width)
+    gate, up = _deltas(x, layer.gate_up_a, (layer.gate_b, layer.up_b), route)
+    return gate, up
 
 
 def down_delta(h: jax.Array, lora: LayerLora) -> jax.Array:  # [T, I] -> [T, H]
-    layer, mask = lora
+    layer, route = lora
     assert layer.down_a is not None and layer.down_b is not None
-    return lora_delta(h, layer.down_a, layer.down_b, mask)
+    return _deltas(h, layer.down_a, (layer.down_b,), route)[0]

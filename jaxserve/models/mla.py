@@ -7,7 +7,7 @@ layer's pair), nothing per head. Head n's key is ``[c_kv @ W_UK[n], k_pe]`` and 
 ``c_kv @ W_UV[n]``, where W_UK and W_UV are kv_b_proj's two parts; attention runs in the latent
 space instead: the query's non-rotary part is multiplied by W_UK (absorbed), the scores are
 ``q_latent . c_kv + q_pe . k_pe``, and the weighted latent is multiplied by W_UV afterwards
-(``pallas_kernels.mla``).
+(``pallas_kernels.mla``: the dispatch picks its kernel or reference).
 
 Einsum letters: T tokens, H hidden, N heads, Q the query's low rank, L latent, C a head's key
 part without rope, R rotary dims, U a head's value, A = C + R, B = C + U.
@@ -24,7 +24,7 @@ from jaxserve.models.batch import Batch
 from jaxserve.models.layers import LayerWeights, rms_norm
 from jaxserve.models.quant import linear
 from pallas_kernels.kv_cache import write_latent
-from pallas_kernels.mla.reference import ragged_paged_mla_attention
+from pallas_kernels.mla.dispatch import ragged_paged_mla_attention
 
 # NOTE: the absorbed form, not expanding K and V from the latent inside the step: it keeps
 # the cache at the latent's size and reads it as one KV head (the reference's MQA semantics

@@ -57,12 +57,16 @@ class PoolingConfig:
     source: str = "defaults"  # where it was read, for the start-up log
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, hidden_size: int) -> PoolingConfig:
+    def from_model_dir(
+        cls, model_dir: str | Path, hidden_size: int, default_type: str = "last"
+    ) -> PoolingConfig:
+        """``default_type``: the pooling without ``modules.json`` (a decoder's last token, an
+        encoder's CLS), normalized."""
         model_dir = Path(model_dir)
-        pooling_type, normalize, source = "last", True, "defaults (no modules.json)"
+        pooling_type, normalize, source = default_type, True, "defaults (no modules.json)"
         modules_path = model_dir / "modules.json"
         if modules_path.is_file():
-            pooling_type, normalize = _read_modules(model_dir, modules_path)
+            pooling_type, normalize = _read_modules(model_dir, modules_path, default_type)
             source = str(modules_path)
         raw = _read_json(model_dir / "config.json")
         dims = raw.get("matryoshka_dimensions")
@@ -154,12 +158,15 @@ def _read_json(path: Path) -> dict[str, Any]:
     return raw  # type: ignore[return-value]
 
 
-def _read_modules(model_dir: Path, modules_path: Path) -> tuple[str, bool]:
-    """(pooling type, normalize) of a sentence-transformers ``modules.json``."""
+def _read_modules(
+    model_dir: Path, modules_path: Path, default_type: str = "last"
+) -> tuple[str, bool]:
+    """(pooling type, normalize) of a sentence-transformers ``modules.json`` (a cross-encoder's
+    names no Pooling module: ``default_type``)."""
     modules = _read_json(modules_path)
     if not isinstance(modules, list):
         raise PoolingConfigError(f"{modules_path}: a list of modules is expected")
-    pooling_type, normalize = "last", False
+    pooling_type, normalize = default_type, False
     for module in modules:
         kind = str(module.get("type", "")) if isinstance(module, dict) else ""
         if kind.endswith("Normalize"):

@@ -18,15 +18,20 @@ names it.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 from typing import Any
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import KV_DTYPE_BYTES, EngineConfig
 from jaxserve.models.batch import kv_bytes_per_token
+from jaxserve.models.lora import lora_shapes
 from jaxserve.models.quant_scheme import QuantScheme, weight_bytes
 from jaxserve.runner.buckets import next_power_of_2, token_buckets_for
 from jaxserve.runner.sampling import PROMPT_LOGPROBS_CHUNK
 from jaxserve.units import cdiv
+from pallas_kernels.mla import reference as mla_reference
+from pallas_kernels.ragged_paged_attention import reference as attention_reference
 
 GiB = 1024**3
 # The CPU backend reports no memory: its KV budget is a fraction of this (or of
@@ -95,6 +100,11 @@ class Capacity:
     max_model_len: int
     sliding_window: int | None = None  # when every layer slides: the window, else None
     kv_cache_dtype: str | None = None  # what the cache stores (fp8_e4m3, bfloat16, ...)
+    mla_bytes: int = 0  # of activation_bytes: one latent attention call's temporaries
+    mla_path: str | None = None  # the latent attention's path (MLA_PATH), with mla_bytes
+    reference_attention_bytes: int = 0  # of activation_bytes: the jnp attention reference's
+    lora_bytes: int = 0  # the adapter slots (--enable-lora), per device
+    lora_slots: tuple[int, int] | None = None  # (--max-loras, --max-lora-rank) with LoRA on
 
     @property
     def num_tokens(self) -> int:
@@ -113,9 +123,29 @@ class Capacity:
         return self.num_tokens / self.tokens_per_request
 
     def lines(self) -> list[str]:
+        lora = []
+        if self.lora_slots is not None:
+            slots, rank = self.lora_slots
+            lora = [
+                f"LoRA adapter slots take {self.lora_bytes / GiB:.2f} GiB per device ({slots} "
+                f"slots of rank {rank}, every projection's A and B)"
+            ]
         return [
             f"Model weights take {self.weight_bytes / GiB:.2f} GiB per device; "
-            f"activation headroom {self.activation_bytes / GiB:.2f} GiB",
+            f"activation headroom {self.activation_bytes / GiB:.2f} GiB"
+            + (
+                f" (of which {self.mla_bytes / GiB:.2f} GiB for multi-head latent attention's "
+                f"temporaries on the {self.mla_path} path, per step, not per max model len)"
+                if self.mla_path is not None
+                else ""
+            )
+            + (
+                f" (of which {self.reference_attention_bytes / GiB:.2f} GiB for the pure-jnp "
+                "attention reference's temporaries: tokens x max model len)"
+                if self.reference_attention_bytes
+                else ""
+            ),
+            *lora,
             f"Available KV cache memory: {self.kv_budget_bytes / GiB:.2f} GiB "
             f"({self.kv_bytes_per_token:,} bytes per token, {self.num_blocks:,} blocks of "
             f"{self.block_size})",
@@ -220,7 +250,7 @@ def activation_bytes(
     per_token = (4 * config.intermediate_size + 6 * config.hidden_size) * dtype_bytes
     if config.mla is not None:  # each head's query (A), absorbed query and output (L), value
         mla = config.mla
-        heads = config.num_q_heads
+        heads = max(1, config.num_q_heads // tensor_parallel_size)  # split over the devices
         per_token += heads * (mla.qk_head_dim + 2 * mla.kv_lora_rank + mla.v_head_dim) * dtype_bytes
     experts = expert_activation_bytes(
         config, max_num_batched_tokens, dtype_bytes, tensor_parallel_size, expert_parallel
@@ -233,20 +263,135 @@ def activation_bytes(
     return max_num_batched_tokens * per_token + experts + sampler + slack
 
 
-def mla_reference_bytes(
-    config: ModelConfig, num_tokens: int, max_model_len: int, block_size: int
+# What each path of multi-head latent attention allocates in one call, besides its inputs and
+# output: (tokens, heads per device, kv_lora_rank, rope dims, block size, pages per sequence,
+# the cache's element size, the query's) -> bytes. A kernel declares its own here beside the
+# reference's (``pallas_kernels.mla``); ``MLA_PATH`` is the one the model runs.
+MLA_TEMPORARY_BYTES: dict[str, Callable[[int, int, int, int, int, int, int, int], int]] = {
+    "reference": mla_reference.temporary_bytes,
+}
+MLA_PATH = "reference"
+
+
+def mla_attention_bytes(
+    config: ModelConfig,
+    num_tokens: int,
+    max_model_len: int,
+    block_size: int,
+    tensor_parallel_size: int = 1,
+    dtype_bytes: int = 2,
+    kv_dtype_bytes: int | None = None,  # the cache's element size; None: dtype_bytes
 ) -> int:
-    """The temporaries of multi-head latent attention's reference (``pallas_kernels.mla``, its
-    only path) in the largest step, 0 for other families: each row gathers its sequence's
-    latents and rotary keys (in the cache's dtype, then float32: counted at 4 bytes each) and
-    scores every position for every head twice (scores, probabilities), over max_model_len
-    positions."""
+    """The temporaries of one multi-head latent attention call in the largest step, per
+    device, as its path declares them (``MLA_TEMPORARY_BYTES``); 0 for other families. The
+    reference walks each row's positions in blocks sized by the step's rows, so this grows
+    with the token bucket and a block, not with max_model_len (the page table's width only
+    caps a block at decode sizes)."""
     if config.mla is None:
         return 0
-    positions = cdiv(max_model_len, block_size) * block_size
-    latent = config.mla.kv_lora_rank + config.mla.qk_rope_head_dim
-    per_position = latent * (4 + 4) + 2 * config.num_q_heads * 4
-    return num_tokens * positions * per_position
+    heads = max(1, config.num_q_heads // tensor_parallel_size)
+    return MLA_TEMPORARY_BYTES[MLA_PATH](
+        num_tokens,
+        heads,
+        config.mla.kv_lora_rank,
+        config.mla.qk_rope_head_dim,
+        block_size,
+        cdiv(max_model_len, block_size),
+        dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes,
+        dtype_bytes,
+    )
+
+
+def reference_attention_bytes(
+    config: ModelConfig,
+    num_tokens: int,
+    max_model_len: int,
+    block_size: int,
+    tensor_parallel_size: int = 1,
+) -> int:
+    """The temporaries of one call of the pure-jnp attention reference
+    (``pallas_kernels.ragged_paged_attention.reference``) in the largest step, per device: every
+    row gathers and scores the whole page table, so this grows with tokens x max_model_len.
+    0 for latent attention (``mla_attention_bytes``). Reserved only where the reference is the
+    path (the CPU, ``JAXSERVE_ATTENTION=reference``, a shape no kernel takes); the kernels write
+    their output only."""
+    if config.mla is not None:
+        return 0
+    return attention_reference.temporary_bytes(
+        num_tokens,
+        max(1, config.num_q_heads // tensor_parallel_size),
+        kv_heads_per_device(config.num_kv_heads, tensor_parallel_size),
+        config.head_dim,
+        cdiv(max_model_len, block_size) * block_size,
+        sinks=config.attention_sinks,
+    )
+
+
+def _planned_activations(
+    config: ModelConfig,
+    *,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    block_size: int,
+    dtype_bytes: int,
+    kv_dtype_bytes: int,
+    device_memory_bytes: int,
+    tensor_parallel_size: int,
+    expert_parallel: bool,
+    reference_attention: bool,
+) -> tuple[int, int, int]:
+    """(latent attention's temporaries, the attention reference's, all the activations)."""
+    mla = mla_attention_bytes(
+        config,
+        max_num_batched_tokens,
+        max_model_len,
+        block_size,
+        tensor_parallel_size,
+        dtype_bytes,
+        kv_dtype_bytes,
+    )
+    attention = 0
+    if reference_attention:
+        attention = reference_attention_bytes(
+            config, max_num_batched_tokens, max_model_len, block_size, tensor_parallel_size
+        )
+    activations = (
+        mla
+        + attention
+        + activation_bytes(
+            config,
+            max_num_batched_tokens,
+            max_num_seqs,
+            dtype_bytes,
+            device_memory_bytes,
+            tensor_parallel_size,
+            expert_parallel,
+        )
+    )
+    return mla, attention, activations
+
+
+def lora_slot_bytes(
+    config: ModelConfig,
+    max_loras: int,
+    max_lora_rank: int,
+    dtype_bytes: int = 2,
+    tensor_parallel_size: int = 1,
+) -> int:
+    """Device bytes of the adapter slots, per device: per slot, layer and projection
+    (models/lora.py's stacks: attention on every layer, the MLP on layers without experts) A
+    [in, R] and B [R, out] in the model dtype; under tensor parallelism the B of q, k, v, gate
+    and up split on their output, the A of o and down on their input (parallel/sharding.py's
+    ``lora_specs``), the rest replicated. Latent attention: a ``ValueError``."""
+    shapes = lora_shapes(config, max_loras, max_lora_rank)
+    tp, kv = tensor_parallel_size, min(tensor_parallel_size, config.num_kv_heads)
+    splits = {"q_b": tp, "k_b": kv, "v_b": kv, "o_a": tp, "gate_b": tp, "up_b": tp, "down_a": tp}
+    total = 0
+    for layer in range(len(shapes.dims)):
+        for name, shape in shapes.layer_arrays(layer).items():
+            total += math.prod(shape) // splits.get(name, 1)
+    return total * dtype_bytes
 
 
 def plan_capacity(
@@ -264,35 +409,31 @@ def plan_capacity(
     max_num_seqs: int = 256,
     num_blocks_override: int | None = None,
     expert_parallel: bool = False,
+    reference_attention: bool = False,  # the jnp reference runs attention (no kernel)
+    lora_slots: tuple[int, int] | None = None,  # (--max-loras, --max-lora-rank) with LoRA on
 ) -> Capacity:
     kv_dtype_bytes = KV_DTYPE_BYTES[kv_cache_dtype] if kv_cache_dtype else dtype_bytes
-    # Quantized Linear weights count at their own bytes (values, scales, zero points).
-    # NOTE: every expert of a mixture of experts is counted: all stay resident, split over the
-    # devices whether by slices (tensor parallel) or whole experts (expert parallel).
-    weights = weight_bytes(config, dtype_bytes, quant) // tensor_parallel_size
-    activations = activation_bytes(
+    weights, lora = _resident_bytes(config, dtype_bytes, quant, tensor_parallel_size, lora_slots)
+    mla, attention, activations = _planned_activations(
         config,
-        max_num_batched_tokens,
-        max_num_seqs,
-        dtype_bytes,
-        device_memory_bytes,
-        tensor_parallel_size,
-        expert_parallel,
-    ) + mla_reference_bytes(config, max_num_batched_tokens, max_model_len, block_size)
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        dtype_bytes=dtype_bytes,
+        kv_dtype_bytes=kv_dtype_bytes,
+        device_memory_bytes=device_memory_bytes,
+        tensor_parallel_size=tensor_parallel_size,
+        expert_parallel=expert_parallel,
+        reference_attention=reference_attention,
+    )
     per_token = cache_bytes_per_token(config, tensor_parallel_size, kv_dtype_bytes)
+    block_bytes = block_size * per_token
     if num_blocks_override is not None:
-        num_blocks = num_blocks_override
-        budget = num_blocks * block_size * per_token
+        num_blocks, budget = num_blocks_override, num_blocks_override * block_bytes
     else:
-        budget = int(device_memory_bytes * memory_utilization) - weights - activations
-        if budget <= 0:
-            raise CapacityError(
-                f"the weights ({weights / GiB:.2f} GiB) and activations "
-                f"({activations / GiB:.2f} GiB) do not fit in {memory_utilization:.0%} of "
-                f"{device_memory_bytes / GiB:.2f} GiB; raise --gpu-memory-utilization or "
-                "--tensor-parallel-size"
-            )
-        num_blocks = budget // (block_size * per_token)
+        budget = _kv_budget(device_memory_bytes, memory_utilization, weights, activations, lora)
+        num_blocks = budget // block_bytes
     _check_full_length_fits(num_blocks, block_size, max_model_len)
     return Capacity(
         device_memory_bytes=device_memory_bytes,
@@ -306,7 +447,42 @@ def plan_capacity(
         max_model_len=max_model_len,
         sliding_window=config.all_layers_window,
         kv_cache_dtype=kv_cache_dtype,
+        mla_bytes=mla,
+        mla_path=MLA_PATH if config.mla is not None else None,
+        reference_attention_bytes=attention,
+        lora_bytes=lora,
+        lora_slots=lora_slots,
     )
+
+
+def _resident_bytes(
+    config: ModelConfig,
+    dtype_bytes: int,
+    quant: QuantScheme | None,
+    tensor_parallel_size: int,
+    lora_slots: tuple[int, int] | None,
+) -> tuple[int, int]:
+    """(weights, LoRA slots) per device. Quantized Linear weights count at their own bytes
+    (values, scales, zero points); every expert of a mixture of experts, split over the devices
+    (tensor or expert parallel)."""
+    weights = weight_bytes(config, dtype_bytes, quant) // tensor_parallel_size
+    if lora_slots is None:
+        return weights, 0
+    return weights, lora_slot_bytes(config, *lora_slots, dtype_bytes, tensor_parallel_size)
+
+
+def _kv_budget(
+    device_memory_bytes: int, memory_utilization: float, weights: int, activations: int, lora: int
+) -> int:
+    budget = int(device_memory_bytes * memory_utilization) - weights - activations - lora
+    if budget <= 0:
+        raise CapacityError(
+            f"the weights ({weights / GiB:.2f} GiB) and activations ({activations / GiB:.2f} GiB)"
+            + (f" and LoRA adapter slots ({lora / GiB:.2f} GiB)" if lora else "")
+            + f" do not fit in {memory_utilization:.0%} of {device_memory_bytes / GiB:.2f} GiB; "
+            "raise --gpu-memory-utilization or --tensor-parallel-size"
+        )
+    return budget
 
 
 def _check_full_length_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:
@@ -327,10 +503,15 @@ def engine_capacity(
     dtype: Any,
     quant: QuantScheme | None,
     kv_cache_dtype: str,
+    kv_dtype: Any = None,  # the cache's jnp dtype; None: dtype
 ) -> Capacity:
     """``plan_capacity`` of an engine's settings: its largest token bucket and sequence bucket,
-    the device's memory unless ``device_memory_bytes`` says otherwise."""
+    the device's memory unless ``device_memory_bytes`` says otherwise, and the attention
+    reference's temporaries where it is the path this backend takes."""
     memory = config.device_memory_bytes  # what the KV budget is a fraction of
+    reference = model_config.mla is None and runs_attention_reference(
+        model_config, dtype, kv_dtype or dtype, config.block_size, config.tensor_parallel_size
+    )
     return plan_capacity(
         model_config,
         max_model_len=config.resolved_max_model_len(model_config),
@@ -345,4 +526,28 @@ def engine_capacity(
         max_num_seqs=next_power_of_2(config.max_num_seqs),
         num_blocks_override=config.num_gpu_blocks_override,
         expert_parallel=config.enable_expert_parallel,
+        reference_attention=reference,
+        lora_slots=(config.max_loras, config.max_lora_rank) if config.enable_lora else None,
     )
+
+
+def runs_attention_reference(
+    model_config: ModelConfig, dtype: Any, kv_dtype: Any, block_size: int, tensor_parallel_size: int
+) -> bool:
+    """Whether the plan reserves the jnp attention reference's temporaries: where
+    ``dispatch.ragged_paged_attention`` takes it for this model on an accelerator (a shape or
+    GPU no kernel takes), or anywhere ``JAXSERVE_ATTENTION=reference`` asks for it. Not on the
+    CPU by default: its budget is a nominal ``CPU_DEVICE_MEMORY_BYTES``, and the reference's
+    rows x max_model_len (2 GiB for the demo model's 2,048-token steps) would leave it no KV
+    cache, while the host's memory is what the step really takes."""
+    import jax
+
+    from pallas_kernels.ragged_paged_attention.dispatch import choose_kernel, requested_attention
+
+    heads = max(1, model_config.num_q_heads // tensor_parallel_size)
+    kv_heads = kv_heads_per_device(model_config.num_kv_heads, tensor_parallel_size)
+    q = jax.ShapeDtypeStruct((1, heads, model_config.head_dim), dtype)
+    k_pages = jax.ShapeDtypeStruct((1, block_size, kv_heads, model_config.head_dim), kv_dtype)
+    if choose_kernel(q, k_pages)[0] != "reference":
+        return False
+    return jax.default_backend() != "cpu" or requested_attention() == "reference"

@@ -34,7 +34,8 @@ from jaxserve.models.quant_scheme import (
 )
 from jaxserve.runner.capacity import kv_heads_per_device
 from pallas_kernels.grouped_matmul.dispatch import GROUPED_MATMUL_NAMES, choose_grouped_matmul
-from pallas_kernels.mla.reference import MLA_FALLBACK
+from pallas_kernels.lora import dispatch as lora_dispatch
+from pallas_kernels.mla import dispatch as mla_dispatch
 from pallas_kernels.ragged_paged_attention.dispatch import KERNEL_NAMES, choose_kernel
 from pallas_kernels.skinny_matmul import dispatch as skinny_dispatch
 
@@ -202,10 +203,12 @@ def describe_attention(
     """``Attention: Pallas Mosaic GPU kernel``; or the path taken instead (the Pallas Triton
     kernel below Hopper, the reference) and why, e.g. ``Attention: Pallas Triton kernel (the
     Mosaic GPU kernel needs Hopper or newer (compute capability 9.0); this GPU has 8.0)``."""
-    if model_config.mla is not None:
-        reference = KERNEL_NAMES["reference"]
-        return f"Attention: {reference} ({MLA_FALLBACK})"
     num_q_heads = max(1, model_config.num_q_heads // tensor_parallel_size)  # per device
+    mla = model_config.mla
+    if mla is not None:
+        return mla_dispatch.describe(
+            num_q_heads, mla.kv_lora_rank, mla.qk_rope_head_dim, dtype, kv_dtype or dtype
+        )
     num_kv_heads = kv_heads_per_device(model_config.num_kv_heads, tensor_parallel_size)
     head_dim = model_config.head_dim
     q = jax.ShapeDtypeStruct((1, num_q_heads, head_dim), dtype)
@@ -283,5 +286,6 @@ def startup_lines(
         describe_samplers(config),
         *([experts] if experts else []),
         *([describe_batch_invariance()] if config.batch_invariant else []),
+        *([lora_dispatch.describe()] if config.enable_lora else []),
     ]
     return lines + ([quant.describe()] if quant is not None else [])

@@ -39,6 +39,11 @@ class InFlight:
     # A pooling runner's step: f32[S_pad, 3, H] on the device (``programs.pool_step``), and
     # no sampler, ever.
     pooled: jax.Array | None = None
+    # Sampled rows to read back; None: one per scheduled sequence (a step with drafted
+    # tokens samples more: ``SchedulerOutput.sample_rows``).
+    num_rows: int | None = None
+    # An encoder's sequence classifier (a cross-encoder): f32[S_pad, L] logits on the device.
+    classified: jax.Array | None = None
 
     @property
     def sampled_ids(self) -> Any:  # i32[S_max] on the device
@@ -48,9 +53,13 @@ class InFlight:
 
     def read_back(self) -> RunnerOutput:
         """Wait for the step and copy its sampled tokens (and logprobs) to the host."""
-        out, num = self.out, len(self.sampled_row)
+        out = self.out
+        num = len(self.sampled_row) if self.num_rows is None else self.num_rows
         if self.pooled is not None:
-            return RunnerOutput(np.zeros(0, np.int32), pooled=np.asarray(self.pooled)[:num])
+            classified = None if self.classified is None else np.asarray(self.classified)[:num]
+            return RunnerOutput(
+                np.zeros(0, np.int32), pooled=np.asarray(self.pooled)[:num], classified=classified
+            )
         if out is None:
             raise RuntimeError("the step has not been sampled (ModelRunner.sample)")
         result = RunnerOutput(token_ids=np.asarray(out.token_ids)[:num])

@@ -191,7 +191,9 @@ class InputBuilder:
         else:
             flat: list[int] = []
             for item in items:
-                flat += item.seq.token_ids(item.start, item.start + item.num_new_tokens)
+                drafts = item.draft_token_ids  # verified after the sequence's own tokens
+                stop = item.start + item.num_new_tokens - len(drafts)
+                flat += item.seq.token_ids(item.start, stop) + drafts
             input_ids[:num_tokens] = flat
         # Token t belongs to sequence seq_of[t] at position starts + (t - cu_q_lens).
         seq_of = np.repeat(np.arange(num_seqs, dtype=np.int32), q_lens[:num_seqs])
@@ -213,9 +215,54 @@ class InputBuilder:
             page_indices=page_indices,
             cu_q_lens=cu_q_lens,
             num_seqs=np.array([num_seqs], np.int32),
-            logits_indices=np.maximum(cu_q_lens[1:] - 1, 0),
+            logits_indices=self._logits_indices(output, cu_q_lens, s_pad),
         )
         return Batch(**host), rows
+
+    @staticmethod
+    def _logits_indices(output: SchedulerOutput, cu_q_lens: np.ndarray, s_pad: int) -> np.ndarray:
+        """The rows of the step's hidden states the sampler takes (i32[s_pad]): each
+        sequence's last; a sequence with k drafted tokens, its last k + 1 (the positions that
+        verify each draft and the one after them), in ``SchedulerOutput.sample_rows`` order.
+        The scheduler keeps them within s_pad (``Scheduler.max_sample_rows``)."""
+        last = np.maximum(cu_q_lens[1:] - 1, 0)
+        if not output.has_drafts:
+            return last
+        indices = np.zeros(s_pad, np.int32)
+        chosen: list[int] = []
+        for i, item in enumerate(output.scheduled):
+            end = int(cu_q_lens[i + 1])
+            chosen.extend(range(end - item.num_sampled, end))
+        if len(chosen) > s_pad:
+            raise ValueError(f"{len(chosen)} sampled positions exceed the step's {s_pad} rows")
+        indices[: len(chosen)] = chosen
+        return indices
+
+    def sampled_positions(
+        self, output: SchedulerOutput, rows: np.ndarray, kv_lens: np.ndarray
+    ) -> tuple[list[StepSequence], np.ndarray, np.ndarray, list[list[int]]]:
+        """Per row of the sampler: its sequence, its table row, the position of the token it
+        samples, and the drafted tokens before that position (a step without drafts: one row
+        per sequence, none before). Row j of a sequence with drafts samples the token after
+        its j-th draft, under the penalties, ``min_tokens`` and mask those drafts give it."""
+        seqs = [item.seq for item in output.scheduled]
+        if not output.has_drafts:
+            return seqs, rows, kv_lens, [[] for _ in seqs]
+        num_rows = rows.shape[0]
+        out_seqs: list[StepSequence] = []
+        out_rows = np.full(num_rows, self.pad_row, np.int32)
+        positions = np.zeros(num_rows, np.int32)
+        before: list[list[int]] = []
+        r = 0
+        for i, item in enumerate(output.scheduled):
+            k = len(item.draft_token_ids)
+            for j in range(k + 1):
+                out_seqs.append(item.seq)
+                out_rows[r] = rows[i]
+                positions[r] = kv_lens[i] - k + j
+                before.append(item.draft_token_ids[:j])
+                r += 1
+        return out_seqs, out_rows, positions, before
 
     def lora_token_slots(self, host_batch: Batch, rows: np.ndarray) -> np.ndarray | None:
         """Each token's adapter slot (i32[T], 0 for the base model and padding), or None
@@ -257,7 +304,12 @@ class InputBuilder:
         return SamplerFlags.variants()
 
     def sampling_inputs(
-        self, seqs: Seq[StepSequence], rows: np.ndarray, kv_lens: np.ndarray, flags: SamplerFlags
+        self,
+        seqs: Seq[StepSequence],
+        rows: np.ndarray,
+        kv_lens: np.ndarray,
+        flags: SamplerFlags,
+        drafted: Seq[list[int]] | None = None,
     ) -> SamplingInputs:
         """The step's sampler inputs: rows gathered from the tables; with ``adjust_logits``,
         bias entries and penalty histories in their fixed widths (one shape per variant); with
@@ -279,11 +331,12 @@ class InputBuilder:
                 row = self._rows[seq.seq_id]
                 n = len(row.bias_ids)
                 bias_ids[i, :n], bias_values[i, :n] = row.bias_ids, row.bias_values
-                if len(seq.output_token_ids) < seq.params.min_tokens:
+                before = drafted[i] if drafted is not None else []  # drafts before its token
+                if len(seq.output_token_ids) + len(before) < seq.params.min_tokens:
                     m = n + len(row.held_stop_ids)
                     bias_ids[i, n:m], bias_values[i, n:m] = row.held_stop_ids, -1e9
                 if seq.params.has_penalties:  # its steps are synchronous: no pending token
-                    tokens = (seq.prompt_token_ids + seq.output_token_ids)[:length]
+                    tokens = (seq.prompt_token_ids + seq.output_token_ids + before)[:length]
                     history[i, : len(tokens)] = tokens
         return SamplingInputs(**host)  # numpy stands in for device arrays until device_put
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import threading
 from typing import Any
@@ -48,15 +49,30 @@ class _Slot:
 
 class LoraSlots:
     def __init__(
-        self, shapes: lora.LoraShapes, dtype: Any, max_cpu_loras: int, put: Any = None
+        self,
+        shapes: lora.LoraShapes,
+        dtype: Any,
+        max_cpu_loras: int,
+        put: Any = None,
+        shardings: Any = None,
     ) -> None:
-        """``put``: places host arrays as the step expects them (``jax.device_put``)."""
+        """``put``: places host arrays as the step expects them (``jax.device_put``);
+        ``shardings``: a ``LoraWeights`` of shardings under tensor parallelism
+        (``parallel/sharding.py``'s ``lora_shardings``), the stacks split as their base
+        projections are, written in place in their shards."""
         self.shapes = shapes
         self.dtype = dtype
         self.max_cpu_loras = max_cpu_loras
+        self.shardings = shardings
+        if shardings is not None and put is None:
+            put = functools.partial(jax.device_put, device=shardings)
         self._put = put or jax.device_put
-        self._write = jax.jit(_write_slot, donate_argnums=0)
-        self.weights: lora.LoraWeights = self._put(lora.zeros(shapes, dtype))
+        out = {} if shardings is None else {"out_shardings": shardings}
+        self._write = jax.jit(_write_slot, donate_argnums=0, **out)
+        if shardings is None:
+            self.weights: lora.LoraWeights = self._put(lora.zeros(shapes, dtype))
+        else:  # allocated in their shards: no device holds all of them
+            self.weights = jax.jit(lambda: lora.zeros(shapes, dtype), out_shardings=shardings)()
         # Compile the write now (into row 0, zeros again): no adapter load compiles.
         self.weights = self._write(self.weights, np.int32(0), self._slot_arrays(None))
         self._slots = [_Slot() for _ in range(shapes.num_slots)]  # slot s is _slots[s - 1]

@@ -74,12 +74,18 @@ def model_step(
 
 
 def jitted_model_step(
-    model_config: ModelConfig, kv_scales: Any, tp: Any = None, batch_invariant: bool = False
+    model_config: ModelConfig,
+    kv_scales: Any,
+    tp: Any = None,
+    batch_invariant: bool = False,
+    lora_shardings: Any = None,
 ) -> Any:
     """``model_step`` jitted, the KV cache donated (updated in place); ``tp``: the runner's
     ``TensorParallel``, whose attention, experts and shardings it takes; ``batch_invariant``:
     each row's result independent of its step (docs/determinism.md): GEMMs in fixed row tiles,
-    attention with its reduction pinned."""
+    attention with its reduction pinned. ``lora_shardings`` (LoRA under tensor parallelism:
+    the adapter stacks' ``LoraWeights`` of shardings): the step takes the stacks as a sixth
+    positional argument (jit takes no keyword argument beside ``in_shardings``)."""
     attention = dispatch.ragged_paged_attention if tp is None else tp.attention_fn
     if batch_invariant:
         attention = functools.partial(attention, batch_invariant=True)
@@ -94,9 +100,21 @@ def jitted_model_step(
     if tp is not None:
         step = functools.partial(step, experts_fn=tp.experts_fn)
         in_shardings, out_shardings = tp.step_shardings()
+        if lora_shardings is not None:
+            step = _lora_positional(step)
+            in_shardings = (*in_shardings, lora_shardings)
         shardings = dict(in_shardings=in_shardings, out_shardings=out_shardings)
     # static: the layout of the packed inputs
     return jax.jit(step, static_argnums=(4,), donate_argnames=("kv_cache",), **shardings)
+
+
+def _lora_positional(step: Any) -> Any:
+    """``step`` with the adapter stacks after the layout, positionally."""
+
+    def step_with_lora(weights, kv_cache, packed, previous_ids, layout, lora_weights):
+        return step(weights, kv_cache, packed, previous_ids, layout, lora_weights=lora_weights)
+
+    return step_with_lora
 
 
 def jitted_head_programs(

@@ -182,7 +182,9 @@ class ModelRunner:
         if self.multihost:
             raise ValueError("enable_lora on a multi-host replica is not supported (docs/lora.md)")
         shapes = lora_shapes(self.model_config, config.max_loras, config.max_lora_rank)
-        return LoraSlots(shapes, self.dtype, config.resolved_max_cpu_loras)
+        # Under tensor parallelism the stacks are split as their base projections are.
+        shardings = None if self.tp is None else self.tp.lora_shardings(shapes)
+        return LoraSlots(shapes, self.dtype, config.resolved_max_cpu_loras, shardings=shardings)
 
     @property
     def is_pooling(self) -> bool:
@@ -236,6 +238,17 @@ class ModelRunner:
         self.weights = weights
         self.programs.set_weights(weights)
 
+    def head_rows(self, token_ids: list[int]) -> np.ndarray:
+        """f32[len(token_ids), H]: the language-model head's rows of these tokens (a decoder
+        reranker's score is made of two of them: ``models/scoring.py``)."""
+        head = self.weights.embed if self.weights.lm_head is None else self.weights.lm_head
+        if not isinstance(head, jax.Array):
+            raise ValueError("a decoder reranker needs an unquantized language-model head")
+        host = np.asarray(jax.device_get(head), np.float32)
+        # the tied embedding is [V, H]; an untied head is stored [H, V]
+        rows = host[token_ids] if self.weights.lm_head is None else host[:, token_ids].T
+        return np.ascontiguousarray(rows)
+
     # -- sleep and wake (``sleep.py``) ------------------------------------------------------
 
     @property
@@ -287,7 +300,9 @@ class ModelRunner:
 
     def _plan_capacity(self) -> Capacity:
         kv_dtype = kv_dtype_label(self.kv_dtype)
-        return engine_capacity(self.model_config, self.config, self.dtype, self.quant, kv_dtype)
+        return engine_capacity(
+            self.model_config, self.config, self.dtype, self.quant, kv_dtype, self.kv_dtype
+        )
 
     def wait_for_weights(self) -> None:
         """The loaded weights in place of the shapes warm-up compiled against."""
@@ -372,10 +387,11 @@ class ModelRunner:
         if self.is_pooling:
             return self._dispatch_pooling(output)
         host_batch, rows = self.inputs.build_batch(output)
-        seqs = [item.seq for item in output.scheduled]
         kv_lens = np.asarray(host_batch.kv_lens)  # host arrays until forward
-        flags = self.inputs.sampler_flags(rows, kv_lens, use_mask=output.is_constrained)
-        inputs = self.inputs.sampling_inputs(seqs, rows, kv_lens, flags)
+        # One sampler row per sequence, and one more per drafted token (speculative decoding).
+        seqs, sample_rows, positions, drafted = self.inputs.sampled_positions(output, rows, kv_lens)
+        flags = self.inputs.sampler_flags(sample_rows, positions, use_mask=output.is_constrained)
+        inputs = self.inputs.sampling_inputs(seqs, sample_rows, positions, flags, drafted)
         next_ids, spans = self.inputs.prompt_logprob_targets(output, host_batch)
         if self.multihost:  # followers join the same step with process 0's inputs
             header = step_broadcast.StepHeader.of(host_batch, flags, next_ids)
@@ -388,8 +404,11 @@ class ModelRunner:
         feed = (source, previous.sampled_ids) if source is not None and previous else None
         lora_slots = self.inputs.lora_token_slots(host_batch, rows)
         forward, prompt_out = self.forward(host_batch, next_ids, feed, lora_slots)
-        sampled_row = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
-        step = InFlight(None, prompt_out, spans, sampled_row)
+        first_rows = output.sample_rows()
+        sampled_row = {
+            item.seq.seq_id: r for item, r in zip(output.scheduled, first_rows, strict=True)
+        }
+        step = InFlight(None, prompt_out, spans, sampled_row, num_rows=len(seqs))
         step.deferred = DeferredSampler(forward, inputs, flags)
         return step
 

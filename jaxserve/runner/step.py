@@ -56,6 +56,8 @@ class StepSequence(Protocol):
     @property
     def lora_slot(self) -> int: ...  # its adapter's device slot, 0: the base model
     def token_ids(self, start: int, stop: int) -> list[int]: ...
+    @property
+    def token_type_ids(self) -> list[int] | None: ...  # an encoder pair's (tokenizer's); or None
 
 
 @dataclasses.dataclass
@@ -64,12 +66,23 @@ class ScheduledSeq:
     num_new_tokens: int
     start: int  # num_computed_tokens before this step
     is_new: bool = False  # the runner has no state for it yet (first run, or after preemption)
+    # Speculative decoding: tokens drafted after the sequence's last one, verified in this
+    # step; they are the last len(draft_token_ids) of its num_new_tokens, and the step
+    # samples a token at each of its last len + 1 positions (``SchedulerOutput.sample_rows``).
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
     # True when this step reaches the end of the known tokens (a token gets sampled); fixed
     # when scheduled, since the sequence may gain a pending token before the step is read.
     completes_sequence: bool = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        self.completes_sequence = self.start + self.num_new_tokens == self.seq.num_tokens
+        known = self.num_new_tokens - len(self.draft_token_ids)
+        self.completes_sequence = self.start + known == self.seq.num_tokens
+
+    @property
+    def num_sampled(self) -> int:
+        """Tokens sampled for it in this step: one per draft and one more (a sequence that
+        does not complete samples one all the same, discarded, as every row of the sampler)."""
+        return len(self.draft_token_ids) + 1
 
 
 @dataclasses.dataclass
@@ -87,10 +100,26 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def has_drafts(self) -> bool:
+        return any(item.draft_token_ids for item in self.scheduled)
+
+    def sample_rows(self) -> list[int]:
+        """Each scheduled sequence's first row in the step's sampled tokens (``RunnerOutput``):
+        one row per sequence, and one more per drafted token (its row i + j samples the token
+        after draft j)."""
+        rows, row = [], 0
+        for item in self.scheduled:
+            rows.append(row)
+            row += item.num_sampled
+        return rows
+
 
 @dataclasses.dataclass
 class RunnerOutput:
-    token_ids: np.ndarray  # i32[S]  one sampled token per scheduled sequence, in order
+    # i32[R]  one sampled token per scheduled sequence, in order, and one more per drafted
+    # token (``SchedulerOutput.sample_rows``); the logprobs' rows are the same
+    token_ids: np.ndarray
     logprobs: np.ndarray | None = None  # f32[S]
     ranks: np.ndarray | None = None  # i32[S]
     top_ids: np.ndarray | None = None  # i32[S, K]
@@ -101,6 +130,9 @@ class RunnerOutput:
     # samples): per scheduled sequence, the sum of its hidden states in this step, its first
     # token's and its last token's (``programs.pool_step``)
     pooled: np.ndarray | None = None
+    # f32[S, L], an encoder sequence classifier's (a cross-encoder, ``runner/encoder_runner.py``):
+    # per scheduled sequence, the logits of its classification head on its first token
+    classified: np.ndarray | None = None
     # seq_id -> error, for sequences whose part of the step failed on the device (their prompt
     # logprobs ran out of memory, say): their requests fail, the rest of the batch carries on
     failed: dict[str, str] = dataclasses.field(default_factory=dict)

@@ -151,7 +151,12 @@ class StepPrograms:
         self.kv_cache_shapes = kv_cache_shapes
         self.dtype = dtype
         self.tp = tp
-        self.step_fn = jitted_model_step(model_config, kv_scales, tp, batch_invariant)
+        # LoRA under tensor parallelism: the stacks go in positionally, with their shardings.
+        self.lora_positional = tp is not None and lora is not None
+        lora_shardings = lora.shardings if self.lora_positional and lora is not None else None
+        self.step_fn = jitted_model_step(
+            model_config, kv_scales, tp, batch_invariant, lora_shardings=lora_shardings
+        )
         self.logits_fn, self.sample_fn, self.prompt_lp_fn = jitted_head_programs(
             model_config, buckets.max_seq_bucket, tp, batch_invariant
         )
@@ -205,16 +210,24 @@ class StepPrograms:
         packed, layout = pack_step(batch, source, lora_slots)
         args = (self.put(packed), self.no_previous_ids if previous_ids is None else previous_ids)
         extra = self._lora_args()
+        lora = self._lora_positional_args()
         step = self.compiled_steps.get(batch.num_tokens)
         if step is None:
-            kv_cache, hidden = self.step_fn(self.weights, kv_cache, *args, layout, **extra)
+            kv_cache, hidden = self.step_fn(self.weights, kv_cache, *args, layout, *lora, **extra)
         else:
-            kv_cache, hidden = step(self.weights, kv_cache, *args, **extra)
+            kv_cache, hidden = step(self.weights, kv_cache, *args, *lora, **extra)
         return kv_cache, Forward(hidden, args[0], layout)
 
     def _lora_args(self) -> dict[str, Any]:
-        """The model step's adapter stacks, as they are now (none without LoRA)."""
-        return {} if self.lora is None else {"lora_weights": self.lora.weights}
+        """The model step's adapter stacks, as they are now (none without LoRA), by keyword
+        on one device."""
+        if self.lora is None or self.lora_positional:
+            return {}
+        return {"lora_weights": self.lora.weights}
+
+    def _lora_positional_args(self) -> tuple[Any, ...]:
+        """The stacks as the step's sixth argument, under tensor parallelism."""
+        return (self.lora.weights,) if self.lora is not None and self.lora_positional else ()
 
     def sample(
         self,
@@ -261,7 +274,13 @@ class StepPrograms:
         packed, layout = self._padding_packed(num_tokens)
         kv_cache = self.kv_cache_shapes if kv_cache is None else kv_cache
         return self.step_fn.lower(
-            self.weights, kv_cache, packed, self.no_previous_ids, layout, **self._lora_args()
+            self.weights,
+            kv_cache,
+            packed,
+            self.no_previous_ids,
+            layout,
+            *self._lora_positional_args(),
+            **self._lora_args(),
         )
 
     def _padding_packed(self, num_tokens: int) -> tuple[np.ndarray, Layout]:

@@ -34,6 +34,7 @@ from jaxserve.server.api.completions import create_completion
 from jaxserve.server.api.embeddings import create_embedding
 from jaxserve.server.api.errors import APIError, internal_error, json_response, unavailable
 from jaxserve.server.api.openapi import openapi_spec
+from jaxserve.server.api.score_handler import create_rerank, create_score
 from jaxserve.server.api.tokenization import detokenize, tokenize
 from jaxserve.server.chat.completions import create_chat_completion
 from jaxserve.server.context import OFFLOAD_BYTES, ServingContext
@@ -132,6 +133,12 @@ def _generation_routes(
     async def embeddings(request: Request) -> Response:
         return await create_embedding(ctx, request, await read_body(request, True))
 
+    async def score(request: Request) -> Response:
+        return await create_score(ctx, request, await read_body(request, True))
+
+    async def rerank(request: Request) -> Response:
+        return await create_rerank(ctx, request, await read_body(request, True))
+
     async def tokenize_route(request: Request) -> Response:
         raw = await read_body(request)
         return await ctx.offload(len(raw) >= OFFLOAD_BYTES, tokenize, ctx, raw)
@@ -145,6 +152,12 @@ def _generation_routes(
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        # vLLM serves scoring and reranking under all of these paths
+        *(Route(path, score, methods=["POST"]) for path in ("/v1/score", "/score")),
+        *(
+            Route(path, rerank, methods=["POST"])
+            for path in ("/v1/rerank", "/rerank", "/v2/rerank")
+        ),
         Route("/tokenize", tokenize_route, methods=["POST"]),
         Route("/detokenize", detokenize_route, methods=["POST"]),
     ]

@@ -41,6 +41,8 @@ class EngineRequest:
     prompt: str | None = None  # the text, for echo and the request log
     # A pooling request (``/v1/embeddings``): ``params`` is unused, the engine's ``encode`` runs
     pooling: PoolingParams | None = None
+    # An encoder text pair's token type ids (``/v1/score``, ``/v1/rerank``); None: all 0.
+    token_type_ids: list[int] | None = None
 
 
 @dataclasses.dataclass
@@ -142,6 +144,7 @@ class Generation:
                 prompt=request.prompt,
                 priority=self.priority,
                 group_id=group_id,
+                token_type_ids=request.token_type_ids,
             )
         else:
             stream = self.engine.generate(

@@ -99,6 +99,16 @@ ENGINE_COUNTERS = (
     ("prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
     ("generation_tokens", "Number of generation tokens processed.", "generation_tokens"),
 )
+# Speculative decoding's (vLLM's spec_decode_* counters), exported while it is on.
+SPEC_DECODE_COUNTERS = (
+    ("spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_num_drafts"),
+    ("spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_num_draft_tokens"),
+    (
+        "spec_decode_num_accepted_tokens",
+        "Number of accepted tokens.",
+        "spec_num_accepted_tokens",
+    ),
+)
 # jaxserve's own (no vLLM name): exported under jaxserve: only.
 JAXSERVE_COUNTERS = (
     ("num_aborted_requests", "Requests aborted (client gone, shutdown).", "num_aborted"),
@@ -131,6 +141,8 @@ class EngineStatsCollector(Collector):
                 counter = CounterMetricFamily(f"{prefix}:{name}", doc, labels=names)
                 counter.add_metric(values, getattr(stats, field))
                 yield counter
+            if stats.spec_decode:
+                yield from spec_decode_counters(stats, prefix, self.model_name)
         if "vllm" in self.prefixes:
             yield self.cache_config_info(stats)
             yield lora_requests_info(stats)
@@ -158,6 +170,24 @@ class EngineStatsCollector(Collector):
         )
         family.add_metric([str(v) for v in info.values()], 1.0)
         return family
+
+
+def spec_decode_counters(stats: EngineStats, prefix: str, model_name: str) -> Iterator[Metric]:
+    """vLLM's ``spec_decode_*`` counters, and the accepted drafts by their ``position`` in
+    the draft (0: the first drafted token)."""
+    names, values = label_names(prefix), label_values(prefix, model_name)
+    for name, doc, field in SPEC_DECODE_COUNTERS:
+        counter = CounterMetricFamily(f"{prefix}:{name}", doc, labels=names)
+        counter.add_metric(values, getattr(stats, field))
+        yield counter
+    per_pos = CounterMetricFamily(
+        f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
+        "Accepted tokens per draft position.",
+        labels=[*names, "position"],
+    )
+    for position, count in enumerate(stats.spec_accepted_per_pos):
+        per_pos.add_metric([*values, str(position)], count)
+    yield per_pos
 
 
 def lora_requests_info(stats: EngineStats) -> Metric:
@@ -365,5 +395,13 @@ class StatsLogger:
             f"KV cache usage: {100 * stats.kv_cache_usage:.1f}%, "
             f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
         )
+        drafts = stats.spec_num_drafts - last.spec_num_drafts
+        if stats.spec_decode and drafts:  # vLLM's SpecDecodingLogging, over the interval
+            drafted = stats.spec_num_draft_tokens - last.spec_num_draft_tokens
+            accepted = stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens
+            line += (
+                f", Mean acceptance length: {1 + accepted / drafts:.2f}, "
+                f"Draft acceptance rate: {100 * accepted / max(drafted, 1):.1f}%"
+            )
         _LOG.info(line)
         return line

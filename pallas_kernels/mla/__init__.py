@@ -1,3 +1,3 @@
 """Ragged paged attention over multi-head latent attention's latent cache (DeepSeek-V2/V3): the
-pure-jnp reference (``reference``), which every backend runs until a Pallas kernel takes the
-latent layout."""
+pure-jnp reference (``reference``), the Pallas Triton kernel (``triton``) and the choice
+between them (``dispatch``), which the model calls."""

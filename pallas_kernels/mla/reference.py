@@ -12,7 +12,10 @@ The batch (``kv_lens``, ``page_indices``, ``cu_q_lens``, ``num_seqs``) and the c
 what they mean in ``ragged_paged_attention.reference``; this is that function with one KV head,
 K = V = concat(c_kv, k_pe) and the output's first L columns (the tests check it), computed
 without joining the two page arrays. An fp8 cache stores ``x / scale`` (``kv_cache.write_latent``).
-No Pallas kernel takes this layout yet: every backend runs this reference.
+The Pallas Triton kernel (``triton``) computes the same; ``dispatch`` picks between them. This
+reference walks each row's positions in blocks (``block_pages``) with an online softmax, so what
+it allocates in a step grows with the step's rows and a block, not with max_model_len:
+``temporary_bytes`` says how much, for the capacity planner (``runner/capacity.py``).
 
 Einsum letters: T tokens, N query heads, L latent, R rotary dims, S cached positions.
 """
@@ -25,8 +28,21 @@ import jax.numpy as jnp
 from pallas_kernels.kv_cache import Scale, dequantize_kv
 from pallas_kernels.ragged_paged_attention.reference import DEFAULT_MASK_VALUE, query_rows
 
-# Why multi-head latent attention runs the reference whatever the backend (the start-up log).
-MLA_FALLBACK = "multi-head latent attention: no Pallas kernel takes its latent cache yet"
+# The reference walks each row's positions in blocks of whole pages (an online softmax, as the
+# kernels do), so its temporaries are a block's, not max_model_len's: ROW_POSITIONS bounds the
+# rows x positions of one block (T rows gather T x block positions of latents), MAX_BLOCK the
+# positions of a block at decode sizes.
+ROW_POSITIONS = 1 << 18
+MAX_BLOCK = 2048
+
+
+def block_pages(num_tokens: int, page_size: int, pages_per_seq: int) -> int:
+    """Pages per block of the walk over a row's positions: a power of two, as many as keep
+    ``num_tokens`` x the block's positions within ROW_POSITIONS (at least one page, at most
+    MAX_BLOCK positions or the page table's width)."""
+    limit = max(1, min(ROW_POSITIONS // (num_tokens * page_size), MAX_BLOCK // page_size))
+    pages = 1 << (limit.bit_length() - 1)  # the largest power of two <= limit
+    return max(1, min(pages, pages_per_seq))
 
 
 def ragged_paged_mla_attention(
@@ -43,28 +59,74 @@ def ragged_paged_mla_attention(
     ckv_scale: Scale = None,
     kpe_scale: Scale = None,
 ) -> jax.Array:  # [T, N, L], q_latent's dtype
-    """Each query row attends to its own sequence's latents, causally, in float32."""
-    num_tokens = q_latent.shape[0]
-    _, page_size, _, latent = ckv_pages.shape
-    rope_dim = kpe_pages.shape[-1]
+    """Each query row attends to its own sequence's latents, causally, in float32: a loop over
+    blocks of ``block_pages`` pages up to the step's longest sequence, each block's scores
+    folded into a running maximum, sum and weighted latent (a block a row cannot see adds
+    exact zeros, so the loop's length never changes a row's result)."""
+    num_tokens, num_heads, latent = q_latent.shape
+    _, page_size, _, _ = ckv_pages.shape
     num_slots, pages_per_seq = page_indices.shape
-    max_kv = pages_per_seq * page_size
+    per_block = block_pages(num_tokens, page_size, pages_per_seq)
+    num_blocks = -(-pages_per_seq // per_block)
+    block = per_block * page_size  # positions per block
 
     seq_of_row, is_valid_row, row_pos = query_rows(num_tokens, kv_lens, cu_q_lens, num_seqs)
+    # Past the page table: page 0, masked (kv_lens never reach it).
+    table = jnp.pad(page_indices, ((0, 0), (0, num_blocks * per_block - pages_per_seq)))
+    row_pages = table[seq_of_row]  # i32[T, num_blocks * per_block]
+    row_len = jnp.where(is_valid_row, kv_lens[seq_of_row], 0)  # i32[T]
+    row_end = jnp.minimum(row_pos + 1, row_len)  # i32[T]: the positions a row sees
+    longest = jnp.max(jnp.where(jnp.arange(num_slots) < num_seqs[0], kv_lens, 0))
+    q_latent32 = q_latent.astype(jnp.float32)
+    q_pe32 = q_pe.astype(jnp.float32)
 
-    ckv_seq = ckv_pages[page_indices].reshape(num_slots, max_kv, latent)  # [S_seq, S, L]
-    kpe_seq = kpe_pages[page_indices].reshape(num_slots, max_kv, rope_dim)
-    ckv_rows = dequantize_kv(ckv_seq[seq_of_row], ckv_scale)  # f32[T, S, L]
-    kpe_rows = dequantize_kv(kpe_seq[seq_of_row], kpe_scale)  # f32[T, S, R]
+    def fold(i, carry):  # block i of every row's positions
+        high, total, acc = carry  # f32[T, N], f32[T, N], f32[T, N, L]
+        pages = jax.lax.dynamic_slice_in_dim(row_pages, i * per_block, per_block, axis=1)
+        ckv = dequantize_kv(ckv_pages[pages].reshape(num_tokens, block, latent), ckv_scale)
+        kpe = dequantize_kv(kpe_pages[pages].reshape(num_tokens, block, -1), kpe_scale)
+        scores = jnp.einsum("TNL,TSL->TNS", q_latent32, ckv)
+        scores += jnp.einsum("TNR,TSR->TNS", q_pe32, kpe)
+        mask = (i * block + jnp.arange(block, dtype=jnp.int32))[None, :] < row_end[:, None]
+        scores = jnp.where(mask[:, None, :], scores * sm_scale, DEFAULT_MASK_VALUE)
+        new_high = jnp.maximum(high, scores.max(-1))
+        rescale = jnp.exp(high - new_high)
+        probs = jnp.where(mask[:, None, :], jnp.exp(scores - new_high[..., None]), 0.0)
+        total = total * rescale + probs.sum(-1)
+        acc = acc * rescale[..., None] + jnp.einsum("TNS,TSL->TNL", probs, ckv)
+        return new_high, total, acc
 
-    scores = jnp.einsum("TNL,TSL->TNS", q_latent.astype(jnp.float32), ckv_rows)
-    scores += jnp.einsum("TNR,TSR->TNS", q_pe.astype(jnp.float32), kpe_rows)
-    scores = scores * sm_scale
-    kv_pos = jnp.arange(max_kv, dtype=jnp.int32)
-    mask = (kv_pos[None, :] <= row_pos[:, None]) & (kv_pos[None, :] < kv_lens[seq_of_row][:, None])
-    mask &= is_valid_row[:, None]  # bool[T, S]
-    scores = jnp.where(mask[:, None, :], scores, DEFAULT_MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(mask[:, None, :], probs, 0.0)
-    out = jnp.einsum("TNS,TSL->TNL", probs, ckv_rows)
+    init = (
+        jnp.full((num_tokens, num_heads), DEFAULT_MASK_VALUE, jnp.float32),
+        jnp.zeros((num_tokens, num_heads), jnp.float32),
+        jnp.zeros((num_tokens, num_heads, latent), jnp.float32),
+    )
+    steps = jnp.minimum(-(-longest // block), num_blocks)
+    _, total, acc = jax.lax.fori_loop(0, steps, fold, init)
+    out = jnp.where(total[..., None] > 0, acc / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
     return out.astype(q_latent.dtype)
+
+
+def temporary_bytes(
+    num_tokens: int,
+    num_heads: int,  # per device
+    latent: int,  # L
+    rope_dim: int,  # R
+    page_size: int,
+    pages_per_seq: int,
+    cache_itemsize: int,  # the page arrays' element size (fp8: 1)
+    q_itemsize: int,  # the query's and output's
+) -> int:
+    """What one call allocates besides its inputs and output, at most (the capacity
+    planner's figure; tests hold it against XLA's ``memory_analysis`` on the CPU): a block's
+    gathered latents and rotary keys in float32 (XLA fuses the gather into the conversion;
+    an fp8 cache's scaled copy besides), its scores and probabilities [T, N, block], the
+    float32 query, and the running maximum, sum and weighted latent, three times over (the
+    loop's carry in and out, a block's product)."""
+    block = block_pages(num_tokens, page_size, pages_per_seq) * page_size
+    positions = num_tokens * block * (latent + rope_dim)
+    gathered = positions * (4 + (cache_itemsize if cache_itemsize == 1 else 0))
+    scores = 2 * num_tokens * num_heads * block * 4
+    query = num_tokens * num_heads * (latent + rope_dim) * 4
+    carry = 3 * num_tokens * num_heads * (2 + latent) * 4
+    return gathered + scores + query + carry + num_tokens * num_heads * latent * q_itemsize

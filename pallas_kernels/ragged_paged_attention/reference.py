@@ -98,3 +98,23 @@ def ragged_paged_attention(
     probs = jnp.where(mask[:, None, None, :], probs, 0.0)
     out = jnp.einsum("TKGS,TSKD->TKGD", probs, dequantize_kv(v_rows, v_scale))
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def temporary_bytes(
+    num_tokens: int,
+    num_q_heads: int,  # per device
+    num_kv_heads: int,  # per device
+    head_dim: int,
+    max_kv: int,  # pages_per_seq * page_size: every row scores the whole page table
+    *,
+    sinks: bool = False,
+) -> int:
+    """What one call allocates besides its inputs and output, at most (the capacity
+    planner's figure when this reference is the path; tests hold it against XLA's
+    ``memory_analysis`` on the CPU): each row's gathered keys and values [T, max_kv, Hkv, D]
+    in float32, its scores and probabilities [T, Hq, max_kv]; with attention sinks the
+    scores joined with the sink column and their softmax besides. A sliding window masks
+    positions but gathers them all: it changes nothing here."""
+    gathered = 2 * num_tokens * max_kv * num_kv_heads * head_dim * 4
+    scores = (4 if sinks else 2) * num_tokens * num_q_heads * (max_kv + 1) * 4
+    return gathered + scores + 2 * num_tokens * num_q_heads * head_dim * 4

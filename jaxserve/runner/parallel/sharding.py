@@ -17,6 +17,10 @@ The layout (Megatron-style, one mesh axis ``"tp"`` of N devices):
   quantized        a QArray's values [out, in] split on the same letters as the weight; its
                    scales and zero points [out] / [out, G] on the output axis (``quantized_specs``)
   KV cache         [P, page, K, D] on the KV-head axis
+  LoRA slots       as their base projections (``lora_specs``): the B matrices of q, gate, up
+                   [M, R, out] on out, of k, v on the KV view; the A matrices of o and down
+                   [M, in, R] on in (their partial products summed by an all-reduce, as the
+                   base's); the other A and B matrices replicated
   experts          [E, H, M], [E, M, H] on M (a slice of each expert, one all-reduce), or with
                    --enable-expert-parallel on E (whole experts, tokens sent by all-to-all:
                    expert_parallel.py); the router replicated
@@ -48,6 +52,7 @@ from jaxserve.models.families.fields import WeightField, dim_sizes
 from jaxserve.models.families.registry import layer_fields, model_fields
 from jaxserve.models.layers import LayerWeights, Weights
 from jaxserve.models.loading.field_conversion import Placement
+from jaxserve.models.lora import LoraLayer, LoraShapes, LoraWeights
 from jaxserve.models.quant import QUANTIZED_FIELDS, QArray
 from jaxserve.models.quant_scheme import QuantScheme, qarray_layout
 from jaxserve.runner.parallel.expert_parallel import sharded_experts
@@ -158,6 +163,37 @@ def weight_specs(
     return Weights(layers=layers, **specs)
 
 
+# The adapter stacks' specs (models/lora.py's LoraLayer fields), following the base projections:
+# column parallel (q, k, v, gate, up) split B on its output, row parallel (o, down) A on its input.
+_LORA_SPECS = {
+    "qkv_a": P(),
+    "q_b": P(None, None, TP_AXIS),
+    "k_b": P(None, None, KV_AXIS),
+    "v_b": P(None, None, KV_AXIS),
+    "o_a": P(None, TP_AXIS, None),
+    "o_b": P(),
+    "gate_up_a": P(),
+    "gate_b": P(None, None, TP_AXIS),
+    "up_b": P(None, None, TP_AXIS),
+    "down_a": P(None, TP_AXIS, None),
+    "down_b": P(),
+}
+
+
+def lora_specs(shapes: LoraShapes) -> LoraWeights:
+    """A ``LoraWeights`` of PartitionSpecs, layer for layer (None where a layer has no MLP
+    stacks: its experts)."""
+    layers = []
+    for i in range(len(shapes.dims)):
+        present = shapes.layer_arrays(i)
+        fields = {
+            f.name: _LORA_SPECS[f.name] if f.name in present else None
+            for f in dataclasses.fields(LoraLayer)
+        }
+        layers.append(LoraLayer(**fields))  # type: ignore[arg-type]  # specs, not arrays
+    return LoraWeights(layers)
+
+
 def _is_kv_spec(spec: P) -> bool:
     """Whether a spec names the KV view's axes (and so belongs on that mesh)."""
     for entry in spec:
@@ -207,6 +243,14 @@ class TensorParallel:
     def placement(self) -> Placement:
         """``(path, shape) -> sharding`` for ``load_weights`` / ``dummy_weights``."""
         return placement_from(self.weight_shardings)
+
+    def lora_shardings(self, shapes: LoraShapes) -> LoraWeights:
+        """The adapter stacks' NamedShardings (``lora_specs``): KV-side specs on the KV view."""
+        return jax.tree.map(
+            lambda spec: NamedSharding(self.kv_mesh if _is_kv_spec(spec) else self.mesh, spec),
+            lora_specs(shapes),
+            is_leaf=lambda x: isinstance(x, P),
+        )
 
     def kv_cache_shardings(self, num_layers: int) -> list[tuple[NamedSharding, NamedSharding]]:
         return [(self.kv_sharding, self.kv_sharding)] * num_layers

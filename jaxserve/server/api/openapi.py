@@ -19,6 +19,7 @@ from jaxserve.sampling_params import (
 )
 from jaxserve.server.api.embeddings import ENCODING_FORMATS, MAX_EMBEDDING_INPUTS
 from jaxserve.server.api.protocol import MAX_BATCH_PROMPTS
+from jaxserve.server.api.scoring import SCORE_SIDES
 from jaxserve.server.chat.messages import ROLES
 from jaxserve.server.chat.tools import FUNCTION_NAME, MAX_TOOLS
 
@@ -529,12 +530,18 @@ def openapi_spec(
             "version": version,
             "description": f"OpenAI-compatible server for {', '.join(model_names)}.",
         },
-        "paths": {**_paths(), **_responses_paths(), **_embeddings_paths()},
+        "paths": {
+            **_paths(),
+            **_responses_paths(),
+            **_embeddings_paths(),
+            **_scoring_paths(),
+        },
         "components": {
             "schemas": {
                 **_schemas(max_model_len, vocab_size),
                 **_responses_schemas(max_model_len, vocab_size),
                 **_embeddings_schemas(vocab_size),
+                **_scoring_schemas(),
             },
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
@@ -760,6 +767,119 @@ def _embeddings_paths() -> dict[str, Any]:
             _ok(_ref("EmbeddingResponse")),
             GENERATION_ERRORS,
         )
+    }
+
+
+def _scoring_schemas() -> dict[str, Any]:
+    """``/v1/score`` and ``/v1/rerank`` (``server/api/scoring.py``, ``score_handler.py``; a
+    cross-encoder or a decoder reranker served with --runner pooling, else a 400)."""
+    text = {"type": "string"}
+    texts: dict[str, Any] = {
+        "oneOf": [
+            text,
+            {
+                "type": "array",
+                "minItems": 1,
+                "items": {
+                    "oneOf": [
+                        text,
+                        {"type": "object", "required": ["text"], "properties": {"text": text}},
+                    ]
+                },
+            },
+        ]
+    }
+    common = {
+        "model": text,
+        "user": text,
+        "truncate_prompt_tokens": {"type": "integer", "minimum": -1},
+        "priority": {"type": "integer"},
+        "use_activation": {"type": "boolean"},
+        "activation": {"type": "boolean"},
+    }
+    sides = {name: texts for pair in SCORE_SIDES for name in pair}
+    score = {"type": "object", "properties": {**common, **sides}, "additionalProperties": False}
+    rerank_properties = {
+        **common,
+        "query": text,
+        "documents": texts,
+        "top_n": {"type": "integer", "minimum": 0},
+        "return_documents": {"type": "boolean"},
+        "instruction": text,
+    }
+    rerank = {
+        "type": "object",
+        "required": ["query", "documents"],
+        "properties": rerank_properties,
+        "additionalProperties": False,
+    }
+    _optional_nullable(score)
+    _optional_nullable(rerank)
+    return {"ScoreRequest": score, "RerankRequest": rerank, **_scoring_responses()}
+
+
+def _scoring_responses() -> dict[str, Any]:
+    text = {"type": "string"}
+    usage = {
+        "type": "object",
+        "properties": {"prompt_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"}},
+    }
+    score_item = {
+        "type": "object",
+        "properties": {"index": {"type": "integer"}, "object": text, "score": {"type": "number"}},
+    }
+    result = {
+        "type": "object",
+        "required": ["index", "relevance_score"],
+        "properties": {
+            "index": {"type": "integer"},
+            "relevance_score": {"type": "number"},
+            "document": {"type": "object", "properties": {"text": text}},
+        },
+    }
+    return {
+        "ScoreResponse": {
+            "type": "object",
+            "required": ["data", "usage"],
+            "properties": {
+                "id": text,
+                "object": text,
+                "created": {"type": "integer"},
+                "model": text,
+                "data": {"type": "array", "items": score_item},
+                "usage": usage,
+            },
+        },
+        "RerankResponse": {
+            "type": "object",
+            "required": ["results", "usage"],
+            "properties": {
+                "id": text,
+                "model": text,
+                "results": {"type": "array", "items": result},
+                "usage": usage,
+            },
+        },
+    }
+
+
+def _scoring_paths() -> dict[str, Any]:
+    score = _post(
+        "Scores of (query, document) pairs (a cross-encoder or decoder reranker served with "
+        "--runner pooling)",
+        "ScoreRequest",
+        _ok(_ref("ScoreResponse")),
+        GENERATION_ERRORS,
+    )
+    rerank = _post(
+        "Documents ranked by their score against the query, best first (Cohere's and Jina's shape)",
+        "RerankRequest",
+        _ok(_ref("RerankResponse")),
+        GENERATION_ERRORS,
+    )
+    return {
+        **{path: score for path in ("/v1/score", "/score")},
+        **{path: rerank for path in ("/v1/rerank", "/rerank", "/v2/rerank")},
     }
 
 

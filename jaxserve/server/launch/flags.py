@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 
 from jaxserve.engine_config import (
@@ -24,6 +25,7 @@ from jaxserve.engine_config import (
     SCHEDULING_POLICIES,
     EngineConfig,
     KVEventsConfig,
+    SpeculativeConfig,
     dtype_name,
 )
 from jaxserve.flag_names import command_flags, in_flag_terms
@@ -48,7 +50,7 @@ from jaxserve.units import COUNT_RULE, human_bytes, human_int
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 API_KEY_ENV = "JAXSERVE_API_KEY"
 # --task (vLLM's older flag) -> the --runner it means.
-TASKS = {"generate": "generate", "embed": "pooling"}
+TASKS = {"generate": "generate", "embed": "pooling", "score": "pooling"}
 # Flag defaults are EngineConfig's, so the two cannot drift apart.
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
@@ -120,8 +122,18 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "--task",
         choices=TASKS,
         default=None,
-        help="vLLM's older spelling of --runner: embed is --runner pooling, generate is "
-        "--runner generate",
+        help="vLLM's older spelling of --runner: embed and score are --runner pooling, "
+        "generate is --runner generate",
+    )
+    add(
+        "--hf-overrides",
+        type=hf_overrides_json,
+        default=None,
+        metavar="JSON",
+        help="config.json keys to set on top of the model's, as vLLM's: served for a "
+        "Qwen3-Reranker-style decoder reranker (POST /v1/rerank, /v1/score), e.g. "
+        '\'{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": '
+        '["no", "yes"], "is_original_qwen3_reranker": true}\' (docs/embeddings.md)',
     )
     add(
         "--max-model-len",
@@ -373,6 +385,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "jaxserve (only jaxserve:, as before)",
     )
     add(
+        "--speculative-config",
+        type=speculative_config,
+        default=None,
+        metavar="JSON",
+        help=SPECULATIVE_CONFIG_HELP,
+    )
+    add(
         "--kv-events-config",
         type=kv_events_config,
         default=None,
@@ -411,14 +430,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-loras",
         type=int,
         default=1,
-        help="adapters on the device at once, each in a slot; one step mixes them freely "
-        "(default: 1)",
+        help="adapters on the device at once, each in a slot; one step mixes them freely",
     )
     add(
         "--max-lora-rank",
         type=int,
         default=16,
-        help="the largest adapter rank served; smaller ranks are padded to it (default: 16)",
+        help="the largest adapter rank served; smaller ranks are padded to it",
     )
     add(
         "--max-cpu-loras",
@@ -561,6 +579,23 @@ def port_number(text: str) -> int:
     return port
 
 
+SPECULATIVE_CONFIG_HELP = (
+    'speculative decoding as vLLM configures it: a JSON object, e.g. \'{"method": "ngram", '
+    '"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
+    "(also disable_by_batch_size: no drafts in a step with more running sequences, default "
+    "32). Built: ngram; draft_model, eagle3 and mtp are refused until they land. Lossless: "
+    "greedy output is unchanged (docs/speculative_decoding.md)"
+)
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """``--speculative-config``: vLLM's JSON object (a bad field is a usage error naming it)."""
+    try:
+        return SpeculativeConfig.of(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def kv_events_config(text: str) -> KVEventsConfig:
     """``--kv-events-config``: vLLM's JSON object (a bad field is a usage error naming it)."""
     try:
@@ -583,6 +618,17 @@ def model_from_args(args: argparse.Namespace) -> str:
     return args.model or args.model_flag or ""
 
 
+def hf_overrides_json(text: str) -> dict:
+    """``--hf-overrides``: a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object of config.json keys is expected")
+    return value
+
+
 def runner_from_args(args: argparse.Namespace) -> str:
     """--runner, or what --task means (they must agree when both are given)."""
     runner, task = getattr(args, "runner", None), getattr(args, "task", None)
@@ -596,6 +642,7 @@ def runner_from_args(args: argparse.Namespace) -> str:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         runner=runner_from_args(args),
+        hf_overrides=getattr(args, "hf_overrides", None),
         model=model_from_args(args),
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
         tokenizer=args.tokenizer,
@@ -631,6 +678,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_expert_parallel=args.enable_expert_parallel,
         compilation_cache_dir=args.compilation_cache_dir,
         kv_events_config=args.kv_events_config,
+        speculative_config=args.speculative_config,
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,

@@ -1,0 +1,258 @@
+"""Speculative decoding: the cost of a verify step, the n-gram drafter's host time, and the
+end-to-end batch-1 speed-up with n-gram drafting (docs/speculative_decoding.md).
+
+1. Verify cost, through the runner (as benchmarks/decode_roofline.py): B sequences with
+   ``context`` cached tokens each run a step of 1 + k tokens (their last token and k drafted
+   ones, logits and sampling at all k + 1 positions), k = 0 (a plain decode step) .. 7.
+   Reported: device ms (steps back to back), sync ms (``ModelRunner.execute``: inputs,
+   dispatch, device, read back, as the engine runs a verify step), and each against k = 0.
+   From these, the speed-up a mean acceptance length L would give: L * t(0) / t(k).
+2. The n-gram drafter's host time per step at batch 1 .. 256 (2,048-token histories).
+3. End to end at batch 1: the demo model (or --e2e-model) on a repetitive prompt, greedy, with
+   and without ``{"method": "ngram"}``: output tokens/s, the speed-up, the acceptance length,
+   and that the tokens are the same.
+
+    python -m benchmarks.spec_decode                  # Llama-3-8B shape, dummy bf16 weights
+    python -m benchmarks.spec_decode --smoke          # tiny CPU run
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # before JAX starts
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from benchmarks.common import ROOT
+from jaxserve.config import builtin_config_dir
+from jaxserve.engine.request import Request, Sequence
+from jaxserve.engine.spec_decode import NgramProposer
+from jaxserve.engine_config import EngineConfig
+from jaxserve.models.families.registry import load_model_config
+from jaxserve.runner.runner import ModelRunner
+from jaxserve.runner.step import ScheduledSeq, SchedulerOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.units import cdiv
+
+
+def verify_batch(runner: ModelRunner, batch: int, context: int, max_k: int, rng) -> list[Sequence]:
+    """``batch`` sequences with ``context`` cached tokens (random pages), room for ``max_k``
+    drafted tokens more; the runner's rows made for them."""
+    bs = runner.block_size
+    pages_per = cdiv(context + max_k + 1, bs)
+    pages = rng.permutation(runner.num_blocks)[: batch * pages_per].reshape(batch, pages_per)
+    params = SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True)
+    seqs, items = [], []
+    for i in range(batch):
+        prompt = rng.integers(100, 20000, size=context + 1).tolist()
+        request = Request(str(i), None, prompt, params, arrival_time=0.0)
+        seq = Sequence(str(i), request, 0, seed=i, block_ids=pages[i].tolist())
+        seq.num_computed_tokens = context
+        request.seqs.append(seq)
+        seqs.append(seq)
+        items.append(ScheduledSeq(seq, 1, context, is_new=True))
+    runner.inputs.update_states(SchedulerOutput(items, batch))
+    return seqs
+
+
+def verify_step(seqs: list[Sequence], k: int, rng) -> SchedulerOutput:
+    """Each sequence's last token and ``k`` drafted tokens (random ids)."""
+    items = []
+    for seq in seqs:
+        draft = rng.integers(100, 20000, size=k).tolist()
+        items.append(ScheduledSeq(seq, 1 + k, seq.num_computed_tokens, draft_token_ids=draft))
+    return SchedulerOutput(items, len(seqs) * (1 + k))
+
+
+def time_step(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> tuple[float, float]:
+    """(back-to-back seconds per step, synchronous seconds per step) of ``sched``."""
+    runner.execute(sched)  # compiles
+    start = time.perf_counter()
+    for _ in range(iters):
+        step = runner.dispatch(sched)
+        runner.sample(step, None)
+    jax.block_until_ready(step.sampled_ids)
+    back_to_back = (time.perf_counter() - start) / iters
+    sync = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        runner.execute(sched)
+        sync.append(time.perf_counter() - start)
+    return back_to_back, statistics.median(sync)
+
+
+def verify_costs(args: argparse.Namespace) -> list[dict]:
+    batches = [int(b) for b in args.batches.split(",")]
+    max_k = args.max_k
+    most = max(batches) * (max_k + 1)
+    config = EngineConfig(
+        model=args.model,
+        load_format="dummy",
+        dtype=args.dtype,
+        max_model_len=args.context + max_k + 16,
+        max_num_seqs=most,
+        max_num_batched_tokens=max(16, most),
+        warmup=False,
+        num_gpu_blocks_override=max(batches) * cdiv(args.context + max_k + 1, 16) + 64,
+        block_size=16,
+    )
+    runner = ModelRunner(load_model_config(args.model), config)
+    rng = np.random.default_rng(0)
+    rows = []
+    for batch in batches:
+        seqs = verify_batch(runner, batch, args.context, max_k, rng)
+        base = None
+        for k in range(max_k + 1):
+            device, sync = time_step(runner, verify_step(seqs, k, rng), args.iters)
+            base = base or (device, sync)
+            row = {
+                "batch": batch,
+                "k": k,
+                "device_ms": device * 1e3,
+                "sync_ms": sync * 1e3,
+                "device_x": device / base[0],
+                "sync_x": sync / base[1],
+            }
+            rows.append(row)
+            print(
+                f"row batch={batch} k={k} device_ms={row['device_ms']:.3f} "
+                f"sync_ms={row['sync_ms']:.3f} x{row['device_x']:.3f}",
+                flush=True,
+            )
+        finished = [s.seq_id for s in seqs]
+        runner.inputs.update_states(SchedulerOutput([], 0, finished_seq_ids=finished))
+    return rows
+
+
+def ngram_host_times(batches: list[int], length: int, k: int) -> list[dict]:
+    """Milliseconds per step of ``NgramProposer.propose`` over ``batch`` sequences of
+    ``length`` tokens (a vocabulary of 32k, a tenth of each history copied from earlier in it,
+    so matches exist), one new token each per step, as a decode step adds."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for batch in batches:
+        proposer = NgramProposer(2, 4)
+        seqs = []
+        params = SamplingParams(max_tokens=10**6)
+        for i in range(batch):
+            tokens = rng.integers(0, 32000, size=length)
+            src = rng.integers(0, length - 64, size=length // 640)
+            for s in src:  # repeated stretches
+                dst = int(rng.integers(s + 32, length - 32))
+                tokens[dst : dst + 32] = tokens[s : s + 32]
+            request = Request(f"n{i}", None, tokens.tolist(), params, arrival_time=0.0)
+            seqs.append(Sequence(f"n{i}", request, 0, seed=i))
+        proposer.propose(seqs, k)  # the histories' first copy, once per sequence
+        times, found = [], 0
+        for _ in range(20):
+            for seq in seqs:
+                seq.append_token(int(rng.integers(0, 32000)))
+            start = time.perf_counter()
+            drafts = proposer.propose(seqs, k)
+            times.append(time.perf_counter() - start)
+            found += len(drafts)
+        rows.append(
+            {"batch": batch, "ms_per_step": statistics.median(times) * 1e3, "drafted": found / 20}
+        )
+        print(f"ngram batch={batch} host_ms={rows[-1]['ms_per_step']:.3f}", flush=True)
+    return rows
+
+
+def end_to_end(args: argparse.Namespace) -> dict:
+    """Batch 1, greedy, a repetitive prompt: tokens/s with and without n-gram drafting."""
+    import jaxserve
+
+    text = "The quick brown fox jumps over the lazy dog, and the lazy dog sleeps. " * args.repeats
+    results: dict = {}
+    outputs = {}
+    for name, spec in (("off", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 4})):
+        llm = jaxserve.LLM(
+            args.e2e_model,
+            max_model_len=args.e2e_max_model_len,
+            max_num_seqs=8,
+            speculative_config=spec,
+            **({"dtype": "float32", "warmup": False} if args.smoke else {}),
+        )
+        prompt = llm.get_tokenizer().encode(text)
+        params = jaxserve.SamplingParams(temperature=0, max_tokens=args.e2e_tokens, ignore_eos=True)
+        request = {"prompt_token_ids": prompt}
+        llm.generate(request, params, use_tqdm=False)  # compiles what warm-up did not
+        before = llm.engine.spec_stats.copy()
+        start = time.perf_counter()
+        out = llm.generate(request, params, use_tqdm=False)[0].outputs[0]
+        seconds = time.perf_counter() - start
+        stats = llm.engine.spec_stats
+        drafts = stats.num_drafts - before.num_drafts
+        accepted = stats.num_accepted_tokens - before.num_accepted_tokens
+        results[name] = {
+            "tokens_per_s": len(out.token_ids) / seconds,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+        }
+        outputs[name] = out.token_ids
+        llm.shutdown()
+        print(f"e2e {name}: {results[name]}", flush=True)
+    results["speedup"] = results["ngram"]["tokens_per_s"] / results["off"]["tokens_per_s"]
+    results["same_tokens"] = outputs["off"] == outputs["ngram"]
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(builtin_config_dir("llama-3-8b")))
+    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--max-k", type=int, default=7)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--e2e-model", default="", help="end to end: the demo model by default")
+    parser.add_argument("--e2e-tokens", type=int, default=256)
+    parser.add_argument("--e2e-max-model-len", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=12, help="of the prompt's sentence")
+    parser.add_argument("--ngram-batches", default="1,8,64,256")
+    parser.add_argument("--smoke", action="store_true", help="tiny model and grid, on the CPU")
+    parser.add_argument("--output-json", default=None)
+    args = parser.parse_args()
+    if args.smoke:
+        args.model = str(ROOT / "tests/fixtures/models/llama")
+        args.batches, args.context, args.max_k, args.iters = "1,4", 32, 3, 3
+        args.e2e_model, args.e2e_tokens, args.ngram_batches = args.model, 32, "1,8"
+        args.e2e_max_model_len, args.repeats = 256, 3
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    report = {
+        "verify": verify_costs(args),
+        "ngram_host": ngram_host_times([int(b) for b in args.ngram_batches.split(",")], 2048, 4),
+        "end_to_end": end_to_end(args),
+    }
+    print(f"\n{'batch':>5} {'k':>2} {'device ms':>9} {'x k=0':>6} {'sync ms':>8} {'x k=0':>6}")
+    for r in report["verify"]:
+        print(
+            f"{r['batch']:5d} {r['k']:2d} {r['device_ms']:9.3f} {r['device_x']:6.3f} "
+            f"{r['sync_ms']:8.3f} {r['sync_x']:6.3f}"
+        )
+    print("\nspeed-up at batch 1 for a mean acceptance length L (L * t(0) / t(k), device):")
+    for r in report["verify"]:
+        if r["batch"] == min(int(b) for b in args.batches.split(",")) and r["k"]:
+            gains = "  ".join(
+                f"L={n}: {n / r['device_x']:.2f}x" for n in (2, 3, 4) if n <= r["k"] + 1
+            )
+            print(f"   k={r['k']}: {gains}")
+    e2e = report["end_to_end"]
+    print(
+        f"\nend to end, batch 1: off {e2e['off']['tokens_per_s']:.1f} tok/s, ngram "
+        f"{e2e['ngram']['tokens_per_s']:.1f} tok/s ({e2e['speedup']:.2f}x, acceptance length "
+        f"{e2e['ngram']['mean_acceptance_length']:.2f}, same tokens: {e2e['same_tokens']})"
+    )
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Speculative decoding on the engine's side: drafting, what a verify step accepted, counters.
+
+A ``Proposer`` drafts tokens for the step's decoding sequences (``EngineCore`` asks it before
+scheduling, with every token of those sequences known on the host); the scheduler puts each
+draft after its sequence's last token in the step (``ScheduledSeq.draft_token_ids``), the runner
+samples a token at each of the k + 1 positions with the request's own sampling parameters, and
+``accepted_run`` says how many drafts the target model agreed with: the sampled token at
+position j equal to draft j. The sequence then gains the sampled tokens of positions 0..a:
+the accepted drafts and one more, the target's own.
+
+That is lossless for a deterministic draft (n-gram, a greedy draft model): the token at each
+position is sampled from the target's distribution exactly as without speculation, and the
+rejection sampler's rule for a one-hot draft q (accept d with probability p(d); on rejection
+sample from p with d removed) gives the same distribution as sampling x ~ p and accepting d
+when x == d, which is what this does (docs/speculative_decoding.md).
+
+``NgramProposer`` is vLLM's prompt lookup; a model-based drafter (a draft model, an EAGLE-3
+head, MTP layers) implements the same protocol.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence as Seq
+from typing import Protocol
+
+import numpy as np
+
+from jaxserve.engine.request import Sequence
+from jaxserve.engine_config import SpeculativeConfig
+
+
+class Proposer(Protocol):
+    """Drafts tokens for the sequences of a step.
+
+    ``propose`` gets the running sequences that decode in the coming step, each with every
+    token known on the host (no pending token), and returns seq id -> up to ``k`` tokens that
+    would follow its last one (no entry, or [], drafts nothing). ``free`` forgets a sequence's
+    state (it finished, or was preempted: a resumed one comes back with its tokens). A drafter
+    with device work of its own (a draft model) runs it inside ``propose``."""
+
+    def propose(self, seqs: Seq[Sequence], k: int) -> dict[str, list[int]]: ...
+    def free(self, seq_id: str) -> None: ...
+
+
+@dataclasses.dataclass
+class _History:
+    tokens: np.ndarray  # i32[capacity], the first `length` are prompt + output
+    length: int = 0
+
+
+class NgramProposer:
+    """Prompt lookup (vLLM's ``NgramProposer``): the longest suffix of prompt + output, of
+    ``min_n`` to ``max_n`` tokens, that occurred earlier in them proposes the tokens that
+    followed its most recent earlier occurrence. On the host: each sequence's tokens are kept
+    in a numpy buffer grown as it generates, and the search is one vectorised compare of the
+    last token against the history, then a check of the few candidates backwards."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n = min_n
+        self.max_n = max_n
+        self._histories: dict[str, _History] = {}
+
+    def free(self, seq_id: str) -> None:
+        self._histories.pop(seq_id, None)
+
+    def _tokens(self, seq: Sequence) -> np.ndarray:
+        """The sequence's known tokens as an array (its buffer brought up to date)."""
+        n = seq.num_tokens
+        history = self._histories.get(seq.seq_id)
+        if history is None or history.length > n:
+            history = self._histories[seq.seq_id] = _History(np.zeros(max(64, 2 * n), np.int32))
+        if history.tokens.shape[0] < n:
+            grown = np.zeros(2 * n, np.int32)
+            grown[: history.length] = history.tokens[: history.length]
+            history.tokens = grown
+        if history.length < n:
+            history.tokens[history.length : n] = seq.token_ids(history.length, n)
+            history.length = n
+        return history.tokens[:n]
+
+    def propose(self, seqs: Seq[Sequence], k: int) -> dict[str, list[int]]:
+        drafts = {}
+        for seq in seqs:
+            draft = self.propose_tokens(self._tokens(seq), k)
+            if draft:
+                drafts[seq.seq_id] = draft
+        return drafts
+
+    def propose_tokens(self, tokens: np.ndarray, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the longest matching suffix n-gram, or []."""
+        n = tokens.shape[0]
+        if n < self.min_n + 1:
+            return []
+        # Ends of earlier occurrences of the last token (not the last token itself).
+        ends = np.flatnonzero(tokens[: n - 1] == tokens[n - 1])
+        best_len, best_end = 0, -1
+        length = 1
+        while ends.size:
+            if length >= self.min_n:
+                best_len, best_end = length, int(ends[-1])  # the most recent occurrence
+            if length == self.max_n:
+                break
+            ends = ends[ends >= length]  # room for one more token before it
+            ends = ends[tokens[ends - length] == tokens[n - 1 - length]]
+            length += 1
+        if best_len < self.min_n:
+            return []
+        return tokens[best_end + 1 : best_end + 1 + k].tolist()
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The drafter of ``config`` (its method built: ``SpeculativeConfig.check_built``)."""
+    config.check_built()
+    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+
+def accepted_run(drafts: list[int], token_ids: np.ndarray, row: int) -> list[int]:
+    """The tokens a verify step gives a sequence whose rows start at ``row``: the sampled
+    tokens of its positions up to the first that differs from its draft (the accepted
+    drafts, then the target's own token)."""
+    sampled = token_ids[row : row + len(drafts) + 1]
+    for j, token in enumerate(drafts):
+        if int(sampled[j]) != token:
+            return [int(t) for t in sampled[: j + 1]]
+    return [int(t) for t in sampled]
+
+
+@dataclasses.dataclass
+class SpecDecodeStats:
+    """vLLM's ``spec_decode_*`` counters, cumulative since start: drafts verified (one per
+    sequence per step with drafted tokens), tokens drafted, drafts accepted, and accepted
+    drafts by their position in the draft."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+
+    def add(self, num_drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_pos) < num_drafted:
+            self.accepted_per_pos += [0] * (num_drafted - len(self.accepted_per_pos))
+        for pos in range(accepted):
+            self.accepted_per_pos[pos] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verify step gave a sequence, on average: 1 + accepted drafts per draft
+        (vLLM's mean acceptance length); 1.0 before any draft."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def copy(self) -> SpecDecodeStats:
+        return dataclasses.replace(self, accepted_per_pos=list(self.accepted_per_pos))

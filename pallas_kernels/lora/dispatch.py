@@ -1,0 +1,82 @@
+"""The LoRA product's entry point: the grouped Triton kernel or the dense reference, by backend.
+
+``lora_deltas(x, a, bs, token_slots)`` has ``reference.lora_deltas``'s semantics (one input,
+n projections: their A matrices joined, one B each). It picks, at trace time:
+  gpu, one device -> the Pallas Triton kernels (``triton``: sort by slot, shrink, expand): each
+         used slot's A and B read once, nothing for empty slots or the base model's tokens;
+  otherwise       -> the dense one-hot product (``reference``): every slot's A and B, as
+         XLA partitions it under tensor parallelism (the kernel is a custom call XLA cannot
+         split; it is not under ``shard_map`` yet), and what TPUs and the CPU run.
+``JAXSERVE_LORA_KERNEL`` overrides the choice: ``auto`` (the default, as above), ``triton`` (the
+kernel on any backend: interpreted off the GPU, for tests) or ``reference`` (the dense product
+everywhere, to compare). ``describe`` writes the start-up log line.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import jax
+
+from pallas_kernels.lora import reference
+
+LORA_KERNEL_ENV = "JAXSERVE_LORA_KERNEL"
+LORA_KERNEL_CHOICES = ("auto", "triton", "reference")
+
+
+def requested() -> str:
+    """``JAXSERVE_LORA_KERNEL`` (default ``auto``), validated."""
+    value = os.environ.get(LORA_KERNEL_ENV, "auto").strip().lower() or "auto"
+    if value not in LORA_KERNEL_CHOICES:
+        raise ValueError(
+            f"{LORA_KERNEL_ENV}={value!r} must be one of {', '.join(LORA_KERNEL_CHOICES)}"
+        )
+    return value
+
+
+def choose() -> tuple[str, str]:
+    """``("triton" | "interpret" | "reference", why)``: how the LoRA product runs here."""
+    value = requested()
+    backend = jax.default_backend()
+    if value == "reference":
+        return "reference", f"{LORA_KERNEL_ENV}=reference"
+    if value == "triton":
+        if backend == "gpu":
+            return "triton", f"{LORA_KERNEL_ENV}=triton"
+        return "interpret", f"{LORA_KERNEL_ENV}=triton, Pallas interpret mode on the {backend}"
+    if backend != "gpu":
+        return "reference", f"the kernel is Pallas Triton; this is the {backend} backend"
+    if jax.device_count() > 1:
+        return "reference", f"{jax.device_count()} devices: the kernel is not partitioned yet"
+    return "triton", f"{LORA_KERNEL_ENV}=auto"
+
+
+def lora_deltas(
+    x: jax.Array,  # [T, X]
+    a: jax.Array,  # [M, X, n * R]
+    bs: Sequence[jax.Array],  # n x [M, R, O_i]
+    token_slots: jax.Array,  # i32[T]  0: none; s: row s - 1
+    mask: jax.Array | None = None,  # [T, M]  the one-hot slots, if the caller has them
+) -> tuple[jax.Array, ...]:  # n x [T, O_i]
+    """The n LoRA terms on the path ``choose`` picks (a call the kernel does not take, by
+    shape or dtype, runs the reference)."""
+    path, _ = choose()
+    if path != "reference":
+        from pallas_kernels.lora import triton
+
+        if triton.unsupported_reason(x, a, bs) is None:
+            return triton.lora_deltas(x, a, tuple(bs), token_slots, interpret=path == "interpret")
+    return reference.lora_deltas(x, a, bs, token_slots, mask)
+
+
+def describe() -> str:
+    """The start-up log line, e.g. ``LoRA product: Pallas Triton grouped kernel
+    (JAXSERVE_LORA_KERNEL=auto)``."""
+    path, why = choose()
+    name = {
+        "triton": "Pallas Triton grouped kernel",
+        "interpret": "Pallas Triton grouped kernel in interpret mode",
+        "reference": "dense one-hot product over every slot (XLA)",
+    }[path]
+    return f"LoRA product: {name} ({why})"

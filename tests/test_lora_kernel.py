@@ -1,0 +1,285 @@
+"""The grouped LoRA kernel (pallas_kernels/lora): the Pallas Triton shrink and expand against the
+dense reference over a grid of tokens, slots used, ranks, in/out sizes and base-model tokens;
+its sort and tiles; the choice of path; the model's product through the dispatch.
+
+On the CPU (CI) the kernel runs in Pallas interpret mode on small shapes and is lowered to
+Triton IR for an (abstract) H200; the ``gpu`` test runs it natively at Llama-3-8B's shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.lora import dispatch, reference
+from pallas_kernels.lora import triton as lt
+
+# The Pallas Triton backend warns at lowering that it is deprecated (jax 0.11).
+DEPRECATED = "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    slots: tuple[int, ...]  # each token's slot, 0: the base model
+    num_slots: int  # M
+    rank: int  # R per projection
+    size_x: int
+    size_os: tuple[int, ...]  # one expand per output (their A matrices joined)
+    dtype: str = "float32"
+    config: lt.LoraKernelConfig = lt.LoraKernelConfig(block_k=16, block_n=16)
+
+
+def _mixed(num_tokens: int, num_slots: int, seed: int) -> tuple[int, ...]:
+    return tuple(int(s) for s in np.random.default_rng(seed).integers(0, num_slots + 1, num_tokens))
+
+
+CPU_CASES = [
+    # Decode at batch 1: one token on one slot of eight.
+    Case("one_token_one_slot_of_8", (5,), 8, 16, 64, (48,)),
+    # Only base-model tokens: zeros, no weight read.
+    Case("base_tokens_only", (0, 0, 0, 0, 0), 4, 8, 32, (32,)),
+    # Tokens of every slot and the base, shuffled; X and O the tiles do not divide; K split.
+    Case(
+        "mixed_ragged_split",
+        _mixed(37, 4, 1),
+        4,
+        8,
+        40,
+        (24,),
+        config=lt.LoraKernelConfig(block_k=16, block_n=16, num_splits=2),
+    ),  # fmt: skip
+    # q, k, v: one shrink over the joined A, three expands; a rank below the 16-wide tile.
+    Case("qkv_rank4_three_expands", _mixed(19, 3, 2), 3, 4, 32, (32, 16, 16)),
+    # Many tokens on one slot crossing 16-row blocks, a few on another, bf16.
+    Case("one_slot_many_rows_bf16", (2,) * 40 + (1, 0, 1), 2, 16, 64, (64,), "bfloat16"),
+    # Most slots unused at 8 slots, 64-row tiles, fp16, gate/up.
+    Case(
+        "few_of_8_slots_fp16",
+        _mixed(24, 2, 3),
+        8,
+        8,
+        48,
+        (40, 40),
+        "float16",
+        config=lt.LoraKernelConfig(block_m=64, block_k=32, block_n=32),
+    ),  # fmt: skip
+]
+
+
+def make_inputs(case: Case, seed: int):
+    rng = np.random.default_rng(seed)
+    dtype = jnp.dtype(case.dtype)
+    n = len(case.size_os)
+    x = rng.normal(size=(len(case.slots), case.size_x))
+    a = rng.normal(size=(case.num_slots, case.size_x, n * case.rank)) / np.sqrt(case.size_x)
+    bs = [
+        rng.normal(size=(case.num_slots, case.rank, o)) / np.sqrt(case.rank) for o in case.size_os
+    ]
+    return (
+        jnp.asarray(x, dtype),
+        jnp.asarray(a, dtype),
+        tuple(jnp.asarray(b, dtype) for b in bs),
+        jnp.asarray(case.slots, jnp.int32),
+    )
+
+
+def numpy_deltas(x, a, bs, slots) -> list[np.ndarray]:
+    """Token by token, in float64: x @ A[s - 1] @ B[s - 1], zeros for slot 0."""
+    x, a = np.asarray(x, np.float64), np.asarray(a, np.float64)
+    outs = []
+    rank = a.shape[2] // len(bs)
+    for i, b in enumerate(bs):
+        b = np.asarray(b, np.float64)
+        out = np.zeros((x.shape[0], b.shape[2]))
+        for t, s in enumerate(np.asarray(slots)):
+            if s:
+                out[t] = x[t] @ a[s - 1][:, i * rank : (i + 1) * rank] @ b[s - 1]
+        outs.append(out)
+    return outs
+
+
+def tolerance(dtype: str) -> float:
+    return {"float32": 1e-4, "float16": 1e-2, "bfloat16": 6e-2}[dtype]
+
+
+@pytest.mark.filterwarnings(DEPRECATED)
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
+def test_interpret_matches_reference(case: Case):
+    seed = int(np.random.default_rng().integers(2**31))  # fresh inputs every run
+    x, a, bs, slots = make_inputs(case, seed)
+    got = lt.lora_deltas(x, a, bs, slots, config=case.config, interpret=True)
+    ref = reference.lora_deltas(x, a, bs, slots)
+    want = numpy_deltas(x, a, bs, slots)
+    base = np.asarray(slots) == 0
+    for g, r, w in zip(got, ref, want, strict=True):
+        assert g.shape == w.shape and g.dtype == x.dtype
+        np.testing.assert_allclose(np.asarray(r, np.float64), w, atol=tolerance(case.dtype))
+        np.testing.assert_allclose(
+            np.asarray(g, np.float64), w, atol=tolerance(case.dtype), err_msg=f"{seed=}"
+        )
+        assert (np.asarray(g)[base] == 0).all()  # the base model's rows: exactly zero
+
+
+def test_tokens_sort_by_slot_with_the_base_model_last():
+    slots = jnp.array([0, 3, 1, 0, 3, 2, 1], jnp.int32)
+    order, sizes = lt.sort_tokens(slots, 4)
+    assert np.asarray(order).tolist() == [2, 6, 5, 1, 4, 0, 3]
+    assert np.asarray(sizes).tolist() == [2, 1, 2, 0]
+
+
+def test_the_shrink_splits_x_while_few_tiles_hold_rows():
+    def splits(tokens: int, slots: int, size_x: int = 4096) -> int:
+        tiles = lt.plan(tokens, slots, size_x, 132, lt.LoraKernelConfig())
+        assert tiles.num_splits is not None
+        return tiles.num_splits
+
+    assert splits(1, 8) == 32  # decode at batch 1: 2 busy tiles, 32 splits of 128
+    assert splits(64, 64) == 4  # 4 token blocks + 64 slots
+    assert splits(256, 64) == 4
+    assert splits(1, 1, 64) == 1  # X of one block_k step: never more splits than steps
+    assert splits(1, 1, 512) == 4
+    assert lt.plan(256, 1, 4096, 132, lt.LoraKernelConfig()).block_m == 64
+    with pytest.raises(ValueError, match="block_k=24 must be a power of two"):
+        lt.LoraKernelConfig(block_k=24)
+    with pytest.raises(ValueError, match="num_splits=3 must be a power of two"):
+        lt.LoraKernelConfig(num_splits=3)
+    x, a = jnp.zeros((2, 8)), jnp.zeros((2, 8, 4))
+    assert "b (2, 3, 8) must be [2, 4, O]" in str(
+        lt.unsupported_reason(x, a, [jnp.zeros((2, 3, 8))])
+    )
+    assert "dtypes" in str(lt.unsupported_reason(x, a, [jnp.zeros((2, 4, 8), jnp.bfloat16)]))
+
+
+def test_dispatch_takes_the_reference_off_the_gpu_and_the_kernel_when_asked(monkeypatch):
+    case = CPU_CASES[3]
+    x, a, bs, slots = make_inputs(case, 0)
+    want = reference.lora_deltas(x, a, bs, slots)
+    monkeypatch.delenv(dispatch.LORA_KERNEL_ENV, raising=False)
+    assert dispatch.choose()[0] == "reference"  # the CPU
+    assert "dense one-hot product" in dispatch.describe()
+    monkeypatch.setenv(dispatch.LORA_KERNEL_ENV, "triton")
+    assert dispatch.choose()[0] == "interpret"
+    got = dispatch.lora_deltas(x, a, bs, slots)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-4)
+    monkeypatch.setenv(dispatch.LORA_KERNEL_ENV, "yes")
+    with pytest.raises(ValueError, match="JAXSERVE_LORA_KERNEL='yes' must be one of"):
+        dispatch.choose()
+
+
+@pytest.mark.filterwarnings(DEPRECATED)
+def test_the_model_product_through_the_kernel_equals_the_dense_one(monkeypatch):
+    """models/lora.py's q/k/v, o, gate/up and down terms on the kernel (interpreted)."""
+    from jaxserve.models import lora as ops
+
+    m, h, r, heads = 3, 32, 4, (2, 16)
+    keys = iter(jax.random.split(jax.random.key(1), 16))
+    shapes = {"qkv_a": (m, h, 3 * r), "q_b": (m, r, 32), "k_b": (m, r, 16), "v_b": (m, r, 16),
+              "o_a": (m, 32, r), "o_b": (m, r, h), "gate_up_a": (m, h, 2 * r),
+              "gate_b": (m, r, 48), "up_b": (m, r, 48), "down_a": (m, 48, r),
+              "down_b": (m, r, h)}  # fmt: skip
+    layer = ops.LoraLayer(**{k: jax.random.normal(next(keys), s) for k, s in shapes.items()})
+    inputs = ops.LoraInputs(ops.LoraWeights([layer]), jnp.array([0, 2, 1, 3, 2, 0, 3], jnp.int32))
+    x = jax.random.normal(next(keys), (7, h))
+    hidden = jax.random.normal(next(keys), (7, 48))
+
+    def terms():
+        lora = (layer, inputs.routing(x.dtype))
+        return (
+            *ops.qkv_deltas(x, lora, heads, (1, 16)),
+            ops.o_delta(x.reshape(7, 2, 16), lora),
+            *ops.gate_up_deltas(x, lora),
+            ops.down_delta(hidden, lora),
+        )
+
+    monkeypatch.setenv(dispatch.LORA_KERNEL_ENV, "reference")
+    dense = terms()
+    monkeypatch.setenv(dispatch.LORA_KERNEL_ENV, "triton")
+    for got, want in zip(terms(), dense, strict=True):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.filterwarnings(DEPRECATED)
+def test_lowers_to_triton_for_an_h200(verify_triton_modules):
+    """The Pallas -> Triton IR lowering of the shrink (split, masked) and the expands."""
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
+    x = jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16)
+    a = jax.ShapeDtypeStruct((8, 4096, 48), jnp.bfloat16)
+    bs = tuple(jax.ShapeDtypeStruct((8, 16, o), jnp.bfloat16) for o in (4096, 1024, 1024))
+    slots = jax.ShapeDtypeStruct((64,), jnp.int32)
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(lt.lora_deltas).trace(x, a, bs, slots)
+        text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") >= 2
+
+
+def _is_gpu() -> bool:
+    return jax.devices()[0].platform == "gpu"
+
+
+# Llama-3-8B's projections at rank 16 (bf16): qkv (joined A), o, gate/up (joined), down.
+GPU_CASES = [
+    Case(
+        f"llama_{name}_t{t}_m{m}",
+        _mixed(t, m, t + m),
+        m,
+        16,
+        x,
+        os_,
+        "bfloat16",
+        lt.LoraKernelConfig(),
+    )  # fmt: skip
+    for name, x, os_ in (
+        ("qkv", 4096, (4096, 1024, 1024)),
+        ("o", 4096, (4096,)),
+        ("gate_up", 4096, (14336, 14336)),
+        ("down", 14336, (4096,)),
+    )
+    for t, m in ((1, 1), (64, 8), (256, 64))
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings(DEPRECATED)
+@pytest.mark.skipif(not _is_gpu(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("case", CPU_CASES + GPU_CASES, ids=lambda c: c.name)
+def test_native_matches_reference(case: Case):
+    seed = int(np.random.default_rng().integers(2**31))
+    x, a, bs, slots = make_inputs(case, seed)
+    got = lt.lora_deltas(x, a, bs, slots, config=case.config)
+    want = jax.jit(reference.lora_deltas)(
+        x.astype(jnp.float32), a.astype(jnp.float32), [b.astype(jnp.float32) for b in bs], slots
+    )
+    base = np.asarray(slots) == 0
+    for g, w in zip(got, want, strict=True):
+        scale = float(jnp.abs(w).max()) or 1.0
+        np.testing.assert_allclose(
+            np.asarray(g, np.float32) / scale, np.asarray(w) / scale,
+            atol=tolerance(case.dtype), err_msg=f"{seed=}",
+        )  # fmt: skip
+        assert (np.asarray(g)[base] == 0).all()
+
+
+def test_the_start_up_log_says_how_the_lora_product_runs(monkeypatch):
+    from jaxserve.engine_config import EngineConfig
+    from jaxserve.models.families.registry import load_model_config
+    from jaxserve.runner.devices import startup_lines
+    from tests.conftest import fixture_dir
+
+    monkeypatch.delenv(dispatch.LORA_KERNEL_ENV, raising=False)
+    config = load_model_config(fixture_dir("llama"))
+    lines = startup_lines(config, EngineConfig(enable_lora=True), jnp.float32, 128)
+    assert (
+        "LoRA product: dense one-hot product over every slot (XLA) (the kernel is Pallas "
+        "Triton; this is the cpu backend)" in lines
+    )
+    assert not any(
+        "LoRA" in line for line in startup_lines(config, EngineConfig(), jnp.float32, 128)
+    )
