@@ -280,7 +280,9 @@ class EngineCore:
             return None
         if self.pooler is not None:
             raise ValueError("speculative_config with a pooling runner: it generates nothing")
-        target = DrafterTarget(self.config, self.model_config, self.tokenizer, self.max_model_len)
+        target = DrafterTarget(
+            self.config, self.model_config, self.tokenizer, self.max_model_len, self.runner
+        )
         proposer = make_proposer(spec, target)
         # A step's sequences and drafted tokens share the sampler's rows.
         self.scheduler.max_sample_rows = next_power_of_2(self.config.max_num_seqs)

@@ -116,12 +116,14 @@ class NgramProposer:
 @dataclasses.dataclass(frozen=True)
 class DrafterTarget:
     """What a model-based drafter needs of the target: the engine's settings, the target's
-    config and tokenizer, and its ``max_model_len``."""
+    config and tokenizer, its ``max_model_len``, and the runner (``eagle3`` runs the target's
+    weights, read from it at each call)."""
 
     engine: EngineConfig
     model_config: ModelConfig
     tokenizer: Any  # engine.tokenizer.Tokenizer
     max_model_len: int
+    runner: Any = None  # runner.runner.Runner
 
 
 def make_proposer(config: SpeculativeConfig, target: DrafterTarget | None = None) -> Proposer:
@@ -136,6 +138,8 @@ def make_proposer(config: SpeculativeConfig, target: DrafterTarget | None = None
     assert config.model is not None  # SpeculativeConfig checks it
     if config.method == "draft_model":
         return _draft_model_proposer(config, target)
+    if config.method == "eagle3":
+        return _eagle3_proposer(config, target)
     raise AssertionError(f"no drafter for the built method {config.method!r}")
 
 
@@ -161,6 +165,37 @@ def _draft_model_proposer(config: SpeculativeConfig, target: DrafterTarget) -> P
         dtype,
     )
     _LOG.info("Speculative draft model %s: %s", config.model, proposer.describe())
+    if engine.warmup:
+        proposer.warmup()
+    return proposer
+
+
+def _eagle3_proposer(config: SpeculativeConfig, target: DrafterTarget) -> Proposer:
+    import jax
+
+    from jaxserve.models.loading.eagle3_checkpoint import load_eagle3
+    from jaxserve.runner import draft_model, eagle3_proposer
+    from jaxserve.runner.devices import resolve_dtype
+
+    assert config.model is not None and target.runner is not None
+    engine, runner = target.engine, target.runner
+    draft_model.check_one_device(engine, config.method)
+    dtype = resolve_dtype(engine)
+    if not isinstance(runner.weights.embed, jax.Array):  # still loading (warm-up overlaps it)
+        runner.wait_for_weights()  # a head without embed_tokens shares the target's
+    head_config, head = load_eagle3(config.model, target.model_config, runner.weights.embed, dtype)
+    proposer = eagle3_proposer.Eagle3Proposer(
+        head_config,
+        head,
+        target.model_config,
+        lambda: runner.weights,
+        engine,
+        target.max_model_len,
+        min(config.max_batch_size, engine.max_num_seqs),
+        config.num_speculative_tokens,
+        dtype,
+    )
+    _LOG.info("Speculative EAGLE-3 head %s: %s", config.model, proposer.describe())
     if engine.warmup:
         proposer.warmup()
     return proposer
