@@ -9,10 +9,11 @@ end-to-end batch-1 speed-up with n-gram drafting (docs/speculative_decoding.md).
    From these, the speed-up a mean acceptance length L would give: L * t(0) / t(k).
 2. The n-gram drafter's host time per step at batch 1 .. 256 (2,048-token histories).
 3. End to end at batch 1: the demo model (or --e2e-model) on a repetitive prompt, greedy, with
-   and without each method: ``ngram``, and ``draft_model`` with the fixture draft
+   and without each method: ``ngram``, ``draft_model`` with the fixture draft
    (``tests/fixtures/spec/draft``, or --draft-model; only for the demo model or a model of its
-   tokenizer): output tokens/s, the speed-up, the acceptance length, and that the tokens are
-   the same.
+   tokenizer) and ``eagle3`` with the fixture head (``tests/fixtures/spec/eagle3``, or
+   --eagle3-head; a head trained for the target): output tokens/s, the speed-up, the
+   acceptance length, and that the tokens are the same.
 
     python -m benchmarks.spec_decode                  # Llama-3-8B shape, dummy bf16 weights
     python -m benchmarks.spec_decode --smoke          # tiny CPU run
@@ -169,8 +170,8 @@ def ngram_host_times(batches: list[int], length: int, k: int) -> list[dict]:
 
 
 def e2e_arms(args: argparse.Namespace) -> list[tuple[str, dict | None]]:
-    """(name, speculative_config) of each end-to-end run: off, n-gram, and the draft model
-    when one is given (the fixture draft belongs to the demo model)."""
+    """(name, speculative_config) of each end-to-end run: off, n-gram, and the draft model and
+    the EAGLE-3 head when given (the fixtures belong to the demo model)."""
     k = args.e2e_k
     arms: list[tuple[str, dict | None]] = [
         ("off", None),
@@ -182,6 +183,10 @@ def e2e_arms(args: argparse.Namespace) -> list[tuple[str, dict | None]]:
                 "draft_model",
                 {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": k},
             )
+        )
+    if args.eagle3_head:
+        arms.append(
+            ("eagle3", {"method": "eagle3", "model": args.eagle3_head, "num_speculative_tokens": k})
         )
     return arms
 
@@ -244,6 +249,11 @@ def main() -> None:
         "--draft-model",
         default=str(ROOT / "tests/fixtures/spec/draft"),
         help="end to end: the draft_model arm's draft ('' leaves the arm out)",
+    )
+    parser.add_argument(
+        "--eagle3-head",
+        default=str(ROOT / "tests/fixtures/spec/eagle3"),
+        help="end to end: the eagle3 arm's head ('' leaves the arm out)",
     )
     parser.add_argument("--repeats", type=int, default=12, help="of the prompt's sentence")
     parser.add_argument("--ngram-batches", default="1,8,64,256")

@@ -1,11 +1,13 @@
 """The model drafters served (docs/speculative_decoding.md): ``draft_model`` with the fixture
-draft ``tests/fixtures/spec/draft`` on the demo model (``METHODS``: each served model method):
+draft ``tests/fixtures/spec/draft`` and ``eagle3`` with the fixture head
+``tests/fixtures/spec/eagle3`` on the demo model (``METHODS``: each served model method):
 greedy tokens the same with and without it (a mixed batch, chunked prefill, preemption), the
 acceptance measured through the engine, the counters, and the start-up errors."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -126,6 +128,15 @@ def test_greedy_under_preemption(plain, method) -> None:
 def test_a_draft_of_another_vocabulary_is_refused_at_start_naming_both() -> None:
     with pytest.raises(ConfigError, match=r"draft model 'llama' has vocab_size=320, the target"):
         make_llm({"method": "draft_model", "model": str(LLAMA)})
+
+
+def test_an_eagle3_head_of_another_hidden_size_is_refused_at_start(tmp_path) -> None:
+    head = tmp_path / "head"
+    shutil.copytree(SPEC / "eagle3", head)
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**config, "target_hidden_size": 128}))
+    with pytest.raises(ConfigError, match=r"target_hidden_size=128 but the target model's hidden"):
+        make_llm({"method": "eagle3", "model": str(head)})
 
 
 def test_a_model_drafter_runs_on_one_device() -> None:
