@@ -103,9 +103,16 @@ def latent_attention(
     scales as k_scale / v_scale); None: ``mla.dispatch`` directly."""
     args = (batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs)
     if attention_fn is None:
-        scales = {} if kv_scale is None else dict(ckv_scale=kv_scale[0], kpe_scale=kv_scale[1])
+        ckv_scale, kpe_scale = (None, None) if kv_scale is None else kv_scale
         return ragged_paged_mla_attention(
-            q_latent, q_pe, ckv_pages, kpe_pages, *args, sm_scale=sm_scale, **scales
+            q_latent,
+            q_pe,
+            ckv_pages,
+            kpe_pages,
+            *args,
+            sm_scale=sm_scale,
+            ckv_scale=ckv_scale,
+            kpe_scale=kpe_scale,
         )
     op_scales = {} if kv_scale is None else dict(k_scale=kv_scale[0], v_scale=kv_scale[1])
     return attention_fn(

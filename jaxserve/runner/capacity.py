@@ -463,8 +463,7 @@ def plan_capacity(
         reference_attention=reference_attention,
         mla_path=mla_path,
     )
-    per_token = cache_bytes_per_token(config, tensor_parallel_size, kv_dtype_bytes)
-    block_bytes = block_size * per_token
+    block_bytes = block_size * cache_bytes_per_token(config, tensor_parallel_size, kv_dtype_bytes)
     if num_blocks_override is not None:
         num_blocks, budget = num_blocks_override, num_blocks_override * block_bytes
     else:
@@ -477,7 +476,7 @@ def plan_capacity(
         weight_bytes=weights,
         activation_bytes=activations,
         kv_budget_bytes=budget,
-        kv_bytes_per_token=per_token,
+        kv_bytes_per_token=block_bytes // block_size,
         block_size=block_size,
         num_blocks=num_blocks,
         max_model_len=max_model_len,

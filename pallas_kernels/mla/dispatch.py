@@ -88,7 +88,10 @@ def choose(
     if value == "auto":
         return "triton", f"{MLA_ENV}=auto on an NVIDIA GPU{where}"
     if value == "interpret" or backend != "gpu":
-        return "interpret", f"{MLA_ENV}={value}, Pallas interpret mode on the {backend} backend{where}"
+        return (
+            "interpret",
+            f"{MLA_ENV}={value}, Pallas interpret mode on the {backend} backend{where}",
+        )
     return "triton", f"{MLA_ENV}=on{where}"
 
 
