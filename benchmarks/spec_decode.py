@@ -9,8 +9,10 @@ end-to-end batch-1 speed-up with n-gram drafting (docs/speculative_decoding.md).
    From these, the speed-up a mean acceptance length L would give: L * t(0) / t(k).
 2. The n-gram drafter's host time per step at batch 1 .. 256 (2,048-token histories).
 3. End to end at batch 1: the demo model (or --e2e-model) on a repetitive prompt, greedy, with
-   and without ``{"method": "ngram"}``: output tokens/s, the speed-up, the acceptance length,
-   and that the tokens are the same.
+   and without each method: ``ngram``, and ``draft_model`` with the fixture draft
+   (``tests/fixtures/spec/draft``, or --draft-model; only for the demo model or a model of its
+   tokenizer): output tokens/s, the speed-up, the acceptance length, and that the tokens are
+   the same.
 
     python -m benchmarks.spec_decode                  # Llama-3-8B shape, dummy bf16 weights
     python -m benchmarks.spec_decode --smoke          # tiny CPU run
@@ -166,14 +168,32 @@ def ngram_host_times(batches: list[int], length: int, k: int) -> list[dict]:
     return rows
 
 
+def e2e_arms(args: argparse.Namespace) -> list[tuple[str, dict | None]]:
+    """(name, speculative_config) of each end-to-end run: off, n-gram, and the draft model
+    when one is given (the fixture draft belongs to the demo model)."""
+    k = args.e2e_k
+    arms: list[tuple[str, dict | None]] = [
+        ("off", None),
+        ("ngram", {"method": "ngram", "num_speculative_tokens": k}),
+    ]
+    if args.draft_model:
+        arms.append(
+            (
+                "draft_model",
+                {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": k},
+            )
+        )
+    return arms
+
+
 def end_to_end(args: argparse.Namespace) -> dict:
-    """Batch 1, greedy, a repetitive prompt: tokens/s with and without n-gram drafting."""
+    """Batch 1, greedy, a repetitive prompt: tokens/s with and without each drafter."""
     import jaxserve
 
     text = "The quick brown fox jumps over the lazy dog, and the lazy dog sleeps. " * args.repeats
     results: dict = {}
     outputs = {}
-    for name, spec in (("off", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 4})):
+    for name, spec in e2e_arms(args):
         llm = jaxserve.LLM(
             args.e2e_model,
             max_model_len=args.e2e_max_model_len,
@@ -199,8 +219,12 @@ def end_to_end(args: argparse.Namespace) -> dict:
         outputs[name] = out.token_ids
         llm.shutdown()
         print(f"e2e {name}: {results[name]}", flush=True)
-    results["speedup"] = results["ngram"]["tokens_per_s"] / results["off"]["tokens_per_s"]
-    results["same_tokens"] = outputs["off"] == outputs["ngram"]
+    for name in outputs:
+        if name != "off":
+            results[name]["speedup"] = (
+                results[name]["tokens_per_s"] / results["off"]["tokens_per_s"]
+            )
+            results[name]["same_tokens"] = outputs["off"] == outputs[name]
     return results
 
 
@@ -215,6 +239,12 @@ def main() -> None:
     parser.add_argument("--e2e-model", default="", help="end to end: the demo model by default")
     parser.add_argument("--e2e-tokens", type=int, default=256)
     parser.add_argument("--e2e-max-model-len", type=int, default=2048)
+    parser.add_argument("--e2e-k", type=int, default=4, help="num_speculative_tokens end to end")
+    parser.add_argument(
+        "--draft-model",
+        default=str(ROOT / "tests/fixtures/spec/draft"),
+        help="end to end: the draft_model arm's draft ('' leaves the arm out)",
+    )
     parser.add_argument("--repeats", type=int, default=12, help="of the prompt's sentence")
     parser.add_argument("--ngram-batches", default="1,8,64,256")
     parser.add_argument("--smoke", action="store_true", help="tiny model and grid, on the CPU")
@@ -223,7 +253,7 @@ def main() -> None:
     if args.smoke:
         args.model = str(ROOT / "tests/fixtures/models/llama")
         args.batches, args.context, args.max_k, args.iters = "1,4", 32, 3, 3
-        args.e2e_model, args.e2e_tokens, args.ngram_batches = args.model, 32, "1,8"
+        args.e2e_tokens, args.ngram_batches = 32, "1,8"  # the demo model end to end
         args.e2e_max_model_len, args.repeats = 256, 3
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     report = {
@@ -245,11 +275,13 @@ def main() -> None:
             )
             print(f"   k={r['k']}: {gains}")
     e2e = report["end_to_end"]
-    print(
-        f"\nend to end, batch 1: off {e2e['off']['tokens_per_s']:.1f} tok/s, ngram "
-        f"{e2e['ngram']['tokens_per_s']:.1f} tok/s ({e2e['speedup']:.2f}x, acceptance length "
-        f"{e2e['ngram']['mean_acceptance_length']:.2f}, same tokens: {e2e['same_tokens']})"
-    )
+    print(f"\nend to end, batch 1: off {e2e['off']['tokens_per_s']:.1f} tok/s")
+    for name, r in e2e.items():
+        if name != "off":
+            print(
+                f"   {name}: {r['tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x, acceptance "
+                f"length {r['mean_acceptance_length']:.2f}, same tokens: {r['same_tokens']})"
+            )
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))
 

@@ -149,7 +149,7 @@ _KV_EVENT_FIELD_TYPES: dict[str, tuple[type, ...]] = {
 # --speculative-config (vLLM's): the drafting methods a config may name; those of
 # SPECULATIVE_METHODS_BUILT run, the others are refused at start-up until they land.
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3", "mtp")
-SPECULATIVE_METHODS_BUILT = ("ngram",)
+SPECULATIVE_METHODS_BUILT = ("ngram", "draft_model")
 # The most tokens drafted per sequence and step.
 MAX_SPECULATIVE_TOKENS = 15
 
@@ -241,6 +241,8 @@ class SpeculativeConfig:
         text = f"{self.method}, {self.num_speculative_tokens} tokens per step"
         if self.method == "ngram":
             text += f", n-grams of {self.prompt_lookup_min} to {self.prompt_lookup_max} tokens"
+        elif self.model:
+            text += f", drafter {self.model}"
         return text
 
 

@@ -90,7 +90,7 @@ def test_the_config_is_vllms_and_its_errors_name_the_field() -> None:
 
 
 def test_methods_not_built_are_refused_at_start_naming_the_method() -> None:
-    for method in ("draft_model", "eagle3", "mtp"):
+    for method in ("eagle3", "mtp"):
         spec = {"method": method, "model": "some/dir"} if method != "mtp" else {"method": method}
         with pytest.raises(NotImplementedError, match=f"method='{method}' is not built yet"):
             make_llm(spec)

@@ -43,7 +43,13 @@ from jaxserve.engine.scoring import (
     SCORE_NEEDS_POOLING,
     ScoringModel,
 )
-from jaxserve.engine.spec_decode import Proposer, SpecDecodeStats, accepted_run, make_proposer
+from jaxserve.engine.spec_decode import (
+    DrafterTarget,
+    Proposer,
+    SpecDecodeStats,
+    accepted_run,
+    make_proposer,
+)
 from jaxserve.engine.structured_outputs import Accepted, StructuredOutputs
 from jaxserve.engine.tokenizer import end_of_sequence_ids, load_tokenizer
 from jaxserve.engine_config import EngineConfig
@@ -274,7 +280,8 @@ class EngineCore:
             return None
         if self.pooler is not None:
             raise ValueError("speculative_config with a pooling runner: it generates nothing")
-        proposer = make_proposer(spec)
+        target = DrafterTarget(self.config, self.model_config, self.tokenizer, self.max_model_len)
+        proposer = make_proposer(spec, target)
         # A step's sequences and drafted tokens share the sampler's rows.
         self.scheduler.max_sample_rows = next_power_of_2(self.config.max_num_seqs)
         _LOG.info(
@@ -895,5 +902,7 @@ class EngineCore:
         self.structured_outputs.free(request)
         for seq in request.seqs:
             self.kv.forget_hashes(seq)
+            if self.proposer is not None:
+                self.proposer.free(seq.seq_id)
             if self.pooler is not None:
                 self.pooler.free(seq.seq_id)

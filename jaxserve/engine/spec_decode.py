@@ -21,13 +21,17 @@ head, MTP layers) implements the same protocol.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence as Seq
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
+from jaxserve.config import ModelConfig
 from jaxserve.engine.request import Sequence
-from jaxserve.engine_config import SpeculativeConfig
+from jaxserve.engine_config import EngineConfig, SpeculativeConfig
+
+_LOG = logging.getLogger(__name__)
 
 
 class Proposer(Protocol):
@@ -109,10 +113,57 @@ class NgramProposer:
         return tokens[best_end + 1 : best_end + 1 + k].tolist()
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """The drafter of ``config`` (its method built: ``SpeculativeConfig.check_built``)."""
+@dataclasses.dataclass(frozen=True)
+class DrafterTarget:
+    """What a model-based drafter needs of the target: the engine's settings, the target's
+    config and tokenizer, and its ``max_model_len``."""
+
+    engine: EngineConfig
+    model_config: ModelConfig
+    tokenizer: Any  # engine.tokenizer.Tokenizer
+    max_model_len: int
+
+
+def make_proposer(config: SpeculativeConfig, target: DrafterTarget | None = None) -> Proposer:
+    """The drafter of ``config`` (its method built: ``SpeculativeConfig.check_built``); a model
+    drafter (``draft_model``, ``eagle3``) is loaded here, checked against ``target``, and its
+    programs compiled when the engine warms up."""
     config.check_built()
-    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if target is None:
+        raise ValueError(f"speculative_config method={config.method!r} needs the target model")
+    assert config.model is not None  # SpeculativeConfig checks it
+    if config.method == "draft_model":
+        return _draft_model_proposer(config, target)
+    raise AssertionError(f"no drafter for the built method {config.method!r}")
+
+
+def _draft_model_proposer(config: SpeculativeConfig, target: DrafterTarget) -> Proposer:
+    from jaxserve.engine.tokenizer import Tokenizer
+    from jaxserve.runner import draft_model
+    from jaxserve.runner.devices import resolve_dtype
+
+    assert config.model is not None
+    engine = target.engine
+    draft_model.check_one_device(engine, config.method)
+    dtype = resolve_dtype(engine)
+    draft_config, weights = draft_model.load_draft(
+        config.model, target.model_config, target.tokenizer, Tokenizer(config.model), dtype
+    )
+    proposer = draft_model.DraftModelProposer(
+        draft_config,
+        weights,
+        engine,
+        target.max_model_len,
+        min(config.max_batch_size, engine.max_num_seqs),
+        config.num_speculative_tokens,
+        dtype,
+    )
+    _LOG.info("Speculative draft model %s: %s", config.model, proposer.describe())
+    if engine.warmup:
+        proposer.warmup()
+    return proposer
 
 
 def accepted_run(drafts: list[int], token_ids: np.ndarray, row: int) -> list[int]:

@@ -1,0 +1,193 @@
+"""The draft-model drafter (``method: draft_model``): a small decoder of the target's tokenizer,
+its weights and KV cache, and the compiled program that drafts k tokens greedily.
+
+``load_draft`` reads the draft's directory with the target's loader and dtype (one device,
+unquantized) and refuses, naming both models, a draft of another vocabulary or tokenizer
+(``models/draft_check.py``). ``DraftModelProposer`` implements the engine's ``Proposer``: for the
+sequences of a step it catches the draft's cache up on the tokens each gained since its last
+run (a prefill of them, the whole prompt the first time), then runs k - 1 greedy one-token steps,
+all in one compiled program per token bucket, and returns each sequence's k drafts (one
+device-to-host copy a call).
+
+The draft's cache is a page pool of its own (``drafting.PagePool``), not the target's block
+table: drafting runs before the scheduler allocates the target's blocks for the step, and the
+draft writes k - 1 positions past the sequence's known tokens, so the target's table may not
+hold them yet; with its own pool the draft needs nothing of the target's allocator, prefix
+cache or preemption. The pool holds ``disable_by_batch_size`` sequences of ``max_model_len`` (no
+more sequences draft in one step); a sequence that does not draft in a step keeps its pages
+until a drafting sequence needs them (its tokens never change, so its draft KV stays valid), and
+one that still finds no pages drafts nothing that step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.engine_config import EngineConfig
+from jaxserve.models import decoder
+from jaxserve.models.batch import Batch, KVCache, make_kv_cache_for
+from jaxserve.models.draft_check import DraftTokenizer, check_draft
+from jaxserve.models.families.registry import load_model_config
+from jaxserve.models.layers import Weights
+from jaxserve.models.loading.checkpoint_loader import load_weights
+from jaxserve.models.loading.load_progress import format_bytes
+from jaxserve.runner.buckets import Buckets
+from jaxserve.runner.drafting import (
+    CatchUp,
+    PagePool,
+    TokenSource,
+    catch_up_batch,
+    decode_batch,
+    drafts_of,
+    plan_calls,
+)
+from jaxserve.runner.model_weights import as_served
+
+_LOG = logging.getLogger(__name__)
+
+
+def check_one_device(config: EngineConfig, method: str) -> None:
+    """A model drafter runs on one device: tensor parallelism is refused, naming the field."""
+    if config.tensor_parallel_size != 1:
+        raise ValueError(
+            f"speculative_config method={method!r} runs its drafter on one device: "
+            f"tensor_parallel_size={config.tensor_parallel_size} must be 1 with it"
+        )
+
+
+def load_draft(
+    draft_dir: str,
+    target_config: ModelConfig,
+    target_tokenizer: DraftTokenizer,
+    draft_tokenizer: DraftTokenizer,
+    dtype: jnp.dtype,
+) -> tuple[ModelConfig, Weights]:
+    """The draft's config and weights (on one device, in ``dtype``), checked against the
+    target's vocabulary and tokenizer first."""
+    draft_config = load_model_config(draft_dir)
+    check_draft(
+        target_config,
+        draft_config,
+        target_tokenizer,
+        draft_tokenizer,
+        target_name=f"the target model ({target_config.model_type})",
+        draft_name=f"the draft model {Path(draft_dir).name!r}",
+    )
+    weights = load_weights(draft_dir, draft_config, dtype, fuse=True)
+    return draft_config, as_served(weights, one_device=True, quant=None)
+
+
+def draft_chain(
+    weights: Weights,
+    kv: KVCache,
+    batch: Batch,
+    config: ModelConfig,
+    k: int,
+    page_size: int,
+    pad_slot: int,
+) -> tuple[KVCache, jax.Array]:  # (kv, i32[S, k] drafts)
+    """The catch-up step, then k - 1 greedy one-token steps from each sequence's last row."""
+    kv, hidden = decoder.forward(weights, kv, batch, config)
+    logits = decoder.compute_logits(weights, hidden[batch.logits_indices])
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
+    drafts = [tokens]
+    for j in range(1, k):
+        step = decode_batch(batch, tokens, j, page_size, pad_slot)
+        kv, hidden = decoder.forward(weights, kv, step, config)
+        logits = decoder.compute_logits(weights, hidden[: tokens.shape[0]])
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        drafts.append(tokens)
+    return kv, jnp.stack(drafts, axis=1)
+
+
+class DraftModelProposer:
+    """Greedy drafts of a draft model, with its own paged KV cache (module docstring)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Weights,
+        engine: EngineConfig,
+        max_model_len: int,
+        max_seqs: int,
+        k: int,
+        dtype: jnp.dtype,
+    ) -> None:
+        self.config, self.weights, self.k = config, weights, k
+        page = engine.block_size
+        self.buckets = Buckets.of(
+            max_num_batched_tokens=max(engine.max_num_batched_tokens, max_seqs),
+            max_num_seqs=max_seqs,
+            max_model_len=max_model_len + k,
+            block_size=page,
+        )
+        pages_per_seq = self.buckets.pages_per_seq
+        self.pool = PagePool(max_seqs * pages_per_seq, page, pages_per_seq)
+        self.kv: Any = make_kv_cache_for(config, self.pool.num_pages, page, dtype)
+        self.computed: dict[str, int] = {}  # seq id -> tokens whose KV the draft's cache holds
+        self._chain = jax.jit(
+            functools.partial(
+                draft_chain,
+                config=config,
+                k=k,
+                page_size=page,
+                pad_slot=self.pool.num_pages * page,
+            ),
+            donate_argnums=(1,),
+        )
+
+    def describe(self) -> str:
+        size = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.weights))
+        cache = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.kv))
+        return (
+            f"{self.config.num_layers} layers, {format_bytes(size)} of weights, a cache of "
+            f"{self.pool.num_pages} pages of its own ({format_bytes(cache)})"
+        )
+
+    def free(self, seq_id: str) -> None:
+        self.pool.release(seq_id)
+        self.computed.pop(seq_id, None)
+
+    def warmup(self) -> int:
+        """Compiles the program of every token bucket (padding steps); returns their count."""
+        for bucket in self.buckets.token_buckets:
+            self._run([], bucket)
+        return len(self.buckets.token_buckets)
+
+    def propose(self, seqs: Sequence[TokenSource], k: int) -> dict[str, list[int]]:
+        parts = [part for seq in seqs if (part := self._catch_up(seqs, seq)) is not None]
+        if not parts:
+            return {}
+        calls = plan_calls(parts, self.buckets.token_buckets[-1], self.buckets.max_seq_bucket)
+        drafts = drafts_of(calls, self._run)
+        for part in parts:  # the drafted positions are written over by the next catch-up
+            self.computed[part.seq_id] = part.start + len(part.tokens)
+        return {seq_id: d[:k] for seq_id, d in drafts.items()}
+
+    def _catch_up(self, seqs: Sequence[TokenSource], seq: TokenSource) -> CatchUp | None:
+        """The sequence's part of this call, its pages taken (None: no pages, no draft)."""
+        n = seq.num_tokens
+        if n + self.k > self.buckets.pages_per_seq * self.pool.page_size:
+            return None  # no room for the drafts' positions
+        if not self.pool.ensure(seq.seq_id, n + self.k):
+            drafting = {s.seq_id for s in seqs}
+            for idle in [i for i in self.pool.tables if i not in drafting]:
+                self.free(idle)
+            if not self.pool.ensure(seq.seq_id, n + self.k):
+                return None
+        start = min(self.computed.get(seq.seq_id, 0), n - 1)  # at least the last token
+        return CatchUp(seq.seq_id, seq.token_ids(start, n), start, final=True)
+
+    def _run(self, call: list[CatchUp], bucket: int | None = None) -> np.ndarray:
+        batch = catch_up_batch(call, self.pool, self.buckets, bucket)
+        self.kv, drafts = self._chain(self.weights, self.kv, jax.device_put(batch))
+        return np.asarray(drafts)

@@ -1,0 +1,171 @@
+"""What the model-based drafters share: the sequences they read, their page pool and batches.
+
+A drafter with a KV cache of its own (``draft_model.py``) keeps each sequence's pages in a
+``PagePool`` (a free list on the host, one page table per sequence) and runs, per call, one
+``catch_up_batch``: the tokens a sequence gained since the drafter last saw it, each sequence's
+pages, padded to a token bucket (``Buckets``) so that few programs compile. ``chain_steps``
+then runs the chained one-token steps on the device, inside the same compiled program.
+The engine's ``Sequence`` is read through ``TokenSource`` (the runner imports no engine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.models.batch import Batch
+from jaxserve.runner.buckets import MIN_TOKEN_BUCKET, Buckets
+from jaxserve.units import cdiv
+
+
+class TokenSource(Protocol):
+    """A sequence as a drafter reads it (the engine's ``Sequence``)."""
+
+    @property
+    def seq_id(self) -> str: ...
+    @property
+    def num_tokens(self) -> int: ...
+    def token_ids(self, start: int, stop: int) -> list[int]: ...
+
+
+class PagePool:
+    """A drafter's own pages: a free list, and each sequence's pages in order."""
+
+    def __init__(self, num_pages: int, page_size: int, pages_per_seq: int) -> None:
+        self.num_pages, self.page_size, self.pages_per_seq = num_pages, page_size, pages_per_seq
+        self._free = list(range(num_pages - 1, -1, -1))
+        self.tables: dict[str, list[int]] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def ensure(self, seq_id: str, num_tokens: int) -> bool:
+        """Pages for ``num_tokens`` tokens of the sequence (False, nothing taken: too few)."""
+        table = self.tables.setdefault(seq_id, [])
+        need = min(cdiv(num_tokens, self.page_size), self.pages_per_seq) - len(table)
+        if need > len(self._free):
+            return False
+        for _ in range(max(need, 0)):
+            table.append(self._free.pop())
+        return True
+
+    def release(self, seq_id: str) -> None:
+        self._free += reversed(self.tables.pop(seq_id, []))
+
+    def row(self, seq_id: str) -> np.ndarray:  # i32[pages_per_seq]
+        row = np.zeros(self.pages_per_seq, np.int32)
+        table = self.tables[seq_id]
+        row[: len(table)] = table
+        return row
+
+
+@dataclasses.dataclass
+class CatchUp:
+    """One sequence's part of a drafting call: its tokens [start, stop) (the ones it gained
+    since the drafter's last run); ``final``: its last tokens, so its drafts are wanted."""
+
+    seq_id: str
+    tokens: list[int]
+    start: int
+    final: bool
+
+
+def catch_up_batch(
+    parts: list[CatchUp], pool: PagePool, buckets: Buckets, min_tokens: int | None = None
+) -> Batch:
+    """The step that writes each part's tokens at its positions in its own pages, padded to a
+    token bucket (at least ``min_tokens``: warm-up's); ``logits_indices``: each part's last
+    row."""
+    num_tokens = sum(len(p.tokens) for p in parts)
+    t_pad = buckets.token_bucket(max(num_tokens, len(parts), min_tokens or MIN_TOKEN_BUCKET))
+    s_pad = buckets.seq_bucket(t_pad)
+    pad_slot = pool.num_pages * pool.page_size
+    ids = np.zeros(t_pad, np.int32)
+    positions = np.zeros(t_pad, np.int32)
+    slots = np.full(t_pad, pad_slot, np.int32)
+    kv_lens = np.zeros(s_pad, np.int32)
+    pages = np.zeros((s_pad, pool.pages_per_seq), np.int32)
+    cu = np.zeros(s_pad + 1, np.int32)
+    row = 0
+    for s, part in enumerate(parts):
+        n = len(part.tokens)
+        pos = np.arange(part.start, part.start + n, dtype=np.int32)
+        table = pool.row(part.seq_id)
+        ids[row : row + n] = part.tokens
+        positions[row : row + n] = pos
+        slots[row : row + n] = table[pos // pool.page_size] * pool.page_size + pos % pool.page_size
+        kv_lens[s] = part.start + n
+        pages[s] = table
+        row += n
+        cu[s + 1 :] = row
+    return Batch(
+        input_ids=ids,  # type: ignore[arg-type]  # host arrays until the program's call
+        positions=positions,  # type: ignore[arg-type]
+        slot_mapping=slots,  # type: ignore[arg-type]
+        kv_lens=kv_lens,  # type: ignore[arg-type]
+        page_indices=pages,  # type: ignore[arg-type]
+        cu_q_lens=cu,  # type: ignore[arg-type]
+        num_seqs=np.asarray([len(parts)], np.int32),  # type: ignore[arg-type]
+        logits_indices=np.maximum(cu[1:] - 1, 0),  # type: ignore[arg-type]
+    )
+
+
+def decode_batch(batch: Batch, tokens: jax.Array, j: int, page_size: int, pad_slot: int) -> Batch:
+    """On the device: the j-th chained step after ``batch`` (j >= 1), one token a sequence,
+    ``tokens[s]`` at position kv_lens[s] + j - 1 in the sequence's pages; padded to at least
+    ``MIN_TOKEN_BUCKET`` rows."""
+    s_pad = batch.kv_lens.shape[0]
+    t_pad = max(s_pad, MIN_TOKEN_BUCKET)
+    live = jnp.arange(s_pad) < batch.num_seqs[0]
+    pos = jnp.where(live, batch.kv_lens + j - 1, 0)
+    page = jnp.take_along_axis(batch.page_indices, (pos // page_size)[:, None], axis=1)[:, 0]
+    slot = jnp.where(live, page * page_size + pos % page_size, pad_slot)
+    pad = t_pad - s_pad
+    return Batch(
+        input_ids=jnp.pad(tokens.astype(jnp.int32), (0, pad)),
+        positions=jnp.pad(pos, (0, pad)),
+        slot_mapping=jnp.pad(slot, (0, pad), constant_values=pad_slot),
+        kv_lens=jnp.where(live, pos + 1, 0),
+        page_indices=batch.page_indices,
+        cu_q_lens=jnp.minimum(jnp.arange(s_pad + 1), batch.num_seqs[0]).astype(jnp.int32),
+        num_seqs=batch.num_seqs,
+        logits_indices=jnp.arange(s_pad, dtype=jnp.int32),
+    )
+
+
+def plan_calls(parts: list[CatchUp], max_tokens: int, max_seqs: int) -> list[list[CatchUp]]:
+    """The parts cut into calls of at most ``max_tokens`` tokens and ``max_seqs`` sequences; a
+    part longer than a call is split, only its last piece ``final``."""
+    calls: list[list[CatchUp]] = [[]]
+    used = 0
+    for part in parts:
+        start = 0
+        while start < len(part.tokens):
+            if used == max_tokens or len(calls[-1]) == max_seqs:
+                calls.append([])
+                used = 0
+            n = min(len(part.tokens) - start, max_tokens - used)
+            final = part.final and start + n == len(part.tokens)
+            piece = part.tokens[start : start + n]
+            calls[-1].append(CatchUp(part.seq_id, piece, part.start + start, final))
+            used += n
+            start += n
+    return [c for c in calls if c]
+
+
+def drafts_of(calls: list[list[CatchUp]], run: Callable[[list[CatchUp]], np.ndarray]) -> dict:
+    """seq id -> its drafts: ``run`` each call (i32[S, k] drafts per row), kept for the
+    sequences whose last piece was in it."""
+    drafts: dict[str, list[int]] = {}
+    for call in calls:
+        out = run(call)
+        for s, part in enumerate(call):
+            if part.final:
+                drafts[part.seq_id] = [int(t) for t in out[s]]
+    return drafts
