@@ -5,6 +5,7 @@ CPU), and DeepSeek-V3 plans without tokens x max_model_len.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 import jaxserve
+from jaxserve.bench.capacity import add_capacity_arguments, run_capacity
 from jaxserve.config import builtin_config_dir
 from jaxserve.models.families.registry import load_model_config
 from jaxserve.runner import capacity as cap
@@ -158,3 +160,25 @@ def test_fixture_serves_with_llm_defaults_within_its_plan(long_fixture) -> None:
     step = runner.programs.lower_step(largest).compile().memory_analysis()
     assert step.temp_size_in_bytes <= runner.capacity.activation_bytes
     assert any("multi-head latent attention" in line for line in runner.capacity.lines())
+
+
+def test_kernel_path_plans_its_output_and_names_the_path(capsys) -> None:
+    """A named NVIDIA device plans the Pallas Triton MLA kernel: at DeepSeek-V3's shapes per
+    device at -tp 16 (8 heads, latent 512) a 2,048-token step fills the GPU unsplit, so one
+    call holds its bf16 output, 2,048 x 8 x 512 x 2 bytes; the first line names the path."""
+    config = load_model_config(builtin_config_dir("deepseek-v3"))
+    got = cap.mla_attention_bytes(config, 2048, 32768, 16, 16, 2, path="triton")
+    assert got == 2048 * 8 * 512 * 2
+    # 4 tokens of one prompt: 2 tiles of 8 tokens x 8 heads, whose 32K range splits while
+    # 2 tiles x splits fill under two waves of 108 SMs (the kernels' count where the device
+    # does not say, as on this CPU): 64 ways, f32 partials and lse
+    splits = 64
+    small = cap.mla_attention_bytes(config, 4, 32768, 16, 16, 2, path="triton")
+    assert small == 4 * 8 * 512 * 2 + splits * 4 * 8 * 513 * 4
+    parser = argparse.ArgumentParser()
+    add_capacity_arguments(parser)
+    args = [str(builtin_config_dir("deepseek-v3")), "-tp", "16", "--device-memory", "H200"]
+    assert run_capacity(parser.parse_args([*args, "--max-model-len", "32K"])) == 0
+    text = capsys.readouterr().out
+    assert "(of which 0.02 GiB for multi-head latent attention's temporaries on the Pallas " \
+        "Triton kernel path, per step" in text  # fmt: skip

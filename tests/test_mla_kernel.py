@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +27,7 @@ from jaxserve.models.layers import LayerWeights
 from pallas_kernels.kv_cache import quantize_kv
 from pallas_kernels.mla import dispatch, reference
 from pallas_kernels.mla.triton import MlaConfig, ragged_paged_mla_attention, unsupported_reason
+from tests.conftest import run_with_devices
 from tests.test_kernel_gpu import _poisoned_run
 
 DEPRECATED = "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
@@ -115,6 +118,8 @@ CPU_CASES = [
     # 12 heads in blocks of 8: the second block half empty; a page size of 5.
     Case("heads12_block8", (1, 5), (19, 5), num_heads=12, page_size=5,
          config=MlaConfig(block_kv=16, block_h=8)),
+    # rope 8 (the DeepSeek-V3 fixture's): padded to 16 in registers, a dot's smallest K.
+    Case("rope8_mixed", (1, 6), (14, 6), rope_dim=8),
 ]  # fmt: skip
 
 
@@ -169,9 +174,9 @@ def test_config_and_shapes_are_validated() -> None:
         MlaConfig(block_h=3)
     with pytest.raises(ValueError, match="num_warps=3 must be 1, 2, 4, 8 or 16"):
         MlaConfig(num_warps=3)
-    args = make_inputs(np.random.default_rng(0), Case("rope8", (1,), (5,), rope_dim=8))
-    assert "qk_rope_head_dim=8" in (unsupported_reason(*args[:4]) or "")
-    with pytest.raises(ValueError, match="qk_rope_head_dim=8: the kernel takes multiples of 16"):
+    args = make_inputs(np.random.default_rng(0), Case("rope12", (1,), (5,), rope_dim=12))
+    assert "qk_rope_head_dim=12" in (unsupported_reason(*args[:4]) or "")
+    with pytest.raises(ValueError, match="qk_rope_head_dim=12: the kernel takes multiples of 8"):
         ragged_paged_mla_attention(*args, sm_scale=0.1, interpret=True)
     q32 = args[0].astype(jnp.float32)
     assert "query dtype float32" in (unsupported_reason(q32, args[1], *args[2:4]) or "")
@@ -301,3 +306,45 @@ def test_native_matches_reference(case: Case) -> None:
         ref.dtype,
     )
     assert_matches(case, out, ref, seed)
+
+
+TENSOR_PARALLEL_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np
+    os.environ["JAXSERVE_MLA"] = sys.argv[1]
+    import jaxserve
+    from jaxserve import SamplingParams
+    from pallas_kernels.mla import triton
+    heads_seen = set()  # the query heads of each kernel call (per device under a shard_map)
+    kernel = triton.ragged_paged_mla_attention
+    def counted(q_latent, *args, **kwargs):
+        heads_seen.add(q_latent.shape[1])
+        return kernel(q_latent, *args, **kwargs)
+    triton.ragged_paged_mla_attention = counted
+    tp = int(sys.argv[2])
+    llm = jaxserve.LLM("tests/fixtures/models/deepseek_v3", tensor_parallel_size=tp,
+                       max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, block_size=4,
+                       num_gpu_blocks_override=32, dtype="bfloat16", warmup=False)
+    golden = np.load("tests/fixtures/models/deepseek_v3/golden.npz")
+    prompt = {"prompt_token_ids": golden["prompt2_ids"].tolist()[:20]}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    print(json.dumps({"tokens": list(out.token_ids), "heads": sorted(heads_seen)}), flush=True)
+""")
+
+
+def test_tensor_parallel_runs_the_kernel_on_each_devices_heads() -> None:
+    """The DeepSeek-V3 fixture (4 heads, latent 32, rope 8) in bf16 on 2 virtual CPU devices
+    with ``JAXSERVE_MLA=interpret``: the kernel runs inside the heads' shard_map on 2 heads a
+    device over the whole latent cache, and the greedy tokens are those of one device (the
+    kernel on 4 heads) and of the reference."""
+    runs = {
+        (mode, tp): json.loads(run_with_devices(TENSOR_PARALLEL_SCRIPT, 2, mode, str(tp)))
+        for mode, tp in [("interpret", 2), ("interpret", 1), ("off", 1)]
+    }
+    assert runs["interpret", 2]["heads"] == [2]
+    assert runs["interpret", 1]["heads"] == [4]
+    assert runs["off", 1]["heads"] == []
+    tokens = runs["off", 1]["tokens"]
+    assert len(tokens) == 6
+    assert runs["interpret", 2]["tokens"] == runs["interpret", 1]["tokens"] == tokens

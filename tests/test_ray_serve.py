@@ -17,6 +17,13 @@ from jaxserve.engine_config import EngineConfig
 from jaxserve.integrations.ray import RAY_KEYS, build_app, deployment_options, launch_argv
 from tests.conftest import free_port
 
+# Ray forks its workers from a process where JAX may already run (the whole suite in one
+# process): JAX's fork warning is raised while Ray starts, outside any test's control.
+pytestmark = [
+    pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
+
 
 def test_key_values_become_serve_flags():
     argv = launch_argv({"max_model_len": "1k", "enable_prefix_caching": "false", "seed": "3"})

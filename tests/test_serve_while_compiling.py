@@ -56,8 +56,8 @@ def generate(core: EngineCore, request_id: str, prompt: list[int]) -> tuple[list
     step_sizes: list[int] = []
     schedule = core.scheduler.schedule
 
-    def recording_schedule():
-        output = schedule()
+    def recording_schedule(*args):  # the step's drafts, with speculative decoding
+        output = schedule(*args)
         if not output.is_empty:
             step_sizes.append(output.num_batched_tokens)
             assert output.num_batched_tokens <= core.runner.ready_tokens

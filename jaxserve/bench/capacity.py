@@ -34,9 +34,11 @@ from jaxserve.runner.buckets import next_power_of_2, token_buckets_for
 from jaxserve.runner.capacity import (
     CPU_DEVICE_MEMORY_BYTES,
     DEVICE_MEMORY_BYTES,
+    MLA_PATH,
     Capacity,
     CapacityError,
     GiB,
+    choose_mla_path,
     data_parallel_lines,
     detect_device_memory,
     plan_capacity,
@@ -209,6 +211,7 @@ def run_capacity(args: argparse.Namespace) -> int:
             max_num_seqs=next_power_of_2(args.max_num_seqs),
             expert_parallel=args.enable_expert_parallel,
             reference_attention=_plans_attention_reference(args, config, dtype),
+            mla_path=_planned_mla_path(args, config, dtype, kv_dtype),
             lora_slots=(args.max_loras, args.max_lora_rank) if args.enable_lora else None,
         )
     except CapacityError as exc:
@@ -296,6 +299,27 @@ def _plans_attention_reference(args: argparse.Namespace, config: ModelConfig, dt
     )
 
 
+def _planned_mla_path(
+    args: argparse.Namespace, config: ModelConfig, dtype: str, kv_dtype: str
+) -> str:
+    """The latent attention's path the plan reserves for (``MLA_TEMPORARY_BYTES``): a named
+    device's (an NVIDIA GPU runs the Pallas Triton MLA kernel, a TPU the reference), else this
+    backend's, as ``launch`` would take it here (the reference on the CPU)."""
+    if config.mla is None:
+        return MLA_PATH
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # read, do not take
+    import jax.numpy as jnp
+
+    backend = None  # this process's
+    named = {size: name for name, size in DEVICE_MEMORY_BYTES.items()}.get(args.device_memory)
+    if named is not None:
+        backend = "tpu" if named.startswith("TPU") else "gpu"
+    fp8 = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+    kv = jnp.dtype(fp8.get(kv_dtype, kv_dtype))
+    tp = args.tensor_parallel_size
+    return choose_mla_path(config, jnp.dtype(dtype), kv, tp, backend)
+
+
 def _print_capacity_error(exc: CapacityError, on_cpu: bool) -> None:
     if on_cpu:
         print(
@@ -321,6 +345,7 @@ def _plan_json(args: argparse.Namespace, plan: _Plan) -> dict:
         "lora_bytes": cap.lora_bytes,
         "activation_bytes": cap.activation_bytes,
         "mla_temporary_bytes": cap.mla_bytes,
+        "mla_path": cap.mla_path,
         "reference_attention_bytes": cap.reference_attention_bytes,
         "kv_budget_bytes": cap.kv_budget_bytes,
         "kv_bytes_per_token": cap.kv_bytes_per_token,

@@ -179,7 +179,9 @@ def layer_attention(
     family's (windowed where the layer slides)."""
     k_pages, v_pages = pages
     if config.mla is not None:  # DeepSeek-V3: the pages hold the latent and k_pe
-        return mla.mla_attention_block(lw, h, k_pages, v_pages, batch, config, rotary, kv_scale)
+        return mla.mla_attention_block(
+            lw, h, k_pages, v_pages, batch, config, rotary, kv_scale, attention_fn
+        )
     return attention_block(
         lw,
         h,

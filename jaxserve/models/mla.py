@@ -15,6 +15,8 @@ part without rope, R rotary dims, U a head's value, A = C + R, B = C + U.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -48,6 +50,7 @@ def mla_attention_block(
     config: ModelConfig,
     rotary: tuple[jax.Array, jax.Array],  # (cos, sin), each [T, 1, R] in x's dtype
     kv_scale: tuple[float, float] | None = None,  # an fp8 cache's (c_kv, k_pe) scales
+    attention_fn: Callable[..., jax.Array] | None = None,  # the runner's attention op
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # (out [T, H], ckv_pages, kpe_pages)
     mla = config.mla
     assert mla is not None
@@ -77,17 +80,41 @@ def mla_attention_block(
     w_uk = lw.w_kv_b[..., : mla.qk_nope_head_dim]  # [L, N, C]
     w_uv = lw.w_kv_b[..., mla.qk_nope_head_dim :]  # [L, N, U]
     q_latent = jnp.einsum("TNC,LNC->TNL", q_nope, w_uk)
-    out = ragged_paged_mla_attention(
-        q_latent,
-        q_pe,
-        ckv_pages,
-        kpe_pages,
-        batch.kv_lens,
-        batch.page_indices,
-        batch.cu_q_lens,
-        batch.num_seqs,
-        sm_scale=config.sm_scale,
-        **scales,
+    out = latent_attention(
+        q_latent, q_pe, ckv_pages, kpe_pages, batch, config.sm_scale, kv_scale, attention_fn
     )  # [T, N, L]
     out = jnp.einsum("TNL,LNU->TNU", out, w_uv)
     return linear(out, lw.wo, "TNU,NUH->TH"), ckv_pages, kpe_pages
+
+
+def latent_attention(
+    q_latent: jax.Array,  # [T, N, L]
+    q_pe: jax.Array,  # [T, N, R]
+    ckv_pages: jax.Array,  # [P, page_size, 1, L]
+    kpe_pages: jax.Array,  # [P, page_size, 1, R]
+    batch: Batch,
+    sm_scale: float,
+    kv_scale: tuple[float, float] | None,  # an fp8 cache's (c_kv, k_pe) scales
+    attention_fn: Callable[..., jax.Array] | None,
+) -> jax.Array:  # [T, N, L]
+    """The weighted latent. ``attention_fn``: the runner's attention op
+    (``ragged_paged_attention.dispatch``'s signature, or its ``shard_map`` over the heads under
+    tensor parallelism), called with ``q_pe`` (latent attention: the pages as K and V, their
+    scales as k_scale / v_scale); None: ``mla.dispatch`` directly."""
+    args = (batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs)
+    if attention_fn is None:
+        ckv_scale, kpe_scale = (None, None) if kv_scale is None else kv_scale
+        return ragged_paged_mla_attention(
+            q_latent,
+            q_pe,
+            ckv_pages,
+            kpe_pages,
+            *args,
+            sm_scale=sm_scale,
+            ckv_scale=ckv_scale,
+            kpe_scale=kpe_scale,
+        )
+    op_scales = {} if kv_scale is None else dict(k_scale=kv_scale[0], v_scale=kv_scale[1])
+    return attention_fn(
+        q_latent, ckv_pages, kpe_pages, *args, sm_scale=sm_scale, q_pe=q_pe, **op_scales
+    )

@@ -31,6 +31,7 @@ from jaxserve.runner.buckets import next_power_of_2, token_buckets_for
 from jaxserve.runner.sampling import PROMPT_LOGPROBS_CHUNK
 from jaxserve.units import cdiv
 from pallas_kernels.mla import reference as mla_reference
+from pallas_kernels.mla import triton as mla_triton
 from pallas_kernels.ragged_paged_attention import reference as attention_reference
 
 GiB = 1024**3
@@ -135,7 +136,8 @@ class Capacity:
             f"activation headroom {self.activation_bytes / GiB:.2f} GiB"
             + (
                 f" (of which {self.mla_bytes / GiB:.2f} GiB for multi-head latent attention's "
-                f"temporaries on the {self.mla_path} path, per step, not per max model len)"
+                f"temporaries on the {MLA_PATH_NAMES[self.mla_path]} path, per step, not per "
+                "max model len)"
                 if self.mla_path is not None
                 else ""
             )
@@ -266,11 +268,40 @@ def activation_bytes(
 # What each path of multi-head latent attention allocates in one call, besides its inputs and
 # output: (tokens, heads per device, kv_lora_rank, rope dims, block size, pages per sequence,
 # the cache's element size, the query's) -> bytes. A kernel declares its own here beside the
-# reference's (``pallas_kernels.mla``); ``MLA_PATH`` is the one the model runs.
+# reference's (``pallas_kernels.mla``), under the path names of ``mla.dispatch``; the plan
+# takes the path the model runs (``choose_mla_path``; ``MLA_PATH`` where none is given).
 MLA_TEMPORARY_BYTES: dict[str, Callable[[int, int, int, int, int, int, int, int], int]] = {
     "reference": mla_reference.temporary_bytes,
+    "triton": mla_triton.temporary_bytes,
+    "interpret": mla_triton.temporary_bytes,  # the same launch, run by the interpreter
 }
 MLA_PATH = "reference"
+# What the first capacity line calls each path.
+MLA_PATH_NAMES = {
+    "reference": "reference",
+    "triton": "Pallas Triton kernel",
+    "interpret": "Pallas Triton kernel (interpret mode)",
+}
+
+
+def choose_mla_path(
+    config: ModelConfig,
+    dtype: Any,
+    kv_dtype: Any,
+    tensor_parallel_size: int = 1,
+    backend: str | None = None,  # a named device's ("gpu", "tpu"); None: this process's
+) -> str:
+    """The path the model's latent attention takes (``mla.dispatch.path_for``: the kernel on
+    an NVIDIA GPU, with tensor parallelism too; the reference on the CPU)."""
+    from pallas_kernels.mla import dispatch as mla_dispatch
+
+    assert config.mla is not None
+    heads = max(1, config.num_q_heads // tensor_parallel_size)
+    m = config.mla
+    path, _ = mla_dispatch.path_for(
+        heads, m.kv_lora_rank, m.qk_rope_head_dim, dtype, kv_dtype, tensor_parallel_size, backend
+    )
+    return path
 
 
 def mla_attention_bytes(
@@ -281,6 +312,7 @@ def mla_attention_bytes(
     tensor_parallel_size: int = 1,
     dtype_bytes: int = 2,
     kv_dtype_bytes: int | None = None,  # the cache's element size; None: dtype_bytes
+    path: str = MLA_PATH,  # the latent attention's path (``choose_mla_path``)
 ) -> int:
     """The temporaries of one multi-head latent attention call in the largest step, per
     device, as its path declares them (``MLA_TEMPORARY_BYTES``); 0 for other families. The
@@ -290,7 +322,7 @@ def mla_attention_bytes(
     if config.mla is None:
         return 0
     heads = max(1, config.num_q_heads // tensor_parallel_size)
-    return MLA_TEMPORARY_BYTES[MLA_PATH](
+    return MLA_TEMPORARY_BYTES[path](
         num_tokens,
         heads,
         config.mla.kv_lora_rank,
@@ -340,6 +372,7 @@ def _planned_activations(
     tensor_parallel_size: int,
     expert_parallel: bool,
     reference_attention: bool,
+    mla_path: str,
 ) -> tuple[int, int, int]:
     """(latent attention's temporaries, the attention reference's, all the activations)."""
     mla = mla_attention_bytes(
@@ -350,6 +383,7 @@ def _planned_activations(
         tensor_parallel_size,
         dtype_bytes,
         kv_dtype_bytes,
+        mla_path,
     )
     attention = 0
     if reference_attention:
@@ -410,6 +444,7 @@ def plan_capacity(
     num_blocks_override: int | None = None,
     expert_parallel: bool = False,
     reference_attention: bool = False,  # the jnp reference runs attention (no kernel)
+    mla_path: str = MLA_PATH,  # latent attention's path (choose_mla_path)
     lora_slots: tuple[int, int] | None = None,  # (--max-loras, --max-lora-rank) with LoRA on
 ) -> Capacity:
     kv_dtype_bytes = KV_DTYPE_BYTES[kv_cache_dtype] if kv_cache_dtype else dtype_bytes
@@ -426,9 +461,9 @@ def plan_capacity(
         tensor_parallel_size=tensor_parallel_size,
         expert_parallel=expert_parallel,
         reference_attention=reference_attention,
+        mla_path=mla_path,
     )
-    per_token = cache_bytes_per_token(config, tensor_parallel_size, kv_dtype_bytes)
-    block_bytes = block_size * per_token
+    block_bytes = block_size * cache_bytes_per_token(config, tensor_parallel_size, kv_dtype_bytes)
     if num_blocks_override is not None:
         num_blocks, budget = num_blocks_override, num_blocks_override * block_bytes
     else:
@@ -441,14 +476,14 @@ def plan_capacity(
         weight_bytes=weights,
         activation_bytes=activations,
         kv_budget_bytes=budget,
-        kv_bytes_per_token=per_token,
+        kv_bytes_per_token=block_bytes // block_size,
         block_size=block_size,
         num_blocks=num_blocks,
         max_model_len=max_model_len,
         sliding_window=config.all_layers_window,
         kv_cache_dtype=kv_cache_dtype,
         mla_bytes=mla,
-        mla_path=MLA_PATH if config.mla is not None else None,
+        mla_path=mla_path if config.mla is not None else None,
         reference_attention_bytes=attention,
         lora_bytes=lora,
         lora_slots=lora_slots,
@@ -509,9 +544,13 @@ def engine_capacity(
     the device's memory unless ``device_memory_bytes`` says otherwise, and the attention
     reference's temporaries where it is the path this backend takes."""
     memory = config.device_memory_bytes  # what the KV budget is a fraction of
+    tp = config.tensor_parallel_size
     reference = model_config.mla is None and runs_attention_reference(
-        model_config, dtype, kv_dtype or dtype, config.block_size, config.tensor_parallel_size
+        model_config, dtype, kv_dtype or dtype, config.block_size, tp
     )
+    mla_path = MLA_PATH
+    if model_config.mla is not None:
+        mla_path = choose_mla_path(model_config, dtype, kv_dtype or dtype, tp)
     return plan_capacity(
         model_config,
         max_model_len=config.resolved_max_model_len(model_config),
@@ -527,6 +566,7 @@ def engine_capacity(
         num_blocks_override=config.num_gpu_blocks_override,
         expert_parallel=config.enable_expert_parallel,
         reference_attention=reference,
+        mla_path=mla_path,
         lora_slots=(config.max_loras, config.max_lora_rank) if config.enable_lora else None,
     )
 

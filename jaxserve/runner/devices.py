@@ -207,7 +207,12 @@ def describe_attention(
     mla = model_config.mla
     if mla is not None:
         return mla_dispatch.describe(
-            num_q_heads, mla.kv_lora_rank, mla.qk_rope_head_dim, dtype, kv_dtype or dtype
+            num_q_heads,
+            mla.kv_lora_rank,
+            mla.qk_rope_head_dim,
+            dtype,
+            kv_dtype or dtype,
+            tensor_parallel_size,
         )
     num_kv_heads = kv_heads_per_device(model_config.num_kv_heads, tensor_parallel_size)
     head_dim = model_config.head_dim

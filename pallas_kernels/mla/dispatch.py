@@ -3,17 +3,20 @@
 ``ragged_paged_mla_attention`` has the reference's signature (``models/mla.py`` calls it) and
 picks, at trace time, from ``JAXSERVE_MLA`` and the backend:
   auto      (the default) the Pallas Triton kernel (``triton``) on an NVIDIA GPU when the
-            process has one device and the shapes and dtypes are the kernel's (bf16 or fp16
-            queries over a cache of their dtype or fp8; latent and rope dims multiples of 16);
-            the pure-jnp reference (``reference``) anywhere else;
-  on        the kernel wherever it takes the shapes: natively on a GPU (even with several
-            devices, where XLA runs it on every device over all the heads), in Pallas
+            shapes and dtypes are the kernel's (bf16 or fp16 queries over a cache of their
+            dtype or fp8; latent dims multiples of 16, rope dims of 8) and the call runs on one
+            device: the process has one, or the call is inside a ``shard_map`` (tensor
+            parallelism: ``runner/parallel/sharding.py`` gives each device its query heads and
+            the whole latent cache); the pure-jnp reference (``reference``) anywhere else;
+  on        the kernel wherever it takes the shapes: natively on a GPU (outside a
+            ``shard_map`` with several devices XLA runs it whole on every device), in Pallas
             interpret mode on another backend;
   interpret the kernel in Pallas interpret mode on any backend (tests, debugging);
   off       the reference.
-``JAXSERVE_ATTENTION=reference`` (``ragged_paged_attention.dispatch``) takes the reference here
-too, unless ``JAXSERVE_MLA`` asks for the kernel. ``choose`` says which path a model's shapes
-take and why; ``describe`` writes the start-up log's attention line for a model with MLA.
+``JAXSERVE_ATTENTION=reference`` (``attention_env``) takes the reference here too, unless
+``JAXSERVE_MLA`` asks for the kernel. ``choose`` says which path a model's shapes take and why;
+``path_for`` the same for a model's dimensions (capacity planning, for this backend or a named
+device's); ``describe`` writes the start-up log's attention line for a model with MLA.
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.attention_env import ATTENTION_ENV, requested_attention
 from pallas_kernels.kv_cache import Scale
 from pallas_kernels.mla import reference, triton
-from pallas_kernels.ragged_paged_attention.dispatch import ATTENTION_ENV, requested_attention
 
 MLA_ENV = "JAXSERVE_MLA"
 MLA_CHOICES = ("auto", "on", "interpret", "off")
@@ -47,15 +50,25 @@ def requested() -> str:
     return value
 
 
+def in_shard_map() -> bool:
+    """Whether this trace is inside a ``shard_map`` (its mesh axes manual): the call then runs
+    on each device's block of the arrays, a kernel's own launch per device."""
+    return bool(jax.sharding.get_abstract_mesh().manual_axes)
+
+
 def choose(
     q_latent: Any,  # [T, N, L]: an array or a jax.ShapeDtypeStruct (only shape and dtype read)
     q_pe: Any,  # [T, N, R]
     ckv_pages: Any,  # [P, page_size, 1, L]
     kpe_pages: Any,  # [P, page_size, 1, R]
+    *,
+    per_device: bool | None = None,  # the call sees one device's heads; None: in_shard_map()
+    backend: str | None = None,  # the backend to choose for; None: jax.default_backend()
 ) -> tuple[str, str]:
     """``("triton" | "interpret" | "reference", why)``: the path these shapes take here."""
     value = requested()
-    backend = jax.default_backend()
+    backend = backend or jax.default_backend()
+    per_device = in_shard_map() if per_device is None else per_device
     if value == "off":
         return "reference", f"{MLA_ENV}=off"
     if value == "auto":
@@ -63,19 +76,49 @@ def choose(
             return "reference", f"{ATTENTION_ENV}=reference"
         if backend != "gpu":
             return "reference", f"the MLA kernel is Pallas Triton; this is the {backend} backend"
-        if jax.device_count() > 1:
+        if jax.device_count() > 1 and not per_device:
             return "reference", (
-                f"{jax.device_count()} devices: the MLA kernel is not partitioned over the "
-                f"heads yet ({MLA_ENV}=on runs it on every device over all of them)"
+                f"{jax.device_count()} devices and the call is not split over the heads by a "
+                f"shard_map ({MLA_ENV}=on runs it whole on every device)"
             )
     reason = triton.unsupported_reason(q_latent, q_pe, ckv_pages, kpe_pages)
     if reason is not None:
         return "reference", f"the Pallas Triton MLA kernel does not run this model ({reason})"
+    where = f", {q_latent.shape[1]} heads a device under a shard_map" if per_device else ""
     if value == "auto":
-        return "triton", f"{MLA_ENV}=auto on an NVIDIA GPU"
+        return "triton", f"{MLA_ENV}=auto on an NVIDIA GPU{where}"
     if value == "interpret" or backend != "gpu":
-        return "interpret", f"{MLA_ENV}={value}, Pallas interpret mode on the {backend} backend"
-    return "triton", f"{MLA_ENV}=on"
+        return (
+            "interpret",
+            f"{MLA_ENV}={value}, Pallas interpret mode on the {backend} backend{where}",
+        )
+    return "triton", f"{MLA_ENV}=on{where}"
+
+
+def path_for(
+    num_heads: int,  # query heads per device
+    latent: int,  # kv_lora_rank
+    rope_dim: int,  # qk_rope_head_dim
+    dtype: Any,  # the activations'
+    kv_dtype: Any,  # the cache's
+    tensor_parallel_size: int = 1,
+    backend: str | None = None,  # None: this process's backend
+) -> tuple[str, str]:
+    """``choose`` for a model's dimensions: the path its latent attention takes (the runner
+    splits the heads over a ``shard_map`` under tensor parallelism)."""
+    shape = jax.ShapeDtypeStruct
+
+    def array(*dims: int, dtype: Any) -> jax.ShapeDtypeStruct:
+        return shape(dims, jnp.dtype(dtype))
+
+    return choose(
+        array(1, num_heads, latent, dtype=dtype),
+        array(1, num_heads, rope_dim, dtype=dtype),
+        array(1, 16, 1, latent, dtype=kv_dtype),
+        array(1, 16, 1, rope_dim, dtype=kv_dtype),
+        per_device=tensor_parallel_size > 1,
+        backend=backend,
+    )
 
 
 def describe(
@@ -84,21 +127,12 @@ def describe(
     rope_dim: int,  # qk_rope_head_dim
     dtype: Any,  # the activations'
     kv_dtype: Any,  # the cache's
+    tensor_parallel_size: int = 1,
 ) -> str:
     """The start-up log's attention line for a model with MLA, e.g. ``Attention: Pallas Triton
     MLA kernel (JAXSERVE_MLA=auto on an NVIDIA GPU)`` or ``Attention: pure-jnp reference
     (multi-head latent attention: the MLA kernel is Pallas Triton; this is the cpu backend)``."""
-    shape = jax.ShapeDtypeStruct
-
-    def pages(dim: int) -> jax.ShapeDtypeStruct:
-        return shape((1, 16, 1, dim), jnp.dtype(kv_dtype))
-
-    path, why = choose(
-        shape((1, num_heads, latent), jnp.dtype(dtype)),
-        shape((1, num_heads, rope_dim), jnp.dtype(dtype)),
-        pages(latent),
-        pages(rope_dim),
-    )
+    path, why = path_for(num_heads, latent, rope_dim, dtype, kv_dtype, tensor_parallel_size)
     return f"Attention: {MLA_KERNEL_NAMES[path]} (multi-head latent attention: {why})"
 
 

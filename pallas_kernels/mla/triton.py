@@ -108,8 +108,8 @@ def unsupported_reason(q_latent, q_pe, ckv_pages, kpe_pages) -> str | None:
     latent, rope_dim = ckv_pages.shape[-1], kpe_pages.shape[-1]
     if latent % 16 or not 16 <= latent <= MAX_LATENT:
         return f"kv_lora_rank={latent}: the kernel takes multiples of 16 up to {MAX_LATENT}"
-    if rope_dim % 16 or not 16 <= rope_dim <= MAX_ROPE:
-        return f"qk_rope_head_dim={rope_dim}: the kernel takes multiples of 16 up to {MAX_ROPE}"
+    if rope_dim % 8 or not 8 <= rope_dim <= MAX_ROPE:
+        return f"qk_rope_head_dim={rope_dim}: the kernel takes multiples of 8 up to {MAX_ROPE}"
     if ckv_pages.shape[2] != 1 or kpe_pages.shape[2] != 1:
         return f"latent pages {ckv_pages.shape}: one KV head expected"
     return None
@@ -138,7 +138,7 @@ def _mla_kernel(
     rope_dim = qpe_ref.shape[-1]
     num_pages, page_size = ckv_ref.shape[:2]
     pages_per_seq = pages_ref.shape[1]
-    lp, rp = _next_pow2(latent), _next_pow2(rope_dim)
+    lp, rp = _next_pow2(latent), max(16, _next_pow2(rope_dim))  # a dot's K is >= 16
 
     seq, t0, size, pos0, kv_len = (plan_ref[i, tile] for i in range(5))
 
@@ -354,3 +354,33 @@ def _out_shape(q_latent: jax.Array, num_splits: int) -> tuple[jax.ShapeDtypeStru
         jax.ShapeDtypeStruct((num_splits, *o_shape), jnp.float32),
         jax.ShapeDtypeStruct((num_splits, num_tokens, num_heads), jnp.float32),
     )
+
+
+def temporary_bytes(
+    num_tokens: int,
+    num_heads: int,  # per device
+    latent: int,  # L
+    rope_dim: int,  # R
+    page_size: int,
+    pages_per_seq: int,
+    cache_itemsize: int,  # the page arrays' element size (read in place: no copy)
+    q_itemsize: int,  # the query's and output's
+) -> int:
+    """What one call allocates besides its inputs, at most (``runner/capacity.py`` reserves
+    it for the kernel's path): the output [T, N, L] in q's dtype (and the padded one it is
+    sliced from when L is not a power of two) and, when the KV range is split, the float32
+    partial outputs [splits, T, N, Lp] and log-sum-exps [splits, T, N]; the pages are read in
+    place. The split count is the most either layout takes for ``num_tokens`` (decodes: a
+    token a tile; a prefill: 64-row tiles of one sequence), as ``_launch_for`` picks it."""
+    del rope_dim, cache_itemsize  # read in place
+    lp = _next_pow2(latent)
+    shape = jax.ShapeDtypeStruct
+    q = shape((num_tokens, num_heads, latent), jnp.bfloat16)
+    pages = shape((1, page_size, 1, latent), jnp.bfloat16)
+    splits = max(
+        _launch_for(q, pages, shape((slots, pages_per_seq), jnp.int32), MlaConfig()).num_splits
+        for slots in (num_tokens, 1)  # all decodes; one prompt
+    )
+    rows = num_tokens * num_heads
+    out = rows * latent * q_itemsize + (rows * lp * q_itemsize if lp != latent else 0)
+    return out + (splits * rows * (lp + 1) * 4 if splits > 1 else 0)

@@ -28,7 +28,14 @@ decode-only steps), and 16-token query blocks on TPU (the smallest bucket's). Th
 reduces over the whole page table (``pages_per_seq * page_size`` keys, fixed by
 ``max_model_len``) in every step already.
 
-``JAXSERVE_ATTENTION`` overrides the choice on a GPU: ``auto`` (the default, as above),
+``q_pe`` given makes the call multi-head latent attention (DeepSeek-V2/V3, ``models/mla.py``):
+``q`` is the absorbed query ``q_latent`` [T, Hq, L], ``k_pages`` the latent c_kv and ``v_pages``
+the rotary key k_pe, ``k_scale`` / ``v_scale`` their fp8 scales; ``mla.dispatch`` picks its path
+(batch-invariant mode does not reach it). One op for both, so the runner's attention
+(``shard_map``-ed over the heads under tensor parallelism) serves either.
+
+``JAXSERVE_ATTENTION`` (``attention_env``) overrides the choice on a GPU: ``auto`` (the
+default, as above),
 ``mosaic`` (Mosaic GPU or the reference, never Triton), ``triton`` (the Triton kernel even on
 Hopper: for benchmarking it there) or ``reference`` (the jnp reference on any backend).
 """
@@ -36,12 +43,13 @@ Hopper: for benchmarking it there) or ``reference`` (the jnp reference on any ba
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import jax
 
+from pallas_kernels.attention_env import ATTENTION_ENV, requested_attention
 from pallas_kernels.kv_cache import Scale
+from pallas_kernels.mla import dispatch as mla_dispatch
 from pallas_kernels.ragged_paged_attention import reference
 
 
@@ -62,18 +70,6 @@ KERNEL_NAMES = {
     "tpu": "Pallas Mosaic TPU kernel",
     "reference": "pure-jnp reference",
 }
-
-ATTENTION_ENV = "JAXSERVE_ATTENTION"
-ATTENTION_CHOICES = ("auto", "mosaic", "triton", "reference")
-
-
-def requested_attention() -> str:
-    """``JAXSERVE_ATTENTION`` (default ``auto``), validated."""
-    value = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
-    if value not in ATTENTION_CHOICES:
-        raise ValueError(f"{ATTENTION_ENV}={value!r} must be one of {', '.join(ATTENTION_CHOICES)}")
-    return value
-
 
 # Measured on the H200 (benchmarks/RESULTS.md, 2026-12-03): at head_dim 256 the Triton kernel
 # decodes 1.1-1.7x faster than the Mosaic one, which is 2.5x faster on a step with a long prefill.
@@ -161,9 +157,15 @@ def ragged_paged_attention(
     v_scale: Scale = None,
     sinks: jax.Array | None = None,  # [Hq]  attention sinks (GPT-OSS)
     batch_invariant: bool = False,  # each row's result independent of its step (see above)
+    q_pe: jax.Array | None = None,  # [T, Hq, R]: latent attention (see below)
 ) -> jax.Array:  # [T, Hq, D], q's dtype
-    """Ragged paged attention on the best kernel for the current backend."""
+    """Ragged paged attention on the best kernel for the current backend (with ``q_pe``:
+    latent attention, see the module docstring)."""
     args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    if q_pe is not None:
+        return mla_dispatch.ragged_paged_mla_attention(
+            q, q_pe, *args[1:], sm_scale=sm_scale, ckv_scale=k_scale, kpe_scale=v_scale
+        )
     options: dict[str, Any] = dict(
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
     )

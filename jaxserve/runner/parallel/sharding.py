@@ -72,6 +72,8 @@ _Q_HEADS_ON_KV_VIEW = P(None, (KV_AXIS, KV_REPLICA_AXIS), None)  # q, attention 
 _KV_HEADS = P(None, KV_AXIS, None)  # k, v [T, K, D]
 _KV_PAGES = P(None, None, KV_AXIS, None)  # k_pages, v_pages [P, page, K, D]
 _SINKS = P((KV_AXIS, KV_REPLICA_AXIS))  # attention sinks [N], with the query heads
+# The attention op's keyword arrays split on the query heads, by name.
+_PER_HEAD = {"sinks": _SINKS, "q_pe": _Q_HEADS_ON_KV_VIEW}
 
 # NOTE: the weights' specs come from the weight table (jaxserve/models/families/), which
 # writes every shape in einsum letters: a dimension named here is split over that mesh axis,
@@ -310,7 +312,9 @@ def kv_cache_sharding(mesh: Mesh, config: ModelConfig) -> NamedSharding:
 
 
 def sharded_attention(attention_fn: AttentionFn, mesh: Mesh, config: ModelConfig) -> AttentionFn:
-    """``attention_fn`` run per device on its local query and KV heads (metadata replicated)."""
+    """``attention_fn`` run per device on its local query and KV heads (metadata replicated);
+    a latent attention call (``q_pe`` given: DeepSeek-V3) on its query heads and the whole
+    latent cache, so the MLA kernel runs per device (``mla.dispatch`` sees the shard_map)."""
     view = kv_mesh(mesh, config.num_kv_heads)
     meta = P()
 
@@ -322,35 +326,36 @@ def sharded_attention(attention_fn: AttentionFn, mesh: Mesh, config: ModelConfig
         page_indices: jax.Array,  # i32[S, pages_per_seq]
         cu_q_lens: jax.Array,  # i32[S + 1]
         num_seqs: jax.Array,  # i32[1]
-        **kwargs: Any,  # sm_scale, sliding_window, soft_cap: static; k_scale, v_scale: f32[]
+        **kwargs: Any,  # sm_scale, sliding_window, soft_cap: static; k_scale, v_scale: f32[];
+        # sinks [N], q_pe [T, N, R]: split on the heads
     ) -> jax.Array:  # [T, N, D]
         # An fp8 cache's scales are arrays: they enter the shard_map replicated, by argument;
-        # attention sinks (GPT-OSS, [N]) split as the query heads are.
+        # attention sinks (GPT-OSS, [N]) and latent attention's rotary query (DeepSeek-V3,
+        # q_pe [T, N, R]) split as the query heads are.
         scale_names = tuple(n for n in ("k_scale", "v_scale") if kwargs.get(n) is not None)
         scales = tuple(jnp.asarray(kwargs[n], jnp.float32) for n in scale_names)
-        sinks = kwargs.get("sinks")
-        sink_args = () if sinks is None else (sinks,)
-        kwargs = {n: v for n, v in kwargs.items() if n not in ("k_scale", "v_scale", "sinks")}
+        head_names = tuple(n for n in _PER_HEAD if kwargs.get(n) is not None)
+        per_head = tuple(kwargs[n] for n in head_names)
+        kwargs = {n: v for n, v in kwargs.items() if n not in ("k_scale", "v_scale", *_PER_HEAD)}
 
         def local(*args: jax.Array) -> jax.Array:
             arrays, rest = args[:7], args[7:]
-            local_scales, local_sinks = rest[: len(scales)], rest[len(scales) :]
-            options = dict(zip(scale_names, local_scales, strict=True))
-            if local_sinks:
-                options["sinks"] = local_sinks[0]
+            options = dict(zip(scale_names + head_names, rest, strict=True))
             return attention_fn(*arrays, **kwargs, **options)
 
         # NOTE: check_vma=False: a Pallas kernel is opaque to shard_map's replication checker;
         # the specs below are the whole contract (heads split, metadata identical everywhere).
+        # Latent attention's pages have one KV head: the KV view is (kv=1, kv_replica=N), so
+        # each device holds the whole latent cache and its N-th of the query heads.
         return jax.shard_map(
             local,
             mesh=view,
             in_specs=(_Q_HEADS_ON_KV_VIEW, _KV_PAGES, _KV_PAGES, meta, meta, meta, meta)
             + (meta,) * len(scales)
-            + (_SINKS,) * len(sink_args),
+            + tuple(_PER_HEAD[n] for n in head_names),
             out_specs=_Q_HEADS_ON_KV_VIEW,
             check_vma=False,
-        )(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *scales, *sink_args)
+        )(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *scales, *per_head)
 
     return attention
 
