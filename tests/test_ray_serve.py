@@ -1,6 +1,7 @@
 """Ray Serve (``jaxserve.integrations.ray``): the deployment's options from ``serve run``'s
-``key=value`` arguments, and two CPU replicas of the demo model serving the OpenAI routes
-through Ray's HTTP proxy, one of them killed while requests run.
+``key=value`` arguments, two CPU replicas of the demo model serving the OpenAI routes
+through Ray's HTTP proxy, one of them killed while requests run, and two more behind the
+prefix router (``request_router=prefix``), called through a handle.
 
 The serving test starts a local Ray (four logical CPUs) in this process; it is skipped only when
 Ray itself cannot start here."""
@@ -15,6 +16,7 @@ import pytest
 
 from jaxserve.engine_config import EngineConfig
 from jaxserve.integrations.ray import RAY_KEYS, build_app, deployment_options, launch_argv
+from jaxserve.integrations.ray_router import PromptRequest
 from tests.conftest import free_port
 
 # Ray forks its workers from a process where JAX may already run (the whole suite in one
@@ -57,6 +59,16 @@ def test_autoscaling_follows_the_requests_each_replica_holds():
     scaling = deployment_options(args, EngineConfig(), hosts=1)["autoscaling_config"]
     assert scaling["min_replicas"] == 1 and scaling["max_replicas"] == 6
     assert scaling["target_ongoing_requests"] == 5.0
+
+
+def test_the_prefix_router_is_ray_s_request_router_with_the_engine_s_block_size():
+    args = {**RAY_KEYS, "request_router": "prefix"}
+    router = deployment_options(args, EngineConfig(block_size=32), hosts=1)["request_router_config"]
+    assert router["request_router_class"].endswith("ray_router.PrefixRequestRouter")
+    assert router["request_router_kwargs"] == {"block_size": 32}
+    assert "request_router_config" not in deployment_options(dict(RAY_KEYS), EngineConfig(), 1)
+    with pytest.raises(ValueError, match="request_router='hash' must be one of power-of-two, p"):
+        deployment_options({**RAY_KEYS, "request_router": "hash"}, EngineConfig(), hosts=1)
 
 
 def test_an_unknown_key_stops_the_build_before_any_replica():
@@ -137,3 +149,23 @@ def test_two_cpu_replicas_serve_and_survive_one_killed(ray_cluster):
     # only the requests the killed replica held may fail; every later one is served
     assert sum(code != 200 for code in before_codes) <= held, (held, before_codes)
     assert after_codes == [200] * len(after)
+
+
+def test_the_prefix_router_sends_a_prefix_to_one_replica(ray_cluster):
+    from ray import serve
+
+    args = {**APP_ARGS, "name": "prefix", "request_router": "prefix", "block_size": "16"}
+    handle = serve.run(build_app(args), name="prefix", route_prefix="/prefix")
+    systems = {key: [100 + 7 * i + key for i in range(48)] for key in (0, 1)}  # 3 blocks each
+    seen: dict[int, set[str]] = {0: set(), 1: set()}
+    cached = []
+    for i in range(6):
+        key = i % 2
+        request = PromptRequest(systems[key] + [500 + i, 600 + i], max_tokens=2, ignore_eos=True)
+        items = list(handle.options(stream=True).generate.remote(request))
+        assert sum(len(item["token_ids"]) for item in items) == 2
+        seen[key].add(items[-1]["replica"])
+        cached.append(items[-1]["num_cached_tokens"])
+    assert len(seen[0]) == 1 and len(seen[1]) == 1, seen
+    assert cached[:2] == [0, 0] and all(c == 48 for c in cached[2:]), cached
+    serve.delete("prefix")

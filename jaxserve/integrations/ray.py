@@ -20,6 +20,10 @@ routes ``/v1/...`` to a replica. Ray Serve places, restarts and counts the repli
   ``target_ongoing_requests`` (the requests a replica holds: running plus waiting in its
   engine); each replica also reports ``num_requests_waiting`` and ``num_requests_running``
   through ``record_autoscaling_stats`` for a custom policy;
+- **routing**: Ray's power-of-two-choices router, or with ``request_router=prefix``
+  ``PrefixRequestRouter`` (``ray_router.py``), which sends a prompt to the replica that took its
+  prefix; it sees the prompt of ``generate`` calls through a handle (``PromptRequest``), not the
+  body of HTTP requests through Ray's proxy;
 - **health**: ``check_health`` fails once the engine loop has died, so Ray replaces the
   replica; an engine that is still loading is not yet a replica (its constructor runs the
   warm-up), so no request reaches it before it can serve.
@@ -28,12 +32,16 @@ routes ``/v1/...`` to a replica. Ray Serve places, restarts and counts the repli
 from __future__ import annotations
 
 import logging
+import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
 from ray.serve import Application
 
 from jaxserve.engine_config import EngineConfig
+from jaxserve.integrations.ray_router import PromptRequest
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.app import build_app as build_asgi_app
 from jaxserve.server.settings import ServerSettings
 
@@ -50,8 +58,10 @@ RAY_KEYS: dict[str, str] = {
     "max_ongoing_requests": "256",  # Ray's cap of requests in flight per replica
     "num_cpus": "1",  # CPUs each replica reserves
     "placement_group_strategy": "STRICT_SPREAD",  # multi-host replicas: one bundle per host
+    "request_router": "power-of-two",  # power-of-two (Ray's default) | prefix
 }
 ACCELERATORS = ("gpu", "tpu", "cpu")
+REQUEST_ROUTERS = ("power-of-two", "prefix")
 
 
 def launch_argv(flags: dict[str, str]) -> list[str]:
@@ -84,6 +94,11 @@ def deployment_options(ray_args: dict[str, str], config: EngineConfig, hosts: in
     accelerator = ray_args["accelerator"]
     if accelerator not in ACCELERATORS:
         raise ValueError(f"accelerator={accelerator!r} must be one of {', '.join(ACCELERATORS)}")
+    if ray_args["request_router"] not in REQUEST_ROUTERS:
+        raise ValueError(
+            f"request_router={ray_args['request_router']!r} must be one of "
+            + ", ".join(REQUEST_ROUTERS)
+        )
     devices_per_host = config.tensor_parallel_size * config.data_parallel_size // hosts
     bundle: dict[str, float] = {"CPU": float(ray_args["num_cpus"])}
     if accelerator == "gpu":
@@ -97,6 +112,11 @@ def deployment_options(ray_args: dict[str, str], config: EngineConfig, hosts: in
         # NOTE: a replica's constructor loads the weights and compiles: minutes on a GPU.
         "graceful_shutdown_timeout_s": 30,
     }
+    if ray_args["request_router"] == "prefix":
+        options["request_router_config"] = {
+            "request_router_class": "jaxserve.integrations.ray_router.PrefixRequestRouter",
+            "request_router_kwargs": {"block_size": config.block_size},
+        }
     if hosts > 1:
         options["placement_group_bundles"] = [bundle] * hosts
         options["placement_group_strategy"] = ray_args["placement_group_strategy"]
@@ -142,6 +162,25 @@ class JaxserveReplica:
 
     def __serve_build_asgi_app__(self) -> Any:
         return build_asgi_app(self.engine, self.settings)
+
+    async def generate(self, request: PromptRequest) -> AsyncIterator[dict[str, Any]]:
+        """Stream one request's new token ids (``handle.options(stream=True).generate``):
+        each item holds ``token_ids``, ``num_cached_tokens`` (its prompt tokens found in the
+        prefix cache) and ``replica`` (this replica's id)."""
+        params = SamplingParams(
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            ignore_eos=request.ignore_eos,
+        )
+        replica = serve.get_replica_context().replica_id.unique_id
+        async for out in self.engine.generate(
+            request.prompt_token_ids, params, uuid.uuid4().hex, cache_salt=request.cache_salt
+        ):
+            yield {
+                "token_ids": [t for o in out.outputs for t in o.token_ids],
+                "num_cached_tokens": out.num_cached_tokens,
+                "replica": replica,
+            }
 
     async def check_health(self) -> None:
         """Raise once the engine loop has died: Ray replaces the replica."""
