@@ -59,8 +59,9 @@ class PrefixRequestRouter(FIFOMixin, RequestRouter):
     """Routes a ``PromptRequest`` to the replica that last took its longest prefix (the
     module's docstring); every other request to the less loaded of two random replicas."""
 
-    def initialize_state(self, block_size: int = 16) -> None:
-        self.block_size = block_size
+    def initialize_state(self, **kwargs: Any) -> None:
+        """``request_router_kwargs``: ``block_size``, the engine's KV block size."""
+        self.block_size = int(kwargs.get("block_size", 16))
         self.table: collections.OrderedDict[bytes, ReplicaID] = collections.OrderedDict()
         self.num_prefix_routed = 0
 
