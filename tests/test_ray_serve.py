@@ -168,4 +168,6 @@ def test_the_prefix_router_sends_a_prefix_to_one_replica(ray_cluster):
         cached.append(items[-1]["num_cached_tokens"])
     assert len(seen[0]) == 1 and len(seen[1]) == 1, seen
     assert cached[:2] == [0, 0] and all(c == 48 for c in cached[2:]), cached
+    # HTTP through Ray's proxy (no prompt for the router): the less loaded of two replicas
+    assert complete(f"{ray_cluster}/prefix", 1, max_tokens=2) == 200
     serve.delete("prefix")
