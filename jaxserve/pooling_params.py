@@ -5,7 +5,8 @@ is made.
 Made by the server (``/v1/embeddings``; ``/v1/score`` and ``/v1/rerank`` with ``task="score"``;
 ``/classify`` with ``task="classify"``) and by ``LLM.embed``, ``LLM.score`` and
 ``LLM.classify``; checked against the model (its hidden size, its Matryoshka dimensions) by
-``models/pooling.py``'s ``PoolingConfig.check`` when the engine takes the request; read on the host when the request's last prompt chunk has run.
+``models/pooling.py``'s ``PoolingConfig.check`` when the engine takes the request;
+read on the host when the request's last prompt chunk has run.
 """
 
 from __future__ import annotations

@@ -16,13 +16,19 @@ rewrite the same bytes.
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import numpy as np
 import torch
 import transformers
-from make_encoder_golden import FIXTURES, SEED, TEXTS, bert_tokenizer, encoder_config, flat
-from make_encoder_golden import randomize
+from make_encoder_golden import (
+    FIXTURES,
+    SEED,
+    TEXTS,
+    bert_tokenizer,
+    encoder_config,
+    flat,
+    randomize,
+)
 
 NAME = "bert_classifier"
 LABELS = ("negative", "neutral", "positive")

@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from jaxserve.engine.interfaces import EngineClient
 from jaxserve.json_limits import JsonLimitError
 from jaxserve.sampling_params import SamplingParamsError
+from jaxserve.server.api.classify import create_classification
 from jaxserve.server.api.completions import create_completion
 from jaxserve.server.api.embeddings import create_embedding
 from jaxserve.server.api.errors import APIError, internal_error, json_response, unavailable
@@ -139,6 +140,9 @@ def _generation_routes(
     async def rerank(request: Request) -> Response:
         return await create_rerank(ctx, request, await read_body(request, True))
 
+    async def classify(request: Request) -> Response:
+        return await create_classification(ctx, request, await read_body(request, True))
+
     async def tokenize_route(request: Request) -> Response:
         raw = await read_body(request)
         return await ctx.offload(len(raw) >= OFFLOAD_BYTES, tokenize, ctx, raw)
@@ -158,6 +162,7 @@ def _generation_routes(
             Route(path, rerank, methods=["POST"])
             for path in ("/v1/rerank", "/rerank", "/v2/rerank")
         ),
+        *(Route(path, classify, methods=["POST"]) for path in ("/v1/classify", "/classify")),
         Route("/tokenize", tokenize_route, methods=["POST"]),
         Route("/detokenize", detokenize_route, methods=["POST"]),
     ]
