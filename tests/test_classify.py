@@ -183,3 +183,18 @@ def test_embedding_messages_are_rendered_with_the_chat_template():
             assert r.status_code == 400, r.text
             assert r.json()["error"]["param"] == param
         wait_idle(server.engine)
+
+
+def test_the_openapi_spec_lists_classify_and_embedding_messages(classifier):
+    _, http = classifier
+    spec = http.get("/openapi.json").json()
+    for path in ("/v1/classify", "/classify"):
+        assert path in spec["paths"]
+    schemas = spec["components"]["schemas"]
+    assert set(schemas["ClassificationResponse"]["properties"]["data"]["items"]["required"]) == {
+        "index",
+        "label",
+        "probs",
+        "num_classes",
+    }
+    assert "messages" in schemas["EmbeddingRequest"]["properties"]

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import metadata
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -140,9 +140,6 @@ def _generation_routes(
     async def rerank(request: Request) -> Response:
         return await create_rerank(ctx, request, await read_body(request, True))
 
-    async def classify(request: Request) -> Response:
-        return await create_classification(ctx, request, await read_body(request, True))
-
     async def tokenize_route(request: Request) -> Response:
         raw = await read_body(request)
         return await ctx.offload(len(raw) >= OFFLOAD_BYTES, tokenize, ctx, raw)
@@ -162,10 +159,22 @@ def _generation_routes(
             Route(path, rerank, methods=["POST"])
             for path in ("/v1/rerank", "/rerank", "/v2/rerank")
         ),
-        *(Route(path, classify, methods=["POST"]) for path in ("/v1/classify", "/classify")),
+        *_classify_routes(ctx, read_body),
         Route("/tokenize", tokenize_route, methods=["POST"]),
         Route("/detokenize", detokenize_route, methods=["POST"]),
     ]
+
+
+def _classify_routes(
+    ctx: ServingContext, read_body: Callable[[Request, bool], Awaitable[bytes]]
+) -> list[Route]:
+    """``/v1/classify`` and ``/classify`` (vLLM serves both): a sequence classifier's labels;
+    ``read_body`` is the generation routes' (admission and rate limits as theirs)."""
+
+    async def classify(request: Request) -> Response:
+        return await create_classification(ctx, request, await read_body(request, True))
+
+    return [Route(path, classify, methods=["POST"]) for path in ("/v1/classify", "/classify")]
 
 
 def _stored_response_routes(api: ResponsesAPI) -> list[Route]:
