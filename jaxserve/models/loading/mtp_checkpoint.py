@@ -40,6 +40,17 @@ def num_mtp_layers(model_dir: str | os.PathLike[str]) -> int:
     return value
 
 
+def require_mtp_layers(model_dir: str | os.PathLike[str]) -> int:
+    """``num_mtp_layers``, a ``ConfigError`` naming the field when it is 0 or absent."""
+    count = num_mtp_layers(model_dir)
+    if count == 0:
+        raise ConfigError(
+            f"{Path(model_dir) / 'config.json'}: {MTP_FIELD} is 0 or absent: the model has no "
+            "MTP layers for speculative_config method='mtp' (DeepSeek-V3 checkpoints have 1)"
+        )
+    return count
+
+
 def mtp_shapes(config: ModelConfig, index: int) -> dict[str, tuple[int, ...]]:
     """Tensor name -> checkpoint shape of MTP layer ``index`` (0-based), head excluded."""
     layer = config.num_layers + index
@@ -86,12 +97,7 @@ def load_mtp(
     """Every MTP layer of the checkpoint (``ConfigError`` naming ``num_nextn_predict_layers``
     when it has none)."""
     model_dir = Path(model_dir)
-    count = num_mtp_layers(model_dir)
-    if count == 0:
-        raise ConfigError(
-            f"{model_dir}: {MTP_FIELD} is 0 or absent in config.json: the model has no MTP "
-            "layers for speculative_config method='mtp' (DeepSeek-V3 checkpoints have 1)"
-        )
+    count = require_mtp_layers(model_dir)
     files = tensor_files(model_dir)
     return [_layer(model_dir, files, config, target, dtype, i) for i in range(count)]
 
