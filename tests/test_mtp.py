@@ -123,4 +123,5 @@ def test_greedy_tokens_are_the_same_with_mtp_and_the_counters_add_up(plain, k) -
     assert stats.num_drafts > 0
     assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens <= stats.num_draft_tokens
     assert stats.num_draft_tokens <= k * stats.num_drafts
-    assert all(a >= b for a, b in zip(stats.accepted_per_pos, stats.accepted_per_pos[1:], strict=False))
+    per_pos = stats.accepted_per_pos
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:], strict=False))

@@ -128,8 +128,8 @@ class DrafterTarget:
 
 def make_proposer(config: SpeculativeConfig, target: DrafterTarget | None = None) -> Proposer:
     """The drafter of ``config`` (its method built: ``SpeculativeConfig.check_built``); a model
-    drafter (``draft_model``, ``eagle3``, ``mtp``) is loaded here, checked against ``target``, and its
-    programs compiled when the engine warms up."""
+    drafter (``draft_model``, ``eagle3``, ``mtp``) is loaded here, checked against ``target``,
+    and its programs compiled when the engine warms up."""
     config.check_built()
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
