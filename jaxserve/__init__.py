@@ -17,6 +17,7 @@ _EXPORTS = {
     "PoolingParams": "jaxserve.pooling_params",
     "EmbeddingRequestOutput": "jaxserve.engine.outputs",
     "ScoringRequestOutput": "jaxserve.engine.outputs",
+    "ClassificationRequestOutput": "jaxserve.engine.outputs",
     "RequestOutput": "jaxserve.engine.outputs",
     "CompletionOutput": "jaxserve.engine.outputs",
     "Logprob": "jaxserve.engine.outputs",

@@ -149,7 +149,7 @@ _KV_EVENT_FIELD_TYPES: dict[str, tuple[type, ...]] = {
 # --speculative-config (vLLM's): the drafting methods a config may name; those of
 # SPECULATIVE_METHODS_BUILT run, the others are refused at start-up until they land.
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3", "mtp")
-SPECULATIVE_METHODS_BUILT = ("ngram", "draft_model", "eagle3")
+SPECULATIVE_METHODS_BUILT = ("ngram", "draft_model", "eagle3", "mtp")
 # The most tokens drafted per sequence and step.
 MAX_SPECULATIVE_TOKENS = 15
 

@@ -82,6 +82,7 @@ def test_a_request_line_keeps_its_url_and_body() -> None:
         "/v1/completions",
         "/v1/embeddings",
         "/v1/score",
+        "/v1/classify",
         "/v1/rerank",
     }
 

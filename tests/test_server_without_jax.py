@@ -22,6 +22,7 @@ SERVER_MODULES = (
     "jaxserve.server",
     "jaxserve.server.api",
     "jaxserve.server.api.completions",
+    "jaxserve.server.api.classify",
     "jaxserve.server.api.embeddings",
     "jaxserve.server.api.errors",
     "jaxserve.server.api.fields",

@@ -89,8 +89,10 @@ def test_the_config_is_vllms_and_its_errors_name_the_field() -> None:
             SpeculativeConfig.of(bad)
 
 
-def test_methods_not_built_are_refused_at_start_naming_the_method() -> None:
-    with pytest.raises(NotImplementedError, match="method='mtp' is not built yet"):
+def test_mtp_on_a_model_without_mtp_layers_is_refused_at_start_naming_the_field() -> None:
+    from jaxserve.config import ConfigError
+
+    with pytest.raises(ConfigError, match="num_nextn_predict_layers is 0 or absent"):
         make_llm({"method": "mtp"})
 
 

@@ -38,6 +38,7 @@ from jaxserve.engine.request_checks import (
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.scoring import (
     CANNOT_SCORE,
+    CLASSIFY_NEEDS_POOLING,
     CROSS_ENCODER,
     RERANKER,
     SCORE_NEEDS_POOLING,
@@ -173,13 +174,14 @@ def check_speculative(config: EngineConfig) -> None:
 def score_head_for(served: ServedModel, model_config: Any, runner: Any, tokenizer: Any) -> Any:
     """(ScoringModel, ScoreHead or None): what the model scores pairs with."""
     if isinstance(model_config, EncoderConfig):
+        labels = model_config.labels
         if model_config.num_labels == 1:
             head = ScoreHead("classifier", model_config.score_activation)
             head = dataclasses.replace(head, description=f"cross-encoder, {head.activation}")
-            return ScoringModel(CROSS_ENCODER), head
+            return ScoringModel(CROSS_ENCODER, labels=labels), head
         if model_config.has_classifier:
             why = f"this model cannot score pairs: its classifier has {model_config.num_labels} "
-            return ScoringModel(None, why + "labels; a score needs one"), None
+            return ScoringModel(None, why + "labels; a score needs one", labels), None
         return ScoringModel(None, CANNOT_SCORE), None
     if served.reranker is None:
         return ScoringModel(None, CANNOT_SCORE), None
@@ -361,7 +363,7 @@ class EngineCore:
     def _scoring_model(self, served: ServedModel) -> ScoringModel:
         """What the model scores pairs with (docs/embeddings.md); its head to the pooler."""
         if self.pooler is None:
-            return ScoringModel(None, SCORE_NEEDS_POOLING)
+            return ScoringModel(None, SCORE_NEEDS_POOLING, classify_refusal=CLASSIFY_NEEDS_POOLING)
         scoring, head = score_head_for(served, self.model_config, self.runner, self.tokenizer)
         self.pooler.score_head = head
         if head is not None:
@@ -495,6 +497,8 @@ class EngineCore:
             raise RequestError(POOLING_REFUSED, code="generation_model")
         if params.task == "score" and self.pooler.score_head is None:
             raise RequestError(self.scoring.refusal, code="model_cannot_score")
+        if params.task == "classify" and not self.scoring.can_classify:
+            raise RequestError(self.scoring.classify_refusal, code="model_cannot_classify")
         check_pooling_request(
             prompt_token_ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
@@ -878,10 +882,12 @@ class EngineCore:
         if not item.completes_sequence:
             return []
         params = request.pooling
+        classified = None if result.classified is None else result.classified[row]
         try:
             if params.task == "score":
-                classified = None if result.classified is None else result.classified[row]
                 score = self.pooler.score(seq.seq_id, params, classified)
+            elif params.task == "classify":
+                probs = self.pooler.classify(params, classified)
             else:
                 embedding = self.pooler.embedding(seq.seq_id, params)
         except Exception as exc:  # one bad request must not stop the batch
@@ -892,6 +898,8 @@ class EngineCore:
         output = self.output_processor.make_output(request, [seq])
         if params.task == "score":
             output.score = score
+        elif params.task == "classify":
+            output.probs = probs
         else:
             output.embedding = embedding
         self._retire(request)

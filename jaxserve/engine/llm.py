@@ -22,6 +22,8 @@ from typing import Any, TypeVar, cast
 
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
@@ -371,6 +373,42 @@ class LLM:
             )
             for out in self._run(request_ids, use_tqdm)
         ]
+
+    def classify(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        *,
+        use_activation: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[ClassificationRequestOutput]:
+        """The probability of each label for every prompt, as vLLM's ``LLM.classify``:
+        ``outputs[i].outputs.probs`` (softmax over the labels; sigmoid for one), in label id
+        order (``LLM.labels`` names them). A sequence classifier served for pooling
+        (docs/embeddings.md); ``use_activation=False``: the raw logits."""
+        core = self.engine
+        if not core.scoring.can_classify:
+            raise ValueError(core.scoring.classify_refusal)
+        params = PoolingParams(task="classify", use_activation=use_activation)
+        request_ids = []
+        for prompt in self._prompt_list(prompts):
+            text, token_ids = self._to_token_ids(prompt)
+            request_id = str(next(self._ids))
+            core.add_pooling_request(request_id, token_ids, params, prompt=text)
+            request_ids.append(request_id)
+        return [
+            ClassificationRequestOutput(
+                out.request_id,
+                ClassificationOutput(out.probs.tolist() if out.probs is not None else []),
+                out.prompt_token_ids,
+                out.finished,
+            )
+            for out in self._run(request_ids, use_tqdm)
+        ]
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """A sequence classifier's label names, in id order (config.json's ``id2label``)."""
+        return self.engine.scoring.labels
 
     def _prompt_list(self, prompts: PromptType | Seq[PromptType]) -> list[PromptType]:
         if isinstance(prompts, str | dict) or (

@@ -64,6 +64,9 @@ class RequestOutput:
     embedding: np.ndarray | None = None
     # A score request's result (``PoolingParams(task="score")``): the pair's relevance score
     score: float | None = None
+    # A classify request's result (``PoolingParams(task="classify")``): f32[L], each label's
+    # probability
+    probs: np.ndarray | None = None
 
     def merge(self, delta: RequestOutput) -> None:
         """Fold a streamed delta into this accumulated output."""
@@ -97,6 +100,8 @@ class RequestOutput:
             self.embedding = delta.embedding
         if delta.score is not None:
             self.score = delta.score
+        if delta.probs is not None:
+            self.probs = delta.probs
 
 
 @dataclasses.dataclass
@@ -115,6 +120,27 @@ class ScoringOutput:
     """vLLM's ``ScoringOutput``: the score of one pair."""
 
     score: float
+
+
+@dataclasses.dataclass
+class ClassificationOutput:
+    """vLLM's ``ClassificationOutput``: the probability of each label of one prompt."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclasses.dataclass
+class ClassificationRequestOutput:
+    """What ``LLM.classify`` returns per prompt, as vLLM's class of the same name."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
 
 
 @dataclasses.dataclass

@@ -10,7 +10,9 @@ by ``seq_id``, from the first chunk to ``free`` (the request retires).
 
 A score (``PoolingParams(task="score")``) is made here too, by the model's ``ScoreHead``
 (``models/scoring.py``): from a cross-encoder's logits (``RunnerOutput.classified``, given to
-``score``) or from the last token's hidden state (a decoder reranker).
+``score``) or from the last token's hidden state (a decoder reranker). A classification
+(``task="classify"``) is the probability of each label from the classifier's logits
+(``classify``, ``models/scoring.class_probs``).
 
 NOTE: truncation and normalization run here, on the host, not on the device: a request's
 vector is a few thousand floats, once, and its ``dimensions`` and ``normalize`` then never
@@ -24,7 +26,7 @@ import dataclasses
 import numpy as np
 
 from jaxserve.models.pooling import PoolingConfig
-from jaxserve.models.scoring import ScoreHead
+from jaxserve.models.scoring import ScoreHead, class_probs
 from jaxserve.pooling_params import PoolingParams
 
 
@@ -75,6 +77,12 @@ class Pooler:
         assert self.score_head is not None, "a score request to a model that cannot score"
         state = self._seqs[seq_id]
         return self.score_head.score(state.last, classified, params.use_activation)
+
+    def classify(self, params: PoolingParams, classified: np.ndarray | None) -> np.ndarray:
+        """A sequence classifier's probability of each label (f32[L]) from its logits
+        (``classified``, the row of the sequence's last step)."""
+        assert classified is not None, "a classify request's step returned no logits"
+        return class_probs(classified, params.use_activation)
 
     def free(self, seq_id: str) -> None:
         self._seqs.pop(seq_id, None)

@@ -6,6 +6,8 @@ reranker (``models/scoring.py``).
 ``/v1/rerank`` (``server/api/score_handler.py``) and ``LLM.score`` read it to refuse a model
 that cannot score (their 400 says why) and to tokenize each pair, then send the ids (and a
 cross-encoder's token type ids) as a pooling request with ``PoolingParams(task="score")``.
+It also holds a sequence classifier's label names, which ``/classify`` and ``LLM.classify`` read
+(``task="classify"``; a model without them is refused with ``classify_refusal``).
 """
 
 from __future__ import annotations
@@ -29,14 +31,31 @@ CANNOT_SCORE = (
 )
 
 
+CLASSIFY_NEEDS_POOLING = (
+    "this model is served for generation: /classify needs a sequence classifier "
+    "(a *ForSequenceClassification encoder) served with --runner pooling"
+)
+CANNOT_CLASSIFY = (
+    "this model cannot classify: it has no sequence-classification head (/classify serves "
+    "BertForSequenceClassification and XLMRobertaForSequenceClassification models)"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class ScoringModel:
     kind: str | None  # CROSS_ENCODER, RERANKER, or None: the model cannot score pairs
     refusal: str = CANNOT_SCORE  # why not, when kind is None
+    # A sequence classifier's label names, in id order (``/classify``); empty: it cannot classify
+    labels: tuple[str, ...] = ()
+    classify_refusal: str = CANNOT_CLASSIFY  # why not, when labels is empty
 
     @property
     def can_score(self) -> bool:
         return self.kind is not None
+
+    @property
+    def can_classify(self) -> bool:
+        return bool(self.labels)
 
     def tokenize_pair(
         self,

@@ -128,13 +128,15 @@ class DrafterTarget:
 
 def make_proposer(config: SpeculativeConfig, target: DrafterTarget | None = None) -> Proposer:
     """The drafter of ``config`` (its method built: ``SpeculativeConfig.check_built``); a model
-    drafter (``draft_model``, ``eagle3``) is loaded here, checked against ``target``, and its
-    programs compiled when the engine warms up."""
+    drafter (``draft_model``, ``eagle3``, ``mtp``) is loaded here, checked against ``target``,
+    and its programs compiled when the engine warms up."""
     config.check_built()
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if target is None:
         raise ValueError(f"speculative_config method={config.method!r} needs the target model")
+    if config.method == "mtp":
+        return _mtp_proposer(config, target)
     assert config.model is not None  # SpeculativeConfig checks it
     if config.method == "draft_model":
         return _draft_model_proposer(config, target)
@@ -196,6 +198,37 @@ def _eagle3_proposer(config: SpeculativeConfig, target: DrafterTarget) -> Propos
         dtype,
     )
     _LOG.info("Speculative EAGLE-3 head %s: %s", config.model, proposer.describe())
+    if engine.warmup:
+        proposer.warmup()
+    return proposer
+
+
+def _mtp_proposer(config: SpeculativeConfig, target: DrafterTarget) -> Proposer:
+    import jax
+
+    from jaxserve.models.loading.mtp_checkpoint import load_mtp, require_mtp_layers
+    from jaxserve.runner import draft_model, mtp_proposer
+    from jaxserve.runner.devices import resolve_dtype
+
+    assert target.runner is not None
+    engine, runner = target.engine, target.runner
+    draft_model.check_one_device(engine, config.method)
+    require_mtp_layers(engine.model_dir)  # no MTP layers: an error before waiting for the weights
+    dtype = resolve_dtype(engine)
+    if not isinstance(runner.weights.embed, jax.Array):  # still loading (warm-up overlaps it)
+        runner.wait_for_weights()  # the layers share the target's embedding (and lm_head)
+    layers = load_mtp(engine.model_dir, target.model_config, runner.weights, dtype)
+    proposer = mtp_proposer.MtpProposer(
+        layers,
+        target.model_config,
+        lambda: runner.weights,
+        engine,
+        target.max_model_len,
+        min(config.max_batch_size, engine.max_num_seqs),
+        config.num_speculative_tokens,
+        dtype,
+    )
+    _LOG.info("Speculative MTP: %s", proposer.describe())
     if engine.warmup:
         proposer.warmup()
     return proposer

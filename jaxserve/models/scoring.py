@@ -18,6 +18,9 @@ Two kinds of model score pairs (``PoolingParams(task="score")``):
   two rows into that one-row classifier when it loads); ``reranker_tokens`` reads the same keys
   from ``--hf-overrides`` or from config.json itself.
 
+A sequence classifier (``task="classify"``: ``/classify``, ``LLM.classify``) answers the
+probability of each label from the same logits: ``class_probs``.
+
 ``EngineCore`` makes the head at start-up and ``engine/pooler.py`` applies it on the host, once
 per request, to what the runner returned (``RunnerOutput.pooled`` / ``.classified``).
 """
@@ -126,6 +129,19 @@ class ScoreHead:
         if self.activation == "tanh":
             return float(np.tanh(logit))
         return float(1.0 / (1.0 + np.exp(-logit)))
+
+
+def class_probs(logits: np.ndarray, use_activation: bool = True) -> np.ndarray:
+    """A sequence classifier's answer from its logits (f32[L]): the probability of each label,
+    softmax over the labels (sigmoid for a single label), as vLLM's classify pooler gives it;
+    ``use_activation=False``: the logits themselves."""
+    logits = np.asarray(logits, np.float64)
+    if not use_activation:
+        return logits.astype(np.float32)
+    if logits.shape[-1] == 1:
+        return (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+    exp = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return (exp / exp.sum(axis=-1, keepdims=True)).astype(np.float32)
 
 
 def token_difference_head(rows: np.ndarray, tokens: tuple[str, str]) -> ScoreHead:

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import metadata
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from jaxserve.engine.interfaces import EngineClient
 from jaxserve.json_limits import JsonLimitError
 from jaxserve.sampling_params import SamplingParamsError
+from jaxserve.server.api.classify import create_classification
 from jaxserve.server.api.completions import create_completion
 from jaxserve.server.api.embeddings import create_embedding
 from jaxserve.server.api.errors import APIError, internal_error, json_response, unavailable
@@ -158,9 +159,22 @@ def _generation_routes(
             Route(path, rerank, methods=["POST"])
             for path in ("/v1/rerank", "/rerank", "/v2/rerank")
         ),
+        *_classify_routes(ctx, read_body),
         Route("/tokenize", tokenize_route, methods=["POST"]),
         Route("/detokenize", detokenize_route, methods=["POST"]),
     ]
+
+
+def _classify_routes(
+    ctx: ServingContext, read_body: Callable[[Request, bool], Awaitable[bytes]]
+) -> list[Route]:
+    """``/v1/classify`` and ``/classify`` (vLLM serves both): a sequence classifier's labels;
+    ``read_body`` is the generation routes' (admission and rate limits as theirs)."""
+
+    async def classify(request: Request) -> Response:
+        return await create_classification(ctx, request, await read_body(request, True))
+
+    return [Route(path, classify, methods=["POST"]) for path in ("/v1/classify", "/classify")]
 
 
 def _stored_response_routes(api: ResponsesAPI) -> list[Route]:

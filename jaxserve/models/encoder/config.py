@@ -83,6 +83,8 @@ class EncoderConfig:
     position_offset: int = 0  # added to each token's 0-based position (XLM-R: pad id + 1)
     num_labels: int = 0  # [L] the classification head's outputs; 0: no head
     score_activation: str = "identity"  # on the logits: "sigmoid", "identity" or "tanh"
+    # each label's name (config.json's ``id2label``, in id order; "LABEL_i" where it has none)
+    labels: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
@@ -187,7 +189,16 @@ def encoder_config_from_dict(raw: dict[str, Any]) -> EncoderConfig:
         position_offset=pad + 1 if family.positions_after_padding else 0,
         num_labels=num_labels,
         score_activation="sigmoid" if num_labels == 1 else "identity",
+        labels=label_names(raw.get("id2label"), num_labels),
     )
+
+
+def label_names(id2label: Any, num_labels: int) -> tuple[str, ...]:
+    """The name of each of ``num_labels`` labels from config.json's ``id2label`` (keys are the
+    ids as strings, as transformers saves them); "LABEL_i" for an id it does not name, as
+    transformers' default."""
+    names = id2label if isinstance(id2label, dict) else {}
+    return tuple(str(names.get(str(i), names.get(i, f"LABEL_{i}"))) for i in range(num_labels))
 
 
 def load_encoder_config(model_dir: str | os.PathLike[str]) -> EncoderConfig:

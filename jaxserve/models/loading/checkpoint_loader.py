@@ -111,10 +111,31 @@ UNREAD_OK = (
 )
 
 
-def _warn_unread(model_dir: Path, model_type: str, unread: list[str]) -> None:
+def is_mtp_tensor(name: str, num_layers: int) -> bool:
+    """Whether a checkpoint tensor belongs to an MTP layer (``model.layers.{i}.`` with i at or
+    past the model's ``num_layers``)."""
+    prefix = HF_LAYER_PREFIX.split("{", 1)[0]
+    if not name.startswith(prefix):
+        return False
+    index = name[len(prefix) :].split(".", 1)[0]
+    return index.isdigit() and int(index) >= num_layers
+
+
+def _warn_unread(model_dir: Path, config: ModelConfig, unread: list[str]) -> None:
     """Log the checkpoint tensors the model does not read: a bias or norm the family table
-    does not know would otherwise be dropped without a word."""
-    unread = [name for name in unread if not name.endswith(UNREAD_OK)]
+    does not know would otherwise be dropped without a word. DeepSeek-V3's MTP layers are
+    left without a warning (``mtp_checkpoint.py`` reads them for speculative decoding)."""
+    model_type = config.model_type
+    mtp = {name for name in unread if is_mtp_tensor(name, config.num_layers)}
+    if mtp:
+        _LOG.info(
+            "%s: %d tensor(s) of MTP layers (model.layers.%d and after) not loaded; "
+            "speculative_config method='mtp' reads them",
+            model_dir,
+            len(mtp),
+            config.num_layers,
+        )
+    unread = [n for n in unread if not n.endswith(UNREAD_OK) and n not in mtp]
     if unread:
         shown = ", ".join(unread[:5]) + (", ..." if len(unread) > 5 else "")
         _LOG.warning(
@@ -193,7 +214,7 @@ def load_weights(
     progress = LoadProgress(sorted(set(files.values())), progress_above_bytes)
     shapes = expected_shapes(config, scheme)
     _check_complete(model_dir, files, shapes)
-    _warn_unread(model_dir, config.model_type, sorted(set(files) - set(shapes)))
+    _warn_unread(model_dir, config, sorted(set(files) - set(shapes)))
     num_threads = num_threads or default_num_threads()
     num_buffers = 2 * num_threads
     buffer_bytes = max(64, staging_bytes // num_buffers // 64 * 64)

@@ -1,9 +1,11 @@
-"""``POST /v1/embeddings``: texts or token ids -> one embedding each, in OpenAI's shape.
+"""``POST /v1/embeddings``: texts or token ids -> one embedding each, in OpenAI's shape; or, as
+vLLM takes it, chat ``messages`` rendered with the model's chat template -> one embedding.
 
 Served by a model started with ``--runner pooling`` (docs/embeddings.md); a generation model
 answers 400 naming the flag. The body (``input``: a text, token ids, or a list of either;
 ``encoding_format`` ``float`` or ``base64``; ``dimensions``; ``user``; vLLM's ``normalize``,
-``add_special_tokens``, ``priority``) is checked here; each input becomes one pooling engine
+``add_special_tokens``, ``priority``; or ``messages`` with ``add_generation_prompt``, default
+false) is checked here; each input becomes one pooling engine
 request (``EngineClient.encode``), run together as one ``Generation`` (admission, disconnects,
 draining and metrics as for completions). ``base64`` is the little-endian float32 bytes, as the
 OpenAI SDK decodes them.
@@ -33,6 +35,7 @@ from jaxserve.server.api.fields import (
     optional,
     parse_json_object,
 )
+from jaxserve.server.chat.messages import parse_messages
 from jaxserve.server.context import ENGINE_FAILURE, OFFLOAD_BYTES, ServingContext, new_id
 from jaxserve.server.generation import EngineRequest
 
@@ -48,7 +51,13 @@ EMBEDDING_FIELDS = frozenset(
         "normalize",
         "add_special_tokens",
         "priority",
+        "messages",
+        "add_generation_prompt",
     )
+)
+NO_CHAT_TEMPLATE = (
+    "messages needs a chat template and this model's tokenizer has none; send the text as "
+    "input (or start the server with --chat-template)"
 )
 # A pooling request samples nothing; the engine request's params are a placeholder.
 _NO_SAMPLING = SamplingParams(max_tokens=1)
@@ -62,10 +71,20 @@ class EmbeddingRequest:
     params: PoolingParams
     add_special_tokens: bool
     priority: int
+    # Chat-style input (vLLM's): messages rendered with the chat template, instead of inputs
+    messages: tuple[dict[str, Any], ...] | None = None
+    add_generation_prompt: bool = False
 
 
 def parse_embedding_request(body: dict[str, Any]) -> EmbeddingRequest:
     check_fields(body, EMBEDDING_FIELDS)
+    has_messages = body.get("messages") is not None
+    if has_messages == (body.get("input") is not None):
+        raise bad_request(
+            "send exactly one of input (texts or token ids) or messages (a chat to render with "
+            "the model's chat template)",
+            param="input" if not has_messages else "messages",
+        )
     optional(body, "user", str, "a string")
     encoding_format = optional(body, "encoding_format", str, "a string") or "float"
     if encoding_format not in ENCODING_FORMATS:
@@ -82,11 +101,14 @@ def parse_embedding_request(body: dict[str, Any]) -> EmbeddingRequest:
         raise bad_request(str(exc), param=exc.param) from None
     return EmbeddingRequest(
         model=optional(body, "model", str, "a string"),
-        inputs=_inputs(body.get("input")),
+        inputs=() if has_messages else input_items(body.get("input")),
         encoding_format=encoding_format,
         params=params,
-        add_special_tokens=boolean(body, "add_special_tokens", True),
+        # the chat template writes the special tokens itself
+        add_special_tokens=boolean(body, "add_special_tokens", not has_messages),
         priority=integer(body, "priority") or 0,
+        messages=parse_messages(body["messages"]) if has_messages else None,
+        add_generation_prompt=boolean(body, "add_generation_prompt", False),
     )
 
 
@@ -96,7 +118,7 @@ def _is_token_list(value: Any) -> bool:
     )
 
 
-def _inputs(value: Any) -> tuple[str | tuple[int, ...], ...]:
+def input_items(value: Any) -> tuple[str | tuple[int, ...], ...]:
     """``input`` as OpenAI accepts it: a text, token ids, or a list of either (not empty)."""
     if value is None:
         raise bad_request("you must provide an input", param="input")
@@ -152,7 +174,7 @@ def _prepare(
     req = parse_embedding_request(parse_json_object(raw))
     ctx.check_model(req.model)
     engine_requests = []
-    for i, item in enumerate(req.inputs):
+    for i, item in enumerate(_rendered_inputs(ctx, req)):
         if isinstance(item, str):
             token_ids = ctx.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
         else:
@@ -168,6 +190,18 @@ def _prepare(
             EngineRequest(f"{embedding_id}-{i}", token_ids, _NO_SAMPLING, text, req.params)
         )
     return req, engine_requests
+
+
+def _rendered_inputs(
+    ctx: ServingContext, req: EmbeddingRequest
+) -> tuple[str | tuple[int, ...], ...]:
+    """The inputs to embed: ``input``'s, or the one text the chat template makes of
+    ``messages`` (a model without a chat template: 400)."""
+    if req.messages is None:
+        return req.inputs
+    if ctx.tokenizer.chat_template is None:
+        raise bad_request(NO_CHAT_TEMPLATE, param="messages")
+    return (ctx.render_chat(req.messages, req.add_generation_prompt, None, {}),)
 
 
 def _response(

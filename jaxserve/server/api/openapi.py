@@ -535,6 +535,7 @@ def openapi_spec(
             **_responses_paths(),
             **_embeddings_paths(),
             **_scoring_paths(),
+            **_classify_paths(),
         },
         "components": {
             "schemas": {
@@ -542,6 +543,7 @@ def openapi_spec(
                 **_responses_schemas(max_model_len, vocab_size),
                 **_embeddings_schemas(vocab_size),
                 **_scoring_schemas(),
+                **_classify_schemas(vocab_size),
             },
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
@@ -723,10 +725,12 @@ def _embeddings_schemas(vocab_size: int) -> dict[str, Any]:
     many = {"type": "array", "minItems": 1, "maxItems": MAX_EMBEDDING_INPUTS, "items": item}
     request = {
         "type": "object",
-        "required": ["input"],
+        "description": "exactly one of input or messages (a chat rendered by the chat template)",
         "properties": {
             "model": {"type": "string"},
             "input": {"oneOf": [text, token_ids, many]},
+            "messages": {"type": "array", "minItems": 1, "items": {"type": "object"}},
+            "add_generation_prompt": {"type": "boolean", "default": False},
             "encoding_format": {"type": "string", "enum": list(ENCODING_FORMATS)},
             "dimensions": {"type": "integer", "minimum": 1},
             "user": {"type": "string"},
@@ -881,6 +885,68 @@ def _scoring_paths() -> dict[str, Any]:
         **{path: score for path in ("/v1/score", "/score")},
         **{path: rerank for path in ("/v1/rerank", "/rerank", "/v2/rerank")},
     }
+
+
+def _classify_schemas(vocab_size: int) -> dict[str, Any]:
+    """``/classify`` and ``/v1/classify`` (``server/api/classify.py``; a sequence classifier
+    served for pooling, else a 400)."""
+    embedding = _embeddings_schemas(vocab_size)["EmbeddingRequest"]["properties"]
+    request = {
+        "type": "object",
+        "required": ["input"],
+        "properties": {
+            "model": {"type": "string"},
+            "input": embedding["input"],
+            "user": {"type": "string"},
+            "priority": {"type": "integer"},
+            "add_special_tokens": {"type": "boolean"},
+            "use_activation": {"type": "boolean"},
+            "activation": {"type": "boolean"},
+        },
+        "additionalProperties": False,
+    }
+    _optional_nullable(request)
+    item = {
+        "type": "object",
+        "required": ["index", "label", "probs", "num_classes"],
+        "properties": {
+            "index": {"type": "integer"},
+            "label": {"type": "string"},
+            "probs": {"type": "array", "items": {"type": "number"}},
+            "num_classes": {"type": "integer"},
+        },
+    }
+    response = {
+        "type": "object",
+        "required": ["object", "data", "model", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string", "enum": ["list"]},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "data": {"type": "array", "items": item},
+            "usage": {
+                "type": "object",
+                "properties": {
+                    "prompt_tokens": {"type": "integer"},
+                    "total_tokens": {"type": "integer"},
+                    "completion_tokens": {"type": "integer"},
+                },
+            },
+        },
+    }
+    return {"ClassificationRequest": request, "ClassificationResponse": response}
+
+
+def _classify_paths() -> dict[str, Any]:
+    classify = _post(
+        "The probability of each label of each input (a sequence classifier served with "
+        "--runner pooling)",
+        "ClassificationRequest",
+        _ok(_ref("ClassificationResponse")),
+        GENERATION_ERRORS,
+    )
+    return {path: classify for path in ("/v1/classify", "/classify")}
 
 
 def _by_id(summary: str, ok: dict[str, Any], *errors: int) -> dict[str, Any]:

@@ -34,15 +34,17 @@ from starlette.applications import Starlette
 
 _LOG = logging.getLogger("jaxserve.run_batch")
 
-# The endpoints a batch line may name (OpenAI's batch format, with vLLM's score and rerank).
-# Embeddings, scores and reranking need a pooling model (--runner pooling; scores a
-# cross-encoder or a reranker): against another model their lines get the server's 400.
+# The endpoints a batch line may name (OpenAI's batch format, with vLLM's score, rerank and
+# classify). Embeddings, scores, reranking and classification need a pooling model (--runner
+# pooling; scores a cross-encoder or a reranker, classification a sequence classifier):
+# against another model their lines get the server's 400.
 BATCH_URLS = (
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/embeddings",
     "/v1/score",
     "/v1/rerank",
+    "/v1/classify",
 )
 
 

@@ -1,0 +1,127 @@
+"""DeepSeek-V3's MTP layers (``models/mtp.py``, ``loading/mtp_checkpoint.py``) and the ``mtp``
+speculative method (``runner/mtp_proposer.py``) on ``tests/fixtures/spec/deepseek_v3_mtp`` (the
+DeepSeek-V3 fixture with one random MTP layer, ``scripts/make_mtp_fixture.py``): the layer's
+tensors read on request and left by default, ``mtp_step``'s shapes, greedy tokens the same with
+and without ``mtp`` in a mixed batch with chunked prefill, and counters that add up."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxserve
+from jaxserve import SamplingParams
+from jaxserve.config import read_config_json
+from jaxserve.models.batch import Batch
+from jaxserve.models.families.registry import model_config_from_dict
+from jaxserve.models.loading.checkpoint_loader import load_weights
+from jaxserve.models.loading.mtp_checkpoint import load_mtp, num_mtp_layers
+from jaxserve.models.mtp import make_mtp_kv_cache, mtp_step
+
+MTP_DIR = Path(__file__).parent / "fixtures" / "spec" / "deepseek_v3_mtp"
+PROMPTS = [
+    [0, 5, 17, 33, 99, 120, 7, 8, 9, 44, 45, 46, 47, 48, 200, 201, 11],
+    [0, 30, 31, 32],
+    [0, 250, 3, 250, 3, 250, 3, 250, 3, 61, 62],
+    [0, 12],
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    config = model_config_from_dict(read_config_json(MTP_DIR / "config.json"))
+    weights = load_weights(MTP_DIR, config, jnp.float32)
+    return config, weights
+
+
+def test_the_target_loader_leaves_the_mtp_tensors_with_an_info_line(caplog) -> None:
+    config = model_config_from_dict(read_config_json(MTP_DIR / "config.json"))
+    with caplog.at_level(logging.INFO):
+        weights = load_weights(MTP_DIR, config, jnp.float32)
+    assert len(weights.layers) == config.num_layers == 3
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("tensor(s) of MTP layers (model.layers.3" in r.getMessage() for r in caplog.records)
+
+
+def test_mtp_layers_load_on_request_with_their_names_and_shapes(loaded) -> None:
+    config, weights = loaded
+    assert num_mtp_layers(MTP_DIR) == 1
+    (layer,) = load_mtp(MTP_DIR, config, weights, jnp.float32)
+    h, v = config.hidden_size, config.vocab_size
+    assert layer.eh_proj.shape == (2 * h, h)
+    assert layer.enorm.shape == layer.hnorm.shape == layer.head_norm.shape == (h,)
+    assert layer.lm_head.shape == (h, v)
+    assert layer.embed is not None and layer.embed.shape == weights.embed.shape
+    # The decoder layer has the target's experts layer's fields and shapes.
+    target_last = weights.layers[-1]
+    assert layer.layer.router is not None and layer.layer.wkv_a is not None
+    for name in ("wq_a", "wq_b", "wkv_a", "wk_pe", "w_kv_b", "wo", "router", "experts_gate"):
+        assert getattr(layer.layer, name).shape == getattr(target_last, name).shape, name
+    # shared_head.head is the checkpoint's (random), not the target's lm_head.
+    assert not np.allclose(layer.lm_head, weights.lm_head)
+
+
+def test_mtp_step_gives_logits_and_hidden_rows(loaded) -> None:
+    config, weights = loaded
+    (layer,) = load_mtp(MTP_DIR, config, weights, jnp.float32)
+    pages = make_mtp_kv_cache(config, 1, 4, 4, jnp.float32)[0]
+    t = 5
+    batch = Batch(
+        input_ids=jnp.asarray([5, 6, 7, 8, 0], jnp.int32),
+        positions=jnp.asarray([0, 1, 2, 3, 0], jnp.int32),
+        slot_mapping=jnp.asarray([0, 1, 2, 3, 16], jnp.int32),
+        kv_lens=jnp.asarray([4, 0], jnp.int32),
+        page_indices=jnp.zeros((2, 4), jnp.int32),
+        cu_q_lens=jnp.asarray([0, 4, 4], jnp.int32),
+        num_seqs=jnp.asarray([1], jnp.int32),
+        logits_indices=jnp.asarray([3, 3], jnp.int32),
+    )
+    hidden = jnp.ones((t, config.hidden_size), jnp.float32)
+    new_pages, logits, out = mtp_step(layer, pages, batch, hidden, config)
+    assert logits.shape == (2, config.vocab_size) and logits.dtype == jnp.float32
+    assert out.shape == (t, config.hidden_size)
+    assert bool(jnp.all(jnp.isfinite(logits)))
+    assert not np.allclose(new_pages[0][0, :4], 0)  # the latent written at slots 0..3
+
+
+def make_llm(spec: dict | None = None) -> jaxserve.LLM:
+    return jaxserve.LLM(
+        str(MTP_DIR),
+        speculative_config=spec,
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        block_size=8,
+        num_gpu_blocks_override=40,
+        dtype="float32",
+        warmup=False,
+    )
+
+
+def token_ids(llm: jaxserve.LLM) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain() -> list[list[int]]:
+    return token_ids(make_llm())
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_tokens_are_the_same_with_mtp_and_the_counters_add_up(plain, k) -> None:
+    """Four prompts under a budget of 16 tokens a step (chunked prefill beside verify steps);
+    k = 3 chains the one MTP layer three times."""
+    llm = make_llm({"method": "mtp", "num_speculative_tokens": k})
+    assert token_ids(llm) == plain
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0
+    assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens <= stats.num_draft_tokens
+    assert stats.num_draft_tokens <= k * stats.num_drafts
+    per_pos = stats.accepted_per_pos
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:], strict=False))
