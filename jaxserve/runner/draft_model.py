@@ -40,15 +40,12 @@ from jaxserve.models.families.registry import load_model_config
 from jaxserve.models.layers import Weights
 from jaxserve.models.loading.checkpoint_loader import load_weights
 from jaxserve.models.loading.load_progress import format_bytes
-from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.drafting import (
     CatchUp,
-    PagePool,
+    PagedDrafter,
     TokenSource,
     catch_up_batch,
     decode_batch,
-    drafts_of,
-    plan_calls,
 )
 from jaxserve.runner.model_weights import as_served
 
@@ -109,7 +106,7 @@ def draft_chain(
     return kv, jnp.stack(drafts, axis=1)
 
 
-class DraftModelProposer:
+class DraftModelProposer(PagedDrafter):
     """Greedy drafts of a draft model, with its own paged KV cache (module docstring)."""
 
     def __init__(
@@ -122,25 +119,13 @@ class DraftModelProposer:
         k: int,
         dtype: jnp.dtype,
     ) -> None:
-        self.config, self.weights, self.k = config, weights, k
+        super().__init__(engine, max_model_len, max_seqs, k)
+        self.config, self.weights = config, weights
         page = engine.block_size
-        self.buckets = Buckets.of(
-            max_num_batched_tokens=max(engine.max_num_batched_tokens, max_seqs),
-            max_num_seqs=max_seqs,
-            max_model_len=max_model_len + k,
-            block_size=page,
-        )
-        pages_per_seq = self.buckets.pages_per_seq
-        self.pool = PagePool(max_seqs * pages_per_seq, page, pages_per_seq)
         self.kv: Any = make_kv_cache_for(config, self.pool.num_pages, page, dtype)
-        self.computed: dict[str, int] = {}  # seq id -> tokens whose KV the draft's cache holds
         self._chain = jax.jit(
             functools.partial(
-                draft_chain,
-                config=config,
-                k=k,
-                page_size=page,
-                pad_slot=self.pool.num_pages * page,
+                draft_chain, config=config, k=k, page_size=page, pad_slot=self.pad_slot
             ),
             donate_argnums=(1,),
         )
@@ -153,37 +138,11 @@ class DraftModelProposer:
             f"{self.pool.num_pages} pages of its own ({format_bytes(cache)})"
         )
 
-    def free(self, seq_id: str) -> None:
-        self.pool.release(seq_id)
-        self.computed.pop(seq_id, None)
-
-    def warmup(self) -> int:
-        """Compiles the program of every token bucket (padding steps); returns their count."""
-        for bucket in self.buckets.token_buckets:
-            self._run([], bucket)
-        return len(self.buckets.token_buckets)
-
-    def propose(self, seqs: Sequence[TokenSource], k: int) -> dict[str, list[int]]:
-        parts = [part for seq in seqs if (part := self._catch_up(seqs, seq)) is not None]
-        if not parts:
-            return {}
-        calls = plan_calls(parts, self.buckets.token_buckets[-1], self.buckets.max_seq_bucket)
-        drafts = drafts_of(calls, self._run)
-        for part in parts:  # the drafted positions are written over by the next catch-up
-            self.computed[part.seq_id] = part.start + len(part.tokens)
-        return {seq_id: d[:k] for seq_id, d in drafts.items()}
-
     def _catch_up(self, seqs: Sequence[TokenSource], seq: TokenSource) -> CatchUp | None:
         """The sequence's part of this call, its pages taken (None: no pages, no draft)."""
+        if not self._take_pages(seqs, seq):
+            return None
         n = seq.num_tokens
-        if n + self.k > self.buckets.pages_per_seq * self.pool.page_size:
-            return None  # no room for the drafts' positions
-        if not self.pool.ensure(seq.seq_id, n + self.k):
-            drafting = {s.seq_id for s in seqs}
-            for idle in [i for i in self.pool.tables if i not in drafting]:
-                self.free(idle)
-            if not self.pool.ensure(seq.seq_id, n + self.k):
-                return None
         start = min(self.computed.get(seq.seq_id, 0), n - 1)  # at least the last token
         return CatchUp(seq.seq_id, seq.token_ids(start, n), start, final=True)
 

@@ -1,6 +1,7 @@
 """What the model-based drafters share: the sequences they read, their page pool and batches.
 
-A drafter with a KV cache of its own (``draft_model.py``) keeps each sequence's pages in a
+A drafter with a KV cache of its own (``PagedDrafter``: ``draft_model.py``,
+``eagle3_proposer.py``, ``mtp_proposer.py``) keeps each sequence's pages in a
 ``PagePool`` (a free list on the host, one page table per sequence) and runs, per call, one
 ``catch_up_batch``: the tokens a sequence gained since the drafter last saw it, each sequence's
 pages, padded to a token bucket (``Buckets``) so that few programs compile. ``chain_steps``
@@ -11,8 +12,8 @@ The engine's ``Sequence`` is read through ``TokenSource`` (the runner imports no
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -169,3 +170,70 @@ def drafts_of(calls: list[list[CatchUp]], run: Callable[[list[CatchUp]], np.ndar
             if part.final:
                 drafts[part.seq_id] = [int(t) for t in out[s]]
     return drafts
+
+
+class PagedDrafter:
+    """What every drafter with a paged cache of its own does the same way: its token buckets
+    and ``PagePool`` (``max_seqs`` sequences of ``max_model_len + k`` tokens), a sequence's
+    pages taken for a call (idle sequences' pages given back when none are free), the calls
+    planned and run, warm-up and ``free``. A subclass builds its ``CatchUp`` (``_catch_up``)
+    and runs a call's compiled program (``_run``)."""
+
+    def __init__(self, engine: Any, max_model_len: int, max_seqs: int, k: int) -> None:
+        self.k = k
+        self.buckets = Buckets.of(
+            max_num_batched_tokens=max(engine.max_num_batched_tokens, max_seqs),
+            max_num_seqs=max_seqs,
+            max_model_len=max_model_len + k,
+            block_size=engine.block_size,
+        )
+        pages_per_seq = self.buckets.pages_per_seq
+        self.pool = PagePool(max_seqs * pages_per_seq, engine.block_size, pages_per_seq)
+        self.computed: dict[str, int] = {}  # seq id -> tokens the drafter's cache holds
+
+    @property
+    def pad_slot(self) -> int:
+        """The slot padding rows write to: past every page."""
+        return self.pool.num_pages * self.pool.page_size
+
+    def free(self, seq_id: str) -> None:
+        self.pool.release(seq_id)
+        self.computed.pop(seq_id, None)
+
+    def warmup(self) -> int:
+        """Compiles the program of every token bucket (padding steps); returns their count."""
+        for bucket in self.buckets.token_buckets:
+            self._run([], bucket)
+        return len(self.buckets.token_buckets)
+
+    def propose(self, seqs: Sequence[TokenSource], k: int) -> dict[str, list[int]]:
+        parts = [part for seq in seqs if (part := self._catch_up(seqs, seq)) is not None]
+        if not parts:
+            return {}
+        calls = plan_calls(parts, self.buckets.token_buckets[-1], self.buckets.max_seq_bucket)
+        drafts = drafts_of(calls, self._run)
+        for part in parts:  # the drafted positions are written over by the next catch-up
+            self.computed[part.seq_id] = part.start + len(part.tokens)
+        self._end_call()
+        return {seq_id: d[:k] for seq_id, d in drafts.items()}
+
+    def _take_pages(self, seqs: Sequence[TokenSource], seq: TokenSource) -> bool:
+        """Pages for the sequence's tokens and drafts; False: no room (it drafts nothing)."""
+        n = seq.num_tokens
+        if n + self.k > self.buckets.pages_per_seq * self.pool.page_size:
+            return False  # no room for the drafts' positions
+        if self.pool.ensure(seq.seq_id, n + self.k):
+            return True
+        drafting = {s.seq_id for s in seqs}
+        for idle in [i for i in self.pool.tables if i not in drafting]:
+            self.free(idle)
+        return self.pool.ensure(seq.seq_id, n + self.k)
+
+    def _end_call(self) -> None:
+        """What a subclass forgets once a call's drafts are read."""
+
+    def _catch_up(self, seqs: Sequence[TokenSource], seq: TokenSource) -> CatchUp | None:
+        raise NotImplementedError
+
+    def _run(self, call: list[CatchUp], bucket: int | None = None) -> np.ndarray:
+        raise NotImplementedError

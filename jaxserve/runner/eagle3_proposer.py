@@ -44,15 +44,13 @@ from jaxserve.models.eagle3 import (
 )
 from jaxserve.models.layers import Weights
 from jaxserve.models.loading.load_progress import format_bytes
-from jaxserve.runner.buckets import MIN_TOKEN_BUCKET, Buckets
+from jaxserve.runner.buckets import MIN_TOKEN_BUCKET
 from jaxserve.runner.drafting import (
     CatchUp,
-    PagePool,
+    PagedDrafter,
     TokenSource,
     catch_up_batch,
     decode_batch,
-    drafts_of,
-    plan_calls,
 )
 
 _LOG = logging.getLogger(__name__)
@@ -94,13 +92,14 @@ def eagle3_chain(
     return kv, head_kv, jnp.stack(drafts, axis=1)
 
 
-class Eagle3Proposer:
-    """Greedy drafts of an EAGLE-3 head over recomputed target states (module docstring)."""
+class TargetStatesDrafter(PagedDrafter):
+    """A drafter over the target's hidden states, recomputed with the target's weights over a
+    copy of the target's KV cache of its own (module docstring): its catch-up reads tokens
+    [start, n - 1) for the target and keeps each row's next token for the drafting layers
+    (``_head_ids``). EAGLE-3's head and DeepSeek-V3's MTP layers draft from it."""
 
     def __init__(
         self,
-        head_config: Eagle3Config,
-        head: Eagle3Weights,
         target_config: ModelConfig,
         target_weights: Callable[[], Weights],  # the runner's weights, now
         engine: EngineConfig,
@@ -109,77 +108,21 @@ class Eagle3Proposer:
         k: int,
         dtype: jnp.dtype,
     ) -> None:
-        self.head_config, self.head, self.k = head_config, head, k
+        super().__init__(engine, max_model_len, max_seqs, k)
         self.target_config, self.target_weights = target_config, target_weights
         page = engine.block_size
-        self.buckets = Buckets.of(
-            max_num_batched_tokens=max(engine.max_num_batched_tokens, max_seqs),
-            max_num_seqs=max_seqs,
-            max_model_len=max_model_len + k,
-            block_size=page,
-        )
-        pages_per_seq = self.buckets.pages_per_seq
-        self.pool = PagePool(max_seqs * pages_per_seq, page, pages_per_seq)
         self.kv: Any = make_kv_cache_for(target_config, self.pool.num_pages, page, dtype)
-        self.head_kv: Any = make_eagle3_kv_cache(head_config, self.pool.num_pages, page, dtype)
-        self.computed: dict[str, int] = {}  # seq id -> tokens whose target states were read
         self._next: dict[str, tuple[int, list[int]]] = {}  # seq id -> (start, tokens from it)
-        self._chain = jax.jit(
-            functools.partial(
-                eagle3_chain,
-                target_config=target_config,
-                head_config=head_config,
-                aux_layers=head_config.aux_layers(target_config.num_layers),
-                k=k,
-                page_size=page,
-                pad_slot=self.pool.num_pages * page,
-            ),
-            donate_argnums=(2, 3),
-        )
 
-    def describe(self) -> str:
-        size = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.head))
-        cache = sum(x.nbytes for x in jax.tree_util.tree_leaves((self.kv, self.head_kv)))
-        aux = list(self.head_config.aux_layers(self.target_config.num_layers))
-        return (
-            f"{format_bytes(size)} of weights (the embedding shared with the target when the "
-            f"head has none), aux layers {aux}, a cache of {self.pool.num_pages} pages of its "
-            f"own for the target's recomputed states and the head ({format_bytes(cache)})"
-        )
-
-    def free(self, seq_id: str) -> None:
-        self.pool.release(seq_id)
-        self.computed.pop(seq_id, None)
-
-    def warmup(self) -> int:
-        """Compiles the program of every token bucket (padding steps); returns their count."""
-        for bucket in self.buckets.token_buckets:
-            self._run([], bucket)
-        return len(self.buckets.token_buckets)
-
-    def propose(self, seqs: Sequence[TokenSource], k: int) -> dict[str, list[int]]:
-        parts = [part for seq in seqs if (part := self._catch_up(seqs, seq)) is not None]
-        if not parts:
-            return {}
-        calls = plan_calls(parts, self.buckets.token_buckets[-1], self.buckets.max_seq_bucket)
-        drafts = drafts_of(calls, self._run)
-        for part in parts:  # the head's drafted positions are written over by the next catch-up
-            self.computed[part.seq_id] = part.start + len(part.tokens)
+    def _end_call(self) -> None:
         self._next.clear()
-        return {seq_id: d[:k] for seq_id, d in drafts.items()}
 
     def _catch_up(self, seqs: Sequence[TokenSource], seq: TokenSource) -> CatchUp | None:
         """The sequence's part of this call, tokens [start, n - 1) for the target, its pages
         taken (None: too short, or no pages: no draft)."""
         n = seq.num_tokens
-        if n < 2 or n + self.k > self.buckets.pages_per_seq * self.pool.page_size:
-            return None  # no hidden state to read yet, or no room for the drafts' positions
-        if not self.pool.ensure(seq.seq_id, n + self.k):
-            drafting = {s.seq_id for s in seqs}
-            for idle in [i for i in self.pool.tables if i not in drafting]:
-                self.free(idle)
-            if not self.pool.ensure(seq.seq_id, n + self.k):
-                return None
+        if n < 2 or not self._take_pages(seqs, seq):
+            return None  # no hidden state to read yet, or no room: no draft
         start = min(self.computed.get(seq.seq_id, 0), n - 2)  # at least the last row
         tokens = seq.token_ids(start, n)
         self._next[seq.seq_id] = (start, tokens)
@@ -196,6 +139,50 @@ class Eagle3Proposer:
             ids[row : row + len(part.tokens)] = tokens[offset : offset + len(part.tokens)]
             row += len(part.tokens)
         return ids
+
+
+class Eagle3Proposer(TargetStatesDrafter):
+    """Greedy drafts of an EAGLE-3 head over the target's recomputed aux hidden states
+    (module docstring)."""
+
+    def __init__(
+        self,
+        head_config: Eagle3Config,
+        head: Eagle3Weights,
+        target_config: ModelConfig,
+        target_weights: Callable[[], Weights],  # the runner's weights, now
+        engine: EngineConfig,
+        max_model_len: int,
+        max_seqs: int,
+        k: int,
+        dtype: jnp.dtype,
+    ) -> None:
+        super().__init__(target_config, target_weights, engine, max_model_len, max_seqs, k, dtype)
+        self.head_config, self.head = head_config, head
+        page = engine.block_size
+        self.head_kv: Any = make_eagle3_kv_cache(head_config, self.pool.num_pages, page, dtype)
+        self._chain = jax.jit(
+            functools.partial(
+                eagle3_chain,
+                target_config=target_config,
+                head_config=head_config,
+                aux_layers=head_config.aux_layers(target_config.num_layers),
+                k=k,
+                page_size=page,
+                pad_slot=self.pad_slot,
+            ),
+            donate_argnums=(2, 3),
+        )
+
+    def describe(self) -> str:
+        size = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.head))
+        cache = sum(x.nbytes for x in jax.tree_util.tree_leaves((self.kv, self.head_kv)))
+        aux = list(self.head_config.aux_layers(self.target_config.num_layers))
+        return (
+            f"{format_bytes(size)} of weights (the embedding shared with the target when the "
+            f"head has none), aux layers {aux}, a cache of {self.pool.num_pages} pages of its "
+            f"own for the target's recomputed states and the head ({format_bytes(cache)})"
+        )
 
     def _run(self, call: list[CatchUp], bucket: int | None = None) -> np.ndarray:
         batch = catch_up_batch(call, self.pool, self.buckets, bucket)

@@ -27,13 +27,13 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models import decoder
-from jaxserve.models.batch import Batch, KVCache, make_kv_cache_for
+from jaxserve.models.batch import Batch, KVCache
 from jaxserve.models.layers import Weights
 from jaxserve.models.loading.load_progress import format_bytes
 from jaxserve.models.mtp import MtpWeights, Pages, make_mtp_kv_cache, mtp_step
-from jaxserve.runner.buckets import MIN_TOKEN_BUCKET, Buckets
-from jaxserve.runner.drafting import CatchUp, PagePool, catch_up_batch, decode_batch
-from jaxserve.runner.eagle3_proposer import Eagle3Proposer
+from jaxserve.runner.buckets import MIN_TOKEN_BUCKET
+from jaxserve.runner.drafting import CatchUp, catch_up_batch, decode_batch
+from jaxserve.runner.eagle3_proposer import TargetStatesDrafter
 
 
 def mtp_chain(
@@ -69,11 +69,11 @@ def mtp_chain(
     return kv, mtp_kv, jnp.stack(drafts, axis=1)
 
 
-class MtpProposer(Eagle3Proposer):
+class MtpProposer(TargetStatesDrafter):
     """Greedy drafts of the target's MTP layers over recomputed target states (module
-    docstring); the catch-up, pages and warm-up are the EAGLE-3 drafter's."""
+    docstring); the catch-up, pages and warm-up are those of every target-states drafter."""
 
-    def __init__(  # noqa: PLR0913 (the drafter's settings, as Eagle3Proposer's)
+    def __init__(
         self,
         layers: list[MtpWeights],
         target_config: ModelConfig,
@@ -84,30 +84,19 @@ class MtpProposer(Eagle3Proposer):
         k: int,
         dtype: jnp.dtype,
     ) -> None:
-        self.layers, self.k = layers, k
-        self.target_config, self.target_weights = target_config, target_weights
+        super().__init__(target_config, target_weights, engine, max_model_len, max_seqs, k, dtype)
+        self.layers = layers
         page = engine.block_size
-        self.buckets = Buckets.of(
-            max_num_batched_tokens=max(engine.max_num_batched_tokens, max_seqs),
-            max_num_seqs=max_seqs,
-            max_model_len=max_model_len + k,
-            block_size=page,
-        )
-        pages_per_seq = self.buckets.pages_per_seq
-        self.pool = PagePool(max_seqs * pages_per_seq, page, pages_per_seq)
-        self.kv: Any = make_kv_cache_for(target_config, self.pool.num_pages, page, dtype)
         self.mtp_kv: Any = make_mtp_kv_cache(
             target_config, len(layers), self.pool.num_pages, page, dtype
         )
-        self.computed: dict[str, int] = {}  # seq id -> tokens whose target states were read
-        self._next: dict[str, tuple[int, list[int]]] = {}  # seq id -> (start, tokens from it)
         self._mtp_chain = jax.jit(
             functools.partial(
                 mtp_chain,
                 target_config=target_config,
                 k=k,
                 page_size=page,
-                pad_slot=self.pool.num_pages * page,
+                pad_slot=self.pad_slot,
             ),
             donate_argnums=(2, 3),
         )
