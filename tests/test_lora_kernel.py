@@ -254,12 +254,12 @@ def test_native_matches_reference(case: Case):
     seed = int(np.random.default_rng().integers(2**31))
     x, a, bs, slots = make_inputs(case, seed)
     got = lt.lora_deltas(x, a, bs, slots, config=case.config)
-    want = jax.jit(reference.lora_deltas)(
-        x.astype(jnp.float32), a.astype(jnp.float32), [b.astype(jnp.float32) for b in bs], slots
-    )
+    # NOTE: in float64 on the host: on the GPU a float32 XLA matmul runs in TF32 by default,
+    # about 1e-3 off, ten times this test's float32 tolerance.
+    want = numpy_deltas(x, a, bs, slots)
     base = np.asarray(slots) == 0
     for g, w in zip(got, want, strict=True):
-        scale = float(jnp.abs(w).max()) or 1.0
+        scale = float(np.abs(w).max()) or 1.0
         np.testing.assert_allclose(
             np.asarray(g, np.float32) / scale, np.asarray(w) / scale,
             atol=tolerance(case.dtype), err_msg=f"{seed=}",
