@@ -29,6 +29,7 @@ from jaxserve.models.loading.dummy import dummy_weights
 from jaxserve.models.quant import INVARIANT_ROW_TILE
 from jaxserve.runner.buckets import next_power_of_2
 from jaxserve.runner.devices import describe_batch_invariance
+from jaxserve.runner.programs import invariant_compiler_options
 from pallas_kernels.ragged_paged_attention import dispatch
 from tests.conftest import fixture_dir
 
@@ -103,10 +104,12 @@ GPU_CONFIG = ModelConfig(
 
 
 @functools.cache
-def model(dtype_name: str, invariant: bool, on_gpu: bool = False):
+def model(
+    dtype_name: str, invariant: bool, on_gpu: bool = False, compiler_options: dict | None = None
+):
     """(step, config, dtype): ``step(cache, batch) -> (cache, f32[T, V] logits of every
     row)``, in batch-invariant mode or not; the llama fixture, or ``GPU_CONFIG`` with random
-    weights."""
+    weights; ``compiler_options``: XLA's, for the step (None: the runner's for the mode)."""
     dtype = jnp.dtype(dtype_name)
     if on_gpu:
         config = GPU_CONFIG
@@ -117,7 +120,10 @@ def model(dtype_name: str, invariant: bool, on_gpu: bool = False):
     row_tile = INVARIANT_ROW_TILE if invariant else None
     attention = functools.partial(dispatch.ragged_paged_attention, batch_invariant=invariant)
 
-    @jax.jit
+    if compiler_options is None:
+        compiler_options = invariant_compiler_options(invariant)
+
+    @functools.partial(jax.jit, compiler_options=compiler_options)
     def step(weights, cache, batch):
         cache, hidden = decoder.forward(weights, cache, batch, config, attention, row_tile=row_tile)
         return cache, decoder.compute_logits(weights, hidden, None, row_tile)
@@ -131,11 +137,12 @@ def target_logits(
     others: list[list[int]],
     chunk: int | None,
     on_gpu: bool = False,
+    compiler_options: dict | None = None,
 ) -> np.ndarray:
     """f32[45 + 3, V]: the target's logits at every prompt position, then at three decode
     steps in which every other sequence decodes too; the target sits in row 17 of a batch
     (``others`` around it), its prompts computed ``chunk`` tokens a step (None: at once)."""
-    step, config, dtype = model(dtype_name, invariant, on_gpu)
+    step, config, dtype = model(dtype_name, invariant, on_gpu, compiler_options)
     cache = make_kv_cache_for(config, NUM_SEQS * PAGES_PER_SEQ, PAGE, dtype)
     target = Seq(TARGET + DECODE_IDS, slot=17)
     seqs = [Seq(p + DECODE_IDS, slot=i if i < 17 else i + 1) for i, p in enumerate(others)]

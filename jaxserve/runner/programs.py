@@ -105,7 +105,13 @@ def jitted_model_step(
             in_shardings = (*in_shardings, lora_shardings)
         shardings = dict(in_shardings=in_shardings, out_shardings=out_shardings)
     # static: the layout of the packed inputs
-    return jax.jit(step, static_argnums=(4,), donate_argnames=("kv_cache",), **shardings)
+    return jax.jit(
+        step,
+        static_argnums=(4,),
+        donate_argnames=("kv_cache",),
+        compiler_options=invariant_compiler_options(batch_invariant),
+        **shardings,
+    )
 
 
 def _lora_positional(step: Any) -> Any:
@@ -129,11 +135,26 @@ def jitted_head_programs(
     logits = functools.partial(logits_step, soft_cap=soft_cap, row_tile=row_tile)
     sample = functools.partial(sample_step, num_rows=max_seq_bucket)
     prompt_lp = functools.partial(prompt_logprobs_step, soft_cap=soft_cap, row_tile=row_tile)
+    options = invariant_compiler_options(batch_invariant)
     return (
-        jax.jit(logits, static_argnames=("layout", "tied"), **out),
+        jax.jit(logits, static_argnames=("layout", "tied"), compiler_options=options, **out),
         jax.jit(sample, static_argnames=("layout", "flags")),
-        jax.jit(prompt_lp, static_argnames=("tied",)),
+        jax.jit(prompt_lp, static_argnames=("tied",), compiler_options=options),
     )
+
+
+# Batch-invariant mode's XLA options on a GPU: the GEMM of each program picked by the shape's
+# heuristic, not timed. XLA's autotuner times candidate kernels for each program it compiles,
+# and each token bucket is a program of its own: two buckets could run the same [128, K] tile
+# on kernels of another split of K (other bits) when their timings came out near each other.
+INVARIANT_GPU_OPTIONS = {"xla_gpu_autotune_level": 0}
+
+
+def invariant_compiler_options(batch_invariant: bool) -> dict[str, Any]:
+    """XLA's options for every program in batch-invariant mode (none off the GPU)."""
+    if batch_invariant and jax.default_backend() == "gpu":
+        return dict(INVARIANT_GPU_OPTIONS)
+    return {}
 
 
 def invariant_row_tile(batch_invariant: bool) -> int | None:
