@@ -7,11 +7,13 @@ with the options XLA's autotuner picks a GEMM by timing or by the shape's heuris
 or on cuBLAS.
 
     python -m benchmarks.probes.batch_invariant_bits      # on the H200, about 2 minutes
+    python -m benchmarks.probes.batch_invariant_bits 0 1  # the first two option sets only
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 from tests.test_batch_invariant import SCENARIOS, TARGET, differing_rows, target_logits
 
@@ -25,7 +27,8 @@ VARIANTS = {
 
 def main() -> None:
     prompt = len(TARGET)
-    for name, options in VARIANTS.items():
+    picked = [int(i) for i in sys.argv[1:]] or range(len(VARIANTS))
+    for name, options in [list(VARIANTS.items())[i] for i in picked]:
         alone = target_logits("bfloat16", True, [], None, on_gpu=True, compiler_options=options)
         for scenario, (others, chunk) in SCENARIOS.items():
             got = target_logits(
