@@ -125,3 +125,14 @@ def test_greedy_tokens_are_the_same_with_mtp_and_the_counters_add_up(plain, k) -
     assert stats.num_draft_tokens <= k * stats.num_drafts
     per_pos = stats.accepted_per_pos
     assert all(a >= b for a, b in zip(per_pos, per_pos[1:], strict=False))
+
+
+def test_a_prefix_the_cache_served_is_run_again_for_the_mtp_layers(plain) -> None:
+    """The prompts a second time: the prefix cache serves their first blocks, which the
+    target's steps then never compute, so the drafter runs the target again over them (on the
+    runner's latent cache, writing nothing) and the tokens are still the same."""
+    llm = make_llm({"method": "mtp", "num_speculative_tokens": 2})
+    assert token_ids(llm) == plain
+    assert llm.engine.proposer.recomputed_tokens == 0  # every state from the target's steps
+    assert token_ids(llm) == plain
+    assert llm.engine.proposer.recomputed_tokens > 0

@@ -84,6 +84,13 @@ def test_greedy_tokens_are_the_same_in_a_mixed_batch_with_chunked_prefill(plain,
     finally:
         del engine.scheduler.schedule
     assert any(mixed), "no step verified drafts beside a chunked prefill"
+    if method_reads_target_states(drafting):
+        # Prompts in chunks: their first drafts ran the target again over the earlier chunks.
+        assert engine.proposer.recomputed_tokens > 0
+
+
+def method_reads_target_states(llm: jaxserve.LLM) -> bool:
+    return hasattr(llm.engine.proposer, "recomputed_tokens")
 
 
 def test_acceptance_is_measured_as_the_fixtures_report_and_the_counters_add_up(
@@ -112,6 +119,17 @@ def test_acceptance_is_measured_as_the_fixtures_report_and_the_counters_add_up(
     assert drafts <= steps - len(PROMPTS)  # the prefill steps verify nothing
     length = 1 + accepted / drafts
     assert length >= {"draft_model": 2.2, "eagle3": 2.2}[method], length
+
+
+def test_eagle3_reads_the_targets_states_from_its_steps(plain) -> None:
+    """One prompt at a time, each computed in one step (no prefix cache to skip its start),
+    then a verify step every step: every draft reads the aux states the target's last step
+    returned, and the target never runs again for the head."""
+    llm = make_llm(METHODS["eagle3"], enable_prefix_caching=False)
+    assert PROMPT_LEN <= 32  # the step budget: each prompt in one step
+    assert [token_ids(llm, [p])[0] for p in PROMPTS[:3]] == plain[:3]
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    assert llm.engine.proposer.recomputed_tokens == 0
 
 
 def test_greedy_under_preemption(plain, method) -> None:

@@ -255,6 +255,9 @@ class EngineCore:
             for line in self.capacity_lines():
                 _LOG.info(line)
             self.num_compiled_shapes = runner.warmup() if config.warmup else 0
+            drafter_warmup = getattr(self.proposer, "warmup", None)  # a model drafter's
+            if config.warmup and drafter_warmup is not None:
+                drafter_warmup()
             self.scoring = self._scoring_model(served)  # a reranker's reads loaded weights
         except BaseException:
             self._abandon(runner)

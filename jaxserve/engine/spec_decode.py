@@ -128,8 +128,9 @@ class DrafterTarget:
 
 def make_proposer(config: SpeculativeConfig, target: DrafterTarget | None = None) -> Proposer:
     """The drafter of ``config`` (its method built: ``SpeculativeConfig.check_built``); a model
-    drafter (``draft_model``, ``eagle3``, ``mtp``) is loaded here, checked against ``target``,
-    and its programs compiled when the engine warms up."""
+    drafter (``draft_model``, ``eagle3``, ``mtp``) is loaded here and checked against
+    ``target``; the engine compiles its programs (``warmup``) once the runner has warmed up
+    (an EAGLE-3 or MTP drafter's read the runner's KV cache)."""
     config.check_built()
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
@@ -167,8 +168,6 @@ def _draft_model_proposer(config: SpeculativeConfig, target: DrafterTarget) -> P
         dtype,
     )
     _LOG.info("Speculative draft model %s: %s", config.model, proposer.describe())
-    if engine.warmup:
-        proposer.warmup()
     return proposer
 
 
@@ -190,7 +189,7 @@ def _eagle3_proposer(config: SpeculativeConfig, target: DrafterTarget) -> Propos
         head_config,
         head,
         target.model_config,
-        lambda: runner.weights,
+        runner,
         engine,
         target.max_model_len,
         min(config.max_batch_size, engine.max_num_seqs),
@@ -198,8 +197,6 @@ def _eagle3_proposer(config: SpeculativeConfig, target: DrafterTarget) -> Propos
         dtype,
     )
     _LOG.info("Speculative EAGLE-3 head %s: %s", config.model, proposer.describe())
-    if engine.warmup:
-        proposer.warmup()
     return proposer
 
 
@@ -221,7 +218,7 @@ def _mtp_proposer(config: SpeculativeConfig, target: DrafterTarget) -> Proposer:
     proposer = mtp_proposer.MtpProposer(
         layers,
         target.model_config,
-        lambda: runner.weights,
+        runner,
         engine,
         target.max_model_len,
         min(config.max_batch_size, engine.max_num_seqs),
@@ -229,8 +226,6 @@ def _mtp_proposer(config: SpeculativeConfig, target: DrafterTarget) -> Proposer:
         dtype,
     )
     _LOG.info("Speculative MTP: %s", proposer.describe())
-    if engine.warmup:
-        proposer.warmup()
     return proposer
 
 

@@ -32,6 +32,26 @@ class TokenSource(Protocol):
     @property
     def num_tokens(self) -> int: ...
     def token_ids(self, start: int, stop: int) -> list[int]: ...
+    @property
+    def block_ids(self) -> list[int]: ...  # its pages of the target's cache
+
+
+@dataclasses.dataclass
+class TargetStates:
+    """The target's states of its last step, on the device, and where each sequence's rows
+    are: what an EAGLE-3 head (the aux layers' states, joined) or DeepSeek-V3's MTP layers
+    (the final hidden states) draft from without running the target again."""
+
+    states: jax.Array  # [T, D]
+    rows: dict[str, tuple[int, int, int]]  # seq id -> (first row, its position, row count)
+
+    def rows_for(self, seq_id: str, start: int, stop: int) -> range | None:
+        """The rows of positions [start, stop) of the sequence, if this step computed them
+        all; else None."""
+        first_row, first_pos, count = self.rows.get(seq_id, (0, 0, 0))
+        if not count or start < first_pos or stop > first_pos + count:
+            return None
+        return range(first_row + start - first_pos, first_row + stop - first_pos)
 
 
 class PagePool:

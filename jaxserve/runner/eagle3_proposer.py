@@ -2,21 +2,24 @@
 hidden states, its own pages, and the compiled program that drafts k tokens greedily.
 
 The head reads the target's hidden states at ``head_config.aux_layers(L)`` for every token the
-target accepted. The target's step does not return them: this drafter recomputes them with the
-TARGET's weights (the runner's, shared, read at each call so that a weight update reaches it)
-over a copy of the target's KV cache of its own, ``decoder.forward_with_aux`` over the tokens
-each sequence gained since its last run. That leaves the runner's step untouched and costs one
-more target prefill of every drafted sequence's tokens (once each: a prompt, then the tokens a
-verify step accepted) and that copy's cache (docs/eagle3.md, "Served").
+target accepted. The runner's model step returns them (``ModelRunner.keep_target_states``: the
+states entering those layers, joined, ``Forward.aux``) and the runner keeps the last step's
+(``runner.last_states``). A call takes each sequence's rows from there when the last step
+computed every position the head has not read yet: a decode or verify step after the last
+call, or a prompt computed in one step; that is every call while each step drafts. Otherwise
+(a prompt computed in chunks, or steps without drafts: more sequences ran than
+``disable_by_batch_size``) the call runs the TARGET again over those positions, on the runner's
+own KV cache (donated and given back; its writes go to no page: the target computed them
+already), ``decoder.forward_with_aux`` with the runner's weights as they are now.
 
-Per call, in one compiled program per token bucket: the target over each sequence's new tokens
-[s, n - 1) (the last known token has no hidden state yet), ``fuse_aux_hidden``, one
+Per call, in one compiled program per token bucket: ``fuse_aux_hidden`` over the states of each
+sequence's new positions [s, n - 1) (the last known token has no hidden state yet), one
 ``eagle3_step`` over the same positions with the tokens shifted by one (position i reads the
-token at i + 1) whose last row proposes the token at n, then k - 1 chained one-token steps, each
-fed the previous draft and the previous step's pre-norm row. Drafts are argmaxes over target
-ids (``d2t`` mapped). Both caches, the target's copy and the head's one layer, are indexed by one
-``drafting.PagePool`` (the same page table), sized as the draft model's
-(``runner/draft_model.py``), with the same rules for idle sequences.
+token at i + 1) whose last row proposes the token at n, then k - 1 chained one-token steps,
+each fed the previous draft and the previous step's pre-norm row. Drafts are argmaxes over
+target ids (``d2t`` mapped). The head's one layer of cache is indexed by a
+``drafting.PagePool``, sized as the draft model's (``runner/draft_model.py``), with the same
+rules for idle sequences.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -34,7 +37,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models import decoder
-from jaxserve.models.batch import Batch, KVCache, make_kv_cache_for
+from jaxserve.models.batch import Batch, KVCache
 from jaxserve.models.eagle3 import (
     Eagle3Config,
     Eagle3Weights,
@@ -59,23 +62,19 @@ HeadKV = tuple[jax.Array, jax.Array]
 
 
 def eagle3_chain(
-    target: Weights,
     head: Eagle3Weights,
-    kv: KVCache,  # the drafter's copy of the target's cache
     head_kv: HeadKV,
-    batch: Batch,  # the target's tokens [s, n - 1) of each sequence
+    batch: Batch,  # the target's tokens [s, n - 1) of each sequence, in the head's pages
     head_ids: jax.Array,  # i32[T]  each row's next token (the head's input_ids)
-    target_config: ModelConfig,
+    states: jax.Array,  # [T, A * H_t]  the target's aux states of the batch's rows, joined
     head_config: Eagle3Config,
-    aux_layers: tuple[int, ...],
     k: int,
     page_size: int,
     pad_slot: int,
-) -> tuple[KVCache, HeadKV, jax.Array]:  # (kv, head_kv, i32[S, k] drafts)
-    """The target's aux states over the catch-up, the head's step over them, then k - 1
-    chained head steps from each sequence's last row."""
-    kv, _, aux = decoder.forward_with_aux(target, kv, batch, target_config, aux_layers)
-    hidden = fuse_aux_hidden(head, aux)
+) -> tuple[HeadKV, jax.Array]:  # (head_kv, i32[S, k] drafts)
+    """The head's step over the target's aux states, then k - 1 chained head steps from each
+    sequence's last row."""
+    hidden = fuse_aux_hidden(head, [states])
     shifted = dataclasses.replace(batch, input_ids=head_ids)
     head_kv, logits, prenorm = eagle3_step(head, head_kv, shifted, hidden, head_config)
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S] target ids
@@ -89,33 +88,81 @@ def eagle3_chain(
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         rows = prenorm[:s_pad]
         drafts.append(tokens)
-    return kv, head_kv, jnp.stack(drafts, axis=1)
+    return head_kv, jnp.stack(drafts, axis=1)
+
+
+def target_states(
+    weights: Weights,
+    kv_cache: KVCache,  # the runner's, donated: given back as it was
+    batch: Batch,  # the positions again, in the target's pages, every write to no page
+    config: ModelConfig,
+    aux_layers: tuple[int, ...] | None,
+    kv_scales: Any,
+) -> tuple[KVCache, jax.Array]:  # (kv_cache, [T, D])
+    """The target's states over positions it computed already: the aux layers' joined
+    (``aux_layers``), or the final hidden states (None)."""
+    if aux_layers:
+        kv_cache, _, aux = decoder.forward_with_aux(
+            weights, kv_cache, batch, config, aux_layers, kv_scales=kv_scales
+        )
+        return kv_cache, jnp.concatenate(aux, axis=-1)
+    return decoder.forward(weights, kv_cache, batch, config, kv_scales=kv_scales)
 
 
 class TargetStatesDrafter(PagedDrafter):
-    """A drafter over the target's hidden states, recomputed with the target's weights over a
-    copy of the target's KV cache of its own (module docstring): its catch-up reads tokens
-    [start, n - 1) for the target and keeps each row's next token for the drafting layers
-    (``_head_ids``). EAGLE-3's head and DeepSeek-V3's MTP layers draft from it."""
+    """A drafter over the target's states (module docstring): from the runner's last step
+    when it computed every position a call needs, else from the target run again over the
+    runner's cache. Its catch-up reads tokens [start, n - 1) and keeps each row's next token
+    for the drafting layers (``_head_ids``). EAGLE-3's head and DeepSeek-V3's MTP layers draft
+    from it."""
 
     def __init__(
         self,
         target_config: ModelConfig,
-        target_weights: Callable[[], Weights],  # the runner's weights, now
+        runner: Any,  # the ModelRunner: its weights, KV cache and last states, now
         engine: EngineConfig,
         max_model_len: int,
         max_seqs: int,
         k: int,
-        dtype: jnp.dtype,
+        aux_layers: tuple[int, ...] | None,  # None: the final hidden states
     ) -> None:
         super().__init__(engine, max_model_len, max_seqs, k)
-        self.target_config, self.target_weights = target_config, target_weights
-        page = engine.block_size
-        self.kv: Any = make_kv_cache_for(target_config, self.pool.num_pages, page, dtype)
+        self.target_config, self.runner = target_config, runner
+        self.aux_layers = aux_layers
+        self.state_dim = target_config.hidden_size * (len(aux_layers) if aux_layers else 1)
         self._next: dict[str, tuple[int, list[int]]] = {}  # seq id -> (start, tokens from it)
+        self._blocks: dict[str, list[int]] = {}  # seq id -> the target's pages
+        self.recomputed_tokens = 0  # positions the target ran again for (module docstring)
+        runner.keep_target_states(aux_layers)
+        self._take = jax.jit(lambda states, rows: states[rows])
+        self._recompute = jax.jit(
+            functools.partial(
+                target_states,
+                config=target_config,
+                aux_layers=aux_layers,
+                kv_scales=runner.kv_scales,
+            ),
+            donate_argnums=(1,),
+        )
+
+    def warmup(self) -> int:
+        """The drafting programs of every token bucket, and the target's run again over its
+        cache (once the runner's cache is allocated)."""
+        count = super().warmup()
+        if self.runner.kv_cache is not None:
+            for bucket in self.buckets.token_buckets:
+                batch = catch_up_batch([], self.pool, self.buckets, bucket)
+                self._target_states_again([], batch)
+            count += len(self.buckets.token_buckets)
+        self.recomputed_tokens = 0
+        return count
 
     def _end_call(self) -> None:
         self._next.clear()
+
+    def free(self, seq_id: str) -> None:
+        super().free(seq_id)
+        self._blocks.pop(seq_id, None)
 
     def _catch_up(self, seqs: Sequence[TokenSource], seq: TokenSource) -> CatchUp | None:
         """The sequence's part of this call, tokens [start, n - 1) for the target, its pages
@@ -126,6 +173,7 @@ class TargetStatesDrafter(PagedDrafter):
         start = min(self.computed.get(seq.seq_id, 0), n - 2)  # at least the last row
         tokens = seq.token_ids(start, n)
         self._next[seq.seq_id] = (start, tokens)
+        self._blocks[seq.seq_id] = list(seq.block_ids)
         return CatchUp(seq.seq_id, tokens[:-1], start, final=True)
 
     def _head_ids(self, call: list[CatchUp], num_rows: int) -> np.ndarray:
@@ -140,59 +188,90 @@ class TargetStatesDrafter(PagedDrafter):
             row += len(part.tokens)
         return ids
 
+    def _target_states(self, call: list[CatchUp], batch: Batch) -> jax.Array:  # [T, D]
+        """The target's states of the call's rows: the last step's rows when it computed them
+        all, else the target run again."""
+        num_rows = batch.input_ids.shape[0]
+        if not call:  # warm-up's padding
+            return jnp.zeros((num_rows, self.state_dim), self.runner.dtype)
+        last = self.runner.last_states
+        if last is None:
+            return self._target_states_again(call, batch)
+        rows = np.zeros(num_rows, np.int32)
+        row = 0
+        for part in call:
+            found = last.rows_for(part.seq_id, part.start, part.start + len(part.tokens))
+            if found is None:
+                return self._target_states_again(call, batch)
+            rows[row : row + len(found)] = found
+            row += len(found)
+        return self._take(last.states, jax.device_put(rows))
+
+    def _target_states_again(self, call: list[CatchUp], batch: Batch) -> jax.Array:
+        """The target run again over the call's positions, on the runner's cache: the same
+        rows in the target's pages, every write to the slot past the last page (dropped)."""
+        runner = self.runner
+        pages = np.zeros_like(batch.page_indices)
+        for s, part in enumerate(call):
+            blocks = self._blocks[part.seq_id][: pages.shape[1]]
+            pages[s, : len(blocks)] = blocks
+        slots = np.full_like(batch.slot_mapping, runner.num_slots)
+        # host arrays until the call, as catch_up_batch's
+        again = dataclasses.replace(batch, page_indices=pages, slot_mapping=slots)  # type: ignore[arg-type]
+        self.recomputed_tokens += sum(len(part.tokens) for part in call)
+        runner.kv_cache, states = self._recompute(
+            runner.weights, runner.kv_cache, jax.device_put(again)
+        )
+        return states
+
 
 class Eagle3Proposer(TargetStatesDrafter):
-    """Greedy drafts of an EAGLE-3 head over the target's recomputed aux hidden states
-    (module docstring)."""
+    """Greedy drafts of an EAGLE-3 head over the target's aux hidden states (module
+    docstring)."""
 
     def __init__(
         self,
         head_config: Eagle3Config,
         head: Eagle3Weights,
         target_config: ModelConfig,
-        target_weights: Callable[[], Weights],  # the runner's weights, now
+        runner: Any,  # the ModelRunner
         engine: EngineConfig,
         max_model_len: int,
         max_seqs: int,
         k: int,
         dtype: jnp.dtype,
     ) -> None:
-        super().__init__(target_config, target_weights, engine, max_model_len, max_seqs, k, dtype)
+        aux_layers = tuple(head_config.aux_layers(target_config.num_layers))
+        super().__init__(target_config, runner, engine, max_model_len, max_seqs, k, aux_layers)
         self.head_config, self.head = head_config, head
         page = engine.block_size
         self.head_kv: Any = make_eagle3_kv_cache(head_config, self.pool.num_pages, page, dtype)
         self._chain = jax.jit(
             functools.partial(
                 eagle3_chain,
-                target_config=target_config,
                 head_config=head_config,
-                aux_layers=head_config.aux_layers(target_config.num_layers),
                 k=k,
                 page_size=page,
                 pad_slot=self.pad_slot,
             ),
-            donate_argnums=(2, 3),
+            donate_argnums=(1,),
         )
 
     def describe(self) -> str:
         size = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.head))
-        cache = sum(x.nbytes for x in jax.tree_util.tree_leaves((self.kv, self.head_kv)))
-        aux = list(self.head_config.aux_layers(self.target_config.num_layers))
+        cache = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.head_kv))
         return (
             f"{format_bytes(size)} of weights (the embedding shared with the target when the "
-            f"head has none), aux layers {aux}, a cache of {self.pool.num_pages} pages of its "
-            f"own for the target's recomputed states and the head ({format_bytes(cache)})"
+            f"head has none), aux layers {list(self.aux_layers or ())} (the target's step "
+            f"returns their states), a cache of {self.pool.num_pages} pages of its own "
+            f"({format_bytes(cache)})"
         )
 
     def _run(self, call: list[CatchUp], bucket: int | None = None) -> np.ndarray:
         batch = catch_up_batch(call, self.pool, self.buckets, bucket)
         head_ids = self._head_ids(call, batch.input_ids.shape[0])
-        self.kv, self.head_kv, drafts = self._chain(
-            self.target_weights(),
-            self.head,
-            self.kv,
-            self.head_kv,
-            jax.device_put(batch),
-            jax.device_put(head_ids),
+        states = self._target_states(call, batch)
+        self.head_kv, drafts = self._chain(
+            self.head, self.head_kv, jax.device_put(batch), jax.device_put(head_ids), states
         )
         return np.asarray(drafts)

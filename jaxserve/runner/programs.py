@@ -46,11 +46,14 @@ def model_step(
     experts_fn: Any = None,  # moe.ExpertsFn: a mixture of experts' sharded experts
     row_tile: int | None = None,  # batch-invariant mode's GEMM rows (quant.linear)
     lora_weights: LoraWeights | None = None,  # the adapter slots (--enable-lora)
-) -> tuple[KVCache, jax.Array]:
+    aux_layers: tuple[int, ...] | None = None,  # an EAGLE-3 drafter's (see below)
+) -> tuple[KVCache, jax.Array] | tuple[KVCache, jax.Array, jax.Array]:
     """The model over one step's batch. A pending input token (``source`` >= 0: the step
     before this one was still sampling it when this one was built) is read from that step's
     sampled ids, on the device. With ``lora_weights`` the packed inputs also carry each
-    token's adapter slot (``step_programs.pack_step``)."""
+    token's adapter slot (``step_programs.pack_step``). With ``aux_layers`` (an EAGLE-3
+    drafter reads them) the step also returns the residual stream entering each of those
+    layers, joined: [T, len(aux_layers) * H] (``decoder.forward_with_aux``)."""
     batch, source, *token_slots = unpack(packed, layout)
     lora = None
     if lora_weights is not None:
@@ -60,6 +63,20 @@ def model_step(
     # NOTE: the step returns only the hidden states; gathering each sequence's last row here
     # (so the sampler would depend on the sequence bucket alone) changed the step's fusions
     # and cost 4-8% of offline throughput on the H200.
+    if aux_layers:
+        kv_cache, hidden, aux = decoder.forward_with_aux(
+            weights,
+            kv_cache,
+            batch,
+            config,
+            aux_layers,
+            attention_fn,
+            kv_scales=kv_scales,
+            experts_fn=experts_fn,
+            lora=lora,
+            row_tile=row_tile,
+        )
+        return kv_cache, hidden, jnp.concatenate(aux, axis=-1)
     return decoder.forward(
         weights,
         kv_cache,
@@ -79,6 +96,7 @@ def jitted_model_step(
     tp: Any = None,
     batch_invariant: bool = False,
     lora_shardings: Any = None,
+    aux_layers: tuple[int, ...] | None = None,
 ) -> Any:
     """``model_step`` jitted, the KV cache donated (updated in place); ``tp``: the runner's
     ``TensorParallel``, whose attention, experts and shardings it takes; ``batch_invariant``:
@@ -95,6 +113,7 @@ def jitted_model_step(
         attention_fn=shared_attention(attention),
         kv_scales=kv_scales,
         row_tile=invariant_row_tile(batch_invariant),
+        aux_layers=aux_layers,
     )
     shardings: dict[str, Any] = {}
     if tp is not None:
@@ -215,6 +234,7 @@ class Forward:
     hidden: jax.Array  # [T, H]
     packed: jax.Array  # i32[N]  the step's inputs, as ``model_step`` took them
     layout: Layout
+    aux: jax.Array | None = None  # [T, A * H]  the aux layers' states (``model_step``)
 
 
 def logits_step(

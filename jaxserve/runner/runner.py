@@ -39,6 +39,7 @@ from jaxserve.runner.devices import (
     startup_lines,
     uses_compact_samplers,
 )
+from jaxserve.runner.drafting import TargetStates
 from jaxserve.runner.in_flight import DeferredSampler, InFlight
 from jaxserve.runner.input_builder import InputBuilder
 from jaxserve.runner.lora_slots import LoraSlots
@@ -141,6 +142,9 @@ class ModelRunner:
         # NOTE: with warm-up on, the cache is allocated after the step buckets are compiled,
         # so XLA's autotuner compiles with the memory the cache will take still free.
         self.kv_cache: Any = None
+        # A drafter over the target's states (``keep_target_states``) reads the last step's.
+        self.keeps_states = False
+        self.last_states: TargetStates | None = None
         if not config.warmup:
             self.allocate_kv_cache()
         # Several processes (hosts) share this model: process 0 broadcasts each step.
@@ -172,6 +176,13 @@ class ModelRunner:
             pooling=self.is_pooling,
             lora=self.lora_slots,
         )
+
+    def keep_target_states(self, aux_layers: tuple[int, ...] | None) -> None:
+        """Keep each step's states for a drafter (``last_states``): the states entering
+        ``aux_layers`` (EAGLE-3), or the final hidden states (None: MTP)."""
+        if aux_layers:
+            self.programs.return_aux_states(aux_layers)
+        self.keeps_states = True
 
     def _make_lora_slots(self) -> LoraSlots | None:
         """The adapter slots with ``--enable-lora`` (on one host: a follower process would
@@ -404,6 +415,8 @@ class ModelRunner:
         feed = (source, previous.sampled_ids) if source is not None and previous else None
         lora_slots = self.inputs.lora_token_slots(host_batch, rows)
         forward, prompt_out = self.forward(host_batch, next_ids, feed, lora_slots)
+        if self.keeps_states:
+            self.last_states = self._states_of(output, forward)
         first_rows = output.sample_rows()
         sampled_row = {
             item.seq.seq_id: r for item, r in zip(output.scheduled, first_rows, strict=True)
@@ -411,6 +424,17 @@ class ModelRunner:
         step = InFlight(None, prompt_out, spans, sampled_row, num_rows=len(seqs))
         step.deferred = DeferredSampler(forward, inputs, flags)
         return step
+
+    @staticmethod
+    def _states_of(output: SchedulerOutput, forward: Forward) -> TargetStates:
+        """The step's states for a drafter, and each sequence's rows among them."""
+        rows: dict[str, tuple[int, int, int]] = {}
+        row = 0
+        for item in output.scheduled:
+            rows[item.seq.seq_id] = (row, item.start, item.num_new_tokens)
+            row += item.num_new_tokens
+        states = forward.aux if forward.aux is not None else forward.hidden
+        return TargetStates(states, rows)
 
     def _dispatch_pooling(self, output: SchedulerOutput) -> InFlight:
         """A pooling runner's step: the model step, then what pooling needs of each sequence's

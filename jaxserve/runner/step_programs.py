@@ -154,6 +154,7 @@ class StepPrograms:
         # LoRA under tensor parallelism: the stacks go in positionally, with their shardings.
         self.lora_positional = tp is not None and lora is not None
         lora_shardings = lora.shardings if self.lora_positional and lora is not None else None
+        self._step_args = (model_config, kv_scales, tp, batch_invariant, lora_shardings)
         self.step_fn = jitted_model_step(
             model_config, kv_scales, tp, batch_invariant, lora_shardings=lora_shardings
         )
@@ -176,6 +177,23 @@ class StepPrograms:
         # The sampled ids a step reads its pending tokens from when no step came before it.
         self.no_previous_ids = self.put(np.zeros(buckets.max_seq_bucket, np.int32))
         self.set_weights(weights)
+
+    def return_aux_states(self, aux_layers: tuple[int, ...]) -> None:
+        """From now on the model step also returns the states entering ``aux_layers``
+        (``Forward.aux``: an EAGLE-3 drafter reads them); before warm-up compiles."""
+        model_config, kv_scales, tp, batch_invariant, lora_shardings = self._step_args
+        if tp is not None:
+            raise ValueError("aux states of a tensor-parallel step: drafters run on one device")
+        if self.compiled_steps:
+            raise RuntimeError("return_aux_states after the model steps compiled")
+        self.step_fn = jitted_model_step(
+            model_config,
+            kv_scales,
+            tp,
+            batch_invariant,
+            lora_shardings=lora_shardings,
+            aux_layers=tuple(aux_layers),
+        )
 
     def set_weights(self, weights: Any) -> None:
         """The weights the programs run on (or are lowered against, as shapes)."""
@@ -213,10 +231,11 @@ class StepPrograms:
         lora = self._lora_positional_args()
         step = self.compiled_steps.get(batch.num_tokens)
         if step is None:
-            kv_cache, hidden = self.step_fn(self.weights, kv_cache, *args, layout, *lora, **extra)
+            out = self.step_fn(self.weights, kv_cache, *args, layout, *lora, **extra)
         else:
-            kv_cache, hidden = step(self.weights, kv_cache, *args, *lora, **extra)
-        return kv_cache, Forward(hidden, args[0], layout)
+            out = step(self.weights, kv_cache, *args, *lora, **extra)
+        kv_cache, hidden, *aux = out  # aux: [T, A * H] with ``return_aux_states``
+        return kv_cache, Forward(hidden, args[0], layout, aux[0] if aux else None)
 
     def _lora_args(self) -> dict[str, Any]:
         """The model step's adapter stacks, as they are now (none without LoRA), by keyword
