@@ -132,6 +132,23 @@ def test_eagle3_reads_the_targets_states_from_its_steps(plain) -> None:
     assert llm.engine.proposer.recomputed_tokens == 0
 
 
+def test_a_warmed_up_eagle3_drafter_runs_nothing_new_while_serving(plain) -> None:
+    """With warm-up on (after the runner's, its cache allocated): the head's programs, the
+    target run again over the runner's cache and the gathers from each step bucket's states
+    all compile at start, and a prompt the prefix cache partly serves (the target runs again
+    over that prefix) gives the same tokens."""
+    llm = make_llm(METHODS["eagle3"], warmup=True)
+    proposer = llm.engine.proposer
+    assert proposer.recomputed_tokens == 0  # warm-up's padding runs are not counted
+    take_cache, again_cache = proposer._take._cache_size(), proposer._recompute._cache_size()
+    assert again_cache == len(proposer.buckets.token_buckets)
+    assert token_ids(llm, PROMPTS[:2]) == plain[:2]
+    assert token_ids(llm, PROMPTS[:2]) == plain[:2]  # their first blocks from the prefix cache
+    assert proposer.recomputed_tokens > 0
+    assert proposer._take._cache_size() == take_cache
+    assert proposer._recompute._cache_size() == again_cache
+
+
 def test_greedy_under_preemption(plain, method) -> None:
     """A cache of 24 blocks of 4 tokens for 4 sequences of 64: sequences are preempted and
     resumed, the drafter's cache carries on, and the tokens are the same."""

@@ -146,14 +146,20 @@ class TargetStatesDrafter(PagedDrafter):
         )
 
     def warmup(self) -> int:
-        """The drafting programs of every token bucket, and the target's run again over its
-        cache (once the runner's cache is allocated)."""
+        """The drafting programs of every token bucket, the target's run again over its cache
+        (once the runner's cache is allocated) and the gathers from a step's states."""
         count = super().warmup()
         if self.runner.kv_cache is not None:
             for bucket in self.buckets.token_buckets:
                 batch = catch_up_batch([], self.pool, self.buckets, bucket)
                 self._target_states_again([], batch)
             count += len(self.buckets.token_buckets)
+        # The gathers of a call's rows from a step's states: one per (step bucket, call bucket).
+        for step_rows in self.runner.buckets.token_buckets:
+            states = jnp.zeros((step_rows, self.state_dim), self.runner.dtype)
+            for bucket in self.buckets.token_buckets:
+                self._take(states, jnp.zeros(bucket, jnp.int32))
+            del states
         self.recomputed_tokens = 0
         return count
 
