@@ -254,10 +254,7 @@ class EngineCore:
             self.proposer = self._make_proposer()
             for line in self.capacity_lines():
                 _LOG.info(line)
-            self.num_compiled_shapes = runner.warmup() if config.warmup else 0
-            drafter_warmup = getattr(self.proposer, "warmup", None)  # a model drafter's
-            if config.warmup and drafter_warmup is not None:
-                drafter_warmup()
+            self.num_compiled_shapes = self._warm_up() if config.warmup else 0
             self.scoring = self._scoring_model(served)  # a reranker's reads loaded weights
         except BaseException:
             self._abandon(runner)
@@ -299,6 +296,15 @@ class EngineCore:
             spec.max_batch_size,
         )
         return proposer
+
+    def _warm_up(self) -> int:
+        """The runner's programs, then a model drafter's (an EAGLE-3 or MTP drafter's read the
+        runner's KV cache, allocated by the runner's warm-up); the runner's count."""
+        count = self.runner.warmup()
+        drafter_warmup = getattr(self.proposer, "warmup", None)
+        if drafter_warmup is not None:
+            drafter_warmup()
+        return count
 
     def _propose(self) -> dict[str, list[int]] | None:
         """This step's drafts (speculative decoding), or None: off, or more sequences run

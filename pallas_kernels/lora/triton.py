@@ -190,8 +190,9 @@ def _shrink_kernel(plan_ref, order_ref, x_ref, a_ref, out_ref, *, tiles, block_r
         pltriton.store(out_tile, acc, mask=out_mask)
 
 
-def _expand_kernel(plan_ref, order_ref, xa_ref, *refs, col_tiles, block_m, block_n, block_r,
-                   precision):  # fmt: skip
+def _expand_kernel(
+    plan_ref, order_ref, xa_ref, *refs, col_tiles, block_m, block_n, block_r, precision
+):
     # plan_ref i32[4, tiles]; order_ref i32[T]; xa_ref f32[S, T, n * R] sorted (the shrink's
     # splits); refs: n b_ref [M, R, O_i], then n out_ref [T, O_i] in the tokens' order
     num_parts = len(refs) // 2
@@ -203,15 +204,40 @@ def _expand_kernel(plan_ref, order_ref, xa_ref, *refs, col_tiles, block_m, block
         part_col = col - first_col
         first_col += col_tiles[part]
         _expand_part(
-            xa_ref, refs[part], refs[num_parts + part], part, part_col,
+            xa_ref,
+            refs[part],
+            refs[num_parts + part],
+            part,
+            part_col,
             works & (part_col >= 0) & (part_col < col_tiles[part]),
-            segment, first_row, is_row, dest,
-            block_m=block_m, block_n=block_n, block_r=block_r, precision=precision,
-        )  # fmt: skip
+            segment,
+            first_row,
+            is_row,
+            dest,
+            block_m=block_m,
+            block_n=block_n,
+            block_r=block_r,
+            precision=precision,
+        )
 
 
-def _expand_part(xa_ref, b_ref, out_ref, part, part_col, works, segment, first_row, is_row,
-                 dest, *, block_m, block_n, block_r, precision):  # fmt: skip
+def _expand_part(
+    xa_ref,
+    b_ref,
+    out_ref,
+    part,
+    part_col,
+    works,
+    segment,
+    first_row,
+    is_row,
+    dest,
+    *,
+    block_m,
+    block_n,
+    block_r,
+    precision,
+):
     """One projection's column tile ``part_col`` of a row tile, when ``works``."""
     num_slots, size_r, size_o = b_ref.shape
     is_r = jnp.arange(block_r, dtype=jnp.int32) < size_r if size_r % block_r else None
