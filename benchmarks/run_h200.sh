@@ -614,9 +614,12 @@ stage_embeddings() {  # issue 40's table: texts/s and the share of the compute r
 }
 
 stage_weights() {  # a training loop's hooks: update_weights, sleep and wake, memory asleep
-  python3 -m benchmarks.weight_updates --out "$OUT/weight_updates_bfc.json" 2>&1 | tail -6
+  python3 -m benchmarks.weight_updates --out "$OUT/weight_updates_bfc.json" \
+    > "$OUT/weight_updates_bfc.log" 2>&1
+  grep -v -i warn "$OUT/weight_updates_bfc.log" | tail -12
   XLA_PYTHON_CLIENT_ALLOCATOR=platform python3 -m benchmarks.weight_updates \
-    --out "$OUT/weight_updates_platform.json" 2>&1 | tail -6
+    --out "$OUT/weight_updates_platform.json" > "$OUT/weight_updates_platform.log" 2>&1
+  grep -v -i warn "$OUT/weight_updates_platform.log" | tail -12
 }
 
 stage_checkpoints() {  # start-up load and update from disk: safetensors against converted orbax

@@ -105,11 +105,15 @@ GPU_CONFIG = ModelConfig(
 
 @functools.cache
 def model(
-    dtype_name: str, invariant: bool, on_gpu: bool = False, compiler_options: dict | None = None
+    dtype_name: str,
+    invariant: bool,
+    on_gpu: bool = False,
+    compiler_options: tuple[tuple[str, object], ...] | None = None,  # hashable: cached
 ):
     """(step, config, dtype): ``step(cache, batch) -> (cache, f32[T, V] logits of every
     row)``, in batch-invariant mode or not; the llama fixture, or ``GPU_CONFIG`` with random
-    weights; ``compiler_options``: XLA's, for the step (None: the runner's for the mode)."""
+    weights; ``compiler_options``: XLA's, for the step, as (name, value) pairs (None: the
+    runner's for the mode)."""
     dtype = jnp.dtype(dtype_name)
     if on_gpu:
         config = GPU_CONFIG
@@ -120,10 +124,13 @@ def model(
     row_tile = INVARIANT_ROW_TILE if invariant else None
     attention = functools.partial(dispatch.ragged_paged_attention, batch_invariant=invariant)
 
-    if compiler_options is None:
-        compiler_options = invariant_compiler_options(invariant)
+    options = (
+        invariant_compiler_options(invariant)
+        if compiler_options is None
+        else dict(compiler_options)
+    )
 
-    @functools.partial(jax.jit, compiler_options=compiler_options)
+    @functools.partial(jax.jit, compiler_options=options)
     def step(weights, cache, batch):
         cache, hidden = decoder.forward(weights, cache, batch, config, attention, row_tile=row_tile)
         return cache, decoder.compute_logits(weights, hidden, None, row_tile)
@@ -142,7 +149,8 @@ def target_logits(
     """f32[45 + 3, V]: the target's logits at every prompt position, then at three decode
     steps in which every other sequence decodes too; the target sits in row 17 of a batch
     (``others`` around it), its prompts computed ``chunk`` tokens a step (None: at once)."""
-    step, config, dtype = model(dtype_name, invariant, on_gpu, compiler_options)
+    options = None if compiler_options is None else tuple(sorted(compiler_options.items()))
+    step, config, dtype = model(dtype_name, invariant, on_gpu, options)
     cache = make_kv_cache_for(config, NUM_SEQS * PAGES_PER_SEQ, PAGE, dtype)
     target = Seq(TARGET + DECODE_IDS, slot=17)
     seqs = [Seq(p + DECODE_IDS, slot=i if i < 17 else i + 1) for i, p in enumerate(others)]

@@ -363,3 +363,26 @@ def test_the_engine_takes_the_lora_slots_out_of_the_kv_budget(capsys) -> None:
     assert out["lora_bytes"] == slots_bytes > 0  # what is allocated is what was counted
     assert out["num_blocks"] == num_blocks
     assert any(line.startswith("LoRA adapter slots take") for line in lines)
+
+
+def test_a_gpu_without_a_memory_limit_plans_with_its_kinds_memory_or_the_drivers() -> None:
+    """XLA_PYTHON_CLIENT_ALLOCATOR=platform reports no bytes_limit: the plan takes the table's
+    figure for the device's kind, else nvidia-smi's total, else refuses (it planned for the
+    CPU's 2 GiB before, and an 8B model did not fit an H200)."""
+    from jaxserve.runner.capacity import (
+        DEVICE_MEMORY_BYTES,
+        CapacityError,
+        gpu_memory_without_limit,
+    )
+
+    def no_driver() -> int | None:
+        return None
+
+    assert gpu_memory_without_limit("NVIDIA H200", no_driver) == DEVICE_MEMORY_BYTES["H200"]
+    h100 = gpu_memory_without_limit("NVIDIA H100 80GB HBM3", no_driver)
+    assert h100 == DEVICE_MEMORY_BYTES["H100-80GB"]
+    assert gpu_memory_without_limit("NVIDIA L4", no_driver) == DEVICE_MEMORY_BYTES["L4"]
+    assert gpu_memory_without_limit("NVIDIA L40S", no_driver) == DEVICE_MEMORY_BYTES["L40S"]
+    assert gpu_memory_without_limit("NVIDIA RTX 6000 Ada", lambda: 48 * 2**30) == 48 * 2**30
+    with pytest.raises(CapacityError, match="RTX 6000 Ada reports no memory limit"):
+        gpu_memory_without_limit("NVIDIA RTX 6000 Ada", no_driver)

@@ -77,11 +77,49 @@ def detect_device_memory() -> int:
     device = jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
+        if device.platform == "gpu":  # XLA_PYTHON_CLIENT_ALLOCATOR=platform reports no limit
+            return gpu_memory_without_limit(device.device_kind, nvidia_smi_total_bytes)
         return CPU_DEVICE_MEMORY_BYTES
     limit = int(stats["bytes_limit"])
     if device.platform == "gpu":
         return int(limit / float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75)))
     return limit
+
+
+def gpu_memory_without_limit(device_kind: str, total_bytes: Callable[[], int | None]) -> int:
+    """A GPU's memory when its allocator reports no limit (the platform allocator): the
+    table's figure for the device's kind (``NVIDIA H200`` -> ``H200``), else the driver's total
+    (``total_bytes``), else an error: planning for a guess would start a server that runs out
+    of memory mid-request."""
+    kind = device_kind.upper()
+    for name in sorted(DEVICE_MEMORY_BYTES, key=len, reverse=True):
+        model, _, size = name.upper().partition("-")
+        if model in kind.split() and (not size or size in kind.replace(" ", "")):
+            return DEVICE_MEMORY_BYTES[name]
+    total = total_bytes()
+    if total:
+        return total
+    raise CapacityError(
+        f"the {device_kind} reports no memory limit (XLA_PYTHON_CLIENT_ALLOCATOR=platform?) "
+        "and nvidia-smi gave no total: start it with XLA's default allocator"
+    )
+
+
+def nvidia_smi_total_bytes() -> int | None:
+    """The first GPU's memory as the driver reports it, or None without nvidia-smi."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+        return int(out.split()[0]) * 2**20  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
 
 
 class CapacityError(ValueError):
