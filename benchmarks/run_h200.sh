@@ -96,6 +96,9 @@
 #   gemma        decode at batch 64, contexts 1,024 and 4,096, for Llama-3-8B, Gemma-2-9B and
 #                Gemma-3-12B side by side (dummy bf16 weights, decode_roofline.py; about 3 minutes)
 #                -> $OUT/gemma_<model>.{log,json}: issue 19's "within 10 points of Llama" cells
+#   invariant_probe  per set of XLA options (autotuned, autotune level 0, cuBLAS at level 0):
+#                the batch-invariant scenarios' differing logit rows on the GPU test's model
+#                (benchmarks/probes/batch_invariant_bits.py, about 2 minutes)
 #   invariant    batch-invariant mode: its GPU test (logits bitwise equal alone, among 63 others
 #                and chunked, on the Mosaic GPU kernel, pytest -m gpu), then its cost: decode at
 #                batch 1/16/64 (context 1,024) and offline 256 x 512/128 with the mode off and on
@@ -508,6 +511,11 @@ stage_skinny_sweep() {
   python3 -m benchmarks.skinny_matmul --sweep --batches 1,16 --budget-s 420 \
     --output-json "$OUT/skinny_sweep.json" > "$OUT/skinny_sweep.log" 2>&1
   sed -n '/^| projection/,$p' "$OUT/skinny_sweep.log"
+}
+
+stage_invariant_probe() {  # which XLA options keep batch-invariant bits on this GPU
+  python3 -m benchmarks.probes.batch_invariant_bits 0 1 2 > "$OUT/invariant_probe.log" 2>&1
+  grep -E '^\{|Error' "$OUT/invariant_probe.log" | cut -c1-300
 }
 
 stage_invariant() {
