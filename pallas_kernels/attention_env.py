@@ -7,7 +7,7 @@ routes latent attention on to ``mla.dispatch``, and ``mla.dispatch``, which hono
 
 from __future__ import annotations
 
-import os
+from pallas_kernels.env_choice import env_choice
 
 ATTENTION_ENV = "JAXSERVE_ATTENTION"
 ATTENTION_CHOICES = ("auto", "mosaic", "triton", "reference")
@@ -15,7 +15,4 @@ ATTENTION_CHOICES = ("auto", "mosaic", "triton", "reference")
 
 def requested_attention() -> str:
     """``JAXSERVE_ATTENTION`` (default ``auto``), validated."""
-    value = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
-    if value not in ATTENTION_CHOICES:
-        raise ValueError(f"{ATTENTION_ENV}={value!r} must be one of {', '.join(ATTENTION_CHOICES)}")
-    return value
+    return env_choice(ATTENTION_ENV, ATTENTION_CHOICES, "auto")

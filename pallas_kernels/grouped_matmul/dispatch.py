@@ -21,9 +21,9 @@ log.
 
 from __future__ import annotations
 
-import os
-
 import jax
+
+from pallas_kernels.env_choice import env_choice
 
 GROUPED_MATMUL_ENV = "JAXSERVE_GROUPED_MATMUL"
 GROUPED_MATMUL_CHOICES = ("auto", "triton", "xla")
@@ -36,12 +36,7 @@ GROUPED_MATMUL_NAMES = {
 
 def requested_grouped_matmul() -> str:
     """``JAXSERVE_GROUPED_MATMUL`` (default ``auto``), validated."""
-    value = os.environ.get(GROUPED_MATMUL_ENV, "auto").strip().lower() or "auto"
-    if value not in GROUPED_MATMUL_CHOICES:
-        raise ValueError(
-            f"{GROUPED_MATMUL_ENV}={value!r} must be one of {', '.join(GROUPED_MATMUL_CHOICES)}"
-        )
-    return value
+    return env_choice(GROUPED_MATMUL_ENV, GROUPED_MATMUL_CHOICES, "auto")
 
 
 def choose_grouped_matmul(

@@ -14,11 +14,11 @@ everywhere, to compare). ``describe`` writes the start-up log line.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import jax
 
+from pallas_kernels.env_choice import env_choice
 from pallas_kernels.lora import reference
 
 LORA_KERNEL_ENV = "JAXSERVE_LORA_KERNEL"
@@ -27,12 +27,7 @@ LORA_KERNEL_CHOICES = ("auto", "triton", "reference")
 
 def requested() -> str:
     """``JAXSERVE_LORA_KERNEL`` (default ``auto``), validated."""
-    value = os.environ.get(LORA_KERNEL_ENV, "auto").strip().lower() or "auto"
-    if value not in LORA_KERNEL_CHOICES:
-        raise ValueError(
-            f"{LORA_KERNEL_ENV}={value!r} must be one of {', '.join(LORA_KERNEL_CHOICES)}"
-        )
-    return value
+    return env_choice(LORA_KERNEL_ENV, LORA_KERNEL_CHOICES, "auto")
 
 
 def choose() -> tuple[str, str]:

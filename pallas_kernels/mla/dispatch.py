@@ -21,13 +21,13 @@ device's); ``describe`` writes the start-up log's attention line for a model wit
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention_env import ATTENTION_ENV, requested_attention
+from pallas_kernels.env_choice import env_choice
 from pallas_kernels.kv_cache import Scale
 from pallas_kernels.mla import reference, triton
 
@@ -44,10 +44,7 @@ MLA_KERNEL_NAMES = {
 
 def requested() -> str:
     """``JAXSERVE_MLA`` (default ``auto``), validated."""
-    value = os.environ.get(MLA_ENV, "auto").strip().lower() or "auto"
-    if value not in MLA_CHOICES:
-        raise ValueError(f"{MLA_ENV}={value!r} must be one of {', '.join(MLA_CHOICES)}")
-    return value
+    return env_choice(MLA_ENV, MLA_CHOICES, "auto")
 
 
 def in_shard_map() -> bool:

@@ -14,6 +14,7 @@ import os
 
 import jax
 
+from pallas_kernels.env_choice import env_choice
 from pallas_kernels.skinny_matmul.triton import MAX_ROWS
 
 SKINNY_ENV = "JAXSERVE_SKINNY_MATMUL"
@@ -23,10 +24,7 @@ MAX_TOKENS_ENV = "JAXSERVE_SKINNY_MATMUL_MAX_TOKENS"
 
 def requested() -> str:
     """``JAXSERVE_SKINNY_MATMUL`` (default ``off``), validated."""
-    value = os.environ.get(SKINNY_ENV, "off").strip().lower() or "off"
-    if value not in SKINNY_CHOICES:
-        raise ValueError(f"{SKINNY_ENV}={value!r} must be one of {', '.join(SKINNY_CHOICES)}")
-    return value
+    return env_choice(SKINNY_ENV, SKINNY_CHOICES, "off")
 
 
 def max_tokens() -> int:
