@@ -4,8 +4,9 @@ A drafter with a KV cache of its own (``PagedDrafter``: ``draft_model.py``,
 ``eagle3_proposer.py``, ``mtp_proposer.py``) keeps each sequence's pages in a
 ``PagePool`` (a free list on the host, one page table per sequence) and runs, per call, one
 ``catch_up_batch``: the tokens a sequence gained since the drafter last saw it, each sequence's
-pages, padded to a token bucket (``Buckets``) so that few programs compile. ``chain_steps``
-then runs the chained one-token steps on the device, inside the same compiled program.
+pages, padded to a token bucket (``Buckets``) so that few programs compile. The chained
+one-token steps run on the device, inside the same compiled program (``decode_batch``; a
+drafter over the target's states: ``chain_from_states``).
 The engine's ``Sequence`` is read through ``TokenSource`` (the runner imports no engine).
 """
 
@@ -158,6 +159,37 @@ def decode_batch(batch: Batch, tokens: jax.Array, j: int, page_size: int, pad_sl
         num_seqs=batch.num_seqs,
         logits_indices=jnp.arange(s_pad, dtype=jnp.int32),
     )
+
+
+# A drafting layer's step over a batch and a state per row: (logits [S, V] of the batch's
+# logits rows, each row's state for the next step [T, H]).
+StateStep = Callable[[Batch, jax.Array], tuple[jax.Array, jax.Array]]
+
+
+def chain_from_states(
+    first: StateStep,  # the step over the catch-up
+    later: Callable[[int], StateStep],  # the step of chained step j >= 1
+    batch: Batch,  # the catch-up
+    states: jax.Array,  # [T, H]  each row's input state
+    k: int,
+    page_size: int,
+    pad_slot: int,
+) -> jax.Array:  # i32[S, k] greedy drafts
+    """The catch-up step, then k - 1 chained one-token steps, each fed the previous draft and
+    the previous step's state of the sequence's last row (EAGLE-3's head, MTP layers)."""
+    logits, out = first(batch, states)
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
+    rows = out[batch.logits_indices]  # [S, H]
+    drafts = [tokens]
+    s_pad = tokens.shape[0]
+    for j in range(1, k):
+        step = decode_batch(batch, tokens, j, page_size, pad_slot)
+        padded = jnp.pad(rows, ((0, max(s_pad, MIN_TOKEN_BUCKET) - s_pad), (0, 0)))
+        logits, out = later(j)(step, padded)
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        rows = out[:s_pad]
+        drafts.append(tokens)
+    return jnp.stack(drafts, axis=1)
 
 
 def plan_calls(parts: list[CatchUp], max_tokens: int, max_seqs: int) -> list[list[CatchUp]]:

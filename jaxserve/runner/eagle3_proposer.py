@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -47,13 +47,12 @@ from jaxserve.models.eagle3 import (
 )
 from jaxserve.models.layers import Weights
 from jaxserve.models.loading.load_progress import format_bytes
-from jaxserve.runner.buckets import MIN_TOKEN_BUCKET
 from jaxserve.runner.drafting import (
     CatchUp,
     PagedDrafter,
     TokenSource,
     catch_up_batch,
-    decode_batch,
+    chain_from_states,
 )
 
 _LOG = logging.getLogger(__name__)
@@ -73,22 +72,17 @@ def eagle3_chain(
     pad_slot: int,
 ) -> tuple[HeadKV, jax.Array]:  # (head_kv, i32[S, k] drafts)
     """The head's step over the target's aux states, then k - 1 chained head steps from each
-    sequence's last row."""
-    hidden = fuse_aux_hidden(head, [states])
+    sequence's last row (its pre-norm state)."""
+    pages = [head_kv]
+
+    def step(step_batch: Batch, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
+        pages[0], logits, prenorm = eagle3_step(head, pages[0], step_batch, hidden, head_config)
+        return logits, prenorm
+
     shifted = dataclasses.replace(batch, input_ids=head_ids)
-    head_kv, logits, prenorm = eagle3_step(head, head_kv, shifted, hidden, head_config)
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S] target ids
-    rows = prenorm[batch.logits_indices]  # [S, H]
-    drafts = [tokens]
-    s_pad = tokens.shape[0]
-    for j in range(1, k):
-        step = decode_batch(batch, tokens, j, page_size, pad_slot)
-        padded = jnp.pad(rows, ((0, max(s_pad, MIN_TOKEN_BUCKET) - s_pad), (0, 0)))
-        head_kv, logits, prenorm = eagle3_step(head, head_kv, step, padded, head_config)
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        rows = prenorm[:s_pad]
-        drafts.append(tokens)
-    return head_kv, jnp.stack(drafts, axis=1)
+    hidden = fuse_aux_hidden(head, [states])
+    drafts = chain_from_states(step, lambda j: step, shifted, hidden, k, page_size, pad_slot)
+    return pages[0], drafts
 
 
 def target_states(
@@ -114,7 +108,13 @@ class TargetStatesDrafter(PagedDrafter):
     when it computed every position a call needs, else from the target run again over the
     runner's cache. Its catch-up reads tokens [start, n - 1) and keeps each row's next token
     for the drafting layers (``_head_ids``). EAGLE-3's head and DeepSeek-V3's MTP layers draft
-    from it."""
+    from it: a subclass sets ``draft_weights`` (its layers), ``draft_kv`` (their pages) and
+    ``_chain`` (the compiled program: (weights, pages, batch, next ids, states) -> (pages,
+    i32[S, k] drafts), the pages donated)."""
+
+    draft_weights: Any
+    draft_kv: Any
+    _chain: Callable[..., tuple[Any, jax.Array]]
 
     def __init__(
         self,
@@ -194,6 +194,19 @@ class TargetStatesDrafter(PagedDrafter):
             row += len(part.tokens)
         return ids
 
+    def _run(self, call: list[CatchUp], bucket: int | None = None) -> np.ndarray:
+        batch = catch_up_batch(call, self.pool, self.buckets, bucket)
+        next_ids = self._head_ids(call, batch.input_ids.shape[0])
+        states = self._target_states(call, batch)
+        self.draft_kv, drafts = self._chain(
+            self.draft_weights,
+            self.draft_kv,
+            jax.device_put(batch),
+            jax.device_put(next_ids),
+            states,
+        )
+        return np.asarray(drafts)
+
     def _target_states(self, call: list[CatchUp], batch: Batch) -> jax.Array:  # [T, D]
         """The target's states of the call's rows: the last step's rows when it computed them
         all, else the target run again."""
@@ -249,9 +262,9 @@ class Eagle3Proposer(TargetStatesDrafter):
     ) -> None:
         aux_layers = tuple(head_config.aux_layers(target_config.num_layers))
         super().__init__(target_config, runner, engine, max_model_len, max_seqs, k, aux_layers)
-        self.head_config, self.head = head_config, head
+        self.head_config, self.draft_weights = head_config, head
         page = engine.block_size
-        self.head_kv: Any = make_eagle3_kv_cache(head_config, self.pool.num_pages, page, dtype)
+        self.draft_kv = make_eagle3_kv_cache(head_config, self.pool.num_pages, page, dtype)
         self._chain = jax.jit(
             functools.partial(
                 eagle3_chain,
@@ -264,20 +277,11 @@ class Eagle3Proposer(TargetStatesDrafter):
         )
 
     def describe(self) -> str:
-        size = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.head))
-        cache = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.head_kv))
+        size = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.draft_weights))
+        cache = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.draft_kv))
         return (
             f"{format_bytes(size)} of weights (the embedding shared with the target when the "
             f"head has none), aux layers {list(self.aux_layers or ())} (the target's step "
             f"returns their states), a cache of {self.pool.num_pages} pages of its own "
             f"({format_bytes(cache)})"
         )
-
-    def _run(self, call: list[CatchUp], bucket: int | None = None) -> np.ndarray:
-        batch = catch_up_batch(call, self.pool, self.buckets, bucket)
-        head_ids = self._head_ids(call, batch.input_ids.shape[0])
-        states = self._target_states(call, batch)
-        self.head_kv, drafts = self._chain(
-            self.head, self.head_kv, jax.device_put(batch), jax.device_put(head_ids), states
-        )
-        return np.asarray(drafts)

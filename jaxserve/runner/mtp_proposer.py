@@ -21,15 +21,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.batch import Batch
 from jaxserve.models.loading.load_progress import format_bytes
 from jaxserve.models.mtp import MtpWeights, Pages, make_mtp_kv_cache, mtp_step
-from jaxserve.runner.buckets import MIN_TOKEN_BUCKET
-from jaxserve.runner.drafting import CatchUp, catch_up_batch, decode_batch
+from jaxserve.runner.drafting import StateStep, chain_from_states
 from jaxserve.runner.eagle3_proposer import TargetStatesDrafter
 
 
@@ -46,22 +44,26 @@ def mtp_chain(
 ) -> tuple[list[Pages], jax.Array]:  # (mtp_kv, i32[S, k] drafts)
     """The first MTP layer over the target's states, then k - 1 chained steps from each
     sequence's last row (layer j mod n at step j)."""
-    shifted = dataclasses.replace(batch, input_ids=next_ids)
     mtp_kv = list(mtp_kv)
-    mtp_kv[0], logits, out = mtp_step(layers[0], mtp_kv[0], shifted, hidden, target_config)
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
-    rows = out[batch.logits_indices]  # [S, H]
-    drafts = [tokens]
-    s_pad = tokens.shape[0]
-    for j in range(1, k):
-        i = j % len(layers)
-        step = decode_batch(batch, tokens, j, page_size, pad_slot)
-        padded = jnp.pad(rows, ((0, max(s_pad, MIN_TOKEN_BUCKET) - s_pad), (0, 0)))
-        mtp_kv[i], logits, out = mtp_step(layers[i], mtp_kv[i], step, padded, target_config)
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        rows = out[:s_pad]
-        drafts.append(tokens)
-    return mtp_kv, jnp.stack(drafts, axis=1)
+
+    def layer_step(i: int) -> StateStep:
+        def step(step_batch: Batch, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+            mtp_kv[i], logits, out = mtp_step(layers[i], mtp_kv[i], step_batch, rows, target_config)
+            return logits, out
+
+        return step
+
+    shifted = dataclasses.replace(batch, input_ids=next_ids)
+    drafts = chain_from_states(
+        layer_step(0),
+        lambda j: layer_step(j % len(layers)),
+        shifted,
+        hidden,
+        k,
+        page_size,
+        pad_slot,
+    )
+    return mtp_kv, drafts
 
 
 class MtpProposer(TargetStatesDrafter):
@@ -81,12 +83,12 @@ class MtpProposer(TargetStatesDrafter):
         dtype: jnp.dtype,
     ) -> None:
         super().__init__(target_config, runner, engine, max_model_len, max_seqs, k, None)
-        self.layers = layers
+        self.draft_weights = layers
         page = engine.block_size
-        self.mtp_kv: Any = make_mtp_kv_cache(
+        self.draft_kv = make_mtp_kv_cache(
             target_config, len(layers), self.pool.num_pages, page, dtype
         )
-        self._mtp_chain = jax.jit(
+        self._chain = jax.jit(
             functools.partial(
                 mtp_chain,
                 target_config=target_config,
@@ -98,23 +100,14 @@ class MtpProposer(TargetStatesDrafter):
         )
 
     def describe(self) -> str:
-        size = sum(x.nbytes for layer in self.layers for x in _own_leaves(layer))
-        cache = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.mtp_kv))
+        size = sum(x.nbytes for layer in self.draft_weights for x in _own_leaves(layer))
+        cache = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.draft_kv))
         return (
-            f"{len(self.layers)} MTP layer(s) of the target's checkpoint "
+            f"{len(self.draft_weights)} MTP layer(s) of the target's checkpoint "
             f"({format_bytes(size)} of weights besides the shared embedding), over the "
             f"target's final hidden states, a cache of {self.pool.num_pages} pages of its "
             f"own for the MTP layers ({format_bytes(cache)})"
         )
-
-    def _run(self, call: list[CatchUp], bucket: int | None = None) -> np.ndarray:
-        batch = catch_up_batch(call, self.pool, self.buckets, bucket)
-        next_ids = self._head_ids(call, batch.input_ids.shape[0])
-        hidden = self._target_states(call, batch)
-        self.mtp_kv, drafts = self._mtp_chain(
-            self.layers, self.mtp_kv, jax.device_put(batch), jax.device_put(next_ids), hidden
-        )
-        return np.asarray(drafts)
 
 
 def _own_leaves(layer: MtpWeights) -> list[jax.Array]:
