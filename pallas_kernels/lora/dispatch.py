@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import jax
 
-from pallas_kernels.env_choice import env_choice
+from pallas_kernels.env_choice import env_choice, one_device_triton_path
 from pallas_kernels.lora import reference
 
 LORA_KERNEL_ENV = "JAXSERVE_LORA_KERNEL"
@@ -32,19 +32,9 @@ def requested() -> str:
 
 def choose() -> tuple[str, str]:
     """``("triton" | "interpret" | "reference", why)``: how the LoRA product runs here."""
-    value = requested()
-    backend = jax.default_backend()
-    if value == "reference":
-        return "reference", f"{LORA_KERNEL_ENV}=reference"
-    if value == "triton":
-        if backend == "gpu":
-            return "triton", f"{LORA_KERNEL_ENV}=triton"
-        return "interpret", f"{LORA_KERNEL_ENV}=triton, Pallas interpret mode on the {backend}"
-    if backend != "gpu":
-        return "reference", f"the kernel is Pallas Triton; this is the {backend} backend"
-    if jax.device_count() > 1:
-        return "reference", f"{jax.device_count()} devices: the kernel is not partitioned yet"
-    return "triton", f"{LORA_KERNEL_ENV}=auto"
+    return one_device_triton_path(
+        LORA_KERNEL_ENV, requested(), forced="triton", off="reference", fallback="reference"
+    )
 
 
 def lora_deltas(

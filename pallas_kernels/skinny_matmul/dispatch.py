@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import os
 
-import jax
-
-from pallas_kernels.env_choice import env_choice
+from pallas_kernels.env_choice import env_choice, one_device_triton_path
 from pallas_kernels.skinny_matmul.triton import MAX_ROWS
 
 SKINNY_ENV = "JAXSERVE_SKINNY_MATMUL"
@@ -38,19 +36,7 @@ def max_tokens() -> int:
 
 def choose() -> tuple[str, str]:
     """``("triton" | "interpret" | "xla", why)``: how decode-sized matmuls run in this process."""
-    value = requested()
-    backend = jax.default_backend()
-    if value == "off":
-        return "xla", f"{SKINNY_ENV}=off"
-    if value == "on":
-        if backend == "gpu":
-            return "triton", f"{SKINNY_ENV}=on"
-        return "interpret", f"{SKINNY_ENV}=on, Pallas interpret mode on the {backend} backend"
-    if backend != "gpu":
-        return "xla", f"the kernel is Pallas Triton; this is the {backend} backend"
-    if jax.device_count() > 1:
-        return "xla", f"{jax.device_count()} devices: the kernel is not partitioned yet"
-    return "triton", f"{SKINNY_ENV}=auto"
+    return one_device_triton_path(SKINNY_ENV, requested(), forced="on", off="off", fallback="xla")
 
 
 def takes(num_tokens: int) -> str | None:
