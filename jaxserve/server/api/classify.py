@@ -21,11 +21,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.engine.request_checks import RequestError, check_pooling_request
 from jaxserve.engine.scoring import CLASSIFY_NEEDS_POOLING
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server.api.embeddings import input_items
+from jaxserve.server.api.embeddings import input_items, pooling_requests
 from jaxserve.server.api.errors import APIError, internal_error, json_response
 from jaxserve.server.api.fields import boolean, check_fields, integer, optional, parse_json_object
 from jaxserve.server.context import ENGINE_FAILURE, OFFLOAD_BYTES, ServingContext, new_id
@@ -91,22 +90,7 @@ def _prepare(
     req = parse_classification_request(parse_json_object(raw))
     ctx.check_model(req.model)
     params = PoolingParams(task="classify", use_activation=req.use_activation)
-    engine_requests = []
-    for i, item in enumerate(req.inputs):
-        if isinstance(item, str):
-            token_ids = ctx.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
-        else:
-            token_ids = list(item)
-        try:
-            check_pooling_request(
-                token_ids, vocab_size=ctx.vocab_size, max_model_len=ctx.max_model_len
-            )
-        except RequestError as exc:
-            raise APIError(400, f"input[{i}]: {exc}", param=exc.param, code=exc.code) from None
-        text = item if isinstance(item, str) and ctx.keeps_prompt_text else None
-        engine_requests.append(
-            EngineRequest(f"{request_id}-{i}", token_ids, _NO_SAMPLING, text, params)
-        )
+    engine_requests = pooling_requests(ctx, req.inputs, req.add_special_tokens, request_id, params)
     return req, labels, engine_requests
 
 

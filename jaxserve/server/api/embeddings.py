@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -173,10 +174,23 @@ def _prepare(
         raise APIError(400, POOLING_REFUSED, code="generation_model")
     req = parse_embedding_request(parse_json_object(raw))
     ctx.check_model(req.model)
+    inputs = _rendered_inputs(ctx, req)
+    return req, pooling_requests(ctx, inputs, req.add_special_tokens, embedding_id, req.params)
+
+
+def pooling_requests(
+    ctx: ServingContext,
+    inputs: Sequence[str | Sequence[int]],  # texts or token ids
+    add_special_tokens: bool,
+    request_id: str,
+    params: PoolingParams,
+) -> list[EngineRequest]:
+    """One engine request per input (``{request_id}-{i}``), tokenized and checked against the
+    vocabulary and the model's length; a failed check is a 400 naming ``input[i]``."""
     engine_requests = []
-    for i, item in enumerate(_rendered_inputs(ctx, req)):
+    for i, item in enumerate(inputs):
         if isinstance(item, str):
-            token_ids = ctx.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
+            token_ids = ctx.tokenizer.encode(item, add_special_tokens=add_special_tokens)
         else:
             token_ids = list(item)
         try:
@@ -187,9 +201,9 @@ def _prepare(
             raise APIError(400, f"input[{i}]: {exc}", param=exc.param, code=exc.code) from None
         text = item if isinstance(item, str) and ctx.keeps_prompt_text else None
         engine_requests.append(
-            EngineRequest(f"{embedding_id}-{i}", token_ids, _NO_SAMPLING, text, req.params)
+            EngineRequest(f"{request_id}-{i}", token_ids, _NO_SAMPLING, text, params)
         )
-    return req, engine_requests
+    return engine_requests
 
 
 def _rendered_inputs(
