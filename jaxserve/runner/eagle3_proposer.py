@@ -131,7 +131,7 @@ class TargetStatesDrafter(PagedDrafter):
         self.aux_layers = aux_layers
         self.state_dim = target_config.hidden_size * (len(aux_layers) if aux_layers else 1)
         self._next: dict[str, tuple[int, list[int]]] = {}  # seq id -> (start, tokens from it)
-        self._blocks: dict[str, list[int]] = {}  # seq id -> the target's pages
+        self._blocks: dict[str, list[int]] = {}  # seq id -> the target's pages, this call
         self.recomputed_tokens = 0  # positions the target ran again for (module docstring)
         runner.keep_target_states(aux_layers)
         self._take = jax.jit(lambda states, rows: states[rows])
@@ -165,10 +165,7 @@ class TargetStatesDrafter(PagedDrafter):
 
     def _end_call(self) -> None:
         self._next.clear()
-
-    def free(self, seq_id: str) -> None:
-        super().free(seq_id)
-        self._blocks.pop(seq_id, None)
+        self._blocks.clear()
 
     def _catch_up(self, seqs: Sequence[TokenSource], seq: TokenSource) -> CatchUp | None:
         """The sequence's part of this call, tokens [start, n - 1) for the target, its pages
@@ -179,7 +176,7 @@ class TargetStatesDrafter(PagedDrafter):
         start = min(self.computed.get(seq.seq_id, 0), n - 2)  # at least the last row
         tokens = seq.token_ids(start, n)
         self._next[seq.seq_id] = (start, tokens)
-        self._blocks[seq.seq_id] = list(seq.block_ids)
+        self._blocks[seq.seq_id] = seq.block_ids  # read in this call only: no copy
         return CatchUp(seq.seq_id, tokens[:-1], start, final=True)
 
     def _head_ids(self, call: list[CatchUp], num_rows: int) -> np.ndarray:
