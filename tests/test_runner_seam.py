@@ -9,11 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.engine.request import Request, Sequence
-from jaxserve.runner.packing import pack, write_rows
+from jaxserve.runner.packing import ALIGN, pack, unpack, write_rows
 from jaxserve.runner.sampling import TOKEN_MASK_LEAF, SamplingInputs, mask_width
 from jaxserve.runner.step import ScheduledSeq, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
@@ -69,6 +71,26 @@ def test_write_rows_puts_the_mask_over_the_leading_rows_of_its_leaf() -> None:
     np.testing.assert_array_equal(packed, again)
     with pytest.raises(ValueError, match="do not fit"):
         write_rows(packed, layout, TOKEN_MASK_LEAF, np.zeros((5, mask_width(100)), np.int32))
+
+
+def test_every_packed_leaf_starts_on_a_256_byte_boundary_and_unpacks_to_itself() -> None:
+    # Mosaic GPU kernels refuse inputs that are not 256-byte aligned, and XLA may hand them a
+    # slice of the packed buffer as a pointer into it: eight sequences once put leaves at
+    # offsets such as 9 and 17 (the H200's "Input buffer 1 is not 256-byte aligned").
+    tree = {
+        "cu_q_lens": np.arange(9, dtype=np.int32),
+        "positions": np.arange(8, dtype=np.int32) + 100,
+        "temperature": np.linspace(0.1, 1.0, 65, dtype=np.float32).reshape(5, 13),
+        "empty": np.zeros(0, np.int32),
+        "seeds": np.array([7, 8, 9], np.uint32),
+    }
+    packed, layout = pack(tree)
+    assert all(offset % ALIGN == 0 for offset in layout.offsets)
+    assert ALIGN * 4 == 256 and packed.size == layout.size == 5 * ALIGN  # 9, 8, 65, 0, 3
+    back = jax.jit(unpack, static_argnums=1)(jnp.asarray(packed), layout)
+    for name, leaf in tree.items():
+        np.testing.assert_array_equal(np.asarray(back[name]), leaf)
+        assert back[name].dtype == leaf.dtype
 
 
 def step_of(seq: Sequence, is_new: bool, is_constrained: bool) -> SchedulerOutput:
