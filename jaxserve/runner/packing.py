@@ -65,7 +65,8 @@ def pack(tree: Any) -> tuple[np.ndarray, Layout]:
     layout = Layout(treedef, tuple((a.shape, a.dtype.str) for a in arrays))
     buffer = np.zeros(layout.size, np.int32)  # the gaps between leaves stay zero
     for array, offset in zip(arrays, layout.offsets, strict=True):
-        buffer[offset : offset + array.size] = np.ascontiguousarray(array).reshape(-1).view(np.int32)
+        flat = np.ascontiguousarray(array).reshape(-1).view(np.int32)
+        buffer[offset : offset + flat.size] = flat
     return buffer, layout
 
 
