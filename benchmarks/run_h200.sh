@@ -609,8 +609,10 @@ stage_gemma() {
 }
 
 stage_responses() {  # Responses API streaming against chat completions, the same request
+  # (the Llama-3-8B config ships no tokenizer files: its stand-in gets the demo's template)
   start_server "$OUT/responses_launch.log" $MODEL --load-format dummy --max-model-len 2048 \
-    --max-num-batched-tokens 512 --max-num-seqs 8
+    --max-num-batched-tokens 512 --max-num-seqs 8 \
+    --chat-template jaxserve/assets/demo/chat_template.jinja
   python3 -m benchmarks.responses_overhead --out "$OUT/responses_overhead.json" 2>&1 | tail -4
   stop_server
 }

@@ -243,7 +243,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--e2e-model", default="", help="end to end: the demo model by default")
     parser.add_argument("--e2e-tokens", type=int, default=256)
-    parser.add_argument("--e2e-max-model-len", type=int, default=2048)
+    parser.add_argument("--e2e-max-model-len", type=int, default=1024)  # the demo model's
     parser.add_argument("--e2e-k", type=int, default=4, help="num_speculative_tokens end to end")
     parser.add_argument(
         "--draft-model",

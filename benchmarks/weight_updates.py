@@ -107,6 +107,12 @@ def main() -> None:
     parser.add_argument("--model", default=str(ROOT / "jaxserve/assets/configs/llama-3-8b"))
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--out", default="weight_updates.json")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.4,
+        help="the engine's share of the device (weights and KV cache); the rest holds the copies",
+    )
     args = parser.parse_args()
     llm = LLM(
         args.model,
@@ -115,6 +121,9 @@ def main() -> None:
         max_num_seqs=8,
         max_num_batched_tokens=256,
         enable_sleep_mode=True,
+        # A trainer beside the engine keeps its share: the updates below hold up to three more
+        # copies of the weights (device arrays, Hugging Face names, flax.nnx) on the device.
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
     before = tokens(llm)
     result: dict[str, Any] = {"allocator": os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "bfc")}

@@ -292,3 +292,32 @@ def test_a_row_without_top_k_or_top_p_keeps_every_token_in_a_sorting_batch() -> 
     out = np.asarray(apply_top_k_top_p(logits, jnp.array([0, 0]), jnp.array([1.0, 0.5])))
     assert np.array_equal(out[0], np.asarray(row))
     assert out[1, 0] == 30.0 and (out[1, 1:] == NEG_INF).all()
+
+
+def test_the_modes_compiler_options_reach_every_program_it_warms_up(monkeypatch) -> None:
+    """The mode's XLA options (cuBLAS, no timing: on a GPU only) ride on the programs' jits;
+    JAX refuses them on a jit called inside another trace, so warm-up must only ever call
+    those programs at the top level. Here CPU options stand in for the GPU's (the H200 once
+    failed in warm-up: "compiler_options can only be passed to top-level jax.jit")."""
+    from jaxserve.runner import programs
+
+    seen = []
+
+    def cpu_options(batch_invariant: bool) -> dict:
+        seen.append(batch_invariant)
+        return {"xla_cpu_enable_fast_math": False} if batch_invariant else {}
+
+    monkeypatch.setattr(programs, "invariant_compiler_options", cpu_options)
+    llm = jaxserve.LLM(
+        str(fixture_dir("llama")),
+        batch_invariant=True,
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        block_size=PAGE,
+        num_gpu_blocks_override=32,
+    )
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": TARGET[:10]}, params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3 and True in seen

@@ -162,11 +162,14 @@ def jitted_head_programs(
     )
 
 
-# Batch-invariant mode's XLA options on a GPU: the GEMM of each program picked by the shape's
+# Batch-invariant mode's XLA options on a GPU: every GEMM on cuBLAS, picked by the shape's
 # heuristic, not timed. XLA's autotuner times candidate kernels for each program it compiles,
 # and each token bucket is a program of its own: two buckets could run the same [128, K] tile
 # on kernels of another split of K (other bits) when their timings came out near each other.
-INVARIANT_GPU_OPTIONS = {"xla_gpu_autotune_level": 0}
+# Measured on the H200 (benchmarks/probes/batch_invariant_bits.py, 2026-12-05): untimed Triton
+# GEMMs still gave a 2,048-token prompt step other bits in 11 of 45 rows; cuBLAS at autotune
+# level 0 kept every bit in all three scenarios.
+INVARIANT_GPU_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
 
 
 def invariant_compiler_options(batch_invariant: bool) -> dict[str, Any]:

@@ -358,7 +358,10 @@ class StepPrograms:
         (replicated; not made: 128 MiB at 256 rows of a 128k vocabulary)."""
         hidden = self.put(np.zeros((rows, self.model_config.hidden_size), self.dtype))
         packed, layout = self._padding_packed(rows)
-        logits = functools.partial(self.logits_fn, layout=layout, tied=self.tied)
-        shape = jax.eval_shape(logits, self.head, hidden, self.put(packed))
+        # The jitted function's own eval_shape: under jax.eval_shape it would be a nested jit,
+        # which may not carry compiler options (batch-invariant mode's).
+        shape = self.logits_fn.eval_shape(
+            self.head, hidden, self.put(packed), layout=layout, tied=self.tied
+        )
         sharding = self.tp.replicated if self.tp is not None else hidden.sharding
         return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)
