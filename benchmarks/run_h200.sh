@@ -96,6 +96,11 @@
 #   gemma        decode at batch 64, contexts 1,024 and 4,096, for Llama-3-8B, Gemma-2-9B and
 #                Gemma-3-12B side by side (dummy bf16 weights, decode_roofline.py; about 3 minutes)
 #                -> $OUT/gemma_<model>.{log,json}: issue 19's "within 10 points of Llama" cells
+#   fp8mm        the fp8-matmul kernel (pallas_kernels/fp8_matmul, #36): its native tests (pytest
+#                -m gpu), then benchmarks/fp8_matmul.py (Llama-3-8B projections, M = 1/16/64/128:
+#                bf16, XLA's fp8 paths, the kernel W8A8 and weight-only, a tile sweep at M = 1
+#                and 16), then the fp8 decode step at batch 1, 8, 64 (context 1024) with
+#                JAXSERVE_FP8_MATMUL=off and =auto -> $OUT/fp8_matmul.{log,json}, fp8mm_step_*
 #   invariant_probe  per set of XLA options (autotuned, autotune level 0, cuBLAS at level 0):
 #                the batch-invariant scenarios' differing logit rows on the GPU test's model
 #                (benchmarks/probes/batch_invariant_bits.py, about 2 minutes)
@@ -523,6 +528,25 @@ stage_invariant() {
   python3 -m benchmarks.batch_invariant --out "$OUT/batch_invariant.json" \
     > "$OUT/batch_invariant.log" 2>&1
   grep -v -i warn "$OUT/batch_invariant.log" | tail -6
+}
+
+stage_fp8mm() {  # the fp8-matmul kernel: native tests, against XLA and the floor, one step
+  # the test grid's own cases natively first (a few compiles), the shipped shapes last (~200)
+  python3 -m pytest -q -m gpu tests/test_fp8_matmul.py -k "test_native_matches_reference[" \
+    2>&1 | tail -4
+  python3 -m benchmarks.fp8_matmul --sweep --output-json "$OUT/fp8_matmul.json" \
+    > "$OUT/fp8_matmul.log" 2>&1
+  sed -n '/^| projection/,$p' "$OUT/fp8_matmul.log"
+  grep -E "Error|error" "$OUT/fp8_matmul.log" | head -5
+  local mode
+  for mode in off auto; do
+    JAXSERVE_FP8_MATMUL=$mode python3 -m benchmarks.decode_roofline --iters 10 \
+      --batches 1,8,64 --contexts 1024 --quantization fp8 \
+      --output-json "$OUT/fp8mm_step_$mode.json" > "$OUT/fp8mm_step_$mode.log" 2>&1
+    echo "-- fp8 weights, JAXSERVE_FP8_MATMUL=$mode"
+    grep -v -i warn "$OUT/fp8mm_step_$mode.log" | tail -5
+  done
+  python3 -m pytest -q -m gpu tests/test_fp8_matmul.py -x 2>&1 | tail -4
 }
 
 stage_skinny_step() {

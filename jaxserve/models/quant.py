@@ -31,6 +31,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from pallas_kernels.fp8_matmul import dispatch as fp8_dispatch
+from pallas_kernels.fp8_matmul import mosaic_gpu as fp8_mosaic
+from pallas_kernels.fp8_matmul.reference import quantize_rows
 from pallas_kernels.skinny_matmul import dispatch as skinny_dispatch
 from pallas_kernels.skinny_matmul import triton as skinny_triton
 
@@ -106,11 +109,9 @@ _CONTRACT_IN = (((1,), (1,)), ((), ()))  # x[T, in] . w[out, in] -> [T, out]
 
 
 def quantize_tokens_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Dynamic per-token fp8: (f8e4m3[T, in], f32[T, 1] scales), x ~= values * scale."""
-    x32 = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
-    scale = jnp.maximum(amax, 1e-12) / FP8_MAX
-    return (x32 / scale).astype(FP8), scale
+    """Dynamic per-token fp8: (f8e4m3[T, in], f32[T, 1] scales), x ~= values * scale (the
+    fp8-matmul kernel's quantizer, so both W8A8 paths round alike)."""
+    return quantize_rows(x)
 
 
 # Steps of fewer tokens (decode) read fp8 weights weight-only, converted inside the GEMM: at
@@ -141,7 +142,9 @@ def linear(
     time (``tiled_rows``), so a row's result does not depend on how many rows there are."""
     if row_tile is not None:
         return tiled_rows(lambda tile: linear(tile, w, spec, out_dtype), x, row_tile)
-    kernel = _skinny_matmul(x, w, spec, out_dtype)
+    kernel = _fp8_matmul(x, w, out_dtype) if isinstance(w, QArray) else None
+    if kernel is None:
+        kernel = _skinny_matmul(x, w, spec, out_dtype)
     if kernel is not None:
         return kernel
     if not isinstance(w, QArray):
@@ -208,6 +211,31 @@ def weight_layout(spec: str) -> tuple[str, int] | None:
     if w_axes == w_out + x_in:
         return "nk", len(x_in)
     return None
+
+
+def _fp8_matmul(x: jax.Array, w: QArray, out_dtype: Any) -> jax.Array | None:
+    """``linear`` on the fp8-matmul kernel (``pallas_kernels.fp8_matmul``), when this step
+    takes it (its rows of x: the token bucket) and the weight is fp8 with per-channel scales;
+    else None. A W8A8 weight stays W8A8 there (x quantized per token), any other is read
+    weight-only (x in float16)."""
+    lead = x.shape[: x.ndim - len(w.in_shape)]
+    num_rows = math.prod(lead)
+    mode = fp8_dispatch.takes(num_rows)
+    if mode is None or w.scale.ndim != 1 or w.zero is not None or w.g_idx is not None:
+        return None
+    x2 = x.reshape(num_rows, -1)  # [T, in]
+    q, scale = jnp.asarray(w.q), jnp.asarray(w.scale)
+    if fp8_mosaic.unsupported_reason(x2, q, scale, fp8_mosaic.Fp8MatmulConfig()) is not None:
+        return None
+    y = fp8_mosaic.fp8_matmul(
+        x2,
+        q,
+        scale,
+        act_quant=w.act_quant,
+        out_dtype=out_dtype,
+        interpret=mode == "interpret",
+    )
+    return y.reshape(*lead, *w.out_shape)
 
 
 def _skinny_matmul(

@@ -33,6 +33,7 @@ from jaxserve.models.quant_scheme import (
     resolve_scheme,
 )
 from jaxserve.runner.capacity import kv_heads_per_device
+from pallas_kernels.fp8_matmul import dispatch as fp8_dispatch
 from pallas_kernels.grouped_matmul.dispatch import GROUPED_MATMUL_NAMES, choose_grouped_matmul
 from pallas_kernels.lora import dispatch as lora_dispatch
 from pallas_kernels.mla import dispatch as mla_dispatch
@@ -288,9 +289,15 @@ def startup_lines(
         describe_model(model_config, config, dtype, max_model_len),
         describe_attention(model_config, dtype, config.block_size, tp, kv_dtype),
         skinny_dispatch.describe(),
+        *([fp8_dispatch.describe()] if _per_channel_fp8(quant) else []),
         describe_samplers(config),
         *([experts] if experts else []),
         *([describe_batch_invariance()] if config.batch_invariant else []),
         *([lora_dispatch.describe()] if config.enable_lora else []),
     ]
     return lines + ([quant.describe()] if quant is not None else [])
+
+
+def _per_channel_fp8(quant: QuantScheme | None) -> bool:
+    """Weights the fp8-matmul kernel can read: fp8 with one scale per output channel."""
+    return quant is not None and quant.weight_format == "fp8" and quant.group_size is None
