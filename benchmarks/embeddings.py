@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 H200_BF16_FLOPS = 989e12
+PROFILE_STEPS = 4  # steps traced with --profile-dir
 CONFIGS = Path(__file__).resolve().parent.parent / "jaxserve" / "assets" / "configs"
 
 
@@ -93,6 +94,11 @@ def run_model(name: str, model: Path, args: argparse.Namespace) -> dict[str, Any
     outputs = llm.embed(texts, use_tqdm=False)
     seconds = time.perf_counter() - t0
     assert len(outputs) == args.num_texts and len(outputs[0].outputs.embedding) > 0
+    if args.profile_dir:  # a few steps traced, apart from the timed run: where the time goes
+        import jax
+
+        with jax.profiler.trace(str(Path(args.profile_dir) / name), create_perfetto_trace=True):
+            llm.embed(texts[: PROFILE_STEPS * per_step], use_tqdm=False)
     tokens = args.num_texts * args.text_len
     linear = 2 * params * tokens
     attention = attention_per_pair * args.text_len**2 * layers * args.num_texts
@@ -123,6 +129,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="results JSON")
     parser.add_argument("--models", default="qwen3,bge", help="comma list of qwen3, bge")
+    parser.add_argument(
+        "--profile-dir",
+        default=None,
+        help=f"after the timed run, trace {PROFILE_STEPS} steps of each model here (DIR/NAME)",
+    )
     parser.add_argument("--qwen3-model", type=Path, default=CONFIGS / "qwen3-embedding-0.6b")
     parser.add_argument("--bge-model", type=Path, default=CONFIGS / "bge-large-en-v1.5")
     parser.add_argument("--num-texts", type=int, default=10_000)

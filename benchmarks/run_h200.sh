@@ -643,8 +643,16 @@ stage_responses() {  # Responses API streaming against chat completions, the sam
 
 stage_embeddings() {  # issue 40's table: texts/s and the share of the compute roofline
   python3 -m benchmarks.embeddings --out "$OUT/embeddings.json" \
-    --max-num-batched-tokens "${EMBED_TOKENS:-16384}" > "$OUT/embeddings.log" 2>&1
+    --max-num-batched-tokens "${EMBED_TOKENS:-16384}" --profile-dir "$OUT/embeddings_profile" \
+    > "$OUT/embeddings.log" 2>&1
   grep -E '^(qwen3|bge):' "$OUT/embeddings.log" || tail -20 "$OUT/embeddings.log"
+  local model
+  for model in qwen3 bge; do  # 4 traced steps each: kernels by device time, and the idle gaps
+    [ -d "$OUT/embeddings_profile/$model" ] || continue
+    python3 -m benchmarks.trace_summary "$OUT/embeddings_profile/$model" --steps 4 --top 12 \
+      > "$OUT/embeddings_${model}_kernels.txt" 2>&1
+    echo "-- $model"; head -18 "$OUT/embeddings_${model}_kernels.txt"
+  done
 }
 
 stage_weights() {  # a training loop's hooks: update_weights, sleep and wake, memory asleep
