@@ -30,7 +30,9 @@
 #   roofline     decode MBU grid through the runner (scenario 1)
 #   spec         speculative decoding (benchmarks/spec_decode.py): a verify step with k = 1..7
 #                drafted tokens against a plain decode step at batch 1, 8, 64 (Llama-3-8B, dummy
-#                bf16), the n-gram drafter's host time, the demo model's batch-1 n-gram speed-up
+#                bf16), the n-gram drafter's host time, the demo model's batch-1 n-gram speed-up,
+#                and EAGLE-3 at the published Llama-3.1-8B head shape (random weights) on the
+#                Llama-3-8B target: each propose call's ms and the step time (about 4 minutes)
 #   cublas       a few roofline cells with XLA's Triton GEMMs off (cuBLAS for every matmul)
 #   quant        bf16 vs fp8 weights (W8A8) vs fp8 weights + fp8 KV cache (when the build has
 #                EngineConfig.kv_cache_dtype; $QUANT_MODES picks, e.g. "bf16 fp8"): decode

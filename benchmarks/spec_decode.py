@@ -233,6 +233,85 @@ def end_to_end(args: argparse.Namespace) -> dict:
     return results
 
 
+def random_eagle3_head(config_dir: Path, out: Path) -> Path:
+    """A head directory of ``config_dir``'s shapes (the shipped EAGLE-3 config of Llama-3.1-8B:
+    one layer, a 32,000-token draft vocabulary) with random float16 weights: drafting time
+    does not depend on the values."""
+    from safetensors.numpy import save_file
+
+    from jaxserve.models.loading.eagle3_checkpoint import expected_shapes, read_eagle3_config
+
+    config = read_eagle3_config(config_dir)
+    rng = np.random.default_rng(0)
+    tensors = {
+        name: (0.02 * rng.standard_normal(shape, np.float32)).astype(np.float16)
+        for name, shape in expected_shapes(config).items()
+    }
+    tensors["d2t"] = np.zeros(config.draft_vocab_size, np.int64)  # draft id i -> target id i
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text((config_dir / "config.json").read_text())
+    return out
+
+
+def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
+    """EAGLE-3 at the published Llama-3.1-8B head shape (random weights) on the Llama-3-8B
+    target: each ``propose`` call's time (the head's chain of k steps over the target's kept
+    states), and the step time with and without it, at each batch."""
+    import tempfile
+
+    import jaxserve
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        head = random_eagle3_head(builtin_config_dir("eagle3-llama-3.1-8b"), Path(tmp))
+        llm = jaxserve.LLM(
+            args.model,
+            load_format="dummy",
+            max_model_len=args.context + 256,
+            max_num_seqs=max(int(b) for b in args.batches.split(",")),
+            speculative_config={
+                "method": "eagle3", "model": str(head), "num_speculative_tokens": args.e2e_k
+            },
+        )  # fmt: skip
+        proposer = llm.engine.proposer
+        calls: list[float] = []
+        propose = proposer.propose
+
+        def timed(*a, **k):
+            start = time.perf_counter()
+            out = propose(*a, **k)  # host arrays: the chain has run when it returns
+            calls.append(time.perf_counter() - start)
+            return out
+
+        proposer.propose = timed
+        rng = np.random.default_rng(0)
+        params = jaxserve.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        for batch in [int(b) for b in args.batches.split(",")]:
+            prompts = [
+                {"prompt_token_ids": rng.integers(1000, 100000, args.context // 2).tolist()}
+                for _ in range(batch)
+            ]
+            llm.generate(prompts, params, use_tqdm=False)  # compiles what warm-up did not
+            calls.clear()
+            steps = llm.engine.num_steps
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            wall = time.perf_counter() - start
+            decode = sorted(calls)[: max(1, len(calls) - 1)]  # the prompt's own call left out
+            row = {
+                "batch": batch,
+                "k": args.e2e_k,
+                "propose_ms": 1e3 * statistics.median(decode),
+                "calls": len(calls),
+                "ms_per_step": 1e3 * wall / max(1, llm.engine.num_steps - steps),
+            }
+            rows.append(row)
+            print(f"eagle3 {row}", flush=True)
+        llm.shutdown()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(builtin_config_dir("llama-3-8b")))
@@ -270,6 +349,7 @@ def main() -> None:
         "verify": verify_costs(args),
         "ngram_host": ngram_host_times([int(b) for b in args.ngram_batches.split(",")], 2048, 4),
         "end_to_end": end_to_end(args),
+        "eagle3_8b": [] if args.smoke else eagle3_drafting(args),
     }
     print(f"\n{'batch':>5} {'k':>2} {'device ms':>9} {'x k=0':>6} {'sync ms':>8} {'x k=0':>6}")
     for r in report["verify"]:
@@ -292,6 +372,12 @@ def main() -> None:
                 f"   {name}: {r['tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x, acceptance "
                 f"length {r['mean_acceptance_length']:.2f}, same tokens: {r['same_tokens']})"
             )
+    print("\nEAGLE-3 drafting (Llama-3.1-8B head shape, random weights) on the Llama-3-8B target:")
+    for r in report["eagle3_8b"]:
+        print(
+            f"   batch {r['batch']}: propose {r['propose_ms']:.3f} ms (k={r['k']}), "
+            f"{r['ms_per_step']:.2f} ms a step"
+        )
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))
 
