@@ -278,3 +278,75 @@ def test_bfloat16_weights_give_the_embeddings_within_bfloat16_error():
     embeddings = heads.encoder_pool(hidden, batch.cu_seq_lens, "cls", is_normalized=True)
     cosines = np.sum(np.asarray(embeddings) * golden["embeddings"], axis=-1)
     assert cosines.min() > 0.999, cosines
+
+
+# -- the runner's windowed attention ---------------------------------------------------------
+
+
+def _segments_of(lengths: list[int], num_tokens: int) -> jax.Array:
+    """i32[T]: each token's sequence, padding past the last one its own segment."""
+    from jaxserve.models.encoder.forward import segment_ids
+
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return segment_ids(jnp.asarray(cu), num_tokens)
+
+
+def _attention_inputs(seed: int, num_tokens: int, dtype=jnp.float32, head_dim: int = 16):
+    rng = np.random.default_rng(seed)
+    shape = (num_tokens, 4, head_dim)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(3))
+    return q, k, v
+
+
+@pytest.mark.parametrize("num_tokens", [64, 256])
+def test_windowed_attention_equals_the_dense_reference(num_tokens: int):
+    """Sequences of up to one tile (32 tokens) across tile edges, and padding after them:
+    each query tile sees its own tile and the two beside it, which hold its whole sequence."""
+    from jaxserve.models.encoder.forward import segment_attention
+    from jaxserve.runner.encoder_runner import windowed_segment_attention
+
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    lengths, total = [], 0
+    while total < num_tokens - 40:
+        lengths.append(int(rng.integers(1, 33)))
+        total += lengths[-1]
+    segments = _segments_of(lengths, num_tokens)
+    q, k, v = _attention_inputs(seed, num_tokens)
+    want = segment_attention(q, k, v, segments, 0.25)
+    got = windowed_segment_attention(q, k, v, segments, 0.25, tile=32)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{seed=}")
+
+
+def test_encoder_attention_names_its_choice(monkeypatch):
+    from jaxserve.runner.encoder_runner import ENCODER_ATTENTION_ENV, encoder_attention
+
+    monkeypatch.delenv(ENCODER_ATTENTION_ENV, raising=False)
+    assert encoder_attention(jnp.bfloat16) == (
+        "xla",
+        "cuDNN is a GPU library; this is the cpu backend",
+    )
+    monkeypatch.setenv(ENCODER_ATTENTION_ENV, "cudnn")
+    assert encoder_attention(jnp.float32)[0] == "cudnn"  # as asked (a GPU's cuDNN refuses f32)
+    monkeypatch.setenv(ENCODER_ATTENTION_ENV, "flash")
+    with pytest.raises(ValueError, match="JAXSERVE_ENCODER_ATTENTION='flash' must be one of"):
+        encoder_attention(jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU (cuDNN)")
+@pytest.mark.parametrize("num_tokens", [64, 1024])
+def test_cudnn_windowed_attention_equals_the_reference(num_tokens: int):
+    from jaxserve.models.encoder.forward import segment_attention
+    from jaxserve.runner.encoder_runner import windowed_segment_attention
+
+    seed = int(np.random.default_rng().integers(2**31))
+    lengths = [int(n) for n in np.random.default_rng(seed).integers(1, 65, num_tokens // 40)]
+    segments = _segments_of(lengths, num_tokens)
+    q, k, v = _attention_inputs(seed, num_tokens, jnp.bfloat16, head_dim=64)  # BGE's heads
+    want = segment_attention(q, k, v, segments, 0.25).astype(jnp.float32)
+    got = jax.jit(
+        functools.partial(windowed_segment_attention, tile=64, implementation="cudnn"),
+        static_argnums=4,
+    )(q, k, v, segments, 0.25)
+    np.testing.assert_allclose(got.astype(jnp.float32), want, atol=2e-2, err_msg=f"{seed=}")

@@ -16,9 +16,12 @@ There is no KV cache, since a prompt never outlives its step. The scheduler stil
 device and the one scheduled behind it), with no device memory behind it, so blocks never limit
 an encoder; the capacity lines say so, and the concurrency the token budget allows.
 
-Attention: ``windowed_segment_attention``, the reference with each query tile of the flat batch
-looking at its own tile and the two beside it (a sequence no longer than the tile lies within
-them), so its cost grows as T times the tile, not T squared.
+Attention: ``windowed_segment_attention``, each query tile of the flat batch looking at its own
+tile and the two beside it (a sequence no longer than the tile lies within them), so its cost
+grows as T times the tile, not T squared. On a GPU in bf16 or fp16 the tiles go through cuDNN's
+fused attention (``jax.nn.dot_product_attention(implementation="cudnn")``, the segments as its
+mask): no f32 scores in device memory. Elsewhere, and with ``JAXSERVE_ENCODER_ATTENTION=xla``,
+the jnp reference computes the same (``encoder_attention`` says which; the start-up log too).
 """
 
 from __future__ import annotations
@@ -50,8 +53,25 @@ from jaxserve.runner.capacity import Capacity, GiB
 from jaxserve.runner.devices import quiet_backend_probe, resolve_dtype
 from jaxserve.runner.in_flight import InFlight
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
+from pallas_kernels.env_choice import env_choice
 
 _LOG = logging.getLogger(__name__)
+
+
+ENCODER_ATTENTION_ENV = "JAXSERVE_ENCODER_ATTENTION"
+
+
+def encoder_attention(dtype: Any) -> tuple[str, str]:
+    """``("cudnn" | "xla", why)``: how the encoder's attention runs in this process for
+    activations of ``dtype`` (``JAXSERVE_ENCODER_ATTENTION``: auto, the default, cudnn or xla)."""
+    choice = env_choice(ENCODER_ATTENTION_ENV, ("auto", "cudnn", "xla"), "auto")
+    if choice != "auto":
+        return choice, f"{ENCODER_ATTENTION_ENV}={choice}"
+    if jax.default_backend() != "gpu":
+        return "xla", f"cuDNN is a GPU library; this is the {jax.default_backend()} backend"
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return "xla", f"cuDNN's fused attention takes bf16 or fp16, not {jnp.dtype(dtype).name}"
+    return "cudnn", f"{ENCODER_ATTENTION_ENV}=auto"
 
 
 def windowed_segment_attention(
@@ -62,13 +82,17 @@ def windowed_segment_attention(
     sm_scale: float,
     *,
     tile: int,  # static: at least the longest sequence; T a multiple of it
+    implementation: str = "xla",  # static: "cudnn" or "xla" (``encoder_attention``)
 ) -> jax.Array:  # [T, N, D]
     """``forward.segment_attention``'s result with T * 3 * tile scores instead of T * T: the
     queries of tile i attend to the keys of tiles i - 1, i and i + 1 of their own sequence (a
-    sequence of at most ``tile`` tokens spans at most two tiles). Falls back to the dense
-    reference when T <= 2 * tile."""
+    sequence of at most ``tile`` tokens spans at most two tiles). One tile of every key when
+    T <= 2 * tile. ``implementation="cudnn"``: the same on cuDNN's fused attention."""
     num_tokens = q.shape[0]
     if num_tokens <= 2 * tile:
+        if implementation == "cudnn":
+            mask = segments[:, None] == segments[None, :]  # bool[T, T]
+            return _cudnn(q[None], k[None], v[None], mask[None, None], sm_scale)[0]
         return segment_attention(q, k, v, segments, sm_scale)
     n = num_tokens // tile
 
@@ -80,10 +104,23 @@ def windowed_segment_attention(
     qt = q.reshape(n, tile, *q.shape[1:])
     kw, vw, seg_k = windows(k, 0), windows(v, 0), windows(segments, -1)
     seg_q = segments.reshape(n, tile)
+    if implementation == "cudnn":
+        mask = seg_q[:, None, :, None] == seg_k[:, None, None, :]  # [n, 1, t, s]
+        return _cudnn(qt, kw, vw, mask, sm_scale).reshape(q.shape)
     scores = jnp.einsum("ntND,nsND->nNts", qt, kw, preferred_element_type=jnp.float32) * sm_scale
     mask = seg_q[:, None, :, None] == seg_k[:, None, None, :]  # [n, 1, t, s]
     probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(v.dtype)
     return jnp.einsum("nNts,nsND->ntND", probs, vw).reshape(q.shape)
+
+
+def _cudnn(
+    q: jax.Array,  # [B, t, N, D]
+    k: jax.Array,  # [B, s, N, D]
+    v: jax.Array,  # [B, s, N, D]
+    mask: jax.Array,  # bool[B, 1, t, s]
+    sm_scale: float,
+) -> jax.Array:  # [B, t, N, D]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=sm_scale, implementation="cudnn")
 
 
 def encoder_step_outputs(
@@ -107,10 +144,13 @@ def encoder_step(
     *,
     config: EncoderConfig,
     tile: int,
+    attention_impl: str = "xla",
 ) -> tuple[jax.Array, jax.Array | None]:
     """The encoder over one step's whole sequences: (pooled f32[S, 3, H], a classifier's
     logits f32[S, L] or None)."""
-    attention = functools.partial(windowed_segment_attention, tile=tile)
+    attention = functools.partial(
+        windowed_segment_attention, tile=tile, implementation=attention_impl
+    )
     hidden = forward(weights, batch, config, attention)
     pooled = encoder_step_outputs(hidden, batch.cu_seq_lens)
     logits = None
@@ -184,7 +224,18 @@ class EncoderRunner:
             self.max_model_len,
             self.load_seconds,
         )
-        step = functools.partial(encoder_step, config=encoder_config, tile=self.tile)
+        self.attention_impl, why = encoder_attention(self.dtype)
+        _LOG.info(
+            "Encoder attention: %s (%s)",
+            "cuDNN fused attention" if self.attention_impl == "cudnn" else "XLA (jnp reference)",
+            why,
+        )
+        step = functools.partial(
+            encoder_step,
+            config=encoder_config,
+            tile=self.tile,
+            attention_impl=self.attention_impl,
+        )
         self.step_fn = jax.jit(step)
         self.compiled: dict[int, Any] = {}
         self.compile_seconds = 0.0
