@@ -103,6 +103,11 @@
 #                bf16, XLA's fp8 paths, the kernel W8A8 and weight-only, a tile sweep at M = 1
 #                and 16), then the fp8 decode step at batch 1, 8, 64 (context 1024) with
 #                JAXSERVE_FP8_MATMUL=off and =auto -> $OUT/fp8_matmul.{log,json}, fp8mm_step_*
+#   highload     issue 36's profile of the full card: `jaxserve bench throughput` at 1000 x
+#                1000 in / 1000 out with the engine's step log on (JAXSERVE_STEP_LOG), for each
+#                of $HIGHLOAD_MODES (default "bf16 fp8kv"), then where the time went by step kind
+#                (benchmarks/step_log_summary.py) -> $OUT/highload_<mode>.{log,json}, _steps.*
+#                (about 2-3 minutes a mode)
 #   invariant_probe  per set of XLA options (autotuned, autotune level 0, cuBLAS at level 0):
 #                the batch-invariant scenarios' differing logit rows on the GPU test's model
 #                (benchmarks/probes/batch_invariant_bits.py, about 2 minutes)
@@ -549,6 +554,24 @@ stage_fp8mm() {  # the fp8-matmul kernel: native tests, against XLA and the floo
     grep -v -i warn "$OUT/fp8mm_step_$mode.log" | tail -5
   done
   python3 -m pytest -q -m gpu tests/test_fp8_matmul.py -x 2>&1 | tail -4
+}
+
+stage_highload() {  # the 1000 x 1000/1000 run with its step log: where the time goes
+  local mode flags
+  for mode in ${HIGHLOAD_MODES:-bf16 fp8kv}; do
+    case $mode in
+      bf16) flags="" ;;
+      fp8kv) flags="--quantization fp8 --kv-cache-dtype fp8" ;;
+      *) echo "unknown mode $mode" && return 1 ;;
+    esac
+    JAXSERVE_STEP_LOG="$OUT/highload_${mode}_steps.jsonl" python3 -m jaxserve.bench.throughput \
+      --engine jaxserve --num-prompts 1000 --input-len 1000 --output-len 1000 \
+      --max-model-len 2048 $flags --output-json "$OUT/highload_$mode.json" \
+      > "$OUT/highload_$mode.log" 2>&1
+    echo "-- $mode: $(tail -1 "$OUT/highload_$mode.log")"
+    python3 -m benchmarks.step_log_summary "$OUT/highload_${mode}_steps.jsonl" --skip 20 \
+      --output-json "$OUT/highload_${mode}_steps_summary.json"
+  done
 }
 
 stage_skinny_step() {

@@ -372,3 +372,38 @@ def test_spec_decode_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
     assert set(e2e) == {"off", "ngram", "draft_model", "eagle3"}
     assert all(r["same_tokens"] for name, r in e2e.items() if name != "off")
     assert "speed-up at batch 1" in capsys.readouterr().out
+
+
+def test_the_step_log_says_where_a_runs_time_went(tmp_path, monkeypatch, capsys) -> None:
+    """JAXSERVE_STEP_LOG: one line per engine step (what it held, the host's spans), in the
+    file by shutdown; the summary groups them by kind."""
+    import jaxserve
+    from jaxserve import SamplingParams
+
+    log = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("JAXSERVE_STEP_LOG", str(log))
+    llm = jaxserve.LLM(
+        str(fixture_dir("llama")),
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        warmup=False,
+    )
+    prompts = [{"prompt_token_ids": list(range(5, 5 + 20 + i))} for i in range(3)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    llm.shutdown()
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(steps) == llm.engine.num_steps
+    first = steps[0]  # 16 tokens of the first prompt: a prompt chunk, no decode
+    assert (first["seqs"], first["decode"], first["prompt_tokens"], first["tokens"]) == (
+        1,
+        0,
+        16,
+        16,
+    )
+    assert sum(s["decode"] for s in steps) == 3 * 6 - 3  # each prompt's last step samples one
+    assert all(s["total_ms"] >= s["schedule"] + s["dispatch"] - 1e-3 for s in steps)
+    run_script("benchmarks.step_log_summary", [str(log)], monkeypatch)
+    printed = capsys.readouterr().out
+    assert "| prompt only |" in printed and "| decode <= 8 |" in printed

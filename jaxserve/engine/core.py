@@ -51,6 +51,7 @@ from jaxserve.engine.spec_decode import (
     accepted_run,
     make_proposer,
 )
+from jaxserve.engine.step_log import StepLog
 from jaxserve.engine.structured_outputs import Accepted, StructuredOutputs
 from jaxserve.engine.tokenizer import end_of_sequence_ids, load_tokenizer
 from jaxserve.engine_config import EngineConfig
@@ -272,6 +273,7 @@ class EngineCore:
         self.async_scheduling = config.async_scheduling and not runner.multihost
         self._in_flight: tuple[SchedulerOutput, InFlight] | None = None
         self._num_sync_requests = 0
+        self.step_log = StepLog.from_env()  # JAXSERVE_STEP_LOG: each step's host spans
 
     def _make_proposer(self) -> Proposer | None:
         """The drafter of ``speculative_config`` (None: off); a method not built yet, or a
@@ -383,6 +385,8 @@ class EngineCore:
         """Wait for a step still on the device, stop warm-up's background compile, release
         the follower processes of a multi-host replica. Call it once the step loop stopped."""
         self._read_in_flight()
+        if self.step_log is not None:
+            self.step_log.flush()
         self.runner.shutdown()
         self.grammar_compiler.close()
         self.structured_outputs.close()
@@ -690,6 +694,8 @@ class EngineCore:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
+        if self.step_log is not None:
+            self.step_log.start()
         outputs = self.drain_inbox()
         if self.is_sleeping:  # nothing runs until it wakes
             return outputs
@@ -703,6 +709,7 @@ class EngineCore:
         budget = min(self.config.max_num_batched_tokens, self.runner.ready_tokens)
         self.scheduler.max_num_batched_tokens = budget
         sched = self.scheduler.schedule(self._propose() if drafting else None)
+        self._span("schedule")
         if sched.is_empty:
             return outputs + self._read_in_flight()
         mark_scheduled(sched, time.time())
@@ -720,6 +727,7 @@ class EngineCore:
                 result = self.runner.execute(sched)
         except Exception as exc:
             return outputs + self._fail_new_requests(sched, exc)
+        self._span("dispatch")  # (a synchronous step's: its device time too)
         self.scheduler.update_from_output(sched)
         self.num_steps += 1
         if overlap:
@@ -737,9 +745,19 @@ class EngineCore:
             if not overlap:
                 result = self.runner.collect(step)
         if not overlap:
-            return outputs + self._process(sched, result)
-        self._in_flight = (sched, step)
+            outputs += self._process(sched, result)
+        else:
+            self._in_flight = (sched, step)
+        if self.step_log is not None:
+            self.step_log.span("process")
+            self.step_log.end(sched)
         return outputs
+
+    def _span(self, name: str) -> None:
+        """The engine thread's time since the last mark, added to this step's span ``name``
+        (``JAXSERVE_STEP_LOG`` set; else nothing)."""
+        if self.step_log is not None:
+            self.step_log.span(name)
 
     def _may_draft(self) -> bool:
         spec = self.config.speculative_config
@@ -762,7 +780,9 @@ class EngineCore:
         if in_flight is None:
             return None
         sched, step = in_flight
+        self._span("process")  # the host's work before it blocks
         result = self.runner.collect(step)
+        self._span("wait")
         return sched, result, self.structured_outputs.accept_step(sched, result)
 
     def _read_in_flight(self) -> list[RequestOutput]:

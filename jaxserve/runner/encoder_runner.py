@@ -224,22 +224,20 @@ class EncoderRunner:
             self.max_model_len,
             self.load_seconds,
         )
-        self.attention_impl, why = encoder_attention(self.dtype)
-        _LOG.info(
-            "Encoder attention: %s (%s)",
-            "cuDNN fused attention" if self.attention_impl == "cudnn" else "XLA (jnp reference)",
-            why,
-        )
-        step = functools.partial(
-            encoder_step,
-            config=encoder_config,
-            tile=self.tile,
-            attention_impl=self.attention_impl,
-        )
-        self.step_fn = jax.jit(step)
+        self.step_fn = self._jitted_step(encoder_config)
         self.compiled: dict[int, Any] = {}
         self.compile_seconds = 0.0
         self.ready_tokens = self.buckets.token_buckets[-1]
+
+    def _jitted_step(self, encoder_config: EncoderConfig) -> Any:
+        """``encoder_step`` jitted, its attention as ``encoder_attention`` says (logged)."""
+        implementation, why = encoder_attention(self.dtype)
+        name = "cuDNN fused attention" if implementation == "cudnn" else "XLA (jnp reference)"
+        _LOG.info("Encoder attention: %s (%s)", name, why)
+        step = functools.partial(
+            encoder_step, config=encoder_config, tile=self.tile, attention_impl=implementation
+        )
+        return jax.jit(step)
 
     def _load(self, model_dir: Path, load_format: str) -> EncoderWeights:
         if load_format == "dummy":

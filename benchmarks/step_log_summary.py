@@ -1,0 +1,88 @@
+"""Where a run's time went, from the engine's step log (``JAXSERVE_STEP_LOG``, #36's profile).
+
+Groups the steps by kind: decode-only steps by their batch size, steps that hold prompt tokens
+(with decodes beside them or not). Per group: the steps, their share of the run's wall time, the
+mean step period and tokens, and the host's spans (schedule, dispatch, process) against the time
+the host waited for the device (``wait``). Under asynchronous scheduling a step whose wait is near
+zero was paced by the host: the device finished before the host needed it, and idled.
+
+    JAXSERVE_STEP_LOG=steps.jsonl jaxserve bench throughput ...
+    python -m benchmarks.step_log_summary steps.jsonl [--skip 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+DECODE_BUCKETS = (8, 32, 64, 128, 256, 512, 1024)
+HOST_PACED_MS = 0.05  # a wait under this: the device was not what the step waited for
+SPANS = ("schedule", "dispatch", "wait", "process")
+
+
+def kind_of(step: dict) -> str:
+    if step["prompt_tokens"] == 0:
+        for bound in DECODE_BUCKETS:
+            if step["decode"] <= bound:
+                return f"decode <= {bound}"
+        return f"decode > {DECODE_BUCKETS[-1]}"
+    return "prompt + decode" if step["decode"] else "prompt only"
+
+
+def summarize(steps: list[dict]) -> list[dict]:
+    """One row per kind (``kind_of``), largest share of the wall time first."""
+    total = sum(s["total_ms"] for s in steps) or 1.0
+    groups: dict[str, list[dict]] = {}
+    for step in steps:
+        groups.setdefault(kind_of(step), []).append(step)
+    rows = []
+    for kind, group in groups.items():
+        n = len(group)
+        ms = sum(s["total_ms"] for s in group)
+        rows.append(
+            {
+                "kind": kind,
+                "steps": n,
+                "share": ms / total,
+                "period_ms": ms / n,
+                "tokens": sum(s["tokens"] for s in group) / n,
+                "decode": sum(s["decode"] for s in group) / n,
+                "prompt_tokens": sum(s["prompt_tokens"] for s in group) / n,
+                **{span: sum(s[span] for s in group) / n for span in SPANS},
+                "host_paced": sum(s["wait"] < HOST_PACED_MS for s in group) / n,
+            }
+        )
+    return sorted(rows, key=lambda r: -r["share"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("log", type=Path)
+    parser.add_argument("--skip", type=int, default=0, help="leave out the first N steps")
+    parser.add_argument("--output-json", default=None)
+    args = parser.parse_args()
+    lines = args.log.read_text().splitlines()
+    steps = [json.loads(line) for line in lines if line.strip()][args.skip :]
+    rows = summarize(steps)
+    wall = sum(s["total_ms"] for s in steps) / 1e3
+    out_tokens = sum(s["decode"] for s in steps)
+    print(f"{len(steps)} steps, {wall:.1f} s of steps, {out_tokens:,} decode tokens")
+    print(
+        "| kind | steps | share of time | period ms | tokens | decodes | prompt tokens | "
+        "schedule ms | dispatch ms | wait ms | process ms | host-paced |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['kind']} | {r['steps']} | {r['share']:.1%} | {r['period_ms']:.2f} | "
+            f"{r['tokens']:.0f} | {r['decode']:.0f} | {r['prompt_tokens']:.0f} | "
+            f"{r['schedule']:.2f} | {r['dispatch']:.2f} | {r['wait']:.2f} | "
+            f"{r['process']:.2f} | {r['host_paced']:.0%} |"
+        )
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
