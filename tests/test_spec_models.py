@@ -15,7 +15,7 @@ import pytest
 import jaxserve
 from jaxserve import SamplingParams
 from jaxserve.config import ConfigError
-from jaxserve.engine_config import EngineConfig, default_model_dir
+from jaxserve.engine_config import default_model_dir
 
 SPEC = Path(__file__).parent / "fixtures" / "spec"
 LLAMA = Path(__file__).parent / "fixtures" / "models" / "llama"
@@ -172,11 +172,3 @@ def test_an_eagle3_head_of_another_hidden_size_is_refused_at_start(tmp_path) -> 
     (head / "config.json").write_text(json.dumps({**config, "target_hidden_size": 128}))
     with pytest.raises(ConfigError, match=r"target_hidden_size=128 but the target model's hidden"):
         make_llm({"method": "eagle3", "model": str(head)})
-
-
-def test_a_model_drafter_runs_on_one_device() -> None:
-    from jaxserve.runner.draft_model import check_one_device
-
-    for method in ("draft_model", "eagle3"):
-        with pytest.raises(ValueError, match=f"{method}.*tensor_parallel_size=2 must be 1"):
-            check_one_device(EngineConfig(tensor_parallel_size=2), method)

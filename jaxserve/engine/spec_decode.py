@@ -152,11 +152,16 @@ def _draft_model_proposer(config: SpeculativeConfig, target: DrafterTarget) -> P
     from jaxserve.runner.devices import resolve_dtype
 
     assert config.model is not None
-    engine = target.engine
-    draft_model.check_one_device(engine, config.method)
+    engine, runner = target.engine, target.runner
+    draft_model.check_one_host(runner, config.method)
     dtype = resolve_dtype(engine)
-    draft_config, weights = draft_model.load_draft(
-        config.model, target.model_config, target.tokenizer, Tokenizer(config.model), dtype
+    draft_config, weights, tp = draft_model.load_draft(
+        config.model,
+        target.model_config,
+        target.tokenizer,
+        Tokenizer(config.model),
+        dtype,
+        target_tp=None if runner is None else runner.tp,  # under TP: split on its mesh
     )
     proposer = draft_model.DraftModelProposer(
         draft_config,
@@ -166,6 +171,7 @@ def _draft_model_proposer(config: SpeculativeConfig, target: DrafterTarget) -> P
         min(config.max_batch_size, engine.max_num_seqs),
         config.num_speculative_tokens,
         dtype,
+        tp,
     )
     _LOG.info("Speculative draft model %s: %s", config.model, proposer.describe())
     return proposer
@@ -174,17 +180,19 @@ def _draft_model_proposer(config: SpeculativeConfig, target: DrafterTarget) -> P
 def _eagle3_proposer(config: SpeculativeConfig, target: DrafterTarget) -> Proposer:
     import jax
 
-    from jaxserve.models.loading.eagle3_checkpoint import load_eagle3
     from jaxserve.runner import draft_model, eagle3_proposer
     from jaxserve.runner.devices import resolve_dtype
 
     assert config.model is not None and target.runner is not None
     engine, runner = target.engine, target.runner
-    draft_model.check_one_device(engine, config.method)
+    draft_model.check_one_host(runner, config.method)
     dtype = resolve_dtype(engine)
     if not isinstance(runner.weights.embed, jax.Array):  # still loading (warm-up overlaps it)
         runner.wait_for_weights()  # a head without embed_tokens shares the target's
-    head_config, head = load_eagle3(config.model, target.model_config, runner.weights.embed, dtype)
+    # Under TP the head is split on the runner's mesh, as the target's layers are.
+    head_config, head, tp = eagle3_proposer.load_head(
+        config.model, target.model_config, runner, dtype
+    )
     proposer = eagle3_proposer.Eagle3Proposer(
         head_config,
         head,
@@ -195,6 +203,7 @@ def _eagle3_proposer(config: SpeculativeConfig, target: DrafterTarget) -> Propos
         min(config.max_batch_size, engine.max_num_seqs),
         config.num_speculative_tokens,
         dtype,
+        tp,
     )
     _LOG.info("Speculative EAGLE-3 head %s: %s", config.model, proposer.describe())
     return proposer
@@ -209,7 +218,7 @@ def _mtp_proposer(config: SpeculativeConfig, target: DrafterTarget) -> Proposer:
 
     assert target.runner is not None
     engine, runner = target.engine, target.runner
-    draft_model.check_one_device(engine, config.method)
+    draft_model.check_one_device(engine, config.method)  # MTP's layers have no TP layout yet
     require_mtp_layers(engine.model_dir)  # no MTP layers: an error before waiting for the weights
     dtype = resolve_dtype(engine)
     if not isinstance(runner.weights.embed, jax.Array):  # still loading (warm-up overlaps it)

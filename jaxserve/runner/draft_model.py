@@ -1,9 +1,13 @@
 """The draft-model drafter (``method: draft_model``): a small decoder of the target's tokenizer,
 its weights and KV cache, and the compiled program that drafts k tokens greedily.
 
-``load_draft`` reads the draft's directory with the target's loader and dtype (one device,
-unquantized) and refuses, naming both models, a draft of another vocabulary or tokenizer
-(``models/draft_check.py``). ``DraftModelProposer`` implements the engine's ``Proposer``: for the
+``load_draft`` reads the draft's directory with the target's loader and dtype (unquantized) and
+refuses, naming both models, a draft of another vocabulary or tokenizer
+(``models/draft_check.py``). On one device its projections are fused as the target's are; under
+tensor parallelism it is split on the target's mesh as a model of its shapes would be
+(``drafting.drafter_parallel``; unfused: the specs are per projection), its cache on KV heads,
+and its program runs the attention op per device (``tp.attention_fn``).
+``DraftModelProposer`` implements the engine's ``Proposer``: for the
 sequences of a step it catches the draft's cache up on the tokens each gained since its last
 run (a prefill of them, the whole prompt the first time), then runs k - 1 greedy one-token steps,
 all in one compiled program per token bucket, and returns each sequence's k drafts (one
@@ -33,8 +37,9 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
-from jaxserve.models import decoder
+from jaxserve.models import decoder, moe
 from jaxserve.models.batch import Batch, KVCache, make_kv_cache_for
+from jaxserve.models.decoder import AttentionFn
 from jaxserve.models.draft_check import DraftTokenizer, check_draft
 from jaxserve.models.families.registry import load_model_config
 from jaxserve.models.layers import Weights
@@ -46,18 +51,33 @@ from jaxserve.runner.drafting import (
     TokenSource,
     catch_up_batch,
     decode_batch,
+    drafter_parallel,
 )
 from jaxserve.runner.model_weights import as_served
+from jaxserve.runner.parallel.sharding import TensorParallel
 
 _LOG = logging.getLogger(__name__)
 
 
 def check_one_device(config: EngineConfig, method: str) -> None:
-    """A model drafter runs on one device: tensor parallelism is refused, naming the field."""
+    """A drafter whose layers have no tensor-parallel layout (``mtp``: DeepSeek-V3's latent
+    attention and experts) runs on one device: tensor parallelism is refused, naming the field."""
     if config.tensor_parallel_size != 1:
         raise ValueError(
-            f"speculative_config method={method!r} runs its drafter on one device: "
-            f"tensor_parallel_size={config.tensor_parallel_size} must be 1 with it"
+            f"speculative_config method={method!r} runs its drafter on one device (its layers "
+            f"are not laid out for tensor parallelism): tensor_parallel_size="
+            f"{config.tensor_parallel_size} must be 1 with it"
+        )
+
+
+def check_one_host(runner: Any, method: str) -> None:
+    """A model drafter runs its programs from the engine's process alone: a multi-host
+    replica (whose other processes only follow the runner's steps) is refused."""
+    if runner is not None and runner.multihost:
+        raise ValueError(
+            f"speculative_config method={method!r} on a multi-host replica: its drafter's "
+            "programs would span processes that only follow the target's steps; serve it on "
+            "one host"
         )
 
 
@@ -67,20 +87,28 @@ def load_draft(
     target_tokenizer: DraftTokenizer,
     draft_tokenizer: DraftTokenizer,
     dtype: jnp.dtype,
-) -> tuple[ModelConfig, Weights]:
-    """The draft's config and weights (on one device, in ``dtype``), checked against the
-    target's vocabulary and tokenizer first."""
+    target_tp: TensorParallel | None = None,
+) -> tuple[ModelConfig, Weights, TensorParallel | None]:
+    """The draft's config, weights (in ``dtype``) and tensor parallelism: on one device with
+    its projections fused when ``target_tp`` is None, else split on the target's mesh; checked
+    against the target's vocabulary and tokenizer first, and under TP its head counts against
+    the mesh (an error naming the draft, the field and the size)."""
     draft_config = load_model_config(draft_dir)
+    draft_name = f"the draft model {Path(draft_dir).name!r}"
     check_draft(
         target_config,
         draft_config,
         target_tokenizer,
         draft_tokenizer,
         target_name=f"the target model ({target_config.model_type})",
-        draft_name=f"the draft model {Path(draft_dir).name!r}",
+        draft_name=draft_name,
     )
-    weights = load_weights(draft_dir, draft_config, dtype, fuse=True)
-    return draft_config, as_served(weights, one_device=True, quant=None)
+    tp = drafter_parallel(draft_config, target_tp, f"speculative_config: {draft_name}")
+    if tp is None:
+        weights = load_weights(draft_dir, draft_config, dtype, fuse=True)
+        return draft_config, as_served(weights, one_device=True, quant=None), None
+    weights = load_weights(draft_dir, draft_config, dtype, placement=tp.placement)
+    return draft_config, as_served(weights, one_device=False, quant=None), tp
 
 
 def draft_chain(
@@ -91,15 +119,20 @@ def draft_chain(
     k: int,
     page_size: int,
     pad_slot: int,
+    attention_fn: AttentionFn | None = None,  # under TP: the op per device (tp.attention_fn)
+    experts_fn: moe.ExpertsFn | None = None,  # under TP, a draft with experts: tp.experts_fn
 ) -> tuple[KVCache, jax.Array]:  # (kv, i32[S, k] drafts)
     """The catch-up step, then k - 1 greedy one-token steps from each sequence's last row."""
-    kv, hidden = decoder.forward(weights, kv, batch, config)
+    run = functools.partial(
+        decoder.forward, config=config, attention_fn=attention_fn, experts_fn=experts_fn
+    )
+    kv, hidden = run(weights, kv, batch)
     logits = decoder.compute_logits(weights, hidden[batch.logits_indices])
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
     drafts = [tokens]
     for j in range(1, k):
         step = decode_batch(batch, tokens, j, page_size, pad_slot)
-        kv, hidden = decoder.forward(weights, kv, step, config)
+        kv, hidden = run(weights, kv, step)
         logits = decoder.compute_logits(weights, hidden[: tokens.shape[0]])
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         drafts.append(tokens)
@@ -118,24 +151,34 @@ class DraftModelProposer(PagedDrafter):
         max_seqs: int,
         k: int,
         dtype: jnp.dtype,
+        tp: TensorParallel | None = None,  # load_draft's: the draft's layout on the mesh
     ) -> None:
-        super().__init__(engine, max_model_len, max_seqs, k)
+        super().__init__(engine, max_model_len, max_seqs, k, tp)
         self.config, self.weights = config, weights
-        page = engine.block_size
-        self.kv: Any = make_kv_cache_for(config, self.pool.num_pages, page, dtype)
-        self._chain = jax.jit(
-            functools.partial(
-                draft_chain, config=config, k=k, page_size=page, pad_slot=self.pad_slot
-            ),
-            donate_argnums=(1,),
+        page, num_pages = engine.block_size, self.pool.num_pages
+        self.kv: Any = (
+            make_kv_cache_for(config, num_pages, page, dtype)
+            if tp is None
+            else tp.make_kv_cache(num_pages, page, dtype)  # split on KV heads
         )
+        chain = functools.partial(
+            draft_chain,
+            config=config,
+            k=k,
+            page_size=page,
+            pad_slot=self.pad_slot,
+            attention_fn=None if tp is None else tp.attention_fn,
+            experts_fn=None if tp is None else tp.experts_fn,
+        )
+        self._chain = self.jit_chain(chain, self.kv)
 
     def describe(self) -> str:
         size = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.weights))
         cache = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.kv))
+        split = "" if self.tp is None else f", split over {self.tp.tensor_parallel_size} devices"
         return (
             f"{self.config.num_layers} layers, {format_bytes(size)} of weights, a cache of "
-            f"{self.pool.num_pages} pages of its own ({format_bytes(cache)})"
+            f"{self.pool.num_pages} pages of its own ({format_bytes(cache)}){split}"
         )
 
     def _catch_up(self, seqs: Sequence[TokenSource], seq: TokenSource) -> CatchUp | None:
@@ -148,5 +191,5 @@ class DraftModelProposer(PagedDrafter):
 
     def _run(self, call: list[CatchUp], bucket: int | None = None) -> np.ndarray:
         batch = catch_up_batch(call, self.pool, self.buckets, bucket)
-        self.kv, drafts = self._chain(self.weights, self.kv, jax.device_put(batch))
+        self.kv, drafts = self._chain(self.weights, self.kv, self.put(batch))
         return np.asarray(drafts)

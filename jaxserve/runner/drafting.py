@@ -8,6 +8,11 @@ pages, padded to a token bucket (``Buckets``) so that few programs compile. The 
 one-token steps run on the device, inside the same compiled program (``decode_batch``; a
 drafter over the target's states: ``chain_from_states``).
 The engine's ``Sequence`` is read through ``TokenSource`` (the runner imports no engine).
+
+Under tensor parallelism (the runner has a ``TensorParallel``) a drafter lays its layers out on
+the target's mesh as a model of its own shapes would be (``drafter_parallel``: its weights
+split on heads and the MLP's intermediate dim, its pages on KV heads); its batches go in
+replicated (``PagedDrafter.put``) and its drafts come back replicated, one host copy a call.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.config import ModelConfig
 from jaxserve.models.batch import Batch
 from jaxserve.runner.buckets import MIN_TOKEN_BUCKET, Buckets
+from jaxserve.runner.parallel.sharding import TensorParallel, prepare_tp
 from jaxserve.units import cdiv
 
 
@@ -53,6 +60,25 @@ class TargetStates:
         if not count or start < first_pos or stop > first_pos + count:
             return None
         return range(first_row + start - first_pos, first_row + stop - first_pos)
+
+
+def drafter_parallel(
+    config: ModelConfig, target_tp: TensorParallel | None, name: str
+) -> TensorParallel | None:
+    """A drafter's tensor parallelism: the shardings of ``config`` (the drafter's layers) on the
+    target's mesh; None when the target has none. A ValueError names the drafter (``name``),
+    the field and the size when its head counts do not split over the mesh."""
+    if target_tp is None:
+        return None
+    try:
+        return prepare_tp(config, mesh=target_tp.mesh)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from exc
+
+
+def put_on(tp: TensorParallel | None, tree: Any) -> Any:
+    """Host arrays on the device(s): replicated over ``tp``'s mesh, else the default device."""
+    return tp.put_replicated(tree) if tp is not None else jax.device_put(tree)
 
 
 class PagePool:
@@ -229,10 +255,18 @@ class PagedDrafter:
     and ``PagePool`` (``max_seqs`` sequences of ``max_model_len + k`` tokens), a sequence's
     pages taken for a call (idle sequences' pages given back when none are free), the calls
     planned and run, warm-up and ``free``. A subclass builds its ``CatchUp`` (``_catch_up``)
-    and runs a call's compiled program (``_run``)."""
+    and runs a call's compiled program (``_run``); ``tp``: its layers' tensor parallelism
+    (``drafter_parallel``), None on one device."""
 
-    def __init__(self, engine: Any, max_model_len: int, max_seqs: int, k: int) -> None:
-        self.k = k
+    def __init__(
+        self,
+        engine: Any,
+        max_model_len: int,
+        max_seqs: int,
+        k: int,
+        tp: TensorParallel | None = None,
+    ) -> None:
+        self.k, self.tp = k, tp
         self.buckets = Buckets.of(
             max_num_batched_tokens=max(engine.max_num_batched_tokens, max_seqs),
             max_num_seqs=max_seqs,
@@ -247,6 +281,19 @@ class PagedDrafter:
     def pad_slot(self) -> int:
         """The slot padding rows write to: past every page."""
         return self.pool.num_pages * self.pool.page_size
+
+    def put(self, tree: Any) -> Any:
+        """A call's host inputs on the drafter's device(s) (replicated under TP)."""
+        return put_on(self.tp, tree)
+
+    def jit_chain(self, chain: Callable[..., Any], pages: Any) -> Callable[..., Any]:
+        """``chain``: (weights, pages, inputs...) -> (pages, i32[S, k] drafts), jitted with the
+        pages donated; under TP the pages keep the shardings of ``pages`` (the drafter's
+        cache) and the drafts come back replicated."""
+        if self.tp is None:
+            return jax.jit(chain, donate_argnums=(1,))
+        shardings = jax.tree.map(lambda page: page.sharding, pages)
+        return jax.jit(chain, donate_argnums=(1,), out_shardings=(shardings, self.tp.replicated))
 
     def free(self, seq_id: str) -> None:
         self.pool.release(seq_id)

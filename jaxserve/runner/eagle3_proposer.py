@@ -12,6 +12,14 @@ call, or a prompt computed in one step; that is every call while each step draft
 own KV cache (donated and given back; its writes go to no page: the target computed them
 already), ``decoder.forward_with_aux`` with the runner's weights as they are now.
 
+Under tensor parallelism the head is split on the target's mesh (``load_head``,
+``sharding.eagle3_specs``), its pages on KV heads, and its attention runs per device
+(``tp.attention_fn``); the target's states are replicated. The runner's tensor-parallel step
+returns no aux states (``StepPrograms.return_aux_states`` refuses them: the step's out
+shardings have no entry for them), so there every call runs the target again over the positions
+it drafts from (``recomputed_tokens``), on the runner's mesh with its attention op and KV
+shardings.
+
 Per call, in one compiled program per token bucket: ``fuse_aux_hidden`` over the states of each
 sequence's new positions [s, n - 1) (the last known token has no hidden state yet), one
 ``eagle3_step`` over the same positions with the tokens shifted by one (position i reads the
@@ -27,7 +35,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -36,8 +46,9 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
-from jaxserve.models import decoder
+from jaxserve.models import decoder, moe
 from jaxserve.models.batch import Batch, KVCache
+from jaxserve.models.decoder import AttentionFn
 from jaxserve.models.eagle3 import (
     Eagle3Config,
     Eagle3Weights,
@@ -46,6 +57,7 @@ from jaxserve.models.eagle3 import (
     make_eagle3_kv_cache,
 )
 from jaxserve.models.layers import Weights
+from jaxserve.models.loading.eagle3_checkpoint import load_eagle3, read_eagle3_config
 from jaxserve.models.loading.load_progress import format_bytes
 from jaxserve.runner.drafting import (
     CatchUp,
@@ -53,7 +65,10 @@ from jaxserve.runner.drafting import (
     TokenSource,
     catch_up_batch,
     chain_from_states,
+    drafter_parallel,
+    put_on,
 )
+from jaxserve.runner.parallel.sharding import TensorParallel, eagle3_shardings
 
 _LOG = logging.getLogger(__name__)
 
@@ -70,13 +85,16 @@ def eagle3_chain(
     k: int,
     page_size: int,
     pad_slot: int,
+    attention_fn: AttentionFn | None = None,  # under TP: the op per device (tp.attention_fn)
 ) -> tuple[HeadKV, jax.Array]:  # (head_kv, i32[S, k] drafts)
     """The head's step over the target's aux states, then k - 1 chained head steps from each
     sequence's last row (its pre-norm state)."""
     pages = [head_kv]
 
     def step(step_batch: Batch, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
-        pages[0], logits, prenorm = eagle3_step(head, pages[0], step_batch, hidden, head_config)
+        pages[0], logits, prenorm = eagle3_step(
+            head, pages[0], step_batch, hidden, head_config, attention_fn
+        )
         return logits, prenorm
 
     shifted = dataclasses.replace(batch, input_ids=head_ids)
@@ -92,15 +110,19 @@ def target_states(
     config: ModelConfig,
     aux_layers: tuple[int, ...] | None,
     kv_scales: Any,
+    attention_fn: AttentionFn | None = None,  # under TP: the runner's (tp.attention_fn)
+    experts_fn: moe.ExpertsFn | None = None,  # under TP, a target with experts: tp.experts_fn
 ) -> tuple[KVCache, jax.Array]:  # (kv_cache, [T, D])
     """The target's states over positions it computed already: the aux layers' joined
     (``aux_layers``), or the final hidden states (None)."""
-    if aux_layers:
-        kv_cache, _, aux = decoder.forward_with_aux(
-            weights, kv_cache, batch, config, aux_layers, kv_scales=kv_scales
-        )
-        return kv_cache, jnp.concatenate(aux, axis=-1)
-    return decoder.forward(weights, kv_cache, batch, config, kv_scales=kv_scales)
+    kv_cache, hidden, aux = decoder.forward_with_aux(
+        weights, kv_cache, batch, config, aux_layers or (), attention_fn, kv_scales, experts_fn
+    )
+    return kv_cache, jnp.concatenate(aux, axis=-1) if aux_layers else hidden
+
+
+def _take_rows(states: jax.Array, rows: jax.Array) -> jax.Array:  # [T, D], i32[R] -> [R, D]
+    return states[rows]
 
 
 class TargetStatesDrafter(PagedDrafter):
@@ -110,7 +132,8 @@ class TargetStatesDrafter(PagedDrafter):
     for the drafting layers (``_head_ids``). EAGLE-3's head and DeepSeek-V3's MTP layers draft
     from it: a subclass sets ``draft_weights`` (its layers), ``draft_kv`` (their pages) and
     ``_chain`` (the compiled program: (weights, pages, batch, next ids, states) -> (pages,
-    i32[S, k] drafts), the pages donated)."""
+    i32[S, k] drafts), the pages donated: ``jit_chain``); ``tp``: the drafting layers' tensor
+    parallelism on the runner's mesh (``drafter_parallel``), None on one device."""
 
     draft_weights: Any
     draft_kv: Any
@@ -125,24 +148,43 @@ class TargetStatesDrafter(PagedDrafter):
         max_seqs: int,
         k: int,
         aux_layers: tuple[int, ...] | None,  # None: the final hidden states
+        tp: TensorParallel | None = None,
     ) -> None:
-        super().__init__(engine, max_model_len, max_seqs, k)
+        super().__init__(engine, max_model_len, max_seqs, k, tp)
         self.target_config, self.runner = target_config, runner
         self.aux_layers = aux_layers
         self.state_dim = target_config.hidden_size * (len(aux_layers) if aux_layers else 1)
         self._next: dict[str, tuple[int, list[int]]] = {}  # seq id -> (start, tokens from it)
         self._blocks: dict[str, list[int]] = {}  # seq id -> the target's pages, this call
         self.recomputed_tokens = 0  # positions the target ran again for (module docstring)
-        runner.keep_target_states(aux_layers)
-        self._take = jax.jit(lambda states, rows: states[rows])
-        self._recompute = jax.jit(
-            functools.partial(
-                target_states,
-                config=target_config,
-                aux_layers=aux_layers,
-                kv_scales=runner.kv_scales,
-            ),
-            donate_argnums=(1,),
+        # NOTE: the runner's tensor-parallel step returns no aux states (StepPrograms.
+        # return_aux_states refuses them: the step's out shardings have no entry for them);
+        # there every call runs the target again.
+        self.reads_step_states = runner.tp is None or not aux_layers
+        if self.reads_step_states:
+            runner.keep_target_states(aux_layers)
+        self._take, self._recompute = self._jit_target_programs()
+
+    def _jit_target_programs(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """(the gather of a call's rows from a step's states, the target run again over the
+        runner's cache, donated); under TP both on the runner's mesh, the target with its
+        attention op per device, its cache keeping its shardings, the states replicated."""
+        runner, tp = self.runner, self.runner.tp
+        recompute = functools.partial(
+            target_states,
+            config=self.target_config,
+            aux_layers=self.aux_layers,
+            kv_scales=runner.kv_scales,
+        )
+        if tp is None:
+            return jax.jit(_take_rows), jax.jit(recompute, donate_argnums=(1,))
+        recompute = functools.partial(
+            recompute, attention_fn=tp.attention_fn, experts_fn=tp.experts_fn
+        )
+        kv = tp.kv_cache_shardings(self.target_config.num_layers)
+        return (
+            jax.jit(_take_rows, out_shardings=tp.replicated),
+            jax.jit(recompute, donate_argnums=(1,), out_shardings=(kv, tp.replicated)),
         )
 
     def warmup(self) -> int:
@@ -155,10 +197,11 @@ class TargetStatesDrafter(PagedDrafter):
                 self._target_states_again([], batch)
             count += len(self.buckets.token_buckets)
         # The gathers of a call's rows from a step's states: one per (step bucket, call bucket).
-        for step_rows in self.runner.buckets.token_buckets:
-            states = jnp.zeros((step_rows, self.state_dim), self.runner.dtype)
+        tp = self.runner.tp
+        for step_rows in self.runner.buckets.token_buckets if self.reads_step_states else ():
+            states = put_on(tp, np.zeros((step_rows, self.state_dim), self.runner.dtype))
             for bucket in self.buckets.token_buckets:
-                self._take(states, jnp.zeros(bucket, jnp.int32))
+                self._take(states, put_on(tp, np.zeros(bucket, np.int32)))
             del states
         self.recomputed_tokens = 0
         return count
@@ -198,8 +241,8 @@ class TargetStatesDrafter(PagedDrafter):
         self.draft_kv, drafts = self._chain(
             self.draft_weights,
             self.draft_kv,
-            jax.device_put(batch),
-            jax.device_put(next_ids),
+            self.put(batch),
+            self.put(next_ids),
             states,
         )
         return np.asarray(drafts)
@@ -209,7 +252,7 @@ class TargetStatesDrafter(PagedDrafter):
         all, else the target run again."""
         num_rows = batch.input_ids.shape[0]
         if not call:  # warm-up's padding
-            return jnp.zeros((num_rows, self.state_dim), self.runner.dtype)
+            return self.put(np.zeros((num_rows, self.state_dim), self.runner.dtype))
         last = self.runner.last_states
         if last is None:
             return self._target_states_again(call, batch)
@@ -221,7 +264,7 @@ class TargetStatesDrafter(PagedDrafter):
                 return self._target_states_again(call, batch)
             rows[row : row + len(found)] = found
             row += len(found)
-        return self._take(last.states, jax.device_put(rows))
+        return self._take(last.states, put_on(self.runner.tp, rows))
 
     def _target_states_again(self, call: list[CatchUp], batch: Batch) -> jax.Array:
         """The target run again over the call's positions, on the runner's cache: the same
@@ -236,7 +279,7 @@ class TargetStatesDrafter(PagedDrafter):
         again = dataclasses.replace(batch, page_indices=pages, slot_mapping=slots)  # type: ignore[arg-type]
         self.recomputed_tokens += sum(len(part.tokens) for part in call)
         runner.kv_cache, states = self._recompute(
-            runner.weights, runner.kv_cache, jax.device_put(again)
+            runner.weights, runner.kv_cache, put_on(runner.tp, again)
         )
         return states
 
@@ -256,29 +299,60 @@ class Eagle3Proposer(TargetStatesDrafter):
         max_seqs: int,
         k: int,
         dtype: jnp.dtype,
+        tp: TensorParallel | None = None,  # load_head's: the head's layout on the mesh
     ) -> None:
         aux_layers = tuple(head_config.aux_layers(target_config.num_layers))
-        super().__init__(target_config, runner, engine, max_model_len, max_seqs, k, aux_layers)
+        super().__init__(target_config, runner, engine, max_model_len, max_seqs, k, aux_layers, tp)
         self.head_config, self.draft_weights = head_config, head
-        page = engine.block_size
-        self.draft_kv = make_eagle3_kv_cache(head_config, self.pool.num_pages, page, dtype)
-        self._chain = jax.jit(
-            functools.partial(
-                eagle3_chain,
-                head_config=head_config,
-                k=k,
-                page_size=page,
-                pad_slot=self.pad_slot,
-            ),
-            donate_argnums=(1,),
+        page, num_pages = engine.block_size, self.pool.num_pages
+        self.draft_kv = (
+            make_eagle3_kv_cache(head_config, num_pages, page, dtype)
+            if tp is None
+            else tp.make_kv_cache(num_pages, page, dtype)[0]  # its one layer, on KV heads
         )
+        chain = functools.partial(
+            eagle3_chain,
+            head_config=head_config,
+            k=k,
+            page_size=page,
+            pad_slot=self.pad_slot,
+            attention_fn=None if tp is None else tp.attention_fn,
+        )
+        self._chain = self.jit_chain(chain, self.draft_kv)
 
     def describe(self) -> str:
         size = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.draft_weights))
         cache = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.draft_kv))
+        source = (
+            "the target's step returns their states"
+            if self.reads_step_states
+            else "the target runs again for their states: its tensor-parallel step returns none"
+        )
+        split = "" if self.tp is None else f", split over {self.tp.tensor_parallel_size} devices"
         return (
             f"{format_bytes(size)} of weights (the embedding shared with the target when the "
-            f"head has none), aux layers {list(self.aux_layers or ())} (the target's step "
-            f"returns their states), a cache of {self.pool.num_pages} pages of its own "
-            f"({format_bytes(cache)})"
+            f"head has none), aux layers {list(self.aux_layers or ())} ({source}), a cache of "
+            f"{self.pool.num_pages} pages of its own ({format_bytes(cache)}){split}"
         )
+
+
+def load_head(
+    head_dir: str | os.PathLike[str],
+    target_config: ModelConfig,
+    runner: Any,  # the ModelRunner: its embedding (for a head without one) and its mesh
+    dtype: jnp.dtype,
+) -> tuple[Eagle3Config, Eagle3Weights, TensorParallel | None]:
+    """The head in ``dtype``, checked against the target, and its tensor parallelism: on one
+    device when the runner has none, else split on the runner's mesh (``eagle3_specs``), its
+    head counts checked against it (an error naming the head, the field and the size)."""
+    tp = shardings = None
+    if runner.tp is not None:
+        config = read_eagle3_config(head_dir)
+        name = f"speculative_config: the EAGLE-3 head {Path(head_dir).name!r}"
+        tp = drafter_parallel(config.layer, runner.tp, name)
+        assert tp is not None
+        shardings = eagle3_shardings(tp, config)
+    head_config, head = load_eagle3(
+        head_dir, target_config, runner.weights.embed, dtype, shardings=shardings
+    )
+    return head_config, head, tp

@@ -7,7 +7,8 @@ The tensors are named as SpecForge and the EAGLE repository save them: ``fc.weig
 needed to draft); ``layers.0.`` for ``midlayer.`` and a ``model.`` prefix are read too. A head
 without ``embed_tokens.weight`` uses the target's embedding, as vLLM does. A head is small
 (one layer, a draft vocabulary's lm_head): its tensors are read whole to the host, converted to
-the model's layout there and sent to the default device.
+the model's layout and dtype there and sent to the default device, or under tensor parallelism
+straight into the shardings the runner gives (``sharding.eagle3_shardings``).
 """
 
 from __future__ import annotations
@@ -140,14 +141,17 @@ def load_eagle3(
     target: ModelConfig,
     target_embed: jax.Array | None = None,  # [V, H]  the target's, for a head without one
     dtype: jnp.dtype = jnp.bfloat16,
+    shardings: Eagle3Weights | None = None,  # a sharding per field; None: the default device
 ) -> tuple[Eagle3Config, Eagle3Weights]:
-    """A head directory for ``target``: config checked against it, then every tensor."""
+    """A head directory for ``target``: config checked against it, then every tensor, each
+    put on the device(s) once, in its sharding."""
     model_dir = Path(model_dir)
     config = read_eagle3_config(model_dir)
     config.check_target(target)
     tensors = read_eagle3_tensors(model_dir, config)
+    embed: Any
     if "embed_tokens.weight" in tensors:
-        embed = jnp.asarray(tensors["embed_tokens.weight"], dtype)
+        embed = np.asarray(tensors["embed_tokens.weight"], dtype)
     elif target_embed is None or target_embed.shape != (config.vocab_size, config.hidden_size):
         got = None if target_embed is None else list(target_embed.shape)
         raise WeightsError(
@@ -156,23 +160,28 @@ def load_eagle3(
             f"{config.hidden_size}, the target's embedding width)"
         )
     else:
-        embed = target_embed.astype(dtype)
-    return config, _weights_of(tensors, config, embed, dtype)
+        embed = target_embed.astype(dtype)  # kept where it is (a shared one: its sharding)
+    return config, jax.device_put(_weights_of(tensors, config, embed, dtype), shardings)
 
 
 def _weights_of(
-    tensors: dict[str, np.ndarray], config: Eagle3Config, embed: jax.Array, dtype: Any
+    tensors: dict[str, np.ndarray], config: Eagle3Config, embed: Any, dtype: Any
 ) -> Eagle3Weights:
+    """The head's arrays on the host (the embedding as given), in the model's layout."""
     lc = config.layer
     n, k, d = lc.num_q_heads, lc.num_kv_heads, lc.head_dim
 
-    def dev(name: str, *shape: int) -> jax.Array:  # [out, in] -> [in, *shape], the einsum's
+    def host(array: np.ndarray) -> Any:  # in ``dtype``, typed as the field it fills
+        return np.asarray(array, dtype)
+
+    def dev(name: str, *shape: int) -> Any:  # [out, in] -> [in, *shape], the einsum's
         array = tensors[_LAYER + name]
-        return jnp.asarray(np.ascontiguousarray(array.T).reshape(-1, *shape), dtype)
+        return host(np.ascontiguousarray(array.T).reshape(-1, *shape))
 
-    def vec(name: str, *shape: int) -> jax.Array:
-        return jnp.asarray(tensors[name].reshape(shape), dtype)
+    def vec(name: str, *shape: int) -> Any:
+        return host(tensors[name].reshape(shape))
 
+    d2t: Any = _draft_to_target(tensors, config)  # i32[W], on the host until placed
     bias = lc.attention_bias
     layer = LayerWeights(
         attn_norm=vec(_LAYER + "input_layernorm.weight", lc.hidden_size),
@@ -190,10 +199,10 @@ def _weights_of(
     )
     return Eagle3Weights(
         embed=embed,
-        fc=jnp.asarray(np.ascontiguousarray(tensors["fc.weight"].T), dtype),
+        fc=host(np.ascontiguousarray(tensors["fc.weight"].T)),
         hidden_norm=vec(_LAYER + "hidden_norm.weight", lc.hidden_size),
         layer=layer,
         final_norm=vec("norm.weight", lc.hidden_size),
-        lm_head=jnp.asarray(np.ascontiguousarray(tensors["lm_head.weight"].T), dtype),
-        draft_to_target=jnp.asarray(_draft_to_target(tensors, config)),
+        lm_head=host(np.ascontiguousarray(tensors["lm_head.weight"].T)),
+        draft_to_target=d2t,
     )

@@ -24,6 +24,9 @@ The layout (Megatron-style, one mesh axis ``"tp"`` of N devices):
   experts          [E, H, M], [E, M, H] on M (a slice of each expert, one all-reduce), or with
                    --enable-expert-parallel on E (whole experts, tokens sent by all-to-all:
                    expert_parallel.py); the router replicated
+  EAGLE-3 head     its layer as any layer (q/k/v read 2H: only their heads split), embed as the
+                   target's, lm_head [H, W] on W; fc, the norms and d2t replicated
+                   (``eagle3_specs``)
 
 KV heads and the query heads they serve must sit on the same device. With N <= K each device
 holds K / N KV heads. With N > K (more devices than KV heads) each KV head is replicated on
@@ -48,6 +51,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models import moe
 from jaxserve.models.batch import KVCache, kv_page_shapes
 from jaxserve.models.decoder import AttentionFn
+from jaxserve.models.eagle3 import Eagle3Config, Eagle3Weights
 from jaxserve.models.families.fields import WeightField, dim_sizes
 from jaxserve.models.families.registry import layer_fields, model_fields
 from jaxserve.models.layers import LayerWeights, Weights
@@ -163,6 +167,28 @@ def weight_specs(
         for i in range(config.num_layers)
     ]
     return Weights(layers=layers, **specs)
+
+
+def eagle3_specs(config: Eagle3Config, tensor_parallel_size: int) -> Eagle3Weights:
+    """An ``Eagle3Weights`` of PartitionSpecs: the head's one layer split as a target layer is
+    (wq, wk, wv [2H, *, D] on their heads, wo on its input heads, w_gate, w_up, w_down on I),
+    the embedding as the target's (the same vocabulary: a shared one keeps its sharding),
+    lm_head [H, W] on the draft vocabulary (replicated when N does not divide W)."""
+    n = tensor_parallel_size
+    model = weight_specs(config.layer, n)
+    specs: dict[str, Any] = {
+        "embed": model.embed,
+        "layer": model.layers[0],
+        "lm_head": P(None, TP_AXIS) if config.draft_vocab_size % n == 0 else P(),
+        # NOTE: fc [3 H_t, H] is replicated, as the norms and d2t are: it reads the target's
+        # states (replicated) and writes the residual stream (replicated), once a call; split,
+        # its output would need one more all-gather for a GEMM this size.
+        "fc": P(),
+        "hidden_norm": P(),
+        "final_norm": P(),
+        "draft_to_target": P(),
+    }
+    return Eagle3Weights(**specs)
 
 
 # The adapter stacks' specs (models/lora.py's LoraLayer fields), following the base projections:
@@ -291,6 +317,16 @@ def weight_shardings(
     return jax.tree.map(
         lambda spec: NamedSharding(view if _is_kv_spec(spec) else mesh, spec),
         weight_specs(config, mesh.devices.size, quant, expert_parallel),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def eagle3_shardings(tp: TensorParallel, config: Eagle3Config) -> Eagle3Weights:
+    """The head's NamedShardings (``eagle3_specs``) on ``tp``, the head's own ``TensorParallel``
+    (its KV view follows the head's KV heads): KV-side specs on the KV view, the rest on "tp"."""
+    return jax.tree.map(
+        lambda spec: NamedSharding(tp.kv_mesh if _is_kv_spec(spec) else tp.mesh, spec),
+        eagle3_specs(config, tp.tensor_parallel_size),
         is_leaf=lambda x: isinstance(x, P),
     )
 
