@@ -14,11 +14,9 @@ already), ``decoder.forward_with_aux`` with the runner's weights as they are now
 
 Under tensor parallelism the head is split on the target's mesh (``load_head``,
 ``sharding.eagle3_specs``), its pages on KV heads, and its attention runs per device
-(``tp.attention_fn``); the target's states are replicated. The runner's tensor-parallel step
-returns no aux states (``StepPrograms.return_aux_states`` refuses them: the step's out
-shardings have no entry for them), so there every call runs the target again over the positions
-it drafts from (``recomputed_tokens``), on the runner's mesh with its attention op and KV
-shardings.
+(``tp.attention_fn``); the target's states, which its step returns as it does on one device,
+are replicated, and the call that runs the target again does so on the runner's mesh with its
+attention op and KV shardings.
 
 Per call, in one compiled program per token bucket: ``fuse_aux_hidden`` over the states of each
 sequence's new positions [s, n - 1) (the last known token has no hidden state yet), one
@@ -157,12 +155,7 @@ class TargetStatesDrafter(PagedDrafter):
         self._next: dict[str, tuple[int, list[int]]] = {}  # seq id -> (start, tokens from it)
         self._blocks: dict[str, list[int]] = {}  # seq id -> the target's pages, this call
         self.recomputed_tokens = 0  # positions the target ran again for (module docstring)
-        # NOTE: the runner's tensor-parallel step returns no aux states (StepPrograms.
-        # return_aux_states refuses them: the step's out shardings have no entry for them);
-        # there every call runs the target again.
-        self.reads_step_states = runner.tp is None or not aux_layers
-        if self.reads_step_states:
-            runner.keep_target_states(aux_layers)
+        runner.keep_target_states(aux_layers)
         self._take, self._recompute = self._jit_target_programs()
 
     def _jit_target_programs(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -198,7 +191,7 @@ class TargetStatesDrafter(PagedDrafter):
             count += len(self.buckets.token_buckets)
         # The gathers of a call's rows from a step's states: one per (step bucket, call bucket).
         tp = self.runner.tp
-        for step_rows in self.runner.buckets.token_buckets if self.reads_step_states else ():
+        for step_rows in self.runner.buckets.token_buckets:
             states = put_on(tp, np.zeros((step_rows, self.state_dim), self.runner.dtype))
             for bucket in self.buckets.token_buckets:
                 self._take(states, put_on(tp, np.zeros(bucket, np.int32)))
@@ -323,11 +316,7 @@ class Eagle3Proposer(TargetStatesDrafter):
     def describe(self) -> str:
         size = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.draft_weights))
         cache = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.draft_kv))
-        source = (
-            "the target's step returns their states"
-            if self.reads_step_states
-            else "the target runs again for their states: its tensor-parallel step returns none"
-        )
+        source = "the target's step returns their states"
         split = "" if self.tp is None else f", split over {self.tp.tensor_parallel_size} devices"
         return (
             f"{format_bytes(size)} of weights (the embedding shared with the target when the "

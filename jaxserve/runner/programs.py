@@ -119,6 +119,8 @@ def jitted_model_step(
     if tp is not None:
         step = functools.partial(step, experts_fn=tp.experts_fn)
         in_shardings, out_shardings = tp.step_shardings()
+        if aux_layers:  # the aux states [T, A * H], replicated as the hidden states are
+            out_shardings = (*out_shardings, tp.replicated)
         if lora_shardings is not None:
             step = _lora_positional(step)
             in_shardings = (*in_shardings, lora_shardings)

@@ -182,8 +182,6 @@ class StepPrograms:
         """From now on the model step also returns the states entering ``aux_layers``
         (``Forward.aux``: an EAGLE-3 drafter reads them); before warm-up compiles."""
         model_config, kv_scales, tp, batch_invariant, lora_shardings = self._step_args
-        if tp is not None:
-            raise ValueError("aux states of a tensor-parallel step: drafters run on one device")
         if self.compiled_steps:
             raise RuntimeError("return_aux_states after the model steps compiled")
         self.step_fn = jitted_model_step(
