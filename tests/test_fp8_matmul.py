@@ -303,3 +303,30 @@ def test_native_matches_reference(case: Case):
     x, w, scale = make_inputs(np.random.default_rng(seed), case)
     out = fm.fp8_matmul(x, w, scale, act_quant=case.act_quant, config=case.config)
     assert_matches(out, reference.fp8_matmul(x, w, scale, act_quant=case.act_quant), seed)
+
+
+def test_one_device_kernels_follow_the_models_devices_not_the_processs(monkeypatch):
+    """A process of four data-parallel replicas of one device each: the runner says one device
+    a model, and the one-device kernels apply; under tensor parallelism (4) they do not."""
+    from pallas_kernels import env_choice
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "device_count", lambda: 4)
+    monkeypatch.setattr(env_choice, "_devices_per_model", None)
+    monkeypatch.setenv(dispatch.FP8_MATMUL_ENV, "auto")
+
+    class Hopper:
+        compute_capability = "9.0"
+
+    monkeypatch.setattr(jax, "devices", lambda *a: [Hopper()])
+    ladder = functools.partial(
+        env_choice.one_device_triton_path, "X", "auto", forced="on", off="off", fallback="xla"
+    )
+    assert ladder() == ("xla", "4 devices a model: the kernel is not partitioned yet")
+    assert dispatch.choose()[0] == "xla"
+    env_choice.set_devices_per_model(1)  # what a replica's runner says
+    assert ladder() == ("triton", "X=auto") and dispatch.choose()[0] == "mosaic_gpu"
+    env_choice.set_devices_per_model(4)  # tensor parallel over the four
+    assert ladder()[0] == "xla" and dispatch.choose()[0] == "xla"
+    with pytest.raises(ValueError, match="devices per model 0 must be >= 1"):
+        env_choice.set_devices_per_model(0)

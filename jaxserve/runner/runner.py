@@ -57,6 +57,7 @@ from jaxserve.runner.weight_update import (
     weights_from_named,
     weights_layout,
 )
+from pallas_kernels.env_choice import set_devices_per_model
 
 _LOG = logging.getLogger(__name__)
 
@@ -115,6 +116,8 @@ class ModelRunner:
         program. A data-parallel replica runs on its own devices: a mesh even of one device,
         so every array and program is placed there rather than on the first device."""
         config = self.config
+        # The kernels' "one device" is the model's (a data-parallel replica's), not the process's.
+        set_devices_per_model(config.tensor_parallel_size)
         if config.tensor_parallel_size == 1 and config.data_parallel_size == 1:
             return None
         mesh = None  # one replica: the first tensor_parallel_size devices (make_mesh)

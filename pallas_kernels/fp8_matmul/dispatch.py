@@ -14,7 +14,7 @@ import os
 
 import jax
 
-from pallas_kernels.env_choice import env_choice
+from pallas_kernels.env_choice import devices_per_model, env_choice
 from pallas_kernels.fp8_matmul.mosaic_gpu import MAX_ROWS
 
 FP8_MATMUL_ENV = "JAXSERVE_FP8_MATMUL"
@@ -49,8 +49,8 @@ def choose() -> tuple[str, str]:
         return "interpret", f"{FP8_MATMUL_ENV}=on, Pallas interpret mode on the {backend} backend"
     if backend != "gpu":
         return "xla", f"the kernel is Mosaic GPU; this is the {backend} backend"
-    if jax.device_count() > 1:
-        return "xla", f"{jax.device_count()} devices: the kernel is not partitioned yet"
+    if devices_per_model() > 1:
+        return "xla", f"{devices_per_model()} devices a model: the kernel is not partitioned yet"
     capability = str(getattr(jax.devices()[0], "compute_capability", "0"))
     if float(capability) < 9.0:
         return "xla", f"compute capability {capability}: fp8 wgmma needs Hopper (9.0) or newer"

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention_env import ATTENTION_ENV, requested_attention
-from pallas_kernels.env_choice import env_choice
+from pallas_kernels.env_choice import devices_per_model, env_choice
 from pallas_kernels.kv_cache import Scale
 from pallas_kernels.mla import reference, triton
 
@@ -73,10 +73,10 @@ def choose(
             return "reference", f"{ATTENTION_ENV}=reference"
         if backend != "gpu":
             return "reference", f"the MLA kernel is Pallas Triton; this is the {backend} backend"
-        if jax.device_count() > 1 and not per_device:
+        if devices_per_model() > 1 and not per_device:
             return "reference", (
-                f"{jax.device_count()} devices and the call is not split over the heads by a "
-                f"shard_map ({MLA_ENV}=on runs it whole on every device)"
+                f"{devices_per_model()} devices a model and the call is not split over the "
+                f"heads by a shard_map ({MLA_ENV}=on runs it whole on every device)"
             )
     reason = triton.unsupported_reason(q_latent, q_pe, ckv_pages, kpe_pages)
     if reason is not None:
