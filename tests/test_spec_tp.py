@@ -3,8 +3,10 @@ fixture draft and ``eagle3`` with the fixture head on the demo model at tensor_p
 2 virtual CPU devices (a subprocess: the device count is fixed when JAX starts) give the greedy
 tokens of the target without speculation, accept what they accept on one device, and are split
 on the target's mesh (EAGLE-3 reading the target's states from its tensor-parallel steps as
-from its one-device steps); a draft whose heads do not split is refused at start naming it; ``mtp``
-is refused under tensor parallelism naming the field."""
+from its one-device steps); a draft whose heads do not split is refused at start naming it.
+``mtp`` on the DeepSeek-V3 MTP fixture at tensor_parallel_size=2 drafts what it drafts on one
+device, call for call, with its layer split as the target's layers are and its latent pages as
+the target's latent cache."""
 
 from __future__ import annotations
 
@@ -14,14 +16,19 @@ import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
+from safetensors.numpy import load_file, save_file
 
-from jaxserve.engine.spec_decode import DrafterTarget, make_proposer
-from jaxserve.engine_config import EngineConfig, SpeculativeConfig
+from jaxserve.config import read_config_json
+from jaxserve.models.families.registry import model_config_from_dict
 from jaxserve.runner.draft_model import check_one_host
+from jaxserve.runner.parallel.sharding import mtp_specs, weight_specs
 from tests.conftest import run_with_devices
 
 SPEC = Path(__file__).parent / "fixtures" / "spec"
+MTP = SPEC / "deepseek_v3_mtp"
 
 # One LLM per (method, TP size); each prints a line of what the test checks.
 SCRIPT = textwrap.dedent("""
@@ -130,20 +137,129 @@ def test_a_draft_whose_heads_do_not_split_is_refused_naming_it(tmp_path) -> None
     )
 
 
-def test_mtp_under_tensor_parallelism_is_refused_naming_the_field() -> None:
-    engine = EngineConfig(tensor_parallel_size=2)
-    runner = SimpleNamespace(multihost=False)  # refused before the drafter reads the runner
-    target = DrafterTarget(engine, None, None, 128, runner=runner)
-    why = r"\(its layers are not laid out for tensor parallelism\)"
-    with pytest.raises(
-        ValueError,
-        match=rf"method='mtp' runs its drafter on one device {why}: "
-        r"tensor_parallel_size=2 must be 1 with it",
-    ):
-        make_proposer(SpeculativeConfig(method="mtp", num_speculative_tokens=1), target)
+# The MTP fixture (test_mtp.py's prompts and engine) at TP=2 without speculation, then with mtp
+# at TP=1 and TP=2: each generates the prompts twice (the second time the prefix cache serves
+# their first blocks, so the drafter runs the target again over them). The drafts of every call
+# are recorded from the proposer.
+MTP_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jaxserve
+    from jaxserve import SamplingParams
+    PROMPTS = [
+        [0, 5, 17, 33, 99, 120, 7, 8, 9, 44, 45, 46, 47, 48, 200, 201, 11],
+        [0, 30, 31, 32],
+        [0, 250, 3, 250, 3, 250, 3, 250, 3, 61, 62],
+        [0, 12],
+    ]
+    GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def run(tp, method=None):
+        spec = None if method is None else {"method": method, "num_speculative_tokens": 2}
+        llm = jaxserve.LLM(sys.argv[1], tensor_parallel_size=tp, speculative_config=spec,
+                           max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+                           block_size=8, num_gpu_blocks_override=40, dtype="float32",
+                           warmup=False)
+        drafts = []
+        if method is not None:
+            propose = llm.engine.proposer.propose
+            def recorded(seqs, k):
+                out = propose(seqs, k)
+                drafts.append(sorted(out.items()))
+                return out
+            llm.engine.proposer.propose = recorded
+        tokens = []
+        for _ in range(2):
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                                use_tqdm=False)
+            tokens.append([list(o.outputs[0].token_ids) for o in outs])
+        return llm, tokens, drafts
+
+    def spec(x):  # a sharding's spec, and the shape of device 0's shard
+        return [str(x.sharding.spec), list(x.addressable_shards[0].data.shape)]
+
+    _, plain, _ = run(2)
+    stats = {}
+    for tp in (1, 2):
+        llm, tokens, drafts = run(tp, "mtp")
+        s = llm.engine.spec_stats
+        recomputed = llm.engine.proposer.recomputed_tokens
+        stats[tp] = [tokens == plain, drafts, s.num_draft_tokens, s.num_accepted_tokens, recomputed]
+    proposer, runner = llm.engine.proposer, llm.engine.runner  # TP=2's
+    (mtp,) = proposer.draft_weights
+    layer, latent = mtp.layer, proposer.draft_kv[0][0]
+    names = ("wq_b", "w_kv_b", "wo", "wkv_a", "router", "experts_gate", "experts_down",
+             "shared_down")
+    print(json.dumps({
+        "stats": stats, **{name: spec(getattr(layer, name)) for name in names},
+        "eh_proj": spec(mtp.eh_proj), "enorm": spec(mtp.enorm), "lm_head": spec(mtp.lm_head),
+        "shared": [mtp.embed is runner.weights.embed, mtp.lm_head is runner.weights.lm_head],
+        "latent": spec(latent), "as_target": latent.sharding == runner.kv_cache[0][0].sharding,
+    }))
+""")
+
+
+def mtp_sharing_the_lm_head(directory: Path) -> Path:
+    """The MTP fixture with its layer's ``shared_head.head`` left out (the layer shares the
+    target's ``lm_head``) and ``eh_proj`` passing the target's hidden state through (its
+    embedding half zero): the layer's weights are random, and from the target's own state and
+    head a draft is now and then accepted (the target repeating a token)."""
+    shutil.copytree(MTP, directory)
+    tensors = load_file(directory / "model.safetensors")
+    del tensors["model.layers.3.shared_head.head.weight"]
+    h = json.loads((directory / "config.json").read_text())["hidden_size"]
+    eh_proj = np.concatenate([np.zeros((h, h)), np.eye(h)], axis=1)  # [H, 2H]: [embed, hidden]
+    tensors["model.layers.3.eh_proj.weight"] = eh_proj.astype(np.float32)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def test_mtp_under_tensor_parallelism_drafts_as_on_one_device(tmp_path) -> None:
+    model_dir = mtp_sharing_the_lm_head(tmp_path / "deepseek_v3_mtp")
+    report = json.loads(run_with_devices(MTP_SCRIPT, 2, str(model_dir), timeout=300))
+    (same_1, drafts_1, *counts_1), (same_2, drafts_2, *counts_2) = (
+        report["stats"]["1"],
+        report["stats"]["2"],
+    )
+    # At TP=1 and at TP=2 with mtp: the greedy tokens of TP=2 without it.
+    assert same_1 and same_2
+    # The same drafts call for call, so the same counts (some drafts accepted); the second pass
+    # runs the target again over the prefixes the cache served, for as many positions as on
+    # one device.
+    drafted, accepted, recomputed = counts_2
+    assert drafts_2 == drafts_1 and drafted > 0 and accepted > 0 and recomputed > 0
+    assert counts_2 == counts_1
+    # The MTP layer split as the target's layers are: the query heads (4) of the latent
+    # attention on the 2 devices, the latent projections whole, o row-parallel; each expert's
+    # (and the shared experts') intermediate dim split, the router replicated.
+    assert report["wq_b"] == ["P(None, 'tp', None)", [24, 2, 24]]
+    assert report["w_kv_b"] == ["P(None, 'tp', None)", [32, 2, 28]]
+    assert report["wo"] == ["P('tp', None, None)", [2, 12, 64]]
+    assert report["wkv_a"] == ["P(None, None)", [64, 32]]
+    assert report["router"] == ["P(None, None)", [64, 8]]
+    assert report["experts_gate"] == ["P(None, None, 'tp')", [8, 64, 4]]
+    assert report["experts_down"] == ["P(None, 'tp', None)", [8, 4, 64]]
+    assert report["shared_down"] == ["P('tp', None)", [4, 64]]
+    # eh_proj and the norms replicated; the embedding and lm_head the target's, as sharded.
+    assert report["eh_proj"] == ["P()", [128, 64]] and report["enorm"] == ["P()", [64]]
+    assert report["lm_head"] == ["P(None, 'tp')", [64, 160]] and report["shared"] == [True, True]
+    # The latent pages [P, page, 1, L] as the target's latent cache: whole on every device.
+    assert report["latent"] == ["P(None, None, 'kv', None)", [36, 8, 1, 32]]
+    assert report["as_target"]
+
+
+def test_mtp_specs_split_the_experts_as_the_target_does() -> None:
+    """With --enable-expert-parallel the MTP layer's experts go whole on the devices, as the
+    target's do; without it each expert's intermediate dim is split (specs only: no devices)."""
+    config = model_config_from_dict(read_config_json(MTP / "config.json"))
+    target = weight_specs(config, 2, expert_parallel=True).layers[-1]
+    whole = mtp_specs(config, 0, 2, expert_parallel=True).layer
+    sliced = mtp_specs(config, 0, 2).layer
+    assert whole.experts_gate == target.experts_gate == P("tp", None, None)
+    assert sliced.experts_gate == P(None, None, "tp") and sliced.experts_down == P(None, "tp", None)
+    assert whole.wq_b == sliced.wq_b == target.wq_b == P(None, "tp", None)
 
 
 def test_a_model_drafter_on_a_multi_host_replica_is_refused() -> None:
-    for method in ("draft_model", "eagle3"):
+    for method in ("draft_model", "eagle3", "mtp"):
         with pytest.raises(ValueError, match=f"method={method!r} on a multi-host replica"):
             check_one_host(SimpleNamespace(multihost=True), method)

@@ -212,18 +212,19 @@ def _eagle3_proposer(config: SpeculativeConfig, target: DrafterTarget) -> Propos
 def _mtp_proposer(config: SpeculativeConfig, target: DrafterTarget) -> Proposer:
     import jax
 
-    from jaxserve.models.loading.mtp_checkpoint import load_mtp, require_mtp_layers
+    from jaxserve.models.loading.mtp_checkpoint import require_mtp_layers
     from jaxserve.runner import draft_model, mtp_proposer
     from jaxserve.runner.devices import resolve_dtype
 
     assert target.runner is not None
     engine, runner = target.engine, target.runner
-    draft_model.check_one_device(engine, config.method)  # MTP's layers have no TP layout yet
+    draft_model.check_one_host(runner, config.method)
     require_mtp_layers(engine.model_dir)  # no MTP layers: an error before waiting for the weights
     dtype = resolve_dtype(engine)
     if not isinstance(runner.weights.embed, jax.Array):  # still loading (warm-up overlaps it)
         runner.wait_for_weights()  # the layers share the target's embedding (and lm_head)
-    layers = load_mtp(engine.model_dir, target.model_config, runner.weights, dtype)
+    # Under TP the layers are split on the runner's mesh, as the target's own layers are.
+    layers, tp = mtp_proposer.load_layers(engine.model_dir, target.model_config, runner, dtype)
     proposer = mtp_proposer.MtpProposer(
         layers,
         target.model_config,
@@ -233,6 +234,7 @@ def _mtp_proposer(config: SpeculativeConfig, target: DrafterTarget) -> Proposer:
         min(config.max_batch_size, engine.max_num_seqs),
         config.num_speculative_tokens,
         dtype,
+        tp,
     )
     _LOG.info("Speculative MTP: %s", proposer.describe())
     return proposer

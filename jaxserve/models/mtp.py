@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import rope
+from jaxserve.models import moe, rope
 from jaxserve.models.batch import Batch, kv_page_shapes
 from jaxserve.models.decoder import AttentionFn, decoder_layer
 from jaxserve.models.layers import LayerWeights, rms_norm
@@ -65,7 +65,8 @@ def mtp_forward(
     batch: Batch,  # input_ids: the token after each position's; positions: the target's
     hidden: jax.Array,  # [T, H]  the target's final hidden states, or the previous step's
     config: ModelConfig,  # the target's
-    attention_fn: AttentionFn | None = None,
+    attention_fn: AttentionFn | None = None,  # under TP: the op per device (tp.attention_fn)
+    experts_fn: moe.ExpertsFn | None = None,  # under TP: the experts per device (tp.experts_fn)
 ) -> tuple[Pages, jax.Array]:  # (pages, the layer's output [T, H] before shared_head.norm)
     """The MTP layer over a ragged batch; writes its latent at ``batch.slot_mapping``."""
     eps = config.rms_norm_eps
@@ -85,7 +86,18 @@ def mtp_forward(
     rotary = rope.cos_sin(freqs, scale, x.dtype)
     attention_fn = attention_fn or dispatch.ragged_paged_attention
     x, pages = decoder_layer(
-        weights.layer, x, pages, batch, config, rotary, attention_fn, layer, None, None, None, None
+        weights.layer,
+        x,
+        pages,
+        batch,
+        config,
+        rotary,
+        attention_fn,
+        layer,
+        None,  # kv_scale: the pages are in the weights' dtype
+        experts_fn,
+        None,  # lora
+        None,  # row_tile
     )
     return pages, x
 
@@ -97,10 +109,11 @@ def mtp_step(
     hidden: jax.Array,  # [T, H]
     config: ModelConfig,
     attention_fn: AttentionFn | None = None,
+    experts_fn: moe.ExpertsFn | None = None,
 ) -> tuple[Pages, jax.Array, jax.Array]:  # (pages, f32[S, V], hidden [T, H])
     """One draft step: (the layer's pages, the logits at each sequence's
     ``batch.logits_indices`` row, the layer's output for the next chained step's ``hidden``)."""
-    pages, out = mtp_forward(weights, pages, batch, hidden, config, attention_fn)
+    pages, out = mtp_forward(weights, pages, batch, hidden, config, attention_fn, experts_fn)
     normed = rms_norm(out[batch.logits_indices], weights.head_norm, config.rms_norm_eps)
     logits = linear(normed, weights.lm_head, "NH,HV->NV", jnp.float32)
     return pages, logits, out

@@ -59,17 +59,6 @@ from jaxserve.runner.parallel.sharding import TensorParallel
 _LOG = logging.getLogger(__name__)
 
 
-def check_one_device(config: EngineConfig, method: str) -> None:
-    """A drafter whose layers have no tensor-parallel layout (``mtp``: DeepSeek-V3's latent
-    attention and experts) runs on one device: tensor parallelism is refused, naming the field."""
-    if config.tensor_parallel_size != 1:
-        raise ValueError(
-            f"speculative_config method={method!r} runs its drafter on one device (its layers "
-            f"are not laid out for tensor parallelism): tensor_parallel_size="
-            f"{config.tensor_parallel_size} must be 1 with it"
-        )
-
-
 def check_one_host(runner: Any, method: str) -> None:
     """A model drafter runs its programs from the engine's process alone: a multi-host
     replica (whose other processes only follow the runner's steps) is refused."""

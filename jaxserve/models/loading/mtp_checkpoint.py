@@ -8,7 +8,9 @@ decoder layer's tensors named as the target's layers name them (the family's wei
 ``shared_head.norm.weight`` and ``shared_head.head.weight`` [V, H] (absent: the target's
 ``lm_head``). ``embed_tokens.weight`` there is the target's embedding again and is not read.
 The layers are small next to the model: their tensors are read whole to the host and converted
-on the default device as the target loader converts its fields.
+on the default device as the target loader converts its fields, each then placed in the sharding
+the runner gives under tensor parallelism (``sharding.mtp_shardings``; the shared embedding and
+lm_head are the target's arrays, as sharded).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -26,6 +29,7 @@ from jaxserve.models.families.registry import layer_fields
 from jaxserve.models.layers import LayerWeights, Weights
 from jaxserve.models.loading.checkpoint_loader import field_from_tensors, tensor_files
 from jaxserve.models.loading.checkpoint_reader import CheckpointReader, WeightsError
+from jaxserve.models.loading.field_conversion import Placement
 from jaxserve.models.mtp import MtpWeights
 
 MTP_FIELD = "num_nextn_predict_layers"
@@ -93,13 +97,24 @@ def load_mtp(
     config: ModelConfig,
     target: Weights,  # the target's embedding, and its lm_head for a layer without a head
     dtype: Any = jnp.bfloat16,
+    shardings: list[MtpWeights] | None = None,  # a sharding per field, layer for layer
 ) -> list[MtpWeights]:
     """Every MTP layer of the checkpoint (``ConfigError`` naming ``num_nextn_predict_layers``
-    when it has none)."""
+    when it has none), on the default device, or each field in its sharding."""
     model_dir = Path(model_dir)
     count = require_mtp_layers(model_dir)
     files = tensor_files(model_dir)
-    return [_layer(model_dir, files, config, target, dtype, i) for i in range(count)]
+    placed: list[MtpWeights | None] = list(shardings) if shardings is not None else [None] * count
+    return [_layer(model_dir, files, config, target, dtype, i, placed[i]) for i in range(count)]
+
+
+def _layer_placement(shardings: LayerWeights) -> Placement:
+    """A field's path (``("mtp", index, name)``) -> its sharding in the layer's shardings."""
+
+    def place(path: tuple[Any, ...], shape: tuple[int, ...]) -> Any:
+        return getattr(shardings, path[-1])
+
+    return place
 
 
 def _layer(
@@ -109,6 +124,7 @@ def _layer(
     target: Weights,
     dtype: Any,
     index: int,
+    shardings: MtpWeights | None,
 ) -> MtpWeights:
     layer = config.num_layers + index
     prefix = HF_LAYER_PREFIX.format(layer=layer)
@@ -117,6 +133,7 @@ def _layer(
     if head_name in files:
         shapes[head_name] = (config.vocab_size, config.hidden_size)
     tensors = _read(model_dir, files, shapes)
+    placement = None if shardings is None else _layer_placement(shardings.layer)
     fields = {
         field.name: field_from_tensors(
             [tensors[n] for n in field.hf_names(config, prefix)],
@@ -124,28 +141,33 @@ def _layer(
             field,
             config,
             dtype,
+            placement,
         )
         for field in layer_fields(config, layer)
     }
 
-    def vec(name: str) -> Any:
-        return jnp.asarray(tensors[prefix + name], dtype)
+    def vec(name: str) -> Any:  # on the host until placed
+        return np.asarray(tensors[prefix + name], dtype)
 
-    def linear_t(name: str) -> Any:  # [out, in] -> [in, out]
-        return jnp.asarray(np.ascontiguousarray(tensors[name].T), dtype)
+    def linear_t(name: str) -> Any:  # [out, in] -> [in, out], on the host until placed
+        return np.asarray(np.ascontiguousarray(tensors[name].T), dtype)
 
+    # The target's arrays are kept where they are (a shared one: its sharding).
     if head_name in tensors:
         lm_head = linear_t(head_name)
     elif target.lm_head is not None:
-        lm_head = jnp.asarray(target.lm_head, dtype)
+        lm_head = target.lm_head.astype(dtype)
     else:
-        lm_head = jnp.asarray(target.embed, dtype).T
-    return MtpWeights(
-        embed=jnp.asarray(target.embed, dtype),
-        enorm=vec("enorm.weight"),
-        hnorm=vec("hnorm.weight"),
-        eh_proj=linear_t(prefix + "eh_proj.weight"),
-        layer=LayerWeights(**fields),
-        head_norm=vec("shared_head.norm.weight"),
-        lm_head=lm_head,
+        lm_head = target.embed.astype(dtype).T
+    extras = {
+        "embed": target.embed.astype(dtype),
+        "enorm": vec("enorm.weight"),
+        "hnorm": vec("hnorm.weight"),
+        "eh_proj": linear_t(prefix + "eh_proj.weight"),
+        "head_norm": vec("shared_head.norm.weight"),
+        "lm_head": lm_head,
+    }
+    placed = jax.device_put(
+        extras, None if shardings is None else {n: getattr(shardings, n) for n in extras}
     )
+    return MtpWeights(layer=LayerWeights(**fields), **placed)

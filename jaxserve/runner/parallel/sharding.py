@@ -27,6 +27,10 @@ The layout (Megatron-style, one mesh axis ``"tp"`` of N devices):
   EAGLE-3 head     its layer as any layer (q/k/v read 2H: only their heads split), embed as the
                    target's, lm_head [H, W] on W; fc, the norms and d2t replicated
                    (``eagle3_specs``)
+  MTP layers       DeepSeek-V3's next-token layers (``mtp_specs``): the decoder layer as the
+                   target's layer of its kind (unquantized), embed and lm_head as the target's;
+                   enorm, hnorm, eh_proj and the shared head's norm replicated; their latent
+                   pages as the target's (one KV head: whole on every device)
 
 KV heads and the query heads they serve must sit on the same device. With N <= K each device
 holds K / N KV heads. With N > K (more devices than KV heads) each KV head is replicated on
@@ -57,6 +61,7 @@ from jaxserve.models.families.registry import layer_fields, model_fields
 from jaxserve.models.layers import LayerWeights, Weights
 from jaxserve.models.loading.field_conversion import Placement
 from jaxserve.models.lora import LoraLayer, LoraShapes, LoraWeights
+from jaxserve.models.mtp import MtpWeights
 from jaxserve.models.quant import QUANTIZED_FIELDS, QArray
 from jaxserve.models.quant_scheme import QuantScheme, qarray_layout
 from jaxserve.runner.parallel.expert_parallel import sharded_experts
@@ -157,16 +162,47 @@ def weight_specs(
     expert_parallel: bool = False,
 ) -> Weights:
     """A ``Weights`` pytree of PartitionSpecs, parallel to the model's weights."""
-    split = _SPLIT_DIMS
-    # NOTE: jax shards only evenly; a vocabulary N does not divide stays replicated.
-    if config.vocab_size % tensor_parallel_size == 0:
-        split = split | {"V": TP_AXIS}
+    split = _vocab_split(config, tensor_parallel_size)
     specs: dict[str, Any] = {f.name: _spec(f.shape, split) for f in model_fields(config)}
     layers = [
         layer_specs(config, i, expert_parallel, quant, tensor_parallel_size)
         for i in range(config.num_layers)
     ]
     return Weights(layers=layers, **specs)
+
+
+def _vocab_split(config: ModelConfig, tensor_parallel_size: int) -> dict[str, str]:
+    """The split of the tensors outside the layers: the layers' split, and the vocabulary (V)
+    on "tp" where N divides it."""
+    # NOTE: jax shards only evenly; a vocabulary N does not divide stays replicated.
+    if config.vocab_size % tensor_parallel_size == 0:
+        return _SPLIT_DIMS | {"V": TP_AXIS}
+    return _SPLIT_DIMS
+
+
+def mtp_specs(
+    config: ModelConfig, index: int, tensor_parallel_size: int, expert_parallel: bool = False
+) -> MtpWeights:
+    """An ``MtpWeights`` of PartitionSpecs for MTP layer ``index`` of the target ``config``:
+    its decoder layer (layer L + index of the weight table) split as the target's layers of its
+    kind are (MLA's heads on "tp", the experts as ``expert_parallel`` says; unquantized: the
+    layers load in the model's dtype), embed [V, H] and lm_head [H, V] as the target's (a
+    shared one keeps its sharding)."""
+    n = tensor_parallel_size
+    vocab = _vocab_split(config, n)
+    specs: dict[str, Any] = {
+        "embed": _spec("VH", vocab),
+        # NOTE: the norms and eh_proj [2H, H] are replicated: eh_proj reads the embedding and
+        # the target's states (replicated) and writes the residual stream (replicated), once a
+        # step; split, its output would need one more all-gather for a GEMM this size.
+        "enorm": P(),
+        "hnorm": P(),
+        "eh_proj": P(),
+        "layer": layer_specs(config, config.num_layers + index, expert_parallel, None, n),
+        "head_norm": P(),
+        "lm_head": _spec("HV", vocab),
+    }
+    return MtpWeights(**specs)
 
 
 def eagle3_specs(config: Eagle3Config, tensor_parallel_size: int) -> Eagle3Weights:
@@ -283,14 +319,18 @@ class TensorParallel:
     def kv_cache_shardings(self, num_layers: int) -> list[tuple[NamedSharding, NamedSharding]]:
         return [(self.kv_sharding, self.kv_sharding)] * num_layers
 
-    def make_kv_cache(self, num_pages: int, page_size: int, dtype: jnp.dtype) -> KVCache:
-        """A zeroed cache allocated directly in its shards (no device ever holds all of it)."""
+    def make_kv_cache(
+        self, num_pages: int, page_size: int, dtype: jnp.dtype, num_layers: int | None = None
+    ) -> KVCache:
+        """A zeroed cache allocated directly in its shards (no device ever holds all of it), of
+        ``num_layers`` layers in the model's page shapes (None: the model's layers)."""
         shapes = kv_page_shapes(self.config, num_pages, page_size)  # [P, page, K, D] each
         zeros = [
             jax.jit(lambda shape=shape: jnp.zeros(shape, dtype), out_shardings=self.kv_sharding)
             for shape in shapes
         ]
-        return [(zeros[0](), zeros[1]()) for _ in range(self.config.num_layers)]
+        count = self.config.num_layers if num_layers is None else num_layers
+        return [(zeros[0](), zeros[1]()) for _ in range(count)]
 
     def step_shardings(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """(in_shardings, out_shardings) for ``jit(step(weights, kv_cache, packed inputs,
@@ -327,6 +367,16 @@ def eagle3_shardings(tp: TensorParallel, config: Eagle3Config) -> Eagle3Weights:
     return jax.tree.map(
         lambda spec: NamedSharding(tp.kv_mesh if _is_kv_spec(spec) else tp.mesh, spec),
         eagle3_specs(config, tp.tensor_parallel_size),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def mtp_shardings(tp: TensorParallel, index: int) -> MtpWeights:
+    """MTP layer ``index``'s NamedShardings (``mtp_specs``) on the target's ``tp``, the experts
+    split as the target's are: KV-side specs on the KV view, the rest on "tp"."""
+    return jax.tree.map(
+        lambda spec: NamedSharding(tp.kv_mesh if _is_kv_spec(spec) else tp.mesh, spec),
+        mtp_specs(tp.config, index, tp.tensor_parallel_size, tp.expert_parallel),
         is_leaf=lambda x: isinstance(x, P),
     )
 
