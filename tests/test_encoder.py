@@ -315,7 +315,8 @@ def test_windowed_attention_equals_the_dense_reference(num_tokens: int):
     q, k, v = _attention_inputs(seed, num_tokens)
     want = segment_attention(q, k, v, segments, 0.25)
     got = windowed_segment_attention(q, k, v, segments, 0.25, tile=32)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{seed=}")
+    real = sum(lengths)  # padding rows are garbage either way (forward's contract)
+    np.testing.assert_allclose(got[:real], want[:real], rtol=1e-5, atol=1e-5, err_msg=f"{seed=}")
 
 
 def test_encoder_attention_names_its_choice(monkeypatch):
@@ -349,4 +350,8 @@ def test_cudnn_windowed_attention_equals_the_reference(num_tokens: int):
         functools.partial(windowed_segment_attention, tile=64, implementation="cudnn"),
         static_argnums=4,
     )(q, k, v, segments, 0.25)
-    np.testing.assert_allclose(got.astype(jnp.float32), want, atol=2e-2, err_msg=f"{seed=}")
+    # Only the sequences' rows: the padding (one segment, here longer than the windows) is
+    # garbage by forward's contract, and the H200 run of 2026-12-05 compared it too.
+    real = sum(lengths)
+    got32 = np.asarray(got.astype(jnp.float32))[:real]
+    np.testing.assert_allclose(got32, np.asarray(want)[:real], atol=2e-2, err_msg=f"{seed=}")
