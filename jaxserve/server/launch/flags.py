@@ -583,7 +583,8 @@ SPECULATIVE_CONFIG_HELP = (
     'speculative decoding as vLLM configures it: a JSON object, e.g. \'{"method": "ngram", '
     '"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
     "(also disable_by_batch_size: no drafts in a step with more running sequences, default "
-    "32). Built: ngram; draft_model, eagle3 and mtp are refused until they land. Lossless: "
+    "32). Methods: ngram, draft_model (model: a small model of the same tokenizer), eagle3 "
+    "(model: an EAGLE-3 head directory), mtp (DeepSeek-V3's own MTP layers). Lossless: "
     "greedy output is unchanged (docs/speculative_decoding.md)"
 )
 
