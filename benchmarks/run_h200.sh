@@ -679,6 +679,7 @@ stage_embeddings() {  # issue 40's table: texts/s and the share of the compute r
       > "$OUT/embeddings_${model}_kernels.txt" 2>&1
     echo "-- $model"; head -18 "$OUT/embeddings_${model}_kernels.txt"
   done
+  rm -rf "$OUT/embeddings_profile"  # the summaries stay; the traces would not come back
 }
 
 stage_weights() {  # a training loop's hooks: update_weights, sleep and wake, memory asleep
