@@ -45,6 +45,14 @@ def dequantize_kv(x: jax.Array, scale: Scale = None) -> jax.Array:  # float32, x
     return x32 if scale is None else x32 * jnp.asarray(scale, jnp.float32)
 
 
+# NOTE: every cache write tells XLA its slots are unique (``unique_indices``): within a step each
+# token owns its slot, and the rows that own none (padding, a recompute that must not write)
+# share an out-of-range slot, which ``mode="drop"`` skips. A scatter that may meet duplicates
+# makes each element's write an atomic read-modify-write, 16-bit ones through 32-bit
+# compare-and-swap loops: on the H200 the embeddings trace (2026-12-05) showed Qwen3-0.6B's
+# cache writes at 0.5 TB/s, 7.4 of a 16,384-token step's 36.7 ms.
+
+
 def write_kv(
     k_pages: jax.Array,  # [P, page_size, Hkv, D]
     v_pages: jax.Array,  # [P, page_size, Hkv, D]
@@ -61,8 +69,9 @@ def write_kv(
     flat_shape = (num_pages * page_size, num_kv_heads, head_dim)
     k_new = quantize_kv(k, k_pages.dtype, k_scale)  # [T, Hkv, D]
     v_new = quantize_kv(v, v_pages.dtype, v_scale)
-    k_flat = k_pages.reshape(flat_shape).at[slot_mapping].set(k_new, mode="drop")
-    v_flat = v_pages.reshape(flat_shape).at[slot_mapping].set(v_new, mode="drop")
+    scatter = dict(mode="drop", unique_indices=True)  # (the NOTE above)
+    k_flat = k_pages.reshape(flat_shape).at[slot_mapping].set(k_new, **scatter)
+    v_flat = v_pages.reshape(flat_shape).at[slot_mapping].set(v_new, **scatter)
     return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
 
 
@@ -83,6 +92,6 @@ def write_latent(
     # NOTE: indexed by (page, offset), not through a flat [P * page_size] view: XLA copied the
     # whole (donated) page array when a reshaped one fed the reference's loop over blocks.
     page, offset = slot_mapping // page_size, slot_mapping % page_size
-    ckv_pages = ckv_pages.at[page, offset, 0].set(ckv_new, mode="drop")
-    kpe_pages = kpe_pages.at[page, offset, 0].set(kpe_new, mode="drop")
+    ckv_pages = ckv_pages.at[page, offset, 0].set(ckv_new, mode="drop", unique_indices=True)
+    kpe_pages = kpe_pages.at[page, offset, 0].set(kpe_new, mode="drop", unique_indices=True)
     return ckv_pages, kpe_pages

@@ -400,3 +400,25 @@ def test_layers_with_different_scales_share_one_attention_program() -> None:
     calls = [e for e in jaxpr.eqns if e.params.get("name") == "ragged_paged_attention"]
     assert len(calls) == 2 and calls[0].params["jaxpr"] is calls[1].params["jaxpr"]
     assert all(len(e.invars) == 9 for e in calls)  # q, pages, metadata, k_scale, v_scale
+
+
+def test_cache_writes_promise_unique_slots_and_drop_the_shared_padding_slot():
+    """Each token owns its slot; padding rows share one out-of-range slot and are dropped. The
+    writes tell XLA the slots are unique (plain stores, not atomic read-modify-writes)."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.kv_cache import write_kv, write_latent
+
+    pages = jnp.zeros((4, 4, 2, 8), jnp.bfloat16)
+    new = jnp.arange(5 * 2 * 8, dtype=jnp.float32).reshape(5, 2, 8).astype(jnp.bfloat16)
+    slots = jnp.array([0, 5, 9, 16, 16], jnp.int32)  # two padding rows at 16 = 4 pages x 4
+    k, v = write_kv(pages, pages, new, new, slots)
+    flat = np.asarray(k.astype(jnp.float32)).reshape(16, 2, 8)
+    np.testing.assert_array_equal(flat[[0, 5, 9]], np.asarray(new[:3].astype(jnp.float32)))
+    assert np.count_nonzero(flat.reshape(16, -1).any(axis=1)) == 3  # the padding: nowhere
+    text = jax.jit(write_kv).lower(pages, pages, new, new, slots).as_text()
+    assert text.count("unique_indices = true") == text.count('"stablehlo.scatter"(') > 0
+    latent = jnp.zeros((4, 4, 1, 8), jnp.bfloat16)
+    rows = new[:, 0]
+    text = jax.jit(write_latent).lower(latent, latent, rows, rows, slots).as_text()
+    assert text.count("unique_indices = true") == text.count('"stablehlo.scatter"(') > 0
