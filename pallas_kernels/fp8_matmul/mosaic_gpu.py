@@ -12,9 +12,12 @@ and the few token rows are its N (a multiple of 8, up to ``MAX_ROWS``): no tenso
 spent on padding rows, and the weight keeps the checkpoint's ``[out, in]`` layout, K-major, as
 fp8 wgmma wants both operands. Each program owns ``block_n`` output channels and one of
 ``num_splits`` shares of K, and streams ``[block_n, block_k]`` weight tiles through shared
-memory with TMA, ``num_stages`` in flight (``plgpu.emit_pipeline``). When the channels alone
-give too few programs to fill the GPU, K is split and the f32 partial sums are added after the
-kernel, in XLA, which also applies the scales and turns the product back to ``[M, N]``.
+memory with TMA, ``num_stages`` in flight (``plgpu.emit_pipeline``). A program that holds the
+whole of K finishes the product itself: both scales (read into shared memory while the weight
+streams), the output dtype, and the tile stored transposed, so the kernel writes ``[M, N]`` (the
+rows padded to a multiple of 8) and nothing runs after it. When the channels alone give too few
+programs to fill the GPU, K is split instead, and the f32 partial sums are added after the
+kernel, in XLA, which then applies the scales and turns the product back to ``[M, N]``.
 
 Two modes (``reference`` has the semantics):
 - W8A8 (``act_quant=True``): x quantized per row to fp8 (in XLA, before the kernel); both
@@ -108,8 +111,9 @@ def smem_bytes(m: int, config: Fp8MatmulConfig, act_quant: bool, dequant_in_smem
     x_itemsize = 1 if act_quant else 2
     stage = config.block_n * config.block_k + padded_rows(m) * config.block_k * x_itemsize
     converted = config.block_n * config.block_k * 2 if dequant_in_smem and not act_quant else 0
-    out = config.block_n * padded_rows(m) * 4
-    return config.num_stages * stage + converted + out
+    out = config.block_n * padded_rows(m) * 4  # f32 partial sums, or the output (at most f32)
+    scales = (config.block_n + padded_rows(m)) * 4
+    return config.num_stages * stage + converted + out + scales
 
 
 def unsupported_reason(x: Any, w: Any, w_scale: Any, config: Fp8MatmulConfig) -> str | None:
@@ -136,9 +140,12 @@ def unsupported_reason(x: Any, w: Any, w_scale: Any, config: Fp8MatmulConfig) ->
 def _kernel(
     w_ref,  # f8[N, K] (GMEM)
     x_ref,  # [Mp, K] f8 (W8A8) or f16 (GMEM)
-    o_ref,  # f32[num_splits, N, Mp] (GMEM)
-    o_smem,  # f32[block_n, Mp]
+    scales_ref,  # f32[N + Mp] (GMEM): the weight's per channel, then the rows' (direct only)
+    o_ref,  # [Mp, N] out dtype (direct), or f32[num_splits, N, Mp] partial sums (GMEM)
+    o_smem,  # [Mp, block_n] out dtype (direct), or f32[block_n, Mp]
     a_smem,  # f16[block_n, block_k]: the converted weight tile (dequant_in_smem), else None
+    scales_smem,  # f32[block_n + Mp] (direct), else None
+    scales_bar,  # its barrier (direct), else None
     *,
     tiles: Fp8MatmulConfig,
     k_steps: int,  # pipeline steps of one split
@@ -147,6 +154,11 @@ def _kernel(
     split = lax.axis_index("split")
     rows = x_ref.shape[0]
     first = split * k_steps
+    channels = pl.ds(n_block * tiles.block_n, tiles.block_n)
+    if scales_smem is not None:  # in flight while the weight streams
+        block_n, n = tiles.block_n, w_ref.shape[0]
+        plgpu.copy_gmem_to_smem(scales_ref.at[channels], scales_smem.at[:block_n], scales_bar)
+        plgpu.copy_gmem_to_smem(scales_ref.at[pl.ds(n, rows)], scales_smem.at[block_n:], scales_bar)
 
     def scope(acc_ref):  # f32[block_n, Mp] accumulator
         def step(_, w_smem, x_smem):
@@ -173,9 +185,19 @@ def _kernel(
         return acc_ref[...]
 
     out = pl.run_scoped(scope, plgpu.ACC((tiles.block_n, rows), jnp.float32))
-    o_smem[...] = out
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, pl.ds(n_block * tiles.block_n, tiles.block_n)])
+    if scales_smem is None:  # a share of K: the f32 partial sums, as they are
+        o_smem[...] = out
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, channels])
+    else:  # the whole of K: both scales, the output dtype, and [Mp, N] (stored transposed)
+        plgpu.barrier_wait(scales_bar)
+        w_scale = scales_smem[: tiles.block_n]  # f32[block_n]: a scale per accumulator row
+        x_scale = scales_smem[tiles.block_n :]  # f32[Mp]: a scale per column
+        out = out * lax.broadcast_in_dim(w_scale, out.shape, [0])
+        out = out * lax.broadcast_in_dim(x_scale, out.shape, [1])
+        o_smem.T[...] = out.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[:, channels])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -206,29 +228,56 @@ def fp8_matmul(
             f"fp8_matmul: {m} rows with {tiles} need {smem:,} bytes of shared memory; the "
             f"limit is {SMEM_BYTES:,}: lower num_stages or block_k"
         )
-    x_scale = None
     if act_quant:
         xk, x_scale = quantize_rows(x)  # f8[M, K], f32[M, 1]
     else:
-        xk = as_f16(x)
+        xk, x_scale = as_f16(x), jnp.ones((m, 1), jnp.float32)
     xk = jnp.pad(xk, ((0, rows - m), (0, 0)))  # zero rows: nothing added to the real ones
-    k_steps = k // tiles.block_k // tiles.num_splits
-    body = functools.partial(_kernel, tiles=tiles, k_steps=k_steps)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    direct = tiles.num_splits == 1
+    out = _launch(w, xk, w_scale, x_scale, tiles, out_dtype, direct, dequant_in_smem, interpret)
+    if direct:
+        return out[:m]  # [Mp, N] -> [M, N] (nothing to cut when M is a multiple of 8)
+    y = out.sum(axis=0)[:, :m].T  # f32[M, N]
+    return (y * x_scale * w_scale).astype(out_dtype)
+
+
+def _launch(
+    w: jax.Array,
+    xk: jax.Array,  # [Mp, K]
+    w_scale: jax.Array,  # f32[N]
+    x_scale: jax.Array,  # f32[M, 1]
+    tiles: Fp8MatmulConfig,
+    out_dtype: Any,
+    direct: bool,  # K whole in each program: the kernel scales and writes [Mp, N] itself
+    dequant_in_smem: bool,
+    interpret: bool,
+) -> jax.Array:  # [Mp, N] out_dtype (direct), else f32[num_splits, N, Mp]
+    assert tiles.num_splits is not None
+    (n, k), rows = w.shape, xk.shape[0]
+    scales = jnp.concatenate(
+        [w_scale, jnp.pad(x_scale[:, 0], (0, rows - x_scale.shape[0]))]
+    )  # f32[N + Mp]
+    body = functools.partial(_kernel, tiles=tiles, k_steps=k // tiles.block_k // tiles.num_splits)
+    if direct:
+        out_type = jax.ShapeDtypeStruct((rows, n), out_dtype)
+        o_smem = plgpu.SMEM((rows, tiles.block_n), out_dtype)
+    else:
+        out_type = jax.ShapeDtypeStruct((tiles.num_splits, n, rows), jnp.float32)
+        o_smem = plgpu.SMEM((tiles.block_n, rows), jnp.float32)
     scratch = [
-        plgpu.SMEM((tiles.block_n, rows), jnp.float32),
+        o_smem,
         plgpu.SMEM((tiles.block_n, tiles.block_k), jnp.float16) if dequant_in_smem else None,
+        plgpu.SMEM((tiles.block_n + rows,), jnp.float32) if direct else None,
+        plgpu.Barrier(num_arrivals=2) if direct else None,
     ]
-    partial_sums = plgpu.kernel(
+    return plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((tiles.num_splits, n, rows), jnp.float32),
+        out_type=out_type,
         scratch_types=scratch,
         grid=(n // tiles.block_n, tiles.num_splits),
         grid_names=("n", "split"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         kernel_name="fp8_matmul",
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(w, xk)
-    y = partial_sums.sum(axis=0)[:, :m].T  # f32[M, N]
-    if x_scale is not None:
-        y = y * x_scale
-    return (y * w_scale).astype(out_dtype or x.dtype)
+    )(w, xk, scales)
