@@ -69,10 +69,10 @@ def write_kv(
     flat_shape = (num_pages * page_size, num_kv_heads, head_dim)
     k_new = quantize_kv(k, k_pages.dtype, k_scale)  # [T, Hkv, D]
     v_new = quantize_kv(v, v_pages.dtype, v_scale)
-    k_flat = k_pages.reshape(flat_shape).at[slot_mapping]  # unique: the NOTE above
-    v_flat = v_pages.reshape(flat_shape).at[slot_mapping]
-    k_flat = k_flat.set(k_new, mode="drop", unique_indices=True)
-    v_flat = v_flat.set(v_new, mode="drop", unique_indices=True)
+    k_slots = k_pages.reshape(flat_shape).at[slot_mapping]  # unique: the NOTE above
+    v_slots = v_pages.reshape(flat_shape).at[slot_mapping]
+    k_flat = k_slots.set(k_new, mode="drop", unique_indices=True)
+    v_flat = v_slots.set(v_new, mode="drop", unique_indices=True)
     return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
 
 
