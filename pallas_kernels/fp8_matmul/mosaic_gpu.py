@@ -189,16 +189,23 @@ def _kernel(
         o_smem[...] = out
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, channels])
-    else:  # the whole of K: both scales, the output dtype, and [Mp, N] (stored transposed)
-        plgpu.barrier_wait(scales_bar)
-        w_scale = scales_smem[: tiles.block_n]  # f32[block_n]: a scale per accumulator row
-        x_scale = scales_smem[tiles.block_n :]  # f32[Mp]: a scale per column
-        out = out * lax.broadcast_in_dim(w_scale, out.shape, [0])
-        out = out * lax.broadcast_in_dim(x_scale, out.shape, [1])
-        o_smem.T[...] = out.astype(o_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[:, channels])
+    else:
+        _store_scaled(out, o_ref.at[:, channels], o_smem, scales_smem, scales_bar)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _store_scaled(out, o_ref, o_smem, scales_smem, scales_bar) -> None:
+    """A program that held the whole of K: ``out`` f32[block_n, Mp] times both scales, in the
+    output dtype, stored transposed into ``o_ref`` [Mp, block_n] (GMEM)."""
+    block_n = out.shape[0]
+    plgpu.barrier_wait(scales_bar)
+    w_scale = scales_smem[:block_n]  # f32[block_n]: a scale per accumulator row
+    x_scale = scales_smem[block_n:]  # f32[Mp]: a scale per column
+    out = out * lax.broadcast_in_dim(w_scale, out.shape, [0])
+    out = out * lax.broadcast_in_dim(x_scale, out.shape, [1])
+    o_smem.T[...] = out.astype(o_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("act_quant", "out_dtype", "config", "interpret"))
