@@ -173,7 +173,7 @@ def test_concurrent_streams_with_random_disconnects(launched):
     # Every client that left had its request aborted in the engine, and no other request was.
     wait_for(
         lambda: metric(url, "jaxserve:num_aborted_requests_total") - aborted_before >= len(cuts),
-        10,
+        30,  # (10 s ran out by 27 ms once on a loaded CI machine with a cold compile cache)
         "the aborts",
     )
     assert metric(url, "jaxserve:num_aborted_requests_total") - aborted_before == len(cuts)

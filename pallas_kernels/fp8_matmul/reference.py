@@ -27,9 +27,11 @@ F16_MAX = 65504.0  # largest finite float16
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Dynamic per-row fp8: (f8e4m3[M, K], f32[M, 1] scales), x ~= values * scale."""
     x32 = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
-    scale = jnp.maximum(amax, 1e-12) / FP8_MAX
-    return (x32 / scale).astype(FP8), scale
+    amax = jnp.maximum(jnp.max(jnp.abs(x32), axis=-1, keepdims=True), 1e-12)
+    # NOTE: x times the row's factor, not x divided by its scale: XLA rewrites a division by a
+    # broadcast scalar into a product with its reciprocal inside jit and not outside, so the
+    # same row rounded to other fp8 values in a jitted caller than in eager code.
+    return (x32 * (FP8_MAX / amax)).astype(FP8), amax / FP8_MAX
 
 
 def as_f16(x: jax.Array) -> jax.Array:
