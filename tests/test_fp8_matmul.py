@@ -27,6 +27,7 @@ from jaxserve.models import quant
 from pallas_kernels.fp8_matmul import dispatch, reference
 from pallas_kernels.fp8_matmul import mosaic_gpu as fm
 from tests.conftest import fixture_dir
+from tests.test_skinny_matmul import assert_matches  # the same products, another order
 
 ROOT = Path(__file__).parents[1]
 
@@ -61,14 +62,6 @@ def make_inputs(rng: np.random.Generator, case: Case):
     amax = np.abs(w).max(axis=1)
     q = np.clip(w / (amax / 448.0)[:, None], -448.0, 448.0)
     return x, jnp.asarray(q, jnp.float8_e4m3fn), jnp.asarray(amax / 448.0, jnp.float32)
-
-
-def assert_matches(out: jax.Array, ref: jax.Array, seed: int) -> None:
-    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, out.dtype)
-    out32, ref32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    # The same products summed in f32 in another order; the output rounded once.
-    tol = 1e-2 * max(1.0, float(np.abs(ref32).max()))
-    np.testing.assert_allclose(out32, ref32, atol=tol, rtol=1e-2, err_msg=f"{seed=}")
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
