@@ -105,9 +105,10 @@
 #                JAXSERVE_FP8_MATMUL=off and =auto -> $OUT/fp8_matmul.{log,json}, fp8mm_step_*
 #   highload     issue 36's profile of the full card: `jaxserve bench throughput` at 1000 x
 #                1000 in / 1000 out with the engine's step log on (JAXSERVE_STEP_LOG), for each
-#                of $HIGHLOAD_MODES (default "bf16 fp8kv"), then where the time went by step kind
-#                (benchmarks/step_log_summary.py) -> $OUT/highload_<mode>.{log,json}, _steps.*
-#                (about 2-3 minutes a mode)
+#                of $HIGHLOAD_MODES (default "bf16 fp8kv") and $HIGHLOAD_SEQS (default "256
+#                auto": the old fixed --max-num-seqs and the per-device default), then where the
+#                time went by step kind (benchmarks/step_log_summary.py)
+#                -> $OUT/highload_<mode>_<seqs>.{log,json}, _steps.* (about 2-3 minutes a run)
 #   invariant_probe  per set of XLA options (autotuned, autotune level 0, cuBLAS at level 0):
 #                the batch-invariant scenarios' differing logit rows on the GPU test's model
 #                (benchmarks/probes/batch_invariant_bits.py, about 2 minutes)
@@ -557,20 +558,25 @@ stage_fp8mm() {  # the fp8-matmul kernel: native tests, against XLA and the floo
 }
 
 stage_highload() {  # the 1000 x 1000/1000 run with its step log: where the time goes
-  local mode flags
+  local mode flags seqs run
   for mode in ${HIGHLOAD_MODES:-bf16 fp8kv}; do
     case $mode in
       bf16) flags="" ;;
       fp8kv) flags="--quantization fp8 --kv-cache-dtype fp8" ;;
       *) echo "unknown mode $mode" && return 1 ;;
     esac
-    JAXSERVE_STEP_LOG="$OUT/highload_${mode}_steps.jsonl" python3 -m jaxserve.bench.throughput \
-      --engine jaxserve --num-prompts 1000 --input-len 1000 --output-len 1000 \
-      --max-model-len 2048 $flags --output-json "$OUT/highload_$mode.json" \
-      > "$OUT/highload_$mode.log" 2>&1
-    echo "-- $mode: $(tail -1 "$OUT/highload_$mode.log")"
-    python3 -m benchmarks.step_log_summary "$OUT/highload_${mode}_steps.jsonl" --skip 20 \
-      --output-json "$OUT/highload_${mode}_steps_summary.json"
+    # 256: the fixed --max-num-seqs of earlier trees; auto: the per-device default
+    # (runner/batch_size.py: 434 bf16, 908 fp8 + fp8 KV on the H200 at 2,048 tokens)
+    for seqs in ${HIGHLOAD_SEQS:-256 auto}; do
+      run=highload_${mode}_$seqs
+      JAXSERVE_STEP_LOG="$OUT/${run}_steps.jsonl" python3 -m jaxserve.bench.throughput \
+        --engine jaxserve --num-prompts 1000 --input-len 1000 --output-len 1000 \
+        --max-model-len 2048 $flags $([ "$seqs" = auto ] || echo --max-num-seqs "$seqs") \
+        --output-json "$OUT/$run.json" > "$OUT/$run.log" 2>&1
+      echo "-- $mode, max_num_seqs $seqs: $(tail -1 "$OUT/$run.log")"
+      python3 -m benchmarks.step_log_summary "$OUT/${run}_steps.jsonl" --skip 20 \
+        --output-json "$OUT/${run}_steps_summary.json"
+    done
   done
 }
 

@@ -31,6 +31,8 @@ def dtype_name(text: str) -> str:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# max_num_seqs where no device sets it (runner/batch_size.py: vLLM's default on most devices)
+BASE_MAX_NUM_SEQS = 256
 # --quantization: fp8 / int8 quantize bf16 weights on load; the others name a pre-quantized
 # checkpoint's method (which is detected from its config.json without the flag).
 QUANTIZATIONS = ("fp8", "int8", "compressed-tensors", "awq", "gptq")
@@ -312,7 +314,9 @@ class EngineConfig:
     load_format: str = "auto"
     quantization: str | None = None  # one of QUANTIZATIONS; None: the checkpoint's, if any
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_num_seqs: int = 256
+    # None: per device, sized from the KV cache at engine start (runner/batch_size.py): 1,024 at
+    # most on GPUs of 70 GiB or more, 256 elsewhere; read it through resolved_max_num_seqs.
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     num_gpu_blocks_override: int | None = None
@@ -400,7 +404,7 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} must be at least 2")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be at least 1")
         if self.max_num_batched_tokens < 16:
             raise ValueError(
@@ -477,6 +481,13 @@ class EngineConfig:
             raise ValueError(
                 f"max_cpu_loras={self.max_cpu_loras} must be at least max_loras={self.max_loras}"
             )
+
+    @property
+    def resolved_max_num_seqs(self) -> int:
+        """``max_num_seqs`` once the engine has set it (``runner/batch_size.py``: the user's,
+        or the device's default); before that, ``BASE_MAX_NUM_SEQS`` (256), for code that only
+        sizes something by it."""
+        return self.max_num_seqs if self.max_num_seqs is not None else BASE_MAX_NUM_SEQS
 
     @property
     def resolved_max_cpu_loras(self) -> int:

@@ -39,28 +39,24 @@ def test_llama3_8b_on_h200_by_hand(capsys) -> None:
     )
     weights = 8_030_261_248 * 2  # parameters x bf16
     kv_per_token = 2 * 32 * 8 * 128 * 2  # K and V x layers x kv heads x head_dim x bf16
-    activations = 2048 * (4 * 14336 + 6 * 4096) * 2 + 256 * 128256 * 24 + 512 * 1024**2
+    # The default --max-num-seqs on an H200 holds as many 2,048-token sequences as the cache
+    # does (434, below the device's 1,024): the sampler reserves 512 rows (f32 logits x 6).
+    activations = 2048 * (4 * 14336 + 6 * 4096) * 2 + 512 * 128256 * 24 + 512 * 1024**2
     budget = int(150_109_945_856 * 0.9) - weights - activations  # what an H200 reports
     assert out["weight_bytes"] == weights
     assert out["kv_bytes_per_token"] == kv_per_token == 131072
     assert out["num_blocks"] == budget // (16 * kv_per_token)
     assert out["kv_cache_tokens"] == out["num_blocks"] * 16
     assert out["max_concurrency"] == pytest.approx(out["kv_cache_tokens"] / 8192)
+    assert out["max_num_seqs"] == out["kv_cache_tokens"] // 2048 == 434
 
 
 def test_tensor_parallel_and_fp8_scale_the_cache(capsys) -> None:
-    base = capacity(capsys, str(builtin_config_dir("llama-3-8b")), "--device-memory", "80GB")
-    tp2 = capacity(
-        capsys, str(builtin_config_dir("llama-3-8b")), "--device-memory", "80GB", "-tp", "2"
-    )
-    fp8 = capacity(
-        capsys,
-        str(builtin_config_dir("llama-3-8b")),
-        "--device-memory",
-        "80GB",
-        "--kv-cache-dtype",
-        "fp8",
-    )
+    model = str(builtin_config_dir("llama-3-8b"))
+    on_80gb = ["--device-memory", "80GB", "--max-num-seqs", "256"]  # the same sampler rows
+    base = capacity(capsys, model, *on_80gb)
+    tp2 = capacity(capsys, model, *on_80gb, "-tp", "2")
+    fp8 = capacity(capsys, model, *on_80gb, "--kv-cache-dtype", "fp8")
     assert tp2["weight_bytes"] == base["weight_bytes"] // 2
     assert tp2["kv_bytes_per_token"] == base["kv_bytes_per_token"] // 2
     assert fp8["kv_bytes_per_token"] == base["kv_bytes_per_token"] // 2
@@ -140,7 +136,7 @@ def test_the_h200_preset_plans_what_launch_logged_on_an_h200(capsys) -> None:
     parser = argparse.ArgumentParser()
     add_capacity_arguments(parser)
     argv = [str(builtin_config_dir("llama-3-8b")), "--device-memory", "H200"]
-    args = parser.parse_args([*argv, "--max-model-len", "4096"])
+    args = parser.parse_args([*argv, "--max-model-len", "4096", "--max-num-seqs", "256"])
     assert run_capacity(args) == 0
     out = capsys.readouterr().out
     assert "KV cache size: 895,520 tokens" in out
@@ -210,7 +206,9 @@ def test_capacity_agrees_with_launch_log_lines(tmp_path, capsys, kv_flags) -> No
 def test_a_mixture_of_experts_counts_every_expert(capsys) -> None:
     """Qwen3-30B-A3B: all 128 experts of its 48 layers are resident, 8 per token active."""
     model = str(builtin_config_dir("qwen3-30b-a3b"))
-    out = capacity(capsys, model, "--max-model-len", "8K", "--device-memory", "H200")
+    # (256 sequences a step: the default would hold the cache's 353 of 2,048 tokens)
+    argv = ["--max-model-len", "8K", "--device-memory", "H200", "--max-num-seqs", "256"]
+    out = capacity(capsys, model, *argv)
     assert out["num_params"] == 30_532_122_624
     assert out["num_active_params"] == 3_353_032_704
     assert out["weight_bytes"] == 30_532_122_624 * 2  # bf16, every expert

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -30,6 +31,7 @@ from jaxserve.hf_cache import resolve_model_dir
 from jaxserve.models.families.counting import num_active_params, num_params
 from jaxserve.models.families.registry import load_model_config
 from jaxserve.models.quant_scheme import QuantScheme, resolve_scheme
+from jaxserve.runner.batch_size import BatchSize, ceiling_for, planned_batch_size
 from jaxserve.runner.buckets import next_power_of_2, token_buckets_for
 from jaxserve.runner.capacity import (
     CPU_DEVICE_MEMORY_BYTES,
@@ -50,11 +52,20 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
+class DeviceBytes(int):
+    """A device's memory in bytes, and the device it was named by (``H200``), if it was."""
+
+    device: str | None = None
+
+
 def parse_memory(text: str) -> int:
-    """'H200', '141GB', '80 GiB', '16G', '17179869184' -> bytes."""
+    """'H200', '141GB', '80 GiB', '16G', '17179869184' -> bytes (a ``DeviceBytes`` that keeps
+    the device's name when one was given)."""
     for name, size in DEVICE_MEMORY_BYTES.items():
         if text.strip().lower() == name.lower():
-            return size
+            named = DeviceBytes(size)
+            named.device = name
+            return named
     try:
         return human_bytes(text)
     except argparse.ArgumentTypeError:
@@ -149,7 +160,8 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-num-seqs",
         type=int,
         default=_ENGINE_DEFAULTS["max_num_seqs"],
-        help="sequences in one batch at most (sizes the sampler's share of the headroom)",
+        help="sequences in one step at most (sizes the sampler's share of the headroom); "
+        "default: the device's, as launch picks it (printed)",
     )
     add(
         "--max-num-batched-tokens",
@@ -196,24 +208,21 @@ def run_capacity(args: argparse.Namespace) -> int:
     memory, on_cpu = _device_memory(args)
     dtype = weight_dtype(args.dtype, on_cpu)
     kv_dtype = kv_cache_dtype_name(args.kv_cache_dtype, dtype)
+    plan_for = functools.partial(
+        _plan_for, args, config, max_model_len, memory, dtype, quant, kv_dtype
+    )
+    batch = None  # the default --max-num-seqs, when the flag is not given
+    max_num_seqs = args.max_num_seqs
     try:
-        cap = plan_capacity(
-            config,
-            max_model_len=max_model_len,
-            device_memory_bytes=memory,
-            memory_utilization=args.memory_utilization,
-            dtype_bytes=DTYPE_BYTES[dtype],
-            quant=quant,
-            kv_cache_dtype=kv_dtype,
-            block_size=args.block_size,
-            tensor_parallel_size=args.tensor_parallel_size,
-            max_num_batched_tokens=token_buckets_for(args.max_num_batched_tokens)[-1],
-            max_num_seqs=next_power_of_2(args.max_num_seqs),
-            expert_parallel=args.enable_expert_parallel,
-            reference_attention=_plans_attention_reference(args, config, dtype),
-            mla_path=_planned_mla_path(args, config, dtype, kv_dtype),
-            lora_slots=(args.max_loras, args.max_lora_rank) if args.enable_lora else None,
-        )
+        if max_num_seqs is None:
+            batch = planned_batch_size(
+                lambda n: plan_for(n).num_tokens,
+                ceiling=ceiling_for(*_device_kind(args), memory),
+                max_model_len=max_model_len,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+            )
+            max_num_seqs = batch.max_num_seqs
+        cap = plan_for(max_num_seqs)
     except CapacityError as exc:
         _print_capacity_error(exc, on_cpu)
         return 1
@@ -227,7 +236,9 @@ def run_capacity(args: argparse.Namespace) -> int:
             "for a device, pass --device-memory H200 (or a size such as 80GB).",
             file=sys.stderr,
         )
-    plan = _Plan(model_dir, config, memory, on_cpu, dtype, quant, kv_dtype, cap)
+    plan = _Plan(
+        model_dir, config, memory, on_cpu, dtype, quant, kv_dtype, cap, max_num_seqs, batch
+    )
     if args.json:
         print(json.dumps(_plan_json(args, plan), indent=2))
         return 0
@@ -247,6 +258,8 @@ class _Plan:
     quant: QuantScheme | None
     kv_dtype: str
     cap: Capacity
+    max_num_seqs: int  # planned for: the flag's, or the default (batch)
+    batch: BatchSize | None  # the default's reason; None: the flag was given
 
 
 def _checked_model(args: argparse.Namespace) -> tuple[Path, ModelConfig]:
@@ -269,6 +282,49 @@ def _checked_model(args: argparse.Namespace) -> tuple[Path, ModelConfig]:
     )
     model_dir = resolve_model_dir(args.model) if args.model else default_model_dir()
     return model_dir, load_model_config(model_dir)
+
+
+def _plan_for(
+    args: argparse.Namespace,
+    config: ModelConfig,
+    max_model_len: int,
+    memory: int,
+    dtype: str,
+    quant: QuantScheme | None,
+    kv_dtype: str,
+    max_num_seqs: int,
+) -> Capacity:
+    """``plan_capacity`` of the flags, with ``max_num_seqs`` sequences a step."""
+    return plan_capacity(
+        config,
+        max_model_len=max_model_len,
+        device_memory_bytes=memory,
+        memory_utilization=args.memory_utilization,
+        dtype_bytes=DTYPE_BYTES[dtype],
+        quant=quant,
+        kv_cache_dtype=kv_dtype,
+        block_size=args.block_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        max_num_batched_tokens=token_buckets_for(args.max_num_batched_tokens)[-1],
+        max_num_seqs=next_power_of_2(max_num_seqs),
+        expert_parallel=args.enable_expert_parallel,
+        reference_attention=_plans_attention_reference(args, config, dtype),
+        mla_path=_planned_mla_path(args, config, dtype, kv_dtype),
+        lora_slots=(args.max_loras, args.max_lora_rank) if args.enable_lora else None,
+    )
+
+
+def _device_kind(args: argparse.Namespace) -> tuple[str, str]:
+    """``(platform, device kind)`` planned for: a named device's (``--device-memory H200``), a
+    GPU's for a size alone, else the first device's."""
+    if args.device_memory is not None:
+        name = getattr(args.device_memory, "device", None) or ""
+        return ("tpu" if name.startswith("TPU") else "gpu"), name
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # read, do not take
+    import jax
+
+    device = jax.devices()[0]
+    return device.platform, device.device_kind
 
 
 def _device_memory(args: argparse.Namespace) -> tuple[int, bool]:
@@ -354,6 +410,8 @@ def _plan_json(args: argparse.Namespace, plan: _Plan) -> dict:
         "kv_cache_tokens": cap.num_tokens,
         "max_model_len": cap.max_model_len,
         "max_concurrency": cap.max_concurrency,
+        "max_num_seqs": plan.max_num_seqs,
+        "max_num_seqs_reason": "--max-num-seqs" if plan.batch is None else plan.batch.reason,
         "data_parallel_size": args.data_parallel_size,
         "kv_cache_tokens_all_replicas": args.data_parallel_size * cap.num_tokens,
         "max_concurrency_all_replicas": args.data_parallel_size * cap.max_concurrency,
@@ -389,6 +447,8 @@ def _print_plan(args: argparse.Namespace, plan: _Plan) -> None:
     )
     for line in plan.cap.lines() + data_parallel_lines(plan.cap, args.data_parallel_size):
         print(line)
+    if plan.batch is not None:
+        print(plan.batch.line())
 
 
 def main() -> int:

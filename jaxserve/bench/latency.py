@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxserve.bench.throughput import add_engine_arguments, make_llm, make_prompts
+from jaxserve.engine_config import BASE_MAX_NUM_SEQS
 
 if TYPE_CHECKING:
     import jaxserve
@@ -74,7 +75,7 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         if value < minimum:
             return f"--{flag.replace('_', '-')} must be at least {minimum} (got {value})"
     largest = max(args.batch_sizes or [args.batch_size])
-    if largest > args.max_num_seqs:
+    if args.max_num_seqs is not None and largest > args.max_num_seqs:
         return (
             f"batch size {largest} exceeds --max-num-seqs {args.max_num_seqs}: the batch would "
             "not run at once; raise --max-num-seqs"
@@ -191,6 +192,8 @@ def run_latency(args: argparse.Namespace) -> int:
         print(f"jaxserve bench latency: error: {problem}", file=sys.stderr)
         return 2
     batch_sizes = args.batch_sizes or [args.batch_size]
+    if args.max_num_seqs is None and max(batch_sizes) > BASE_MAX_NUM_SEQS:
+        args.max_num_seqs = max(batch_sizes)  # a device's default may hold fewer at once
     llm = make_llm(args)  # a model that does not fit: one line, before a weight is made
     vocab = llm.engine.vocab_size
     seed = args.seed
@@ -217,7 +220,7 @@ def run_latency(args: argparse.Namespace) -> int:
         "num_iters_warmup": args.num_iters_warmup,
         "num_iters": args.num_iters,
         "batch_sizes": batch_sizes,
-        "max_num_seqs": args.max_num_seqs,
+        "max_num_seqs": llm.engine.config.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "num_compiled_shapes": llm.engine.num_compiled_shapes,
         "speculative_config": getattr(args, "speculative_config", None),

@@ -56,7 +56,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "`jaxserve launch` gives the same compiled shapes, so a warm compilation cache serves both",
     )
     parser.add_argument(
-        "--max-num-seqs", type=int, default=256, help="most requests in one engine step"
+        "--max-num-seqs", type=int, default=None, help="most requests a step (default: per device)"
     )
     parser.add_argument(
         "--max-num-batched-tokens",
@@ -170,6 +170,7 @@ def run_jaxserve(args: argparse.Namespace) -> dict:
         "num_compiled_shapes": llm.engine.num_compiled_shapes,
         "kv_cache_dtype": args.kv_cache_dtype,
         "kv_cache_tokens": llm.engine.runner.capacity.num_tokens,
+        "max_num_seqs": llm.engine.config.max_num_seqs,
     }
 
 
@@ -286,8 +287,7 @@ def _forward(args: argparse.Namespace) -> list[str]:
         str(args.input_len),
         "--output-len",
         str(args.output_len),
-        "--max-num-seqs",
-        str(args.max_num_seqs),
+        *(["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []),
         "--max-num-batched-tokens",
         str(args.max_num_batched_tokens),
         "--dtype",

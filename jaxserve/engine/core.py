@@ -66,6 +66,7 @@ from jaxserve.models.scoring import (
     token_difference_head,
 )
 from jaxserve.pooling_params import PoolingParams
+from jaxserve.runner.batch_size import resolve_batch_size
 from jaxserve.runner.buckets import next_power_of_2
 from jaxserve.runner.step import RunnerOutput, ScheduledSeq, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams, SamplingParamsError
@@ -237,7 +238,7 @@ class EngineCore:
             self.kv = self._make_kv_cache(runner)
             self.scheduler = Scheduler(
                 self.kv,
-                max_num_seqs=config.max_num_seqs,
+                max_num_seqs=config.resolved_max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
@@ -289,7 +290,7 @@ class EngineCore:
         )
         proposer = make_proposer(spec, target)
         # A step's sequences and drafted tokens share the sampler's rows.
-        self.scheduler.max_sample_rows = next_power_of_2(self.config.max_num_seqs)
+        self.scheduler.max_sample_rows = next_power_of_2(self.config.resolved_max_num_seqs)
         _LOG.info(
             "Speculative decoding: %s; drafts while at most %d sequences run (above: none); "
             "a step with drafts is read back before the next is scheduled "
@@ -325,17 +326,18 @@ class EngineCore:
 
     def _read_model(self, served: ServedModel, model_dir: Any) -> EngineConfig:
         """``model_config`` (an encoder's or a decoder's) and ``max_model_len``; the engine
-        config, with an encoder's settings (``encoder_engine_config``)."""
+        config, with an encoder's settings (``encoder_engine_config``) and ``max_num_seqs``
+        (the user's, or the device's default sized from the KV cache: ``resolve_batch_size``)."""
         config = self.config
         self.model_config: Any
         if served.is_encoder:  # models/encoder/, runner/encoder_runner.py
             self.model_config = load_encoder_config(model_dir)
             config = encoder_engine_config(config, self.model_config)
             self.max_model_len = config.max_model_len or 0
-            return config
+            return resolve_batch_size(config, None, self.max_model_len)
         self.model_config = decoder_config(served, model_dir)
         self.max_model_len = config.resolved_max_model_len(self.model_config, warn=True)
-        return config
+        return resolve_batch_size(config, self._loaded_config(served), self.max_model_len)
 
     def _eos_ids(self, served: ServedModel, model_dir: Any) -> tuple[int, ...]:
         if served.is_encoder:  # nothing is generated: the tokenizer's, for completeness
@@ -350,9 +352,12 @@ class EngineCore:
             return EncoderRunner(self.model_config, self.config)
         from jaxserve.runner.runner import ModelRunner
 
-        pooling, reranker = self.pooler is not None, served.reranker is not None
-        loaded = runner_model_config(self.model_config, pooling, reranker)
-        return ModelRunner(loaded, self.config, self.eos_token_ids)
+        return ModelRunner(self._loaded_config(served), self.config, self.eos_token_ids)
+
+    def _loaded_config(self, served: ServedModel) -> ModelConfig:
+        """The decoder config the runner loads (``runner_model_config``)."""
+        pooling, reranker = self.config.runner == "pooling", served.reranker is not None
+        return runner_model_config(self.model_config, pooling, reranker)
 
     def _abandon(self, runner: Runner) -> None:
         """A start that failed: the runner's threads and the event publisher stopped."""

@@ -77,7 +77,7 @@ class LLM:
         dtype: str = "auto",
         kv_cache_dtype: str = "auto",
         max_model_len: int | None = None,
-        max_num_seqs: int = 256,
+        max_num_seqs: int | None = None,  # None: per device (runner/batch_size.py)
         max_num_batched_tokens: int = 8192,
         block_size: int = 16,
         num_gpu_blocks_override: int | None = None,

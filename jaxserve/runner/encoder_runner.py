@@ -186,7 +186,7 @@ class EncoderRunner:
         self.max_model_len = config.max_model_len or encoder_config.max_seq_len
         self.buckets = Buckets.of(
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=config.resolved_max_num_seqs,
             max_model_len=self.max_model_len,
             block_size=config.block_size,
         )
@@ -196,7 +196,8 @@ class EncoderRunner:
         self.multihost = False
         self.is_sleeping = False
         # Host-side blocks for the scheduler's count (two steps' worth): no device memory.
-        per_step = -(-config.max_num_batched_tokens // config.block_size) + config.max_num_seqs
+        blocks = -(-config.max_num_batched_tokens // config.block_size)
+        per_step = blocks + config.resolved_max_num_seqs
         self.num_blocks = 2 * per_step
         start = time.perf_counter()
         self.weights = self._load(config.model_dir, config.load_format)

@@ -78,7 +78,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.buckets = Buckets.of(
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=config.resolved_max_num_seqs,
             max_model_len=max_model_len,
             block_size=config.block_size,
         )
@@ -158,7 +158,7 @@ class ModelRunner:
             self.buckets,
             block_size=config.block_size,
             max_model_len=self.max_model_len,
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=config.resolved_max_num_seqs,
             num_slots=self.num_slots,
             vocab_size=model_config.vocab_size,
             eos_token_ids=eos_token_ids,

@@ -155,7 +155,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-num-seqs",
         type=int,
         default=_ENGINE_DEFAULTS["max_num_seqs"],
-        help="sequences in one batch at most",
+        help="sequences in one step at most; default: per device, as vLLM: up to 1,024 on GPUs "
+        "of 70 GiB or more (not A100), as many as the KV cache holds at 2,048 tokens each (or "
+        "--max-model-len if shorter), never fewer than 256 nor more than "
+        "--max-num-batched-tokens; 256 on other devices (the start-up log says which)",
     )
     add(
         "--max-num-batched-tokens",

@@ -269,7 +269,8 @@ def run_batch(args: argparse.Namespace) -> int:
             opened_for_append(args.output_file) as out,
             tqdm(total=len(lines), initial=done, unit="req", desc="run-batch") as bar,
         ):
-            window = 2 * config.max_num_seqs  # requests in flight: enough to fill every step
+            # requests in flight: enough to fill every step
+            window = 2 * engine.config.resolved_max_num_seqs
             summary = asyncio.run(run_batch_lines(app, lines[done:], out, window, bar.update))
     finally:
         engine.shutdown()
