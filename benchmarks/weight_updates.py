@@ -32,6 +32,11 @@ from jaxserve.models.loading.named_weights import nnx_from_hf
 
 GiB = 2**30
 
+# The allocator's pool is most of the device and the engine plans its share of it
+# (--gpu-memory-utilization), so the copies below have room beside the engine, as a trainer's
+# arrays would. Set before JAX's backend starts (importing jax does not start it).
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+
 
 def memory() -> dict[str, float]:
     """GiB: JAX's live allocations on device 0, and this process's memory per the driver."""

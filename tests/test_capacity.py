@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -384,3 +385,26 @@ def test_a_gpu_without_a_memory_limit_plans_with_its_kinds_memory_or_the_drivers
     assert gpu_memory_without_limit("NVIDIA RTX 6000 Ada", lambda: 48 * 2**30) == 48 * 2**30
     with pytest.raises(CapacityError, match="RTX 6000 Ada reports no memory limit"):
         gpu_memory_without_limit("NVIDIA RTX 6000 Ada", no_driver)
+
+
+def test_the_allocator_share_is_raised_to_the_engines_never_lowered(monkeypatch) -> None:
+    """``reserve_device_memory``: before the backend starts, the pool is at least the engine's
+    share; a larger one already set (a trainer's room in the same process) stays; once the
+    backend has started nothing changes (the capacity plan divides by what it started with)."""
+    from jax._src import xla_bridge
+
+    from jaxserve.runner.capacity import MEM_FRACTION_ENV, reserve_device_memory
+
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.delenv(MEM_FRACTION_ENV, raising=False)
+    reserve_device_memory(0.9)
+    assert os.environ[MEM_FRACTION_ENV] == "0.9"
+    monkeypatch.setenv(MEM_FRACTION_ENV, "0.95")
+    reserve_device_memory(0.4)
+    assert os.environ[MEM_FRACTION_ENV] == "0.95"
+    monkeypatch.setenv(MEM_FRACTION_ENV, "0.3")
+    reserve_device_memory(0.4)
+    assert os.environ[MEM_FRACTION_ENV] == "0.4"
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
+    reserve_device_memory(0.9)
+    assert os.environ[MEM_FRACTION_ENV] == "0.4"

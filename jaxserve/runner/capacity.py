@@ -59,13 +59,29 @@ DEVICE_MEMORY_BYTES: dict[str, int] = {
 }
 
 
+MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
 def reserve_device_memory(fraction: float) -> None:
-    """Size XLA's GPU allocator to ``fraction`` of the device, as ``gpu_memory_utilization``
-    asks. It reads the setting when the backend starts: call before anything touches a device
-    (no effect once the process has started it)."""
+    """Size XLA's GPU allocator to at least ``fraction`` of the device, as
+    ``gpu_memory_utilization`` asks. The backend reads the setting when it starts, so once it
+    has started this changes nothing (``detect_device_memory`` then divides by the fraction it
+    started with). A larger fraction already set is kept: a trainer in the same process sets
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`` and ``gpu_memory_utilization=0.5`` to keep the rest
+    of the pool for its own arrays (docs/training.md)."""
     import os
 
-    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(fraction)
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        return
+    current = os.environ.get(MEM_FRACTION_ENV)
+    try:
+        kept = current is not None and float(current) >= fraction
+    except ValueError:  # not a number: JAX would refuse it; the engine's share replaces it
+        kept = False
+    if not kept:
+        os.environ[MEM_FRACTION_ENV] = str(fraction)
 
 
 def detect_device_memory() -> int:
@@ -82,7 +98,7 @@ def detect_device_memory() -> int:
         return CPU_DEVICE_MEMORY_BYTES
     limit = int(stats["bytes_limit"])
     if device.platform == "gpu":
-        return int(limit / float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75)))
+        return int(limit / float(os.environ.get(MEM_FRACTION_ENV, 0.75)))
     return limit
 
 
