@@ -94,7 +94,11 @@ def check_against_reference(case: Case) -> None:
     call = functools.partial(
         tpu.ragged_paged_mla_attention, **kwargs, config=case.config, interpret=params
     )
-    out = jax.block_until_ready(jax.jit(call)(*args))  # jitted: eager interpret mode is slower
+    try:
+        out = jax.block_until_ready(jax.jit(call)(*args))  # jitted: eager interpret is slower
+    except Exception:
+        pltpu.reset_tpu_interpret_mode_state()  # as the interpreter asks after an error
+        raise
     assert mosaic_interpret.races is not None and not mosaic_interpret.races.races_found
     ref = jax.jit(functools.partial(reference.ragged_paged_mla_attention, **kwargs))(*args)
     live = int(sum(case.q_lens))

@@ -34,7 +34,13 @@ What is verified: ``tests/test_mla_tpu.py`` runs the kernel in TPU interpret mod
 (simulated HBM, VMEM, DMAs and semaphores, NaN-filled fresh VMEM, the parallel grid in random
 order, the race detector) against the reference, and lowers it to Mosaic MLIR at DeepSeek-V3's
 shapes. It has not been compiled by Mosaic's backend or run on a TPU: the reshapes of the VMEM
-buffers, the fp8 conversion and the lane-padding stores are Mosaic's to accept. Untuned.
+buffers, the fp8 conversion and the lane-padding stores are Mosaic's to accept, and dropping
+the cache's one KV head (``[P, page_size, 1, D] -> [P, page_size, D]``) is a bitcast only if
+XLA lays the 4-D page array out as the 3-D one (else a copy of the cache each call). Untuned;
+not done: a program's first KV fetch does not overlap the previous program's work, the KV range
+is never split (one core streams a batch-1 decode; v5p / v7x have two), the flat page table
+lives in SMEM (sequences x pages_per_seq x 4 bytes must fit it), and a 16-head decode block
+fills an eighth of a 128-row MXU.
 """
 
 from __future__ import annotations
