@@ -16,6 +16,15 @@ compare against the first kernel instead.
 window layers) with and without attention sinks, each GPU kernel beside the XLA reference, so
 that the cost of the sinks (and the unchanged no-sinks path) shows side by side in one run.
 
+``--suite fp8``: the Mosaic GPU kernel at the Llama-3-8B shape over a bf16 cache, and over an
+fp8 e4m3 cache (the same pages quantized at a per-tensor scale) by both fp8 paths: ``convert``
+(tiles converted to bf16 in shared memory, the default) and ``native`` (fp8 wgmmas,
+``KernelConfig(fp8_wgmma=True)``, ``JAXSERVE_FP8_ATTENTION=native``). Decode at batch
+{1, 8, 64, 256} x context {1024, 4096} and one mixed batch; errors are against the bf16 kernel
+(so they include the cache's quantization). A second table gives tokens/s and each fp8 path's
+speed-up over the bf16 kernel; target: native >= 1.6x at batch 64 x 4096. ``--sweep`` adds
+native tile configs and an e5m2 cache.
+
 Timing: device time from CUPTI (the sum of the call's kernel durations: the tile plan, the
 attention kernel, the split merge), median over ``--reps`` calls, each call with its own random
 page table over a KV pool of at least ``--pool-mib`` so that small cases are not served from L2.
@@ -26,6 +35,7 @@ measures a 1 GiB copy in the same run).
   python3 -m benchmarks.bench_attention --out /tmp/attn.json               # on the GPU
   python3 -m benchmarks.bench_attention --suite tiers --out /tmp/tiers.json
   python3 -m benchmarks.bench_attention --suite sinks --out /tmp/sinks.json
+  python3 -m benchmarks.bench_attention --suite fp8 --out /tmp/fp8.json
   python -m benchmarks.bench_attention --smoke [--suite tiers]              # tiny, CPU interpret
 """
 
@@ -41,6 +51,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +59,7 @@ import numpy as np
 
 from benchmarks.common import BANDWIDTH
 from jaxserve.units import cdiv
+from pallas_kernels.kv_cache import quantize_kv
 from pallas_kernels.ragged_paged_attention import mosaic_gpu, reference
 from pallas_kernels.ragged_paged_attention import triton as triton_kernel
 
@@ -94,11 +106,18 @@ class Variant:
     label: str
     call: Callable[..., jax.Array]
     head_major_kv: bool = False
+    kv_dtype: Any = None  # an fp8 cache: the pool quantized to it at FP8_SCALE (K and V)
 
 
-def mosaic(label: str, config: mosaic_gpu.KernelConfig, interpret: bool) -> Variant:
+# The fp8 suite's per-tensor cache scale: N(0, 1) keys and values stay well inside e4m3's 448.
+FP8_SCALE = 0.02
+
+
+def mosaic(
+    label: str, config: mosaic_gpu.KernelConfig, interpret: bool, kv_dtype: Any = None
+) -> Variant:
     fn = functools.partial(mosaic_gpu.ragged_paged_attention, config=config, interpret=interpret)
-    return Variant(label, fn, config.head_major_kv)
+    return Variant(label, fn, config.head_major_kv, kv_dtype)
 
 
 def triton(label: str, config: triton_kernel.TritonConfig, interpret: bool) -> Variant:
@@ -153,9 +172,9 @@ def make_inputs(rng, shape: Shape, batch: Batch, num_calls: int, pool_bytes: int
     return q, k, v, kv_lens, jnp.asarray(tables), cu_q_lens, num_seqs
 
 
-def count_bytes(shape: Shape, batch: Batch) -> tuple[int, int]:
+def count_bytes(shape: Shape, batch: Batch, kv_itemsize: int = 2) -> tuple[int, int]:
     """(KV bytes read, all bytes moved: KV read + Q read + O write), each element once."""
-    kv = sum(batch.kv_lens) * shape.num_kv_heads * shape.head_dim * 2 * 2
+    kv = sum(batch.kv_lens) * shape.num_kv_heads * shape.head_dim * 2 * kv_itemsize
     qo = sum(batch.q_lens) * shape.num_q_heads * shape.head_dim * 2 * 2
     return kv, kv + qo
 
@@ -226,8 +245,6 @@ def run_case(rng, shape, batch, *, variants, reps, pool_bytes, with_reference=Tr
     """One row per variant (and the reference first, unless ``with_reference`` is False: then
     errors are against the first variant that ran and ``x XLA ref`` is left out)."""
     inputs = make_inputs(rng, shape, batch, reps, pool_bytes)
-    kv_bytes, all_bytes = count_bytes(shape, batch)
-    floor_s = all_bytes / BANDWIDTH
     kwargs = shape.attention_kwargs()
     rows, ref_s, ref_out = [], None, None
     if with_reference:
@@ -235,14 +252,23 @@ def run_case(rng, shape, batch, *, variants, reps, pool_bytes, with_reference=Tr
         ref_time, ref_out = time_calls(ref_fn, inputs, reps)
         rows.append(dict(kernel="xla-reference", **ref_time))
         ref_s = ref_time.get("seconds", ref_time["wall_s"])
+    quantized: dict = {}  # kv dtype -> (k, v) pages, shared by the variants that read them
     for variant in variants:
         q, k, v = inputs[:3]
-        call_inputs = inputs
+        variant_kwargs = kwargs
+        if variant.kv_dtype is not None:
+            if variant.kv_dtype not in quantized:
+                quantized[variant.kv_dtype] = tuple(
+                    quantize_kv(x, variant.kv_dtype, FP8_SCALE) for x in (k, v)
+                )
+            k, v = quantized[variant.kv_dtype]
+            variant_kwargs = dict(kwargs, k_scale=FP8_SCALE, v_scale=FP8_SCALE)
         if variant.head_major_kv:
-            k_hm, v_hm = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-            call_inputs = (q, k_hm, v_hm, *inputs[3:])
+            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        call_inputs = (q, k, v, *inputs[3:])
         try:
-            timing, out = time_calls(functools.partial(variant.call, **kwargs), call_inputs, reps)
+            call = functools.partial(variant.call, **variant_kwargs)
+            timing, out = time_calls(call, call_inputs, reps)
         except Exception as e:  # noqa: BLE001  a failing variant must not end the sweep
             rows.append(dict(kernel=variant.label, error=f"{type(e).__name__}: {str(e)[:300]}"))
             continue
@@ -250,10 +276,13 @@ def run_case(rng, shape, batch, *, variants, reps, pool_bytes, with_reference=Tr
             ref_out = out
         diff = out.astype(jnp.float32) - ref_out.astype(jnp.float32)
         err = float(jnp.linalg.norm(diff.ravel()) / jnp.linalg.norm(ref_out.astype(jnp.float32)))
-        rows.append(dict(kernel=variant.label, rel_err=err, **timing))
+        kv_itemsize = 2 if variant.kv_dtype is None else 1
+        rows.append(dict(kernel=variant.label, rel_err=err, kv_itemsize=kv_itemsize, **timing))
     for row in rows:
+        kv_bytes, all_bytes = count_bytes(shape, batch, row.pop("kv_itemsize", 2))
+        floor_s = all_bytes / BANDWIDTH
         row.update(case=batch.name, kv_bytes=kv_bytes, all_bytes=all_bytes, floor_s=floor_s)
-        row.update(shape=shape.label)
+        row.update(shape=shape.label, num_tokens=sum(batch.q_lens))
         seconds = row.get("seconds", row.get("wall_s"))
         if seconds:
             row["tb_per_s"] = all_bytes / seconds / 1e12
@@ -392,6 +421,74 @@ def sinks_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Varian
     return plan
 
 
+def fp8_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Variant], bool]]:
+    """(shape, batch, variants, with_reference) for ``--suite fp8``: the bf16 kernel first (the
+    errors' and the speed-ups' base), then the fp8 paths over the same pages quantized."""
+    e4m3, e5m2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+    base = mosaic_gpu.KernelConfig()
+    native = dataclasses.replace(base, fp8_wgmma=True)
+    if smoke:
+        shape = Shape(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+        batches = [decode_batch(2, 40), mixed_batch(20, 2, 50)]
+    else:
+        shape = LLAMA_3_8B
+        batches = [decode_batch(b, c) for c in (1024, 4096) for b in (1, 8, 64, 256)]
+        batches += [mixed_batch(2048, 63, 4096)]
+    variants = [
+        mosaic("bf16", base, smoke),
+        mosaic("fp8 convert", base, smoke, kv_dtype=e4m3),
+        mosaic("fp8 native", native, smoke, kv_dtype=e4m3),
+    ]
+    if sweep:
+        for label, config in (
+            ("s3", dataclasses.replace(native, num_stages=3)),
+            ("s4", dataclasses.replace(native, num_stages=4)),
+            ("bk128", dataclasses.replace(native, block_kv=128)),
+            ("bk128 s3", dataclasses.replace(native, block_kv=128, num_stages=3)),
+        ):
+            variants.append(mosaic(f"fp8 native {label}", config, smoke, kv_dtype=e4m3))
+        variants.append(mosaic("fp8 native e5m2", native, smoke, kv_dtype=e5m2))
+    return [(shape, batch, variants, False) for batch in batches]
+
+
+def fp8_table(rows) -> str:
+    """Tokens/s of each kernel and its speed-up over the bf16 kernel in the same case."""
+    lines = [
+        "| case | kernel | device us | tokens/s | x bf16 |",
+        "|---|---|---:|---:|---:|",
+    ]
+    bf16 = {r["case"]: r.get("seconds", r.get("wall_s")) for r in rows if r["kernel"] == "bf16"}
+    for r in rows:
+        seconds = r.get("seconds", r.get("wall_s"))
+        if "error" in r or not seconds:
+            continue
+        base = bf16.get(r["case"])
+        speedup = f"{base / seconds:.2f}" if base else "-"
+        lines.append(
+            f"| {r['case']} | {r['kernel']} | {seconds * 1e6:.1f} "
+            f"| {r['num_tokens'] / seconds:,.0f} | {speedup} |"
+        )
+    return "\n".join(lines)
+
+
+def fp8_target_line(rows) -> str | None:
+    """The native path's target at batch 64 x 4096, Llama-3-8B shape: >= 1.6x the bf16 kernel."""
+    cell = {
+        r["kernel"]: r.get("seconds", r.get("wall_s"))
+        for r in rows
+        if r["case"] == "decode b=64 ctx=4096" and r["shape"] == "32/8x128" and "error" not in r
+    }
+    if not cell.get("bf16") or not cell.get("fp8 native"):
+        return None
+    native = cell["bf16"] / cell["fp8 native"]
+    convert = f"{cell['bf16'] / cell['fp8 convert']:.2f}x" if cell.get("fp8 convert") else "-"
+    verdict = "met" if native >= 1.6 else "NOT met"
+    return (
+        f"fp8 native at decode b=64 ctx=4096: {native:.2f}x the bf16 kernel (target >= 1.6x: "
+        f"{verdict}); fp8 convert: {convert}"
+    )
+
+
 def triton_target_line(rows) -> str | None:
     """The tier's target at batch 64 x 4096, Llama-3-8B shape: >= 40% of the KV-read floor."""
     for r in rows:
@@ -408,7 +505,9 @@ def triton_target_line(rows) -> str | None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode")
-    parser.add_argument("--suite", choices=("llama", "tiers", "head256", "sinks"), default="llama")
+    parser.add_argument(
+        "--suite", choices=("llama", "tiers", "head256", "sinks", "fp8"), default="llama"
+    )
     parser.add_argument("--sweep", action="store_true", help="also time config variants")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--pool-mib", type=int, default=512)
@@ -425,6 +524,7 @@ def main(argv=None) -> int:
         "tiers": tiers_plan,
         "head256": head256_plan,
         "sinks": sinks_plan,
+        "fp8": fp8_plan,
     }[args.suite]
     plan = plan_for(args.smoke, args.sweep)
     if args.only:
@@ -447,12 +547,16 @@ def main(argv=None) -> int:
     table = format_table(rows)
     print(header)
     print(table)
-    target = triton_target_line(rows)
+    extra = {}
+    if args.suite == "fp8":
+        extra = dict(fp8_table=fp8_table(rows), fp8_target=fp8_target_line(rows))
+        print(extra["fp8_table"])
+    target = triton_target_line(rows) or extra.get("fp8_target")
     if target:
         print(target)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(header=header, rows=rows, table=table), f, indent=1)
+            json.dump(dict(header=header, rows=rows, table=table, **extra), f, indent=1)
     return 0
 
 

@@ -38,6 +38,18 @@ the rotary key k_pe, ``k_scale`` / ``v_scale`` their fp8 scales; ``mla.dispatch`
 default, as above),
 ``mosaic`` (Mosaic GPU or the reference, never Triton), ``triton`` (the Triton kernel even on
 Hopper: for benchmarking it there) or ``reference`` (the jnp reference on any backend).
+
+``JAXSERVE_FP8_ATTENTION`` picks how the Mosaic GPU kernel reads an fp8 cache (``mosaic_gpu``'s
+module docstring has both): ``convert`` (the default: each K and V tile converted to the
+queries' dtype in shared memory, bf16 wgmmas; the reference's results to bf16 rounding) or
+``native`` (fp8 wgmmas: K read as stored, V transposed in fp8; each query row quantized to e4m3
+at its own scale and the softmax probabilities P rounded to e4m3, which costs accuracy: 2.3-3.3%
+relative error against the reference on random inputs, against 0.2% converting; 1.5-2.1%
+against the reference over the same quantized queries, ``reference.quantize_queries``).
+``native`` stays opt-in until it is measured on the H200 (it has run in interpret mode and
+lowered for CUDA only). ``choose_kernel`` names the fp8 path in its reason when the cache is
+fp8, so the start-up line reads e.g. ``Attention: Pallas Mosaic GPU kernel (fp8 cache converted
+to bf16 in shared memory: JAXSERVE_FP8_ATTENTION=convert)``.
 """
 
 from __future__ import annotations
@@ -48,7 +60,8 @@ from typing import Any
 import jax
 
 from pallas_kernels.attention_env import ATTENTION_ENV, requested_attention
-from pallas_kernels.kv_cache import Scale
+from pallas_kernels.env_choice import env_choice
+from pallas_kernels.kv_cache import Scale, is_quantized
 from pallas_kernels.mla import dispatch as mla_dispatch
 from pallas_kernels.ragged_paged_attention import reference
 
@@ -79,6 +92,28 @@ TRITON_HEAD_DIMS = (256,)
 INVARIANT_TPU_Q_TOKENS = 16
 TRITON_MAX_TOKENS = 512
 
+FP8_ATTENTION_ENV = "JAXSERVE_FP8_ATTENTION"
+FP8_ATTENTION_CHOICES = ("convert", "native")
+# What the start-up log says of each fp8 path of the Mosaic GPU kernel.
+FP8_PATHS = {
+    "convert": "fp8 cache converted to bf16 in shared memory",
+    "native": "fp8 cache read by fp8 wgmmas, queries and probabilities in e4m3",
+}
+
+
+def requested_fp8_attention() -> str:
+    """``JAXSERVE_FP8_ATTENTION`` (default ``convert``), validated."""
+    return env_choice(FP8_ATTENTION_ENV, FP8_ATTENTION_CHOICES, "convert")
+
+
+def _fp8_path_note(k_pages: Any) -> str | None:
+    """The Mosaic GPU kernel's fp8 path for this cache, for ``choose_kernel``'s reason; None
+    for a bf16 / fp16 cache."""
+    if not is_quantized(k_pages.dtype):
+        return None
+    path = requested_fp8_attention()
+    return f"{FP8_PATHS[path]}: {FP8_ATTENTION_ENV}={path}"
+
 
 def _triton_decodes_faster(q: Any, requested: str) -> bool:
     """Whether a step Mosaic can run goes to the Triton kernel on Hopper: decode-sized steps
@@ -104,7 +139,7 @@ def _gpu_choice(
 
         reason = mosaic_gpu.unsupported_reason(q, k_pages)
         if reason is None and (batch_invariant or not _triton_decodes_faster(q, requested)):
-            return "gpu", None
+            return "gpu", _fp8_path_note(k_pages)
         why = (
             f"the Mosaic GPU kernel does not run this model ({reason})"
             if reason is not None
@@ -128,7 +163,8 @@ def choose_kernel(
 ) -> tuple[str, str | None]:
     """The path ``ragged_paged_attention`` takes on this backend for these shapes and dtypes:
     ``("gpu" | "triton" | "tpu" | "reference", why this backend's first choice was not taken,
-    or None)``.
+    or None)``; on the Mosaic GPU kernel with an fp8 cache the second names its fp8 path
+    (``JAXSERVE_FP8_ATTENTION``) instead.
     """
     backend = jax.default_backend()
     requested = requested_attention()
@@ -177,8 +213,12 @@ def ragged_paged_attention(
     if kernel == "gpu":
         from pallas_kernels.ragged_paged_attention import mosaic_gpu
 
-        if batch_invariant:
-            options.update(config=mosaic_gpu.KernelConfig(num_splits=1))
+        config = mosaic_gpu.KernelConfig(
+            num_splits=1 if batch_invariant else None,
+            fp8_wgmma=is_quantized(k_pages.dtype) and requested_fp8_attention() == "native",
+        )
+        if config != mosaic_gpu.KernelConfig():  # the default config calls the kernel as before
+            options.update(config=config)
         return mosaic_gpu.ragged_paged_attention(*args, **options)
     if kernel == "triton":  # (never with an fp8 cache: choose_kernel checked)
         from pallas_kernels.ragged_paged_attention import triton

@@ -21,11 +21,36 @@ f32 accumulator, are kept in column chunks of at most 128 (two at head_dim 256, 
 ``block_kv=64, num_stages=2`` needs about 200 KB of the 227 KB of shared memory).
 
 An fp8 cache (``float8_e4m3fn`` / ``float8_e5m2`` pages, per-tensor ``k_scale`` / ``v_scale``)
-lands in shared memory as it is stored (half the bytes of bf16); each step converts the K and V
-tiles to bf16 through registers (exact: every fp8 value is a bf16 value) into one tiled buffer
-each, which the wgmmas read. The scales are applied to the float32 results, ``k_scale`` with the
-softmax scale and ``v_scale`` with the 1 / row-sum: ``q . (k * s) = (q . k) * s``, so this is
-the reference's ``page * scale`` before the dots without rounding ``page * scale`` to bf16.
+lands in shared memory as it is stored (half the bytes of bf16) and is read one of two ways
+(``KernelConfig.fp8_wgmma``; the serving switch is ``JAXSERVE_FP8_ATTENTION``, see dispatch.py).
+The scales are applied to the float32 results either way, ``k_scale`` with the softmax scale
+and ``v_scale`` with the 1 / row-sum: ``q . (k * s) = (q . k) * s``, so neither path rounds
+``page * scale``.
+- convert (the default): each step converts the K and V tiles to bf16 through registers
+  (exact: every fp8 value is a bf16 value) into one tiled buffer each, which bf16 wgmmas read:
+  the reference's results to bf16 rounding. Measured at 1.00x the bf16 kernel on the H200
+  (batch 64 x 4,096 context): the conversions cost what the halved reads save.
+- native (``fp8_wgmma=True``): the wgmmas run on fp8 operands. The K stages land tiled and
+  swizzled for 1-byte elements and feed QK^T as they are. Q is quantized once per program:
+  each row (a query head of a token) times ``448 / amax`` (its largest magnitude, floored at
+  1e-12) rounded to e4m3 into a tiled fp8 Q tile, and each row's ``amax / 448`` multiplies its
+  scores with ``k_scale``, the softmax scale and log2 e (``reference.quantize_queries`` is the
+  same quantization in jnp). P (the exp2 probabilities, <= 1) is multiplied by 256, an exact
+  power of two that keeps small probabilities normal in e4m3, rounded to e4m3, and the 256 is
+  divided out with ``v_scale`` and 1 / row-sum (the row-sum adds the unrounded P). fp8 wgmma
+  takes only K-major operands (Mosaic GPU: "Only f16 WGMMA supports transposes"), so V, which
+  PV contracts over its rows, is transposed each step: the fp8 stage is loaded into registers,
+  widened to float16 (exact), moved from the WGMMA to the WGMMA_TRANSPOSED register layout (a
+  shuffle and a byte permute), narrowed back to fp8 (exact) and stored through a transposed
+  view of a [D, block_kv] fp8 tile, which PV reads with P. An e5m2 cache takes the same path:
+  wgmma mixes e4m3 (Q, P) with e5m2 (K, V^T) operands. Accuracy: Q's and P's rounding to e4m3
+  (3 mantissa bits: up to 2^-4 relative each) left 2.3-3.3% relative error (Frobenius) against
+  the reference on the tests' random inputs (the convert path: 0.2%), 1.5-2.1% against the
+  reference over the same quantized queries; element-wise, P's rounding bounds the difference
+  from the latter by 2^-4 times the attention-weighted mean of |v| (tests/
+  test_attention_fp8_native.py). Shared memory is smaller (64 KB at head_dim 128 with the
+  default tiles, against 104 KB converting). Not yet run on a GPU: lowered for CUDA and run in
+  interpret mode only, so it is opt-in until measured on the H200.
 
 When there are too few (tile, head) programs to fill the GPU (small decode batches) the KV range
 of each tile is split ``num_splits`` ways; each split writes its normalised partial output and
@@ -60,6 +85,12 @@ MASK_VALUE = -1e30  # finite, so fully masked rows never produce inf - inf
 LSE_COLS = 32  # the log-sum-exp is stored 32 times per row: TMA wants 128-byte smem rows
 NUM_SMS = 132  # H100 / H200
 SMEM_BYTES = 227 * 1024  # shared memory one block may use on H100 / H200
+# The fp8 wgmma path ("native"): Q rows scaled to e4m3's largest value (``FP8_MAX / amax``, amax
+# floored as ``fp8_matmul.reference.quantize_rows`` does), P (<= 1) times a power of two before
+# its e4m3 rounding, so that small probabilities stay normal (e4m3 is subnormal below 2^-6).
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-12
+P_SCALE = 256.0
 DTYPES = (jnp.bfloat16, jnp.float16)
 # NOTE: not 80: its 32-byte swizzle passed in interpret mode but faulted natively on the H200
 # (CUDA_ERROR_MISALIGNED_ADDRESS, 2026-12-03); the Triton kernel takes head_dim 80.
@@ -79,12 +110,29 @@ def swizzle_for(head_dim: int, itemsize: int) -> int:
     raise ValueError(f"{head_dim=} x {itemsize} bytes is not a multiple of 32 bytes")
 
 
-def smem_bytes(head_dim: int, itemsize: int, block_kv: int, num_stages: int) -> int:
-    """Shared memory of one program (the split variant, the larger one); see the scratch list."""
+def smem_bytes(
+    head_dim: int,
+    itemsize: int,
+    block_kv: int,
+    num_stages: int,
+    *,
+    kv_itemsize: int | None = None,
+    fp8_wgmma: bool = False,
+) -> int:
+    """Shared memory of one program (the split variant, the larger one); see the scratch list.
+    ``itemsize`` is the queries' element size, ``kv_itemsize`` the cache's (None: the same;
+    1: fp8, converted to the queries' dtype, or read by fp8 wgmmas with ``fp8_wgmma``)."""
+    kv_itemsize = kv_itemsize or itemsize
+    stages = 2 * num_stages * block_kv * head_dim * kv_itemsize
+    kv_or_out = max(stages, ROWS * head_dim * 4)
+    lse = ROWS * LSE_COLS * 4
+    if kv_itemsize == 1 and fp8_wgmma:  # fp8 Q; untiled Q, or fp8 P and V^T
+        q_raw = ROWS * head_dim * itemsize
+        return ROWS * head_dim + kv_or_out + max(q_raw, (ROWS + head_dim) * block_kv) + lse
     q = ROWS * head_dim * itemsize
-    kv_or_out = max(2 * num_stages * block_kv * head_dim * itemsize, ROWS * head_dim * 4)
     q_or_p = max(ROWS * head_dim, ROWS * block_kv) * itemsize
-    return q + kv_or_out + q_or_p + ROWS * LSE_COLS * 4
+    deq = 2 * block_kv * head_dim * itemsize if kv_itemsize != itemsize else 0  # k_deq, v_deq
+    return q + kv_or_out + q_or_p + lse + deq
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +143,9 @@ class KernelConfig:
     num_stages: int = 2
     num_splits: int | None = None
     head_major_kv: bool = False  # KV pages laid out [P, Hkv, page_size, D] (benchmark only)
+    # An fp8 cache read by fp8 wgmmas (Q and P quantized to e4m3, see the module docstring);
+    # False: converted to the queries' dtype. No effect on a bf16 / fp16 cache.
+    fp8_wgmma: bool = False
 
     def __post_init__(self):
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -201,9 +252,10 @@ def _attention_kernel(
     scales_ref,  # f32[2] (GMEM): k_scale, v_scale; then, with sinks, f32[Hq] of sink logits
     o_ref,  # [T, Hq, D] (q dtype) or f32[num_splits, T, Hq, D]
     lse_ref,  # f32[num_splits, T, Hq, LSE_COLS] or None
-    q_smem,  # [ROWS, D] tiled for wgmma
+    q_smem,  # [ROWS, D] tiled for wgmma (native fp8: Q quantized to e4m3)
     kv_or_out,  # ((k_smem, v_smem) [num_stages, block_kv, D] tiled, o_smem [C, ROWS, D / C])
-    q_or_p,  # (q_raw [C, ROWS, D / C] untiled, p_smem [ROWS, block_kv] tiled)
+    q_or_p,  # (q_raw [C, ROWS, D / C] untiled, p_smem [ROWS, block_kv] tiled); native fp8:
+    #          (q_raw, (p_smem e4m3, vt_smem [D, block_kv] tiled: the V tile transposed))
     lse_smem,  # f32[ROWS, LSE_COLS] untiled, or None
     q_bar,
     k_bar,  # [num_stages]
@@ -225,8 +277,10 @@ def _attention_kernel(
 ):
     # Shared memory reused across phases: KV stages and P live in the loop, Q arrives untiled
     # before it, the output leaves after it.
+    native = is_native(k_ref, cfg)  # an fp8 cache read by fp8 wgmmas
     (k_smem, v_smem), o_smem = kv_or_out
-    q_raw, p_smem = q_or_p
+    q_raw, p_part = q_or_p
+    p_smem, vt_smem = p_part if native else (p_part, None)
     tile = lax.axis_index("tile")
     split = lax.axis_index("split")
     head = lax.axis_index("head")
@@ -312,8 +366,12 @@ def _attention_kernel(
         for i in range(stages):
             pl.when(i < num_steps)(lambda i=i: issue(block_of(i), i, lookup_pages(block_of(i))))
         plgpu.barrier_wait(q_bar)
+        # The scores' scale: a scalar, or (native fp8) each row's, with its Q dequantization.
+        qk_scale = k_scale * (sm_scale / soft_cap if soft_cap is not None else sm_scale * LOG2E)
+        if native:
+            qk_scale = _quantize_q(q_raw, q_smem) * qk_scale  # f32[ROWS]
         # NOTE: the register layout is given, so layout inference need not search for one.
-        for c in range(num_cols):
+        for c in range(0 if native else num_cols):
             q_part = plgpu.layout_cast(q_raw[c], plgpu.Layout.WGMMA)
             if num_cols == 1:
                 q_smem[...] = q_part
@@ -345,10 +403,9 @@ def _attention_kernel(
                 return acc_ref[...]
 
             s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, block_kv), jnp.float32))
+            s = s * (lax.broadcast_in_dim(qk_scale, s.shape, [0]) if native else qk_scale)
             if soft_cap is not None:
-                s = jnp.tanh(s * (k_scale * (sm_scale / soft_cap))) * (soft_cap * LOG2E)
-            else:
-                s = s * (k_scale * (sm_scale * LOG2E))
+                s = jnp.tanh(s) * (soft_cap * LOG2E)
             if masked:
                 kv_pos = block * block_kv + col_ids
                 mask = (kv_pos <= row_pos) & (kv_pos < kv_len)
@@ -359,9 +416,14 @@ def _attention_kernel(
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l_i = l_i * alpha + p.sum(axis=1)
-            p_smem[...] = p.astype(p_smem.dtype)
+            p_smem[...] = (p * P_SCALE if native else p).astype(p_smem.dtype)
             v_tile = v_smem.at[slot]
-            if v_deq is None:
+            if native:  # fp8 wgmma operands are K-major: V^T through registers, still fp8
+                plgpu.barrier_wait(v_bar.at[slot])
+                vt_smem.transpose((1, 0))[...] = _transposed_tile(v_smem.at[slot])
+                plgpu.commit_smem()  # P and V^T
+                v_tile = vt_smem.transpose((1, 0))
+            elif v_deq is None:
                 plgpu.commit_smem()
                 plgpu.barrier_wait(v_bar.at[slot])
             else:
@@ -410,7 +472,7 @@ def _attention_kernel(
         acc, m_i, l_i = lax.fori_loop(num_masked, num_steps, open_step, carry)
 
         is_empty = l_i == 0.0
-        inv_l = v_scale / jnp.where(is_empty, 1.0, l_i)
+        inv_l = (v_scale / P_SCALE if native else v_scale) / jnp.where(is_empty, 1.0, l_i)
         for c, a in enumerate(acc):
             o = (a * lax.broadcast_in_dim(inv_l, a.shape, [0])).astype(o_smem.dtype)
             o_smem[c] = plgpu.layout_cast(o, plgpu.Layout.WGMMA)
@@ -438,6 +500,24 @@ def _attention_kernel(
                 start = start + (size & chunk)
                 chunk //= 2
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _quantize_q(q_raw, q8_smem) -> jax.Array:  # f32[ROWS]: each row's amax / FP8_MAX
+    """Each query row of the landed Q (one column chunk: the fp8 head sizes) scaled to e4m3's
+    range and stored into the fp8 wgmma's Q tile, as ``reference.quantize_queries`` does."""
+    q = plgpu.layout_cast(q_raw[0], plgpu.Layout.WGMMA).astype(jnp.float32)
+    amax = jnp.maximum(jnp.max(jnp.abs(q), axis=1), AMAX_FLOOR)
+    factor = lax.broadcast_in_dim(FP8_MAX / amax, q.shape, [0])
+    q8_smem[...] = (q * factor).astype(q8_smem.dtype)
+    return amax / FP8_MAX
+
+
+def _transposed_tile(tile):  # [block_kv, D] fp8 (smem) -> the same values, laid out for [D, bk]
+    """An fp8 KV tile in registers, laid out for a store through a transposed [D, block_kv]
+    view. Mosaic GPU transposes 16- and 32-bit register layouts only (a shuffle and a byte
+    permute: WGMMA -> WGMMA_TRANSPOSED), so the tile goes through float16 (exact both ways)."""
+    v = plgpu.layout_cast(tile[...], plgpu.Layout.WGMMA).astype(jnp.float16)
+    return plgpu.layout_cast(v, plgpu.Layout.WGMMA_TRANSPOSED).astype(tile.dtype)
 
 
 def ragged_paged_attention(
@@ -550,14 +630,28 @@ def _check_call(q, k_pages, sliding_window, sinks, config: KernelConfig) -> None
     block_kv, stages = config.block_kv, config.num_stages
     if page_size > block_kv and page_size % block_kv:
         raise ValueError(f"{page_size=} must be a multiple of {block_kv=}")
-    smem = smem_bytes(head_dim, jnp.dtype(q.dtype).itemsize, block_kv, stages)
+    native = is_native(k_pages, config)
+    smem = smem_bytes(
+        head_dim,
+        jnp.dtype(q.dtype).itemsize,
+        block_kv,
+        stages,
+        kv_itemsize=jnp.dtype(k_pages.dtype).itemsize,
+        fp8_wgmma=native,
+    )
     if smem > SMEM_BYTES:
+        path = " (fp8 wgmma)" if native else ""
         raise ValueError(
-            f"{head_dim=} with {block_kv=} and num_stages={stages} needs {smem:,} bytes of "
-            f"shared memory; the limit is {SMEM_BYTES:,}: lower block_kv or num_stages"
+            f"{head_dim=} with {block_kv=} and num_stages={stages}{path} needs {smem:,} bytes "
+            f"of shared memory; the limit is {SMEM_BYTES:,}: lower block_kv or num_stages"
         )
     if sinks is not None and sinks.shape != (num_q_heads,):
         raise ValueError(f"{sinks.shape=} must be ({num_q_heads},): one logit per query head")
+
+
+def is_native(k_pages, config: KernelConfig) -> bool:
+    """Whether this call reads its cache with fp8 wgmmas: an fp8 cache and ``fp8_wgmma``."""
+    return config.fp8_wgmma and k_pages.dtype in FP8_DTYPES
 
 
 def _scales_operand(k_scale, v_scale, sinks: jax.Array | None) -> jax.Array:
@@ -586,40 +680,61 @@ def _scratch_types(q: jax.Array, k_pages: jax.Array, launch: _Launch, config: Ke
     """The kernel body's shared memory and barriers, in its argument order (``q_smem`` to
     ``v_deq``); ``smem_bytes`` counts the same buffers."""
     head_dim = q.shape[-1]
-    itemsize = jnp.dtype(q.dtype).itemsize
-    swizzle = swizzle_for(head_dim, itemsize)
-    # jax 0.11.2: these subclass the Transform protocol without overriding transform_array,
-    # whose body only raises, so mypy takes them for abstract classes; jax uses them as here.
-    tiled = (
-        plgpu.TilingTransform((8, swizzle // itemsize)),  # type: ignore[abstract]
-        plgpu.SwizzleTransform(swizzle),  # type: ignore[abstract]
-    )
     block_kv, stages = config.block_kv, config.num_stages
-    is_split = launch.num_splits > 1
-    o_dtype = jnp.float32 if is_split else q.dtype
-    is_fp8 = k_pages.dtype in FP8_DTYPES
-    # fp8 stages land untiled: only the conversion to bf16 reads them, the wgmmas do not.
-    kv_stage = plgpu.SMEM(
-        (stages, block_kv, head_dim), k_pages.dtype, transforms=() if is_fp8 else tiled
-    )
-    kv_deq = plgpu.SMEM((block_kv, head_dim), q.dtype, transforms=tiled) if is_fp8 else None
+    o_dtype = jnp.float32 if launch.num_splits > 1 else q.dtype
     col_width = min(head_dim, 128)
     num_cols = head_dim // col_width
     copies = block_kv // min(launch.page_size, block_kv)  # TMA copies per KV step (pages)
+    q_smem, kv_stage, p_smem, kv_deq = _tile_buffers(q.dtype, k_pages.dtype, head_dim, config)
     return [
-        plgpu.SMEM((ROWS, head_dim), q.dtype, transforms=tiled),
+        q_smem,
         plgpu.RefUnion((kv_stage, kv_stage), plgpu.SMEM((num_cols, ROWS, col_width), o_dtype)),
-        plgpu.RefUnion(
-            plgpu.SMEM((num_cols, ROWS, col_width), q.dtype),
-            plgpu.SMEM((ROWS, block_kv), q.dtype, transforms=tiled),
-        ),
-        plgpu.SMEM((ROWS, LSE_COLS), jnp.float32) if is_split else None,
+        plgpu.RefUnion(plgpu.SMEM((num_cols, ROWS, col_width), q.dtype), p_smem),
+        plgpu.SMEM((ROWS, LSE_COLS), jnp.float32) if launch.num_splits > 1 else None,
         plgpu.Barrier(num_arrivals=launch.group * num_cols),
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
         kv_deq,
         kv_deq,
     ]
+
+
+def _tiled(swizzle: int, itemsize: int) -> tuple:
+    """The smem transforms wgmma operands take: 8-row tiles of one swizzle's width."""
+    # jax 0.11.2: these subclass the Transform protocol without overriding transform_array,
+    # whose body only raises, so mypy takes them for abstract classes; jax uses them as here.
+    return (
+        plgpu.TilingTransform((8, swizzle // itemsize)),  # type: ignore[abstract]
+        plgpu.SwizzleTransform(swizzle),  # type: ignore[abstract]
+    )
+
+
+def _tile_buffers(q_dtype, kv_dtype, head_dim: int, config: KernelConfig) -> tuple:
+    """``(q_smem, kv_stage, p_smem, kv_deq)``: the wgmmas' Q tile, one of the K / V stage
+    arrays, the P tile (native fp8: P and the transposed V tile) and the converted fp8 tile
+    (None unless an fp8 cache is converted)."""
+    block_kv, stages = config.block_kv, config.num_stages
+    stage_shape = (stages, block_kv, head_dim)
+    itemsize = jnp.dtype(q_dtype).itemsize
+    tiled = _tiled(swizzle_for(head_dim, itemsize), itemsize)
+    q_smem = plgpu.SMEM((ROWS, head_dim), q_dtype, transforms=tiled)
+    p_smem = plgpu.SMEM((ROWS, block_kv), q_dtype, transforms=tiled)
+    if jnp.dtype(kv_dtype) not in FP8_DTYPES:
+        return q_smem, plgpu.SMEM(stage_shape, kv_dtype, transforms=tiled), p_smem, None
+    if not config.fp8_wgmma:
+        # fp8 stages land untiled: only the conversion to bf16 reads them, the wgmmas do not.
+        kv_deq = plgpu.SMEM((block_kv, head_dim), q_dtype, transforms=tiled)
+        return q_smem, plgpu.SMEM(stage_shape, kv_dtype), p_smem, kv_deq
+    # fp8 wgmma: Q (e4m3) and the K stages in tiles of head_dim's swizzle (QK^T contracts over
+    # head_dim), P (e4m3) and V^T in tiles of block_kv's (PV contracts over block_kv).
+    qk_tiled = _tiled(swizzle_for(head_dim, 1), 1)
+    pv_tiled = _tiled(swizzle_for(block_kv, 1), 1)
+    q8_smem = plgpu.SMEM((ROWS, head_dim), jnp.float8_e4m3fn, transforms=qk_tiled)
+    p_and_vt = (
+        plgpu.SMEM((ROWS, block_kv), jnp.float8_e4m3fn, transforms=pv_tiled),
+        plgpu.SMEM((head_dim, block_kv), kv_dtype, transforms=pv_tiled),
+    )
+    return q8_smem, plgpu.SMEM(stage_shape, kv_dtype, transforms=qk_tiled), p_and_vt, None
 
 
 def _with_no_lse(body):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.fp8_matmul.reference import quantize_rows
 from pallas_kernels.kv_cache import Scale, dequantize_kv
 
 DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -98,6 +99,15 @@ def ragged_paged_attention(
     probs = jnp.where(mask[:, None, None, :], probs, 0.0)
     out = jnp.einsum("TKGS,TSKD->TKGD", probs, dequantize_kv(v_rows, v_scale))
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def quantize_queries(q: jax.Array) -> jax.Array:  # f32[T, Hq, D]
+    """The queries as the Mosaic GPU kernel's fp8 wgmma path reads them: each (token, head)
+    row rounded to e4m3 at its own scale (``amax / 448``: ``fp8_matmul.reference.quantize_rows``)
+    and multiplied back in float32. ``ragged_paged_attention`` over these is that path's oracle
+    but for the rounding of P to e4m3, which happens inside the online softmax."""
+    q8, scale = quantize_rows(q)
+    return q8.astype(jnp.float32) * scale
 
 
 def temporary_bytes(
