@@ -264,3 +264,34 @@ def test_compact_samplers_give_the_tokens_and_logprobs_of_the_specialized_ones()
     ):
         assert all_ids == compact_ids
         assert all_lps == compact_lps
+
+
+def test_generate_takes_one_whole_output_per_request(llm) -> None:
+    """``LLM.generate`` asks the engine for final outputs only (no delta per step): the one
+    output equals the deltas of the same request merged, text, tokens, logprobs, prompt
+    logprobs and stop reason alike, for n = 2 and a stop string."""
+    from jaxserve.engine.outputs import RequestOutput
+
+    params = SamplingParams(
+        temperature=0.8, seed=3, n=2, max_tokens=12, logprobs=2, prompt_logprobs=1, stop=["e"]
+    )
+    core = llm.engine
+    outputs: dict[str, list[RequestOutput]] = {"deltas": [], "final": []}
+    core.add_request("deltas", PROMPTS[2], params)
+    core.add_request("final", PROMPTS[2], params, final_only=True)
+    while core.num_unfinished():
+        for out in core.step():
+            outputs[out.request_id].append(out)
+    (final,) = outputs["final"]
+    assert final.finished and len(outputs["deltas"]) > 1
+    merged = outputs["deltas"][0]
+    for delta in outputs["deltas"][1:]:
+        merged.merge(delta)
+    assert final.prompt_logprobs == merged.prompt_logprobs is not None
+    for whole, parts in zip(final.outputs, merged.outputs, strict=True):
+        assert (whole.text, whole.token_ids, whole.logprobs) == (
+            parts.text,
+            parts.token_ids,
+            parts.logprobs,
+        )
+        assert (whole.finish_reason, whole.stop_reason) == (parts.finish_reason, parts.stop_reason)

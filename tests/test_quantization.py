@@ -305,7 +305,7 @@ def test_capacity_counts_quantized_weights_on_the_h200(capsys) -> None:
     """Llama-3-8B: fp8 Linear weights take about half (embedding and lm_head stay bf16),
     and the memory freed goes to the KV cache."""
     model = str(builtin_config_dir("llama-3-8b"))
-    args = (model, "--device-memory", "H200", "--max-model-len", "8192")
+    args = (model, "--device-memory", "H200", "--max-model-len", "8192", "--max-num-seqs", "256")
     bf16 = _capacity_json(capsys, *args)
     fp8 = _capacity_json(capsys, *args, "--quantization", "fp8")
     int8 = _capacity_json(capsys, *args, "-q", "int8")

@@ -103,6 +103,8 @@ class AsyncEngine:
         lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput]:
         """Yield deltas until one with ``finished=True``; validation errors raise ValueError."""
+        # (an engine double without adapters takes no such argument)
+        adapter: dict[str, Any] = {} if lora_request is None else {"lora_request": lora_request}
         add = functools.partial(
             self.core.add_request,
             request_id,
@@ -113,8 +115,7 @@ class AsyncEngine:
             cache_salt=cache_salt,
             arrival_time=time.time(),
             group_id=group_id,
-            # (an engine double without adapters takes no such argument)
-            **({"lora_request": lora_request} if lora_request is not None else {}),
+            **adapter,
         )
         async for output in self._outputs(request_id, params.num_samples, add):
             yield output

@@ -463,11 +463,13 @@ class EngineCore:
         arrival_time: float | None = None,
         group_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        final_only: bool = False,
     ) -> None:
         """Queue a request for the next step (``RequestError`` if it cannot run); requests of
         one ``group_id`` (the prompts of one API call) take one admission turn together.
         ``lora_request``: its adapter, read and checked here if the engine does not know it
-        yet (``AdapterError``)."""
+        yet (``AdapterError``). ``final_only``: ``step`` returns its output once, finished and
+        whole, not a delta per step (``Request.final_only``)."""
         if self.pooler is not None:
             raise RequestError(GENERATION_REFUSED, code="pooling_model")
         params = check_request(
@@ -488,6 +490,7 @@ class EngineCore:
             metrics=RequestMetrics(arrival_time=arrival),
             grammar=self.compile_grammar(params),
             lora_request=lora_request,
+            final_only=final_only,
         )
         request.add_samples(
             params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -844,7 +847,7 @@ class EngineCore:
             if request_id not in self.requests:  # aborted while this step was on the device
                 continue
             request = self.requests[request_id]
-            if request.returns_best_of:
+            if request.returns_best_of or request.final_only:
                 if not request.is_finished:
                     continue
                 seqs = request.seqs

@@ -260,6 +260,7 @@ class LLM:
                 prompt=text,
                 priority=priority[i] if priority is not None else 0,
                 lora_request=loras[i],
+                final_only=True,  # _run keeps only the whole output: no delta per step
             )
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)

@@ -168,6 +168,9 @@ class Request:
     # tokenizer gives them); None: all 0.
     token_type_ids: list[int] | None = None
     lora_request: LoRARequest | None = None  # its adapter; None: the base model
+    # True: one output when it finishes, holding everything (vLLM's FINAL_ONLY: ``LLM``'s
+    # generate, which reads no deltas); False: a delta after every step that gives it tokens.
+    final_only: bool = False
 
     @property
     def prefix_cache_key(self) -> str | None:

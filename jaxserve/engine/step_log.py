@@ -1,8 +1,9 @@
 """Where a run's time goes, step by step: an opt-in log of each engine step (``JAXSERVE_STEP_LOG``).
 
 With ``JAXSERVE_STEP_LOG=FILE`` set, the engine appends one JSON line per step to FILE (written
-in batches, and at shutdown): what the step held (sequences, decode sequences, prompt tokens,
-tokens in all) and four host-side spans in milliseconds, measured on the engine's thread:
+in batches, at shutdown and when the process exits): what the step held (sequences, decode
+sequences, prompt tokens, tokens in all) and four host-side spans in milliseconds, measured on
+the engine's thread:
 
 - ``schedule``: choosing the step (the scheduler, and the drafts when speculation runs);
 - ``dispatch``: building its inputs and handing them to the device (``runner.dispatch``, or the
@@ -19,6 +20,7 @@ check per span.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import time
@@ -41,6 +43,9 @@ class StepLog:
         self._spans: dict[str, float] = {}
         self._mark = 0.0
         self._start = 0.0
+        # A script that never shuts its engine down (``jaxserve bench throughput``) still gets
+        # its last lines: written when the interpreter exits.
+        atexit.register(self.flush)
 
     @classmethod
     def from_env(cls) -> StepLog | None:
