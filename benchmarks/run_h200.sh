@@ -103,6 +103,12 @@
 #                bf16, XLA's fp8 paths, the kernel W8A8 and weight-only, a tile sweep at M = 1
 #                and 16), then the fp8 decode step at batch 1, 8, 64 (context 1024) with
 #                JAXSERVE_FP8_MATMUL=off and =auto -> $OUT/fp8_matmul.{log,json}, fp8mm_step_*
+#   fp8attn      fp8 KV attention that reads fp8 (#36 item 3): the native path's GPU tests, then
+#                bench_attention.py --suite fp8 --sweep: the Mosaic GPU kernel over a bf16 cache,
+#                an fp8 cache converted to bf16 (the default) and read by fp8 wgmmas
+#                (JAXSERVE_FP8_ATTENTION=native), batch 1/8/64/256 x context 1,024/4,096, tokens/s
+#                and the ratio to bf16 (target: native >= 1.6x at 64 x 4,096)
+#                -> $OUT/attention_fp8.{log,json}
 #   highload     issue 36's profile of the full card: `jaxserve bench throughput` at 1000 x
 #                1000 in / 1000 out with the engine's step log on (JAXSERVE_STEP_LOG), for each
 #                of $HIGHLOAD_MODES (default "bf16 fp8kv") and $HIGHLOAD_SEQS (default "256
@@ -555,6 +561,14 @@ stage_fp8mm() {  # the fp8-matmul kernel: native tests, against XLA and the floo
     grep -v -i warn "$OUT/fp8mm_step_$mode.log" | tail -5
   done
   python3 -m pytest -q -m gpu tests/test_fp8_matmul.py -x 2>&1 | tail -4
+}
+
+stage_fp8attn() {  # fp8 KV attention: converted to bf16 against read by fp8 wgmmas
+  python3 -m pytest -q -m gpu tests/test_attention_fp8_native.py 2>&1 | tail -5
+  python3 -m benchmarks.bench_attention --suite fp8 --sweep --out "$OUT/attention_fp8.json" \
+    > "$OUT/attention_fp8.log" 2>&1
+  sed -n '/ | jax /,$p' "$OUT/attention_fp8.log"
+  grep -E "Error|error" "$OUT/attention_fp8.log" | head -5
 }
 
 stage_highload() {  # the 1000 x 1000/1000 run with its step log: where the time goes
