@@ -35,6 +35,9 @@ FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral", *NEW_FAMILIES)
 # Compiled programs are reused across test runs and processes (CI keeps a warm cache dir).
 os.environ.setdefault("JAXSERVE_COMPILATION_CACHE", str(Path.home() / ".cache/jaxserve/xla-tests"))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The test process makes and drops hundreds of engines, most never shut down: a frozen heap
+# would keep their cyclic garbage (KV caches included) for good. test_engine.py tests the freeze.
+os.environ.setdefault("JAXSERVE_GC_FREEZE", "0")
 
 
 # ``jaxserve launch`` whose engine steps take at least $JAXSERVE_TEST_MIN_STEP_S seconds (a

@@ -295,3 +295,24 @@ def test_generate_takes_one_whole_output_per_request(llm) -> None:
             parts.logprobs,
         )
         assert (whole.finish_reason, whole.stop_reason) == (parts.finish_reason, parts.stop_reason)
+
+
+def test_the_engine_freezes_its_start_up_heap_and_shutdown_thaws_it(monkeypatch) -> None:
+    """After start-up every live object leaves the collector's reach (``gc.freeze``, as vLLM);
+    shutdown gives them back; ``JAXSERVE_GC_FREEZE=0`` (the test suite's setting) leaves the
+    collector alone."""
+    import gc
+
+    from jaxserve.engine.core import freeze_startup_heap
+
+    monkeypatch.setenv("JAXSERVE_GC_FREEZE", "1")
+    gc.unfreeze()
+    engine = make_llm(warmup=False)
+    try:
+        assert gc.get_freeze_count() > 1000
+    finally:
+        engine.shutdown()
+    assert gc.get_freeze_count() == 0
+    monkeypatch.setenv("JAXSERVE_GC_FREEZE", "0")
+    assert not freeze_startup_heap()
+    assert gc.get_freeze_count() == 0
