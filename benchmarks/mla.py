@@ -8,13 +8,18 @@ bf16; ``--heads 16`` for a tensor-parallel-8 shard), timed as one jitted call:
   prefill  a 2,048-token step (a whole prompt; a chunk after 6,144 cached tokens) against the
            compute floor: 2 x heads x (visible keys summed over the rows) x (L + R + L) FLOPs
            / 989e12 FLOP/s (bf16 dense);
-each on the reference (``JAXSERVE_MLA=off``'s path) and the Pallas Triton kernel with its
-default blocking; ``--sweep`` also times other blockings (heads per program, rows, KV tokens
-a step, warps, stages, splits) at every cell and reports the best. A reference cell whose
-temporaries would pass ``--reference-max-gb`` is skipped.
+each on the reference (``JAXSERVE_MLA=off``'s path) and the kernels ``--kernels`` names with
+their default blocking: ``triton`` (the Pallas Triton kernel, ``auto``'s on GPUs) and
+``mosaic`` (the Pallas Mosaic GPU wgmma kernel, ``JAXSERVE_MLA=mosaic``; Hopper only, skipped
+elsewhere). ``--sweep`` also times other blockings at every cell and reports each kernel's best
+(Triton: heads per program, rows, KV tokens a step, warps, stages, splits; Mosaic GPU: KV
+tokens a step, stages, splits). Each row also gives both floors of the cell, bytes and FLOPs
+(``byte_floor_us``, ``compute_floor_us``: a decode at 128 heads does 2 x 128 x (512 + 64 + 512)
+FLOPs per latent byte pair, so it is near both). A reference cell whose temporaries would pass
+``--reference-max-gb`` is skipped.
 
     python -m benchmarks.mla --out mla.json                 # a few minutes on the H200
-    python -m benchmarks.mla --sweep --out mla_sweep.json
+    python -m benchmarks.mla --kernels triton,mosaic --sweep --out mla_sweep.json
     python -m benchmarks.mla --smoke --out /tmp/mla.json    # tiny shapes, interpret mode (CPU)
 """
 
@@ -35,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import BANDWIDTH, best_time
+from pallas_kernels.mla import mosaic_gpu as mla_mosaic
 from pallas_kernels.mla import reference
 from pallas_kernels.mla import triton as mla_triton
 
@@ -50,7 +56,7 @@ class Shape:
 
 
 V3 = Shape(128, 512, 64, 64)
-SMOKE = Shape(16, 64, 16, 8)
+SMOKE = Shape(16, 128, 16, 16)  # latent 128: the smallest the Mosaic GPU kernel takes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,15 +97,25 @@ def make_inputs(cell: Cell, shape: Shape, dtype, seed: int = 0) -> tuple[jax.Arr
     )
 
 
-def floor_us(cell: Cell, shape: Shape, itemsize: int) -> float:
-    """Decode: the latent bytes read / 4.3e12; prefill: the causal FLOPs / 989e12."""
-    if cell.step == "decode":
-        nbytes = cell.batch * cell.context * (shape.latent + shape.rope_dim) * itemsize
-        return nbytes / BANDWIDTH * 1e6
+def byte_floor_us(cell: Cell, shape: Shape, itemsize: int) -> float:
+    """The latent bytes the step reads (each sequence's context once) / 4.3e12 B/s."""
+    nbytes = cell.batch * cell.context * (shape.latent + shape.rope_dim) * itemsize
+    return nbytes / BANDWIDTH * 1e6
+
+
+def compute_floor_us(cell: Cell, shape: Shape) -> float:
+    """The causal FLOPs (scores and the weighted latent, every row's visible keys) / 989e12."""
     cached = cell.context - cell.new_tokens
     visible = sum(cached + t + 1 for t in range(cell.new_tokens))  # keys over the rows
     flops = 2 * shape.heads * visible * (2 * shape.latent + shape.rope_dim) * cell.batch
     return flops / FLOPS * 1e6
+
+
+def floor_us(cell: Cell, shape: Shape, itemsize: int) -> float:
+    """Decode: the byte floor; prefill: the compute floor (the table's "% of floor")."""
+    if cell.step == "decode":
+        return byte_floor_us(cell, shape, itemsize)
+    return compute_floor_us(cell, shape)
 
 
 def reference_gb(cell: Cell, shape: Shape) -> float:
@@ -135,18 +151,58 @@ PREFILL_SWEEP = [
 ]
 
 
-def label(config: mla_triton.MlaConfig) -> str:
+# Mosaic GPU: a third stage fits only at block_kv 64 without a split's f32 output (unsupported
+# configs are reported and skipped); splits around the default's.
+MOSAIC_SWEEP = [
+    mla_mosaic.MlaMosaicConfig(num_splits=1),
+    mla_mosaic.MlaMosaicConfig(num_splits=2),
+    mla_mosaic.MlaMosaicConfig(num_splits=8),
+    mla_mosaic.MlaMosaicConfig(num_splits=32),
+    mla_mosaic.MlaMosaicConfig(num_stages=3, num_splits=1),
+]
+
+
+def label(config) -> str:
     """The fields that differ from the default blocking, or ``default``."""
-    default = dataclasses.asdict(mla_triton.MlaConfig())
+    default = dataclasses.asdict(type(config)())
     fields = dataclasses.asdict(config).items()
     return ",".join(f"{k}={v}" for k, v in fields if v != default[k]) or "default"
 
 
-def time_cell(cell: Cell, shape: Shape, args, *, interpret: bool, sweep: bool, iters: int,
-              reference_max_gb: float) -> dict:  # fmt: skip
+def time_kernel(
+    cell: Cell, args, kernel, configs: list, *, sm_scale: float, interpret: bool, iters: int
+) -> dict:
+    """Microseconds per call of ``kernel`` under each config's label (those that run)."""
+    timings = {}
+    for config in configs:
+        fn = functools.partial(kernel, sm_scale=sm_scale, config=config, interpret=interpret)
+        try:
+            timings[label(config)] = best_time(jax.jit(fn), *args, iters=iters) * 1e6
+        except Exception as error:  # a blocking that does not compile (registers, smem)
+            print(f"   {cell} {label(config)}: {type(error).__name__}: {str(error)[:120]}")
+    return timings
+
+
+def mosaic_skip_reason(args, interpret: bool) -> str | None:
+    """Why the Mosaic GPU kernel is not timed here: not Hopper, or shapes it does not take."""
+    reason = mla_mosaic.unsupported_reason(*args[:4])
+    if reason is None and interpret:
+        reason = mla_mosaic.interpreter_unsupported_reason()
+    if reason is None and not interpret:
+        major = str(getattr(jax.devices()[0], "compute_capability", "0")).split(".")[0]
+        reason = None if major == "9" else "not a Hopper GPU (wgmma)"
+    return reason
+
+
+def time_cell(cell: Cell, shape: Shape, args, *, kernels: list[str], interpret: bool,
+              sweep: bool, iters: int, reference_max_gb: float) -> dict:  # fmt: skip
     sm_scale = (shape.latent + shape.rope_dim) ** -0.5
     itemsize = jnp.dtype(args[2].dtype).itemsize
-    row: dict = dataclasses.asdict(cell) | {"floor_us": floor_us(cell, shape, itemsize)}
+    row: dict = dataclasses.asdict(cell) | {
+        "floor_us": floor_us(cell, shape, itemsize),
+        "byte_floor_us": byte_floor_us(cell, shape, itemsize),
+        "compute_floor_us": compute_floor_us(cell, shape),
+    }
     row["reference_us"] = None  # unless it runs: its temporaries may not fit
     if reference_gb(cell, shape) <= reference_max_gb:
         ref = jax.jit(functools.partial(reference.ragged_paged_mla_attention, sm_scale=sm_scale))
@@ -154,24 +210,28 @@ def time_cell(cell: Cell, shape: Shape, args, *, interpret: bool, sweep: bool, i
             row["reference_us"] = best_time(ref, *args, iters=iters) * 1e6
         except Exception as error:  # out of memory
             print(f"   {cell} reference: {type(error).__name__}: {str(error)[:120]}")
-    configs = [mla_triton.MlaConfig()]
-    if sweep:
-        configs += sweep_configs(shape) if cell.step == "decode" else PREFILL_SWEEP
-    timings = {}
-    for config in configs:
-        kernel = functools.partial(
-            mla_triton.ragged_paged_mla_attention,
-            sm_scale=sm_scale,
-            config=config,
-            interpret=interpret,
-        )
-        try:
-            timings[label(config)] = best_time(jax.jit(kernel), *args, iters=iters) * 1e6
-        except Exception as error:  # a blocking that does not compile (registers, smem)
-            print(f"   {cell} {label(config)}: {type(error).__name__}: {str(error)[:120]}")
-    row["kernel_us"] = timings.get("default")
-    row["best_config"], row["best_us"] = min(timings.items(), key=lambda kv: kv[1])
-    row["configs_us"] = timings
+    timing = functools.partial(
+        time_kernel, cell, args, sm_scale=sm_scale, interpret=interpret, iters=iters
+    )
+    if "triton" in kernels:
+        configs = [mla_triton.MlaConfig()]
+        if sweep:
+            configs += sweep_configs(shape) if cell.step == "decode" else PREFILL_SWEEP
+        timings = timing(mla_triton.ragged_paged_mla_attention, configs)
+        row["kernel_us"] = timings.get("default")
+        row["best_config"], row["best_us"] = min(timings.items(), key=lambda kv: kv[1])
+        row["configs_us"] = timings
+    skip = mosaic_skip_reason(args, interpret) if "mosaic" in kernels else "not asked for"
+    if skip is None:
+        configs = [mla_mosaic.MlaMosaicConfig()] + (MOSAIC_SWEEP if sweep else [])
+        timings = timing(mla_mosaic.ragged_paged_mla_attention, configs)
+        row["mosaic_us"] = timings.get("default")
+        if timings:
+            best = min(timings.items(), key=lambda kv: kv[1])
+            row["mosaic_best_config"], row["mosaic_best_us"] = best
+        row["mosaic_configs_us"] = timings
+    elif "mosaic" in kernels:
+        print(f"   {cell} mosaic: skipped ({skip})")
     return row
 
 
@@ -179,17 +239,30 @@ def percent(floor: float, value: float | None) -> str:
     return "-" if value is None else f"{100 * floor / value:.0f}%"
 
 
+def us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def best(r: dict, prefix: str) -> str:
+    if r.get(f"{prefix}best_us") is None:
+        return "-"
+    return f"{r[f'{prefix}best_us']:.1f} ({r[f'{prefix}best_config']})"
+
+
 def print_table(rows: list[dict]) -> None:
-    print("| step | batch | context | new | floor us | reference us | kernel us | kernel "
-          "% of floor | best us (config) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    """Triton's columns as before, then the Mosaic GPU kernel's (``-`` where not timed)."""
+    print("| step | batch | context | new | floor us | byte / compute floor us | reference us "
+          "| triton us | triton % of floor | triton best us (config) | mosaic us | mosaic % of "
+          "floor | mosaic best us (config) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ref = "-" if r["reference_us"] is None else f"{r['reference_us']:.1f}"
-        kernel = "-" if r["kernel_us"] is None else f"{r['kernel_us']:.1f}"
+        floors = f"{r['byte_floor_us']:.1f} / {r['compute_floor_us']:.1f}"
         print(
             f"| {r['step']} | {r['batch']} | {r['context']} | {r['new_tokens']} | "
-            f"{r['floor_us']:.2f} | {ref} | {kernel} | {percent(r['floor_us'], r['kernel_us'])}"
-            f" | {r['best_us']:.1f} ({r['best_config']}) |"
+            f"{r['floor_us']:.2f} | {floors} | {us(r['reference_us'])} | "
+            f"{us(r.get('kernel_us'))} | {percent(r['floor_us'], r.get('kernel_us'))} | "
+            f"{best(r, '')} | {us(r.get('mosaic_us'))} | "
+            f"{percent(r['floor_us'], r.get('mosaic_us'))} | {best(r, 'mosaic_')} |"
         )
 
 
@@ -199,6 +272,11 @@ def main() -> None:
     parser.add_argument("--contexts", default="4096,32768")
     parser.add_argument("--heads", type=int, default=V3.heads, help="query heads per GPU")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument(
+        "--kernels",
+        default="triton,mosaic",
+        help="of triton,mosaic: the kernels to time (mosaic on Hopper only)",
+    )
     parser.add_argument("--sweep", action="store_true", help="more blockings per decode cell")
     parser.add_argument("--reference-max-gb", type=float, default=60.0)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode")
@@ -210,13 +288,20 @@ def main() -> None:
     iters = 1 if args.smoke else args.iters
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
+    kernels = [k for k in args.kernels.split(",") if k]
+    unknown = set(kernels) - {"triton", "mosaic"}
+    if unknown:
+        parser.error(f"--kernels: unknown {sorted(unknown)}; of triton, mosaic")
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {shape}", flush=True)
     rows = []
     for cell in cells(args.smoke, batches, contexts):
         inputs = make_inputs(cell, shape, jnp.bfloat16)
-        row = time_cell(cell, shape, inputs, interpret=interpret, sweep=args.sweep, iters=iters,
+        row = time_cell(cell, shape, inputs, kernels=kernels, interpret=interpret,
+                        sweep=args.sweep, iters=iters,
                         reference_max_gb=args.reference_max_gb)  # fmt: skip
-        print(json.dumps({k: v for k, v in row.items() if k != "configs_us"}), flush=True)
+        print(
+            json.dumps({k: v for k, v in row.items() if not k.endswith("configs_us")}), flush=True
+        )
         rows.append(row)
         del inputs
     print_table(rows)

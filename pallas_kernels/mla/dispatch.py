@@ -1,4 +1,5 @@
-"""Multi-head latent attention: one entry point, the Pallas Triton kernel or the reference.
+"""Multi-head latent attention: one entry point, a Pallas kernel (Triton, Mosaic GPU) or the
+reference.
 
 ``ragged_paged_mla_attention`` has the reference's signature (``models/mla.py`` calls it) and
 picks, at trace time, from ``JAXSERVE_MLA`` and the backend:
@@ -12,11 +13,19 @@ picks, at trace time, from ``JAXSERVE_MLA`` and the backend:
             ``shard_map`` with several devices XLA runs it whole on every device), in Pallas
             interpret mode on another backend;
   interpret the kernel in Pallas interpret mode on any backend (tests, debugging);
-  off       the reference.
-``JAXSERVE_ATTENTION=reference`` (``attention_env``) takes the reference here too, unless
-``JAXSERVE_MLA`` asks for the kernel. ``choose`` says which path a model's shapes take and why;
-``path_for`` the same for a model's dimensions (capacity planning, for this backend or a named
-device's); ``describe`` writes the start-up log's attention line for a model with MLA.
+  off       the reference;
+  mosaic    the Pallas Mosaic GPU kernel (``mosaic_gpu``: Hopper wgmma, FlashMLA's blocking)
+            wherever it takes the shapes (bf16 or fp16 over a cache of their dtype, no fp8;
+            latent 128 to 512, heads in multiples of 8, see its ``unsupported_reason``):
+            natively on a Hopper GPU, in Mosaic GPU interpret mode on another backend (whose
+            XLA CPU client needs 4 threads, ``NPROC`` or CPUs, for the kernel's 3 warpgroups);
+            elsewhere what ``on`` takes (the Triton kernel, or the reference).
+``auto`` still takes the Triton kernel on every GPU: it moves to the Mosaic GPU kernel on
+Hopper once that kernel is measured on the H200 (``benchmarks/mla.py --kernels
+triton,mosaic``). ``JAXSERVE_ATTENTION=reference`` (``attention_env``) takes the reference here
+too, unless ``JAXSERVE_MLA`` asks for a kernel. ``choose`` says which path a model's shapes take
+and why; ``path_for`` the same for a model's dimensions (capacity planning, for this backend or
+a named device's); ``describe`` writes the start-up log's attention line for a model with MLA.
 """
 
 from __future__ import annotations
@@ -29,15 +38,17 @@ import jax.numpy as jnp
 from pallas_kernels.attention_env import ATTENTION_ENV, requested_attention
 from pallas_kernels.env_choice import devices_per_model, env_choice
 from pallas_kernels.kv_cache import Scale
-from pallas_kernels.mla import reference, triton
+from pallas_kernels.mla import mosaic_gpu, reference, triton
 
 MLA_ENV = "JAXSERVE_MLA"
-MLA_CHOICES = ("auto", "on", "interpret", "off")
+MLA_CHOICES = ("auto", "on", "interpret", "off", "mosaic")
 
 # What the start-up log calls each path.
 MLA_KERNEL_NAMES = {
     "triton": "Pallas Triton MLA kernel",
     "interpret": "Pallas Triton MLA kernel in interpret mode",
+    "mosaic": "Pallas Mosaic GPU MLA kernel",
+    "mosaic_interpret": "Pallas Mosaic GPU MLA kernel in interpret mode",
     "reference": "pure-jnp reference",
 }
 
@@ -62,10 +73,13 @@ def choose(
     per_device: bool | None = None,  # the call sees one device's heads; None: in_shard_map()
     backend: str | None = None,  # the backend to choose for; None: jax.default_backend()
 ) -> tuple[str, str]:
-    """``("triton" | "interpret" | "reference", why)``: the path these shapes take here."""
+    """``("triton" | "interpret" | "mosaic" | "mosaic_interpret" | "reference", why)``: the
+    path these shapes take here."""
     value = requested()
     backend = backend or jax.default_backend()
     per_device = in_shard_map() if per_device is None else per_device
+    if value == "mosaic":
+        return _choose_mosaic(q_latent, q_pe, ckv_pages, kpe_pages, per_device, backend)
     if value == "off":
         return "reference", f"{MLA_ENV}=off"
     if value == "auto":
@@ -90,6 +104,46 @@ def choose(
             f"{MLA_ENV}={value}, Pallas interpret mode on the {backend} backend{where}",
         )
     return "triton", f"{MLA_ENV}=on{where}"
+
+
+def _choose_mosaic(q_latent, q_pe, ckv_pages, kpe_pages, per_device: bool, backend: str):
+    """``JAXSERVE_MLA=mosaic``: the Mosaic GPU kernel natively on Hopper, in interpret mode on
+    another backend; where it cannot run, the path ``on`` takes, with the reason."""
+    where = f", {q_latent.shape[1]} heads a device under a shard_map" if per_device else ""
+    reason = mosaic_gpu.unsupported_reason(q_latent, q_pe, ckv_pages, kpe_pages)
+    if reason is None and backend == "gpu" and not _is_hopper():
+        reason = "it needs a Hopper GPU (wgmma, compute capability 9.x)"
+    if reason is None and backend != "gpu":
+        reason = mosaic_gpu.interpreter_unsupported_reason()
+    if reason is None:
+        if backend == "gpu":
+            return "mosaic", f"{MLA_ENV}=mosaic{where}"
+        return (
+            "mosaic_interpret",
+            f"{MLA_ENV}=mosaic, Mosaic GPU interpret mode on the {backend} backend{where}",
+        )
+    path, why = _choose_on(q_latent, q_pe, ckv_pages, kpe_pages, per_device, backend)
+    return path, f"the Mosaic GPU MLA kernel does not run this model ({reason}); {why}"
+
+
+def _choose_on(q_latent, q_pe, ckv_pages, kpe_pages, per_device: bool, backend: str):
+    """What ``JAXSERVE_MLA=on`` takes: the Triton kernel (interpret mode off a GPU)."""
+    reason = triton.unsupported_reason(q_latent, q_pe, ckv_pages, kpe_pages)
+    if reason is not None:
+        return "reference", f"the Pallas Triton MLA kernel does not run this model ({reason})"
+    where = f", {q_latent.shape[1]} heads a device under a shard_map" if per_device else ""
+    if backend != "gpu":
+        return "interpret", f"Pallas interpret mode on the {backend} backend{where}"
+    return "triton", f"the Pallas Triton MLA kernel{where}"
+
+
+def _is_hopper() -> bool:
+    """Whether this process's GPU runs wgmma (compute capability 9.x); true where there is no
+    GPU here (a named device's plan: ``--device-memory H200``)."""
+    if jax.default_backend() != "gpu":
+        return True
+    major = str(getattr(jax.devices()[0], "compute_capability", "0")).split(".")[0]
+    return major == "9"
 
 
 def path_for(
@@ -151,6 +205,12 @@ def ragged_paged_mla_attention(
     args = (q_latent, q_pe, ckv_pages, kpe_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     options: dict[str, Any] = dict(sm_scale=sm_scale, ckv_scale=ckv_scale, kpe_scale=kpe_scale)
     path, _ = choose(q_latent, q_pe, ckv_pages, kpe_pages)
+    is_scaled = ckv_scale is not None or kpe_scale is not None
+    if path in ("mosaic", "mosaic_interpret") and not is_scaled:  # (scales: an fp8 cache's)
+        return mosaic_gpu.ragged_paged_mla_attention(
+            *args, sm_scale=sm_scale, interpret=path == "mosaic_interpret"
+        )
     if path == "reference":
         return reference.ragged_paged_mla_attention(*args, **options)
-    return triton.ragged_paged_mla_attention(*args, **options, interpret=path == "interpret")
+    interpret = path in ("interpret", "mosaic_interpret")
+    return triton.ragged_paged_mla_attention(*args, **options, interpret=interpret)
