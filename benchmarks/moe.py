@@ -26,6 +26,12 @@ the dense models). Results: one JSON (--output-json) and a table.
     python -m benchmarks.moe --smoke                              # tiny CPU run (CI)
     python -m benchmarks.moe --grouped-matmuls-only               # one layer's grouped
         matmuls on random weights, the whole GPU free, with a sweep of the kernel's tiles
+    python -m benchmarks.moe --grouped-matmuls-only --fp8-experts     # and over fp8 experts
+        (--quantization fp8's: fp8 values, f32 scales per expert and output channel), our
+        kernel and ragged_dot, against the fp8 bytes floor
+    python -m benchmarks.moe --grouped-matmuls-only --fp8-experts --mgpu-batches "" \
+        --model jaxserve/assets/configs/deepseek-v3 --expert-split 8  # DeepSeek-V3's layer
+                                                              # as one device holds it at -tp 8
     python -m benchmarks.moe --engine jaxserve --model jaxserve/assets/configs/gpt-oss-20b \
         --max-num-batched-tokens 2048                             # gpt-oss-20b (bf16 shape)
 
@@ -69,7 +75,9 @@ from jaxserve.config import ModelConfig, builtin_config_dir
 from jaxserve.models import moe
 from jaxserve.models.families.counting import num_params
 from jaxserve.models.families.registry import layer_fields, load_model_config
+from jaxserve.models.quant import QArray, quantize_experts
 from jaxserve.runner.step import SchedulerOutput
+from pallas_kernels.grouped_matmul import dispatch as gm_dispatch
 from pallas_kernels.grouped_matmul import triton as gmt
 
 PEAK_BF16_FLOPS = 989e12  # the H200's dense bf16 tensor-core peak (datasheet)
@@ -185,6 +193,35 @@ def triton_grouped(config: gmt.GroupedMatmulConfig) -> Callable:
     return functools.partial(gmt.grouped_matmul, config=config, interpret=interpret)
 
 
+def fp8_grouped(path: str) -> Callable:
+    """The grouped matmul over quantized experts (a ``QArray``: fp8 values [G, K, N], f32
+    scales [G, N]), weight-only: our Triton kernel (``path`` "triton") or ragged_dot on the
+    values converted in XLA, the scales after ("xla")."""
+    if path == "triton":
+        interpret = jax.default_backend() != "gpu"
+        return lambda lhs, w, sizes: gmt.grouped_matmul(
+            lhs, w.q, sizes, w.scale, interpret=interpret
+        )
+    return lambda lhs, w, sizes: gm_dispatch.scaled_ragged_dot(lhs, w.q, sizes, w.scale)
+
+
+def time_fp8(
+    row: dict, fp8: moe.MoeWeights, rows: jax.Array, sizes: jax.Array, iters: int, xla: bool
+) -> None:
+    """``row`` with the three grouped matmuls over fp8 experts timed (``fp8_triton_us``, and
+    ``fp8_xla_us`` with ``xla``) and their bytes floor (one byte a weight, the scales)."""
+    assert isinstance(fp8.w_gate, QArray) and isinstance(fp8.w_down, QArray)
+    _, hidden, inner = fp8.w_gate.q.shape
+    per_expert = 3 * hidden * inner + (2 * inner + hidden) * 4
+    row["fp8_floor_us"] = row["experts_touched"] * per_expert / BANDWIDTH * 1e6
+    args = (rows, sizes, fp8.w_gate, fp8.w_up, fp8.w_down)
+    try_time(row, "fp8_triton_us", jax.jit(expert_mlp_on(fp8_grouped("triton"))), *args,
+             iters=iters)  # fmt: skip
+    if xla:
+        try_time(row, "fp8_xla_us", jax.jit(expert_mlp_on(fp8_grouped("xla"))), *args,
+                 iters=iters)  # fmt: skip
+
+
 # Tiles tried beside the default one (--sweep): decode-sized (16-32 rows a tile) and
 # prefill-sized (64-128), each with a few column and K steps.
 SWEEP = [
@@ -221,6 +258,7 @@ def time_grouped_matmuls(
     iters: int,
     sweep: bool = False,
     xla_batches: list[int] | None = None,  # None: every batch
+    fp8: moe.MoeWeights | None = None,  # the same experts quantized: timed beside (fp8_*)
 ) -> list:
     """The three grouped matmuls of one layer on rows already sorted by expert, at each step
     size in ``batches`` (tokens: decode batches, or a prefill step): XLA's ragged_dot, our
@@ -229,7 +267,7 @@ def time_grouped_matmuls(
     bf16 compute floor, which binds at prefill)."""
     assert config.moe is not None
     itemsize = jnp.dtype(w.w_gate.dtype).itemsize
-    per_expert_bytes = 3 * config.hidden_size * config.moe.intermediate_size * itemsize
+    per_expert_bytes = 3 * math.prod(w.w_gate.shape[1:]) * itemsize  # (M: this device's)
     xla = jax.jit(expert_mlp_on(jax.lax.ragged_dot))
     triton = jax.jit(expert_mlp_on(triton_grouped(gmt.GroupedMatmulConfig())))
     mgpu = jax.jit(expert_mlp_on(mgpu_grouped))
@@ -266,6 +304,8 @@ def time_grouped_matmuls(
             try_time(row, "xla_us", xla, *args, iters=iters)
         if on_gpu and batch in mgpu_batches:
             try_time(row, "mgpu_us", mgpu, *args, iters=iters)
+        if fp8 is not None:
+            time_fp8(row, fp8, rows, sizes, iters, xla_batches is None or batch in xla_batches)
         out.append(row)
         print(f"grouped matmuls {row}", flush=True)
     return out
@@ -294,10 +334,13 @@ def check_lowering(config: ModelConfig, dtype: jnp.dtype, num_tokens: int = 64) 
     }
 
 
-def random_moe_weights(config: ModelConfig, dtype: jnp.dtype, seed: int = 0) -> moe.MoeWeights:
-    """One layer's router and experts, random (for --grouped-matmuls-only: no engine)."""
+def random_moe_weights(
+    config: ModelConfig, dtype: jnp.dtype, seed: int = 0, split: int = 1
+) -> moe.MoeWeights:
+    """One layer's router and experts, random (for --grouped-matmuls-only: no engine); with
+    ``split`` N, the slice of each expert one device holds at -tp N (M / N)."""
     assert config.moe is not None
-    e, h, m = config.moe.num_experts, config.hidden_size, config.moe.intermediate_size
+    e, h, m = config.moe.num_experts, config.hidden_size, config.moe.intermediate_size // split
     keys = jax.random.split(jax.random.key(seed), 4)
 
     def normal(key, *shape: int) -> jax.Array:
@@ -318,10 +361,18 @@ def run_grouped_matmuls_only(args: argparse.Namespace) -> dict:
     result["jax"] = jax.__version__
     result["lowering"] = check_lowering(config, dtype)
     print(f"lowering: {result['lowering']}", flush=True)
-    weights = random_moe_weights(config, dtype)
+    weights = random_moe_weights(config, dtype, split=args.expert_split)
+    fp8 = None
+    if args.fp8_experts:
+        fp8 = moe.MoeWeights(
+            weights.router,
+            *(jax.jit(quantize_experts, static_argnums=1)(w, "fp8")
+              for w in (weights.w_gate, weights.w_up, weights.w_down)),
+        )  # fmt: skip
+    result["expert_split"] = args.expert_split
     result["grouped_matmuls"] = time_grouped_matmuls(
         weights, config, args.batches + args.prefill_tokens, args.mgpu_batches, args.iters,
-        sweep=not args.smoke,
+        sweep=not args.smoke and not args.fp8_experts, fp8=fp8,
     )  # fmt: skip
     return result
 
@@ -480,6 +531,28 @@ def print_grouped_matmuls(rows: list[dict]) -> None:
         print(f"{key}: {error}")
 
 
+def print_fp8_grouped_matmuls(rows: list[dict]) -> None:
+    """bf16 against fp8 experts on our kernel: us, the fp8 bytes floor and its share."""
+    rows = [r for r in rows if "fp8_floor_us" in r]
+    if not rows:
+        return
+    print(
+        f"\n{'tokens':>6} {'experts':>7} {'bf16 us':>8} {'bf16 roof':>9} {'fp8 floor':>9} "
+        f"{'fp8 us':>8} {'fp8 roof':>8} {'speedup':>7} {'fp8 ragged_dot us':>17}"
+    )
+    for r in rows:
+        bf16, fp8 = r.get("triton_us"), r.get("fp8_triton_us")
+        xla = r.get("fp8_xla_us")
+        print(
+            f"{r['batch']:6d} {r['experts_touched']:7d} "
+            + (f"{bf16:8.1f} {r['floor_us'] / bf16:9.1%} " if bf16 else f"{'-':>8} {'-':>9} ")
+            + f"{r['fp8_floor_us']:9.1f} "
+            + (f"{fp8:8.1f} {r['fp8_floor_us'] / fp8:8.1%} " if fp8 else f"{'-':>8} {'-':>8} ")
+            + (f"{bf16 / fp8:6.2f}x " if bf16 and fp8 else f"{'-':>7} ")
+            + (f"{xla:17.1f}" if xla else f"{r.get('fp8_xla_us_error', '-')[:17]:>17}")
+        )
+
+
 def print_table(result: dict, args: argparse.Namespace) -> None:
     js = result["jaxserve"]
     name = Path(args.model).name
@@ -548,6 +621,19 @@ def main() -> int:
         help="only the grouped-matmul comparison, on one layer of random weights (no engine, "
         "the whole GPU free), with a sweep of the Triton kernel's tiles",
     )
+    parser.add_argument(
+        "--fp8-experts",
+        action="store_true",
+        help="with --grouped-matmuls-only: time the grouped matmuls over the same experts "
+        "quantized to fp8 too (--quantization fp8's layout), against bf16 (no tile sweep)",
+    )
+    parser.add_argument(
+        "--expert-split",
+        type=int,
+        default=1,
+        help="with --grouped-matmuls-only: each expert's M divided by this (the slice one "
+        "device holds at -tp N; 8 for DeepSeek-V3 on 8 GPUs)",
+    )
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=512)
@@ -588,6 +674,7 @@ def main() -> int:
         result = run_grouped_matmuls_only(args)
         print(f"\n{Path(args.model).name}: lowering {result['lowering']}")
         print_grouped_matmuls(result["grouped_matmuls"])
+        print_fp8_grouped_matmuls(result["grouped_matmuls"])
     elif args.engine == "hf":
         result = run_hf(args)
     elif args.engine == "jaxserve":
@@ -611,6 +698,7 @@ def run_child(args: argparse.Namespace, engine: str) -> dict:
         out = Path(tmp) / f"{engine}.json"
         lists = ("batches", "mgpu_batches", "prefill_tokens")
         flags = ("engine", "output_json", "smoke", "time_budget", "grouped_matmuls_only")
+        flags += ("fp8_experts",)
         forwarded = [
             f"--{name.replace('_', '-')}={value}"
             for name, value in vars(args).items()

@@ -99,8 +99,10 @@ def test_config_variants_and_errors_name_the_field() -> None:
     with pytest.raises(ConfigError, match="attention_bias=True is not supported for deepseek_v3"):
         model_config_from_dict(TINY | {"attention_bias": True})
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
-    with pytest.raises(ConfigError, match="quant_method='fp8'.* not supported for deepseek_v3"):
-        model_config_from_dict(TINY | {"quantization_config": fp8})
+    assert model_config_from_dict(TINY | {"quantization_config": fp8}).mla is not None
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    with pytest.raises(ConfigError, match="quant_method='awq'.* not supported for deepseek_v3"):
+        model_config_from_dict(TINY | {"quantization_config": awq})
     with pytest.raises(ConfigError, match="kv_lora_rank=0 must be a positive integer"):
         model_config_from_dict(TINY | {"kv_lora_rank": 0})
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide"):

@@ -238,12 +238,16 @@ def test_startup_log_names_the_experts_and_how_they_are_split() -> None:
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_a_quantized_checkpoint_of_experts_fails_at_start_naming_both(tmp_path, family) -> None:
-    """An fp8 (or any) quantization_config on a mixture of experts is refused when the config
-    is read: its expert tensors would be read as raw values without their scales."""
+    """A quantization_config other than fp8 on a mixture of experts is refused when the
+    config is read: its expert tensors would be read as raw values without their scales
+    (fp8 checkpoints' experts are read: tests/test_moe_fp8.py)."""
     model = tmp_path / family
     model.mkdir()
     raw = json.loads((fixture_dir(family) / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    (model / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=f"quant_method='awq'.*not supported for {family}"):
+        load_model_config(model)
     raw["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     (model / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ConfigError, match=f"quant_method='fp8'.*not supported for {family}"):
-        load_model_config(model)
+    assert load_model_config(model).moe is not None

@@ -420,12 +420,20 @@ def _plan_json(args: argparse.Namespace, plan: _Plan) -> dict:
     }
 
 
+def _quantized_words(plan: _Plan) -> str:
+    """What the quantization covers: the Linear weights, and a mixture of experts' routed
+    experts (not a pre-quantized checkpoint's: MoE checkpoints are read as stored)."""
+    if plan.config.moe is not None and plan.quant is not None:
+        return "Linear weights and routed experts"
+    return "Linear weights"
+
+
 def _print_plan(args: argparse.Namespace, plan: _Plan) -> None:
     config = plan.config
     print(
         f"Model: {plan.model_dir} ({config.model_type}, {human_count(num_params(config))} "
         f"parameters, {plan.dtype} weights"
-        + (f", {plan.quant.method} quantized Linear weights" if plan.quant is not None else "")
+        + (f", {plan.quant.method} quantized {_quantized_words(plan)}" if plan.quant else "")
         + ")"
     )
     if config.moe is not None:

@@ -14,6 +14,11 @@ padding tokens of a step's bucket get the expert id E, past every group: they so
 no expert runs them (a decode step of one sequence in a 16-token bucket reads the weights of
 its own top_k experts only).
 
+With ``--quantization fp8 | int8`` the routed experts are ``quant.QArray``s (values [E, H, M] /
+[E, M, H] in fp8 e4m3 or int8, f32 scales [E, M] / [E, H] per expert and output channel): the
+grouped matmuls read them weight-only (``grouped_matmul``'s ``scale``), the activations staying
+in the model's dtype. The router and shared expert are not quantized.
+
 GPT-OSS adds biases (on the router logits, and per expert on gate, up and down) and its own
 gated activation, the clamped swiglu (``clamped_swiglu``), in place of ``act(gate) * up``. The
 gate and up biases ride with the grouped matmuls (each row takes its expert's); the down bias,
@@ -35,8 +40,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import MoeConfig
+from jaxserve.models.quant import QArray, dequantize
 from jaxserve.units import cdiv
-from pallas_kernels.grouped_matmul.dispatch import grouped_matmul
+from pallas_kernels.grouped_matmul import dispatch
+
+# Stacked experts: plain [E, ...], or quantized (values [E, in, out], scales [E, out]).
+Experts = jax.Array | QArray
 
 Activation = Callable[[jax.Array], jax.Array]
 # (gate [R, M], up [R, M]) -> [R, M]: an expert's gated activation in place of act(gate) * up
@@ -49,9 +58,9 @@ class MoeWeights:
     """One layer's experts (a view of its ``LayerWeights``, nothing copied)."""
 
     router: jax.Array  # [H, E]
-    w_gate: jax.Array  # [E, H, M]
-    w_up: jax.Array  # [E, H, M]
-    w_down: jax.Array  # [E, M, H]
+    w_gate: Experts  # [E, H, M]
+    w_up: Experts  # [E, H, M]
+    w_down: Experts  # [E, M, H]
     router_bias: jax.Array | None = None  # f32[E]  e_score_correction_bias (DeepSeek-V3)
     shared_gate: jax.Array | None = None  # [H, S]  the shared expert, a dense MLP
     shared_up: jax.Array | None = None  # [H, S]
@@ -87,6 +96,23 @@ def expert_glu(config: MoeConfig) -> Glu | None:
     if config.swiglu_limit is None:
         return None
     return functools.partial(clamped_swiglu, limit=config.swiglu_limit, alpha=config.swiglu_alpha)
+
+
+def num_experts_of(w: Experts) -> int:
+    """E of stacked experts, plain or quantized."""
+    return (w.q if isinstance(w, QArray) else w).shape[0]
+
+
+def grouped_matmul(
+    rows: jax.Array,  # [R, K]  sorted by expert
+    w: Experts,  # [E, K, N]
+    group_sizes: jax.Array,  # i32[E]
+) -> jax.Array:  # [R, N]
+    """One grouped matmul over plain or quantized experts (weight-only: rows stay as they
+    are, the values are converted inside the matmul and each output column scaled)."""
+    if isinstance(w, QArray):
+        return dispatch.grouped_matmul(rows, jnp.asarray(w.q), group_sizes, jnp.asarray(w.scale))
+    return dispatch.grouped_matmul(rows, w, group_sizes)
 
 
 def row_bias(
@@ -144,9 +170,9 @@ def sort_by_expert(
 def expert_mlp(
     rows: jax.Array,  # [R, H]  sorted by expert
     group_sizes: jax.Array,  # i32[E]  rows of each expert, in order; may sum to less than R
-    w_gate: jax.Array,  # [E, H, M]
-    w_up: jax.Array,  # [E, H, M]
-    w_down: jax.Array,  # [E, M, H]
+    w_gate: Experts,  # [E, H, M]
+    w_up: Experts,  # [E, H, M]
+    w_down: Experts,  # [E, M, H]
     act: Activation,
     gate_bias: jax.Array | None = None,  # [E, M]
     up_bias: jax.Array | None = None,  # [E, M]
@@ -171,9 +197,9 @@ def run_experts(
     x: jax.Array,  # [T, H]
     expert_ids: jax.Array,  # i32[T, k]
     expert_weights: jax.Array,  # f32[T, k]
-    w_gate: jax.Array,  # [E, H, M]
-    w_up: jax.Array,  # [E, H, M]
-    w_down: jax.Array,  # [E, M, H]
+    w_gate: Experts,  # [E, H, M]
+    w_up: Experts,  # [E, H, M]
+    w_down: Experts,  # [E, M, H]
     *,
     act: Activation,
     gate_bias: jax.Array | None = None,  # [E, M]
@@ -182,7 +208,7 @@ def run_experts(
 ) -> jax.Array:  # [T, H]
     """Sum over each token's experts of weight * expert(x), all experts on this device."""
     num_tokens, top_k = expert_ids.shape
-    order, group_sizes = sort_by_expert(expert_ids, w_gate.shape[0])
+    order, group_sizes = sort_by_expert(expert_ids, num_experts_of(w_gate))
     rows = x[order // top_k]  # [R, H]
     out = expert_mlp(rows, group_sizes, w_gate, w_up, w_down, act, gate_bias, up_bias, glu)
     return combine(out, order, expert_weights, x.dtype)
@@ -235,7 +261,7 @@ def this_devices_tokens(
 def run_received(
     received: jax.Array,  # [n, C, H]  the rows each device sent here
     received_ids: jax.Array,  # i32[n, C]  their local expert; num_local: an empty row
-    experts: tuple[jax.Array, jax.Array, jax.Array],  # this device's w_gate, w_up, w_down
+    experts: tuple[Experts, Experts, Experts],  # this device's w_gate, w_up, w_down
     act: Activation,
     gate_bias: jax.Array | None,
     up_bias: jax.Array | None,
@@ -243,7 +269,7 @@ def run_received(
 ) -> jax.Array:  # [n, C, H]  the results, as received
     """The received rows through this device's experts (empty rows sort last, run by none)."""
     w_gate, w_up, w_down = experts
-    num_local = w_gate.shape[0]
+    num_local = num_experts_of(w_gate)
     num_devices, capacity, hidden_size = received.shape
     received_ids = received_ids.reshape(-1)  # i32[n * C]; empty rows sort last
     local_order = jnp.argsort(received_ids, stable=True).astype(jnp.int32)
@@ -260,9 +286,9 @@ def run_experts_all_to_all(
     x: jax.Array,  # [T, H]  every token, the same on every device
     expert_ids: jax.Array,  # i32[T, k]
     expert_weights: jax.Array,  # f32[T, k]
-    w_gate: jax.Array,  # [E / n, H, M]  this device's experts
-    w_up: jax.Array,  # [E / n, H, M]
-    w_down: jax.Array,  # [E / n, M, H]
+    w_gate: Experts,  # [E / n, H, M]  this device's experts
+    w_up: Experts,  # [E / n, H, M]
+    w_down: Experts,  # [E / n, M, H]
     *,
     act: Activation,
     axis_name: str,
@@ -278,7 +304,7 @@ def run_experts_all_to_all(
     all-to-all), combines its tokens and gathers every device's tokens.
     """
     num_devices = jax.lax.axis_size(axis_name)
-    num_local = w_gate.shape[0]
+    num_local = num_experts_of(w_gate)
     num_tokens, top_k = expert_ids.shape
     x, expert_ids, expert_weights = this_devices_tokens(
         x, expert_ids, expert_weights, num_local * num_devices, axis_name
@@ -403,12 +429,16 @@ def reference_moe(
     expert_weights, expert_ids = route(router_logits(x, weights), config, weights.router_bias)
     glu = expert_glu(config)
     out = jnp.zeros(x.shape, jnp.float32)
-    for expert in range(weights.w_gate.shape[0]):
-        gate, up = x @ weights.w_gate[expert], x @ weights.w_up[expert]  # [T, M]
+    w_gate, w_up, w_down = (
+        dequantize(w, x.dtype) if isinstance(w, QArray) else w
+        for w in (weights.w_gate, weights.w_up, weights.w_down)
+    )
+    for expert in range(w_gate.shape[0]):
+        gate, up = x @ w_gate[expert], x @ w_up[expert]  # [T, M]
         if weights.gate_bias is not None and weights.up_bias is not None:
             gate, up = gate + weights.gate_bias[expert], up + weights.up_bias[expert]
         y = act(gate) * up if glu is None else glu(gate, up)
-        y = y @ weights.w_down[expert]  # [T, H]
+        y = y @ w_down[expert]  # [T, H]
         if weights.down_bias is not None:
             y = y + weights.down_bias[expert]
         y = y.astype(jnp.float32)

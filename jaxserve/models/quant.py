@@ -43,20 +43,31 @@ INT8_MAX = 127.0
 PACK = 8  # 4-bit values per int32 word
 # The Linear weights of a layer; everything else (embedding, lm_head, norms, biases) is not.
 QUANTIZED_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# A mixture of experts' routed experts, stacked on E (``quantize_experts``): quantized by the
+# same schemes on load. The router and shared experts are not (they stay in the model dtype).
+QUANTIZED_EXPERT_FIELDS = ("experts_gate", "experts_up", "experts_down")
 Array = jax.Array | np.ndarray
 
 
 # NOTE: one layout for every format ([out, in], the checkpoint's) so the fp8 dot can contract
 # the minor axis of both operands, the layout cuBLASLt's fp8 GEMM wants (a weight stored
 # [in, out] would be transposed by XLA on every step); 4-bit formats are repacked to it on load.
+# A mixture of experts' stacked experts are the one exception: q [E, in, out] in the model's
+# own layout (the grouped matmul's rhs [G, K, N], which its kernel and ragged_dot read as it
+# is), scale [E, out]; ``is_experts`` says which.
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class QArray:
-    """A Linear weight of logical shape ``[*in_shape, *out_shape]`` in fewer bits."""
+    """A Linear weight of logical shape ``[*in_shape, *out_shape]`` in fewer bits (stacked
+    experts: ``[E, *in_shape, *out_shape]``)."""
 
     # Device arrays in the model; numpy on the host while a checkpoint is read.
-    q: Array  # f8e4m3 | i8 [out, in], or i32 [out, in // 8]: 4-bit values packed along in
-    scale: Array  # f32 [out] per output channel, or f32 [out, G]: per group of in // G inputs
+    # f8e4m3 | i8 [out, in], or i32 [out, in // 8]: 4-bit values packed along in;
+    # stacked experts: f8e4m3 | i8 [E, in, out]
+    q: Array
+    # f32 [out] per output channel, or f32 [out, G]: per group of in // G inputs;
+    # stacked experts: f32 [E, out], per expert and output channel
+    scale: Array
     in_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
     out_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
     zero: Array | None = None  # u8 [out, G] zero points of 4-bit formats, else None
@@ -67,6 +78,11 @@ class QArray:
     @property
     def is_packed(self) -> bool:
         return self.q.dtype == jnp.int32
+
+    @property
+    def is_experts(self) -> bool:
+        """Stacked experts ([E, in, out] values, [E, out] scales), read by the grouped matmul."""
+        return self.q.ndim == 3
 
     @property
     def nbytes(self) -> int:
@@ -86,8 +102,10 @@ def dequantize(w: QArray, dtype: Any) -> jax.Array:  # [out, in] in dtype
 
     The arithmetic is in ``dtype`` itself (4-bit values and zero points are small integers,
     exact in bf16; fp8 values are exact too), so a dequantized operand XLA does not fuse into
-    the GEMM costs two bytes per weight, not four."""
+    the GEMM costs two bytes per weight, not four. Stacked experts: [E, in, out]."""
     q, scale = jnp.asarray(w.q), jnp.asarray(w.scale).astype(dtype)
+    if w.is_experts:
+        return q.astype(dtype) * scale[:, None, :]
     values = (unpack_int4(q) if w.is_packed else q).astype(dtype)  # [out, in]
     if scale.ndim == 1:
         return values * scale[:, None]
@@ -301,6 +319,32 @@ def quantize(
         in_shape=in_shape,
         out_shape=out_shape,
         act_quant=act_quant,
+    )
+
+
+def quantize_experts(
+    w: Any,  # [E, in, out] (the model's layout of stacked experts), numpy or a jax.Array
+    weight_format: str,
+) -> QArray:
+    """Stacked experts quantized as ``quantize`` quantizes a Linear weight: one scale per
+    (expert, output channel), the values kept in the grouped matmul's layout [E, in, out]."""
+    xp: Any = np if isinstance(w, np.ndarray) else jnp
+    w32 = w.astype(xp.float32)
+    amax = xp.max(xp.abs(w32), axis=1)  # [E, out]
+    if weight_format == "fp8":
+        scale = xp.maximum(amax, 1e-12) / FP8_MAX
+        fp8 = ml_dtypes.float8_e4m3fn if xp is np else FP8
+        q = xp.clip(w32 / scale[:, None, :], -FP8_MAX, FP8_MAX).astype(fp8)
+    elif weight_format == "int8":
+        scale = xp.maximum(amax, 1e-12) / INT8_MAX
+        q = xp.clip(xp.round(w32 / scale[:, None, :]), -INT8_MAX, INT8_MAX).astype(xp.int8)
+    else:
+        raise ValueError(f"weight_format={weight_format!r} must be one of {WEIGHT_FORMATS}")
+    return QArray(
+        q=q,
+        scale=scale.astype(xp.float32),
+        in_shape=(w.shape[1],),
+        out_shape=(w.shape[2],),
     )
 
 

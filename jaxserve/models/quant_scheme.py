@@ -21,7 +21,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.families.counting import num_float32_params, num_params
 from jaxserve.models.families.fields import WeightField, dim_sizes
 from jaxserve.models.families.registry import layer_fields
-from jaxserve.models.quant import PACK, QUANTIZED_FIELDS
+from jaxserve.models.quant import PACK, QUANTIZED_EXPERT_FIELDS, QUANTIZED_FIELDS
 
 # What --quantization accepts: the two quantize-on-load modes, and the checkpoint methods
 # (naming one checks that the checkpoint has it, as vLLM does).
@@ -296,9 +296,17 @@ def quantized_field_bytes(field: WeightField, config: ModelConfig, scheme: Quant
     return sum(math.prod(shape) * itemsize for shape, itemsize in layout.values())
 
 
+def quantized_experts_bytes(field: WeightField, config: ModelConfig) -> int:
+    """Device bytes of one layer's quantized routed experts (``quant.quantize_experts``):
+    values [E, in, out] at one byte each, f32 scales [E, out]."""
+    num_experts, num_in, num_out = field.shape_for(config)
+    return num_experts * num_in * num_out + num_experts * num_out * 4
+
+
 def weight_bytes(config: ModelConfig, dtype_bytes: int, scheme: QuantScheme | None) -> int:
     """Bytes the weights occupy on the device (all of them, before tensor parallelism); the
-    ones kept in float32 (``WeightField.is_float32``) at 4 bytes."""
+    ones kept in float32 (``WeightField.is_float32``) at 4 bytes. With a ``scheme`` the
+    Linear weights and the routed experts count as quantized (values and scales)."""
     float32_extra = num_float32_params(config) * max(0, 4 - dtype_bytes)
     if scheme is None:
         return num_params(config) * dtype_bytes + float32_extra
@@ -308,5 +316,9 @@ def weight_bytes(config: ModelConfig, dtype_bytes: int, scheme: QuantScheme | No
         for field in layer_fields(config, layer):
             if field.name in QUANTIZED_FIELDS:
                 total += quantized_field_bytes(field, config, scheme)
-                unquantized -= math.prod(field.shape_for(config))
+            elif field.name in QUANTIZED_EXPERT_FIELDS:
+                total += quantized_experts_bytes(field, config)
+            else:
+                continue
+            unquantized -= math.prod(field.shape_for(config))
     return total + unquantized * dtype_bytes + float32_extra

@@ -1,6 +1,7 @@
 """The grouped matmul's semantics in pure jnp: ``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` as
 a dense dot per group, G times the work. The tests' oracle for the Triton kernel (``triton``) and
-for the entry point (``dispatch``), which have the same signature.
+for the entry point (``dispatch``), which have the same signature. A quantized ``rhs`` (fp8 e4m3
+or int8 values) comes with ``scale f32[G, N]``: group g's product times ``scale[g]``.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import jax.numpy as jnp
 
 def grouped_matmul(
     lhs: jax.Array,  # [R, K]  sorted by group
-    rhs: jax.Array,  # [G, K, N]
+    rhs: jax.Array,  # [G, K, N]  lhs's dtype, or fp8 e4m3 / int8 values with a scale
     group_sizes: jax.Array,  # i32[G]
+    scale: jax.Array | None = None,  # f32[G, N]  per (group, output column)
 ) -> jax.Array:  # [R, N], lhs's dtype
     """The semantics, as a dense dot per group (G times the work: the tests' oracle)."""
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))  # i32[G]
@@ -21,8 +23,12 @@ def grouped_matmul(
     out = jnp.zeros((lhs.shape[0], rhs.shape[2]), jnp.float32)
     for group in range(rhs.shape[0]):
         is_row = (row >= starts[group]) & (row < ends[group])  # bool[R, 1]
+        weight = rhs[group] if scale is None else rhs[group].astype(jnp.float32)
+        operand = lhs if scale is None else lhs.astype(jnp.float32)
         product = jnp.dot(
-            lhs, rhs[group], preferred_element_type=jnp.float32, precision="highest"
+            operand, weight, preferred_element_type=jnp.float32, precision="highest"
         )  # f32[R, N]
+        if scale is not None:
+            product = product * scale[group][None, :]
         out = jnp.where(is_row, product, out)
     return out.astype(lhs.dtype)

@@ -17,6 +17,11 @@ the plan's end return at once.
 
 Each (group touched, row tile) reads its group's weights once: at decode, a handful of rows
 per expert, that is each touched expert's weights once, the bytes floor of the step.
+
+Quantized weights (weight-only): ``rhs`` in fp8 e4m3 or int8 with ``scale f32[G, N]``, one
+per (group, output column). Each weight tile crosses the memory bus at one byte per value and
+is converted to ``lhs``'s dtype in registers before the dot; the f32 sums of a tile are
+multiplied by its group's scales of those columns before the store.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# Quantized weights, read with a scale per (group, output column).
+BYTE_DTYPES = (jnp.float8_e4m3fn, jnp.int8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,14 +145,14 @@ def plan_tiles(
 def _grouped_matmul_kernel(
     plan_ref,  # i32[4, num_tiles]: segment, first row, row lo, row hi
     lhs_ref,  # [R, K]
-    rhs_ref,  # [G, K, N]
-    out_ref,  # [R, N]
-    *,
+    rhs_ref,  # [G, K, N]  lhs's dtype, or fp8 / int8 with scale_ref
+    *refs,  # (scale_ref f32[G, N],) out_ref [R, N]
     block_m: int,
     block_n: int,
     block_k: int,
     precision: lax.Precision | None,
 ):
+    scale_ref, out_ref = refs if len(refs) == 2 else (None, refs[0])
     col, tile = pl.program_id(0), pl.program_id(1)
     num_groups, size_k, size_n = rhs_ref.shape
     segment = plan_ref[0, tile]
@@ -174,11 +181,15 @@ def _grouped_matmul_kernel(
                 b_mask = jnp.ones((block_k, block_n), jnp.bool_)
                 b_mask = b_mask if is_k is None else b_mask & is_k[:, None]
                 b_mask = b_mask if is_col is None else b_mask & is_col[None, :]
+            zero = 0 if jnp.issubdtype(rhs_ref.dtype, jnp.integer) else 0.0  # (no fp8 cast)
             b = pltriton.load(
                 rhs_ref.at[group, pl.ds(k0, block_k), pl.ds(col * block_n, block_n)],
                 mask=b_mask,
-                other=None if b_mask is None else 0,
+                other=None if b_mask is None else zero,
             )  # [bk, bn]
+            # NOTE: fp8 / int8 weights are converted here, in registers: the weight crosses
+            # the memory bus at one byte per value (a no-op for weights in lhs's dtype).
+            b = b.astype(a.dtype)
             return acc + pltriton.dot(a, b, precision=precision)
 
         # The zero segment (past the groups' sum) runs no step and stores zeros.
@@ -192,6 +203,13 @@ def _grouped_matmul_kernel(
         def _():
             zeros = jnp.zeros((block_m, block_n), jnp.float32)
             acc = lax.fori_loop(0, pl.cdiv(size_k, block_k), step, zeros)
+            if scale_ref is not None:  # this group's scales of these columns
+                scale = pltriton.load(
+                    scale_ref.at[group, pl.ds(col * block_n, block_n)],
+                    mask=is_col,
+                    other=None if is_col is None else 0.0,
+                )  # f32[bn]
+                acc = acc * scale[None, :]
             pltriton.store(out_tile, acc.astype(out_ref.dtype), mask=mask)
 
         @pl.when(segment >= num_groups)
@@ -199,10 +217,20 @@ def _grouped_matmul_kernel(
             pltriton.store(out_tile, jnp.zeros((block_m, block_n), out_ref.dtype), mask=mask)
 
 
-def unsupported_reason(lhs, rhs) -> str | None:
+def unsupported_reason(lhs, rhs, scale=None) -> str | None:
     """Why this call cannot run on the kernel (the caller takes jax.lax.ragged_dot)."""
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         return f"shapes {lhs.shape} x {rhs.shape}: the kernel takes [R, K] x [G, K, N]"
+    if scale is not None:
+        if lhs.dtype not in DTYPES or rhs.dtype not in BYTE_DTYPES:
+            return (
+                f"dtypes {lhs.dtype}/{rhs.dtype}: with a scale the kernel takes bfloat16, "
+                "float16 or float32 rows and fp8 e4m3 or int8 weights"
+            )
+        expected = (rhs.shape[0], rhs.shape[2])
+        if scale.shape != expected or scale.dtype != jnp.float32:
+            return f"scale {scale.dtype}{list(scale.shape)} must be float32{list(expected)}"
+        return None
     if lhs.dtype not in DTYPES or rhs.dtype != lhs.dtype:
         return (
             f"dtypes {lhs.dtype}/{rhs.dtype}: the kernel takes bfloat16, float16 or float32, "
@@ -213,14 +241,15 @@ def unsupported_reason(lhs, rhs) -> str | None:
 
 def grouped_matmul(
     lhs: jax.Array,  # [R, K]  sorted by group
-    rhs: jax.Array,  # [G, K, N]
+    rhs: jax.Array,  # [G, K, N]  lhs's dtype, or fp8 e4m3 / int8 with a scale
     group_sizes: jax.Array,  # i32[G]  rows of each group, in order; may sum to less than R
+    scale: jax.Array | None = None,  # f32[G, N]  per (group, output column) of a quantized rhs
     *,
     config: GroupedMatmulConfig = GroupedMatmulConfig(),
     interpret: bool = False,
 ) -> jax.Array:  # [R, N], lhs's dtype; rows past the groups' sum are zeros
     """Pallas Triton grouped matmul; see the module docstring for the work layout."""
-    reason = unsupported_reason(lhs, rhs)
+    reason = unsupported_reason(lhs, rhs, scale)
     if reason is not None:
         raise ValueError(f"grouped_matmul on Pallas Triton: {reason}")
     num_rows, _ = lhs.shape
@@ -249,4 +278,4 @@ def grouped_matmul(
         ),
         interpret=interpret,
         name="grouped_matmul_triton",
-    )(plan, lhs, rhs)
+    )(plan, lhs, rhs, *(() if scale is None else (scale,)))

@@ -98,11 +98,15 @@ def _mla(hf: ConfigFields, rope: ConfigFields) -> MlaConfig:
     if hf.boolean("attention_bias", False):
         raise ConfigError(f"attention_bias=True is not supported for {model_type}; only false")
     quant = hf.raw.get("quantization_config")
-    if quant:  # its latent and expert projections too: none would be read with their scales
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    # NOTE: an fp8 checkpoint (the published one: 128 x 128 block scales) is read: its latent
+    # and shared-expert projections dequantized on load, its experts quantized again per
+    # channel (checkpoint_loader.scaled_tensors); others would lose their scales.
+    if quant and method != "fp8":
         raise ConfigError(
             f"quantization_config (quant_method={method!r}) is not supported for {model_type}; "
-            "serve a bf16 checkpoint (--quantization fp8 or int8 quantizes it on load)"
+            "serve its fp8 checkpoint or a bf16 one (--quantization fp8 or int8 quantizes it "
+            "on load)"
         )
     mla = MlaConfig(
         kv_lora_rank=hf.required_integer("kv_lora_rank"),

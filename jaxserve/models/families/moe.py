@@ -65,16 +65,22 @@ QWEN2_MOE_LAYER_FIELDS = (
 )
 
 
+# The checkpoint method whose experts are read (dequantized, then quantized again per channel:
+# checkpoint_loader.scaled_tensors); GPT-OSS's MXFP4 gets its own message at the scheme.
+MOE_CHECKPOINT_METHODS = ("fp8", "mxfp4")
+
+
 def reject_quantized_experts(hf: ConfigFields) -> None:
-    """A quantized checkpoint of these families: its experts' scales would not be read."""
+    """A quantized checkpoint of these families other than fp8: its experts' scales would not
+    be read."""
     quant = hf.raw.get("quantization_config")
     method = quant.get("quant_method") if isinstance(quant, dict) else quant
-    if quant and method != "mxfp4":  # (GPT-OSS's MXFP4 gets its own message at the scheme)
+    if quant and method not in MOE_CHECKPOINT_METHODS:
         raise ConfigError(
             f"quantization_config (quant_method={method!r}) is not supported for "
-            f"{hf.raw['model_type']}: its experts would be read without their scales; serve a "
-            "bf16 checkpoint (--quantization fp8 or int8 then quantizes its attention on load; "
-            "experts stay bf16)"
+            f"{hf.raw['model_type']}: its experts would be read without their scales; serve "
+            "an fp8 checkpoint or a bf16 one (--quantization fp8 or int8 then quantizes its "
+            "Linear weights and experts on load)"
         )
 
 

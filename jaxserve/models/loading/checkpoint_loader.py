@@ -30,18 +30,21 @@ from jaxserve.models.layers import FUSED_FIELDS, FusedProjections, LayerWeights,
 from jaxserve.models.loading.checkpoint_reader import CheckpointReader, WeightsError, read_header
 from jaxserve.models.loading.field_conversion import (
     Placement,
+    dequantized_fp8,
     field_dtype,
     is_quantized,
+    is_quantized_experts,
     layout_of,
     part_rows_of,
     place_on_device,
     place_quantized,
+    quantized_experts,
     to_field,
     to_field_into,
     write_part,
 )
 from jaxserve.models.loading.load_progress import GiB, LoadProgress, raise_if_stopped
-from jaxserve.models.loading.quant_checkpoint import read_qarray, tensor_shapes
+from jaxserve.models.loading.quant_checkpoint import check_fp8_scale, read_qarray, tensor_shapes
 from jaxserve.models.quant import quantize
 from jaxserve.models.quant_scheme import QuantScheme
 
@@ -50,24 +53,63 @@ _LOG = logging.getLogger(__name__)
 STAGING_BYTES = GiB
 
 
+def read_as_qarray(field: WeightField, scheme: QuantScheme | None) -> bool:
+    """Whether a pre-quantized checkpoint's field is read in its own layout (``read_qarray``):
+    its Linear weights; not the routed experts, dequantized and quantized again."""
+    return (
+        scheme is not None
+        and scheme.from_checkpoint
+        and is_quantized(field, scheme)
+        and not is_quantized_experts(field, scheme)
+    )
+
+
 def expected_shapes(
-    config: ModelConfig, scheme: QuantScheme | None = None
+    config: ModelConfig,
+    scheme: QuantScheme | None = None,
+    scaled: dict[str, str] | None = None,
 ) -> dict[str, tuple[int, ...] | None]:
     """HF tensor name -> shape in the checkpoint, for every tensor the model needs (None: a
-    quantized checkpoint's scale, whose published shapes vary; checked where it is read)."""
+    quantized checkpoint's scale, whose published shapes vary; checked where it is read).
+    ``scaled``: fp8 tensors dequantized on load -> their scale tensors (``scaled_tensors``)."""
     shapes: dict[str, tuple[int, ...] | None] = {
         field.hf_name: field.checkpoint_shape_for(config) for field in model_fields(config)
     }
     for layer in range(config.num_layers):
         prefix = HF_LAYER_PREFIX.format(layer=layer)
         for field in layer_fields(config, layer):
-            if scheme is not None and scheme.from_checkpoint and is_quantized(field, scheme):
+            if read_as_qarray(field, scheme):
+                assert scheme is not None
                 for name, shape in tensor_shapes(field, config, scheme).items():
                     shapes[prefix + name] = shape
             else:
                 for name in field.hf_names(config, prefix):
                     shapes[name] = field.checkpoint_shape_for(config)
+    for scale in (scaled or {}).values():
+        shapes[scale] = None
     return shapes
+
+
+def scaled_tensors(
+    files: dict[str, Path], config: ModelConfig, scheme: QuantScheme | None
+) -> dict[str, str]:
+    """The fp8 tensors of a pre-quantized checkpoint that the model does not read as
+    ``QArray``s -> their scale tensors: the routed experts (quantized again, per channel) and
+    the projections kept in the model's dtype (DeepSeek-V3's latent attention and shared
+    experts), each dequantized on load. Empty unless ``scheme`` is an fp8 checkpoint's."""
+    if scheme is None or not scheme.from_checkpoint or scheme.weight_format != "fp8":
+        return {}
+    scaled = {}
+    for layer in range(config.num_layers):
+        prefix = HF_LAYER_PREFIX.format(layer=layer)
+        for field in layer_fields(config, layer):
+            if read_as_qarray(field, scheme):
+                continue
+            for name in field.hf_names(config, prefix):
+                scale = f"{name.removesuffix('.weight')}.{scheme.scale_name}"
+                if name.endswith(".weight") and scale in files:
+                    scaled[name] = scale
+    return scaled
 
 
 def tensor_files(model_dir: Path) -> dict[str, Path]:
@@ -156,19 +198,30 @@ class FieldJob:
     names: tuple[str, ...]  # the checkpoint tensors it reads
     fields: list[tuple[tuple[Any, ...], WeightField, str]]  # (path in Weights, field, prefix)
     on_host: bool = False  # a pre-quantized field: its tensors converted on the host
+    scales: tuple[str, ...] = ()  # fp8 tensors dequantized on load: their scales, name by name
 
 
-def field_jobs(config: ModelConfig, scheme: QuantScheme | None) -> list[FieldJob]:
-    """Every field's job, in the weight table's order."""
+def field_jobs(
+    config: ModelConfig, scheme: QuantScheme | None, scaled: dict[str, str] | None = None
+) -> list[FieldJob]:
+    """Every field's job, in the weight table's order (``scaled``: ``scaled_tensors``)."""
     jobs: dict[Any, FieldJob] = {}
+    scaled = scaled or {}
 
     def add(path: tuple[Any, ...], field: WeightField, prefix: str) -> None:
-        if scheme is not None and scheme.from_checkpoint and is_quantized(field, scheme):
+        if read_as_qarray(field, scheme):
+            assert scheme is not None
             names = tuple(prefix + name for name in tensor_shapes(field, config, scheme))
             jobs[path] = FieldJob(names, [(path, field, prefix)], on_host=True)
             return
         names = tuple(field.hf_names(config, prefix))
-        jobs.setdefault(names, FieldJob(names, [])).fields.append((path, field, prefix))
+        if names not in jobs:
+            scales = tuple(scaled[name] for name in names if name in scaled)
+            if scales and len(scales) != len(names):
+                missing = next(name for name in names if name not in scaled)
+                raise WeightsError(f"tensor {missing!r} has no {scheme and scheme.scale_name}")
+            jobs[names] = FieldJob(names, [], scales=scales)
+        jobs[names].fields.append((path, field, prefix))
 
     for layer in range(config.num_layers):
         prefix = HF_LAYER_PREFIX.format(layer=layer)
@@ -212,7 +265,8 @@ def load_weights(
     if stored_names:
         files = {name: files[stored] for name, stored in stored_names.items()}
     progress = LoadProgress(sorted(set(files.values())), progress_above_bytes)
-    shapes = expected_shapes(config, scheme)
+    scaled = scaled_tensors(files, config, scheme)
+    shapes = expected_shapes(config, scheme, scaled)
     _check_complete(model_dir, files, shapes)
     _warn_unread(model_dir, config, sorted(set(files) - set(shapes)))
     num_threads = num_threads or default_num_threads()
@@ -225,7 +279,7 @@ def load_weights(
         # bytes would be the slowest part), then placed in their shards from there.
         embed = placement(("embed",), (1, 1)) if placement is not None else None
         devices: list[Any] = sorted(embed.addressable_devices, key=str) if embed else [None]
-        jobs = field_jobs(config, scheme)
+        jobs = field_jobs(config, scheme, scaled)
         # On one device every field's memory is taken first, in one run, before any piece is
         # sent (see to_field_into): the weights end as one block, under the free memory.
         parts = _fused_parts(config) if fuse and placement is None and scheme is None else {}
@@ -324,6 +378,8 @@ class _Load:
             return self._read_quantized(job)
         pieces = self.reader.read_to_device(job.names, device)
         shape = (len(job.names), *self.reader.info(job.names[0]).shape)
+        if job.scales:  # fp8 tensors, dequantized to the model's dtype
+            pieces = self._dequantized(job, pieces, shape, device)
         made = {}
         for path, field, _ in job.fields:
             value = self._to_field(path, field, pieces, shape)
@@ -331,6 +387,22 @@ class _Load:
                 made[path] = value
         jax.block_until_ready(made)  # and the pieces' device memory is free again
         return made
+
+    def _dequantized(
+        self, job: FieldJob, pieces: list[jax.Array], shape: tuple, device: Any
+    ) -> list[jax.Array]:
+        """A job's fp8 tensors times their scales, as one piece in the model's dtype."""
+        scheme = self.scheme
+        assert scheme is not None
+        scale_shape = (len(job.scales), *self.reader.info(job.scales[0]).shape)
+        try:
+            check_fp8_scale(job.names[0], shape[1:], scale_shape[1:], scheme)
+        except ValueError as exc:
+            raise WeightsError(f"{self.model_dir}: {exc}") from exc
+        scales = self.reader.read_to_device(job.scales, device)
+        block = (scheme.out_block, scheme.group_size) if scheme.group_size else None
+        dtype = jnp.dtype(self.dtype)
+        return [dequantized_fp8(pieces, scales, shape, scale_shape, block, dtype)]
 
     def _read_quantized(self, job: FieldJob) -> dict[tuple[Any, ...], Any]:
         """A pre-quantized field: its tensors converted on the host, then placed."""
@@ -376,6 +448,12 @@ def field_from_pieces(
 ) -> Any:
     """One field from its checkpoint tensors' pieces (``shape``: [number of tensors, *one
     tensor's shape]), converted on their device, quantized where ``scheme`` says, placed."""
+    if is_quantized_experts(field, scheme):  # in the model's layout, then quantized
+        assert scheme is not None
+        value = to_field(pieces, layout_of(field), config, shape, field_dtype(field, dtype))
+        experts = quantized_experts(value, scheme.weight_format)
+        del value
+        return place_quantized(experts, path, placement, act_quant=False)
     if is_quantized(field, scheme):  # on the device (op by op)
         assert scheme is not None
         sizes = dim_sizes(config)

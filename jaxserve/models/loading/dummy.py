@@ -18,10 +18,12 @@ from jaxserve.models.loading.field_conversion import (
     Placement,
     field_dtype,
     is_quantized,
+    is_quantized_experts,
     place_quantized,
+    quantized_experts,
 )
 from jaxserve.models.loading.load_progress import raise_if_stopped
-from jaxserve.models.quant import quantize, to_out_in
+from jaxserve.models.quant import QArray, quantize, to_out_in
 from jaxserve.models.quant_scheme import QuantScheme
 
 
@@ -64,16 +66,7 @@ def dummy_weights(
             )
         if is_quantized(field, scheme):
             assert scheme is not None
-            sizes = dim_sizes(config)
-            num_in_axes = len(field.hf_shape[1])
-            w = quantize(
-                to_out_in(array, num_in_axes),
-                scheme.weight_format,
-                tuple(sizes[d] for d in field.hf_shape[1]),
-                tuple(sizes[d] for d in field.hf_shape[0]),
-            )
-            del array
-            return place_quantized(w, path, placement, scheme.act_quant)
+            return _quantized(array, path, field, config, scheme, placement)
         sharding = placement(path, shape) if placement is not None else None
         return array if sharding is None else jax.device_put(array, sharding)
 
@@ -85,3 +78,27 @@ def dummy_weights(
     ]
     outside: dict[str, Any] = {f.name: make((f.name,), f) for f in model_fields(config)}
     return Weights(layers=layers, **outside)
+
+
+def _quantized(
+    array: jax.Array,
+    path: tuple[Any, ...],
+    field: WeightField,
+    config: ModelConfig,
+    scheme: QuantScheme,
+    placement: Placement | None,
+) -> QArray:
+    """A random weight in the model's layout, quantized as loading quantizes it (a Linear
+    weight per output channel, routed experts per expert and output channel), placed."""
+    if is_quantized_experts(field, scheme):
+        return place_quantized(
+            quantized_experts(array, scheme.weight_format), path, placement, act_quant=False
+        )
+    sizes = dim_sizes(config)
+    w = quantize(
+        to_out_in(array, len(field.hf_shape[1])),
+        scheme.weight_format,
+        tuple(sizes[d] for d in field.hf_shape[1]),
+        tuple(sizes[d] for d in field.hf_shape[0]),
+    )
+    return place_quantized(w, path, placement, scheme.act_quant)

@@ -16,7 +16,12 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.families.fields import WeightField
-from jaxserve.models.quant import QUANTIZED_FIELDS, QArray
+from jaxserve.models.quant import (
+    QUANTIZED_EXPERT_FIELDS,
+    QUANTIZED_FIELDS,
+    QArray,
+    quantize_experts,
+)
 from jaxserve.models.quant_scheme import QuantScheme
 
 # (field path in Weights, e.g. ("layers", 3, "wq")) -> a sharding for it, or None (default device)
@@ -89,6 +94,30 @@ def write_part(
     return jax.lax.dynamic_update_slice_in_dim(whole, value, offset, axis=1)
 
 
+@functools.partial(jax.jit, static_argnames=("shape", "scale_shape", "block", "dtype"))
+def dequantized_fp8(
+    pieces: list[jax.Array],
+    scale_pieces: list[jax.Array],
+    shape: tuple,  # [number of tensors, out, in]
+    scale_shape: tuple,  # [number of tensors, *one scale's shape]
+    block: tuple[int, int] | None,  # (out, in) of a scale's block; None: per tensor or row
+    dtype: Any,
+) -> jax.Array:  # 1-D: the tensors one after the other, as a piece of ``to_field``'s
+    """An fp8 checkpoint's tensors times their scales, in ``dtype``: values in f32, rounded
+    once to ``dtype`` (block scales ``[ceil(out / bo), ceil(in / bi)]``, a per-tensor scale
+    ``[]`` / ``[1]`` or per-row ``[out]`` / ``[out, 1]``)."""
+    num, num_out, num_in = shape
+    values = jnp.concatenate(pieces).reshape(shape).astype(jnp.float32)
+    scale = jnp.concatenate(scale_pieces).reshape(scale_shape).astype(jnp.float32)
+    if block is None:
+        scale = scale.reshape(num, -1, 1)  # [n, 1 | out, 1]
+    else:
+        rows, cols = block
+        scale = jnp.repeat(scale, rows, axis=1)[:, :num_out]
+        scale = jnp.repeat(scale, cols, axis=2)[:, :, :num_in]
+    return (values * scale).astype(dtype).reshape(-1)
+
+
 @functools.partial(jax.jit, static_argnames=("field", "config", "shape"))
 def part_rows_of(pieces: list[jax.Array], field: WeightField, config: ModelConfig, shape: tuple):
     """This field's rows of its checkpoint tensor ``[out, in]`` (all of it, unless fused)."""
@@ -118,7 +147,26 @@ def field_dtype(field: WeightField, dtype: jnp.dtype) -> jnp.dtype:
 
 
 def is_quantized(field: WeightField, scheme: QuantScheme | None) -> bool:
-    return scheme is not None and field.name in QUANTIZED_FIELDS
+    """Whether ``scheme`` makes this field a ``QArray``: a Linear weight, or the routed
+    experts (``is_quantized_experts``)."""
+    return scheme is not None and (
+        field.name in QUANTIZED_FIELDS or field.name in QUANTIZED_EXPERT_FIELDS
+    )
+
+
+def is_quantized_experts(field: WeightField, scheme: QuantScheme | None) -> bool:
+    """Whether this field is a mixture of experts' routed experts, quantized by ``scheme``
+    (values [E, in, out] and scales [E, out]: ``quant.quantize_experts``)."""
+    return scheme is not None and field.name in QUANTIZED_EXPERT_FIELDS
+
+
+# NOTE: one compiled program, so that XLA fuses the quantization into two passes over the
+# experts (the amax, then the scaled values): op by op, a layer of DeepSeek-V3's experts
+# (7.5 GB in bf16) made three float32 copies of itself on the device.
+@functools.partial(jax.jit, static_argnames=("weight_format",))
+def quantized_experts(experts: jax.Array, weight_format: str) -> QArray:
+    """Stacked experts [E, in, out] on the device -> their ``QArray`` (``quantize_experts``)."""
+    return quantize_experts(experts, weight_format)
 
 
 def place_host(

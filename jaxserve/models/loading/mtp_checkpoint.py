@@ -47,6 +47,12 @@ def num_mtp_layers(model_dir: str | os.PathLike[str]) -> int:
 def require_mtp_layers(model_dir: str | os.PathLike[str]) -> int:
     """``num_mtp_layers``, a ``ConfigError`` naming the field when it is 0 or absent."""
     count = num_mtp_layers(model_dir)
+    path = Path(model_dir) / "config.json"
+    if read_config_json(path).get("quantization_config"):
+        raise ConfigError(
+            f"{path}: speculative_config method='mtp' with a quantized checkpoint is not "
+            "supported: its MTP layers' tensors would be read without their scales"
+        )
     if count == 0:
         raise ConfigError(
             f"{Path(model_dir) / 'config.json'}: {MTP_FIELD} is 0 or absent: the model has no "

@@ -125,6 +125,29 @@ def _fp8_scale(scale: np.ndarray, name: str, num_out: int, num_in: int, scheme: 
     return np.repeat(scale, bo, axis=0)[:num_out]  # [out, in / bi]
 
 
+def check_fp8_scale(
+    name: str, shape: tuple[int, ...], scale_shape: tuple[int, ...], scheme: QuantScheme
+) -> None:
+    """The scale of an fp8 tensor ``name`` [out, in] dequantized on load (``scaled_tensors``)
+    has the shape ``scheme`` says: blocks, or per tensor / row (QuantizedCheckpointError)."""
+    if len(shape) != 2:
+        raise QuantizedCheckpointError(
+            f"tensor {name!r} has shape {list(shape)}; fp8 tensors dequantized on load are "
+            "[out, in]"
+        )
+    num_out, num_in = shape
+    expected: list[tuple[int, ...]]
+    if scheme.group_size is not None:
+        expected = [(cdiv(num_out, scheme.out_block), cdiv(num_in, scheme.group_size))]
+    else:
+        expected = [(), (1,), (num_out,), (num_out, 1)]
+    if tuple(scale_shape) not in expected:
+        raise QuantizedCheckpointError(
+            f"the scale of tensor {name!r} ({list(shape)}) has shape {list(scale_shape)}, "
+            f"expected {' or '.join(str(list(e)) for e in expected)}"
+        )
+
+
 def read_qarray(
     read: Read, prefix: str, field: WeightField, config: ModelConfig, scheme: QuantScheme
 ) -> QArray:

@@ -7,11 +7,32 @@ are in ``sharding.py``, and the ones below must match them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models import moe
+from jaxserve.models.quant import QArray
+
+
+def _specs_for(w: moe.Experts, spec: P, scale_spec: P) -> P | QArray:
+    """The in_spec of stacked experts: ``spec``, or for quantized ones a ``QArray`` of specs
+    (values as ``spec``, scales [E, out] as ``scale_spec``)."""
+    if not isinstance(w, QArray):
+        return spec
+    specs: dict[str, Any] = {"q": spec, "scale": scale_spec}  # specs in the arrays' places
+    return QArray(**specs, in_shape=w.in_shape, out_shape=w.out_shape)
+
+
+def _expert_specs(axis: str, expert_parallel: bool) -> tuple[P, P, P, P, P]:
+    """(w_gate and w_up [E, H, M], w_down [E, M, H], the biases [E, M], and the scales [E, out]
+    of quantized experts: gate/up's [E, M], down's [E, H]): on E, or on M (down's H whole)."""
+    if expert_parallel:
+        gate_up, bias = P(axis, None, None), P(axis, None)
+        return gate_up, gate_up, bias, bias, bias
+    return P(None, None, axis), P(None, axis, None), P(None, axis), P(None, axis), P(None, None)
 
 
 def sharded_experts(mesh: Mesh, axis: str, expert_parallel: bool) -> moe.ExpertsFn:
@@ -21,18 +42,15 @@ def sharded_experts(mesh: Mesh, axis: str, expert_parallel: bool) -> moe.Experts
     partial outputs are summed (one all-reduce). Expert parallel: rows go to the device of
     their expert and back by all-to-all (``moe.run_experts_all_to_all``).
     """
-    if expert_parallel:
-        gate_up, down, bias = P(axis, None, None), P(axis, None, None), P(axis, None)
-    else:
-        gate_up, down, bias = P(None, None, axis), P(None, axis, None), P(None, axis)
+    gate_up, down, bias, gate_up_scale, down_scale = _expert_specs(axis, expert_parallel)
 
     def experts(
         x: jax.Array,  # [T, H]
         expert_ids: jax.Array,  # i32[T, k]
         expert_weights: jax.Array,  # f32[T, k]
-        w_gate: jax.Array,  # [E, H, M]
-        w_up: jax.Array,  # [E, H, M]
-        w_down: jax.Array,  # [E, M, H]
+        w_gate: moe.Experts,  # [E, H, M]
+        w_up: moe.Experts,  # [E, H, M]
+        w_down: moe.Experts,  # [E, M, H]
         *,
         act: moe.Activation,
         gate_bias: jax.Array | None = None,  # [E, M]  split as w_gate's E and M are
@@ -44,7 +62,7 @@ def sharded_experts(mesh: Mesh, axis: str, expert_parallel: bool) -> moe.Experts
         ]
         names, biases = tuple(n for n, _ in named), tuple(b for _, b in named)
 
-        def local(*args: jax.Array) -> jax.Array:
+        def local(*args: Any) -> jax.Array:
             arrays, local_biases = args[:6], args[6:]
             options = dict(zip(names, local_biases, strict=True))
             if expert_parallel:
@@ -59,7 +77,15 @@ def sharded_experts(mesh: Mesh, axis: str, expert_parallel: bool) -> moe.Experts
         return jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(P(), P(), P(), gate_up, gate_up, down) + (bias,) * len(biases),
+            in_specs=(
+                P(),
+                P(),
+                P(),
+                _specs_for(w_gate, gate_up, gate_up_scale),
+                _specs_for(w_up, gate_up, gate_up_scale),
+                _specs_for(w_down, down, down_scale),
+            )
+            + (bias,) * len(biases),
             out_specs=P(),
             check_vma=False,
         )(x, expert_ids, expert_weights, w_gate, w_up, w_down, *biases)

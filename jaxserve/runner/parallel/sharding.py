@@ -15,7 +15,9 @@ The layout (Megatron-style, one mesh axis ``"tp"`` of N devices):
   vocab parallel   embed [V, H] on V; lm_head [H, V] on V (replicated when N does not divide V)
   replicated       the RMSNorm scales (attn_norm, mlp_norm, final_norm, q_norm, k_norm)
   quantized        a QArray's values [out, in] split on the same letters as the weight; its
-                   scales and zero points [out] / [out, G] on the output axis (``quantized_specs``)
+                   scales and zero points [out] / [out, G] on the output axis (``quantized_specs``);
+                   quantized experts' values [E, in, out] as the bf16 experts, their scales
+                   [E, out] on E and the output letter as those are (``expert_quantized_specs``)
   KV cache         [P, page, K, D] on the KV-head axis
   LoRA slots       as their base projections (``lora_specs``): the B matrices of q, gate, up
                    [M, R, out] on out, of k, v on the KV view; the A matrices of o and down
@@ -62,7 +64,7 @@ from jaxserve.models.layers import LayerWeights, Weights
 from jaxserve.models.loading.field_conversion import Placement
 from jaxserve.models.lora import LoraLayer, LoraShapes, LoraWeights
 from jaxserve.models.mtp import MtpWeights
-from jaxserve.models.quant import QUANTIZED_FIELDS, QArray
+from jaxserve.models.quant import QUANTIZED_EXPERT_FIELDS, QUANTIZED_FIELDS, QArray
 from jaxserve.models.quant_scheme import QuantScheme, qarray_layout
 from jaxserve.runner.parallel.expert_parallel import sharded_experts
 from jaxserve.runner.parallel.mesh import (
@@ -135,6 +137,36 @@ def quantized_specs(
     )
 
 
+def expert_quantized_specs(
+    field: WeightField, config: ModelConfig, split_dims: dict[str, str]
+) -> QArray:
+    """A ``QArray`` of specs for quantized experts (``quant.quantize_experts``): the values
+    [E, in, out] split as the bf16 experts are, the scales [E, out] on E and on the output
+    letter as the values are."""
+    expert, num_in, num_out = tuple(field.shape)  # "EHM" (gate, up) or "EMH" (down)
+    sizes = dim_sizes(config)
+    specs: dict[str, Any] = {  # specs in the arrays' places
+        "q": _spec(field.shape, split_dims),
+        "scale": _spec(expert + num_out, split_dims),
+    }
+    return QArray(**specs, in_shape=(sizes[num_in],), out_shape=(sizes[num_out],))
+
+
+def _layer_spec(
+    field: WeightField,
+    config: ModelConfig,
+    split: dict[str, str],
+    quant: QuantScheme | None,
+    tensor_parallel_size: int,
+) -> Any:
+    """One layer field's spec: a ``P``, or a ``QArray`` of specs for a quantized one."""
+    if quant is not None and field.name in QUANTIZED_FIELDS:
+        return quantized_specs(field, config, quant, tensor_parallel_size, _SPLIT_DIMS)
+    if quant is not None and field.name in QUANTIZED_EXPERT_FIELDS:
+        return expert_quantized_specs(field, config, split)
+    return _spec(field.shape, split)
+
+
 def layer_specs(
     config: ModelConfig,
     layer: int | None = None,
@@ -147,9 +179,7 @@ def layer_specs(
     split = _EXPERT_PARALLEL_DIMS if expert_parallel else _SPLIT_DIMS
     # A pytree of specs in the weights' own dataclass (its leaves are specs, not arrays).
     specs: dict[str, Any] = {
-        f.name: quantized_specs(f, config, quant, tensor_parallel_size, _SPLIT_DIMS)
-        if quant is not None and f.name in QUANTIZED_FIELDS
-        else _spec(f.shape, split)
+        f.name: _layer_spec(f, config, split, quant, tensor_parallel_size)
         for f in layer_fields(config, layer)
     }
     return LayerWeights(**specs)
