@@ -205,3 +205,27 @@ def test_unsupported_shapes_name_their_field() -> None:
         tpu.ragged_paged_mla_attention(*args, sm_scale=0.1, interpret=True)
     with pytest.raises(ValueError, match="block_kv=0 must be >= 1"):
         MlaTpuConfig(block_kv=0)
+
+
+def test_the_dispatch_takes_the_tpu_kernel_on_a_tpu(monkeypatch) -> None:
+    """``JAXSERVE_MLA=auto`` on a TPU: the Mosaic TPU kernel where it takes the shapes (one
+    device, or a shard_map's heads), the reference with the kernel's reason where not; the
+    capacity plan for a named TPU reserves the kernel's temporaries."""
+    from pallas_kernels.mla import dispatch
+
+    monkeypatch.delenv("JAXSERVE_MLA", raising=False)
+    monkeypatch.delenv("JAXSERVE_ATTENTION", raising=False)
+    bf16 = jnp.bfloat16
+    assert dispatch.path_for(128, 512, 64, bf16, bf16, backend="tpu") == (
+        "tpu",
+        "JAXSERVE_MLA=auto on a TPU",
+    )
+    path, why = dispatch.path_for(16, 512, 64, bf16, jnp.float8_e4m3fn, 8, backend="tpu")
+    assert (path, why) == ("tpu", "JAXSERVE_MLA=auto on a TPU, 16 heads a device under a shard_map")
+    path, why = dispatch.path_for(128, 96, 64, bf16, bf16, backend="tpu")  # latent not x128
+    assert path == "reference" and "Mosaic TPU MLA kernel does not run" in why
+    assert "kv_lora_rank" in why
+    from jaxserve.runner.capacity import MLA_PATH_NAMES, MLA_TEMPORARY_BYTES
+
+    assert MLA_TEMPORARY_BYTES["tpu"] is tpu.temporary_bytes
+    assert MLA_PATH_NAMES["tpu"] == "Pallas Mosaic TPU kernel"

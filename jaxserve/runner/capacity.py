@@ -30,7 +30,9 @@ from jaxserve.models.quant_scheme import QuantScheme, weight_bytes
 from jaxserve.runner.buckets import next_power_of_2, token_buckets_for
 from jaxserve.runner.sampling import PROMPT_LOGPROBS_CHUNK
 from jaxserve.units import cdiv
+from pallas_kernels.mla import mosaic_gpu as mla_mosaic
 from pallas_kernels.mla import reference as mla_reference
+from pallas_kernels.mla import tpu as mla_tpu
 from pallas_kernels.mla import triton as mla_triton
 from pallas_kernels.ragged_paged_attention import reference as attention_reference
 
@@ -328,6 +330,9 @@ MLA_TEMPORARY_BYTES: dict[str, Callable[[int, int, int, int, int, int, int, int]
     "reference": mla_reference.temporary_bytes,
     "triton": mla_triton.temporary_bytes,
     "interpret": mla_triton.temporary_bytes,  # the same launch, run by the interpreter
+    "mosaic": mla_mosaic.temporary_bytes,
+    "mosaic_interpret": mla_mosaic.temporary_bytes,  # the same launch, run by the interpreter
+    "tpu": mla_tpu.temporary_bytes,
 }
 MLA_PATH = "reference"
 # What the first capacity line calls each path.
@@ -335,6 +340,9 @@ MLA_PATH_NAMES = {
     "reference": "reference",
     "triton": "Pallas Triton kernel",
     "interpret": "Pallas Triton kernel (interpret mode)",
+    "mosaic": "Pallas Mosaic GPU kernel",
+    "mosaic_interpret": "Pallas Mosaic GPU kernel (interpret mode)",
+    "tpu": "Pallas Mosaic TPU kernel",
 }
 
 
@@ -345,8 +353,9 @@ def choose_mla_path(
     tensor_parallel_size: int = 1,
     backend: str | None = None,  # a named device's ("gpu", "tpu"); None: this process's
 ) -> str:
-    """The path the model's latent attention takes (``mla.dispatch.path_for``: the kernel on
-    an NVIDIA GPU, with tensor parallelism too; the reference on the CPU)."""
+    """The path the model's latent attention takes (``mla.dispatch.path_for``: the Triton
+    kernel on an NVIDIA GPU, the Mosaic TPU kernel on a TPU, with tensor parallelism too; the
+    reference on the CPU)."""
     from pallas_kernels.mla import dispatch as mla_dispatch
 
     assert config.mla is not None

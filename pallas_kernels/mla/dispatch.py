@@ -1,5 +1,5 @@
-"""Multi-head latent attention: one entry point, a Pallas kernel (Triton, Mosaic GPU) or the
-reference.
+"""Multi-head latent attention: one entry point, a Pallas kernel (Triton, Mosaic GPU, Mosaic
+TPU) or the reference.
 
 ``ragged_paged_mla_attention`` has the reference's signature (``models/mla.py`` calls it) and
 picks, at trace time, from ``JAXSERVE_MLA`` and the backend:
@@ -8,10 +8,13 @@ picks, at trace time, from ``JAXSERVE_MLA`` and the backend:
             dtype or fp8; latent dims multiples of 16, rope dims of 8) and the call runs on one
             device: the process has one, or the call is inside a ``shard_map`` (tensor
             parallelism: ``runner/parallel/sharding.py`` gives each device its query heads and
-            the whole latent cache); the pure-jnp reference (``reference``) anywhere else;
+            the whole latent cache); on a TPU the Pallas Mosaic TPU kernel (``tpu``) where
+            ``tpu.unsupported_reason`` takes the shapes (bf16 or f32 queries over a cache of
+            their dtype or fp8; latent widths multiples of 128, page sizes of 16), on the same
+            one-device condition; the pure-jnp reference (``reference``) anywhere else;
   on        the kernel wherever it takes the shapes: natively on a GPU (outside a
-            ``shard_map`` with several devices XLA runs it whole on every device), in Pallas
-            interpret mode on another backend;
+            ``shard_map`` with several devices XLA runs it whole on every device), the TPU
+            kernel on a TPU, in Pallas interpret mode on another backend;
   interpret the kernel in Pallas interpret mode on any backend (tests, debugging);
   off       the reference;
   mosaic    the Pallas Mosaic GPU kernel (``mosaic_gpu``: Hopper wgmma, FlashMLA's blocking)
@@ -38,7 +41,7 @@ import jax.numpy as jnp
 from pallas_kernels.attention_env import ATTENTION_ENV, requested_attention
 from pallas_kernels.env_choice import devices_per_model, env_choice
 from pallas_kernels.kv_cache import Scale
-from pallas_kernels.mla import mosaic_gpu, reference, triton
+from pallas_kernels.mla import mosaic_gpu, reference, tpu, triton
 
 MLA_ENV = "JAXSERVE_MLA"
 MLA_CHOICES = ("auto", "on", "interpret", "off", "mosaic")
@@ -49,6 +52,7 @@ MLA_KERNEL_NAMES = {
     "interpret": "Pallas Triton MLA kernel in interpret mode",
     "mosaic": "Pallas Mosaic GPU MLA kernel",
     "mosaic_interpret": "Pallas Mosaic GPU MLA kernel in interpret mode",
+    "tpu": "Pallas Mosaic TPU MLA kernel",
     "reference": "pure-jnp reference",
 }
 
@@ -73,8 +77,8 @@ def choose(
     per_device: bool | None = None,  # the call sees one device's heads; None: in_shard_map()
     backend: str | None = None,  # the backend to choose for; None: jax.default_backend()
 ) -> tuple[str, str]:
-    """``("triton" | "interpret" | "mosaic" | "mosaic_interpret" | "reference", why)``: the
-    path these shapes take here."""
+    """``("triton" | "interpret" | "mosaic" | "mosaic_interpret" | "tpu" | "reference", why)``:
+    the path these shapes take here."""
     value = requested()
     backend = backend or jax.default_backend()
     per_device = in_shard_map() if per_device is None else per_device
@@ -85,13 +89,15 @@ def choose(
     if value == "auto":
         if requested_attention() == "reference":
             return "reference", f"{ATTENTION_ENV}=reference"
-        if backend != "gpu":
+        if backend not in ("gpu", "tpu"):
             return "reference", f"the MLA kernel is Pallas Triton; this is the {backend} backend"
         if devices_per_model() > 1 and not per_device:
             return "reference", (
                 f"{devices_per_model()} devices a model and the call is not split over the "
                 f"heads by a shard_map ({MLA_ENV}=on runs it whole on every device)"
             )
+    if backend == "tpu" and value in ("auto", "on"):
+        return _choose_tpu(q_latent, q_pe, ckv_pages, kpe_pages, value, per_device)
     reason = triton.unsupported_reason(q_latent, q_pe, ckv_pages, kpe_pages)
     if reason is not None:
         return "reference", f"the Pallas Triton MLA kernel does not run this model ({reason})"
@@ -124,6 +130,15 @@ def _choose_mosaic(q_latent, q_pe, ckv_pages, kpe_pages, per_device: bool, backe
         )
     path, why = _choose_on(q_latent, q_pe, ckv_pages, kpe_pages, per_device, backend)
     return path, f"the Mosaic GPU MLA kernel does not run this model ({reason}); {why}"
+
+
+def _choose_tpu(q_latent, q_pe, ckv_pages, kpe_pages, value: str, per_device: bool):
+    """``choose`` on a TPU: the Mosaic TPU kernel where it takes the shapes."""
+    reason = tpu.unsupported_reason(q_latent, q_pe, ckv_pages, kpe_pages)
+    if reason is not None:
+        return "reference", f"the Pallas Mosaic TPU MLA kernel does not run this model ({reason})"
+    where = f", {q_latent.shape[1]} heads a device under a shard_map" if per_device else ""
+    return "tpu", f"{MLA_ENV}={value} on a TPU{where}"
 
 
 def _choose_on(q_latent, q_pe, ckv_pages, kpe_pages, per_device: bool, backend: str):
@@ -212,5 +227,7 @@ def ragged_paged_mla_attention(
         )
     if path == "reference":
         return reference.ragged_paged_mla_attention(*args, **options)
+    if path == "tpu":
+        return tpu.ragged_paged_mla_attention(*args, **options)
     interpret = path in ("interpret", "mosaic_interpret")
     return triton.ragged_paged_mla_attention(*args, **options, interpret=interpret)
