@@ -86,6 +86,10 @@
 #                the decode cells (benchmarks/mla.py --sweep) -> $OUT/mla.{log,json}; then the
 #                deepseek_v3 stage's 5-layer model with JAXSERVE_MLA=off and auto side by side
 #                -> $OUT/deepseek_v3_mla_{off,auto}.{log,json}; about 10 minutes: mla:900
+#   mla_mosaic   the Mosaic GPU MLA kernel (pallas_kernels/mla/mosaic_gpu.py, two consumer
+#                warpgroups each holding half the [64, 512] accumulator): its native tests under
+#                a timeout (a hang is the failure to expect), then benchmarks/mla.py with the
+#                Triton and Mosaic GPU kernels side by side -> $OUT/mla_mosaic.{log,json}
 #   load         loading a 15 GB safetensors checkpoint (Llama-3-8B shape, bf16, 4 shards) from the
 #                page cache (benchmarks/load_speed.py): load_weights' GB/s (target >= 5) beside the
 #                loader before it, read / read + device_put alone, threads and staging swept;
@@ -647,6 +651,14 @@ out = pathlib.Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
     grep -E "Attention:" "$OUT/deepseek_v3_mla_$mode.log" | head -1
     grep -v -E "INFO|WARN" "$OUT/deepseek_v3_mla_$mode.log" | tail -12
   done
+}
+
+stage_mla_mosaic() {  # the Mosaic GPU MLA kernel: native tests, then beside the Triton kernel
+  timeout 300 python3 -m pytest -q -m gpu tests/test_mla_mosaic_gpu.py 2>&1 | tail -3
+  python3 -m benchmarks.mla --kernels triton,mosaic --sweep --out "$OUT/mla_mosaic.json" \
+    > "$OUT/mla_mosaic.log" 2>&1
+  sed -n '/^| step/,$p' "$OUT/mla_mosaic.log"
+  grep -E "Error|error" "$OUT/mla_mosaic.log" | head -5
 }
 
 stage_load() {
