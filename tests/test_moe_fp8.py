@@ -148,12 +148,18 @@ def test_the_kernel_takes_quantized_experts_only_with_their_scales() -> None:
 
 
 @pytest.mark.filterwarnings(DEPRECATED)
-@pytest.mark.parametrize("num_rows", [16 * 8, 2048 * 8], ids=["decode", "prefill"])
-def test_fp8_kernel_lowers_to_triton_for_the_h200(num_rows: int, verify_triton_modules) -> None:
+@pytest.mark.parametrize(
+    ("num_rows", "dtype"),
+    [(16 * 8, jnp.float8_e4m3fn), (2048 * 8, jnp.float8_e4m3fn), (16 * 8, jnp.int8)],
+    ids=["fp8_decode", "fp8_prefill", "int8_decode"],
+)
+def test_quantized_kernel_lowers_to_triton_for_the_h200(
+    num_rows: int, dtype, verify_triton_modules
+) -> None:
     """DeepSeek-V3's gate/up shape per device at -tp 8 (K 7168 -> N 256, 256 experts) with fp8
-    weights: the Triton module verifies, and the fp8 tile is converted inside it."""
+    (or int8) weights: the Triton module verifies, the weights entering it in one byte."""
     lhs = jax.ShapeDtypeStruct((num_rows, 7168), jnp.bfloat16)
-    rhs = jax.ShapeDtypeStruct((256, 7168, 256), jnp.float8_e4m3fn)
+    rhs = jax.ShapeDtypeStruct((256, 7168, 256), dtype)
     scale = jax.ShapeDtypeStruct((256, 256), jnp.float32)
     sizes = jax.ShapeDtypeStruct((256,), jnp.int32)
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
@@ -162,7 +168,7 @@ def test_fp8_kernel_lowers_to_triton_for_the_h200(num_rows: int, verify_triton_m
         traced = jax.jit(gmt.grouped_matmul).trace(lhs, rhs, sizes, scale)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text and "ragged_dot" not in text
-    assert "f8E4M3FN" in text  # the weights enter the kernel as fp8
+    assert ("f8E4M3FN" if dtype == jnp.float8_e4m3fn else "xi8") in text  # one byte a weight
 
 
 def _is_gpu() -> bool:
