@@ -86,6 +86,10 @@
 #                the decode cells (benchmarks/mla.py --sweep) -> $OUT/mla.{log,json}; then the
 #                deepseek_v3 stage's 5-layer model with JAXSERVE_MLA=off and auto side by side
 #                -> $OUT/deepseek_v3_mla_{off,auto}.{log,json}; about 10 minutes: mla:900
+#   moe_fp8      fp8 routed experts: their native tests (pytest -m gpu tests/test_moe_fp8.py),
+#                then the grouped matmul with fp8 experts against bf16 at the Qwen3-30B-A3B shape
+#                and one device's slice of DeepSeek-V3's at -tp 8 (benchmarks/moe.py
+#                --grouped-matmuls-only --fp8-experts) -> $OUT/moe_fp8_{qwen3,dsv3}.json
 #   mla_mosaic   the Mosaic GPU MLA kernel (pallas_kernels/mla/mosaic_gpu.py, two consumer
 #                warpgroups each holding half the [64, 512] accumulator): its native tests under
 #                a timeout (a hang is the failure to expect), then benchmarks/mla.py with the
@@ -651,6 +655,15 @@ out = pathlib.Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
     grep -E "Attention:" "$OUT/deepseek_v3_mla_$mode.log" | head -1
     grep -v -E "INFO|WARN" "$OUT/deepseek_v3_mla_$mode.log" | tail -12
   done
+}
+
+stage_moe_fp8() {  # fp8 routed experts: native tests, the grouped matmul against bf16
+  timeout 300 python3 -m pytest -q -m gpu tests/test_moe_fp8.py 2>&1 | tail -3
+  python3 -m benchmarks.moe --grouped-matmuls-only --fp8-experts \
+    --output-json "$OUT/moe_fp8_qwen3.json" 2>&1 | grep -v -E "INFO|WARN" | tail -12
+  python3 -m benchmarks.moe --grouped-matmuls-only --fp8-experts \
+    --model jaxserve/assets/configs/deepseek-v3 --expert-split 8 --mgpu-batches "" \
+    --output-json "$OUT/moe_fp8_dsv3.json" 2>&1 | grep -v -E "INFO|WARN" | tail -12
 }
 
 stage_mla_mosaic() {  # the Mosaic GPU MLA kernel: native tests, then beside the Triton kernel

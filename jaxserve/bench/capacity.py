@@ -359,15 +359,15 @@ def _planned_mla_path(
     args: argparse.Namespace, config: ModelConfig, dtype: str, kv_dtype: str
 ) -> str:
     """The latent attention's path the plan reserves for (``MLA_TEMPORARY_BYTES``): a named
-    device's (an NVIDIA GPU runs the Pallas Triton MLA kernel, a TPU the reference), else this
-    backend's, as ``launch`` would take it here (the reference on the CPU)."""
+    device's (an NVIDIA GPU runs the Pallas Triton MLA kernel, a TPU the Mosaic TPU one), else
+    this backend's, as ``launch`` would take it here (the reference on the CPU)."""
     if config.mla is None:
         return MLA_PATH
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # read, do not take
     import jax.numpy as jnp
 
     backend = None  # this process's
-    named = {size: name for name, size in DEVICE_MEMORY_BYTES.items()}.get(args.device_memory)
+    named = getattr(args.device_memory, "device", None)  # --device-memory H200, TPU-v5p, ...
     if named is not None:
         backend = "tpu" if named.startswith("TPU") else "gpu"
     fp8 = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
