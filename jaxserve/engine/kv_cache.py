@@ -221,7 +221,7 @@ class KVCacheManager:
         models) the blocks behind the window, which no later step of the sequence reads.
         """
         bs = self.block_size
-        if not cached:
+        if not cached and self.sliding_window is not None:
             self._release_behind_window(seq, seq.num_computed_tokens)
         if cached:
             total = max(seq.num_computed_tokens, len(cached) * bs) + num_new_tokens
@@ -242,7 +242,8 @@ class KVCacheManager:
             seq.block_ids.extend(self.pool.allocate(need))
         if cached:
             self._release_behind_window(seq, max(seq.num_computed_tokens, len(cached) * bs))
-        if self.enable_prefix_caching:
+        # (most decode steps fill no block: nothing new to hash, so no call)
+        if self.enable_prefix_caching and total // bs > self._num_hashed.get(seq.seq_id, 0):
             self._cache_full_blocks(seq, total)
         return True
 
