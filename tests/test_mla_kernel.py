@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 import textwrap
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,13 +50,16 @@ class Case:
     config: MlaConfig = MlaConfig(block_kv=16)  # several KV steps even at tiny lengths
 
 
-def make_inputs(rng: np.random.Generator, case: Case) -> tuple[jax.Array, ...]:
+def make_inputs(
+    rng: np.random.Generator, case: Any, spare_columns: int = 0
+) -> tuple[jax.Array, ...]:
     """(q_latent, q_pe, ckv_pages, kpe_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
     bf16 queries, the cache over shuffled pages (a pool with spare pages), dead slots with
-    stale lengths and pages."""
+    stale lengths and pages; ``spare_columns`` page-table entries past the longest sequence's.
+    ``case``: any kernel's test case with this file's ``Case`` fields."""
     num_seqs = len(case.q_lens)
     num_slots = num_seqs + case.num_dead_slots
-    pages_per_seq = -(-max(case.kv_lens) // case.page_size)
+    pages_per_seq = -(-max(case.kv_lens) // case.page_size) + spare_columns
     num_pages = num_slots * pages_per_seq + 3
     page_indices = rng.permutation(num_pages)[: num_slots * pages_per_seq]
     kv_lens = list(case.kv_lens) + [int(rng.integers(1, 9))] * case.num_dead_slots
@@ -85,7 +89,7 @@ def make_inputs(rng: np.random.Generator, case: Case) -> tuple[jax.Array, ...]:
     )
 
 
-def attention_kwargs(case: Case) -> dict:
+def attention_kwargs(case: Any) -> dict:
     scales = SCALES if case.cache_dtype != "bfloat16" else {}
     return dict(sm_scale=(case.latent + case.rope_dim) ** -0.5, **scales)
 

@@ -23,11 +23,9 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as mosaic_interpret
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.kv_cache import quantize_kv
 from pallas_kernels.mla import reference, tpu
 from pallas_kernels.mla.tpu import MlaTpuConfig
-
-SCALES = {"ckv_scale": 0.5, "kpe_scale": 2.0}  # an fp8 cache's
+from tests.test_mla_kernel import attention_kwargs, make_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,50 +43,11 @@ class Case:
     config: MlaTpuConfig = MlaTpuConfig(block_kv=32)  # several KV steps at tiny lengths
 
 
-def make_inputs(rng: np.random.Generator, case: Case) -> tuple[jax.Array, ...]:
-    """(q_latent, q_pe, ckv_pages, kpe_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
-    bf16 queries, the cache over shuffled pages of a pool with spare pages, dead slots with
-    stale lengths and pages."""
-    num_seqs = len(case.q_lens)
-    num_slots = num_seqs + case.num_dead_slots
-    pages_per_seq = -(-max(case.kv_lens) // case.page_size) + 1  # a spare column
-    num_pages = num_slots * pages_per_seq + 3
-    page_indices = rng.permutation(num_pages)[: num_slots * pages_per_seq]
-    kv_lens = list(case.kv_lens) + [int(rng.integers(1, 20))] * case.num_dead_slots
-    cu = np.concatenate([[0], np.cumsum(case.q_lens)])
-    cu = np.concatenate([cu, [cu[-1]] * case.num_dead_slots])
-    num_tokens = int(cu[-1]) + case.num_pad_tokens
-
-    def normal(*shape: int) -> jax.Array:
-        return jnp.asarray(rng.normal(size=shape), jnp.float32)
-
-    cache = jnp.dtype(case.cache_dtype)
-    is_fp8 = cache != jnp.bfloat16
-    pages = (num_pages, case.page_size, 1)
-    ckv = quantize_kv(normal(*pages, case.latent), cache, SCALES["ckv_scale"] if is_fp8 else None)
-    kpe = quantize_kv(normal(*pages, case.rope_dim), cache, SCALES["kpe_scale"] if is_fp8 else None)
-    return (
-        normal(num_tokens, case.num_heads, case.latent).astype(jnp.bfloat16),
-        normal(num_tokens, case.num_heads, case.rope_dim).astype(jnp.bfloat16),
-        ckv,
-        kpe,
-        jnp.asarray(kv_lens, jnp.int32),
-        jnp.asarray(page_indices.reshape(num_slots, pages_per_seq), jnp.int32),
-        jnp.asarray(cu, jnp.int32),
-        jnp.asarray([num_seqs], jnp.int32),
-    )
-
-
-def attention_kwargs(case: Case) -> dict:
-    scales = SCALES if case.cache_dtype != "bfloat16" else {}
-    return dict(sm_scale=(case.latent + case.rope_dim) ** -0.5, **scales)
-
-
 def check_against_reference(case: Case) -> None:
     """The kernel in TPU interpret mode (races checked) against the reference, within bf16
     tolerance; the padding rows exactly zero."""
     seed = int(np.random.default_rng().integers(2**31))  # fresh inputs every run
-    args = make_inputs(np.random.default_rng(seed), case)
+    args = make_inputs(np.random.default_rng(seed), case, spare_columns=1)
     kwargs = attention_kwargs(case)
     params = pltpu.InterpretParams(random_seed=seed, detect_races=True)
     call = functools.partial(
@@ -163,7 +122,8 @@ def test_lowers_to_mosaic_at_deepseek_v3_shapes(case: Case, device_kind: str) ->
     128 heads and 16 x 16 prefill blocks, 16-page KV steps, an fp8 cache) for an abstract TPU
     runs on the CPU; Mosaic's own passes and the TPU are left."""
     shapes = [
-        jax.ShapeDtypeStruct(x.shape, x.dtype) for x in make_inputs(np.random.default_rng(0), case)
+        jax.ShapeDtypeStruct(x.shape, x.dtype)
+        for x in make_inputs(np.random.default_rng(0), case, spare_columns=1)
     ]
     kwargs = attention_kwargs(case)
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
