@@ -329,6 +329,8 @@ def test_encoder_attention_names_its_choice(monkeypatch):
     )
     monkeypatch.setenv(ENCODER_ATTENTION_ENV, "cudnn")
     assert encoder_attention(jnp.float32)[0] == "cudnn"  # as asked (a GPU's cuDNN refuses f32)
+    monkeypatch.setenv(ENCODER_ATTENTION_ENV, "packed")
+    assert encoder_attention(jnp.bfloat16) == ("packed", f"{ENCODER_ATTENTION_ENV}=packed")
     monkeypatch.setenv(ENCODER_ATTENTION_ENV, "flash")
     with pytest.raises(ValueError, match="JAXSERVE_ENCODER_ATTENTION='flash' must be one of"):
         encoder_attention(jnp.bfloat16)
@@ -355,3 +357,65 @@ def test_cudnn_windowed_attention_equals_the_reference(num_tokens: int):
     real = sum(lengths)
     got32 = np.asarray(got.astype(jnp.float32))[:real]
     np.testing.assert_allclose(got32, np.asarray(want)[:real], atol=2e-2, err_msg=f"{seed=}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU (cuDNN)")
+@pytest.mark.parametrize(
+    "num_tokens, num_seqs, max_len",
+    [(64, 1, 64), (64, 8, 16), (1024, 64, 64), (16384, 256, 512)],
+)
+def test_cudnn_packed_attention_equals_the_reference(num_tokens, num_seqs, max_len):
+    """cuDNN over packed sequences: every sequence's rows equal the dense reference's (lengths
+    from 1 to ``max_len``, padding sequences of length 0 after them, padding tokens after the
+    last), padding rows are zeros; one sequence alone takes the plain padding mask."""
+    from jaxserve.models.encoder.forward import segment_attention, segment_ids
+    from jaxserve.runner.encoder_runner import packed_segment_attention
+
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    lengths: list[int] = []
+    while len(lengths) < num_seqs - (num_seqs > 1):  # a padding sequence when there are two+
+        n = int(rng.integers(1, max_len + 1))
+        if sum(lengths) + n > num_tokens - 8:
+            break
+        lengths.append(n)
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    cu = np.concatenate([cu, [cu[-1]] * (num_seqs + 1 - len(cu))]).astype(np.int32)
+    cu_seq_lens = jnp.asarray(cu)
+    segments = segment_ids(cu_seq_lens, num_tokens)
+    q, k, v = _attention_inputs(seed, num_tokens, jnp.bfloat16, head_dim=64)
+    real = sum(lengths)
+    want = segment_attention(q[:real], k[:real], v[:real], segments[:real], 0.125)
+    got = jax.jit(packed_segment_attention, static_argnums=4)(
+        q, k, v, segments, 0.125, cu_seq_lens=cu_seq_lens
+    )
+    got32 = np.asarray(got.astype(jnp.float32))
+    np.testing.assert_allclose(
+        got32[:real], np.asarray(want.astype(jnp.float32)), atol=2e-2, err_msg=f"{seed=}"
+    )
+    assert not got32[real:].any(), "padding rows are zeros"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU (cuDNN)")
+def test_cudnn_packed_encoder_embeds_as_the_reference(monkeypatch):
+    """The bf16 encoder through the runner: packed attention (auto on Hopper) against the
+    windowed jnp reference, texts of mixed lengths in one step."""
+    import jaxserve
+    from jaxserve.runner.encoder_runner import ENCODER_ATTENTION_ENV
+
+    texts = [[5 + (i * 7 + j) % 100 for j in range(1 + (i * 13) % 60)] for i in range(24)]
+    embeddings = {}
+    for choice in ("packed", "xla"):
+        monkeypatch.setenv(ENCODER_ATTENTION_ENV, choice)
+        llm = jaxserve.LLM(
+            str(ENCODERS / "bert_embed"),
+            runner="pooling",
+            dtype="bfloat16",
+            max_model_len=64,
+            max_num_batched_tokens=1024,
+        )
+        embeddings[choice] = np.array([o.outputs.embedding for o in llm.embed(texts)])
+        llm.shutdown()
+    np.testing.assert_allclose(embeddings["packed"], embeddings["xla"], atol=3e-2)
