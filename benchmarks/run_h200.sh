@@ -156,8 +156,18 @@
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
 #   bash benchmarks/run_h200.sh launch:330 throughput:200
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+# The stages write under a work folder; $OUT (what comes back from the device machine) holds one
+# archive of it, written again after every stage and every 45 s meanwhile, so a call cut off at
+# its limit still brings back what ran.
+ARCHIVE_DIR=${OUT:-/tmp/out}
+OUT=/tmp/bench_out
+rm -rf "$OUT" && mkdir -p "$OUT" "$ARCHIVE_DIR"
+archive() {
+  tar czf "$ARCHIVE_DIR/.results.tgz" -C "$OUT" . 2>/dev/null &&
+    mv "$ARCHIVE_DIR/.results.tgz" "$ARCHIVE_DIR/results.tgz"
+}
+(while sleep 45; do archive; done) &
+archiver=$!
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
 export JAXSERVE_COMPILATION_CACHE=/tmp/jaxserve-xla XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
@@ -818,7 +828,8 @@ for arg in "$@"; do
   rc=$?
   [ $rc = 124 ] && echo "   $stage: stopped at its limit"
   pkill -f "jaxserve.cli launch" 2>/dev/null
+  archive
 done
 echo "== done in $(( $(date +%s) - start )) s"
-# Everything in one archive: only a few files come back from the device machine.
-tar czf /tmp/results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tgz "$OUT/"
+kill $archiver 2>/dev/null
+archive  # everything in one archive: only a few files come back from the device machine
