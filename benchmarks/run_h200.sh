@@ -724,7 +724,8 @@ stage_responses() {  # Responses API streaming against chat completions, the sam
 stage_embeddings() {  # issue 40's table: texts/s and the share of the compute roofline
   python3 -m pytest -q -m gpu tests/test_encoder.py -k cudnn 2>&1 | tail -2  # cuDNN's attention
   python3 -m benchmarks.probes.gelu_epilogue 2>&1 | tee "$OUT/gelu_epilogue.txt" | tail -3
-  python3 -m benchmarks.embeddings --out "$OUT/embeddings.json" \
+  JAXSERVE_ENCODER_ATTENTION=${EMBED_ENCODER_ATTENTION:-packed} \
+    python3 -m benchmarks.embeddings --out "$OUT/embeddings.json" \
     --max-num-batched-tokens "${EMBED_TOKENS:-16384}" --profile-dir "$OUT/embeddings_profile" \
     > "$OUT/embeddings.log" 2>&1
   grep -E '^(qwen3|bge):' "$OUT/embeddings.log" || tail -20 "$OUT/embeddings.log"
