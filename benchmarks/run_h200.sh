@@ -11,6 +11,9 @@
 #                (bench_attention.py --suite sinks; the sink cases of the kernel stage alone:
 #                pytest -m gpu -k sinks)
 #   compile      compile time of one small and one large step bucket (benchmarks/probes/compile_time.py)
+#   fp8compile   the 16- and 2,048-token steps in bf16 and fp8, each compiled under XLA's default
+#                options, autotune level 0, cuBLAS GEMMs and both: compile s and step ms
+#                (benchmarks/probes/fp8_compile.py; about 6 minutes)
 #   launch       jaxserve launch, dummy Llama-3-8B: cold start on an empty compilation cache,
 #                first-request TTFT, bench serve sweep at 2,4,8,16,inf req/s ($SERVE_PROMPTS
 #                prompts per rate, 200 unless set: about 4 minutes), then warm start
@@ -200,6 +203,11 @@ stage_sinks() {
     > "$OUT/attention_sinks.log" 2>&1
   sed -n '/ | jax /,$p' "$OUT/attention_sinks.log"
   grep -E "Error|error" "$OUT/attention_sinks.log" | head -5
+}
+
+stage_fp8compile() {  # issue 36 item 5: bf16 and fp8 steps' compile time under XLA's options
+  python3 -m benchmarks.probes.fp8_compile --output-json "$OUT/fp8_compile.json" 2>&1 |
+    grep -E "^(bf16|fp8) |^\|"
 }
 
 stage_compile() {
