@@ -243,6 +243,47 @@ def test_cancel_reaches_a_load_on_its_thread() -> None:
     assert not thread.is_alive()
 
 
+def test_a_ctrl_c_while_waiting_for_the_weights_stops_their_load() -> None:
+    """Guards the start that hung after Ctrl-C when the compiles had ended first: the main
+    thread waited for the weights, the interrupt left that wait, and its clean-up joined the
+    load's thread, which waited to be told to stop. Now the wait raises at once and the load
+    stops."""
+    started = threading.Event()
+
+    def load(stop: threading.Event):
+        started.set()
+        assert stop.wait(60), "the load was never told to stop"
+        raise LoadCancelled
+
+    loading = WeightsLoading(load, shapes=object(), stop=threading.Event())
+    assert started.wait(60)
+    (thread,) = [t for t in threading.enumerate() if t.name.startswith("weights")]
+    real = loading._future
+    assert real is not None
+
+    class InterruptedWait:  # the wait for the future, left by a Ctrl-C
+        def result(self):
+            raise KeyboardInterrupt
+
+    loading._future = InterruptedWait()  # type: ignore[assignment]
+    outcome: list[str] = []
+
+    def wait() -> None:
+        try:
+            loading.wait()
+        except KeyboardInterrupt:
+            outcome.append("interrupted")
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(20)
+    hung = waiter.is_alive()
+    loading._stop.set()  # let a hung wait go, whatever happened
+    assert not hung and outcome == ["interrupted"], "the wait joined the load's thread"
+    thread.join(60)
+    assert not thread.is_alive() and isinstance(real.exception(), LoadCancelled)
+
+
 def test_forget_drops_every_reference_to_the_weights_loaded_on_a_thread() -> None:
     """A sleeping model frees its weights only when nothing holds them: the load's future held
     them too, so they stayed on the device through sleep."""

@@ -282,9 +282,7 @@ class EngineCore:
             self._abandon(runner)
             raise
         self.requests: dict[str, Request] = {}
-        # new requests by id, in arrival order (a dict: the in-use check stays O(1) when an
-        # offline batch queues 10,000 requests before the first step)
-        self._inbox: dict[str, Request] = {}
+        self._inbox: dict[str, Request] = {}  # new requests by id, in arrival order
         self._aborts: collections.deque[str] = collections.deque()
         self._lock = threading.Lock()
         self._seed_rng = random.Random(config.seed)
@@ -575,6 +573,8 @@ class EngineCore:
         self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
+        # NOTE: the inbox is a dict so that this check is a lookup: a scan of the queue made
+        # an offline batch of 10,000 requests quadratic before its first step.
         request_id = request.request_id
         with self._lock:
             if request_id in self.requests or request_id in self._inbox:

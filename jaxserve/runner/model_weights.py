@@ -243,9 +243,14 @@ class WeightsLoading:
             assert self._future is not None
             try:
                 self._done = self._future.result()
-            finally:
-                self._pool.shutdown()
-                self._pool, self._future = None, None  # the future held the weights too
+            except BaseException:
+                # NOTE: a Ctrl-C while waiting must stop the load before anything joins its
+                # thread: joining a load that waits to be told to stop never returned (the
+                # start hung after Ctrl-C whenever the compiles had ended first).
+                self.cancel()
+                raise
+            self._pool.shutdown()
+            self._pool, self._future = None, None  # the future held the weights too
         weights, seconds = self._done
         if weights is None:
             raise RuntimeError("the weights were handed over and forgotten (forget)")
