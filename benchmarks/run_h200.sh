@@ -157,6 +157,9 @@
 #   lora         Llama-3-8B shape, dummy weights: offline throughput 256 x 512/256 with 0, 1, 8
 #                and 64 distinct rank-16 adapters, and batch-1 TPOT with one (benchmarks/lora.py)
 # Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
+# $MODEL and $SHAPES (the served stages' model and launch flags) can be set: with the demo model
+# a served stage's plumbing runs on the CPU, e.g. MODEL=jaxserve/assets/demo SHAPES="--max-model-len
+# 1024 --max-num-batched-tokens 1024 --max-num-seqs 8" SERVE_PROMPTS=6 KV_EVENTS_RATES=inf.
 #   bash benchmarks/run_h200.sh launch:330 throughput:200
 set -uo pipefail
 # The stages write under a work folder; $OUT (what comes back from the device machine) holds one
@@ -180,8 +183,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=c
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' | tee -a "$OUT/device.txt"
 git log -1 --format=%h 2>/dev/null | tee -a "$OUT/device.txt"
 
-MODEL=jaxserve/assets/configs/llama-3-8b
-SHAPES="--max-model-len 4096 --max-num-batched-tokens 2048"  # launch: vLLM's online default
+MODEL=${MODEL:-jaxserve/assets/configs/llama-3-8b}
+SHAPES=${SHAPES:-"--max-model-len 4096 --max-num-batched-tokens 2048"}  # launch: vLLM's online default
 SERVE_PROMPTS=${SERVE_PROMPTS:-200}
 
 stage_kernel() {
