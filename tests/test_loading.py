@@ -7,6 +7,8 @@ from __future__ import annotations
 import gc
 import json
 import shutil
+import subprocess
+import sys
 import threading
 import tracemalloc
 import weakref
@@ -243,11 +245,13 @@ def test_cancel_reaches_a_load_on_its_thread() -> None:
     assert not thread.is_alive()
 
 
-def test_a_ctrl_c_while_waiting_for_the_weights_stops_their_load() -> None:
+def test_a_ctrl_c_while_waiting_for_the_weights_stops_their_load(monkeypatch) -> None:
     """Guards the start that hung after Ctrl-C when the compiles had ended first: the main
     thread waited for the weights, the interrupt left that wait, and its clean-up joined the
     load's thread, which waited to be told to stop. Now the wait raises at once and the load
     stops."""
+    from jaxserve.runner import model_weights
+
     started = threading.Event()
 
     def load(stop: threading.Event):
@@ -261,11 +265,10 @@ def test_a_ctrl_c_while_waiting_for_the_weights_stops_their_load() -> None:
     real = loading._future
     assert real is not None
 
-    class InterruptedWait:  # the wait for the future, left by a Ctrl-C
-        def result(self):
-            raise KeyboardInterrupt
+    def interrupted_wait(future):  # the wait for the weights, left by a Ctrl-C
+        raise KeyboardInterrupt
 
-    loading._future = InterruptedWait()  # type: ignore[assignment]
+    monkeypatch.setattr(model_weights, "interruptible_result", interrupted_wait)
     outcome: list[str] = []
 
     def wait() -> None:
@@ -282,6 +285,42 @@ def test_a_ctrl_c_while_waiting_for_the_weights_stops_their_load() -> None:
     assert not hung and outcome == ["interrupted"], "the wait joined the load's thread"
     thread.join(60)
     assert not thread.is_alive() and isinstance(real.exception(), LoadCancelled)
+
+
+SIGINT_ON_ANOTHER_THREAD = """
+import signal, threading
+from jaxserve.models.loading.load_progress import LoadCancelled
+from jaxserve.runner.model_weights import WeightsLoading
+started = threading.Event()
+def load(stop):
+    started.set()
+    stop.wait(60)
+    raise LoadCancelled
+loading = WeightsLoading(load, shapes=object(), stop=threading.Event())
+started.wait(60)
+def ctrl_c_lands_here():  # as the kernel may choose: a thread that is not the main one
+    threading.Event().wait(0.5)  # the main thread waits for the weights by then
+    signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+threading.Thread(target=ctrl_c_lands_here).start()
+try:
+    loading.wait()
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_a_ctrl_c_taken_by_another_thread_reaches_the_wait_for_the_weights() -> None:
+    """Guards the start that hung after Ctrl-C in CI: the signal went to one of the process's
+    other threads, and the main thread, waiting for weights that wait to be told to stop,
+    never woke to run Python's handler."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGINT_ON_ANOTHER_THREAD],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "interrupted", proc.stderr[-2000:]
 
 
 def test_forget_drops_every_reference_to_the_weights_loaded_on_a_thread() -> None:

@@ -242,7 +242,7 @@ class WeightsLoading:
         if self._pool is not None:
             assert self._future is not None
             try:
-                self._done = self._future.result()
+                self._done = interruptible_result(self._future)
             except BaseException:
                 # NOTE: a Ctrl-C while waiting must stop the load before anything joins its
                 # thread: joining a load that waits to be told to stop never returned (the
@@ -255,6 +255,21 @@ class WeightsLoading:
         if weights is None:
             raise RuntimeError("the weights were handed over and forgotten (forget)")
         return weights, seconds
+
+
+INTERRUPT_POLL_S = 0.2
+
+
+def interruptible_result(future: concurrent.futures.Future) -> Any:
+    """``future.result()``, reached by a Ctrl-C within ``INTERRUPT_POLL_S``.
+
+    NOTE: the kernel may hand SIGINT to any thread of the process (XLA's, a compile's), and
+    then nothing interrupts the main thread's wait: Python runs the handler only once that
+    thread is back in the interpreter. A start waiting for weights that wait to be told to stop
+    hung there for good; a wait that wakes every fraction of a second sees the Ctrl-C."""
+    while not future.done():
+        concurrent.futures.wait([future], timeout=INTERRUPT_POLL_S)
+    return future.result()
 
 
 def kv_cache_scales(model_config: ModelConfig, config: EngineConfig, kv_dtype: jnp.dtype) -> Any:
