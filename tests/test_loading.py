@@ -289,6 +289,7 @@ def test_a_ctrl_c_while_waiting_for_the_weights_stops_their_load(monkeypatch) ->
 
 SIGINT_ON_ANOTHER_THREAD = """
 import signal, threading
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job's is SIG_IGN
 from jaxserve.models.loading.load_progress import LoadCancelled
 from jaxserve.runner.model_weights import WeightsLoading
 started = threading.Event()

@@ -257,8 +257,11 @@ def test_every_flag_has_help_that_states_its_default_once(command):
 
 # ``jaxserve launch`` whose weights "load" until the start-up tells the load to stop: a Ctrl-C
 # lands while the process starts, whatever the machine's speed, and the load's end is logged.
+# Python's Ctrl-C handler is put back first: a suite run as a background job (``cmd &``)
+# starts its processes with SIGINT ignored, and a Ctrl-C would then never arrive.
 HELD_LOAD_LAUNCH = """
-import sys
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from jaxserve.cli import main
 from jaxserve.models.loading.load_progress import LoadCancelled
 from jaxserve.runner import model_weights
