@@ -226,9 +226,9 @@ def test_a_set_stop_ends_a_load_and_dummy_weights_at_the_next_tensor() -> None:
         dummy_weights(config, jnp.float32, stop=stop)
 
 
-def test_cancel_reaches_a_load_on_its_thread() -> None:
-    """Guards the start-up that failed while its weights went on loading: nothing stopped the
-    load's thread, and the interpreter's exit waited for it (minutes, gigabytes)."""
+def held_load() -> tuple[WeightsLoading, threading.Thread]:
+    """Weights loading on their thread (``shapes`` given) that load until told to stop, then
+    raise ``LoadCancelled``; and that thread, once the load has begun."""
     started = threading.Event()
 
     def load(stop: threading.Event):
@@ -236,10 +236,16 @@ def test_cancel_reaches_a_load_on_its_thread() -> None:
         assert stop.wait(60), "the load was never told to stop"
         raise LoadCancelled
 
-    # shapes: the load runs on its thread
     loading = WeightsLoading(load, shapes=object(), stop=threading.Event())
     assert started.wait(60)
     (thread,) = [t for t in threading.enumerate() if t.name.startswith("weights")]
+    return loading, thread
+
+
+def test_cancel_reaches_a_load_on_its_thread() -> None:
+    """Guards the start-up that failed while its weights went on loading: nothing stopped the
+    load's thread, and the interpreter's exit waited for it (minutes, gigabytes)."""
+    loading, thread = held_load()
     loading.cancel()
     thread.join(60)
     assert not thread.is_alive()
@@ -252,16 +258,7 @@ def test_a_ctrl_c_while_waiting_for_the_weights_stops_their_load(monkeypatch) ->
     stops."""
     from jaxserve.runner import model_weights
 
-    started = threading.Event()
-
-    def load(stop: threading.Event):
-        started.set()
-        assert stop.wait(60), "the load was never told to stop"
-        raise LoadCancelled
-
-    loading = WeightsLoading(load, shapes=object(), stop=threading.Event())
-    assert started.wait(60)
-    (thread,) = [t for t in threading.enumerate() if t.name.startswith("weights")]
+    loading, thread = held_load()
     real = loading._future
     assert real is not None
 
@@ -290,15 +287,8 @@ def test_a_ctrl_c_while_waiting_for_the_weights_stops_their_load(monkeypatch) ->
 SIGINT_ON_ANOTHER_THREAD = """
 import signal, threading
 signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job's is SIG_IGN
-from jaxserve.models.loading.load_progress import LoadCancelled
-from jaxserve.runner.model_weights import WeightsLoading
-started = threading.Event()
-def load(stop):
-    started.set()
-    stop.wait(60)
-    raise LoadCancelled
-loading = WeightsLoading(load, shapes=object(), stop=threading.Event())
-started.wait(60)
+from tests.test_loading import held_load
+loading, _ = held_load()
 def ctrl_c_lands_here():  # as the kernel may choose: a thread that is not the main one
     threading.Event().wait(0.5)  # the main thread waits for the weights by then
     signal.pthread_kill(threading.get_ident(), signal.SIGINT)
@@ -311,11 +301,12 @@ except KeyboardInterrupt:
 
 
 def test_a_ctrl_c_taken_by_another_thread_reaches_the_wait_for_the_weights() -> None:
-    """Guards the start that hung after Ctrl-C in CI: the signal went to one of the process's
+    """Guards the start that could hang after Ctrl-C: the signal went to one of the process's
     other threads, and the main thread, waiting for weights that wait to be told to stop,
     never woke to run Python's handler."""
     proc = subprocess.run(
         [sys.executable, "-c", SIGINT_ON_ANOTHER_THREAD],
+        cwd=Path(__file__).resolve().parents[1],  # (the script imports held_load from here)
         capture_output=True,
         text=True,
         timeout=60,
