@@ -29,11 +29,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from jaxserve.engine.step_log import STEP_LOG_ENV
 
 H200_BF16_FLOPS = 989e12
 PROFILE_STEPS = 4  # steps traced with --profile-dir
@@ -72,6 +75,8 @@ def run_model(name: str, model: Path, args: argparse.Namespace) -> dict[str, Any
     is_bert = raw.get("model_type") in ("bert", "xlm-roberta")
     params, attention_per_pair = (encoder_counts if is_bert else decoder_counts)(raw)
     layers = raw["num_hidden_layers"]
+    if args.step_log_dir:  # each step's host spans against its wait for the device
+        os.environ[STEP_LOG_ENV] = str(Path(args.step_log_dir) / f"{name}_steps.jsonl")
     started = time.perf_counter()
     llm = jaxserve.LLM(
         str(model),
@@ -133,6 +138,12 @@ def main() -> None:
         "--profile-dir",
         default=None,
         help=f"after the timed run, trace {PROFILE_STEPS} steps of each model here (DIR/NAME)",
+    )
+    parser.add_argument(
+        "--step-log-dir",
+        type=Path,
+        default=None,
+        help="the engine's step log of each model (JAXSERVE_STEP_LOG) as DIR/NAME_steps.jsonl",
     )
     parser.add_argument("--qwen3-model", type=Path, default=CONFIGS / "qwen3-embedding-0.6b")
     parser.add_argument("--bge-model", type=Path, default=CONFIGS / "bge-large-en-v1.5")

@@ -738,9 +738,14 @@ stage_embeddings() {  # issue 40's table: texts/s and the share of the compute r
   JAXSERVE_ENCODER_ATTENTION=${EMBED_ENCODER_ATTENTION:-packed} \
     python3 -m benchmarks.embeddings --out "$OUT/embeddings.json" \
     --max-num-batched-tokens "${EMBED_TOKENS:-16384}" --profile-dir "$OUT/embeddings_profile" \
-    > "$OUT/embeddings.log" 2>&1
+    --step-log-dir "$OUT" > "$OUT/embeddings.log" 2>&1
   grep -E '^(qwen3|bge):' "$OUT/embeddings.log" || tail -20 "$OUT/embeddings.log"
   local model
+  for model in qwen3 bge; do  # the host's spans per step against its wait for the device
+    [ -f "$OUT/${model}_steps.jsonl" ] || continue
+    echo "-- $model, step log"
+    python3 -m benchmarks.step_log_summary "$OUT/${model}_steps.jsonl" --skip 2 2>&1 | tail -6
+  done
   for model in qwen3 bge; do  # 4 traced steps each: kernels by device time, and the idle gaps
     [ -d "$OUT/embeddings_profile/$model" ] || continue
     python3 -m benchmarks.trace_summary "$OUT/embeddings_profile/$model" --steps 4 --top 12 \

@@ -15,6 +15,7 @@ another process can use). Run it once per allocator to compare, e.g. with
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -71,19 +72,28 @@ def tokens(llm: LLM) -> list[int]:
 
 
 def update_rows(llm: LLM) -> dict[str, float]:
-    """Seconds of each ``update_weights`` source, the served weights handed back each time."""
+    """Seconds of each ``update_weights`` source, the served weights handed back each time.
+    Each source is let go before the next is made, so that at most two more copies of the
+    weights are on the device at once (the sources, as a trainer's, and what the engine made
+    of them): an 80 GiB card ran out of memory holding four."""
     served = llm.weights
     rows = {}
     copies = jax.tree.map(jnp.copy, served)  # other arrays, the served dtype and sharding
     jax.block_until_ready(copies)
-    rows["update_device_s"] = timed(lambda: llm.update_weights(copies))
+    rows["update_device_s"] = timed(functools.partial(llm.update_weights, copies))
+    llm.update_weights(served)
+    del copies
     host = jax.device_get(served)
-    rows["update_host_s"] = timed(lambda: llm.update_weights(host))
+    rows["update_host_s"] = timed(functools.partial(llm.update_weights, host))
+    llm.update_weights(served)
+    del host
     hf = hf_named_on_device(llm)  # as a trainer's state_dict names them, on the device
-    rows["update_hf_device_s"] = timed(lambda: llm.update_weights(hf))
+    rows["update_hf_device_s"] = timed(functools.partial(llm.update_weights, hf))
+    llm.update_weights(served)
     nnx_state = nnx_from_hf(hf)  # as flax.nnx lays them out (kernels [in, out])
+    del hf
     jax.block_until_ready(nnx_state)
-    rows["update_nnx_device_s"] = timed(lambda: llm.update_weights(nnx_state))
+    rows["update_nnx_device_s"] = timed(functools.partial(llm.update_weights, nnx_state))
     return rows
 
 

@@ -200,3 +200,30 @@ def test_sharded_restore_on_two_devices(out, tmp_path) -> None:
     assert "sharded ok" in stdout
     assert "refused:" in stdout and "fused" in stdout and "--tensor-parallel-size" in stdout
     assert read_manifest(tmp_path / "tp2").fused is False
+
+
+def test_weights_are_written_uncompressed_and_a_compressed_checkpoint_still_restores(
+    tmp_path,
+) -> None:
+    """The weights go to disk as they are (orbax would zstd them: little gained on weights, a
+    start's decode paid); a checkpoint orbax compressed (its default) restores the same."""
+    import orbax.checkpoint as ocp
+
+    from jaxserve.models.loading.orbax_checkpoint import Manifest, write_checkpoint
+
+    zeros = {"w": jax.numpy.zeros((256, 1024), jax.numpy.float32)}  # 1 MiB; zstd: a few bytes
+    manifest = Manifest("test", "float32", None, False, "llama", 1, 1 << 20, {".w": "f32"})
+    source = tmp_path / "source"
+    source.mkdir()
+    write_checkpoint(zeros, source, tmp_path / "plain", manifest, show_progress=False)
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "plain").rglob("*") if f.is_file())
+    assert on_disk >= 1 << 20
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save((tmp_path / "zstd").absolute(), zeros)
+    small = sum(f.stat().st_size for f in (tmp_path / "zstd").rglob("*") if f.is_file())
+    assert small < 1 << 19  # orbax's default compressed it
+    target = {"w": jax.ShapeDtypeStruct((256, 1024), np.float32, sharding=zeros["w"].sharding)}
+    for path in (tmp_path / "plain" / "weights", tmp_path / "zstd"):
+        with ocp.StandardCheckpointer() as checkpointer:
+            restored = checkpointer.restore(path.absolute(), target)
+        assert np.array_equal(np.asarray(restored["w"]), np.zeros((256, 1024), np.float32))

@@ -236,6 +236,9 @@ def freeze_startup_heap() -> bool:
 
 
 class EngineCore:
+    # True once ``shutdown`` ran: its device memory is given back and it takes no requests.
+    is_shut_down = False
+
     def __init__(self, config: EngineConfig, runner: Runner | None = None) -> None:
         self.runner: Runner
         check_speculative(config)  # before anything loads
@@ -409,7 +412,10 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Wait for a step still on the device, stop warm-up's background compile, release
-        the follower processes of a multi-host replica. Call it once the step loop stopped."""
+        the follower processes of a multi-host replica, give back the runner's device memory
+        (the KV cache, its references to the weights). Call it once the step loop stopped;
+        the engine takes no request after it."""
+        self.is_shut_down = True
         self._read_in_flight()
         if self.step_log is not None:
             self.step_log.flush()
@@ -576,6 +582,11 @@ class EngineCore:
         # NOTE: the inbox is a dict so that this check is a lookup: a scan of the queue made
         # an offline batch of 10,000 requests quadratic before its first step.
         request_id = request.request_id
+        if self.is_shut_down:
+            raise RuntimeError(
+                "the engine was shut down (LLM.shutdown) and its device memory given back: "
+                "make a new LLM to run more requests"
+            )
         with self._lock:
             if request_id in self.requests or request_id in self._inbox:
                 raise RequestError(f"request id {request_id!r} is in use", param="request_id")

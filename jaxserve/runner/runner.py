@@ -514,9 +514,14 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Stop loading the weights if they still load (a start-up that failed), stop compiling
         the buckets warm-up left to the background (what compiles now finishes) and release
-        the follower processes of a multi-host replica."""
+        the follower processes of a multi-host replica, and give back the device memory the
+        runner holds: the KV cache is freed and the weights are let go (arrays a trainer handed
+        to ``update_weights`` stay its own), so a second engine can start in the same process."""
         self.loading.cancel()
         self.programs.background.stop()
         if self.multihost:
             step_broadcast.stop_followers()
             self.multihost = False
+        free(self.kv_cache)
+        self.kv_cache = None
+        self._swap_weights(abstract(self.weights))
