@@ -98,6 +98,7 @@ def run_model(name: str, model: Path, args: argparse.Namespace) -> dict[str, Any
     t0 = time.perf_counter()
     outputs = llm.embed(texts, use_tqdm=False)
     seconds = time.perf_counter() - t0
+    steps = llm.engine.num_steps - steps_before  # the timed run's, before any traced step
     assert len(outputs) == args.num_texts and len(outputs[0].outputs.embedding) > 0
     if args.profile_dir:  # a few steps traced, apart from the timed run: where the time goes
         import jax
@@ -115,7 +116,7 @@ def run_model(name: str, model: Path, args: argparse.Namespace) -> dict[str, Any
         "texts": args.num_texts,
         "text_len": args.text_len,
         "seconds": seconds,
-        "steps": llm.engine.num_steps - steps_before,
+        "steps": steps,
         "texts_per_s": args.num_texts / seconds,
         "tokens_per_s": tokens / seconds,
         "non_embedding_params": params,
