@@ -147,7 +147,10 @@
 #   embeddings   LLM.embed of 10,000 texts of 256 random tokens, dummy bf16 weights: a
 #                Qwen3-Embedding-0.6B-shaped decoder and a BGE-large-en-v1.5-shaped BERT, texts/s,
 #                tokens/s and the share of the 989 TFLOP/s bf16 roofline (benchmarks/embeddings.py;
-#                $EMBED_TOKENS the step budget, 16384 unless set) -> $OUT/embeddings.{log,json}
+#                $EMBED_TOKENS the step budget, 16384 unless set; the decoder over whole
+#                prompts and the encoder on packed sequences unless $EMBED_POOLING_ATTENTION /
+#                $EMBED_ENCODER_ATTENTION say otherwise; each model's step log and 4 traced
+#                steps) -> $OUT/embeddings.{log,json}
 #   kv_events    the cost of publishing KV-cache events: the launch stage's serving sweep (dummy
 #                Llama-3-8B, every bucket compiled first) without and with --kv-events-config
 #                (zmq, replay socket on), a subscriber draining the stream
@@ -733,9 +736,11 @@ stage_responses() {  # Responses API streaming against chat completions, the sam
 }
 
 stage_embeddings() {  # issue 40's table: texts/s and the share of the compute roofline
-  python3 -m pytest -q -m gpu tests/test_encoder.py -k cudnn 2>&1 | tail -2  # cuDNN's attention
-  python3 -m benchmarks.probes.gelu_epilogue 2>&1 | tee "$OUT/gelu_epilogue.txt" | tail -3
+  # cuDNN's attention: the encoder's, and whole prompts of the decoder's pooling runner
+  python3 -m pytest -q -m gpu tests/test_encoder.py tests/test_pooling_attention.py -k cudnn \
+    2>&1 | tail -2
   JAXSERVE_ENCODER_ATTENTION=${EMBED_ENCODER_ATTENTION:-packed} \
+    JAXSERVE_POOLING_ATTENTION=${EMBED_POOLING_ATTENTION:-whole} \
     python3 -m benchmarks.embeddings --out "$OUT/embeddings.json" \
     --max-num-batched-tokens "${EMBED_TOKENS:-16384}" --profile-dir "$OUT/embeddings_profile" \
     --step-log-dir "$OUT" > "$OUT/embeddings.log" 2>&1

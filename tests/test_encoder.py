@@ -303,7 +303,7 @@ def test_windowed_attention_equals_the_dense_reference(num_tokens: int):
     """Sequences of up to one tile (32 tokens) across tile edges, and padding after them:
     each query tile sees its own tile and the two beside it, which hold its whole sequence."""
     from jaxserve.models.encoder.forward import segment_attention
-    from jaxserve.runner.encoder_runner import windowed_segment_attention
+    from jaxserve.runner.segment_attention import windowed_segment_attention
 
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
@@ -341,7 +341,7 @@ def test_encoder_attention_names_its_choice(monkeypatch):
 @pytest.mark.parametrize("num_tokens", [64, 1024])
 def test_cudnn_windowed_attention_equals_the_reference(num_tokens: int):
     from jaxserve.models.encoder.forward import segment_attention
-    from jaxserve.runner.encoder_runner import windowed_segment_attention
+    from jaxserve.runner.segment_attention import windowed_segment_attention
 
     seed = int(np.random.default_rng().integers(2**31))
     lengths = [int(n) for n in np.random.default_rng(seed).integers(1, 65, num_tokens // 40)]
@@ -370,7 +370,7 @@ def test_cudnn_packed_attention_equals_the_reference(num_tokens, num_seqs, max_l
     from 1 to ``max_len``, padding sequences of length 0 after them, padding tokens after the
     last), padding rows are zeros; one sequence alone takes the plain padding mask."""
     from jaxserve.models.encoder.forward import segment_attention, segment_ids
-    from jaxserve.runner.encoder_runner import packed_segment_attention
+    from jaxserve.runner.segment_attention import packed_segment_attention
 
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)

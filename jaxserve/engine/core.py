@@ -259,15 +259,7 @@ class EngineCore:
         # wait for them) and the compiles.
         try:
             self.kv = self._make_kv_cache(runner)
-            self.scheduler = Scheduler(
-                self.kv,
-                max_num_seqs=config.resolved_max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                policy=config.scheduling_policy,
-                lora_slots=self.lora_slots,
-            )
+            self.scheduler = self._make_scheduler(runner)
             self.output_processor = OutputProcessor(
                 self.tokenizer, self.eos_token_ids, self.max_model_len
             )
@@ -389,6 +381,20 @@ class EngineCore:
         publisher = getattr(self, "kv_event_publisher", None)
         if publisher is not None:
             publisher.shutdown()
+
+    def _make_scheduler(self, runner: Runner) -> Scheduler:
+        config = self.config
+        return Scheduler(
+            self.kv,
+            max_num_seqs=config.resolved_max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            # a pooling runner over whole prompts (runner/pooling_attention.py) chunks none
+            enable_chunked_prefill=config.enable_chunked_prefill
+            and getattr(runner, "whole_prompts", None) is None,
+            policy=config.scheduling_policy,
+            lora_slots=self.lora_slots,
+        )
 
     def _make_kv_cache(self, runner: Runner) -> KVCacheManager:
         """The block pool; it records KV-cache events when --kv-events-config publishes them

@@ -23,6 +23,7 @@ EAGLE-3 head's input, ``eagle3.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
@@ -39,6 +40,21 @@ from pallas_kernels.kv_cache import write_kv
 from pallas_kernels.ragged_paged_attention import dispatch
 
 AttentionFn = Callable[..., jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class WholePromptAttention:
+    """Passed as ``attention_fn``: a step whose sequences are whole prompts, attended from the
+    step's own keys and values. Nothing is written to the KV cache or read from it (its pages
+    pass through): a pooling runner's steps when no prompt is chunked and no prefix is cached
+    (``runner/pooling_attention.py``). ``attend(q [T, N, D], k [T, K, D], v, cu_q_lens,
+    sm_scale) -> [T, N, D]`` attends causally within each sequence."""
+
+    attend: Callable[..., jax.Array]
+
+
+# What a model step attends with: an op over the paged cache, or whole prompts without it.
+StepAttention = AttentionFn | WholePromptAttention
 
 
 def rope_inv_freq(config: ModelConfig) -> jax.Array:  # f32[D // 2]
@@ -93,7 +109,7 @@ def attention_block(
     batch: Batch,
     config: ModelConfig,
     rotary: tuple[jax.Array, jax.Array],  # (cos, sin), each [T, 1, D] in x's dtype
-    attention_fn: AttentionFn,
+    attention_fn: StepAttention,
     sliding_window: int | None,
     kv_scale: tuple[float, float] | None = None,  # an fp8 cache's (k_scale, v_scale)
     lora: lora_ops.LayerLora | None = None,  # the layer's adapter slots (--enable-lora)
@@ -112,6 +128,9 @@ def attention_block(
         k = rms_norm(k, lw.k_norm, config.rms_norm_eps, config.is_gemma, row_tile)
     q = rope.apply_rotary(q, *rotary)
     k = rope.apply_rotary(k, *rotary)
+    if isinstance(attention_fn, WholePromptAttention):  # no cache: the pages pass through
+        out = attention_fn.attend(q, k, v, batch.cu_q_lens, sm_scale=config.sm_scale)
+        return _output_projection(lw, out, lora, row_tile), k_pages, v_pages
     # NOTE: the scales reach the attention op as arguments, not static options, so every
     # layer's call still shares one lowering of the kernel (programs.shared_attention).
     scales = {} if kv_scale is None else {"k_scale": kv_scale[0], "v_scale": kv_scale[1]}
@@ -131,13 +150,22 @@ def attention_block(
         **scales,
         **sinks,
     )  # [T, N, D]
+    return _output_projection(lw, out, lora, row_tile), k_pages, v_pages
+
+
+def _output_projection(
+    lw: LayerWeights,
+    out: jax.Array,  # [T, N, D]  the attention's output
+    lora: lora_ops.LayerLora | None,
+    row_tile: int | None,
+) -> jax.Array:  # [T, H]
     delta = None if lora is None else lora_ops.o_delta(out, lora)
     out = linear(out, lw.wo, "TND,NDH->TH", row_tile=row_tile)
     if delta is not None:
         out = out + delta
     if lw.bo is not None:
         out = out + lw.bo
-    return out, k_pages, v_pages
+    return out
 
 
 def mlp_block(
@@ -169,7 +197,7 @@ def layer_attention(
     batch: Batch,
     config: ModelConfig,
     rotary: tuple[jax.Array, jax.Array],
-    attention_fn: AttentionFn,
+    attention_fn: StepAttention,
     layer: int,
     kv_scale: tuple[float, float] | None,
     lora: lora_ops.LayerLora | None = None,
@@ -179,6 +207,8 @@ def layer_attention(
     family's (windowed where the layer slides)."""
     k_pages, v_pages = pages
     if config.mla is not None:  # DeepSeek-V3: the pages hold the latent and k_pe
+        if isinstance(attention_fn, WholePromptAttention):
+            raise ValueError("latent attention reads its cache: it has no whole-prompt form")
         return mla.mla_attention_block(
             lw, h, k_pages, v_pages, batch, config, rotary, kv_scale, attention_fn
         )
@@ -236,7 +266,7 @@ def forward(
     kv_cache: KVCache,
     batch: Batch,
     config: ModelConfig,
-    attention_fn: AttentionFn | None = None,
+    attention_fn: StepAttention | None = None,
     kv_scales: Sequence[tuple[float, float]] | None = None,
     experts_fn: moe.ExpertsFn | None = None,
     lora: lora_ops.LoraInputs | None = None,
@@ -272,7 +302,7 @@ def forward_with_aux(
     batch: Batch,
     config: ModelConfig,
     aux_layers: Sequence[int],
-    attention_fn: AttentionFn | None = None,
+    attention_fn: StepAttention | None = None,
     kv_scales: Sequence[tuple[float, float]] | None = None,
     experts_fn: moe.ExpertsFn | None = None,
     lora: lora_ops.LoraInputs | None = None,
@@ -329,7 +359,7 @@ def decoder_layer(
     batch: Batch,
     config: ModelConfig,
     rotary: tuple[jax.Array, jax.Array],
-    attention_fn: AttentionFn,
+    attention_fn: StepAttention,
     layer: int,
     kv_scale: tuple[float, float] | None,
     experts_fn: moe.ExpertsFn | None,

@@ -47,7 +47,7 @@ import numpy as np
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.encoder import heads
 from jaxserve.models.encoder.config import EncoderConfig
-from jaxserve.models.encoder.forward import EncoderBatch, forward, segment_attention, segment_ids
+from jaxserve.models.encoder.forward import EncoderBatch, forward, segment_ids
 from jaxserve.models.encoder.weights import (
     EncoderWeights,
     dummy_encoder_weights,
@@ -58,6 +58,10 @@ from jaxserve.runner.buckets import Buckets, next_power_of_2
 from jaxserve.runner.capacity import Capacity, GiB
 from jaxserve.runner.devices import compute_capability, quiet_backend_probe, resolve_dtype
 from jaxserve.runner.in_flight import InFlight
+from jaxserve.runner.segment_attention import (
+    packed_segment_attention,
+    windowed_segment_attention,
+)
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from pallas_kernels.env_choice import env_choice
 
@@ -95,106 +99,6 @@ def encoder_attention(dtype: Any) -> tuple[str, str]:
     if capability is None or capability < 9.0:
         return "cudnn", f"cuDNN packs sequences on Hopper and later; this GPU is sm {capability}"
     return "packed", f"{ENCODER_ATTENTION_ENV}=auto"
-
-
-def packed_segment_attention(
-    q: jax.Array,  # [T, N, D]
-    k: jax.Array,  # [T, N, D]
-    v: jax.Array,  # [T, N, D]
-    segments: jax.Array,  # i32[T]
-    sm_scale: float,
-    *,
-    cu_seq_lens: jax.Array,  # i32[S + 1]: the segments' bounds (padding sequences: length 0)
-) -> jax.Array:  # [T, N, D]
-    """``forward.segment_attention``'s result on cuDNN's fused attention over packed
-    sequences: one batch row holding every sequence, each given by its start and length, so
-    no score outside a sequence is computed and no mask is read. Padding rows are zeros.
-
-    NOTE: the packed layout is reached through ``jax._src.cudnn`` (``jax.nn``'s entry takes
-    lengths but not offsets). jax is pinned (DESIGN.md), and the GPU test checks this path
-    against the reference on each upgrade.
-    """
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
-
-    num_seqs = cu_seq_lens.shape[0] - 1
-    lens = jnp.diff(cu_seq_lens).astype(jnp.int32)
-    if num_seqs == 1:  # one segment: a plain padding mask (the packed layout needs two or more)
-        out = jax.nn.dot_product_attention(
-            q[None],
-            k[None],
-            v[None],
-            scale=sm_scale,
-            implementation="cudnn",
-            query_seq_lengths=lens,
-            key_value_seq_lengths=lens,
-        )[0]
-    else:
-        real = lens > 0
-        seqlen = jnp.where(real, lens, -1)[None]  # [1, S]: -1 marks an absent segment
-        starts = jnp.where(real, cu_seq_lens[:-1].astype(jnp.int32), -1)
-        offsets = jnp.concatenate([starts, jnp.full((1,), -1, jnp.int32)])[None]  # [1, S + 1]
-        out = cudnn_attention.dot_product_attention(
-            q[None],
-            k[None],
-            v[None],
-            q_seqlen=seqlen,
-            kv_seqlen=seqlen,
-            q_offsets=offsets,
-            kv_offsets=offsets,
-            scale=sm_scale,
-            mask_type=cudnn_attention.MaskType.PADDING,
-            qkv_layout="BTNH",
-        )[0]
-    return jnp.where((segments < num_seqs)[:, None, None], out, jnp.zeros((), out.dtype))
-
-
-def windowed_segment_attention(
-    q: jax.Array,  # [T, N, D]
-    k: jax.Array,  # [T, N, D]
-    v: jax.Array,  # [T, N, D]
-    segments: jax.Array,  # i32[T]
-    sm_scale: float,
-    *,
-    tile: int,  # static: at least the longest sequence; T a multiple of it
-    implementation: str = "xla",  # static: "cudnn" or "xla" (``encoder_attention``)
-) -> jax.Array:  # [T, N, D]
-    """``forward.segment_attention``'s result with T * 3 * tile scores instead of T * T: the
-    queries of tile i attend to the keys of tiles i - 1, i and i + 1 of their own sequence (a
-    sequence of at most ``tile`` tokens spans at most two tiles). One tile of every key when
-    T <= 2 * tile. ``implementation="cudnn"``: the same on cuDNN's fused attention."""
-    num_tokens = q.shape[0]
-    if num_tokens <= 2 * tile:
-        if implementation == "cudnn":
-            mask = segments[:, None] == segments[None, :]  # bool[T, T]
-            return _cudnn(q[None], k[None], v[None], mask[None, None], sm_scale)[0]
-        return segment_attention(q, k, v, segments, sm_scale)
-    n = num_tokens // tile
-
-    def windows(x: jax.Array, fill: Any) -> jax.Array:  # [T, ...] -> [n, 3 * tile, ...]
-        pad = [(tile, tile)] + [(0, 0)] * (x.ndim - 1)
-        tiles = jnp.pad(x, pad, constant_values=fill).reshape(n + 2, tile, *x.shape[1:])
-        return jnp.concatenate([tiles[:-2], tiles[1:-1], tiles[2:]], axis=1)
-
-    qt = q.reshape(n, tile, *q.shape[1:])
-    kw, vw, seg_k = windows(k, 0), windows(v, 0), windows(segments, -1)
-    seg_q = segments.reshape(n, tile)
-    if implementation == "cudnn":
-        mask = seg_q[:, None, :, None] == seg_k[:, None, None, :]  # [n, 1, t, s]
-        return _cudnn(qt, kw, vw, mask, sm_scale).reshape(q.shape)
-    scores = jnp.einsum("ntND,nsND->nNts", qt, kw, preferred_element_type=jnp.float32) * sm_scale
-    mask = seg_q[:, None, :, None] == seg_k[:, None, None, :]  # [n, 1, t, s]
-    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(v.dtype)
-    return jnp.einsum("nNts,nsND->ntND", probs, vw).reshape(q.shape)
-
-
-def _cudnn(
-    q: jax.Array,  # [B, t, N, D]
-    k: jax.Array,  # [B, s, N, D]
-    v: jax.Array,  # [B, s, N, D]
-    mask: jax.Array,  # bool[B, 1, t, s]
-    sm_scale: float,
-) -> jax.Array:  # [B, t, N, D]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=sm_scale, implementation="cudnn")
 
 
 def encoder_step_outputs(

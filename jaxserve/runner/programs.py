@@ -41,7 +41,7 @@ def model_step(
     layout: Layout,  # static
     *,
     config: ModelConfig,
-    attention_fn: decoder.AttentionFn | None = None,
+    attention_fn: decoder.StepAttention | None = None,
     kv_scales: tuple[tuple[float, float], ...] | None = None,  # an fp8 cache's, per layer
     experts_fn: Any = None,  # moe.ExpertsFn: a mixture of experts' sharded experts
     row_tile: int | None = None,  # batch-invariant mode's GEMM rows (quant.linear)
@@ -97,20 +97,23 @@ def jitted_model_step(
     batch_invariant: bool = False,
     lora_shardings: Any = None,
     aux_layers: tuple[int, ...] | None = None,
+    whole_prompts: decoder.WholePromptAttention | None = None,
 ) -> Any:
     """``model_step`` jitted, the KV cache donated (updated in place); ``tp``: the runner's
     ``TensorParallel``, whose attention, experts and shardings it takes; ``batch_invariant``:
     each row's result independent of its step (docs/determinism.md): GEMMs in fixed row tiles,
     attention with its reduction pinned. ``lora_shardings`` (LoRA under tensor parallelism:
     the adapter stacks' ``LoraWeights`` of shardings): the step takes the stacks as a sixth
-    positional argument (jit takes no keyword argument beside ``in_shardings``)."""
+    positional argument (jit takes no keyword argument beside ``in_shardings``).
+    ``whole_prompts``: a pooling runner's attention over whole prompts, in place of the paged
+    cache's (``pooling_attention.py``)."""
     attention = dispatch.ragged_paged_attention if tp is None else tp.attention_fn
     if batch_invariant:
         attention = functools.partial(attention, batch_invariant=True)
     step = functools.partial(
         model_step,
         config=model_config,
-        attention_fn=shared_attention(attention),
+        attention_fn=whole_prompts or shared_attention(attention),
         kv_scales=kv_scales,
         row_tile=invariant_row_tile(batch_invariant),
         aux_layers=aux_layers,

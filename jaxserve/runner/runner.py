@@ -25,7 +25,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.batch import Batch, kv_page_shapes, make_kv_cache_for
-from jaxserve.models.decoder import check_row_tile
+from jaxserve.models.decoder import WholePromptAttention, check_row_tile
 from jaxserve.models.kv_scales import kv_dtype_label
 from jaxserve.models.lora import lora_shapes
 from jaxserve.runner import warmup
@@ -47,6 +47,7 @@ from jaxserve.runner.model_weights import kv_cache_scales, model_weights, start_
 from jaxserve.runner.parallel import step_broadcast
 from jaxserve.runner.parallel.mesh import replica_devices, replica_mesh
 from jaxserve.runner.parallel.sharding import TensorParallel, prepare_tp
+from jaxserve.runner.pooling_attention import whole_prompt_attention
 from jaxserve.runner.programs import Forward, invariant_row_tile
 from jaxserve.runner.sleep import WAKE_TAGS, SleepState, abstract, device_bytes, free, placements
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
@@ -166,6 +167,7 @@ class ModelRunner:
             enable_lora=config.enable_lora,
         )
         self.lora_slots = self._make_lora_slots()
+        self.whole_prompts = self._whole_prompts()
         self.programs = StepPrograms(
             model_config,
             self.buckets,
@@ -178,7 +180,19 @@ class ModelRunner:
             batch_invariant=config.batch_invariant,
             pooling=self.is_pooling,
             lora=self.lora_slots,
+            whole_prompts=self.whole_prompts,
         )
+
+    def _whole_prompts(self) -> WholePromptAttention | None:
+        """A pooling runner's attention over whole prompts without the cache, or None: the
+        paged path (``pooling_attention.py``, which says why in the start-up log)."""
+        if not self.is_pooling:
+            return None
+        attention, why = whole_prompt_attention(
+            self.model_config, self.config, self.max_model_len, self.dtype, self.tp
+        )
+        _LOG.info("Pooling attention: %s", why)
+        return attention
 
     def keep_target_states(self, aux_layers: tuple[int, ...] | None) -> None:
         """Keep each step's states for a drafter (``last_states``): the states entering

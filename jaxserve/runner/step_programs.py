@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.batch import Batch
+from jaxserve.models.decoder import WholePromptAttention
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.input_builder import InputBuilder
 from jaxserve.runner.lora_slots import LoraSlots
@@ -142,6 +143,7 @@ class StepPrograms:
         batch_invariant: bool = False,  # each row's result independent of its step
         pooling: bool = False,  # a pooling runner's programs: model step and pooling only
         lora: LoraSlots | None = None,  # the adapter slots (--enable-lora), read at each step
+        whole_prompts: WholePromptAttention | None = None,  # a pooling step's, without cache
     ) -> None:
         self.model_config = model_config
         self.kinds = POOLING_PROGRAMS if pooling else PROGRAMS
@@ -156,7 +158,12 @@ class StepPrograms:
         lora_shardings = lora.shardings if self.lora_positional and lora is not None else None
         self._step_args = (model_config, kv_scales, tp, batch_invariant, lora_shardings)
         self.step_fn = jitted_model_step(
-            model_config, kv_scales, tp, batch_invariant, lora_shardings=lora_shardings
+            model_config,
+            kv_scales,
+            tp,
+            batch_invariant,
+            lora_shardings=lora_shardings,
+            whole_prompts=whole_prompts,
         )
         self.logits_fn, self.sample_fn, self.prompt_lp_fn = jitted_head_programs(
             model_config, buckets.max_seq_bucket, tp, batch_invariant
