@@ -143,6 +143,7 @@ def main() -> None:
         llm.shutdown()
         del llm
         gc.collect()
+        Path(args.out).write_text(json.dumps(result, indent=1))  # each run's, as it ends
     base = result["throughput"].get(0)
     if base:
         for count, value in result["throughput"].items():

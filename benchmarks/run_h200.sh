@@ -774,7 +774,8 @@ stage_checkpoints() {  # start-up load and update from disk: safetensors against
 }
 
 stage_lora() {  # offline throughput with 0, 1, 8 and 64 rank-16 adapters; batch-1 TPOT with one
-  python3 -m benchmarks.lora --out "$OUT/lora.json" 2>&1 | tail -8
+  python3 -m benchmarks.lora --out "$OUT/lora.json" > "$OUT/lora.log" 2>&1
+  grep -E "adapters|TPOT" "$OUT/lora.log" || tail -8 "$OUT/lora.log"
 }
 
 stage_occupied() {  # the second start must end in seconds with the fix, not retry allocations
