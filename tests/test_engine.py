@@ -370,3 +370,38 @@ def test_shutdown_gives_the_device_memory_back_and_refuses_more_requests() -> No
     with pytest.raises(RuntimeError, match=r"shut down .* make a new LLM"):
         llm.generate(PROMPTS[0], SamplingParams(max_tokens=2))
     llm.shutdown()  # twice: nothing more to do
+
+
+def test_a_batch_of_requests_is_made_with_the_collector_paused_and_it_runs_again_after(
+    monkeypatch,
+) -> None:
+    """``LLM.generate`` makes its requests, and the engine queues them, with the cyclic
+    collector off (each collection walked every request made so far); it is on again after,
+    also when making a request fails, and stays off where it was off."""
+    import gc
+
+    from jaxserve.engine.core import gc_paused
+    from jaxserve.engine.request_checks import RequestError
+
+    seen = []
+    llm = make_llm()
+    real_add = llm.engine.add_request
+
+    def add_request(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real_add(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine, "add_request", add_request)
+    llm.generate(PROMPTS, SamplingParams(max_tokens=2))
+    assert seen == [False] * len(PROMPTS) and gc.isenabled()
+    with pytest.raises((RequestError, ValueError)):
+        llm.generate([[]], SamplingParams(max_tokens=2))  # an empty prompt is refused
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    llm.shutdown()

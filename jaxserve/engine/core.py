@@ -10,6 +10,7 @@ output processor turns the sampled tokens into text, logprobs, stop decisions an
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -17,7 +18,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from jaxserve.config import ModelConfig, read_config_json
@@ -233,6 +234,21 @@ def freeze_startup_heap() -> bool:
     gc.collect()
     gc.freeze()
     return True
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while a batch of requests is made or queued: each of
+    its collections walked every request made so far, so on the CPU queuing 10,000 embeddings
+    took 0.45 s with it and 0.15 s without, and moving them to the scheduler 0.25 s against
+    0.03. Reference counting still frees what is dropped; the collector runs again after."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class EngineCore:
@@ -706,14 +722,15 @@ class EngineCore:
         with self._lock:
             new, self._inbox = list(self._inbox.values()), {}
             aborts, self._aborts = list(self._aborts), collections.deque()
-        for request in new:
-            self.requests[request.request_id] = request
-            self._num_sync_requests += request.params.has_penalties
-            self.output_processor.add_request(request)
-            if request.grammar is not None:
-                self.structured_outputs.add_request(request, request.grammar)
-            for seq in request.seqs:
-                self.scheduler.add(seq)
+        with gc_paused():
+            for request in new:
+                self.requests[request.request_id] = request
+                self._num_sync_requests += request.params.has_penalties
+                self.output_processor.add_request(request)
+                if request.grammar is not None:
+                    self.structured_outputs.add_request(request, request.grammar)
+                for seq in request.seqs:
+                    self.scheduler.add(seq)
         outputs = []
         for request_id in aborts:
             aborted = self.requests.get(request_id)

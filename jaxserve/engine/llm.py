@@ -20,7 +20,7 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from jaxserve.engine.core import EngineCore
+from jaxserve.engine.core import EngineCore, gc_paused
 from jaxserve.engine.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -250,19 +250,20 @@ class LLM:
         for lora in {lr.lora_int_id: lr for lr in loras if lr is not None}.values():
             self.engine.ensure_lora(lora)  # a bad adapter raises before any request is queued
         request_ids = []
-        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-            text, token_ids = self._to_token_ids(prompt)
-            request_id = str(next(self._ids))
-            self.engine.add_request(
-                request_id,
-                token_ids,
-                params,
-                prompt=text,
-                priority=priority[i] if priority is not None else 0,
-                lora_request=loras[i],
-                final_only=True,  # _run keeps only the whole output: no delta per step
-            )
-            request_ids.append(request_id)
+        with gc_paused():  # a batch of requests made at once (``gc_paused``)
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                text, token_ids = self._to_token_ids(prompt)
+                request_id = str(next(self._ids))
+                self.engine.add_request(
+                    request_id,
+                    token_ids,
+                    params,
+                    prompt=text,
+                    priority=priority[i] if priority is not None else 0,
+                    lora_request=loras[i],
+                    final_only=True,  # _run keeps only the whole output: no delta per step
+                )
+                request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
 
     def add_lora(self, lora_request: LoRARequest) -> None:
@@ -314,11 +315,12 @@ class LLM:
                     f"got {len(params_list)} pooling_params for {len(prompts)} prompts"
                 )
         request_ids = []
-        for prompt, params in zip(prompts, params_list, strict=True):
-            text, token_ids = self._to_token_ids(prompt)
-            request_id = str(next(self._ids))
-            self.engine.add_pooling_request(request_id, token_ids, params, prompt=text)
-            request_ids.append(request_id)
+        with gc_paused():  # a batch of requests made at once (``gc_paused``)
+            for prompt, params in zip(prompts, params_list, strict=True):
+                text, token_ids = self._to_token_ids(prompt)
+                request_id = str(next(self._ids))
+                self.engine.add_pooling_request(request_id, token_ids, params, prompt=text)
+                request_ids.append(request_id)
         return [
             EmbeddingRequestOutput(
                 out.request_id,
