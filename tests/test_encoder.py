@@ -369,23 +369,13 @@ def test_cudnn_packed_attention_equals_the_reference(num_tokens, num_seqs, max_l
     """cuDNN over packed sequences: every sequence's rows equal the dense reference's (lengths
     from 1 to ``max_len``, padding sequences of length 0 after them, padding tokens after the
     last), padding rows are zeros; one sequence alone takes the plain padding mask."""
-    from jaxserve.models.encoder.forward import segment_attention, segment_ids
+    from jaxserve.models.encoder.forward import segment_attention
     from jaxserve.runner.segment_attention import packed_segment_attention
+    from tests.test_pooling_attention import ragged
 
     seed = int(np.random.default_rng().integers(2**31))
-    rng = np.random.default_rng(seed)
-    lengths: list[int] = []
-    while len(lengths) < num_seqs - (num_seqs > 1):  # a padding sequence when there are two+
-        n = int(rng.integers(1, max_len + 1))
-        if sum(lengths) + n > num_tokens - 8:
-            break
-        lengths.append(n)
-    cu = np.concatenate([[0], np.cumsum(lengths)])
-    cu = np.concatenate([cu, [cu[-1]] * (num_seqs + 1 - len(cu))]).astype(np.int32)
-    cu_seq_lens = jnp.asarray(cu)
-    segments = segment_ids(cu_seq_lens, num_tokens)
+    cu_seq_lens, segments, real = ragged(seed, num_tokens, max_len, num_seqs)
     q, k, v = _attention_inputs(seed, num_tokens, jnp.bfloat16, head_dim=64)
-    real = sum(lengths)
     want = segment_attention(q[:real], k[:real], v[:real], segments[:real], 0.125)
     got = jax.jit(packed_segment_attention, static_argnums=4)(
         q, k, v, segments, 0.125, cu_seq_lens=cu_seq_lens

@@ -46,11 +46,11 @@ def causal_reference(q, k, v, segments, sm_scale):
 
 
 def ragged(seed: int, num_tokens: int, max_len: int, num_seqs: int):
-    """Random lengths from 1 to ``max_len`` (padding tokens after them; padding sequences of
-    length 0 up to ``num_seqs``): (cu_seq_lens, segments, tokens in sequences)."""
+    """Random lengths from 1 to ``max_len`` (padding tokens after them, and a padding sequence
+    of length 0 when there are two or more): (cu_seq_lens, segments, tokens in sequences)."""
     rng = np.random.default_rng(seed)
     lengths: list[int] = []
-    while len(lengths) < num_seqs - 1:
+    while len(lengths) < num_seqs - (num_seqs > 1):
         n = int(rng.integers(1, max_len + 1))
         if sum(lengths) + n > num_tokens - 8:
             break
