@@ -812,6 +812,8 @@ stage_kv_events() {  # the serving sweep without and with KV-event publishing, o
     "replay_endpoint": "tcp://*:5558", "topic": "kv-events"}'
   local mode sub
   for mode in off on; do
+    # each step's host spans: publishing is host work, and a sweep cannot resolve 1%
+    export JAXSERVE_STEP_LOG="$OUT/kv_events_${mode}_steps.jsonl"
     if [ $mode = on ]; then
       start_server "$OUT/kv_events_${mode}_launch.log" $MODEL --load-format dummy $SHAPES \
         --kv-events-config "$config"
@@ -831,6 +833,12 @@ stage_kv_events() {  # the serving sweep without and with KV-event publishing, o
       --result-dir "$OUT/kv_events_$mode" --disable-tqdm > "$OUT/kv_events_$mode.log" 2>&1
     [ $mode = on ] && kill -TERM $sub && wait $sub
     stop_server
+    unset JAXSERVE_STEP_LOG
+  done
+  for mode in off on; do  # the server's steps, warm-up's left out: host ms per step by kind
+    echo "   step log, events $mode:"
+    python3 -m benchmarks.step_log_summary "$OUT/kv_events_${mode}_steps.jsonl" --skip 50 \
+      2>&1 | tail -5 | sed 's/^/   /'
   done
   echo "   output token throughput (tok/s) by request rate, events off | on:"
   paste <(grep -E "Request rate configured|Output token throughput" "$OUT/kv_events_off.log") \
