@@ -150,7 +150,8 @@
 #                $EMBED_TOKENS the step budget, 16384 unless set; the decoder over whole
 #                prompts and the encoder on packed sequences unless $EMBED_POOLING_ATTENTION /
 #                $EMBED_ENCODER_ATTENTION say otherwise; each model's step log and 4 traced
-#                steps) -> $OUT/embeddings.{log,json}
+#                steps; then the decoder over the paged KV cache, the same call's baseline;
+#                about 6 minutes) -> $OUT/embeddings.{log,json}, embeddings_paged.{log,json}
 #   kv_events    the cost of publishing KV-cache events: the launch stage's serving sweep (dummy
 #                Llama-3-8B, every bucket compiled first) without and with --kv-events-config
 #                (zmq, replay socket on), a subscriber draining the stream
@@ -742,9 +743,18 @@ stage_embeddings() {  # issue 40's table: texts/s and the share of the compute r
   JAXSERVE_ENCODER_ATTENTION=${EMBED_ENCODER_ATTENTION:-packed} \
     JAXSERVE_POOLING_ATTENTION=${EMBED_POOLING_ATTENTION:-whole} \
     python3 -m benchmarks.embeddings --out "$OUT/embeddings.json" \
-    --max-num-batched-tokens "${EMBED_TOKENS:-16384}" --profile-dir "$OUT/embeddings_profile" \
+    --max-num-batched-tokens "${EMBED_TOKENS:-16384}" --profile-dir /tmp/embeddings_profile \
     --step-log-dir "$OUT" > "$OUT/embeddings.log" 2>&1
   grep -E '^(qwen3|bge):' "$OUT/embeddings.log" || tail -20 "$OUT/embeddings.log"
+  # the same call's baseline for the decoder: its prompts over the paged KV cache
+  JAXSERVE_POOLING_ATTENTION=paged python3 -m benchmarks.embeddings --models qwen3 \
+    --out "$OUT/embeddings_paged.json" --max-num-batched-tokens "${EMBED_TOKENS:-16384}" \
+    > "$OUT/embeddings_paged.log" 2>&1
+  if grep -q '^qwen3:' "$OUT/embeddings_paged.log"; then
+    grep '^qwen3:' "$OUT/embeddings_paged.log" | sed 's/^qwen3:/qwen3 (paged KV cache):/'
+  else
+    tail -5 "$OUT/embeddings_paged.log"
+  fi
   local model
   for model in qwen3 bge; do  # the host's spans per step against its wait for the device
     [ -f "$OUT/${model}_steps.jsonl" ] || continue
@@ -752,12 +762,14 @@ stage_embeddings() {  # issue 40's table: texts/s and the share of the compute r
     python3 -m benchmarks.step_log_summary "$OUT/${model}_steps.jsonl" --skip 2 2>&1 | tail -6
   done
   for model in qwen3 bge; do  # 4 traced steps each: kernels by device time, and the idle gaps
-    [ -d "$OUT/embeddings_profile/$model" ] || continue
-    python3 -m benchmarks.trace_summary "$OUT/embeddings_profile/$model" --steps 4 --top 12 \
+    [ -d "/tmp/embeddings_profile/$model" ] || continue
+    python3 -m benchmarks.trace_summary "/tmp/embeddings_profile/$model" --steps 4 --top 12 \
       > "$OUT/embeddings_${model}_kernels.txt" 2>&1
     echo "-- $model"; head -18 "$OUT/embeddings_${model}_kernels.txt"
   done
-  rm -rf "$OUT/embeddings_profile"  # the summaries stay; the traces would not come back
+  # NOTE: the traces stay out of $OUT: an archive holding them was too large to come back,
+  # and lost the other stages' files with it (2026-12-05, the first H100 call)
+  rm -rf /tmp/embeddings_profile
 }
 
 stage_weights() {  # a training loop's hooks: update_weights, sleep and wake, memory asleep
