@@ -172,8 +172,9 @@ set -uo pipefail
 ARCHIVE_DIR=${OUT:-/tmp/out}
 OUT=/tmp/bench_out
 rm -rf "$OUT" && mkdir -p "$OUT" "$ARCHIVE_DIR"
-archive() {
-  tar czf "$ARCHIVE_DIR/.results.tgz" -C "$OUT" . 2>/dev/null &&
+archive() {  # everything under $OUT but profiler traces (too large to come back; summarized)
+  tar czf "$ARCHIVE_DIR/.results.tgz" --exclude='*.xplane.pb' --exclude='*.trace.json.gz' \
+    --exclude='perfetto_trace.json.gz' -C "$OUT" . 2>/dev/null &&
     mv "$ARCHIVE_DIR/.results.tgz" "$ARCHIVE_DIR/results.tgz"
 }
 (while sleep 45; do archive; done) &
