@@ -121,6 +121,8 @@ def test_auto_keeps_the_paged_cache_and_whole_says_why_it_cannot_apply(monkeypat
         make_llm("qwen3_last", monkeypatch, "whole", enable_prefix_caching=True)
     with pytest.raises(ValueError, match=r"max_num_batched_tokens=128 is less than max_model_len"):
         make_llm("qwen3_last", monkeypatch, "whole", max_num_batched_tokens=128)
+    with pytest.raises(ValueError, match="=whole: batch-invariant mode"):
+        make_llm("qwen3_last", monkeypatch, "whole", batch_invariant=True)
 
 
 def test_a_generating_runner_never_takes_whole_prompts(monkeypatch) -> None:

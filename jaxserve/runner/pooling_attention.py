@@ -65,6 +65,8 @@ def why_not_whole(
         return "only a pooling runner (--runner pooling) runs prompts without their cache"
     if tp is not None:
         return "it runs on one device (no tensor or data parallelism)"
+    if config.batch_invariant:
+        return "batch-invariant mode pins the paged kernel's reduction, which it reads"
     if config.enable_prefix_caching:
         return "prefix caching is on, and its blocks would hold no keys: start without it"
     if config.max_num_batched_tokens < max_model_len:
