@@ -602,14 +602,14 @@ class EngineCore:
         self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
-        # NOTE: the inbox is a dict so that this check is a lookup: a scan of the queue made
-        # an offline batch of 10,000 requests quadratic before its first step.
-        request_id = request.request_id
         if self.is_shut_down:
             raise RuntimeError(
                 "the engine was shut down (LLM.shutdown) and its device memory given back: "
                 "make a new LLM to run more requests"
             )
+        request_id = request.request_id
+        # NOTE: the inbox is a dict so that this check is a lookup: a scan of the queue made
+        # an offline batch of 10,000 requests quadratic before its first step.
         with self._lock:
             if request_id in self.requests or request_id in self._inbox:
                 raise RequestError(f"request id {request_id!r} is in use", param="request_id")

@@ -56,10 +56,11 @@ from jaxserve.models.encoder.weights import (
 from jaxserve.runner import warmup
 from jaxserve.runner.buckets import Buckets, next_power_of_2
 from jaxserve.runner.capacity import Capacity, GiB
-from jaxserve.runner.devices import compute_capability, quiet_backend_probe, resolve_dtype
+from jaxserve.runner.devices import quiet_backend_probe, resolve_dtype
 from jaxserve.runner.in_flight import InFlight
 from jaxserve.runner.segment_attention import (
     packed_segment_attention,
+    segment_attention_form,
     windowed_segment_attention,
 )
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
@@ -85,14 +86,8 @@ def encoder_attention(dtype: Any) -> tuple[str, str]:
     choice = env_choice(ENCODER_ATTENTION_ENV, ("auto", *ATTENTION_NAMES), "auto")
     if choice != "auto":
         return choice, f"{ENCODER_ATTENTION_ENV}={choice}"
-    if jax.default_backend() != "gpu":
-        return "xla", f"cuDNN is a GPU library; this is the {jax.default_backend()} backend"
-    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
-        return "xla", f"cuDNN's fused attention takes bf16 or fp16, not {jnp.dtype(dtype).name}"
-    capability = compute_capability(jax.devices()[0])
-    if capability is None or capability < 9.0:
-        return "cudnn", f"cuDNN packs sequences on Hopper and later; this GPU is sm {capability}"
-    return "packed", f"{ENCODER_ATTENTION_ENV}=auto"
+    form, not_packed = segment_attention_form(dtype)
+    return form, not_packed or f"{ENCODER_ATTENTION_ENV}=auto"
 
 
 def encoder_step_outputs(

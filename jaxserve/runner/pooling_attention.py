@@ -22,15 +22,17 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.decoder import WholePromptAttention
 from jaxserve.models.encoder.forward import segment_ids
 from jaxserve.runner.buckets import next_power_of_2
-from jaxserve.runner.devices import compute_capability
-from jaxserve.runner.segment_attention import packed_segment_attention, windowed_segment_attention
+from jaxserve.runner.segment_attention import (
+    packed_segment_attention,
+    segment_attention_form,
+    windowed_segment_attention,
+)
 from pallas_kernels.env_choice import env_choice
 
 POOLING_ATTENTION_ENV = "JAXSERVE_POOLING_ATTENTION"
@@ -101,10 +103,7 @@ def whole_prompt_attention(
         return None, f"the paged KV cache ({why})"
     if problem is not None:
         raise ValueError(f"{POOLING_ATTENTION_ENV}=whole: {problem}")
-    implementation = "xla"
-    if jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
-        capability = compute_capability(jax.devices()[0])
-        implementation = "packed" if capability is not None and capability >= 9.0 else "cudnn"
+    implementation, _ = segment_attention_form(dtype)
     attend = functools.partial(
         causal_prompt_attention,
         implementation=implementation,

@@ -27,6 +27,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxserve.runner.devices import compute_capability
+
+
+def segment_attention_form(dtype: Any) -> tuple[str, str | None]:
+    """The fastest form that runs in this process for activations of ``dtype``: ``packed``
+    (cuDNN's packed sequences: Hopper and later, bf16 or fp16), ``cudnn`` (cuDNN over windows:
+    older GPUs) or ``xla`` (the jnp windows); and why it is not ``packed`` (None when it is)."""
+    if jax.default_backend() != "gpu":
+        return "xla", f"cuDNN is a GPU library; this is the {jax.default_backend()} backend"
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return "xla", f"cuDNN's fused attention takes bf16 or fp16, not {jnp.dtype(dtype).name}"
+    capability = compute_capability(jax.devices()[0])
+    if capability is None or capability < 9.0:
+        return "cudnn", f"cuDNN packs sequences on Hopper and later; this GPU is sm {capability}"
+    return "packed", None
+
 
 def packed_segment_attention(
     q: jax.Array,  # [T, N, D]
