@@ -378,7 +378,7 @@ stage_roofline() {
 
 stage_spec() {  # speculative decoding: verify cost k = 0..7 at batch 1/8/64, n-gram end to end
   python3 -m benchmarks.spec_decode --iters 20 --output-json "$OUT/spec_decode.json" \
-    > "$OUT/spec_decode.log" 2>&1
+    ${SPEC_PARTS:+--parts "$SPEC_PARTS"} > "$OUT/spec_decode.log" 2>&1
   grep -v -i warn "$OUT/spec_decode.log" | tail -40
 }
 
@@ -774,12 +774,15 @@ stage_embeddings() {  # issue 40's table: texts/s and the share of the compute r
 }
 
 stage_weights() {  # a training loop's hooks: update_weights, sleep and wake, memory asleep
-  python3 -m benchmarks.weight_updates --out "$OUT/weight_updates_bfc.json" \
-    > "$OUT/weight_updates_bfc.log" 2>&1
-  grep -v -i warn "$OUT/weight_updates_bfc.log" | tail -12
-  XLA_PYTHON_CLIENT_ALLOCATOR=platform python3 -m benchmarks.weight_updates \
-    --out "$OUT/weight_updates_platform.json" > "$OUT/weight_updates_platform.log" 2>&1
-  grep -v -i warn "$OUT/weight_updates_platform.log" | tail -12
+  # the pool is most of the device (the copies sit beside the engine's share, as a trainer's);
+  # each run is cut at 150 s: an allocation that cannot be met retries for minutes
+  local allocator
+  for allocator in bfc platform; do
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 XLA_PYTHON_CLIENT_ALLOCATOR=$allocator timeout 150 \
+      python3 -m benchmarks.weight_updates --out "$OUT/weight_updates_$allocator.json" \
+      > "$OUT/weight_updates_$allocator.log" 2>&1
+    grep -E "_s |^level|same tokens|^allocator|Error" "$OUT/weight_updates_$allocator.log" | tail -12
+  done
 }
 
 stage_checkpoints() {  # start-up load and update from disk: safetensors against converted orbax

@@ -14,6 +14,10 @@ end-to-end batch-1 speed-up with n-gram drafting (docs/speculative_decoding.md).
    tokenizer) and ``eagle3`` with the fixture head (``tests/fixtures/spec/eagle3``, or
    --eagle3-head; a head trained for the target): output tokens/s, the speed-up, the
    acceptance length, and that the tokens are the same.
+4. EAGLE-3 drafting at the published Llama-3.1-8B head shape on the Llama-3-8B target.
+5. Under load: offline throughput at batch 256 (Llama-3-8B shape, random prompts) with n-gram
+   speculation on and off, each measured twice on its own engine: speculation must not
+   make a full batch slower (above ``disable_by_batch_size`` a step drafts nothing).
 
     python -m benchmarks.spec_decode                  # Llama-3-8B shape, dummy bf16 weights
     python -m benchmarks.spec_decode --smoke          # tiny CPU run
@@ -202,6 +206,7 @@ def end_to_end(args: argparse.Namespace) -> dict:
         llm = jaxserve.LLM(
             args.e2e_model,
             max_model_len=args.e2e_max_model_len,
+            max_num_batched_tokens=args.e2e_max_model_len,  # fewer buckets to compile
             max_num_seqs=8,
             speculative_config=spec,
             **({"dtype": "float32", "warmup": False} if args.smoke else {}),
@@ -312,6 +317,45 @@ def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def under_load(args: argparse.Namespace) -> dict:
+    """Output tokens/s of ``--load-batch`` requests at once, n-gram speculation off and on."""
+    import jaxserve
+
+    rng = np.random.default_rng(0)
+    vocab = load_model_config(args.model).vocab_size
+    prompts = [
+        {"prompt_token_ids": rng.integers(vocab // 100, vocab, args.load_input_len).tolist()}
+        for _ in range(args.load_batch)
+    ]
+    params = jaxserve.SamplingParams(
+        temperature=0, max_tokens=args.load_output_len, ignore_eos=True
+    )
+    ngram = {"method": "ngram", "num_speculative_tokens": args.e2e_k, "prompt_lookup_max": 4}
+    runs: dict[str, list[float]] = {"off": [], "ngram": []}
+    for name, spec in (("off", None), ("ngram", ngram)):
+        llm = jaxserve.LLM(
+            args.model,
+            load_format="dummy",
+            max_model_len=args.load_input_len + args.load_output_len,
+            max_num_seqs=args.load_batch,
+            max_num_batched_tokens=2048,
+            speculative_config=spec,
+        )
+        llm.generate(prompts[:8], params, use_tqdm=False)  # compiles what warm-up did not
+        for _ in range(2):
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            runs[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / seconds)
+            print(f"load {name} batch={args.load_batch}: {runs[name][-1]:.0f} tok/s", flush=True)
+        llm.shutdown()
+    return {
+        "batch": args.load_batch,
+        "tokens_per_s": runs,
+        "ratio_best": max(runs["ngram"]) / max(runs["off"]),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(builtin_config_dir("llama-3-8b")))
@@ -336,6 +380,14 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=12, help="of the prompt's sentence")
     parser.add_argument("--ngram-batches", default="1,8,64,256")
+    parser.add_argument("--load-batch", type=int, default=256)
+    parser.add_argument("--load-input-len", type=int, default=512)
+    parser.add_argument("--load-output-len", type=int, default=128)
+    parser.add_argument(
+        "--parts",
+        default="verify,ngram_host,end_to_end,eagle3_8b,under_load",
+        help="which parts to run, comma-separated (the docstring's 1-5)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny model and grid, on the CPU")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
@@ -344,13 +396,28 @@ def main() -> None:
         args.batches, args.context, args.max_k, args.iters = "1,4", 32, 3, 3
         args.e2e_tokens, args.ngram_batches = 32, "1,8"  # the demo model end to end
         args.e2e_max_model_len, args.repeats = 256, 3
+        args.parts = ",".join(
+            p for p in args.parts.split(",") if p not in ("eagle3_8b", "under_load")
+        )
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
-    report = {
-        "verify": verify_costs(args),
-        "ngram_host": ngram_host_times([int(b) for b in args.ngram_batches.split(",")], 2048, 4),
-        "end_to_end": end_to_end(args),
-        "eagle3_8b": [] if args.smoke else eagle3_drafting(args),
+    parts = {
+        "verify": lambda: verify_costs(args),
+        "ngram_host": lambda: ngram_host_times(
+            [int(b) for b in args.ngram_batches.split(",")], 2048, 4
+        ),
+        "end_to_end": lambda: end_to_end(args),
+        "eagle3_8b": lambda: eagle3_drafting(args),
+        "under_load": lambda: under_load(args),
     }
+    chosen = args.parts.split(",")
+    unknown = set(chosen) - set(parts)
+    if unknown:
+        parser.error(f"--parts: unknown {sorted(unknown)}; choose from {sorted(parts)}")
+    report: dict = {"verify": [], "ngram_host": [], "end_to_end": {}, "eagle3_8b": []}
+    for name in chosen:
+        report[name] = parts[name]()
+        if args.output_json:  # what ran so far, should a later part be cut off
+            Path(args.output_json).write_text(json.dumps(report, indent=2))
     print(f"\n{'batch':>5} {'k':>2} {'device ms':>9} {'x k=0':>6} {'sync ms':>8} {'x k=0':>6}")
     for r in report["verify"]:
         print(
@@ -365,7 +432,8 @@ def main() -> None:
             )
             print(f"   k={r['k']}: {gains}")
     e2e = report["end_to_end"]
-    print(f"\nend to end, batch 1: off {e2e['off']['tokens_per_s']:.1f} tok/s")
+    if e2e:
+        print(f"\nend to end, batch 1: off {e2e['off']['tokens_per_s']:.1f} tok/s")
     for name, r in e2e.items():
         if name != "off":
             print(
@@ -378,8 +446,14 @@ def main() -> None:
             f"   batch {r['batch']}: propose {r['propose_ms']:.3f} ms (k={r['k']}), "
             f"{r['ms_per_step']:.2f} ms a step"
         )
-    if args.output_json:
-        Path(args.output_json).write_text(json.dumps(report, indent=2))
+    if "under_load" in report:
+        load = report["under_load"]
+        runs = load["tokens_per_s"]
+        print(
+            f"\nbatch {load['batch']}: off {' / '.join(f'{t:.0f}' for t in runs['off'])} tok/s, "
+            f"ngram {' / '.join(f'{t:.0f}' for t in runs['ngram'])} tok/s "
+            f"(best on / best off {load['ratio_best']:.3f})"
+        )
 
 
 if __name__ == "__main__":

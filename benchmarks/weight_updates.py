@@ -59,10 +59,15 @@ def memory() -> dict[str, float]:
     return {"in_use_gib": stats.get("bytes_in_use", 0) / GiB, "driver_gib": held}
 
 
-def timed(action: Callable[[], Any]) -> float:
+def timed(action: Callable[[], Any], label: str = "") -> float:
     start = time.perf_counter()
     jax.block_until_ready(action())
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if label:  # as it goes: a run cut off still tells how far it got
+        print(
+            f"{label:<24} {seconds:8.3f} s   ({memory()['in_use_gib']:.1f} GiB in use)", flush=True
+        )
+    return seconds
 
 
 def tokens(llm: LLM) -> list[int]:
@@ -80,20 +85,26 @@ def update_rows(llm: LLM) -> dict[str, float]:
     rows = {}
     copies = jax.tree.map(jnp.copy, served)  # other arrays, the served dtype and sharding
     jax.block_until_ready(copies)
-    rows["update_device_s"] = timed(functools.partial(llm.update_weights, copies))
+    rows["update_device_s"] = timed(
+        functools.partial(llm.update_weights, copies), "update_device_s"
+    )
     llm.update_weights(served)
     del copies
     host = jax.device_get(served)
-    rows["update_host_s"] = timed(functools.partial(llm.update_weights, host))
+    rows["update_host_s"] = timed(functools.partial(llm.update_weights, host), "update_host_s")
     llm.update_weights(served)
     del host
     hf = hf_named_on_device(llm)  # as a trainer's state_dict names them, on the device
-    rows["update_hf_device_s"] = timed(functools.partial(llm.update_weights, hf))
+    rows["update_hf_device_s"] = timed(
+        functools.partial(llm.update_weights, hf), "update_hf_device_s"
+    )
     llm.update_weights(served)
     nnx_state = nnx_from_hf(hf)  # as flax.nnx lays them out (kernels [in, out])
     del hf
     jax.block_until_ready(nnx_state)
-    rows["update_nnx_device_s"] = timed(functools.partial(llm.update_weights, nnx_state))
+    rows["update_nnx_device_s"] = timed(
+        functools.partial(llm.update_weights, nnx_state), "update_nnx_device_s"
+    )
     return rows
 
 
@@ -125,7 +136,7 @@ def main() -> None:
     parser.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.4,
+        default=0.3,
         help="the engine's share of the device (weights and KV cache); the rest holds the copies",
     )
     args = parser.parse_args()

@@ -339,7 +339,13 @@ class EngineCore:
         count = self.runner.warmup()
         drafter_warmup = getattr(self.proposer, "warmup", None)
         if drafter_warmup is not None:
-            drafter_warmup()
+            start = time.perf_counter()
+            programs = drafter_warmup()
+            _LOG.info(
+                "Compiled the drafter's %d programs in %.1f s",
+                programs,
+                time.perf_counter() - start,
+            )
         return count
 
     def _propose(self) -> dict[str, list[int]] | None:
