@@ -354,16 +354,24 @@ def test_shutdown_gives_the_device_memory_back_and_refuses_more_requests() -> No
     start in the same process (a benchmark of two configurations on one GPU ran out of
     memory while the first engine's 70 GiB cache was still held); arrays a trainer handed to
     ``update_weights`` stay its own; a request after it is a clear error."""
+    import gc
+    import weakref
+
     import jax
 
     llm = make_llm()
     runner = llm.engine.runner
     cache = jax.tree.leaves(runner.kv_cache)
+    loaded = [weakref.ref(a) for a in jax.tree.leaves(llm.weights)]  # the engine's own
     trainer = jax.tree.map(lambda a: a + 0, llm.weights)
     llm.update_weights(trainer)
     assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
     llm.shutdown()
     assert cache and all(a.is_deleted() for a in cache)
+    gc.collect()
+    # nothing holds the weights the engine loaded (its loader held them: a second engine in
+    # the process ran out of memory beside a shut-down engine's 15 GiB)
+    assert loaded and all(ref() is None for ref in loaded)
     assert runner.kv_cache is None
     assert not any(isinstance(a, jax.Array) for a in jax.tree.leaves(runner.weights))
     assert not any(a.is_deleted() for a in jax.tree.leaves(trainer))

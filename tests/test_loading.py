@@ -330,7 +330,25 @@ def test_forget_drops_every_reference_to_the_weights_loaded_on_a_thread() -> Non
     loading.forget()  # once is enough; again changes nothing
     gc.collect()
     assert alive() is None and seconds == 1.5
-    with pytest.raises(RuntimeError, match="forgotten"):
+    with pytest.raises(RuntimeError, match="let go"):
+        loading.wait()
+
+
+def test_cancel_lets_go_of_weights_a_finished_load_made() -> None:
+    """A runner shut down cancels its load: a load that had ended held its weights, so a
+    shut-down engine's weights stayed on the device beside the next engine's."""
+
+    class Weights:
+        pass
+
+    loading = WeightsLoading(lambda stop: (Weights(), 1.5), shapes=object(), stop=threading.Event())
+    weights, _ = loading.wait()
+    alive = weakref.ref(weights)
+    del weights
+    loading.cancel()
+    gc.collect()
+    assert alive() is None
+    with pytest.raises(RuntimeError, match="let go"):
         loading.wait()
 
 

@@ -207,7 +207,7 @@ class WeightsLoading:
         self._stop = stop
         self._pool = None
         self._future: concurrent.futures.Future[tuple[Weights, float]] | None = None
-        self._done: tuple[Weights | None, float]
+        self._done: tuple[Weights | None, float] = (None, 0.0)
         if shapes is None:
             self._done = load(self._stop)
             return
@@ -215,12 +215,18 @@ class WeightsLoading:
         self._future = self._pool.submit(load, self._stop)
 
     def cancel(self) -> None:
-        """Stop the load at its next tensor. Returns at once: the interpreter's exit waits for
-        the tensor being made (a Ctrl-C meanwhile ends the process, ``cli.main``)."""
+        """Stop the load at its next tensor, and let go of what it made: the weights are not
+        wanted (a start that failed, or a runner shut down, whose device memory a second
+        engine in the process needs). Returns at once: the interpreter's exit waits for the
+        tensor being made (a Ctrl-C meanwhile ends the process, ``cli.main``)."""
         self._stop.set()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+        # NOTE: a load that ended holds its weights here (a shut-down engine's 15 GiB of
+        # weights stayed on the device, and the next engine in the process ran out of memory).
+        self._future = None
+        self._done = (None, self._done[1])
 
     def raise_if_failed(self) -> None:
         """The load's error as soon as it has one (a missing tensor ends the start before every
@@ -253,7 +259,7 @@ class WeightsLoading:
             self._pool, self._future = None, None  # the future held the weights too
         weights, seconds = self._done
         if weights is None:
-            raise RuntimeError("the weights were handed over and forgotten (forget)")
+            raise RuntimeError("the weights were let go (forget or cancel)")
         return weights, seconds
 
 
