@@ -160,7 +160,10 @@
 #                about 10 minutes: kv_events:900 ($KV_EVENTS_RATES picks the rates, 16,inf)
 #   lora         Llama-3-8B shape, dummy weights: offline throughput 256 x 512/256 with 0, 1, 8
 #                and 64 distinct rank-16 adapters, and batch-1 TPOT with one (benchmarks/lora.py)
-# Uses the machine's own jax; carry .whl (starlette, uvicorn wheels; .whl/rel for reliability).
+# Uses the machine's own jax; carry .whl, the wheels the machine lacks (pip download --no-deps
+# --only-binary=:all: -d .whl starlette uvicorn h11 "llguidance>=1.9" jsonschema
+# jsonschema-specifications referencing rpds-py attrs pyzmq msgpack; jaxserve.engine imports
+# pyzmq) and .whl/rel for reliability.
 # $MODEL and $SHAPES (the served stages' model and launch flags) can be set: with the demo model
 # a served stage's plumbing runs on the CPU, e.g. MODEL=jaxserve/assets/demo SHAPES="--max-model-len
 # 1024 --max-num-batched-tokens 1024 --max-num-seqs 8" SERVE_PROMPTS=6 KV_EVENTS_RATES=inf.
