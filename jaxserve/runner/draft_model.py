@@ -178,7 +178,10 @@ class DraftModelProposer(PagedDrafter):
         start = min(self.computed.get(seq.seq_id, 0), n - 1)  # at least the last token
         return CatchUp(seq.seq_id, seq.token_ids(start, n), start, final=True)
 
-    def _run(self, call: list[CatchUp], bucket: int | None = None) -> np.ndarray:
+    def _chain_args(self, call: list[CatchUp], bucket: int | None = None) -> tuple[Any, ...]:
         batch = catch_up_batch(call, self.pool, self.buckets, bucket)
-        self.kv, drafts = self._chain(self.weights, self.kv, self.put(batch))
+        return self.weights, self.kv, self.put(batch)
+
+    def _run(self, call: list[CatchUp], bucket: int | None = None) -> np.ndarray:
+        self.kv, drafts = self._chain(*self._chain_args(call, bucket))
         return np.asarray(drafts)

@@ -135,7 +135,6 @@ class TargetStatesDrafter(PagedDrafter):
 
     draft_weights: Any
     draft_kv: Any
-    _chain: Callable[..., tuple[Any, jax.Array]]
 
     def __init__(
         self,
@@ -158,7 +157,7 @@ class TargetStatesDrafter(PagedDrafter):
         runner.keep_target_states(aux_layers)
         self._take, self._recompute = self._jit_target_programs()
 
-    def _jit_target_programs(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    def _jit_target_programs(self) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
         """(the gather of a call's rows from a step's states, the target run again over the
         runner's cache, donated); under TP both on the runner's mesh, the target with its
         attention op per device, its cache keeping its shardings, the states replicated."""
@@ -182,7 +181,8 @@ class TargetStatesDrafter(PagedDrafter):
 
     def warmup(self) -> int:
         """The drafting programs of every token bucket, the target's run again over its cache
-        (once the runner's cache is allocated) and the gathers from a step's states."""
+        (once the runner's cache is allocated) and the gathers from a step's states, all
+        compiled ahead on threads (``PagedDrafter.warmup``)."""
         count = super().warmup()
         if self.runner.kv_cache is not None:
             for bucket in self.buckets.token_buckets:
@@ -198,6 +198,24 @@ class TargetStatesDrafter(PagedDrafter):
             del states
         self.recomputed_tokens = 0
         return count
+
+    def _lowerings(self) -> list[Callable[[], Any]]:
+        thunks = super()._lowerings()
+        if self.runner.kv_cache is not None:
+            thunks += [functools.partial(self._lower_again, b) for b in self.buckets.token_buckets]
+        steps, calls = self.runner.buckets.token_buckets, self.buckets.token_buckets
+        thunks += [functools.partial(self._lower_gather, n, b) for n in steps for b in calls]
+        return thunks
+
+    def _lower_again(self, bucket: int) -> Any:
+        batch = catch_up_batch([], self.pool, self.buckets, bucket)
+        return self._recompute.lower(*self._again_args([], batch))
+
+    def _lower_gather(self, step_rows: int, bucket: int) -> Any:
+        """The gather of a call's rows (``bucket``) from a step's states (``step_rows``)."""
+        tp = self.runner.tp
+        states = put_on(tp, np.zeros((step_rows, self.state_dim), self.runner.dtype))
+        return self._take.lower(states, put_on(tp, np.zeros(bucket, np.int32)))
 
     def _end_call(self) -> None:
         self._next.clear()
@@ -227,17 +245,14 @@ class TargetStatesDrafter(PagedDrafter):
             row += len(part.tokens)
         return ids
 
-    def _run(self, call: list[CatchUp], bucket: int | None = None) -> np.ndarray:
+    def _chain_args(self, call: list[CatchUp], bucket: int | None = None) -> tuple[Any, ...]:
         batch = catch_up_batch(call, self.pool, self.buckets, bucket)
         next_ids = self._head_ids(call, batch.input_ids.shape[0])
         states = self._target_states(call, batch)
-        self.draft_kv, drafts = self._chain(
-            self.draft_weights,
-            self.draft_kv,
-            self.put(batch),
-            self.put(next_ids),
-            states,
-        )
+        return self.draft_weights, self.draft_kv, self.put(batch), self.put(next_ids), states
+
+    def _run(self, call: list[CatchUp], bucket: int | None = None) -> np.ndarray:
+        self.draft_kv, drafts = self._chain(*self._chain_args(call, bucket))
         return np.asarray(drafts)
 
     def _target_states(self, call: list[CatchUp], batch: Batch) -> jax.Array:  # [T, D]
@@ -262,6 +277,12 @@ class TargetStatesDrafter(PagedDrafter):
     def _target_states_again(self, call: list[CatchUp], batch: Batch) -> jax.Array:
         """The target run again over the call's positions, on the runner's cache: the same
         rows in the target's pages, every write to the slot past the last page (dropped)."""
+        self.recomputed_tokens += sum(len(part.tokens) for part in call)
+        self.runner.kv_cache, states = self._recompute(*self._again_args(call, batch))
+        return states
+
+    def _again_args(self, call: list[CatchUp], batch: Batch) -> tuple[Any, ...]:
+        """The arguments of ``_recompute`` for the call's rows of ``batch``."""
         runner = self.runner
         pages = np.zeros_like(batch.page_indices)
         for s, part in enumerate(call):
@@ -270,11 +291,7 @@ class TargetStatesDrafter(PagedDrafter):
         slots = np.full_like(batch.slot_mapping, runner.num_slots)
         # host arrays until the call, as catch_up_batch's
         again = dataclasses.replace(batch, page_indices=pages, slot_mapping=slots)  # type: ignore[arg-type]
-        self.recomputed_tokens += sum(len(part.tokens) for part in call)
-        runner.kv_cache, states = self._recompute(
-            runner.weights, runner.kv_cache, put_on(runner.tp, again)
-        )
-        return states
+        return runner.weights, runner.kv_cache, put_on(runner.tp, again)
 
 
 class Eagle3Proposer(TargetStatesDrafter):
