@@ -16,8 +16,9 @@ end-to-end batch-1 speed-up with n-gram drafting (docs/speculative_decoding.md).
    acceptance length, and that the tokens are the same.
 4. EAGLE-3 drafting at the published Llama-3.1-8B head shape on the Llama-3-8B target.
 5. Under load: offline throughput at batch 256 (Llama-3-8B shape, random prompts) with n-gram
-   speculation on and off, each measured twice on its own engine: speculation must not
-   make a full batch slower (above ``disable_by_batch_size`` a step drafts nothing).
+   speculation on and off, each measured twice on its own engine (new prompts each run, the
+   same in both arms): speculation must not make a full batch slower (above
+   ``disable_by_batch_size`` a step drafts nothing).
 
     python -m benchmarks.spec_decode                  # Llama-3-8B shape, dummy bf16 weights
     python -m benchmarks.spec_decode --smoke          # tiny CPU run
@@ -321,12 +322,16 @@ def under_load(args: argparse.Namespace) -> dict:
     """Output tokens/s of ``--load-batch`` requests at once, n-gram speculation off and on."""
     import jaxserve
 
-    rng = np.random.default_rng(0)
     vocab = load_model_config(args.model).vocab_size
-    prompts = [
-        {"prompt_token_ids": rng.integers(vocab // 100, vocab, args.load_input_len).tolist()}
-        for _ in range(args.load_batch)
-    ]
+
+    def prompts(seed: int, count: int) -> list[dict]:
+        """Random prompts, new ones each run: the same again would come from the prefix cache."""
+        rng = np.random.default_rng(seed)
+        return [
+            {"prompt_token_ids": rng.integers(vocab // 100, vocab, args.load_input_len).tolist()}
+            for _ in range(count)
+        ]
+
     params = jaxserve.SamplingParams(
         temperature=0, max_tokens=args.load_output_len, ignore_eos=True
     )
@@ -341,10 +346,11 @@ def under_load(args: argparse.Namespace) -> dict:
             max_num_batched_tokens=2048,
             speculative_config=spec,
         )
-        llm.generate(prompts[:8], params, use_tqdm=False)  # compiles what warm-up did not
-        for _ in range(2):
+        llm.generate(prompts(0, 8), params, use_tqdm=False)  # compiles what warm-up did not
+        for run in (1, 2):
+            batch = prompts(run, args.load_batch)  # the same in both arms
             start = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            outs = llm.generate(batch, params, use_tqdm=False)
             seconds = time.perf_counter() - start
             runs[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / seconds)
             print(f"load {name} batch={args.load_batch}: {runs[name][-1]:.0f} tok/s", flush=True)
