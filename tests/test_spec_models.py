@@ -192,6 +192,25 @@ def test_a_drafters_programs_compile_ahead_and_its_warm_up_calls_compile_nothing
     assert token_ids(llm, PROMPTS[:2]) == plain[:2]
 
 
+def test_shutdown_gives_the_drafters_memory_back(method) -> None:
+    """``LLM.shutdown`` frees a model drafter's pages and lets go of its weights, as the
+    runner's: a second engine in the process needs the memory."""
+    import gc
+    import weakref
+
+    import jax
+
+    llm = make_llm(METHODS[method])
+    proposer = llm.engine.proposer
+    own = "weights" if method == "draft_model" else "draft_weights"
+    cache = jax.tree.leaves(proposer.kv if method == "draft_model" else proposer.draft_kv)
+    weights = [weakref.ref(a) for a in jax.tree.leaves(getattr(proposer, own))]
+    llm.shutdown()
+    gc.collect()
+    assert cache and all(a.is_deleted() for a in cache)
+    assert weights and all(ref() is None for ref in weights)
+
+
 def test_compile_ahead_leaves_a_program_that_fails_to_its_call() -> None:
     """A program that cannot compile ahead (out of device memory beside the KV cache) is not
     an error there: it compiles, and raises if it must, at its call."""

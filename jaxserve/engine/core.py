@@ -449,6 +449,9 @@ class EngineCore:
         if self.step_log is not None:
             self.step_log.flush()
         self.runner.shutdown()
+        drafter_shutdown = getattr(self.proposer, "shutdown", None)  # a model drafter's memory
+        if drafter_shutdown is not None:
+            drafter_shutdown()
         self.grammar_compiler.close()
         self.structured_outputs.close()
         if self.kv_event_publisher is not None:

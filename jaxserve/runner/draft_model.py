@@ -55,6 +55,7 @@ from jaxserve.runner.drafting import (
 )
 from jaxserve.runner.model_weights import as_served
 from jaxserve.runner.parallel.sharding import TensorParallel
+from jaxserve.runner.sleep import free
 
 _LOG = logging.getLogger(__name__)
 
@@ -181,6 +182,13 @@ class DraftModelProposer(PagedDrafter):
     def _chain_args(self, call: list[CatchUp], bucket: int | None = None) -> tuple[Any, ...]:
         batch = catch_up_batch(call, self.pool, self.buckets, bucket)
         return self.weights, self.kv, self.put(batch)
+
+    def shutdown(self) -> None:
+        """Give the device memory back (the engine shut down): the pages freed, the weights
+        let go."""
+        free(self.kv)
+        self.kv = None
+        del self.weights  # the last reference: nothing serves after a shutdown
 
     def _run(self, call: list[CatchUp], bucket: int | None = None) -> np.ndarray:
         self.kv, drafts = self._chain(*self._chain_args(call, bucket))

@@ -67,6 +67,7 @@ from jaxserve.runner.drafting import (
     put_on,
 )
 from jaxserve.runner.parallel.sharding import TensorParallel, eagle3_shardings
+from jaxserve.runner.sleep import free
 
 _LOG = logging.getLogger(__name__)
 
@@ -198,6 +199,12 @@ class TargetStatesDrafter(PagedDrafter):
             del states
         self.recomputed_tokens = 0
         return count
+
+    def shutdown(self) -> None:
+        """Give the device memory back (the engine shut down): the drafting layers' pages
+        freed, their weights let go (an embedding shared with the target is the target's)."""
+        free(self.draft_kv)
+        self.draft_kv = self.draft_weights = None
 
     def _lowerings(self) -> list[Callable[[], Any]]:
         thunks = super()._lowerings()
