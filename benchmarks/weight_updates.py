@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks.common import ROOT
 from jaxserve import LLM, SamplingParams
@@ -119,6 +120,28 @@ def hf_named_on_device(llm: LLM) -> dict[str, jax.Array]:
     return jax.block_until_ready(tensors)
 
 
+def transfer_rows(weights: Any) -> dict[str, float]:
+    """Seconds to move the weights between the device and host memory, each way, through
+    pageable numpy arrays (as ``sleep(1)`` / ``wake_up`` do now: one device's weights stay
+    uncommitted that way) and through pinned host memory (``memory_kind="pinned_host"``: a DMA
+    each way, but the arrays come back committed), the whole tree in one ``device_put``."""
+    leaves = jax.tree.leaves(weights)
+    rows: dict[str, float] = {}
+    start = time.perf_counter()
+    host = [np.asarray(leaf) for leaf in leaves]
+    rows["to_host_pageable_s"] = time.perf_counter() - start
+    put = functools.partial(jax.device_put, host)
+    del host
+    rows["from_host_pageable_s"] = timed(put, "from_host_pageable_s")
+    del put
+    pinned_at = [leaf.sharding.with_memory_kind("pinned_host") for leaf in leaves]
+    rows["to_host_pinned_s"] = timed(lambda: jax.device_put(leaves, pinned_at), "to_host_pinned_s")
+    pinned = jax.device_put(leaves, pinned_at)
+    at = [leaf.sharding for leaf in leaves]
+    rows["from_host_pinned_s"] = timed(lambda: jax.device_put(pinned, at), "from_host_pinned_s")
+    return rows
+
+
 def sleep_rows(llm: LLM, level: int) -> dict[str, Any]:
     row: dict[str, Any] = {"awake": memory()}
     row["sleep_s"] = timed(lambda: llm.sleep(level))
@@ -170,6 +193,11 @@ def main() -> None:
     result["tokens_after_level1"] = tokens(llm) == before
     result["level2"] = sleep_rows(llm, 2)  # dummy weights wake as the same random ones
     result["tokens_after_level2"] = tokens(llm) == before
+    try:  # the floor of a level-1 round trip, each way (the wake's 7.6 s on the H200 was 3x
+        # update_weights' from host memory)
+        result["transfers"] = transfer_rows(llm.weights)
+    except Exception as exc:  # e.g. no pinned host memory on this backend
+        result["transfers"] = {"error": str(exc)[:300]}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"allocator {result['allocator']}")
@@ -184,6 +212,7 @@ def main() -> None:
             f"held by the process: awake {_gib(row['awake'])}, asleep {_gib(row['asleep'])}, "
             f"woken {_gib(row['woken'])}"
         )
+    print(f"transfers: {result['transfers']}")
     same = [result[k] for k in result if k.startswith("tokens_after")]
     print(f"same tokens after every update and wake: {all(same)} {same}")
 
