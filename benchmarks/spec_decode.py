@@ -39,7 +39,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from benchmarks.common import ROOT
+from benchmarks.common import BANDWIDTH, ROOT
 from jaxserve.config import builtin_config_dir
 from jaxserve.engine.request import Request, Sequence
 from jaxserve.engine.spec_decode import NgramProposer
@@ -260,6 +260,14 @@ def random_eagle3_head(config_dir: Path, out: Path) -> Path:
     return out
 
 
+def eagle3_chain_bytes(head, k: int) -> int:
+    """Bytes a batch-1 chain of ``k`` draft steps reads at the least: ``fc`` once, the layer,
+    its norms and the draft head's ``lm_head`` each step (the embedding: a row a step)."""
+    per_step = sum(x.nbytes for x in jax.tree.leaves(head.layer)) + head.lm_head.nbytes
+    per_step += head.hidden_norm.nbytes + head.final_norm.nbytes
+    return head.fc.nbytes + k * per_step
+
+
 def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
     """EAGLE-3 at the published Llama-3.1-8B head shape (random weights) on the Llama-3-8B
     target: each ``propose`` call's time (the head's chain of k steps over the target's kept
@@ -281,6 +289,8 @@ def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
             },
         )  # fmt: skip
         proposer = llm.engine.proposer
+        floor_ms = 1e3 * eagle3_chain_bytes(proposer.draft_weights, args.e2e_k) / BANDWIDTH
+        print(f"eagle3 byte floor of a propose call (k={args.e2e_k}): {floor_ms:.3f} ms")
         calls: list[float] = []
         propose = proposer.propose
 
@@ -309,6 +319,7 @@ def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
                 "batch": batch,
                 "k": args.e2e_k,
                 "propose_ms": 1e3 * statistics.median(decode),
+                "floor_ms": floor_ms,
                 "calls": len(calls),
                 "ms_per_step": 1e3 * wall / max(1, llm.engine.num_steps - steps),
             }
@@ -449,7 +460,8 @@ def main() -> None:
     print("\nEAGLE-3 drafting (Llama-3.1-8B head shape, random weights) on the Llama-3-8B target:")
     for r in report["eagle3_8b"]:
         print(
-            f"   batch {r['batch']}: propose {r['propose_ms']:.3f} ms (k={r['k']}), "
+            f"   batch {r['batch']}: propose {r['propose_ms']:.3f} ms (k={r['k']}; byte floor "
+            f"{r['floor_ms']:.3f} ms), "
             f"{r['ms_per_step']:.2f} ms a step"
         )
     if "under_load" in report:
