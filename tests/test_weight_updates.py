@@ -292,6 +292,61 @@ def test_sleep_gives_the_device_memory_up_and_wake_restores_the_same_model(llm) 
     sleepy.shutdown()
 
 
+def memory_kinds(tree) -> set[str]:
+    return {leaf.sharding.memory_kind for leaf in jax.tree.leaves(tree)}
+
+
+def test_level_1_keeps_the_weights_in_pinned_host_memory_and_serves_them_committed() -> None:
+    """Level 1's copy is in pinned host memory (one DMA each way: waking the Llama-3-8B shape
+    from numpy arrays took 7.6 s on an H200), and what comes back is committed to its device.
+    So are the served weights from the start, after an update with a trainer's uncommitted
+    arrays, and the KV cache: a program's signature stays the one it compiled for."""
+    sleepy = LLM(str(fixture_dir("llama")), dtype="float32", enable_sleep_mode=True, **SMALL_ENGINE)
+    runner = sleepy.engine.runner
+    before, _ = sample(sleepy)
+    num_programs = runner.programs.step_fn._cache_size()
+
+    def all_committed() -> bool:
+        leaves = jax.tree.leaves(runner.weights) + jax.tree.leaves(runner.kv_cache)
+        return all(leaf.committed for leaf in leaves)
+
+    assert all_committed()
+    trainer = jax.tree.map(lambda a: jax.device_put(np.asarray(a)), runner.weights)
+    assert not any(leaf.committed for leaf in jax.tree.leaves(trainer))
+    sleepy.update_weights(trainer)
+    assert all_committed() and sample(sleepy)[0] == before
+    sleepy.sleep(1)
+    assert memory_kinds(runner.asleep.host_weights) == {"pinned_host"}
+    sleepy.wake_up()
+    assert memory_kinds(runner.weights) == {"device"} and all_committed()
+    assert sample(sleepy)[0] == before
+    assert runner.programs.step_fn._cache_size() == num_programs  # nothing compiled again
+    sleepy.shutdown()
+
+
+def test_level_1_falls_back_to_numpy_without_pinned_host_memory(monkeypatch) -> None:
+    """A backend without pinned host memory keeps level 1's copy in numpy arrays."""
+    from jaxserve.runner import sleep
+
+    real_put = jax.device_put
+
+    def no_pinned(x, device=None, **kwargs):
+        kinds = {getattr(s, "memory_kind", None) for s in jax.tree.leaves(device)}
+        if "pinned_host" in kinds:
+            raise ValueError("memory kind pinned_host is not supported here")
+        return real_put(x, device, **kwargs)
+
+    sleepy = LLM(str(fixture_dir("llama")), dtype="float32", enable_sleep_mode=True, **SMALL_ENGINE)
+    before, _ = sample(sleepy)
+    monkeypatch.setattr(sleep.jax, "device_put", no_pinned)
+    sleepy.sleep(1)
+    host = sleepy.engine.runner.asleep.host_weights
+    assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(host))
+    sleepy.wake_up()
+    assert sample(sleepy)[0] == before
+    sleepy.shutdown()
+
+
 def test_the_server_sleeps_and_wakes() -> None:
     import httpx
 

@@ -56,6 +56,7 @@ from jaxserve.runner.drafting import (
 from jaxserve.runner.model_weights import as_served
 from jaxserve.runner.parallel.sharding import TensorParallel
 from jaxserve.runner.sleep import free
+from jaxserve.runner.weight_update import committed
 
 _LOG = logging.getLogger(__name__)
 
@@ -146,7 +147,8 @@ class DraftModelProposer(PagedDrafter):
         super().__init__(engine, max_model_len, max_seqs, k, tp)
         self.config, self.weights = config, weights
         page, num_pages = engine.block_size, self.pool.num_pages
-        self.kv: Any = (
+        # committed, as the pages each call gives back are (``weight_update.committed``)
+        self.kv: Any = committed(
             make_kv_cache_for(config, num_pages, page, dtype)
             if tp is None
             else tp.make_kv_cache(num_pages, page, dtype)  # split on KV heads

@@ -68,6 +68,7 @@ from jaxserve.runner.drafting import (
 )
 from jaxserve.runner.parallel.sharding import TensorParallel, eagle3_shardings
 from jaxserve.runner.sleep import free
+from jaxserve.runner.weight_update import committed
 
 _LOG = logging.getLogger(__name__)
 
@@ -322,7 +323,8 @@ class Eagle3Proposer(TargetStatesDrafter):
         super().__init__(target_config, runner, engine, max_model_len, max_seqs, k, aux_layers, tp)
         self.head_config, self.draft_weights = head_config, head
         page, num_pages = engine.block_size, self.pool.num_pages
-        self.draft_kv = (
+        # committed, as the pages each call gives back are (``weight_update.committed``)
+        self.draft_kv = committed(
             make_eagle3_kv_cache(head_config, num_pages, page, dtype)
             if tp is None
             else tp.make_kv_cache(num_pages, page, dtype)[0]  # its one layer, on KV heads

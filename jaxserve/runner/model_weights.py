@@ -82,8 +82,8 @@ def restored_weights(
     """The weights of a checkpoint ``jaxserve convert`` wrote, checked against what is served
     (dtype, quantization, layout, every leaf) before a byte is read. With a placement each
     leaf is restored straight into its sharding (each device reads its shards); on one device
-    into host memory, then onto the default device as the loader leaves them (uncommitted: a
-    committed array would compile the programs again)."""
+    into host memory, then onto the default device as the loader leaves them (the runner
+    commits what it serves: ``weight_update.committed``)."""
     start = time.perf_counter()
     manifest = read_manifest(model_dir)
     method = quant.method if quant is not None else None

@@ -42,6 +42,7 @@ from jaxserve.models.mtp import MtpWeights, Pages, make_mtp_kv_cache, mtp_step
 from jaxserve.runner.drafting import StateStep, chain_from_states
 from jaxserve.runner.eagle3_proposer import TargetStatesDrafter
 from jaxserve.runner.parallel.sharding import TensorParallel, mtp_shardings
+from jaxserve.runner.weight_update import committed
 
 
 def mtp_chain(
@@ -103,7 +104,8 @@ class MtpProposer(TargetStatesDrafter):
         super().__init__(target_config, runner, engine, max_model_len, max_seqs, k, None, tp)
         self.draft_weights = layers
         page, num_pages = engine.block_size, self.pool.num_pages
-        self.draft_kv = (
+        # committed, as the pages each call gives back are (``weight_update.committed``)
+        self.draft_kv = committed(
             make_mtp_kv_cache(target_config, len(layers), num_pages, page, dtype)
             if tp is None
             else tp.make_kv_cache(num_pages, page, dtype, len(layers))  # as the target's latent

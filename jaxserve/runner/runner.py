@@ -49,12 +49,21 @@ from jaxserve.runner.parallel.mesh import replica_devices, replica_mesh
 from jaxserve.runner.parallel.sharding import TensorParallel, prepare_tp
 from jaxserve.runner.pooling_attention import whole_prompt_attention
 from jaxserve.runner.programs import Forward, invariant_row_tile
-from jaxserve.runner.sleep import WAKE_TAGS, SleepState, abstract, device_bytes, free, placements
+from jaxserve.runner.sleep import (
+    WAKE_TAGS,
+    SleepState,
+    abstract,
+    device_bytes,
+    free,
+    placements,
+    to_device,
+    to_host,
+)
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from jaxserve.runner.step_programs import KVCacheShapes, StepPrograms
 from jaxserve.runner.weight_update import (
     checked_weights,
-    place,
+    committed,
     weights_from_named,
     weights_layout,
 )
@@ -141,7 +150,7 @@ class ModelRunner:
         weights = self.loading.shapes  # shapes only, until wait_for_weights
         if weights is None:
             weights, self.load_seconds = self.loading.wait()
-        self.weights = weights
+        self.weights = weights = committed(weights)  # the served weights always are
         self.asleep = SleepState()
         # NOTE: with warm-up on, the cache is allocated after the step buckets are compiled,
         # so XLA's autotuner compiles with the memory the cache will take still free.
@@ -263,8 +272,8 @@ class ModelRunner:
             raise RuntimeError("the weights are asleep: wake_up(['weights']) before an update")
 
     def _swap_weights(self, weights: Any) -> None:
-        self.weights = weights
-        self.programs.set_weights(weights)
+        self.weights = committed(weights)
+        self.programs.set_weights(self.weights)
 
     def head_rows(self, token_ids: list[int]) -> np.ndarray:
         """f32[len(token_ids), H]: the language-model head's rows of these tokens (a decoder
@@ -290,7 +299,7 @@ class ModelRunner:
         self.loading.forget()  # the loader's reference to the weights it made
         self.asleep = SleepState(level, True, True, placements=placements(self.weights))
         if level == 1:
-            self.asleep.host_weights = jax.device_get(self.weights)
+            self.asleep.host_weights = to_host(self.weights)
         free(self.kv_cache)
         self.kv_cache = None
         self._swap_weights(abstract(self.weights))  # the last reference: the memory is free
@@ -301,12 +310,7 @@ class ModelRunner:
         self.asleep.check_tags(tags)
         if "weights" in tags and self.asleep.weights_asleep:
             if self.asleep.host_weights is not None:
-                weights = jax.tree.map(
-                    lambda host, at: place(host, *at),
-                    self.asleep.host_weights,
-                    self.asleep.placements,
-                    is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2,
-                )
+                weights = to_device(self.asleep.host_weights, self.asleep.placements)
             else:
                 placement = self.tp.placement if self.tp is not None else None
                 weights, _ = model_weights(
@@ -334,18 +338,19 @@ class ModelRunner:
 
     def wait_for_weights(self) -> None:
         """The loaded weights in place of the shapes warm-up compiled against."""
-        self.weights, self.load_seconds = self.loading.wait()
-        self.programs.set_weights(self.weights)
+        weights, self.load_seconds = self.loading.wait()
+        self._swap_weights(weights)
 
     def allocate_kv_cache(self) -> None:
         if self.kv_cache is not None:
             return
         if self.tp is not None:
             self.kv_cache = self.tp.make_kv_cache(self.num_blocks, self.block_size, self.kv_dtype)
-        else:
-            self.kv_cache = make_kv_cache_for(
+        else:  # committed, as every step's cache is once made from the committed weights
+            cache = make_kv_cache_for(
                 self.model_config, self.num_blocks, self.block_size, self.kv_dtype
             )
+            self.kv_cache = committed(cache)
 
     def abstract_kv_cache(self) -> KVCacheShapes:
         """The cache's shapes (and shardings) only: enough to compile against."""

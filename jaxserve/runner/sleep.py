@@ -3,9 +3,11 @@ between a training loop's rollouts and taken back, without compiling anything ag
 
 Level 1 copies the weights to host memory and frees the KV cache; level 2 frees both (waking
 makes the weights again as the start-up made them: loaded from the model's directory, or the
-same random ones). The compiled programs keep their executables: the arrays made on waking
-have the shapes, dtypes and shardings they were compiled for. The KV cache wakes empty, so the
-engine forgets its prefix cache when the model sleeps.
+same random ones). Level 1's copy is in pinned host memory where the backend has it, so that
+each way is one DMA (``to_host``); else in numpy arrays. The compiled programs keep their
+executables: the arrays made on waking have the shapes, dtypes and shardings they were compiled
+for, committed as the served weights always are (``weight_update.committed``). The KV cache
+wakes empty, so the engine forgets its prefix cache when the model sleeps.
 
 ``ModelRunner`` holds a ``SleepState``; these functions change only it and what they return.
 """
@@ -13,9 +15,12 @@ engine forgets its prefix cache when the model sleeps.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import jax
+
+_LOG = logging.getLogger(__name__)
 
 SLEEP_LEVELS = (1, 2)
 WAKE_TAGS = ("weights", "kv_cache")
@@ -28,8 +33,8 @@ class SleepState:
     level: int = 0
     weights_asleep: bool = False
     kv_cache_asleep: bool = False
-    host_weights: Any = None  # level 1: the weights in host memory (numpy), until they wake
-    placements: Any = None  # per weight (sharding, committed): to put it back where it was
+    host_weights: Any = None  # level 1: the weights in host memory (``to_host``), until they wake
+    placements: Any = None  # per weight, its sharding: to put it back where it was
 
     def check_sleep(self, level: int) -> None:
         if level not in SLEEP_LEVELS:
@@ -50,8 +55,29 @@ def abstract(tree: Any) -> Any:
 
 
 def placements(tree: Any) -> Any:
-    """(sharding, committed) of each array of ``tree``: where ``place`` puts it back."""
-    return jax.tree.map(lambda a: (a.sharding, a.committed), tree)
+    """The sharding of each array of ``tree``: where ``to_device`` puts it back."""
+    return jax.tree.map(lambda a: a.sharding, tree)
+
+
+def to_host(tree: Any) -> Any:
+    """The arrays of ``tree`` in host memory, in one ``device_put``: pinned host memory where
+    the backend has it (the copy back is then a DMA, not a copy through pageable memory: waking
+    the Llama-3-8B shape from numpy arrays took 7.6 s on an H200), else numpy arrays."""
+    leaves, treedef = jax.tree.flatten(tree)
+    try:
+        pinned = [leaf.sharding.with_memory_kind("pinned_host") for leaf in leaves]
+        host = jax.block_until_ready(jax.device_put(leaves, pinned))
+    except (ValueError, NotImplementedError, jax.errors.JaxRuntimeError) as exc:
+        _LOG.info("The weights sleep in pageable host memory (no pinned host memory: %s)", exc)
+        host = jax.device_get(leaves)
+    return jax.tree.unflatten(treedef, host)
+
+
+def to_device(host: Any, shardings: Any) -> Any:
+    """``to_host``'s arrays back on the device(s), each in its sharding, in one ``device_put``
+    (committed: the served weights are, ``weight_update.committed``)."""
+    leaves, treedef = jax.tree.flatten(host)
+    return jax.tree.unflatten(treedef, jax.device_put(leaves, jax.tree.leaves(shardings)))
 
 
 def free(tree: Any) -> None:

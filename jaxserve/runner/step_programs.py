@@ -47,6 +47,7 @@ from jaxserve.runner.programs import (
     pool_step,
 )
 from jaxserve.runner.sampling import TOKEN_MASK_LEAF, SamplerFlags, SamplingInputs
+from jaxserve.runner.weight_update import committed
 
 # The warm-up's lines, under one name: users filter them as one story.
 _LOG = logging.getLogger("jaxserve.runner.warmup")
@@ -182,7 +183,8 @@ class StepPrograms:
         self.ready_tokens = buckets.token_buckets[-1]
         self.background = BackgroundCompile()
         # The sampled ids a step reads its pending tokens from when no step came before it.
-        self.no_previous_ids = self.put(np.zeros(buckets.max_seq_bucket, np.int32))
+        # committed, as the sampled ids that take its place are (programs of committed weights)
+        self.no_previous_ids = committed(self.put(np.zeros(buckets.max_seq_bucket, np.int32)))
         self.set_weights(weights)
 
     def return_aux_states(self, aux_layers: tuple[int, ...]) -> None:

@@ -65,19 +65,26 @@ def checked_weights(served: Weights, new: Any) -> Weights:
 
 
 def _as_served(new: Any, old: Any) -> jax.Array:
-    """``new`` with ``old``'s dtype and sharding; ``new`` itself when it has both. An array
-    the runner placed on its default device without committing it to one (one device) stays
-    uncommitted where ``new`` is: a jitted program compiles again for a committed one."""
-    committed = getattr(old, "committed", True)
+    """``new`` with ``old``'s dtype and sharding; ``new`` itself when it has both (``committed``
+    then commits it, without a copy)."""
     if isinstance(new, jax.Array) and new.dtype == old.dtype and new.sharding == old.sharding:
         return new
-    return place(jnp.asarray(new).astype(old.dtype), old.sharding, committed)
+    return jax.device_put(jnp.asarray(new).astype(old.dtype), old.sharding)
 
 
-def place(value: Any, sharding: jax.sharding.Sharding, committed: bool) -> jax.Array:
-    """``value`` on the device(s) of ``sharding``; on the default device, uncommitted, where
-    ``committed`` is False (as the loader leaves one device's weights)."""
-    return jax.device_put(value, sharding) if committed else jax.device_put(value)
+def committed(weights: Any) -> Any:
+    """``weights`` with every array committed to its sharding's device(s): the same buffers,
+    no copy. One device's weights load uncommitted, and a jitted program compiles again when
+    an argument's commitment changes, so the served weights are always committed, wherever
+    they came from (a load, a trainer's arrays, a wake from pinned host memory, which can only
+    come back committed). Shapes (``jax.ShapeDtypeStruct``) pass through."""
+
+    def commit(leaf: Any) -> Any:
+        if isinstance(leaf, jax.Array) and not leaf.committed:
+            return jax.device_put(leaf, leaf.sharding)
+        return leaf
+
+    return jax.tree.map(commit, weights)
 
 
 def weights_layout(new: Any, layout: str = "auto") -> str:
