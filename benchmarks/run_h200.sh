@@ -160,6 +160,9 @@
 #                about 10 minutes: kv_events:900 ($KV_EVENTS_RATES picks the rates, 16,inf)
 #   lora         Llama-3-8B shape, dummy weights: offline throughput 256 x 512/256 with 0, 1, 8
 #                and 64 distinct rank-16 adapters, and batch-1 TPOT with one (benchmarks/lora.py)
+#   lora_load    Llama-3-8B shape, dummy weights, served with LoRA on: 32 streamed neighbours'
+#                ITL p50/p99 quiet and while 8 adapters load at run time (benchmarks/lora_load.py;
+#                a server start and two runs: about 3 minutes)
 # Uses the machine's own jax; carry .whl, the wheels the machine lacks (pip download --no-deps
 # --only-binary=:all: -d .whl starlette uvicorn h11 "llguidance>=1.9" jsonschema
 # jsonschema-specifications referencing rpds-py attrs pyzmq msgpack; jaxserve.engine imports
@@ -795,6 +798,13 @@ stage_checkpoints() {  # start-up load and update from disk: safetensors against
 stage_lora() {  # offline throughput with 0, 1, 8 and 64 rank-16 adapters; batch-1 TPOT with one
   python3 -m benchmarks.lora --out "$OUT/lora.json" > "$OUT/lora.log" 2>&1
   grep -E "adapters|TPOT" "$OUT/lora.log" || tail -8 "$OUT/lora.log"
+}
+
+stage_lora_load() {  # the neighbours' p99 ITL while adapters load (target: at most 1.2x quiet)
+  python3 -m benchmarks.lora_load --out "$OUT/lora_load.json" --work-dir /tmp/lora_load \
+    > "$OUT/lora_load.log" 2>&1
+  cp /tmp/lora_load/server.log "$OUT/lora_load_server.log" 2>/dev/null
+  sed -n '/^neighbours/,$p' "$OUT/lora_load.log" || tail -8 "$OUT/lora_load.log"
 }
 
 stage_occupied() {  # the second start must end in seconds with the fix, not retry allocations

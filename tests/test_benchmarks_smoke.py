@@ -374,6 +374,22 @@ def test_spec_decode_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
     assert "speed-up at batch 1" in capsys.readouterr().out
 
 
+def test_lora_load_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
+    """A server with LoRA on: the neighbours' ITL quiet and while adapters load, each load
+    timed, and the server stopped after."""
+    out = tmp_path / "lora_load.json"
+    work = tmp_path / "work"
+    args = ["--smoke", "--out", str(out), "--work-dir", str(work)]
+    run_script("benchmarks.lora_load", args, monkeypatch)
+    result = json.loads(out.read_text())
+    for name in ("quiet", "loading"):
+        assert 0 < result[name]["itl_p50_ms"] <= result[name]["itl_p99_ms"]
+        assert result[name]["num_itls"] > 4 * 10  # gaps between streamed chunks of text
+    assert [row["model"] for row in result["loads"]] == ["load0", "load1"]
+    assert result["p99_ratio"] > 0 and "p99 loading / quiet" in capsys.readouterr().out
+    assert "Shut down cleanly" in (work / "server.log").read_text()
+
+
 def test_the_step_log_says_where_a_runs_time_went(tmp_path, monkeypatch, capsys) -> None:
     """JAXSERVE_STEP_LOG: one line per engine step (what it held, the host's spans), in the
     file by shutdown; the summary groups them by kind."""

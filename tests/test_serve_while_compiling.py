@@ -9,6 +9,7 @@ The fixture Llama in float32 with buckets of 16, 32 and 64 tokens.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -320,6 +321,42 @@ class FakeLowered:
 
 
 OOM = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+
+
+def test_shutdown_ends_a_background_compile_with_steps_queued_behind_the_workers() -> None:
+    """More model steps than the pool has workers (2 on a 2-core machine): stopping ends the
+    queued ones and the thread waiting for them. Cancelled in the queue instead, they never
+    told ``as_completed``, and the server hung after SIGTERM."""
+    background = step_programs.BackgroundCompile()
+    lowered = {bucket: FakeLowered(background, hold_s=0.3) for bucket in (16, 32, 64, 128)}
+
+    class Programs:
+        compiled_steps: dict = {}
+
+        def __init__(self) -> None:
+            self.background = background
+
+        def lower_step(self, bucket):
+            return lowered[bucket]
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    background.pool = pool
+    buckets = sorted(lowered)
+
+    def compile_steps() -> None:
+        with contextlib.suppress(concurrent.futures.CancelledError):
+            warmup._compile_steps(
+                Programs(), pool, buckets, 0.0, lambda: None, background.compile, False
+            )
+
+    background.thread = threading.Thread(target=compile_steps)
+    background.thread.start()
+    time.sleep(0.1)  # the first step compiles, three wait in the queue
+    stopper = threading.Thread(target=background.stop)
+    stopper.start()
+    stopper.join(timeout=10)
+    assert not stopper.is_alive() and not background.thread.is_alive()
+    assert sum(program.calls for program in lowered.values()) == 1  # the queued ones ended
 
 
 @pytest.fixture

@@ -100,6 +100,8 @@ class BackgroundCompile:
         """``lowered.compile()`` in one of the slots; out of device memory, again alone (every
         slot held), up to ``BACKGROUND_RETRIES`` times a second apart."""
         for attempt in range(BACKGROUND_RETRIES + 1):
+            if self.stopping.is_set():  # before waiting for a slot: queued ones end at once
+                raise concurrent.futures.CancelledError("the runner shut down")
             if attempt:
                 time.sleep(1.0)
             with self._alone if attempt else contextlib.nullcontext():
@@ -120,11 +122,17 @@ class BackgroundCompile:
         raise AssertionError("unreachable")
 
     def stop(self) -> None:
-        """Cancel what has not started and wait for what has (a compile thread still running
-        at the interpreter's exit can crash it)."""
+        """End what has not started at once (``compile`` raises ``CancelledError`` once
+        stopping) and wait for what has (a compile thread still running at the interpreter's
+        exit can crash it).
+
+        NOTE: not ``shutdown(cancel_futures=True)``: a future cancelled in the pool's queue
+        never tells ``concurrent.futures.as_completed`` (only a worker taking it up does), so
+        the compile thread waiting there for the model steps waited forever, and so did the
+        server after SIGTERM whenever more steps were queued than the pool had workers."""
         self.stopping.set()
         if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool.shutdown(wait=False)
         if self.thread is not None:
             self.thread.join()
 
