@@ -306,6 +306,23 @@ def test_the_openai_sdk_picks_an_adapter_by_model_name(server):
     assert cards["beta"]["parent"] == "llama" and cards["llama"]["parent"] is None
 
 
+def test_a_response_names_the_adapter_it_ran_on(server):
+    """As vLLM answers: ``model`` is the adapter's name for a request on one (completions,
+    chat, streamed chunks), the served model's otherwise."""
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="key", max_retries=0) as client:
+        for model in ("alpha", "llama"):
+            out = client.completions.create(model=model, prompt=prompt(), max_tokens=2)
+            assert out.model == model
+            chat = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+            assert chat.model == model
+            stream = client.completions.create(
+                model=model, prompt=prompt(), max_tokens=2, stream=True
+            )
+            assert {chunk.model for chunk in stream} == {model}
+
+
 def test_unknown_adapter_is_404_and_a_bad_one_is_400_while_serving(server, tmp_path):
     auth = {"Authorization": "Bearer key"}
     body = {"model": "nope", "prompt": "hi", "max_tokens": 1}

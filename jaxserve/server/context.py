@@ -75,6 +75,12 @@ class ServingContext:
     def model_name(self) -> str:
         return self.settings.model_name
 
+    def response_model(self, model: str | None) -> str:
+        """The ``model`` a generation's response names: the adapter's name where the request
+        ran on one (as vLLM answers), else the served model's."""
+        lora = self.loras.lora_for(model)
+        return lora.lora_name if lora is not None else self.model_name
+
     def check_model(self, model: str | None) -> None:
         if model is None or model in self.settings.served_model_names or model in self.loras:
             return

@@ -111,7 +111,7 @@ class _CompletionWriter:
             "id": self.id,
             "object": "text_completion",
             "created": self.created,
-            "model": self.ctx.model_name,
+            "model": self.ctx.response_model(self.req.model),
         }
 
     def _echo_entries(self, request: EngineRequest) -> int:

@@ -110,7 +110,8 @@ class _ChatWriter:
         self.prompt = prompt  # the rendered chat, for the reasoning parser
 
     def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.ctx.model_name}
+        model = self.ctx.response_model(self.req.model)
+        return {"id": self.id, "object": obj, "created": self.created, "model": model}
 
     def _logprobs(self, out: CompletionOutput) -> dict[str, Any] | None:
         if self.req.top_logprobs is None:

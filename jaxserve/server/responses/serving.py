@@ -253,7 +253,7 @@ class ResponseWriter:
             "max_output_tokens": req.body.get("max_output_tokens"),
             "max_tool_calls": None,
             "metadata": req.metadata,
-            "model": self.ctx.model_name,
+            "model": self.ctx.response_model(self.chat.model),
             "output": [],
             "parallel_tool_calls": self.chat.tool_choice.parallel,
             "previous_response_id": req.previous_response_id,
