@@ -81,7 +81,9 @@ def test_convert_writes_the_model_files_and_a_manifest(out) -> None:
 def test_restored_weights_are_the_safetensors_weights_bitwise(out) -> None:
     restored = served_weights(out)
     assert_bitwise_equal(restored, served_weights(fixture_dir("llama"), dtype="float32"))
-    assert not any(leaf.committed for leaf in jax.tree.leaves(restored))  # as the loader's
+    # restored straight into the default device, committed as the runner serves weights
+    device = jax.devices()[0]
+    assert all(leaf.committed and leaf.devices() == {device} for leaf in jax.tree.leaves(restored))
 
 
 def test_fp8_weights_restore_bitwise(tmp_path) -> None:
