@@ -55,6 +55,7 @@ from jaxserve.runner.drafting import (
 )
 from jaxserve.runner.model_weights import as_served
 from jaxserve.runner.parallel.sharding import TensorParallel
+from jaxserve.runner.programs import step_attention
 from jaxserve.runner.sleep import free
 from jaxserve.runner.weight_update import committed
 
@@ -159,7 +160,7 @@ class DraftModelProposer(PagedDrafter):
             k=k,
             page_size=page,
             pad_slot=self.pad_slot,
-            attention_fn=None if tp is None else tp.attention_fn,
+            attention_fn=step_attention(tp),  # one lowering for every layer and step
             experts_fn=None if tp is None else tp.experts_fn,
         )
         self._chain = self.jit_chain(chain, self.kv)

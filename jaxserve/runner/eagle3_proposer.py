@@ -67,6 +67,7 @@ from jaxserve.runner.drafting import (
     put_on,
 )
 from jaxserve.runner.parallel.sharding import TensorParallel, eagle3_shardings
+from jaxserve.runner.programs import step_attention
 from jaxserve.runner.sleep import free
 from jaxserve.runner.weight_update import committed
 
@@ -169,12 +170,11 @@ class TargetStatesDrafter(PagedDrafter):
             config=self.target_config,
             aux_layers=self.aux_layers,
             kv_scales=runner.kv_scales,
+            attention_fn=step_attention(tp),  # one lowering for every layer (as the step's)
         )
         if tp is None:
             return jax.jit(_take_rows), jax.jit(recompute, donate_argnums=(1,))
-        recompute = functools.partial(
-            recompute, attention_fn=tp.attention_fn, experts_fn=tp.experts_fn
-        )
+        recompute = functools.partial(recompute, experts_fn=tp.experts_fn)
         kv = tp.kv_cache_shardings(self.target_config.num_layers)
         return (
             jax.jit(_take_rows, out_shardings=tp.replicated),
@@ -335,7 +335,7 @@ class Eagle3Proposer(TargetStatesDrafter):
             k=k,
             page_size=page,
             pad_slot=self.pad_slot,
-            attention_fn=None if tp is None else tp.attention_fn,
+            attention_fn=step_attention(tp),  # one lowering for every layer and step
         )
         self._chain = self.jit_chain(chain, self.draft_kv)
 

@@ -42,6 +42,7 @@ from jaxserve.models.mtp import MtpWeights, Pages, make_mtp_kv_cache, mtp_step
 from jaxserve.runner.drafting import StateStep, chain_from_states
 from jaxserve.runner.eagle3_proposer import TargetStatesDrafter
 from jaxserve.runner.parallel.sharding import TensorParallel, mtp_shardings
+from jaxserve.runner.programs import step_attention
 from jaxserve.runner.weight_update import committed
 
 
@@ -116,7 +117,7 @@ class MtpProposer(TargetStatesDrafter):
             k=k,
             page_size=page,
             pad_slot=self.pad_slot,
-            attention_fn=None if tp is None else tp.attention_fn,
+            attention_fn=step_attention(tp),  # one lowering for every layer and step
             experts_fn=None if tp is None else tp.experts_fn,
         )
         self._chain = self.jit_chain(chain, self.draft_kv)

@@ -107,13 +107,10 @@ def jitted_model_step(
     positional argument (jit takes no keyword argument beside ``in_shardings``).
     ``whole_prompts``: a pooling runner's attention over whole prompts, in place of the paged
     cache's (``pooling_attention.py``)."""
-    attention = dispatch.ragged_paged_attention if tp is None else tp.attention_fn
-    if batch_invariant:
-        attention = functools.partial(attention, batch_invariant=True)
     step = functools.partial(
         model_step,
         config=model_config,
-        attention_fn=whole_prompts or shared_attention(attention),
+        attention_fn=whole_prompts or step_attention(tp, batch_invariant),
         kv_scales=kv_scales,
         row_tile=invariant_row_tile(batch_invariant),
         aux_layers=aux_layers,
@@ -187,6 +184,16 @@ def invariant_compiler_options(batch_invariant: bool) -> dict[str, Any]:
 def invariant_row_tile(batch_invariant: bool) -> int | None:
     """The GEMMs' row tile in batch-invariant mode (``quant.INVARIANT_ROW_TILE``), else None."""
     return INVARIANT_ROW_TILE if batch_invariant else None
+
+
+def step_attention(tp: Any = None, batch_invariant: bool = False) -> Any:
+    """The attention op of a program over the paged cache (the model step's, a drafter's):
+    the kernel dispatch on one device, ``tp.attention_fn`` under tensor parallelism, each
+    under one jit (``shared_attention``)."""
+    attention = dispatch.ragged_paged_attention if tp is None else tp.attention_fn
+    if batch_invariant:
+        attention = functools.partial(attention, batch_invariant=True)
+    return shared_attention(attention)
 
 
 def shared_attention(attention_fn: Any) -> Any:
