@@ -37,6 +37,8 @@ def test_batch_invariant_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
     for mode in ("off", "on"):
         assert sorted(result[mode]["decode_ms"]) == ["1", "4"]
         assert result[mode]["offline_tokens_per_s"] > 0
+        memory = result[mode]["step_memory"]
+        assert memory["bucket"] == 64 and memory["argument_gib"] > 0 < memory["headroom_gib"]
     assert "on/off" in capsys.readouterr().out
 
 
