@@ -376,6 +376,22 @@ def test_spec_decode_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
     assert "speed-up at batch 1" in capsys.readouterr().out
 
 
+def test_lora_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
+    """Offline throughput with 0, 1 and 2 adapters, each run after one request on each
+    adapter (so the timed run loads none), and batch-1 TPOT of the base and one adapter."""
+    out = tmp_path / "lora.json"
+    args = ["--model", str(fixture_dir("llama")), "--num-prompts", "8", "--input-len", "16"]
+    args += ["--output-len", "8", "--adapters", "0,1,2", "--rank", "4", "--max-model-len", "64"]
+    args += ["--work-dir", str(tmp_path / "work"), "--out", str(out)]
+    run_script("benchmarks.lora", args, monkeypatch)
+    result = json.loads(out.read_text())
+    assert sorted(result["throughput"]) == ["0", "1", "2"]
+    assert all(v > 0 for v in result["throughput"].values())
+    assert sorted(result["tpot_s"]) == ["0", "1"]
+    printed = capsys.readouterr().out
+    assert "2 adapters loaded and warm in" in printed and "batch-1 TPOT, one adapter" in printed
+
+
 def test_lora_load_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
     """A server with LoRA on: the neighbours' ITL quiet and while adapters load, each load
     timed, and the server stopped after."""
