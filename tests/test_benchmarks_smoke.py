@@ -376,6 +376,22 @@ def test_spec_decode_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
     assert "speed-up at batch 1" in capsys.readouterr().out
 
 
+def test_weight_updates_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
+    """The updates, two level-1 sleeps and a level-2 one with their wakes in two parts, and the
+    transfer floors, on the tiny fixture: the same tokens after each."""
+    out = tmp_path / "wu.json"
+    args = ["--model", str(fixture_dir("llama")), "--max-model-len", "256"]
+    args += ["--gpu-memory-utilization", "0.9", "--out", str(out)]
+    run_script("benchmarks.weight_updates", args, monkeypatch)
+    result = json.loads(out.read_text())
+    for level in ("level1", "level1_again", "level2"):
+        row = result[level]
+        assert row["wake_s"] == row["wake_weights_s"] + row["wake_kv_cache_s"] > 0
+    assert all(result[k] for k in result if k.startswith("tokens_after"))
+    assert "to_host_pinned_s" in result["transfers"]
+    assert "level1_again: sleep" in capsys.readouterr().out
+
+
 def test_lora_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
     """Offline throughput with 0, 1 and 2 adapters, each run after one request on each
     adapter (so the timed run loads none), and batch-1 TPOT of the base and one adapter."""
