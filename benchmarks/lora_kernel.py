@@ -5,7 +5,8 @@ one joined A), o (4096 -> 4096), gate/up (4096 -> 14336 + 14336, one joined A) a
 4096), with M adapter slots (``--slots``, default 1, 8, 64) and T tokens (``--tokens``, default
 1, 64, 256) spread round-robin over min(M, T) slots (``--base-share`` of them on the base model
 instead), times:
-  kernel  ``pallas_kernels.lora.triton.lora_deltas`` (sort, shrink, expand, unsort),
+  kernel  ``pallas_kernels.lora.triton.lora_deltas`` (sort, shrink, expand, unsort; at steps
+          of at most 16 tokens one fused launch, timed beside the two launches' form),
   dense   ``pallas_kernels.lora.reference.lora_deltas`` (every slot's A and B, the one-hot
           mask between: what the model ran before the kernel, and runs off the GPU),
 against the floor: the bytes of the used slots' A and B, plus x read and the terms written, at
@@ -24,6 +25,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # before JAX starts
 
 import argparse
+import functools
 import json
 import warnings
 
@@ -65,8 +67,9 @@ def run_all(fn, xs, stacks, slots):
     return [fn(x, a, bs, slots) for x, (a, bs) in zip(xs, stacks, strict=True)]
 
 
-def kernel_all(xs, stacks, slots, interpret: bool):
-    return run_all(lambda *a: lt.lora_deltas(*a, interpret=interpret), xs, stacks, slots)
+def kernel_all(xs, stacks, slots, interpret: bool, config=lt.LoraKernelConfig()):
+    call = functools.partial(lt.lora_deltas, interpret=interpret, config=config)
+    return run_all(call, xs, stacks, slots)
 
 
 def dense_all(xs, stacks, slots):
@@ -102,20 +105,25 @@ def measure(args, groups) -> list[dict]:
                 xs = [jax.random.normal(jax.random.key(i), (t, x_in), dtype) for i in range(copies)]
                 slots_np = token_slots(t, m, args.base_share)
                 slots = jnp.asarray(slots_np)
-                kernel = jax.jit(kernel_all, static_argnums=3)
+                kernel = jax.jit(kernel_all, static_argnums=(3, 4))
                 kernel_s = best_time(kernel, xs, stacks, slots, interpret, **runs) / copies
+                two_s = kernel_s  # the two launches' time where auto took one (decode)
+                if lt.use_fused(lt.LoraKernelConfig(), t, args.rank):
+                    two = lt.LoraKernelConfig(fused=False)
+                    two_s = best_time(kernel, xs, stacks, slots, interpret, two, **runs) / copies
                 dense_s = best_time(jax.jit(dense_all), xs, stacks, slots, **runs) / copies
                 floor = used_bytes(x_in, outs, args.rank, slots_np, jnp.dtype(dtype).itemsize)
                 floor_s = floor / BANDWIDTH
                 rows.append(
                     dict(group=name, slots=m, tokens=t, used=len(set(slots_np.tolist()) - {0}),
-                         kernel_us=kernel_s * 1e6, dense_us=dense_s * 1e6,
-                         floor_us=floor_s * 1e6)
+                         kernel_us=kernel_s * 1e6, two_launch_us=two_s * 1e6,
+                         dense_us=dense_s * 1e6, floor_us=floor_s * 1e6)
                 )  # fmt: skip
                 r = rows[-1]
                 print(
                     f"  {name:8s} M={m:<3d} T={t:<4d} used={r['used']:<3d} kernel "
-                    f"{r['kernel_us']:8.1f} us  dense {r['dense_us']:8.1f} us  floor "
+                    f"{r['kernel_us']:8.1f} us  two launches {r['two_launch_us']:8.1f} us  "
+                    f"dense {r['dense_us']:8.1f} us  floor "
                     f"{r['floor_us']:6.1f} us",
                     flush=True,
                 )
@@ -124,25 +132,26 @@ def measure(args, groups) -> list[dict]:
 
 
 def print_tables(rows: list[dict]) -> None:
-    print("\n| group | slots | tokens | used | kernel us | dense us | floor us | kernel %floor "
-          "| dense / kernel |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| group | slots | tokens | used | kernel us | two launches us | dense us | floor us "
+          "| kernel %floor | dense / kernel |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['group']} | {r['slots']} | {r['tokens']} | {r['used']} | "
-            f"{r['kernel_us']:.1f} | {r['dense_us']:.1f} | {r['floor_us']:.1f} | "
+            f"{r['kernel_us']:.1f} | {r['two_launch_us']:.1f} | {r['dense_us']:.1f} | "
+            f"{r['floor_us']:.1f} | "
             f"{r['floor_us'] / r['kernel_us']:.0%} | {r['dense_us'] / r['kernel_us']:.2f}x |"
         )
     print(f"\none model step's LoRA terms ({LAYERS} layers, every group):")
-    print("| slots | tokens | kernel ms | dense ms | floor ms |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| slots | tokens | kernel ms | two launches ms | dense ms | floor ms |")
+    print("|---:|---:|---:|---:|---:|---:|")
     cells = sorted({(r["slots"], r["tokens"]) for r in rows})
     for m, t in cells:
         cell = [r for r in rows if (r["slots"], r["tokens"]) == (m, t)]
-        total = {k: LAYERS * sum(r[k] for r in cell) / 1e3 for k in ("kernel_us", "dense_us",
-                                                                      "floor_us")}  # fmt: skip
-        print(f"| {m} | {t} | {total['kernel_us']:.3f} | {total['dense_us']:.3f} | "
-              f"{total['floor_us']:.3f} |")  # fmt: skip
+        keys = ("kernel_us", "two_launch_us", "dense_us", "floor_us")
+        total = {k: LAYERS * sum(r[k] for r in cell) / 1e3 for k in keys}
+        print(f"| {m} | {t} | {total['kernel_us']:.3f} | {total['two_launch_us']:.3f} | "
+              f"{total['dense_us']:.3f} | {total['floor_us']:.3f} |")  # fmt: skip
 
 
 def main() -> None:
@@ -159,7 +168,7 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
     if args.smoke:
-        args.slots, args.tokens, args.rank = "1,3", "1,5", 4
+        args.slots, args.tokens, args.rank = "1,3", "1,20", 16  # T=1: one launch, 20: two
         groups = SMOKE_GROUPS
     else:
         groups = {g: GROUPS[g] for g in args.groups.split(",")}

@@ -392,6 +392,19 @@ def test_weight_updates_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
     assert "level1_again: sleep" in capsys.readouterr().out
 
 
+def test_lora_kernel_benchmark_smoke(tmp_path, monkeypatch) -> None:
+    """Each group's kernel, dense product and floor; at one token the fused form, timed beside
+    the two launches; at 20 tokens the two launches alone."""
+    out = tmp_path / "lk.json"
+    run_script("benchmarks.lora_kernel", ["--smoke", "--output-json", str(out)], monkeypatch)
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["group"], r["slots"], r["tokens"]) for r in rows} == {
+        (g, m, t) for g in ("qkv", "down") for m in (1, 3) for t in (1, 20)
+    }
+    assert all(r["kernel_us"] > 0 and r["two_launch_us"] > 0 for r in rows)
+    assert all(r["two_launch_us"] == r["kernel_us"] for r in rows if r["tokens"] == 20)
+
+
 def test_lora_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
     """Offline throughput with 0, 1 and 2 adapters, each run after one request on each
     adapter (so the timed run loads none), and batch-1 TPOT of the base and one adapter."""

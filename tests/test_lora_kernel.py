@@ -68,6 +68,38 @@ CPU_CASES = [
         "float16",
         config=lt.LoraKernelConfig(block_m=64, block_k=32, block_n=32),
     ),  # fmt: skip
+    # The same decode token on the two launches (at rank 16 and one token, the fused form).
+    Case(
+        "one_token_two_launches",
+        (5,),
+        8,
+        16,
+        64,
+        (48,),
+        config=lt.LoraKernelConfig(block_k=16, block_n=16, fused=False),
+    ),  # fmt: skip
+    # Fused (one launch): q, k, v of mixed slots and the base, X the 16-wide steps do not divide.
+    Case(
+        "fused_qkv_ragged_x",
+        _mixed(7, 3, 4),
+        3,
+        16,
+        40,
+        (48, 16, 16),
+        config=lt.LoraKernelConfig(block_k=16, block_n=16, fused=True),
+    ),  # fmt: skip
+    # Fused in bf16 at decode (auto), an output the column tiles do not divide.
+    Case("fused_decode_bf16", _mixed(12, 4, 5), 4, 16, 64, (40,), "bfloat16"),
+    # Fused over several row tiles (forced): rows of one slot crossing 16-row blocks, rank 32.
+    Case(
+        "fused_rows_across_tiles",
+        (1,) * 20 + (2, 0) * 6,
+        2,
+        32,
+        32,
+        (24, 24),
+        config=lt.LoraKernelConfig(block_k=16, block_n=16, fused=True),
+    ),  # fmt: skip
 ]
 
 
@@ -155,6 +187,16 @@ def test_the_shrink_splits_x_while_few_tiles_hold_rows():
     assert "dtypes" in str(lt.unsupported_reason(x, a, [jnp.zeros((2, 4, 8), jnp.bfloat16)]))
 
 
+def test_one_launch_at_decode_where_the_rank_fills_its_tile():
+    """The fused form (shrink and expand in one launch) at steps of at most 16 tokens and
+    ranks that are powers of two from 16; two launches above, or when forced off."""
+    auto, on, off = (lt.LoraKernelConfig(fused=f) for f in (None, True, False))
+    assert lt.use_fused(auto, 1, 16) and lt.use_fused(auto, lt.FUSED_MAX_TOKENS, 64)
+    assert not lt.use_fused(auto, lt.FUSED_MAX_TOKENS + 1, 16)
+    assert not lt.use_fused(auto, 1, 8) and not lt.use_fused(on, 1, 24)  # the rank's tile
+    assert lt.use_fused(on, 256, 16) and not lt.use_fused(off, 1, 16)
+
+
 def test_dispatch_takes_the_reference_off_the_gpu_and_the_kernel_when_asked(monkeypatch):
     case = CPU_CASES[3]
     x, a, bs, slots = make_inputs(case, 0)
@@ -217,7 +259,11 @@ def test_lowers_to_triton_for_an_h200(verify_triton_modules):
     with jax.sharding.use_abstract_mesh(mesh):
         lowered = jax.jit(lt.lora_deltas).trace(x, a, bs, slots)
         text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+        one = jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16)  # decode: the fused form
+        lowered = jax.jit(lt.lora_deltas).trace(one, a, bs, jax.ShapeDtypeStruct((1,), jnp.int32))
+        fused = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") >= 2
+    assert fused.count("__gpu$xla.gpu.triton") == 1 and "lora_fused" in fused
 
 
 def _is_gpu() -> bool:
@@ -242,7 +288,7 @@ GPU_CASES = [
         ("gate_up", 4096, (14336, 14336)),
         ("down", 14336, (4096,)),
     )
-    for t, m in ((1, 1), (64, 8), (256, 64))
+    for t, m in ((1, 1), (16, 8), (64, 8), (256, 64))  # 1 and 16 tokens: the fused form
 ]
 
 

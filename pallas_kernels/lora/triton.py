@@ -52,6 +52,9 @@ from pallas_kernels.grouped_matmul.triton import num_tiles_for, plan_tiles
 from pallas_kernels.skinny_matmul.triton import num_sms
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# The fused form at decode (``use_fused``): a step of at most this many tokens is one row tile
+# (block_m 16), so each output tile's own reduction over X reads only the rows it stores.
+FUSED_MAX_TOKENS = 16
 PROGRAMS_PER_SM = 4  # the shrink splits X until its grid holds about this many per SM
 MAX_SPLITS = 32
 
@@ -75,6 +78,10 @@ class LoraKernelConfig:
     num_splits: int | None = None  # the shrink's splits of X (a power of two)
     num_warps: int = 4
     num_stages: int = 3
+    # One launch instead of two: each output tile reduces its rows' x @ A over all of X itself
+    # (``fused``). None: at steps of at most ``FUSED_MAX_TOKENS`` tokens with a rank that fills
+    # its tile (``use_fused``); True / False force it where it can run / never.
+    fused: bool | None = None
 
     def __post_init__(self):
         for name in ("block_m", "block_k", "block_n"):
@@ -108,6 +115,15 @@ def plan(num_tokens: int, num_slots: int, size_x: int, sms: int, config: LoraKer
     return dataclasses.replace(
         config, block_m=block_m, block_k=block_k, num_splits=num_splits, block_n=config.block_n
     )
+
+
+def use_fused(config: LoraKernelConfig, num_tokens: int, rank: int) -> bool:
+    """Whether the call runs as one launch (``fused``): forced by ``config.fused``, else at
+    steps of at most ``FUSED_MAX_TOKENS`` tokens; only where the rank is a power of two of at
+    least 16 (each projection's columns of the joined A are then whole tiles, no mask)."""
+    if rank < 16 or rank & (rank - 1):
+        return False
+    return config.fused if config.fused is not None else num_tokens <= FUSED_MAX_TOKENS
 
 
 def sort_tokens(
@@ -272,6 +288,107 @@ def _expand_part(
         pltriton.store(out_tile, jnp.zeros((block_m, block_n), out_ref.dtype), mask=out_mask)
 
 
+def _fused_kernel(
+    plan_ref, order_ref, x_ref, a_ref, *refs, col_tiles, block_m, block_n, block_k, precision
+):
+    # plan_ref i32[4, tiles]; order_ref i32[T]; x_ref [T, X] and a_ref [M, X, n * R];
+    # refs: n b_ref [M, R, O_i], then n out_ref [T, O_i], both in the tokens' order
+    num_parts = len(refs) // 2
+    col, tile = pl.program_id(0), pl.program_id(1)
+    segment, first_row, is_row, works = _tile(plan_ref, tile, block_m)
+    rows = _sorted_rows(order_ref, first_row, is_row)[:, None]  # [block_m, 1]: x's and out's
+    first_col = 0
+    for part in range(num_parts):  # static: the column tile's projection, by its range
+        part_col = col - first_col
+        first_col += col_tiles[part]
+        _fused_part(
+            x_ref,
+            a_ref,
+            refs[part],
+            refs[num_parts + part],
+            part,
+            part_col,
+            works & (part_col >= 0) & (part_col < col_tiles[part]),
+            segment,
+            is_row,
+            rows,
+            block_n=block_n,
+            block_k=block_k,
+            precision=precision,
+        )
+
+
+def _fused_part(
+    x_ref,
+    a_ref,
+    b_ref,
+    out_ref,
+    part,
+    part_col,
+    works,
+    segment,
+    is_row,
+    rows,
+    *,
+    block_n,
+    block_k,
+    precision,
+):
+    """One projection's column tile ``part_col`` of a row tile, when ``works``."""
+    num_slots, size_r, size_o = b_ref.shape
+    cols = part_col * block_n + jnp.arange(block_n, dtype=jnp.int32)
+    is_col = cols < size_o if size_o % block_n else None
+    out_tile = out_ref.at[rows, cols[None, :]]  # stored at the tokens' own rows
+    out_mask = _mask2(is_row, is_col, (is_row.shape[0], block_n))
+
+    @pl.when(works & (segment < num_slots))
+    def _():
+        first_r = part * size_r  # the projection's columns of the joined A
+        xa = _fused_xa(x_ref, a_ref, rows, is_row, segment, first_r, size_r, block_k, precision)
+        b_mask = _mask2(None, is_col, (size_r, block_n))
+        b = pltriton.load(
+            b_ref.at[segment, pl.ds(0, size_r), pl.ds(part_col * block_n, block_n)],
+            mask=b_mask,
+            other=None if b_mask is None else 0,
+        )  # [R, block_n]
+        # x @ A rounded to x's dtype before @ B, as the reference and the einsums do
+        y = pltriton.dot(xa.astype(b.dtype), b, precision=precision)
+        pltriton.store(out_tile, y.astype(out_ref.dtype), mask=out_mask)
+
+    # The base model's tokens: zeros, no weight read.
+    @pl.when(works & (segment >= num_slots))
+    def _():
+        zeros = jnp.zeros((is_row.shape[0], block_n), out_ref.dtype)
+        pltriton.store(out_tile, zeros, mask=out_mask)
+
+
+def _fused_xa(x_ref, a_ref, rows, is_row, segment, first_r, size_r, block_k, precision):
+    """f32[block_m, R]: the rows' ``x @ A[segment][:, first_r : first_r + R]`` over all of X,
+    ``block_k`` columns of x a step."""
+    size_x = x_ref.shape[1]
+    ragged_k = size_x % block_k != 0  # static: the last step needs a mask
+
+    def step(i, acc):  # acc f32[block_m, R]
+        k0 = pl.multiple_of(i * block_k, block_k)
+        ks = k0 + jnp.arange(block_k, dtype=jnp.int32)
+        is_k = ks < size_x if ragged_k else None
+        x = pltriton.load(
+            x_ref.at[rows, ks[None, :]],
+            mask=_mask2(is_row, is_k, (is_row.shape[0], block_k)),
+            other=0,
+        )  # [block_m, block_k]: the tile's rows, gathered
+        a_mask = _mask2(is_k, None, (block_k, size_r))
+        a = pltriton.load(
+            a_ref.at[segment, pl.ds(k0, block_k), pl.ds(first_r, size_r)],
+            mask=a_mask,
+            other=None if a_mask is None else 0,
+        )  # [block_k, R]
+        return acc + pltriton.dot(x, a, precision=precision)
+
+    init = jnp.zeros((is_row.shape[0], size_r), jnp.float32)
+    return lax.fori_loop(0, pl.cdiv(size_x, block_k), step, init)
+
+
 def unsupported_reason(x, a, bs) -> str | None:
     """Why this call cannot run on the kernel (shapes and dtypes only), or None."""
     if x.ndim != 2 or a.ndim != 3 or x.shape[1] != a.shape[1]:
@@ -328,28 +445,57 @@ def expand(
     """Every projection's term in one call: the grid's columns are the n outputs' column
     tiles one after another."""
     assert tiles.block_m
-    block_n = tiles.block_n or min(128, max(16, _next_pow2(max(b.shape[2] for b in bs))))
-    col_tiles = tuple(pl.cdiv(b.shape[2], block_n) for b in bs)
     body = functools.partial(
         _expand_kernel,
-        col_tiles=col_tiles,
         block_m=tiles.block_m,
-        block_n=block_n,
         block_r=max(16, _next_pow2(bs[0].shape[1])),
         precision=_precision(bs[0].dtype),
     )
-    num_tokens = xa.shape[1]
+    return _per_output_tile(body, (xa,), order, bs, tile_plan, tiles, interpret, "lora_expand")
+
+
+def fused(
+    x: jax.Array,  # [T, X]  in the tokens' order
+    order: jax.Array,  # i32[T]
+    a: jax.Array,  # [M, X, n * R]
+    bs: Sequence[jax.Array],  # n x [M, R, O_i]
+    tile_plan: jax.Array,
+    tiles: LoraKernelConfig,
+    interpret: bool,
+) -> tuple[jax.Array, ...]:  # n x [T, O_i] in the tokens' order, x's dtype
+    """The shrink and the expand in one launch (``use_fused``): each output column tile of
+    each row tile reduces its rows' ``x @ A`` over all of X for its projection's R columns of
+    A, then multiplies by its strip of B. At decode the rows are few, so the reduction each
+    tile repeats reads only x's few rows and its projection's A (from L2 after the first)."""
+    assert tiles.block_m and tiles.block_k
+    body = functools.partial(
+        _fused_kernel,
+        block_m=tiles.block_m,
+        block_k=tiles.block_k,
+        precision=_precision(x.dtype),
+    )
+    return _per_output_tile(body, (x, a), order, bs, tile_plan, tiles, interpret, "lora_fused")
+
+
+def _per_output_tile(
+    body, inputs: tuple[jax.Array, ...], order, bs, tile_plan, tiles, interpret: bool, name: str
+) -> tuple[jax.Array, ...]:
+    """``body`` over a grid of (every output's column tiles one after another, row tiles):
+    ``body(plan_ref, order_ref, *inputs, *b_refs, *out_refs, col_tiles=, block_n=)``."""
+    block_n = tiles.block_n or min(128, max(16, _next_pow2(max(b.shape[2] for b in bs))))
+    col_tiles = tuple(pl.cdiv(b.shape[2], block_n) for b in bs)
+    num_tokens = order.shape[0]
     return tuple(
         pl.pallas_call(
-            body,
+            functools.partial(body, col_tiles=col_tiles, block_n=block_n),
             out_shape=tuple(jax.ShapeDtypeStruct((num_tokens, b.shape[2]), b.dtype) for b in bs),
             grid=(sum(col_tiles), tile_plan.shape[1]),
             compiler_params=pltriton.CompilerParams(
                 num_warps=tiles.num_warps, num_stages=tiles.num_stages
             ),
             interpret=interpret,
-            name="lora_expand",
-        )(tile_plan, order, xa, *bs)
+            name=name,
+        )(tile_plan, order, *inputs, *bs)
     )
 
 
@@ -377,5 +523,7 @@ def lora_deltas(
     order, sizes = sort_tokens(token_slots, num_slots)
     tile_plan = plan_tiles(sizes, num_rows=num_tokens, block_m=tiles.block_m)
     assert tile_plan.shape[1] == num_tiles_for(num_tokens, num_slots, tiles.block_m)
+    if use_fused(config, num_tokens, a.shape[2] // len(bs)):
+        return fused(x, order, a, tuple(bs), tile_plan, tiles, interpret)
     xa = shrink(x, order, a, tile_plan, tiles, interpret)  # f32[S, T, n * R], sorted
     return expand(xa, order, bs, tile_plan, tiles, interpret)
