@@ -221,6 +221,17 @@ def test_every_layer_and_step_of_a_drafters_programs_shares_one_attention_loweri
     assert K * layers > 2  # bare, each program would have traced more than twice
 
 
+def test_eagle3_serves_in_bfloat16_on_the_cpu() -> None:
+    """The head's logits (bf16 summed into f32) inside the chain's fusions: XLA's CPU runtime
+    has no such dot there, so the CPU takes f32 operands (``quant._cpu_upcasts``); the tokens
+    are the plain bf16 engine's."""
+    prompts = PROMPTS[:2]
+    plain_bf16 = token_ids(make_llm(dtype="bfloat16"), prompts)
+    llm = make_llm(METHODS["eagle3"], dtype="bfloat16")
+    assert token_ids(llm, prompts) == plain_bf16
+    assert llm.engine.spec_stats.num_drafts > 0
+
+
 def test_shutdown_gives_the_drafters_memory_back(method) -> None:
     """``LLM.shutdown`` frees a model drafter's pages and lets go of its weights, as the
     runner's: a second engine in the process needs the memory."""

@@ -166,6 +166,8 @@ def linear(
     if kernel is not None:
         return kernel
     if not isinstance(w, QArray):
+        if _cpu_upcasts(x, w, out_dtype):
+            x, w = x.astype(out_dtype), w.astype(out_dtype)
         return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
     lead = x.shape[: x.ndim - len(w.in_shape)]
     x2 = x.reshape(-1, math.prod(w.in_shape))  # [T, in]
@@ -184,6 +186,18 @@ def linear(
             x2, dequantize(w, x.dtype), _CONTRACT_IN, preferred_element_type=jnp.float32
         )
     return y.astype(out_dtype or x.dtype).reshape(*lead, *w.out_shape)
+
+
+def _cpu_upcasts(x: jax.Array, w: jax.Array, out_dtype: Any) -> bool:
+    """Whether a 16-bit matmul summed into f32 takes f32 operands: on the CPU, whose runtime
+    has no bf16 x bf16 -> f32 dot inside some fusions ("Unsupported element type for
+    DotThunk", an EAGLE-3 head's logits in bf16). Exact: every bf16 and f16 is an f32."""
+    return (
+        out_dtype == jnp.float32
+        and x.dtype != out_dtype
+        and w.dtype == x.dtype
+        and jax.default_backend() == "cpu"
+    )
 
 
 # Batch-invariant mode's GEMM rows. A decode step of up to 128 sequences costs about what it
