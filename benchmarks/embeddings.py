@@ -21,7 +21,7 @@ one of one step's texts; the start (weights, warm-up compile) is reported apart.
 
     python -m benchmarks.embeddings --out X.json            # on the H200
     python -m benchmarks.embeddings --num-texts 64 --text-len 32 --max-num-batched-tokens 256 \\
-        --qwen3-model tests/fixtures/embeddings/qwen3_last \\
+        --max-model-len 64 --qwen3-model tests/fixtures/embeddings/qwen3_last \\
         --bge-model tests/fixtures/encoders/bert_embed --dtype float32 --out /tmp/e.json  # CPU
 """
 

@@ -392,6 +392,22 @@ def test_weight_updates_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
     assert "level1_again: sleep" in capsys.readouterr().out
 
 
+def test_embeddings_benchmark_smoke(tmp_path, monkeypatch) -> None:
+    """The docstring's CPU command: both models' texts/s and roofline share, each model's step
+    log written."""
+    out, logs = tmp_path / "e.json", tmp_path / "logs"
+    args = ["--num-texts", "64", "--text-len", "32", "--max-num-batched-tokens", "256"]
+    fixtures = fixture_dir("llama").parent.parent  # tests/fixtures (fixture_dir: its models/)
+    args += ["--max-model-len", "64", "--dtype", "float32", "--out", str(out)]
+    args += ["--qwen3-model", str(fixtures / "embeddings/qwen3_last")]
+    args += ["--bge-model", str(fixtures / "encoders/bert_embed"), "--step-log-dir", str(logs)]
+    run_script("benchmarks.embeddings", args, monkeypatch)
+    results = json.loads(out.read_text())["results"]
+    assert [r["texts"] for r in results] == [64, 64]
+    assert all(r["texts_per_s"] > 0 and r["roofline_share"] > 0 for r in results)
+    assert sorted(p.name for p in logs.iterdir()) == ["bge_steps.jsonl", "qwen3_steps.jsonl"]
+
+
 def test_lora_kernel_benchmark_smoke(tmp_path, monkeypatch) -> None:
     """Each group's kernel, dense product and floor; at one token the fused form, timed beside
     the two launches; at 20 tokens the two launches alone."""
