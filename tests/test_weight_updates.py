@@ -4,6 +4,8 @@ weights that do not fit change nothing; the prefix cache is cleared."""
 
 from __future__ import annotations
 
+import logging
+import re
 import shutil
 import time
 from pathlib import Path
@@ -14,6 +16,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxserve.engine.llm import LLM
+from jaxserve.models.loading.load_progress import format_bytes
+from jaxserve.runner.sleep import device_bytes
 from jaxserve.runner.weight_update import WeightsUpdateError
 from jaxserve.sampling_params import SamplingParams
 from tests.conftest import SMALL_ENGINE, fixture_dir
@@ -260,7 +264,9 @@ def live_device_bytes() -> int:
     return sum(a.nbytes for a in jax.live_arrays())
 
 
-def test_sleep_gives_the_device_memory_up_and_wake_restores_the_same_model(llm) -> None:
+def test_sleep_gives_the_device_memory_up_and_wake_restores_the_same_model(llm, caplog) -> None:
+    """Each level gives the memory up and the wake brings the same model back, compiling
+    nothing; each says in the log how long it took and what it moved (as vLLM's do)."""
     with pytest.raises(RuntimeError, match="enable_sleep_mode"):
         llm.sleep(1)  # the module's engine runs without sleep mode
     sleepy = LLM(str(fixture_dir("llama")), dtype="float32", enable_sleep_mode=True, **SMALL_ENGINE)
@@ -268,8 +274,22 @@ def test_sleep_gives_the_device_memory_up_and_wake_restores_the_same_model(llm) 
     runner = sleepy.engine.runner
     held, live = runner.device_bytes(), live_device_bytes()
     num_programs = runner.programs.step_fn._cache_size()
+    weights_held = format_bytes(device_bytes(runner.weights))
+    kv_held = format_bytes(device_bytes(runner.kv_cache))
     for level in (1, 2):
-        sleepy.sleep(level)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="jaxserve.runner.sleep"):
+            sleepy.sleep(level)
+        moved = (
+            f"{weights_held} of weights copied to pinned host memory in"
+            if level == 1
+            else f"{weights_held} of weights dropped"
+        )
+        assert re.search(
+            rf"Asleep \(level {level}\) in [\d.]+ s: {re.escape(moved)}.*the KV cache's "
+            rf"{re.escape(kv_held)} freed",
+            caplog.text,
+        ), caplog.text
         assert sleepy.is_sleeping and runner.device_bytes() == 0
         assert live - live_device_bytes() >= 0.95 * held  # given back, not only forgotten
         assert not sleepy.engine.kv.pool.cached  # the KV cache wakes empty
@@ -277,9 +297,13 @@ def test_sleep_gives_the_device_memory_up_and_wake_restores_the_same_model(llm) 
             sample(sleepy)
         with pytest.raises(RuntimeError, match="asleep already"):
             sleepy.sleep(1)
-        sleepy.wake_up(["weights"])
-        assert sleepy.is_sleeping  # the KV cache still sleeps
-        sleepy.wake_up(["kv_cache"])
+        with caplog.at_level(logging.INFO, logger="jaxserve.runner.sleep"):
+            sleepy.wake_up(["weights"])
+            assert sleepy.is_sleeping  # the KV cache still sleeps
+            sleepy.wake_up(["kv_cache"])
+        source = "host memory" if level == 1 else "their source"
+        assert re.search(rf"Partly awake in [\d.]+ s: the weights from {source} in", caplog.text)
+        assert re.search(r"\bAwake in [\d.]+ s: the KV cache in [\d.]+ s", caplog.text)
         assert not sleepy.is_sleeping and runner.device_bytes() == held
         again, again_logprobs = sample(sleepy)
         assert again == before
@@ -324,7 +348,7 @@ def test_level_1_keeps_the_weights_in_pinned_host_memory_and_serves_them_committ
     sleepy.shutdown()
 
 
-def test_level_1_falls_back_to_numpy_without_pinned_host_memory(monkeypatch) -> None:
+def test_level_1_falls_back_to_numpy_without_pinned_host_memory(monkeypatch, caplog) -> None:
     """A backend without pinned host memory keeps level 1's copy in numpy arrays."""
     from jaxserve.runner import sleep
 
@@ -339,7 +363,9 @@ def test_level_1_falls_back_to_numpy_without_pinned_host_memory(monkeypatch) -> 
     sleepy = LLM(str(fixture_dir("llama")), dtype="float32", enable_sleep_mode=True, **SMALL_ENGINE)
     before, _ = sample(sleepy)
     monkeypatch.setattr(sleep.jax, "device_put", no_pinned)
-    sleepy.sleep(1)
+    with caplog.at_level(logging.INFO, logger="jaxserve.runner.sleep"):
+        sleepy.sleep(1)
+    assert "of weights copied to host memory in" in caplog.text
     host = sleepy.engine.runner.asleep.host_weights
     assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(host))
     sleepy.wake_up()

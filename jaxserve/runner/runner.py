@@ -55,6 +55,8 @@ from jaxserve.runner.sleep import (
     abstract,
     device_bytes,
     free,
+    log_asleep,
+    log_awake,
     placements,
     to_device,
     to_host,
@@ -296,19 +298,25 @@ class ModelRunner:
         """Level 1: the weights to host memory; level 2: the weights dropped. The KV cache is
         freed in both; the compiled programs stay."""
         self.asleep.check_sleep(level)
+        start = time.perf_counter()
         self.loading.forget()  # the loader's reference to the weights it made
+        held = (device_bytes(self.weights), device_bytes(self.kv_cache))
         self.asleep = SleepState(level, True, True, placements=placements(self.weights))
         if level == 1:
             self.asleep.host_weights = to_host(self.weights)
+        copied = time.perf_counter() - start
         free(self.kv_cache)
         self.kv_cache = None
         self._swap_weights(abstract(self.weights))  # the last reference: the memory is free
+        log_asleep(level, time.perf_counter() - start, copied, held, self.asleep.host_weights)
 
     def wake_up(self, tags: tuple[str, ...] = WAKE_TAGS) -> None:
         """Make the weights (``"weights"``: from host memory after level 1, else as the
         start-up made them) and an empty KV cache (``"kv_cache"``) again."""
         self.asleep.check_tags(tags)
+        woken: list[tuple[str, float]] = []  # (what, seconds until it is on the device)
         if "weights" in tags and self.asleep.weights_asleep:
+            start = time.perf_counter()
             if self.asleep.host_weights is not None:
                 weights = to_device(self.asleep.host_weights, self.asleep.placements)
             else:
@@ -317,10 +325,17 @@ class ModelRunner:
                     self.model_config, self.config, self.dtype, placement, self.quant
                 )
             self._swap_weights(checked_weights(self.weights, weights))
+            jax.block_until_ready(self.weights)
+            source = "host memory" if self.asleep.host_weights is not None else "their source"
+            woken.append((f"the weights from {source}", time.perf_counter() - start))
             self.asleep.weights_asleep, self.asleep.host_weights = False, None
         if "kv_cache" in tags and self.asleep.kv_cache_asleep:
+            start = time.perf_counter()
             self.allocate_kv_cache()
+            jax.block_until_ready(self.kv_cache)
+            woken.append(("the KV cache", time.perf_counter() - start))
             self.asleep.kv_cache_asleep = False
+        log_awake(woken, self.asleep.weights_asleep or self.asleep.kv_cache_asleep)
         if not self.asleep.weights_asleep and not self.asleep.kv_cache_asleep:
             self.asleep = SleepState()
 

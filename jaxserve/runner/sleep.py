@@ -20,6 +20,8 @@ from typing import Any
 
 import jax
 
+from jaxserve.models.loading.load_progress import format_bytes
+
 _LOG = logging.getLogger(__name__)
 
 SLEEP_LEVELS = (1, 2)
@@ -96,3 +98,36 @@ def device_bytes(*trees: Any) -> int:
         for leaf in jax.tree.leaves(tree)
         if isinstance(leaf, jax.Array) and not leaf.is_deleted()
     )
+
+
+def log_asleep(
+    level: int, seconds: float, copied: float, held: tuple[int, int], host_weights: Any
+) -> None:
+    """The sleep's line (as vLLM says how long it took and what it freed): ``held``, the
+    weights' and the KV cache's device bytes; ``copied``, the seconds until the weights were
+    in host memory (level 1)."""
+    weights, kv_cache = held
+    if level == 1:
+        leaves = jax.tree.leaves(host_weights)
+        sharding = getattr(leaves[0], "sharding", None) if leaves else None  # (numpy: none)
+        pinned = sharding is not None and sharding.memory_kind == "pinned_host"
+        where = "pinned host memory" if pinned else "host memory"
+        what = f"{format_bytes(weights)} of weights copied to {where} in {copied:.2f} s"
+    else:
+        what = f"{format_bytes(weights)} of weights dropped"
+    _LOG.info(
+        "Asleep (level %d) in %.2f s: %s, the KV cache's %s freed",
+        level,
+        seconds,
+        what,
+        format_bytes(kv_cache),
+    )
+
+
+def log_awake(woken: list[tuple[str, float]], still_asleep: bool) -> None:
+    """The wake's line: what came back and how long each took to be on the device."""
+    if not woken:
+        return
+    parts = ", ".join(f"{what} in {seconds:.2f} s" for what, seconds in woken)
+    total = sum(seconds for _, seconds in woken)
+    _LOG.info("%s in %.2f s: %s", "Partly awake" if still_asleep else "Awake", total, parts)
