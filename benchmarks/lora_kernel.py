@@ -6,7 +6,8 @@ one joined A), o (4096 -> 4096), gate/up (4096 -> 14336 + 14336, one joined A) a
 1, 64, 256) spread round-robin over min(M, T) slots (``--base-share`` of them on the base model
 instead), times:
   kernel  ``pallas_kernels.lora.triton.lora_deltas`` (sort, shrink, expand, unsort; at steps
-          of at most 16 tokens one fused launch, timed beside the two launches' form),
+          of at most 16 tokens one fused launch, timed beside the two launches' form and
+          over its steps along X, ``--fused-block-ks``),
   dense   ``pallas_kernels.lora.reference.lora_deltas`` (every slot's A and B, the one-hot
           mask between: what the model ran before the kernel, and runs off the GPU),
 against the floor: the bytes of the used slots' A and B, plus x read and the terms written, at
@@ -108,15 +109,21 @@ def measure(args, groups) -> list[dict]:
                 kernel = jax.jit(kernel_all, static_argnums=(3, 4))
                 kernel_s = best_time(kernel, xs, stacks, slots, interpret, **runs) / copies
                 two_s = kernel_s  # the two launches' time where auto took one (decode)
+                sweep: dict[int, float] = {}  # the one launch's step along X -> us
                 if lt.use_fused(lt.LoraKernelConfig(), t, args.rank):
                     two = lt.LoraKernelConfig(fused=False)
                     two_s = best_time(kernel, xs, stacks, slots, interpret, two, **runs) / copies
+                    for block_k in [int(k) for k in args.fused_block_ks.split(",")]:
+                        one = lt.LoraKernelConfig(block_k=block_k, fused=True)
+                        sec = best_time(kernel, xs, stacks, slots, interpret, one, **runs)
+                        sweep[block_k] = sec / copies * 1e6
                 dense_s = best_time(jax.jit(dense_all), xs, stacks, slots, **runs) / copies
                 floor = used_bytes(x_in, outs, args.rank, slots_np, jnp.dtype(dtype).itemsize)
                 floor_s = floor / BANDWIDTH
                 rows.append(
                     dict(group=name, slots=m, tokens=t, used=len(set(slots_np.tolist()) - {0}),
                          kernel_us=kernel_s * 1e6, two_launch_us=two_s * 1e6,
+                         fused_block_k_us=sweep,
                          dense_us=dense_s * 1e6, floor_us=floor_s * 1e6)
                 )  # fmt: skip
                 r = rows[-1]
@@ -124,7 +131,8 @@ def measure(args, groups) -> list[dict]:
                     f"  {name:8s} M={m:<3d} T={t:<4d} used={r['used']:<3d} kernel "
                     f"{r['kernel_us']:8.1f} us  two launches {r['two_launch_us']:8.1f} us  "
                     f"dense {r['dense_us']:8.1f} us  floor "
-                    f"{r['floor_us']:6.1f} us",
+                    f"{r['floor_us']:6.1f} us"
+                    + "".join(f"  one launch, block_k {k}: {v:.1f} us" for k, v in sweep.items()),
                     flush=True,
                 )
             del stacks
@@ -162,6 +170,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--base-share", type=float, default=0.0, help="tokens on no adapter")
     parser.add_argument("--copies", type=int, default=8)
+    parser.add_argument(
+        "--fused-block-ks", default="128,256,512", help="the one launch's steps along X, swept"
+    )
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode")
     parser.add_argument("--output-json", default=None)
@@ -169,6 +180,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
     if args.smoke:
         args.slots, args.tokens, args.rank = "1,3", "1,20", 16  # T=1: one launch, 20: two
+        args.fused_block_ks = "16,32"
         groups = SMOKE_GROUPS
     else:
         groups = {g: GROUPS[g] for g in args.groups.split(",")}

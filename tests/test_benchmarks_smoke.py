@@ -419,6 +419,7 @@ def test_lora_kernel_benchmark_smoke(tmp_path, monkeypatch) -> None:
     }
     assert all(r["kernel_us"] > 0 and r["two_launch_us"] > 0 for r in rows)
     assert all(r["two_launch_us"] == r["kernel_us"] for r in rows if r["tokens"] == 20)
+    assert all(sorted(r["fused_block_k_us"]) == ["16", "32"] for r in rows if r["tokens"] == 1)
 
 
 def test_lora_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:

@@ -195,6 +195,10 @@ def test_one_launch_at_decode_where_the_rank_fills_its_tile():
     assert not lt.use_fused(auto, lt.FUSED_MAX_TOKENS + 1, 16)
     assert not lt.use_fused(auto, 1, 8) and not lt.use_fused(on, 1, 24)  # the rank's tile
     assert lt.use_fused(on, 256, 16) and not lt.use_fused(off, 1, 16)
+    # its steps along X: longer than the shrink's, up to X's own power of two
+    assert lt.plan(1, 8, 4096, 132, auto, fused=True).block_k == lt.FUSED_BLOCK_K
+    assert lt.plan(1, 8, 40, 132, auto, fused=True).block_k == 64
+    assert lt.plan(1, 8, 4096, 132, auto).block_k == 128
 
 
 def test_dispatch_takes_the_reference_off_the_gpu_and_the_kernel_when_asked(monkeypatch):

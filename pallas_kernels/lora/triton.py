@@ -55,6 +55,10 @@ DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # The fused form at decode (``use_fused``): a step of at most this many tokens is one row tile
 # (block_m 16), so each output tile's own reduction over X reads only the rows it stores.
 FUSED_MAX_TOKENS = 16
+# Its step along X: each tile walks all of X alone (down: 14,336), so longer steps than the
+# shrink's 128 mean fewer dependent loads. A first choice, not yet timed: the kernel benchmark
+# sweeps 128 / 256 / 512 at one token.
+FUSED_BLOCK_K = 256
 PROGRAMS_PER_SM = 4  # the shrink splits X until its grid holds about this many per SM
 MAX_SPLITS = 32
 
@@ -96,12 +100,21 @@ class LoraKernelConfig:
             raise ValueError(f"{self.num_stages=} must be in [1, 8]")
 
 
-def plan(num_tokens: int, num_slots: int, size_x: int, sms: int, config: LoraKernelConfig):
+def plan(
+    num_tokens: int,
+    num_slots: int,
+    size_x: int,
+    sms: int,
+    config: LoraKernelConfig,
+    fused: bool = False,
+):
     """``config`` with every ``None`` filled for these shapes. Splits of X: as many as keep the
     tiles that may hold rows (at most one per token block and slot) under
-    ``PROGRAMS_PER_SM`` programs per SM, and at least one ``block_k`` step each."""
+    ``PROGRAMS_PER_SM`` programs per SM, and at least one ``block_k`` step each. ``fused``: the
+    one-launch form's longer steps along X (``FUSED_BLOCK_K``; it has no splits)."""
     block_m = config.block_m or (16 if num_tokens <= 32 * num_slots else 64)
-    block_k = config.block_k or min(128, max(16, _next_pow2(size_x)))
+    widest = FUSED_BLOCK_K if fused else 128
+    block_k = config.block_k or min(widest, max(16, _next_pow2(size_x)))
     num_splits = config.num_splits
     if num_splits is None:
         busy = pl.cdiv(num_tokens, block_m) + min(num_slots, num_tokens)
@@ -518,12 +531,13 @@ def lora_deltas(
     num_slots = a.shape[0]
     if token_slots.shape != (num_tokens,):
         raise ValueError(f"token_slots.shape={token_slots.shape} must be ({num_tokens},)")
-    tiles = plan(num_tokens, num_slots, size_x, num_sms(), config)
+    one_launch = use_fused(config, num_tokens, a.shape[2] // len(bs))
+    tiles = plan(num_tokens, num_slots, size_x, num_sms(), config, fused=one_launch)
     assert tiles.block_m
     order, sizes = sort_tokens(token_slots, num_slots)
     tile_plan = plan_tiles(sizes, num_rows=num_tokens, block_m=tiles.block_m)
     assert tile_plan.shape[1] == num_tiles_for(num_tokens, num_slots, tiles.block_m)
-    if use_fused(config, num_tokens, a.shape[2] // len(bs)):
+    if one_launch:
         return fused(x, order, a, tuple(bs), tile_plan, tiles, interpret)
     xa = shrink(x, order, a, tile_plan, tiles, interpret)  # f32[S, T, n * R], sorted
     return expand(xa, order, bs, tile_plan, tiles, interpret)
