@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -224,81 +225,9 @@ def _expand_kernel(
 ):
     # plan_ref i32[4, tiles]; order_ref i32[T]; xa_ref f32[S, T, n * R] sorted (the shrink's
     # splits); refs: n b_ref [M, R, O_i], then n out_ref [T, O_i] in the tokens' order
-    num_parts = len(refs) // 2
-    col, tile = pl.program_id(0), pl.program_id(1)
-    segment, first_row, is_row, works = _tile(plan_ref, tile, block_m)
-    dest = _sorted_rows(order_ref, first_row, is_row)[:, None]  # [block_m, 1]
-    first_col = 0
-    for part in range(num_parts):  # static: the column tile's projection, by its range
-        part_col = col - first_col
-        first_col += col_tiles[part]
-        _expand_part(
-            xa_ref,
-            refs[part],
-            refs[num_parts + part],
-            part,
-            part_col,
-            works & (part_col >= 0) & (part_col < col_tiles[part]),
-            segment,
-            first_row,
-            is_row,
-            dest,
-            block_m=block_m,
-            block_n=block_n,
-            block_r=block_r,
-            precision=precision,
-        )
-
-
-def _expand_part(
-    xa_ref,
-    b_ref,
-    out_ref,
-    part,
-    part_col,
-    works,
-    segment,
-    first_row,
-    is_row,
-    dest,
-    *,
-    block_m,
-    block_n,
-    block_r,
-    precision,
-):
-    """One projection's column tile ``part_col`` of a row tile, when ``works``."""
-    num_slots, size_r, size_o = b_ref.shape
-    is_r = jnp.arange(block_r, dtype=jnp.int32) < size_r if size_r % block_r else None
-    cols = part_col * block_n + jnp.arange(block_n, dtype=jnp.int32)
-    is_col = cols < size_o if size_o % block_n else None
-    out_tile = out_ref.at[dest, cols[None, :]]  # scattered back to the tokens' rows
-    out_mask = _mask2(is_row, is_col, (block_m, block_n))
-
-    @pl.when(works & (segment < num_slots))
-    def _():
-        rows = first_row + jnp.arange(block_m, dtype=jnp.int32)
-        xa_cols = part * size_r + jnp.arange(block_r, dtype=jnp.int32)
-        xa_mask = _mask2(is_row, is_r, (block_m, block_r))
-        xa = jnp.zeros((block_m, block_r), jnp.float32)
-        for split in range(xa_ref.shape[0]):  # static: the shrink's partial sums
-            xa += pltriton.load(
-                xa_ref.at[split, rows[:, None], xa_cols[None, :]], mask=xa_mask, other=0.0
-            )  # [block_m, block_r]
-        b_mask = _mask2(is_r, is_col, (block_r, block_n))
-        b = pltriton.load(
-            b_ref.at[segment, pl.ds(0, block_r), pl.ds(part_col * block_n, block_n)],
-            mask=b_mask,
-            other=None if b_mask is None else 0,
-        )  # [block_r, block_n]
-        # x @ A rounded to x's dtype before @ B, as the reference and the einsums do
-        y = pltriton.dot(xa.astype(b.dtype), b, precision=precision)
-        pltriton.store(out_tile, y.astype(out_ref.dtype), mask=out_mask)
-
-    # The base model's tokens: zeros, no weight read.
-    @pl.when(works & (segment >= num_slots))
-    def _():
-        pltriton.store(out_tile, jnp.zeros((block_m, block_n), out_ref.dtype), mask=out_mask)
+    tile, parts = _output_tile(plan_ref, order_ref, refs, col_tiles, block_m)
+    for part in parts:
+        _expand_part(xa_ref, part, tile, block_n, block_r, precision)
 
 
 def _fused_kernel(
@@ -306,79 +235,120 @@ def _fused_kernel(
 ):
     # plan_ref i32[4, tiles]; order_ref i32[T]; x_ref [T, X] and a_ref [M, X, n * R];
     # refs: n b_ref [M, R, O_i], then n out_ref [T, O_i], both in the tokens' order
-    num_parts = len(refs) // 2
+    tile, parts = _output_tile(plan_ref, order_ref, refs, col_tiles, block_m)
+    for part in parts:
+        _fused_part(x_ref, a_ref, part, tile, block_n, block_k, precision)
+
+
+class _RowTile(NamedTuple):
+    """A program's row tile (``_tile``)."""
+
+    segment: Any  # its slot; >= num_slots: the base model's tokens
+    first_row: Any  # its first row in sorted order
+    is_row: Any  # bool[block_m]
+    rows: Any  # i32[block_m, 1]: each row's token (one past the last where masked)
+
+
+class _Part(NamedTuple):
+    """One projection of a call, as a program of the output grid sees it."""
+
+    number: int  # which projection (static)
+    b_ref: Any  # [M, R, O_i]
+    out_ref: Any  # [T, O_i]
+    col: Any  # the program's column tile within this projection's
+    here: Any  # whether the program's column is one of this projection's, on working rows
+
+
+def _output_tile(plan_ref, order_ref, refs, col_tiles, block_m) -> tuple[_RowTile, list[_Part]]:
+    """The program's row tile, and each projection's part: the grid's columns are every
+    output's column tiles in turn. ``refs``: the n b_refs, then the n out_refs."""
     col, tile = pl.program_id(0), pl.program_id(1)
     segment, first_row, is_row, works = _tile(plan_ref, tile, block_m)
-    rows = _sorted_rows(order_ref, first_row, is_row)[:, None]  # [block_m, 1]: x's and out's
-    first_col = 0
-    for part in range(num_parts):  # static: the column tile's projection, by its range
+    rows = _sorted_rows(order_ref, first_row, is_row)[:, None]
+    num_parts, parts, first_col = len(refs) // 2, [], 0
+    for i, count in enumerate(col_tiles):  # static
         part_col = col - first_col
-        first_col += col_tiles[part]
-        _fused_part(
-            x_ref,
-            a_ref,
-            refs[part],
-            refs[num_parts + part],
-            part,
-            part_col,
-            works & (part_col >= 0) & (part_col < col_tiles[part]),
-            segment,
-            is_row,
-            rows,
-            block_n=block_n,
-            block_k=block_k,
-            precision=precision,
-        )
+        first_col += count
+        here = works & (part_col >= 0) & (part_col < count)
+        parts.append(_Part(i, refs[i], refs[num_parts + i], part_col, here))
+    return _RowTile(segment, first_row, is_row, rows), parts
 
 
-def _fused_part(
-    x_ref,
-    a_ref,
-    b_ref,
-    out_ref,
-    part,
-    part_col,
-    works,
-    segment,
-    is_row,
-    rows,
-    *,
-    block_n,
-    block_k,
-    precision,
-):
-    """One projection's column tile ``part_col`` of a row tile, when ``works``."""
-    num_slots, size_r, size_o = b_ref.shape
-    cols = part_col * block_n + jnp.arange(block_n, dtype=jnp.int32)
+def _expand_part(xa_ref, part: _Part, tile: _RowTile, block_n, block_r, precision):
+    """One projection's column tile of a row tile, from the shrink's partial sums."""
+    num_slots, size_r = part.b_ref.shape[:2]
+    block_m = tile.is_row.shape[0]
+    is_r = jnp.arange(block_r, dtype=jnp.int32) < size_r if size_r % block_r else None
+    out_tile, out_mask, is_col = _out_tile(part, tile, block_n)
+
+    @pl.when(part.here & (tile.segment < num_slots))
+    def _():
+        rows = tile.first_row + jnp.arange(block_m, dtype=jnp.int32)
+        xa_cols = part.number * size_r + jnp.arange(block_r, dtype=jnp.int32)
+        xa_mask = _mask2(tile.is_row, is_r, (block_m, block_r))
+        xa = jnp.zeros((block_m, block_r), jnp.float32)
+        for split in range(xa_ref.shape[0]):  # static: the shrink's partial sums
+            xa += pltriton.load(
+                xa_ref.at[split, rows[:, None], xa_cols[None, :]], mask=xa_mask, other=0.0
+            )  # [block_m, block_r]
+        y = _times_b_strip(xa, part, tile.segment, block_n, is_r, is_col, precision)
+        pltriton.store(out_tile, y.astype(part.out_ref.dtype), mask=out_mask)
+
+    _zeros_for_the_base_model(part, tile, out_tile, out_mask, block_n)
+
+
+def _fused_part(x_ref, a_ref, part: _Part, tile: _RowTile, block_n, block_k, precision):
+    """One projection's column tile of a row tile, its rows' x @ A reduced here."""
+    num_slots, size_r = part.b_ref.shape[:2]
+    out_tile, out_mask, is_col = _out_tile(part, tile, block_n)
+
+    @pl.when(part.here & (tile.segment < num_slots))
+    def _():
+        first_r = part.number * size_r  # the projection's columns of the joined A
+        xa = _fused_xa(x_ref, a_ref, tile, first_r, size_r, block_k, precision)
+        y = _times_b_strip(xa, part, tile.segment, block_n, None, is_col, precision)
+        pltriton.store(out_tile, y.astype(part.out_ref.dtype), mask=out_mask)
+
+    _zeros_for_the_base_model(part, tile, out_tile, out_mask, block_n)
+
+
+def _out_tile(part: _Part, tile: _RowTile, block_n: int):
+    """(the program's output tile, stored at the tokens' own rows; its mask; the column mask,
+    None where the column tiles divide the output)."""
+    size_o = part.b_ref.shape[2]
+    cols = part.col * block_n + jnp.arange(block_n, dtype=jnp.int32)
     is_col = cols < size_o if size_o % block_n else None
-    out_tile = out_ref.at[rows, cols[None, :]]  # stored at the tokens' own rows
-    out_mask = _mask2(is_row, is_col, (is_row.shape[0], block_n))
+    out_mask = _mask2(tile.is_row, is_col, (tile.is_row.shape[0], block_n))
+    return part.out_ref.at[tile.rows, cols[None, :]], out_mask, is_col
 
-    @pl.when(works & (segment < num_slots))
-    def _():
-        first_r = part * size_r  # the projection's columns of the joined A
-        xa = _fused_xa(x_ref, a_ref, rows, is_row, segment, first_r, size_r, block_k, precision)
-        b_mask = _mask2(None, is_col, (size_r, block_n))
-        b = pltriton.load(
-            b_ref.at[segment, pl.ds(0, size_r), pl.ds(part_col * block_n, block_n)],
-            mask=b_mask,
-            other=None if b_mask is None else 0,
-        )  # [R, block_n]
-        # x @ A rounded to x's dtype before @ B, as the reference and the einsums do
-        y = pltriton.dot(xa.astype(b.dtype), b, precision=precision)
-        pltriton.store(out_tile, y.astype(out_ref.dtype), mask=out_mask)
 
-    # The base model's tokens: zeros, no weight read.
-    @pl.when(works & (segment >= num_slots))
+def _zeros_for_the_base_model(part: _Part, tile: _RowTile, out_tile, out_mask, block_n: int):
+    """The base model's tokens: zeros, no weight read."""
+
+    @pl.when(part.here & (tile.segment >= part.b_ref.shape[0]))
     def _():
-        zeros = jnp.zeros((is_row.shape[0], block_n), out_ref.dtype)
+        zeros = jnp.zeros((tile.is_row.shape[0], block_n), part.out_ref.dtype)
         pltriton.store(out_tile, zeros, mask=out_mask)
 
 
-def _fused_xa(x_ref, a_ref, rows, is_row, segment, first_r, size_r, block_k, precision):
-    """f32[block_m, R]: the rows' ``x @ A[segment][:, first_r : first_r + R]`` over all of X,
-    ``block_k`` columns of x a step."""
+def _times_b_strip(xa, part: _Part, segment, block_n: int, is_r, is_col, precision):
+    """``xa`` (f32 [rows, block_r], the rows' x @ A) rounded to B's dtype, as the reference
+    and the einsums round it, times the slot's ``[block_r, block_n]`` strip of B."""
+    block_r = xa.shape[1]
+    b_mask = _mask2(is_r, is_col, (block_r, block_n))
+    b = pltriton.load(
+        part.b_ref.at[segment, pl.ds(0, block_r), pl.ds(part.col * block_n, block_n)],
+        mask=b_mask,
+        other=None if b_mask is None else 0,
+    )  # [block_r, block_n]
+    return pltriton.dot(xa.astype(b.dtype), b, precision=precision)
+
+
+def _fused_xa(x_ref, a_ref, tile: _RowTile, first_r: int, size_r: int, block_k: int, precision):
+    """f32[block_m, R]: the tile's rows' ``x @ A[segment][:, first_r : first_r + R]`` over all
+    of X, ``block_k`` columns of x a step."""
     size_x = x_ref.shape[1]
+    block_m = tile.is_row.shape[0]
     ragged_k = size_x % block_k != 0  # static: the last step needs a mask
 
     def step(i, acc):  # acc f32[block_m, R]
@@ -386,19 +356,19 @@ def _fused_xa(x_ref, a_ref, rows, is_row, segment, first_r, size_r, block_k, pre
         ks = k0 + jnp.arange(block_k, dtype=jnp.int32)
         is_k = ks < size_x if ragged_k else None
         x = pltriton.load(
-            x_ref.at[rows, ks[None, :]],
-            mask=_mask2(is_row, is_k, (is_row.shape[0], block_k)),
+            x_ref.at[tile.rows, ks[None, :]],
+            mask=_mask2(tile.is_row, is_k, (block_m, block_k)),
             other=0,
         )  # [block_m, block_k]: the tile's rows, gathered
         a_mask = _mask2(is_k, None, (block_k, size_r))
         a = pltriton.load(
-            a_ref.at[segment, pl.ds(k0, block_k), pl.ds(first_r, size_r)],
+            a_ref.at[tile.segment, pl.ds(k0, block_k), pl.ds(first_r, size_r)],
             mask=a_mask,
             other=None if a_mask is None else 0,
         )  # [block_k, R]
         return acc + pltriton.dot(x, a, precision=precision)
 
-    init = jnp.zeros((is_row.shape[0], size_r), jnp.float32)
+    init = jnp.zeros((block_m, size_r), jnp.float32)
     return lax.fori_loop(0, pl.cdiv(size_x, block_k), step, init)
 
 
