@@ -385,7 +385,8 @@ stage_roofline() {
 stage_spec() {  # speculative decoding: verify cost k = 0..7 at batch 1/8/64, n-gram end to end
   python3 -m benchmarks.spec_decode --iters 20 --output-json "$OUT/spec_decode.json" \
     ${SPEC_PARTS:+--parts "$SPEC_PARTS"} > "$OUT/spec_decode.log" 2>&1
-  grep -v -i warn "$OUT/spec_decode.log" | tail -40
+  grep -E "Compiled the drafter|Compiled [0-9]+ step shapes" "$OUT/spec_decode.log" | cut -c 30-
+  grep -v -i warn "$OUT/spec_decode.log" | grep -v "^INFO" | tail -40
 }
 
 stage_cublas() {  # the same decode cells with every GEMM on cuBLAS instead of Triton
@@ -555,6 +556,7 @@ stage_lora_kernel() {  # the grouped LoRA kernel: native tests, then kernel vs d
   python3 -m benchmarks.lora_kernel --output-json "$OUT/lora_kernel.json" \
     > "$OUT/lora_kernel.log" 2>&1
   sed -n '/^| group/,$p' "$OUT/lora_kernel.log"
+  grep "one launch, block_k" "$OUT/lora_kernel.log" | sed 's/  */ /g'  # the fused form's sweep
   grep -E "Error|error" "$OUT/lora_kernel.log" | head -5
 }
 
@@ -787,7 +789,8 @@ stage_weights() {  # a training loop's hooks: update_weights, sleep and wake, me
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 XLA_PYTHON_CLIENT_ALLOCATOR=$allocator timeout 150 \
       python3 -m benchmarks.weight_updates --out "$OUT/weight_updates_$allocator.json" \
       > "$OUT/weight_updates_$allocator.log" 2>&1
-    grep -E "_s |^level|same tokens|^allocator|Error" "$OUT/weight_updates_$allocator.log" | tail -12
+    grep -E "_s |^level|same tokens|^allocator|Error" "$OUT/weight_updates_$allocator.log" | tail -13
+    grep -E "Asleep|Awake" "$OUT/weight_updates_$allocator.log" | cut -c 30-  # where the time went
   done
 }
 
