@@ -284,8 +284,10 @@ def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
             load_format="dummy",
             max_model_len=args.context + 256,
             max_num_seqs=max(int(b) for b in args.batches.split(",")),
+            # (a random head's drafts never pay: drafting must not pause, every step is timed)
             speculative_config={
-                "method": "eagle3", "model": str(head), "num_speculative_tokens": args.e2e_k
+                "method": "eagle3", "model": str(head), "num_speculative_tokens": args.e2e_k,
+                "pause_when_unpaid": False,
             },
         )  # fmt: skip
         proposer = llm.engine.proposer

@@ -175,6 +175,10 @@ class SpeculativeConfig:
     # large batch the step is bound by compute, and a verify's extra tokens cost more than
     # they save. None: DEFAULT_DISABLE_BY_BATCH_SIZE.
     disable_by_batch_size: int | None = None
+    # jaxserve's own: drafting pauses for a while when it has not paid over its last steps
+    # (few drafted tokens accepted; ``spec_decode.DraftPayoff``), so speculation does not make
+    # a workload it cannot help slower. False: every step that may draft does.
+    pause_when_unpaid: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -261,6 +265,7 @@ _SPECULATIVE_FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "prompt_lookup_max": (int,),
     "model": (str, type(None)),
     "disable_by_batch_size": (int, type(None)),
+    "pause_when_unpaid": (bool,),
 }
 
 

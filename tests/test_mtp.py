@@ -117,7 +117,7 @@ def plain() -> list[list[int]]:
 def test_greedy_tokens_are_the_same_with_mtp_and_the_counters_add_up(plain, k) -> None:
     """Four prompts under a budget of 16 tokens a step (chunked prefill beside verify steps);
     k = 3 chains the one MTP layer three times."""
-    llm = make_llm({"method": "mtp", "num_speculative_tokens": k})
+    llm = make_llm({"method": "mtp", "num_speculative_tokens": k, "pause_when_unpaid": False})
     assert token_ids(llm) == plain
     stats = llm.engine.spec_stats
     assert stats.num_drafts > 0
@@ -131,7 +131,7 @@ def test_a_prefix_the_cache_served_is_run_again_for_the_mtp_layers(plain) -> Non
     """The prompts a second time: the prefix cache serves their first blocks, which the
     target's steps then never compute, so the drafter runs the target again over them (on the
     runner's latent cache, writing nothing) and the tokens are still the same."""
-    llm = make_llm({"method": "mtp", "num_speculative_tokens": 2})
+    llm = make_llm({"method": "mtp", "num_speculative_tokens": 2, "pause_when_unpaid": False})
     assert token_ids(llm) == plain
     assert llm.engine.proposer.recomputed_tokens == 0  # every state from the target's steps
     assert token_ids(llm) == plain

@@ -19,7 +19,14 @@ from jaxserve.runner import sampling
 from jaxserve.sampling_params import StructuredOutputsParams
 from tests.conftest import fixture_dir
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+# (drafting never pauses here: the tiny random model accepts few drafts, and these tests
+# check the verify steps themselves; ``test_drafting_that_does_not_pay_pauses`` checks pauses)
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "pause_when_unpaid": False,
+}
 # Prompts that repeat themselves, so the drafter finds n-grams; the tiny random model's greedy
 # output also falls into loops, which it drafts from.
 PROMPTS = [
@@ -306,6 +313,62 @@ def test_the_prefix_cache_after_rejections_holds_only_accepted_tokens(plain) -> 
     got = token_ids(llm, [follow])
     assert llm.engine.kv.prefix_hits - hits >= 8 * llm.engine.config.block_size
     assert got == token_ids(plain, [follow])
+
+
+def test_draft_payoff_pauses_after_a_window_that_did_not_pay_and_doubles_each_pause() -> None:
+    from jaxserve.engine import spec_decode as sd
+
+    payoff, step = sd.DraftPayoff(), 0
+    for _ in range(sd.PAYOFF_WINDOW - 1):  # 8 sequences, none accepted a draft
+        step += 1
+        assert not payoff.record(step, 8, 0) and payoff.may_draft(step)
+    step += 1
+    assert payoff.record(step, 8, 0)  # the window is full and gained nothing
+    assert not payoff.may_draft(step + sd.PAYOFF_PAUSE_STEPS - 1)
+    assert payoff.may_draft(step + sd.PAYOFF_PAUSE_STEPS)
+    assert "pauses for 256 steps" in payoff.describe_pause(step) and "gained 0.000" in (
+        payoff.describe_pause(step)
+    )
+    step += sd.PAYOFF_PAUSE_STEPS
+    paused = [payoff.record(step + i, 8, 0) for i in range(sd.PAYOFF_WINDOW)]
+    assert paused == [False] * (sd.PAYOFF_WINDOW - 1) + [True]
+    assert payoff.pause_until - (step + sd.PAYOFF_WINDOW - 1) == 2 * sd.PAYOFF_PAUSE_STEPS
+    # A window that pays (1 of 8 sequences accepts 1 draft a step: 0.125 >= 0.1) does not pause
+    # and the next pause is short again.
+    step = payoff.pause_until
+    assert not any(payoff.record(step + i, 8, 1) for i in range(2 * sd.PAYOFF_WINDOW))
+    assert not any(payoff.record(step + i, 0, 0) for i in range(100))  # no sequence asked
+    # The window rolls: the 7th step in a row that gains nothing takes the mean under 0.1.
+    step += 2 * sd.PAYOFF_WINDOW
+    at = next(i for i in range(sd.PAYOFF_WINDOW) if payoff.record(step + i, 8, 0))
+    assert at == 6  # 25 x 0.125 / 32 = 0.098
+    assert payoff.pause_until - (step + at) == sd.PAYOFF_PAUSE_STEPS
+    assert payoff.num_pauses == 3
+
+
+def test_drafting_that_does_not_pay_pauses(plain, caplog) -> None:
+    """The tiny random model accepts few prompt-lookup drafts: after a window of steps that
+    could draft and did not pay, drafting pauses (logged once, steps run asynchronously
+    meanwhile); the tokens are the same as without speculation. With
+    ``pause_when_unpaid: false`` it drafts at every step that may."""
+    import logging
+
+    from jaxserve.engine import spec_decode as sd
+
+    prompts = [[0, *[(37 * i + 11 * j) % 300 + 1 for i in range(12)]] for j in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    pausing = make_llm({**NGRAM, "pause_when_unpaid": True})
+    with caplog.at_level(logging.INFO, logger="jaxserve.engine.core"):
+        got = token_ids(pausing, prompts, params)
+    assert got == token_ids(plain, prompts, params)
+    payoff = pausing.engine.draft_payoff
+    assert payoff.num_pauses >= 1 and payoff.last_gain < sd.PAYOFF_MIN_GAIN
+    assert caplog.text.count("Speculative decoding pauses for 256 steps") == 1
+    drafted = pausing.engine.spec_stats.num_drafts
+    always = make_llm(NGRAM)
+    assert token_ids(always, prompts, params) == got
+    assert always.engine.draft_payoff.num_pauses == 0
+    assert always.engine.spec_stats.num_drafts > drafted  # it kept drafting
 
 
 def test_counters_add_up_and_reach_the_stats(spec) -> None:

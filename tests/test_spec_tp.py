@@ -154,7 +154,9 @@ MTP_SCRIPT = textwrap.dedent("""
     GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
     def run(tp, method=None):
-        spec = None if method is None else {"method": method, "num_speculative_tokens": 2}
+        # (the random MTP layer's drafts rarely pay: drafting must not pause, call for call)
+        spec = None if method is None else {"method": method, "num_speculative_tokens": 2,
+                                            "pause_when_unpaid": False}
         llm = jaxserve.LLM(sys.argv[1], tensor_parallel_size=tp, speculative_config=spec,
                            max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
                            block_size=8, num_gpu_blocks_override=40, dtype="float32",

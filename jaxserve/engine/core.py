@@ -49,6 +49,7 @@ from jaxserve.engine.scoring import (
 )
 from jaxserve.engine.spec_decode import (
     DrafterTarget,
+    DraftPayoff,
     Proposer,
     SpecDecodeStats,
     accepted_run,
@@ -314,6 +315,8 @@ class EngineCore:
         pooling runner, is refused here, before warm-up."""
         spec = self.config.speculative_config
         self.spec_stats = SpecDecodeStats()
+        self.draft_payoff = DraftPayoff()
+        self._num_asked = 0  # sequences the last step asked the drafter for
         if spec is None:
             return None
         if self.pooler is not None:
@@ -325,11 +328,12 @@ class EngineCore:
         # A step's sequences and drafted tokens share the sampler's rows.
         self.scheduler.max_sample_rows = next_power_of_2(self.config.resolved_max_num_seqs)
         _LOG.info(
-            "Speculative decoding: %s; drafts while at most %d sequences run (above: none); "
+            "Speculative decoding: %s; drafts while at most %d sequences run (above: none)%s; "
             "a step with drafts is read back before the next is scheduled "
             "(docs/speculative_decoding.md)",
             spec.describe(),
             spec.max_batch_size,
+            ", and pauses while it does not pay" if spec.pause_when_unpaid else "",
         )
         return proposer
 
@@ -360,6 +364,7 @@ class EngineCore:
         decoding = [
             s for s in running if not s.num_pending and s.num_computed_tokens == s.num_tokens - 1
         ]
+        self._num_asked = len(decoding)
         drafts = self.proposer.propose(decoding, spec.num_speculative_tokens)
         return self.structured_outputs.cut_drafts(drafts)
 
@@ -821,7 +826,7 @@ class EngineCore:
             if not overlap:
                 result = self.runner.collect(step)
         if not overlap:
-            outputs += self._process(sched, result)
+            outputs += self._process_read_back(sched, result, drafting)
         else:
             self._in_flight = (sched, step)
         if self.step_log is not None:
@@ -838,7 +843,34 @@ class EngineCore:
     def _may_draft(self) -> bool:
         spec = self.config.speculative_config
         running = len(self.scheduler.running)
-        return spec is not None and 0 < running <= spec.max_batch_size
+        if spec is None or not 0 < running <= spec.max_batch_size:
+            return False
+        return self.draft_payoff.may_draft(self.num_steps)
+
+    def _process_read_back(
+        self, sched: SchedulerOutput, result: RunnerOutput, drafting: bool
+    ) -> list[RequestOutput]:
+        """A step read back before the next: its outputs; after a step that could draft,
+        whether drafting paid (``_weigh_drafts``)."""
+        accepted_before = self.spec_stats.num_accepted_tokens
+        outputs = self._process(sched, result)
+        if drafting:
+            self._weigh_drafts(accepted_before)
+        return outputs
+
+    def _weigh_drafts(self, accepted_before: int) -> None:
+        """After a step that could draft: did it pay (``DraftPayoff``)? A pause is logged."""
+        spec = self.config.speculative_config
+        accepted = self.spec_stats.num_accepted_tokens - accepted_before
+        if spec is None or not spec.pause_when_unpaid:
+            return
+        if self.draft_payoff.record(self.num_steps, self._num_asked, accepted):
+            first = self.draft_payoff.num_pauses == 1
+            _LOG.log(
+                logging.INFO if first else logging.DEBUG,
+                self.draft_payoff.describe_pause(self.num_steps),
+            )
+        self._num_asked = 0
 
     def _fail_new_requests(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """A step whose inputs could not be built: the requests that joined it fail, and the

@@ -47,6 +47,61 @@ class Proposer(Protocol):
     def free(self, seq_id: str) -> None: ...
 
 
+# When drafting does not pay (``DraftPayoff``): over the last PAYOFF_WINDOW steps that could
+# draft, fewer than PAYOFF_MIN_GAIN accepted tokens per decoding sequence a step. A step that may
+# draft is read back before the next one is scheduled, so it gives up the overlap of the host's
+# work with the device's (5-8% of a batch-1 step: 0.3-0.5 ms of host work in a 6 ms step on
+# the H100), and a model drafter adds its own time; 10% more tokens a step is where drafting
+# starts to pay for that. A first choice, to be tuned with ``benchmarks/spec_decode.py``.
+PAYOFF_WINDOW = 32
+PAYOFF_MIN_GAIN = 0.1
+PAYOFF_PAUSE_STEPS = 256  # the first pause; each pause in a row doubles it, up to the max
+PAYOFF_MAX_PAUSE_STEPS = 4096
+
+
+@dataclasses.dataclass
+class DraftPayoff:
+    """Whether drafting pays on this workload, so that speculation never makes it slower:
+    after ``PAYOFF_WINDOW`` steps that could draft and gained on average fewer than
+    ``PAYOFF_MIN_GAIN`` accepted tokens per decoding sequence (prompt lookup on text that does
+    not repeat, a draft that disagrees), drafting pauses for a number of steps (asynchronous
+    scheduling resumes meanwhile), then tries again; each pause in a row is twice as long."""
+
+    pause_until: int = 0  # the engine step from which drafting may resume
+    num_pauses: int = 0
+    last_gain: float = 0.0  # the mean gain that caused the last pause
+    _gains: list[float] = dataclasses.field(default_factory=list)
+    _next_pause: int = PAYOFF_PAUSE_STEPS
+
+    def may_draft(self, step: int) -> bool:
+        return step >= self.pause_until
+
+    def record(self, step: int, decoding: int, accepted: int) -> bool:
+        """A step that could draft: ``decoding`` sequences were asked for drafts, ``accepted``
+        drafted tokens were accepted. True when drafting pauses from now."""
+        if decoding <= 0:
+            return False
+        self._gains = [*self._gains[1 - PAYOFF_WINDOW :], accepted / decoding]
+        if len(self._gains) < PAYOFF_WINDOW:
+            return False
+        gain = sum(self._gains) / len(self._gains)
+        if gain >= PAYOFF_MIN_GAIN:
+            self._next_pause = PAYOFF_PAUSE_STEPS  # it pays: a later pause starts short again
+            return False
+        self.pause_until, self.last_gain = step + self._next_pause, gain
+        self._next_pause = min(2 * self._next_pause, PAYOFF_MAX_PAUSE_STEPS)
+        self._gains = []
+        self.num_pauses += 1
+        return True
+
+    def describe_pause(self, step: int) -> str:
+        return (
+            f"Speculative decoding pauses for {self.pause_until - step} steps: the last "
+            f"{PAYOFF_WINDOW} steps that could draft gained {self.last_gain:.3f} accepted tokens "
+            f"per sequence, under {PAYOFF_MIN_GAIN} (asynchronous scheduling resumes meanwhile)"
+        )
+
+
 @dataclasses.dataclass
 class _History:
     tokens: np.ndarray  # i32[capacity], the first `length` are prompt + output
