@@ -146,6 +146,43 @@ def test_warm_up_compiles_every_bucket_but_runs_only_the_smallest(monkeypatch):
     assert runner.kv_cache is not None
 
 
+def test_warm_up_warns_when_a_steps_temporaries_exceed_the_headroom(caplog):
+    """Before the KV cache: each compiled step's temporaries, as XLA planned them, against the
+    activation headroom the cache leaves; the largest over it is named with the way out."""
+    import dataclasses
+
+    config = EngineConfig(
+        model=str(fixture_dir("llama")),
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        block_size=4,
+        num_gpu_blocks_override=128,
+        warmup=False,
+    )
+    for headroom, warned in ((None, False), (1, True)):
+        runner = ModelRunner(load_model_config(config.model_dir), config)
+        runner.kv_cache = None  # allocated by warm-up, as with warmup=True
+        if headroom is not None:
+            runner.capacity = dataclasses.replace(runner.capacity, activation_bytes=headroom)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="jaxserve.runner.warmup"):
+            runner.warmup()
+        steps = runner.programs.compiled_steps
+        temps = [step.memory_analysis().temp_size_in_bytes for step in steps.values()]
+        assert all(0 < t < runner.capacity.activation_bytes for t in temps) != warned
+        assert (
+            re.search(
+                r"The model step of 32 tokens needs [\d.]+ [KMG]iB of temporary buffers, more "
+                r"than the 0.0 MiB of activation headroom planned beside the KV cache: .*Lower "
+                r"--gpu-memory-utilization or --max-num-batched-tokens",
+                caplog.text,
+            )
+            is not None
+        ) == warned, caplog.text
+
+
 def test_backend_probe_shows_only_at_debug_level(caplog):
     quiet_backend_probe()
     probe = logging.getLogger("jax._src.xla_bridge")

@@ -405,6 +405,7 @@ class ModelRunner:
         if self.loading.shapes is not None:
             warmup.log_weights_ready(time.perf_counter() - waited, self.load_seconds)
         warmup.log_free_memory(self.capacity.kv_budget_bytes)
+        warmup.check_step_memory(self.programs, self.capacity.activation_bytes)
         allocated = time.perf_counter()
         self.allocate_kv_cache()
         jax.block_until_ready(self.kv_cache)
