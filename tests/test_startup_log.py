@@ -114,17 +114,21 @@ def test_startup_peak_memory_stays_below_what_running_the_largest_bucket_takes(n
     assert peak < 2 * GiB, f"peak RSS {peak / GiB:.2f} GiB"
 
 
+# The tiny llama fixture with two token buckets (16, 32), warmed up by the tests themselves.
+SMALL_CONFIG = EngineConfig(
+    model=str(fixture_dir("llama")),
+    dtype="float32",
+    max_model_len=128,
+    max_num_seqs=8,
+    max_num_batched_tokens=32,
+    block_size=4,
+    num_gpu_blocks_override=128,
+    warmup=False,
+)
+
+
 def test_warm_up_compiles_every_bucket_but_runs_only_the_smallest(monkeypatch):
-    config = EngineConfig(
-        model=str(fixture_dir("llama")),
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=8,
-        max_num_batched_tokens=32,
-        block_size=4,
-        num_gpu_blocks_override=128,
-        warmup=False,
-    )
+    config = SMALL_CONFIG
     runner = ModelRunner(load_model_config(config.model_dir), config)
     runner.kv_cache = None  # allocated by warm-up, as with warmup=True
     ran = []
@@ -151,16 +155,7 @@ def test_warm_up_warns_when_a_steps_temporaries_exceed_the_headroom(caplog):
     activation headroom the cache leaves; the largest over it is named with the way out."""
     import dataclasses
 
-    config = EngineConfig(
-        model=str(fixture_dir("llama")),
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=8,
-        max_num_batched_tokens=32,
-        block_size=4,
-        num_gpu_blocks_override=128,
-        warmup=False,
-    )
+    config = SMALL_CONFIG
     for headroom, warned in ((None, False), (1, True)):
         runner = ModelRunner(load_model_config(config.model_dir), config)
         runner.kv_cache = None  # allocated by warm-up, as with warmup=True
