@@ -178,6 +178,24 @@ def test_warm_up_warns_when_a_steps_temporaries_exceed_the_headroom(caplog):
         ) == warned, caplog.text
 
 
+def test_the_background_compile_checks_its_steps_against_the_headroom_too(caplog):
+    """Serving early, the larger buckets compile after the KV cache: each check names the
+    largest step compiled so far (16 tokens before the cache, 32 after the background)."""
+    import dataclasses
+
+    config = dataclasses.replace(SMALL_CONFIG, serve_while_compiling=True)
+    runner = ModelRunner(load_model_config(config.model_dir), config)
+    runner.kv_cache = None
+    runner.capacity = dataclasses.replace(runner.capacity, activation_bytes=1)
+    with caplog.at_level(logging.WARNING, logger="jaxserve.runner.warmup"):
+        runner.warmup()
+        assert runner.programs.background.thread is not None
+        runner.programs.background.thread.join(timeout=120)
+    steps = re.findall(r"The model step of (\d+) tokens needs", caplog.text)
+    assert steps == ["16", "32"], caplog.text
+    runner.programs.background.stop()
+
+
 def test_backend_probe_shows_only_at_debug_level(caplog):
     quiet_backend_probe()
     probe = logging.getLogger("jax._src.xla_bridge")

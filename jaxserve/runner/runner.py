@@ -395,6 +395,7 @@ class ModelRunner:
                 prepare=self._prepare_to_serve,
                 cache_dir=self.config.cache_dir,
                 max_workers=max_workers,
+                headroom_bytes=self.capacity.activation_bytes,
             )
 
     def _prepare_to_serve(self) -> None:
@@ -405,7 +406,6 @@ class ModelRunner:
         if self.loading.shapes is not None:
             warmup.log_weights_ready(time.perf_counter() - waited, self.load_seconds)
         warmup.log_free_memory(self.capacity.kv_budget_bytes)
-        warmup.check_step_memory(self.programs, self.capacity.activation_bytes)
         allocated = time.perf_counter()
         self.allocate_kv_cache()
         jax.block_until_ready(self.kv_cache)

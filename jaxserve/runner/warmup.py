@@ -95,13 +95,16 @@ def warm_up(
     prepare: Callable[[], None],
     cache_dir: str,
     max_workers: int,
+    headroom_bytes: int | None = None,
 ) -> int:
     """Compile the programs of ``plan.first`` and the matmuls by the head of the other
     buckets, then ``prepare`` (the runner's part: wait for the weights, allocate the KV cache,
     run one small step); the other buckets' programs then compile on a thread of their own
     while the engine serves, ``programs.ready_tokens`` rising as each bucket is ready. Returns
     the number of model step shapes compiled before serving; ``check`` raises the weights'
-    load error (called between lowerings)."""
+    load error (called between lowerings). ``headroom_bytes``: the activation headroom planned
+    beside the KV cache, which each compiled step's temporaries are checked against
+    (``check_step_memory``: before the cache, and after the background compile)."""
     start = time.perf_counter()
     workers = max(1, min(max_workers, os.cpu_count() or 1))
     pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile")
@@ -115,6 +118,7 @@ def warm_up(
                 compile_buckets(
                     programs, pool, plan.prefill, start, check, steps=False, kinds=heads[:1]
                 )
+        check_step_memory(programs, headroom_bytes)
         prepare()
     except BaseException:  # the compiles running finish before the interpreter exits
         pool.shutdown(wait=False, cancel_futures=True)
@@ -135,7 +139,7 @@ def warm_up(
         plan.first[-1],
         ", ".join(map(str, plan.decode + plan.prefill)),
     )
-    _start_background(programs, plan, pool, start, check)
+    _start_background(programs, plan, pool, start, check, headroom_bytes)
     return len(plan.first)
 
 
@@ -145,6 +149,7 @@ def _start_background(
     pool: concurrent.futures.ThreadPoolExecutor,
     start: float,
     check: Callable[[], None],
+    headroom_bytes: int | None,
 ) -> None:
     """The buckets after ``plan.first``, compiled on a thread of their own (``background``),
     the decode-sized ones first, the interpreter switching threads sooner meanwhile."""
@@ -162,6 +167,7 @@ def _start_background(
                 time.perf_counter() - start,
                 programs.buckets.token_buckets[-1],
             )
+            check_step_memory(programs, headroom_bytes)
         except Exception:  # the engine keeps serving the steps it has compiled
             if not programs.background.stopping.is_set():  # else the runner shut down meanwhile
                 _LOG.exception("Compiling the buckets of %s tokens failed", group)
@@ -224,12 +230,15 @@ def log_free_memory(kv_budget_bytes: int) -> None:
         )
 
 
-def check_step_memory(programs: StepPrograms, headroom_bytes: int) -> None:
-    """Before the KV cache: warn where a compiled model step's temporaries, as XLA planned
-    them, exceed the activation headroom the cache leaves (``Capacity.activation_bytes``).
+def check_step_memory(programs: StepPrograms, headroom_bytes: int | None) -> None:
+    """Warn where a compiled model step's temporaries, as XLA planned them, exceed the
+    activation headroom planned beside the KV cache (``Capacity.activation_bytes``; None:
+    no check).
     Such a step can run out of device memory beside a full cache, or leave the sampler too
     little (batch-invariant mode's 2,048-token step did on an H100: its sampler's 2.16 GiB
     did not fit beside a cache sized for 1.55 GiB of headroom)."""
+    if headroom_bytes is None:
+        return
     temps: dict[int, int] = {}
     for bucket, step in programs.compiled_steps.items():
         size = _temp_bytes(step)
