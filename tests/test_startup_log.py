@@ -150,13 +150,18 @@ def test_warm_up_compiles_every_bucket_but_runs_only_the_smallest(monkeypatch):
     assert runner.kv_cache is not None
 
 
-def test_warm_up_warns_when_a_steps_temporaries_exceed_the_headroom(caplog):
+def test_warm_up_warns_when_a_steps_temporaries_exceed_the_headroom(caplog, monkeypatch):
     """Before the KV cache: each compiled step's temporaries, as XLA planned them, against the
-    activation headroom the cache leaves; the largest over it is named with the way out."""
+    activation headroom the cache leaves; the largest over it is named with the way out. On an
+    accelerator only (``checks_step_memory``; the CPU's temporaries come from the host's
+    memory, which the plan does not size): the CPU stands in for one here."""
     import dataclasses
 
+    from jaxserve.runner import warmup
+
     config = SMALL_CONFIG
-    for headroom, warned in ((None, False), (1, True)):
+    for headroom, accelerator, warned in ((None, True, False), (1, True, True), (1, False, False)):
+        monkeypatch.setattr(warmup, "checks_step_memory", lambda a=accelerator: a)
         runner = ModelRunner(load_model_config(config.model_dir), config)
         runner.kv_cache = None  # allocated by warm-up, as with warmup=True
         if headroom is not None:
@@ -166,7 +171,7 @@ def test_warm_up_warns_when_a_steps_temporaries_exceed_the_headroom(caplog):
             runner.warmup()
         steps = runner.programs.compiled_steps
         temps = [step.memory_analysis().temp_size_in_bytes for step in steps.values()]
-        assert all(0 < t < runner.capacity.activation_bytes for t in temps) != warned
+        assert all(0 < t < runner.capacity.activation_bytes for t in temps) != (headroom == 1)
         assert (
             re.search(
                 r"The model step of 32 tokens needs [\d.]+ [KMG]iB of temporary buffers, more "
@@ -178,11 +183,14 @@ def test_warm_up_warns_when_a_steps_temporaries_exceed_the_headroom(caplog):
         ) == warned, caplog.text
 
 
-def test_the_background_compile_checks_its_steps_against_the_headroom_too(caplog):
+def test_the_background_compile_checks_its_steps_against_the_headroom_too(caplog, monkeypatch):
     """Serving early, the larger buckets compile after the KV cache: each check names the
     largest step compiled so far (16 tokens before the cache, 32 after the background)."""
     import dataclasses
 
+    from jaxserve.runner import warmup
+
+    monkeypatch.setattr(warmup, "checks_step_memory", lambda: True)  # as on an accelerator
     config = dataclasses.replace(SMALL_CONFIG, serve_while_compiling=True)
     runner = ModelRunner(load_model_config(config.model_dir), config)
     runner.kv_cache = None
