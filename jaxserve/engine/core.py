@@ -861,9 +861,9 @@ class EngineCore:
     def _weigh_drafts(self, accepted_before: int) -> None:
         """After a step that could draft: did it pay (``DraftPayoff``)? A pause is logged."""
         spec = self.config.speculative_config
-        accepted = self.spec_stats.num_accepted_tokens - accepted_before
         if spec is None or not spec.pause_when_unpaid:
             return
+        accepted = self.spec_stats.num_accepted_tokens - accepted_before
         if self.draft_payoff.record(self.num_steps, self._num_asked, accepted):
             first = self.draft_payoff.num_pauses == 1
             _LOG.log(

@@ -233,10 +233,9 @@ def log_free_memory(kv_budget_bytes: int) -> None:
 def check_step_memory(programs: StepPrograms, headroom_bytes: int | None) -> None:
     """Warn where a compiled model step's temporaries, as XLA planned them, exceed the
     activation headroom planned beside the KV cache (``Capacity.activation_bytes``; None:
-    no check).
-    Such a step can run out of device memory beside a full cache, or leave the sampler too
-    little (batch-invariant mode's 2,048-token step did on an H100: its sampler's 2.16 GiB
-    did not fit beside a cache sized for 1.55 GiB of headroom)."""
+    no check). Such a step can run out of device memory beside a full cache, or leave the
+    sampler too little: batch-invariant mode on an H100 ran out of memory (its sampler asked
+    for 2.16 GiB) after XLA planned its 2,048-token step above the 1.55 GiB of headroom."""
     if headroom_bytes is None or not checks_step_memory():
         return
     temps: dict[int, int] = {}
