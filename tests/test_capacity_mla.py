@@ -20,6 +20,7 @@ from jaxserve.bench.capacity import add_capacity_arguments, run_capacity
 from jaxserve.config import builtin_config_dir
 from jaxserve.models.families.registry import load_model_config
 from jaxserve.runner import capacity as cap
+from pallas_kernels.fresh import fresh_full
 from pallas_kernels.mla import reference as mla_reference
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
 from tests.conftest import fixture_dir
@@ -110,6 +111,48 @@ def test_planned_temporaries_match_xla(shape) -> None:
         jnp.dtype(cache_dtype).itemsize, jnp.dtype(q_dtype).itemsize,
     )  # fmt: skip
     assert xla <= planned <= MARGIN * xla, (planned, xla)
+
+
+def _layers_temporaries(num_layers: int) -> int:
+    """XLA's planned temporaries of ``num_layers`` reference calls, each layer's query the
+    previous layer's output, as a step's layers chain."""
+    tokens, heads, latent, rope_dim, page, pages = 256, 8, 256, 32, 16, 4
+    spec = jax.ShapeDtypeStruct
+    args = (
+        spec((tokens, heads, latent), jnp.bfloat16),
+        spec((tokens, heads, rope_dim), jnp.bfloat16),
+        spec((64, page, 1, latent), jnp.bfloat16),
+        spec((64, page, 1, rope_dim), jnp.bfloat16),
+        spec((8,), jnp.int32),
+        spec((8, pages), jnp.int32),
+        spec((9,), jnp.int32),
+        spec((1,), jnp.int32),
+    )
+
+    def layers(q, q_pe, *rest):
+        for _ in range(num_layers):
+            q = mla_reference.ragged_paged_mla_attention(q, q_pe, *rest, sm_scale=0.1)
+        return q
+
+    return jax.jit(layers).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_a_steps_layers_hold_one_calls_temporaries_not_one_a_layer() -> None:
+    # Each call's loop starts from its own arrays (pallas_kernels.fresh): a constant start,
+    # merged by XLA across the layers, kept a copy of the [T, N, L] f32 accumulator (2 MiB
+    # here) live for every layer, beyond the one call the plan reserves.
+    assert _layers_temporaries(6) - _layers_temporaries(3) < 256 * 1024
+
+
+def test_fresh_full_is_its_value_whatever_the_input_holds() -> None:
+    for first in (1.5, 0.0, -0.0, float("nan"), float("inf"), -float("inf")):
+        like = jnp.asarray([first, 2.0], jnp.bfloat16)
+        for value in (0.0, -1e30, 3.0):
+            out = np.asarray(fresh_full(like, (2, 3), value, jnp.float32))
+            np.testing.assert_array_equal(out, np.full((2, 3), value, np.float32))
+            assert not np.signbit(out).any() or value < 0  # a zero start is +0
+    ints = fresh_full(jnp.asarray([7], jnp.int32), (4,), 0, jnp.int32)
+    assert ints.dtype == jnp.int32 and not np.asarray(ints).any()
 
 
 def test_deepseek_v3_activations_do_not_grow_with_the_context() -> None:

@@ -34,6 +34,7 @@ import numpy as np
 from pallas_kernels.fp8_matmul import dispatch as fp8_dispatch
 from pallas_kernels.fp8_matmul import mosaic_gpu as fp8_mosaic
 from pallas_kernels.fp8_matmul.reference import quantize_rows
+from pallas_kernels.fresh import fresh_full
 from pallas_kernels.skinny_matmul import dispatch as skinny_dispatch
 from pallas_kernels.skinny_matmul import triton as skinny_triton
 
@@ -226,13 +227,8 @@ def tiled_rows(
     tiles = jnp.pad(x, ((0, padding),) + ((0, 0),) * (x.ndim - 1))
     tiles = tiles.reshape(num_tiles, row_tile, *x.shape[1:])
     tile_out = jax.eval_shape(fn, tiles[0])
-    # The loop's output starts from a value of this call's input (every element is written
-    # over), not from a constant: XLA merges equal constants, so every call's loop (7 a layer)
-    # would start from one zero buffer that stays live across the whole step, each loop
-    # beside a copy of it (measured on the CPU: the tiled step's temporaries grew by 0.16 GiB
-    # a layer at the Llama-3-8B shape; on an H100 its 2,048-token step ran out of memory).
-    start = (tiles.reshape(-1)[0] * 0).astype(tile_out.dtype)
-    out = jnp.broadcast_to(start, (num_tiles, *tile_out.shape))
+    # (fresh_full: a start of this call's own, which XLA cannot merge with other calls')
+    out = fresh_full(x, (num_tiles, *tile_out.shape), 0, tile_out.dtype)
 
     def one_tile(i: jax.Array, out: jax.Array) -> jax.Array:
         return jax.lax.dynamic_update_index_in_dim(out, fn(tiles[i]), i, 0)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.fresh import fresh_full
 from pallas_kernels.kv_cache import Scale, dequantize_kv
 from pallas_kernels.ragged_paged_attention.reference import DEFAULT_MASK_VALUE, query_rows
 
@@ -96,10 +97,10 @@ def ragged_paged_mla_attention(
         acc = acc * rescale[..., None] + jnp.einsum("TNS,TSL->TNL", probs, ckv)
         return new_high, total, acc
 
-    init = (
-        jnp.full((num_tokens, num_heads), DEFAULT_MASK_VALUE, jnp.float32),
-        jnp.zeros((num_tokens, num_heads), jnp.float32),
-        jnp.zeros((num_tokens, num_heads, latent), jnp.float32),
+    init = (  # (fresh_full: one layer's start is not another's: each lives with its loop)
+        fresh_full(q_latent, (num_tokens, num_heads), DEFAULT_MASK_VALUE, jnp.float32),
+        fresh_full(q_latent, (num_tokens, num_heads), 0, jnp.float32),
+        fresh_full(q_latent, (num_tokens, num_heads, latent), 0, jnp.float32),
     )
     steps = jnp.minimum(-(-longest // block), num_blocks)
     _, total, acc = jax.lax.fori_loop(0, steps, fold, init)
