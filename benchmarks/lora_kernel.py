@@ -5,9 +5,9 @@ one joined A), o (4096 -> 4096), gate/up (4096 -> 14336 + 14336, one joined A) a
 4096), with M adapter slots (``--slots``, default 1, 8, 64) and T tokens (``--tokens``, default
 1, 64, 256) spread round-robin over min(M, T) slots (``--base-share`` of them on the base model
 instead), times:
-  kernel  ``pallas_kernels.lora.triton.lora_deltas`` (sort, shrink, expand, unsort; at steps
-          of at most 16 tokens one fused launch, timed beside the two launches' form and
-          over its steps along X, ``--fused-block-ks``),
+  kernel  ``pallas_kernels.lora.triton.lora_deltas`` (sort, shrink, expand: two launches),
+  one launch  the same with ``LoraKernelConfig(fused=True)``, at steps of at most 16 tokens,
+          over its steps along X (``--fused-block-ks``; the table shows ``FUSED_BLOCK_K``'s),
   dense   ``pallas_kernels.lora.reference.lora_deltas`` (every slot's A and B, the one-hot
           mask between: what the model ran before the kernel, and runs off the GPU),
 against the floor: the bytes of the used slots' A and B, plus x read and the terms written, at
@@ -47,6 +47,8 @@ GROUPS = {
     "down": (14336, (4096,)),
 }
 SMOKE_GROUPS = {"qkv": (64, (64, 16, 16)), "down": (96, (64,))}
+FUSED_MAX_TOKENS = 16  # the one launch is timed at steps of at most this many tokens
+FUSED = lt.LoraKernelConfig(fused=True)
 
 
 def token_slots(num_tokens: int, num_slots: int, base_share: float) -> np.ndarray:
@@ -108,11 +110,8 @@ def measure(args, groups) -> list[dict]:
                 slots = jnp.asarray(slots_np)
                 kernel = jax.jit(kernel_all, static_argnums=(3, 4))
                 kernel_s = best_time(kernel, xs, stacks, slots, interpret, **runs) / copies
-                two_s = kernel_s  # the two launches' time where auto took one (decode)
                 sweep: dict[int, float] = {}  # the one launch's step along X -> us
-                if lt.use_fused(lt.LoraKernelConfig(), t, args.rank):
-                    two = lt.LoraKernelConfig(fused=False)
-                    two_s = best_time(kernel, xs, stacks, slots, interpret, two, **runs) / copies
+                if t <= FUSED_MAX_TOKENS and lt.use_fused(FUSED, args.rank):
                     for block_k in [int(k) for k in args.fused_block_ks.split(",")]:
                         one = lt.LoraKernelConfig(block_k=block_k, fused=True)
                         sec = best_time(kernel, xs, stacks, slots, interpret, one, **runs)
@@ -122,15 +121,14 @@ def measure(args, groups) -> list[dict]:
                 floor_s = floor / BANDWIDTH
                 rows.append(
                     dict(group=name, slots=m, tokens=t, used=len(set(slots_np.tolist()) - {0}),
-                         kernel_us=kernel_s * 1e6, two_launch_us=two_s * 1e6,
+                         kernel_us=kernel_s * 1e6, one_launch_us=one_launch_us(sweep),
                          fused_block_k_us=sweep,
                          dense_us=dense_s * 1e6, floor_us=floor_s * 1e6)
                 )  # fmt: skip
                 r = rows[-1]
                 print(
                     f"  {name:8s} M={m:<3d} T={t:<4d} used={r['used']:<3d} kernel "
-                    f"{r['kernel_us']:8.1f} us  two launches {r['two_launch_us']:8.1f} us  "
-                    f"dense {r['dense_us']:8.1f} us  floor "
+                    f"{r['kernel_us']:8.1f} us  dense {r['dense_us']:8.1f} us  floor "
                     f"{r['floor_us']:6.1f} us"
                     + "".join(f"  one launch, block_k {k}: {v:.1f} us" for k, v in sweep.items()),
                     flush=True,
@@ -139,26 +137,45 @@ def measure(args, groups) -> list[dict]:
     return rows
 
 
+def one_launch_us(sweep: dict[int, float]) -> float | None:
+    """The one launch's time at its default step along X, else the sweep's first."""
+    return sweep.get(lt.FUSED_BLOCK_K, next(iter(sweep.values()), None))
+
+
+def _step_ms(cell: list[dict], key: str) -> float | None:
+    """One model step's sum (ms) of ``key`` over the groups; None where one was not timed."""
+    values = [r[key] for r in cell]
+    return None if None in values else LAYERS * sum(values) / 1e3
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def print_tables(rows: list[dict]) -> None:
-    print("\n| group | slots | tokens | used | kernel us | two launches us | dense us | floor us "
+    print("\n| group | slots | tokens | used | kernel us | one launch us | dense us | floor us "
           "| kernel %floor | dense / kernel |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['group']} | {r['slots']} | {r['tokens']} | {r['used']} | "
-            f"{r['kernel_us']:.1f} | {r['two_launch_us']:.1f} | {r['dense_us']:.1f} | "
+            f"{r['kernel_us']:.1f} | {_us(r['one_launch_us'])} | {r['dense_us']:.1f} | "
             f"{r['floor_us']:.1f} | "
             f"{r['floor_us'] / r['kernel_us']:.0%} | {r['dense_us'] / r['kernel_us']:.2f}x |"
         )
     print(f"\none model step's LoRA terms ({LAYERS} layers, every group):")
-    print("| slots | tokens | kernel ms | two launches ms | dense ms | floor ms |")
+    print("| slots | tokens | kernel ms | one launch ms | dense ms | floor ms |")
     print("|---:|---:|---:|---:|---:|---:|")
     cells = sorted({(r["slots"], r["tokens"]) for r in rows})
     for m, t in cells:
         cell = [r for r in rows if (r["slots"], r["tokens"]) == (m, t)]
-        keys = ("kernel_us", "two_launch_us", "dense_us", "floor_us")
-        total = {k: LAYERS * sum(r[k] for r in cell) / 1e3 for k in keys}
-        print(f"| {m} | {t} | {total['kernel_us']:.3f} | {total['two_launch_us']:.3f} | "
+        keys = ("kernel_us", "one_launch_us", "dense_us", "floor_us")
+        total = {k: _step_ms(cell, k) for k in keys}
+        print(f"| {m} | {t} | {total['kernel_us']:.3f} | {_ms(total['one_launch_us'])} | "
               f"{total['dense_us']:.3f} | {total['floor_us']:.3f} |")  # fmt: skip
 
 
@@ -179,7 +196,7 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
     if args.smoke:
-        args.slots, args.tokens, args.rank = "1,3", "1,20", 16  # T=1: one launch, 20: two
+        args.slots, args.tokens, args.rank = "1,3", "1,20", 16  # T=1: one launch timed too
         args.fused_block_ks = "16,32"
         groups = SMOKE_GROUPS
     else:

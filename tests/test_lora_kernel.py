@@ -9,6 +9,7 @@ Triton IR for an (abstract) H200; the ``gpu`` test runs it natively at Llama-3-8
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +69,7 @@ CPU_CASES = [
         "float16",
         config=lt.LoraKernelConfig(block_m=64, block_k=32, block_n=32),
     ),  # fmt: skip
-    # The same decode token on the two launches (at rank 16 and one token, the fused form).
+    # One decode token on the two launches (the default at every size).
     Case(
         "one_token_two_launches",
         (5,),
@@ -88,8 +89,17 @@ CPU_CASES = [
         (48, 16, 16),
         config=lt.LoraKernelConfig(block_k=16, block_n=16, fused=True),
     ),  # fmt: skip
-    # Fused in bf16 at decode (auto), an output the column tiles do not divide.
-    Case("fused_decode_bf16", _mixed(12, 4, 5), 4, 16, 64, (40,), "bfloat16"),
+    # Fused in bf16 at decode, an output the column tiles do not divide.
+    Case(
+        "fused_decode_bf16",
+        _mixed(12, 4, 5),
+        4,
+        16,
+        64,
+        (40,),
+        "bfloat16",
+        lt.LoraKernelConfig(fused=True),
+    ),  # fmt: skip
     # Fused over several row tiles (forced): rows of one slot crossing 16-row blocks, rank 32.
     Case(
         "fused_rows_across_tiles",
@@ -187,14 +197,13 @@ def test_the_shrink_splits_x_while_few_tiles_hold_rows():
     assert "dtypes" in str(lt.unsupported_reason(x, a, [jnp.zeros((2, 4, 8), jnp.bfloat16)]))
 
 
-def test_one_launch_at_decode_where_the_rank_fills_its_tile():
-    """The fused form (shrink and expand in one launch) at steps of at most 16 tokens and
-    ranks that are powers of two from 16; two launches above, or when forced off."""
-    auto, on, off = (lt.LoraKernelConfig(fused=f) for f in (None, True, False))
-    assert lt.use_fused(auto, 1, 16) and lt.use_fused(auto, lt.FUSED_MAX_TOKENS, 64)
-    assert not lt.use_fused(auto, lt.FUSED_MAX_TOKENS + 1, 16)
-    assert not lt.use_fused(auto, 1, 8) and not lt.use_fused(on, 1, 24)  # the rank's tile
-    assert lt.use_fused(on, 256, 16) and not lt.use_fused(off, 1, 16)
+def test_one_launch_only_when_asked_for_and_where_the_rank_fills_its_tile():
+    """The fused form (shrink and expand in one launch) runs when the config asks for it (it
+    measured slower than two launches in a step), at ranks that are powers of two from 16."""
+    auto, on = lt.LoraKernelConfig(), lt.LoraKernelConfig(fused=True)
+    assert not lt.use_fused(auto, 16) and not lt.use_fused(auto, 64)
+    assert lt.use_fused(on, 16) and lt.use_fused(on, 64)
+    assert not lt.use_fused(on, 8) and not lt.use_fused(on, 24)  # the rank's tile
     # its steps along X: longer than the shrink's, up to X's own power of two
     assert lt.plan(1, 8, 4096, 132, auto, fused=True).block_k == lt.FUSED_BLOCK_K
     assert lt.plan(1, 8, 40, 132, auto, fused=True).block_k == 64
@@ -263,8 +272,9 @@ def test_lowers_to_triton_for_an_h200(verify_triton_modules):
     with jax.sharding.use_abstract_mesh(mesh):
         lowered = jax.jit(lt.lora_deltas).trace(x, a, bs, slots)
         text = lowered.lower(lowering_platforms=("cuda",)).as_text()
-        one = jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16)  # decode: the fused form
-        lowered = jax.jit(lt.lora_deltas).trace(one, a, bs, jax.ShapeDtypeStruct((1,), jnp.int32))
+        one = jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16)  # decode, the fused form asked for
+        asked = functools.partial(lt.lora_deltas, config=lt.LoraKernelConfig(fused=True))
+        lowered = jax.jit(asked).trace(one, a, bs, jax.ShapeDtypeStruct((1,), jnp.int32))
         fused = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") >= 2
     assert fused.count("__gpu$xla.gpu.triton") == 1 and "lora_fused" in fused
@@ -292,7 +302,20 @@ GPU_CASES = [
         ("gate_up", 4096, (14336, 14336)),
         ("down", 14336, (4096,)),
     )
-    for t, m in ((1, 1), (16, 8), (64, 8), (256, 64))  # 1 and 16 tokens: the fused form
+    for t, m in ((1, 1), (16, 8), (64, 8), (256, 64))
+] + [
+    Case(
+        f"llama_{name}_t{t}_m{m}_fused",
+        _mixed(t, m, t + m),
+        m,
+        16,
+        x,
+        os_,
+        "bfloat16",
+        lt.LoraKernelConfig(fused=True),
+    )  # fmt: skip
+    for name, x, os_ in (("qkv", 4096, (4096, 1024, 1024)), ("down", 14336, (4096,)))
+    for t, m in ((1, 1), (16, 8))
 ]
 
 

@@ -53,12 +53,13 @@ from pallas_kernels.grouped_matmul.triton import num_tiles_for, plan_tiles
 from pallas_kernels.skinny_matmul.triton import num_sms
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-# The fused form at decode (``use_fused``): a step of at most this many tokens is one row tile
-# (block_m 16), so each output tile's own reduction over X reads only the rows it stores.
-FUSED_MAX_TOKENS = 16
-# Its step along X: each tile walks all of X alone (down: 14,336), so longer steps than the
-# shrink's 128 mean fewer dependent loads. A first choice, not yet timed: the kernel benchmark
-# sweeps 128 / 256 / 512 at one token.
+# The fused form (``use_fused``): one launch a group, each output tile reducing its rows'
+# x @ A over all of X itself. Measured on an H100 at one token (2026-12-05, rank 16, Llama-3-8B
+# groups): 1 us faster than two launches in qkv and o, slower where X is long or the columns
+# many (down 30.8 against 12.8 us, gate_up 21.8 against 16.8), a model step's terms 2.69 ms
+# against 2.03 and batch-1 TPOT with one adapter 1.41x the base against 1.24x. So it runs only
+# when asked for (``LoraKernelConfig.fused``). Its step along X: longer than the shrink's 128
+# (the benchmark's sweep of 128 / 256 / 512 at one token found them within 10%).
 FUSED_BLOCK_K = 256
 PROGRAMS_PER_SM = 4  # the shrink splits X until its grid holds about this many per SM
 MAX_SPLITS = 32
@@ -83,10 +84,9 @@ class LoraKernelConfig:
     num_splits: int | None = None  # the shrink's splits of X (a power of two)
     num_warps: int = 4
     num_stages: int = 3
-    # One launch instead of two: each output tile reduces its rows' x @ A over all of X itself
-    # (``fused``). None: at steps of at most ``FUSED_MAX_TOKENS`` tokens with a rank that fills
-    # its tile (``use_fused``); True / False force it where it can run / never.
-    fused: bool | None = None
+    # One launch instead of two (``use_fused``): each output tile reduces its rows' x @ A over
+    # all of X itself. Only when asked for: slower than two launches where it matters (above).
+    fused: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_k", "block_n"):
@@ -131,13 +131,11 @@ def plan(
     )
 
 
-def use_fused(config: LoraKernelConfig, num_tokens: int, rank: int) -> bool:
-    """Whether the call runs as one launch (``fused``): forced by ``config.fused``, else at
-    steps of at most ``FUSED_MAX_TOKENS`` tokens; only where the rank is a power of two of at
-    least 16 (each projection's columns of the joined A are then whole tiles, no mask)."""
-    if rank < 16 or rank & (rank - 1):
-        return False
-    return config.fused if config.fused is not None else num_tokens <= FUSED_MAX_TOKENS
+def use_fused(config: LoraKernelConfig, rank: int) -> bool:
+    """Whether the call runs as one launch: when ``config.fused`` asks for it, where the rank
+    is a power of two of at least 16 (each projection's columns of the joined A are then whole
+    tiles, no mask)."""
+    return config.fused and rank >= 16 and not rank & (rank - 1)
 
 
 def sort_tokens(
@@ -501,7 +499,7 @@ def lora_deltas(
     num_slots = a.shape[0]
     if token_slots.shape != (num_tokens,):
         raise ValueError(f"token_slots.shape={token_slots.shape} must be ({num_tokens},)")
-    one_launch = use_fused(config, num_tokens, a.shape[2] // len(bs))
+    one_launch = use_fused(config, a.shape[2] // len(bs))
     tiles = plan(num_tokens, num_slots, size_x, num_sms(), config, fused=one_launch)
     assert tiles.block_m
     order, sizes = sort_tokens(token_slots, num_slots)
