@@ -320,7 +320,8 @@ def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
             row = {
                 "batch": batch,
                 "k": args.e2e_k,
-                "propose_ms": 1e3 * statistics.median(decode),
+                # None: no call (above the batch where the engine drafts, it drafts nothing)
+                "propose_ms": 1e3 * statistics.median(decode) if decode else None,
                 "floor_ms": floor_ms,
                 "calls": len(calls),
                 "ms_per_step": 1e3 * wall / max(1, llm.engine.num_steps - steps),
@@ -461,11 +462,12 @@ def main() -> None:
             )
     print("\nEAGLE-3 drafting (Llama-3.1-8B head shape, random weights) on the Llama-3-8B target:")
     for r in report["eagle3_8b"]:
-        print(
-            f"   batch {r['batch']}: propose {r['propose_ms']:.3f} ms (k={r['k']}; byte floor "
-            f"{r['floor_ms']:.3f} ms), "
-            f"{r['ms_per_step']:.2f} ms a step"
+        propose = (
+            "no drafting (above the engine's drafting batch)"
+            if r["propose_ms"] is None
+            else f"propose {r['propose_ms']:.3f} ms (k={r['k']}; byte floor {r['floor_ms']:.3f} ms)"
         )
+        print(f"   batch {r['batch']}: {propose}, {r['ms_per_step']:.2f} ms a step")
     if "under_load" in report:
         load = report["under_load"]
         runs = load["tokens_per_s"]
