@@ -114,8 +114,12 @@
 #                bf16, XLA's fp8 paths, the kernel W8A8 and weight-only, a tile sweep at M = 1
 #                and 16), then the fp8 decode step at batch 1, 8, 64 (context 1024) with
 #                JAXSERVE_FP8_MATMUL=off and =auto -> $OUT/fp8_matmul.{log,json}, fp8mm_step_*
+#   step_kernels what a compiled step launches (benchmarks/probes/step_kernels.py): the Llama-3-8B
+#                decode step of 16 tokens in bf16 and fp8, and Qwen3-Embedding-0.6B's 16,384-token
+#                pooling step: each kernel by kind, what it holds, its output and source op, and
+#                the optimized HLO (gzip) -> $OUT/step_*.{kernels.json,hlo.txt.gz} (a minute or two)
 #   fp8attn      fp8 KV attention that reads fp8 (#36 item 3): the native path's GPU tests, then
-#                bench_attention.py --suite fp8 --sweep: the Mosaic GPU kernel over a bf16 cache,
+#                bench_attention.py --suite fp8 (the tiles' sweep with FP8ATTN_SWEEP=1): the Mosaic GPU kernel over a bf16 cache,
 #                an fp8 cache converted to bf16 (the default) and read by fp8 wgmmas
 #                (JAXSERVE_FP8_ATTENTION=native), batch 1/8/64/256 x context 1,024/4,096, tokens/s
 #                and the ratio to bf16 (target: native >= 1.6x at 64 x 4,096)
@@ -607,6 +611,17 @@ stage_fp8mm() {  # the fp8-matmul kernel: native tests, against XLA and the floo
     grep -v -i warn "$OUT/fp8mm_step_$mode.log" | tail -5
   done
   python3 -m pytest -q -m gpu tests/test_fp8_matmul.py -x 2>&1 | tail -4
+}
+
+stage_step_kernels() {  # the kernels of the batch-1 decode step and of an embedding step
+  python3 -m benchmarks.probes.step_kernels --bucket 16 --out-dir "$OUT" 2>&1 \
+    | grep -v -E "INFO|WARN" | head -24
+  python3 -m benchmarks.probes.step_kernels --bucket 16 --quantization fp8 --out-dir "$OUT" \
+    2>&1 | grep -E "kernels$" | sed 's/^/fp8 /'
+  python3 -m benchmarks.probes.step_kernels --runner pooling --bucket 16384 \
+    --max-model-len 512 --max-num-batched-tokens 16384 \
+    --model jaxserve/assets/configs/qwen3-embedding-0.6b --out-dir "$OUT" 2>&1 \
+    | grep -v -E "INFO|WARN" | head -24
 }
 
 stage_fp8attn() {  # fp8 KV attention: converted to bf16 against read by fp8 wgmmas

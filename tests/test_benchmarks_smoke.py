@@ -7,6 +7,7 @@ import json
 import runpy
 import sys
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -488,3 +489,32 @@ def test_the_step_log_says_where_a_runs_time_went(tmp_path, monkeypatch, capsys)
     run_script("benchmarks.step_log_summary", [str(log)], monkeypatch)
     printed = capsys.readouterr().out
     assert "| prompt only |" in printed and "| decode <= 8 |" in printed
+
+
+def test_hlo_kernels_lists_the_kernels_outside_fused_computations() -> None:
+    from benchmarks import hlo_kernels
+
+    def program(x, w):
+        h = jax.nn.silu(x @ w) * 2.0
+        return jax.lax.fori_loop(0, 3, lambda i, a: a * 2 + 1, h).sum(-1)
+
+    x, w = jnp.ones((64, 32)), jnp.ones((32, 48))
+    kernels = hlo_kernels.parse(jax.jit(program).lower(x, w).compile().as_text())
+    assert any(k.target == "dot" and k.shape.startswith("f32[64,48]") for k in kernels)
+    # the loop body's kernels count, the fused computations' instructions do not
+    assert any(k.op_name.startswith("body/") for k in kernels)
+    assert all(k.kind in ("kLoop", "kInput", "kOutput", "kCustom", "custom-call") for k in kernels)
+    rows = hlo_kernels.grouped(kernels)
+    assert sum(r["count"] for r in rows) == len(kernels)
+    total = [r["output_bytes"] * r["count"] for r in rows]
+    assert total == sorted(total, reverse=True)
+
+
+def test_step_kernels_probe_smoke(tmp_path, monkeypatch, capsys) -> None:
+    """The fixture's 16-token step compiled by the engine's programs, written and listed."""
+    args = ["--smoke", "--out-dir", str(tmp_path)]
+    run_script("benchmarks.probes.step_kernels", args, monkeypatch)
+    listed = json.loads((tmp_path / "step_llama_generate_16.kernels.json").read_text())
+    assert listed["kernels"] > 10 and listed["rows"]
+    assert (tmp_path / "step_llama_generate_16.hlo.txt.gz").stat().st_size > 0
+    assert "step_llama_generate_16:" in capsys.readouterr().out

@@ -1,0 +1,82 @@
+"""What one compiled model step launches: the step of one token bucket, compiled by the
+engine's own programs (dummy weights), its optimized HLO written out and its kernels listed by
+``benchmarks.hlo_kernels``. Issue 36 counted about 430 small kernels in the Llama-3-8B batch-1
+step, and issue 40's embedding step spends a third of its time in element-wise fusions: this
+names them.
+
+    python -m benchmarks.probes.step_kernels --bucket 16 --out-dir $OUT            # decode, b=1
+    python -m benchmarks.probes.step_kernels --runner pooling --bucket 16384 \\
+        --model jaxserve/assets/configs/qwen3-embedding-0.6b --out-dir $OUT          # embeddings
+    python -m benchmarks.probes.step_kernels --smoke --out-dir /tmp/sk             # CPU fixture
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+from benchmarks import hlo_kernels
+from jaxserve.config import builtin_config_dir
+
+
+def step_hlo(args: argparse.Namespace) -> str:
+    """The optimized HLO text of the step of ``args.bucket`` tokens."""
+    import jaxserve
+
+    llm = jaxserve.LLM(
+        args.model,
+        runner=args.runner,
+        load_format="dummy",
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=max(args.bucket, args.max_num_batched_tokens),
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=args.runner == "generate",
+        warmup=False,
+        num_gpu_blocks_override=args.num_blocks,
+        **({"quantization": args.quantization} if args.quantization else {}),
+    )
+    runner: Any = llm.engine.runner
+    try:
+        return runner.programs.lower_step(args.bucket).compile().as_text()
+    finally:
+        llm.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(builtin_config_dir("llama-3-8b")))
+    parser.add_argument("--runner", default="generate", choices=("generate", "pooling"))
+    parser.add_argument("--bucket", type=int, default=16, help="the step's token bucket")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--num-blocks", type=int, default=1024)
+    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--smoke", action="store_true", help="the tiny fixture, on the CPU")
+    args = parser.parse_args()
+    if args.smoke:
+        from tests.conftest import fixture_dir
+
+        args.model, args.max_model_len, args.num_blocks = str(fixture_dir("llama")), 256, 64
+    text = step_hlo(args)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    quantized = f"_{args.quantization}" if args.quantization else ""
+    name = f"step_{Path(args.model).name}_{args.runner}_{args.bucket}{quantized}"
+    with gzip.open(args.out_dir / f"{name}.hlo.txt.gz", "wt") as f:
+        f.write(text)
+    kernels = hlo_kernels.parse(text)
+    rows = hlo_kernels.grouped(kernels)
+    (args.out_dir / f"{name}.kernels.json").write_text(
+        json.dumps({"kernels": len(kernels), "rows": rows}, indent=1)
+    )
+    print(f"{name}: {len(kernels)} kernels")
+    hlo_kernels.print_rows(rows, args.top)
+
+
+if __name__ == "__main__":
+    main()
