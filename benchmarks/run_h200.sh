@@ -588,7 +588,9 @@ stage_invariant_probe() {  # which XLA options keep batch-invariant bits on this
 }
 
 stage_invariant() {
-  python3 -m pytest -q -m gpu tests/test_batch_invariant.py 2>&1 | tail -3
+  # the GPU test's result is kept: the call's printed tail may not reach back to it
+  python3 -m pytest -q -m gpu tests/test_batch_invariant.py > "$OUT/batch_invariant_test.log" 2>&1
+  tail -3 "$OUT/batch_invariant_test.log" | tee -a "$OUT/batch_invariant_test_result.txt"
   python3 -m benchmarks.batch_invariant --out "$OUT/batch_invariant.json" \
     > "$OUT/batch_invariant.log" 2>&1
   grep -v -i warn "$OUT/batch_invariant.log" | tail -6
