@@ -104,6 +104,9 @@ def throughput(llm: LLM, args: argparse.Namespace, loras: list[LoRARequest]) -> 
     return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
 
 
+PROFILE_TOKENS = 16  # batch-1 decode steps traced (--profile-dir), after the prompt's
+
+
 def tpot(llm: LLM, args: argparse.Namespace, lora: LoRARequest | None) -> float:
     """Seconds per output token at batch 1 (a run of one token subtracted: the prefill)."""
     prompt = [5 + i % (llm.engine.vocab_size - 5) for i in range(args.input_len)]
@@ -115,7 +118,14 @@ def tpot(llm: LLM, args: argparse.Namespace, lora: LoRARequest | None) -> float:
         return time.perf_counter() - start
 
     run(args.output_len)  # warm
-    return (run(args.output_len) - run(1)) / (args.output_len - 1)
+    seconds = (run(args.output_len) - run(1)) / (args.output_len - 1)
+    if args.profile_dir:  # a traced run apart from the timed ones: where a step's time goes
+        import jax
+
+        name = "adapter" if lora else "base"
+        with jax.profiler.trace(str(Path(args.profile_dir) / name), create_perfetto_trace=True):
+            run(PROFILE_TOKENS + 1)
+    return seconds
 
 
 def main() -> None:
@@ -133,6 +143,12 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--work-dir", default=None, help="where the adapters are written")
     parser.add_argument("--out", default="lora.json")
+    parser.add_argument(
+        "--profile-dir",
+        default=None,
+        help=f"trace {PROFILE_TOKENS} batch-1 decode steps of the base and the one-adapter runs "
+        "here (DIR/base, DIR/adapter)",
+    )
     args = parser.parse_args()
     counts = [int(n) for n in args.adapters.split(",")]
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="jaxserve-lora-"))

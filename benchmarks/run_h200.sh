@@ -115,7 +115,8 @@
 #                and 16), then the fp8 decode step at batch 1, 8, 64 (context 1024) with
 #                JAXSERVE_FP8_MATMUL=off and =auto -> $OUT/fp8_matmul.{log,json}, fp8mm_step_*
 #   step_kernels what a compiled step launches (benchmarks/probes/step_kernels.py): the Llama-3-8B
-#                decode step of 16 tokens in bf16 and fp8, and Qwen3-Embedding-0.6B's 16,384-token
+#                decode step of 16 tokens in bf16, fp8 and with 8 LoRA slots (the kernel count
+#                only for those two), and Qwen3-Embedding-0.6B's 16,384-token
 #                pooling step: each kernel by kind, what it holds, its output and source op, and
 #                the optimized HLO (gzip) -> $OUT/step_*.{kernels.json,hlo.txt.gz} (a minute or two)
 #   fp8attn      fp8 KV attention that reads fp8 (#36 item 3): the native path's GPU tests, then
@@ -619,7 +620,9 @@ stage_step_kernels() {  # the kernels of the batch-1 decode step and of an embed
   python3 -m benchmarks.probes.step_kernels --bucket 16 --out-dir "$OUT" 2>&1 \
     | grep -v -E "INFO|WARN" | head -24
   python3 -m benchmarks.probes.step_kernels --bucket 16 --quantization fp8 --out-dir "$OUT" \
-    2>&1 | grep -E "kernels$" | sed 's/^/fp8 /'
+    2>&1 | grep -E "kernels$"
+  python3 -m benchmarks.probes.step_kernels --bucket 16 --max-loras 8 --out-dir "$OUT" \
+    2>&1 | grep -E "kernels$"
   python3 -m benchmarks.probes.step_kernels --runner pooling --bucket 16384 \
     --max-model-len 512 --max-num-batched-tokens 16384 \
     --model jaxserve/assets/configs/qwen3-embedding-0.6b --out-dir "$OUT" 2>&1 \
@@ -822,8 +825,16 @@ stage_checkpoints() {  # start-up load and update from disk: safetensors against
 }
 
 stage_lora() {  # offline throughput with 0, 1, 8 and 64 rank-16 adapters; batch-1 TPOT with one
-  python3 -m benchmarks.lora --out "$OUT/lora.json" > "$OUT/lora.log" 2>&1
+  python3 -m benchmarks.lora --out "$OUT/lora.json" --profile-dir /tmp/lora_profile \
+    > "$OUT/lora.log" 2>&1
   grep -E "adapters|TPOT" "$OUT/lora.log" || tail -8 "$OUT/lora.log"
+  local run  # a batch-1 decode step's kernels, without and with one adapter (17 steps traced)
+  for run in base adapter; do
+    [ -d "/tmp/lora_profile/$run" ] || continue
+    python3 -m benchmarks.trace_summary "/tmp/lora_profile/$run" --steps 17 --top 16 \
+      > "$OUT/lora_${run}_kernels.txt" 2>&1
+    echo "-- batch 1, $run"; head -20 "$OUT/lora_${run}_kernels.txt"
+  done
 }
 
 stage_lora_load() {  # the neighbours' p99 ITL while adapters load (target: at most 1.2x quiet)

@@ -426,14 +426,18 @@ def test_lora_kernel_benchmark_smoke(tmp_path, monkeypatch) -> None:
 
 def test_lora_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
     """Offline throughput with 0, 1 and 2 adapters, each run after one request on each
-    adapter (so the timed run loads none), and batch-1 TPOT of the base and one adapter."""
+    adapter (so the timed run loads none), and batch-1 TPOT of the base and one adapter, each
+    also traced."""
     out = tmp_path / "lora.json"
     args = ["--model", str(fixture_dir("llama")), "--num-prompts", "8", "--input-len", "16"]
     args += ["--output-len", "8", "--adapters", "0,1,2", "--rank", "4", "--max-model-len", "64"]
     args += ["--work-dir", str(tmp_path / "work"), "--out", str(out)]
+    args += ["--profile-dir", str(tmp_path / "profile")]
     run_script("benchmarks.lora", args, monkeypatch)
     result = json.loads(out.read_text())
     assert sorted(result["throughput"]) == ["0", "1", "2"]
+    # the batch-1 runs traced, base and adapter (the trace summary reads them on the device)
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["adapter", "base"]
     assert all(v > 0 for v in result["throughput"].values())
     assert sorted(result["tpot_s"]) == ["0", "1"]
     printed = capsys.readouterr().out

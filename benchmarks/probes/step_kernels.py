@@ -5,6 +5,7 @@ step, and issue 40's embedding step spends a third of its time in element-wise f
 names them.
 
     python -m benchmarks.probes.step_kernels --bucket 16 --out-dir $OUT            # decode, b=1
+    python -m benchmarks.probes.step_kernels --bucket 16 --max-loras 8 --out-dir $OUT  # LoRA on
     python -m benchmarks.probes.step_kernels --runner pooling --bucket 16384 \\
         --model jaxserve/assets/configs/qwen3-embedding-0.6b --out-dir $OUT          # embeddings
     python -m benchmarks.probes.step_kernels --smoke --out-dir /tmp/sk             # CPU fixture
@@ -37,6 +38,11 @@ def step_hlo(args: argparse.Namespace) -> str:
         warmup=False,
         num_gpu_blocks_override=args.num_blocks,
         **({"quantization": args.quantization} if args.quantization else {}),
+        **(
+            {"enable_lora": True, "max_loras": args.max_loras, "max_lora_rank": 16}
+            if args.max_loras
+            else {}
+        ),
     )
     runner: Any = llm.engine.runner
     try:
@@ -55,6 +61,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--num-blocks", type=int, default=1024)
     parser.add_argument("--quantization", default=None)
+    parser.add_argument("--max-loras", type=int, default=0, help="LoRA slots of rank 16 (0: off)")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="the tiny fixture, on the CPU")
@@ -66,7 +73,8 @@ def main() -> None:
     text = step_hlo(args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     quantized = f"_{args.quantization}" if args.quantization else ""
-    name = f"step_{Path(args.model).name}_{args.runner}_{args.bucket}{quantized}"
+    lora = f"_lora{args.max_loras}" if args.max_loras else ""
+    name = f"step_{Path(args.model).name}_{args.runner}_{args.bucket}{quantized}{lora}"
     with gzip.open(args.out_dir / f"{name}.hlo.txt.gz", "wt") as f:
         f.write(text)
     kernels = hlo_kernels.parse(text)
