@@ -114,6 +114,10 @@
 #                bf16, XLA's fp8 paths, the kernel W8A8 and weight-only, a tile sweep at M = 1
 #                and 16), then the fp8 decode step at batch 1, 8, 64 (context 1024) with
 #                JAXSERVE_FP8_MATMUL=off and =auto -> $OUT/fp8_matmul.{log,json}, fp8mm_step_*
+#   xla_flags    the decode step at batch 1 and 64 (context 1,024) under XLA's default options and
+#                each line of $XLA_FLAG_SETS (default: command buffers off, graphs of any size,
+#                more op kinds in graphs), device and wall ms -> $OUT/xla_flags_N.{log,json}
+#                (#36 item 6; a model start per line, about 4 minutes)
 #   step_kernels what a compiled step launches (benchmarks/probes/step_kernels.py): the Llama-3-8B
 #                decode step of 16 tokens in bf16, fp8 and with 8 LoRA slots (the kernel count
 #                only for those two), and Qwen3-Embedding-0.6B's 16,384-token
@@ -389,6 +393,21 @@ stage_roofline() {
     --profile-dir "$OUT/profile" > "$OUT/roofline.log" 2>&1
   find "$OUT/profile" -name "*.xplane.pb" -delete
   grep -v -i warn "$OUT/roofline.log" | tail -20
+}
+
+stage_xla_flags() {  # the batch-1 and 64 decode step under XLA's command-buffer options
+  # (#36 item 6: about 430 small kernels a batch-1 step; does graphing more of them pay?)
+  local flags i=0
+  while IFS= read -r flags; do
+    i=$((i + 1))
+    echo "-- XLA_FLAGS='$flags'"
+    XLA_FLAGS="$flags" python3 -m benchmarks.decode_roofline --iters 20 --batches 1,64 \
+      --contexts 1024 --output-json "$OUT/xla_flags_$i.json" > "$OUT/xla_flags_$i.log" 2>&1
+    grep -E "^row " "$OUT/xla_flags_$i.log" || tail -3 "$OUT/xla_flags_$i.log"
+  done <<< "${XLA_FLAG_SETS:-
+--xla_gpu_enable_command_buffer=
+--xla_gpu_graph_min_graph_size=1
+--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL}"
 }
 
 stage_spec() {  # speculative decoding: verify cost k = 0..7 at batch 1/8/64, n-gram end to end
