@@ -59,7 +59,8 @@ DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # many (down 30.8 against 12.8 us, gate_up 21.8 against 16.8), a model step's terms 2.69 ms
 # against 2.03 and batch-1 TPOT with one adapter 1.41x the base against 1.24x. So it runs only
 # when asked for (``LoraKernelConfig.fused``). Its step along X: longer than the shrink's 128
-# (the benchmark's sweep of 128 / 256 / 512 at one token found them within 10%).
+# (the benchmark's sweep at one token: 128 and 256 within 10% of each other, 512 up to 40%
+# slower).
 FUSED_BLOCK_K = 256
 PROGRAMS_PER_SM = 4  # the shrink splits X until its grid holds about this many per SM
 MAX_SPLITS = 32
