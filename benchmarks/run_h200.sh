@@ -142,7 +142,7 @@
 #                and chunked, on the Mosaic GPU kernel, pytest -m gpu), then its cost: decode at
 #                batch 1/16/64 (context 1,024) and offline 256 x 512/128 with the mode off and on
 #                (benchmarks/batch_invariant.py, Llama-3-8B shape; a few minutes)
-#                -> $OUT/batch_invariant.{log,json}
+#                -> $OUT/batch_invariant.{log,json}, the test's log batch_invariant_test.log
 #   occupied     a second jaxserve launch on the GPU a first server (demo model, default flags)
 #                holds: seconds until it exits, its exit code and last lines -> $OUT/occupied.txt
 #   responses    Responses API streaming against chat completions on the same request, one at
