@@ -8,6 +8,8 @@ instead), times:
   kernel  ``pallas_kernels.lora.triton.lora_deltas`` (sort, shrink, expand: two launches),
   one launch  the same with ``LoraKernelConfig(fused=True)``, at steps of at most 16 tokens,
           over its steps along X (``--fused-block-ks``; the table shows ``FUSED_BLOCK_K``'s),
+  split-K ``pallas_kernels.lora.split_k.lora_deltas`` (one launch, X split across programs,
+          atomic adds), at every size,
   dense   ``pallas_kernels.lora.reference.lora_deltas`` (every slot's A and B, the one-hot
           mask between: what the model ran before the kernel, and runs off the GPU),
 against the floor: the bytes of the used slots' A and B, plus x read and the terms written, at
@@ -35,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import BANDWIDTH, best_time
-from pallas_kernels.lora import reference
+from pallas_kernels.lora import reference, split_k
 from pallas_kernels.lora import triton as lt
 
 LAYERS = 32
@@ -72,6 +74,11 @@ def run_all(fn, xs, stacks, slots):
 
 def kernel_all(xs, stacks, slots, interpret: bool, config=lt.LoraKernelConfig()):
     call = functools.partial(lt.lora_deltas, interpret=interpret, config=config)
+    return run_all(call, xs, stacks, slots)
+
+
+def split_k_all(xs, stacks, slots, interpret: bool):
+    call = functools.partial(split_k.lora_deltas, interpret=interpret)
     return run_all(call, xs, stacks, slots)
 
 
@@ -116,19 +123,26 @@ def measure(args, groups) -> list[dict]:
                         one = lt.LoraKernelConfig(block_k=block_k, fused=True)
                         sec = best_time(kernel, xs, stacks, slots, interpret, one, **runs)
                         sweep[block_k] = sec / copies * 1e6
+                split_us = None  # (the split-K form takes ranks that are powers of two from 16)
+                if lt.use_fused(FUSED, args.rank):
+                    split = jax.jit(split_k_all, static_argnums=(3,))
+                    split_s = best_time(split, xs, stacks, slots, interpret, **runs) / copies
+                    split_us = split_s * 1e6
                 dense_s = best_time(jax.jit(dense_all), xs, stacks, slots, **runs) / copies
                 floor = used_bytes(x_in, outs, args.rank, slots_np, jnp.dtype(dtype).itemsize)
                 floor_s = floor / BANDWIDTH
                 rows.append(
                     dict(group=name, slots=m, tokens=t, used=len(set(slots_np.tolist()) - {0}),
                          kernel_us=kernel_s * 1e6, one_launch_us=one_launch_us(sweep),
+                         split_k_us=split_us,
                          fused_block_k_us=sweep,
                          dense_us=dense_s * 1e6, floor_us=floor_s * 1e6)
                 )  # fmt: skip
                 r = rows[-1]
                 print(
                     f"  {name:8s} M={m:<3d} T={t:<4d} used={r['used']:<3d} kernel "
-                    f"{r['kernel_us']:8.1f} us  dense {r['dense_us']:8.1f} us  floor "
+                    f"{r['kernel_us']:8.1f} us  split-K {_us(r['split_k_us'])} us  "
+                    f"dense {r['dense_us']:8.1f} us  floor "
                     f"{r['floor_us']:6.1f} us"
                     + "".join(f"  one launch, block_k {k}: {v:.1f} us" for k, v in sweep.items()),
                     flush=True,
@@ -157,25 +171,27 @@ def _ms(value: float | None) -> str:
 
 
 def print_tables(rows: list[dict]) -> None:
-    print("\n| group | slots | tokens | used | kernel us | one launch us | dense us | floor us "
-          "| kernel %floor | dense / kernel |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| group | slots | tokens | used | kernel us | one launch us | split-K us | dense us "
+          "| floor us | kernel %floor | dense / kernel |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['group']} | {r['slots']} | {r['tokens']} | {r['used']} | "
-            f"{r['kernel_us']:.1f} | {_us(r['one_launch_us'])} | {r['dense_us']:.1f} | "
+            f"{r['kernel_us']:.1f} | {_us(r['one_launch_us'])} | {_us(r['split_k_us'])} | "
+            f"{r['dense_us']:.1f} | "
             f"{r['floor_us']:.1f} | "
             f"{r['floor_us'] / r['kernel_us']:.0%} | {r['dense_us'] / r['kernel_us']:.2f}x |"
         )
     print(f"\none model step's LoRA terms ({LAYERS} layers, every group):")
-    print("| slots | tokens | kernel ms | one launch ms | dense ms | floor ms |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| slots | tokens | kernel ms | one launch ms | split-K ms | dense ms | floor ms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     cells = sorted({(r["slots"], r["tokens"]) for r in rows})
     for m, t in cells:
         cell = [r for r in rows if (r["slots"], r["tokens"]) == (m, t)]
-        keys = ("kernel_us", "one_launch_us", "dense_us", "floor_us")
+        keys = ("kernel_us", "one_launch_us", "split_k_us", "dense_us", "floor_us")
         total = {k: _step_ms(cell, k) for k in keys}
         print(f"| {m} | {t} | {total['kernel_us']:.3f} | {_ms(total['one_launch_us'])} | "
+              f"{_ms(total['split_k_us'])} | "
               f"{total['dense_us']:.3f} | {total['floor_us']:.3f} |")  # fmt: skip
 
 

@@ -168,7 +168,9 @@
 #                (target: within 1%) -> $OUT/kv_events_{off,on}.log, kv_events_subscriber.json;
 #                about 10 minutes: kv_events:900 ($KV_EVENTS_RATES picks the rates, 16,inf)
 #   lora         Llama-3-8B shape, dummy weights: offline throughput 256 x 512/256 with 0, 1, 8
-#                and 64 distinct rank-16 adapters, and batch-1 TPOT with one (benchmarks/lora.py)
+#                and 64 distinct rank-16 adapters, and batch-1 TPOT with one (benchmarks/lora.py),
+#                16 batch-1 steps traced with and without it; then 0 and 1 adapters again with the
+#                kernel's forms in $LORA_FORMS (default split_k; JAXSERVE_LORA_FORM)
 #   lora_load    Llama-3-8B shape, dummy weights, served with LoRA on: 32 streamed neighbours'
 #                ITL p50/p99 quiet and while 8 adapters load at run time (benchmarks/lora_load.py;
 #                a server start and two runs: about 3 minutes)
@@ -847,6 +849,12 @@ stage_lora() {  # offline throughput with 0, 1, 8 and 64 rank-16 adapters; batch
   python3 -m benchmarks.lora --out "$OUT/lora.json" --profile-dir /tmp/lora_profile \
     > "$OUT/lora.log" 2>&1
   grep -E "adapters|TPOT" "$OUT/lora.log" || tail -8 "$OUT/lora.log"
+  local form  # the kernel's other forms end to end: batch-1 TPOT and offline with one adapter
+  for form in ${LORA_FORMS:-split_k}; do
+    JAXSERVE_LORA_FORM=$form python3 -m benchmarks.lora --adapters 0,1 \
+      --out "$OUT/lora_$form.json" > "$OUT/lora_$form.log" 2>&1
+    grep -E "TPOT" "$OUT/lora_$form.log" | sed "s/^/$form: /" || tail -4 "$OUT/lora_$form.log"
+  done
   local run  # a batch-1 decode step's kernels, without and with one adapter (17 steps traced)
   for run in base adapter; do
     [ -d "/tmp/lora_profile/$run" ] || continue

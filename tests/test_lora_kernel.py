@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.lora import dispatch, reference
+from pallas_kernels.lora import dispatch, reference, split_k
 from pallas_kernels.lora import triton as lt
 
 # The Pallas Triton backend warns at lowering that it is deprecated (jax 0.11).
@@ -111,6 +111,11 @@ CPU_CASES = [
         config=lt.LoraKernelConfig(block_k=16, block_n=16, fused=True),
     ),  # fmt: skip
 ]
+
+
+# The split-K one launch (``split_k.py``): the cases whose rank it takes, at forced splits of X
+# (1, 2, 4: the splits' atomic adds, a split past X's end) and at its own plan.
+SPLIT_K_CASES = [c for c in CPU_CASES if c.rank >= 16 and not c.rank & (c.rank - 1)]
 
 
 def make_inputs(case: Case, seed: int):
@@ -228,6 +233,34 @@ def test_dispatch_takes_the_reference_off_the_gpu_and_the_kernel_when_asked(monk
 
 
 @pytest.mark.filterwarnings(DEPRECATED)
+@pytest.mark.parametrize("form", ["fused", "split_k"])
+def test_dispatch_runs_the_form_asked_for(monkeypatch, form):
+    """``JAXSERVE_LORA_FORM`` picks the kernel's form (each matching the reference), and the
+    start-up line names it; a rank the one-launch forms cannot tile takes two launches."""
+    monkeypatch.setenv(dispatch.LORA_KERNEL_ENV, "triton")
+    monkeypatch.setenv(dispatch.LORA_FORM_ENV, form)
+    called = []
+    for module in (lt, split_k):
+        real = module.lora_deltas
+        monkeypatch.setattr(
+            module,
+            "lora_deltas",
+            lambda *a, _r=real, _m=module, **k: called.append(_m) or _r(*a, **k),
+        )
+    for case in (SPLIT_K_CASES[0], next(c for c in CPU_CASES if c.rank == 8)):
+        x, a, bs, slots = make_inputs(case, 0)
+        got = dispatch.lora_deltas(x, a, bs, slots)
+        for g, w in zip(got, numpy_deltas(x, a, bs, slots), strict=True):
+            np.testing.assert_allclose(np.asarray(g, np.float64), w, atol=1e-4)
+    one_launch = split_k if form == "split_k" else lt
+    assert called == [one_launch, lt]  # the rank-8 case: two launches
+    assert f"{form.replace('_', '-')} form (JAXSERVE_LORA_FORM={form})" in dispatch.describe()
+    monkeypatch.setenv(dispatch.LORA_FORM_ENV, "three")
+    with pytest.raises(ValueError, match="JAXSERVE_LORA_FORM='three' must be one of"):
+        dispatch.describe()
+
+
+@pytest.mark.filterwarnings(DEPRECATED)
 def test_the_model_product_through_the_kernel_equals_the_dense_one(monkeypatch):
     """models/lora.py's q/k/v, o, gate/up and down terms on the kernel (interpreted)."""
     from jaxserve.models import lora as ops
@@ -262,7 +295,8 @@ def test_the_model_product_through_the_kernel_equals_the_dense_one(monkeypatch):
 
 @pytest.mark.filterwarnings(DEPRECATED)
 def test_lowers_to_triton_for_an_h200(verify_triton_modules):
-    """The Pallas -> Triton IR lowering of the shrink (split, masked) and the expands."""
+    """The Pallas -> Triton IR lowering of the shrink (split, masked) and the expands, the
+    fused launch and the split-K launch (masked atomic adds)."""
     h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
     x = jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16)
@@ -276,8 +310,12 @@ def test_lowers_to_triton_for_an_h200(verify_triton_modules):
         asked = functools.partial(lt.lora_deltas, config=lt.LoraKernelConfig(fused=True))
         lowered = jax.jit(asked).trace(one, a, bs, jax.ShapeDtypeStruct((1,), jnp.int32))
         fused = lowered.lower(lowering_platforms=("cuda",)).as_text()
+        split = functools.partial(split_k.lora_deltas, config=lt.LoraKernelConfig())
+        lowered = jax.jit(split).trace(one, a, bs, jax.ShapeDtypeStruct((1,), jnp.int32))
+        one_split = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") >= 2
     assert fused.count("__gpu$xla.gpu.triton") == 1 and "lora_fused" in fused
+    assert one_split.count("__gpu$xla.gpu.triton") == 1 and "lora_split_k" in one_split
 
 
 def _is_gpu() -> bool:
@@ -324,9 +362,26 @@ GPU_CASES = [
 @pytest.mark.skipif(not _is_gpu(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("case", CPU_CASES + GPU_CASES, ids=lambda c: c.name)
 def test_native_matches_reference(case: Case):
+    _native_matches(case, lambda *args: lt.lora_deltas(*args, config=case.config))
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings(DEPRECATED)
+@pytest.mark.skipif(not _is_gpu(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize(
+    "case",
+    SPLIT_K_CASES + [c for c in GPU_CASES if not c.name.endswith("_fused")],
+    ids=lambda c: c.name,
+)
+def test_split_k_native_matches_reference(case: Case):
+    config = dataclasses.replace(case.config, fused=False)
+    _native_matches(case, lambda *args: split_k.lora_deltas(*args, config=config))
+
+
+def _native_matches(case: Case, deltas) -> None:
     seed = int(np.random.default_rng().integers(2**31))
     x, a, bs, slots = make_inputs(case, seed)
-    got = lt.lora_deltas(x, a, bs, slots, config=case.config)
+    got = deltas(x, a, bs, slots)
     # NOTE: in float64 on the host: on the GPU a float32 XLA matmul runs in TF32 by default,
     # about 1e-3 off, ten times this test's float32 tolerance.
     want = numpy_deltas(x, a, bs, slots)
@@ -356,3 +411,39 @@ def test_the_start_up_log_says_how_the_lora_product_runs(monkeypatch):
     assert not any(
         "LoRA" in line for line in startup_lines(config, EngineConfig(), jnp.float32, 128)
     )
+
+
+@pytest.mark.filterwarnings(DEPRECATED)
+@pytest.mark.parametrize("splits", [None, 1, 2, 4], ids=lambda s: f"splits{s}")
+@pytest.mark.parametrize("case", SPLIT_K_CASES, ids=lambda c: c.name)
+def test_split_k_interpret_matches_reference(case: Case, splits: int | None):
+    seed = int(np.random.default_rng().integers(2**31))  # fresh inputs every run
+    x, a, bs, slots = make_inputs(case, seed)
+    config = dataclasses.replace(case.config, fused=False, num_splits=splits)
+    got = split_k.lora_deltas(x, a, bs, slots, config=config, interpret=True)
+    want = numpy_deltas(x, a, bs, slots)
+    base = np.asarray(slots) == 0
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == x.dtype
+        np.testing.assert_allclose(
+            np.asarray(g, np.float64), w, atol=tolerance(case.dtype), err_msg=f"{seed=}"
+        )
+        assert (np.asarray(g)[base] == 0).all()  # the base model's rows add nothing
+
+
+def test_split_k_splits_x_until_the_grid_fills_the_sms():
+    planned = lt.plan(1, 1, 14336, 132, lt.LoraKernelConfig())  # down at one token
+    config = dataclasses.replace(planned, num_splits=None)  # (the shrink's, left out)
+    # two row tiles may hold rows, 32 column tiles of 128: 32 splits of its 112 steps of 128
+    assert split_k.num_splits(1, 1, 14336, 32, 132, config) == 32
+    # gate/up's 224 column tiles fill the SMs with 4 splits
+    assert split_k.num_splits(1, 1, 4096, 224, 132, config) == 4
+    assert split_k.num_splits(1, 1, 64, 224, 132, config) == 1  # no more splits than steps
+    forced = dataclasses.replace(config, num_splits=8)
+    assert split_k.num_splits(1, 1, 4096, 224, 132, forced) == 8
+
+
+def test_split_k_refuses_a_rank_it_cannot_tile():
+    x, a, bs, slots = make_inputs(next(c for c in CPU_CASES if c.rank == 8), 0)
+    with pytest.raises(ValueError, match="split-K form takes powers of two from 16"):
+        split_k.lora_deltas(x, a, bs, slots, interpret=True)

@@ -9,7 +9,11 @@ n projections: their A matrices joined, one B each). It picks, at trace time:
          split; it is not under ``shard_map`` yet), and what TPUs and the CPU run.
 ``JAXSERVE_LORA_KERNEL`` overrides the choice: ``auto`` (the default, as above), ``triton`` (the
 kernel on any backend: interpreted off the GPU, for tests) or ``reference`` (the dense product
-everywhere, to compare). ``describe`` writes the start-up log line.
+everywhere, to compare). ``JAXSERVE_LORA_FORM`` picks the kernel's form: ``two_launch`` (the
+default: shrink, then expand), ``fused`` (one launch, each output tile reducing all of X) or
+``split_k`` (one launch, X split across programs, atomic adds: ``split_k.py``), to compare
+them end to end; a call whose rank the one-launch forms cannot tile takes two launches.
+``describe`` writes the start-up log line.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from pallas_kernels.lora import reference
 
 LORA_KERNEL_ENV = "JAXSERVE_LORA_KERNEL"
 LORA_KERNEL_CHOICES = ("auto", "triton", "reference")
+LORA_FORM_ENV = "JAXSERVE_LORA_FORM"
+LORA_FORMS = ("two_launch", "fused", "split_k")
 
 
 def requested() -> str:
@@ -48,10 +54,18 @@ def lora_deltas(
     shape or dtype, runs the reference)."""
     path, _ = choose()
     if path != "reference":
-        from pallas_kernels.lora import triton
+        from pallas_kernels.lora import split_k, triton
 
         if triton.unsupported_reason(x, a, bs) is None:
-            return triton.lora_deltas(x, a, tuple(bs), token_slots, interpret=path == "interpret")
+            interpret = path == "interpret"
+            form = env_choice(LORA_FORM_ENV, LORA_FORMS, "two_launch")
+            rank = a.shape[2] // len(bs)
+            if form == "split_k" and triton.use_fused(triton.LoraKernelConfig(fused=True), rank):
+                return split_k.lora_deltas(x, a, tuple(bs), token_slots, interpret=interpret)
+            config = triton.LoraKernelConfig(fused=form == "fused")
+            return triton.lora_deltas(
+                x, a, tuple(bs), token_slots, config=config, interpret=interpret
+            )
     return reference.lora_deltas(x, a, bs, token_slots, mask)
 
 
@@ -64,4 +78,7 @@ def describe() -> str:
         "interpret": "Pallas Triton grouped kernel in interpret mode",
         "reference": "dense one-hot product over every slot (XLA)",
     }[path]
+    form = env_choice(LORA_FORM_ENV, LORA_FORMS, "two_launch")
+    if path != "reference" and form != "two_launch":
+        name += f", {form.replace('_', '-')} form ({LORA_FORM_ENV}={form})"
     return f"LoRA product: {name} ({why})"

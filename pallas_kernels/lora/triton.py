@@ -258,10 +258,14 @@ class _Part(NamedTuple):
     here: Any  # whether the program's column is one of this projection's, on working rows
 
 
-def _output_tile(plan_ref, order_ref, refs, col_tiles, block_m) -> tuple[_RowTile, list[_Part]]:
+def _output_tile(
+    plan_ref, order_ref, refs, col_tiles, block_m, col=None, tile=None
+) -> tuple[_RowTile, list[_Part]]:
     """The program's row tile, and each projection's part: the grid's columns are every
-    output's column tiles in turn. ``refs``: the n b_refs, then the n out_refs."""
-    col, tile = pl.program_id(0), pl.program_id(1)
+    output's column tiles in turn. ``refs``: the n b_refs, then the n out_refs. ``col`` and
+    ``tile``: the program's column and row tile (None: grid axes 0 and 1)."""
+    col = pl.program_id(0) if col is None else col
+    tile = pl.program_id(1) if tile is None else tile
     segment, first_row, is_row, works = _tile(plan_ref, tile, block_m)
     rows = _sorted_rows(order_ref, first_row, is_row)[:, None]
     num_parts, parts, first_col = len(refs) // 2, [], 0
