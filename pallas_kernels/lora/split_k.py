@@ -68,9 +68,7 @@ def split_k(
     num_tokens, size_x = x.shape
     block_n = tiles.block_n or min(128, max(16, lt._next_pow2(max(b.shape[2] for b in bs))))
     col_tiles = tuple(pl.cdiv(b.shape[2], block_n) for b in bs)
-    splits = num_splits(
-        num_tokens, a.shape[0], size_x, sum(col_tiles), lt.num_sms(), tiles
-    )  # fmt: skip
+    splits = num_splits(num_tokens, a.shape[0], size_x, sum(col_tiles), lt.num_sms(), tiles)
     # One row past the tokens takes the masked rows' (zero) adds in interpret mode, which has
     # no masked atomics; the columns are padded to whole tiles. Both are cut off after.
     zeros = [jnp.zeros((num_tokens + 1, n * block_n), jnp.float32) for n in col_tiles]
@@ -121,17 +119,23 @@ def _split_k_kernel(
     b_refs, out_refs = refs[:num_parts], refs[2 * num_parts :]
     split = pl.program_id(0)
     tile, parts = lt._output_tile(
-        plan_ref, order_ref, (*b_refs, *out_refs), col_tiles, block_m,
-        col=pl.program_id(1), tile=pl.program_id(2),
-    )  # fmt: skip
+        plan_ref,
+        order_ref,
+        (*b_refs, *out_refs),
+        col_tiles,
+        block_m,
+        col=pl.program_id(1),
+        tile=pl.program_id(2),
+    )
     for part in parts:
         num_slots, size_r = part.b_ref.shape[:2]
         size_o = part.b_ref.shape[2]
 
         @pl.when(part.here & (tile.segment < num_slots))
         def _(part=part, size_r=size_r, size_o=size_o):
-            xa = _split_xa(x_ref, a_ref, tile, part.number * size_r, size_r, split, steps,
-                           block_k, precision)  # fmt: skip
+            xa = _split_xa(
+                x_ref, a_ref, tile, part.number * size_r, size_r, split, steps, block_k, precision
+            )
             cols = part.col * block_n + jnp.arange(block_n, dtype=jnp.int32)
             is_col = cols < size_o if size_o % block_n else None
             y = lt._times_b_strip(xa, part, tile.segment, block_n, None, is_col, precision)
@@ -143,8 +147,9 @@ def _split_k_kernel(
                 pltriton.atomic_add(part.out_ref, index, jnp.where(tile.is_row[:, None], y, 0))
 
 
-def _split_xa(x_ref, a_ref, tile, first_r: int, size_r: int, split, steps: int, block_k: int,
-              precision):  # fmt: skip
+def _split_xa(
+    x_ref, a_ref, tile, first_r: int, size_r: int, split, steps: int, block_k: int, precision
+):
     """f32[block_m, R]: the tile's rows' ``x @ A[segment][:, first_r : first_r + R]`` over
     this program's split of X (``steps`` of ``block_k`` columns; past X: masked, zeros)."""
     size_x = x_ref.shape[1]
