@@ -445,5 +445,5 @@ def test_split_k_splits_x_until_the_grid_fills_the_sms():
 
 def test_split_k_refuses_a_rank_it_cannot_tile():
     x, a, bs, slots = make_inputs(next(c for c in CPU_CASES if c.rank == 8), 0)
-    with pytest.raises(ValueError, match="split-K form takes powers of two from 16"):
+    with pytest.raises(ValueError, match="split-K: rank 8: it takes powers of two from 16"):
         split_k.lora_deltas(x, a, bs, slots, interpret=True)

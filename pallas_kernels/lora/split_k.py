@@ -30,7 +30,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.grouped_matmul.triton import plan_tiles
 from pallas_kernels.lora import triton as lt
 
 PROGRAMS_PER_SM = 16  # the splits of X grow until the grid holds about this many per SM
@@ -64,10 +63,11 @@ def split_k(
     tiles,  # LoraKernelConfig, resolved by ``lt.plan``
     interpret: bool,
 ) -> tuple[jax.Array, ...]:  # n x [T, O_i] in the tokens' order, x's dtype
+    """Every projection's term in one launch over (splits of X, every output's column tiles,
+    row tiles); the float32 sums rounded to x's dtype after."""
     assert tiles.block_m and tiles.block_k
     num_tokens, size_x = x.shape
-    block_n = tiles.block_n or min(128, max(16, lt._next_pow2(max(b.shape[2] for b in bs))))
-    col_tiles = tuple(pl.cdiv(b.shape[2], block_n) for b in bs)
+    block_n, col_tiles = lt.output_tiles(tiles, bs)
     splits = num_splits(num_tokens, a.shape[0], size_x, sum(col_tiles), lt.num_sms(), tiles)
     # One row past the tokens takes the masked rows' (zero) adds in interpret mode, which has
     # no masked atomics; the columns are padded to whole tiles. Both are cut off after.
@@ -187,17 +187,12 @@ def lora_deltas(
 ) -> tuple[jax.Array, ...]:  # n x [T, O_i], x's dtype
     """``triton.lora_deltas``'s semantics in this one launch (see the module docstring); the
     rank must be a power of two from 16, as the fused form's."""
-    reason = lt.unsupported_reason(x, a, bs)
-    rank = a.shape[2] // max(1, len(bs))
-    if reason is None and not lt.use_fused(lt.LoraKernelConfig(fused=True), rank):
-        reason = f"rank {rank}: the split-K form takes powers of two from 16"
-    if reason is not None:
-        raise ValueError(f"lora_deltas, split-K: {reason}")
+    lt.check_call(x, a, bs, token_slots, "the split-K kernel")
+    rank = a.shape[2] // len(bs)
+    if not lt.use_fused(lt.LoraKernelConfig(fused=True), rank):
+        raise ValueError(f"lora_deltas, split-K: rank {rank}: it takes powers of two from 16")
     num_tokens, size_x = x.shape
-    num_slots = a.shape[0]
-    tiles = lt.plan(num_tokens, num_slots, size_x, lt.num_sms(), config)
+    tiles = lt.plan(num_tokens, a.shape[0], size_x, lt.num_sms(), config)
     tiles = dataclasses.replace(tiles, num_splits=config.num_splits)  # (split_k picks its own)
-    assert tiles.block_m
-    order, sizes = lt.sort_tokens(token_slots, num_slots)
-    tile_plan = plan_tiles(sizes, num_rows=num_tokens, block_m=tiles.block_m)
+    order, tile_plan = lt.sorted_tiles(token_slots, a.shape[0], tiles)
     return split_k(x, order, a, tuple(bs), tile_plan, tiles, interpret)

@@ -463,13 +463,19 @@ def fused(
     return _per_output_tile(body, (x, a), order, bs, tile_plan, tiles, interpret, "lora_fused")
 
 
+def output_tiles(tiles: LoraKernelConfig, bs: Sequence[jax.Array]) -> tuple[int, tuple[int, ...]]:
+    """(the output's column tile, each projection's count of them): ``tiles.block_n``, else
+    128 or the widest output's power of two, from 16."""
+    block_n = tiles.block_n or min(128, max(16, _next_pow2(max(b.shape[2] for b in bs))))
+    return block_n, tuple(pl.cdiv(b.shape[2], block_n) for b in bs)
+
+
 def _per_output_tile(
     body, inputs: tuple[jax.Array, ...], order, bs, tile_plan, tiles, interpret: bool, name: str
 ) -> tuple[jax.Array, ...]:
     """``body`` over a grid of (every output's column tiles one after another, row tiles):
     ``body(plan_ref, order_ref, *inputs, *b_refs, *out_refs, col_tiles=, block_n=)``."""
-    block_n = tiles.block_n or min(128, max(16, _next_pow2(max(b.shape[2] for b in bs))))
-    col_tiles = tuple(pl.cdiv(b.shape[2], block_n) for b in bs)
+    block_n, col_tiles = output_tiles(tiles, bs)
     num_tokens = order.shape[0]
     return tuple(
         pl.pallas_call(
@@ -485,6 +491,27 @@ def _per_output_tile(
     )
 
 
+def check_call(x, a, bs, token_slots, kernel: str) -> None:
+    """A ValueError naming ``kernel`` where the call's shapes or dtypes do not fit it."""
+    reason = unsupported_reason(x, a, bs)
+    if reason is None and token_slots.shape != (x.shape[0],):
+        reason = f"token_slots.shape={token_slots.shape} must be ({x.shape[0]},)"
+    if reason is not None:
+        raise ValueError(f"lora_deltas on {kernel}: {reason}")
+
+
+def sorted_tiles(
+    token_slots: jax.Array, num_slots: int, tiles: LoraKernelConfig
+) -> tuple[jax.Array, jax.Array]:  # order i32[T], tile_plan i32[4, tiles]
+    """The tokens sorted by slot (``sort_tokens``) and the row tiles of their segments."""
+    assert tiles.block_m
+    num_tokens = token_slots.shape[0]
+    order, sizes = sort_tokens(token_slots, num_slots)
+    tile_plan = plan_tiles(sizes, num_rows=num_tokens, block_m=tiles.block_m)
+    assert tile_plan.shape[1] == num_tiles_for(num_tokens, num_slots, tiles.block_m)
+    return order, tile_plan
+
+
 # NOTE: behind one jit, so the calls of one shape (every layer's qkv, say) share one lowering.
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def lora_deltas(
@@ -497,19 +524,11 @@ def lora_deltas(
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:  # n x [T, O_i], x's dtype
     """The n LoRA terms of one input on the kernels; see the module docstring."""
-    reason = unsupported_reason(x, a, bs)
-    if reason is not None:
-        raise ValueError(f"lora_deltas on Pallas Triton: {reason}")
+    check_call(x, a, bs, token_slots, "Pallas Triton")
     num_tokens, size_x = x.shape
-    num_slots = a.shape[0]
-    if token_slots.shape != (num_tokens,):
-        raise ValueError(f"token_slots.shape={token_slots.shape} must be ({num_tokens},)")
     one_launch = use_fused(config, a.shape[2] // len(bs))
-    tiles = plan(num_tokens, num_slots, size_x, num_sms(), config, fused=one_launch)
-    assert tiles.block_m
-    order, sizes = sort_tokens(token_slots, num_slots)
-    tile_plan = plan_tiles(sizes, num_rows=num_tokens, block_m=tiles.block_m)
-    assert tile_plan.shape[1] == num_tiles_for(num_tokens, num_slots, tiles.block_m)
+    tiles = plan(num_tokens, a.shape[0], size_x, num_sms(), config, fused=one_launch)
+    order, tile_plan = sorted_tiles(token_slots, a.shape[0], tiles)
     if one_launch:
         return fused(x, order, a, tuple(bs), tile_plan, tiles, interpret)
     xa = shrink(x, order, a, tile_plan, tiles, interpret)  # f32[S, T, n * R], sorted
