@@ -50,7 +50,6 @@ GROUPS = {
 }
 SMOKE_GROUPS = {"qkv": (64, (64, 16, 16)), "down": (96, (64,))}
 FUSED_MAX_TOKENS = 16  # the one launch is timed at steps of at most this many tokens
-FUSED = lt.LoraKernelConfig(fused=True)
 
 
 def token_slots(num_tokens: int, num_slots: int, base_share: float) -> np.ndarray:
@@ -118,13 +117,13 @@ def measure(args, groups) -> list[dict]:
                 kernel = jax.jit(kernel_all, static_argnums=(3, 4))
                 kernel_s = best_time(kernel, xs, stacks, slots, interpret, **runs) / copies
                 sweep: dict[int, float] = {}  # the one launch's step along X -> us
-                if t <= FUSED_MAX_TOKENS and lt.use_fused(FUSED, args.rank):
+                if t <= FUSED_MAX_TOKENS and lt.one_launch_rank(args.rank):
                     for block_k in [int(k) for k in args.fused_block_ks.split(",")]:
                         one = lt.LoraKernelConfig(block_k=block_k, fused=True)
                         sec = best_time(kernel, xs, stacks, slots, interpret, one, **runs)
                         sweep[block_k] = sec / copies * 1e6
                 split_us = None  # (the split-K form takes ranks that are powers of two from 16)
-                if lt.use_fused(FUSED, args.rank):
+                if lt.one_launch_rank(args.rank):
                     split = jax.jit(split_k_all, static_argnums=(3,))
                     split_s = best_time(split, xs, stacks, slots, interpret, **runs) / copies
                     split_us = split_s * 1e6

@@ -20,6 +20,7 @@ head, MTP layers) implements the same protocol.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from collections.abc import Sequence as Seq
@@ -70,7 +71,9 @@ class DraftPayoff:
     pause_until: int = 0  # the engine step from which drafting may resume
     num_pauses: int = 0
     last_gain: float = 0.0  # the mean gain that caused the last pause
-    _gains: list[float] = dataclasses.field(default_factory=list)
+    _gains: collections.deque[float] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=PAYOFF_WINDOW)
+    )
     _next_pause: int = PAYOFF_PAUSE_STEPS
 
     def may_draft(self, step: int) -> bool:
@@ -81,7 +84,7 @@ class DraftPayoff:
         drafted tokens were accepted. True when drafting pauses from now."""
         if decoding <= 0:
             return False
-        self._gains = [*self._gains[1 - PAYOFF_WINDOW :], accepted / decoding]
+        self._gains.append(accepted / decoding)
         if len(self._gains) < PAYOFF_WINDOW:
             return False
         gain = sum(self._gains) / len(self._gains)
@@ -90,7 +93,7 @@ class DraftPayoff:
             return False
         self.pause_until, self.last_gain = step + self._next_pause, gain
         self._next_pause = min(2 * self._next_pause, PAYOFF_MAX_PAUSE_STEPS)
-        self._gains = []
+        self._gains.clear()
         self.num_pauses += 1
         return True
 

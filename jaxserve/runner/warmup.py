@@ -235,7 +235,9 @@ def check_step_memory(programs: StepPrograms, headroom_bytes: int | None) -> Non
     activation headroom planned beside the KV cache (``Capacity.activation_bytes``; None:
     no check). Such a step can run out of device memory beside a full cache, or leave the
     sampler too little: batch-invariant mode on an H100 ran out of memory (its sampler asked
-    for 2.16 GiB) after XLA planned its 2,048-token step above the 1.55 GiB of headroom."""
+    for 2.16 GiB) after XLA planned its 2,048-token step above the 1.55 GiB of headroom (the
+    cause, fixed since: ``pallas_kernels/fresh.py``); a plan that misses a program's
+    temporaries shows here first."""
     if headroom_bytes is None or not checks_step_memory():
         return
     temps: dict[int, int] = {}

@@ -60,7 +60,7 @@ def lora_deltas(
             interpret = path == "interpret"
             form = env_choice(LORA_FORM_ENV, LORA_FORMS, "two_launch")
             rank = a.shape[2] // len(bs)
-            if form == "split_k" and triton.use_fused(triton.LoraKernelConfig(fused=True), rank):
+            if form == "split_k" and triton.one_launch_rank(rank):
                 return split_k.lora_deltas(x, a, tuple(bs), token_slots, interpret=interpret)
             config = triton.LoraKernelConfig(fused=form == "fused")
             return triton.lora_deltas(

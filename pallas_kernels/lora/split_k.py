@@ -189,7 +189,7 @@ def lora_deltas(
     rank must be a power of two from 16, as the fused form's."""
     lt.check_call(x, a, bs, token_slots, "the split-K kernel")
     rank = a.shape[2] // len(bs)
-    if not lt.use_fused(lt.LoraKernelConfig(fused=True), rank):
+    if not lt.one_launch_rank(rank):
         raise ValueError(f"lora_deltas, split-K: rank {rank}: it takes powers of two from 16")
     num_tokens, size_x = x.shape
     tiles = lt.plan(num_tokens, a.shape[0], size_x, lt.num_sms(), config)

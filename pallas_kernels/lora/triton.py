@@ -132,11 +132,16 @@ def plan(
     )
 
 
+def one_launch_rank(rank: int) -> bool:
+    """Whether the one-launch forms (fused, split-K) tile this rank: a power of two of at
+    least 16 (each projection's columns of the joined A are then whole tiles, no mask)."""
+    return rank >= 16 and not rank & (rank - 1)
+
+
 def use_fused(config: LoraKernelConfig, rank: int) -> bool:
-    """Whether the call runs as one launch: when ``config.fused`` asks for it, where the rank
-    is a power of two of at least 16 (each projection's columns of the joined A are then whole
-    tiles, no mask)."""
-    return config.fused and rank >= 16 and not rank & (rank - 1)
+    """Whether the call runs as one launch: when ``config.fused`` asks for it, at a rank the
+    one launch tiles (``one_launch_rank``)."""
+    return config.fused and one_launch_rank(rank)
 
 
 def sort_tokens(
