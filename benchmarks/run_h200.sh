@@ -168,7 +168,7 @@
 #                (target: within 1%) -> $OUT/kv_events_{off,on}.log, kv_events_subscriber.json;
 #                about 10 minutes: kv_events:900 ($KV_EVENTS_RATES picks the rates, 16,inf)
 #   lora         Llama-3-8B shape, dummy weights: offline throughput 256 x 512/256 with 0, 1, 8
-#                and 64 distinct rank-16 adapters, and batch-1 TPOT with one (benchmarks/lora.py),
+#                and 64 distinct rank-16 adapters ($LORA_ADAPTERS picks, e.g. 0,1), and batch-1 TPOT with one (benchmarks/lora.py),
 #                16 batch-1 steps traced with and without it; then 0 and 1 adapters again with the
 #                kernel's forms in $LORA_FORMS (default split_k; JAXSERVE_LORA_FORM)
 #   lora_load    Llama-3-8B shape, dummy weights, served with LoRA on: 32 streamed neighbours'
@@ -846,8 +846,8 @@ stage_checkpoints() {  # start-up load and update from disk: safetensors against
 }
 
 stage_lora() {  # offline throughput with 0, 1, 8 and 64 rank-16 adapters; batch-1 TPOT with one
-  python3 -m benchmarks.lora --out "$OUT/lora.json" --profile-dir /tmp/lora_profile \
-    > "$OUT/lora.log" 2>&1
+  python3 -m benchmarks.lora --adapters "${LORA_ADAPTERS:-0,1,8,64}" --out "$OUT/lora.json" \
+    --profile-dir /tmp/lora_profile > "$OUT/lora.log" 2>&1
   grep -E "adapters|TPOT" "$OUT/lora.log" || tail -8 "$OUT/lora.log"
   local form  # the kernel's other forms end to end: batch-1 TPOT and offline with one adapter
   for form in ${LORA_FORMS:-split_k}; do
