@@ -31,6 +31,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # before JAX starts
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -268,6 +269,9 @@ def eagle3_chain_bytes(head, k: int) -> int:
     return head.fc.nbytes + k * per_step
 
 
+PROFILE_TOKENS = 16  # batch-1 steps with drafting traced (--profile-dir), after the prompt's
+
+
 def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
     """EAGLE-3 at the published Llama-3.1-8B head shape (random weights) on the Llama-3-8B
     target: each ``propose`` call's time (the head's chain of k steps over the target's kept
@@ -328,6 +332,12 @@ def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
             }
             rows.append(row)
             print(f"eagle3 {row}", flush=True)
+            if args.profile_dir and batch == 1:  # a traced run apart from the timed one
+                with jax.profiler.trace(
+                    str(Path(args.profile_dir) / "eagle3_b1"), create_perfetto_trace=True
+                ):
+                    traced = dataclasses.replace(params, max_tokens=PROFILE_TOKENS + 1)
+                    llm.generate(prompts, traced, use_tqdm=False)
         llm.shutdown()
     return rows
 
@@ -407,6 +417,12 @@ def main() -> None:
         "--parts",
         default="verify,ngram_host,end_to_end,eagle3_8b,under_load",
         help="which parts to run, comma-separated (the docstring's 1-5)",
+    )
+    parser.add_argument(
+        "--profile-dir",
+        default=None,
+        help="trace EAGLE-3's batch-1 steps here (DIR/eagle3_b1): the verify step and the "
+        "drafting's programs side by side",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny model and grid, on the CPU")
     parser.add_argument("--output-json", default=None)
