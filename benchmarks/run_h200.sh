@@ -141,7 +141,7 @@
 #   invariant    batch-invariant mode: its GPU test (logits bitwise equal alone, among 63 others
 #                and chunked, on the Mosaic GPU kernel, pytest -m gpu), then its cost: decode at
 #                batch 1/16/64 (context 1,024) and offline 256 x 512/128 with the mode off and on
-#                (benchmarks/batch_invariant.py, Llama-3-8B shape; a few minutes)
+#                (benchmarks/batch_invariant.py, Llama-3-8B shape; a few minutes; INVARIANT_BENCH=0: the test alone)
 #                -> $OUT/batch_invariant.{log,json}, the test's log batch_invariant_test.log
 #   occupied     a second jaxserve launch on the GPU a first server (demo model, default flags)
 #                holds: seconds until it exits, its exit code and last lines -> $OUT/occupied.txt
@@ -619,6 +619,7 @@ stage_invariant() {
   # the GPU test's result is kept: the call's printed tail may not reach back to it
   python3 -m pytest -q -m gpu tests/test_batch_invariant.py > "$OUT/batch_invariant_test.log" 2>&1
   tail -3 "$OUT/batch_invariant_test.log" | tee -a "$OUT/batch_invariant_test_result.txt"
+  [ "${INVARIANT_BENCH:-1}" = 0 ] && return  # the GPU test alone
   python3 -m benchmarks.batch_invariant --out "$OUT/batch_invariant.json" \
     > "$OUT/batch_invariant.log" 2>&1
   grep -v -i warn "$OUT/batch_invariant.log" | tail -6
