@@ -167,6 +167,10 @@
 #                (benchmarks/kv_events_subscriber.py); output tok/s of each rate side by side
 #                (target: within 1%) -> $OUT/kv_events_{off,on}.log, kv_events_subscriber.json;
 #                about 10 minutes: kv_events:900 ($KV_EVENTS_RATES picks the rates, 16,inf)
+#   embed_flags  the embeddings benchmark ($EMBED_FLAGS_MODELS, qwen3 unless set; 4,000 texts,
+#                whole prompts) under XLA option sets ($EMBED_FLAG_SETS, a line each; the first,
+#                empty: the default): Triton GEMMs that take in their element-wise producers,
+#                block-level fusions (issue 40; about 90 s a set)
 #   lora         Llama-3-8B shape, dummy weights: offline throughput 256 x 512/256 with 0, 1, 8
 #                and 64 distinct rank-16 adapters ($LORA_ADAPTERS picks, e.g. 0,1), and batch-1 TPOT with one (benchmarks/lora.py),
 #                16 batch-1 steps traced with and without it; then 0 and 1 adapters again with the
@@ -797,6 +801,24 @@ stage_responses() {  # Responses API streaming against chat completions, the sam
     --chat-template jaxserve/assets/demo/chat_template.jinja
   python3 -m benchmarks.responses_overhead --out "$OUT/responses_overhead.json" 2>&1 | tail -4
   stop_server
+}
+
+stage_embed_flags() {  # issue 40: the embedding steps under XLA option sets
+  # A third of a step is element-wise passes (SwiGLU's multiply, the norms) between cuBLAS
+  # GEMMs; Triton GEMMs may take their producers (silu(gate) * up, the norm's scale) in.
+  local flags i=0
+  while IFS= read -r flags; do
+    i=$((i + 1))
+    echo "-- XLA_FLAGS='$flags'"
+    XLA_FLAGS="$flags" JAXSERVE_ENCODER_ATTENTION=packed JAXSERVE_POOLING_ATTENTION=whole \
+      python3 -m benchmarks.embeddings --out "$OUT/embed_flags_$i.json" \
+      --models "${EMBED_FLAGS_MODELS:-qwen3}" --num-texts "${EMBED_FLAGS_TEXTS:-4000}" \
+      > "$OUT/embed_flags_$i.log" 2>&1
+    grep -E '^(qwen3|bge):' "$OUT/embed_flags_$i.log" || tail -4 "$OUT/embed_flags_$i.log"
+  done <<< "${EMBED_FLAG_SETS:-
+--xla_gpu_triton_gemm_any=true
+--xla_gpu_unsupported_force_triton_gemm=true
+--xla_gpu_experimental_enable_fusion_block_level_rewriter=true}"
 }
 
 stage_embeddings() {  # issue 40's table: texts/s and the share of the compute roofline
