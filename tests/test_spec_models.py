@@ -10,6 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
 import pytest
 
 import jaxserve
@@ -219,6 +220,40 @@ def test_every_layer_and_step_of_a_drafters_programs_shares_one_attention_loweri
         assert len(traced) - before <= 2  # the first step's rows, then the chained steps'
     assert programs >= len(proposer.buckets.token_buckets) * (1 if method == "draft_model" else 2)
     assert K * layers > 2  # bare, each program would have traced more than twice
+
+
+def test_a_drafting_call_sends_its_inputs_to_the_device_in_one_copy(
+    plain, method, drafting, monkeypatch
+) -> None:
+    """A call's batch, next ids and state rows go as one packed buffer (``put_packed``): one
+    host-to-device copy a call, where each array on its own cost a copy (a batch of 8 arrays
+    and 2 more: 10). EAGLE-3's gather of the last step's states reads its rows from the same
+    buffer; the tokens are unchanged."""
+    from jaxserve.runner import drafting as drafting_module
+
+    puts: list[int] = []
+    real = drafting_module.put_on
+
+    def counted(tp, tree):
+        puts.append(len(jax.tree.leaves(tree)))
+        return real(tp, tree)
+
+    calls: list[int] = []
+    proposer = drafting.engine.proposer
+    propose = proposer.propose
+
+    def counted_propose(seqs, k):
+        before = len(puts)
+        out = propose(seqs, k)
+        if out:
+            calls.append(len(puts) - before)
+        return out
+
+    monkeypatch.setattr(drafting_module, "put_on", counted)
+    monkeypatch.setattr(proposer, "propose", counted_propose)
+    assert token_ids(drafting, PROMPTS[:1]) == plain[:1]
+    assert calls and all(n == 1 for n in calls), calls  # one put a call ...
+    assert set(puts) == {1}  # ... of one array
 
 
 def test_eagle3_serves_in_bfloat16_on_the_cpu() -> None:

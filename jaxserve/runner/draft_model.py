@@ -47,6 +47,7 @@ from jaxserve.models.loading.checkpoint_loader import load_weights
 from jaxserve.models.loading.load_progress import format_bytes
 from jaxserve.runner.drafting import (
     CatchUp,
+    ChainArgs,
     PagedDrafter,
     TokenSource,
     catch_up_batch,
@@ -182,9 +183,10 @@ class DraftModelProposer(PagedDrafter):
         start = min(self.computed.get(seq.seq_id, 0), n - 1)  # at least the last token
         return CatchUp(seq.seq_id, seq.token_ids(start, n), start, final=True)
 
-    def _chain_args(self, call: list[CatchUp], bucket: int | None = None) -> tuple[Any, ...]:
+    def _chain_args(self, call: list[CatchUp], bucket: int | None = None) -> ChainArgs:
         batch = catch_up_batch(call, self.pool, self.buckets, bucket)
-        return self.weights, self.kv, self.put(batch)
+        inputs = self.put_packed({"chain": (batch,)})
+        return ChainArgs((self.weights, self.kv, inputs.buffer), inputs)
 
     def shutdown(self) -> None:
         """Give the device memory back (the engine shut down): the pages freed, the weights
@@ -194,5 +196,5 @@ class DraftModelProposer(PagedDrafter):
         del self.weights  # the last reference: nothing serves after a shutdown
 
     def _run(self, call: list[CatchUp], bucket: int | None = None) -> np.ndarray:
-        self.kv, drafts = self._chain(*self._chain_args(call, bucket))
+        self.kv, drafts = self._call_chain(self._chain_args(call, bucket))
         return np.asarray(drafts)

@@ -13,6 +13,11 @@ Warm-up compiles a drafter's programs on threads first (``compile_ahead``), then
 once (which compiles nothing more): one after another, a draft model's 7 programs took 101 s on
 the H200 (each unrolls k forward passes).
 
+A call's host inputs go to the device as one buffer (``packing.pack``: one copy, where each
+array on its own cost a copy and about 0.1 ms of host time apiece on a 2-core host), under the
+key ``"chain"`` of a dict the subclass may add to (an EAGLE-3 head's state rows); the compiled
+programs take it apart (``unpack``) with its ``Layout`` as a static argument.
+
 Under tensor parallelism (the runner has a ``TensorParallel``) a drafter lays its layers out on
 the target's mesh as a model of its own shapes would be (``drafter_parallel``: its weights
 split on heads and the MLP's intermediate dim, its pages on KV heads); its batches go in
@@ -26,7 +31,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +40,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.models.batch import Batch
 from jaxserve.runner.buckets import MIN_TOKEN_BUCKET, Buckets
+from jaxserve.runner.packing import Layout, pack, unpack
 from jaxserve.runner.parallel.sharding import TensorParallel, prepare_tp
 from jaxserve.units import cdiv
 
@@ -261,6 +267,21 @@ def drafts_of(calls: list[list[CatchUp]], run: Callable[[list[CatchUp]], np.ndar
     return drafts
 
 
+class PackedInputs(NamedTuple):
+    """A call's inputs on the device, packed (``PagedDrafter.put_packed``)."""
+
+    buffer: jax.Array  # i32[n]
+    layout: Layout  # static: what the programs unpack
+
+
+class ChainArgs(NamedTuple):
+    """The arguments of a call's ``_chain``: (weights, pages, buffer, states...) and the
+    packed inputs (their layout is the call's static argument)."""
+
+    args: tuple[Any, ...]
+    inputs: PackedInputs
+
+
 class PagedDrafter:
     """What every drafter with a paged cache of its own does the same way: its token buckets
     and ``PagePool`` (``max_seqs`` sequences of ``max_model_len + k`` tokens), a sequence's
@@ -300,14 +321,31 @@ class PagedDrafter:
         """A call's host inputs on the drafter's device(s) (replicated under TP)."""
         return put_on(self.tp, tree)
 
+    def put_packed(self, inputs: dict[str, Any]) -> PackedInputs:
+        """A call's host inputs (``"chain"``: the chain's, after the pages; other keys: what
+        another of the drafter's programs reads) on the device as one buffer."""
+        buffer, layout = pack(inputs)
+        return PackedInputs(self.put(buffer), layout)
+
     def jit_chain(self, chain: Callable[..., Any], pages: Any) -> jax.stages.Wrapped:
-        """``chain``: (weights, pages, inputs...) -> (pages, i32[S, k] drafts), jitted with the
-        pages donated; under TP the pages keep the shardings of ``pages`` (the drafter's
-        cache) and the drafts come back replicated."""
+        """``chain``: (weights, pages, inputs..., states...) -> (pages, i32[S, k] drafts),
+        jitted to take its inputs packed: (weights, pages, buffer, states..., layout=) with
+        the buffer's ``"chain"`` entry as the inputs (``put_packed``). The pages are donated;
+        under TP they keep the shardings of ``pages`` (the drafter's cache) and the drafts
+        come back replicated."""
+
+        def packed(weights: Any, pages: Any, buffer: jax.Array, *rest: Any, layout: Layout):
+            return chain(weights, pages, *unpack(buffer, layout)["chain"], *rest)
+
         if self.tp is None:
-            return jax.jit(chain, donate_argnums=(1,))
+            return jax.jit(packed, donate_argnums=(1,), static_argnames=("layout",))
         shardings = jax.tree.map(lambda page: page.sharding, pages)
-        return jax.jit(chain, donate_argnums=(1,), out_shardings=(shardings, self.tp.replicated))
+        return jax.jit(
+            packed,
+            donate_argnums=(1,),
+            static_argnames=("layout",),
+            out_shardings=(shardings, self.tp.replicated),
+        )
 
     def free(self, seq_id: str) -> None:
         self.pool.release(seq_id)
@@ -327,7 +365,8 @@ class PagedDrafter:
         return [functools.partial(self._lower_chain, b) for b in self.buckets.token_buckets]
 
     def _lower_chain(self, bucket: int) -> Any:
-        return self._chain.lower(*self._chain_args([], bucket))
+        args = self._chain_args([], bucket)
+        return self._chain.lower(*args.args, layout=args.inputs.layout)
 
     def propose(self, seqs: Sequence[TokenSource], k: int) -> dict[str, list[int]]:
         parts = [part for seq in seqs if (part := self._catch_up(seqs, seq)) is not None]
@@ -358,13 +397,18 @@ class PagedDrafter:
     def _catch_up(self, seqs: Sequence[TokenSource], seq: TokenSource) -> CatchUp | None:
         raise NotImplementedError
 
-    def _chain_args(self, call: list[CatchUp], bucket: int | None = None) -> tuple[Any, ...]:
+    def _chain_args(self, call: list[CatchUp], bucket: int | None = None) -> ChainArgs:
         """The arguments of the call's ``_chain`` (a padding call of ``bucket`` tokens when
         ``call`` is empty)."""
         raise NotImplementedError
 
     def _run(self, call: list[CatchUp], bucket: int | None = None) -> np.ndarray:
+        """The call's drafts (i32[S, k], host), the drafter's pages given back by the chain."""
         raise NotImplementedError
+
+    def _call_chain(self, args: ChainArgs) -> tuple[Any, jax.Array]:
+        """(pages, drafts) of the compiled chain on ``args``."""
+        return self._chain(*args.args, layout=args.inputs.layout)
 
 
 def compile_ahead(lowerings: list[Callable[[], Any]]) -> int:

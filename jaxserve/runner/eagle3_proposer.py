@@ -59,6 +59,7 @@ from jaxserve.models.loading.eagle3_checkpoint import load_eagle3, read_eagle3_c
 from jaxserve.models.loading.load_progress import format_bytes
 from jaxserve.runner.drafting import (
     CatchUp,
+    ChainArgs,
     PagedDrafter,
     TokenSource,
     catch_up_batch,
@@ -66,6 +67,7 @@ from jaxserve.runner.drafting import (
     drafter_parallel,
     put_on,
 )
+from jaxserve.runner.packing import Layout, unpack
 from jaxserve.runner.parallel.sharding import TensorParallel, eagle3_shardings
 from jaxserve.runner.programs import step_attention
 from jaxserve.runner.sleep import free
@@ -122,8 +124,9 @@ def target_states(
     return kv_cache, jnp.concatenate(aux, axis=-1) if aux_layers else hidden
 
 
-def _take_rows(states: jax.Array, rows: jax.Array) -> jax.Array:  # [T, D], i32[R] -> [R, D]
-    return states[rows]
+def _take_rows(states: jax.Array, buffer: jax.Array, layout: Layout) -> jax.Array:
+    """[T, D] -> [R, D]: the rows of a call's packed inputs (their ``"rows"``)."""
+    return states[unpack(buffer, layout)["rows"]]
 
 
 class TargetStatesDrafter(PagedDrafter):
@@ -172,12 +175,14 @@ class TargetStatesDrafter(PagedDrafter):
             kv_scales=runner.kv_scales,
             attention_fn=step_attention(tp),  # one lowering for every layer (as the step's)
         )
+        static = ("layout",)
         if tp is None:
-            return jax.jit(_take_rows), jax.jit(recompute, donate_argnums=(1,))
+            take = jax.jit(_take_rows, static_argnames=static)
+            return take, jax.jit(recompute, donate_argnums=(1,))
         recompute = functools.partial(recompute, experts_fn=tp.experts_fn)
         kv = tp.kv_cache_shardings(self.target_config.num_layers)
         return (
-            jax.jit(_take_rows, out_shardings=tp.replicated),
+            jax.jit(_take_rows, static_argnames=static, out_shardings=tp.replicated),
             jax.jit(recompute, donate_argnums=(1,), out_shardings=(kv, tp.replicated)),
         )
 
@@ -193,10 +198,11 @@ class TargetStatesDrafter(PagedDrafter):
             count += len(self.buckets.token_buckets)
         # The gathers of a call's rows from a step's states: one per (step bucket, call bucket).
         tp = self.runner.tp
+        padding = [self._chain_args([], bucket).inputs for bucket in self.buckets.token_buckets]
         for step_rows in self.runner.buckets.token_buckets:
             states = put_on(tp, np.zeros((step_rows, self.state_dim), self.runner.dtype))
-            for bucket in self.buckets.token_buckets:
-                self._take(states, put_on(tp, np.zeros(bucket, np.int32)))
+            for inputs in padding:
+                self._take(states, inputs.buffer, layout=inputs.layout)
             del states
         self.recomputed_tokens = 0
         return count
@@ -221,9 +227,9 @@ class TargetStatesDrafter(PagedDrafter):
 
     def _lower_gather(self, step_rows: int, bucket: int) -> Any:
         """The gather of a call's rows (``bucket``) from a step's states (``step_rows``)."""
-        tp = self.runner.tp
-        states = put_on(tp, np.zeros((step_rows, self.state_dim), self.runner.dtype))
-        return self._take.lower(states, put_on(tp, np.zeros(bucket, np.int32)))
+        states = put_on(self.runner.tp, np.zeros((step_rows, self.state_dim), self.runner.dtype))
+        inputs = self._chain_args([], bucket).inputs
+        return self._take.lower(states, inputs.buffer, layout=inputs.layout)
 
     def _end_call(self) -> None:
         self._next.clear()
@@ -253,34 +259,46 @@ class TargetStatesDrafter(PagedDrafter):
             row += len(part.tokens)
         return ids
 
-    def _chain_args(self, call: list[CatchUp], bucket: int | None = None) -> tuple[Any, ...]:
+    def _chain_args(self, call: list[CatchUp], bucket: int | None = None) -> ChainArgs:
+        """The call's batch, each row's next token and (the ``_take`` program's) each row's
+        row of the last step's states, packed; and the rows' states."""
         batch = catch_up_batch(call, self.pool, self.buckets, bucket)
-        next_ids = self._head_ids(call, batch.input_ids.shape[0])
-        states = self._target_states(call, batch)
-        return self.draft_weights, self.draft_kv, self.put(batch), self.put(next_ids), states
+        num_rows = batch.input_ids.shape[0]
+        rows = self._state_rows(call, num_rows)
+        inputs = self.put_packed(
+            {
+                "chain": (batch, self._head_ids(call, num_rows)),
+                "rows": np.zeros(num_rows, np.int32) if rows is None else rows,
+            }
+        )
+        if not call:  # warm-up's padding
+            states = self.put(np.zeros((num_rows, self.state_dim), self.runner.dtype))
+        elif rows is None:
+            states = self._target_states_again(call, batch)
+        else:
+            assert self.runner.last_states is not None
+            states = self._take(self.runner.last_states.states, inputs.buffer, layout=inputs.layout)
+        return ChainArgs((self.draft_weights, self.draft_kv, inputs.buffer, states), inputs)
 
     def _run(self, call: list[CatchUp], bucket: int | None = None) -> np.ndarray:
-        self.draft_kv, drafts = self._chain(*self._chain_args(call, bucket))
+        self.draft_kv, drafts = self._call_chain(self._chain_args(call, bucket))
         return np.asarray(drafts)
 
-    def _target_states(self, call: list[CatchUp], batch: Batch) -> jax.Array:  # [T, D]
-        """The target's states of the call's rows: the last step's rows when it computed them
-        all, else the target run again."""
-        num_rows = batch.input_ids.shape[0]
-        if not call:  # warm-up's padding
-            return self.put(np.zeros((num_rows, self.state_dim), self.runner.dtype))
+    def _state_rows(self, call: list[CatchUp], num_rows: int) -> np.ndarray | None:
+        """Where the call's rows are in the last step's states (i32[num_rows], padding rows
+        0), when that step computed them all; else None (the target runs again)."""
         last = self.runner.last_states
-        if last is None:
-            return self._target_states_again(call, batch)
+        if not call or last is None:
+            return None
         rows = np.zeros(num_rows, np.int32)
         row = 0
         for part in call:
             found = last.rows_for(part.seq_id, part.start, part.start + len(part.tokens))
             if found is None:
-                return self._target_states_again(call, batch)
+                return None
             rows[row : row + len(found)] = found
             row += len(found)
-        return self._take(last.states, put_on(self.runner.tp, rows))
+        return rows
 
     def _target_states_again(self, call: list[CatchUp], batch: Batch) -> jax.Array:
         """The target run again over the call's positions, on the runner's cache: the same
