@@ -15,6 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -30,7 +31,9 @@ from jaxserve.models.eagle3 import (
     eagle3_forward,
     eagle3_step,
     fuse_aux_hidden,
+    greedy_draft,
     make_eagle3_kv_cache,
+    target_logits,
 )
 from jaxserve.models.families.registry import load_model_config
 from jaxserve.models.loading.checkpoint_loader import load_weights, tensor_files
@@ -123,6 +126,23 @@ def test_the_published_layout_loads_with_its_shapes(demo) -> None:
     assert tensors["t2d"][np.asarray(head.draft_to_target)].all() and tensors["t2d"].sum() == w
     assert head_config.aux_layers(config.num_layers) == (1, 2, 3)
     assert default_aux_layers(32) == (2, 16, 29)  # vLLM's when a head names none
+
+
+def test_a_greedy_draft_is_the_argmax_of_the_target_vocabulary_logits(demo) -> None:
+    """``greedy_draft`` (the chain's: the draft vocabulary's argmax, mapped to a target id) is
+    the id ``target_logits``' argmax picks over the whole target vocabulary: on random rows,
+    and on a row whose best logit ties between two draft ids (the lower id wins in both,
+    ``draft_to_target`` ascending as the fixture's does)."""
+    config, weights = demo
+    _, head = load_eagle3(HEAD, config, weights.embed, jnp.float32)
+    assert bool(jnp.all(jnp.diff(head.draft_to_target) > 0))
+    normed = jax.random.normal(jax.random.key(3), (24, config.hidden_size), jnp.float32)
+    best = 10.0 * normed[0]  # row 0's logit at draft ids 3 and 7: 10 |row 0|^2, the largest
+    tied = dataclasses.replace(head, lm_head=head.lm_head.at[:, 3].set(best).at[:, 7].set(best))
+    for h in (head, tied):
+        full = target_logits(h, normed, config.vocab_size)
+        np.testing.assert_array_equal(greedy_draft(h, normed), jnp.argmax(full, -1))
+    assert int(greedy_draft(tied, normed)[0]) == int(head.draft_to_target[3])
 
 
 def test_model_prefixed_and_layers_0_names_load_the_same(demo, tmp_path) -> None:

@@ -204,8 +204,8 @@ def decode_batch(batch: Batch, tokens: jax.Array, j: int, page_size: int, pad_sl
     )
 
 
-# A drafting layer's step over a batch and a state per row: (logits [S, V] of the batch's
-# logits rows, each row's state for the next step [T, H]).
+# A drafting layer's step over a batch and a state per row: (i32[S] the greedy token of each of
+# the batch's logits rows, each row's state for the next step [T, H]).
 StateStep = Callable[[Batch, jax.Array], tuple[jax.Array, jax.Array]]
 
 
@@ -220,16 +220,14 @@ def chain_from_states(
 ) -> jax.Array:  # i32[S, k] greedy drafts
     """The catch-up step, then k - 1 chained one-token steps, each fed the previous draft and
     the previous step's state of the sequence's last row (EAGLE-3's head, MTP layers)."""
-    logits, out = first(batch, states)
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
+    tokens, out = first(batch, states)  # i32[S]
     rows = out[batch.logits_indices]  # [S, H]
     drafts = [tokens]
     s_pad = tokens.shape[0]
     for j in range(1, k):
         step = decode_batch(batch, tokens, j, page_size, pad_slot)
         padded = jnp.pad(rows, ((0, max(s_pad, MIN_TOKEN_BUCKET) - s_pad), (0, 0)))
-        logits, out = later(j)(step, padded)
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        tokens, out = later(j)(step, padded)
         rows = out[:s_pad]
         drafts.append(tokens)
     return jnp.stack(drafts, axis=1)

@@ -50,8 +50,9 @@ from jaxserve.models.decoder import AttentionFn
 from jaxserve.models.eagle3 import (
     Eagle3Config,
     Eagle3Weights,
-    eagle3_step,
+    eagle3_forward,
     fuse_aux_hidden,
+    greedy_draft,
     make_eagle3_kv_cache,
 )
 from jaxserve.models.layers import Weights
@@ -95,10 +96,10 @@ def eagle3_chain(
     pages = [head_kv]
 
     def step(step_batch: Batch, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
-        pages[0], logits, prenorm = eagle3_step(
+        pages[0], normed, prenorm = eagle3_forward(
             head, pages[0], step_batch, hidden, head_config, attention_fn
         )
-        return logits, prenorm
+        return greedy_draft(head, normed[step_batch.logits_indices]), prenorm
 
     shifted = dataclasses.replace(batch, input_ids=head_ids)
     hidden = fuse_aux_hidden(head, [states])

@@ -68,7 +68,7 @@ def mtp_chain(
             mtp_kv[i], logits, out = mtp_step(
                 layers[i], mtp_kv[i], step_batch, rows, target_config, attention_fn, experts_fn
             )
-            return logits, out
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), out
 
         return step
 
