@@ -172,7 +172,7 @@
 #                empty: the default): Triton GEMMs that take in their element-wise producers,
 #                block-level fusions (issue 40; about 90 s a set)
 #   lora         Llama-3-8B shape, dummy weights: offline throughput 256 x 512/256 with 0, 1, 8
-#                and 64 distinct rank-16 adapters ($LORA_ADAPTERS picks, e.g. 0,1; $LORA_ARGS adds
+#                and 64 distinct rank-16 adapters ($LORA_ADAPTERS picks, e.g. 0,1, or none; $LORA_ARGS adds
 #                flags, e.g. "--num-prompts 64" for a short throughput run), and batch-1 TPOT with one (benchmarks/lora.py),
 #                16 batch-1 steps traced with and without it; then 0 and 1 adapters again with the
 #                kernel's forms in $LORA_FORMS (default split_k; JAXSERVE_LORA_FORM)
@@ -876,9 +876,11 @@ stage_checkpoints() {  # start-up load and update from disk: safetensors against
 }
 
 stage_lora() {  # offline throughput with 0, 1, 8 and 64 rank-16 adapters; batch-1 TPOT with one
-  python3 -m benchmarks.lora --adapters "${LORA_ADAPTERS:-0,1,8,64}" --out "$OUT/lora.json" \
-    --profile-dir /tmp/lora_profile $LORA_ARGS > "$OUT/lora.log" 2>&1
-  grep -E "adapters|TPOT" "$OUT/lora.log" || tail -8 "$OUT/lora.log"
+  if [ "${LORA_ADAPTERS:-}" != none ]; then  # none: the forms' runs alone
+    python3 -m benchmarks.lora --adapters "${LORA_ADAPTERS:-0,1,8,64}" --out "$OUT/lora.json" \
+      --profile-dir /tmp/lora_profile $LORA_ARGS > "$OUT/lora.log" 2>&1
+    grep -E "adapters|TPOT" "$OUT/lora.log" || tail -8 "$OUT/lora.log"
+  fi
   local form  # the kernel's other forms end to end: batch-1 TPOT and offline with one adapter
   for form in ${LORA_FORMS:-split_k}; do
     JAXSERVE_LORA_FORM=$form python3 -m benchmarks.lora --adapters 0,1 $LORA_ARGS \

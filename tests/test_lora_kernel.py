@@ -232,6 +232,29 @@ def test_dispatch_takes_the_reference_off_the_gpu_and_the_kernel_when_asked(monk
         dispatch.choose()
 
 
+@pytest.mark.parametrize("form", ["fused", "split_k"])
+def test_a_step_above_the_decode_sizes_takes_two_launches_whatever_the_form(monkeypatch, form):
+    """The one-launch forms serve steps of at most ``ONE_LAUNCH_MAX_TOKENS`` tokens; a larger
+    step (a prefill's) takes two launches (split-K's float32 outputs planned 42 GiB at 8,192
+    tokens). Recorded, not run: (module, fused) of each call."""
+    monkeypatch.setenv(dispatch.LORA_KERNEL_ENV, "triton")
+    monkeypatch.setenv(dispatch.LORA_FORM_ENV, form)
+    called = []
+    for module in (lt, split_k):
+        monkeypatch.setattr(
+            module,
+            "lora_deltas",
+            lambda *a, _m=module, config=None, **k: called.append((_m, config and config.fused)),
+        )
+    case = SPLIT_K_CASES[0]
+    x, a, bs, slots = make_inputs(case, 0)
+    for tokens in (dispatch.ONE_LAUNCH_MAX_TOKENS, dispatch.ONE_LAUNCH_MAX_TOKENS + 1):
+        rows = np.arange(tokens) % x.shape[0]
+        dispatch.lora_deltas(x[rows], a, bs, slots[rows])
+    one_launch = (split_k, None) if form == "split_k" else (lt, True)
+    assert called == [one_launch, (lt, False)]
+
+
 @pytest.mark.filterwarnings(DEPRECATED)
 @pytest.mark.parametrize("form", ["fused", "split_k"])
 def test_dispatch_runs_the_form_asked_for(monkeypatch, form):

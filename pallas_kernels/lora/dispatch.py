@@ -12,7 +12,8 @@ kernel on any backend: interpreted off the GPU, for tests) or ``reference`` (the
 everywhere, to compare). ``JAXSERVE_LORA_FORM`` picks the kernel's form: ``two_launch`` (the
 default: shrink, then expand), ``fused`` (one launch, each output tile reducing all of X) or
 ``split_k`` (one launch, X split across programs, atomic adds: ``split_k.py``), to compare
-them end to end; a call whose rank the one-launch forms cannot tile takes two launches.
+them end to end; a call whose rank the one-launch forms cannot tile, or a step of more than
+``ONE_LAUNCH_MAX_TOKENS`` tokens, takes two launches.
 ``describe`` writes the start-up log line.
 """
 
@@ -29,6 +30,11 @@ LORA_KERNEL_ENV = "JAXSERVE_LORA_KERNEL"
 LORA_KERNEL_CHOICES = ("auto", "triton", "reference")
 LORA_FORM_ENV = "JAXSERVE_LORA_FORM"
 LORA_FORMS = ("two_launch", "fused", "split_k")
+# The one-launch forms are for decode-sized steps, whose LoRA terms are latency: above this,
+# a step's terms are a prefill's GEMMs and two launches take them. (split_k's float32 output
+# of every projection's columns at a 8,192-token step planned 42 GiB of temporaries on an
+# H100, 2026-12-06.)
+ONE_LAUNCH_MAX_TOKENS = 256
 
 
 def requested() -> str:
@@ -60,7 +66,9 @@ def lora_deltas(
             interpret = path == "interpret"
             form = env_choice(LORA_FORM_ENV, LORA_FORMS, "two_launch")
             rank = a.shape[2] // len(bs)
-            if form == "split_k" and triton.one_launch_rank(rank):
+            if not triton.one_launch_rank(rank) or x.shape[0] > ONE_LAUNCH_MAX_TOKENS:
+                form = "two_launch"
+            if form == "split_k":
                 return split_k.lora_deltas(x, a, tuple(bs), token_slots, interpret=interpret)
             config = triton.LoraKernelConfig(fused=form == "fused")
             return triton.lora_deltas(
