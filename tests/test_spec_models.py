@@ -256,6 +256,36 @@ def test_a_drafting_call_sends_its_inputs_to_the_device_in_one_copy(
     assert set(puts) == {1}  # ... of one array
 
 
+def test_a_model_drafters_memory_comes_out_of_the_kv_cache(plain, method) -> None:
+    """A model drafter's own weights, its pages and (EAGLE-3) the states the runner keeps for
+    it are measured once it loads and taken from the KV cache's budget before the cache is
+    made (warm-up off: made again, smaller); the start-up lines say so, and a head's shared
+    embedding is not counted. Unplanned, they came out of the activation headroom: EAGLE-3's
+    warm-up ran out of memory on an H100 at the Llama-3-8B shape."""
+    memory = dict(num_gpu_blocks_override=None, device_memory_bytes=1 << 30)
+    alone = make_llm(**memory).engine.runner.capacity
+    llm = make_llm(METHODS[method], **memory)
+    runner, proposer = llm.engine.runner, llm.engine.proposer
+    capacity = runner.capacity
+    assert capacity.drafter_bytes == proposer.device_bytes() > 0
+    assert capacity.kv_budget_bytes == alone.kv_budget_bytes - capacity.drafter_bytes
+    block = capacity.kv_bytes_per_token * capacity.block_size
+    assert llm.engine.kv.num_blocks == capacity.num_blocks == capacity.kv_budget_bytes // block
+    assert capacity.num_blocks < alone.num_blocks
+    assert runner.kv_cache[0][0].shape[0] == capacity.num_blocks  # made again at its new size
+    assert runner.num_slots == runner.inputs.num_slots == capacity.num_tokens
+    lines = llm.engine.capacity_lines()
+    assert any("The speculative drafter takes" in line and method in line for line in lines)
+    if method == "eagle3":  # the head reads the target's embedding: not its own bytes
+        embed = runner.weights.embed
+        assert any(leaf is embed for leaf in jax.tree.leaves(proposer.draft_weights))
+        states = 2 * runner.buckets.token_buckets[-1] * proposer.state_dim * 4  # float32
+        assert proposer.kept_bytes() == states
+        own = sum(x.nbytes for x in jax.tree.leaves(proposer.own_arrays()))
+        assert capacity.drafter_bytes == own + states
+    assert token_ids(llm, PROMPTS[:2]) == plain[:2]
+
+
 def test_eagle3_serves_in_bfloat16_on_the_cpu() -> None:
     """The head's logits (bf16 summed into f32) inside the chain's fusions: XLA's CPU runtime
     has no such dot there, so the CPU takes f32 operands (``quant._cpu_upcasts``); the tokens

@@ -276,8 +276,12 @@ class EngineCore:
         # thread of their own: an error or a Ctrl-C stops them (the interpreter's exit would
         # wait for them) and the compiles.
         try:
+            # A model drafter loads first: its memory comes out of the KV cache's blocks.
+            self.proposer = self._make_proposer()
             self.kv = self._make_kv_cache(runner)
             self.scheduler = self._make_scheduler(runner)
+            if self.proposer is not None:  # a step's sequences and drafts share sampler rows
+                self.scheduler.max_sample_rows = next_power_of_2(config.resolved_max_num_seqs)
             self.output_processor = OutputProcessor(
                 self.tokenizer, self.eos_token_ids, self.max_model_len
             )
@@ -286,7 +290,6 @@ class EngineCore:
                 self.tokenizer.hf_tokenizer, self.vocab_size, self.eos_token_ids, limits
             )
             self.structured_outputs = StructuredOutputs(self.vocab_size)
-            self.proposer = self._make_proposer()
             for line in self.capacity_lines():
                 _LOG.info(line)
             self.num_compiled_shapes = self._warm_up() if config.warmup else 0
@@ -325,8 +328,10 @@ class EngineCore:
             self.config, self.model_config, self.tokenizer, self.max_model_len, self.runner
         )
         proposer = make_proposer(spec, target)
-        # A step's sequences and drafted tokens share the sampler's rows.
-        self.scheduler.max_sample_rows = next_power_of_2(self.config.resolved_max_num_seqs)
+        device_bytes = getattr(proposer, "device_bytes", None)  # a model drafter's memory
+        reserve = getattr(self.runner, "reserve_for_drafter", None)
+        if device_bytes is not None and reserve is not None:
+            reserve(device_bytes(), f"{spec.method} {spec.model or ''}".strip())
         _LOG.info(
             "Speculative decoding: %s; drafts while at most %d sequences run (above: none)%s; "
             "a step with drafts is read back before the next is scheduled "

@@ -162,6 +162,30 @@ class Capacity:
     reference_attention_bytes: int = 0  # of activation_bytes: the jnp attention reference's
     lora_bytes: int = 0  # the adapter slots (--enable-lora), per device
     lora_slots: tuple[int, int] | None = None  # (--max-loras, --max-lora-rank) with LoRA on
+    drafter_bytes: int = 0  # a model drafter's weights, pages and kept states, per device
+    drafter: str | None = None  # what it is, for the start-up line
+
+    def with_drafter(self, num_bytes: int, what: str) -> Capacity:
+        """This plan with ``num_bytes`` (a speculative drafter's device memory, measured once
+        it loaded: ``Runner.reserve_for_drafter``) taken from the KV cache's budget; a
+        ``CapacityError`` where one full-length request no longer fits."""
+        budget = self.kv_budget_bytes - num_bytes
+        block_bytes = self.kv_bytes_per_token * self.block_size
+        if budget < block_bytes:
+            raise CapacityError(
+                f"the drafter ({what}: {num_bytes / GiB:.2f} GiB) leaves no room for the KV "
+                f"cache in its {self.kv_budget_bytes / GiB:.2f} GiB; raise "
+                "--gpu-memory-utilization or draft with a smaller model"
+            )
+        num_blocks = budget // block_bytes
+        _check_full_length_fits(num_blocks, self.block_size, self.max_model_len)
+        return dataclasses.replace(
+            self,
+            kv_budget_bytes=budget,
+            num_blocks=num_blocks,
+            drafter_bytes=num_bytes,
+            drafter=what,
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -204,6 +228,14 @@ class Capacity:
                 else ""
             ),
             *lora,
+            *(
+                [
+                    f"The speculative drafter takes {self.drafter_bytes / GiB:.2f} GiB per "
+                    f"device ({self.drafter}), out of the KV cache's budget"
+                ]
+                if self.drafter is not None
+                else []
+            ),
             f"Available KV cache memory: {self.kv_budget_bytes / GiB:.2f} GiB "
             f"({self.kv_bytes_per_token:,} bytes per token, {self.num_blocks:,} blocks of "
             f"{self.block_size})",

@@ -166,6 +166,9 @@ class DraftModelProposer(PagedDrafter):
         )
         self._chain = self.jit_chain(chain, self.kv)
 
+    def own_arrays(self) -> Any:
+        return self.weights, self.kv
+
     def describe(self) -> str:
         size = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.weights))
         cache = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.kv))

@@ -30,6 +30,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -91,6 +92,16 @@ def drafter_parallel(
         return prepare_tp(config, mesh=target_tp.mesh)
     except ValueError as exc:
         raise ValueError(f"{name}: {exc}") from exc
+
+
+def per_device_bytes(tree: Any) -> int:
+    """Bytes the arrays of ``tree`` hold on one device: each array's shard (the whole of a
+    replicated one)."""
+    return sum(
+        math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+        for leaf in jax.tree.leaves(tree)
+        if isinstance(leaf, jax.Array)
+    )
 
 
 def put_on(tp: TensorParallel | None, tree: Any) -> Any:
@@ -344,6 +355,21 @@ class PagedDrafter:
             static_argnames=("layout",),
             out_shardings=(shardings, self.tp.replicated),
         )
+
+    def device_bytes(self) -> int:
+        """What the drafter holds on a device besides the target's: its own weights (not an
+        array it shares with the target), its pages, and what the runner keeps for it
+        (``kept_bytes``). The runner takes it out of the KV cache's budget
+        (``Runner.reserve_for_drafter``)."""
+        return per_device_bytes(self.own_arrays()) + self.kept_bytes()
+
+    def own_arrays(self) -> Any:
+        """The drafter's weights and pages, less what it shares with the target."""
+        raise NotImplementedError
+
+    def kept_bytes(self) -> int:
+        """Per device, what the runner keeps for the drafter beyond its own step (none)."""
+        return 0
 
     def free(self, seq_id: str) -> None:
         self.pool.release(seq_id)

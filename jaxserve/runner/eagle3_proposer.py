@@ -187,6 +187,13 @@ class TargetStatesDrafter(PagedDrafter):
             jax.jit(recompute, donate_argnums=(1,), out_shardings=(kv, tp.replicated)),
         )
 
+    def kept_bytes(self) -> int:
+        """The states of the runner's largest step kept for the drafter, and a call's rows
+        gathered from them (its largest bucket): two ``[T, state_dim]`` arrays (at 8,192
+        tokens of Llama-3-8B's three aux layers, 201 MB each)."""
+        rows = max(self.runner.buckets.token_buckets[-1], self.buckets.token_buckets[-1])
+        return 2 * rows * self.state_dim * jnp.dtype(self.runner.dtype).itemsize
+
     def warmup(self) -> int:
         """The drafting programs of every token bucket, the target's run again over its cache
         (once the runner's cache is allocated) and the gathers from a step's states, all
@@ -357,6 +364,12 @@ class Eagle3Proposer(TargetStatesDrafter):
             attention_fn=step_attention(tp),  # one lowering for every layer and step
         )
         self._chain = self.jit_chain(chain, self.draft_kv)
+
+    def own_arrays(self) -> Any:
+        """The head's weights and pages; not the target's embedding where it reads that."""
+        shared = self.runner.weights.embed
+        weights = jax.tree.leaves(self.draft_weights)
+        return [w for w in weights if w is not shared], self.draft_kv
 
     def describe(self) -> str:
         size = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.draft_weights))

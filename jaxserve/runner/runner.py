@@ -351,6 +351,24 @@ class ModelRunner:
             self.model_config, self.config, self.dtype, self.quant, kv_dtype, self.kv_dtype
         )
 
+    def reserve_for_drafter(self, num_bytes: int, what: str) -> None:
+        """Take a speculative drafter's device memory (``PagedDrafter.device_bytes``, measured
+        once it loaded) out of the KV cache's budget, before warm-up compiles against the
+        cache's shape; a cache made already (warm-up off) is made again at its new size. A
+        cache of ``num_gpu_blocks_override`` blocks stays as asked. Unplanned, an EAGLE-3
+        head's weights, pages and kept states (about 1.3 GiB at the Llama-3-8B shape) came
+        out of the activation headroom, and its warm-up ran out of memory on an H100."""
+        if num_bytes <= 0 or self.config.num_gpu_blocks_override is not None:
+            return
+        self.capacity = self.capacity.with_drafter(num_bytes, what)
+        self.num_blocks = self.capacity.num_blocks
+        self.num_slots = self.inputs.num_slots = self.num_blocks * self.block_size
+        self.programs.kv_cache_shapes = self.abstract_kv_cache()
+        if self.kv_cache is not None:
+            free(self.kv_cache)
+            self.kv_cache = None
+            self.allocate_kv_cache()
+
     def wait_for_weights(self) -> None:
         """The loaded weights in place of the shapes warm-up compiled against."""
         weights, self.load_seconds = self.loading.wait()
