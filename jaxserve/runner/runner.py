@@ -423,7 +423,7 @@ class ModelRunner:
         self.wait_for_weights()
         if self.loading.shapes is not None:
             warmup.log_weights_ready(time.perf_counter() - waited, self.load_seconds)
-        warmup.log_free_memory(self.capacity.kv_budget_bytes)
+        warmup.log_free_memory(self.capacity.kv_budget_bytes, self.capacity.activation_bytes)
         allocated = time.perf_counter()
         self.allocate_kv_cache()
         jax.block_until_ready(self.kv_cache)
