@@ -61,6 +61,7 @@ from jaxserve.models.loading.load_progress import format_bytes
 from jaxserve.runner.drafting import (
     CatchUp,
     ChainArgs,
+    PackedInputs,
     PagedDrafter,
     TokenSource,
     catch_up_batch,
@@ -206,7 +207,7 @@ class TargetStatesDrafter(PagedDrafter):
             count += len(self.buckets.token_buckets)
         # The gathers of a call's rows from a step's states: one per (step bucket, call bucket).
         tp = self.runner.tp
-        padding = [self._chain_args([], bucket).inputs for bucket in self.buckets.token_buckets]
+        padding = [self._padding_inputs(bucket) for bucket in self.buckets.token_buckets]
         for step_rows in self.runner.buckets.token_buckets:
             states = put_on(tp, np.zeros((step_rows, self.state_dim), self.runner.dtype))
             for inputs in padding:
@@ -236,7 +237,7 @@ class TargetStatesDrafter(PagedDrafter):
     def _lower_gather(self, step_rows: int, bucket: int) -> Any:
         """The gather of a call's rows (``bucket``) from a step's states (``step_rows``)."""
         states = put_on(self.runner.tp, np.zeros((step_rows, self.state_dim), self.runner.dtype))
-        inputs = self._chain_args([], bucket).inputs
+        inputs = self._padding_inputs(bucket)
         return self._take.lower(states, inputs.buffer, layout=inputs.layout)
 
     def _end_call(self) -> None:
@@ -273,12 +274,7 @@ class TargetStatesDrafter(PagedDrafter):
         batch = catch_up_batch(call, self.pool, self.buckets, bucket)
         num_rows = batch.input_ids.shape[0]
         rows = self._state_rows(call, num_rows)
-        inputs = self.put_packed(
-            {
-                "chain": (batch, self._head_ids(call, num_rows)),
-                "rows": np.zeros(num_rows, np.int32) if rows is None else rows,
-            }
-        )
+        inputs = self._inputs(call, batch, rows)
         if not call:  # warm-up's padding
             states = self.put(np.zeros((num_rows, self.state_dim), self.runner.dtype))
         elif rows is None:
@@ -287,6 +283,21 @@ class TargetStatesDrafter(PagedDrafter):
             assert self.runner.last_states is not None
             states = self._take(self.runner.last_states.states, inputs.buffer, layout=inputs.layout)
         return ChainArgs((self.draft_weights, self.draft_kv, inputs.buffer, states), inputs)
+
+    def _inputs(self, call: list[CatchUp], batch: Batch, rows: np.ndarray | None) -> PackedInputs:
+        """The call's packed inputs: the batch and each row's next token (the chain's), and
+        each row's row of the last step's states (``_take``'s; zeros when it runs again)."""
+        num_rows = batch.input_ids.shape[0]
+        return self.put_packed(
+            {
+                "chain": (batch, self._head_ids(call, num_rows)),
+                "rows": np.zeros(num_rows, np.int32) if rows is None else rows,
+            }
+        )
+
+    def _padding_inputs(self, bucket: int) -> PackedInputs:
+        """Warm-up's: a padding call's packed inputs of ``bucket`` tokens."""
+        return self._inputs([], catch_up_batch([], self.pool, self.buckets, bucket), None)
 
     def _run(self, call: list[CatchUp], bucket: int | None = None) -> np.ndarray:
         self.draft_kv, drafts = self._call_chain(self._chain_args(call, bucket))
