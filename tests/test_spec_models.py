@@ -164,9 +164,9 @@ def test_a_drafters_programs_compile_ahead_and_its_warm_up_calls_compile_nothing
     phase, events, ahead = ["runner"], [], []
     real = drafting.compile_ahead
 
-    def compile_ahead(lowerings):
+    def compile_ahead(lowerings, compiled_out=None):
         phase[0] = "ahead"
-        ahead.append((len(lowerings), real(lowerings)))
+        ahead.append((len(lowerings), real(lowerings, compiled_out)))
         phase[0] = "calls"
         return ahead[-1][1]
 
@@ -314,6 +314,28 @@ def test_shutdown_gives_the_drafters_memory_back(method) -> None:
     gc.collect()
     assert cache and all(a.is_deleted() for a in cache)
     assert weights and all(ref() is None for ref in weights)
+
+
+def test_a_drafter_warns_where_its_programs_plan_more_than_the_headroom(
+    method, monkeypatch, caplog
+) -> None:
+    """A drafter's programs run between the model steps, out of the same activation headroom:
+    warm-up compares what XLA planned for the largest with it (on an accelerator; the CPU's
+    temporaries are the host's, so the check is forced on here) and warns above it, naming
+    the settings that give room back; at or below it, nothing is said."""
+    from jaxserve.runner import warmup
+
+    monkeypatch.setattr(warmup, "checks_step_memory", lambda: True)
+    proposer = make_llm(METHODS[method]).engine.proposer
+    with caplog.at_level("WARNING", logger="jaxserve.runner.warmup"):
+        proposer.warmup(headroom_bytes=1)
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert warning.startswith("The drafter's largest program needs")
+    assert "--gpu-memory-utilization" in warning and "--max-num-batched-tokens" in warning
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jaxserve.runner.warmup"):
+        proposer.warmup(headroom_bytes=1 << 40)
+    assert caplog.records == []
 
 
 def test_compile_ahead_leaves_a_program_that_fails_to_its_call() -> None:

@@ -349,7 +349,8 @@ class EngineCore:
         drafter_warmup = getattr(self.proposer, "warmup", None)
         if drafter_warmup is not None:
             start = time.perf_counter()
-            programs = drafter_warmup()
+            capacity = getattr(self.runner, "capacity", None)  # (a test's runner has none)
+            programs = drafter_warmup(getattr(capacity, "activation_bytes", None))
             _LOG.info(
                 "Compiled the drafter's %d programs in %.1f s",
                 programs,

@@ -44,6 +44,7 @@ from jaxserve.models.batch import Batch
 from jaxserve.runner.buckets import MIN_TOKEN_BUCKET, Buckets
 from jaxserve.runner.packing import Layout, pack, unpack
 from jaxserve.runner.parallel.sharding import TensorParallel, prepare_tp
+from jaxserve.runner.warmup import check_program_memory
 from jaxserve.units import cdiv
 
 _LOG = logging.getLogger(__name__)
@@ -378,10 +379,14 @@ class PagedDrafter:
         self.pool.release(seq_id)
         self.computed.pop(seq_id, None)
 
-    def warmup(self) -> int:
+    def warmup(self, headroom_bytes: int | None = None) -> int:
         """Compiles the program of every token bucket (padding steps), ahead on threads, then
-        runs each once; returns their count."""
-        compile_ahead(self._lowerings())
+        runs each once; returns their count. ``headroom_bytes``: the activation headroom beside
+        the KV cache, which the programs' temporaries come out of (a warning where the largest
+        plans more: ``warmup.check_program_memory``)."""
+        compiled: list[Any] = []
+        compile_ahead(self._lowerings(), compiled)
+        check_program_memory("The drafter's", compiled, headroom_bytes)
         for bucket in self.buckets.token_buckets:
             self._run([], bucket)
         return len(self.buckets.token_buckets)
@@ -438,12 +443,13 @@ class PagedDrafter:
         return self._chain(*args.args, layout=args.inputs.layout)
 
 
-def compile_ahead(lowerings: list[Callable[[], Any]]) -> int:
+def compile_ahead(lowerings: list[Callable[[], Any]], compiled_out: list | None = None) -> int:
     """Lower each program here and compile them on up to ``COMPILE_AHEAD_WORKERS`` threads;
-    returns how many compiled. A jitted function keeps what ``lower(...).compile()`` made for
-    its arguments, so the calls that follow with the same shapes compile nothing. A program
-    that fails here (e.g. out of device memory beside the KV cache while XLA tunes its kernels)
-    compiles at its call as it would have: its error, if it has one, is raised there."""
+    returns how many compiled (and appends each to ``compiled_out``, if given). A jitted
+    function keeps what ``lower(...).compile()`` made for its arguments, so the calls that
+    follow with the same shapes compile nothing. A program that fails here (e.g. out of device
+    memory beside the KV cache while XLA tunes its kernels) compiles at its call as it would
+    have: its error, if it has one, is raised there."""
     if not lowerings:
         return 0
     lowered = [lower() for lower in lowerings]
@@ -452,8 +458,10 @@ def compile_ahead(lowerings: list[Callable[[], Any]]) -> int:
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="drafter") as pool:
         for future in [pool.submit(program.compile) for program in lowered]:
             try:
-                future.result()
+                program = future.result()
                 compiled += 1
+                if compiled_out is not None:
+                    compiled_out.append(program)
             except Exception as exc:  # compiled again, alone, at the call
                 _LOG.debug("A drafter program did not compile ahead: %s", exc)
     return compiled

@@ -195,11 +195,11 @@ class TargetStatesDrafter(PagedDrafter):
         rows = max(self.runner.buckets.token_buckets[-1], self.buckets.token_buckets[-1])
         return 2 * rows * self.state_dim * jnp.dtype(self.runner.dtype).itemsize
 
-    def warmup(self) -> int:
+    def warmup(self, headroom_bytes: int | None = None) -> int:
         """The drafting programs of every token bucket, the target's run again over its cache
         (once the runner's cache is allocated) and the gathers from a step's states, all
         compiled ahead on threads (``PagedDrafter.warmup``)."""
-        count = super().warmup()
+        count = super().warmup(headroom_bytes)
         if self.runner.kv_cache is not None:
             for bucket in self.buckets.token_buckets:
                 batch = catch_up_batch([], self.pool, self.buckets, bucket)

@@ -280,6 +280,24 @@ def check_step_memory(programs: StepPrograms, headroom_bytes: int | None) -> Non
     )
 
 
+def check_program_memory(name: str, programs: list[Any], headroom_bytes: int | None) -> None:
+    """As ``check_step_memory``, for programs that run between the model steps, out of the
+    same headroom (``name``'s: a drafter's chains, each at its token bucket)."""
+    if headroom_bytes is None or not checks_step_memory():
+        return
+    sizes = [size for size in map(_temp_bytes, programs) if size is not None]
+    if not sizes or max(sizes) <= headroom_bytes:
+        return
+    _LOG.warning(
+        "%s largest program needs %s of temporary buffers, more than the %s of activation "
+        "headroom planned beside the KV cache: it may run out of device memory when the cache "
+        "is full. Lower --gpu-memory-utilization or --max-num-batched-tokens",
+        name,
+        format_bytes(max(sizes)),
+        format_bytes(headroom_bytes),
+    )
+
+
 def checks_step_memory() -> bool:
     """Whether a step's temporaries come out of the device's own memory beside the KV cache
     (an accelerator's): the CPU's come from the host's, which the plan does not size (the demo
