@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -136,3 +137,17 @@ def test_a_prefix_the_cache_served_is_run_again_for_the_mtp_layers(plain) -> Non
     assert llm.engine.proposer.recomputed_tokens == 0  # every state from the target's steps
     assert token_ids(llm) == plain
     assert llm.engine.proposer.recomputed_tokens > 0
+
+
+def test_the_mtp_drafters_memory_leaves_out_the_targets_arrays_it_reads() -> None:
+    """An MTP layer reads the target's embedding (and its lm_head where the layer has no
+    head): what the drafter takes out of the KV cache's budget counts its own arrays, its
+    pages and the states kept for it, not the target's arrays a second time."""
+    llm = make_llm({"method": "mtp", "num_speculative_tokens": 1})
+    runner, proposer = llm.engine.runner, llm.engine.proposer
+    target = {id(x) for x in jax.tree.leaves(runner.weights)}
+    leaves = jax.tree.leaves(proposer.arrays())
+    assert any(id(x) in target for x in leaves)  # the embedding at least
+    own = sum(x.nbytes for x in leaves if id(x) not in target)
+    assert proposer.device_bytes(runner.weights) == own + proposer.kept_bytes()
+    assert proposer.kept_bytes() == 2 * runner.buckets.token_buckets[-1] * proposer.state_dim * 4

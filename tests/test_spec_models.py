@@ -267,7 +267,7 @@ def test_a_model_drafters_memory_comes_out_of_the_kv_cache(plain, method) -> Non
     llm = make_llm(METHODS[method], **memory)
     runner, proposer = llm.engine.runner, llm.engine.proposer
     capacity = runner.capacity
-    assert capacity.drafter_bytes == proposer.device_bytes() > 0
+    assert capacity.drafter_bytes == proposer.device_bytes(runner.weights) > 0
     assert capacity.kv_budget_bytes == alone.kv_budget_bytes - capacity.drafter_bytes
     block = capacity.kv_bytes_per_token * capacity.block_size
     assert llm.engine.kv.num_blocks == capacity.num_blocks == capacity.kv_budget_bytes // block
@@ -281,8 +281,8 @@ def test_a_model_drafters_memory_comes_out_of_the_kv_cache(plain, method) -> Non
         assert any(leaf is embed for leaf in jax.tree.leaves(proposer.draft_weights))
         states = 2 * runner.buckets.token_buckets[-1] * proposer.state_dim * 4  # float32
         assert proposer.kept_bytes() == states
-        own = sum(x.nbytes for x in jax.tree.leaves(proposer.own_arrays()))
-        assert capacity.drafter_bytes == own + states
+        own = [x for x in jax.tree.leaves(proposer.arrays()) if x is not embed]
+        assert capacity.drafter_bytes == sum(x.nbytes for x in own) + states
     assert token_ids(llm, PROMPTS[:2]) == plain[:2]
 
 

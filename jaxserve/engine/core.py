@@ -331,7 +331,8 @@ class EngineCore:
         device_bytes = getattr(proposer, "device_bytes", None)  # a model drafter's memory
         reserve = getattr(self.runner, "reserve_for_drafter", None)
         if device_bytes is not None and reserve is not None:
-            reserve(device_bytes(), f"{spec.method} {spec.model or ''}".strip())
+            read = getattr(self.runner, "weights", None)  # the target's, which it may read
+            reserve(device_bytes(read), f"{spec.method} {spec.model or ''}".strip())
         _LOG.info(
             "Speculative decoding: %s; drafts while at most %d sequences run (above: none)%s; "
             "a step with drafts is read back before the next is scheduled "

@@ -166,7 +166,7 @@ class DraftModelProposer(PagedDrafter):
         )
         self._chain = self.jit_chain(chain, self.kv)
 
-    def own_arrays(self) -> Any:
+    def arrays(self) -> Any:
         return self.weights, self.kv
 
     def describe(self) -> str:

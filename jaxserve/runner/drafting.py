@@ -360,15 +360,18 @@ class PagedDrafter:
             out_shardings=(shardings, self.tp.replicated),
         )
 
-    def device_bytes(self) -> int:
-        """What the drafter holds on a device besides the target's: its own weights (not an
-        array it shares with the target), its pages, and what the runner keeps for it
-        (``kept_bytes``). The runner takes it out of the KV cache's budget
-        (``Runner.reserve_for_drafter``)."""
-        return per_device_bytes(self.own_arrays()) + self.kept_bytes()
+    def device_bytes(self, target_weights: Any = None) -> int:
+        """What the drafter holds on a device besides the target's: its weights and pages
+        less any array of ``target_weights`` it reads (an EAGLE-3 head's or an MTP layer's
+        embedding and head), and what the runner keeps for it (``kept_bytes``). The runner
+        takes it out of the KV cache's budget (``Runner.reserve_for_drafter``)."""
+        shared = {id(leaf) for leaf in jax.tree.leaves(target_weights)}
+        own = [leaf for leaf in jax.tree.leaves(self.arrays()) if id(leaf) not in shared]
+        return per_device_bytes(own) + self.kept_bytes()
 
-    def own_arrays(self) -> Any:
-        """The drafter's weights and pages, less what it shares with the target."""
+    def arrays(self) -> Any:
+        """The drafter's weights and pages (the target's arrays among them where it reads
+        them)."""
         raise NotImplementedError
 
     def kept_bytes(self) -> int:

@@ -376,11 +376,8 @@ class Eagle3Proposer(TargetStatesDrafter):
         )
         self._chain = self.jit_chain(chain, self.draft_kv)
 
-    def own_arrays(self) -> Any:
-        """The head's weights and pages; not the target's embedding where it reads that."""
-        shared = self.runner.weights.embed
-        weights = jax.tree.leaves(self.draft_weights)
-        return [w for w in weights if w is not shared], self.draft_kv
+    def arrays(self) -> Any:
+        return self.draft_weights, self.draft_kv
 
     def describe(self) -> str:
         size = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.draft_weights))

@@ -122,8 +122,8 @@ class MtpProposer(TargetStatesDrafter):
         )
         self._chain = self.jit_chain(chain, self.draft_kv)
 
-    def own_arrays(self) -> Any:
-        return [_own_leaves(layer) for layer in self.draft_weights], self.draft_kv
+    def arrays(self) -> Any:
+        return self.draft_weights, self.draft_kv
 
     def describe(self) -> str:
         size = sum(x.nbytes for layer in self.draft_weights for x in _own_leaves(layer))
