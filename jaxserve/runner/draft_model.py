@@ -189,7 +189,7 @@ class DraftModelProposer(PagedDrafter):
     def _chain_args(self, call: list[CatchUp], bucket: int | None = None) -> ChainArgs:
         batch = catch_up_batch(call, self.pool, self.buckets, bucket)
         inputs = self.put_packed({"chain": (batch,)})
-        return ChainArgs((self.weights, self.kv, inputs.buffer), inputs)
+        return ChainArgs((self.weights, self.kv, inputs.buffer), inputs.layout)
 
     def shutdown(self) -> None:
         """Give the device memory back (the engine shut down): the pages freed, the weights

@@ -287,10 +287,10 @@ class PackedInputs(NamedTuple):
 
 class ChainArgs(NamedTuple):
     """The arguments of a call's ``_chain``: (weights, pages, buffer, states...) and the
-    packed inputs (their layout is the call's static argument)."""
+    buffer's layout (the call's static argument)."""
 
     args: tuple[Any, ...]
-    inputs: PackedInputs
+    layout: Layout
 
 
 class PagedDrafter:
@@ -401,7 +401,7 @@ class PagedDrafter:
 
     def _lower_chain(self, bucket: int) -> Any:
         args = self._chain_args([], bucket)
-        return self._chain.lower(*args.args, layout=args.inputs.layout)
+        return self._chain.lower(*args.args, layout=args.layout)
 
     def propose(self, seqs: Sequence[TokenSource], k: int) -> dict[str, list[int]]:
         parts = [part for seq in seqs if (part := self._catch_up(seqs, seq)) is not None]
@@ -443,7 +443,7 @@ class PagedDrafter:
 
     def _call_chain(self, args: ChainArgs) -> tuple[Any, jax.Array]:
         """(pages, drafts) of the compiled chain on ``args``."""
-        return self._chain(*args.args, layout=args.inputs.layout)
+        return self._chain(*args.args, layout=args.layout)
 
 
 def compile_ahead(lowerings: list[Callable[[], Any]], compiled_out: list | None = None) -> int:

@@ -188,6 +188,9 @@ class TargetStatesDrafter(PagedDrafter):
             jax.jit(recompute, donate_argnums=(1,), out_shardings=(kv, tp.replicated)),
         )
 
+    def arrays(self) -> Any:
+        return self.draft_weights, self.draft_kv
+
     def kept_bytes(self) -> int:
         """The states of the runner's largest step kept for the drafter, and a call's rows
         gathered from them (its largest bucket): two ``[T, state_dim]`` arrays (at 8,192
@@ -282,7 +285,7 @@ class TargetStatesDrafter(PagedDrafter):
         else:
             assert self.runner.last_states is not None
             states = self._take(self.runner.last_states.states, inputs.buffer, layout=inputs.layout)
-        return ChainArgs((self.draft_weights, self.draft_kv, inputs.buffer, states), inputs)
+        return ChainArgs((self.draft_weights, self.draft_kv, inputs.buffer, states), inputs.layout)
 
     def _inputs(self, call: list[CatchUp], batch: Batch, rows: np.ndarray | None) -> PackedInputs:
         """The call's packed inputs: the batch and each row's next token (the chain's), and
@@ -375,9 +378,6 @@ class Eagle3Proposer(TargetStatesDrafter):
             attention_fn=step_attention(tp),  # one lowering for every layer and step
         )
         self._chain = self.jit_chain(chain, self.draft_kv)
-
-    def arrays(self) -> Any:
-        return self.draft_weights, self.draft_kv
 
     def describe(self) -> str:
         size = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.draft_weights))

@@ -122,9 +122,6 @@ class MtpProposer(TargetStatesDrafter):
         )
         self._chain = self.jit_chain(chain, self.draft_kv)
 
-    def arrays(self) -> Any:
-        return self.draft_weights, self.draft_kv
-
     def describe(self) -> str:
         size = sum(x.nbytes for layer in self.draft_weights for x in _own_leaves(layer))
         cache = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.draft_kv))
