@@ -331,7 +331,9 @@ def test_a_drafter_warns_where_its_programs_plan_more_than_the_headroom(
         proposer.warmup(headroom_bytes=1)
     (warning,) = [r.getMessage() for r in caplog.records]
     assert warning.startswith("The drafter's largest program needs")
-    assert "--gpu-memory-utilization" in warning and "--max-num-batched-tokens" in warning
+    assert warning.endswith(warmup.HEADROOM_ADVICE)
+    for setting in ("--max-num-batched-tokens", "--num-gpu-blocks-override", "MEM_FRACTION"):
+        assert setting in warning
     caplog.clear()
     with caplog.at_level("WARNING", logger="jaxserve.runner.warmup"):
         proposer.warmup(headroom_bytes=1 << 40)

@@ -175,8 +175,10 @@ def test_warm_up_warns_when_a_steps_temporaries_exceed_the_headroom(caplog, monk
         assert (
             re.search(
                 r"The model step of 32 tokens needs [\d.]+ [KMG]iB of temporary buffers, more "
-                r"than the 0.0 MiB of activation headroom planned beside the KV cache: .*Lower "
-                r"--gpu-memory-utilization or --max-num-batched-tokens",
+                r"than the 0.0 MiB of activation headroom planned beside the KV cache: .*Smaller "
+                r"steps \(--max-num-batched-tokens\), fewer KV blocks "
+                r"\(--num-gpu-blocks-override\) or a larger allocator pool "
+                r"\(XLA_PYTHON_CLIENT_MEM_FRACTION above --gpu-memory-utilization\)",
                 caplog.text,
             )
             is not None

@@ -229,7 +229,9 @@ def log_free_memory(kv_budget_bytes: int, headroom_bytes: int | None = None) -> 
     if largest < kv_budget_bytes:
         _LOG.warning(
             "The largest free block (%s) is smaller than the KV cache (%s): its allocation may "
-            "fail; lower --gpu-memory-utilization or set --num-gpu-blocks-override",
+            "fail; set fewer KV blocks (--num-gpu-blocks-override) or give the allocator more "
+            "(XLA_PYTHON_CLIENT_MEM_FRACTION above --gpu-memory-utilization; lowering the flag "
+            "shrinks the allocator's pool with the cache)",
             format_bytes(largest),
             format_bytes(kv_budget_bytes),
         )
@@ -248,6 +250,16 @@ def log_free_memory(kv_budget_bytes: int, headroom_bytes: int | None = None) -> 
             format_bytes(headroom_bytes - left),
             format_bytes(in_use),
         )
+
+
+HEADROOM_ADVICE = (
+    "Smaller steps (--max-num-batched-tokens), fewer KV blocks (--num-gpu-blocks-override) or "
+    "a larger allocator pool (XLA_PYTHON_CLIENT_MEM_FRACTION above --gpu-memory-utilization) "
+    "give it room; a lower --gpu-memory-utilization does not, as the pool shrinks with the cache"
+)
+"""What gives a step's temporaries room beside the KV cache. The allocator's pool follows
+--gpu-memory-utilization (``reserve_device_memory``), so lowering the flag shrinks the pool
+and the cache together and leaves the headroom as it was."""
 
 
 def check_step_memory(programs: StepPrograms, headroom_bytes: int | None) -> None:
@@ -273,10 +285,11 @@ def check_step_memory(programs: StepPrograms, headroom_bytes: int | None) -> Non
     _LOG.warning(
         "The model step of %d tokens needs %s of temporary buffers, more than the %s of "
         "activation headroom planned beside the KV cache: it may run out of device memory "
-        "when the cache is full. Lower --gpu-memory-utilization or --max-num-batched-tokens",
+        "when the cache is full. %s",
         bucket,
         format_bytes(temps[bucket]),
         format_bytes(headroom_bytes),
+        HEADROOM_ADVICE,
     )
 
 
@@ -291,10 +304,11 @@ def check_program_memory(name: str, programs: list[Any], headroom_bytes: int | N
     _LOG.warning(
         "%s largest program needs %s of temporary buffers, more than the %s of activation "
         "headroom planned beside the KV cache: it may run out of device memory when the cache "
-        "is full. Lower --gpu-memory-utilization or --max-num-batched-tokens",
+        "is full. %s",
         name,
         format_bytes(max(sizes)),
         format_bytes(headroom_bytes),
+        HEADROOM_ADVICE,
     )
 
 
