@@ -151,3 +151,33 @@ def test_the_mtp_drafters_memory_leaves_out_the_targets_arrays_it_reads() -> Non
     own = sum(x.nbytes for x in leaves if id(x) not in target)
     assert proposer.device_bytes(runner.weights) == own + proposer.kept_bytes()
     assert proposer.kept_bytes() == 2 * runner.buckets.token_buckets[-1] * proposer.state_dim * 4
+
+
+def test_capacity_plans_the_mtp_drafter_the_engine_measures(capsys) -> None:
+    """``jaxserve capacity --speculative-config '{"method": "mtp"}'`` plans the MTP layers'
+    own weights (not the target's embedding and lm_head they read), their latent pages and the
+    states kept for them as the engine measures them once loaded; the KV blocks agree."""
+    import argparse
+    import json
+
+    from jaxserve.bench.capacity import add_capacity_arguments, run_capacity
+
+    memory = 256 * 1024**2
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    engine = jaxserve.LLM(
+        str(MTP_DIR), speculative_config=spec, max_model_len=64, max_num_seqs=4,
+        max_num_batched_tokens=16, block_size=8, dtype="bfloat16", warmup=False,
+        device_memory_bytes=memory,
+    ).engine  # fmt: skip
+    parser = argparse.ArgumentParser()
+    add_capacity_arguments(parser)
+    argv = [
+        str(MTP_DIR), "--max-model-len", "64", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "16", "--block-size", "8", "--dtype", "bfloat16",
+        "--device-memory", str(memory), "--speculative-config", json.dumps(spec), "--json",
+    ]  # fmt: skip
+    assert run_capacity(parser.parse_args(argv)) == 0
+    out = json.loads(capsys.readouterr().out)
+    measured = engine.proposer.device_bytes(engine.runner.weights)
+    assert out["drafter_bytes"] == measured == engine.runner.capacity.drafter_bytes > 0
+    assert out["num_blocks"] == engine.kv.num_blocks

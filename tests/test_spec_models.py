@@ -286,6 +286,73 @@ def test_a_model_drafters_memory_comes_out_of_the_kv_cache(plain, method) -> Non
     assert token_ids(llm, PROMPTS[:2]) == plain[:2]
 
 
+def capacity_json(capsys, *argv: str) -> dict:
+    import argparse
+
+    from jaxserve.bench.capacity import add_capacity_arguments, run_capacity
+
+    parser = argparse.ArgumentParser()
+    add_capacity_arguments(parser)
+    assert run_capacity(parser.parse_args([*argv, "--json"])) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_capacity_plans_the_drafter_the_engine_measures(method, dtype, capsys) -> None:
+    """``jaxserve capacity --speculative-config`` plans, from the configs and the checkpoint's
+    tensor names alone, the bytes the engine measures once the drafter has loaded, and so the
+    same KV blocks: the two agree where the engine's memory is given."""
+    memory = 1 << 30
+    llm = make_llm(
+        METHODS[method], num_gpu_blocks_override=None, device_memory_bytes=memory, dtype=dtype
+    )
+    engine = llm.engine
+    spec = json.dumps({**METHODS[method], "num_speculative_tokens": K})
+    flags = ("--max-model-len", "128", "--max-num-seqs", "8", "--max-num-batched-tokens", "32")
+    out = capacity_json(
+        capsys, *flags, "--block-size", "16", "--dtype", dtype, "--device-memory", str(memory),
+        "--speculative-config", spec,
+    )  # fmt: skip
+    measured = engine.proposer.device_bytes(engine.runner.weights)
+    assert out["drafter_bytes"] == measured == engine.runner.capacity.drafter_bytes > 0
+    assert out["num_blocks"] == engine.kv.num_blocks
+    plain = capacity_json(capsys, *flags, "--dtype", dtype, "--device-memory", str(memory))
+    assert plain["drafter_bytes"] == 0
+    assert out["kv_budget_bytes"] == plain["kv_budget_bytes"] - measured
+
+
+def test_capacity_plans_a_head_without_weights_with_an_embedding_of_its_own(
+    tmp_path, capsys
+) -> None:
+    """A head directory with config.json alone: whether it stores ``embed_tokens`` cannot be
+    read, so the plan counts one (the larger); the fixture head reads the target's."""
+    head = tmp_path / "head"
+    head.mkdir()
+    shutil.copy(SPEC / "eagle3" / "config.json", head / "config.json")
+    plans = {}
+    for name, path in (("stored", SPEC / "eagle3"), ("unknown", head)):
+        spec = json.dumps({"method": "eagle3", "model": str(path)})
+        plans[name] = capacity_json(capsys, "--dtype", "float32", "--speculative-config", spec)
+    config = json.loads((SPEC / "eagle3" / "config.json").read_text())
+    embed = config["vocab_size"] * config["hidden_size"] * 4
+    assert plans["unknown"]["drafter_bytes"] == plans["stored"]["drafter_bytes"] + embed
+
+
+def test_capacity_names_a_bad_speculative_config(capsys) -> None:
+    import argparse
+
+    from jaxserve.bench.capacity import add_capacity_arguments, run_capacity
+
+    parser = argparse.ArgumentParser()
+    add_capacity_arguments(parser)
+    for spec, words in (
+        ('{"method": "eagle"}', "--speculative-config method='eagle' must be one of"),
+        ('{"method": "eagle3", "model": "/no/such/head"}', "/no/such/head/config.json"),
+    ):
+        assert run_capacity(parser.parse_args(["--speculative-config", spec])) == 2
+        assert words in capsys.readouterr().err
+
+
 def test_eagle3_serves_in_bfloat16_on_the_cpu() -> None:
     """The head's logits (bf16 summed into f32) inside the chain's fusions: XLA's CPU runtime
     has no such dot there, so the CPU takes f32 operands (``quant._cpu_upcasts``); the tokens

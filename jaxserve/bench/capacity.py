@@ -21,6 +21,7 @@ from jaxserve.engine_config import (
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     EngineConfig,
+    SpeculativeConfig,
     default_model_dir,
     dtype_name,
     kv_cache_dtype_name,
@@ -30,6 +31,7 @@ from jaxserve.flag_names import command_flags, in_flag_terms
 from jaxserve.hf_cache import resolve_model_dir
 from jaxserve.models.families.counting import num_active_params, num_params
 from jaxserve.models.families.registry import load_model_config
+from jaxserve.models.loading.checkpoint_reader import WeightsError
 from jaxserve.models.quant_scheme import QuantScheme, resolve_scheme
 from jaxserve.runner.batch_size import BatchSize, ceiling_for, planned_batch_size
 from jaxserve.runner.buckets import next_power_of_2, token_buckets_for
@@ -45,6 +47,7 @@ from jaxserve.runner.capacity import (
     detect_device_memory,
     plan_capacity,
 )
+from jaxserve.runner.drafter_plan import planned_drafter_bytes
 from jaxserve.units import COUNT_RULE, human_bytes, human_count, human_int
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -187,6 +190,14 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
         help="the slots' rank, with --enable-lora: each slot holds A [in, rank] and "
         "B [rank, out] of every projection",
     )
+    add(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='the drafter, as serve\'s flag (e.g. \'{"method": "eagle3", "model": "DIR"}\'): '
+        "a model drafter's weights, pages and kept target states come out of the KV cache's "
+        "budget (docs/speculative_decoding.md)",
+    )
     add("--json", action="store_true", help="print the numbers as JSON")
 
 
@@ -222,11 +233,13 @@ def run_capacity(args: argparse.Namespace) -> int:
                 max_num_batched_tokens=args.max_num_batched_tokens,
             )
             max_num_seqs = batch.max_num_seqs
-        cap = plan_for(max_num_seqs)
+        cap = _with_drafter(
+            args, plan_for(max_num_seqs), config, model_dir, dtype, max_model_len, max_num_seqs
+        )
     except CapacityError as exc:
         _print_capacity_error(exc, on_cpu)
         return 1
-    except ValueError as exc:  # LoRA on a model it does not serve (latent attention)
+    except (ValueError, WeightsError) as exc:  # LoRA on latent attention; a drafter's files
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if on_cpu:
@@ -279,6 +292,7 @@ def _checked_model(args: argparse.Namespace) -> tuple[Path, ModelConfig]:
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        speculative_config=args.speculative_config,
     )
     model_dir = resolve_model_dir(args.model) if args.model else default_model_dir()
     return model_dir, load_model_config(model_dir)
@@ -312,6 +326,36 @@ def _plan_for(
         mla_path=_planned_mla_path(args, config, dtype, kv_dtype),
         lora_slots=(args.max_loras, args.max_lora_rank) if args.enable_lora else None,
     )
+
+
+def _with_drafter(
+    args: argparse.Namespace,
+    cap: Capacity,
+    config: ModelConfig,
+    model_dir: Path,
+    dtype: str,
+    max_model_len: int,
+    max_num_seqs: int,
+) -> Capacity:
+    """``cap`` less the speculative drafter's memory (``planned_drafter_bytes``: what the
+    engine measures once it loads and takes out of the KV cache's budget), if one is named."""
+    if args.speculative_config is None:
+        return cap
+    spec = SpeculativeConfig.of(args.speculative_config)
+    num_bytes = planned_drafter_bytes(
+        spec,
+        config,
+        model_dir,
+        dtype_bytes=DTYPE_BYTES[dtype],
+        block_size=args.block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+    if num_bytes == 0:
+        return cap
+    return cap.with_drafter(num_bytes, f"{spec.method} {spec.model or ''}".strip())
 
 
 def _device_kind(args: argparse.Namespace) -> tuple[str, str]:
@@ -399,6 +443,7 @@ def _plan_json(args: argparse.Namespace, plan: _Plan) -> dict:
         "kv_cache_dtype": plan.kv_dtype,
         "weight_bytes": cap.weight_bytes,
         "lora_bytes": cap.lora_bytes,
+        "drafter_bytes": cap.drafter_bytes,
         "activation_bytes": cap.activation_bytes,
         "mla_temporary_bytes": cap.mla_bytes,
         "mla_path": cap.mla_path,
