@@ -760,7 +760,8 @@ stage_moe_fp8() {  # fp8 routed experts: native tests, the grouped matmul agains
 }
 
 stage_mla_mosaic() {  # the Mosaic GPU MLA kernel: native tests, then beside the Triton kernel
-  timeout 300 python3 -m pytest -q -m gpu tests/test_mla_mosaic_gpu.py 2>&1 | tail -3
+  # MLA_TESTS=0: the timings alone (the native tests passed on an H100, 2026-12-05)
+  [ "${MLA_TESTS:-1}" = 0 ] || timeout 300 python3 -m pytest -q -m gpu tests/test_mla_mosaic_gpu.py 2>&1 | tail -3
   # $MLA_KERNELS: the kernels timed (triton,mosaic); MLA_SWEEP=0: their default blockings only
   python3 -m benchmarks.mla --kernels "${MLA_KERNELS:-triton,mosaic}" \
     $([ "${MLA_SWEEP:-1}" = 0 ] || echo --sweep) --out "$OUT/mla_mosaic.json" \
