@@ -18,8 +18,8 @@ that the cost of the sinks (and the unchanged no-sinks path) shows side by side 
 
 ``--suite fp8``: the Mosaic GPU kernel at the Llama-3-8B shape over a bf16 cache, and over an
 fp8 e4m3 cache (the same pages quantized at a per-tensor scale) by both fp8 paths: ``convert``
-(tiles converted to bf16 in shared memory, the default) and ``native`` (fp8 wgmmas,
-``KernelConfig(fp8_wgmma=True)``, ``JAXSERVE_FP8_ATTENTION=native``). Decode at batch
+(tiles converted to bf16 in shared memory, ``JAXSERVE_FP8_ATTENTION=convert``) and ``native``
+(fp8 wgmmas, ``KernelConfig(fp8_wgmma=True)``, the serving default). Decode at batch
 {1, 8, 64, 256} x context {1024, 4096} and one mixed batch; errors are against the bf16 kernel
 (so they include the cache's quantization). A second table gives tokens/s and each fp8 path's
 speed-up over the bf16 kernel; target: native >= 1.6x at batch 64 x 4096. ``--sweep`` adds

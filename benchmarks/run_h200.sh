@@ -125,8 +125,8 @@
 #                the optimized HLO (gzip) -> $OUT/step_*.{kernels.json,hlo.txt.gz} (a minute or two)
 #   fp8attn      fp8 KV attention that reads fp8 (#36 item 3): the native path's GPU tests, then
 #                bench_attention.py --suite fp8 (the tiles' sweep with FP8ATTN_SWEEP=1): the Mosaic GPU kernel over a bf16 cache,
-#                an fp8 cache converted to bf16 (the default) and read by fp8 wgmmas
-#                (JAXSERVE_FP8_ATTENTION=native), batch 1/8/64/256 x context 1,024/4,096, tokens/s
+#                an fp8 cache converted to bf16 (JAXSERVE_FP8_ATTENTION=convert) and read by fp8
+#                wgmmas (native, the default), batch 1/8/64/256 x context 1,024/4,096, tokens/s
 #                and the ratio to bf16 (target: native >= 1.6x at 64 x 4,096)
 #                -> $OUT/attention_fp8.{log,json}
 #   highload     issue 36's profile of the full card: `jaxserve bench throughput` at 1000 x

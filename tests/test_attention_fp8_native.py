@@ -217,8 +217,8 @@ def on_hopper(monkeypatch):
 
 @pytest.mark.parametrize(
     ("env", "kv_dtype", "batch_invariant", "want"),
-    [(None, E4M3, False, mosaic_gpu.KernelConfig()),
-     ("native", E4M3, False, mosaic_gpu.KernelConfig(fp8_wgmma=True)),
+    [(None, E4M3, False, mosaic_gpu.KernelConfig(fp8_wgmma=True)),
+     ("convert", E4M3, False, mosaic_gpu.KernelConfig()),
      ("Native", E5M2, True, mosaic_gpu.KernelConfig(num_splits=1, fp8_wgmma=True)),
      ("native", jnp.bfloat16, False, mosaic_gpu.KernelConfig()),
      ("convert", E4M3, True, mosaic_gpu.KernelConfig(num_splits=1))],
@@ -237,9 +237,9 @@ def test_the_switch_sets_the_kernels_config(
 
 @pytest.mark.parametrize(
     ("env", "kv_dtype", "want"),
-    [(None, E4M3, "fp8 cache converted to bf16 in shared memory: JAXSERVE_FP8_ATTENTION=convert"),
-     ("native", E5M2, "fp8 wgmmas, queries and probabilities in e4m3: "
-      "JAXSERVE_FP8_ATTENTION=native"),
+    [(None, E4M3, "fp8 wgmmas, queries and probabilities in e4m3: JAXSERVE_FP8_ATTENTION=native"),
+     ("convert", E5M2, "fp8 cache converted to bf16 in shared memory: "
+      "JAXSERVE_FP8_ATTENTION=convert"),
      ("native", jnp.bfloat16, None)],
 )  # fmt: skip
 def test_choose_kernel_names_the_fp8_path(on_hopper, monkeypatch, env, kv_dtype, want):
@@ -256,7 +256,7 @@ def test_the_switch_rejects_an_unknown_path(on_hopper, monkeypatch):
     monkeypatch.setenv(dispatch.FP8_ATTENTION_ENV, "fast")
     q = jax.ShapeDtypeStruct((1, 32, 128), jnp.bfloat16)
     k_pages = jax.ShapeDtypeStruct((1, 16, 8, 128), E4M3)
-    with pytest.raises(ValueError, match="JAXSERVE_FP8_ATTENTION='fast' must be one of convert"):
+    with pytest.raises(ValueError, match="'fast' must be one of native, convert"):
         dispatch.choose_kernel(q, k_pages)
 
 
