@@ -49,7 +49,7 @@ and ``v_scale`` with the 1 / row-sum: ``q . (k * s) = (q . k) * s``, so neither 
   2.3-3.3% relative error (Frobenius) against the reference on the tests' random inputs (the
   convert path: 0.2%), 1.5-2.1% against the reference over the same quantized queries;
   element-wise, P's rounding bounds the difference from the latter by 2^-4 times the
-  attention-weighted mean of |v| (tests/ test_attention_fp8_native.py). Shared memory is smaller
+  attention-weighted mean of |v| (tests/test_attention_fp8_native.py). Shared memory is smaller
   (64 KB at head_dim 128 with the default tiles, against 104 KB converting). On an H100
   (2026-12-06) its native tests pass and decode at batch 64 x 4,096 context takes 219 us against
   bf16's 355 (1.62x; 1.67x at batch 256), with an error against the bf16 cache's attention about
