@@ -243,6 +243,11 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config {key}={item!r} has the wrong type")
         return cls(**value)
 
+    @property
+    def drafter(self) -> str:
+        """The drafter, as the capacity lines name it: ``eagle3 /models/head``."""
+        return f"{self.method} {self.model or ''}".strip()
+
     def describe(self) -> str:
         text = f"{self.method}, {self.num_speculative_tokens} tokens per step"
         if self.method == "ngram":

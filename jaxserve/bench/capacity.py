@@ -355,7 +355,7 @@ def _with_drafter(
     )
     if num_bytes == 0:
         return cap
-    return cap.with_drafter(num_bytes, f"{spec.method} {spec.model or ''}".strip())
+    return cap.with_drafter(num_bytes, spec.drafter)
 
 
 def _device_kind(args: argparse.Namespace) -> tuple[str, str]:

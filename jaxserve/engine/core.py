@@ -332,7 +332,7 @@ class EngineCore:
         reserve = getattr(self.runner, "reserve_for_drafter", None)
         if device_bytes is not None and reserve is not None:
             read = getattr(self.runner, "weights", None)  # the target's, which it may read
-            reserve(device_bytes(read), f"{spec.method} {spec.model or ''}".strip())
+            reserve(device_bytes(read), spec.drafter)
         _LOG.info(
             "Speculative decoding: %s; drafts while at most %d sequences run (above: none)%s; "
             "a step with drafts is read back before the next is scheduled "
