@@ -33,9 +33,8 @@ from jaxserve.models.loading.checkpoint_reader import WeightsError
 from jaxserve.models.loading.eagle3_checkpoint import expected_shapes, read_eagle3_config
 from jaxserve.models.loading.mtp_checkpoint import require_mtp_layers
 from jaxserve.models.quant_scheme import weight_bytes
-from jaxserve.runner.buckets import token_buckets_for
+from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.capacity import cache_bytes_per_token, kv_heads_per_device
-from jaxserve.units import cdiv
 
 INT32_BYTES = FLOAT32_BYTES = 4
 
@@ -58,9 +57,15 @@ def planned_drafter_bytes(
         return 0
     tp = tensor_parallel_size
     seqs = min(spec.max_batch_size, max_num_seqs)
-    num_slots = seqs * cdiv(max_model_len + spec.num_speculative_tokens, block_size) * block_size
-    # The target's largest step, or the drafter's largest call, whichever holds more rows.
-    rows = token_buckets_for(max(max_num_batched_tokens, seqs))[-1]
+    buckets = Buckets.of(  # the drafter's own, as ``PagedDrafter`` makes them
+        max_num_batched_tokens=max(max_num_batched_tokens, seqs),
+        max_num_seqs=seqs,
+        max_model_len=max_model_len + spec.num_speculative_tokens,
+        block_size=block_size,
+    )
+    num_slots = seqs * buckets.pages_per_seq * block_size
+    # Its largest call holds at least the target's largest step's rows.
+    rows = buckets.token_buckets[-1]
     if spec.method == "draft_model":
         assert spec.model is not None  # SpeculativeConfig checks it
         draft = load_model_config(spec.model)
