@@ -48,11 +48,13 @@ def causal_prompt_attention(
     implementation: str,  # static: "packed", "cudnn" or "xla"
     tile: int,  # static: at least the longest prompt (the windowed forms')
 ) -> jax.Array:  # [T, N, D]
-    """Each token attends to its own prompt's tokens up to itself."""
+    """Each token attends to its own prompt's tokens up to itself. Padding rows are left as the
+    kernel wrote them: no later op mixes rows, and pooling sums only its sequences' rows
+    (``programs.pool_step``), so zeroing them was a pass over the output for nothing."""
     segments = segment_ids(cu_q_lens, q.shape[0])
     if implementation == "packed":
         return packed_segment_attention(
-            q, k, v, segments, sm_scale, cu_seq_lens=cu_q_lens, causal=True
+            q, k, v, segments, sm_scale, cu_seq_lens=cu_q_lens, causal=True, zero_padding=False
         )
     return windowed_segment_attention(
         q, k, v, segments, sm_scale, tile=tile, implementation=implementation, causal=True

@@ -53,10 +53,13 @@ def packed_segment_attention(
     *,
     cu_seq_lens: jax.Array,  # i32[S + 1]: the segments' bounds (padding sequences: length 0)
     causal: bool = False,  # static
+    zero_padding: bool = True,  # static
 ) -> jax.Array:  # [T, N, D]
     """Attention within each segment on cuDNN's fused attention over packed sequences: one
     batch row holding every sequence, each given by its start and length, so no score outside
-    a sequence is computed and no mask is read. Padding rows are zeros.
+    a sequence is computed and no mask is read. Padding rows are zeros, or with
+    ``zero_padding=False`` whatever cuDNN left there (it writes no row outside a sequence):
+    the caller must never read them.
 
     NOTE: the packed layout is reached through ``jax._src.cudnn`` (``jax.nn``'s entry takes
     lengths but not offsets). jax is pinned (DESIGN.md), and the GPU tests check this path
@@ -96,6 +99,8 @@ def packed_segment_attention(
             mask_type=mask,
             qkv_layout="BTNH",
         )[0]
+    if not zero_padding:
+        return out
     return jnp.where((segments < num_seqs)[:, None, None], out, jnp.zeros((), out.dtype))
 
 
