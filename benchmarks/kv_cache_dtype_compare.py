@@ -49,8 +49,14 @@ def roofline_table(bf16: dict, fp8: dict) -> list[str]:
     return lines
 
 
+def engine_result(throughput: dict) -> dict:
+    """jaxserve's run in a ``bench throughput`` JSON: the file itself (one engine, with its
+    ``engine`` field), or its ``"jaxserve"`` entry (the older form, one entry per engine)."""
+    return throughput.get("jaxserve", throughput)
+
+
 def throughput_table(bf16: dict, fp8: dict) -> list[str]:
-    a, b = bf16["jaxserve"], fp8["jaxserve"]
+    a, b = engine_result(bf16), engine_result(fp8)
     if "error" in a or "error" in b:
         return [f"Offline throughput: bf16 {a.get('error', 'ok')}, fp8 {b.get('error', 'ok')}"]
     return [

@@ -173,9 +173,11 @@ def test_decode_roofline_over_an_fp8_cache_and_the_comparison(tmp_path, monkeypa
     slow = {"meta": {**result["meta"], "kv_cache_dtype": "bfloat16"}, "rows": []}
     slow["rows"] = [{**r, "device_ms": 2 * r["device_ms"]} for r in result["rows"]]
     (tmp_path / "roofline_kv_auto.json").write_text(json.dumps(slow))
-    for kv, tok_s, tokens in (("auto", 100.0, 1000), ("fp8", 150.0, 2000)):
-        run = {"jaxserve": {"output_tokens_per_s": tok_s, "kv_cache_tokens": tokens}}
-        (tmp_path / f"throughput_kv_{kv}.json").write_text(json.dumps(run))
+    # bench throughput's JSON as it writes it now (one engine, flat), and its older form
+    flat = {"engine": "jaxserve", "output_tokens_per_s": 150.0, "kv_cache_tokens": 2000}
+    nested = {"jaxserve": {"output_tokens_per_s": 100.0, "kv_cache_tokens": 1000}}
+    (tmp_path / "throughput_kv_auto.json").write_text(json.dumps(nested))
+    (tmp_path / "throughput_kv_fp8.json").write_text(json.dumps(flat))
     greedy = {"positions": 100, "logprob_error_mean": 0.05, "logprob_error_max": 0.3,
               "steps_margin_0.1": 40, "agreement_margin_0.1": 0.975,
               "steps_margin_0.25": 0, "agreement_margin_0.25": None}  # fmt: skip
