@@ -175,7 +175,8 @@
 #                and 64 distinct rank-16 adapters ($LORA_ADAPTERS picks, e.g. 0,1, or none; $LORA_ARGS adds
 #                flags, e.g. "--num-prompts 64" for a short throughput run), and batch-1 TPOT with one (benchmarks/lora.py),
 #                16 batch-1 steps traced with and without it; then 0 and 1 adapters again with the
-#                kernel's forms in $LORA_FORMS (default split_k; JAXSERVE_LORA_FORM)
+#                kernel's forms in $LORA_FORMS (default split_k; JAXSERVE_LORA_FORM; "reference":
+#                XLA's dense product, JAXSERVE_LORA_KERNEL=reference)
 #   lora_load    Llama-3-8B shape, dummy weights, served with LoRA on: 32 streamed neighbours'
 #                ITL p50/p99 quiet and while 8 adapters load at run time (benchmarks/lora_load.py;
 #                a server start and two runs: about 3 minutes)
@@ -884,9 +885,11 @@ stage_lora() {  # offline throughput with 0, 1, 8 and 64 rank-16 adapters; batch
       --profile-dir /tmp/lora_profile $LORA_ARGS > "$OUT/lora.log" 2>&1
     grep -E "adapters|TPOT" "$OUT/lora.log" || tail -8 "$OUT/lora.log"
   fi
-  local form  # the kernel's other forms end to end: batch-1 TPOT and offline with one adapter
-  for form in ${LORA_FORMS:-split_k}; do
-    JAXSERVE_LORA_FORM=$form python3 -m benchmarks.lora --adapters 0,1 $LORA_ARGS \
+  local form choice  # the kernel's other forms end to end: batch-1 TPOT and offline, one adapter
+  for form in ${LORA_FORMS:-split_k}; do  # reference: XLA's dense product, no kernel
+    choice=JAXSERVE_LORA_FORM=$form
+    [ "$form" = reference ] && choice=JAXSERVE_LORA_KERNEL=reference
+    env "$choice" python3 -m benchmarks.lora --adapters 0,1 $LORA_ARGS \
       --out "$OUT/lora_$form.json" > "$OUT/lora_$form.log" 2>&1
     grep -E "TPOT" "$OUT/lora_$form.log" | sed "s/^/$form: /" || tail -4 "$OUT/lora_$form.log"
   done

@@ -300,7 +300,7 @@ def test_the_model_product_through_the_kernel_equals_the_dense_one(monkeypatch):
     hidden = jax.random.normal(next(keys), (7, 48))
 
     def terms():
-        lora = (layer, inputs.routing(x.dtype))
+        lora = ops.LayerLora(layer, inputs.routing(x.dtype))
         return (
             *ops.qkv_deltas(x, lora, heads, (1, 16)),
             ops.o_delta(x.reshape(7, 2, 16), lora),
@@ -314,6 +314,73 @@ def test_the_model_product_through_the_kernel_equals_the_dense_one(monkeypatch):
     for got, want in zip(terms(), dense, strict=True):
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.filterwarnings(DEPRECATED)
+@pytest.mark.parametrize("form", ["two_launch", "fused", "split_k"])
+def test_a_norms_weight_read_in_equals_the_rows_scaled_first_bit_for_bit(monkeypatch, form):
+    """``x_scale`` (a norm's weight over its unscaled rows, ``LayerLora.normed``): each form's
+    terms equal, bit for bit, its terms over ``x_scale * x`` (``rms_norm``'s product), which
+    the two launches' shrink forms as it reads x; and the reference's with ``x_scale``."""
+    monkeypatch.setenv(dispatch.LORA_KERNEL_ENV, "triton")
+    monkeypatch.setenv(dispatch.LORA_FORM_ENV, form)
+    seed = int(np.random.default_rng().integers(2**31))
+    case = dataclasses.replace(SPLIT_K_CASES[0], dtype="bfloat16")
+    x, a, bs, slots = make_inputs(case, seed)
+    scale = jax.random.normal(jax.random.key(seed), x.shape[1:], x.dtype) + 1
+    got = dispatch.lora_deltas(x, a, bs, slots, x_scale=scale)
+    first = dispatch.lora_deltas(scale * x, a, bs, slots)
+    dense = reference.lora_deltas(x, a, bs, slots, x_scale=scale)
+    for g, f, d in zip(got, first, dense, strict=True):
+        assert g.dtype == x.dtype
+        assert bool(jnp.array_equal(g, f)), f"{seed=}"
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(d, np.float32), atol=0.1)
+
+
+def test_a_weight_of_another_dtype_is_applied_before_the_kernel(monkeypatch):
+    """A norm's weight in float32 over bf16 rows makes a float32 product (as ``rms_norm``
+    would): the kernel, which takes one dtype, gets no scale; the reference runs it."""
+    monkeypatch.setenv(dispatch.LORA_KERNEL_ENV, "triton")
+    case = dataclasses.replace(CPU_CASES[0], dtype="bfloat16")
+    x, a, bs, slots = make_inputs(case, 3)
+    scale = jnp.linspace(0.5, 1.5, x.shape[1], dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"x_scale float32\[64\] must be bfloat16\[64\]"):
+        lt.lora_deltas(x, a, bs, slots, scale, interpret=True)
+    got = dispatch.lora_deltas(x, a, bs, slots, x_scale=scale)
+    want = reference.lora_deltas(x, a, bs, slots, x_scale=scale)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype == jnp.float32 and bool(jnp.array_equal(g, w))
+
+
+def test_the_model_reads_q_k_v_and_gate_up_as_the_norms_rows_and_weight(monkeypatch):
+    """With ``LayerLora.normed`` set, the q/k/v and gate/up terms take the norm's unscaled
+    rows and its weight (the kernel scales as it reads); o and down take their own inputs."""
+    from jaxserve.models import lora as ops
+
+    seen = []
+    monkeypatch.setattr(
+        ops.dispatch,
+        "lora_deltas",
+        lambda x, a, bs, slots, mask, x_scale: (
+            seen.append((x, x_scale)) or tuple(jnp.zeros((x.shape[0], b.shape[2])) for b in bs)
+        ),
+    )
+    m, h, r = 2, 32, 4
+    dims = {"q": (h, 32), "k": (h, 16), "v": (h, 16), "o": (32, h)}
+    dims |= {"gate": (h, 48), "up": (h, 48), "down": (48, h)}
+    shapes = ops.LoraShapes(m, r, (dims,))
+    layer = ops.zeros(shapes, jnp.float32).layers[0]
+    inputs = ops.LoraInputs(ops.LoraWeights([layer]), jnp.array([1, 0, 2], jnp.int32))
+    rows, weight, x = jnp.ones((3, h)), jnp.full((h,), 2.0), jnp.full((3, h), 2.0)
+    lora = ops.with_normed(ops.LayerLora(layer, inputs.routing(x.dtype)), rows, weight)
+    ops.qkv_deltas(x, lora, (2, 16), (1, 16))
+    ops.gate_up_deltas(x, lora)
+    ops.o_delta(x.reshape(3, 2, 16), lora)
+    ops.down_delta(jnp.ones((3, 48)), lora)
+    assert [(s[0] is rows, s[1] is weight) for s in seen] == [(True, True)] * 2 + [
+        (False, False)
+    ] * 2
+    assert ops.with_normed(None, rows, weight) is None
 
 
 @pytest.mark.filterwarnings(DEPRECATED)
@@ -333,10 +400,14 @@ def test_lowers_to_triton_for_an_h200(verify_triton_modules):
         asked = functools.partial(lt.lora_deltas, config=lt.LoraKernelConfig(fused=True))
         lowered = jax.jit(asked).trace(one, a, bs, jax.ShapeDtypeStruct((1,), jnp.int32))
         fused = lowered.lower(lowering_platforms=("cuda",)).as_text()
+        scale = jax.ShapeDtypeStruct((4096,), jnp.bfloat16)  # a norm's weight, read in
+        lowered = jax.jit(lt.lora_deltas).trace(x, a, bs, slots, scale)
+        scaled = lowered.lower(lowering_platforms=("cuda",)).as_text()
         split = functools.partial(split_k.lora_deltas, config=lt.LoraKernelConfig())
         lowered = jax.jit(split).trace(one, a, bs, jax.ShapeDtypeStruct((1,), jnp.int32))
         one_split = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") >= 2
+    assert scaled.count("__gpu$xla.gpu.triton") == text.count("__gpu$xla.gpu.triton")
     assert fused.count("__gpu$xla.gpu.triton") == 1 and "lora_fused" in fused
     assert one_split.count("__gpu$xla.gpu.triton") == 1 and "lora_split_k" in one_split
 

@@ -34,7 +34,7 @@ from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.models import lora as lora_ops
 from jaxserve.models import mla, moe, rope
 from jaxserve.models.batch import Batch, KVCache
-from jaxserve.models.layers import LayerWeights, Weights, rms_norm
+from jaxserve.models.layers import LayerWeights, Weights, rms_norm, rms_rows
 from jaxserve.models.quant import linear
 from pallas_kernels.kv_cache import write_kv
 from pallas_kernels.ragged_paged_attention import dispatch
@@ -332,7 +332,9 @@ def forward_with_aux(
             freqs, scale = rope.rotary_angles(batch.positions, config.head_dim, *layer_rope)
             rotaries[layer_rope] = rope.cos_sin(freqs, scale, x.dtype)
         kv_scale = None if kv_scales is None else kv_scales[layer]
-        lora_layer = None if lora is None or route is None else (lora.weights.layers[layer], route)
+        lora_layer = None
+        if lora is not None and route is not None:
+            lora_layer = lora_ops.LayerLora(lora.weights.layers[layer], route)
         x, pages = decoder_layer(
             lw,
             x,
@@ -369,18 +371,36 @@ def decoder_layer(
     """Layer ``layer``: normed attention then normed MLP, each added to the residual stream."""
     eps, gemma = config.rms_norm_eps, config.is_gemma
     act = _ACTIVATIONS[config.hidden_act]
-    h = rms_norm(x, lw.attn_norm, eps, gemma, row_tile)
+    h, attn_lora = _normed_input(x, lw.attn_norm, config, lora, row_tile)
     attn, k_pages, v_pages = layer_attention(
-        lw, h, pages, batch, config, rotary, attention_fn, layer, kv_scale, lora, row_tile
+        lw, h, pages, batch, config, rotary, attention_fn, layer, kv_scale, attn_lora, row_tile
     )
     if lw.post_attn_norm is not None:  # Gemma: a norm after attention too
         attn = rms_norm(attn, lw.post_attn_norm, eps, gemma, row_tile)
     x = x + attn
-    h = rms_norm(x, lw.mlp_norm, eps, gemma, row_tile)
-    mlp = layer_mlp(lw, h, config, act, experts_fn, batch, lora, row_tile)
+    h, mlp_lora = _normed_input(x, lw.mlp_norm, config, lora, row_tile)
+    mlp = layer_mlp(lw, h, config, act, experts_fn, batch, mlp_lora, row_tile)
     if lw.post_mlp_norm is not None:
         mlp = rms_norm(mlp, lw.post_mlp_norm, eps, gemma, row_tile)
     return x + mlp, (k_pages, v_pages)
+
+
+def _normed_input(
+    x: jax.Array,  # [T, H]  the residual stream
+    weight: jax.Array,  # [H]  the norm's
+    config: ModelConfig,
+    lora: lora_ops.LayerLora | None,
+    row_tile: int | None,
+) -> tuple[jax.Array, lora_ops.LayerLora | None]:
+    """The norm's output, and the layer's adapter slots reading it as the norm's unscaled rows
+    and weight (``LayerLora.normed``): at decode XLA fuses the weight into the base GEMM and
+    the LoRA kernel applies it as it reads, so the normed rows are not written for it (two
+    passes a layer; not for Gemma's float32 ``1 + weight``, nor batch-invariant row tiles)."""
+    eps, gemma = config.rms_norm_eps, config.is_gemma
+    if lora is None or gemma or row_tile is not None:
+        return rms_norm(x, weight, eps, gemma, row_tile), lora
+    rows = rms_rows(x, eps)
+    return weight * rows, lora_ops.with_normed(lora, rows, weight)
 
 
 def compute_logits(

@@ -25,6 +25,7 @@ O its outputs (flattened heads).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -199,11 +200,30 @@ def lora_delta_ragged(
 
 # -- the decoder's projections ------------------------------------------------------------------
 
-LayerLora = tuple[LoraLayer, LoraRouting]  # (the layer's slots, the step's tokens -> slots)
+
+class LayerLora(NamedTuple):
+    """A layer's slots and the step's tokens -> slots, as its projections read them."""
+
+    layer: LoraLayer
+    route: LoraRouting
+    # The projection's input as a norm's unscaled rows and its weight (the input is
+    # ``weight * rows``, as ``layers.rms_norm`` returns it): the kernel scales the rows as it
+    # reads them, so XLA need not write the normed rows for it beside the base GEMM (which
+    # takes the norm into its prologue). Only q/k/v and gate/up read it (``with_normed``).
+    normed: tuple[jax.Array, jax.Array] | None = None
 
 
-def _deltas(x: jax.Array, a: jax.Array, bs: tuple[jax.Array, ...], route: LoraRouting):
-    return dispatch.lora_deltas(x, a, bs, route.token_slots, route.mask)
+def with_normed(lora: LayerLora | None, rows: jax.Array, weight: jax.Array) -> LayerLora | None:
+    """``lora`` with its input as ``weight * rows`` (see ``LayerLora.normed``)."""
+    return None if lora is None else lora._replace(normed=(rows, weight))
+
+
+def _deltas(x: jax.Array, a: jax.Array, bs: tuple[jax.Array, ...], lora: LayerLora, normed: bool):
+    """The terms of ``x @ a @ b`` for each b; ``normed``: x is ``lora.normed``'s product."""
+    x_scale = None
+    if normed and lora.normed is not None:
+        x, x_scale = lora.normed
+    return dispatch.lora_deltas(x, a, bs, lora.route.token_slots, lora.route.mask, x_scale)
 
 
 def qkv_deltas(
@@ -213,26 +233,26 @@ def qkv_deltas(
     kv_shape: tuple[int, ...],  # (K, D)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # [T, N, D], [T, K, D], [T, K, D]
     """The q, k and v terms: one shrink for the three (their A matrices joined)."""
-    layer, route = lora
-    q, k, v = _deltas(x, layer.qkv_a, (layer.q_b, layer.k_b, layer.v_b), route)
+    layer = lora.layer
+    q, k, v = _deltas(x, layer.qkv_a, (layer.q_b, layer.k_b, layer.v_b), lora, normed=True)
     t = x.shape[0]
     return q.reshape(t, *q_shape), k.reshape(t, *kv_shape), v.reshape(t, *kv_shape)
 
 
 def o_delta(out: jax.Array, lora: LayerLora) -> jax.Array:  # [T, N, D] -> [T, H]
-    layer, route = lora
-    return _deltas(out.reshape(out.shape[0], -1), layer.o_a, (layer.o_b,), route)[0]
+    layer = lora.layer
+    return _deltas(out.reshape(out.shape[0], -1), layer.o_a, (layer.o_b,), lora, False)[0]
 
 
 def gate_up_deltas(x: jax.Array, lora: LayerLora) -> tuple[jax.Array, jax.Array]:  # [T, I] x2
     """The gate and up terms: one shrink for both."""
-    layer, route = lora
+    layer = lora.layer
     assert layer.gate_up_a is not None and layer.gate_b is not None and layer.up_b is not None
-    gate, up = _deltas(x, layer.gate_up_a, (layer.gate_b, layer.up_b), route)
+    gate, up = _deltas(x, layer.gate_up_a, (layer.gate_b, layer.up_b), lora, normed=True)
     return gate, up
 
 
 def down_delta(h: jax.Array, lora: LayerLora) -> jax.Array:  # [T, I] -> [T, H]
-    layer, route = lora
+    layer = lora.layer
     assert layer.down_a is not None and layer.down_b is not None
-    return _deltas(h, layer.down_a, (layer.down_b,), route)[0]
+    return _deltas(h, layer.down_a, (layer.down_b,), lora, normed=False)[0]

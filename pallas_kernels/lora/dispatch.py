@@ -55,26 +55,35 @@ def lora_deltas(
     bs: Sequence[jax.Array],  # n x [M, R, O_i]
     token_slots: jax.Array,  # i32[T]  0: none; s: row s - 1
     mask: jax.Array | None = None,  # [T, M]  the one-hot slots, if the caller has them
+    x_scale: jax.Array | None = None,  # [X]  the input is x_scale * x (``reference``)
 ) -> tuple[jax.Array, ...]:  # n x [T, O_i]
     """The n LoRA terms on the path ``choose`` picks (a call the kernel does not take, by
-    shape or dtype, runs the reference)."""
+    shape or dtype, runs the reference). ``x_scale``: a norm's weight, x its unscaled rows;
+    the kernel scales x as it reads it, so XLA need not write the normed rows for it."""
     path, _ = choose()
     if path != "reference":
-        from pallas_kernels.lora import split_k, triton
+        from pallas_kernels.lora import triton
 
+        if x_scale is not None and x_scale.dtype != x.dtype:  # the product takes a 3rd dtype
+            x, x_scale = reference.scaled_input(x, x_scale), None
         if triton.unsupported_reason(x, a, bs) is None:
-            interpret = path == "interpret"
-            form = env_choice(LORA_FORM_ENV, LORA_FORMS, "two_launch")
-            rank = a.shape[2] // len(bs)
-            if not triton.one_launch_rank(rank) or x.shape[0] > ONE_LAUNCH_MAX_TOKENS:
-                form = "two_launch"
-            if form == "split_k":
-                return split_k.lora_deltas(x, a, tuple(bs), token_slots, interpret=interpret)
-            config = triton.LoraKernelConfig(fused=form == "fused")
-            return triton.lora_deltas(
-                x, a, tuple(bs), token_slots, config=config, interpret=interpret
-            )
-    return reference.lora_deltas(x, a, bs, token_slots, mask)
+            return _on_the_kernel(x, a, tuple(bs), token_slots, x_scale, path)
+    return reference.lora_deltas(x, a, bs, token_slots, mask, x_scale)
+
+
+def _on_the_kernel(x, a, bs, token_slots, x_scale, path: str) -> tuple[jax.Array, ...]:
+    """The call on the kernel's form that ``JAXSERVE_LORA_FORM`` picks."""
+    from pallas_kernels.lora import split_k, triton
+
+    interpret = path == "interpret"
+    form = env_choice(LORA_FORM_ENV, LORA_FORMS, "two_launch")
+    rank = a.shape[2] // len(bs)
+    if not triton.one_launch_rank(rank) or x.shape[0] > ONE_LAUNCH_MAX_TOKENS:
+        form = "two_launch"
+    if form == "split_k":
+        return split_k.lora_deltas(x, a, bs, token_slots, x_scale, interpret=interpret)
+    config = triton.LoraKernelConfig(fused=form == "fused")
+    return triton.lora_deltas(x, a, bs, token_slots, x_scale, config=config, interpret=interpret)
 
 
 def describe() -> str:

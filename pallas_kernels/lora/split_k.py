@@ -30,6 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.lora import reference
 from pallas_kernels.lora import triton as lt
 
 PROGRAMS_PER_SM = 16  # the splits of X grow until the grid holds about this many per SM
@@ -181,6 +182,7 @@ def lora_deltas(
     a: jax.Array,  # [M, X, n * R]
     bs: Sequence[jax.Array],  # n x [M, R, O_i]
     token_slots: jax.Array,  # i32[T]  0: none
+    x_scale: jax.Array | None = None,  # [X]  the input is x_scale * x, scaled first
     *,
     config: lt.LoraKernelConfig = lt.LoraKernelConfig(),
     interpret: bool = False,
@@ -188,6 +190,8 @@ def lora_deltas(
     """``triton.lora_deltas``'s semantics in this one launch (see the module docstring); the
     rank must be a power of two from 16, as the fused form's."""
     lt.check_call(x, a, bs, token_slots, "the split-K kernel")
+    lt.check_scale(x, x_scale, "the split-K kernel")
+    x = reference.scaled_input(x, x_scale)
     rank = a.shape[2] // len(bs)
     if not lt.one_launch_rank(rank):
         raise ValueError(f"lora_deltas, split-K: rank {rank}: it takes powers of two from 16")

@@ -19,7 +19,11 @@ How it runs (one call per projection group of a layer), in two kernels:
      no tile reads anything for them; the tiles past the plan's end return at once. Splitting X
      gives a decode step with a handful of tokens enough programs to stream A at the memory's
      speed; the f32 partial sums (``[splits, T, n * R]``, small: R is 8-64) are left as they
-     are, in sorted order.
+     are, in sorted order. With ``x_scale`` (a norm's weight, x its unscaled rows) each x tile
+     is multiplied by its columns' weights as it is read, rounded as ``rms_norm`` rounds the
+     product, so the decoder need not write the normed rows for the kernel: at decode XLA
+     folds the weight into the base GEMM, and a written copy was a kernel of its own, two a
+     layer (``models/lora.py``, ``LayerLora.normed``).
   3. Expand (kernel): ``y_i[T, O_i] = xa_i @ B_i[slot]`` for the n projections at once: the
      grid's columns are every output's column tiles one after another, its rows the same row
      tiles. A tile adds up the splits' partial sums of its rows, rounds them to x's dtype (as
@@ -50,6 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.grouped_matmul.triton import num_tiles_for, plan_tiles
+from pallas_kernels.lora import reference
 from pallas_kernels.skinny_matmul.triton import num_sms
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -186,9 +191,11 @@ def _sorted_rows(order_ref, first_row, is_row):
     return jnp.where(is_row, pltriton.load(order_ref.at[rows], mask=is_row, other=0), num_rows)
 
 
-def _shrink_kernel(plan_ref, order_ref, x_ref, a_ref, out_ref, *, tiles, block_r, precision):
+def _shrink_kernel(plan_ref, order_ref, x_ref, a_ref, *refs, tiles, block_r, precision):
     # plan_ref i32[4, tiles]; order_ref i32[T]; x_ref [T, X] in the tokens' order;
-    # a_ref [M, X, R]; out_ref f32[S, T, R] in sorted order
+    # a_ref [M, X, R]; refs: (scale_ref [X],) when x is scaled, then out_ref f32[S, T, R] in
+    # sorted order
+    scale_ref, out_ref = refs if len(refs) == 2 else (None, refs[0])
     split, tile = pl.program_id(0), pl.program_id(1)
     num_slots, size_x, size_r = a_ref.shape
     block_m, block_k, num_splits = tiles.block_m, tiles.block_k, tiles.num_splits
@@ -212,6 +219,11 @@ def _shrink_kernel(plan_ref, order_ref, x_ref, a_ref, out_ref, *, tiles, block_r
                 mask=_mask2(is_row, is_k, (block_m, block_k)),
                 other=0,
             )  # [block_m, block_k]: the tile's rows, gathered
+            if scale_ref is not None:  # a norm's weight: the product rms_norm rounds
+                scale = pltriton.load(
+                    scale_ref.at[cols], mask=is_k, other=None if is_k is None else 0
+                )
+                x = (scale[None, :] * x).astype(x.dtype)
             a_mask = _mask2(is_k, is_r, (block_k, block_r))
             a = pltriton.load(
                 a_ref.at[segment, pl.ds(k0, block_k), pl.ds(0, block_r)],
@@ -407,6 +419,7 @@ def shrink(
     tile_plan: jax.Array,  # i32[4, tiles]  ``plan_tiles`` of the slots' token counts
     tiles: LoraKernelConfig,  # resolved by ``plan``
     interpret: bool,
+    x_scale: jax.Array | None = None,  # [X]  x's columns scaled as they are read
 ) -> jax.Array:  # f32[S, T, R]  the splits' partial sums, rows in sorted order
     assert tiles.block_m and tiles.block_k and tiles.num_splits
     block_r = max(16, _next_pow2(a.shape[2]))
@@ -422,7 +435,7 @@ def shrink(
         ),
         interpret=interpret,
         name="lora_shrink",
-    )(tile_plan, order, x, a)
+    )(tile_plan, order, x, a, *(() if x_scale is None else (x_scale,)))
 
 
 def expand(
@@ -505,6 +518,16 @@ def check_call(x, a, bs, token_slots, kernel: str) -> None:
         raise ValueError(f"lora_deltas on {kernel}: {reason}")
 
 
+def check_scale(x: jax.Array, x_scale: jax.Array | None, kernel: str) -> None:
+    """A ValueError naming ``kernel`` unless ``x_scale`` is None or one of x's dtype per
+    column."""
+    if x_scale is not None and (x_scale.shape != x.shape[1:] or x_scale.dtype != x.dtype):
+        raise ValueError(
+            f"lora_deltas on {kernel}: x_scale {x_scale.dtype}{list(x_scale.shape)} must be "
+            f"{x.dtype}[{x.shape[1]}] (one per column of x, its dtype)"
+        )
+
+
 def sorted_tiles(
     token_slots: jax.Array, num_slots: int, tiles: LoraKernelConfig
 ) -> tuple[jax.Array, jax.Array]:  # order i32[T], tile_plan i32[4, tiles]
@@ -524,17 +547,22 @@ def lora_deltas(
     a: jax.Array,  # [M, X, n * R]
     bs: Sequence[jax.Array],  # n x [M, R, O_i]
     token_slots: jax.Array,  # i32[T]  0: none
+    x_scale: jax.Array | None = None,  # [X]  the input is x_scale * x (``reference``)
     *,
     config: LoraKernelConfig = LoraKernelConfig(),
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:  # n x [T, O_i], x's dtype
-    """The n LoRA terms of one input on the kernels; see the module docstring."""
+    """The n LoRA terms of one input on the kernels; see the module docstring. ``x_scale``
+    (a norm's weight, x its unscaled rows): the shrink scales x as it reads it, so the caller
+    need not write the scaled rows (two launches; the fused form takes them scaled)."""
     check_call(x, a, bs, token_slots, "Pallas Triton")
+    check_scale(x, x_scale, "Pallas Triton")
     num_tokens, size_x = x.shape
     one_launch = use_fused(config, a.shape[2] // len(bs))
     tiles = plan(num_tokens, a.shape[0], size_x, num_sms(), config, fused=one_launch)
     order, tile_plan = sorted_tiles(token_slots, a.shape[0], tiles)
     if one_launch:
+        x = reference.scaled_input(x, x_scale)
         return fused(x, order, a, tuple(bs), tile_plan, tiles, interpret)
-    xa = shrink(x, order, a, tile_plan, tiles, interpret)  # f32[S, T, n * R], sorted
+    xa = shrink(x, order, a, tile_plan, tiles, interpret, x_scale)  # f32[S, T, n * R], sorted
     return expand(xa, order, bs, tile_plan, tiles, interpret)
