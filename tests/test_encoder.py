@@ -130,10 +130,18 @@ def test_sequences_in_one_batch_equal_each_alone_whatever_the_padding():
 
 
 def test_pooling_reads_only_each_sequences_tokens():
-    hidden = jnp.asarray([[1.0, 0.0], [3.0, 4.0], [5.0, 6.0], [100.0, 100.0]])  # row 3: padding
+    """Padding rows hold whatever the attention left there (cuDNN's packed form does not write
+    them): even NaN reaches no sequence's pooled rows."""
+    from jaxserve.runner.encoder_runner import encoder_step_outputs
+
+    nan = float("nan")
+    hidden = jnp.asarray([[1.0, 0.0], [3.0, 4.0], [5.0, 6.0], [nan, nan]])  # row 3: padding
     cu = jnp.asarray([0, 1, 3, 3], jnp.int32)  # sequences of 1 and 2 tokens, one padding slot
     np.testing.assert_allclose(heads.pool_cls(hidden, cu)[:2], [[1.0, 0.0], [3.0, 4.0]])
     np.testing.assert_allclose(heads.pool_mean(hidden, cu)[:2], [[1.0, 0.0], [4.0, 5.0]])
+    outputs = encoder_step_outputs(hidden, cu)[:2]  # sums, first and last rows
+    np.testing.assert_allclose(outputs[:, 0], [[1.0, 0.0], [8.0, 10.0]])
+    np.testing.assert_allclose(outputs[:, 2], [[1.0, 0.0], [5.0, 6.0]])
     normed = heads.encoder_pool(hidden, cu, "cls", is_normalized=True)
     np.testing.assert_allclose(normed[:2], [[1.0, 0.0], [0.6, 0.8]])
     with pytest.raises(ValueError, match="pooling='last'"):
@@ -368,7 +376,8 @@ def test_cudnn_windowed_attention_equals_the_reference(num_tokens: int):
 def test_cudnn_packed_attention_equals_the_reference(num_tokens, num_seqs, max_len):
     """cuDNN over packed sequences: every sequence's rows equal the dense reference's (lengths
     from 1 to ``max_len``, padding sequences of length 0 after them, padding tokens after the
-    last), padding rows are zeros; one sequence alone takes the plain padding mask."""
+    last), padding rows are zeros when asked for (the encoder does not ask); one sequence alone
+    takes the plain padding mask."""
     from jaxserve.models.encoder.forward import segment_attention
     from jaxserve.runner.segment_attention import packed_segment_attention
     from tests.test_pooling_attention import ragged

@@ -116,7 +116,12 @@ def encoder_step(
     """The encoder over one step's whole sequences: (pooled f32[S, 3, H], a classifier's
     logits f32[S, L] or None)."""
     if attention_impl == "packed":
-        attention = functools.partial(packed_segment_attention, cu_seq_lens=batch.cu_seq_lens)
+        # Padding rows stay as cuDNN left them: nothing mixes rows, and the outputs read only
+        # their sequences' rows (the sums drop the padding's segment), so zeroing them was a
+        # pass over every layer's attention output for nothing.
+        attention = functools.partial(
+            packed_segment_attention, cu_seq_lens=batch.cu_seq_lens, zero_padding=False
+        )
     else:
         attention = functools.partial(
             windowed_segment_attention, tile=tile, implementation=attention_impl
