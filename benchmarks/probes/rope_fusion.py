@@ -8,8 +8,9 @@ one fused q/k/v projection's output, timed on the device with the fusions XLA ma
         --forms concat,halves+unzeroed -- ARGS...
 
 The second runs a benchmark (its ARGS after ``--``) once per form in one process, the
-rotary form patched in, padding zeroed; ``+unzeroed`` leaves the whole-prompt attention's
-padding rows as cuDNN wrote them (``packed_segment_attention(zero_padding=False)``).
+rotary form patched in, padding zeroed; ``+unzeroed`` leaves the packed attention's padding
+rows (decoders' whole prompts, encoders) as cuDNN wrote them
+(``packed_segment_attention(zero_padding=False)``).
 
 All forms compute the same bf16 products and sums as Hugging Face's ``q * cos +
 rotate_half(q) * sin``: the probe checks that their outputs are equal bit for bit.
@@ -77,7 +78,7 @@ def _with_zero_padding(packed, zero_padding: bool, *args, **kwargs):
 def patched_runs(module: str, forms: list[str], argv: list[str]) -> None:
     """``python -m MODULE ARGV`` once per form, in this process (its --out or --output-json
     gets the form's name)."""
-    from jaxserve.runner import pooling_attention, segment_attention
+    from jaxserve.runner import encoder_runner, pooling_attention, segment_attention
 
     packed = segment_attention.packed_segment_attention
     flag = "--out" if "--out" in argv else "--output-json"
@@ -86,7 +87,8 @@ def patched_runs(module: str, forms: list[str], argv: list[str]) -> None:
         form, _, unzeroed = spec.partition("+")
         rope.apply_rotary = FORMS[form]  # read at trace time by every model
         zeroed = functools.partial(_with_zero_padding, packed, not unzeroed)
-        pooling_attention.packed_segment_attention = zeroed
+        pooling_attention.packed_segment_attention = zeroed  # the decoders' whole prompts
+        encoder_runner.packed_segment_attention = zeroed  # the encoders
         sys.argv = [module, *argv]
         sys.argv[sys.argv.index(flag) + 1] = out.replace(".json", f"_{form}{unzeroed}.json")
         print(f"-- {spec}", flush=True)
