@@ -2,9 +2,10 @@
 
 Groups the steps by kind: decode-only steps by their batch size, steps that hold prompt tokens
 (with decodes beside them or not). Per group: the steps, their share of the run's wall time, the
-mean step period and tokens, and the host's spans (schedule, dispatch, process) against the time
-the host waited for the device (``wait``). Under asynchronous scheduling a step whose wait is near
-zero was paced by the host: the device finished before the host needed it, and idled.
+mean step period and tokens, and the host's spans (propose, schedule, dispatch, process) against
+the time the host waited for the device (``wait``). Under asynchronous scheduling a step whose
+wait is near zero was paced by the host: the device finished before the host needed it, and
+idled.
 
     JAXSERVE_STEP_LOG=steps.jsonl jaxserve bench throughput ...
     python -m benchmarks.step_log_summary steps.jsonl [--skip 50]
@@ -18,7 +19,7 @@ from pathlib import Path
 
 DECODE_BUCKETS = (8, 32, 64, 128, 256, 512, 1024)
 HOST_PACED_MS = 0.05  # a wait under this: the device was not what the step waited for
-SPANS = ("schedule", "dispatch", "wait", "process")
+SPANS = ("propose", "schedule", "dispatch", "wait", "process")  # (older logs: no propose)
 
 
 def kind_of(step: dict) -> str:
@@ -49,7 +50,7 @@ def summarize(steps: list[dict]) -> list[dict]:
                 "tokens": sum(s["tokens"] for s in group) / n,
                 "decode": sum(s["decode"] for s in group) / n,
                 "prompt_tokens": sum(s["prompt_tokens"] for s in group) / n,
-                **{span: sum(s[span] for s in group) / n for span in SPANS},
+                **{span: sum(s.get(span, 0.0) for s in group) / n for span in SPANS},
                 "host_paced": sum(s["wait"] < HOST_PACED_MS for s in group) / n,
             }
         )
@@ -70,14 +71,14 @@ def main() -> None:
     print(f"{len(steps)} steps, {wall:.1f} s of steps, {out_tokens:,} decode tokens")
     print(
         "| kind | steps | share of time | period ms | tokens | decodes | prompt tokens | "
-        "schedule ms | dispatch ms | wait ms | process ms | host-paced |"
+        "propose ms | schedule ms | dispatch ms | wait ms | process ms | host-paced |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['kind']} | {r['steps']} | {r['share']:.1%} | {r['period_ms']:.2f} | "
             f"{r['tokens']:.0f} | {r['decode']:.0f} | {r['prompt_tokens']:.0f} | "
-            f"{r['schedule']:.2f} | {r['dispatch']:.2f} | {r['wait']:.2f} | "
+            f"{r['propose']:.2f} | {r['schedule']:.2f} | {r['dispatch']:.2f} | {r['wait']:.2f} | "
             f"{r['process']:.2f} | {r['host_paced']:.0%} |"
         )
     if args.output_json:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import runpy
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -495,6 +496,46 @@ def test_the_step_log_says_where_a_runs_time_went(tmp_path, monkeypatch, capsys)
     run_script("benchmarks.step_log_summary", [str(log)], monkeypatch)
     printed = capsys.readouterr().out
     assert "| prompt only |" in printed and "| decode <= 8 |" in printed
+
+
+def test_the_step_log_times_the_drafter_and_a_read_back_step_apart(tmp_path, monkeypatch):
+    """With speculation, a step that drafts logs its drafter's call as ``propose`` (not in
+    ``schedule``) and, read back before the next, its device time as ``wait`` (not in
+    ``dispatch``); a step without the drafter's call proposes nothing."""
+    import jaxserve
+    from jaxserve import SamplingParams
+
+    log = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("JAXSERVE_STEP_LOG", str(log))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "pause_when_unpaid": False}  # fmt: skip
+    llm = jaxserve.LLM(
+        str(fixture_dir("llama")),
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        warmup=False,
+        speculative_config=spec,
+    )
+    calls = []
+    propose = llm.engine.proposer.propose
+
+    def slow_propose(*args):  # a drafter's call that takes a measurable time
+        time.sleep(0.02)
+        calls.append(len(args[0]))
+        return propose(*args)
+
+    monkeypatch.setattr(llm.engine.proposer, "propose", slow_propose)
+    prompt = [0, 5, 9, 11, 5, 9, 11, 5, 9, 11, 5, 9]
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=12))
+    llm.shutdown()
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    proposing = [s for s in steps if s["propose"] >= 20]
+    assert calls and len(proposing) == len(calls)  # every drafter call, in its own span
+    assert all(s["schedule"] < 20 for s in proposing)
+    assert all(s["propose"] < 1 for s in steps if s not in proposing)
+    assert all(s["wait"] > 0 for s in proposing)  # read back before the next step
 
 
 def test_hlo_kernels_lists_the_kernels_outside_fused_computations() -> None:

@@ -796,7 +796,9 @@ class EngineCore:
         # Until warm-up's background compile is done, steps stay within the compiled buckets.
         budget = min(self.config.max_num_batched_tokens, self.runner.ready_tokens)
         self.scheduler.max_num_batched_tokens = budget
-        sched = self.scheduler.schedule(self._propose() if drafting else None)
+        drafts = self._propose() if drafting else None
+        self._span("propose")
+        sched = self.scheduler.schedule(drafts)
         self._span("schedule")
         if sched.is_empty:
             return outputs + self._read_in_flight()
@@ -811,11 +813,15 @@ class EngineCore:
                 step = self.runner.dispatch(sched, previous)
                 if not constrained:
                     self.runner.sample(step, None)
-            else:
-                result = self.runner.execute(sched)
+            else:  # read back before the next step is scheduled
+                step = self.runner.dispatch(sched)
+                self.runner.sample(step, None)
+                self._span("dispatch")
+                result = self.runner.collect(step)
+                self._span("wait")
         except Exception as exc:
             return outputs + self._fail_new_requests(sched, exc)
-        self._span("dispatch")  # (a synchronous step's: its device time too)
+        self._span("dispatch")
         self.scheduler.update_from_output(sched)
         self.num_steps += 1
         if overlap:

@@ -2,15 +2,17 @@
 
 With ``JAXSERVE_STEP_LOG=FILE`` set, the engine appends one JSON line per step to FILE (written
 in batches, at shutdown and when the process exits): what the step held (sequences, decode
-sequences, prompt tokens, tokens in all) and four host-side spans in milliseconds, measured on
+sequences, prompt tokens, tokens in all) and five host-side spans in milliseconds, measured on
 the engine's thread:
 
-- ``schedule``: choosing the step (the scheduler, and the drafts when speculation runs);
-- ``dispatch``: building its inputs and handing them to the device (``runner.dispatch``, or the
-  whole synchronous ``execute``);
-- ``wait``: blocked on the device for the previous step's results (``runner.collect``), the part
-  of a step's device time the host's own work did not cover: near zero means the device waited
-  for the host, not the other way round;
+- ``propose``: the drafter's call when speculation runs (its host work, its device work and the
+  read-back of its drafts; zero otherwise);
+- ``schedule``: choosing the step (the scheduler);
+- ``dispatch``: building its inputs and handing them to the device (``runner.dispatch``);
+- ``wait``: blocked on the device for a step's results (``runner.collect``: the previous step's
+  under asynchronous scheduling, else this one's), the part of a step's device time the host's
+  own work did not cover: near zero means the device waited for the host, not the other way
+  round;
 - ``process``: turning results into tokens, outputs and finished requests.
 
 ``benchmarks/step_log_summary.py`` groups the lines by kind (decode-only steps by batch size,
@@ -29,7 +31,7 @@ from typing import Any
 
 STEP_LOG_ENV = "JAXSERVE_STEP_LOG"
 FLUSH_EVERY = 1000  # lines kept in memory between writes
-SPANS = ("schedule", "dispatch", "wait", "process")
+SPANS = ("propose", "schedule", "dispatch", "wait", "process")
 
 
 class StepLog:
