@@ -420,10 +420,16 @@ stage_xla_flags() {  # the batch-1 and 64 decode step under XLA's command-buffer
 
 stage_spec() {  # speculative decoding: verify cost k = 0..7 at batch 1/8/64, n-gram end to end
   python3 -m benchmarks.spec_decode --iters 20 --output-json "$OUT/spec_decode.json" \
-    --profile-dir /tmp/spec_profile ${SPEC_PARTS:+--parts "$SPEC_PARTS"} \
+    --profile-dir /tmp/spec_profile ${SPEC_PARTS:+--parts "$SPEC_PARTS"} --step-log-dir "$OUT" \
     > "$OUT/spec_decode.log" 2>&1
   grep -E "Compiled the drafter|Compiled [0-9]+ step shapes" "$OUT/spec_decode.log" | cut -c 30-
   grep -v -i warn "$OUT/spec_decode.log" | grep -v "^INFO" | tail -40
+  local log  # EAGLE-3's timed runs: the host's spans per step (propose, dispatch, wait, ...)
+  for log in "$OUT"/eagle3_b*_steps.jsonl; do
+    [ -f "$log" ] || continue
+    echo "-- $(basename "$log" _steps.jsonl), step log"
+    python3 -m benchmarks.step_log_summary "$log" --skip 1 2>&1 | tail -4
+  done
   if [ -d /tmp/spec_profile/eagle3_b1 ]; then  # EAGLE-3's batch-1 steps: where a step's time goes
     python3 -m benchmarks.trace_summary /tmp/spec_profile/eagle3_b1 --steps 17 --top 24 \
       > "$OUT/spec_eagle3_b1_kernels.txt" 2>&1

@@ -44,6 +44,7 @@ from benchmarks.common import BANDWIDTH, ROOT
 from jaxserve.config import builtin_config_dir
 from jaxserve.engine.request import Request, Sequence
 from jaxserve.engine.spec_decode import NgramProposer
+from jaxserve.engine.step_log import StepLog
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.families.registry import load_model_config
 from jaxserve.runner.runner import ModelRunner
@@ -317,9 +318,15 @@ def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
             llm.generate(prompts, params, use_tqdm=False)  # compiles what warm-up did not
             calls.clear()
             steps = llm.engine.num_steps
+            if args.step_log_dir:  # the timed run's host spans (propose, dispatch, wait, ...)
+                log = StepLog(Path(args.step_log_dir) / f"eagle3_b{batch}_steps.jsonl")
+                llm.engine.step_log = log
             start = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             wall = time.perf_counter() - start
+            if args.step_log_dir:
+                llm.engine.step_log = None
+                log.flush()
             decode = sorted(calls)[: max(1, len(calls) - 1)]  # the prompt's own call left out
             row = {
                 "batch": batch,
@@ -423,6 +430,12 @@ def main() -> None:
         default=None,
         help="trace EAGLE-3's batch-1 steps here (DIR/eagle3_b1): the verify step and the "
         "drafting's programs side by side",
+    )
+    parser.add_argument(
+        "--step-log-dir",
+        default=None,
+        help="EAGLE-3's timed runs' step logs here (eagle3_bN_steps.jsonl: the engine's host "
+        "spans per step, benchmarks/step_log_summary.py)",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny model and grid, on the CPU")
     parser.add_argument("--output-json", default=None)
