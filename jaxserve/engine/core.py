@@ -808,17 +808,7 @@ class EngineCore:
         # host reads back the previous step and fills this step's masks (``start_masks``).
         constrained = sched.is_constrained = self.structured_outputs.is_constrained(sched)
         try:
-            previous = self._in_flight[1] if overlap and self._in_flight else None
-            if overlap or constrained:
-                step = self.runner.dispatch(sched, previous)
-                if not constrained:
-                    self.runner.sample(step, None)
-            else:  # read back before the next step is scheduled
-                step = self.runner.dispatch(sched)
-                self.runner.sample(step, None)
-                self._span("dispatch")
-                result = self.runner.collect(step)
-                self._span("wait")
+            step, result = self._run_step(sched, overlap, constrained)
         except Exception as exc:
             return outputs + self._fail_new_requests(sched, exc)
         self._span("dispatch")
@@ -839,6 +829,7 @@ class EngineCore:
             if not overlap:
                 result = self.runner.collect(step)
         if not overlap:
+            assert result is not None
             outputs += self._process_read_back(sched, result, drafting)
         else:
             self._in_flight = (sched, step)
@@ -846,6 +837,23 @@ class EngineCore:
             self.step_log.span("process")
             self.step_log.end(sched)
         return outputs
+
+    def _run_step(
+        self, sched: SchedulerOutput, overlap: bool, constrained: bool
+    ) -> tuple[InFlight, RunnerOutput | None]:
+        """The step on the device: dispatched after ``previous`` (overlap) and sampled, unless
+        it waits for its token masks; a step read back before the next (neither) is also
+        collected here, its device wait timed apart from its dispatch."""
+        previous = self._in_flight[1] if overlap and self._in_flight else None
+        step = self.runner.dispatch(sched, previous)
+        if not constrained:
+            self.runner.sample(step, None)
+        if overlap or constrained:
+            return step, None
+        self._span("dispatch")
+        result = self.runner.collect(step)
+        self._span("wait")
+        return step, result
 
     def _span(self, name: str) -> None:
         """The engine thread's time since the last mark, added to this step's span ``name``
