@@ -134,7 +134,7 @@ def apply_rotary(
     NOTE: each half's result is joined once at the end, where the turned copy of ``x`` was a
     concatenation of its own: after a per-head norm (Qwen3) XLA on the GPU then fuses the turn
     into the norm's pass, one pass over q and k fewer a layer (a Qwen3-0.6B embedding step
-    1.04x on an H100; ``benchmarks/probes/rope_fusion.py``). The halves of ``cos`` and
+    1.04-1.06x on an H100; ``benchmarks/probes/rope_fusion.py``). The halves of ``cos`` and
     ``sin`` are equal (``cos_sin``)."""
     half = x.shape[-1] // 2
     x1, x2, c, s = x[..., :half], x[..., half:], cos[..., :half], sin[..., :half]
