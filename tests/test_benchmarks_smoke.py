@@ -463,22 +463,24 @@ def test_lora_load_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
     assert "Shut down cleanly" in (work / "server.log").read_text()
 
 
-def test_the_step_log_says_where_a_runs_time_went(tmp_path, monkeypatch, capsys) -> None:
-    """JAXSERVE_STEP_LOG: one line per engine step (what it held, the host's spans), in the
-    file by shutdown; the summary groups them by kind."""
+def llm_with_step_log(tmp_path, monkeypatch, **overrides):
+    """The llama fixture's engine writing its step log (JAXSERVE_STEP_LOG) to a file: (llm,
+    the file)."""
     import jaxserve
-    from jaxserve import SamplingParams
 
     log = tmp_path / "steps.jsonl"
     monkeypatch.setenv("JAXSERVE_STEP_LOG", str(log))
-    llm = jaxserve.LLM(
-        str(fixture_dir("llama")),
-        dtype="float32",
-        max_model_len=64,
-        max_num_seqs=4,
-        max_num_batched_tokens=16,
-        warmup=False,
-    )
+    settings = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, warmup=False)
+    llm = jaxserve.LLM(str(fixture_dir("llama")), dtype="float32", **settings, **overrides)
+    return llm, log
+
+
+def test_the_step_log_says_where_a_runs_time_went(tmp_path, monkeypatch, capsys) -> None:
+    """JAXSERVE_STEP_LOG: one line per engine step (what it held, the host's spans), in the
+    file by shutdown; the summary groups them by kind."""
+    from jaxserve import SamplingParams
+
+    llm, log = llm_with_step_log(tmp_path, monkeypatch)
     prompts = [{"prompt_token_ids": list(range(5, 5 + 20 + i))} for i in range(3)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     llm.shutdown()
@@ -502,22 +504,11 @@ def test_the_step_log_times_the_drafter_and_a_read_back_step_apart(tmp_path, mon
     """With speculation, a step that drafts logs its drafter's call as ``propose`` (not in
     ``schedule``) and, read back before the next, its device time as ``wait`` (not in
     ``dispatch``); a step without the drafter's call proposes nothing."""
-    import jaxserve
     from jaxserve import SamplingParams
 
-    log = tmp_path / "steps.jsonl"
-    monkeypatch.setenv("JAXSERVE_STEP_LOG", str(log))
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
             "pause_when_unpaid": False}  # fmt: skip
-    llm = jaxserve.LLM(
-        str(fixture_dir("llama")),
-        dtype="float32",
-        max_model_len=64,
-        max_num_seqs=4,
-        max_num_batched_tokens=16,
-        warmup=False,
-        speculative_config=spec,
-    )
+    llm, log = llm_with_step_log(tmp_path, monkeypatch, speculative_config=spec)
     calls = []
     propose = llm.engine.proposer.propose
 

@@ -132,18 +132,19 @@ def rms_norm(
         # 1 ulp apart between token buckets; one fixed shape reduces every row alike.
         return tiled_rows(lambda tile: rms_norm(tile, weight, eps, unit_offset), x, row_tile)
     if unit_offset:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-        return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+        return (_rms_rows32(x, eps) * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * rms_rows(x, eps)
 
 
 def rms_rows(x: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm's rows before its weight: ``x / rms(x)`` in float32, cast to x's dtype
-    (``rms_norm`` without ``unit_offset`` is ``weight * rms_rows(x, eps)``)."""
+    """RMSNorm's rows before its weight, cast to x's dtype (``rms_norm`` without
+    ``unit_offset`` is ``weight * rms_rows(x, eps)``)."""
+    return _rms_rows32(x, eps).astype(x.dtype)
+
+
+def _rms_rows32(x: jax.Array, eps: float) -> jax.Array:  # f32: x / rms(x)
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return x32.astype(x.dtype)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
 # The joined arrays of ``FusedProjections`` and their parts, joined on axis 1 in this order

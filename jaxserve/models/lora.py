@@ -241,7 +241,8 @@ def qkv_deltas(
 
 def o_delta(out: jax.Array, lora: LayerLora) -> jax.Array:  # [T, N, D] -> [T, H]
     layer = lora.layer
-    return _deltas(out.reshape(out.shape[0], -1), layer.o_a, (layer.o_b,), lora, False)[0]
+    rows = out.reshape(out.shape[0], -1)
+    return _deltas(rows, layer.o_a, (layer.o_b,), lora, normed=False)[0]
 
 
 def gate_up_deltas(x: jax.Array, lora: LayerLora) -> tuple[jax.Array, jax.Array]:  # [T, I] x2
