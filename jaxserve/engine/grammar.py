@@ -46,10 +46,14 @@ DEFAULT_COMPILE_TIMEOUT_S = 10.0
 DEFAULT_CACHE_BYTES = 1 << 30
 ERROR_CACHE_BYTES = 4096  # what a cached refusal is counted as
 # NOTE: a compile is charged the most of its source's size, the resident memory it added and its
-# seconds at this rate: what llguidance keeps grows with its build time (one core: a{1000000}
-# 90 MB in 0.43 s, a 200,000-character choice 85 MB in 0.27 s). Exact accounting (mallinfo2)
-# cost 20-25 ms a call in a served process (native_memory.py).
-BYTES_PER_COMPILE_SECOND = 400 << 20
+# seconds at this rate: what llguidance keeps grows with its build time. Resident growth misses
+# what a compile takes from memory the process already holds (freed by an evicted grammar), so
+# the rate must cover the fastest build per byte kept. Measured on one core of a 2-core CI-class
+# host: a 60,000-character literal choice 24-31 MB in 0.046-0.060 s (400-530 MB/s, the fastest),
+# a{100000} 40 MB in 0.09 s, JSON schemas 2 MB in 6 ms, a 3,000-way regex 1.6 MB in 14 ms. Twice
+# the fastest leaves room for a faster core; a slower or busy one is overcharged (the cache holds
+# fewer). Exact accounting (mallinfo2) cost 20-25 ms a call in a served process (native_memory.py).
+BYTES_PER_COMPILE_SECOND = 1 << 30
 
 
 class GrammarError(RequestError):
