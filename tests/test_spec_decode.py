@@ -172,7 +172,7 @@ def test_greedy_with_chunked_prefill_beside_verify_steps(plain, spec) -> None:
         outputs: dict[str, list[int]] = {}
         added = False
         for _ in range(200):
-            if not added and engine._propose():  # the coming step drafts: the prompt joins it
+            if not added and engine._propose()[0]:  # the coming step drafts: the prompt joins
                 engine.add_request("chunked2", long_prompt, params)
                 added = True
             for out in engine.step():

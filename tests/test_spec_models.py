@@ -143,11 +143,14 @@ def test_a_warmed_up_eagle3_drafter_runs_nothing_new_while_serving(plain) -> Non
     assert proposer.recomputed_tokens == 0  # warm-up's padding runs are not counted
     take_cache, again_cache = proposer._take._cache_size(), proposer._recompute._cache_size()
     assert again_cache == len(proposer.buckets.token_buckets)
+    assert llm.engine.runner.programs._draft_feed._cache_size() == len(proposer.drafts_shapes())
     assert token_ids(llm, PROMPTS[:2]) == plain[:2]
     assert token_ids(llm, PROMPTS[:2]) == plain[:2]  # their first blocks from the prefix cache
     assert proposer.recomputed_tokens > 0
     assert proposer._take._cache_size() == take_cache
     assert proposer._recompute._cache_size() == again_cache
+    feed = llm.engine.runner.programs._draft_feed  # the verify steps' read of the drafts
+    assert feed._cache_size() == len(proposer.drafts_shapes())
 
 
 def test_a_drafters_programs_compile_ahead_and_its_warm_up_calls_compile_nothing_more(
@@ -160,9 +163,14 @@ def test_a_drafters_programs_compile_ahead_and_its_warm_up_calls_compile_nothing
     from jax import monitoring
 
     from jaxserve.runner import drafting
+    from jaxserve.runner.runner import ModelRunner
 
     phase, events, ahead = ["runner"], [], []
-    real = drafting.compile_ahead
+    real, real_feed = drafting.compile_ahead, ModelRunner.warm_draft_feed
+
+    def warm_draft_feed(self, shapes):  # the runner's read of drafts on the device
+        phase[0] = "feed"
+        return real_feed(self, shapes)
 
     def compile_ahead(lowerings, compiled_out=None):
         phase[0] = "ahead"
@@ -179,6 +187,7 @@ def test_a_drafters_programs_compile_ahead_and_its_warm_up_calls_compile_nothing
             events.append(phase[0])
 
     monkeypatch.setattr(drafting, "compile_ahead", compile_ahead)
+    monkeypatch.setattr(ModelRunner, "warm_draft_feed", warm_draft_feed)
     monitoring.register_event_duration_secs_listener(on_duration)
     monitoring.register_event_listener(on_event)
     try:
@@ -190,6 +199,7 @@ def test_a_drafters_programs_compile_ahead_and_its_warm_up_calls_compile_nothing
     ((lowered, compiled),) = ahead
     assert compiled == lowered >= buckets
     assert "calls" not in events
+    assert "feed" in events  # the runner's programs for them, apart from the drafter's calls
     assert token_ids(llm, PROMPTS[:2]) == plain[:2]
 
 
@@ -242,9 +252,9 @@ def test_a_drafting_call_sends_its_inputs_to_the_device_in_one_copy(
     proposer = drafting.engine.proposer
     propose = proposer.propose
 
-    def counted_propose(seqs, k):
+    def counted_propose(seqs, k, on_device=False):
         before = len(puts)
-        out = propose(seqs, k)
+        out = propose(seqs, k, on_device)
         if out:
             calls.append(len(puts) - before)
         return out
@@ -254,6 +264,88 @@ def test_a_drafting_call_sends_its_inputs_to_the_device_in_one_copy(
     assert token_ids(drafting, PROMPTS[:1]) == plain[:1]
     assert calls and all(n == 1 for n in calls), calls  # one put a call ...
     assert set(puts) == {1}  # ... of one array
+
+
+def record_steps(llm: jaxserve.LLM, monkeypatch) -> list[tuple[str, object]]:
+    """Events in order: ("schedule", its output) for each step scheduled, ("dispatch", ...)
+    as the runner takes it, and ("on_host", drafts) when drafts left on the device are read."""
+    from jaxserve.runner.step import DeviceDrafts
+
+    events: list[tuple[str, object]] = []
+    engine, runner = llm.engine, llm.engine.runner
+    schedule, dispatch, on_host = engine.scheduler.schedule, runner.dispatch, DeviceDrafts.on_host
+
+    def recorded_schedule(drafts=None):
+        events.append(("schedule", sched := schedule(drafts)))
+        return sched
+
+    def recorded_dispatch(output, previous=None):
+        events.append(("dispatch", output.device_drafts))
+        return dispatch(output, previous)
+
+    def recorded_on_host(self):
+        events.append(("on_host", self))
+        return on_host(self)
+
+    monkeypatch.setattr(engine.scheduler, "schedule", recorded_schedule)
+    monkeypatch.setattr(runner, "dispatch", recorded_dispatch)
+    monkeypatch.setattr(DeviceDrafts, "on_host", recorded_on_host)
+    return events
+
+
+def test_a_model_drafters_drafts_stay_on_the_device_until_the_verify_step_is_read(
+    plain, drafting, monkeypatch
+) -> None:
+    """The verify step takes the drafts on the device (``DeviceDrafts``): the host schedules
+    and dispatches it with their places held, and reads their values once, after the step,
+    before it compares them with the sampled tokens. The tokens are unchanged."""
+    events = record_steps(drafting, monkeypatch)
+    accepted = drafting.engine.spec_stats.num_accepted_tokens
+    assert token_ids(drafting, PROMPTS[:3]) == plain[:3]
+    assert drafting.engine.spec_stats.num_accepted_tokens > accepted
+    on_device = [e for name, e in events if name == "dispatch" and e is not None]
+    assert on_device, "no verify step read its drafts on the device"
+    for drafts in on_device:  # dispatched first, then read on the host exactly once
+        at = events.index(("dispatch", drafts))
+        assert [e for name, e in events[:at] if name == "on_host" and e is drafts] == []
+        assert [e for name, e in events[at:] if name == "on_host" and e is drafts] == [drafts]
+    scheduled = [sched for name, sched in events if name == "schedule"]
+    assert all(  # the drafts' values are the host's once the step is processed
+        t >= 0 for sched in scheduled for item in sched.scheduled for t in item.draft_token_ids
+    )
+
+
+@pytest.mark.parametrize("needs", ["penalties", "grammar"])
+def test_drafts_come_to_the_host_first_where_penalties_or_a_grammar_read_them(
+    method, needs, monkeypatch
+) -> None:
+    """Penalties count the drafts before each sampled position and a grammar cuts them
+    before the step: there the host reads them before it schedules (no ``DeviceDrafts``)."""
+    llm = make_llm(METHODS[method])
+    events = record_steps(llm, monkeypatch)
+    extra = (
+        {"repetition_penalty": 1.2}
+        if needs == "penalties"
+        else {"structured_outputs": {"regex": "[a-z ]{40,80}"}}
+    )
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **extra)
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 12
+    assert any(sched.has_drafts for name, sched in events if name == "schedule")
+    assert all(e is None for name, e in events if name == "dispatch")
+
+
+def test_drafts_that_do_not_fit_the_steps_feed_come_to_the_host_at_dispatch(
+    plain, drafting, monkeypatch
+) -> None:
+    """Drafts more than the ids a step reads its pending tokens from (S x k over the sequence
+    bucket): the runner reads them on the host and builds the step with their values."""
+    monkeypatch.setattr(drafting.engine.runner.programs, "feeds_drafts", lambda drafts: False)
+    events = record_steps(drafting, monkeypatch)
+    assert token_ids(drafting, PROMPTS[:2]) == plain[:2]
+    device = [e for name, e in events if name == "dispatch" and e is not None]
+    assert device and all(("on_host", e) in events for e in device)
+    assert all(sched.device_drafts is None for name, sched in events if name == "schedule")
 
 
 def test_a_model_drafters_memory_comes_out_of_the_kv_cache(plain, method) -> None:

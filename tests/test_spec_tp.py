@@ -164,9 +164,10 @@ MTP_SCRIPT = textwrap.dedent("""
         drafts = []
         if method is not None:
             propose = llm.engine.proposer.propose
-            def recorded(seqs, k):
-                out = propose(seqs, k)
-                drafts.append(sorted(out.items()))
+            def recorded(seqs, k, on_device=False):
+                out = propose(seqs, k, on_device)
+                host = out if isinstance(out, dict) else out.on_host()
+                drafts.append(sorted(host.items()))
                 return out
             llm.engine.proposer.propose = recorded
         tokens = []

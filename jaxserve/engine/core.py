@@ -72,7 +72,7 @@ from jaxserve.models.scoring import (
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.runner.batch_size import resolve_batch_size
 from jaxserve.runner.buckets import next_power_of_2
-from jaxserve.runner.step import RunnerOutput, ScheduledSeq, SchedulerOutput
+from jaxserve.runner.step import DeviceDrafts, RunnerOutput, ScheduledSeq, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams, SamplingParamsError
 
 if TYPE_CHECKING:
@@ -352,6 +352,9 @@ class EngineCore:
             start = time.perf_counter()
             capacity = getattr(self.runner, "capacity", None)  # (a test's runner has none)
             programs = drafter_warmup(getattr(capacity, "activation_bytes", None))
+            warm_feed = getattr(self.runner, "warm_draft_feed", None)
+            if warm_feed is not None:  # the verify step's read of drafts left on the device
+                programs += warm_feed(self.proposer.drafts_shapes())  # type: ignore[union-attr]
             _LOG.info(
                 "Compiled the drafter's %d programs in %.1f s",
                 programs,
@@ -359,21 +362,27 @@ class EngineCore:
             )
         return count
 
-    def _propose(self) -> dict[str, list[int]] | None:
+    def _propose(self) -> tuple[dict[str, list[int]] | None, DeviceDrafts | None]:
         """This step's drafts (speculative decoding), or None: off, or more sequences run
-        than ``disable_by_batch_size``. Only sequences that decode, every token known."""
+        than ``disable_by_batch_size``. Only sequences that decode, every token known. A model
+        drafter's stay on the device (second: their values, the first holding their places)
+        unless the host needs them before the step: a grammar checks them, or penalties
+        count them."""
         spec = self.config.speculative_config
         running = self.scheduler.running
         if self.proposer is None or spec is None or not running:
-            return None
+            return None, None
         if len(running) > spec.max_batch_size:
-            return None
+            return None, None
         decoding = [
             s for s in running if not s.num_pending and s.num_computed_tokens == s.num_tokens - 1
         ]
         self._num_asked = len(decoding)
-        drafts = self.proposer.propose(decoding, spec.num_speculative_tokens)
-        return self.structured_outputs.cut_drafts(drafts)
+        on_device = self._num_sync_requests == 0 and not self.structured_outputs.num_matchers
+        drafts = self.proposer.propose(decoding, spec.num_speculative_tokens, on_device)
+        if isinstance(drafts, DeviceDrafts):
+            return drafts.placeholders(), drafts
+        return self.structured_outputs.cut_drafts(drafts), None
 
     def _read_model(self, served: ServedModel, model_dir: Any) -> EngineConfig:
         """``model_config`` (an encoder's or a decoder's) and ``max_model_len``; the engine
@@ -796,9 +805,10 @@ class EngineCore:
         # Until warm-up's background compile is done, steps stay within the compiled buckets.
         budget = min(self.config.max_num_batched_tokens, self.runner.ready_tokens)
         self.scheduler.max_num_batched_tokens = budget
-        drafts = self._propose() if drafting else None
+        drafts, device_drafts = self._propose() if drafting else (None, None)
         self._span("propose")
         sched = self.scheduler.schedule(drafts)
+        sched.device_drafts = device_drafts
         self._span("schedule")
         if sched.is_empty:
             return outputs + self._read_in_flight()
@@ -873,6 +883,8 @@ class EngineCore:
     ) -> list[RequestOutput]:
         """A step read back before the next: its outputs; after a step that could draft,
         whether drafting paid (``_weigh_drafts``)."""
+        if sched.device_drafts is not None:  # what the step verified, now on the host
+            sched.device_drafts.fill(sched.scheduled)
         accepted_before = self.spec_stats.num_accepted_tokens
         outputs = self._process(sched, result)
         if drafting:

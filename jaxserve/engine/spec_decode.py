@@ -31,6 +31,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.engine.request import Sequence
 from jaxserve.engine_config import EngineConfig, SpeculativeConfig
+from jaxserve.runner.step import DeviceDrafts
 
 _LOG = logging.getLogger(__name__)
 
@@ -42,9 +43,13 @@ class Proposer(Protocol):
     token known on the host (no pending token), and returns seq id -> up to ``k`` tokens that
     would follow its last one (no entry, or [], drafts nothing). ``free`` forgets a sequence's
     state (it finished, or was preempted: a resumed one comes back with its tokens). A drafter
-    with device work of its own (a draft model) runs it inside ``propose``."""
+    with device work of its own (a draft model) runs it inside ``propose``; asked ``on_device``
+    it may leave the drafts there (``DeviceDrafts``: the verify step reads them on the device,
+    the host once that step is read back)."""
 
-    def propose(self, seqs: Seq[Sequence], k: int) -> dict[str, list[int]]: ...
+    def propose(
+        self, seqs: Seq[Sequence], k: int, on_device: bool = False
+    ) -> dict[str, list[int]] | DeviceDrafts: ...
     def free(self, seq_id: str) -> None: ...
 
 
@@ -141,7 +146,8 @@ class NgramProposer:
             history.length = n
         return history.tokens[:n]
 
-    def propose(self, seqs: Seq[Sequence], k: int) -> dict[str, list[int]]:
+    def propose(self, seqs: Seq[Sequence], k: int, on_device: bool = False) -> dict[str, list[int]]:
+        """Its drafts are the host's own (``on_device`` asks nothing of it)."""
         drafts = {}
         for seq in seqs:
             draft = self.propose_tokens(self._tokens(seq), k)

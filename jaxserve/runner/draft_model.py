@@ -33,7 +33,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
@@ -198,6 +197,6 @@ class DraftModelProposer(PagedDrafter):
         self.kv = None
         del self.weights  # the last reference: nothing serves after a shutdown
 
-    def _run(self, call: list[CatchUp], bucket: int | None = None) -> np.ndarray:
+    def _device_run(self, call: list[CatchUp], bucket: int | None = None) -> jax.Array:
         self.kv, drafts = self._call_chain(self._chain_args(call, bucket))
-        return np.asarray(drafts)
+        return drafts

@@ -22,7 +22,12 @@ argument.
 Under tensor parallelism (the runner has a ``TensorParallel``) a drafter lays its layers out on
 the target's mesh as a model of its own shapes would be (``drafter_parallel``: its weights
 split on heads and the MLP's intermediate dim, its pages on KV heads); its batches go in
-replicated (``PagedDrafter.put``) and its drafts come back replicated, one host copy a call.
+replicated (``PagedDrafter.put``) and its drafts come back replicated.
+
+A call's drafts stay on the device when the engine asks (``propose(..., on_device=True)``: no
+grammar or penalty reads them before the step) and one call drafts them all: the verify step
+takes them there (``DeviceDrafts``), and the host reads them with that step's results.
+Otherwise they come to the host at the end of the call, one copy a call.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from jaxserve.models.batch import Batch
 from jaxserve.runner.buckets import MIN_TOKEN_BUCKET, Buckets
 from jaxserve.runner.packing import Layout, pack, unpack
 from jaxserve.runner.parallel.sharding import TensorParallel, prepare_tp
+from jaxserve.runner.step import DeviceDrafts
 from jaxserve.runner.warmup import check_program_memory
 from jaxserve.units import cdiv
 
@@ -394,6 +400,12 @@ class PagedDrafter:
             self._run([], bucket)
         return len(self.buckets.token_buckets)
 
+    def drafts_shapes(self) -> list[tuple[int, int]]:
+        """The shapes of a call's drafts (i32[S, k]: S the sequence rows of its token bucket),
+        one per distinct S: what a verify step that reads them on the device takes."""
+        rows = {self.buckets.seq_bucket(bucket) for bucket in self.buckets.token_buckets}
+        return [(s, self.k) for s in sorted(rows)]
+
     def _lowerings(self) -> list[Callable[[], Any]]:
         """What warm-up compiles ahead: for each program, a thunk that lowers it against the
         arguments of its warm-up call (``compile_ahead``)."""
@@ -403,16 +415,25 @@ class PagedDrafter:
         args = self._chain_args([], bucket)
         return self._chain.lower(*args.args, layout=args.layout)
 
-    def propose(self, seqs: Sequence[TokenSource], k: int) -> dict[str, list[int]]:
+    def propose(
+        self, seqs: Sequence[TokenSource], k: int, on_device: bool = False
+    ) -> dict[str, list[int]] | DeviceDrafts:
+        """seq id -> up to ``k`` drafts; ``on_device``: left on the device when one call
+        drafts them all (``DeviceDrafts``: the verify step reads them there)."""
         parts = [part for seq in seqs if (part := self._catch_up(seqs, seq)) is not None]
         if not parts:
             return {}
         calls = plan_calls(parts, self.buckets.token_buckets[-1], self.buckets.max_seq_bucket)
-        drafts = drafts_of(calls, self._run)
+        drafts: dict[str, list[int]] | DeviceDrafts
+        if on_device and len(calls) == 1 and all(part.final for part in calls[0]):
+            rows = {part.seq_id: s for s, part in enumerate(calls[0])}
+            drafts = DeviceDrafts(self._device_run(calls[0]), rows, min(k, self.k))
+        else:
+            drafts = {seq_id: d[:k] for seq_id, d in drafts_of(calls, self._run).items()}
         for part in parts:  # the drafted positions are written over by the next catch-up
             self.computed[part.seq_id] = part.start + len(part.tokens)
         self._end_call()
-        return {seq_id: d[:k] for seq_id, d in drafts.items()}
+        return drafts
 
     def _take_pages(self, seqs: Sequence[TokenSource], seq: TokenSource) -> bool:
         """Pages for the sequence's tokens and drafts; False: no room (it drafts nothing)."""
@@ -438,7 +459,12 @@ class PagedDrafter:
         raise NotImplementedError
 
     def _run(self, call: list[CatchUp], bucket: int | None = None) -> np.ndarray:
-        """The call's drafts (i32[S, k], host), the drafter's pages given back by the chain."""
+        """The call's drafts (i32[S, k]) on the host."""
+        return np.asarray(self._device_run(call, bucket))
+
+    def _device_run(self, call: list[CatchUp], bucket: int | None = None) -> jax.Array:
+        """The call's drafts (i32[S, k]) on the device, the drafter's pages given back by its
+        chain."""
         raise NotImplementedError
 
     def _call_chain(self, args: ChainArgs) -> tuple[Any, jax.Array]:

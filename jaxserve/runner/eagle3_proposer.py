@@ -302,9 +302,9 @@ class TargetStatesDrafter(PagedDrafter):
         """Warm-up's: a padding call's packed inputs of ``bucket`` tokens."""
         return self._inputs([], catch_up_batch([], self.pool, self.buckets, bucket), None)
 
-    def _run(self, call: list[CatchUp], bucket: int | None = None) -> np.ndarray:
+    def _device_run(self, call: list[CatchUp], bucket: int | None = None) -> jax.Array:
         self.draft_kv, drafts = self._call_chain(self._chain_args(call, bucket))
-        return np.asarray(drafts)
+        return drafts
 
     def _state_rows(self, call: list[CatchUp], num_rows: int) -> np.ndarray | None:
         """Where the call's rows are in the last step's states (i32[num_rows], padding rows

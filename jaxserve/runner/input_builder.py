@@ -367,6 +367,24 @@ class InputBuilder:
         source[pending] = [sampled_row[output.scheduled[i].seq.seq_id] for i in owners]
         return source
 
+    @staticmethod
+    def draft_sources(output: SchedulerOutput, host_batch: Batch) -> np.ndarray:
+        """For each input token, where ``output.device_drafts`` holds it (row s's draft j at
+        s * W + j of the drafts laid out flat), else -1 (i32[T]): a sequence's drafts are the
+        last ``len(draft_token_ids)`` of its tokens in the step."""
+        drafts = output.device_drafts
+        assert drafts is not None
+        width = drafts.ids.shape[1]
+        cu_q_lens = np.asarray(host_batch.cu_q_lens)
+        source = np.full(host_batch.input_ids.shape[0], -1, np.int32)
+        for i, item in enumerate(output.scheduled):
+            k = len(item.draft_token_ids)
+            if k:
+                end = int(cu_q_lens[i + 1])
+                first = drafts.rows[item.seq.seq_id] * width
+                source[end - k : end] = np.arange(first, first + k, dtype=np.int32)
+        return source
+
     def prompt_logprob_targets(
         self, output: SchedulerOutput, host_batch: Batch
     ) -> tuple[np.ndarray | None, dict[str, tuple[int, int]]]:

@@ -333,6 +333,14 @@ def feed_pending(
     return jnp.where(source >= 0, taken, input_ids)
 
 
+def flat_drafts(ids: jax.Array, size: int) -> jax.Array:  # i32[S, W] -> i32[size]
+    """A drafter's drafts laid out as the ids a step takes pending tokens from: row s's draft
+    j at s * W + j while that is below ``size`` (the rows past it are padding or left to the
+    host: ``StepPrograms.feeds_drafts``), zeros after."""
+    flat = ids.reshape(-1).astype(jnp.int32)[:size]
+    return jnp.zeros(size, jnp.int32).at[: flat.shape[0]].set(flat)
+
+
 def prompt_logprobs_step(
     head: jax.Array,
     hidden: jax.Array,  # [T, D]  every position of the step

@@ -453,6 +453,12 @@ class ModelRunner:
         self.inputs.update_states(output)
         if self.is_pooling:
             return self._dispatch_pooling(output)
+        device_drafts = output.device_drafts
+        if device_drafts is not None and (
+            self.multihost or not self.programs.feeds_drafts(device_drafts)
+        ):
+            device_drafts.fill(output.scheduled)  # their values on the host, in the inputs
+            output.device_drafts = device_drafts = None
         host_batch, rows = self.inputs.build_batch(output)
         kv_lens = np.asarray(host_batch.kv_lens)  # host arrays until forward
         # One sampler row per sequence, and one more per drafted token (speculative decoding).
@@ -466,9 +472,7 @@ class ModelRunner:
                 header, (host_batch, inputs, next_ids)
             )
         # The step's pending tokens: (source row in ``previous``'s sampled ids or -1, those ids).
-        previous_rows = previous.sampled_row if previous is not None else None
-        source = self.inputs.pending_sources(output, host_batch, previous_rows)
-        feed = (source, previous.sampled_ids) if source is not None and previous else None
+        feed = self._feed(output, host_batch, previous)
         lora_slots = self.inputs.lora_token_slots(host_batch, rows)
         forward, prompt_out = self.forward(host_batch, next_ids, feed, lora_slots)
         if self.keeps_states:
@@ -480,6 +484,24 @@ class ModelRunner:
         step = InFlight(None, prompt_out, spans, sampled_row, num_rows=len(seqs))
         step.deferred = DeferredSampler(forward, inputs, flags)
         return step
+
+    def warm_draft_feed(self, shapes: list[tuple[int, int]]) -> int:
+        """Compile the verify step's read of drafts left on the device (``DeviceDrafts``),
+        for each shape of a drafter's drafts; returns how many programs."""
+        return 0 if self.multihost else self.programs.warm_draft_feed(shapes)
+
+    def _feed(
+        self, output: SchedulerOutput, host_batch: Batch, previous: InFlight | None
+    ) -> tuple[np.ndarray, jax.Array] | None:
+        """(source, ids) of the step's ``PENDING_TOKEN`` inputs, taken on the device: the
+        drafts the drafter left there (``output.device_drafts``), or the tokens ``previous``
+        samples; None when no input is pending."""
+        if output.device_drafts is not None:
+            source = self.inputs.draft_sources(output, host_batch)
+            return source, self.programs.draft_feed(output.device_drafts.ids)
+        previous_rows = previous.sampled_row if previous is not None else None
+        pending = self.inputs.pending_sources(output, host_batch, previous_rows)
+        return (pending, previous.sampled_ids) if pending is not None and previous else None
 
     @staticmethod
     def _states_of(output: SchedulerOutput, forward: Forward) -> TargetStates:

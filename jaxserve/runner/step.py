@@ -14,6 +14,11 @@ Asynchronous scheduling (docs/architecture.md): an output token that a dispatche
 sample, not yet read back, is ``PENDING_TOKEN`` in the host's token lists. A step whose input
 is a pending token takes it, on the device, from the previous step's sampled ids.
 
+Speculative decoding with a model drafter: its drafts may stay on the device (``DeviceDrafts``).
+The host schedules the verify step with ``PENDING_TOKEN`` in their place, the step takes them
+from the drafter's output on the device, and the host reads their values once it reads the
+step back: one wait a step instead of two.
+
 A pooling runner (``--runner pooling``) runs prompts only: a step's sequences are prompt chunks,
 nothing is sampled, and ``RunnerOutput.pooled`` carries what pooling needs of each chunk.
 """
@@ -21,7 +26,8 @@ nothing is sampled, and ``RunnerOutput.pooled`` carries what pooling needs of ea
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -85,6 +91,34 @@ class ScheduledSeq:
         return len(self.draft_token_ids) + 1
 
 
+@dataclasses.dataclass(eq=False)  # a handle on device values: equal only to itself
+class DeviceDrafts:
+    """A drafter's tokens left on the device for the verify step to read: the scheduler got
+    ``placeholders`` (their count, each ``PENDING_TOKEN``), the runner feeds the values to the
+    step on the device (``ModelRunner.dispatch``), and ``fill`` gives the host their values
+    after the step is read back, before anything compares them with the sampled tokens."""
+
+    ids: Any  # i32[S, W] on the device: row s holds the drafts of rows' sequence s
+    rows: dict[str, int]  # seq id -> its row of ``ids``
+    k: int  # drafts each sequence offers (at most W)
+
+    def placeholders(self) -> dict[str, list[int]]:
+        return {seq_id: [PENDING_TOKEN] * self.k for seq_id in self.rows}
+
+    def on_host(self) -> dict[str, list[int]]:
+        """seq id -> its drafts' values (one copy to the host: it waits for the drafter)."""
+        values = np.asarray(self.ids)
+        return {seq_id: values[row, : self.k].tolist() for seq_id, row in self.rows.items()}
+
+    def fill(self, scheduled: Iterable[ScheduledSeq]) -> None:
+        """Each scheduled sequence's drafts, as many as it verifies, with their values (after
+        the step that read them, the drafter's program is done)."""
+        drafts = self.on_host()
+        for item in scheduled:
+            if item.draft_token_ids and item.seq.seq_id in drafts:
+                item.draft_token_ids = drafts[item.seq.seq_id][: len(item.draft_token_ids)]
+
+
 @dataclasses.dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
@@ -95,6 +129,9 @@ class SchedulerOutput:
     # A sequence that samples in this step follows a grammar (set by the engine): the step's
     # sampler takes a token mask, which ``Runner.sample`` receives once the host has built it.
     is_constrained: bool = False
+    # The drafts' values on the device (set by the engine), their places in ``scheduled``
+    # held by ``PENDING_TOKEN``; None: every draft is on the host.
+    device_drafts: DeviceDrafts | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -42,11 +42,13 @@ from jaxserve.runner.parallel.sharding import TensorParallel
 from jaxserve.runner.programs import (
     Forward,
     StepSamples,
+    flat_drafts,
     jitted_head_programs,
     jitted_model_step,
     pool_step,
 )
 from jaxserve.runner.sampling import TOKEN_MASK_LEAF, SamplerFlags, SamplingInputs
+from jaxserve.runner.step import DeviceDrafts
 from jaxserve.runner.weight_update import committed
 
 # The warm-up's lines, under one name: users filter them as one story.
@@ -193,6 +195,9 @@ class StepPrograms:
         # The sampled ids a step reads its pending tokens from when no step came before it.
         # committed, as the sampled ids that take its place are (programs of committed weights)
         self.no_previous_ids = committed(self.put(np.zeros(buckets.max_seq_bucket, np.int32)))
+        # Drafts left on the device, laid out as a step reads them (``draft_feed``)
+        feed = functools.partial(flat_drafts, size=buckets.max_seq_bucket)
+        self._draft_feed = jax.jit(feed, out_shardings=self.no_previous_ids.sharding)
         self.set_weights(weights)
 
     def return_aux_states(self, aux_layers: tuple[int, ...]) -> None:
@@ -219,6 +224,22 @@ class StepPrograms:
     def put(self, tree: Any) -> Any:
         """Host step inputs on the device(s), laid out as every compiled program expects."""
         return self.tp.put_replicated(tree) if self.tp is not None else jax.device_put(tree)
+
+    def feeds_drafts(self, drafts: DeviceDrafts) -> bool:
+        """Whether a step can take these drafts on the device: their sequences' rows of W
+        fit the ids a step reads its pending tokens from (S_max of them)."""
+        return len(drafts.rows) * drafts.ids.shape[1] <= self.no_previous_ids.shape[0]
+
+    def warm_draft_feed(self, shapes: list[tuple[int, int]]) -> int:
+        """Compile ``draft_feed`` for each shape of a drafter's drafts; returns how many."""
+        for shape in shapes:
+            self._draft_feed(committed(self.put(np.zeros(shape, np.int32))))
+        return len(shapes)
+
+    def draft_feed(self, ids: jax.Array) -> jax.Array:
+        """The drafts (i32[S, W], on the device) as a step's pending tokens' ids: i32[S_max],
+        row s's draft j at s * W + j (``InputBuilder.draft_sources``)."""
+        return self._draft_feed(ids)
 
     def precision(self) -> contextlib.AbstractContextManager:
         """float32 means float32: on GPUs XLA would otherwise multiply f32 in TF32 (also keys
