@@ -142,6 +142,7 @@ def test_a_warmed_up_eagle3_drafter_runs_nothing_new_while_serving(plain) -> Non
     proposer = llm.engine.proposer
     assert proposer.recomputed_tokens == 0  # warm-up's padding runs are not counted
     take_cache, again_cache = proposer._take._cache_size(), proposer._recompute._cache_size()
+    chain_cache = proposer._chain._cache_size()  # its warm-up states committed as a step's
     assert again_cache == len(proposer.buckets.token_buckets)
     assert llm.engine.runner.programs._draft_feed._cache_size() == len(proposer.drafts_shapes())
     assert token_ids(llm, PROMPTS[:2]) == plain[:2]
@@ -149,6 +150,7 @@ def test_a_warmed_up_eagle3_drafter_runs_nothing_new_while_serving(plain) -> Non
     assert proposer.recomputed_tokens > 0
     assert proposer._take._cache_size() == take_cache
     assert proposer._recompute._cache_size() == again_cache
+    assert proposer._chain._cache_size() == chain_cache
     feed = llm.engine.runner.programs._draft_feed  # the verify steps' read of the drafts
     assert feed._cache_size() == len(proposer.drafts_shapes())
 

@@ -209,10 +209,9 @@ class TargetStatesDrafter(PagedDrafter):
                 self._target_states_again([], batch)
             count += len(self.buckets.token_buckets)
         # The gathers of a call's rows from a step's states: one per (step bucket, call bucket).
-        tp = self.runner.tp
         padding = [self._padding_inputs(bucket) for bucket in self.buckets.token_buckets]
         for step_rows in self.runner.buckets.token_buckets:
-            states = put_on(tp, np.zeros((step_rows, self.state_dim), self.runner.dtype))
+            states = self._padding_states(step_rows)
             for inputs in padding:
                 self._take(states, inputs.buffer, layout=inputs.layout)
             del states
@@ -239,9 +238,16 @@ class TargetStatesDrafter(PagedDrafter):
 
     def _lower_gather(self, step_rows: int, bucket: int) -> Any:
         """The gather of a call's rows (``bucket``) from a step's states (``step_rows``)."""
-        states = put_on(self.runner.tp, np.zeros((step_rows, self.state_dim), self.runner.dtype))
+        states = self._padding_states(step_rows)
         inputs = self._padding_inputs(bucket)
         return self._take.lower(states, inputs.buffer, layout=inputs.layout)
+
+    def _padding_states(self, rows: int) -> jax.Array:
+        """Zero states of ``rows`` rows, laid out and committed as a step's (``Forward.aux``,
+        the output of a jitted program): a program lowered against uncommitted ones would
+        compile again at its first call while serving."""
+        states = put_on(self.runner.tp, np.zeros((rows, self.state_dim), self.runner.dtype))
+        return committed(states)
 
     def _end_call(self) -> None:
         self._next.clear()
@@ -279,7 +285,7 @@ class TargetStatesDrafter(PagedDrafter):
         rows = self._state_rows(call, num_rows)
         inputs = self._inputs(call, batch, rows)
         if not call:  # warm-up's padding
-            states = self.put(np.zeros((num_rows, self.state_dim), self.runner.dtype))
+            states = self._padding_states(num_rows)
         elif rows is None:
             states = self._target_states_again(call, batch)
         else:
