@@ -35,7 +35,8 @@
 #                drafted tokens against a plain decode step at batch 1, 8, 64 (Llama-3-8B, dummy
 #                bf16), the n-gram drafter's host time, the demo model's batch-1 n-gram speed-up,
 #                and EAGLE-3 at the published Llama-3.1-8B head shape (random weights) on the
-#                Llama-3-8B target: each propose call's ms and the step time (about 4 minutes)
+#                Llama-3-8B target: each propose call's ms and the step time, with the drafts
+#                left on the device and brought to the host first (about 4.5 minutes)
 #   cublas       a few roofline cells with XLA's Triton GEMMs off (cuBLAS for every matmul)
 #   quant        bf16 vs fp8 weights (W8A8) vs fp8 weights + fp8 KV cache (when the build has
 #                EngineConfig.kv_cache_dtype; $QUANT_MODES picks, e.g. "bf16 fp8"): decode

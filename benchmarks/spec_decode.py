@@ -275,10 +275,34 @@ def eagle3_chain_bytes(head, k: int) -> int:
 PROFILE_TOKENS = 16  # batch-1 steps with drafting traced (--profile-dir), after the prompt's
 
 
+class TimedProposer:
+    """Wraps a drafter's ``propose``: each call's seconds, waited for (``block``: the chain's
+    time on the device, not its launch) or as the engine runs it."""
+
+    def __init__(self, proposer) -> None:
+        self.propose, self.block, self.calls = proposer.propose, True, []
+        proposer.propose = self
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = self.propose(*args, **kwargs)
+        if self.block and isinstance(out, DeviceDrafts):
+            out.ids.block_until_ready()
+        self.calls.append(time.perf_counter() - start)
+        return out
+
+    def median_ms(self) -> float | None:
+        """The median call of the last run (its prompt's own call left out), then forgets."""
+        decode = sorted(self.calls)[: max(1, len(self.calls) - 1)]
+        self.calls = []
+        return 1e3 * statistics.median(decode) if decode else None
+
+
 def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
     """EAGLE-3 at the published Llama-3.1-8B head shape (random weights) on the Llama-3-8B
     target: each ``propose`` call's time (the head's chain of k steps over the target's kept
-    states), and the step time with and without it, at each batch."""
+    states), and the step time, at each batch, with the drafts left on the device for the
+    verify step (the engine's way) and brought to the host first (as before ``DeviceDrafts``)."""
     import tempfile
 
     import jaxserve
@@ -297,21 +321,10 @@ def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
                 "pause_when_unpaid": False,
             },
         )  # fmt: skip
-        proposer = llm.engine.proposer
-        floor_ms = 1e3 * eagle3_chain_bytes(proposer.draft_weights, args.e2e_k) / BANDWIDTH
+        timed = TimedProposer(llm.engine.proposer)
+        floor_ms = 1e3 * eagle3_chain_bytes(llm.engine.proposer.draft_weights, args.e2e_k)
+        floor_ms /= BANDWIDTH
         print(f"eagle3 byte floor of a propose call (k={args.e2e_k}): {floor_ms:.3f} ms")
-        calls: list[float] = []
-        propose, block = proposer.propose, [True]
-
-        def timed(*a, **k):
-            start = time.perf_counter()
-            out = propose(*a, **k)
-            if block[0] and isinstance(out, DeviceDrafts):  # the chain's time, not its launch
-                out.ids.block_until_ready()
-            calls.append(time.perf_counter() - start)
-            return out
-
-        proposer.propose = timed
         rng = np.random.default_rng(0)
         params = jaxserve.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
         for batch in [int(b) for b in args.batches.split(",")]:
@@ -320,37 +333,12 @@ def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
                 for _ in range(batch)
             ]
             llm.generate(prompts, params, use_tqdm=False)  # compiles what warm-up did not
-            calls.clear()
-            llm.generate(prompts, params, use_tqdm=False)  # each call waited for: its time
-            decode = sorted(calls)[: max(1, len(calls) - 1)]  # the prompt's own call left out
-            propose_ms = 1e3 * statistics.median(decode) if decode else None
-            calls.clear()
-            block[0] = False  # the timed run as the engine runs it: drafts left on the device
-            steps = llm.engine.num_steps
-            if args.step_log_dir:  # the timed run's host spans (propose, dispatch, wait, ...)
-                log = StepLog(Path(args.step_log_dir) / f"eagle3_b{batch}_steps.jsonl")
-                llm.engine.step_log = log
-            start = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            wall = time.perf_counter() - start
-            if args.step_log_dir:
-                llm.engine.step_log = None
-                log.flush()
-            decode = sorted(calls)[: max(1, len(calls) - 1)]
-            block[0] = True
-            row = {
-                "batch": batch,
-                "k": args.e2e_k,
-                # None: no call (above the batch where the engine drafts, it drafts nothing)
-                "propose_ms": propose_ms,  # host work and the chain on the device
-                # the host's part when the drafts stay on the device (the engine's way)
-                "propose_host_ms": 1e3 * statistics.median(decode) if decode else None,
-                "floor_ms": floor_ms,
-                "calls": len(calls),
-                "ms_per_step": 1e3 * wall / max(1, llm.engine.num_steps - steps),
-            }
-            rows.append(row)
-            print(f"eagle3 {row}", flush=True)
+            timed.calls.clear()
+            for drafts in ("device", "host"):
+                row = eagle3_batch(llm, timed, prompts, params, drafts, args)
+                rows.append({"batch": batch, "k": args.e2e_k, "floor_ms": floor_ms, **row})
+                print(f"eagle3 {rows[-1]}", flush=True)
+            llm.engine.device_drafts = True
             if args.profile_dir and batch == 1:  # a traced run apart from the timed one
                 with jax.profiler.trace(
                     str(Path(args.profile_dir) / "eagle3_b1"), create_perfetto_trace=True
@@ -359,6 +347,35 @@ def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
                     llm.generate(prompts, traced, use_tqdm=False)
         llm.shutdown()
     return rows
+
+
+def eagle3_batch(llm, timed: TimedProposer, prompts, params, drafts: str, args) -> dict:
+    """One batch with the drafts left on the device or brought to the host (``drafts``): a run
+    whose calls are waited for (their time), then the timed run as the engine runs it (the
+    step time; with ``--step-log-dir`` its step log ``eagle3_b{batch}_{drafts}_steps.jsonl``)."""
+    llm.engine.device_drafts = drafts == "device"
+    timed.block = True
+    llm.generate(prompts, params, use_tqdm=False)
+    propose_ms = timed.median_ms()
+    timed.block = False
+    steps = llm.engine.num_steps
+    log = None
+    if args.step_log_dir:  # the timed run's host spans (propose, dispatch, wait, ...)
+        name = f"eagle3_b{len(prompts)}_{drafts}_steps.jsonl"
+        log = llm.engine.step_log = StepLog(Path(args.step_log_dir) / name)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    if log is not None:
+        llm.engine.step_log = None
+        log.flush()
+    return {
+        "drafts": drafts,
+        # None: no call (above the batch where the engine drafts, it drafts nothing)
+        "propose_ms": propose_ms,  # host work and the chain on the device
+        "propose_host_ms": timed.median_ms(),  # as the engine ran it (device: the host's part)
+        "ms_per_step": 1e3 * wall / max(1, llm.engine.num_steps - steps),
+    }
 
 
 def under_load(args: argparse.Namespace) -> dict:
@@ -509,7 +526,8 @@ def main() -> None:
             else f"propose {r['propose_ms']:.3f} ms (k={r['k']}; byte floor {r['floor_ms']:.3f} "
             f"ms; the host's part {r['propose_host_ms']:.3f} ms)"
         )
-        print(f"   batch {r['batch']}: {propose}, {r['ms_per_step']:.2f} ms a step")
+        print(f"   batch {r['batch']}, drafts on the {r['drafts']}: {propose}, "
+              f"{r['ms_per_step']:.2f} ms a step")  # fmt: skip
     if "under_load" in report:
         load = report["under_load"]
         runs = load["tokens_per_s"]

@@ -317,19 +317,24 @@ def test_a_model_drafters_drafts_stay_on_the_device_until_the_verify_step_is_rea
     )
 
 
-@pytest.mark.parametrize("needs", ["penalties", "grammar"])
+@pytest.mark.parametrize("needs", ["penalties", "grammar", "switched off"])
 def test_drafts_come_to_the_host_first_where_penalties_or_a_grammar_read_them(
     method, needs, monkeypatch
 ) -> None:
     """Penalties count the drafts before each sampled position and a grammar cuts them
-    before the step: there the host reads them before it schedules (no ``DeviceDrafts``)."""
+    before the step: there the host reads them before it schedules (no ``DeviceDrafts``), as
+    it does everywhere with ``JAXSERVE_DEVICE_DRAFTS=0``."""
+    from jaxserve.engine.core import DEVICE_DRAFTS_ENV
+
+    if needs == "switched off":
+        monkeypatch.setenv(DEVICE_DRAFTS_ENV, "0")
     llm = make_llm(METHODS[method])
     events = record_steps(llm, monkeypatch)
-    extra = (
-        {"repetition_penalty": 1.2}
-        if needs == "penalties"
-        else {"structured_outputs": {"regex": "[a-z ]{40,80}"}}
-    )
+    extra = {
+        "penalties": {"repetition_penalty": 1.2},
+        "grammar": {"structured_outputs": {"regex": "[a-z ]{40,80}"}},
+        "switched off": {},
+    }[needs]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **extra)
     outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
     assert len(outs[0].outputs[0].token_ids) == 12

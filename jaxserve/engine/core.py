@@ -220,6 +220,9 @@ def decoder_config(served: ServedModel, model_dir: Any) -> ModelConfig:
 
 
 GC_FREEZE_ENV = "JAXSERVE_GC_FREEZE"
+# "0": a model drafter's drafts come to the host before the verify step, as every drafter's
+# did before ``DeviceDrafts`` (for timing one against the other: benchmarks/spec_decode.py)
+DEVICE_DRAFTS_ENV = "JAXSERVE_DEVICE_DRAFTS"
 
 
 def freeze_startup_heap() -> bool:
@@ -310,6 +313,7 @@ class EngineCore:
         self.async_scheduling = config.async_scheduling and not runner.multihost
         self._in_flight: tuple[SchedulerOutput, InFlight] | None = None
         self._num_sync_requests = 0
+        self.device_drafts = os.environ.get(DEVICE_DRAFTS_ENV, "1").strip() != "0"
         self.step_log = StepLog.from_env()  # JAXSERVE_STEP_LOG: each step's host spans
         freeze_startup_heap()
 
@@ -378,7 +382,11 @@ class EngineCore:
             s for s in running if not s.num_pending and s.num_computed_tokens == s.num_tokens - 1
         ]
         self._num_asked = len(decoding)
-        on_device = self._num_sync_requests == 0 and not self.structured_outputs.num_matchers
+        on_device = (
+            self.device_drafts
+            and self._num_sync_requests == 0
+            and not self.structured_outputs.num_matchers
+        )
         drafts = self.proposer.propose(decoding, spec.num_speculative_tokens, on_device)
         if isinstance(drafts, DeviceDrafts):
             return drafts.placeholders(), drafts
