@@ -3,9 +3,11 @@
 Groups the steps by kind: decode-only steps by their batch size, steps that hold prompt tokens
 (with decodes beside them or not). Per group: the steps, their share of the run's wall time, the
 mean step period and tokens, and the host's spans (propose, schedule, dispatch, process) against
-the time the host waited for the device (``wait``). Under asynchronous scheduling a step whose
-wait is near zero was paced by the host: the device finished before the host needed it, and
-idled.
+the time the host waited for the device (``wait``), and the host's time between one step's end
+and the next one's start (``between``: the caller's loop, outputs handed out, objects freed;
+the period comes from the steps' starts, so it counts). Under asynchronous scheduling a step
+whose wait is near zero was paced by the host: the device finished before the host needed it,
+and idled.
 
     JAXSERVE_STEP_LOG=steps.jsonl jaxserve bench throughput ...
     python -m benchmarks.step_log_summary steps.jsonl [--skip 50]
@@ -19,6 +21,7 @@ from pathlib import Path
 
 DECODE_BUCKETS = (8, 32, 64, 128, 256, 512, 1024)
 HOST_PACED_MS = 0.05  # a wait under this: the device was not what the step waited for
+IDLE_MS = 1000.0  # a longer gap between two steps: the engine was idle (two runs in one log)
 SPANS = ("propose", "schedule", "dispatch", "wait", "process")  # (older logs: no propose)
 
 
@@ -31,22 +34,39 @@ def kind_of(step: dict) -> str:
     return "prompt + decode" if step["decode"] else "prompt only"
 
 
+def with_periods(steps: list[dict]) -> list[dict]:
+    """Each step with its period (ms from its start to the next step's; the last step's: its
+    own span) and ``between``: the part of the period after the step's spans ended, the host's
+    time outside the engine's step (the caller's loop, the outputs handed out, the step's
+    objects freed). A gap over IDLE_MS (the engine had no work: between two runs in one log)
+    counts as the step's own span only."""
+    out = []
+    for step, after in zip(steps, [*steps[1:], None], strict=True):
+        period = step["total_ms"] if after is None else 1e3 * (after["t"] - step["t"])
+        if period - step["total_ms"] > IDLE_MS:
+            period = step["total_ms"]
+        out.append({**step, "period": period, "between": max(0.0, period - step["total_ms"])})
+    return out
+
+
 def summarize(steps: list[dict]) -> list[dict]:
     """One row per kind (``kind_of``), largest share of the wall time first."""
-    total = sum(s["total_ms"] for s in steps) or 1.0
+    steps = with_periods(steps)
+    total = sum(s["period"] for s in steps) or 1.0
     groups: dict[str, list[dict]] = {}
     for step in steps:
         groups.setdefault(kind_of(step), []).append(step)
     rows = []
     for kind, group in groups.items():
         n = len(group)
-        ms = sum(s["total_ms"] for s in group)
+        ms = sum(s["period"] for s in group)
         rows.append(
             {
                 "kind": kind,
                 "steps": n,
                 "share": ms / total,
                 "period_ms": ms / n,
+                "between_ms": sum(s["between"] for s in group) / n,
                 "tokens": sum(s["tokens"] for s in group) / n,
                 "decode": sum(s["decode"] for s in group) / n,
                 "prompt_tokens": sum(s["prompt_tokens"] for s in group) / n,
@@ -66,20 +86,21 @@ def main() -> None:
     lines = args.log.read_text().splitlines()
     steps = [json.loads(line) for line in lines if line.strip()][args.skip :]
     rows = summarize(steps)
-    wall = sum(s["total_ms"] for s in steps) / 1e3
+    wall = sum(s["period"] for s in with_periods(steps)) / 1e3
     out_tokens = sum(s["decode"] for s in steps)
     print(f"{len(steps)} steps, {wall:.1f} s of steps, {out_tokens:,} decode tokens")
     print(
         "| kind | steps | share of time | period ms | tokens | decodes | prompt tokens | "
-        "propose ms | schedule ms | dispatch ms | wait ms | process ms | host-paced |"
+        "propose ms | schedule ms | dispatch ms | wait ms | process ms | between ms | "
+        "host-paced |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['kind']} | {r['steps']} | {r['share']:.1%} | {r['period_ms']:.2f} | "
             f"{r['tokens']:.0f} | {r['decode']:.0f} | {r['prompt_tokens']:.0f} | "
             f"{r['propose']:.2f} | {r['schedule']:.2f} | {r['dispatch']:.2f} | {r['wait']:.2f} | "
-            f"{r['process']:.2f} | {r['host_paced']:.0%} |"
+            f"{r['process']:.2f} | {r['between_ms']:.2f} | {r['host_paced']:.0%} |"
         )
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(rows, indent=1))

@@ -500,6 +500,24 @@ def test_the_step_log_says_where_a_runs_time_went(tmp_path, monkeypatch, capsys)
     assert "| prompt only |" in printed and "| decode <= 8 |" in printed
 
 
+def test_the_step_log_summary_counts_the_host_time_between_steps() -> None:
+    """A step's period runs from its start to the next one's: what the host did after its
+    spans ended (``between``) counts; a gap of an idle engine (two runs in one log) does not."""
+    from benchmarks.step_log_summary import summarize, with_periods
+
+    def step(t: float, total_ms: float) -> dict:
+        spans = dict.fromkeys(("propose", "schedule", "dispatch", "process"), 0.0)
+        return {"t": t, "total_ms": total_ms, "wait": 1.0, "seqs": 1, "decode": 1,
+                "prompt_tokens": 0, "tokens": 1, **spans}  # fmt: skip
+
+    steps = [step(0.0, 10.0), step(0.015, 8.0), step(5.0, 7.0)]
+    periods = with_periods(steps)
+    assert [round(s["period"], 6) for s in periods] == [15.0, 8.0, 7.0]
+    assert [round(s["between"], 6) for s in periods] == [5.0, 0.0, 0.0]
+    (row,) = summarize(steps)
+    assert row["period_ms"] == pytest.approx(10.0) and row["between_ms"] == pytest.approx(5 / 3)
+
+
 def test_the_step_log_times_the_drafter_and_a_read_back_step_apart(tmp_path, monkeypatch):
     """With speculation, a step that drafts logs its drafter's call as ``propose`` (not in
     ``schedule``) and, read back before the next, its device time as ``wait`` (not in
