@@ -957,11 +957,14 @@ class EngineCore:
                 outputs.append(self._end_request(request, error))
         if self.pooler is not None:  # a pooling engine runs pooling requests only
             return outputs + self._process_pooled(sched, result)
+        # NOTE: the loops below run once a sequence (and a token) a step, at every batch size:
+        # the cheap test first (a decode step has no prompt token, no prompt logprobs).
         for item, row in zip(sched.scheduled, sched.sample_rows(), strict=True):
             seq = seq_of(item)
             request = seq.request
-            self._count_prompt_tokens(item)
-            if seq.index == 0 and seq.seq_id in result.prompt_logprobs:
+            if item.start < len(request.prompt_token_ids):
+                self._count_prompt_tokens(item)
+            if result.prompt_logprobs and seq.index == 0 and seq.seq_id in result.prompt_logprobs:
                 self.output_processor.add_prompt_logprobs(
                     seq, item.start, result.prompt_logprobs[seq.seq_id]
                 )
@@ -977,8 +980,8 @@ class EngineCore:
                     seq.drop_pending()  # a token sampled past the end is discarded
                     self.scheduler.finish(seq)
                     break
-            if seq.index == 0 and seq.num_resolved_outputs == 1:
-                self.scheduler.release_parked(seq)
+            if seq.index == 0 and len(request.seqs) > 1 and seq.num_resolved_outputs == 1:
+                self.scheduler.release_parked(seq)  # its siblings share the prompt now
             metrics = request.metrics
             if metrics is not None:
                 metrics.first_token_time = metrics.first_token_time or now

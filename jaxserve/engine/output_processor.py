@@ -164,13 +164,14 @@ class OutputProcessor:
         params = request.params
         finished = request.is_finished
         chosen = seqs
-        if request.returns_best_of:
+        best_of = request.returns_best_of
+        if best_of:
             ranked = sorted(
                 request.seqs, key=lambda s: self._seqs[s.seq_id].cumulative_logprob, reverse=True
             )
             chosen = ranked[: params.n]
         completions = [
-            self._completion(seq, out_index if request.returns_best_of else seq.index)
+            self._completion(seq, out_index if best_of else seq.index)
             for out_index, seq in enumerate(chosen)
         ]
         prompt_logprobs = None
@@ -198,19 +199,21 @@ class OutputProcessor:
     def _completion(self, seq: Sequence, index: int) -> CompletionOutput:
         params = seq.params
         state = self._seqs[seq.seq_id]
-        hold = 0
-        if params.stop and not seq.is_finished and not params.include_stop_str_in_output:
+        finished, resolved = seq.is_finished, seq.num_resolved_outputs
+        if finished:
+            text_end = len(state.text)
+        elif params.stop and not params.include_stop_str_in_output:
             hold = max(len(s) for s in params.stop) - 1  # a stop string may be starting
-        text_end = max(state.num_text_sent, len(state.text) - hold)
-        if seq.is_finished:
+            text_end = max(state.num_text_sent, len(state.text) - hold)
+        else:
             text_end = len(state.text)
         delta_text = state.text[state.num_text_sent : text_end]
-        new_tokens = seq.output_token_ids[state.num_tokens_sent : seq.num_resolved_outputs]
+        new_tokens = seq.output_token_ids[state.num_tokens_sent : resolved]
         new_logprobs = None
         if state.logprobs is not None:
             new_logprobs = state.logprobs[state.num_tokens_sent :]
         state.num_text_sent = text_end
-        state.num_tokens_sent = seq.num_resolved_outputs
+        state.num_tokens_sent = resolved
         return CompletionOutput(
             index=index,
             text=delta_text,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 from typing import Any, cast
 
@@ -193,14 +194,18 @@ class Request:
             seed = derive_seed(base_seed, index)
             self.seqs.append(Sequence(seq_id, request=self, index=index, seed=seed, status=status))
 
-    @property
+    @functools.cached_property
     def returns_best_of(self) -> bool:
         """best_of > n: only the n best samples are returned, once all have finished."""
         return (self.params.best_of or 0) > self.params.n
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        # (a loop, not all() over a generator: twice a request a step, at every batch size)
+        for seq in self.seqs:
+            if seq.status is not SeqStatus.FINISHED:
+                return False
+        return True
 
 
 def seq_of(item: ScheduledSeq) -> Sequence:
