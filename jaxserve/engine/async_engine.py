@@ -2,8 +2,9 @@
 
 The step loop (``EngineCore``) runs in one dedicated thread. ``generate`` submits a request and
 yields ``RequestOutput`` deltas from a per-request ``asyncio.Queue`` that the engine thread
-fills through ``loop.call_soon_threadsafe``; leaving the iterator early (client disconnect,
-cancellation) aborts the request, which frees its blocks within one step.
+fills through ``loop.call_soon_threadsafe``, one call a step for all of them; leaving the
+iterator early (client disconnect, cancellation) aborts the request, which frees its blocks
+within one step.
 """
 
 from __future__ import annotations
