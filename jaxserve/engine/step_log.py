@@ -5,8 +5,9 @@ in batches, at shutdown and when the process exits): what the step held (sequenc
 sequences, prompt tokens, tokens in all) and five host-side spans in milliseconds, measured on
 the engine's thread:
 
-- ``propose``: the drafter's call when speculation runs (its host work, its device work and the
-  read-back of its drafts; zero otherwise);
+- ``propose``: the drafter's call when speculation runs (its host work; with drafts brought to
+  the host, also its device work and their read-back, which otherwise fall in the verify
+  step's ``wait``: ``DeviceDrafts``; zero without speculation);
 - ``schedule``: choosing the step (the scheduler);
 - ``dispatch``: building its inputs and handing them to the device (``runner.dispatch``);
 - ``wait``: blocked on the device for a step's results (``runner.collect``: the previous step's
