@@ -177,7 +177,8 @@
 #                flags, e.g. "--num-prompts 64" for a short throughput run), and batch-1 TPOT with one (benchmarks/lora.py),
 #                16 batch-1 steps traced with and without it; then 0 and 1 adapters again with the
 #                kernel's forms in $LORA_FORMS (default split_k; JAXSERVE_LORA_FORM; "reference":
-#                XLA's dense product, JAXSERVE_LORA_KERNEL=reference)
+#                XLA's dense product, JAXSERVE_LORA_KERNEL=reference; "kernel": the two-launch
+#                kernel at any slot count, JAXSERVE_LORA_KERNEL=triton)
 #   lora_load    Llama-3-8B shape, dummy weights, served with LoRA on: 32 streamed neighbours'
 #                ITL p50/p99 quiet and while 8 adapters load at run time (benchmarks/lora_load.py;
 #                a server start and two runs: about 3 minutes)
@@ -689,7 +690,7 @@ stage_highload() {  # the 1000 x 1000/1000 run with its step log: where the time
       *) echo "unknown mode $mode" && return 1 ;;
     esac
     # 256: the fixed --max-num-seqs of earlier trees; auto: the per-device default
-    # (runner/batch_size.py: 434 bf16, 908 fp8 + fp8 KV on the H200 at 2,048 tokens)
+    # (runner/batch_size.py: 431 bf16, 902 fp8 + fp8 KV on the H200 at 2,048 tokens)
     for seqs in ${HIGHLOAD_SEQS:-256 auto}; do
       run=highload_${mode}_$seqs
       JAXSERVE_STEP_LOG="$OUT/${run}_steps.jsonl" python3 -m jaxserve.bench.throughput \
@@ -893,9 +894,10 @@ stage_lora() {  # offline throughput with 0, 1, 8 and 64 rank-16 adapters; batch
     grep -E "adapters|TPOT" "$OUT/lora.log" || tail -8 "$OUT/lora.log"
   fi
   local form choice  # the kernel's other forms end to end: batch-1 TPOT and offline, one adapter
-  for form in ${LORA_FORMS:-split_k}; do  # reference: XLA's dense product, no kernel
-    choice=JAXSERVE_LORA_FORM=$form
+  for form in ${LORA_FORMS:-split_k}; do  # reference: XLA's dense product; kernel: the kernel
+    choice=JAXSERVE_LORA_FORM=$form  # at any slot count (auto: dense up to 8 slots)
     [ "$form" = reference ] && choice=JAXSERVE_LORA_KERNEL=reference
+    [ "$form" = kernel ] && choice=JAXSERVE_LORA_KERNEL=triton
     env "$choice" python3 -m benchmarks.lora --adapters 0,1 $LORA_ARGS \
       --out "$OUT/lora_$form.json" > "$OUT/lora_$form.log" 2>&1
     grep -E "TPOT" "$OUT/lora_$form.log" | sed "s/^/$form: /" || tail -4 "$OUT/lora_$form.log"

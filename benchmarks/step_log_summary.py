@@ -41,7 +41,7 @@ def with_periods(steps: list[dict]) -> list[dict]:
     objects freed). A gap over IDLE_MS (the engine had no work: between two runs in one log)
     counts as the step's own span only."""
     out = []
-    for step, after in zip(steps, [*steps[1:], None], strict=True):
+    for step, after in zip(steps, [*steps[1:], None][: len(steps)], strict=True):
         period = step["total_ms"] if after is None else 1e3 * (after["t"] - step["t"])
         if period - step["total_ms"] > IDLE_MS:
             period = step["total_ms"]
@@ -85,6 +85,9 @@ def main() -> None:
     args = parser.parse_args()
     lines = args.log.read_text().splitlines()
     steps = [json.loads(line) for line in lines if line.strip()][args.skip :]
+    if not steps:  # (a run that failed before its first step)
+        print(f"{args.log}: no steps")
+        return
     rows = summarize(steps)
     wall = sum(s["period"] for s in with_periods(steps)) / 1e3
     out_tokens = sum(s["decode"] for s in steps)

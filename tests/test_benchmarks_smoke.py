@@ -516,6 +516,19 @@ def test_the_step_log_summary_counts_the_host_time_between_steps() -> None:
     assert [round(s["between"], 6) for s in periods] == [5.0, 0.0, 0.0]
     (row,) = summarize(steps)
     assert row["period_ms"] == pytest.approx(10.0) and row["between_ms"] == pytest.approx(5 / 3)
+    assert with_periods([]) == [] and summarize([]) == []
+
+
+def test_the_step_log_summary_of_a_run_that_took_no_step(tmp_path, monkeypatch, capsys) -> None:
+    """A run that failed before its first step (an out-of-memory start) leaves an empty log:
+    the summary says so instead of failing."""
+    from benchmarks import step_log_summary
+
+    log = tmp_path / "steps.jsonl"
+    log.write_text("")
+    monkeypatch.setattr(sys, "argv", ["step_log_summary", str(log)])
+    step_log_summary.main()
+    assert capsys.readouterr().out.strip() == f"{log}: no steps"
 
 
 def test_the_step_log_times_the_drafter_and_a_read_back_step_apart(tmp_path, monkeypatch):

@@ -232,6 +232,41 @@ def test_dispatch_takes_the_reference_off_the_gpu_and_the_kernel_when_asked(monk
         dispatch.choose()
 
 
+def test_on_one_gpu_up_to_eight_slots_take_the_dense_product(monkeypatch):
+    """``auto`` on one GPU: the dense product for at most ``DENSE_MAX_SLOTS`` slots (as fast or
+    faster there on an H100), the kernel above; ``triton`` forces the kernel at any count. The
+    start-up line says which and why. (The GPU is stood in for: the kernel is not called.)"""
+    from pallas_kernels import env_choice
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(env_choice, "devices_per_model", lambda: 1)
+    monkeypatch.delenv(dispatch.LORA_KERNEL_ENV, raising=False)
+    assert dispatch.DENSE_MAX_SLOTS == 8
+    assert dispatch.choose(1) == ("reference", "JAXSERVE_LORA_KERNEL=auto: 1 slots, at most 8")
+    assert dispatch.choose(8)[0] == "reference"
+    assert dispatch.choose(9) == ("triton", "JAXSERVE_LORA_KERNEL=auto: 9 slots, more than 8")
+    assert dispatch.choose() == ("triton", "JAXSERVE_LORA_KERNEL=auto")
+    assert dispatch.describe(1) == (
+        "LoRA product: dense one-hot product over every slot (XLA) "
+        "(JAXSERVE_LORA_KERNEL=auto: 1 slots, at most 8)"
+    )
+    assert dispatch.describe(64).startswith("LoRA product: Pallas Triton grouped kernel (")
+    called = []
+    monkeypatch.setattr(lt, "lora_deltas", lambda *a, **k: called.append("kernel"))
+    real = reference.lora_deltas
+    monkeypatch.setattr(
+        reference, "lora_deltas", lambda *a, **k: called.append("dense") or real(*a, **k)
+    )
+    x, a, bs, slots = make_inputs(CPU_CASES[3], 0)
+    for num_slots in (1, dispatch.DENSE_MAX_SLOTS, dispatch.DENSE_MAX_SLOTS + 1):
+        stacked = jnp.concatenate([a] * num_slots)[:num_slots]
+        dispatch.lora_deltas(x, stacked, [jnp.concatenate([b] * num_slots)[:num_slots] for b in bs],
+                             jnp.minimum(slots, num_slots))  # fmt: skip
+    assert called == ["dense", "dense", "kernel"]
+    monkeypatch.setenv(dispatch.LORA_KERNEL_ENV, "triton")
+    assert dispatch.choose(1) == ("triton", "JAXSERVE_LORA_KERNEL=triton")
+
+
 @pytest.mark.parametrize("form", ["fused", "split_k"])
 def test_a_step_above_the_decode_sizes_takes_two_launches_whatever_the_form(monkeypatch, form):
     """The one-launch forms serve steps of at most ``ONE_LAUNCH_MAX_TOKENS`` tokens; a larger

@@ -293,7 +293,7 @@ def startup_lines(
         describe_samplers(config),
         *([experts] if experts else []),
         *([describe_batch_invariance()] if config.batch_invariant else []),
-        *([lora_dispatch.describe()] if config.enable_lora else []),
+        *([lora_dispatch.describe(config.max_loras)] if config.enable_lora else []),
     ]
     return lines + ([quant.describe()] if quant is not None else [])
 

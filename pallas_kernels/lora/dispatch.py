@@ -2,8 +2,9 @@
 
 ``lora_deltas(x, a, bs, token_slots)`` has ``reference.lora_deltas``'s semantics (one input,
 n projections: their A matrices joined, one B each). It picks, at trace time:
-  gpu, one device -> the Pallas Triton kernels (``triton``: sort by slot, shrink, expand): each
-         used slot's A and B read once, nothing for empty slots or the base model's tokens;
+  gpu, one device, more than ``DENSE_MAX_SLOTS`` slots -> the Pallas Triton kernels
+         (``triton``: sort by slot, shrink, expand): each used slot's A and B read once,
+         nothing for empty slots or the base model's tokens;
   otherwise       -> the dense one-hot product (``reference``): every slot's A and B, as
          XLA partitions it under tensor parallelism (the kernel is a custom call XLA cannot
          split; it is not under ``shard_map`` yet), and what TPUs and the CPU run.
@@ -35,6 +36,14 @@ LORA_FORMS = ("two_launch", "fused", "split_k")
 # of every projection's columns at a 8,192-token step planned 42 GiB of temporaries on an
 # H100, 2026-12-06.)
 ONE_LAUNCH_MAX_TOKENS = 256
+# Up to this many slots, ``auto`` takes the dense product on the GPU too. Timed on an H100
+# (2026-12-06, rank 16, Llama-3-8B's projections, 32 layers in one program at one token;
+# ``benchmarks/probes/lora_fold.py``): with 1 slot the dense terms add 0.86 ms to the 5.16 ms of
+# projections, the kernel 1.40 ms; with 8 slots 1.45 against 1.44 ms. Alone, each group's call
+# at 64 and 256 tokens is as fast or faster dense up to 8 slots, and 1.3-2.9x slower at 64
+# (``benchmarks/lora_kernel.py``): the dense form reads every slot's A and B, the kernel only
+# the used slots', and XLA fuses the dense form's GEMMs where the kernel is two launches.
+DENSE_MAX_SLOTS = 8
 
 
 def requested() -> str:
@@ -42,11 +51,18 @@ def requested() -> str:
     return env_choice(LORA_KERNEL_ENV, LORA_KERNEL_CHOICES, "auto")
 
 
-def choose() -> tuple[str, str]:
-    """``("triton" | "interpret" | "reference", why)``: how the LoRA product runs here."""
-    return one_device_triton_path(
-        LORA_KERNEL_ENV, requested(), forced="triton", off="reference", fallback="reference"
+def choose(num_slots: int | None = None) -> tuple[str, str]:
+    """``("triton" | "interpret" | "reference", why)``: how the LoRA product of ``num_slots``
+    adapter slots (None: any number) runs here."""
+    value = requested()
+    path, why = one_device_triton_path(
+        LORA_KERNEL_ENV, value, forced="triton", off="reference", fallback="reference"
     )
+    if value == "auto" and path == "triton" and num_slots is not None:
+        if num_slots <= DENSE_MAX_SLOTS:
+            return "reference", f"{why}: {num_slots} slots, at most {DENSE_MAX_SLOTS}"
+        why = f"{why}: {num_slots} slots, more than {DENSE_MAX_SLOTS}"
+    return path, why
 
 
 def lora_deltas(
@@ -60,7 +76,7 @@ def lora_deltas(
     """The n LoRA terms on the path ``choose`` picks (a call the kernel does not take, by
     shape or dtype, runs the reference). ``x_scale``: a norm's weight, x its unscaled rows;
     the kernel scales x as it reads it, so XLA need not write the normed rows for it."""
-    path, _ = choose()
+    path, _ = choose(a.shape[0])
     if path != "reference":
         from pallas_kernels.lora import triton
 
@@ -86,10 +102,10 @@ def _on_the_kernel(x, a, bs, token_slots, x_scale, path: str) -> tuple[jax.Array
     return triton.lora_deltas(x, a, bs, token_slots, x_scale, config=config, interpret=interpret)
 
 
-def describe() -> str:
-    """The start-up log line, e.g. ``LoRA product: Pallas Triton grouped kernel
-    (JAXSERVE_LORA_KERNEL=auto)``."""
-    path, why = choose()
+def describe(num_slots: int | None = None) -> str:
+    """The start-up log line for ``num_slots`` slots (``--max-loras``), e.g. ``LoRA product:
+    Pallas Triton grouped kernel (JAXSERVE_LORA_KERNEL=auto: 16 slots, more than 8)``."""
+    path, why = choose(num_slots)
     name = {
         "triton": "Pallas Triton grouped kernel",
         "interpret": "Pallas Triton grouped kernel in interpret mode",
