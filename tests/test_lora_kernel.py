@@ -232,23 +232,23 @@ def test_dispatch_takes_the_reference_off_the_gpu_and_the_kernel_when_asked(monk
         dispatch.choose()
 
 
-def test_on_one_gpu_up_to_eight_slots_take_the_dense_product(monkeypatch):
-    """``auto`` on one GPU: the dense product for at most ``DENSE_MAX_SLOTS`` slots (as fast or
-    faster there on an H100), the kernel above; ``triton`` forces the kernel at any count. The
+def test_on_one_gpu_up_to_four_slots_take_the_dense_product(monkeypatch):
+    """``auto`` on one GPU: the dense product for at most ``DENSE_MAX_SLOTS`` slots (faster with
+    one on an H100), the kernel above; ``triton`` forces the kernel at any count. The
     start-up line says which and why. (The GPU is stood in for: the kernel is not called.)"""
     from pallas_kernels import env_choice
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(env_choice, "devices_per_model", lambda: 1)
     monkeypatch.delenv(dispatch.LORA_KERNEL_ENV, raising=False)
-    assert dispatch.DENSE_MAX_SLOTS == 8
-    assert dispatch.choose(1) == ("reference", "JAXSERVE_LORA_KERNEL=auto: 1 slots, at most 8")
-    assert dispatch.choose(8)[0] == "reference"
-    assert dispatch.choose(9) == ("triton", "JAXSERVE_LORA_KERNEL=auto: 9 slots, more than 8")
+    assert dispatch.DENSE_MAX_SLOTS == 4
+    assert dispatch.choose(1) == ("reference", "JAXSERVE_LORA_KERNEL=auto: 1 slots, at most 4")
+    assert dispatch.choose(4)[0] == "reference"
+    assert dispatch.choose(5) == ("triton", "JAXSERVE_LORA_KERNEL=auto: 5 slots, more than 4")
     assert dispatch.choose() == ("triton", "JAXSERVE_LORA_KERNEL=auto")
     assert dispatch.describe(1) == (
         "LoRA product: dense one-hot product over every slot (XLA) "
-        "(JAXSERVE_LORA_KERNEL=auto: 1 slots, at most 8)"
+        "(JAXSERVE_LORA_KERNEL=auto: 1 slots, at most 4)"
     )
     assert dispatch.describe(64).startswith("LoRA product: Pallas Triton grouped kernel (")
     called = []

@@ -15,8 +15,9 @@ zeros), has no gather or sort, and costs ``M * R`` extra columns per projection:
 rank 16 that is 128 columns beside q_proj's 4,096. ``lora_delta_ragged`` is the same product with
 ``jax.lax.ragged_dot`` over tokens sorted by slot (tested equal). The decoder's projections
 (``qkv_deltas`` ... ``down_delta``) take the product from ``pallas_kernels.lora.dispatch``: on
-one NVIDIA GPU the grouped Pallas Triton kernel (tokens sorted by slot, each used slot's A and B
-read once, none of an empty slot's), elsewhere this dense form (docs/lora.md).
+one NVIDIA GPU with more than 4 slots the grouped Pallas Triton kernel (tokens sorted by slot,
+each used slot's A and B read once, none of an empty slot's), elsewhere this dense form
+(docs/lora.md).
 
 Einsum letters: T tokens, M slots, R rank, H hidden, I intermediate; X a projection's inputs and
 O its outputs (flattened heads).
