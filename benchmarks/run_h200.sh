@@ -134,7 +134,9 @@
 #                1000 in / 1000 out with the engine's step log on (JAXSERVE_STEP_LOG), for each
 #                of $HIGHLOAD_MODES (default "bf16 fp8kv") and $HIGHLOAD_SEQS (default "256
 #                auto": the old fixed --max-num-seqs and the per-device default), then where the
-#                time went by step kind (benchmarks/step_log_summary.py)
+#                time went by step kind (benchmarks/step_log_summary.py); then, per mode, its
+#                main step alone (decode 480 x 1,536, benchmarks/decode_roofline.py) against its
+#                byte floor, 3 steps traced, the kernels by device time ($HIGHLOAD_TRACE=0: not)
 #                -> $OUT/highload_<mode>_<seqs>.{log,json}, _steps.* (about 2-3 minutes a run)
 #   invariant_probe  per set of XLA options (autotuned, autotune level 0, cuBLAS at level 0):
 #                the batch-invariant scenarios' differing logit rows on the GPU test's model
@@ -701,6 +703,18 @@ stage_highload() {  # the 1000 x 1000/1000 run with its step log: where the time
       python3 -m benchmarks.step_log_summary "$OUT/${run}_steps.jsonl" --skip 20 \
         --output-json "$OUT/${run}_steps_summary.json"
     done
+    [ "${HIGHLOAD_TRACE:-1}" = 0 ] && continue
+    # The run's main step alone (decode of 480 sequences at 1,536 tokens, the mid-run mean):
+    # device time against its byte floor, and its kernels by device time (3 steps traced).
+    run=highload_${mode}_step
+    python3 -m benchmarks.decode_roofline --batches 480 --contexts 1536 --iters 5 \
+      --profile-dir "$OUT/${run}_profile" --profile-batches 480 --output-json "$OUT/$run.json" \
+      $([ $mode = fp8kv ] && echo --quantization fp8 --kv-cache-dtype fp8) > "$OUT/$run.log" 2>&1
+    echo "-- $mode, decode 480 x 1,536: $(grep '^row' "$OUT/$run.log" || tail -1 "$OUT/$run.log")"
+    python3 -m benchmarks.trace_summary "$OUT/${run}_profile" --steps 3 --top 20 \
+      > "$OUT/${run}_kernels.txt" 2>&1
+    head -26 "$OUT/${run}_kernels.txt"
+    find "$OUT/${run}_profile" -name "*.xplane.pb" -delete
   done
 }
 

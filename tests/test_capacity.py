@@ -52,6 +52,24 @@ def test_llama3_8b_on_h200_by_hand(capsys) -> None:
     assert out["max_num_seqs"] == out["kv_cache_tokens"] // 2048 == 431
 
 
+def test_the_plan_keeps_room_for_what_compiled_programs_hold() -> None:
+    """768 MiB of the headroom (1/32 of a small device) is for what warm-up's compile leaves
+    in use: an fp8 engine on an H100 kept 0.66 GiB there, outside the plan, and its first
+    sampler step ran out of memory. ``step_bytes`` is the rest: what a step may take, which
+    warm-up checks once that memory is held."""
+    from jaxserve.runner.capacity import PROGRAMS_BYTES, plan_capacity, programs_bytes
+
+    config = load_model_config(str(builtin_config_dir("llama-3-8b")))
+    gib = 1 << 30
+    assert programs_bytes(80 * gib) == PROGRAMS_BYTES == 768 * 1024**2
+    assert programs_bytes(8 * gib) == gib // 4  # a small device: 1/32 of it
+    plan = {"max_model_len": 2048, "memory_utilization": 0.9}
+    big = plan_capacity(config, device_memory_bytes=80 * gib, **plan)
+    assert big.activation_bytes - big.step_bytes == PROGRAMS_BYTES
+    small = plan_capacity(config, device_memory_bytes=16 * gib, num_blocks_override=128, **plan)
+    assert small.activation_bytes - small.step_bytes == 16 * gib // 32 == 512 * 1024**2
+
+
 def test_tensor_parallel_and_fp8_scale_the_cache(capsys) -> None:
     model = str(builtin_config_dir("llama-3-8b"))
     on_80gb = ["--device-memory", "80GB", "--max-num-seqs", "256"]  # the same sampler rows
@@ -441,6 +459,7 @@ def test_the_start_warns_where_the_compile_left_less_than_the_planned_headroom(
         return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
 
     assert run(15.0) == []  # 71 - 15 - 53 = 3 GiB left, 2.5 planned
+    assert run(15.5 + 0.5 / 1024) == []  # 0.5 MiB short: rounding, not a shortfall
     (warning,) = run(16.0)  # 2 GiB left
     assert "keeps 2.00 GiB" in warning and "512.0 MiB less than planned" in warning
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in warning and "--num-gpu-blocks-override" in warning

@@ -355,7 +355,7 @@ class EngineCore:
         if drafter_warmup is not None:
             start = time.perf_counter()
             capacity = getattr(self.runner, "capacity", None)  # (a test's runner has none)
-            programs = drafter_warmup(getattr(capacity, "activation_bytes", None))
+            programs = drafter_warmup(getattr(capacity, "step_bytes", None))
             warm_feed = getattr(self.runner, "warm_draft_feed", None)
             if warm_feed is not None:  # the verify step's read of drafts left on the device
                 programs += warm_feed(self.proposer.drafts_shapes())  # type: ignore[union-attr]

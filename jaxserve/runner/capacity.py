@@ -165,6 +165,12 @@ class Capacity:
     drafter_bytes: int = 0  # a model drafter's weights, pages and kept states, per device
     drafter: str | None = None  # what it is, for the start-up line
 
+    @property
+    def step_bytes(self) -> int:
+        """Of ``activation_bytes``: a step's temporaries, all but what the compiled programs
+        keep (``programs_bytes``), which warm-up's compile holds before the cache is made."""
+        return max(0, self.activation_bytes - programs_bytes(self.device_memory_bytes))
+
     def with_drafter(self, num_bytes: int, what: str) -> Capacity:
         """This plan with ``num_bytes`` (a speculative drafter's device memory, measured once
         it loaded: ``Runner.reserve_for_drafter``) taken from the KV cache's budget; a
@@ -335,6 +341,12 @@ def cache_bytes_per_token(config: ModelConfig, tensor_parallel_size: int, itemsi
 PROGRAMS_BYTES = 768 * 1024**2
 
 
+def programs_bytes(device_memory_bytes: int) -> int:
+    """What the plan keeps for the compiled programs (``PROGRAMS_BYTES``, or 1/32 of a small
+    device)."""
+    return min(PROGRAMS_BYTES, device_memory_bytes // 32)
+
+
 def activation_bytes(
     config: ModelConfig,
     max_num_batched_tokens: int,
@@ -360,7 +372,7 @@ def activation_bytes(
     chunk = min(PROMPT_LOGPROBS_CHUNK, max_num_batched_tokens)
     sampler = max(6 * max_num_seqs, 8 * chunk) * config.vocab_size * 4
     slack = min(512 * 1024**2, device_memory_bytes // 16)
-    programs = min(PROGRAMS_BYTES, device_memory_bytes // 32)
+    programs = programs_bytes(device_memory_bytes)
     return max_num_batched_tokens * per_token + experts + sampler + slack + programs
 
 

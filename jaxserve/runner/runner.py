@@ -413,7 +413,7 @@ class ModelRunner:
                 prepare=self._prepare_to_serve,
                 cache_dir=self.config.cache_dir,
                 max_workers=max_workers,
-                headroom_bytes=self.capacity.activation_bytes,
+                headroom_bytes=self.capacity.step_bytes,
             )
 
     def _prepare_to_serve(self) -> None:
@@ -423,7 +423,7 @@ class ModelRunner:
         self.wait_for_weights()
         if self.loading.shapes is not None:
             warmup.log_weights_ready(time.perf_counter() - waited, self.load_seconds)
-        warmup.log_free_memory(self.capacity.kv_budget_bytes, self.capacity.activation_bytes)
+        warmup.log_free_memory(self.capacity.kv_budget_bytes, self.capacity.step_bytes)
         allocated = time.perf_counter()
         self.allocate_kv_cache()
         jax.block_until_ready(self.kv_cache)

@@ -102,8 +102,9 @@ def warm_up(
     run one small step); the other buckets' programs then compile on a thread of their own
     while the engine serves, ``programs.ready_tokens`` rising as each bucket is ready. Returns
     the number of model step shapes compiled before serving; ``check`` raises the weights'
-    load error (called between lowerings). ``headroom_bytes``: the activation headroom planned
-    beside the KV cache, which each compiled step's temporaries are checked against
+    load error (called between lowerings). ``headroom_bytes``: a step's headroom planned
+    beside the KV cache (``Capacity.step_bytes``), which each compiled step's temporaries are
+    checked against
     (``check_step_memory``: before the cache, and after the background compile)."""
     start = time.perf_counter()
     workers = max(1, min(max_workers, os.cpu_count() or 1))
@@ -212,10 +213,11 @@ def log_free_memory(kv_budget_bytes: int, headroom_bytes: int | None = None) -> 
     """With the weights in place, before the KV cache: what the first device's allocator holds
     and the largest block it has free (the cache's per-layer arrays each need one block; a
     load that left its free memory in pieces fails here, and this line says so first); and,
-    given the planned activation headroom, whether what the allocator has left beside the
-    cache still holds it. On an H100 a compile on an empty cache left 0.56 GiB in use beyond
-    the weights: the cache then left 1.96 GiB of a planned 2.48, and a sampler step ran out of
-    memory."""
+    given a step's planned headroom (``Capacity.step_bytes``: the plan's part for what the
+    compiled programs keep is in use by now), whether what the allocator has left beside the
+    cache still holds it. On an H100 a compile on an empty cache left 0.56-0.66 GiB in use
+    beyond the weights, before the plan kept room for it: the cache then left 1.83 GiB of a
+    planned 2.48, and a sampler step ran out of memory. A shortfall under 1 MiB is not one."""
     stats = jax.local_devices()[0].memory_stats() or {}
     if "largest_free_block_bytes" not in stats:
         return  # the CPU backend keeps no such statistics
@@ -237,7 +239,7 @@ def log_free_memory(kv_budget_bytes: int, headroom_bytes: int | None = None) -> 
         )
     limit = int(stats.get("bytes_limit", 0))
     left = limit - in_use - kv_budget_bytes
-    if headroom_bytes is not None and limit and left < headroom_bytes:
+    if headroom_bytes is not None and limit and left < headroom_bytes - 2**20:
         _LOG.warning(
             "Beside the KV cache (%s) the allocator keeps %s for a step's temporaries, %s less "
             "than planned (%s is in use with the weights in place, what the compile left "
@@ -264,7 +266,7 @@ and the cache together and leaves the headroom as it was."""
 
 def check_step_memory(programs: StepPrograms, headroom_bytes: int | None) -> None:
     """Warn where a compiled model step's temporaries, as XLA planned them, exceed the
-    activation headroom planned beside the KV cache (``Capacity.activation_bytes``; None:
+    activation headroom planned beside the KV cache for a step (``Capacity.step_bytes``; None:
     no check). Such a step can run out of device memory beside a full cache, or leave the
     sampler too little: batch-invariant mode on an H100 ran out of memory (its sampler asked
     for 2.16 GiB) after XLA planned its 2,048-token step above the 1.55 GiB of headroom (the
