@@ -587,3 +587,14 @@ def test_step_kernels_probe_smoke(tmp_path, monkeypatch, capsys) -> None:
     assert listed["kernels"] > 10 and listed["rows"]
     assert (tmp_path / "step_llama_generate_16.hlo.txt.gz").stat().st_size > 0
     assert "step_llama_generate_16:" in capsys.readouterr().out
+
+
+def test_dispatch_block_probe_smoke(tmp_path, monkeypatch, capsys) -> None:
+    """Each call of a step timed on the host with the device idle and busy, the table last."""
+    out = tmp_path / "dispatch_block.json"
+    args = ["--busy-ms", "2", "--size", "64", "--repeats", "1", "--out", str(out)]
+    run_script("benchmarks.probes.dispatch_block", args, monkeypatch)
+    rows = {row["case"]: row for row in json.loads(out.read_text())}
+    assert {"put_small", "put_large", "call", "call_numpy", "donate", "donate_busy"} <= set(rows)
+    assert all(row["busy_ms"] >= 0 and row["busy_program_ms"] > 0 for row in rows.values())
+    assert "case           idle ms   busy ms" in capsys.readouterr().out
