@@ -195,10 +195,12 @@
 set -uo pipefail
 # The stages write under a work folder; $OUT (what comes back from the device machine) holds one
 # archive of it, written again after every stage and every 45 s meanwhile, so a call cut off at
-# its limit still brings back what ran.
+# its limit still brings back what ran. A second run of this script in the same call (its
+# archive already there) adds to the work folder: the archive keeps both runs' files.
 ARCHIVE_DIR=${OUT:-/tmp/out}
 OUT=/tmp/bench_out
-rm -rf "$OUT" && mkdir -p "$OUT" "$ARCHIVE_DIR"
+[ -e "$ARCHIVE_DIR/results.tgz" ] || rm -rf "$OUT"
+mkdir -p "$OUT" "$ARCHIVE_DIR"
 archive() {  # everything under $OUT but profiler traces (too large to come back; summarized)
   tar czf "$ARCHIVE_DIR/.results.tgz" --exclude='*.xplane.pb' --exclude='*.trace.json.gz' \
     --exclude='perfetto_trace.json.gz' -C "$OUT" . 2>/dev/null &&
