@@ -694,7 +694,7 @@ stage_highload() {  # the 1000 x 1000/1000 run with its step log: where the time
       *) echo "unknown mode $mode" && return 1 ;;
     esac
     # 256: the fixed --max-num-seqs of earlier trees; auto: the per-device default
-    # (runner/batch_size.py: 431 bf16, 902 fp8 + fp8 KV on the H200 at 2,048 tokens)
+    # (runner/batch_size.py: 427 bf16, 887 fp8 + fp8 KV on the H200 at 2,048 tokens)
     for seqs in ${HIGHLOAD_SEQS:-256 auto}; do
       run=highload_${mode}_$seqs
       JAXSERVE_STEP_LOG="$OUT/${run}_steps.jsonl" python3 -m jaxserve.bench.throughput \

@@ -41,15 +41,15 @@ def test_llama3_8b_on_h200_by_hand(capsys) -> None:
     weights = 8_030_261_248 * 2  # parameters x bf16
     kv_per_token = 2 * 32 * 8 * 128 * 2  # K and V x layers x kv heads x head_dim x bf16
     # The default --max-num-seqs on an H200 holds as many 2,048-token sequences as the cache
-    # does (431, below the device's 1,024): the sampler reserves 512 rows (f32 logits x 6).
-    activations = 2048 * (4 * 14336 + 6 * 4096) * 2 + 512 * 128256 * 24 + (512 + 768) * 1024**2
+    # does (427, below the device's 1,024): the sampler reserves 512 rows (f32 logits x 10).
+    activations = 2048 * (4 * 14336 + 6 * 4096) * 2 + 512 * 128256 * 40 + (512 + 768) * 1024**2
     budget = int(150_109_945_856 * 0.9) - weights - activations  # what an H200 reports
     assert out["weight_bytes"] == weights
     assert out["kv_bytes_per_token"] == kv_per_token == 131072
     assert out["num_blocks"] == budget // (16 * kv_per_token)
     assert out["kv_cache_tokens"] == out["num_blocks"] * 16
     assert out["max_concurrency"] == pytest.approx(out["kv_cache_tokens"] / 8192)
-    assert out["max_num_seqs"] == out["kv_cache_tokens"] // 2048 == 431
+    assert out["max_num_seqs"] == out["kv_cache_tokens"] // 2048 == 427
 
 
 def test_the_plan_keeps_room_for_what_compiled_programs_hold() -> None:
@@ -68,6 +68,39 @@ def test_the_plan_keeps_room_for_what_compiled_programs_hold() -> None:
     assert big.activation_bytes - big.step_bytes == PROGRAMS_BYTES
     small = plan_capacity(config, device_memory_bytes=16 * gib, num_blocks_override=128, **plan)
     assert small.activation_bytes - small.step_bytes == 16 * gib // 32 == 512 * 1024**2
+
+
+def test_the_plan_holds_every_sampler_variants_temporaries() -> None:
+    """The plan keeps ``SAMPLER_F32_COPIES`` f32 copies of the sampler's logits for its
+    temporaries: every variant's, as XLA plans them (the one doing everything: 9.1 copies
+    here). An H100 engine ran out of memory in a sampler step that asked 9.45 copies where the
+    plan had kept 6."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.runner.capacity import SAMPLER_F32_COPIES
+    from jaxserve.runner.packing import pack
+    from jaxserve.runner.programs import sample_step
+    from jaxserve.runner.sampling import SamplerFlags, SamplingInputs
+
+    rows, vocab = 64, 8192
+    sample = jax.jit(
+        functools.partial(sample_step, num_rows=rows), static_argnames=("layout", "flags")
+    )
+    copies = {}
+    for flags in SamplerFlags.variants():
+        adjust = flags.adjust_logits
+        inputs = SamplingInputs.padding(
+            rows, vocab, 40 if adjust else 0, 256 if adjust else 0, use_mask=flags.use_mask
+        )
+        packed, layout = pack(inputs)
+        logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32)
+        compiled = sample.lower(logits, packed, layout=layout, flags=flags).compile()
+        copies[flags] = compiled.memory_analysis().temp_size_in_bytes / (rows * vocab * 4)
+    assert max(copies.values()) <= SAMPLER_F32_COPIES, copies
+    assert max(copies.values()) > SAMPLER_F32_COPIES - 2  # the bound is not loose either
 
 
 def test_tensor_parallel_and_fp8_scale_the_cache(capsys) -> None:
@@ -152,16 +185,17 @@ def test_the_h200_preset_plans_what_launch_logged_on_an_h200(capsys) -> None:
     # benchmarks/reports/2026-12-02-engine-on-the-h200: every start of the launch stage (dummy
     # Llama-3-8B, 4,096 context, 2,048 batched tokens, utilization 0.9) logged these lines on the
     # H200 (895,520 tokens, 218.63x, 109.32 GiB), before the plan kept 768 MiB for what the
-    # compiled programs hold (``capacity.PROGRAMS_BYTES``): 6,144 tokens fewer now.
+    # compiled programs hold (``capacity.PROGRAMS_BYTES``) and 4 more f32 copies of the
+    # sampler's 256 rows of logits (``SAMPLER_F32_COPIES``): 10,160 tokens fewer now.
     parser = argparse.ArgumentParser()
     add_capacity_arguments(parser)
     argv = [str(builtin_config_dir("llama-3-8b")), "--device-memory", "H200"]
     args = parser.parse_args([*argv, "--max-model-len", "4096", "--max-num-seqs", "256"])
     assert run_capacity(args) == 0
     out = capsys.readouterr().out
-    assert "KV cache size: 889,376 tokens" in out  # 895,520 - 768 MiB / 128 KiB a token
-    assert "Maximum concurrency for 4,096 tokens per request: 217.13x" in out
-    assert "Model weights take 14.96 GiB" in out and "KV cache memory: 108.57 GiB" in out
+    assert "KV cache size: 885,360 tokens" in out
+    assert "Maximum concurrency for 4,096 tokens per request: 216.15x" in out
+    assert "Model weights take 14.96 GiB" in out and "KV cache memory: 108.08 GiB" in out
     assert "8.03B parameters, bfloat16 weights" in out
 
 
@@ -237,7 +271,7 @@ def test_a_mixture_of_experts_counts_every_expert(capsys) -> None:
     # the router's f32 [T, E] x 3; the i32 order, inverse and ids.
     experts = 8 * (3 * 2048 + 3 * 768) * 2 + 4 * 8 * 2048 + 3 * 4 * 128 + 3 * 4 * 8
     per_token = (4 * 6144 + 6 * 2048) * 2 + experts
-    activations = 2048 * per_token + 256 * 151936 * 24 + (512 + 768) * 1024**2
+    activations = 2048 * per_token + 256 * 151936 * 40 + (512 + 768) * 1024**2
     budget = int(150_109_945_856 * 0.9) - out["weight_bytes"] - activations
     assert out["kv_bytes_per_token"] == kv_per_token
     assert out["num_blocks"] == budget // (16 * kv_per_token)

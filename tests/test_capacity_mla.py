@@ -171,7 +171,7 @@ def test_deepseek_v3_activations_do_not_grow_with_the_context() -> None:
         return plan.activation_bytes
 
     full = activations(163_840)
-    assert 3 * GiB < full < 5 * GiB
+    assert 3 * GiB < full < 6 * GiB  # (5.02: the sampler's 10 copies, the programs' 768 MiB)
     assert activations(32 * 1024) == full == activations(4096)
     mla = cap.mla_attention_bytes(config, 2048, 32 * 1024, 16, tensor_parallel_size=8)
     assert 0.5 * GiB < mla < 1.5 * GiB  # 16 heads per device, not 128

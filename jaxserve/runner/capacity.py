@@ -341,6 +341,14 @@ def cache_bytes_per_token(config: ModelConfig, tensor_parallel_size: int, itemsi
 PROGRAMS_BYTES = 768 * 1024**2
 
 
+# The largest sampler variant's temporaries, in f32 copies of its logits [rows, vocab]: XLA plans
+# 9.1 for the variant that does everything (sort, bias, top logprobs, token mask), 7-8 for the
+# sorting ones, 5 for plain sampling (memory analysis on the CPU, 2026-12-06; the test
+# compiles each variant and checks it). An H100 engine at --max-num-seqs 256 (rows of 256)
+# asked for 1.16 GiB in a sampler step, 9.45 copies, where the plan had kept 6.
+SAMPLER_F32_COPIES = 10
+
+
 def programs_bytes(device_memory_bytes: int) -> int:
     """What the plan keeps for the compiled programs (``PROGRAMS_BYTES``, or 1/32 of a small
     device)."""
@@ -367,10 +375,10 @@ def activation_bytes(
     experts = expert_activation_bytes(
         config, max_num_batched_tokens, dtype_bytes, tensor_parallel_size, expert_parallel
     )
-    # The sampler's rows (f32 logits, scaled, noise, sort, ...), or a chunk of prompt logprobs
-    # when that is larger: on the H200 a chunk takes 6.0 f32 copies of its logits, so 8 here.
+    # The sampler's rows (``SAMPLER_F32_COPIES``), or a chunk of prompt logprobs when that is
+    # larger: on the H200 a chunk takes 6.0 f32 copies of its logits, so 8 here.
     chunk = min(PROMPT_LOGPROBS_CHUNK, max_num_batched_tokens)
-    sampler = max(6 * max_num_seqs, 8 * chunk) * config.vocab_size * 4
+    sampler = max(SAMPLER_F32_COPIES * max_num_seqs, 8 * chunk) * config.vocab_size * 4
     slack = min(512 * 1024**2, device_memory_bytes // 16)
     programs = programs_bytes(device_memory_bytes)
     return max_num_batched_tokens * per_token + experts + sampler + slack + programs
