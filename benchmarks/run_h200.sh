@@ -135,8 +135,9 @@
 #                of $HIGHLOAD_MODES (default "bf16 fp8kv") and $HIGHLOAD_SEQS (default "256
 #                auto": the old fixed --max-num-seqs and the per-device default), then where the
 #                time went by step kind (benchmarks/step_log_summary.py); then, per mode, its
-#                main step alone (decode 480 x 1,536, benchmarks/decode_roofline.py) against its
-#                byte floor, 3 steps traced, the kernels by device time ($HIGHLOAD_TRACE=0: not)
+#                main step alone (decode 480 x 1,536 in fp8, 384 in bf16; decode_roofline.py) against its
+#                byte floor, 3 steps traced, the kernels by device time ($HIGHLOAD_TRACE=0: not;
+#                HIGHLOAD_SEQS="" runs the traced step alone)
 #                -> $OUT/highload_<mode>_<seqs>.{log,json}, _steps.* (about 2-3 minutes a run)
 #   invariant_probe  per set of XLA options (autotuned, autotune level 0, cuBLAS at level 0):
 #                the batch-invariant scenarios' differing logit rows on the GPU test's model
@@ -695,7 +696,7 @@ stage_highload() {  # the 1000 x 1000/1000 run with its step log: where the time
     esac
     # 256: the fixed --max-num-seqs of earlier trees; auto: the per-device default
     # (runner/batch_size.py: 427 bf16, 887 fp8 + fp8 KV on the H200 at 2,048 tokens)
-    for seqs in ${HIGHLOAD_SEQS:-256 auto}; do
+    for seqs in ${HIGHLOAD_SEQS-256 auto}; do
       run=highload_${mode}_$seqs
       JAXSERVE_STEP_LOG="$OUT/${run}_steps.jsonl" python3 -m jaxserve.bench.throughput \
         --engine jaxserve --num-prompts 1000 --input-len 1000 --output-len 1000 \
@@ -706,13 +707,16 @@ stage_highload() {  # the 1000 x 1000/1000 run with its step log: where the time
         --output-json "$OUT/${run}_steps_summary.json"
     done
     [ "${HIGHLOAD_TRACE:-1}" = 0 ] && continue
-    # The run's main step alone (decode of 480 sequences at 1,536 tokens, the mid-run mean):
-    # device time against its byte floor, and its kernels by device time (3 steps traced).
+    # The run's main step alone (decode at 1,536 tokens, the mid-run mean; 480 sequences with
+    # an fp8 cache, 384 in bf16, what decode_roofline's cache holds): device time against its
+    # byte floor, and its kernels by device time (3 steps traced).
     run=highload_${mode}_step
-    python3 -m benchmarks.decode_roofline --batches 480 --contexts 1536 --iters 5 \
-      --profile-dir "$OUT/${run}_profile" --profile-batches 480 --output-json "$OUT/$run.json" \
+    local batch=384
+    [ $mode = fp8kv ] && batch=480
+    python3 -m benchmarks.decode_roofline --batches $batch --contexts 1536 --iters 5 \
+      --profile-dir "$OUT/${run}_profile" --profile-batches $batch --output-json "$OUT/$run.json" \
       $([ $mode = fp8kv ] && echo --quantization fp8 --kv-cache-dtype fp8) > "$OUT/$run.log" 2>&1
-    echo "-- $mode, decode 480 x 1,536: $(grep '^row' "$OUT/$run.log" || tail -1 "$OUT/$run.log")"
+    echo "-- $mode, decode $batch x 1,536: $(grep '^row' "$OUT/$run.log" || tail -1 "$OUT/$run.log")"
     python3 -m benchmarks.trace_summary "$OUT/${run}_profile" --steps 3 --top 20 \
       > "$OUT/${run}_kernels.txt" 2>&1
     head -26 "$OUT/${run}_kernels.txt"
