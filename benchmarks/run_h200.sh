@@ -119,6 +119,10 @@
 #                each line of $XLA_FLAG_SETS (default: command buffers off, graphs of any size,
 #                more op kinds in graphs), device and wall ms -> $OUT/xla_flags_N.{log,json}
 #                (#36 item 6; a model start per line, about 4 minutes)
+#   host_launch  the host's time to launch a decode step (launch_ms: model step and sampler from
+#                an idle device) at batch 1 and 64, context 1,024, with each attention path of
+#                $LAUNCH_ATTENTION (default "auto triton reference": JAXSERVE_ATTENTION) ->
+#                $OUT/host_launch_<path>.{log,json} (a model start each, about 3 minutes)
 #   step_kernels what a compiled step launches (benchmarks/probes/step_kernels.py): the Llama-3-8B
 #                decode step of 16 tokens in bf16, fp8 and with 8 LoRA slots (the kernel count
 #                only for those two), and Qwen3-Embedding-0.6B's 16,384-token
@@ -423,6 +427,19 @@ stage_xla_flags() {  # the batch-1 and 64 decode step under XLA's command-buffer
 --xla_gpu_enable_command_buffer=
 --xla_gpu_graph_min_graph_size=1
 --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL}"
+}
+
+stage_host_launch() {  # the host's time to launch a decode step, by attention path
+  # (a step's launch was 2.97 ms at batch 1 on an H100, 5.08 with command buffers off; a
+  # verify step, which nothing overlaps, spends it in full: does a kernel's custom call
+  # break XLA's graphs?)
+  local path
+  for path in ${LAUNCH_ATTENTION:-auto triton reference}; do
+    echo "-- JAXSERVE_ATTENTION=$path"
+    JAXSERVE_ATTENTION=$path python3 -m benchmarks.decode_roofline --iters 10 --batches 1,64 \
+      --contexts 1024 --output-json "$OUT/host_launch_$path.json" > "$OUT/host_launch_$path.log" 2>&1
+    grep -E "^row " "$OUT/host_launch_$path.log" || tail -3 "$OUT/host_launch_$path.log"
+  done
 }
 
 stage_spec() {  # speculative decoding: verify cost k = 0..7 at batch 1/8/64, n-gram end to end
