@@ -598,3 +598,23 @@ def test_dispatch_block_probe_smoke(tmp_path, monkeypatch, capsys) -> None:
     assert {"put_small", "put_large", "call", "call_numpy", "donate", "donate_busy"} <= set(rows)
     assert all(row["busy_ms"] >= 0 and row["busy_program_ms"] > 0 for row in rows.values())
     assert "case           idle ms   busy ms" in capsys.readouterr().out
+
+
+def test_fp8_compile_probe_names_the_gemms_and_the_fp8_moves() -> None:
+    """The compiled step's GEMM custom calls by target, and the instructions that transpose or
+    copy an fp8 array (a weight moved to the layout cuBLASLt's fp8 GEMM wants)."""
+    from benchmarks.probes.fp8_compile import gemm_kinds
+
+    hlo = "\n".join(
+        [
+            "%t = f8e4m3fn[64,32]{0,1} transpose(f8e4m3fn[32,64]{1,0} %w), dimensions={1,0}",
+            "%c = f8e4m3fn[16,16]{1,0} copy(f8e4m3fn[16,16]{0,1} %q)",
+            '%g = (bf16[8,8]{1,0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul$f8"',
+            '%h = (bf16[8,8]{1,0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul"',
+            '%m = f32[16]{0} custom-call(%a), custom_call_target="mosaic_gpu_v2"',
+            "%y = bf16[16,16]{1,0} transpose(bf16[16,16]{0,1} %z), dimensions={1,0}",
+        ]
+    )
+    kinds, moves = gemm_kinds(hlo)
+    assert kinds == {"__cublas$lt$matmul$f8": 1, "__cublas$lt$matmul": 1}
+    assert moves == 2

@@ -12,7 +12,11 @@ size: what the options change):
   cuBLAS, autotune 0 both.
 
 The option set whose compile is short and whose step is no slower is the one the fp8 programs
-should take.
+should take. Each row also says what the compiled step's GEMMs are (its custom calls by
+target: cuBLAS(Lt) and its fp8 form, ``gemms``) and how many of its instructions transpose or
+copy fp8 arrays (``fp8_moves``): cuBLASLt's fp8 GEMM wants both operands K-minor, and the
+weights are stored ``[in, out]``, so XLA may move them at every step (issue 36, item 2: is
+W8A8 prefill on fp8 tensor cores?).
 
     python -m benchmarks.probes.fp8_compile                 # on the H200, about 6 minutes
     python -m benchmarks.probes.fp8_compile --smoke         # tiny CPU run
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -62,6 +67,21 @@ def step_ms(runner: ModelRunner, compiled: Any, bucket: int, repeats: int) -> fl
     return 1e3 * float(np.median(times[1:]))
 
 
+def gemm_kinds(hlo: str) -> tuple[dict[str, int], int]:
+    """(custom-call target -> count for the GEMM-like ones, instructions that transpose or copy
+    an fp8 array) of a compiled program's HLO text."""
+    kinds: dict[str, int] = {}
+    for target in re.findall(r'custom_call_target="([^"]+)"', hlo):
+        if any(word in target.lower() for word in ("gemm", "matmul", "triton", "cublas")):
+            kinds[target] = kinds.get(target, 0) + 1
+    moves = sum(
+        1
+        for line in hlo.splitlines()
+        if re.search(r"= f8e\w+\[[^\]]*\]\S* (transpose|copy)\(", line.strip())
+    )
+    return kinds, moves
+
+
 def measure(mode: str, args: argparse.Namespace, option_sets: list[str]) -> list[dict]:
     config = EngineConfig(
         model=args.model,
@@ -84,12 +104,14 @@ def measure(mode: str, args: argparse.Namespace, option_sets: list[str]) -> list
             compiled = lowered.compile(compiler_options=OPTION_SETS[name] or None)
             compile_s = time.perf_counter() - start
             ms = step_ms(runner, compiled, bucket, args.repeats)
+            gemms, moves = gemm_kinds(compiled.as_text())
             rows.append(
-                {"mode": mode, "bucket": bucket, "options": name, "compile_s": compile_s, "ms": ms}
+                {"mode": mode, "bucket": bucket, "options": name, "compile_s": compile_s,
+                 "ms": ms, "gemms": gemms, "fp8_moves": moves}  # fmt: skip
             )
             print(
                 f"{mode:5s} bucket {bucket:5d} {name:19s} compile {compile_s:6.1f} s, "
-                f"step {ms:8.2f} ms",
+                f"step {ms:8.2f} ms, GEMMs {gemms}, fp8 moves {moves}",
                 flush=True,
             )
     runner.shutdown()
@@ -117,9 +139,13 @@ def main() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)  # every compile runs
     option_sets = args.options.split(",")
     rows = [row for mode in args.modes.split(",") for row in measure(mode, args, option_sets)]
-    print("\n| mode | bucket | options | compile s | step ms |\n|---|---:|---|---:|---:|")
+    print(
+        "\n| mode | bucket | options | compile s | step ms | fp8 moves |\n"
+        "|---|---:|---|---:|---:|---:|"
+    )
     for r in rows:
-        cells = (r["mode"], r["bucket"], r["options"], f"{r['compile_s']:.1f}", f"{r['ms']:.2f}")
+        cells = (r["mode"], r["bucket"], r["options"], f"{r['compile_s']:.1f}", f"{r['ms']:.2f}",
+                 r["fp8_moves"])  # fmt: skip
         print("| " + " | ".join(str(c) for c in cells) + " |")
     if args.output_json:
         Path(args.output_json).write_text(
