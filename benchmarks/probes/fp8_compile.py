@@ -106,8 +106,15 @@ def measure(mode: str, args: argparse.Namespace, option_sets: list[str]) -> list
             ms = step_ms(runner, compiled, bucket, args.repeats)
             gemms, moves = gemm_kinds(compiled.as_text())
             rows.append(
-                {"mode": mode, "bucket": bucket, "options": name, "compile_s": compile_s,
-                 "ms": ms, "gemms": gemms, "fp8_moves": moves}  # fmt: skip
+                {
+                    "mode": mode,
+                    "bucket": bucket,
+                    "options": name,
+                    "compile_s": compile_s,
+                    "ms": ms,
+                    "gemms": gemms,
+                    "fp8_moves": moves,
+                }
             )
             print(
                 f"{mode:5s} bucket {bucket:5d} {name:19s} compile {compile_s:6.1f} s, "
