@@ -242,13 +242,13 @@ def test_on_one_gpu_up_to_four_slots_take_the_dense_product(monkeypatch):
     monkeypatch.setattr(env_choice, "devices_per_model", lambda: 1)
     monkeypatch.delenv(dispatch.LORA_KERNEL_ENV, raising=False)
     assert dispatch.DENSE_MAX_SLOTS == 4
-    assert dispatch.choose(1) == ("reference", "JAXSERVE_LORA_KERNEL=auto: 1 slots, at most 4")
+    assert dispatch.choose(1) == ("reference", "JAXSERVE_LORA_KERNEL=auto: 1 slot, at most 4")
     assert dispatch.choose(4)[0] == "reference"
     assert dispatch.choose(5) == ("triton", "JAXSERVE_LORA_KERNEL=auto: 5 slots, more than 4")
     assert dispatch.choose() == ("triton", "JAXSERVE_LORA_KERNEL=auto")
     assert dispatch.describe(1) == (
         "LoRA product: dense one-hot product over every slot (XLA) "
-        "(JAXSERVE_LORA_KERNEL=auto: 1 slots, at most 4)"
+        "(JAXSERVE_LORA_KERNEL=auto: 1 slot, at most 4)"
     )
     assert dispatch.describe(64).startswith("LoRA product: Pallas Triton grouped kernel (")
     called = []

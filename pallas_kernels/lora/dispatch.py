@@ -62,9 +62,10 @@ def choose(num_slots: int | None = None) -> tuple[str, str]:
         LORA_KERNEL_ENV, value, forced="triton", off="reference", fallback="reference"
     )
     if value == "auto" and path == "triton" and num_slots is not None:
+        slots = f"{num_slots} slot{'' if num_slots == 1 else 's'}"
         if num_slots <= DENSE_MAX_SLOTS:
-            return "reference", f"{why}: {num_slots} slots, at most {DENSE_MAX_SLOTS}"
-        why = f"{why}: {num_slots} slots, more than {DENSE_MAX_SLOTS}"
+            return "reference", f"{why}: {slots}, at most {DENSE_MAX_SLOTS}"
+        why = f"{why}: {slots}, more than {DENSE_MAX_SLOTS}"
     return path, why
 
 
