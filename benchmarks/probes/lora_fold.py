@@ -7,6 +7,8 @@ device in five forms:
   kernel    the LoRA terms on ``pallas_kernels.lora.dispatch`` (two Triton launches a group,
             the norm's weight read in by the shrink);
   dense     XLA's dense product over every slot (``reference``; ``JAXSERVE_LORA_KERNEL``);
+  joined    the same with each group's B matrices joined block-diagonally (``[M, n * R,
+            sum O]``), so q/k/v's expand is one GEMM, not three, and gate/up's one, not two;
   folded    each group's A matrices appended to its base weight's output columns, so the base
             GEMM also makes ``x @ A`` (no shrink launch), then XLA's dense expand;
   merged    the adapter merged into the weights (``W + A @ B``): what one adapter alone costs
@@ -68,6 +70,23 @@ def fold(layer: dict) -> dict:
     return folded
 
 
+def join(layer: dict) -> dict:
+    """Each group's B matrices as one block-diagonal ``[M, n * R, sum O]``: its n expands in
+    one GEMM (the zeros off the diagonal add nothing)."""
+    joined = dict(layer)
+    for group in GROUPS:
+        w, a, bs = layer[group]
+        slots, _, cols = a.shape
+        rank, width = cols // len(bs), sum(b.shape[2] for b in bs)
+        block = jnp.zeros((slots, cols, width), bs[0].dtype)
+        col = 0
+        for i, b in enumerate(bs):
+            block = block.at[:, i * rank : (i + 1) * rank, col : col + b.shape[2]].set(b)
+            col += b.shape[2]
+        joined[group] = (w, a, (block,))
+    return joined
+
+
 def merge(layer: dict, slot: int) -> dict:
     """Slot ``slot``'s adapter merged into the base weights (``W + A @ B``)."""
     merged = dict(layer)
@@ -100,7 +119,7 @@ def step(layers: list[dict], x: jax.Array, slots: jax.Array, form: str) -> jax.A
             return base
         if form == "kernel":
             terms = dispatch.lora_deltas(rows, a, bs, slots, mask, scale)
-        else:
+        else:  # dense, or joined (its layers' B joined: one term a group)
             terms = reference.lora_deltas(rows, a, bs, slots, mask, scale)
         return base + jnp.concatenate(terms, axis=1)
 
@@ -120,7 +139,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--slots", default="1,8", help="adapter slots (--max-loras) to try")
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--forms", default="base,dense,kernel,folded,merged")
+    parser.add_argument("--iters", type=int, default=20, help="calls a timed run")
+    parser.add_argument("--forms", default="base,dense,joined,kernel,folded,merged")
     parser.add_argument("--out", default=None, help="results JSON")
     args = parser.parse_args()
     forms = args.forms.split(",")
@@ -133,6 +153,7 @@ def main() -> None:
         slots = jnp.zeros(TOKENS, jnp.int32).at[0].set(1)  # one token on slot 1: batch 1
         variants = {
             "folded": [fold(layer) for layer in layers] if "folded" in forms else None,
+            "joined": [join(layer) for layer in layers] if "joined" in forms else None,
             "merged": [merge(layer, 0) for layer in layers] if "merged" in forms else None,
         }
         want = None
@@ -143,8 +164,8 @@ def main() -> None:
             out = np.asarray(call(weights, x, slots), np.float32)  # (compiles)
             if form == "dense":
                 want = out
-            row[f"{form}_ms"] = best_time(call, weights, x, slots) * 1e3
-            if want is not None and form in ("kernel", "folded", "merged"):
+            row[f"{form}_ms"] = best_time(call, weights, x, slots, iters=args.iters) * 1e3
+            if want is not None and form in ("kernel", "joined", "folded", "merged"):
                 rows = slice(0, 1) if form == "merged" else slice(None)  # merged: all rows
                 row[f"{form}_max_error"] = float(np.abs(out[rows] - want[rows]).max())
             del weights
