@@ -41,8 +41,9 @@ def with_periods(steps: list[dict]) -> list[dict]:
     objects freed). A gap over IDLE_MS (the engine had no work: between two runs in one log)
     counts as the step's own span only."""
     out = []
-    for step, after in zip(steps, [*steps[1:], None][: len(steps)], strict=True):
-        period = step["total_ms"] if after is None else 1e3 * (after["t"] - step["t"])
+    for i, step in enumerate(steps):
+        last = i + 1 == len(steps)
+        period = step["total_ms"] if last else 1e3 * (steps[i + 1]["t"] - step["t"])
         if period - step["total_ms"] > IDLE_MS:
             period = step["total_ms"]
         out.append({**step, "period": period, "between": max(0.0, period - step["total_ms"])})
@@ -89,7 +90,7 @@ def main() -> None:
         print(f"{args.log}: no steps")
         return
     rows = summarize(steps)
-    wall = sum(s["period"] for s in with_periods(steps)) / 1e3
+    wall = sum(r["period_ms"] * r["steps"] for r in rows) / 1e3
     out_tokens = sum(s["decode"] for s in steps)
     print(f"{len(steps)} steps, {wall:.1f} s of steps, {out_tokens:,} decode tokens")
     print(
