@@ -9,6 +9,13 @@ names them.
     python -m benchmarks.probes.step_kernels --runner pooling --bucket 16384 \\
         --model jaxserve/assets/configs/qwen3-embedding-0.6b --out-dir $OUT          # embeddings
     python -m benchmarks.probes.step_kernels --smoke --out-dir /tmp/sk             # CPU fixture
+
+``--deviceless h100`` (or ``h200``) compiles the step for that GPU on a machine without one
+(``benchmarks/deviceless.py``: the CUDA plugin's compile-only device, abstract weights; its
+GEMMs are the heuristics' Triton fusions, not the autotuner's picks):
+
+    .venv-deviceless/bin/python -m benchmarks.probes.step_kernels --deviceless h100 \\
+        --bucket 512 --quantization fp8 --kv-cache-dtype fp8 --out-dir /tmp/sk
 """
 
 from __future__ import annotations
@@ -16,11 +23,13 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from benchmarks import hlo_kernels
 from jaxserve.config import builtin_config_dir
+from jaxserve.runner.pooling_attention import POOLING_ATTENTION_ENV
 
 
 def step_hlo(args: argparse.Namespace) -> str:
@@ -51,6 +60,25 @@ def step_hlo(args: argparse.Namespace) -> str:
         llm.shutdown()
 
 
+def deviceless_hlo(args: argparse.Namespace) -> str:
+    """The optimized HLO text of the step, compiled for ``args.deviceless`` without a GPU."""
+    from benchmarks import deviceless
+
+    whole = args.runner == "pooling" and os.environ.get(POOLING_ATTENTION_ENV) == "whole"
+    spec = deviceless.StepSpec(
+        Path(args.model),
+        args.bucket,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        max_loras=args.max_loras,
+        whole_prompts=whole,
+        num_pages=args.num_blocks,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+    )
+    return deviceless.step_hlo(spec, args.deviceless)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(builtin_config_dir("llama-3-8b")))
@@ -61,7 +89,13 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--num-blocks", type=int, default=1024)
     parser.add_argument("--quantization", default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     parser.add_argument("--max-loras", type=int, default=0, help="LoRA slots of rank 16 (0: off)")
+    parser.add_argument(
+        "--deviceless",
+        choices=("h100", "h200"),
+        help="compile for this GPU without one (the CUDA plugin's compile-only device)",
+    )
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="the tiny fixture, on the CPU")
@@ -70,9 +104,13 @@ def main() -> None:
         from tests.conftest import fixture_dir
 
         args.model, args.max_model_len, args.num_blocks = str(fixture_dir("llama")), 256, 64
-    text = step_hlo(args)
+    if args.kv_cache_dtype != "auto" and not args.deviceless:
+        parser.error("--kv-cache-dtype is for --deviceless (the engine's own flag elsewhere)")
+    text = deviceless_hlo(args) if args.deviceless else step_hlo(args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     quantized = f"_{args.quantization}" if args.quantization else ""
+    quantized += "_fp8kv" if args.kv_cache_dtype == "fp8" else ""
+    quantized += f"_{args.deviceless}" if args.deviceless else ""
     lora = f"_lora{args.max_loras}" if args.max_loras else ""
     name = f"step_{Path(args.model).name}_{args.runner}_{args.bucket}{quantized}{lora}"
     with gzip.open(args.out_dir / f"{name}.hlo.txt.gz", "wt") as f:
