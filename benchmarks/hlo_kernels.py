@@ -41,11 +41,16 @@ class Kernel:
     def output_bytes(self) -> int:
         total = 0
         for dtype, dims in _SHAPE.findall(self.shape):
-            size = _BYTES.get(dtype) or max(1, int(re.sub(r"\D", "", dtype) or 8) // 8)
+            size = _BYTES.get(dtype) or _bits(dtype) // 8
             for d in filter(None, dims.split(",")):
                 size *= int(d)
             total += size
         return total
+
+
+def _bits(dtype: str) -> int:
+    """Bits of an HLO element type: ``f8e4m3fn`` 8, ``s32`` 32, ``f16`` 16."""
+    return 8 if dtype.startswith("f8") else max(8, int(re.sub(r"\D", "", dtype) or 8))
 
 
 def parse(text: str) -> list[Kernel]:

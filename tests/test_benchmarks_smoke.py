@@ -579,6 +579,18 @@ def test_hlo_kernels_lists_the_kernels_outside_fused_computations() -> None:
     assert total == sorted(total, reverse=True)
 
 
+def test_hlo_kernels_counts_each_element_type_s_bytes() -> None:
+    from benchmarks import hlo_kernels
+
+    def kernel(shape: str) -> hlo_kernels.Kernel:
+        return hlo_kernels.Kernel("k", "kLoop", "convert", shape, "")
+
+    assert kernel("f8e4m3fn[512,14336]{1,0}").output_bytes == 512 * 14336
+    assert kernel("f8e5m2[4]{0}").output_bytes == 4
+    assert kernel("(bf16[2,3]{1,0}, f32[2]{0})").output_bytes == 2 * 6 + 4 * 2
+    assert kernel("pred[8]{0}").output_bytes == 8
+
+
 def test_step_kernels_probe_smoke(tmp_path, monkeypatch, capsys) -> None:
     """The fixture's 16-token step compiled by the engine's programs, written and listed."""
     args = ["--smoke", "--out-dir", str(tmp_path)]
