@@ -429,3 +429,21 @@ def test_launch_refuses_an_unsupported_checkpoint_at_start_up(tmp_path) -> None:
     assert f"Could not load {tmp_path}: quantization_config.quant_method='bitsandbytes'" in (
         proc.stdout + proc.stderr
     )
+
+
+def test_w8a8_writes_its_dot_in_the_activations_16_bit_dtype(monkeypatch) -> None:
+    """The fp8 dot of bf16 activations writes bf16 (half the bytes of float32), summed in f32,
+    the scales applied after in f32: within bf16's rounding of the float32-written result."""
+    monkeypatch.setattr(quant, "W8A8_MIN_TOKENS", 1)
+    rng = np.random.default_rng(6)
+    w = rng.normal(size=(24, 32)).astype(np.float32)
+    q = quantize(w, "fp8", (32,), (24,), act_quant=True)
+    x = jnp.asarray(rng.normal(size=(5, 32)), jnp.bfloat16)
+    jaxpr = str(jax.make_jaxpr(lambda x: linear(x, q, ""))(x))
+    (dot,) = [line for line in jaxpr.splitlines() if "= dot_general[" in line]
+    assert ":bf16[5,24] = dot_general[" in dot
+    y = np.asarray(jax.jit(lambda x: linear(x, q, ""))(x).astype(jnp.float32))
+    x32 = x.astype(jnp.float32)
+    want = np.asarray(jax.jit(lambda x: linear(x, q, ""))(x32))  # f32 written: the reference
+    np.testing.assert_allclose(y, want, rtol=2**-7, atol=2**-7 * np.abs(want).max())
+    assert quant.w8a8_dot_dtype(x) == jnp.bfloat16 and quant.w8a8_dot_dtype(x32) == jnp.float32
