@@ -143,6 +143,10 @@
 #                byte floor, 3 steps traced, the kernels by device time ($HIGHLOAD_TRACE=0: not;
 #                HIGHLOAD_SEQS="" runs the traced step alone)
 #                -> $OUT/highload_<mode>_<seqs>.{log,json}, _steps.* (about 2-3 minutes a run)
+#   w8a8         the W8A8 dot's output (#36): the high-load run's main step (decode 480 x 1,536,
+#                fp8 weights and fp8 KV) with JAXSERVE_W8A8_DOT_DTYPE=float32 (the dot before)
+#                and auto (the activations' bf16) side by side, the second traced
+#                -> $OUT/w8a8_{float32,auto}.{log,json}, w8a8_auto_kernels.txt (a few minutes)
 #   invariant_probe  per set of XLA options (autotuned, autotune level 0, cuBLAS at level 0):
 #                the batch-invariant scenarios' differing logit rows on the GPU test's model
 #                (benchmarks/probes/batch_invariant_bits.py, about 2 minutes)
@@ -739,6 +743,22 @@ stage_highload() {  # the 1000 x 1000/1000 run with its step log: where the time
     head -26 "$OUT/${run}_kernels.txt"
     find "$OUT/${run}_profile" -name "*.xplane.pb" -delete
   done
+}
+
+stage_w8a8() {  # the W8A8 dot writing float32 (before) and bf16 (now), the same step
+  local dtype run
+  for dtype in float32 auto; do
+    run=w8a8_$dtype
+    JAXSERVE_W8A8_DOT_DTYPE=$dtype python3 -m benchmarks.decode_roofline --batches 480 \
+      --contexts 1536 --iters 10 --quantization fp8 --kv-cache-dtype fp8 \
+      $([ $dtype = auto ] && echo --profile-dir "$OUT/${run}_profile" --profile-batches 480) \
+      --output-json "$OUT/$run.json" > "$OUT/$run.log" 2>&1
+    echo "-- JAXSERVE_W8A8_DOT_DTYPE=$dtype: $(grep '^row' "$OUT/$run.log" || tail -1 "$OUT/$run.log")"
+  done
+  python3 -m benchmarks.trace_summary "$OUT/w8a8_auto_profile" --steps 3 --top 20 \
+    > "$OUT/w8a8_auto_kernels.txt" 2>&1
+  head -26 "$OUT/w8a8_auto_kernels.txt"
+  find "$OUT/w8a8_auto_profile" -name "*.xplane.pb" -delete
 }
 
 stage_skinny_step() {

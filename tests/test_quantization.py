@@ -447,3 +447,8 @@ def test_w8a8_writes_its_dot_in_the_activations_16_bit_dtype(monkeypatch) -> Non
     want = np.asarray(jax.jit(lambda x: linear(x, q, ""))(x32))  # f32 written: the reference
     np.testing.assert_allclose(y, want, rtol=2**-7, atol=2**-7 * np.abs(want).max())
     assert quant.w8a8_dot_dtype(x) == jnp.bfloat16 and quant.w8a8_dot_dtype(x32) == jnp.float32
+    monkeypatch.setenv(quant.W8A8_DOT_DTYPE_ENV, "float32")  # the former dot, for benchmarks
+    assert quant.w8a8_dot_dtype(x) == jnp.float32
+    monkeypatch.setenv(quant.W8A8_DOT_DTYPE_ENV, "f16")
+    with pytest.raises(ValueError, match="JAXSERVE_W8A8_DOT_DTYPE='f16' must be one of auto"):
+        quant.w8a8_dot_dtype(x)
