@@ -143,6 +143,10 @@
 #                byte floor, 3 steps traced, the kernels by device time ($HIGHLOAD_TRACE=0: not;
 #                HIGHLOAD_SEQS="" runs the traced step alone)
 #                -> $OUT/highload_<mode>_<seqs>.{log,json}, _steps.* (about 2-3 minutes a run)
+#   splits       the 16-token bucket's attention split plan (#36 item 6): decode at batch 1, 4 and
+#                16 (the bucket's fullest), contexts 256, 1,024 and 4,096, bf16, with
+#                JAXSERVE_ATTENTION_SPLITS=bucket (every row live: 2 splits) and live (the default:
+#                planned for 4 live rows, 8 splits) side by side -> $OUT/splits_{bucket,live}.*
 #   w8a8         the W8A8 dot's output (#36): the high-load run's main step (decode 480 x 1,536,
 #                fp8 weights and fp8 KV) with JAXSERVE_W8A8_DOT_DTYPE=float32 (the dot before)
 #                and auto (the activations' bf16) side by side, the second traced
@@ -742,6 +746,17 @@ stage_highload() {  # the 1000 x 1000/1000 run with its step log: where the time
       > "$OUT/${run}_kernels.txt" 2>&1
     head -26 "$OUT/${run}_kernels.txt"
     find "$OUT/${run}_profile" -name "*.xplane.pb" -delete
+  done
+}
+
+stage_splits() {  # the small bucket's KV splits, planned for every row live and for 4
+  local plan
+  for plan in bucket live; do
+    JAXSERVE_ATTENTION_SPLITS=$plan python3 -m benchmarks.decode_roofline --iters 20 \
+      --batches 1,4,16 --contexts 256,1024,4096 --output-json "$OUT/splits_$plan.json" \
+      > "$OUT/splits_$plan.log" 2>&1
+    echo "-- JAXSERVE_ATTENTION_SPLITS=$plan"
+    grep '^row' "$OUT/splits_$plan.log" || tail -3 "$OUT/splits_$plan.log"
   done
 }
 

@@ -9,10 +9,11 @@ and the checks are those of the Mosaic GPU kernel's tests.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ragged_paged_attention import dispatch, reference, triton
+from pallas_kernels.ragged_paged_attention import dispatch, mosaic_gpu, reference, splits, triton
 from tests.test_kernel_gpu import (
     GPT_OSS_SINK_CASES,
     Case,
@@ -174,3 +175,24 @@ def test_head_dim_256_walks_64_kv_tokens_a_step_from_hopper_on(
 
     monkeypatch.setattr(triton.jax, "devices", lambda *_: [Gpu()])
     assert triton.default_block_kv(head_dim) == block_kv
+
+
+# (plan, the 16-token bucket's splits on the Triton kernel (108 SMs, an A100: what it assumes off
+# a GPU) and on the Mosaic GPU kernel (132 SMs)); a 32-token bucket splits once on both.
+@pytest.mark.parametrize("plan, triton_16, mosaic_16", [("live", 4, 8), ("bucket", 1, 2)])
+def test_a_small_bucket_is_split_for_few_live_rows(monkeypatch, plan, triton_16, mosaic_16):
+    """A batch of one decodes in the 16-token bucket: its split plan counts 4 live rows, not
+    16 (``splits.planned_rows``); ``JAXSERVE_ATTENTION_SPLITS=bucket`` restores the former
+    rule. Larger buckets are planned as before."""
+    monkeypatch.setenv(splits.SPLIT_PLAN_ENV, plan)
+    for tokens, triton_want, mosaic_want in ((16, triton_16, mosaic_16), (32, 1, 1)):
+        q = jax.ShapeDtypeStruct((tokens, 32, 128), jnp.bfloat16)
+        k_pages = jax.ShapeDtypeStruct((512, 16, 8, 128), jnp.bfloat16)
+        page_indices = jax.ShapeDtypeStruct((tokens, 512), jnp.int32)  # 8,192 tokens a sequence
+        launch = triton._launch_for(q, k_pages, page_indices, triton.TritonConfig())
+        assert launch.num_splits == triton_want, (tokens, launch)
+        assert mosaic_gpu.default_num_splits(tokens, tokens, 8, 8192, 64) == mosaic_want
+    assert splits.planned_rows(17) == 17
+    monkeypatch.setenv(splits.SPLIT_PLAN_ENV, "rows")
+    with pytest.raises(ValueError, match="JAXSERVE_ATTENTION_SPLITS='rows' must be one of"):
+        splits.planned_rows(16)

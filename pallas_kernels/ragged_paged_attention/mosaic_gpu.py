@@ -80,7 +80,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kv_cache import FP8_DTYPES
-from pallas_kernels.ragged_paged_attention.splits import merge_splits
+from pallas_kernels.ragged_paged_attention.splits import merge_splits, planned_rows
 
 ROWS = 64  # query rows per program: one wgmma M tile
 LOG2E = math.log2(math.e)
@@ -198,8 +198,9 @@ def unsupported_reason(q, k_pages, *, head_major_kv: bool = False) -> str | None
 def default_num_splits(
     num_tokens: int, num_slots: int, num_kv_heads: int, max_kv: int, block_kv: int
 ) -> int:
-    """Split the KV length when the (tile, head) programs would leave the GPU half empty."""
-    programs = min(num_tokens, num_slots) * num_kv_heads
+    """Split the KV length when the (tile, head) programs would leave the GPU half empty
+    (a small launch's rows planned as ``splits.planned_rows`` says)."""
+    programs = planned_rows(min(num_tokens, num_slots)) * num_kv_heads
     splits = 1
     while programs * splits * 2 <= 2 * NUM_SMS and max_kv >= 2 * splits * 2 * block_kv:
         splits *= 2

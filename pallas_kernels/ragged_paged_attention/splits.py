@@ -11,7 +11,31 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.env_choice import env_choice
+
 LOG2E = math.log2(math.e)
+
+# The split rules count a launch's rows (its tiles of one KV head) as live, but a bucket's rows
+# are padded: a batch of one decodes in the 16-token bucket, where the rules saw 16 sequences
+# and split each KV head's range 2 ways, so 16 programs read the one live sequence, each at the
+# pace of one SM. Measured: the batch-1 step's attention took 10 us a layer at 1,024 context
+# (H100, 2026-12-06), and Llama-3-8B's batch-1 step grew 0.79 ms from 1,024 to 4,096 context
+# where its bytes grew by 0.08 ms (H200, 2026-12-03). Launches of at most SMALL_LAUNCH_ROWS rows
+# are planned for SMALL_LAUNCH_LIVE_ROWS live ones instead: 8 splits of 8 KV heads on 132 SMs
+# (64 programs at batch 1). A full 16-row decode then runs 8 splits where 2 would do: four
+# times the programs, each with a quarter of the KV.
+SMALL_LAUNCH_ROWS = 16
+SMALL_LAUNCH_LIVE_ROWS = 4
+# ``live`` (the default: the plan above) or ``bucket`` (every row counted as live, the rule
+# before it), to compare the two in one benchmark run. Read at trace time.
+SPLIT_PLAN_ENV = "JAXSERVE_ATTENTION_SPLITS"
+
+
+def planned_rows(rows: int) -> int:
+    """The live rows a kernel's KV-split rule plans for, of a launch of ``rows`` rows."""
+    if rows > SMALL_LAUNCH_ROWS or env_choice(SPLIT_PLAN_ENV, ("live", "bucket"), "live") != "live":
+        return rows
+    return min(rows, SMALL_LAUNCH_LIVE_ROWS)
 
 
 def merge_splits(

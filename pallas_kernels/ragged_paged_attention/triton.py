@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.ragged_paged_attention.mosaic_gpu import max_tiles_for, plan_tiles
-from pallas_kernels.ragged_paged_attention.splits import merge_splits
+from pallas_kernels.ragged_paged_attention.splits import merge_splits, planned_rows
 
 LOG2E = math.log2(math.e)
 MASK_VALUE = -1e30  # finite, so fully masked rows never produce inf - inf
@@ -328,7 +328,7 @@ def _launch_for(q, k_pages, page_indices, config: TritonConfig) -> _Launch:
     num_warps = config.num_warps or (4 if rows <= 16 else 8)
     max_tiles = max_tiles_for(num_tokens, num_slots, block_q)
     num_splits = config.num_splits or default_num_splits(
-        max_tiles * num_kv_heads, pages_per_seq * page_size, block_kv, num_sms()
+        planned_rows(max_tiles) * num_kv_heads, pages_per_seq * page_size, block_kv, num_sms()
     )
     return _Launch(group, rows, block_q, block_kv, num_warps, max_tiles, num_splits)
 
