@@ -634,10 +634,13 @@ def test_fp8_compile_probe_names_the_gemms_and_the_fp8_moves() -> None:
 
 def test_lora_fold_probe_forms_agree(monkeypatch, capsys) -> None:
     """The probe's forms of a step's LoRA terms (dense, B joined block-diagonally, A folded into
-    the base GEMM) give the dense product's output, on one layer at the 8B shapes."""
-    args = ["--slots", "2", "--layers", "1", "--iters", "1", "--forms", "dense,joined,folded"]
+    the base GEMM, both products as float32 sums over A stored K-minor) give the dense
+    product's output, on one layer at the 8B shapes."""
+    forms = "dense,joined,folded,reduced"
+    args = ["--slots", "2", "--layers", "1", "--iters", "1", "--forms", forms]
     run_script("benchmarks.probes.lora_fold", args, monkeypatch)
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line[:1] == "{"]
     (row,) = rows
     assert row["joined_max_error"] == 0.0  # the zeros off the diagonal add nothing
     assert row["folded_max_error"] <= 0.125  # bf16: the base GEMM's wider output
+    assert row["reduced_max_error"] <= 0.125  # float32 sums in another order, then bf16

@@ -1,7 +1,7 @@
 """Would folding LoRA's shrink into the base GEMM pay at decode? A batch-1 decode step's
 projections (Llama-3-8B shapes, 32 layers, no attention: its cost is the same in every form),
 a 16-token bucket with one token on an adapter (rank 16 on every projection), timed on the
-device in five forms:
+device in these forms:
 
   base      no adapter: the norms, the four projection groups, SwiGLU and the residual adds;
   kernel    the LoRA terms on ``pallas_kernels.lora.dispatch`` (two Triton launches a group,
@@ -11,6 +11,12 @@ device in five forms:
             sum O]``), so q/k/v's expand is one GEMM, not three, and gate/up's one, not two;
   folded    each group's A matrices appended to its base weight's output columns, so the base
             GEMM also makes ``x @ A`` (no shrink launch), then XLA's dense expand;
+  reduced   A stored K-minor (``[M, n * R, X]``, as PEFT writes lora_A) and both products as
+            multiply-and-sum in float32, no GEMM: XLA makes each shrink one reduction kernel
+            (no split-K GEMM and its reduce) and fuses each expand, a sum over R, into an
+            element-wise kernel (a deviceless H100 compile, 2 layers: 6.5 kernels a layer
+            beside the base step's where the dense form adds 16 and folded 8); for
+            decode-sized steps only (no tensor cores);
   merged    the adapter merged into the weights (``W + A @ B``): what one adapter alone costs
             at best (the lower bound of any form).
 
@@ -87,6 +93,26 @@ def join(layer: dict) -> dict:
     return joined
 
 
+def k_minor(layer: dict) -> dict:
+    """Each group's A stored ``[M, n * R, X]`` (its input axis minor)."""
+    return {
+        k: (v[0], jnp.swapaxes(v[1], 1, 2), v[2]) if k in GROUPS else v for k, v in layer.items()
+    }
+
+
+def reduced_deltas(x: jax.Array, a_t: jax.Array, bs: tuple, mask: jax.Array) -> list[jax.Array]:
+    """The dense product's terms as multiply-and-sum in float32: ``x [T, X]``, ``a_t [M, nR,
+    X]``, ``bs`` n x ``[M, R, O]``; x @ A rounded to x's dtype before B, as the dense form."""
+    f32 = jnp.float32
+    xa = (x[:, None, None, :].astype(f32) * a_t[None].astype(f32)).sum(-1)  # [T, M, nR]
+    xa = (xa * mask[:, :, None]).astype(x.dtype)
+    parts = jnp.split(xa, len(bs), axis=2)
+    return [
+        (p[:, :, :, None].astype(f32) * b[None].astype(f32)).sum((1, 2)).astype(x.dtype)
+        for p, b in zip(parts, bs, strict=True)
+    ]
+
+
 def merge(layer: dict, slot: int) -> dict:
     """Slot ``slot``'s adapter merged into the base weights (``W + A @ B``)."""
     merged = dict(layer)
@@ -119,6 +145,8 @@ def step(layers: list[dict], x: jax.Array, slots: jax.Array, form: str) -> jax.A
             return base
         if form == "kernel":
             terms = dispatch.lora_deltas(rows, a, bs, slots, mask, scale)
+        elif form == "reduced":
+            terms = reduced_deltas(reference.scaled_input(rows, scale), a, bs, mask)
         else:  # dense, or joined (its layers' B joined: one term a group)
             terms = reference.lora_deltas(rows, a, bs, slots, mask, scale)
         return base + jnp.concatenate(terms, axis=1)
@@ -140,7 +168,7 @@ def main() -> None:
     parser.add_argument("--slots", default="1,8", help="adapter slots (--max-loras) to try")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--iters", type=int, default=20, help="calls a timed run")
-    parser.add_argument("--forms", default="base,dense,joined,kernel,folded,merged")
+    parser.add_argument("--forms", default="base,dense,joined,kernel,folded,reduced,merged")
     parser.add_argument("--out", default=None, help="results JSON")
     args = parser.parse_args()
     forms = args.forms.split(",")
@@ -155,6 +183,7 @@ def main() -> None:
             "folded": [fold(layer) for layer in layers] if "folded" in forms else None,
             "joined": [join(layer) for layer in layers] if "joined" in forms else None,
             "merged": [merge(layer, 0) for layer in layers] if "merged" in forms else None,
+            "reduced": [k_minor(layer) for layer in layers] if "reduced" in forms else None,
         }
         want = None
         row: dict = {"slots": num_slots, "layers": args.layers}
@@ -165,7 +194,7 @@ def main() -> None:
             if form == "dense":
                 want = out
             row[f"{form}_ms"] = best_time(call, weights, x, slots, iters=args.iters) * 1e3
-            if want is not None and form in ("kernel", "joined", "folded", "merged"):
+            if want is not None and form in ("kernel", "joined", "folded", "merged", "reduced"):
                 rows = slice(0, 1) if form == "merged" else slice(None)  # merged: all rows
                 row[f"{form}_max_error"] = float(np.abs(out[rows] - want[rows]).max())
             del weights
