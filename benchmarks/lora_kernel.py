@@ -89,7 +89,7 @@ def make_stacks(key, m: int, x_in: int, outs, rank: int, copies: int, dtype):
     stacks = []
     for c in range(copies):
         k = jax.random.fold_in(key, c)
-        a = jax.random.normal(k, (m, x_in, rank * len(outs)), dtype) / x_in**0.5
+        a = jax.random.normal(k, (m, rank * len(outs), x_in), dtype) / x_in**0.5
         bs = tuple(
             jax.random.normal(jax.random.fold_in(k, i + 1), (m, rank, o), dtype) / rank**0.5
             for i, o in enumerate(outs)

@@ -193,7 +193,8 @@
 #                16 batch-1 steps traced with and without it; then 0 and 1 adapters again with the
 #                kernel's forms in $LORA_FORMS (default split_k; JAXSERVE_LORA_FORM; "reference":
 #                XLA's dense product, JAXSERVE_LORA_KERNEL=reference; "kernel": the two-launch
-#                kernel at any slot count, JAXSERVE_LORA_KERNEL=triton)
+#                kernel at any slot count, JAXSERVE_LORA_KERNEL=triton; "gemm": the dense
+#                product's GEMMs at decode too, JAXSERVE_LORA_DENSE=gemm)
 #   lora_load    Llama-3-8B shape, dummy weights, served with LoRA on: 32 streamed neighbours'
 #                ITL p50/p99 quiet and while 8 adapters load at run time (benchmarks/lora_load.py;
 #                a server start and two runs: about 3 minutes)
@@ -970,6 +971,7 @@ stage_lora() {  # offline throughput with 0, 1, 8 and 64 rank-16 adapters; batch
     choice=JAXSERVE_LORA_FORM=$form  # at any slot count (auto: dense up to 8 slots)
     [ "$form" = reference ] && choice=JAXSERVE_LORA_KERNEL=reference
     [ "$form" = kernel ] && choice=JAXSERVE_LORA_KERNEL=triton
+    [ "$form" = gemm ] && choice=JAXSERVE_LORA_DENSE=gemm  # the dense product's GEMMs at decode
     env "$choice" python3 -m benchmarks.lora --adapters 0,1 $LORA_ARGS \
       --out "$OUT/lora_$form.json" > "$OUT/lora_$form.log" 2>&1
     grep -E "TPOT" "$OUT/lora_$form.log" | sed "s/^/$form: /" || tail -4 "$OUT/lora_$form.log"

@@ -79,6 +79,21 @@ def test_a_batch_of_four_adapters_and_the_base_equals_peft(llm):
         assert_golden(output, name)
 
 
+def test_the_reduced_form_of_the_product_serves_the_same_tokens(monkeypatch):
+    """The dense product's decode form on the GPU (float32 sums, no GEMM: ``reference.form``),
+    forced here for every step: four adapters and the base in one batch equal the goldens."""
+    from jaxserve import LLM
+    from pallas_kernels.lora import reference
+
+    monkeypatch.setenv(reference.FORM_ENV, "reduced")
+    params = greedy(logprobs=0, prompt_logprobs=0)
+    loras = [lora(n) for n in NAMES] + [None]
+    with LLM(str(fixture_dir("llama")), enable_lora=True, max_loras=4, **ENGINE) as llm:
+        outputs = llm.generate([prompt()] * 5, params, lora_request=loras, use_tqdm=False)
+    for output, name in zip(outputs, [*NAMES, None], strict=True):
+        assert_golden(output, name)
+
+
 def test_each_adapter_alone_and_the_base_with_adapters_loaded(llm):
     params = greedy(logprobs=0)
     for name in NAMES:
@@ -176,8 +191,8 @@ def test_tensor_parallel_on_two_devices_equals_peft():
     assert [r["name"] for r in runs] == [*NAMES, None]
     # M = 4 slots, R = 16, H = 64, N * D = 64 (2 x 32 per device), K * D = 32, I = 96.
     assert runs[0]["shards"] == {
-        "qkv_a": [4, 64, 48], "q_b": [4, 16, 32], "k_b": [4, 16, 16], "o_a": [4, 32, 16],
-        "o_b": [4, 16, 64], "gate_b": [4, 16, 48], "down_a": [4, 48, 16],
+        "qkv_a": [4, 48, 64], "q_b": [4, 16, 32], "k_b": [4, 16, 16], "o_a": [4, 16, 32],
+        "o_b": [4, 16, 64], "gate_b": [4, 16, 48], "down_a": [4, 16, 48],
     }  # fmt: skip
     for run in runs:
         g = golden(run["name"])
@@ -243,14 +258,14 @@ def test_the_stacked_product_equals_the_grouped_matmul():
 
     keys = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(keys[0], (12, 16))
-    a = jax.random.normal(keys[1], (3, 16, 4))
+    a = jax.random.normal(keys[1], (3, 4, 16))  # [M, R, X]
     b = jax.random.normal(keys[2], (3, 4, 8))
     slots = jnp.array([0, 2, 1, 3, 2, 0, 1, 1, 3, 0, 2, 2], jnp.int32)
     onehot = (slots[:, None] == jnp.arange(1, 4)[None]).astype(x.dtype)
     dense = ops.lora_delta(x, a, b, onehot)
     ragged = ops.lora_delta_ragged(x, a, b, slots)
     want = jnp.stack(
-        [x[t] @ a[s - 1] @ b[s - 1] if s else jnp.zeros(8) for t, s in enumerate(slots.tolist())]
+        [x[t] @ a[s - 1].T @ b[s - 1] if s else jnp.zeros(8) for t, s in enumerate(slots.tolist())]
     )
     np.testing.assert_allclose(dense, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ragged, want, rtol=1e-5, atol=1e-5)

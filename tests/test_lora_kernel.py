@@ -123,7 +123,7 @@ def make_inputs(case: Case, seed: int):
     dtype = jnp.dtype(case.dtype)
     n = len(case.size_os)
     x = rng.normal(size=(len(case.slots), case.size_x))
-    a = rng.normal(size=(case.num_slots, case.size_x, n * case.rank)) / np.sqrt(case.size_x)
+    a = rng.normal(size=(case.num_slots, n * case.rank, case.size_x)) / np.sqrt(case.size_x)
     bs = [
         rng.normal(size=(case.num_slots, case.rank, o)) / np.sqrt(case.rank) for o in case.size_os
     ]
@@ -136,8 +136,9 @@ def make_inputs(case: Case, seed: int):
 
 
 def numpy_deltas(x, a, bs, slots) -> list[np.ndarray]:
-    """Token by token, in float64: x @ A[s - 1] @ B[s - 1], zeros for slot 0."""
-    x, a = np.asarray(x, np.float64), np.asarray(a, np.float64)
+    """Token by token, in float64: x @ A[s - 1]^T @ B[s - 1] (A stored [n * R, X]), zeros for
+    slot 0."""
+    x, a = np.asarray(x, np.float64), np.swapaxes(np.asarray(a, np.float64), 1, 2)
     outs = []
     rank = a.shape[2] // len(bs)
     for i, b in enumerate(bs):
@@ -195,7 +196,7 @@ def test_the_shrink_splits_x_while_few_tiles_hold_rows():
         lt.LoraKernelConfig(block_k=24)
     with pytest.raises(ValueError, match="num_splits=3 must be a power of two"):
         lt.LoraKernelConfig(num_splits=3)
-    x, a = jnp.zeros((2, 8)), jnp.zeros((2, 8, 4))
+    x, a = jnp.zeros((2, 8)), jnp.zeros((2, 4, 8))
     assert "b (2, 3, 8) must be [2, 4, O]" in str(
         lt.unsupported_reason(x, a, [jnp.zeros((2, 3, 8))])
     )
@@ -247,8 +248,8 @@ def test_on_one_gpu_up_to_four_slots_take_the_dense_product(monkeypatch):
     assert dispatch.choose(5) == ("triton", "JAXSERVE_LORA_KERNEL=auto: 5 slots, more than 4")
     assert dispatch.choose() == ("triton", "JAXSERVE_LORA_KERNEL=auto")
     assert dispatch.describe(1) == (
-        "LoRA product: dense one-hot product over every slot (XLA) "
-        "(JAXSERVE_LORA_KERNEL=auto: 1 slot, at most 4)"
+        "LoRA product: dense one-hot product over every slot (XLA: GEMMs; float32 sums for "
+        "steps of at most 64 tokens) (JAXSERVE_LORA_KERNEL=auto: 1 slot, at most 4)"
     )
     assert dispatch.describe(64).startswith("LoRA product: Pallas Triton grouped kernel (")
     called = []
@@ -325,9 +326,9 @@ def test_the_model_product_through_the_kernel_equals_the_dense_one(monkeypatch):
 
     m, h, r, heads = 3, 32, 4, (2, 16)
     keys = iter(jax.random.split(jax.random.key(1), 16))
-    shapes = {"qkv_a": (m, h, 3 * r), "q_b": (m, r, 32), "k_b": (m, r, 16), "v_b": (m, r, 16),
-              "o_a": (m, 32, r), "o_b": (m, r, h), "gate_up_a": (m, h, 2 * r),
-              "gate_b": (m, r, 48), "up_b": (m, r, 48), "down_a": (m, 48, r),
+    shapes = {"qkv_a": (m, 3 * r, h), "q_b": (m, r, 32), "k_b": (m, r, 16), "v_b": (m, r, 16),
+              "o_a": (m, r, 32), "o_b": (m, r, h), "gate_up_a": (m, 2 * r, h),
+              "gate_b": (m, r, 48), "up_b": (m, r, 48), "down_a": (m, r, 48),
               "down_b": (m, r, h)}  # fmt: skip
     layer = ops.LoraLayer(**{k: jax.random.normal(next(keys), s) for k, s in shapes.items()})
     inputs = ops.LoraInputs(ops.LoraWeights([layer]), jnp.array([0, 2, 1, 3, 2, 0, 3], jnp.int32))
@@ -425,7 +426,7 @@ def test_lowers_to_triton_for_an_h200(verify_triton_modules):
     h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
     x = jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16)
-    a = jax.ShapeDtypeStruct((8, 4096, 48), jnp.bfloat16)
+    a = jax.ShapeDtypeStruct((8, 48, 4096), jnp.bfloat16)
     bs = tuple(jax.ShapeDtypeStruct((8, 16, o), jnp.bfloat16) for o in (4096, 1024, 1024))
     slots = jax.ShapeDtypeStruct((64,), jnp.int32)
     with jax.sharding.use_abstract_mesh(mesh):
@@ -534,8 +535,8 @@ def test_the_start_up_log_says_how_the_lora_product_runs(monkeypatch):
     config = load_model_config(fixture_dir("llama"))
     lines = startup_lines(config, EngineConfig(enable_lora=True), jnp.float32, 128)
     assert (
-        "LoRA product: dense one-hot product over every slot (XLA) (the kernel is Pallas "
-        "Triton; this is the cpu backend)" in lines
+        "LoRA product: dense one-hot product over every slot (XLA: GEMMs) (the kernel is "
+        "Pallas Triton; this is the cpu backend)" in lines
     )
     assert not any(
         "LoRA" in line for line in startup_lines(config, EngineConfig(), jnp.float32, 128)
@@ -576,3 +577,41 @@ def test_split_k_refuses_a_rank_it_cannot_tile():
     x, a, bs, slots = make_inputs(next(c for c in CPU_CASES if c.rank == 8), 0)
     with pytest.raises(ValueError, match="split-K: rank 8: it takes powers of two from 16"):
         split_k.lora_deltas(x, a, bs, slots, interpret=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("num_slots, rank", [(1, 16), (2, 4), (4, 8)])
+def test_the_reduced_form_equals_the_gemms(dtype, num_slots, rank):
+    """``reference.reduced_deltas`` (float32 multiply-and-sum, the GPU's decode form) against
+    ``gemm_deltas`` and numpy on fresh random inputs, the base model's tokens among the
+    adapters', q/k/v's three outputs from one joined A: expands of at most
+    ``SUMMED_MAX_TERMS`` slots x rank summed, more as GEMMs."""
+    seed = int(np.random.default_rng().integers(2**31))  # fresh inputs every run
+    case = Case("reduced", _mixed(13, num_slots, seed), num_slots, rank, 96, (40, 24, 24), dtype)
+    x, a, bs, token_slots = make_inputs(case, seed)
+    mask = reference.slot_mask(token_slots, num_slots, x.dtype)
+    reduced = reference.reduced_deltas(x, a, bs, mask)
+    gemm = reference.gemm_deltas(x, a, bs, mask)
+    for got, want, exact in zip(reduced, gemm, numpy_deltas(x, a, bs, token_slots), strict=True):
+        atol = tolerance(dtype) * np.abs(exact).max()
+        np.testing.assert_allclose(np.asarray(got, np.float64), exact, atol=atol)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(want, np.float32), atol=atol
+        )
+
+
+def test_the_dense_product_takes_the_reduced_form_for_decode_on_the_gpu(monkeypatch):
+    """``JAXSERVE_LORA_DENSE``: auto is the reduced form on a GPU for steps of at most
+    REDUCED_MAX_TOKENS tokens, the GEMMs above them and off the GPU; gemm and reduced force
+    either; anything else names the variable."""
+    assert reference.form(16) == "gemm"  # the CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert reference.form(1) == reference.form(reference.REDUCED_MAX_TOKENS) == "reduced"
+    assert reference.form(reference.REDUCED_MAX_TOKENS + 1) == "gemm"
+    monkeypatch.setenv(reference.FORM_ENV, "gemm")
+    assert reference.form(16) == "gemm"
+    monkeypatch.setenv(reference.FORM_ENV, "reduced")
+    assert reference.form(4096) == "reduced"
+    monkeypatch.setenv(reference.FORM_ENV, "sums")
+    with pytest.raises(ValueError, match="JAXSERVE_LORA_DENSE='sums' must be one of auto"):
+        reference.form(16)

@@ -6,23 +6,24 @@ device in these forms:
   base      no adapter: the norms, the four projection groups, SwiGLU and the residual adds;
   kernel    the LoRA terms on ``pallas_kernels.lora.dispatch`` (two Triton launches a group,
             the norm's weight read in by the shrink);
-  dense     XLA's dense product over every slot (``reference``; ``JAXSERVE_LORA_KERNEL``);
+  dense     XLA's dense product over every slot as two GEMMs (``reference.gemm_deltas``);
   joined    the same with each group's B matrices joined block-diagonally (``[M, n * R,
             sum O]``), so q/k/v's expand is one GEMM, not three, and gate/up's one, not two;
   folded    each group's A matrices appended to its base weight's output columns, so the base
             GEMM also makes ``x @ A`` (no shrink launch), then XLA's dense expand;
-  reduced   A stored K-minor (``[M, n * R, X]``, as PEFT writes lora_A) and both products as
-            multiply-and-sum in float32, no GEMM: XLA makes each shrink one reduction kernel
-            (no split-K GEMM and its reduce) and fuses each expand, a sum over R, into an
-            element-wise kernel (a deviceless H100 compile, 2 layers: 6.5 kernels a layer
-            beside the base step's where the dense form adds 16 and folded 8); for
-            decode-sized steps only (no tensor cores);
+  reduced   both products as multiply-and-sum in float32 over A's minor axis, no GEMM
+            (``reference.reduced_deltas``: the dense path's form for decode on the GPU):
+            XLA makes each shrink one reduction kernel (no split-K GEMM and its reduce) and
+            fuses each expand, a sum over R, into an element-wise kernel (a deviceless H100
+            compile, 2 layers: 6.5 kernels a layer beside the base step's where the GEMMs add
+            16 and folded 8);
   merged    the adapter merged into the weights (``W + A @ B``): what one adapter alone costs
             at best (the lower bound of any form).
 
     python -m benchmarks.probes.lora_fold [--slots 1,8] [--layers 32]
 
-``folded`` is the question: the step's LoRA terms cost about 11.6 us a group at one token on
+``folded`` was the question (1.114x the base against the GEMMs' 1.166x at one slot, H100),
+``reduced`` the next. The step's LoRA terms cost about 11.6 us a group at one token on
 an H100 (launch latency, not bytes), two launches a group; folding removes one launch a group
 and adds ``slots x rank`` columns to each base GEMM. Each form's output is checked against the
 dense product (bf16 tolerance).
@@ -52,12 +53,13 @@ GROUPS = {  # group -> (in features, each output's features)
 
 
 def make_layer(key, slots: int) -> dict:
-    """One layer's base weights [in, out] and each group's A [M, in, n * R] and Bs [M, R, O]."""
+    """One layer's base weights [in, out] and each group's A [M, n * R, in] (as the stacks
+    store it) and Bs [M, R, O]."""
     keys = iter(jax.random.split(key, 32))
     layer: dict = {"attn_norm": jnp.ones(H, jnp.bfloat16), "mlp_norm": jnp.ones(H, jnp.bfloat16)}
     for group, (size_in, outs) in GROUPS.items():
         w = jax.random.normal(next(keys), (size_in, sum(outs)), jnp.bfloat16) * 0.02
-        a = jax.random.normal(next(keys), (slots, size_in, len(outs) * RANK), jnp.bfloat16) * 0.02
+        a = jax.random.normal(next(keys), (slots, len(outs) * RANK, size_in), jnp.bfloat16) * 0.02
         bs = tuple(
             jax.random.normal(next(keys), (slots, RANK, o), jnp.bfloat16) * 0.02 for o in outs
         )
@@ -70,8 +72,8 @@ def fold(layer: dict) -> dict:
     folded = dict(layer)
     for group in GROUPS:
         w, a, bs = layer[group]
-        slots, size_in, cols = a.shape
-        a_cols = jnp.transpose(a, (1, 0, 2)).reshape(size_in, slots * cols)  # [in, M * n * R]
+        slots, cols, size_in = a.shape
+        a_cols = jnp.transpose(a, (2, 0, 1)).reshape(size_in, slots * cols)  # [in, M * n * R]
         folded[group] = (jnp.concatenate([w, a_cols], axis=1), a, bs)
     return folded
 
@@ -82,7 +84,7 @@ def join(layer: dict) -> dict:
     joined = dict(layer)
     for group in GROUPS:
         w, a, bs = layer[group]
-        slots, _, cols = a.shape
+        slots, cols, _ = a.shape
         rank, width = cols // len(bs), sum(b.shape[2] for b in bs)
         block = jnp.zeros((slots, cols, width), bs[0].dtype)
         col = 0
@@ -93,33 +95,13 @@ def join(layer: dict) -> dict:
     return joined
 
 
-def k_minor(layer: dict) -> dict:
-    """Each group's A stored ``[M, n * R, X]`` (its input axis minor)."""
-    return {
-        k: (v[0], jnp.swapaxes(v[1], 1, 2), v[2]) if k in GROUPS else v for k, v in layer.items()
-    }
-
-
-def reduced_deltas(x: jax.Array, a_t: jax.Array, bs: tuple, mask: jax.Array) -> list[jax.Array]:
-    """The dense product's terms as multiply-and-sum in float32: ``x [T, X]``, ``a_t [M, nR,
-    X]``, ``bs`` n x ``[M, R, O]``; x @ A rounded to x's dtype before B, as the dense form."""
-    f32 = jnp.float32
-    xa = (x[:, None, None, :].astype(f32) * a_t[None].astype(f32)).sum(-1)  # [T, M, nR]
-    xa = (xa * mask[:, :, None]).astype(x.dtype)
-    parts = jnp.split(xa, len(bs), axis=2)
-    return [
-        (p[:, :, :, None].astype(f32) * b[None].astype(f32)).sum((1, 2)).astype(x.dtype)
-        for p, b in zip(parts, bs, strict=True)
-    ]
-
-
 def merge(layer: dict, slot: int) -> dict:
     """Slot ``slot``'s adapter merged into the base weights (``W + A @ B``)."""
     merged = dict(layer)
     for group in GROUPS:
         w, a, bs = layer[group]
-        parts = jnp.split(a[slot], len(bs), axis=1)
-        delta = jnp.concatenate([p @ b[slot] for p, b in zip(parts, bs, strict=True)], axis=1)
+        parts = jnp.split(a[slot], len(bs), axis=0)  # [R, in] each
+        delta = jnp.concatenate([p.T @ b[slot] for p, b in zip(parts, bs, strict=True)], axis=1)
         merged[group] = ((w.astype(jnp.float32) + delta).astype(w.dtype), a, bs)
     return merged
 
@@ -136,7 +118,7 @@ def step(layers: list[dict], x: jax.Array, slots: jax.Array, form: str) -> jax.A
         if form == "folded":
             y = inp @ w
             base, xa = y[:, : sum(outs)], y[:, sum(outs) :]
-            xa = xa.reshape(-1, num_slots, a.shape[2]) * mask[:, :, None]
+            xa = xa.reshape(-1, num_slots, a.shape[1]) * mask[:, :, None]
             parts = jnp.split(xa, len(bs), axis=2)
             terms = [jnp.einsum("TMR,MRO->TO", p, b) for p, b in zip(parts, bs, strict=True)]
             return base + jnp.concatenate(terms, axis=1)
@@ -146,9 +128,9 @@ def step(layers: list[dict], x: jax.Array, slots: jax.Array, form: str) -> jax.A
         if form == "kernel":
             terms = dispatch.lora_deltas(rows, a, bs, slots, mask, scale)
         elif form == "reduced":
-            terms = reduced_deltas(reference.scaled_input(rows, scale), a, bs, mask)
+            terms = reference.reduced_deltas(reference.scaled_input(rows, scale), a, bs, mask)
         else:  # dense, or joined (its layers' B joined: one term a group)
-            terms = reference.lora_deltas(rows, a, bs, slots, mask, scale)
+            terms = reference.gemm_deltas(reference.scaled_input(rows, scale), a, bs, mask)
         return base + jnp.concatenate(terms, axis=1)
 
     for layer in layers:
@@ -183,7 +165,6 @@ def main() -> None:
             "folded": [fold(layer) for layer in layers] if "folded" in forms else None,
             "joined": [join(layer) for layer in layers] if "joined" in forms else None,
             "merged": [merge(layer, 0) for layer in layers] if "merged" in forms else None,
-            "reduced": [k_minor(layer) for layer in layers] if "reduced" in forms else None,
         }
         want = None
         row: dict = {"slots": num_slots, "layers": args.layers}

@@ -8,9 +8,10 @@ adapter into a slot (``runner/lora_slots.py``, from ``loading/peft_adapter.py``'
 compiles nothing. Each token carries its slot (``LoraInputs.token_slots``, i32[T]): 0 is the base
 model (no adapter), slot s >= 1 is row s - 1 of the stacks.
 
-The product (``lora_delta``) is a segmented matmul written as two dense GEMMs over all slots,
-the tokens' one-hot slot mask between them: ``x [T, in] @ A [in, M * R]`` -> ``[T, M, R]``,
-masked to each token's own slot, then ``@ B [M * R, out]``. It is exact (other slots contribute
+The product (``lora_delta``) is a segmented matmul written as two dense products over all
+slots, the tokens' one-hot slot mask between them: ``x [T, in]`` times each slot's ``A [R, in]``
+(stored X-minor, as PEFT writes lora_A) -> ``[T, M, R]``, masked to each token's own slot, then
+``@ B [M * R, out]``. It is exact (other slots contribute
 zeros), has no gather or sort, and costs ``M * R`` extra columns per projection: with 8 slots of
 rank 16 that is 128 columns beside q_proj's 4,096. ``lora_delta_ragged`` is the same product with
 ``jax.lax.ragged_dot`` over tokens sorted by slot (tested equal). The decoder's projections
@@ -50,19 +51,20 @@ LORA_MODULES = {
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LoraLayer:
-    """One layer's slots. A matrices of projections that read the same input are joined on
-    their rank axis (q, k, v; gate, up); B matrices are scaled by the adapter's scaling."""
+    """One layer's slots. A matrices are stored ``[M, R, in]`` (X-minor, PEFT's lora_A
+    layout); those of projections that read the same input are joined on their rank axis (q, k,
+    v; gate, up). B matrices are scaled by the adapter's scaling."""
 
-    qkv_a: jax.Array  # [M, H, 3R]  q, k, v
+    qkv_a: jax.Array  # [M, 3R, H]  q, k, v
     q_b: jax.Array  # [M, R, N*D]
     k_b: jax.Array  # [M, R, K*D]
     v_b: jax.Array  # [M, R, K*D]
-    o_a: jax.Array  # [M, N*D, R]
+    o_a: jax.Array  # [M, R, N*D]
     o_b: jax.Array  # [M, R, H]
-    gate_up_a: jax.Array | None  # [M, H, 2R]  gate, up; None on a layer with experts
+    gate_up_a: jax.Array | None  # [M, 2R, H]  gate, up; None on a layer with experts
     gate_b: jax.Array | None  # [M, R, I]
     up_b: jax.Array | None  # [M, R, I]
-    down_a: jax.Array | None  # [M, I, R]
+    down_a: jax.Array | None  # [M, R, I]
     down_b: jax.Array | None  # [M, R, H]
 
 
@@ -85,14 +87,14 @@ class LoraShapes:
         """Field of ``LoraLayer`` -> its shape, for ``layer`` (absent fields: None)."""
         m, r, dims = self.num_slots, self.max_rank, self.dims[layer]
         shapes: dict[str, tuple[int, ...]] = {
-            "qkv_a": (m, dims["q"][0], 3 * r),
-            "o_a": (m, dims["o"][0], r),
+            "qkv_a": (m, 3 * r, dims["q"][0]),
+            "o_a": (m, r, dims["o"][0]),
         }
         for name in ("q", "k", "v", "o"):
             shapes[f"{name}_b"] = (m, r, dims[name][1])
         if "gate" in dims:
-            shapes["gate_up_a"] = (m, dims["gate"][0], 2 * r)
-            shapes["down_a"] = (m, dims["down"][0], r)
+            shapes["gate_up_a"] = (m, 2 * r, dims["gate"][0])
+            shapes["down_a"] = (m, r, dims["down"][0])
             for name in ("gate", "up", "down"):
                 shapes[f"{name}_b"] = (m, r, dims[name][1])
         return shapes
@@ -157,9 +159,9 @@ class LoraRouting:
 
 
 def lora_shrink(x: jax.Array, a: jax.Array, mask: jax.Array) -> jax.Array:
-    """``x [T, X] @ a [M, X, R']`` for every slot, kept only in each token's own slot:
+    """``x [T, X]`` times every slot's ``a [M, R', X]``, kept only in each token's own slot:
     ``[T, M, R']`` (zeros outside it)."""
-    xa = jnp.einsum("TX,MXR->TMR", x, a)
+    xa = jnp.einsum("TX,MRX->TMR", x, a)
     return xa * mask[:, :, None]
 
 
@@ -172,7 +174,7 @@ def lora_expand(xa: jax.Array, b: jax.Array, out_shape: tuple[int, ...]) -> jax.
 
 def lora_delta(
     x: jax.Array,  # [T, X]
-    a: jax.Array,  # [M, X, R]
+    a: jax.Array,  # [M, R, X]
     b: jax.Array,  # [M, R, O]
     mask: jax.Array,  # [T, M]  ``LoraInputs.slot_mask``
 ) -> jax.Array:  # [T, O]
@@ -182,7 +184,7 @@ def lora_delta(
 
 def lora_delta_ragged(
     x: jax.Array,  # [T, X]
-    a: jax.Array,  # [M, X, R]
+    a: jax.Array,  # [M, R, X]
     b: jax.Array,  # [M, R, O]
     token_slots: jax.Array,  # i32[T]  0: none
 ) -> jax.Array:  # [T, O]
@@ -194,7 +196,8 @@ def lora_delta_ragged(
     sizes = jnp.bincount(token_slots, length=num_slots + 1).astype(jnp.int32)  # i32[M + 1]
     zero_a = jnp.zeros((1, *a.shape[1:]), a.dtype)
     zero_b = jnp.zeros((1, *b.shape[1:]), b.dtype)
-    xa = jax.lax.ragged_dot(x[order], jnp.concatenate([zero_a, a]), sizes)  # [T, R]
+    a_kn = jnp.swapaxes(jnp.concatenate([zero_a, a]), 1, 2)  # [M + 1, X, R]: ragged_dot's rhs
+    xa = jax.lax.ragged_dot(x[order], a_kn, sizes)  # [T, R]
     y = jax.lax.ragged_dot(xa.astype(x.dtype), jnp.concatenate([zero_b, b]), sizes)  # [T, O]
     return jnp.zeros_like(y).at[order].set(y)
 

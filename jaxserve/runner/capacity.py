@@ -541,7 +541,7 @@ def lora_slot_bytes(
 ) -> int:
     """Device bytes of the adapter slots, per device: per slot, layer and projection
     (models/lora.py's stacks: attention on every layer, the MLP on layers without experts) A
-    [in, R] and B [R, out] in the model dtype; under tensor parallelism the B of q, k, v, gate
+    [R, in] and B [R, out] in the model dtype; under tensor parallelism the B of q, k, v, gate
     and up split on their output, the A of o and down on their input (parallel/sharding.py's
     ``lora_specs``), the rest replicated. Latent attention: a ``ValueError``."""
     shapes = lora_shapes(config, max_loras, max_lora_rank)

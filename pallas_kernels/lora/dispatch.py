@@ -7,7 +7,8 @@ n projections: their A matrices joined, one B each). It picks, at trace time:
          nothing for empty slots or the base model's tokens;
   otherwise       -> the dense one-hot product (``reference``): every slot's A and B, as
          XLA partitions it under tensor parallelism (the kernel is a custom call XLA cannot
-         split; it is not under ``shard_map`` yet), and what TPUs and the CPU run.
+         split; it is not under ``shard_map`` yet), and what TPUs and the CPU run; on the GPU
+         steps of at most 64 tokens take it as float32 sums, no GEMM (``reference.form``).
 ``JAXSERVE_LORA_KERNEL`` overrides the choice: ``auto`` (the default, as above), ``triton`` (the
 kernel on any backend: interpreted off the GPU, for tests) or ``reference`` (the dense product
 everywhere, to compare). ``JAXSERVE_LORA_FORM`` picks the kernel's form: ``two_launch`` (the
@@ -71,7 +72,7 @@ def choose(num_slots: int | None = None) -> tuple[str, str]:
 
 def lora_deltas(
     x: jax.Array,  # [T, X]
-    a: jax.Array,  # [M, X, n * R]
+    a: jax.Array,  # [M, n * R, X]
     bs: Sequence[jax.Array],  # n x [M, R, O_i]
     token_slots: jax.Array,  # i32[T]  0: none; s: row s - 1
     mask: jax.Array | None = None,  # [T, M]  the one-hot slots, if the caller has them
@@ -97,7 +98,7 @@ def _on_the_kernel(x, a, bs, token_slots, x_scale, path: str) -> tuple[jax.Array
 
     interpret = path == "interpret"
     form = env_choice(LORA_FORM_ENV, LORA_FORMS, "two_launch")
-    rank = a.shape[2] // len(bs)
+    rank = a.shape[1] // len(bs)
     if not triton.one_launch_rank(rank) or x.shape[0] > ONE_LAUNCH_MAX_TOKENS:
         form = "two_launch"
     if form == "split_k":
@@ -113,7 +114,7 @@ def describe(num_slots: int | None = None) -> str:
     name = {
         "triton": "Pallas Triton grouped kernel",
         "interpret": "Pallas Triton grouped kernel in interpret mode",
-        "reference": "dense one-hot product over every slot (XLA)",
+        "reference": f"dense one-hot product over every slot (XLA: {reference.describe_form()})",
     }[path]
     form = env_choice(LORA_FORM_ENV, LORA_FORMS, "two_launch")
     if path != "reference" and form != "two_launch":

@@ -58,7 +58,7 @@ def num_splits(
 def split_k(
     x: jax.Array,  # [T, X]  in the tokens' order
     order: jax.Array,  # i32[T]
-    a: jax.Array,  # [M, X, n * R]
+    a: jax.Array,  # [M, n * R, X]
     bs: Sequence[jax.Array],  # n x [M, R, O_i]
     tile_plan: jax.Array,
     tiles,  # LoraKernelConfig, resolved by ``lt.plan``
@@ -114,7 +114,7 @@ def _split_k_kernel(
     masked_atomics,
     precision,
 ):
-    # plan_ref i32[4, tiles]; order_ref i32[T]; x_ref [T, X], a_ref [M, X, n * R]; refs: n
+    # plan_ref i32[4, tiles]; order_ref i32[T]; x_ref [T, X], a_ref [M, n * R, X]; refs: n
     # b_ref [M, R, O_i], n zeroed inputs (aliased to the outputs), n out_ref f32[T + 1, O_pad]
     num_parts = len(col_tiles)
     b_refs, out_refs = refs[:num_parts], refs[2 * num_parts :]
@@ -166,11 +166,11 @@ def _split_xa(
             other=0,
         )  # [block_m, block_k]: the tile's rows, gathered
         a = pltriton.load(
-            a_ref.at[tile.segment, pl.ds(k0, block_k), pl.ds(first_r, size_r)],
-            mask=lt._mask2(is_k, None, (block_k, size_r)),
+            a_ref.at[tile.segment, pl.ds(first_r, size_r), pl.ds(k0, block_k)],
+            mask=lt._mask2(None, is_k, (size_r, block_k)),
             other=0,
-        )  # [block_k, R]
-        return acc + pltriton.dot(x, a, precision=precision)
+        )  # [R, block_k]
+        return acc + pltriton.dot(x, a, trans_b=True, precision=precision)
 
     return lax.fori_loop(0, steps, step, jnp.zeros((block_m, size_r), jnp.float32))
 
@@ -179,7 +179,7 @@ def _split_xa(
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def lora_deltas(
     x: jax.Array,  # [T, X]
-    a: jax.Array,  # [M, X, n * R]
+    a: jax.Array,  # [M, n * R, X]
     bs: Sequence[jax.Array],  # n x [M, R, O_i]
     token_slots: jax.Array,  # i32[T]  0: none
     x_scale: jax.Array | None = None,  # [X]  the input is x_scale * x, scaled first
@@ -192,7 +192,7 @@ def lora_deltas(
     lt.check_call(x, a, bs, token_slots, "the split-K kernel")
     lt.check_scale(x, x_scale, "the split-K kernel")
     x = reference.scaled_input(x, x_scale)
-    rank = a.shape[2] // len(bs)
+    rank = a.shape[1] // len(bs)
     if not lt.one_launch_rank(rank):
         raise ValueError(f"lora_deltas, split-K: rank {rank}: it takes powers of two from 16")
     num_tokens, size_x = x.shape

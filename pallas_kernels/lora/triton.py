@@ -1,7 +1,7 @@
 """The LoRA product as a grouped (segmented) matmul in Pallas Triton: Punica's SGMV, as vLLM's
 ``lora_shrink`` / ``lora_expand`` kernels do it.
 
-Same signature and semantics as ``reference.lora_deltas``: ``x [T, X]``, ``a [M, X, n * R]``,
+Same signature and semantics as ``reference.lora_deltas``: ``x [T, X]``, ``a [M, n * R, X]``,
 ``bs`` n x ``[M, R, O_i]``, ``token_slots i32[T]`` (0: no adapter; s >= 1: row s - 1), the n
 terms ``[T, O_i]`` in x's dtype, sums in f32.
 
@@ -13,17 +13,17 @@ How it runs (one call per projection group of a layer), in two kernels:
   2. Shrink (kernel): ``xa[T, n * R] = x @ A[slot]`` per segment. The grid is K splits x row
      tiles; the row tiles are the grouped matmul's plan (``grouped_matmul.triton.plan_tiles``:
      one tile per (slot, block of ``block_m`` sorted rows) that slot's rows touch, computed on
-     the device from the slots' token counts, a fixed grid whatever the routing). A tile
-     gathers its rows of x and walks its split's share of X in ``block_k`` steps, each step one
-     ``[block_k, n * R]`` tile of its slot's A. The base model's tokens form the last segment:
-     no tile reads anything for them; the tiles past the plan's end return at once. Splitting X
-     gives a decode step with a handful of tokens enough programs to stream A at the memory's
-     speed; the f32 partial sums (``[splits, T, n * R]``, small: R is 8-64) are left as they
-     are, in sorted order. With ``x_scale`` (a norm's weight, x its unscaled rows) each x tile
-     is multiplied by its columns' weights as it is read, rounded as ``rms_norm`` rounds the
-     product, so the decoder need not write the normed rows for the kernel: at decode XLA
-     folds the weight into the base GEMM, and a written copy was a kernel of its own, two a
-     layer (``models/lora.py``, ``LayerLora.normed``).
+     the device from the slots' token counts, a fixed grid whatever the routing). A tile gathers
+     its rows of x and walks its split's share of X in ``block_k`` steps, each step one
+     ``[n * R, block_k]`` tile of its slot's A (stored X-minor, PEFT's lora_A layout). The base
+     model's tokens form the last segment: no tile reads anything for them; the tiles past the
+     plan's end return at once. Splitting X gives a decode step with a handful of tokens enough
+     programs to stream A at the memory's speed; the f32 partial sums (``[splits, T, n * R]``,
+     small: R is 8-64) are left as they are, in sorted order. With ``x_scale`` (a norm's weight,
+     x its unscaled rows) each x tile is multiplied by its columns' weights as it is read,
+     rounded as ``rms_norm`` rounds the product, so the decoder need not write the normed rows
+     for the kernel: at decode XLA folds the weight into the base GEMM, and a written copy was a
+     kernel of its own, two a layer (``models/lora.py``, ``LayerLora.normed``).
   3. Expand (kernel): ``y_i[T, O_i] = xa_i @ B_i[slot]`` for the n projections at once: the
      grid's columns are every output's column tiles one after another, its rows the same row
      tiles. A tile adds up the splits' partial sums of its rows, rounds them to x's dtype (as
@@ -193,11 +193,11 @@ def _sorted_rows(order_ref, first_row, is_row):
 
 def _shrink_kernel(plan_ref, order_ref, x_ref, a_ref, *refs, tiles, block_r, precision):
     # plan_ref i32[4, tiles]; order_ref i32[T]; x_ref [T, X] in the tokens' order;
-    # a_ref [M, X, R]; refs: (scale_ref [X],) when x is scaled, then out_ref f32[S, T, R] in
+    # a_ref [M, R, X]; refs: (scale_ref [X],) when x is scaled, then out_ref f32[S, T, R] in
     # sorted order
     scale_ref, out_ref = refs if len(refs) == 2 else (None, refs[0])
     split, tile = pl.program_id(0), pl.program_id(1)
-    num_slots, size_x, size_r = a_ref.shape
+    num_slots, size_r, size_x = a_ref.shape
     block_m, block_k, num_splits = tiles.block_m, tiles.block_k, tiles.num_splits
     segment, first_row, is_row, works = _tile(plan_ref, tile, block_m)
     is_r = jnp.arange(block_r, dtype=jnp.int32) < size_r if size_r % block_r else None
@@ -224,13 +224,13 @@ def _shrink_kernel(plan_ref, order_ref, x_ref, a_ref, *refs, tiles, block_r, pre
                     scale_ref.at[cols], mask=is_k, other=None if is_k is None else 0
                 )
                 x = (scale[None, :] * x).astype(x.dtype)
-            a_mask = _mask2(is_k, is_r, (block_k, block_r))
+            a_mask = _mask2(is_r, is_k, (block_r, block_k))
             a = pltriton.load(
-                a_ref.at[segment, pl.ds(k0, block_k), pl.ds(0, block_r)],
+                a_ref.at[segment, pl.ds(0, block_r), pl.ds(k0, block_k)],
                 mask=a_mask,
                 other=None if a_mask is None else 0,
-            )  # [block_k, block_r]
-            return acc + pltriton.dot(x, a, precision=precision)
+            )  # [block_r, block_k]: A's rows, X minor as stored
+            return acc + pltriton.dot(x, a, trans_b=True, precision=precision)
 
         acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_r), jnp.float32))
         pltriton.store(out_tile, acc, mask=out_mask)
@@ -249,7 +249,7 @@ def _expand_kernel(
 def _fused_kernel(
     plan_ref, order_ref, x_ref, a_ref, *refs, col_tiles, block_m, block_n, block_k, precision
 ):
-    # plan_ref i32[4, tiles]; order_ref i32[T]; x_ref [T, X] and a_ref [M, X, n * R];
+    # plan_ref i32[4, tiles]; order_ref i32[T]; x_ref [T, X] and a_ref [M, n * R, X];
     # refs: n b_ref [M, R, O_i], then n out_ref [T, O_i], both in the tokens' order
     tile, parts = _output_tile(plan_ref, order_ref, refs, col_tiles, block_m)
     for part in parts:
@@ -380,13 +380,13 @@ def _fused_xa(x_ref, a_ref, tile: _RowTile, first_r: int, size_r: int, block_k: 
             mask=_mask2(tile.is_row, is_k, (block_m, block_k)),
             other=0,
         )  # [block_m, block_k]: the tile's rows, gathered
-        a_mask = _mask2(is_k, None, (block_k, size_r))
+        a_mask = _mask2(None, is_k, (size_r, block_k))
         a = pltriton.load(
-            a_ref.at[tile.segment, pl.ds(k0, block_k), pl.ds(first_r, size_r)],
+            a_ref.at[tile.segment, pl.ds(first_r, size_r), pl.ds(k0, block_k)],
             mask=a_mask,
             other=None if a_mask is None else 0,
-        )  # [block_k, R]
-        return acc + pltriton.dot(x, a, precision=precision)
+        )  # [R, block_k]
+        return acc + pltriton.dot(x, a, trans_b=True, precision=precision)
 
     init = jnp.zeros((block_m, size_r), jnp.float32)
     return lax.fori_loop(0, pl.cdiv(size_x, block_k), step, init)
@@ -394,11 +394,11 @@ def _fused_xa(x_ref, a_ref, tile: _RowTile, first_r: int, size_r: int, block_k: 
 
 def unsupported_reason(x, a, bs) -> str | None:
     """Why this call cannot run on the kernel (shapes and dtypes only), or None."""
-    if x.ndim != 2 or a.ndim != 3 or x.shape[1] != a.shape[1]:
-        return f"shapes x {x.shape}, a {a.shape}: the kernel takes [T, X] and [M, X, R]"
-    if not bs or a.shape[2] % len(bs):
-        return f"a's rank axis ({a.shape[2]}) must split into {len(bs)} equal parts"
-    rank = a.shape[2] // len(bs)
+    if x.ndim != 2 or a.ndim != 3 or x.shape[1] != a.shape[2]:
+        return f"shapes x {x.shape}, a {a.shape}: the kernel takes [T, X] and [M, R, X]"
+    if not bs or a.shape[1] % len(bs):
+        return f"a's rank axis ({a.shape[1]}) must split into {len(bs)} equal parts"
+    rank = a.shape[1] // len(bs)
     for b in bs:
         if b.ndim != 3 or b.shape[:2] != (a.shape[0], rank):
             return f"b {b.shape} must be [{a.shape[0]}, {rank}, O]"
@@ -415,20 +415,20 @@ def _precision(dtype) -> lax.Precision | None:
 def shrink(
     x: jax.Array,  # [T, X]  in the tokens' order
     order: jax.Array,  # i32[T]  the tokens sorted by slot (``sort_tokens``)
-    a: jax.Array,  # [M, X, R]
+    a: jax.Array,  # [M, R, X]
     tile_plan: jax.Array,  # i32[4, tiles]  ``plan_tiles`` of the slots' token counts
     tiles: LoraKernelConfig,  # resolved by ``plan``
     interpret: bool,
     x_scale: jax.Array | None = None,  # [X]  x's columns scaled as they are read
 ) -> jax.Array:  # f32[S, T, R]  the splits' partial sums, rows in sorted order
     assert tiles.block_m and tiles.block_k and tiles.num_splits
-    block_r = max(16, _next_pow2(a.shape[2]))
+    block_r = max(16, _next_pow2(a.shape[1]))
     body = functools.partial(
         _shrink_kernel, tiles=tiles, block_r=block_r, precision=_precision(x.dtype)
     )
     return pl.pallas_call(
         body,
-        out_shape=jax.ShapeDtypeStruct((tiles.num_splits, x.shape[0], a.shape[2]), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((tiles.num_splits, x.shape[0], a.shape[1]), jnp.float32),
         grid=(tiles.num_splits, tile_plan.shape[1]),
         compiler_params=pltriton.CompilerParams(
             num_warps=tiles.num_warps, num_stages=tiles.num_stages
@@ -461,7 +461,7 @@ def expand(
 def fused(
     x: jax.Array,  # [T, X]  in the tokens' order
     order: jax.Array,  # i32[T]
-    a: jax.Array,  # [M, X, n * R]
+    a: jax.Array,  # [M, n * R, X]
     bs: Sequence[jax.Array],  # n x [M, R, O_i]
     tile_plan: jax.Array,
     tiles: LoraKernelConfig,
@@ -544,7 +544,7 @@ def sorted_tiles(
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def lora_deltas(
     x: jax.Array,  # [T, X]
-    a: jax.Array,  # [M, X, n * R]
+    a: jax.Array,  # [M, n * R, X]
     bs: Sequence[jax.Array],  # n x [M, R, O_i]
     token_slots: jax.Array,  # i32[T]  0: none
     x_scale: jax.Array | None = None,  # [X]  the input is x_scale * x (``reference``)
@@ -558,7 +558,7 @@ def lora_deltas(
     check_call(x, a, bs, token_slots, "Pallas Triton")
     check_scale(x, x_scale, "Pallas Triton")
     num_tokens, size_x = x.shape
-    one_launch = use_fused(config, a.shape[2] // len(bs))
+    one_launch = use_fused(config, a.shape[1] // len(bs))
     tiles = plan(num_tokens, a.shape[0], size_x, num_sms(), config, fused=one_launch)
     order, tile_plan = sorted_tiles(token_slots, a.shape[0], tiles)
     if one_launch:

@@ -5,7 +5,7 @@ What is read: ``r``, ``lora_alpha``, ``use_rslora`` (scaling ``lora_alpha / r``,
 / sqrt(r)``), ``target_modules`` (names, full module paths or ``"all-linear"``),
 ``base_model_name_or_path`` (named in errors), and each ``...layers.<i>.<self_attn|mlp>.<module>
 .lora_<A|B>.weight`` tensor. A is ``[r, in]`` and B ``[out, r]`` in the file (torch's Linear
-layout); here A becomes ``[in, R]`` and B ``[R, out]`` times the scaling, zero-padded to
+layout); here A stays ``[R, in]`` and B becomes ``[R, out]`` times the scaling, zero-padded to
 ``--max-lora-rank`` R. Whatever does not fit the model (an unknown or unsupported module, a
 shape of another base model, a rank above the limit, a PEFT feature the product does not
 compute) is an ``AdapterError`` naming the field or tensor and the limit. The runner's slots
@@ -188,8 +188,8 @@ def _place(
 ) -> None:
     """Write one module's A and B (scaled) into the layer's slot arrays."""
     a_field, part, num_parts = _JOINED.get(module, (f"{module}_a", 0, 1))
-    width = layer[a_field].shape[1] // num_parts  # R
-    num_in, num_out = layer[a_field].shape[0], layer[f"{module}_b"].shape[1]
+    width = layer[a_field].shape[0] // num_parts  # R
+    num_in, num_out = layer[a_field].shape[1], layer[f"{module}_b"].shape[1]
     rank = config.rank
     if a.shape != (rank, num_in) or b.shape != (num_out, rank):
         raise AdapterError(
@@ -199,5 +199,5 @@ def _place(
         )
     assert rank <= max_rank == width
     start = part * width
-    layer[a_field][:, start : start + rank] = a.astype(np.float32).T
+    layer[a_field][start : start + rank] = a.astype(np.float32)  # [r, in], as PEFT writes it
     layer[f"{module}_b"][:rank] = b.astype(np.float32).T * config.scaling

@@ -264,12 +264,12 @@ _LORA_SPECS = {
     "q_b": P(None, None, TP_AXIS),
     "k_b": P(None, None, KV_AXIS),
     "v_b": P(None, None, KV_AXIS),
-    "o_a": P(None, TP_AXIS, None),
+    "o_a": P(None, None, TP_AXIS),
     "o_b": P(),
     "gate_up_a": P(),
     "gate_b": P(None, None, TP_AXIS),
     "up_b": P(None, None, TP_AXIS),
-    "down_a": P(None, TP_AXIS, None),
+    "down_a": P(None, None, TP_AXIS),
     "down_b": P(),
 }
 
