@@ -582,16 +582,16 @@ def test_split_k_refuses_a_rank_it_cannot_tile():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("num_slots, rank", [(1, 16), (2, 4), (4, 8)])
 def test_the_reduced_form_equals_the_gemms(dtype, num_slots, rank):
-    """``reference.reduced_deltas`` (float32 multiply-and-sum, the GPU's decode form) against
-    ``gemm_deltas`` and numpy on fresh random inputs, the base model's tokens among the
+    """``reference.form_deltas``'s ``reduced`` form (float32 sums, the GPU's decode form)
+    against its ``gemm`` form and numpy on fresh random inputs, the base model's tokens among the
     adapters', q/k/v's three outputs from one joined A: expands of at most
     ``SUMMED_MAX_TERMS`` slots x rank summed, more as GEMMs."""
     seed = int(np.random.default_rng().integers(2**31))  # fresh inputs every run
     case = Case("reduced", _mixed(13, num_slots, seed), num_slots, rank, 96, (40, 24, 24), dtype)
     x, a, bs, token_slots = make_inputs(case, seed)
     mask = reference.slot_mask(token_slots, num_slots, x.dtype)
-    reduced = reference.reduced_deltas(x, a, bs, mask)
-    gemm = reference.gemm_deltas(x, a, bs, mask)
+    reduced = reference.form_deltas(x, a, bs, mask, "reduced")
+    gemm = reference.form_deltas(x, a, bs, mask, "gemm")
     for got, want, exact in zip(reduced, gemm, numpy_deltas(x, a, bs, token_slots), strict=True):
         atol = tolerance(dtype) * np.abs(exact).max()
         np.testing.assert_allclose(np.asarray(got, np.float64), exact, atol=atol)

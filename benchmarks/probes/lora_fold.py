@@ -6,13 +6,13 @@ device in these forms:
   base      no adapter: the norms, the four projection groups, SwiGLU and the residual adds;
   kernel    the LoRA terms on ``pallas_kernels.lora.dispatch`` (two Triton launches a group,
             the norm's weight read in by the shrink);
-  dense     XLA's dense product over every slot as two GEMMs (``reference.gemm_deltas``);
+  dense     XLA's dense product over every slot as two GEMMs (``reference.form_deltas``, ``gemm``);
   joined    the same with each group's B matrices joined block-diagonally (``[M, n * R,
             sum O]``), so q/k/v's expand is one GEMM, not three, and gate/up's one, not two;
   folded    each group's A matrices appended to its base weight's output columns, so the base
             GEMM also makes ``x @ A`` (no shrink launch), then XLA's dense expand;
   reduced   both products as multiply-and-sum in float32 over A's minor axis, no GEMM
-            (``reference.reduced_deltas``: the dense path's form for decode on the GPU):
+            (``reference.form_deltas``, ``reduced``: the dense path's form for decode on the GPU):
             XLA makes each shrink one reduction kernel (no split-K GEMM and its reduce) and
             fuses each expand, a sum over R, into an element-wise kernel (a deviceless H100
             compile, 2 layers: 6.5 kernels a layer beside the base step's where the GEMMs add
@@ -127,10 +127,9 @@ def step(layers: list[dict], x: jax.Array, slots: jax.Array, form: str) -> jax.A
             return base
         if form == "kernel":
             terms = dispatch.lora_deltas(rows, a, bs, slots, mask, scale)
-        elif form == "reduced":
-            terms = reference.reduced_deltas(reference.scaled_input(rows, scale), a, bs, mask)
-        else:  # dense, or joined (its layers' B joined: one term a group)
-            terms = reference.gemm_deltas(reference.scaled_input(rows, scale), a, bs, mask)
+        else:  # dense, joined (its layers' B joined: one term a group) or reduced
+            how = "reduced" if form == "reduced" else "gemm"
+            terms = reference.form_deltas(inp, a, bs, mask, how)
         return base + jnp.concatenate(terms, axis=1)
 
     for layer in layers:

@@ -86,37 +86,32 @@ def lora_deltas(
     x = scaled_input(x, x_scale)
     if mask is None:
         mask = slot_mask(token_slots, a.shape[0], x.dtype)
-    if form(x.shape[0]) == "reduced":
-        return reduced_deltas(x, a, bs, mask)
-    return gemm_deltas(x, a, bs, mask)
+    return form_deltas(x, a, bs, mask, form(x.shape[0]))
 
 
-def gemm_deltas(
+def form_deltas(
     x: jax.Array,  # [T, X]  scaled already
     a: jax.Array,  # [M, n * R, X]
     bs: Sequence[jax.Array],  # n x [M, R, O_i]
     mask: jax.Array,  # [T, M]
+    how: str,  # "gemm" or "reduced" (see the module docstring)
 ) -> tuple[jax.Array, ...]:  # n x [T, O_i]
-    """``lora_deltas``'s product as two einsums (the module's ``gemm`` form)."""
-    xa = jnp.einsum("TX,MRX->TMR", x, a) * mask[:, :, None]  # [T, M, n * R]
+    """``lora_deltas``'s product in the form ``how``: ``gemm``, two einsums; ``reduced``, ``x @
+    A`` as a float32 sum over X rounded to x's dtype, masked, then each expand a float32 sum
+    over the slots' R (``_expand``)."""
+    if how == "gemm":
+        xa = jnp.einsum("TX,MRX->TMR", x, a) * mask[:, :, None]  # [T, M, n * R]
+    else:
+        f32 = jnp.float32
+        xa = (x[:, None, None, :].astype(f32) * a[None].astype(f32)).sum(-1)  # [T, M, n * R]
+        xa = (xa * mask[:, :, None].astype(f32)).astype(x.dtype)
     parts = jnp.split(xa, len(bs), axis=2)
-    return tuple(jnp.einsum("TMR,MRO->TO", p, b) for p, b in zip(parts, bs, strict=True))
+    expand = _expand if how == "reduced" else _gemm_expand
+    return tuple(expand(p, b) for p, b in zip(parts, bs, strict=True))
 
 
-def reduced_deltas(
-    x: jax.Array,  # [T, X]  scaled already
-    a: jax.Array,  # [M, n * R, X]
-    bs: Sequence[jax.Array],  # n x [M, R, O_i]
-    mask: jax.Array,  # [T, M]
-) -> tuple[jax.Array, ...]:  # n x [T, O_i]
-    """``lora_deltas``'s product as float32 multiply-and-sum (the module's ``reduced`` form):
-    ``x @ A`` summed over X and rounded to x's dtype, masked, then summed with B over the
-    slots' R."""
-    f32 = jnp.float32
-    xa = (x[:, None, None, :].astype(f32) * a[None].astype(f32)).sum(-1)  # [T, M, n * R]
-    xa = (xa * mask[:, :, None].astype(f32)).astype(x.dtype)
-    parts = jnp.split(xa, len(bs), axis=2)
-    return tuple(_expand(p, b) for p, b in zip(parts, bs, strict=True))
+def _gemm_expand(p: jax.Array, b: jax.Array) -> jax.Array:  # [T, M, R] x [M, R, O] -> [T, O]
+    return jnp.einsum("TMR,MRO->TO", p, b)
 
 
 # The expand's terms (slots x rank) up to which it is written as one float32 sum: XLA then
@@ -131,6 +126,6 @@ def _expand(p: jax.Array, b: jax.Array) -> jax.Array:  # [T, M, R] x [M, R, O] -
     """One projection's expand in the reduced form: a float32 sum over the slots' R, or the
     GEMM for more than SUMMED_MAX_TERMS terms."""
     if p.shape[1] * p.shape[2] > SUMMED_MAX_TERMS:
-        return jnp.einsum("TMR,MRO->TO", p, b)
+        return _gemm_expand(p, b)
     f32 = jnp.float32
     return (p[:, :, :, None].astype(f32) * b[None].astype(f32)).sum((1, 2)).astype(p.dtype)
