@@ -17,8 +17,8 @@ Two forms of the same product, by the step's size (``form``):
            microseconds of work. XLA makes each shrink one reduction kernel over A's minor
            axis and, for one slot of rank 16 (``SUMMED_MAX_TERMS``), fuses each expand into the
            kernel that adds it to the base output (a deviceless H100 compile of the
-           Llama-3-8B batch-1 step: 4 kernels a layer beside the base model's where the GEMMs
-           add 16); with more slots or a higher rank the expands stay GEMMs (12).
+           Llama-3-8B batch-1 step: 5 kernels a layer beside the base model's where the GEMMs
+           add 16); with more slots or a higher rank the expands stay GEMMs (15 at 4 slots).
 """
 
 from __future__ import annotations
