@@ -78,11 +78,19 @@ def test_fused_projections_match_hf(family: str) -> None:
     np.testing.assert_allclose(logits, golden["prefill2_logits"], atol=1e-4, rtol=1e-4)
 
 
-def test_the_runner_fuses_unquantized_weights_on_one_device() -> None:
+def test_the_runner_fuses_plain_and_per_channel_weights_on_one_device(tmp_path) -> None:
+    """q/k/v and gate/up joined for bf16 and per-channel int8 weights; an AWQ checkpoint's
+    packed 4-bit groups stay apart."""
     from jaxserve import LLM
+    from tests.test_quantized_checkpoints import make_quantized_module
 
-    for family, quantization, fused in (("llama", None, True), ("llama", "int8", False)):
-        llm = LLM(str(fixture_dir(family)), quantization=quantization, max_model_len=64)
+    awq = make_quantized_module.make_quantized(fixture_dir("llama"), tmp_path / "awq", "awq", 32)
+    for model, quantization, fused in (
+        (fixture_dir("llama"), None, True),
+        (fixture_dir("llama"), "int8", True),
+        (awq, None, False),
+    ):
+        llm = LLM(str(model), quantization=quantization, max_model_len=64)
         layers = llm.engine.runner.weights.layers
         assert all((layer.fused is not None) == fused for layer in layers)
         assert all((layer.wq is None) == (layer.w_gate is None) == fused for layer in layers)

@@ -89,11 +89,12 @@ def test_restored_weights_are_the_safetensors_weights_bitwise(out) -> None:
 def test_fp8_weights_restore_bitwise(tmp_path) -> None:
     fp8 = converted(tmp_path / "fp8", fixture_dir("qwen3"), quantization="fp8")
     manifest = read_manifest(fp8)
-    assert (manifest.quantization, manifest.fused) == ("fp8", False)
+    # one device: the fp8 projections are joined as the bf16 ones are (per-channel scales)
+    assert (manifest.quantization, manifest.fused) == ("fp8", True)
     restored = served_weights(fp8)  # no flag: the checkpoint's quantization
     loaded = served_weights(fixture_dir("qwen3"), dtype="float32", quantization="fp8")
     assert_bitwise_equal(restored, loaded)
-    assert restored.layers[0].wq.q.dtype == np.dtype("float8_e4m3fn")
+    assert restored.layers[0].fused.wqkv.q.dtype == np.dtype("float8_e4m3fn")
 
 
 def test_flags_that_do_not_match_the_checkpoint_name_both(out) -> None:

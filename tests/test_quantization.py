@@ -342,7 +342,9 @@ def test_llm_quantizes_on_load_and_capacity_agrees(capsys, caplog) -> None:
         **common,  # type: ignore[arg-type]
     )
     runner = llm.engine.runner
-    assert runner.quant is not None and isinstance(runner.weights.layers[0].w_up, QArray)
+    layer = runner.weights.layers[0]  # one device: gate/up (and q/k/v) joined, still int8
+    assert runner.quant is not None and isinstance(layer.fused.w_gate_up, QArray)
+    assert layer.w_up is None and layer.fused.w_gate_up.q.dtype == jnp.int8
     assert (
         "Quantization: quantized on load (int8, per-channel scales); weight-only (dequantized "
         "inside the matmul); embedding and lm_head unquantized" in caplog.messages
@@ -390,7 +392,9 @@ TP_SCRIPT = textwrap.dedent("""
                                max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
                                block_size=4, num_gpu_blocks_override=32, dtype="float32",
                                warmup=False)
-            scale = llm.engine.runner.weights.layers[0].wq.scale.addressable_shards[0].data
+            layer = llm.engine.runner.weights.layers[0]  # one device: q/k/v joined if they can be
+            wq = layer.wq if layer.wq is not None else layer.fused.wqkv
+            scale = wq.scale.addressable_shards[0].data
             out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6,
                                                       ignore_eos=True))
             print(quantization, tp, scale.shape[0], out[0].outputs[0].token_ids)
@@ -403,7 +407,7 @@ def test_tensor_parallel_quantized_weights_give_the_same_tokens(tmp_path) -> Non
     stdout = run_with_devices(TP_SCRIPT, 2, str(tmp_path / "awq"))
     rows = [line.split(" ", 3) for line in stdout.splitlines()]
     assert [(r[0], r[1], r[2]) for r in rows] == [
-        ("int8", "1", "128"),
+        ("int8", "1", "256"),  # one device: q/k/v joined (128 + 64 + 64 rows, each its scale)
         ("int8", "2", "64"),  # wq's output rows (and their scales) split over 2 devices
         ("None", "1", "128"),
         ("None", "2", "64"),
@@ -452,3 +456,36 @@ def test_w8a8_writes_its_dot_in_the_activations_16_bit_dtype(monkeypatch) -> Non
     monkeypatch.setenv(quant.W8A8_DOT_DTYPE_ENV, "f16")
     with pytest.raises(ValueError, match="JAXSERVE_W8A8_DOT_DTYPE='f16' must be one of auto"):
         quant.w8a8_dot_dtype(x)
+
+
+@pytest.mark.parametrize("fmt, act_quant", [("fp8", True), ("fp8", False), ("int8", False)])
+def test_joined_per_channel_weights_give_each_projection_s_product(monkeypatch, fmt, act_quant):
+    """q, k and v (and gate, up) quantized per channel join into one QArray (``quant.join``),
+    each output channel with its own values and scale: the joined product is each part's,
+    side by side (W8A8 quantizes the shared input once either way)."""
+    monkeypatch.setattr(quant, "W8A8_MIN_TOKENS", 1)
+    rng = np.random.default_rng(7)
+    parts = [
+        quantize(
+            rng.normal(size=(rows, 32)).astype(np.float32), fmt, (32,), (rows // 8, 8), act_quant
+        )
+        for rows in (32, 16, 16)
+    ]
+    assert quant.joinable(parts)
+    joined = quant.join(parts)
+    assert (joined.in_shape, joined.out_shape, joined.act_quant) == ((32,), (8, 8), act_quant)
+    x = jnp.asarray(rng.normal(size=(5, 32)), jnp.float32)
+    want = np.concatenate([np.asarray(linear(x, p, "")) for p in parts], axis=1)
+    # (float32 sums of another GEMM width: within an ulp or two of each part's)
+    np.testing.assert_allclose(np.asarray(linear(x, joined, "")), want, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_packed_or_mixed_weights_are_not_joined() -> None:
+    rng = np.random.default_rng(8)
+    w = rng.normal(size=(16, 32)).astype(np.float32)
+    fp8, int8 = quantize(w, "fp8", (32,), (16,)), quantize(w, "int8", (32,), (16,))
+    grouped, _ = _grouped(16, 32, 8, act_order=False)
+    assert not quant.joinable([fp8, int8])  # two formats
+    assert not quant.joinable([fp8, quantize(w, "fp8", (32,), (16,), act_quant=True)])
+    assert not quant.joinable([grouped, grouped])  # 4-bit, a scale per group
+    assert not quant.joinable([fp8, jnp.asarray(w)])  # a plain array

@@ -330,7 +330,7 @@ def check_model_on_the_kernel(
     shapes = {shape for _, shape in calls}
     if quantization is None:  # hidden 64, 4 + 2 x 2 heads of 16, intermediate 96, vocab
         assert {(64, 128), (64, 64), (64, 192), (96, 64)} <= shapes
-    else:  # [out, in]: q, k, v, o, gate, up, down
-        assert {(64, 64), (32, 64), (96, 64), (64, 96)} <= shapes
-        assert ("int8", (96, 64)) in calls
+    else:  # [out, in], joined as the plain weights are: q/k/v, o, gate/up, down
+        assert {(128, 64), (64, 64), (192, 64), (64, 96)} <= shapes
+        assert ("int8", (192, 64)) in calls
     assert any(shape[0] == 64 and shape[1] > 192 for shape in shapes)  # lm_head [H, V]

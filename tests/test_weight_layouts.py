@@ -170,7 +170,7 @@ def test_a_quantized_model_takes_named_weights_as_its_loader_quantizes_them() ->
     llm.update_weights({name: value * 1.5 for name, value in tensors.items()})
     assert greedy(llm, "llama") != before
     llm.update_weights(tensors)
-    assert isinstance(llm.weights.layers[0].w_up, QArray)
+    assert isinstance(llm.weights.layers[0].fused.w_gate_up, QArray)  # joined, one device
     pairs = zip(jax.tree.leaves(llm.weights), jax.tree.leaves(loaded), strict=True)
     assert all(np.array_equal(a, b) for a, b in pairs)
     assert greedy(llm, "llama") == before

@@ -17,7 +17,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxserve.models import moe
+from jaxserve.models import moe, quant
 from jaxserve.models.quant import QArray, tiled_rows
 
 
@@ -28,8 +28,8 @@ class FusedProjections:
     each is one GEMM: at small batch the separate k and v GEMMs (a quarter of q's size each)
     ran far from the bandwidth floor (``benchmarks/probes/fusion_probe.py``, RESULTS.md)."""
 
-    wqkv: jax.Array  # [H, N + 2K, D]  wq, wk, wv
-    w_gate_up: jax.Array | None  # [H, 2I]  w_gate, w_up; None on a layer with experts
+    wqkv: jax.Array | QArray  # [H, N + 2K, D]  wq, wk, wv
+    w_gate_up: jax.Array | QArray | None  # [H, 2I]  w_gate, w_up; None on a layer with experts
 
 
 # NOTE: these are the model code's typed view of the weights. What each field is (checkpoint
@@ -163,17 +163,18 @@ def fuse_projections(weights: Weights) -> Weights:
 
 def fuse_layer(lw: LayerWeights) -> LayerWeights:
     """The layer with q/k/v (and gate/up) joined in ``LayerWeights.fused``; as it is when
-    already fused or when they are not plain arrays.
+    already fused or when they are neither plain arrays nor per-channel 8-bit QArrays
+    (``quant.join``: fp8 and int8, quantized on load or per channel in the checkpoint).
 
-    For unquantized weights on one device: a tensor-parallel layout splits q and k/v heads
-    over different mesh views, and quantized weights are QArrays (``quant.linear``).
+    For weights on one device: a tensor-parallel layout splits q and k/v heads over different
+    mesh views. Quantized weights were kept apart until 2026-12-06: XLA joined q/k/v's fp8 GEMMs
+    itself (their concatenation inside the GEMM's fusion), not gate/up's, one GEMM a layer more
+    than bf16 at every step (a deviceless H200 compile).
     """
-    if lw.wq is None or not all(isinstance(w, jax.Array) for w in (lw.wq, lw.wk, lw.wv)):
+    qkv = _joined([lw.wq, lw.wk, lw.wv], axis=1)
+    if qkv is None:
         return lw
-    wqkv = jnp.concatenate([lw.wq, lw.wk, lw.wv], axis=1)  # type: ignore[list-item]
-    gate_up = None
-    if isinstance(lw.w_gate, jax.Array) and isinstance(lw.w_up, jax.Array):
-        gate_up = jnp.concatenate([lw.w_gate, lw.w_up], axis=1)
+    gate_up = _joined([lw.w_gate, lw.w_up], axis=1)
     return dataclasses.replace(
         lw,
         wq=None,
@@ -181,5 +182,15 @@ def fuse_layer(lw: LayerWeights) -> LayerWeights:
         wv=None,
         w_gate=None if gate_up is not None else lw.w_gate,
         w_up=None if gate_up is not None else lw.w_up,
-        fused=FusedProjections(wqkv, gate_up),
+        fused=FusedProjections(qkv, gate_up),
     )
+
+
+def _joined(parts: list, axis: int) -> jax.Array | QArray | None:
+    """``parts`` joined on their output axis (``axis`` of a plain ``[in, *out]`` array, the
+    first output axis of a QArray), or None where they cannot be."""
+    if all(isinstance(p, jax.Array) for p in parts):
+        return jnp.concatenate(parts, axis=axis)
+    if quant.joinable(parts):
+        return quant.join(parts)
+    return None

@@ -92,6 +92,41 @@ class QArray:
         return sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in parts if p is not None)
 
 
+def joinable(parts: list[Any]) -> bool:
+    """Whether ``parts`` are QArrays that ``join`` can make one: 8-bit values with one scale
+    per output channel (no groups, zero points or packing), of one input, format and mode."""
+    if not all(isinstance(p, QArray) for p in parts):
+        return False
+    first = parts[0]
+    return all(
+        not p.is_packed
+        and not p.is_experts
+        and p.zero is None
+        and p.g_idx is None
+        and jnp.ndim(p.scale) == 1
+        and p.in_shape == first.in_shape
+        and p.q.dtype == first.q.dtype
+        and p.act_quant == first.act_quant
+        and p.out_shape[1:] == first.out_shape[1:]
+        for p in parts
+    )
+
+
+def join(parts: list[QArray]) -> QArray:
+    """Per-channel QArrays that read the same input (``joinable``) as one, their outputs in
+    order on the first output axis (q, k, v: ``[N + 2K, D]``; gate, up: ``[2I]``): each
+    output channel keeps its values and its scale, so the product is the same."""
+    first = parts[0]
+    out_shape = (sum(p.out_shape[0] for p in parts), *first.out_shape[1:])
+    return QArray(
+        q=jnp.concatenate([jnp.asarray(p.q) for p in parts], axis=0),
+        scale=jnp.concatenate([jnp.asarray(p.scale) for p in parts], axis=0),
+        in_shape=first.in_shape,
+        out_shape=out_shape,
+        act_quant=first.act_quant,
+    )
+
+
 def unpack_int4(packed: jax.Array) -> jax.Array:  # i32[..., n] -> i32[..., 8 n], values 0..15
     """Eight 4-bit values per word, the first in the lowest bits (GPTQ's order)."""
     shifts = jnp.arange(PACK, dtype=jnp.int32) * 4

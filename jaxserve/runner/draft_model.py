@@ -98,9 +98,9 @@ def load_draft(
     tp = drafter_parallel(draft_config, target_tp, f"speculative_config: {draft_name}")
     if tp is None:
         weights = load_weights(draft_dir, draft_config, dtype, fuse=True)
-        return draft_config, as_served(weights, one_device=True, quant=None), None
+        return draft_config, as_served(weights, one_device=True), None
     weights = load_weights(draft_dir, draft_config, dtype, placement=tp.placement)
-    return draft_config, as_served(weights, one_device=False, quant=None), tp
+    return draft_config, as_served(weights, one_device=False), tp
 
 
 def draft_chain(

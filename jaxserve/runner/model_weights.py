@@ -61,10 +61,10 @@ def model_weights(
             dtype,
             placement=placement,
             scheme=quant,
-            fuse=_fuses(placement is None, quant),
+            fuse=placement is None,
             stop=stop,
         )
-    weights = as_served(weights, placement is None, quant)
+    weights = as_served(weights, placement is None)
     jax.block_until_ready(weights)
     seconds = time.perf_counter() - start
     if config.load_format == "dummy":
@@ -130,15 +130,11 @@ def _abstract_in_layout(
     return jax.tree_util.tree_map_with_path(with_sharding, shapes)
 
 
-def as_served(weights: Weights, one_device: bool, quant: QuantScheme | None) -> Weights:
-    """``weights`` (as the tables lay them out) as the runner serves them: on one device,
-    unquantized, the projections that share an input joined (see ``fuse_projections``); else
-    as they are."""
-    return fuse_projections(weights) if _fuses(one_device, quant) else weights
-
-
-def _fuses(one_device: bool, quant: QuantScheme | None) -> bool:
-    return one_device and quant is None
+def as_served(weights: Weights, one_device: bool) -> Weights:
+    """``weights`` (as the tables lay them out) as the runner serves them: on one device, the
+    projections that share an input joined where they can be (plain arrays and per-channel
+    8-bit QArrays, ``layers.fuse_layer``); else as they are."""
+    return fuse_projections(weights) if one_device else weights
 
 
 def start_loading(
@@ -176,7 +172,7 @@ def abstract_model_weights(
 
     def make() -> Weights:
         weights = dummy_weights(model_config, dtype, scheme=quant)
-        return as_served(weights, shardings is None, quant)
+        return as_served(weights, shardings is None)
 
     shapes = jax.eval_shape(make)
     if shardings is None:

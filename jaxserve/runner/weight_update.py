@@ -132,4 +132,4 @@ def weights_from_named(
     # The kernels of an nnx state transposed only once nothing is wrong.
     tensors = read_nnx(new).tensors() if layout == "nnx" else new
     weights = weights_from_hf(tensors, config, dtype, placement, quant)
-    return model_weights.as_served(weights, placement is None, quant)
+    return model_weights.as_served(weights, placement is None)
