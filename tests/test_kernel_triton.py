@@ -196,3 +196,41 @@ def test_a_small_bucket_is_split_for_few_live_rows(monkeypatch, plan, triton_16,
     monkeypatch.setenv(splits.SPLIT_PLAN_ENV, "rows")
     with pytest.raises(ValueError, match="JAXSERVE_ATTENTION_SPLITS='rows' must be one of"):
         splits.planned_rows(16)
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_merging_splits_weights_each_by_its_softmax_mass(with_sinks):
+    """``splits.merge_splits`` against float64 numpy on fresh random partial results: each
+    split's output weighted by 2^lse (plus a sink's mass in the total), with an empty split
+    (lse -1e30, as the kernels write it), a row whose splits are all empty (0, no NaN), a split
+    2^200 below the others (no overflow), and rows past the batch's tokens (zeros)."""
+    rng = np.random.default_rng(int(np.random.default_rng().integers(2**31)))
+    num_splits, tokens, heads, dim = 8, 6, 4, 16
+    o = rng.normal(size=(num_splits, tokens, heads, dim))
+    lse = rng.normal(scale=4.0, size=(num_splits, tokens, heads))
+    lse[3] = -1e30  # an empty split
+    o[3] = 0.0
+    lse[:, 2] = -1e30  # a row with no keys at all
+    o[:, 2] = 0.0
+    lse[5, 1] = lse[:, 1].max() - 200.0  # far below the others
+    sinks = rng.normal(size=heads) if with_sinks else None
+    cu_q_lens, num_seqs = jnp.array([0, 3, 5, 5], jnp.int32), jnp.array([2], jnp.int32)
+    lse_cols = np.repeat(lse[..., None], 2, axis=-1)  # the kernels' equal columns
+    got = splits.merge_splits(
+        jnp.asarray(o, jnp.float32),
+        jnp.asarray(lse_cols, jnp.float32),
+        cu_q_lens,
+        num_seqs,
+        out_dtype=jnp.float32,
+        sinks=None if sinks is None else jnp.asarray(sinks, jnp.float32),
+    )
+    top = lse.max(axis=0)
+    with np.errstate(all="ignore"):  # row 2: nothing to weigh (set below)
+        mass = np.exp2(lse - top)  # [NS, T, H]
+        sink_mass = 0 if sinks is None else np.exp2(sinks * np.log2(np.e) - top)
+        want = (mass[..., None] * o).sum(axis=0) / (mass.sum(axis=0) + sink_mass)[..., None]
+    want[2] = 0.0
+    want[5:] = 0.0  # past cu_q_lens[num_seqs] = 5
+    got = np.asarray(got)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
