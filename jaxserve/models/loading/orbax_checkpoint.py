@@ -77,7 +77,7 @@ class Manifest:
     jaxserve_version: str
     dtype: str  # the weights' dtype ("bfloat16"); f32 fields stay f32
     quantization: str | None  # "fp8" | "int8" (quantized on conversion) | None
-    fused: bool  # q/k/v and gate/up joined (the one-device, unquantized layout)
+    fused: bool  # q/k/v and gate/up joined (the one-device layout, where they can be)
     model_type: str
     num_layers: int
     num_bytes: int
