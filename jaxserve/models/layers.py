@@ -171,10 +171,10 @@ def fuse_layer(lw: LayerWeights) -> LayerWeights:
     itself (their concatenation inside the GEMM's fusion), not gate/up's, one GEMM a layer more
     than bf16 at every step (a deviceless H200 compile).
     """
-    qkv = _joined([lw.wq, lw.wk, lw.wv], axis=1)
+    qkv = _joined([lw.wq, lw.wk, lw.wv])
     if qkv is None:
         return lw
-    gate_up = _joined([lw.w_gate, lw.w_up], axis=1)
+    gate_up = _joined([lw.w_gate, lw.w_up])
     return dataclasses.replace(
         lw,
         wq=None,
@@ -186,11 +186,11 @@ def fuse_layer(lw: LayerWeights) -> LayerWeights:
     )
 
 
-def _joined(parts: list, axis: int) -> jax.Array | QArray | None:
-    """``parts`` joined on their output axis (``axis`` of a plain ``[in, *out]`` array, the
-    first output axis of a QArray), or None where they cannot be."""
+def _joined(parts: list) -> jax.Array | QArray | None:
+    """``parts`` joined on their first output axis (axis 1 of a plain ``[in, *out]`` array),
+    or None where they cannot be."""
     if all(isinstance(p, jax.Array) for p in parts):
-        return jnp.concatenate(parts, axis=axis)
+        return jnp.concatenate(parts, axis=1)
     if quant.joinable(parts):
         return quant.join(parts)
     return None

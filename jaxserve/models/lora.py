@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from pallas_kernels.lora import dispatch
+from pallas_kernels.lora import dispatch, reference
 
 # The projections an adapter may target, PEFT's module names -> ours. q/k/v share one input
 # (their A matrices are joined: one GEMM), as do gate/up.
@@ -158,28 +158,15 @@ class LoraRouting:
     mask: jax.Array  # [T, M]
 
 
-def lora_shrink(x: jax.Array, a: jax.Array, mask: jax.Array) -> jax.Array:
-    """``x [T, X]`` times every slot's ``a [M, R', X]``, kept only in each token's own slot:
-    ``[T, M, R']`` (zeros outside it)."""
-    xa = jnp.einsum("TX,MRX->TMR", x, a)
-    return xa * mask[:, :, None]
-
-
-def lora_expand(xa: jax.Array, b: jax.Array, out_shape: tuple[int, ...]) -> jax.Array:
-    """``xa [T, M, R] @ b [M, R, O]`` summed over slots (one is non-zero per token) ->
-    ``[T, *out_shape]``."""
-    y = jnp.einsum("TMR,MRO->TO", xa, b)
-    return y.reshape(xa.shape[0], *out_shape)
-
-
 def lora_delta(
     x: jax.Array,  # [T, X]
     a: jax.Array,  # [M, R, X]
     b: jax.Array,  # [M, R, O]
     mask: jax.Array,  # [T, M]  ``LoraInputs.slot_mask``
 ) -> jax.Array:  # [T, O]
-    """The LoRA term of one projection (its scaling is in b)."""
-    return lora_expand(lora_shrink(x, a, mask), b, (b.shape[-1],))
+    """The LoRA term of one projection (its scaling is in b): the dense product's GEMM form
+    (``pallas_kernels.lora.reference``), one projection."""
+    return reference.form_deltas(x, a, (b,), mask, "gemm")[0]
 
 
 def lora_delta_ragged(
