@@ -34,7 +34,14 @@ from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.models import lora as lora_ops
 from jaxserve.models import mla, moe, rope
 from jaxserve.models.batch import Batch, KVCache
-from jaxserve.models.layers import LayerWeights, Weights, rms_norm, rms_rows
+from jaxserve.models.layers import (
+    LayerWeights,
+    Weights,
+    rms_norm,
+    rms_rows,
+    rms_scale,
+    scaled_rows,
+)
 from jaxserve.models.quant import linear
 from pallas_kernels.kv_cache import write_kv
 from pallas_kernels.ragged_paged_attention import dispatch
@@ -122,12 +129,17 @@ def attention_block(
         k = k + lw.bk
     if lw.bv is not None:
         v = v + lw.bv
-    if lw.q_norm is not None:  # per-head RMSNorm (Qwen3, Gemma 3): both or neither
-        q = rms_norm(q, lw.q_norm, config.rms_norm_eps, config.is_gemma, row_tile)
-    if lw.k_norm is not None:
-        k = rms_norm(k, lw.k_norm, config.rms_norm_eps, config.is_gemma, row_tile)
-    q = rope.apply_rotary(q, *rotary)
-    k = rope.apply_rotary(k, *rotary)
+    if lw.q_norm is not None and lw.k_norm is not None and row_tile is None:
+        eps, gemma = config.rms_norm_eps, config.is_gemma  # per-head RMSNorm (Qwen3, Gemma 3)
+        q = normed_rotary(q, lw.q_norm, eps, gemma, rotary)
+        k = normed_rotary(k, lw.k_norm, eps, gemma, rotary)
+    else:
+        if lw.q_norm is not None:  # batch-invariant mode's row tiles
+            q = rms_norm(q, lw.q_norm, config.rms_norm_eps, config.is_gemma, row_tile)
+        if lw.k_norm is not None:
+            k = rms_norm(k, lw.k_norm, config.rms_norm_eps, config.is_gemma, row_tile)
+        q = rope.apply_rotary(q, *rotary)
+        k = rope.apply_rotary(k, *rotary)
     if isinstance(attention_fn, WholePromptAttention):  # no cache: the pages pass through
         out = attention_fn.attend(q, k, v, batch.cu_q_lens, sm_scale=config.sm_scale)
         return _output_projection(lw, out, lora, row_tile), k_pages, v_pages
@@ -151,6 +163,28 @@ def attention_block(
         **sinks,
     )  # [T, N, D]
     return _output_projection(lw, out, lora, row_tile), k_pages, v_pages
+
+
+def normed_rotary(
+    x: jax.Array,  # [T, heads, D]
+    weight: jax.Array,  # [D]  the per-head norm's
+    eps: float,
+    unit_offset: bool,  # Gemma's 1 + weight
+    rotary: tuple[jax.Array, jax.Array],  # (cos, sin), each [T, 1, D]
+) -> jax.Array:  # [T, heads, D]
+    """``rope.apply_rotary(rms_norm(x, weight, ...), *rotary)``, the same values, written so
+    that each half of a head is normed as it turns, with the head's 1 / rms reduced apart.
+
+    NOTE: the composition was two passes over q (and k) on the GPU: XLA's normalization fusion
+    wrote the normed heads, then the rotation read them. Here the norm is one reduction and the
+    rotation's pass, which reads x and writes the result: at a Qwen3-0.6B step of 16,384 tokens
+    99 MB a layer fewer read and written (a deviceless H100 compile); at decode the kernels are
+    as many as before."""
+    scale = rms_scale(x, eps)
+    half = x.shape[-1] // 2
+    x1 = scaled_rows(x[..., :half], scale, weight[:half], unit_offset)
+    x2 = scaled_rows(x[..., half:], scale, weight[half:], unit_offset)
+    return rope.rotate_halves(x1, x2, *rotary)
 
 
 def _output_projection(

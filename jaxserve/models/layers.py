@@ -131,20 +131,32 @@ def rms_norm(
         # NOTE: on the CPU a row's mean of squares, fused into a step of other shape, came out
         # 1 ulp apart between token buckets; one fixed shape reduces every row alike.
         return tiled_rows(lambda tile: rms_norm(tile, weight, eps, unit_offset), x, row_tile)
-    if unit_offset:
-        return (_rms_rows32(x, eps) * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-    return weight * rms_rows(x, eps)
+    return scaled_rows(x, rms_scale(x, eps), weight, unit_offset)
 
 
 def rms_rows(x: jax.Array, eps: float) -> jax.Array:
     """RMSNorm's rows before its weight, cast to x's dtype (``rms_norm`` without
     ``unit_offset`` is ``weight * rms_rows(x, eps)``)."""
-    return _rms_rows32(x, eps).astype(x.dtype)
+    return (x.astype(jnp.float32) * rms_scale(x, eps)).astype(x.dtype)
 
 
-def _rms_rows32(x: jax.Array, eps: float) -> jax.Array:  # f32: x / rms(x)
+def rms_scale(x: jax.Array, eps: float) -> jax.Array:  # f32[..., 1]: 1 / rms(x) per row
     x32 = x.astype(jnp.float32)
-    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+def scaled_rows(
+    part: jax.Array,  # [..., C]  columns of rows whose 1 / rms is ``scale``
+    scale: jax.Array,  # f32[..., 1]  ``rms_scale`` of the whole rows
+    weight: jax.Array,  # [C]  the norm's weight for these columns
+    unit_offset: bool = False,
+) -> jax.Array:  # [..., C]
+    """``rms_norm``'s output on some of a row's columns, given the whole row's scale: the same
+    products in the same order, so the values are ``rms_norm``'s."""
+    part32 = part.astype(jnp.float32) * scale
+    if unit_offset:
+        return (part32 * (1.0 + weight.astype(jnp.float32))).astype(part.dtype)
+    return weight * part32.astype(part.dtype)
 
 
 # The joined arrays of ``FusedProjections`` and their parts, joined on axis 1 in this order

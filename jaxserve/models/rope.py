@@ -137,5 +137,16 @@ def apply_rotary(
     1.04-1.06x on an H100; ``benchmarks/probes/rope_fusion.py``). The halves of ``cos`` and
     ``sin`` are equal (``cos_sin``)."""
     half = x.shape[-1] // 2
-    x1, x2, c, s = x[..., :half], x[..., half:], cos[..., :half], sin[..., :half]
+    return rotate_halves(x[..., :half], x[..., half:], cos, sin)
+
+
+def rotate_halves(
+    x1: jax.Array,  # [T, heads, D // 2]  the first half of each head
+    x2: jax.Array,  # [T, heads, D // 2]  the second
+    cos: jax.Array,  # [T, 1, D]
+    sin: jax.Array,
+) -> jax.Array:  # [T, heads, D]
+    """``apply_rotary`` of the head whose halves are ``x1`` and ``x2``."""
+    half = x1.shape[-1]
+    c, s = cos[..., :half], sin[..., :half]
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
