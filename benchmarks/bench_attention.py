@@ -16,6 +16,11 @@ compare against the first kernel instead.
 window layers) with and without attention sinks, each GPU kernel beside the XLA reference, so
 that the cost of the sinks (and the unchanged no-sinks path) shows side by side in one run.
 
+``--suite prompts``: whole prompts, where attention is bound by compute: 64 prompts of 256
+tokens and 16 of 1,024 at the Qwen3-0.6B shape (16 / 8 heads, head_dim 128: the embedding
+benchmark's step), one 2,048-token and eight 256-token Llama-3-8B prompts; TFLOP/s over the
+causal pairs, against the bf16 peak. ``--sweep`` adds tile configs and the Triton kernel.
+
 ``--suite fp8``: the Mosaic GPU kernel at the Llama-3-8B shape over a bf16 cache, and over an
 fp8 e4m3 cache (the same pages quantized at a per-tensor scale) by both fp8 paths: ``convert``
 (tiles converted to bf16 in shared memory, ``JAXSERVE_FP8_ATTENTION=convert``) and ``native``
@@ -36,6 +41,7 @@ measures a 1 GiB copy in the same run).
   python3 -m benchmarks.bench_attention --suite tiers --out /tmp/tiers.json
   python3 -m benchmarks.bench_attention --suite sinks --out /tmp/sinks.json
   python3 -m benchmarks.bench_attention --suite fp8 --out /tmp/fp8.json
+  python3 -m benchmarks.bench_attention --suite prompts --sweep --out /tmp/prompts.json
   python -m benchmarks.bench_attention --smoke [--suite tiers]              # tiny, CPU interpret
 """
 
@@ -142,6 +148,21 @@ def mixed_batch(prefill: int, decodes: int, context: int) -> Batch:
         (prefill,) + (1,) * decodes,
         (prefill,) + (context,) * decodes,
     )
+
+
+def prompt_batch(num_prompts: int, length: int) -> Batch:
+    """Fresh prompts computed whole (an embedding step, or prefill without a cached prefix)."""
+    return Batch(
+        f"prompts {num_prompts}x{length}", (length,) * num_prompts, (length,) * num_prompts
+    )
+
+
+def causal_flops(shape: Shape, batch: Batch) -> float:
+    """QK^T and PV of each query token over the keys it sees (its chunk's causal part)."""
+    pairs = sum(
+        q * (kv - q) + q * (q + 1) / 2 for q, kv in zip(batch.q_lens, batch.kv_lens, strict=True)
+    )
+    return 4 * shape.num_q_heads * shape.head_dim * pairs
 
 
 def make_inputs(rng, shape: Shape, batch: Batch, num_calls: int, pool_bytes: int):
@@ -283,6 +304,7 @@ def run_case(rng, shape, batch, *, variants, reps, pool_bytes, with_reference=Tr
         floor_s = all_bytes / BANDWIDTH
         row.update(case=batch.name, kv_bytes=kv_bytes, all_bytes=all_bytes, floor_s=floor_s)
         row.update(shape=shape.label, num_tokens=sum(batch.q_lens))
+        row.update(flops=causal_flops(shape, batch))
         seconds = row.get("seconds", row.get("wall_s"))
         if seconds:
             row["tb_per_s"] = all_bytes / seconds / 1e12
@@ -451,6 +473,49 @@ def fp8_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Variant]
     return [(shape, batch, variants, False) for batch in batches]
 
 
+QWEN3_0_6B = Shape(num_q_heads=16, num_kv_heads=8, head_dim=128)
+
+
+def prompts_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Variant], bool]]:
+    """(shape, batch, variants, with_reference) for ``--suite prompts``: whole prompts, where
+    attention is bound by compute (its TFLOP/s in ``prompts_table``): the embedding benchmark's
+    64 x 256 at the Qwen3-0.6B shape, and Llama-3-8B prefill steps of 2,048 tokens."""
+    base = mosaic_gpu.KernelConfig()
+    if smoke:
+        shape = Shape(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+        return [(shape, prompt_batch(2, 24), [mosaic("mosaic", base, True)], True)]
+    cases = [(QWEN3_0_6B, prompt_batch(64, 256)), (QWEN3_0_6B, prompt_batch(16, 1024))]
+    cases += [(LLAMA_3_8B, prompt_batch(1, 2048)), (LLAMA_3_8B, prompt_batch(8, 256))]
+    variants = [mosaic("mosaic", base, False)]
+    if sweep:
+        for label, config in (
+            ("bk64 s3", dataclasses.replace(base, num_stages=3)),
+            ("bk128 s2", dataclasses.replace(base, block_kv=128)),
+            ("bk128 s3", dataclasses.replace(base, block_kv=128, num_stages=3)),
+        ):
+            variants.append(mosaic(label, config, False))
+        variants.append(triton("triton", triton_kernel.TritonConfig(), False))
+    return [(shape, batch, variants, False) for shape, batch in cases]
+
+
+def prompts_table(rows) -> str:
+    """Each kernel's TFLOP/s over the causal pairs it computes, and its share of 989."""
+    lines = [
+        "| shape | case | kernel | device us | TFLOP/s | of 989 |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        seconds = r.get("seconds", r.get("wall_s"))
+        if "error" in r or not seconds:
+            continue
+        tflops = r["flops"] / seconds / 1e12
+        lines.append(
+            f"| {r['shape']} | {r['case']} | {r['kernel']} | {seconds * 1e6:.1f} "
+            f"| {tflops:.0f} | {tflops / 989:.0%} |"
+        )
+    return "\n".join(lines)
+
+
 def fp8_table(rows) -> str:
     """Tokens/s of each kernel and its speed-up over the bf16 kernel in the same case."""
     lines = [
@@ -506,7 +571,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode")
     parser.add_argument(
-        "--suite", choices=("llama", "tiers", "head256", "sinks", "fp8"), default="llama"
+        "--suite", choices=("llama", "tiers", "head256", "sinks", "fp8", "prompts"), default="llama"
     )
     parser.add_argument("--sweep", action="store_true", help="also time config variants")
     parser.add_argument("--reps", type=int, default=10)
@@ -525,6 +590,7 @@ def main(argv=None) -> int:
         "head256": head256_plan,
         "sinks": sinks_plan,
         "fp8": fp8_plan,
+        "prompts": prompts_plan,
     }[args.suite]
     plan = plan_for(args.smoke, args.sweep)
     if args.only:
@@ -551,6 +617,9 @@ def main(argv=None) -> int:
     if args.suite == "fp8":
         extra = dict(fp8_table=fp8_table(rows), fp8_target=fp8_target_line(rows))
         print(extra["fp8_table"])
+    if args.suite == "prompts":
+        extra = dict(prompts_table=prompts_table(rows))
+        print(extra["prompts_table"])
     target = triton_target_line(rows) or extra.get("fp8_target")
     if target:
         print(target)

@@ -239,6 +239,25 @@ def test_bench_attention_sinks_smoke(tmp_path, monkeypatch, capsys) -> None:
     assert all(r["rel_err"] < 1e-2 for r in rows if r["kernel"] != "xla-reference")
 
 
+def test_bench_attention_prompts_smoke(tmp_path, monkeypatch, capsys) -> None:
+    """The prompts suite: whole prompts on the Mosaic kernel, its causal FLOPs counted."""
+    out = tmp_path / "prompts.json"
+    args = ["--smoke", "--suite", "prompts", "--out", str(out)]
+    with pytest.raises(SystemExit) as done:
+        run_script("benchmarks.bench_attention", args, monkeypatch)
+    assert done.value.code == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["case"], r["kernel"]) for r in rows] == [
+        ("prompts 2x24", "xla-reference"),
+        ("prompts 2x24", "mosaic"),
+    ]
+    assert rows[1]["rel_err"] < 1e-2
+    # 2 prompts x 300 causal pairs (24 * 25 / 2) x 4 heads x 64 dims x 4 FLOPs
+    assert rows[1]["flops"] == 2 * 300 * 4 * 64 * 4
+    assert "| prompts 2x24 | mosaic |" in result["prompts_table"]
+
+
 def test_moe_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
     """benchmarks/moe.py on the tiny Qwen3-MoE fixture: throughput, decode rows against the
     roofline, and one layer's experts alone."""
