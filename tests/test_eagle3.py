@@ -36,6 +36,7 @@ from jaxserve.models.eagle3 import (
     target_logits,
 )
 from jaxserve.models.families.registry import load_model_config
+from jaxserve.models.layers import fuse_layer
 from jaxserve.models.loading.checkpoint_loader import load_weights, tensor_files
 from jaxserve.models.loading.checkpoint_reader import CheckpointReader, WeightsError
 from jaxserve.models.loading.eagle3_checkpoint import load_eagle3, read_eagle3_config
@@ -198,9 +199,14 @@ def test_the_head_matches_a_pytorch_head_of_transformers_parts(demo) -> None:
     batch = dataclasses.replace(batch, positions=jnp.asarray(golden["positions"]))
     kv = make_eagle3_kv_cache(head_config, 1, PAGE, jnp.float32)
     hidden = fuse_aux_hidden(head, [jnp.asarray(golden["aux"])])
-    _, normed, prenorm = eagle3_forward(head, kv, batch, hidden, head_config)
-    np.testing.assert_allclose(prenorm, golden["prenorm"], rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(normed @ head.lm_head, golden["draft_logits"], rtol=1e-4, atol=1e-4)
+    # As loaded, and with q/k/v and gate/up joined as one device serves it (load_head).
+    joined = dataclasses.replace(head, layer=fuse_layer(head.layer))
+    assert joined.layer.fused is not None and joined.layer.fused.w_gate_up is not None
+    for served in (head, joined):
+        _, normed, prenorm = eagle3_forward(served, kv, batch, hidden, head_config)
+        np.testing.assert_allclose(prenorm, golden["prenorm"], rtol=1e-4, atol=1e-4)
+        logits = normed @ served.lm_head
+        np.testing.assert_allclose(logits, golden["draft_logits"], rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(head.draft_to_target, golden["draft_to_target"])
     assert num_tokens == prenorm.shape[0]
 

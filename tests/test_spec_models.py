@@ -131,6 +131,8 @@ def test_eagle3_reads_the_targets_states_from_its_steps(plain) -> None:
     assert [token_ids(llm, [p])[0] for p in PROMPTS[:3]] == plain[:3]
     assert llm.engine.spec_stats.num_accepted_tokens > 0
     assert llm.engine.proposer.recomputed_tokens == 0
+    layer = llm.engine.proposer.draft_weights.layer  # one device: joined as the target's
+    assert layer.fused is not None and layer.wq is None and layer.w_gate is None
 
 
 def test_a_warmed_up_eagle3_drafter_runs_nothing_new_while_serving(plain) -> None:

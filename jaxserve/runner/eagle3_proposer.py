@@ -55,7 +55,7 @@ from jaxserve.models.eagle3 import (
     greedy_draft,
     make_eagle3_kv_cache,
 )
-from jaxserve.models.layers import Weights
+from jaxserve.models.layers import Weights, fuse_layer
 from jaxserve.models.loading.eagle3_checkpoint import load_eagle3, read_eagle3_config
 from jaxserve.models.loading.load_progress import format_bytes
 from jaxserve.runner.drafting import (
@@ -404,8 +404,10 @@ def load_head(
     dtype: jnp.dtype,
 ) -> tuple[Eagle3Config, Eagle3Weights, TensorParallel | None]:
     """The head in ``dtype``, checked against the target, and its tensor parallelism: on one
-    device when the runner has none, else split on the runner's mesh (``eagle3_specs``), its
-    head counts checked against it (an error naming the head, the field and the size)."""
+    device when the runner has none, its q/k/v and gate/up joined as the target's are (one
+    GEMM each at every chained draft step; ``layers.fuse_layer``), else split on the runner's
+    mesh (``eagle3_specs``), its head counts checked against it (an error naming the head, the
+    field and the size)."""
     tp = shardings = None
     if runner.tp is not None:
         config = read_eagle3_config(head_dir)
@@ -416,4 +418,6 @@ def load_head(
     head_config, head = load_eagle3(
         head_dir, target_config, runner.weights.embed, dtype, shardings=shardings
     )
+    if tp is None:
+        head = dataclasses.replace(head, layer=fuse_layer(head.layer))
     return head_config, head, tp
