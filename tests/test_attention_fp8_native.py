@@ -117,6 +117,10 @@ CPU_CASES = [
     Case("split_g1_d64_e5m2_window_softcap_sinks", (9, 1, 1), (70, 100, 9), 2, 2, 64,
          num_splits=2, sliding_window=40, soft_cap=30.0, kv_dtype=E5M2, k_scale=0.5,
          v_scale=2.0, has_sinks=True),
+    # Decodes reading 128 KV tokens a step (native_block_kv's choice for decode launches):
+    # P and V^T 128 wide, a sequence shorter than one step, one of three.
+    Case("decode_g4_d128_bk128", (1, 1, 1), (300, 90, 129), 8, 2, 128, num_pad_tokens=2,
+         kv_dtype=E4M3),
 ]  # fmt: skip
 
 
@@ -127,7 +131,8 @@ def test_interpret_matches_the_same_scales_reference(case: Case, capfd):
     args, sinks = make_inputs(rng, case), make_sinks(rng, case)
     # The race detector also checks the ordering of the Q quantization, P and the V transpose
     # in shared memory against the TMA copies and the wgmmas.
-    call = native_call(case, interpret=plgpu.InterpretGPUParams(detect_races=True))
+    tiles = dict(block_kv=128) if case.name.endswith("bk128") else {}
+    call = native_call(case, interpret=plgpu.InterpretGPUParams(detect_races=True), **tiles)
     assert_native_matches(case, call(*args, **sinks), args, sinks, seed)
     assert "RACE DETECTED" not in capfd.readouterr().out
 
@@ -217,7 +222,7 @@ def on_hopper(monkeypatch):
 
 @pytest.mark.parametrize(
     ("env", "kv_dtype", "batch_invariant", "want"),
-    [(None, E4M3, False, mosaic_gpu.KernelConfig(fp8_wgmma=True)),
+    [(None, E4M3, False, mosaic_gpu.KernelConfig(fp8_wgmma=True, block_kv=128)),
      ("convert", E4M3, False, mosaic_gpu.KernelConfig()),
      ("Native", E5M2, True, mosaic_gpu.KernelConfig(num_splits=1, fp8_wgmma=True)),
      ("native", jnp.bfloat16, False, mosaic_gpu.KernelConfig()),
@@ -233,6 +238,27 @@ def test_the_switch_sets_the_kernels_config(
     k, v = k.astype(kv_dtype), v.astype(kv_dtype)
     dispatch.ragged_paged_attention(q, k, v, *rest, sm_scale=0.1, batch_invariant=batch_invariant)
     assert on_hopper == [want]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "context", "env", "want"),
+    [(64, 4096, None, 128),  # decode at batch 64: one split
+     (512, 1536, None, 128),  # the full card's decode step
+     (16, 4096, None, 64),  # a small batch: its KV range split
+     (2048, 4096, None, 64),  # a step with a prompt
+     (16, 4096, "128", 128), (64, 4096, "64", 64)],
+)  # fmt: skip
+def test_the_native_path_reads_128_tokens_a_step_in_unsplit_decode_launches(
+    monkeypatch, tokens, context, env, want
+):
+    if env is None:
+        monkeypatch.delenv(mosaic_gpu.FP8_BLOCK_KV_ENV, raising=False)
+    else:
+        monkeypatch.setenv(mosaic_gpu.FP8_BLOCK_KV_ENV, env)
+    q = jax.ShapeDtypeStruct((tokens, 32, 128), jnp.bfloat16)
+    k_pages = jax.ShapeDtypeStruct((4096, 16, 8, 128), E4M3)
+    page_indices = jax.ShapeDtypeStruct((min(tokens, 512), context // 16), jnp.int32)
+    assert mosaic_gpu.native_block_kv(q, k_pages, page_indices) == want
 
 
 @pytest.mark.parametrize(

@@ -198,6 +198,61 @@ def test_a_small_bucket_is_split_for_few_live_rows(monkeypatch, plan, triton_16,
         splits.planned_rows(16)
 
 
+@pytest.mark.parametrize(
+    "live, planned, want",
+    [(1, True, 8), (4, True, 8), (5, True, 4), (16, True, 2), (40, True, 1), (1, False, 8)],
+)
+def test_a_launch_planned_for_few_rows_splits_as_its_live_rows_allow(
+    monkeypatch, live, planned, want
+):
+    """``splits.with_live_splits``: a launch planned for 4 live rows (8 splits of 8 KV heads on
+    132 SMs) counts its live tiles at run time and takes the splits the trace-time rule gives
+    that many rows (a full 16-row decode: 2, as before the plan); a configured split count
+    (``planned`` False) is every tile's. The split ranges cover each tile's KV blocks once."""
+    sizes = np.zeros(48, np.int32)
+    sizes[:live] = 1
+    plan = jnp.zeros((5, 48), jnp.int32).at[2].set(jnp.asarray(sizes))
+    got = splits.with_live_splits(plan, 8, 8, 132, planned)
+    assert got.shape == (6, 48)
+    np.testing.assert_array_equal(got[:5], plan)
+    np.testing.assert_array_equal(got[5], want)
+    monkeypatch.setenv(splits.SPLIT_PLAN_ENV, "bucket")  # the trace-time rule, every row live
+    assert want == min(8, mosaic_gpu.default_num_splits(live, live, 8, 8192, 64)) or not planned
+    for num_blocks in (0, 1, 3, 7, 64):
+        ranges = [splits.split_range(2, num_blocks, s, jnp.int32(want)) for s in range(8)]
+        lo, hi = np.asarray(ranges).T
+        assert lo[0] == 2 and hi[want - 1] == 2 + num_blocks and (hi >= lo).all()
+        np.testing.assert_array_equal(lo[1:want], hi[: want - 1])  # contiguous, in order
+        np.testing.assert_array_equal(lo[want:], hi[want:])  # the splits past: empty
+
+
+@pytest.mark.parametrize("kernel", ["mosaic", "triton"])
+def test_a_full_small_bucket_matches_the_reference_with_its_live_splits(monkeypatch, kernel):
+    """The 16-token bucket planned for 4 live rows, on a GPU of 8 SMs (so that 2 KV heads and
+    about 520 tokens of context plan 2 splits), with 1 and with 16 live decodes (2 and 1
+    splits at run time, the other empty), against the reference (interpret mode)."""
+    monkeypatch.setattr(mosaic_gpu, "NUM_SMS", 8)
+    monkeypatch.setattr(triton, "num_sms", lambda: 8)
+    for live in (1, 16):
+        case = Case(f"bucket16_live{live}", (1,) * live, tuple(range(520, 520 + 3 * live, 3)),
+                    8, 2, 64, num_pad_tokens=16 - live, num_dead_slots=16 - live)  # fmt: skip
+        rng = np.random.default_rng(int(np.random.default_rng().integers(2**31)))
+        args = make_inputs(rng, case)
+        q, k_pages, page_indices = args[0], args[1], args[4]
+        launch = (
+            mosaic_gpu._launch_for(q, k_pages, page_indices, mosaic_gpu.KernelConfig())
+            if kernel == "mosaic"
+            else triton._launch_for(q, k_pages, page_indices, triton.TritonConfig())
+        )
+        assert launch.num_splits == 2, launch
+        ref = reference.ragged_paged_attention(*args, **attention_kwargs(case))
+        if kernel == "mosaic":
+            out = mosaic_gpu.ragged_paged_attention(*args, **attention_kwargs(case), interpret=True)
+        else:
+            out = triton.ragged_paged_attention(*args, **attention_kwargs(case), interpret=True)
+        assert_matches(case, out, ref)
+
+
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_merging_splits_weights_each_by_its_softmax_mass(with_sinks):
     """``splits.merge_splits`` against float64 numpy on fresh random partial results: each

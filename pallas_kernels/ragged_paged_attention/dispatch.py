@@ -215,9 +215,12 @@ def ragged_paged_attention(
     if kernel == "gpu":
         from pallas_kernels.ragged_paged_attention import mosaic_gpu
 
+        native = is_quantized(k_pages.dtype) and requested_fp8_attention() == "native"
+        wide = native and not batch_invariant
         config = mosaic_gpu.KernelConfig(
             num_splits=1 if batch_invariant else None,
-            fp8_wgmma=is_quantized(k_pages.dtype) and requested_fp8_attention() == "native",
+            fp8_wgmma=native,
+            block_kv=mosaic_gpu.native_block_kv(q, k_pages, page_indices) if wide else 64,
         )
         if config != mosaic_gpu.KernelConfig():  # the default config calls the kernel as before
             options.update(config=config)

@@ -79,8 +79,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.env_choice import env_choice
 from pallas_kernels.kv_cache import FP8_DTYPES
-from pallas_kernels.ragged_paged_attention.splits import merge_splits, planned_rows
+from pallas_kernels.ragged_paged_attention.splits import (
+    merge_splits,
+    planned_rows,
+    split_range,
+    with_live_splits,
+)
 
 ROWS = 64  # query rows per program: one wgmma M tile
 LOG2E = math.log2(math.e)
@@ -207,6 +213,33 @@ def default_num_splits(
     return splits
 
 
+# The native fp8 path reads 128 KV tokens a step in decode-sized launches that are not split:
+# on an H100 (2026-12-06, Llama-3-8B attention, benchmarks/bench_attention.py --suite fp8
+# --sweep) batch 64 x 4,096 context 221 -> 208 us, 256 x 1,024 239 -> 226 us, 256 x 4,096
+# 822 -> 748 us against 64 tokens a step (3 stages: no faster; 128 x 3 stages: slower). The
+# bf16 kernel gained nothing (b=64 x 4,096 355 -> 357 us) and lost at batch 8 and in a step
+# with a 2,048-token prompt (445 -> 494 us), so longer launches, split ones and a bf16 cache
+# keep 64. ``JAXSERVE_FP8_BLOCK_KV`` (auto, 64 or 128) overrides it, to compare the two.
+NATIVE_WIDE_BLOCK_KV = 128
+NATIVE_WIDE_MAX_TOKENS = 1024
+FP8_BLOCK_KV_ENV = "JAXSERVE_FP8_BLOCK_KV"
+
+
+def native_block_kv(q, k_pages, page_indices) -> int:
+    """KV tokens a step of the native fp8 path for this call (see NATIVE_WIDE_BLOCK_KV)."""
+    choice = env_choice(FP8_BLOCK_KV_ENV, ("auto", "64", "128"), "auto")
+    if choice != "auto":
+        return int(choice)
+    num_tokens = q.shape[0]
+    _, page_size, num_kv_heads = _kv_geometry(k_pages, False)
+    num_slots, pages_per_seq = page_indices.shape
+    wide = NATIVE_WIDE_BLOCK_KV
+    splits = default_num_splits(
+        num_tokens, num_slots, num_kv_heads, pages_per_seq * page_size, wide
+    )
+    return wide if num_tokens <= NATIVE_WIDE_MAX_TOKENS and splits == 1 else KernelConfig.block_kv
+
+
 def plan_tiles(
     cu_q_lens: jax.Array,  # i32[S + 1]
     kv_lens: jax.Array,  # i32[S]
@@ -248,7 +281,7 @@ def max_tiles_for(num_tokens: int, num_slots: int, block_q: int) -> int:
 
 
 def _attention_kernel(
-    plan_ref,  # i32[5, max_tiles] (GMEM)
+    plan_ref,  # i32[6, max_tiles] (GMEM): plan_tiles', then with_live_splits' row
     pages_ref,  # i32[S, pages_per_seq] (GMEM)
     q_ref,  # [T, Hq, D]
     k_ref,  # [P, page_size, Hkv, D] or [P, Hkv, page_size, D]
@@ -270,7 +303,6 @@ def _attention_kernel(
     cfg: KernelConfig,
     is_scaled: bool,
     has_sinks: bool,
-    num_splits: int,
     group: int,
     block_q: int,
     page_size: int,
@@ -300,6 +332,7 @@ def _attention_kernel(
     size = plan_ref[2, tile]
     pos0 = plan_ref[3, tile]
     kv_len = plan_ref[4, tile]
+    live_splits = plan_ref[5, tile]  # of the launch's num_splits, the ones this tile takes
 
     @pl.when(size > 0)
     def _():
@@ -310,8 +343,7 @@ def _attention_kernel(
         if sliding_window is not None:
             kb_lo = jnp.clip(pos0 - sliding_window + 1, 0, kv_hi) // block_kv
         num_blocks = kb_hi - kb_lo
-        s_lo = kb_lo + num_blocks * split // num_splits
-        s_hi = kb_lo + num_blocks * (split + 1) // num_splits
+        s_lo, s_hi = split_range(kb_lo, num_blocks, split, live_splits)
         # Blocks [u_lo, u_hi) need no mask: every row sees every token in them. The masked
         # blocks on either side are processed first, then the open ones (the online softmax
         # does not care about order); step i works on block_of(i) in slot i % num_stages.
@@ -555,6 +587,8 @@ def ragged_paged_attention(
         max_tiles=launch.max_tiles,
         with_padding=not is_split,
     )
+    planned = config.num_splits is None
+    plan = with_live_splits(plan, launch.num_kv_heads, launch.num_splits, NUM_SMS, planned)
     has_sinks = sinks is not None and not is_split  # (a split launch leaves them to the merge)
     scales = _scales_operand(k_scale, v_scale, sinks if has_sinks else None)
     body = functools.partial(
@@ -562,7 +596,6 @@ def ragged_paged_attention(
         cfg=config,
         is_scaled=k_scale is not None or v_scale is not None,
         has_sinks=has_sinks,
-        num_splits=launch.num_splits,
         group=launch.group,
         block_q=launch.block_q,
         page_size=launch.page_size,

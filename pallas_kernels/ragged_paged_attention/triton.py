@@ -38,7 +38,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.ragged_paged_attention.mosaic_gpu import max_tiles_for, plan_tiles
-from pallas_kernels.ragged_paged_attention.splits import merge_splits, planned_rows
+from pallas_kernels.ragged_paged_attention.splits import (
+    merge_splits,
+    planned_rows,
+    split_range,
+    with_live_splits,
+)
 
 LOG2E = math.log2(math.e)
 MASK_VALUE = -1e30  # finite, so fully masked rows never produce inf - inf
@@ -117,7 +122,7 @@ def default_num_splits(programs: int, max_kv: int, block_kv: int, sms: int) -> i
 
 
 def _attention_kernel(
-    plan_ref,  # i32[5, max_tiles]: seq, first token, tokens, first position, kv_len
+    plan_ref,  # i32[6, max_tiles]: seq, first token, tokens, first position, kv_len, splits
     pages_ref,  # i32[S, pages_per_seq]
     q_ref,  # [T, Hq, D]
     k_ref,  # [P, page_size, Hkv, D]
@@ -129,7 +134,6 @@ def _attention_kernel(
     rows: int,
     group: int,
     block_kv: int,
-    num_splits: int,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -146,6 +150,7 @@ def _attention_kernel(
     size = plan_ref[2, tile]
     pos0 = plan_ref[3, tile]
     kv_len = plan_ref[4, tile]
+    live_splits = plan_ref[5, tile]  # of the launch's num_splits, the ones this tile takes
 
     r = jnp.arange(rows, dtype=jnp.int32)  # i32[rows]  row = token * Gp + g
     row_token = r // padded_group
@@ -173,8 +178,7 @@ def _attention_kernel(
     if sliding_window is not None:
         kb_lo = jnp.clip(pos0 - sliding_window + 1, 0, kv_hi) // block_kv
     num_blocks = jnp.where(size > 0, (kv_hi + block_kv - 1) // block_kv - kb_lo, 0)
-    s_lo = kb_lo + num_blocks * split // num_splits
-    s_hi = kb_lo + num_blocks * (split + 1) // num_splits
+    s_lo, s_hi = split_range(kb_lo, num_blocks, split, live_splits)
 
     def step(block, carry):
         acc, m_i, l_i = carry
@@ -257,12 +261,13 @@ def ragged_paged_attention(
         max_tiles=launch.max_tiles,
         with_padding=not is_split,
     )
+    planned = config.num_splits is None
+    plan = with_live_splits(plan, k_pages.shape[2], launch.num_splits, num_sms(), planned)
     body = functools.partial(
         _attention_kernel,
         rows=launch.rows,
         group=launch.group,
         block_kv=launch.block_kv,
-        num_splits=launch.num_splits,
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,
         soft_cap=soft_cap,
