@@ -43,6 +43,12 @@ CPU_CASES = [
          num_splits=3),
     # A page size that is no power of two.
     Case("g5_page7", (3, 1), (33, 31), 10, 2, 64, page_size=7, num_pad_tokens=1),
+    # An fp8 cache (Ada's GPUs; head sizes the Mosaic fp8 path does not take): e4m3 pages over
+    # mixed rows at head_dim 256, e5m2 split with a window; converted in registers, scaled.
+    Case("fp8_e4m3_mixed_d256", (1, 17, 1, 5), (1, 40, 16, 21), 4, 2, 256, num_pad_tokens=3,
+         num_dead_slots=1, kv_dtype=jnp.float8_e4m3fn),
+    Case("fp8_e5m2_split_window", (9, 1, 1), (70, 100, 30), 8, 2, 64, num_splits=2,
+         sliding_window=40, kv_dtype=jnp.float8_e5m2, k_scale=0.5, v_scale=2.0),
     # Attention sinks (GPT-OSS): GQA 8 at head_dim 64, unsplit (in the kernel) over mixed rows
     # and padding; split (in the merge) with a sliding window.
     Case("sinks_mixed_g8", (1, 17, 1, 5), (1, 40, 16, 21), 16, 2, 64, num_pad_tokens=3,
@@ -75,15 +81,17 @@ def test_interpret_matches_reference(case: Case):
 
 
 @pytest.mark.filterwarnings(DEPRECATED)
-@pytest.mark.parametrize("case", CPU_CASES[:4] + CPU_CASES[-2:], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", CPU_CASES[:4] + CPU_CASES[-4:], ids=lambda c: c.name)
 def test_lowers_to_triton_for_an_a100(case: Case, verify_triton_modules) -> None:
     """The Pallas -> Triton IR lowering (power-of-two tensors, gathers, masks) runs on the CPU;
-    only ptxas is left for the GPU."""
+    only ptxas is left for the GPU. An e4m3 cache is lowered for an L4 (compute capability 8.9,
+    the first with e4m3 conversions, as fp8 caches need); Triton refuses it for an A100."""
     rng = np.random.default_rng(0)
     args, sinks = make_inputs(rng, case), make_sinks(rng, case)
     call = kernel_call(case, interpret=False)
-    a100 = jax.sharding.AbstractDevice(device_kind="NVIDIA A100", num_cores=108, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=a100)
+    kind, cores = ("NVIDIA L4", 58) if case.kv_dtype == jnp.float8_e4m3fn else ("NVIDIA A100", 108)
+    gpu = jax.sharding.AbstractDevice(device_kind=kind, num_cores=cores, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=gpu)
     with jax.sharding.use_abstract_mesh(mesh):
         traced = jax.jit(lambda *a: call(*a, **sinks)).trace(*args)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()

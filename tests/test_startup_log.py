@@ -237,6 +237,25 @@ def test_head_dim_256_takes_mosaic_for_steps_with_a_long_prefill(monkeypatch):
 
 
 @pytest.mark.parametrize(
+    ("is_hopper", "head_dim", "want"),
+    [
+        (True, 128, "gpu"),  # the Mosaic kernel's fp8 path
+        (False, 128, "triton"),  # Ada (compute capability 8.9): tiles converted in registers
+        (True, 256, "triton"),  # a head size the Mosaic fp8 path does not take
+    ],
+)
+def test_an_fp8_cache_takes_a_kernel_wherever_one_reads_it(monkeypatch, is_hopper, head_dim, want):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_is_hopper_or_newer", lambda: is_hopper)
+    monkeypatch.setattr(dispatch, "_compute_capability", lambda: "8.9")
+    monkeypatch.delenv("JAXSERVE_ATTENTION", raising=False)
+    q = jax.ShapeDtypeStruct((1, 8, head_dim), jnp.bfloat16)
+    for kv_dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        k_pages = jax.ShapeDtypeStruct((1, 16, 2, head_dim), kv_dtype)
+        assert dispatch.choose_kernel(q, k_pages)[0] == want
+
+
+@pytest.mark.parametrize(
     ("is_hopper", "env", "dtype", "head_dim", "want"),
     [
         (True, None, jnp.bfloat16, 128, ("gpu", None)),

@@ -225,7 +225,7 @@ def ragged_paged_attention(
         if config != mosaic_gpu.KernelConfig():  # the default config calls the kernel as before
             options.update(config=config)
         return mosaic_gpu.ragged_paged_attention(*args, **options)
-    if kernel == "triton":  # (never with an fp8 cache: choose_kernel checked)
+    if kernel == "triton":  # (an fp8 cache: converted in registers, scaled in the kernel)
         from pallas_kernels.ragged_paged_attention import triton
 
         if batch_invariant:

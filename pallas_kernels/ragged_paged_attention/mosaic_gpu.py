@@ -71,7 +71,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -273,6 +273,43 @@ def plan_tiles(
     pos0 = g_kv[grp] - g_len[grp] + first
     seq = jnp.minimum(grp, num_slots - 1)
     return jnp.stack([seq, g_start[grp] + first, size, pos0, g_kv[grp]]).astype(jnp.int32)
+
+
+class TileLaunch(Protocol):
+    """What ``launch_plan`` reads of a GPU kernel's launch (each kernel's ``_Launch``)."""
+
+    @property
+    def block_q(self) -> int: ...
+    @property
+    def max_tiles(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def num_splits(self) -> int: ...
+
+
+def launch_plan(
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    kv_lens: jax.Array,  # i32[S]
+    num_seqs: jax.Array,  # i32[1]
+    num_tokens: int,
+    launch: TileLaunch,
+    num_sms: int,
+    *,
+    planned: bool,  # the launch's num_splits came from the split rule (not a config)
+) -> jax.Array:  # i32[6, max_tiles]
+    """The GPU attention kernels' plan: ``plan_tiles``' rows (with the padding rows' tiles
+    when the launch is not split), then each tile's splits (``splits.with_live_splits``)."""
+    plan = plan_tiles(
+        cu_q_lens.astype(jnp.int32),
+        kv_lens.astype(jnp.int32),
+        num_seqs.astype(jnp.int32),
+        num_tokens=num_tokens,
+        block_q=launch.block_q,
+        max_tiles=launch.max_tiles,
+        with_padding=launch.num_splits == 1,
+    )
+    return with_live_splits(plan, launch.num_kv_heads, launch.num_splits, num_sms, planned)
 
 
 def max_tiles_for(num_tokens: int, num_slots: int, block_q: int) -> int:
@@ -578,17 +615,8 @@ def ragged_paged_attention(
     _check_call(q, k_pages, sliding_window, sinks, config)
     launch = _launch_for(q, k_pages, page_indices, config)
     is_split = launch.num_splits > 1
-    plan = plan_tiles(
-        cu_q_lens.astype(jnp.int32),
-        kv_lens.astype(jnp.int32),
-        num_seqs.astype(jnp.int32),
-        num_tokens=q.shape[0],
-        block_q=launch.block_q,
-        max_tiles=launch.max_tiles,
-        with_padding=not is_split,
-    )
     planned = config.num_splits is None
-    plan = with_live_splits(plan, launch.num_kv_heads, launch.num_splits, NUM_SMS, planned)
+    plan = launch_plan(cu_q_lens, kv_lens, num_seqs, q.shape[0], launch, NUM_SMS, planned=planned)
     has_sinks = sinks is not None and not is_split  # (a split launch leaves them to the merge)
     scales = _scales_operand(k_scale, v_scale, sinks if has_sinks else None)
     body = functools.partial(

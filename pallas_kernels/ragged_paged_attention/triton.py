@@ -18,6 +18,13 @@ in memory): 80 and 96 run as 128, and ``Gp`` rows per token cover a group of 3, 
 Small batches split the KV range ``num_splits`` ways; each split writes its partial output and
 log-sum-exp, and ``splits.merge_splits`` combines them in XLA.
 
+An fp8 cache (``float8_e4m3fn`` / ``float8_e5m2`` pages with per-tensor ``k_scale`` /
+``v_scale``: Ada's GPUs, where Mosaic GPU does not run, and head sizes the Mosaic kernel's fp8
+path does not take) is read as stored (half the bytes), each K and V tile converted to the
+queries' dtype in registers (exact: every fp8 value is a bf16 value), and the scales applied
+to the float32 results as the Mosaic kernel applies them: ``k_scale`` with the softmax scale,
+``v_scale`` with 1 / row-sum.
+
 Attention sinks (GPT-OSS, ``sinks[Hq]``): an unsplit launch takes them as one more operand and
 starts each row's online softmax from its head's sink, a running max of the sink and a sum of
 one (its mass), with nothing in the accumulator; a split launch leaves them to the merge, which
@@ -37,12 +44,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.ragged_paged_attention.mosaic_gpu import max_tiles_for, plan_tiles
+from pallas_kernels.kv_cache import FP8_DTYPES
+from pallas_kernels.ragged_paged_attention.mosaic_gpu import launch_plan, max_tiles_for
 from pallas_kernels.ragged_paged_attention.splits import (
     merge_splits,
     planned_rows,
     split_range,
-    with_live_splits,
 )
 
 LOG2E = math.log2(math.e)
@@ -88,8 +95,11 @@ def unsupported_reason(q, k_pages) -> str | None:
     windows and soft caps are handled in the kernel, so only shapes and dtypes count."""
     _, num_q_heads, head_dim = q.shape
     _, _, num_kv_heads, _ = k_pages.shape
-    if q.dtype not in DTYPES or k_pages.dtype != q.dtype:
-        return f"dtypes {q.dtype}/{k_pages.dtype}: the kernel takes bfloat16 or float16, both alike"
+    if q.dtype not in DTYPES or k_pages.dtype not in (q.dtype, *FP8_DTYPES):
+        return (
+            f"dtypes {q.dtype}/{k_pages.dtype}: the kernel takes bfloat16 or float16 queries "
+            "and a cache in their dtype or fp8 (e4m3, e5m2)"
+        )
     if head_dim % 16 or not 16 <= head_dim <= 256:
         return f"{head_dim=}: the kernel takes multiples of 16 up to 256"
     if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= MAX_GROUP:
@@ -127,6 +137,7 @@ def _attention_kernel(
     q_ref,  # [T, Hq, D]
     k_ref,  # [P, page_size, Hkv, D]
     v_ref,
+    scales_ref,  # f32[2] or None: an fp8 cache's k_scale, v_scale
     sinks_ref,  # f32[Hq] or None: the sink logits (an unsplit launch only)
     o_ref,  # [T, Hq, Dp] (q dtype), or f32[num_splits, T, Hq, Dp]
     lse_ref,  # f32[num_splits, T, Hq] or None
@@ -145,6 +156,8 @@ def _attention_kernel(
     padded_group = _next_pow2(group)
     padded_dim = max(16, _next_pow2(head_dim))
 
+    k_scale = 1.0 if scales_ref is None else scales_ref[0]
+    v_scale = 1.0 if scales_ref is None else scales_ref[1]
     seq = plan_ref[0, tile]
     t0 = plan_ref[1, tile]
     size = plan_ref[2, tile]
@@ -190,11 +203,11 @@ def _attention_kernel(
         offset = (kv_pos % page_size)[:, None]
         kv_mask = with_cols(is_kv)
         k = pltriton.load(k_ref.at[page, offset, head, d[None, :]], mask=kv_mask, other=0.0)
-        s = pltriton.dot(q, k, trans_b=True)  # f32[rows, block_kv]
+        s = pltriton.dot(q, k.astype(q.dtype), trans_b=True)  # f32[rows, block_kv]
         if soft_cap is not None:
-            s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2E)
+            s = jnp.tanh(s * (k_scale * sm_scale / soft_cap)) * (soft_cap * LOG2E)
         else:
-            s = s * (sm_scale * LOG2E)
+            s = s * (k_scale * sm_scale * LOG2E)
         mask = (kv_pos[None, :] <= row_pos[:, None]) & is_kv[None, :]
         if sliding_window is not None:
             mask = mask & (kv_pos[None, :] > row_pos[:, None] - sliding_window)
@@ -204,7 +217,7 @@ def _attention_kernel(
         p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)
         l_i = l_i * alpha + p.sum(axis=1)
         v = pltriton.load(v_ref.at[page, offset, head, d[None, :]], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v)
+        acc = acc * alpha[:, None] + pltriton.dot(p.astype(q.dtype), v.astype(q.dtype))
         return acc, m_new, l_i
 
     acc_0 = jnp.zeros((rows, padded_dim), jnp.float32)
@@ -218,7 +231,7 @@ def _attention_kernel(
     acc, m_i, l_i = lax.fori_loop(s_lo, s_hi, step, carry)
 
     is_empty = l_i == 0.0
-    out = acc / jnp.where(is_empty, 1.0, l_i)[:, None]
+    out = acc * (v_scale / jnp.where(is_empty, 1.0, l_i))[:, None]
     # NOTE: the output is padded to Dp (sliced in XLA), and a masked row stores to token T,
     # past the end: no masked lane aliases a live element. The GPU never touches masked lanes;
     # interpret mode writes every lane of a masked store back, so an alias could clobber one.
@@ -244,6 +257,8 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: jax.Array | float | None = None,  # f32[]: an fp8 cache holds k / k_scale
+    v_scale: jax.Array | float | None = None,
     sinks: jax.Array | None = None,  # [Hq]  a logit per query head in each row's denominator
     config: TritonConfig = TritonConfig(),
     interpret: bool = False,
@@ -252,17 +267,8 @@ def ragged_paged_attention(
     _check_call(q, k_pages, sliding_window, sinks)
     launch = _launch_for(q, k_pages, page_indices, config)
     is_split = launch.num_splits > 1
-    plan = plan_tiles(
-        cu_q_lens.astype(jnp.int32),
-        kv_lens.astype(jnp.int32),
-        num_seqs.astype(jnp.int32),
-        num_tokens=q.shape[0],
-        block_q=launch.block_q,
-        max_tiles=launch.max_tiles,
-        with_padding=not is_split,
-    )
     planned = config.num_splits is None
-    plan = with_live_splits(plan, k_pages.shape[2], launch.num_splits, num_sms(), planned)
+    plan = launch_plan(cu_q_lens, kv_lens, num_seqs, q.shape[0], launch, num_sms(), planned=planned)
     body = functools.partial(
         _attention_kernel,
         rows=launch.rows,
@@ -273,8 +279,9 @@ def ragged_paged_attention(
         soft_cap=soft_cap,
     )
     kernel_sinks = () if sinks is None or is_split else (sinks.astype(jnp.float32),)
+    scales = _scales_operand(k_scale, v_scale)
     outs = pl.pallas_call(
-        _bind_refs(body, has_sinks=bool(kernel_sinks), has_lse=is_split),
+        _bind_refs(body, has_scales=bool(scales), has_sinks=bool(kernel_sinks), has_lse=is_split),
         out_shape=_out_shape(q, launch.num_splits),
         grid=(launch.max_tiles, k_pages.shape[2], launch.num_splits),
         compiler_params=pltriton.CompilerParams(
@@ -282,7 +289,7 @@ def ragged_paged_attention(
         ),
         interpret=interpret,
         name="ragged_paged_attention_triton",
-    )(plan, page_indices.astype(jnp.int32), q, k_pages, v_pages, *kernel_sinks)
+    )(plan, page_indices.astype(jnp.int32), q, k_pages, v_pages, *scales, *kernel_sinks)
     if is_split:
         out = merge_splits(
             outs[0], outs[1][..., None], cu_q_lens, num_seqs, out_dtype=q.dtype, sinks=sinks
@@ -290,6 +297,17 @@ def ragged_paged_attention(
     else:
         out = outs[0]
     return out[..., : q.shape[-1]]
+
+
+def _scales_operand(k_scale, v_scale) -> tuple[jax.Array, ...]:
+    """(f32[2] of k_scale, v_scale), or () without scales: a bf16 cache's launch as before."""
+    if k_scale is None and v_scale is None:
+        return ()
+    one = jnp.ones((), jnp.float32)
+    k_scale, v_scale = (
+        one if x is None else jnp.asarray(x, jnp.float32) for x in (k_scale, v_scale)
+    )
+    return (jnp.stack([k_scale, v_scale]),)
 
 
 def _check_call(q, k_pages, sliding_window, sinks) -> None:
@@ -314,6 +332,7 @@ class _Launch(NamedTuple):
     num_warps: int
     max_tiles: int  # the grid's tile axis: every tile the plan may hold
     num_splits: int  # of each tile's KV range
+    num_kv_heads: int
 
 
 def _launch_for(q, k_pages, page_indices, config: TritonConfig) -> _Launch:
@@ -335,7 +354,7 @@ def _launch_for(q, k_pages, page_indices, config: TritonConfig) -> _Launch:
     num_splits = config.num_splits or default_num_splits(
         planned_rows(max_tiles) * num_kv_heads, pages_per_seq * page_size, block_kv, num_sms()
     )
-    return _Launch(group, rows, block_q, block_kv, num_warps, max_tiles, num_splits)
+    return _Launch(group, rows, block_q, block_kv, num_warps, max_tiles, num_splits, num_kv_heads)
 
 
 def _out_shape(q: jax.Array, num_splits: int) -> tuple[jax.ShapeDtypeStruct, ...]:
@@ -351,13 +370,15 @@ def _out_shape(q: jax.Array, num_splits: int) -> tuple[jax.ShapeDtypeStruct, ...
     )
 
 
-def _bind_refs(body, *, has_sinks: bool, has_lse: bool):
-    """Adapt the kernel body to the launch's operands: the sinks and the lse output are there
-    only when used."""
+def _bind_refs(body, *, has_scales: bool, has_sinks: bool, has_lse: bool):
+    """Adapt the kernel body to the launch's operands: the scales, the sinks and the lse
+    output are there only when used."""
 
     def wrapped(plan, pages, q, k, v, *rest):
-        sinks = rest[0] if has_sinks else None
-        o, *lse = rest[1:] if has_sinks else rest
-        return body(plan, pages, q, k, v, sinks, o, lse[0] if has_lse else None)
+        rest = list(rest)
+        scales = rest.pop(0) if has_scales else None
+        sinks = rest.pop(0) if has_sinks else None
+        o, *lse = rest
+        return body(plan, pages, q, k, v, scales, sinks, o, lse[0] if has_lse else None)
 
     return wrapped
