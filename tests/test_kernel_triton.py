@@ -206,6 +206,16 @@ def test_a_small_bucket_is_split_for_few_live_rows(monkeypatch, plan, triton_16,
         splits.planned_rows(16)
 
 
+def test_a_long_prompt_over_few_sequence_rows_is_not_split():
+    """Past the smallest bucket, more than half a step's tokens are live: a 2,048-token step
+    over one sequence row (``--max-num-seqs 1``) has at least 128 tiles of 8 tokens, and its
+    KV is not split (it was 8 ways, counted as one row); decode buckets are planned as before."""
+    assert mosaic_gpu.default_num_splits(2048, 1, 8, 4096, 64, block_q=8) == 1
+    assert mosaic_gpu.default_num_splits(64, 4, 8, 4096, 64, block_q=8) == 8  # 4 rows: 32 programs
+    assert mosaic_gpu.default_num_splits(64, 64, 8, 4096, 64, block_q=8) == 1
+    assert mosaic_gpu.default_num_splits(16, 16, 8, 8192, 64, block_q=8) == 8  # planned for 4
+
+
 @pytest.mark.parametrize(
     "live, planned, want",
     [(1, True, 8), (4, True, 8), (5, True, 4), (16, True, 2), (40, True, 1), (1, False, 8)],

@@ -82,6 +82,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.env_choice import env_choice
 from pallas_kernels.kv_cache import FP8_DTYPES
 from pallas_kernels.ragged_paged_attention.splits import (
+    SMALL_LAUNCH_ROWS,
     merge_splits,
     planned_rows,
     split_range,
@@ -202,11 +203,26 @@ def unsupported_reason(q, k_pages, *, head_major_kv: bool = False) -> str | None
 
 
 def default_num_splits(
-    num_tokens: int, num_slots: int, num_kv_heads: int, max_kv: int, block_kv: int
+    num_tokens: int,
+    num_slots: int,
+    num_kv_heads: int,
+    max_kv: int,
+    block_kv: int,
+    block_q: int = 8,  # query tokens per tile (``block_q_for``)
 ) -> int:
     """Split the KV length when the (tile, head) programs would leave the GPU half empty
-    (a small launch's rows planned as ``splits.planned_rows`` says)."""
-    programs = planned_rows(min(num_tokens, num_slots)) * num_kv_heads
+    (a small launch's rows planned as ``splits.planned_rows`` says).
+
+    A launch's tiles are at least its sequence rows (``min(num_tokens, num_slots)``) and, past
+    the smallest bucket, at least half its tokens in tiles of ``block_q``: the runner takes
+    the smallest bucket that holds a step's tokens, so more than half of them are live. With
+    few sequence rows (``--max-num-seqs`` of 16 or less) a 2,048-token prompt counted as one
+    row was split 8 ways, and its merge read 8 float32 parts (an H100, 2026-12-06: its
+    attention 563 us, where the Triton kernel, which counts its tiles, took 290)."""
+    rows = min(num_tokens, num_slots)
+    if num_tokens > SMALL_LAUNCH_ROWS:
+        rows = max(rows, num_tokens // (2 * block_q))
+    programs = planned_rows(rows) * num_kv_heads
     splits = 1
     while programs * splits * 2 <= 2 * NUM_SMS and max_kv >= 2 * splits * 2 * block_kv:
         splits *= 2
@@ -234,8 +250,9 @@ def native_block_kv(q, k_pages, page_indices) -> int:
     _, page_size, num_kv_heads = _kv_geometry(k_pages, False)
     num_slots, pages_per_seq = page_indices.shape
     wide = NATIVE_WIDE_BLOCK_KV
+    block_q = block_q_for(q.shape[1] // num_kv_heads)
     splits = default_num_splits(
-        num_tokens, num_slots, num_kv_heads, pages_per_seq * page_size, wide
+        num_tokens, num_slots, num_kv_heads, pages_per_seq * page_size, wide, block_q
     )
     return wide if num_tokens <= NATIVE_WIDE_MAX_TOKENS and splits == 1 else KernelConfig.block_kv
 
@@ -667,7 +684,7 @@ def _launch_for(q, k_pages, page_indices, config: KernelConfig) -> _Launch:
     group = num_q_heads // num_kv_heads
     block_q = block_q_for(group)
     num_splits = config.num_splits or default_num_splits(
-        num_tokens, num_slots, num_kv_heads, pages_per_seq * page_size, config.block_kv
+        num_tokens, num_slots, num_kv_heads, pages_per_seq * page_size, config.block_kv, block_q
     )
     max_tiles = max_tiles_for(num_tokens, num_slots, block_q)
     return _Launch(num_pages, page_size, num_kv_heads, group, block_q, num_splits, max_tiles)
