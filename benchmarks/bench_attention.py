@@ -33,9 +33,10 @@ native tile configs and an e5m2 cache.
 Timing: device time from CUPTI (the sum of the call's kernel durations: the tile plan, the
 attention kernel, the split merge), median over ``--reps`` calls, each call with its own random
 page table over a KV pool of at least ``--pool-mib`` so that small cases are not served from L2.
-The wall time of one call (dispatch included) is reported beside it. Floor: (KV read + Q read +
-O write) bytes at 4.3 TB/s, the device-to-device copy rate measured on the H200 (the script also
-measures a 1 GiB copy in the same run).
+The wall time of one call (dispatch included) is reported beside it. ``--out`` is written after
+every case (``"partial": true``) and whole at the end, so a run cut off keeps what it timed.
+Floor: (KV read + Q read + O write) bytes at 4.3 TB/s, the device-to-device copy rate measured
+on the H200 (the script also measures a 1 GiB copy in the same run).
 
   python3 -m benchmarks.bench_attention --out /tmp/attn.json               # on the GPU
   python3 -m benchmarks.bench_attention --suite tiers --out /tmp/tiers.json
@@ -603,6 +604,9 @@ def main(argv=None) -> int:
         )  # fmt: skip
         rows += new
         print("\n".join(format_table(new).splitlines()[2:]), flush=True)
+        if args.out:  # the rows so far, kept if the call is cut off before the end
+            with open(args.out, "w") as f:
+                json.dump(dict(rows=rows, partial=True), f, indent=1)
     device = jax.devices()[0]
     rate = None if args.smoke else copy_rate()
     header = (

@@ -256,6 +256,7 @@ def test_bench_attention_prompts_smoke(tmp_path, monkeypatch, capsys) -> None:
     # 2 prompts x 300 causal pairs (24 * 25 / 2) x 4 heads x 64 dims x 4 FLOPs
     assert rows[1]["flops"] == 2 * 300 * 4 * 64 * 4
     assert "| prompts 2x24 | mosaic |" in result["prompts_table"]
+    assert "partial" not in result  # written after each case, whole at the end
 
 
 def test_moe_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
