@@ -241,8 +241,11 @@ NATIVE_WIDE_MAX_TOKENS = 1024
 FP8_BLOCK_KV_ENV = "JAXSERVE_FP8_BLOCK_KV"
 
 
-def native_block_kv(q, k_pages, page_indices) -> int:
-    """KV tokens a step of the native fp8 path for this call (see NATIVE_WIDE_BLOCK_KV)."""
+def native_block_kv(q, k_pages, page_indices, native: bool = True) -> int:
+    """KV tokens a step for this call: the native fp8 path's (see NATIVE_WIDE_BLOCK_KV), or
+    the default for any other (``native`` False: a bf16 cache, convert, batch invariance)."""
+    if not native:
+        return KernelConfig.block_kv
     choice = env_choice(FP8_BLOCK_KV_ENV, ("auto", "64", "128"), "auto")
     if choice != "auto":
         return int(choice)
@@ -635,7 +638,7 @@ def ragged_paged_attention(
     planned = config.num_splits is None
     plan = launch_plan(cu_q_lens, kv_lens, num_seqs, q.shape[0], launch, NUM_SMS, planned=planned)
     has_sinks = sinks is not None and not is_split  # (a split launch leaves them to the merge)
-    scales = _scales_operand(k_scale, v_scale, sinks if has_sinks else None)
+    scales = scales_operand(k_scale, v_scale, sinks if has_sinks else None)
     body = functools.partial(
         _attention_kernel,
         cfg=config,
@@ -736,9 +739,10 @@ def is_native(k_pages, config: KernelConfig) -> bool:
     return config.fp8_wgmma and k_pages.dtype in FP8_DTYPES
 
 
-def _scales_operand(k_scale, v_scale, sinks: jax.Array | None) -> jax.Array:
+def scales_operand(k_scale, v_scale, sinks: jax.Array | None) -> jax.Array:
     """The kernel's small f32 GMEM operand: ``[k_scale, v_scale]`` (1.0 for None), then, for a
-    launch that takes them, the sink logits: f32[2] or f32[2 + Hq]."""
+    launch that takes them, the sink logits: f32[2] or f32[2 + Hq]. The Triton kernel's scales
+    operand is the first form."""
     scales = jnp.stack(
         [jnp.asarray(1.0 if x is None else x, jnp.float32).reshape(()) for x in (k_scale, v_scale)]
     )  # f32[2]

@@ -45,7 +45,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.kv_cache import FP8_DTYPES
-from pallas_kernels.ragged_paged_attention.mosaic_gpu import launch_plan, max_tiles_for
+from pallas_kernels.ragged_paged_attention.mosaic_gpu import (
+    launch_plan,
+    max_tiles_for,
+    scales_operand,
+)
 from pallas_kernels.ragged_paged_attention.splits import (
     merge_splits,
     planned_rows,
@@ -279,7 +283,7 @@ def ragged_paged_attention(
         soft_cap=soft_cap,
     )
     kernel_sinks = () if sinks is None or is_split else (sinks.astype(jnp.float32),)
-    scales = _scales_operand(k_scale, v_scale)
+    scales = _scales(k_scale, v_scale)
     outs = pl.pallas_call(
         _bind_refs(body, has_scales=bool(scales), has_sinks=bool(kernel_sinks), has_lse=is_split),
         out_shape=_out_shape(q, launch.num_splits),
@@ -299,15 +303,12 @@ def ragged_paged_attention(
     return out[..., : q.shape[-1]]
 
 
-def _scales_operand(k_scale, v_scale) -> tuple[jax.Array, ...]:
-    """(f32[2] of k_scale, v_scale), or () without scales: a bf16 cache's launch as before."""
+def _scales(k_scale, v_scale) -> tuple[jax.Array, ...]:
+    """The Mosaic kernel's scales operand (``mosaic_gpu.scales_operand``), or () without
+    scales: a bf16 cache's launch as before."""
     if k_scale is None and v_scale is None:
         return ()
-    one = jnp.ones((), jnp.float32)
-    k_scale, v_scale = (
-        one if x is None else jnp.asarray(x, jnp.float32) for x in (k_scale, v_scale)
-    )
-    return (jnp.stack([k_scale, v_scale]),)
+    return (scales_operand(k_scale, v_scale, None),)
 
 
 def _check_call(q, k_pages, sliding_window, sinks) -> None:
