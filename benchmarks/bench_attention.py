@@ -456,7 +456,7 @@ def fp8_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Variant]
     else:
         shape = LLAMA_3_8B
         batches = [decode_batch(b, c) for c in (1024, 4096) for b in (1, 8, 64, 256)]
-        batches += [mixed_batch(2048, 63, 4096)]
+        batches += [mixed_batch(2048, 63, 4096), prompt_batch(1, 2048), prompt_batch(8, 256)]
     variants = [
         mosaic("bf16", base, smoke),
         mosaic("fp8 convert", base, smoke, kv_dtype=e4m3),

@@ -121,6 +121,10 @@ CPU_CASES = [
     # P and V^T 128 wide, a sequence shorter than one step, one of three.
     Case("decode_g4_d128_bk128", (1, 1, 1), (300, 90, 129), 8, 2, 128, num_pad_tokens=2,
          kv_dtype=E4M3),
+    # A prompt chunk over cached pages beside a decode, the KV range split in two, 128 a step
+    # (masked blocks at either end of a split's range).
+    Case("split_prompt_g4_d128_bk128", (20, 1), (170, 300), 8, 2, 128, num_splits=2,
+         kv_dtype=E4M3),
 ]  # fmt: skip
 
 

@@ -271,12 +271,13 @@ def test_a_full_small_bucket_matches_the_reference_with_its_live_splits(monkeypa
         assert_matches(case, out, ref)
 
 
-@pytest.mark.parametrize("with_sinks", [False, True])
-def test_merging_splits_weights_each_by_its_softmax_mass(with_sinks):
+@pytest.mark.parametrize("with_sinks, live_splits", [(False, None), (True, None), (False, 6)])
+def test_merging_splits_weights_each_by_its_softmax_mass(with_sinks, live_splits):
     """``splits.merge_splits`` against float64 numpy on fresh random partial results: each
     split's output weighted by 2^lse (plus a sink's mass in the total), with an empty split
     (lse -1e30, as the kernels write it), a row whose splits are all empty (0, no NaN), a split
-    2^200 below the others (no overflow), and rows past the batch's tokens (zeros)."""
+    2^200 below the others (no overflow), and rows past the batch's tokens (zeros). With
+    ``live_splits``, the parts past it were never written: NaN and inf there weigh nothing."""
     rng = np.random.default_rng(int(np.random.default_rng().integers(2**31)))
     num_splits, tokens, heads, dim = 8, 6, 4, 16
     o = rng.normal(size=(num_splits, tokens, heads, dim))
@@ -286,16 +287,23 @@ def test_merging_splits_weights_each_by_its_softmax_mass(with_sinks):
     lse[:, 2] = -1e30  # a row with no keys at all
     o[:, 2] = 0.0
     lse[5, 1] = lse[:, 1].max() - 200.0  # far below the others
+    garbage = (o.copy(), lse.copy())
+    if live_splits is not None:  # what the merge must weigh 0: the reference leaves them out
+        o, lse = o[:live_splits], lse[:live_splits]
+        garbage[0][live_splits:] = np.nan
+        garbage[1][live_splits:] = np.inf
+        garbage[1][-1, 0] = np.nan
     sinks = rng.normal(size=heads) if with_sinks else None
     cu_q_lens, num_seqs = jnp.array([0, 3, 5, 5], jnp.int32), jnp.array([2], jnp.int32)
-    lse_cols = np.repeat(lse[..., None], 2, axis=-1)  # the kernels' equal columns
+    lse_cols = np.repeat(garbage[1][..., None], 2, axis=-1)  # the kernels' equal columns
     got = splits.merge_splits(
-        jnp.asarray(o, jnp.float32),
+        jnp.asarray(garbage[0], jnp.float32),
         jnp.asarray(lse_cols, jnp.float32),
         cu_q_lens,
         num_seqs,
         out_dtype=jnp.float32,
         sinks=None if sinks is None else jnp.asarray(sinks, jnp.float32),
+        live_splits=None if live_splits is None else jnp.int32(live_splits),
     )
     top = lse.max(axis=0)
     with np.errstate(all="ignore"):  # row 2: nothing to weigh (set below)

@@ -235,7 +235,11 @@ def default_num_splits(
 # 822 -> 748 us against 64 tokens a step (3 stages: no faster; 128 x 3 stages: slower). The
 # bf16 kernel gained nothing (b=64 x 4,096 355 -> 357 us) and lost at batch 8 and in a step
 # with a 2,048-token prompt (445 -> 494 us), so longer launches, split ones and a bf16 cache
-# keep 64. ``JAXSERVE_FP8_BLOCK_KV`` (auto, 64 or 128) overrides it, to compare the two.
+# keep 64. 128 in every launch measured slower in the step (H100, 2026-12-06, decode_roofline
+# with fp8 weights and fp8 KV, JAXSERVE_FP8_BLOCK_KV=64 against 128): batch 1 and 8 at 1,024
+# and 4,096 context 0.15-0.25 ms a step slower (4.26 -> 4.46 ms at batch 1 x 1,024), though
+# bench_attention timed a lone batch-1 x 4,096 launch at 44 -> 22 us; whole prompts slower too
+# (8 x 256: 41.4 -> 44.7 us). ``JAXSERVE_FP8_BLOCK_KV`` (auto, 64 or 128) overrides the rule.
 NATIVE_WIDE_BLOCK_KV = 128
 NATIVE_WIDE_MAX_TOKENS = 1024
 FP8_BLOCK_KV_ENV = "JAXSERVE_FP8_BLOCK_KV"
@@ -391,7 +395,8 @@ def _attention_kernel(
     kv_len = plan_ref[4, tile]
     live_splits = plan_ref[5, tile]  # of the launch's num_splits, the ones this tile takes
 
-    @pl.when(size > 0)
+    # A split past the tile's live ones returns at once: the merge ignores what its part holds.
+    @pl.when((size > 0) & (split < live_splits))
     def _():
         pos_last = pos0 + size - 1
         kv_hi = jnp.clip(pos_last + 1, 0, kv_len)
@@ -664,7 +669,15 @@ def ragged_paged_attention(
     )(plan, page_indices.astype(jnp.int32), q, k_pages, v_pages, scales)
     if not is_split:
         return outs[0]
-    return merge_splits(outs[0], outs[1], cu_q_lens, num_seqs, out_dtype=q.dtype, sinks=sinks)
+    return merge_splits(
+        outs[0],
+        outs[1],
+        cu_q_lens,
+        num_seqs,
+        out_dtype=q.dtype,
+        sinks=sinks,
+        live_splits=plan[5, 0],
+    )
 
 
 class _Launch(NamedTuple):

@@ -172,7 +172,8 @@ def _attention_kernel(
     r = jnp.arange(rows, dtype=jnp.int32)  # i32[rows]  row = token * Gp + g
     row_token = r // padded_group
     row_g = r % padded_group
-    is_row = (row_token < size) & (row_g < group)  # bool[rows]
+    # A split past the tile's live ones loads and stores nothing: the merge ignores its part.
+    is_row = (row_token < size) & (row_g < group) & (split < live_splits)  # bool[rows]
     token = jnp.minimum(t0 + row_token, num_tokens - 1)  # i32[rows]
     q_head = head * group + jnp.minimum(row_g, group - 1)  # i32[rows]
     row_pos = pos0 + row_token  # i32[rows]
@@ -296,7 +297,13 @@ def ragged_paged_attention(
     )(plan, page_indices.astype(jnp.int32), q, k_pages, v_pages, *scales, *kernel_sinks)
     if is_split:
         out = merge_splits(
-            outs[0], outs[1][..., None], cu_q_lens, num_seqs, out_dtype=q.dtype, sinks=sinks
+            outs[0],
+            outs[1][..., None],
+            cu_q_lens,
+            num_seqs,
+            out_dtype=q.dtype,
+            sinks=sinks,
+            live_splits=plan[5, 0],
         )
     else:
         out = outs[0]
