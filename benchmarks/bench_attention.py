@@ -97,6 +97,8 @@ class Shape:
         label = f"{self.num_q_heads}/{self.num_kv_heads}x{self.head_dim}"
         if self.sliding_window is not None:
             label += f" w{self.sliding_window}"
+        if self.page_size != Shape.page_size:
+            label += f" p{self.page_size}"
         return label + (" sinks" if self.has_sinks else "")
 
 
@@ -579,6 +581,12 @@ def main(argv=None) -> int:
     parser.add_argument("--pool-mib", type=int, default=512)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--only", default="", help="comma-separated case names to run")
+    parser.add_argument(
+        "--page-size",
+        type=int,
+        default=None,
+        help="KV tokens a page in every case (the served --block-size; default: each case's, 16)",
+    )
     args = parser.parse_args(argv)
 
     # The Pallas Triton backend warns, once per lowering, that it is deprecated (jax 0.11).
@@ -596,6 +604,8 @@ def main(argv=None) -> int:
     plan = plan_for(args.smoke, args.sweep)
     if args.only:
         plan = [p for p in plan if p[1].name in args.only.split(",")]
+    if args.page_size is not None:
+        plan = [(dataclasses.replace(p[0], page_size=args.page_size), *p[1:]) for p in plan]
     rows = []
     for shape, batch, variants, with_reference in plan:
         new = run_case(

@@ -141,7 +141,8 @@
 #                time went by step kind (benchmarks/step_log_summary.py); then, per mode, its
 #                main step alone (decode 480 x 1,536 in fp8, 384 in bf16; decode_roofline.py) against its
 #                byte floor, 3 steps traced, the kernels by device time ($HIGHLOAD_TRACE=0: not;
-#                HIGHLOAD_SEQS="" runs the traced step alone)
+#                HIGHLOAD_SEQS="" runs the traced step alone; $HIGHLOAD_ARGS adds throughput flags,
+#                e.g. "--block-size 64")
 #                -> $OUT/highload_<mode>_<seqs>.{log,json}, _steps.* (about 2-3 minutes a run)
 #   splits       the 16-token bucket's attention split plan (#36 item 6): decode at batch 1, 4 and
 #                16 (the bucket's fullest), contexts 256, 1,024 and 4,096, bf16, with
@@ -727,7 +728,7 @@ stage_highload() {  # the 1000 x 1000/1000 run with its step log: where the time
       JAXSERVE_STEP_LOG="$OUT/${run}_steps.jsonl" python3 -m jaxserve.bench.throughput \
         --engine jaxserve --num-prompts 1000 --input-len 1000 --output-len 1000 \
         --max-model-len 2048 $flags $([ "$seqs" = auto ] || echo --max-num-seqs "$seqs") \
-        --output-json "$OUT/$run.json" > "$OUT/$run.log" 2>&1
+        ${HIGHLOAD_ARGS:-} --output-json "$OUT/$run.json" > "$OUT/$run.log" 2>&1
       echo "-- $mode, max_num_seqs $seqs: $(tail -1 "$OUT/$run.log")"
       python3 -m benchmarks.step_log_summary "$OUT/${run}_steps.jsonl" --skip 20 \
         --output-json "$OUT/${run}_steps_summary.json"

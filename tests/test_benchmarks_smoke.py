@@ -96,6 +96,8 @@ def test_throughput_smoke(tmp_path, monkeypatch, capsys) -> None:
             "4",
             "--max-num-batched-tokens",
             "32",
+            "--block-size",
+            "32",
             "--output-json",
             str(out),
         ],
@@ -103,6 +105,7 @@ def test_throughput_smoke(tmp_path, monkeypatch, capsys) -> None:
     assert main() == 0
     result = json.loads(out.read_text())
     assert result["output_tokens"] == 16 and result["output_tokens_per_s"] > 0
+    assert result["block_size"] == 32  # serve's --block-size, as vLLM's bench takes it
     # A table for people (it printed the raw JSON); the JSON is in --output-json.
     printed = capsys.readouterr().out
     assert "out tok/s" in printed and "jaxserve" in printed and "{" not in printed
@@ -257,6 +260,22 @@ def test_bench_attention_prompts_smoke(tmp_path, monkeypatch, capsys) -> None:
     assert rows[1]["flops"] == 2 * 300 * 4 * 64 * 4
     assert "| prompts 2x24 | mosaic |" in result["prompts_table"]
     assert "partial" not in result  # written after each case, whole at the end
+
+
+def test_bench_attention_page_size_applies_to_every_case(tmp_path, monkeypatch, capsys) -> None:
+    """``--page-size`` (the served ``--block-size``) replaces each case's pages; the shape
+    label names it, and the kernel still matches the reference over the larger pages."""
+    out = tmp_path / "prompts.json"
+    args = ["--smoke", "--suite", "prompts", "--page-size", "32", "--out", str(out)]
+    with pytest.raises(SystemExit) as done:
+        run_script("benchmarks.bench_attention", args, monkeypatch)
+    assert done.value.code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["kernel"]) for r in rows] == [
+        ("4/2x64 p32", "xla-reference"),
+        ("4/2x64 p32", "mosaic"),
+    ]
+    assert rows[1]["rel_err"] < 1e-2
 
 
 def test_moe_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxserve.config import builtin_config_dir
-from jaxserve.engine_config import KV_CACHE_DTYPES, QUANTIZATIONS, dtype_name
+from jaxserve.engine_config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, dtype_name
 from jaxserve.flag_names import command_flags, in_flag_terms
 from jaxserve.units import COUNT_RULE, human_int
 
@@ -83,6 +83,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV cache dtype, as `jaxserve launch` takes it (fp8: one byte per element)",
     )
     parser.add_argument(
+        "--block-size",
+        type=int,
+        default=EngineConfig.block_size,
+        help="as serve's flag: tokens per KV-cache block (page)",
+    )
+    parser.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
@@ -136,6 +142,7 @@ def make_llm(args: argparse.Namespace) -> jaxserve.LLM:
             max_model_len=args.max_model_len or args.input_len + args.output_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
             tensor_parallel_size=args.tensor_parallel_size,
             speculative_config=getattr(args, "speculative_config", None),
@@ -171,6 +178,7 @@ def run_jaxserve(args: argparse.Namespace) -> dict:
         "kv_cache_dtype": args.kv_cache_dtype,
         "kv_cache_tokens": llm.engine.runner.capacity.num_tokens,
         "max_num_seqs": llm.engine.config.max_num_seqs,
+        "block_size": llm.engine.config.block_size,
     }
 
 
@@ -294,6 +302,8 @@ def _forward(args: argparse.Namespace) -> list[str]:
         args.dtype,
         "--kv-cache-dtype",
         args.kv_cache_dtype,
+        "--block-size",
+        str(args.block_size),
         "--seed",
         str(args.seed),
         *(["--quantization", args.quantization] if args.quantization else []),
