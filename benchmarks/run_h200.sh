@@ -36,7 +36,8 @@
 #                bf16), the n-gram drafter's host time, the demo model's batch-1 n-gram speed-up,
 #                and EAGLE-3 at the published Llama-3.1-8B head shape (random weights) on the
 #                Llama-3-8B target: each propose call's ms and the step time, with the drafts
-#                left on the device and brought to the host first (about 4.5 minutes)
+#                left on the device and brought to the host first (about 4.5 minutes);
+#                $SPEC_PARTS picks parts, $SPEC_ARGS adds flags (e.g. "--eagle3-quantization fp8")
 #   cublas       a few roofline cells with XLA's Triton GEMMs off (cuBLAS for every matmul)
 #   quant        bf16 vs fp8 weights (W8A8) vs fp8 weights + fp8 KV cache (when the build has
 #                EngineConfig.kv_cache_dtype; $QUANT_MODES picks, e.g. "bf16 fp8"): decode
@@ -455,7 +456,7 @@ stage_host_launch() {  # the host's time to launch a decode step, by attention p
 stage_spec() {  # speculative decoding: verify cost k = 0..7 at batch 1/8/64, n-gram end to end
   python3 -m benchmarks.spec_decode --iters 20 --output-json "$OUT/spec_decode.json" \
     --profile-dir /tmp/spec_profile ${SPEC_PARTS:+--parts "$SPEC_PARTS"} --step-log-dir "$OUT" \
-    > "$OUT/spec_decode.log" 2>&1
+    ${SPEC_ARGS:-} > "$OUT/spec_decode.log" 2>&1
   grep -E "Compiled the drafter|Compiled [0-9]+ step shapes" "$OUT/spec_decode.log" | cut -c 30-
   grep -v -i warn "$OUT/spec_decode.log" | grep -v "^INFO" | tail -40
   local log  # EAGLE-3's timed runs: the host's spans per step (propose, dispatch, wait, ...)

@@ -318,7 +318,7 @@ def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
             # (a random head's drafts never pay: drafting must not pause, every step is timed)
             speculative_config={
                 "method": "eagle3", "model": str(head), "num_speculative_tokens": args.e2e_k,
-                "pause_when_unpaid": False,
+                "pause_when_unpaid": False, "quantization": args.eagle3_quantization,
             },
         )  # fmt: skip
         timed = TimedProposer(llm.engine.proposer)
@@ -336,7 +336,11 @@ def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
             timed.calls.clear()
             for drafts in ("device", "host"):
                 row = eagle3_batch(llm, timed, prompts, params, drafts, args)
-                rows.append({"batch": batch, "k": args.e2e_k, "floor_ms": floor_ms, **row})
+                quantization = args.eagle3_quantization
+                rows.append(
+                    {"batch": batch, "k": args.e2e_k, "quantization": quantization,
+                     "floor_ms": floor_ms, **row}
+                )  # fmt: skip
                 print(f"eagle3 {rows[-1]}", flush=True)
             llm.engine.device_drafts = True
             if args.profile_dir and batch == 1:  # a traced run apart from the timed one
@@ -443,6 +447,12 @@ def main() -> None:
         "--eagle3-head",
         default=str(ROOT / "tests/fixtures/spec/eagle3"),
         help="end to end: the eagle3 arm's head ('' leaves the arm out)",
+    )
+    parser.add_argument(
+        "--eagle3-quantization",
+        default=None,
+        choices=("fp8", "int8"),
+        help="eagle3_8b: the head's speculative_config quantization (default: bf16)",
     )
     parser.add_argument("--repeats", type=int, default=12, help="of the prompt's sentence")
     parser.add_argument("--ngram-batches", default="1,8,64,256")

@@ -36,6 +36,8 @@ BASE_MAX_NUM_SEQS = 256
 # --quantization: fp8 / int8 quantize bf16 weights on load; the others name a pre-quantized
 # checkpoint's method (which is detected from its config.json without the flag).
 QUANTIZATIONS = ("fp8", "int8", "compressed-tensors", "awq", "gptq")
+# Those that quantize a checkpoint stored in bf16 while it loads (per output channel).
+ON_LOAD_QUANTIZATIONS = ("fp8", "int8")
 # --kv-cache-dtype, in vLLM's spelling: auto stores the weight dtype; fp8 is fp8_e4m3, as in
 # vLLM on CUDA.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -179,6 +181,11 @@ class SpeculativeConfig:
     # (few drafted tokens accepted; ``spec_decode.DraftPayoff``), so speculation does not make
     # a workload it cannot help slower. False: every step that may draft does.
     pause_when_unpaid: bool = True
+    # draft_model, eagle3 (vLLM's field): the drafter's weights in fewer bits, as the target's
+    # --quantization: fp8 or int8 quantized on load (per output channel; its projections and
+    # an EAGLE-3 head's fc and lm_head), or the method of a draft checkpoint quantized so.
+    # None: a quantized draft checkpoint as it is stored, any other in the serving dtype.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -206,6 +213,28 @@ class SpeculativeConfig:
         size = self.disable_by_batch_size
         if size is not None and size < 1:
             raise ValueError(f"speculative_config disable_by_batch_size={size} must be >= 1")
+        self._check_quantization()
+
+    def _check_quantization(self) -> None:
+        quantization = self.quantization
+        if quantization is None:
+            return
+        if self.method not in ("draft_model", "eagle3"):
+            raise ValueError(
+                f"speculative_config quantization={quantization!r} applies to a drafter's own "
+                f"weights (method draft_model or eagle3); method={self.method!r} has none"
+            )
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"speculative_config quantization={quantization!r} must be one of "
+                f"{', '.join(QUANTIZATIONS)}"
+            )
+        if self.method == "eagle3" and quantization not in ON_LOAD_QUANTIZATIONS:
+            raise ValueError(
+                f"speculative_config quantization={quantization!r} for an EAGLE-3 head must be "
+                f"one of {', '.join(ON_LOAD_QUANTIZATIONS)} (quantized on load; heads are "
+                "published in bf16)"
+            )
 
     @property
     def max_batch_size(self) -> int:
@@ -254,6 +283,8 @@ class SpeculativeConfig:
             text += f", n-grams of {self.prompt_lookup_min} to {self.prompt_lookup_max} tokens"
         elif self.model:
             text += f", drafter {self.model}"
+        if self.quantization is not None:
+            text += f" ({self.quantization})"
         return text
 
 
@@ -271,6 +302,7 @@ _SPECULATIVE_FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "model": (str, type(None)),
     "disable_by_batch_size": (int, type(None)),
     "pause_when_unpaid": (bool,),
+    "quantization": (str, type(None)),
 }
 
 

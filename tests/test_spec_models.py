@@ -7,6 +7,7 @@ acceptance measured through the engine, the counters, and the start-up errors.""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -550,3 +551,105 @@ def test_an_eagle3_head_of_another_hidden_size_is_refused_at_start(tmp_path) -> 
     (head / "config.json").write_text(json.dumps({**config, "target_hidden_size": 128}))
     with pytest.raises(ConfigError, match=r"target_hidden_size=128 but the target model's hidden"):
         make_llm({"method": "eagle3", "model": str(head)})
+
+
+# speculative_config quantization: each model drafter with one of the on-load formats.
+QUANTIZED = {"draft_model": "int8", "eagle3": "fp8"}
+
+
+def test_a_quantized_drafter_keeps_the_greedy_tokens_and_plans_what_it_holds(
+    plain, method, capsys
+) -> None:
+    """``quantization`` in the speculative config (vLLM's field) quantizes the drafter's Linear
+    weights per output channel as it loads (a draft model's projections; an EAGLE-3 head's, its
+    fc and lm_head): verification keeps the target's greedy tokens, the drafts are still
+    accepted, the weights are 8-bit values and scales, and ``jaxserve capacity`` plans the
+    bytes the engine measures, fewer than the unquantized drafter's."""
+    from jaxserve.models.quant import QArray
+
+    memory = 1 << 30
+    spec = {**METHODS[method], "quantization": QUANTIZED[method]}
+    llm = make_llm(spec, num_gpu_blocks_override=None, device_memory_bytes=memory)
+    assert token_ids(llm, PROMPTS[:4]) == plain[:4]
+    stats = llm.engine.spec_stats
+    assert stats.num_accepted_tokens > 0.3 * stats.num_draft_tokens > 0
+    proposer = llm.engine.proposer
+    if method == "draft_model":
+        layer, linear = proposer.weights.layers[0], []
+    else:
+        layer, linear = (
+            proposer.draft_weights.layer,
+            [
+                proposer.draft_weights.fc,
+                proposer.draft_weights.lm_head,
+            ],
+        )
+    assert layer.fused is not None  # joined on one device, as the unquantized ones are
+    linear += [layer.fused.wqkv, layer.fused.w_gate_up, layer.wo, layer.w_down]
+    dtype = {"int8": "int8", "fp8": "float8_e4m3fn"}[QUANTIZED[method]]
+    assert all(isinstance(w, QArray) and w.q.dtype.name == dtype for w in linear)
+    measured = proposer.device_bytes(llm.engine.runner.weights)
+    flags = ("--max-model-len", "128", "--max-num-seqs", "8", "--max-num-batched-tokens", "32")
+    flags += ("--dtype", "float32", "--device-memory", str(memory))
+    planned = {
+        name: capacity_json(capsys, *flags, "--speculative-config", json.dumps(config))
+        for name, config in (("quantized", {**spec, "num_speculative_tokens": K}),
+                             ("plain", {**METHODS[method], "num_speculative_tokens": K}))
+    }  # fmt: skip
+    assert planned["quantized"]["drafter_bytes"] == measured
+    assert measured < planned["plain"]["drafter_bytes"]
+
+
+def test_a_drafter_quantization_is_checked_where_it_is_named(tmp_path) -> None:
+    """The speculative config refuses ``quantization`` for a drafter with no weights of its
+    own, an unknown method and a checkpoint method for an EAGLE-3 head; a bf16 draft named
+    with a checkpoint method is refused at start, as ``--quantization`` is for a target."""
+    from jaxserve.engine_config import SpeculativeConfig
+    from jaxserve.models.quant_scheme import QuantizationError
+
+    cases = (
+        ({"method": "ngram", "quantization": "fp8"}, "applies to a drafter's own weights"),
+        ({"method": "mtp", "quantization": "fp8"}, "method='mtp' has none"),
+        ({**METHODS["draft_model"], "quantization": "nf4"}, "must be one of fp8, int8"),
+        ({**METHODS["eagle3"], "quantization": "awq"}, "for an EAGLE-3 head must be one of"),
+        ({**METHODS["eagle3"], "quantization": 8}, "quantization=8 has the wrong type"),
+    )
+    for config, words in cases:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            SpeculativeConfig.of(config)
+    assert "(fp8)" in SpeculativeConfig.of({**METHODS["eagle3"], "quantization": "fp8"}).describe()
+    with pytest.raises(QuantizationError, match="needs a checkpoint quantized so"):
+        make_llm({**METHODS["draft_model"], "quantization": "awq", "num_speculative_tokens": K})
+
+
+def test_an_eagle3_head_is_quantized_on_one_device_only() -> None:
+    """Under tensor parallelism a quantized head is refused before anything loads, naming the
+    field and the split (the head's shardings are for its unquantized arrays)."""
+    from types import SimpleNamespace
+
+    from jaxserve.models.quant_scheme import QuantScheme
+    from jaxserve.runner.eagle3_proposer import load_head
+
+    runner = SimpleNamespace(tp=SimpleNamespace(tensor_parallel_size=2))
+    scheme = QuantScheme(method="fp8", weight_format="fp8")
+    with pytest.raises(ValueError, match=r"quantization='fp8': an EAGLE-3 head .* over 2 devices"):
+        load_head(SPEC / "eagle3", None, runner, jax.numpy.float32, scheme)  # type: ignore[arg-type]
+
+
+def test_a_draft_checkpoint_stored_quantized_is_read_as_stored(plain, tmp_path) -> None:
+    """A draft model published quantized (compressed-tensors, fp8 per channel) loads as a
+    target stored so does, with ``quantization`` left out or naming its method; another
+    method is refused at start, naming both."""
+    from jaxserve.models.quant import QArray
+    from jaxserve.models.quant_scheme import QuantizationError
+    from tests.test_quantized_checkpoints import make_quantized
+
+    draft = make_quantized(SPEC / "draft", tmp_path / "draft", "compressed-tensors")
+    for quantization in (None, "compressed-tensors"):
+        spec = {"method": "draft_model", "model": str(draft), "quantization": quantization}
+        llm = make_llm(spec)
+        assert token_ids(llm, PROMPTS[:2]) == plain[:2]
+        assert llm.engine.spec_stats.num_accepted_tokens > 0
+        assert isinstance(llm.engine.proposer.weights.layers[0].w_down, QArray)
+    with pytest.raises(QuantizationError, match="does not match the checkpoint's"):
+        make_llm({"method": "draft_model", "model": str(draft), "quantization": "awq"})

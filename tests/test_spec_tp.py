@@ -3,7 +3,8 @@ fixture draft and ``eagle3`` with the fixture head on the demo model at tensor_p
 2 virtual CPU devices (a subprocess: the device count is fixed when JAX starts) give the greedy
 tokens of the target without speculation, accept what they accept on one device, and are split
 on the target's mesh (EAGLE-3 reading the target's states from its tensor-parallel steps as
-from its one-device steps); a draft whose heads do not split is refused at start naming it.
+from its one-device steps), a draft quantized on load (``speculative_config`` ``quantization``)
+split as a quantized target is; a draft whose heads do not split is refused at start naming it.
 ``mtp`` on the DeepSeek-V3 MTP fixture at tensor_parallel_size=2 drafts what it drafts on one
 device, call for call, with its layer split as the target's layers are and its latent pages as
 the target's latent cache."""
@@ -78,12 +79,19 @@ SCRIPT = textwrap.dedent("""
                      "embed_shared": head.embed is llm.engine.runner.weights.embed}
         print(json.dumps({"method": method, "stats": stats, "wq": spec(w.wq), "wk": spec(w.wk),
                           "wo": spec(w.wo), "w_down": spec(w.w_down), "kv": spec(kv), **extra}))
+    # A draft quantized on load (speculative_config quantization), split as the target's are.
+    METHODS["int8"] = {**METHODS["draft_model"], "quantization": "int8"}
+    llm, tokens = run(2, "int8")
+    w = llm.engine.proposer.weights.layers[0]
+    print(json.dumps({"method": "int8", "same": tokens == plain,
+                      "accepted": llm.engine.spec_stats.num_accepted_tokens,
+                      "wq": spec(w.wq.q), "scale": spec(w.wq.scale), "dtype": str(w.wq.q.dtype)}))
 """)
 
 
 def test_draft_model_and_eagle3_under_tensor_parallelism() -> None:
     stdout = run_with_devices(SCRIPT, 2, timeout=300)
-    draft, eagle3 = (json.loads(line) for line in stdout.strip().splitlines())
+    draft, eagle3, int8 = (json.loads(line) for line in stdout.strip().splitlines())
     for report in (draft, eagle3):
         (same_1, drafted_1, accepted_1, again_1), (same_2, drafted_2, accepted_2, again_2) = (
             report["stats"]["1"],
@@ -108,6 +116,10 @@ def test_draft_model_and_eagle3_under_tensor_parallelism() -> None:
     assert eagle3["lm_head"] == ["P(None, 'tp')", [256, 512]]  # the draft vocabulary, 1024
     assert eagle3["fc"] == ["P()", [768, 256]]  # replicated
     assert eagle3["embed_shared"]  # the target's embedding, as it is sharded
+    # A draft quantized on load (int8): the target's tokens, drafts accepted, its values
+    # [out, in] and scales [out] split on the output's heads as a quantized target's are.
+    assert int8["same"] and int8["accepted"] > 0 and int8["dtype"] == "int8", int8
+    assert int8["wq"] == ["P('tp', None)", [128, 256]] and int8["scale"] == ["P('tp',)", [128]]
 
 
 REFUSED = textwrap.dedent("""

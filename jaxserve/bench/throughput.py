@@ -51,9 +51,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-model-len",
         type=human_int,
         default=None,
-        help=f"jaxserve's context limit ({COUNT_RULE}; default input + output length); the "
-        "same value as a "
-        "`jaxserve launch` gives the same compiled shapes, so a warm compilation cache serves both",
+        help=f"jaxserve's context limit ({COUNT_RULE}; default input + output length); the same "
+        "value as a `jaxserve launch` gives the same compiled shapes (one warm cache serves both)",
     )
     parser.add_argument(
         "--max-num-seqs", type=int, default=None, help="most requests a step (default: per device)"
@@ -82,12 +81,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         help="KV cache dtype, as `jaxserve launch` takes it (fp8: one byte per element)",
     )
-    parser.add_argument(
-        "--block-size",
-        type=int,
-        default=EngineConfig.block_size,
-        help="as serve's flag: tokens per KV-cache block (page)",
-    )
+    block = EngineConfig.block_size
+    parser.add_argument("--block-size", type=int, default=block, help="as serve's: KV page tokens")
     parser.add_argument(
         "--gpu-memory-utilization",
         type=float,

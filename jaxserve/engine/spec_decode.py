@@ -213,7 +213,7 @@ def make_proposer(config: SpeculativeConfig, target: DrafterTarget | None = None
 def _draft_model_proposer(config: SpeculativeConfig, target: DrafterTarget) -> Proposer:
     from jaxserve.engine.tokenizer import Tokenizer
     from jaxserve.runner import draft_model
-    from jaxserve.runner.devices import resolve_dtype
+    from jaxserve.runner.devices import resolve_drafter_quantization, resolve_dtype
 
     assert config.model is not None
     engine, runner = target.engine, target.runner
@@ -226,6 +226,7 @@ def _draft_model_proposer(config: SpeculativeConfig, target: DrafterTarget) -> P
         Tokenizer(config.model),
         dtype,
         target_tp=None if runner is None else runner.tp,  # under TP: split on its mesh
+        scheme=resolve_drafter_quantization(config.quantization, config.model),
     )
     proposer = draft_model.DraftModelProposer(
         draft_config,
@@ -245,7 +246,7 @@ def _eagle3_proposer(config: SpeculativeConfig, target: DrafterTarget) -> Propos
     import jax
 
     from jaxserve.runner import draft_model, eagle3_proposer
-    from jaxserve.runner.devices import resolve_dtype
+    from jaxserve.runner.devices import resolve_drafter_quantization, resolve_dtype
 
     assert config.model is not None and target.runner is not None
     engine, runner = target.engine, target.runner
@@ -254,8 +255,9 @@ def _eagle3_proposer(config: SpeculativeConfig, target: DrafterTarget) -> Propos
     if not isinstance(runner.weights.embed, jax.Array):  # still loading (warm-up overlaps it)
         runner.wait_for_weights()  # a head without embed_tokens shares the target's
     # Under TP the head is split on the runner's mesh, as the target's layers are.
+    scheme = resolve_drafter_quantization(config.quantization, config.model)
     head_config, head, tp = eagle3_proposer.load_head(
-        config.model, target.model_config, runner, dtype
+        config.model, target.model_config, runner, dtype, scheme
     )
     proposer = eagle3_proposer.Eagle3Proposer(
         head_config,

@@ -140,7 +140,8 @@ def fuse_aux_hidden(
 ) -> jax.Array:  # [T, H]
     """The first draft step's ``hidden``: ``fc`` over the target's three states, joined."""
     joined = jnp.concatenate(list(aux), axis=-1)  # [T, 3 H_t]
-    return linear(joined.astype(weights.fc.dtype), weights.fc, "TX,XH->TH")
+    # (in the head's dtype, its norms': fc may be a QArray, speculative_config quantization)
+    return linear(joined.astype(weights.hidden_norm.dtype), weights.fc, "TX,XH->TH")
 
 
 def eagle3_forward(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.config import ModelConfig
+from jaxserve.engine_config import ON_LOAD_QUANTIZATIONS
 from jaxserve.models.families.counting import num_float32_params, num_params
 from jaxserve.models.families.fields import WeightField, dim_sizes
 from jaxserve.models.families.registry import layer_fields
@@ -25,7 +26,7 @@ from jaxserve.models.quant import PACK, QUANTIZED_EXPERT_FIELDS, QUANTIZED_FIELD
 
 # What --quantization accepts: the two quantize-on-load modes, and the checkpoint methods
 # (naming one checks that the checkpoint has it, as vLLM does).
-ON_LOAD_METHODS = ("fp8", "int8")
+ON_LOAD_METHODS = ON_LOAD_QUANTIZATIONS  # --quantization modes for a bf16 checkpoint
 CHECKPOINT_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")
 FP8_MIN_COMPUTE_CAPABILITY = 8.9  # Ada and Hopper: the first NVIDIA GPUs with fp8
 

@@ -9,7 +9,9 @@ backend 'tpu'`` on every GPU and CPU host, which reads like an error but is not 
 from __future__ import annotations
 
 import logging
+import os
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -100,8 +102,20 @@ def resolve_quantization(config: EngineConfig) -> QuantScheme | None:
     if converted is not None:  # quantized on conversion: as a quantize-on-load scheme
         quantization = served_quantization(converted, config.model_dir, quantization)
     scheme = resolve_scheme(quantization, config.model_dir, config.load_format)
-    if scheme is None:
-        return None
+    return None if scheme is None else on_first_device(scheme)
+
+
+def resolve_drafter_quantization(
+    quantization: str | None, model_dir: str | os.PathLike[str]
+) -> QuantScheme | None:
+    """A speculative drafter's quantization (``speculative_config``'s ``quantization``, or
+    its checkpoint's), checked against the first device as the target's is."""
+    scheme = resolve_scheme(quantization, Path(model_dir))
+    return None if scheme is None else on_first_device(scheme)
+
+
+def on_first_device(scheme: QuantScheme) -> QuantScheme:
+    """``scheme`` as the first device runs it (``check_device``: W8A8 on fp8 GPUs)."""
     device = jax.devices()[0]
     return check_device(scheme, device.platform, device.device_kind, compute_capability(device))
 

@@ -1,12 +1,13 @@
 """The draft-model drafter (``method: draft_model``): a small decoder of the target's tokenizer,
 its weights and KV cache, and the compiled program that drafts k tokens greedily.
 
-``load_draft`` reads the draft's directory with the target's loader and dtype (unquantized) and
-refuses, naming both models, a draft of another vocabulary or tokenizer
-(``models/draft_check.py``). On one device its projections are fused as the target's are; under
-tensor parallelism it is split on the target's mesh as a model of its shapes would be
-(``drafting.drafter_parallel``; unfused: the specs are per projection), its cache on KV heads,
-and its program runs the attention op per device (``tp.attention_fn``).
+``load_draft`` reads the draft's directory with the target's loader and dtype (quantized as
+``speculative_config`` ``quantization`` or its checkpoint says, else not) and refuses, naming
+both models, a draft of another vocabulary or tokenizer (``models/draft_check.py``). On one
+device its projections are fused as the target's are; under tensor parallelism it is split on
+the target's mesh as a model of its shapes would be (``drafting.drafter_parallel``; unfused:
+the specs are per projection), its cache on KV heads, and its program runs the attention op per
+device (``tp.attention_fn``).
 ``DraftModelProposer`` implements the engine's ``Proposer``: for the
 sequences of a step it catches the draft's cache up on the tokens each gained since its last
 run (a prefill of them, the whole prompt the first time), then runs k - 1 greedy one-token steps,
@@ -44,6 +45,7 @@ from jaxserve.models.families.registry import load_model_config
 from jaxserve.models.layers import Weights
 from jaxserve.models.loading.checkpoint_loader import load_weights
 from jaxserve.models.loading.load_progress import format_bytes
+from jaxserve.models.quant_scheme import QuantScheme
 from jaxserve.runner.drafting import (
     CatchUp,
     ChainArgs,
@@ -80,11 +82,13 @@ def load_draft(
     draft_tokenizer: DraftTokenizer,
     dtype: jnp.dtype,
     target_tp: TensorParallel | None = None,
+    scheme: QuantScheme | None = None,  # speculative_config quantization, or the checkpoint's
 ) -> tuple[ModelConfig, Weights, TensorParallel | None]:
-    """The draft's config, weights (in ``dtype``) and tensor parallelism: on one device with
-    its projections fused when ``target_tp`` is None, else split on the target's mesh; checked
-    against the target's vocabulary and tokenizer first, and under TP its head counts against
-    the mesh (an error naming the draft, the field and the size)."""
+    """The draft's config, weights (in ``dtype``, quantized as ``scheme`` says, as the loader
+    quantizes a target) and tensor parallelism: on one device with its projections fused when
+    ``target_tp`` is None, else split on the target's mesh; checked against the target's
+    vocabulary and tokenizer first, and under TP its head counts against the mesh (an error
+    naming the draft, the field and the size)."""
     draft_config = load_model_config(draft_dir)
     draft_name = f"the draft model {Path(draft_dir).name!r}"
     check_draft(
@@ -95,11 +99,11 @@ def load_draft(
         target_name=f"the target model ({target_config.model_type})",
         draft_name=draft_name,
     )
-    tp = drafter_parallel(draft_config, target_tp, f"speculative_config: {draft_name}")
-    if tp is None:
-        weights = load_weights(draft_dir, draft_config, dtype, fuse=True)
+    tp = drafter_parallel(draft_config, target_tp, f"speculative_config: {draft_name}", scheme)
+    if tp is None:  # (the loader joins plain projections as they load, as_served QArrays)
+        weights = load_weights(draft_dir, draft_config, dtype, scheme=scheme, fuse=scheme is None)
         return draft_config, as_served(weights, one_device=True), None
-    weights = load_weights(draft_dir, draft_config, dtype, placement=tp.placement)
+    weights = load_weights(draft_dir, draft_config, dtype, placement=tp.placement, scheme=scheme)
     return draft_config, as_served(weights, one_device=False), tp
 
 

@@ -32,7 +32,7 @@ from jaxserve.models.loading.checkpoint_loader import tensor_files
 from jaxserve.models.loading.checkpoint_reader import WeightsError
 from jaxserve.models.loading.eagle3_checkpoint import expected_shapes, read_eagle3_config
 from jaxserve.models.loading.mtp_checkpoint import require_mtp_layers
-from jaxserve.models.quant_scheme import weight_bytes
+from jaxserve.models.quant_scheme import resolve_scheme, weight_bytes
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.capacity import cache_bytes_per_token, kv_heads_per_device
 
@@ -69,27 +69,42 @@ def planned_drafter_bytes(
     if spec.method == "draft_model":
         assert spec.model is not None  # SpeculativeConfig checks it
         draft = load_model_config(spec.model)
-        weights = weight_bytes(draft, dtype_bytes, None) // tp
+        scheme = resolve_scheme(spec.quantization, Path(spec.model))  # as load_draft reads it
+        weights = weight_bytes(draft, dtype_bytes, scheme) // tp
         return weights + num_slots * cache_bytes_per_token(draft, tp, dtype_bytes)
     if spec.method == "eagle3":
         assert spec.model is not None
-        return _eagle3_bytes(Path(spec.model), target, dtype_bytes, num_slots, tp, rows)
+        quantized = spec.quantization is not None
+        return _eagle3_bytes(
+            Path(spec.model), target, dtype_bytes, num_slots, tp, rows, quantized=quantized
+        )
     if spec.method == "mtp":
         return _mtp_bytes(target, target_dir, dtype_bytes, num_slots, tp, rows)
     raise AssertionError(f"no plan for the drafting method {spec.method!r}")
 
 
 def _eagle3_bytes(
-    head_dir: Path, target: ModelConfig, dtype_bytes: int, num_slots: int, tp: int, rows: int
+    head_dir: Path,
+    target: ModelConfig,
+    dtype_bytes: int,
+    num_slots: int,
+    tp: int,
+    rows: int,
+    quantized: bool = False,  # speculative_config quantization: the Linear weights in 8 bits
 ) -> int:
-    """The head's tensors (``expected_shapes``), its embedding where it stores one, its map
-    from draft to target ids (int32), its one layer's pages, and the three aux layers' states
-    kept for it."""
+    """The head's tensors (``expected_shapes``; quantized, each Linear weight [out, in] one
+    byte a value and a float32 scale an output, ``quantized_head``), its embedding where it
+    stores one, its map from draft to target ids (int32), its one layer's pages, and the three
+    aux layers' states kept for it."""
     config = read_eagle3_config(head_dir)
-    params = sum(math.prod(shape) for shape in expected_shapes(config).values())
+    weights = config.draft_vocab_size * INT32_BYTES
+    for shape in expected_shapes(config).values():
+        if quantized and len(shape) == 2:  # a Linear weight
+            weights += math.prod(shape) + shape[0] * FLOAT32_BYTES
+        else:
+            weights += math.prod(shape) * dtype_bytes
     if _stores(head_dir, "embed_tokens.weight"):
-        params += config.vocab_size * config.hidden_size
-    weights = params * dtype_bytes + config.draft_vocab_size * INT32_BYTES
+        weights += config.vocab_size * config.hidden_size * dtype_bytes
     layer = config.layer
     per_slot = 2 * kv_heads_per_device(layer.num_kv_heads, tp) * layer.head_dim * dtype_bytes
     states = 2 * rows * target.hidden_size * len(config.aux_layers(target.num_layers))

@@ -46,6 +46,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.batch import Batch
+from jaxserve.models.quant_scheme import QuantScheme
 from jaxserve.runner.buckets import MIN_TOKEN_BUCKET, Buckets
 from jaxserve.runner.packing import Layout, pack, unpack
 from jaxserve.runner.parallel.sharding import TensorParallel, prepare_tp
@@ -89,15 +90,19 @@ class TargetStates:
 
 
 def drafter_parallel(
-    config: ModelConfig, target_tp: TensorParallel | None, name: str
+    config: ModelConfig,
+    target_tp: TensorParallel | None,
+    name: str,
+    quant: QuantScheme | None = None,  # the drafter's own (its QArrays' shardings)
 ) -> TensorParallel | None:
-    """A drafter's tensor parallelism: the shardings of ``config`` (the drafter's layers) on the
-    target's mesh; None when the target has none. A ValueError names the drafter (``name``),
-    the field and the size when its head counts do not split over the mesh."""
+    """A drafter's tensor parallelism: the shardings of ``config`` (the drafter's layers,
+    quantized as ``quant`` says) on the target's mesh; None when the target has none. A
+    ValueError names the drafter (``name``), the field and the size when its head counts do
+    not split over the mesh."""
     if target_tp is None:
         return None
     try:
-        return prepare_tp(config, mesh=target_tp.mesh)
+        return prepare_tp(config, mesh=target_tp.mesh, quant=quant)
     except ValueError as exc:
         raise ValueError(f"{name}: {exc}") from exc
 

@@ -56,8 +56,13 @@ from jaxserve.models.eagle3 import (
     make_eagle3_kv_cache,
 )
 from jaxserve.models.layers import Weights, fuse_layer
-from jaxserve.models.loading.eagle3_checkpoint import load_eagle3, read_eagle3_config
+from jaxserve.models.loading.eagle3_checkpoint import (
+    load_eagle3,
+    quantized_head,
+    read_eagle3_config,
+)
 from jaxserve.models.loading.load_progress import format_bytes
+from jaxserve.models.quant_scheme import QuantScheme
 from jaxserve.runner.drafting import (
     CatchUp,
     ChainArgs,
@@ -402,13 +407,22 @@ def load_head(
     target_config: ModelConfig,
     runner: Any,  # the ModelRunner: its embedding (for a head without one) and its mesh
     dtype: jnp.dtype,
+    scheme: QuantScheme | None = None,  # speculative_config quantization (on one device)
 ) -> tuple[Eagle3Config, Eagle3Weights, TensorParallel | None]:
     """The head in ``dtype``, checked against the target, and its tensor parallelism: on one
-    device when the runner has none, its q/k/v and gate/up joined as the target's are (one
-    GEMM each at every chained draft step; ``layers.fuse_layer``), else split on the runner's
-    mesh (``eagle3_specs``), its head counts checked against it (an error naming the head, the
+    device when the runner has none, its Linear weights quantized where ``scheme`` says
+    (``quantized_head``) and its q/k/v and gate/up joined as the target's are (one GEMM each
+    at every chained draft step; ``layers.fuse_layer``), else split on the runner's mesh
+    (``eagle3_specs``), its head counts checked against it (an error naming the head, the
     field and the size)."""
     tp = shardings = None
+    if runner.tp is not None and scheme is not None:
+        raise ValueError(
+            f"speculative_config quantization={scheme.method!r}: an EAGLE-3 head is quantized "
+            f"on one device only, and this target is split over "
+            f"{runner.tp.tensor_parallel_size} devices; leave quantization out (the head in "
+            f"{jnp.dtype(dtype).name})"
+        )
     if runner.tp is not None:
         config = read_eagle3_config(head_dir)
         name = f"speculative_config: the EAGLE-3 head {Path(head_dir).name!r}"
@@ -419,5 +433,7 @@ def load_head(
         head_dir, target_config, runner.weights.embed, dtype, shardings=shardings
     )
     if tp is None:
+        if scheme is not None:
+            head = quantized_head(head, scheme.weight_format, scheme.act_quant)
         head = dataclasses.replace(head, layer=fuse_layer(head.layer))
     return head_config, head, tp

@@ -13,6 +13,7 @@ straight into the shardings the runner gives (``sharding.eagle3_shardings``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from jaxserve.models.families.registry import model_config_from_dict
 from jaxserve.models.layers import LayerWeights
 from jaxserve.models.loading.checkpoint_loader import tensor_files
 from jaxserve.models.loading.checkpoint_reader import CheckpointReader, WeightsError
+from jaxserve.models.quant import quantize, to_out_in
 
 _LAYER = "midlayer."
 
@@ -206,3 +208,30 @@ def _weights_of(
         lm_head=host(np.ascontiguousarray(tensors["lm_head.weight"].T)),
         draft_to_target=d2t,
     )
+
+
+def quantized_head(head: Eagle3Weights, weight_format: str, act_quant: bool) -> Eagle3Weights:
+    """The head with its Linear weights quantized per output channel, as ``--quantization``
+    quantizes a bf16 target while it loads (``speculative_config`` ``quantization``): the
+    layer's projections, ``fc`` and ``lm_head`` (the largest weight a chained draft step reads);
+    the norms, the embedding and the id map as they are. On one device (the arrays are
+    quantized where they are; a tensor-parallel head is refused before, ``load_head``)."""
+
+    def q(w: Any, num_in: int = 1) -> Any:  # [*in, *out] -> its QArray
+        shape = tuple(w.shape)
+        return quantize(
+            to_out_in(w, num_in), weight_format, shape[:num_in], shape[num_in:], act_quant
+        )
+
+    lw = head.layer
+    layer = dataclasses.replace(
+        lw,
+        wq=q(lw.wq),
+        wk=q(lw.wk),
+        wv=q(lw.wv),
+        wo=q(lw.wo, 2),
+        w_gate=q(lw.w_gate),
+        w_up=q(lw.w_up),
+        w_down=q(lw.w_down),
+    )
+    return dataclasses.replace(head, fc=q(head.fc), lm_head=q(head.lm_head), layer=layer)
