@@ -622,18 +622,28 @@ def test_a_drafter_quantization_is_checked_where_it_is_named(tmp_path) -> None:
         make_llm({**METHODS["draft_model"], "quantization": "awq", "num_speculative_tokens": K})
 
 
-def test_an_eagle3_head_is_quantized_on_one_device_only() -> None:
+def test_an_eagle3_head_is_quantized_on_one_device_only(capsys) -> None:
     """Under tensor parallelism a quantized head is refused before anything loads, naming the
-    field and the split (the head's shardings are for its unquantized arrays)."""
+    field and the split (the head's shardings are for its unquantized arrays), and ``jaxserve
+    capacity`` refuses the same config."""
+    import argparse
     from types import SimpleNamespace
 
+    from jaxserve.bench.capacity import add_capacity_arguments, run_capacity
     from jaxserve.models.quant_scheme import QuantScheme
     from jaxserve.runner.eagle3_proposer import load_head
 
+    words = r"quantization='fp8': an EAGLE-3 head is quantized on one device only, .* over 2"
     runner = SimpleNamespace(tp=SimpleNamespace(tensor_parallel_size=2))
     scheme = QuantScheme(method="fp8", weight_format="fp8")
-    with pytest.raises(ValueError, match=r"quantization='fp8': an EAGLE-3 head .* over 2 devices"):
+    with pytest.raises(ValueError, match=words):
         load_head(SPEC / "eagle3", None, runner, jax.numpy.float32, scheme)  # type: ignore[arg-type]
+    parser = argparse.ArgumentParser()
+    add_capacity_arguments(parser)
+    spec = json.dumps({**METHODS["eagle3"], "quantization": "fp8"})
+    args = ["--speculative-config", spec, "--tensor-parallel-size", "2"]
+    assert run_capacity(parser.parse_args(args)) == 2
+    assert re.search(words, capsys.readouterr().err)
 
 
 def test_a_draft_checkpoint_stored_quantized_is_read_as_stored(plain, tmp_path) -> None:

@@ -30,7 +30,11 @@ from jaxserve.models.families.fields import HF_LAYER_PREFIX
 from jaxserve.models.families.registry import layer_fields, load_model_config
 from jaxserve.models.loading.checkpoint_loader import tensor_files
 from jaxserve.models.loading.checkpoint_reader import WeightsError
-from jaxserve.models.loading.eagle3_checkpoint import expected_shapes, read_eagle3_config
+from jaxserve.models.loading.eagle3_checkpoint import (
+    check_head_quantization,
+    expected_shapes,
+    read_eagle3_config,
+)
 from jaxserve.models.loading.mtp_checkpoint import require_mtp_layers
 from jaxserve.models.quant_scheme import resolve_scheme, weight_bytes
 from jaxserve.runner.buckets import Buckets
@@ -74,6 +78,7 @@ def planned_drafter_bytes(
         return weights + num_slots * cache_bytes_per_token(draft, tp, dtype_bytes)
     if spec.method == "eagle3":
         assert spec.model is not None
+        check_head_quantization(spec.quantization, tp)  # as load_head refuses it
         quantized = spec.quantization is not None
         return _eagle3_bytes(
             Path(spec.model), target, dtype_bytes, num_slots, tp, rows, quantized=quantized

@@ -57,6 +57,7 @@ from jaxserve.models.eagle3 import (
 )
 from jaxserve.models.layers import Weights, fuse_layer
 from jaxserve.models.loading.eagle3_checkpoint import (
+    check_head_quantization,
     load_eagle3,
     quantized_head,
     read_eagle3_config,
@@ -417,12 +418,7 @@ def load_head(
     field and the size)."""
     tp = shardings = None
     if runner.tp is not None and scheme is not None:
-        raise ValueError(
-            f"speculative_config quantization={scheme.method!r}: an EAGLE-3 head is quantized "
-            f"on one device only, and this target is split over "
-            f"{runner.tp.tensor_parallel_size} devices; leave quantization out (the head in "
-            f"{jnp.dtype(dtype).name})"
-        )
+        check_head_quantization(scheme.method, runner.tp.tensor_parallel_size)
     if runner.tp is not None:
         config = read_eagle3_config(head_dir)
         name = f"speculative_config: the EAGLE-3 head {Path(head_dir).name!r}"

@@ -210,6 +210,17 @@ def _weights_of(
     )
 
 
+def check_head_quantization(quantization: str | None, tensor_parallel_size: int) -> None:
+    """A head is quantized on one device only (``quantized_head``; a split head's shardings are
+    for its unquantized arrays): under tensor parallelism, a ValueError naming both."""
+    if quantization is not None and tensor_parallel_size > 1:
+        raise ValueError(
+            f"speculative_config quantization={quantization!r}: an EAGLE-3 head is quantized "
+            f"on one device only, and this target is split over {tensor_parallel_size} "
+            "devices; leave quantization out (the head in the serving dtype)"
+        )
+
+
 def quantized_head(head: Eagle3Weights, weight_format: str, act_quant: bool) -> Eagle3Weights:
     """The head with its Linear weights quantized per output channel, as ``--quantization``
     quantizes a bf16 target while it loads (``speculative_config`` ``quantization``): the
