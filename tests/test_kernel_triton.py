@@ -271,7 +271,9 @@ def test_a_full_small_bucket_matches_the_reference_with_its_live_splits(monkeypa
         assert_matches(case, out, ref)
 
 
-@pytest.mark.parametrize("with_sinks, live_splits", [(False, None), (True, None), (False, 6)])
+@pytest.mark.parametrize(
+    "with_sinks, live_splits", [(False, None), (True, None), (False, 6), (True, 3)]
+)
 def test_merging_splits_weights_each_by_its_softmax_mass(with_sinks, live_splits):
     """``splits.merge_splits`` against float64 numpy on fresh random partial results: each
     split's output weighted by 2^lse (plus a sink's mass in the total), with an empty split
