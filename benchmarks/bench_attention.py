@@ -43,6 +43,12 @@ on the H200 (the script also measures a 1 GiB copy in the same run).
   python3 -m benchmarks.bench_attention --suite sinks --out /tmp/sinks.json
   python3 -m benchmarks.bench_attention --suite fp8 --out /tmp/fp8.json
   python3 -m benchmarks.bench_attention --suite prompts --sweep --out /tmp/prompts.json
+  python3 -m benchmarks.bench_attention --suite fp8 --slots 256 --page-size 64   # as served
+
+A case's launch has one page-table row per sequence unless ``--slots`` pads it as the runner
+does (its token bucket, ``--max-num-seqs`` rows, ``--max-model-len`` positions): the KV splits
+are planned from those, so a lone batch-1 launch splits otherwise than a served step (a batch-1 x
+4,096 fp8 launch ran 2x faster at 128 KV tokens a step where the step was slower, 2026-12-06).
   python -m benchmarks.bench_attention --smoke [--suite tiers]              # tiny, CPU interpret
 """
 
@@ -168,15 +174,34 @@ def causal_flops(shape: Shape, batch: Batch) -> float:
     return 4 * shape.num_q_heads * shape.head_dim * pairs
 
 
-def make_inputs(rng, shape: Shape, batch: Batch, num_calls: int, pool_bytes: int):
-    """q, a KV pool, and one shuffled page table per call (disjoint pages when the pool allows)."""
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """Each case as the runner launches it (``--slots``): its tokens padded to the step's token
+    bucket (a power of two, at least 16: ``runner.buckets``), a page table of ``slots`` rows
+    (``--max-num-seqs``; the rows past the batch's are dead) and ``max_model_len`` positions a
+    row. The kernels plan their KV splits from these, as in a served step."""
+
+    slots: int
+    max_model_len: int
+
+
+def make_inputs(
+    rng, shape: Shape, batch: Batch, num_calls: int, pool_bytes: int, served: Served | None = None
+):
+    """q, a KV pool, and one shuffled page table per call (disjoint pages when the pool allows);
+    ``served``: padded as a served step is."""
     page = shape.page_size
     seq_pages = [cdiv(kv, page) for kv in batch.kv_lens]
     pages_per_seq = max(seq_pages)
+    num_slots, num_tokens = len(seq_pages), sum(batch.q_lens)
+    if served is not None:
+        pages_per_seq = max(pages_per_seq, cdiv(served.max_model_len, page))
+        num_slots = max(num_slots, served.slots)
+        num_tokens = max(16, 1 << (num_tokens - 1).bit_length())
     needed = sum(seq_pages)
     page_bytes = page * shape.num_kv_heads * shape.head_dim * 2 * 2
     num_pages = max(needed, pool_bytes // page_bytes)
-    tables = np.zeros((num_calls, len(seq_pages), pages_per_seq), np.int32)
+    tables = np.zeros((num_calls, num_slots, pages_per_seq), np.int32)
     for c in range(num_calls):
         order = rng.permutation(num_pages)[:needed]
         first = 0
@@ -184,14 +209,15 @@ def make_inputs(rng, shape: Shape, batch: Batch, num_calls: int, pool_bytes: int
             tables[c, i, :n] = order[first : first + n]
             tables[c, i, n:] = order[first]
             first += n
-    num_tokens = sum(batch.q_lens)
     kv_shape = (num_pages, page, shape.num_kv_heads, shape.head_dim)
     key_q, key_k, key_v = jax.random.split(jax.random.key(int(rng.integers(2**31))), 3)
     q = jax.random.normal(key_q, (num_tokens, shape.num_q_heads, shape.head_dim), jnp.bfloat16)
     k = jax.random.normal(key_k, kv_shape, jnp.bfloat16)  # [P, page_size, Hkv, D]
     v = jax.random.normal(key_v, kv_shape, jnp.bfloat16)
-    cu_q_lens = jnp.asarray(np.concatenate([[0], np.cumsum(batch.q_lens)]), jnp.int32)
-    kv_lens = jnp.asarray(batch.kv_lens, jnp.int32)
+    dead = num_slots - len(batch.q_lens)  # page-table rows past the batch (served steps)
+    ends = np.cumsum(batch.q_lens)
+    cu_q_lens = jnp.asarray(np.concatenate([[0], ends, [ends[-1]] * dead]), jnp.int32)
+    kv_lens = jnp.asarray([*batch.kv_lens, *[0] * dead], jnp.int32)
     num_seqs = jnp.asarray([len(batch.q_lens)], jnp.int32)
     return q, k, v, kv_lens, jnp.asarray(tables), cu_q_lens, num_seqs
 
@@ -265,10 +291,12 @@ def copy_rate(num_bytes: int = 1 << 30) -> float | None:
     return 2 * num_bytes / (statistics.median(ms for _, ms in timings) * 1e-3)
 
 
-def run_case(rng, shape, batch, *, variants, reps, pool_bytes, with_reference=True):
+def run_case(rng, shape, batch, *, variants, reps, pool_bytes, with_reference=True, served=None):
     """One row per variant (and the reference first, unless ``with_reference`` is False: then
-    errors are against the first variant that ran and ``x XLA ref`` is left out)."""
-    inputs = make_inputs(rng, shape, batch, reps, pool_bytes)
+    errors are against the first variant that ran and ``x XLA ref`` is left out); errors over
+    the batch's tokens (a served step's padding rows left out)."""
+    inputs = make_inputs(rng, shape, batch, reps, pool_bytes, served)
+    live = sum(batch.q_lens)
     kwargs = shape.attention_kwargs()
     rows, ref_s, ref_out = [], None, None
     if with_reference:
@@ -298,8 +326,8 @@ def run_case(rng, shape, batch, *, variants, reps, pool_bytes, with_reference=Tr
             continue
         if ref_out is None:
             ref_out = out
-        diff = out.astype(jnp.float32) - ref_out.astype(jnp.float32)
-        err = float(jnp.linalg.norm(diff.ravel()) / jnp.linalg.norm(ref_out.astype(jnp.float32)))
+        got, want = out[:live].astype(jnp.float32), ref_out[:live].astype(jnp.float32)
+        err = float(jnp.linalg.norm((got - want).ravel()) / jnp.linalg.norm(want))
         kv_itemsize = 2 if variant.kv_dtype is None else 1
         rows.append(dict(kernel=variant.label, rel_err=err, kv_itemsize=kv_itemsize, **timing))
     for row in rows:
@@ -582,6 +610,16 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--only", default="", help="comma-separated case names to run")
     parser.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help="each case as a served step: a page table of SLOTS rows (--max-num-seqs), its "
+        "tokens padded to the step's bucket; the KV splits are planned as the runner's are",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=8192, help="with --slots: the page table's positions"
+    )
+    parser.add_argument(
         "--page-size",
         type=int,
         default=None,
@@ -606,11 +644,12 @@ def main(argv=None) -> int:
         plan = [p for p in plan if p[1].name in args.only.split(",")]
     if args.page_size is not None:
         plan = [(dataclasses.replace(p[0], page_size=args.page_size), *p[1:]) for p in plan]
+    served = None if args.slots is None else Served(args.slots, args.max_model_len)
     rows = []
     for shape, batch, variants, with_reference in plan:
         new = run_case(
             rng, shape, batch, variants=variants, reps=reps, pool_bytes=pool,
-            with_reference=with_reference,
+            with_reference=with_reference, served=served,
         )  # fmt: skip
         rows += new
         print("\n".join(format_table(new).splitlines()[2:]), flush=True)

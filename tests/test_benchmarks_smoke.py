@@ -278,6 +278,20 @@ def test_bench_attention_page_size_applies_to_every_case(tmp_path, monkeypatch, 
     assert rows[1]["rel_err"] < 1e-2
 
 
+def test_bench_attention_served_steps_pad_as_the_runner_does(tmp_path, monkeypatch) -> None:
+    """``--slots`` runs each case as a served step: its 48 tokens in the 64-token bucket, a
+    page table of 8 rows (6 dead) of 128 positions; the kernel matches the reference on the
+    live rows, and the counts stay the batch's."""
+    out = tmp_path / "served.json"
+    args = ["--smoke", "--suite", "prompts", "--slots", "8", "--max-model-len", "128"]
+    with pytest.raises(SystemExit) as done:
+        run_script("benchmarks.bench_attention", [*args, "--out", str(out)], monkeypatch)
+    assert done.value.code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["kernel"] for r in rows] == ["xla-reference", "mosaic"]
+    assert rows[1]["rel_err"] < 1e-2 and rows[1]["num_tokens"] == 2 * 24
+
+
 def test_moe_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
     """benchmarks/moe.py on the tiny Qwen3-MoE fixture: throughput, decode rows against the
     roofline, and one layer's experts alone."""
