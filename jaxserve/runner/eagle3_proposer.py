@@ -417,9 +417,8 @@ def load_head(
     (``eagle3_specs``), its head counts checked against it (an error naming the head, the
     field and the size)."""
     tp = shardings = None
-    if runner.tp is not None and scheme is not None:
-        check_head_quantization(scheme.method, runner.tp.tensor_parallel_size)
     if runner.tp is not None:
+        check_head_quantization(scheme.method if scheme else None, runner.tp.tensor_parallel_size)
         config = read_eagle3_config(head_dir)
         name = f"speculative_config: the EAGLE-3 head {Path(head_dir).name!r}"
         tp = drafter_parallel(config.layer, runner.tp, name)

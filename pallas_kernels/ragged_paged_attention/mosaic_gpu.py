@@ -82,6 +82,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.env_choice import env_choice
 from pallas_kernels.kv_cache import FP8_DTYPES
 from pallas_kernels.ragged_paged_attention.splits import (
+    MASK_VALUE,
     SMALL_LAUNCH_ROWS,
     merge_splits,
     planned_rows,
@@ -91,7 +92,6 @@ from pallas_kernels.ragged_paged_attention.splits import (
 
 ROWS = 64  # query rows per program: one wgmma M tile
 LOG2E = math.log2(math.e)
-MASK_VALUE = -1e30  # finite, so fully masked rows never produce inf - inf
 LSE_COLS = 32  # the log-sum-exp is stored 32 times per row: TMA wants 128-byte smem rows
 NUM_SMS = 132  # H100 / H200
 SMEM_BYTES = 227 * 1024  # shared memory one block may use on H100 / H200

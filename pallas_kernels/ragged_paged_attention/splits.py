@@ -14,7 +14,9 @@ import jax.numpy as jnp
 from pallas_kernels.env_choice import env_choice
 
 LOG2E = math.log2(math.e)
-MASK_VALUE = -1e30  # the log-sum-exp the kernels write for an empty split
+# Finite, so fully masked rows never produce inf - inf; the log-sum-exp the GPU kernels write
+# for an empty split, which the merge weighs 0.
+MASK_VALUE = -1e30
 
 # The split rules count a launch's rows (its tiles of one KV head) as live, but a bucket's rows
 # are padded: a batch of one decodes in the 16-token bucket, where the rules saw 16 sequences

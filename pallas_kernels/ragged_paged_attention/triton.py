@@ -51,13 +51,13 @@ from pallas_kernels.ragged_paged_attention.mosaic_gpu import (
     scales_operand,
 )
 from pallas_kernels.ragged_paged_attention.splits import (
+    MASK_VALUE,
     merge_splits,
     planned_rows,
     split_range,
 )
 
 LOG2E = math.log2(math.e)
-MASK_VALUE = -1e30  # finite, so fully masked rows never produce inf - inf
 DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_GROUP = 16  # query heads per KV head
 DEFAULT_NUM_SMS = 108  # A100, when the device does not say
