@@ -504,6 +504,31 @@ def fp8_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Variant]
     return [(shape, batch, variants, False) for batch in batches]
 
 
+def issue_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Variant], bool]]:
+    """(shape, batch, variants, with_reference) for ``--suite issue``: each kernel with a KV
+    slot's next copies issued once its stages are read (``KernelConfig.early_issue``, the
+    default) and at the end of the step (as before), over bf16 pages and fp8 pages (native, 64
+    and 128 tokens a step), at the decode cells."""
+    del sweep  # the suite is its own sweep
+    e4m3 = jnp.float8_e4m3fn
+    native = mosaic_gpu.KernelConfig(fp8_wgmma=True)
+    configs = [
+        ("bf16", mosaic_gpu.KernelConfig(), None),
+        ("fp8 native", native, e4m3),
+        ("fp8 native bk128", dataclasses.replace(native, block_kv=128), e4m3),
+    ]
+    variants = []
+    for label, config, kv_dtype in configs[2:] if smoke else configs:
+        for when, early in (("early", True), ("late", False)):
+            config = dataclasses.replace(config, early_issue=early)
+            variants.append(mosaic(f"{label} {when}", config, smoke, kv_dtype=kv_dtype))
+    if smoke:
+        shape = Shape(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+        return [(shape, decode_batch(1, 300), variants, False)]
+    batches = [decode_batch(b, c) for c in (1024, 4096) for b in (1, 64, 256)]
+    return [(LLAMA_3_8B, batch, variants, False) for batch in batches]
+
+
 QWEN3_0_6B = Shape(num_q_heads=16, num_kv_heads=8, head_dim=128)
 
 
@@ -602,7 +627,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode")
     parser.add_argument(
-        "--suite", choices=("llama", "tiers", "head256", "sinks", "fp8", "prompts"), default="llama"
+        "--suite",
+        choices=("llama", "tiers", "head256", "sinks", "fp8", "prompts", "issue"),
+        default="llama",
     )
     parser.add_argument("--sweep", action="store_true", help="also time config variants")
     parser.add_argument("--reps", type=int, default=10)
@@ -638,6 +665,7 @@ def main(argv=None) -> int:
         "sinks": sinks_plan,
         "fp8": fp8_plan,
         "prompts": prompts_plan,
+        "issue": issue_plan,
     }[args.suite]
     plan = plan_for(args.smoke, args.sweep)
     if args.only:

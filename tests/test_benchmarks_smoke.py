@@ -262,6 +262,19 @@ def test_bench_attention_prompts_smoke(tmp_path, monkeypatch, capsys) -> None:
     assert "partial" not in result  # written after each case, whole at the end
 
 
+def test_bench_attention_issue_suite_times_both_orders(tmp_path, monkeypatch, capsys) -> None:
+    """The issue suite: the native fp8 kernel with each slot's next copies issued early and
+    at the end of the step; both compute the same bits (the error is against the first)."""
+    out = tmp_path / "issue.json"
+    args = ["--smoke", "--suite", "issue", "--out", str(out)]
+    with pytest.raises(SystemExit) as done:
+        run_script("benchmarks.bench_attention", args, monkeypatch)
+    assert done.value.code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["kernel"] for r in rows] == ["fp8 native bk128 early", "fp8 native bk128 late"]
+    assert rows[1]["rel_err"] == 0.0
+
+
 def test_bench_attention_page_size_applies_to_every_case(tmp_path, monkeypatch, capsys) -> None:
     """``--page-size`` (the served ``--block-size``) replaces each case's pages; the shape
     label names it, and the kernel still matches the reference over the larger pages."""

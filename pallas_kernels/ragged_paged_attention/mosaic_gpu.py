@@ -9,10 +9,12 @@ Work decomposition. A *tile* is up to ``block_q`` consecutive query tokens of on
 program handles one tile for one KV head, so its ``G = Hq / Hkv`` query heads x ``block_q``
 tokens fill the 64 rows of one wgmma (rows ordered head-major: row = g * block_q + j). The
 program streams the sequence's KV pages through shared memory with TMA, ``block_kv`` tokens a
-step, ``num_stages`` steps in flight, and keeps an online (flash) softmax in registers. Pages
-are gathered per step from the page table; a page index past the sequence is replaced by an
-out-of-range one, which TMA fills with zeros without touching memory. Rows past the end of the
-query batch (padding) form one extra group of tiles with no KV, so they come back as zeros.
+step, ``num_stages`` steps in flight (a slot's next copies issued as soon as the step has read
+its stages, before P.V: ``KernelConfig.early_issue``), and keeps an online (flash) softmax in
+registers. Pages are gathered per step from the page table; a page index past the sequence is
+replaced by an out-of-range one, which TMA fills with zeros without touching memory. Rows past
+the end of the query batch (padding) form one extra group of tiles with no KV, so they come
+back as zeros.
 
 Head sizes 64, 96, 128 and 256 (80 faulted natively: see HEAD_DIMS), bf16 or fp16. The smem
 swizzle follows the head size (``swizzle_for``: wgmma wants K and N in whole swizzle tiles),
@@ -156,6 +158,10 @@ class KernelConfig:
     # An fp8 cache read by fp8 wgmmas (Q and P quantized to e4m3, see the module docstring);
     # False: converted to the queries' dtype. No effect on a bf16 / fp16 cache.
     fp8_wgmma: bool = False
+    # A KV slot's next copies are issued as soon as a step has read its stages (K after QK^T,
+    # V once transposed or converted, a bf16 V after PV), not at the end of the step, so more
+    # of the next blocks' bytes are in flight while P.V and the rescale run. False: the end.
+    early_issue: bool = True
 
     def __post_init__(self):
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -243,6 +249,14 @@ def default_num_splits(
 NATIVE_WIDE_BLOCK_KV = 128
 NATIVE_WIDE_MAX_TOKENS = 1024
 FP8_BLOCK_KV_ENV = "JAXSERVE_FP8_BLOCK_KV"
+# ``KernelConfig.early_issue`` for served steps: "on" (the default) or "off" (benchmarks: the
+# copies issued at the end of each step, as before, to time both in one run).
+EARLY_ISSUE_ENV = "JAXSERVE_ATTENTION_EARLY_ISSUE"
+
+
+def early_issue() -> bool:
+    """Whether served launches issue a slot's next copies once its stages are read."""
+    return env_choice(EARLY_ISSUE_ENV, ("on", "off"), "on") == "on"
 
 
 def native_block_kv(q, k_pages, page_indices, native: bool = True) -> int:
@@ -447,7 +461,9 @@ def _attention_kernel(
                 pages.append(jnp.where(page_slot < num_seq_pages, page, num_pages))
             return pages
 
-        def issue(block, slot, pages):
+        k_stage, v_stage = (k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)
+
+        def issue(block, slot, pages, stages_of=(k_stage, v_stage)):
             if page_size > block_kv:
                 first_row = lax.rem(block, page_size // block_kv) * block_kv
             else:
@@ -455,7 +471,7 @@ def _attention_kernel(
             rows = pl.ds(first_row, rows_per_copy)
             for c, page in enumerate(pages):
                 dst = pl.ds(c * rows_per_copy, rows_per_copy)
-                for src, dst_smem, bar in ((k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)):
+                for src, dst_smem, bar in stages_of:
                     view = (
                         src.at[page, head, rows] if cfg.head_major_kv else src.at[page, rows, head]
                     )
@@ -529,6 +545,14 @@ def _attention_kernel(
                 v_deq[...] = v_smem[slot].astype(jnp.float32).astype(v_deq.dtype)
                 plgpu.commit_smem()  # P and the converted V
                 v_tile = v_deq
+            # The slot's next copies, issued as soon as its stages are read (``early_issue``):
+            # K by QK^T (every warp waited for it before the barrier of the commit above), V
+            # into V^T or its converted tile (the same barrier) or, from a bf16 cache, by PV.
+            more = i + stages < num_steps
+            v_read = native or v_deq is not None
+            if cfg.early_issue:
+                early = (k_stage, v_stage) if v_read else (k_stage,)
+                pl.when(more)(lambda: issue(next_block, slot, next_pages, early))
 
             def pv_scope(acc_ref, c):  # (an fp8 cache has one column chunk: v_tile is whole)
                 v = v_tile if num_cols == 1 else v_smem.at[slot, :, cols[c]]
@@ -544,7 +568,9 @@ def _attention_kernel(
                 )
                 for c, a in enumerate(acc)
             )
-            pl.when(i + stages < num_steps)(lambda: issue(next_block, slot, next_pages))
+            if not cfg.early_issue or not v_read:
+                late = (v_stage,) if cfg.early_issue else (k_stage, v_stage)
+                pl.when(more)(lambda: issue(next_block, slot, next_pages, late))
             return acc, m_new, l_i
 
         acc_0 = tuple(
