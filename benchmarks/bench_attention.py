@@ -506,9 +506,9 @@ def fp8_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Variant]
 
 def issue_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Variant], bool]]:
     """(shape, batch, variants, with_reference) for ``--suite issue``: each kernel with a KV
-    slot's next copies issued once its stages are read (``KernelConfig.early_issue``, the
-    default) and at the end of the step (as before), over bf16 pages and fp8 pages (native, 64
-    and 128 tokens a step), at the decode cells."""
+    slot's next copies issued at each point of ``KernelConfig.issue_next`` ("read", the
+    default; "p"; "end", as before), over bf16 pages and fp8 pages (native, 64 and 128 tokens
+    a step), at the decode cells."""
     del sweep  # the suite is its own sweep
     e4m3 = jnp.float8_e4m3fn
     native = mosaic_gpu.KernelConfig(fp8_wgmma=True)
@@ -519,8 +519,8 @@ def issue_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Varian
     ]
     variants = []
     for label, config, kv_dtype in configs[2:] if smoke else configs:
-        for when, early in (("early", True), ("late", False)):
-            config = dataclasses.replace(config, early_issue=early)
+        for when in mosaic_gpu.ISSUE_NEXT:
+            config = dataclasses.replace(config, issue_next=when)
             variants.append(mosaic(f"{label} {when}", config, smoke, kv_dtype=kv_dtype))
     if smoke:
         shape = Shape(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)

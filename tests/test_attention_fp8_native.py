@@ -214,7 +214,7 @@ def on_hopper(monkeypatch):
     monkeypatch.setattr(dispatch, "_is_hopper_or_newer", lambda: True)
     monkeypatch.delenv("JAXSERVE_ATTENTION", raising=False)
     monkeypatch.delenv(dispatch.FP8_ATTENTION_ENV, raising=False)
-    monkeypatch.delenv(mosaic_gpu.EARLY_ISSUE_ENV, raising=False)
+    monkeypatch.delenv(mosaic_gpu.ISSUE_NEXT_ENV, raising=False)
     configs = []
 
     def record(q, *args, config=mosaic_gpu.KernelConfig(), **kwargs):
@@ -245,29 +245,32 @@ def test_the_switch_sets_the_kernels_config(
     assert on_hopper == [want]
 
 
-@pytest.mark.parametrize(("env", "want"), [(None, True), ("off", False), ("On", True)])
-def test_the_next_copies_are_issued_early_unless_switched_off(on_hopper, monkeypatch, env, want):
+@pytest.mark.parametrize(("env", "want"), [(None, "read"), ("end", "end"), ("P", "p")])
+def test_the_switch_sets_when_a_slots_next_copies_are_issued(on_hopper, monkeypatch, env, want):
     if env is not None:
-        monkeypatch.setenv(mosaic_gpu.EARLY_ISSUE_ENV, env)
+        monkeypatch.setenv(mosaic_gpu.ISSUE_NEXT_ENV, env)
     case = dataclasses.replace(LLAMA_LOWERING[0], q_lens=(1, 1), kv_lens=(40, 3), kv_dtype=None)
     q, k, v, *rest = make_inputs(np.random.default_rng(0), case)
     for cache in (k.astype(E4M3), k):  # the native fp8 path and a bf16 cache
         dispatch.ragged_paged_attention(q, cache, cache, *rest, sm_scale=0.1)
-    assert [config.early_issue for config in on_hopper] == [want, want]
-    monkeypatch.setenv(mosaic_gpu.EARLY_ISSUE_ENV, "later")
-    with pytest.raises(ValueError, match="JAXSERVE_ATTENTION_EARLY_ISSUE='later' must be one of"):
+    assert [config.issue_next for config in on_hopper] == [want, want]
+    monkeypatch.setenv(mosaic_gpu.ISSUE_NEXT_ENV, "later")
+    with pytest.raises(ValueError, match="JAXSERVE_ATTENTION_ISSUE_NEXT='later' must be one of"):
         dispatch.ragged_paged_attention(q, k, v, *rest, sm_scale=0.1)
+    with pytest.raises(ValueError, match="issue_next='later' must be one of read, p, end"):
+        mosaic_gpu.KernelConfig(issue_next="later")
 
 
-def test_copies_issued_at_the_end_of_each_step_match_too(capfd):
-    """``early_issue=False`` (each slot's next copies after P.V, as before): a 300-token
+@pytest.mark.parametrize("when", ["p", "end"])
+def test_copies_issued_later_in_the_step_match_too(when: str, capfd):
+    """``issue_next`` "p" and "end" (after P.V, as before) over fresh inputs: a 300-token
     sequence read 128 tokens a step, so its first slot is loaded again."""
     (case,) = [case for case in CPU_CASES if case.name == "decode_g4_d128_bk128"]
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
     args, sinks = make_inputs(rng, case), make_sinks(rng, case)
     races = plgpu.InterpretGPUParams(detect_races=True)
-    call = native_call(case, interpret=races, early_issue=False, block_kv=128)
+    call = native_call(case, interpret=races, issue_next=when, block_kv=128)
     assert_native_matches(case, call(*args, **sinks), args, sinks, seed)
     assert "RACE DETECTED" not in capfd.readouterr().out
 

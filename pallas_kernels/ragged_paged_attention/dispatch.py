@@ -221,7 +221,7 @@ def ragged_paged_attention(
             num_splits=1 if batch_invariant else None,
             fp8_wgmma=native,
             block_kv=mosaic_gpu.native_block_kv(q, k_pages, page_indices, wide),
-            early_issue=mosaic_gpu.early_issue(),
+            issue_next=mosaic_gpu.issue_next(),
         )
         if config != mosaic_gpu.KernelConfig():  # the default config calls the kernel as before
             options.update(config=config)

@@ -10,7 +10,7 @@ program handles one tile for one KV head, so its ``G = Hq / Hkv`` query heads x 
 tokens fill the 64 rows of one wgmma (rows ordered head-major: row = g * block_q + j). The
 program streams the sequence's KV pages through shared memory with TMA, ``block_kv`` tokens a
 step, ``num_stages`` steps in flight (a slot's next copies issued as soon as the step has read
-its stages, before P.V: ``KernelConfig.early_issue``), and keeps an online (flash) softmax in
+its stages, before the softmax: ``KernelConfig.issue_next``), and keeps an online (flash) softmax in
 registers. Pages are gathered per step from the page table; a page index past the sequence is
 replaced by an out-of-range one, which TMA fills with zeros without touching memory. Rows past
 the end of the query batch (padding) form one extra group of tiles with no KV, so they come
@@ -107,6 +107,7 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 # NOTE: not 80: its 32-byte swizzle passed in interpret mode but faulted natively on the H200
 # (CUDA_ERROR_MISALIGNED_ADDRESS, 2026-12-03); the Triton kernel takes head_dim 80.
 HEAD_DIMS = (64, 96, 128, 256)
+ISSUE_NEXT = ("read", "p", "end")  # ``KernelConfig.issue_next``
 
 
 def swizzle_for(head_dim: int, itemsize: int) -> int:
@@ -158,16 +159,19 @@ class KernelConfig:
     # An fp8 cache read by fp8 wgmmas (Q and P quantized to e4m3, see the module docstring);
     # False: converted to the queries' dtype. No effect on a bf16 / fp16 cache.
     fp8_wgmma: bool = False
-    # A KV slot's next copies are issued as soon as a step has read its stages (K after QK^T,
-    # V once transposed or converted, a bf16 V after PV), not at the end of the step, so more
-    # of the next blocks' bytes are in flight while P.V and the rescale run. False: the end.
-    early_issue: bool = True
+    # When a step issues its KV slot's next copies: "read", as soon as it has read the slot's
+    # stages (K by QK^T, V transposed or converted while QK^T runs), before the softmax; "p",
+    # after P is stored; "end", after P.V (as before). A bf16 V is read by P.V: its copy
+    # follows it in every mode. The earlier, the more of the next blocks' bytes in flight.
+    issue_next: str = "read"
 
     def __post_init__(self):
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
             raise ValueError(f"{self.block_kv=} must be 64, 128, 192 or 256")
         if not 1 <= self.num_stages <= 8:
             raise ValueError(f"{self.num_stages=} must be in [1, 8]")
+        if self.issue_next not in ISSUE_NEXT:
+            raise ValueError(f"{self.issue_next=} must be one of {', '.join(ISSUE_NEXT)}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"{self.num_splits=} must be >= 1")
 
@@ -249,14 +253,13 @@ def default_num_splits(
 NATIVE_WIDE_BLOCK_KV = 128
 NATIVE_WIDE_MAX_TOKENS = 1024
 FP8_BLOCK_KV_ENV = "JAXSERVE_FP8_BLOCK_KV"
-# ``KernelConfig.early_issue`` for served steps: "on" (the default) or "off" (benchmarks: the
-# copies issued at the end of each step, as before, to time both in one run).
-EARLY_ISSUE_ENV = "JAXSERVE_ATTENTION_EARLY_ISSUE"
+# ``KernelConfig.issue_next`` for served steps (benchmarks time the three in one run).
+ISSUE_NEXT_ENV = "JAXSERVE_ATTENTION_ISSUE_NEXT"
 
 
-def early_issue() -> bool:
-    """Whether served launches issue a slot's next copies once its stages are read."""
-    return env_choice(EARLY_ISSUE_ENV, ("on", "off"), "on") == "on"
+def issue_next() -> str:
+    """When served launches issue a KV slot's next copies (``KernelConfig.issue_next``)."""
+    return env_choice(ISSUE_NEXT_ENV, ISSUE_NEXT, KernelConfig.issue_next)
 
 
 def native_block_kv(q, k_pages, page_indices, native: bool = True) -> int:
@@ -512,11 +515,34 @@ def _attention_kernel(
                 plgpu.commit_smem()
                 k_tile = k_deq
 
+            more = i + stages < num_steps
+            v_read = native or v_deq is not None  # V read into V^T or converted before P.V
+            at_read = cfg.issue_next == "read"
+
+            def read_v():  # the V stage into V^T (fp8 wgmma operands are K-major) or bf16
+                plgpu.barrier_wait(v_bar.at[slot])
+                if native:
+                    vt_smem.transpose((1, 0))[...] = _transposed_tile(v_smem.at[slot])
+                else:
+                    v_deq[...] = v_smem[slot].astype(jnp.float32).astype(v_deq.dtype)
+
             def qk_scope(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
+                if at_read and v_read:  # while the wgmma runs
+                    read_v()
                 return acc_ref[...]
 
+            def issue_copies(copied):
+                pl.when(more)(lambda: issue(next_block, slot, next_pages, copied))
+
+            # A slot's next copies (``issue_next``): "read", once every warp has waited for
+            # QK^T and V is read (the barrier of the commit), before the softmax; "p", after
+            # P is stored; "end", after P.V. A bf16 V is read by P.V: its copy after it.
+            read_first = (k_stage, v_stage) if v_read else (k_stage,)
             s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, block_kv), jnp.float32))
+            if at_read:
+                plgpu.commit_smem()
+                issue_copies(read_first)
             s = s * (lax.broadcast_in_dim(qk_scale, s.shape, [0]) if native else qk_scale)
             if soft_cap is not None:
                 s = jnp.tanh(s) * (soft_cap * LOG2E)
@@ -531,28 +557,18 @@ def _attention_kernel(
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l_i = l_i * alpha + p.sum(axis=1)
             p_smem[...] = (p * P_SCALE if native else p).astype(p_smem.dtype)
+            if v_read and not at_read:
+                read_v()
+            plgpu.commit_smem()  # P (and V^T or the converted V)
+            if not v_read:
+                plgpu.barrier_wait(v_bar.at[slot])
             v_tile = v_smem.at[slot]
-            if native:  # fp8 wgmma operands are K-major: V^T through registers, still fp8
-                plgpu.barrier_wait(v_bar.at[slot])
-                vt_smem.transpose((1, 0))[...] = _transposed_tile(v_smem.at[slot])
-                plgpu.commit_smem()  # P and V^T
+            if native:
                 v_tile = vt_smem.transpose((1, 0))
-            elif v_deq is None:
-                plgpu.commit_smem()
-                plgpu.barrier_wait(v_bar.at[slot])
-            else:
-                plgpu.barrier_wait(v_bar.at[slot])
-                v_deq[...] = v_smem[slot].astype(jnp.float32).astype(v_deq.dtype)
-                plgpu.commit_smem()  # P and the converted V
+            elif v_deq is not None:
                 v_tile = v_deq
-            # The slot's next copies, issued as soon as its stages are read (``early_issue``):
-            # K by QK^T (every warp waited for it before the barrier of the commit above), V
-            # into V^T or its converted tile (the same barrier) or, from a bf16 cache, by PV.
-            more = i + stages < num_steps
-            v_read = native or v_deq is not None
-            if cfg.early_issue:
-                early = (k_stage, v_stage) if v_read else (k_stage,)
-                pl.when(more)(lambda: issue(next_block, slot, next_pages, early))
+            if cfg.issue_next == "p":
+                issue_copies(read_first)
 
             def pv_scope(acc_ref, c):  # (an fp8 cache has one column chunk: v_tile is whole)
                 v = v_tile if num_cols == 1 else v_smem.at[slot, :, cols[c]]
@@ -568,9 +584,8 @@ def _attention_kernel(
                 )
                 for c, a in enumerate(acc)
             )
-            if not cfg.early_issue or not v_read:
-                late = (v_stage,) if cfg.early_issue else (k_stage, v_stage)
-                pl.when(more)(lambda: issue(next_block, slot, next_pages, late))
+            if cfg.issue_next == "end" or not v_read:
+                issue_copies((k_stage, v_stage) if cfg.issue_next == "end" else (v_stage,))
             return acc, m_new, l_i
 
         acc_0 = tuple(
