@@ -160,7 +160,7 @@ class KernelConfig:
     # False: converted to the queries' dtype. No effect on a bf16 / fp16 cache.
     fp8_wgmma: bool = False
     # When a step issues its KV slot's next copies: "read", as soon as it has read the slot's
-    # stages (K by QK^T, V transposed or converted while QK^T runs), before the softmax; "p",
+    # stages (V transposed or converted first, then K by QK^T), before the softmax; "p",
     # after P is stored; "end", after P.V (as before). A bf16 V is read by P.V: its copy
     # follows it in every mode. The earlier, the more of the next blocks' bytes in flight.
     issue_next: str = "read"
@@ -528,17 +528,18 @@ def _attention_kernel(
 
             def qk_scope(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
-                if at_read and v_read:  # while the wgmma runs
-                    read_v()
                 return acc_ref[...]
 
             def issue_copies(copied):
                 pl.when(more)(lambda: issue(next_block, slot, next_pages, copied))
 
-            # A slot's next copies (``issue_next``): "read", once every warp has waited for
-            # QK^T and V is read (the barrier of the commit), before the softmax; "p", after
+            # A slot's next copies (``issue_next``): "read", once V is read (before QK^T: with
+            # the scores and the accumulator live, V's registers would spill) and every warp
+            # has waited for QK^T (the barrier of the commit), before the softmax; "p", after
             # P is stored; "end", after P.V. A bf16 V is read by P.V: its copy after it.
             read_first = (k_stage, v_stage) if v_read else (k_stage,)
+            if at_read and v_read:
+                read_v()
             s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, block_kv), jnp.float32))
             if at_read:
                 plgpu.commit_smem()
