@@ -506,9 +506,9 @@ def fp8_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Variant]
 
 def issue_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Variant], bool]]:
     """(shape, batch, variants, with_reference) for ``--suite issue``: each kernel with a KV
-    slot's next copies issued at each point of ``KernelConfig.issue_next`` ("read", the
-    default; "p"; "end", as before), over bf16 pages and fp8 pages (native, 64 and 128 tokens
-    a step), at the decode cells."""
+    slot's next copies issued at each point of ``KernelConfig.issue_next`` ("read", "p",
+    "end": the default), over bf16 pages and fp8 pages (native, 64 and 128 tokens a step), at
+    the decode cells."""
     del sweep  # the suite is its own sweep
     e4m3 = jnp.float8_e4m3fn
     native = mosaic_gpu.KernelConfig(fp8_wgmma=True)
