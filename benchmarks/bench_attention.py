@@ -506,20 +506,21 @@ def fp8_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Variant]
 
 def issue_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Variant], bool]]:
     """(shape, batch, variants, with_reference) for ``--suite issue``: each kernel with a KV
-    slot's next copies issued at each point of ``KernelConfig.issue_next`` ("read", "p",
-    "end": the default), over bf16 pages and fp8 pages (native, 64 and 128 tokens a step), at
-    the decode cells."""
+    slot's next copies issued at the points of ``KernelConfig.issue_next`` ("read", "p",
+    "end": the default), over bf16 pages and fp8 pages (native: 64 and 128 tokens a step, and
+    64 in 4 stages), at the decode cells."""
     del sweep  # the suite is its own sweep
     e4m3 = jnp.float8_e4m3fn
     native = mosaic_gpu.KernelConfig(fp8_wgmma=True)
-    configs = [
-        ("bf16", mosaic_gpu.KernelConfig(), None),
-        ("fp8 native", native, e4m3),
-        ("fp8 native bk128", dataclasses.replace(native, block_kv=128), e4m3),
+    configs = [  # (label, config, cache dtype, the points timed)
+        ("bf16", mosaic_gpu.KernelConfig(), None, ("read", "end")),
+        ("fp8 native", native, e4m3, ("read", "end")),
+        ("fp8 native bk128", dataclasses.replace(native, block_kv=128), e4m3, ("read", "p", "end")),
+        ("fp8 native s4", dataclasses.replace(native, num_stages=4), e4m3, ("read", "end")),
     ]
     variants = []
-    for label, config, kv_dtype in configs[2:] if smoke else configs:
-        for when in mosaic_gpu.ISSUE_NEXT:
+    for label, config, kv_dtype, points in configs[2:3] if smoke else configs:
+        for when in points:
             config = dataclasses.replace(config, issue_next=when)
             variants.append(mosaic(f"{label} {when}", config, smoke, kv_dtype=kv_dtype))
     if smoke:
