@@ -359,6 +359,26 @@ def test_native_matches_the_same_scales_reference(case: Case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper (sm_90+) NVIDIA GPU")
+@pytest.mark.parametrize("when", ["read", "p"])
+@pytest.mark.parametrize(
+    ("name", "block_kv"),
+    [("llama_decode_ragged", 128), ("llama_decode_ragged", 64), ("llama_decode_split4", 64),
+     ("llama_mixed", 128), ("llama_mixed_split3_e5m2", 64), ("gpt_oss_mixed_window_sinks", 64)],
+)  # fmt: skip
+def test_native_copies_issued_earlier_match(name: str, block_kv: int, when: str):
+    """A slot's next copies issued before the softmax ("read": V transposed before QK^T) or
+    after P ("p"), the served decode's 128 tokens a step and the default 64."""
+    case = next(c for c in _gpu_cases() if c.name == name)
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    args, sinks = make_inputs(rng, case), make_sinks(rng, case)
+    call = native_call(case, interpret=False, issue_next=when, block_kv=block_kv)
+    out = _poisoned_run(lambda *a: call(*a, **sinks), args, args[0].shape, args[0].dtype)
+    assert_native_matches(case, out, args, sinks, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper (sm_90+) NVIDIA GPU")
 @pytest.mark.parametrize("config", [dict(block_kv=128), dict(num_stages=4)], ids=str)
 def test_native_other_tiles_match(config: dict):
     case = next(c for c in _gpu_cases() if c.name == "llama_mixed")

@@ -102,8 +102,10 @@ def attention_kwargs(case: Case) -> dict:
     )
 
 
-def kernel_call(case: Case, *, interpret: bool | plgpu.InterpretGPUParams):
-    config = mosaic_gpu.KernelConfig(num_splits=case.num_splits, head_major_kv=case.head_major_kv)
+def kernel_call(case: Case, *, interpret: bool | plgpu.InterpretGPUParams, issue_next: str = "end"):
+    config = mosaic_gpu.KernelConfig(
+        num_splits=case.num_splits, head_major_kv=case.head_major_kv, issue_next=issue_next
+    )
 
     def call(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, **sinks):
         if case.head_major_kv:
@@ -334,6 +336,35 @@ def test_native_matches_reference(case: Case):
     )
     call = kernel_call(case, interpret=False)
     out = _poisoned_run(lambda *a: call(*a, **sinks), args, ref.shape, ref.dtype)
+    assert_matches(case, out, ref, seed)
+
+
+# A slot's next copies issued before the softmax ("read") or after P ("p"): bf16 pages (V's
+# copy after P.V), an fp8 cache converted (V read into its bf16 tile), split and unsplit, a
+# window, head_dim 256 (two column chunks) and pages of 128 tokens.
+ISSUE_CASES = (
+    "llama_decode_ragged",
+    "llama_mixed_split3",
+    "fp8_llama_decode_ragged",
+    "fp8_llama_mixed_split3",
+    "window_softcap_llama",
+    "gemma2_d256_mixed",
+    "g7_d128_page128",
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper (sm_90+) NVIDIA GPU")
+@pytest.mark.parametrize("when", ["read", "p"])
+@pytest.mark.parametrize("name", ISSUE_CASES)
+def test_native_copies_issued_earlier_match_reference(name: str, when: str):
+    case = next(c for c in _gpu_cases() if c.name == name)
+    seed = int(np.random.default_rng().integers(2**31))
+    args = make_inputs(np.random.default_rng(seed), case)
+    kwargs = attention_kwargs(case)
+    ref = jax.jit(lambda *a: reference.ragged_paged_attention(*a, **kwargs))(*args)
+    call = kernel_call(case, interpret=False, issue_next=when)
+    out = _poisoned_run(call, args, ref.shape, ref.dtype)
     assert_matches(case, out, ref, seed)
 
 
