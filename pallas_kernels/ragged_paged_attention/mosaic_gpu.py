@@ -506,7 +506,7 @@ def _attention_kernel(
             acc, m_i, l_i = carry
             block = block_of(i)
             slot = lax.rem(i, stages)
-            # Read the page table for the block issued at the end of this step now, so the
+            # Read the page table for the block this step issues (``issue_next``) now, so the
             # scalar loads overlap this step's math.
             next_block = block_of(i + stages)
             next_pages = lookup_pages(next_block)
