@@ -711,3 +711,26 @@ def test_lora_fold_probe_forms_agree(monkeypatch, capsys) -> None:
     assert row["joined_max_error"] == 0.0  # the zeros off the diagonal add nothing
     assert row["folded_max_error"] <= 0.125  # bf16: the base GEMM's wider output
     assert row["reduced_max_error"] <= 0.125  # float32 sums in another order, then bf16
+
+
+def test_kernel_registers_reads_ptxas_report() -> None:
+    """benchmarks/probes/kernel_registers.py: the last function's registers and spills from
+    ptxas' verbose report (the probe itself needs the CUDA plugin: .venv-deviceless)."""
+    from benchmarks.probes import kernel_registers
+
+    report = (
+        "ptxas info    : Compiling entry function 'ragged_paged_attention' for 'sm_90a'\n"
+        "ptxas info    : Function properties for ragged_paged_attention\n"
+        "    40 bytes stack frame, 36 bytes spill stores, 68 bytes spill loads\n"
+        "ptxas info    : Used 255 registers, used 2 barriers, 1 bytes smem\n"
+    )
+    assert kernel_registers.parse_ptxas(report) == {
+        "registers": 255,
+        "spill_stores": 36,
+        "spill_loads": 68,
+    }
+    assert kernel_registers.parse_ptxas("no ptxas here") is None
+    row = {"kv": "fp8", "block_kv": 128, "issue_next": "read", "page_size": 16}
+    assert "| fp8 | 128 | read | 16 | 255 | 36 | 68 |" in kernel_registers.table(
+        [{**row, **kernel_registers.parse_ptxas(report)}]  # type: ignore[dict-item]
+    )

@@ -1,0 +1,142 @@
+"""Registers and spills of the Mosaic GPU attention kernel, from ptxas, without a GPU.
+
+The kernel runs one warpgroup a program and sits at ptxas' ceiling of 255 registers a thread
+(two programs an SM by registers, as by shared memory): a change to a step's order (a tile
+kept live longer, more page-table entries carried) can push it into spilling to local memory,
+which the interpreter cannot show and a GPU run shows only as time. This compiles the kernel
+for a compile-only H100 / H200 (``benchmarks/deviceless.py``) with Mosaic GPU's ptxas report
+on (``MOSAIC_GPU_DUMP_PTXAS``), each configuration in a process of its own (ptxas writes to the
+process's stderr), and tabulates registers, spill stores and spill loads (bytes a thread):
+
+    .venv-deviceless/bin/python -m benchmarks.probes.kernel_registers \\
+        --kv fp8,bf16 --block-kv 64,128 --issue-next read,p,end --page-size 16,64
+
+A launch of decode shape (64 sequences of one token, Llama-3-8B's 32/8 heads of 128, one KV
+split) stands for every launch: registers depend on the tiles and the path, not the sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+PTXAS_USED = re.compile(r"Used (\d+) registers")
+PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def parse_ptxas(text: str) -> dict[str, int] | None:
+    """``{"registers", "spill_stores", "spill_loads"}`` of the last function ptxas reported in
+    ``text`` (its verbose output), or None when it reported none."""
+    used, spills = PTXAS_USED.findall(text), PTXAS_SPILLS.findall(text)
+    if not used or not spills:
+        return None
+    stores, loads = spills[-1]
+    return {"registers": int(used[-1]), "spill_stores": int(stores), "spill_loads": int(loads)}
+
+
+def compile_kernel(kv: str, block_kv: int, issue_next: str, page_size: int, gpu: str) -> None:
+    """Compile one configuration (in this process: ptxas reports on its stderr)."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import deviceless
+    from pallas_kernels.ragged_paged_attention import mosaic_gpu
+
+    fp8 = kv == "fp8"
+    kv_dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    seqs, pages, context = 64, 4096, 4096
+    with deviceless.as_gpu(gpu) as device:
+        sharding = jax.sharding.SingleDeviceSharding(device)
+
+        def spec(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+        args = (
+            spec((seqs, 32, 128), jnp.bfloat16),
+            spec((pages, page_size, 8, 128), kv_dtype),
+            spec((pages, page_size, 8, 128), kv_dtype),
+            spec((seqs,), jnp.int32),
+            spec((seqs, context // page_size), jnp.int32),
+            spec((seqs + 1,), jnp.int32),
+            spec((1,), jnp.int32),
+        )
+        config = mosaic_gpu.KernelConfig(
+            fp8_wgmma=fp8, block_kv=block_kv, num_splits=1, issue_next=issue_next
+        )
+        scales = dict(k_scale=1.0, v_scale=1.0) if fp8 else {}
+
+        def attention(*a):
+            return mosaic_gpu.ragged_paged_attention(*a, sm_scale=0.1, config=config, **scales)
+
+        jax.jit(attention).lower(*args).compile()
+
+
+def measure(kv: str, block_kv: int, issue_next: str, page_size: int, gpu: str) -> dict:
+    """One configuration's row: compiled in a child process, its ptxas report parsed."""
+    child = [sys.executable, "-m", "benchmarks.probes.kernel_registers", "--child"]
+    child += [kv, str(block_kv), issue_next, str(page_size), gpu]
+    env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
+    done = subprocess.run(child, env=env, capture_output=True, text=True, timeout=600)
+    row = {"kv": kv, "block_kv": block_kv, "issue_next": issue_next, "page_size": page_size}
+    found = parse_ptxas(done.stdout + done.stderr)
+    if found is None:
+        tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
+        return {**row, "error": f"no ptxas report (exit {done.returncode}): {tail}"}
+    return {**row, **found}
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| cache | block_kv | issue_next | page | registers | spill stores | spill loads |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['kv']} | {r['block_kv']} | {r['issue_next']} | "
+                         f"{r['page_size']} | {r['error']} | | |")  # fmt: skip
+            continue
+        lines.append(
+            f"| {r['kv']} | {r['block_kv']} | {r['issue_next']} | {r['page_size']} | "
+            f"{r['registers']} | {r['spill_stores']} | {r['spill_loads']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--child":
+        kv, block_kv, issue_next, page_size, gpu = argv[1:]
+        compile_kernel(kv, int(block_kv), issue_next, int(page_size), gpu)
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kv", default="fp8,bf16", help="cache dtypes: fp8 (native), bf16")
+    parser.add_argument("--block-kv", default="64,128")
+    parser.add_argument("--issue-next", default="read,p,end")
+    parser.add_argument("--page-size", default="16")
+    parser.add_argument("--gpu", default="h200", choices=("h100", "h200"))
+    parser.add_argument("--output-json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    grid = itertools.product(
+        args.kv.split(","),
+        [int(b) for b in args.block_kv.split(",")],
+        args.issue_next.split(","),
+        [int(p) for p in args.page_size.split(",")],
+    )
+    rows = []
+    for kv, block_kv, issue_next, page_size in grid:
+        rows.append(measure(kv, block_kv, issue_next, page_size, args.gpu))
+        print(json.dumps(rows[-1]), flush=True)
+    print(table(rows))
+    if args.output_json is not None:
+        args.output_json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
