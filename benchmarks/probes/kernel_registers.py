@@ -1,4 +1,4 @@
-"""Registers and spills of the Mosaic GPU attention kernel, from ptxas, without a GPU.
+"""Registers and spills of the Mosaic GPU attention kernels, from ptxas, without a GPU.
 
 The kernel runs one warpgroup a program and sits at ptxas' ceiling of 255 registers a thread
 (two programs an SM by registers, as by shared memory): a change to a step's order (a tile
@@ -13,6 +13,10 @@ process's stderr), and tabulates registers, spill stores and spill loads (bytes 
 
 A launch of decode shape (64 sequences of one token, Llama-3-8B's 32/8 heads of 128, one KV
 split) stands for every launch: registers depend on the tiles and the path, not the sizes.
+``--kernel mla`` compiles the latent attention kernel (``pallas_kernels/mla/mosaic_gpu.py``:
+three warpgroups, 232 registers a consumer thread by ``setmaxnreg``) at DeepSeek-V3's decode
+shape (128 heads, latent 512 + rope 64, pages of 64) for each ``--block-kv``; ``--kv`` and
+``--issue-next`` do not apply to it.
 """
 
 from __future__ import annotations
@@ -40,6 +44,39 @@ def parse_ptxas(text: str) -> dict[str, int] | None:
     return {"registers": int(used[-1]), "spill_stores": int(stores), "spill_loads": int(loads)}
 
 
+def compile_mla(block_kv: int, page_size: int, gpu: str) -> None:
+    """Compile the latent attention kernel's decode launch (in this process)."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import deviceless
+    from pallas_kernels.mla import mosaic_gpu
+
+    seqs, pages, context, heads = 64, 4096, 4096, 128
+    with deviceless.as_gpu(gpu) as device:
+        sharding = jax.sharding.SingleDeviceSharding(device)
+
+        def spec(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+        args = (
+            spec((seqs, heads, 512), jnp.bfloat16),
+            spec((seqs, heads, 64), jnp.bfloat16),
+            spec((pages, page_size, 1, 512), jnp.bfloat16),
+            spec((pages, page_size, 1, 64), jnp.bfloat16),
+            spec((seqs,), jnp.int32),
+            spec((seqs, context // page_size), jnp.int32),
+            spec((seqs + 1,), jnp.int32),
+            spec((1,), jnp.int32),
+        )
+        config = mosaic_gpu.MlaMosaicConfig(block_kv=block_kv)
+
+        def attention(*a):
+            return mosaic_gpu.ragged_paged_mla_attention(*a, sm_scale=0.1, config=config)
+
+        jax.jit(attention).lower(*args).compile()
+
+
 def compile_kernel(kv: str, block_kv: int, issue_next: str, page_size: int, gpu: str) -> None:
     """Compile one configuration (in this process: ptxas reports on its stderr)."""
     import jax
@@ -47,6 +84,10 @@ def compile_kernel(kv: str, block_kv: int, issue_next: str, page_size: int, gpu:
 
     from benchmarks import deviceless
     from pallas_kernels.ragged_paged_attention import mosaic_gpu
+
+    if kv == "mla":
+        compile_mla(block_kv, page_size, gpu)
+        return
 
     fp8 = kv == "fp8"
     kv_dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
@@ -115,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         compile_kernel(kv, int(block_kv), issue_next, int(page_size), gpu)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel", default="attention", choices=("attention", "mla"))
     parser.add_argument("--kv", default="fp8,bf16", help="cache dtypes: fp8 (native), bf16")
     parser.add_argument("--block-kv", default="64,128")
     parser.add_argument("--issue-next", default="read,p,end")
@@ -122,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", default="h200", choices=("h100", "h200"))
     parser.add_argument("--output-json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.kernel == "mla":  # its cache and copies are its own: one row per block_kv
+        args.kv, args.issue_next = "mla", "-"
     grid = itertools.product(
         args.kv.split(","),
         [int(b) for b in args.block_kv.split(",")],

@@ -70,6 +70,7 @@ LSE_COLS = 32  # the log-sum-exp is stored 32 times per row: TMA wants 128-byte 
 SMEM_BYTES = 227 * 1024  # shared memory one block may use on H100 / H200
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 LATENTS = (128, 256, 384, 512)  # each consumer's half: whole 64-column tiles, N <= 256
+LATENT_CHUNK = 128  # q_latent . c^T columns a wgmma (``_scores``)
 MAX_ROPE = 256
 HEAD_BLOCKS = (64, 32, 16, 8)  # query heads per program, the largest dividing the head count
 CONSUMERS = 2  # warpgroups that own half of the accumulator each
@@ -335,7 +336,17 @@ def _scores(r: _Refs, st: _Static, t: _Tile, i, *, wait) -> jax.Array:
     plgpu.barrier_wait(r.kv_bar.at[slot])
 
     def scope(acc_ref):
-        plgpu.wgmma(acc_ref, r.ql_s, r.ckv_s.at[slot].transpose((1, 0)))
+        # NOTE: q_latent . c^T in a loop over LATENT_CHUNK columns, not one wgmma over the
+        # latent: unrolled, K = 512 is 32 wgmma instructions whose Q descriptors (loop
+        # invariant) were hoisted out of the KV loop and spilled, 1,092 bytes a consumer thread
+        # stored and 1,220 loaded (ptxas, DeepSeek-V3's shapes; benchmarks/probes/
+        # kernel_registers.py). In the loop: none.
+        def part(k, carry):
+            cols = pl.ds(pl.multiple_of(k * LATENT_CHUNK, LATENT_CHUNK), LATENT_CHUNK)
+            plgpu.wgmma(acc_ref, r.ql_s.at[:, cols], r.ckv_s.at[slot, :, cols].transpose((1, 0)))
+            return carry
+
+        lax.fori_loop(0, r.ql_s.shape[-1] // LATENT_CHUNK, part, None)
         plgpu.wgmma(acc_ref, r.qpe_s, r.kpe_s.at[slot].transpose((1, 0)))
         if wait is not None:
             plgpu.barrier_wait(wait)
