@@ -152,8 +152,11 @@ PREFILL_SWEEP = [
 
 
 # Mosaic GPU: at 512 + 64 only block_kv 64 with 2 stages fits in shared memory, so the splits
-# around the default's (a blocking that does not fit is reported and skipped).
+# around the default's (a blocking that does not fit is reported and skipped), and the scores'
+# product unrolled.
 MOSAIC_SWEEP = [mla_mosaic.MlaMosaicConfig(num_splits=n) for n in (1, 2, 4, 8, 16, 32, 64)]
+# The scores' latent product as one unrolled wgmma (before 327b00d: its descriptors spilled).
+MOSAIC_SWEEP.append(mla_mosaic.MlaMosaicConfig(latent_chunk=512))
 
 
 def label(config) -> str:

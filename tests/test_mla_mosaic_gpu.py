@@ -64,8 +64,11 @@ CPU_CASES = [
     # of 8 and 1 tokens, masked causally), a decode at 12.
     Case("mixed_split2_page64", (1, 9, 1), (330, 25, 12), num_heads=8, rope_dim=16,
          page_size=64, num_pad_tokens=2, config=MlaMosaicConfig(num_splits=2)),
-    # Latent 256: the scores' loop over the latent in two chunks of 128 (_scores), 2 steps.
+    # Latent 256: the scores' loop over the latent in two chunks of 128 (_scores), 2 steps;
+    # and as one unrolled wgmma (latent_chunk 256, the form before).
     Case("decode_latent256", (1, 1), (70, 130), num_heads=8, latent=256, rope_dim=16),
+    Case("decode_latent256_unrolled", (1, 1), (70, 130), num_heads=8, latent=256, rope_dim=16,
+         config=MlaMosaicConfig(latent_chunk=256)),
 ]  # fmt: skip
 
 

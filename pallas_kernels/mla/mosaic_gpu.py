@@ -70,7 +70,6 @@ LSE_COLS = 32  # the log-sum-exp is stored 32 times per row: TMA wants 128-byte 
 SMEM_BYTES = 227 * 1024  # shared memory one block may use on H100 / H200
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 LATENTS = (128, 256, 384, 512)  # each consumer's half: whole 64-column tiles, N <= 256
-LATENT_CHUNK = 128  # q_latent . c^T columns a wgmma (``_scores``)
 MAX_ROPE = 256
 HEAD_BLOCKS = (64, 32, 16, 8)  # query heads per program, the largest dividing the head count
 CONSUMERS = 2  # warpgroups that own half of the accumulator each
@@ -87,10 +86,15 @@ class MlaMosaicConfig:
     block_kv: int = 64  # cached tokens a step (a P tile and each consumer's K of P c)
     num_stages: int = 2  # KV steps in flight in the ring
     num_splits: int | None = None  # of each tile's KV range
+    # Latent columns a score wgmma, looped over (``_scores``); the latent's width (512): one
+    # wgmma, unrolled, as before (its descriptors spilled), to time both.
+    latent_chunk: int = 128
 
     def __post_init__(self):
         if self.block_kv not in (64, 128):
             raise ValueError(f"block_kv={self.block_kv} must be 64 or 128")
+        if self.latent_chunk % 64 or self.latent_chunk < 64:
+            raise ValueError(f"latent_chunk={self.latent_chunk} must be a multiple of 64")
         if not 2 <= self.num_stages <= 8:
             raise ValueError(f"num_stages={self.num_stages} must be in [2, 8]")
         if self.num_splits is not None and self.num_splits < 1:
@@ -181,6 +185,7 @@ class _Static(NamedTuple):
     num_pages: int
     sm_scale: float
     interpret: bool  # P c as a scoped product added to the accumulator (no run_state there)
+    latent_chunk: int  # latent columns a score wgmma (MlaMosaicConfig.latent_chunk)
 
 
 class _Refs(NamedTuple):
@@ -336,17 +341,22 @@ def _scores(r: _Refs, st: _Static, t: _Tile, i, *, wait) -> jax.Array:
     plgpu.barrier_wait(r.kv_bar.at[slot])
 
     def scope(acc_ref):
-        # NOTE: q_latent . c^T in a loop over LATENT_CHUNK columns, not one wgmma over the
+        # NOTE: q_latent . c^T in a loop of ``latent_chunk`` columns, not one wgmma over the
         # latent: unrolled, K = 512 is 32 wgmma instructions whose Q descriptors (loop
         # invariant) were hoisted out of the KV loop and spilled, 1,092 bytes a consumer thread
         # stored and 1,220 loaded (ptxas, DeepSeek-V3's shapes; benchmarks/probes/
         # kernel_registers.py). In the loop: none.
+        chunk = min(st.latent_chunk, r.ql_s.shape[-1])
+
         def part(k, carry):
-            cols = pl.ds(pl.multiple_of(k * LATENT_CHUNK, LATENT_CHUNK), LATENT_CHUNK)
+            cols = pl.ds(pl.multiple_of(k * chunk, chunk), chunk)
             plgpu.wgmma(acc_ref, r.ql_s.at[:, cols], r.ckv_s.at[slot, :, cols].transpose((1, 0)))
             return carry
 
-        lax.fori_loop(0, r.ql_s.shape[-1] // LATENT_CHUNK, part, None)
+        if chunk == r.ql_s.shape[-1]:  # one wgmma over the latent (the unrolled form)
+            plgpu.wgmma(acc_ref, r.ql_s, r.ckv_s.at[slot].transpose((1, 0)))
+        else:
+            lax.fori_loop(0, r.ql_s.shape[-1] // chunk, part, None)
         plgpu.wgmma(acc_ref, r.qpe_s, r.kpe_s.at[slot].transpose((1, 0)))
         if wait is not None:
             plgpu.barrier_wait(wait)
@@ -554,6 +564,7 @@ def _static_for(launch: _Launch, config: MlaMosaicConfig, ckv_pages, sm_scale, i
         num_pages=num_pages,
         sm_scale=float(sm_scale),
         interpret=interpret,
+        latent_chunk=config.latent_chunk,
     )
 
 
