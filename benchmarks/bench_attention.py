@@ -507,27 +507,38 @@ def fp8_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Variant]
 def issue_plan(smoke: bool, sweep: bool) -> list[tuple[Shape, Batch, list[Variant], bool]]:
     """(shape, batch, variants, with_reference) for ``--suite issue``: each kernel with a KV
     slot's next copies issued at the points of ``KernelConfig.issue_next`` ("read", "p",
-    "end": the default), over bf16 pages and fp8 pages (native: 64 and 128 tokens a step, and
-    64 in 4 stages), at the decode cells."""
+    "end": the default) and with ``lean_registers`` (P.V in place; "lean"), over bf16 pages
+    and fp8 pages (native: 64 and 128 tokens a step), at Llama-3-8B's decode cells; bf16 at
+    Gemma-2-9B's head_dim 256 (whose default spilled: ``probes/kernel_registers.py``)."""
     del sweep  # the suite is its own sweep
     e4m3 = jnp.float8_e4m3fn
-    native = mosaic_gpu.KernelConfig(fp8_wgmma=True)
-    configs = [  # (label, config, cache dtype, the points timed)
-        ("bf16", mosaic_gpu.KernelConfig(), None, ("read", "end")),
-        ("fp8 native", native, e4m3, ("read", "end")),
-        ("fp8 native bk128", dataclasses.replace(native, block_kv=128), e4m3, ("read", "p", "end")),
-        ("fp8 native s4", dataclasses.replace(native, num_stages=4), e4m3, ("read", "end")),
+    base, native = mosaic_gpu.KernelConfig(), mosaic_gpu.KernelConfig(fp8_wgmma=True)
+    bk128 = dataclasses.replace(native, block_kv=128)
+    points = [("read", False), ("end", True), ("read", True)]  # beside the default ("end")
+    configs = [  # (label, config, cache dtype, the points timed beside the default)
+        ("bf16", base, None, points),
+        ("fp8 native", native, e4m3, points),
+        ("fp8 native bk128", bk128, e4m3, [*points, ("p", False), ("p", True)]),
     ]
-    variants = []
-    for label, config, kv_dtype, points in configs[2:3] if smoke else configs:
-        for when in points:
-            config = dataclasses.replace(config, issue_next=when)
-            variants.append(mosaic(f"{label} {when}", config, smoke, kv_dtype=kv_dtype))
-    if smoke:
+
+    def variants_of(label, config, kv_dtype, timed) -> list[Variant]:
+        out = [mosaic(f"{label} end", config, smoke, kv_dtype=kv_dtype)]
+        for when, lean in timed:
+            changed = dataclasses.replace(config, issue_next=when, lean_registers=lean)
+            name = f"{label} {when}{' lean' if lean else ''}"
+            out.append(mosaic(name, changed, smoke, kv_dtype=kv_dtype))
+        return out
+
+    if smoke:  # the orders in interpret mode (lean_registers runs natively only)
         shape = Shape(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
-        return [(shape, decode_batch(1, 300), variants, False)]
-    batches = [decode_batch(b, c) for c in (1024, 4096) for b in (1, 64, 256)]
-    return [(LLAMA_3_8B, batch, variants, False) for batch in batches]
+        timed = [("read", False), ("p", False)]
+        return [(shape, decode_batch(1, 300), variants_of(*configs[2][:3], timed), False)]
+    llama = [v for c in configs for v in variants_of(*c)]
+    cells = [decode_batch(1, 4096), decode_batch(64, 4096), decode_batch(256, 1024)]
+    plan = [(LLAMA_3_8B, batch, llama, False) for batch in cells]
+    gemma = variants_of("bf16", base, None, points)
+    plan += [(GEMMA_2_9B, decode_batch(64, 4096), gemma, False)]
+    return plan
 
 
 QWEN3_0_6B = Shape(num_q_heads=16, num_kv_heads=8, head_dim=128)

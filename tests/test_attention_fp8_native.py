@@ -215,6 +215,7 @@ def on_hopper(monkeypatch):
     monkeypatch.delenv("JAXSERVE_ATTENTION", raising=False)
     monkeypatch.delenv(dispatch.FP8_ATTENTION_ENV, raising=False)
     monkeypatch.delenv(mosaic_gpu.ISSUE_NEXT_ENV, raising=False)
+    monkeypatch.delenv(mosaic_gpu.LEAN_REGISTERS_ENV, raising=False)
     configs = []
 
     def record(q, *args, config=mosaic_gpu.KernelConfig(), **kwargs):
@@ -259,6 +260,16 @@ def test_the_switch_sets_when_a_slots_next_copies_are_issued(on_hopper, monkeypa
         dispatch.ragged_paged_attention(q, k, v, *rest, sm_scale=0.1)
     with pytest.raises(ValueError, match="issue_next='later' must be one of read, p, end"):
         mosaic_gpu.KernelConfig(issue_next="later")
+
+
+@pytest.mark.parametrize(("env", "want"), [(None, False), ("on", True), ("OFF", False)])
+def test_the_switch_sets_the_lean_register_forms(on_hopper, monkeypatch, env, want):
+    if env is not None:
+        monkeypatch.setenv(mosaic_gpu.LEAN_REGISTERS_ENV, env)
+    case = dataclasses.replace(LLAMA_LOWERING[0], q_lens=(1, 1), kv_lens=(40, 3), kv_dtype=None)
+    q, k, v, *rest = make_inputs(np.random.default_rng(0), case)
+    dispatch.ragged_paged_attention(q, k.astype(E4M3), v.astype(E4M3), *rest, sm_scale=0.1)
+    assert [config.lean_registers for config in on_hopper] == [want]
 
 
 @pytest.mark.parametrize("when", ["read", "p"])
@@ -359,20 +370,24 @@ def test_native_matches_the_same_scales_reference(case: Case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper (sm_90+) NVIDIA GPU")
-@pytest.mark.parametrize("when", ["read", "p"])
+@pytest.mark.parametrize(("when", "lean"), [("read", False), ("p", False), ("end", True),
+                                            ("read", True)])  # fmt: skip
 @pytest.mark.parametrize(
     ("name", "block_kv"),
     [("llama_decode_ragged", 128), ("llama_decode_ragged", 64), ("llama_decode_split4", 64),
      ("llama_mixed", 128), ("llama_mixed_split3_e5m2", 64), ("gpt_oss_mixed_window_sinks", 64)],
 )  # fmt: skip
-def test_native_copies_issued_earlier_match(name: str, block_kv: int, when: str):
+def test_native_copies_issued_earlier_match(name: str, block_kv: int, when: str, lean: bool):
     """A slot's next copies issued before the softmax ("read": V transposed before QK^T) or
-    after P ("p"), the served decode's 128 tokens a step and the default 64."""
+    after P ("p"), and P.V in place (``lean_registers``), the served decode's 128 tokens a
+    step and the default 64."""
     case = next(c for c in _gpu_cases() if c.name == name)
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
     args, sinks = make_inputs(rng, case), make_sinks(rng, case)
-    call = native_call(case, interpret=False, issue_next=when, block_kv=block_kv)
+    call = native_call(
+        case, interpret=False, issue_next=when, block_kv=block_kv, lean_registers=lean
+    )
     out = _poisoned_run(lambda *a: call(*a, **sinks), args, args[0].shape, args[0].dtype)
     assert_native_matches(case, out, args, sinks, seed)
 

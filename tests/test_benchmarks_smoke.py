@@ -271,7 +271,7 @@ def test_bench_attention_issue_suite_times_each_order(tmp_path, monkeypatch, cap
         run_script("benchmarks.bench_attention", args, monkeypatch)
     assert done.value.code == 0
     rows = json.loads(out.read_text())["rows"]
-    labels = [f"fp8 native bk128 {when}" for when in ("read", "p", "end")]
+    labels = [f"fp8 native bk128 {when}" for when in ("end", "read", "p")]
     assert [r["kernel"] for r in rows] == labels
     assert rows[1]["rel_err"] == rows[2]["rel_err"] == 0.0
 
@@ -730,7 +730,8 @@ def test_kernel_registers_reads_ptxas_report() -> None:
         "spill_loads": 68,
     }
     assert kernel_registers.parse_ptxas("no ptxas here") is None
-    row = {"kv": "fp8", "block_kv": 128, "issue_next": "read", "page_size": 16}
-    assert "| fp8 | 128 | read | 16 | 255 | 36 | 68 |" in kernel_registers.table(
+    row = {"kv": "fp8", "head_dim": 128, "block_kv": 128, "issue_next": "read", "lean": False}
+    row["page_size"] = 16
+    assert "| fp8 | 128 | 128 | read | no | 16 | 255 | 36 | 68 |" in kernel_registers.table(
         [{**row, **kernel_registers.parse_ptxas(report)}]  # type: ignore[dict-item]
     )

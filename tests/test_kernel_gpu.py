@@ -102,9 +102,18 @@ def attention_kwargs(case: Case) -> dict:
     )
 
 
-def kernel_call(case: Case, *, interpret: bool | plgpu.InterpretGPUParams, issue_next: str = "end"):
+def kernel_call(
+    case: Case,
+    *,
+    interpret: bool | plgpu.InterpretGPUParams,
+    issue_next: str = "end",
+    lean_registers: bool = False,
+):
     config = mosaic_gpu.KernelConfig(
-        num_splits=case.num_splits, head_major_kv=case.head_major_kv, issue_next=issue_next
+        num_splits=case.num_splits,
+        head_major_kv=case.head_major_kv,
+        issue_next=issue_next,
+        lean_registers=lean_registers,
     )
 
     def call(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, **sinks):
@@ -177,6 +186,21 @@ def test_lowers_for_cuda(head_dim: int, dtype: str, num_splits: int):
     args = make_inputs(np.random.default_rng(0), case)
     lowered = jax.jit(kernel_call(case, interpret=False)).trace(*args)
     text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "kv_dtype", "num_splits"),
+    [(128, None, 1), (256, None, 2), (128, jnp.float8_e4m3fn, 1)],
+)  # fmt: skip
+def test_lean_register_forms_lower_for_cuda(head_dim: int, kv_dtype, num_splits: int):
+    """``lean_registers`` (P.V in place through run_state, which the interpreter lacks; QK^T
+    looped at head_dim 256) goes through the full lowering for CUDA; the gpu tests run it."""
+    case = Case("lower", (1, 9), (200, 40), 4, 2, head_dim, num_splits=num_splits,
+                kv_dtype=kv_dtype)  # fmt: skip
+    args = make_inputs(np.random.default_rng(0), case)
+    call = kernel_call(case, interpret=False, lean_registers=True)
+    text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 
@@ -343,6 +367,7 @@ def test_native_matches_reference(case: Case):
 # copy after P.V), an fp8 cache converted (V read into its bf16 tile), split and unsplit, a
 # window, head_dim 256 (two column chunks) and pages of 128 tokens.
 ISSUE_CASES = (
+    "gemma2_d256_decode_split",
     "llama_decode_ragged",
     "llama_mixed_split3",
     "fp8_llama_decode_ragged",
@@ -355,15 +380,18 @@ ISSUE_CASES = (
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper (sm_90+) NVIDIA GPU")
-@pytest.mark.parametrize("when", ["read", "p"])
+@pytest.mark.parametrize(("when", "lean"), [("read", False), ("p", False), ("end", True),
+                                            ("read", True)])  # fmt: skip
 @pytest.mark.parametrize("name", ISSUE_CASES)
-def test_native_copies_issued_earlier_match_reference(name: str, when: str):
+def test_native_copies_issued_earlier_match_reference(name: str, when: str, lean: bool):
+    """Each order of a slot's copies, and the lean register forms (P.V in place, QK^T looped
+    at head_dim 256), natively: the interpreter has no run_state."""
     case = next(c for c in _gpu_cases() if c.name == name)
     seed = int(np.random.default_rng().integers(2**31))
     args = make_inputs(np.random.default_rng(seed), case)
     kwargs = attention_kwargs(case)
     ref = jax.jit(lambda *a: reference.ragged_paged_attention(*a, **kwargs))(*args)
-    call = kernel_call(case, interpret=False, issue_next=when)
+    call = kernel_call(case, interpret=False, issue_next=when, lean_registers=lean)
     out = _poisoned_run(call, args, ref.shape, ref.dtype)
     assert_matches(case, out, ref, seed)
 

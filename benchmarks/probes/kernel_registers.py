@@ -9,7 +9,7 @@ on (``MOSAIC_GPU_DUMP_PTXAS``), each configuration in a process of its own (ptxa
 process's stderr), and tabulates registers, spill stores and spill loads (bytes a thread):
 
     .venv-deviceless/bin/python -m benchmarks.probes.kernel_registers \\
-        --kv fp8,bf16 --block-kv 64,128 --issue-next read,p,end --page-size 16,64
+        --kv fp8,bf16 --block-kv 64,128 --issue-next read,p,end --lean no,yes --page-size 16,64
 
 A launch of decode shape (64 sequences of one token, Llama-3-8B's 32/8 heads of 128, one KV
 split) stands for every launch: registers depend on the tiles and the path, not the sizes.
@@ -77,7 +77,9 @@ def compile_mla(block_kv: int, page_size: int, gpu: str) -> None:
         jax.jit(attention).lower(*args).compile()
 
 
-def compile_kernel(kv: str, block_kv: int, issue_next: str, page_size: int, gpu: str) -> None:
+def compile_kernel(
+    kv: str, block_kv: int, issue_next: str, page_size: int, gpu: str, head_dim: int, lean: bool
+) -> None:
     """Compile one configuration (in this process: ptxas reports on its stderr)."""
     import jax
     import jax.numpy as jnp
@@ -85,13 +87,10 @@ def compile_kernel(kv: str, block_kv: int, issue_next: str, page_size: int, gpu:
     from benchmarks import deviceless
     from pallas_kernels.ragged_paged_attention import mosaic_gpu
 
-    if kv == "mla":
-        compile_mla(block_kv, page_size, gpu)
-        return
-
     fp8 = kv == "fp8"
     kv_dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
     seqs, pages, context = 64, 4096, 4096
+    heads = 32 if head_dim <= 128 else 16  # (Gemma-2-9B's 16 of 256 over 8)
     with deviceless.as_gpu(gpu) as device:
         sharding = jax.sharding.SingleDeviceSharding(device)
 
@@ -99,16 +98,20 @@ def compile_kernel(kv: str, block_kv: int, issue_next: str, page_size: int, gpu:
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
         args = (
-            spec((seqs, 32, 128), jnp.bfloat16),
-            spec((pages, page_size, 8, 128), kv_dtype),
-            spec((pages, page_size, 8, 128), kv_dtype),
+            spec((seqs, heads, head_dim), jnp.bfloat16),
+            spec((pages, page_size, 8, head_dim), kv_dtype),
+            spec((pages, page_size, 8, head_dim), kv_dtype),
             spec((seqs,), jnp.int32),
             spec((seqs, context // page_size), jnp.int32),
             spec((seqs + 1,), jnp.int32),
             spec((1,), jnp.int32),
         )
         config = mosaic_gpu.KernelConfig(
-            fp8_wgmma=fp8, block_kv=block_kv, num_splits=1, issue_next=issue_next
+            fp8_wgmma=fp8,
+            block_kv=block_kv,
+            num_splits=1,
+            issue_next=issue_next,
+            lean_registers=lean,
         )
         scales = dict(k_scale=1.0, v_scale=1.0) if fp8 else {}
 
@@ -118,63 +121,74 @@ def compile_kernel(kv: str, block_kv: int, issue_next: str, page_size: int, gpu:
         jax.jit(attention).lower(*args).compile()
 
 
-def measure(kv: str, block_kv: int, issue_next: str, page_size: int, gpu: str) -> dict:
-    """One configuration's row: compiled in a child process, its ptxas report parsed."""
+def measure(config: dict, gpu: str) -> dict:
+    """One configuration's row (``config``: kv, block_kv, issue_next, page_size, head_dim,
+    lean): compiled in a child process, its ptxas report parsed."""
     child = [sys.executable, "-m", "benchmarks.probes.kernel_registers", "--child"]
-    child += [kv, str(block_kv), issue_next, str(page_size), gpu]
+    child += [json.dumps(config), gpu]
     env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
     done = subprocess.run(child, env=env, capture_output=True, text=True, timeout=600)
-    row = {"kv": kv, "block_kv": block_kv, "issue_next": issue_next, "page_size": page_size}
     found = parse_ptxas(done.stdout + done.stderr)
     if found is None:
         tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
-        return {**row, "error": f"no ptxas report (exit {done.returncode}): {tail}"}
-    return {**row, **found}
+        return {**config, "error": f"no ptxas report (exit {done.returncode}): {tail}"}
+    return {**config, **found}
 
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| cache | block_kv | issue_next | page | registers | spill stores | spill loads |",
-        "|---|---:|---|---:|---:|---:|---:|",
+        "| cache | head_dim | block_kv | issue_next | lean | page | registers | spill stores "
+        "| spill loads |",
+        "|---|---:|---:|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['kv']} | {r['block_kv']} | {r['issue_next']} | "
-                         f"{r['page_size']} | {r['error']} | | |")  # fmt: skip
-            continue
-        lines.append(
-            f"| {r['kv']} | {r['block_kv']} | {r['issue_next']} | {r['page_size']} | "
-            f"{r['registers']} | {r['spill_stores']} | {r['spill_loads']} |"
+        head = (
+            f"| {r['kv']} | {r['head_dim']} | {r['block_kv']} | {r['issue_next']} | "
+            f"{'yes' if r['lean'] else 'no'} | {r['page_size']} |"
         )
+        if "error" in r:
+            lines.append(f"{head} {r['error']} | | |")
+        else:
+            lines.append(f"{head} {r['registers']} | {r['spill_stores']} | {r['spill_loads']} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
-        kv, block_kv, issue_next, page_size, gpu = argv[1:]
-        compile_kernel(kv, int(block_kv), issue_next, int(page_size), gpu)
+        config, gpu = json.loads(argv[1]), argv[2]
+        if config["kv"] == "mla":
+            compile_mla(config["block_kv"], config["page_size"], gpu)
+        else:
+            compile_kernel(**{k: v for k, v in config.items() if k != "lean"}, gpu=gpu,
+                           lean=config["lean"])  # fmt: skip
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernel", default="attention", choices=("attention", "mla"))
     parser.add_argument("--kv", default="fp8,bf16", help="cache dtypes: fp8 (native), bf16")
+    parser.add_argument("--head-dim", default="128", help="128 (Llama's 32/8 heads), 256 (16/8)")
     parser.add_argument("--block-kv", default="64,128")
     parser.add_argument("--issue-next", default="read,p,end")
+    parser.add_argument("--lean", default="no", help="KernelConfig.lean_registers: no,yes")
     parser.add_argument("--page-size", default="16")
     parser.add_argument("--gpu", default="h200", choices=("h100", "h200"))
     parser.add_argument("--output-json", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.kernel == "mla":  # its cache and copies are its own: one row per block_kv
-        args.kv, args.issue_next = "mla", "-"
+        args.kv, args.head_dim, args.issue_next, args.lean = "mla", "512", "-", "no"
     grid = itertools.product(
         args.kv.split(","),
+        [int(h) for h in args.head_dim.split(",")],
         [int(b) for b in args.block_kv.split(",")],
         args.issue_next.split(","),
+        [lean == "yes" for lean in args.lean.split(",")],
         [int(p) for p in args.page_size.split(",")],
     )
     rows = []
-    for kv, block_kv, issue_next, page_size in grid:
-        rows.append(measure(kv, block_kv, issue_next, page_size, args.gpu))
+    for kv, head_dim, block_kv, issue_next, lean, page_size in grid:
+        config = dict(kv=kv, head_dim=head_dim, block_kv=block_kv, issue_next=issue_next,
+                      lean=lean, page_size=page_size)  # fmt: skip
+        rows.append(measure(config, args.gpu))
         print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
     if args.output_json is not None:

@@ -222,6 +222,7 @@ def ragged_paged_attention(
             fp8_wgmma=native,
             block_kv=mosaic_gpu.native_block_kv(q, k_pages, page_indices, wide),
             issue_next=mosaic_gpu.issue_next(),
+            lean_registers=mosaic_gpu.lean_registers(),
         )
         if config != mosaic_gpu.KernelConfig():  # the default config calls the kernel as before
             options.update(config=config)

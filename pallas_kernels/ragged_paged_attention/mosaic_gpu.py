@@ -107,6 +107,7 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 # (CUDA_ERROR_MISALIGNED_ADDRESS, 2026-12-03); the Triton kernel takes head_dim 80.
 HEAD_DIMS = (64, 96, 128, 256)
 ISSUE_NEXT = ("read", "p", "end")  # ``KernelConfig.issue_next``
+QK_CHUNK = 64  # head_dim columns a QK^T wgmma past one column chunk (head_dim 256)
 
 
 def swizzle_for(head_dim: int, itemsize: int) -> int:
@@ -166,6 +167,13 @@ class KernelConfig:
     # ``bench_attention --suite issue``); the interpreter checks their results, not the order
     # of the async copies against the reads.
     issue_next: str = "end"
+    # Fewer registers a thread (``benchmarks/probes/kernel_registers.py``): P.V adds into the
+    # accumulator in place (``run_state``) rather than into a second one added after it, and
+    # at head_dim 256 QK^T loops over 64-column wgmmas rather than unrolling its 16 (their
+    # hoisted descriptors spilled). Head_dim 256 bf16: 1,024 bytes spilled a thread -> 28
+    # (0 with issue_next "read"). NOTE: off until the GPU tests run it (the interpreter has
+    # no run_state: interpret mode keeps the scoped product either way).
+    lean_registers: bool = False
 
     def __post_init__(self):
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -262,6 +270,16 @@ ISSUE_NEXT_ENV = "JAXSERVE_ATTENTION_ISSUE_NEXT"
 def issue_next() -> str:
     """When served launches issue a KV slot's next copies (``KernelConfig.issue_next``)."""
     return env_choice(ISSUE_NEXT_ENV, ISSUE_NEXT, KernelConfig.issue_next)
+
+
+# ``KernelConfig.lean_registers`` for served steps: on or off (the default, until measured).
+LEAN_REGISTERS_ENV = "JAXSERVE_ATTENTION_LEAN_REGISTERS"
+
+
+def lean_registers() -> bool:
+    """Whether served launches take the leaner register forms (``KernelConfig``)."""
+    default = "on" if KernelConfig.lean_registers else "off"
+    return env_choice(LEAN_REGISTERS_ENV, ("on", "off"), default) == "on"
 
 
 def native_block_kv(q, k_pages, page_indices, native: bool = True) -> int:
@@ -390,6 +408,7 @@ def _attention_kernel(
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    interpreted: bool = False,
 ):
     # Shared memory reused across phases: KV stages and P live in the loop, Q arrives untiled
     # before it, the output leaves after it.
@@ -529,7 +548,21 @@ def _attention_kernel(
                     v_deq[...] = v_smem[slot].astype(jnp.float32).astype(v_deq.dtype)
 
             def qk_scope(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
+                if num_cols == 1 or not cfg.lean_registers:
+                    plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
+                    return acc_ref[...]
+
+                # Over head_dim 256 a loop of 64-column wgmmas (``lean_registers``): unrolled,
+                # its loop-invariant Q descriptors were hoisted out of the KV loop and spilled.
+                width = QK_CHUNK
+
+                def part(c, carry):
+                    chunk = pl.ds(pl.multiple_of(c * width, width), width)
+                    k_part = k_tile.at[:, chunk].transpose((1, 0))
+                    plgpu.wgmma(acc_ref, q_smem.at[:, chunk], k_part)
+                    return carry
+
+                lax.fori_loop(0, q_smem.shape[-1] // width, part, None)
                 return acc_ref[...]
 
             def issue_copies(copied):
@@ -573,20 +606,26 @@ def _attention_kernel(
             if cfg.issue_next == "p":
                 issue_copies(read_first)
 
-            def pv_scope(acc_ref, c):  # (an fp8 cache has one column chunk: v_tile is whole)
+            def pv(a, c):  # acc chunk c rescaled, plus P V's columns of it
                 v = v_tile if num_cols == 1 else v_smem.at[slot, :, cols[c]]
-                plgpu.wgmma(acc_ref, p_smem, v)
-                return acc_ref[...]
+                rescaled = a * lax.broadcast_in_dim(alpha, a.shape, [0])
+                if interpreted or not cfg.lean_registers:  # a scoped product added after
+
+                    def scoped(acc_ref):
+                        plgpu.wgmma(acc_ref, p_smem, v)
+                        return acc_ref[...]
+
+                    return rescaled + pl.run_scoped(scoped, plgpu.ACC(a.shape, jnp.float32))
+
+                def product(acc_ref):  # (the interpreter has no run_state)
+                    plgpu.wgmma(acc_ref, p_smem, v)
+
+                return pl.run_state(product)(plgpu.ACC.init(rescaled))
 
             # NOTE: the accumulator is kept in column chunks of at most 128 and PV is computed a
-            # chunk at a time, so at head_dim 256 only half of a second f32 [64, D] array is live.
-            acc = tuple(
-                a * lax.broadcast_in_dim(alpha, a.shape, [0])
-                + pl.run_scoped(
-                    functools.partial(pv_scope, c=c), plgpu.ACC((ROWS, col_width), jnp.float32)
-                )
-                for c, a in enumerate(acc)
-            )
+            # chunk at a time (in place with ``lean_registers``: a product into a second
+            # accumulator holds another [64, 128] f32 live, 64 registers a thread).
+            acc = tuple(pv(a, c) for c, a in enumerate(acc))
             if cfg.issue_next == "end" or not v_read:
                 issue_copies((k_stage, v_stage) if cfg.issue_next == "end" else (v_stage,))
             return acc, m_new, l_i
@@ -700,6 +739,7 @@ def ragged_paged_attention(
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        interpreted=bool(interpret),
     )
     outs = plgpu.kernel(
         body if is_split else _with_no_lse(body),
