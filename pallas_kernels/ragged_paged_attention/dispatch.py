@@ -216,14 +216,7 @@ def ragged_paged_attention(
         from pallas_kernels.ragged_paged_attention import mosaic_gpu
 
         native = is_quantized(k_pages.dtype) and requested_fp8_attention() == "native"
-        wide = native and not batch_invariant
-        config = mosaic_gpu.KernelConfig(
-            num_splits=1 if batch_invariant else None,
-            fp8_wgmma=native,
-            block_kv=mosaic_gpu.native_block_kv(q, k_pages, page_indices, wide),
-            issue_next=mosaic_gpu.issue_next(),
-            lean_registers=mosaic_gpu.lean_registers(),
-        )
+        config = mosaic_gpu.served_config(q, k_pages, page_indices, native, batch_invariant)
         if config != mosaic_gpu.KernelConfig():  # the default config calls the kernel as before
             options.update(config=config)
         return mosaic_gpu.ragged_paged_attention(*args, **options)

@@ -301,6 +301,22 @@ def native_block_kv(q, k_pages, page_indices, native: bool = True) -> int:
     return wide if num_tokens <= NATIVE_WIDE_MAX_TOKENS and splits == 1 else KernelConfig.block_kv
 
 
+def served_config(
+    q, k_pages, page_indices, native: bool, batch_invariant: bool = False
+) -> KernelConfig:
+    """The config of a served launch: one KV split in batch-invariant mode, fp8 wgmmas over
+    an fp8 cache (``native``) at ``native_block_kv``'s tokens a step, and the switches
+    ``JAXSERVE_ATTENTION_ISSUE_NEXT`` and ``JAXSERVE_ATTENTION_LEAN_REGISTERS``."""
+    wide = native and not batch_invariant
+    return KernelConfig(
+        num_splits=1 if batch_invariant else None,
+        fp8_wgmma=native,
+        block_kv=native_block_kv(q, k_pages, page_indices, wide),
+        issue_next=issue_next(),
+        lean_registers=lean_registers(),
+    )
+
+
 def plan_tiles(
     cu_q_lens: jax.Array,  # i32[S + 1]
     kv_lens: jax.Array,  # i32[S]
@@ -753,14 +769,10 @@ def ragged_paged_attention(
     )(plan, page_indices.astype(jnp.int32), q, k_pages, v_pages, scales)
     if not is_split:
         return outs[0]
+    parts, lse = outs
+    live = plan[5, 0]
     return merge_splits(
-        outs[0],
-        outs[1],
-        cu_q_lens,
-        num_seqs,
-        out_dtype=q.dtype,
-        sinks=sinks,
-        live_splits=plan[5, 0],
+        parts, lse, cu_q_lens, num_seqs, out_dtype=q.dtype, sinks=sinks, live_splits=live
     )
 
 
