@@ -149,6 +149,14 @@
 #                16 (the bucket's fullest), contexts 256, 1,024 and 4,096, bf16, with
 #                JAXSERVE_ATTENTION_SPLITS=bucket (every row live: 2 splits) and live (the default:
 #                planned for 4 live rows, 8 splits) side by side -> $OUT/splits_{bucket,live}.*
+#   issue        the attention kernel's KernelConfig.issue_next (a KV slot's next copies before
+#                the softmax or after P, not after P.V) and lean_registers (P.V in place, QK^T
+#                looped at head_dim 256; spills at 256 in benchmarks/probes/kernel_registers.py):
+#                their GPU tests (pytest -m gpu -k issued_earlier), bench_attention --suite issue
+#                (Llama-3-8B decode cells, bf16 and fp8; Gemma-2-9B b=64 x 4,096), then the fp8
+#                decode step (64 and 480 x 1,536) with JAXSERVE_ATTENTION_ISSUE_NEXT /
+#                _LEAN_REGISTERS at end/off (served), p/on and read/on -> $OUT/issue.*,
+#                issue_step_*.* (about 6 minutes)
 #   w8a8         the W8A8 dot's output (#36): the high-load run's main step (decode 480 x 1,536,
 #                fp8 weights and fp8 KV) with JAXSERVE_W8A8_DOT_DTYPE=float32 (the dot before)
 #                and auto (the activations' bf16) side by side, the second traced
@@ -749,6 +757,23 @@ stage_highload() {  # the 1000 x 1000/1000 run with its step log: where the time
       > "$OUT/${run}_kernels.txt" 2>&1
     head -26 "$OUT/${run}_kernels.txt"
     find "$OUT/${run}_profile" -name "*.xplane.pb" -delete
+  done
+}
+
+stage_issue() {  # the attention's issue orders and lean registers: GPU tests, kernels, the step
+  timeout 200 python3 -m pytest -q -m gpu -k issued_earlier tests/test_kernel_gpu.py \
+    tests/test_attention_fp8_native.py > "$OUT/issue_tests.log" 2>&1
+  echo "-- GPU tests: $(tail -1 "$OUT/issue_tests.log")"
+  python3 -m benchmarks.bench_attention --suite issue --slots 256 --reps 5 \
+    --out "$OUT/issue.json" > "$OUT/issue.log" 2>&1
+  grep -E "^\| (32/8|16/8)" "$OUT/issue.log" | cut -d'|' -f3,4,5,8,10
+  local form
+  for form in end/off p/on read/on; do
+    JAXSERVE_ATTENTION_ISSUE_NEXT=${form%/*} JAXSERVE_ATTENTION_LEAN_REGISTERS=${form#*/} \
+      python3 -m benchmarks.decode_roofline --iters 10 --batches 64,480 --contexts 1536 \
+      --quantization fp8 --kv-cache-dtype fp8 --output-json "$OUT/issue_step_${form/\//_}.json" \
+      > "$OUT/issue_step_${form/\//_}.log" 2>&1
+    echo "-- step, issue_next/lean ${form}: $(grep '^row' "$OUT/issue_step_${form/\//_}.log" | tr '\n' ' ')"
   done
 }
 
