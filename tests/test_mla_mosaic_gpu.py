@@ -178,6 +178,12 @@ def test_shared_memory_and_shapes_are_checked() -> None:
     assert "multiples of 8" in (mosaic_gpu.unsupported_reason(heads12, *args[1:4]) or "")
     with pytest.raises(ValueError, match="block_kv=32 must be 64 or 128"):
         MlaMosaicConfig(block_kv=32)
+    # The scores' loop takes whole chunks of the latent: 512 in 192s would drop 128 columns.
+    reason = mosaic_gpu.unsupported_reason(*args[:4], MlaMosaicConfig(latent_chunk=192))
+    assert reason == "latent_chunk=192 does not divide kv_lora_rank=512"
+    assert mosaic_gpu.unsupported_reason(*args[:4], MlaMosaicConfig(latent_chunk=1024)) is None
+    with pytest.raises(ValueError, match="latent_chunk=96 must be a multiple of 64"):
+        MlaMosaicConfig(latent_chunk=96)
 
 
 def test_dispatch_takes_the_mosaic_kernel_only_when_asked(monkeypatch) -> None:

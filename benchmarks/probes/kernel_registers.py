@@ -29,6 +29,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 PTXAS_USED = re.compile(r"Used (\d+) registers")
 PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -44,81 +45,71 @@ def parse_ptxas(text: str) -> dict[str, int] | None:
     return {"registers": int(used[-1]), "spill_stores": int(stores), "spill_loads": int(loads)}
 
 
-def compile_mla(block_kv: int, page_size: int, gpu: str) -> None:
-    """Compile the latent attention kernel's decode launch (in this process)."""
+def compile_deviceless(gpu: str, kernel: Any, shapes: list[tuple[tuple[int, ...], Any]]) -> None:
+    """``kernel`` jitted and compiled for a compile-only ``gpu`` on arguments of ``shapes``
+    ((shape, dtype) each), in this process: ptxas reports on its stderr."""
     import jax
-    import jax.numpy as jnp
 
     from benchmarks import deviceless
-    from pallas_kernels.mla import mosaic_gpu
 
-    seqs, pages, context, heads = 64, 4096, 4096, 128
     with deviceless.as_gpu(gpu) as device:
         sharding = jax.sharding.SingleDeviceSharding(device)
+        args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in shapes]
+        jax.jit(kernel).lower(*args).compile()
 
-        def spec(shape, dtype):
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-        args = (
-            spec((seqs, heads, 512), jnp.bfloat16),
-            spec((seqs, heads, 64), jnp.bfloat16),
-            spec((pages, page_size, 1, 512), jnp.bfloat16),
-            spec((pages, page_size, 1, 64), jnp.bfloat16),
-            spec((seqs,), jnp.int32),
-            spec((seqs, context // page_size), jnp.int32),
-            spec((seqs + 1,), jnp.int32),
-            spec((1,), jnp.int32),
-        )
-        config = mosaic_gpu.MlaMosaicConfig(block_kv=block_kv)
+def page_operands(seqs: int, context: int, page_size: int) -> list[tuple[tuple[int, ...], Any]]:
+    """A decode launch's kv_lens, page table, cu_q_lens and num_seqs: (shape, dtype) each."""
+    import jax.numpy as jnp
 
-        def attention(*a):
-            return mosaic_gpu.ragged_paged_mla_attention(*a, sm_scale=0.1, config=config)
+    shapes = [(seqs,), (seqs, context // page_size), (seqs + 1,), (1,)]
+    return [(shape, jnp.int32) for shape in shapes]
 
-        jax.jit(attention).lower(*args).compile()
+
+def compile_mla(block_kv: int, page_size: int, gpu: str) -> None:
+    """The latent attention kernel's decode launch at DeepSeek-V3's shapes."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.mla import mosaic_gpu
+
+    seqs, pages, heads, bf16 = 64, 4096, 128, jnp.bfloat16
+    config = mosaic_gpu.MlaMosaicConfig(block_kv=block_kv)
+
+    def attention(*a):
+        return mosaic_gpu.ragged_paged_mla_attention(*a, sm_scale=0.1, config=config)
+
+    shapes = [((seqs, heads, 512), bf16), ((seqs, heads, 64), bf16)]
+    shapes += [((pages, page_size, 1, 512), bf16), ((pages, page_size, 1, 64), bf16)]
+    compile_deviceless(gpu, attention, shapes + page_operands(seqs, 4096, page_size))
 
 
 def compile_kernel(
     kv: str, block_kv: int, issue_next: str, page_size: int, gpu: str, head_dim: int, lean: bool
 ) -> None:
-    """Compile one configuration (in this process: ptxas reports on its stderr)."""
-    import jax
+    """One configuration of the attention kernel's decode launch."""
     import jax.numpy as jnp
 
-    from benchmarks import deviceless
     from pallas_kernels.ragged_paged_attention import mosaic_gpu
 
     fp8 = kv == "fp8"
     kv_dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
-    seqs, pages, context = 64, 4096, 4096
+    seqs, pages = 64, 4096
     heads = 32 if head_dim <= 128 else 16  # (Gemma-2-9B's 16 of 256 over 8)
-    with deviceless.as_gpu(gpu) as device:
-        sharding = jax.sharding.SingleDeviceSharding(device)
+    config = mosaic_gpu.KernelConfig(
+        fp8_wgmma=fp8,
+        block_kv=block_kv,
+        num_splits=1,
+        issue_next=issue_next,
+        lean_registers=lean,
+    )
+    scales = dict(k_scale=1.0, v_scale=1.0) if fp8 else {}
 
-        def spec(shape, dtype):
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    def attention(*a):
+        return mosaic_gpu.ragged_paged_attention(*a, sm_scale=0.1, config=config, **scales)
 
-        args = (
-            spec((seqs, heads, head_dim), jnp.bfloat16),
-            spec((pages, page_size, 8, head_dim), kv_dtype),
-            spec((pages, page_size, 8, head_dim), kv_dtype),
-            spec((seqs,), jnp.int32),
-            spec((seqs, context // page_size), jnp.int32),
-            spec((seqs + 1,), jnp.int32),
-            spec((1,), jnp.int32),
-        )
-        config = mosaic_gpu.KernelConfig(
-            fp8_wgmma=fp8,
-            block_kv=block_kv,
-            num_splits=1,
-            issue_next=issue_next,
-            lean_registers=lean,
-        )
-        scales = dict(k_scale=1.0, v_scale=1.0) if fp8 else {}
-
-        def attention(*a):
-            return mosaic_gpu.ragged_paged_attention(*a, sm_scale=0.1, config=config, **scales)
-
-        jax.jit(attention).lower(*args).compile()
+    cache = ((pages, page_size, 8, head_dim), kv_dtype)
+    shapes = [((seqs, heads, head_dim), jnp.bfloat16), cache, cache]
+    compile_deviceless(gpu, attention, shapes + page_operands(seqs, 4096, page_size))
 
 
 def measure(config: dict, gpu: str) -> dict:

@@ -139,6 +139,8 @@ def unsupported_reason(
         return f"page_size={page_size}: the Mosaic GPU kernel takes powers of two >= 8"
     if ckv_pages.shape[2] != 1 or kpe_pages.shape[2] != 1:
         return f"latent pages {ckv_pages.shape}: one KV head expected"
+    if latent % min(config.latent_chunk, latent):  # the score loop's chunks tile the latent
+        return f"latent_chunk={config.latent_chunk} does not divide kv_lora_rank={latent}"
     smem = smem_bytes(
         latent, rope_dim, q_dtype.itemsize, config.block_kv, config.num_stages, is_split=True
     )
