@@ -10,6 +10,11 @@
 #                without and with attention sinks, Mosaic GPU and Triton beside the XLA reference
 #                (bench_attention.py --suite sinks; the sink cases of the kernel stage alone:
 #                pytest -m gpu -k sinks)
+#   fp8start     issue 36 item 5 end to end: cold launches (dummy Llama-3-8B, empty compilation
+#                cache) to the end of the background compile, bf16, then fp8 weights + fp8 KV
+#                under each of $FP8_START_SETS (default "default autotune0": the XLA option sets of
+#                JAXSERVE_FP8_XLA_OPTIONS) -> seconds to the first token and to every bucket,
+#                $OUT/fp8start_<mode>.log (target: fp8 at most 1.2x bf16; about 3 cold starts)
 #   compile      compile time of one small and one large step bucket (benchmarks/probes/compile_time.py)
 #   fp8compile   the 16- and 2,048-token steps in bf16 and fp8, each compiled under XLA's default
 #                options, autotune level 0, cuBLAS GEMMs and both: compile s and step ms
@@ -268,6 +273,28 @@ stage_sinks() {
     > "$OUT/attention_sinks.log" 2>&1
   sed -n '/ | jax /,$p' "$OUT/attention_sinks.log"
   grep -E "Error|error" "$OUT/attention_sinks.log" | head -5
+}
+
+stage_fp8start() {  # issue 36 item 5: cold launches to every bucket, bf16 and fp8 per option set
+  local mode log
+  for mode in bf16 ${FP8_START_SETS:-default autotune0}; do
+    log="$OUT/fp8start_$mode.log"
+    rm -rf "$JAXSERVE_COMPILATION_CACHE"
+    if [ "$mode" = bf16 ]; then
+      start_server "$log" $MODEL --load-format dummy $SHAPES
+    else
+      JAXSERVE_FP8_XLA_OPTIONS=$mode start_server "$log" $MODEL --load-format dummy $SHAPES \
+        --quantization fp8 --kv-cache-dtype fp8
+    fi
+    local first=$(awk "BEGIN {printf \"%.1f\", $(date +%s.%N) - $t0}")
+    until grep -q -E "Compiled every bucket|tokens failed" "$log"; do
+      sleep 0.5
+      kill -0 $pid 2>/dev/null || break
+    done
+    echo "-- $mode: healthy at $first s, every bucket at $(awk "BEGIN {printf \"%.1f\", $(date +%s.%N) - $t0}") s"
+    grep -E "fp8 programs' compile|Compiled every|failed" "$log" | cut -c1-150
+    stop_server
+  done
 }
 
 stage_fp8compile() {  # issue 36 item 5: bf16 and fp8 steps' compile time under XLA's options

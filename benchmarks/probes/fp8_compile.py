@@ -7,10 +7,12 @@ XLA options, and times each compiled step on a padding batch of its bucket (the 
 size: what the options change):
 
   default            XLA's options (the autotuner picks each GEMM by timing),
-  autotune 0         ``xla_gpu_autotune_level=0`` (each GEMM by the shape's heuristic),
-  cuBLAS             ``xla_gpu_enable_triton_gemm=False`` (no Triton GEMMs to autotune),
-  cuBLAS, autotune 0 both.
+  autotune0          ``xla_gpu_autotune_level=0`` (each GEMM by the shape's heuristic),
+  cublas             ``xla_gpu_enable_triton_gemm=False`` (no Triton GEMMs to autotune),
+  cublas-autotune0   both.
 
+These are the sets ``$JAXSERVE_FP8_XLA_OPTIONS`` gives the served fp8 programs
+(``jaxserve/runner/programs.py``: ``FP8_XLA_OPTION_SETS``).
 The option set whose compile is short and whose step is no slower is the one the fp8 programs
 should take. Each row also says what the compiled step's GEMMs are (its custom calls by
 target: cuBLAS(Lt) and its fp8 form, ``gemms``) and how many of its instructions transpose or
@@ -40,15 +42,11 @@ from benchmarks.common import ROOT
 from jaxserve.config import builtin_config_dir
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.families.registry import load_model_config
+from jaxserve.runner.programs import FP8_XLA_OPTION_SETS
 from jaxserve.runner.runner import ModelRunner
 from jaxserve.runner.step_programs import pack_step
 
-OPTION_SETS: dict[str, dict[str, Any]] = {
-    "default": {},
-    "autotune 0": {"xla_gpu_autotune_level": 0},
-    "cuBLAS": {"xla_gpu_enable_triton_gemm": False},
-    "cuBLAS, autotune 0": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0},
-}
+OPTION_SETS = FP8_XLA_OPTION_SETS
 
 
 def step_ms(runner: ModelRunner, compiled: Any, bucket: int, repeats: int) -> float:

@@ -35,6 +35,7 @@ from jaxserve.models.quant_scheme import (
     resolve_scheme,
 )
 from jaxserve.runner.capacity import kv_heads_per_device
+from jaxserve.runner.programs import describe_fp8_compile
 from pallas_kernels.fp8_matmul import dispatch as fp8_dispatch
 from pallas_kernels.grouped_matmul.dispatch import GROUPED_MATMUL_NAMES, choose_grouped_matmul
 from pallas_kernels.lora import dispatch as lora_dispatch
@@ -304,12 +305,18 @@ def startup_lines(
         describe_attention(model_config, dtype, config.block_size, tp, kv_dtype),
         skinny_dispatch.describe(),
         *([fp8_dispatch.describe()] if _per_channel_fp8(quant) else []),
+        *([describe_fp8_compile()] if _fp8_on_gpu(quant) else []),
         describe_samplers(config),
         *([experts] if experts else []),
         *([describe_batch_invariance()] if config.batch_invariant else []),
         *([lora_dispatch.describe(config.max_loras)] if config.enable_lora else []),
     ]
     return lines + ([quant.describe()] if quant is not None else [])
+
+
+def _fp8_on_gpu(quant: QuantScheme | None) -> bool:
+    """fp8 weights on a GPU: their programs compile under ``describe_fp8_compile``'s options."""
+    return quant is not None and quant.weight_format == "fp8" and jax.default_backend() == "gpu"
 
 
 def _per_channel_fp8(quant: QuantScheme | None) -> bool:

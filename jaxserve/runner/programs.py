@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any
 
 import jax
@@ -98,6 +99,7 @@ def jitted_model_step(
     lora_shardings: Any = None,
     aux_layers: tuple[int, ...] | None = None,
     whole_prompts: decoder.WholePromptAttention | None = None,
+    fp8_weights: bool = False,
 ) -> Any:
     """``model_step`` jitted, the KV cache donated (updated in place); ``tp``: the runner's
     ``TensorParallel``, whose attention, experts and shardings it takes; ``batch_invariant``:
@@ -106,7 +108,8 @@ def jitted_model_step(
     the adapter stacks' ``LoraWeights`` of shardings): the step takes the stacks as a sixth
     positional argument (jit takes no keyword argument beside ``in_shardings``).
     ``whole_prompts``: a pooling runner's attention over whole prompts, in place of the paged
-    cache's (``pooling_attention.py``)."""
+    cache's (``pooling_attention.py``). ``fp8_weights``: its GEMMs read fp8 weights, compiled
+    under ``compiler_options``' set for them."""
     step = functools.partial(
         model_step,
         config=model_config,
@@ -130,7 +133,7 @@ def jitted_model_step(
         step,
         static_argnums=(4,),
         donate_argnames=("kv_cache",),
-        compiler_options=invariant_compiler_options(batch_invariant),
+        compiler_options=compiler_options(batch_invariant, fp8_weights),
         **shardings,
     )
 
@@ -179,6 +182,54 @@ def invariant_compiler_options(batch_invariant: bool) -> dict[str, Any]:
     if batch_invariant and jax.default_backend() == "gpu":
         return dict(INVARIANT_GPU_OPTIONS)
     return {}
+
+
+# XLA's options for the programs of fp8 weights on a GPU (issue 36, item 5: an fp8 cold start
+# took 146-168 s on the H200 against 77 s in bf16). Compiled without a GPU (a deviceless H200,
+# 2026-12-07), the fp8 steps of 16 and 2,048 tokens took 2-3.5 s longer than bf16's, in 10-20
+# s each: the rest of the device's minute is XLA's autotuner timing each GEMM's candidates.
+# These sets skip it (``benchmarks/probes/fp8_compile.py`` times each compile and the step it
+# gives); which one the fp8 programs take is chosen by the probe's run on the H200, and until
+# then it is the autotuner's ("default").
+FP8_XLA_OPTIONS_ENV = "JAXSERVE_FP8_XLA_OPTIONS"
+FP8_XLA_OPTION_SETS: dict[str, dict[str, Any]] = {
+    "default": {},  # the autotuner times each GEMM's candidates
+    "autotune0": {"xla_gpu_autotune_level": 0},  # each GEMM by its shape's heuristic
+    "cublas": {"xla_gpu_enable_triton_gemm": False},  # no Triton GEMMs to time
+    "cublas-autotune0": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0},
+}
+FP8_XLA_OPTIONS_DEFAULT = "default"
+
+
+def fp8_xla_options_name() -> str:
+    """The option set the fp8 programs take (``$JAXSERVE_FP8_XLA_OPTIONS``); a ValueError
+    names the variable and the sets when it names none of them."""
+    name = os.environ.get(FP8_XLA_OPTIONS_ENV, "").strip() or FP8_XLA_OPTIONS_DEFAULT
+    if name not in FP8_XLA_OPTION_SETS:
+        raise ValueError(
+            f"{FP8_XLA_OPTIONS_ENV}={name!r} must be one of {', '.join(FP8_XLA_OPTION_SETS)}"
+        )
+    return name
+
+
+def compiler_options(batch_invariant: bool, fp8_weights: bool = False) -> dict[str, Any]:
+    """XLA's options for a program with GEMMs: batch-invariant mode's, else, for fp8 weights
+    on a GPU, the set ``$JAXSERVE_FP8_XLA_OPTIONS`` names; none otherwise."""
+    if batch_invariant or not fp8_weights or jax.default_backend() != "gpu":
+        return invariant_compiler_options(batch_invariant)
+    return dict(FP8_XLA_OPTION_SETS[fp8_xla_options_name()])
+
+
+def describe_fp8_compile() -> str:
+    """The start-up log line of the fp8 programs' XLA options."""
+    name = fp8_xla_options_name()
+    what = {
+        "default": "XLA's autotuner times each GEMM's candidates",
+        "autotune0": "each GEMM by its shape's heuristic, untimed",
+        "cublas": "cuBLAS for every GEMM, no Triton GEMMs to time",
+        "cublas-autotune0": "cuBLAS for every GEMM, by the heuristic, untimed",
+    }[name]
+    return f"fp8 programs' compile: {what} ({FP8_XLA_OPTIONS_ENV}={name})"
 
 
 def invariant_row_tile(batch_invariant: bool) -> int | None:

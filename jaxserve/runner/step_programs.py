@@ -155,6 +155,7 @@ class StepPrograms:
         pooling: bool = False,  # a pooling runner's programs: model step and pooling only
         lora: LoraSlots | None = None,  # the adapter slots (--enable-lora), read at each step
         whole_prompts: WholePromptAttention | None = None,  # a pooling step's, without cache
+        fp8_weights: bool = False,  # the step's GEMMs read fp8 weights (its XLA options)
     ) -> None:
         self.model_config = model_config
         self.kinds = POOLING_PROGRAMS if pooling else PROGRAMS
@@ -167,14 +168,12 @@ class StepPrograms:
         # LoRA under tensor parallelism: the stacks go in positionally, with their shardings.
         self.lora_positional = tp is not None and lora is not None
         lora_shardings = lora.shardings if self.lora_positional and lora is not None else None
-        self._step_args = (model_config, kv_scales, tp, batch_invariant, lora_shardings)
+        self._step_args = (model_config, kv_scales, tp, batch_invariant)
+        self._step_kwargs: dict[str, Any] = dict(
+            lora_shardings=lora_shardings, fp8_weights=fp8_weights
+        )
         self.step_fn = jitted_model_step(
-            model_config,
-            kv_scales,
-            tp,
-            batch_invariant,
-            lora_shardings=lora_shardings,
-            whole_prompts=whole_prompts,
+            *self._step_args, **self._step_kwargs, whole_prompts=whole_prompts
         )
         self.logits_fn, self.sample_fn, self.prompt_lp_fn = jitted_head_programs(
             model_config, buckets.max_seq_bucket, tp, batch_invariant
@@ -203,16 +202,10 @@ class StepPrograms:
     def return_aux_states(self, aux_layers: tuple[int, ...]) -> None:
         """From now on the model step also returns the states entering ``aux_layers``
         (``Forward.aux``: an EAGLE-3 drafter reads them); before warm-up compiles."""
-        model_config, kv_scales, tp, batch_invariant, lora_shardings = self._step_args
         if self.compiled_steps:
             raise RuntimeError("return_aux_states after the model steps compiled")
         self.step_fn = jitted_model_step(
-            model_config,
-            kv_scales,
-            tp,
-            batch_invariant,
-            lora_shardings=lora_shardings,
-            aux_layers=tuple(aux_layers),
+            *self._step_args, **self._step_kwargs, aux_layers=tuple(aux_layers)
         )
 
     def set_weights(self, weights: Any) -> None:

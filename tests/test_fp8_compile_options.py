@@ -1,0 +1,104 @@
+"""The fp8 programs' XLA options (issue 36, item 5): ``$JAXSERVE_FP8_XLA_OPTIONS`` names one of
+``FP8_XLA_OPTION_SETS`` (the autotuner's default, untimed GEMMs, cuBLAS, or both), the model step
+of fp8 weights compiles under it on a GPU, every other program and backend keeps its own, a
+name outside the sets is an error naming the variable, and the start-up log says which runs."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+import jaxserve
+from jaxserve import SamplingParams
+from jaxserve.runner import programs
+from jaxserve.runner.programs import (
+    FP8_XLA_OPTION_SETS,
+    FP8_XLA_OPTIONS_ENV,
+    INVARIANT_GPU_OPTIONS,
+    compiler_options,
+    describe_fp8_compile,
+)
+from tests.conftest import fixture_dir
+
+
+@pytest.fixture
+def on_a_gpu(monkeypatch):
+    """The options' choice as a GPU backend makes it (nothing compiles here)."""
+    monkeypatch.setattr(programs.jax, "default_backend", lambda: "gpu")
+
+
+def test_the_default_is_the_autotuners(monkeypatch, on_a_gpu) -> None:
+    monkeypatch.delenv(FP8_XLA_OPTIONS_ENV, raising=False)
+    assert compiler_options(False, fp8_weights=True) == {}
+    assert describe_fp8_compile() == (
+        "fp8 programs' compile: XLA's autotuner times each GEMM's candidates "
+        "(JAXSERVE_FP8_XLA_OPTIONS=default)"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(FP8_XLA_OPTION_SETS))
+def test_each_set_reaches_fp8_programs_on_a_gpu_only(monkeypatch, on_a_gpu, name) -> None:
+    monkeypatch.setenv(FP8_XLA_OPTIONS_ENV, name)
+    assert compiler_options(False, fp8_weights=True) == FP8_XLA_OPTION_SETS[name]
+    assert compiler_options(False, fp8_weights=False) == {}  # bf16 programs keep XLA's own
+    assert compiler_options(True, fp8_weights=True) == INVARIANT_GPU_OPTIONS  # the mode's own
+    assert f"({FP8_XLA_OPTIONS_ENV}={name})" in describe_fp8_compile()
+
+
+def test_off_the_gpu_no_option_is_set(monkeypatch) -> None:
+    monkeypatch.setenv(FP8_XLA_OPTIONS_ENV, "cublas-autotune0")
+    assert jax.default_backend() == "cpu"
+    assert compiler_options(False, fp8_weights=True) == {}
+
+
+def test_an_unknown_set_names_the_variable_and_the_sets(monkeypatch, on_a_gpu) -> None:
+    monkeypatch.setenv(FP8_XLA_OPTIONS_ENV, "fast")
+    with pytest.raises(ValueError, match=r"JAXSERVE_FP8_XLA_OPTIONS='fast' must be one of "):
+        compiler_options(False, fp8_weights=True)
+
+
+def test_the_probe_times_the_served_sets() -> None:
+    from benchmarks.probes.fp8_compile import OPTION_SETS
+
+    assert OPTION_SETS is FP8_XLA_OPTION_SETS
+
+
+def test_an_fp8_engines_model_step_is_jitted_with_them(monkeypatch) -> None:
+    """``--quantization fp8``: the model step's jit asks for the fp8 options (CPU options stand
+    in for the GPU's, which the CPU compiler refuses), every step compiles and runs under them,
+    and a bf16 engine asks for none."""
+    asked = []
+
+    def cpu_options(batch_invariant: bool, fp8_weights: bool = False) -> dict:
+        asked.append(fp8_weights)
+        return {"xla_cpu_enable_fast_math": False} if fp8_weights else {}
+
+    monkeypatch.setattr(programs, "compiler_options", cpu_options)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    for quantization in (None, "fp8"):
+        llm = jaxserve.LLM(
+            str(fixture_dir("llama")),
+            quantization=quantization,
+            max_model_len=64,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            num_gpu_blocks_override=32,
+            warmup=False,
+        )
+        out = llm.generate({"prompt_token_ids": list(range(5, 25))}, params, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+        llm.shutdown()
+    assert asked == [False, True]
+
+
+def test_the_start_up_log_names_the_set_for_fp8_weights_on_a_gpu(monkeypatch) -> None:
+    from jaxserve.runner import devices
+
+    fp8 = devices.QuantScheme(method="fp8", weight_format="fp8")
+    monkeypatch.setenv(FP8_XLA_OPTIONS_ENV, "autotune0")
+    monkeypatch.setattr(devices.jax, "default_backend", lambda: "gpu")
+    assert devices._fp8_on_gpu(fp8) and not devices._fp8_on_gpu(None)
+    int8 = devices.QuantScheme(method="int8", weight_format="int8")
+    assert not devices._fp8_on_gpu(int8)
+    monkeypatch.setattr(devices.jax, "default_backend", lambda: "cpu")
+    assert not devices._fp8_on_gpu(fp8)  # the CPU compiles fp8 programs under no option set
