@@ -27,12 +27,14 @@ def on_a_gpu(monkeypatch):
     monkeypatch.setattr(programs.jax, "default_backend", lambda: "gpu")
 
 
-def test_the_default_is_the_autotuners(monkeypatch, on_a_gpu) -> None:
+def test_the_default_is_untimed_gemms(monkeypatch, on_a_gpu) -> None:
+    """Measured on an H100: the 2,048-token fp8 step compiles 5x faster at autotune level 0
+    and runs no slower (docs/quantization.md)."""
     monkeypatch.delenv(FP8_XLA_OPTIONS_ENV, raising=False)
-    assert compiler_options(False, fp8_weights=True) == {}
+    assert compiler_options(False, fp8_weights=True) == {"xla_gpu_autotune_level": 0}
     assert describe_fp8_compile() == (
-        "fp8 programs' compile: XLA's autotuner times each GEMM's candidates "
-        "(JAXSERVE_FP8_XLA_OPTIONS=default)"
+        "fp8 programs' compile: each GEMM by its shape's heuristic, untimed "
+        "(JAXSERVE_FP8_XLA_OPTIONS=autotune0)"
     )
 
 

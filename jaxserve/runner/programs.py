@@ -186,11 +186,14 @@ def invariant_compiler_options(batch_invariant: bool) -> dict[str, Any]:
 
 # XLA's options for the programs of fp8 weights on a GPU (issue 36, item 5: an fp8 cold start
 # took 146-168 s on the H200 against 77 s in bf16). Compiled without a GPU (a deviceless H200,
-# 2026-12-07), the fp8 steps of 16 and 2,048 tokens took 2-3.5 s longer than bf16's, in 10-20
-# s each: the rest of the device's minute is XLA's autotuner timing each GEMM's candidates.
-# These sets skip it (``benchmarks/probes/fp8_compile.py`` times each compile and the step it
-# gives); which one the fp8 programs take is chosen by the probe's run on the H200, and until
-# then it is the autotuner's ("default").
+# 2026-12-07), the fp8 steps of 16 and 2,048 tokens took 2-3.5 s longer than bf16's: the rest
+# was XLA's autotuner timing each GEMM's candidates. Measured on an H100 the same day
+# (benchmarks/probes/fp8_compile.py; benchmarks/reports/2026-12-07-session-fifteen): the
+# 2,048-token fp8 step compiled in 40.9 s autotuned against 7.7 s untimed (autotune level 0),
+# and ran in 30.96 against 30.49 ms; the 16-token step 16.1 against 11.6 s, 4.96 against 4.62
+# ms (the autotuner's timer warned of its own accuracy). cuBLAS for every GEMM made the
+# 16-token step 3.4x slower. A cold launch to every bucket: bf16 89.2 s, fp8 untimed 107.3 s,
+# fp8 autotuned cut off past 170 s. So the fp8 programs take "autotune0".
 FP8_XLA_OPTIONS_ENV = "JAXSERVE_FP8_XLA_OPTIONS"
 FP8_XLA_OPTION_SETS: dict[str, dict[str, Any]] = {
     "default": {},  # the autotuner times each GEMM's candidates
@@ -198,7 +201,7 @@ FP8_XLA_OPTION_SETS: dict[str, dict[str, Any]] = {
     "cublas": {"xla_gpu_enable_triton_gemm": False},  # no Triton GEMMs to time
     "cublas-autotune0": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0},
 }
-FP8_XLA_OPTIONS_DEFAULT = "default"
+FP8_XLA_OPTIONS_DEFAULT = "autotune0"
 
 
 def fp8_xla_options_name() -> str:
