@@ -104,3 +104,49 @@ def test_the_start_up_log_names_the_set_for_fp8_weights_on_a_gpu(monkeypatch) ->
     assert not devices._fp8_on_gpu(int8)
     monkeypatch.setattr(devices.jax, "default_backend", lambda: "cpu")
     assert not devices._fp8_on_gpu(fp8)  # the CPU compiles fp8 programs under no option set
+
+
+def test_holds_fp8_finds_fp8_arrays_at_any_depth() -> None:
+    from jaxserve.runner.programs import holds_fp8
+
+    plain = {"w": jax.numpy.zeros((2, 2), jax.numpy.bfloat16), "n": None}
+    assert not holds_fp8(plain) and not holds_fp8(None)
+    assert holds_fp8({**plain, "deep": [(jax.numpy.zeros(2, jax.numpy.float8_e4m3fn),)]})
+    assert holds_fp8([jax.numpy.zeros(2, jax.numpy.float8_e5m2)])
+
+
+def test_an_fp8_eagle3_heads_chain_is_jitted_with_them(monkeypatch) -> None:
+    """``speculative_config`` quantization fp8: the drafter's chain asks for the fp8 options
+    (CPU options stand in for the GPU's) and drafts under them; an unquantized head asks for
+    none."""
+    from pathlib import Path
+
+    from jaxserve.engine_config import default_model_dir
+    from jaxserve.runner import drafting
+
+    asked = []
+
+    def cpu_options(batch_invariant: bool, fp8_weights: bool = False) -> dict:
+        asked.append(fp8_weights)
+        return {"xla_cpu_enable_fast_math": False} if fp8_weights else {}
+
+    monkeypatch.setattr(drafting, "compiler_options", cpu_options)
+    head = Path(__file__).parent / "fixtures" / "spec" / "eagle3"
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for quantization in (None, "fp8"):
+        spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2}
+        llm = jaxserve.LLM(
+            str(default_model_dir()),
+            speculative_config={**spec, "quantization": quantization},
+            max_model_len=128,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            num_gpu_blocks_override=64,
+            dtype="float32",
+            warmup=False,
+        )
+        out = llm.generate({"prompt_token_ids": list(range(5, 25))}, params, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 6
+        assert llm.engine.spec_stats.num_draft_tokens > 0  # the chain ran
+        llm.shutdown()
+    assert asked == [False, True]

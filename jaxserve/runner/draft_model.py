@@ -167,7 +167,7 @@ class DraftModelProposer(PagedDrafter):
             attention_fn=step_attention(tp),  # one lowering for every layer and step
             experts_fn=None if tp is None else tp.experts_fn,
         )
-        self._chain = self.jit_chain(chain, self.kv)
+        self._chain = self.jit_chain(chain, self.kv, self.weights)
 
     def arrays(self) -> Any:
         return self.weights, self.kv

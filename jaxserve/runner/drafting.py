@@ -50,6 +50,7 @@ from jaxserve.models.quant_scheme import QuantScheme
 from jaxserve.runner.buckets import MIN_TOKEN_BUCKET, Buckets
 from jaxserve.runner.packing import Layout, pack, unpack
 from jaxserve.runner.parallel.sharding import TensorParallel, prepare_tp
+from jaxserve.runner.programs import compiler_options, holds_fp8
 from jaxserve.runner.step import DeviceDrafts
 from jaxserve.runner.warmup import check_program_memory
 from jaxserve.units import cdiv
@@ -349,12 +350,16 @@ class PagedDrafter:
         buffer, layout = pack(inputs)
         return PackedInputs(self.put(buffer), layout)
 
-    def jit_chain(self, chain: Callable[..., Any], pages: Any) -> jax.stages.Wrapped:
+    def jit_chain(
+        self, chain: Callable[..., Any], pages: Any, weights: Any = None
+    ) -> jax.stages.Wrapped:
         """``chain``: (weights, pages, inputs..., states...) -> (pages, i32[S, k] drafts),
         jitted to take its inputs packed: (weights, pages, buffer, states..., layout=) with
         the buffer's ``"chain"`` entry as the inputs (``put_packed``). The pages are donated;
         under TP they keep the shardings of ``pages`` (the drafter's cache) and the drafts
-        come back replicated."""
+        come back replicated. fp8 ``weights`` compile under the fp8 programs' XLA options
+        (``programs.compiler_options``), as the target's model step does."""
+        options = compiler_options(False, fp8_weights=holds_fp8(weights))
 
         def drafting_chain(
             weights: Any, pages: Any, buffer: jax.Array, *rest: Any, layout: Layout
@@ -362,13 +367,19 @@ class PagedDrafter:
             return chain(weights, pages, *unpack(buffer, layout)["chain"], *rest)
 
         if self.tp is None:
-            return jax.jit(drafting_chain, donate_argnums=(1,), static_argnames=("layout",))
+            return jax.jit(
+                drafting_chain,
+                donate_argnums=(1,),
+                static_argnames=("layout",),
+                compiler_options=options,
+            )
         shardings = jax.tree.map(lambda page: page.sharding, pages)
         return jax.jit(
             drafting_chain,
             donate_argnums=(1,),
             static_argnames=("layout",),
             out_shardings=(shardings, self.tp.replicated),
+            compiler_options=options,
         )
 
     def device_bytes(self, target_weights: Any = None) -> int:

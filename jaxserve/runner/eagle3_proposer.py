@@ -389,7 +389,7 @@ class Eagle3Proposer(TargetStatesDrafter):
             pad_slot=self.pad_slot,
             attention_fn=step_attention(tp),  # one lowering for every layer and step
         )
-        self._chain = self.jit_chain(chain, self.draft_kv)
+        self._chain = self.jit_chain(chain, self.draft_kv, self.draft_weights)
 
     def describe(self) -> str:
         size = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.draft_weights))

@@ -223,6 +223,12 @@ def compiler_options(batch_invariant: bool, fp8_weights: bool = False) -> dict[s
     return dict(FP8_XLA_OPTION_SETS[fp8_xla_options_name()])
 
 
+def holds_fp8(tree: Any) -> bool:
+    """Whether any array of ``tree`` (a drafter's weights) is fp8: its GEMMs read fp8 weights."""
+    fp8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+    return any(getattr(leaf, "dtype", None) in fp8 for leaf in jax.tree.leaves(tree))
+
+
 def describe_fp8_compile() -> str:
     """The start-up log line of the fp8 programs' XLA options."""
     name = fp8_xla_options_name()
