@@ -649,6 +649,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--only", default="", help="comma-separated case names to run")
     parser.add_argument(
+        "--head-dims", default="", help="comma-separated head sizes to run (default: every case's)"
+    )
+    parser.add_argument(
         "--slots",
         type=int,
         default=None,
@@ -682,6 +685,8 @@ def main(argv=None) -> int:
     plan = plan_for(args.smoke, args.sweep)
     if args.only:
         plan = [p for p in plan if p[1].name in args.only.split(",")]
+    if args.head_dims:
+        plan = [p for p in plan if str(p[0].head_dim) in args.head_dims.split(",")]
     if args.page_size is not None:
         plan = [(dataclasses.replace(p[0], page_size=args.page_size), *p[1:]) for p in plan]
     served = None if args.slots is None else Served(args.slots, args.max_model_len)

@@ -161,7 +161,8 @@
 #                (Llama-3-8B decode cells, bf16 and fp8; Gemma-2-9B b=64 x 4,096), then the fp8
 #                decode step (64 and 480 x 1,536) with JAXSERVE_ATTENTION_ISSUE_NEXT /
 #                _LEAN_REGISTERS at end/off (served), p/on and read/on -> $OUT/issue.*,
-#                issue_step_*.* (about 6 minutes)
+#                issue_step_*.* (about 6 minutes; ISSUE_TESTS=0 skips the tests, ISSUE_STEP_FORMS="" the
+#                step, ISSUE_ARGS="--head-dims 256" times Gemma-2-9B's cell alone)
 #   w8a8         the W8A8 dot's output (#36): the high-load run's main step (decode 480 x 1,536,
 #                fp8 weights and fp8 KV) with JAXSERVE_W8A8_DOT_DTYPE=float32 (the dot before)
 #                and auto (the activations' bf16) side by side, the second traced
@@ -788,14 +789,15 @@ stage_highload() {  # the 1000 x 1000/1000 run with its step log: where the time
 }
 
 stage_issue() {  # the attention's issue orders and lean registers: GPU tests, kernels, the step
-  timeout 200 python3 -m pytest -q -m gpu -k issued_earlier tests/test_kernel_gpu.py \
+  [ "${ISSUE_TESTS:-1}" = 0 ] || timeout 200 python3 -m pytest -q -m gpu -k issued_earlier tests/test_kernel_gpu.py \
     tests/test_attention_fp8_native.py > "$OUT/issue_tests.log" 2>&1
   echo "-- GPU tests: $(tail -1 "$OUT/issue_tests.log")"
-  python3 -m benchmarks.bench_attention --suite issue --slots 256 --reps 5 \
+  # $ISSUE_ARGS narrows the suite, e.g. "--head-dims 256" (Gemma-2-9B's cell alone)
+  python3 -m benchmarks.bench_attention --suite issue --slots 256 --reps 5 ${ISSUE_ARGS:-} \
     --out "$OUT/issue.json" > "$OUT/issue.log" 2>&1
   grep -E "^\| (32/8|16/8)" "$OUT/issue.log" | cut -d'|' -f3,4,5,8,10
   local form
-  for form in end/off p/on read/on; do
+  for form in ${ISSUE_STEP_FORMS-end/off p/on read/on}; do  # ISSUE_STEP_FORMS="": no step
     JAXSERVE_ATTENTION_ISSUE_NEXT=${form%/*} JAXSERVE_ATTENTION_LEAN_REGISTERS=${form#*/} \
       python3 -m benchmarks.decode_roofline --iters 10 --batches 64,480 --contexts 1536 \
       --quantization fp8 --kv-cache-dtype fp8 --output-json "$OUT/issue_step_${form/\//_}.json" \
