@@ -150,3 +150,30 @@ def test_an_fp8_eagle3_heads_chain_is_jitted_with_them(monkeypatch) -> None:
         assert llm.engine.spec_stats.num_draft_tokens > 0  # the chain ran
         llm.shutdown()
     assert asked == [False, True]
+
+
+def test_the_probes_runner_carries_no_set_of_its_own(monkeypatch) -> None:
+    """``fp8_compile`` compiles each row under its set alone: its runner's programs are jitted
+    under ``default`` (no options), and the served setting is back afterwards."""
+    import argparse
+
+    from benchmarks.probes import fp8_compile
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def runner(*args, **kwargs):
+        seen.append(fp8_compile.os.environ.get(FP8_XLA_OPTIONS_ENV))
+        raise Stop
+
+    monkeypatch.setattr(fp8_compile, "ModelRunner", runner)
+    monkeypatch.setenv(FP8_XLA_OPTIONS_ENV, "cublas")
+    args = argparse.Namespace(
+        model=str(fixture_dir("llama")), buckets=[16], max_model_len=64, blocks=8
+    )
+    with pytest.raises(Stop):
+        fp8_compile.measure("fp8", args, ["default"])
+    assert seen == ["default"]
+    assert fp8_compile.os.environ[FP8_XLA_OPTIONS_ENV] == "cublas"

@@ -42,7 +42,7 @@ from benchmarks.common import ROOT
 from jaxserve.config import builtin_config_dir
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.families.registry import load_model_config
-from jaxserve.runner.programs import FP8_XLA_OPTION_SETS
+from jaxserve.runner.programs import FP8_XLA_OPTION_SETS, FP8_XLA_OPTIONS_ENV
 from jaxserve.runner.runner import ModelRunner
 from jaxserve.runner.step_programs import pack_step
 
@@ -91,7 +91,17 @@ def measure(mode: str, args: argparse.Namespace, option_sets: list[str]) -> list
         warmup=False,
         num_gpu_blocks_override=args.blocks,
     )
-    runner = ModelRunner(load_model_config(args.model), config)
+    # The runner's programs are jitted with no option set of their own (the served fp8 default
+    # is autotune0): each row's set is then the only one its compile applies.
+    served = os.environ.get(FP8_XLA_OPTIONS_ENV)
+    os.environ[FP8_XLA_OPTIONS_ENV] = "default"
+    try:
+        runner = ModelRunner(load_model_config(args.model), config)
+    finally:
+        if served is None:
+            os.environ.pop(FP8_XLA_OPTIONS_ENV)
+        else:
+            os.environ[FP8_XLA_OPTIONS_ENV] = served
     runner.allocate_kv_cache()
     rows = []
     for bucket in args.buckets:
