@@ -94,16 +94,30 @@ def test_an_fp8_engines_model_step_is_jitted_with_them(monkeypatch) -> None:
 
 
 def test_the_start_up_log_names_the_set_for_fp8_weights_on_a_gpu(monkeypatch) -> None:
+    """The line is there for fp8 weights on a GPU only (the rest of the start-up lines read the
+    real backend: the GPU is stood in for where the fp8 line decides)."""
+    import jax.numpy as jnp
+
+    from jaxserve.engine_config import EngineConfig
+    from jaxserve.models.families.registry import load_model_config
     from jaxserve.runner import devices
 
     fp8 = devices.QuantScheme(method="fp8", weight_format="fp8")
-    monkeypatch.setenv(FP8_XLA_OPTIONS_ENV, "autotune0")
-    monkeypatch.setattr(devices.jax, "default_backend", lambda: "gpu")
-    assert devices._fp8_on_gpu(fp8) and not devices._fp8_on_gpu(None)
     int8 = devices.QuantScheme(method="int8", weight_format="int8")
-    assert not devices._fp8_on_gpu(int8)
-    monkeypatch.setattr(devices.jax, "default_backend", lambda: "cpu")
+    monkeypatch.setenv(FP8_XLA_OPTIONS_ENV, "autotune0")
     assert not devices._fp8_on_gpu(fp8)  # the CPU compiles fp8 programs under no option set
+    monkeypatch.setattr(devices.jax, "default_backend", lambda: "gpu")
+    assert devices._fp8_on_gpu(fp8)
+    assert not devices._fp8_on_gpu(int8) and not devices._fp8_on_gpu(None)
+    monkeypatch.undo()
+    monkeypatch.setattr(devices, "_fp8_on_gpu", lambda quant: quant is fp8)
+    config = load_model_config(str(fixture_dir("llama")))
+
+    def lines(quant):
+        return devices.startup_lines(config, EngineConfig(), jnp.float32, 64, quant)
+
+    assert describe_fp8_compile() in lines(fp8)
+    assert not any("fp8 programs' compile" in line for line in lines(int8))
 
 
 def test_holds_fp8_finds_fp8_arrays_at_any_depth() -> None:

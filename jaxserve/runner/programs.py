@@ -224,7 +224,8 @@ def compiler_options(batch_invariant: bool, fp8_weights: bool = False) -> dict[s
 
 
 def holds_fp8(tree: Any) -> bool:
-    """Whether any array of ``tree`` (a drafter's weights) is fp8: its GEMMs read fp8 weights."""
+    """Whether any array of ``tree`` (a model's or a drafter's weights, or their shapes) is
+    fp8: its programs' GEMMs read fp8 weights (``compiler_options``)."""
     fp8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
     return any(getattr(leaf, "dtype", None) in fp8 for leaf in jax.tree.leaves(tree))
 

@@ -192,7 +192,6 @@ class ModelRunner:
             pooling=self.is_pooling,
             lora=self.lora_slots,
             whole_prompts=self.whole_prompts,
-            fp8_weights=self.quant is not None and self.quant.weight_format == "fp8",
         )
 
     def _whole_prompts(self) -> WholePromptAttention | None:

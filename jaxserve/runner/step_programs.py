@@ -43,6 +43,7 @@ from jaxserve.runner.programs import (
     Forward,
     StepSamples,
     flat_drafts,
+    holds_fp8,
     jitted_head_programs,
     jitted_model_step,
     pool_step,
@@ -155,7 +156,6 @@ class StepPrograms:
         pooling: bool = False,  # a pooling runner's programs: model step and pooling only
         lora: LoraSlots | None = None,  # the adapter slots (--enable-lora), read at each step
         whole_prompts: WholePromptAttention | None = None,  # a pooling step's, without cache
-        fp8_weights: bool = False,  # the step's GEMMs read fp8 weights (its XLA options)
     ) -> None:
         self.model_config = model_config
         self.kinds = POOLING_PROGRAMS if pooling else PROGRAMS
@@ -170,7 +170,8 @@ class StepPrograms:
         lora_shardings = lora.shardings if self.lora_positional and lora is not None else None
         self._step_args = (model_config, kv_scales, tp, batch_invariant)
         self._step_kwargs: dict[str, Any] = dict(
-            lora_shardings=lora_shardings, fp8_weights=fp8_weights
+            lora_shardings=lora_shardings,
+            fp8_weights=holds_fp8(weights),  # its XLA options
         )
         self.step_fn = jitted_model_step(
             *self._step_args, **self._step_kwargs, whole_prompts=whole_prompts
