@@ -288,10 +288,7 @@ stage_fp8start() {  # issue 36 item 5: cold launches to every bucket, bf16 and f
         --quantization fp8 --kv-cache-dtype fp8
     fi
     local first=$(awk "BEGIN {printf \"%.1f\", $(date +%s.%N) - $t0}")
-    until grep -q -E "Compiled every bucket|tokens failed" "$log"; do
-      sleep 0.5
-      kill -0 $pid 2>/dev/null || break
-    done
+    wait_every_bucket "$log"
     echo "-- $mode: healthy at $first s, every bucket at $(awk "BEGIN {printf \"%.1f\", $(date +%s.%N) - $t0}") s"
     grep -E "fp8 programs' compile|Compiled every|failed" "$log" | cut -c1-150
     stop_server
@@ -396,14 +393,18 @@ stage_sweep() {  # the launch stage's serving sweep alone, once every bucket has
   stop_server
 }
 
+wait_every_bucket() {  # $1: a started server's log; until its background compile ends (or it does)
+  until grep -q -E "Compiled every bucket|tokens failed" "$1"; do
+    sleep 0.5
+    kill -0 $pid 2>/dev/null || break
+  done
+}
+
 stage_background() {  # a cold launch: the first token, then the background compile to its end
   rm -rf "$JAXSERVE_COMPILATION_CACHE"
   start_server "$OUT/background.log" $MODEL --load-format dummy $SHAPES
   kill -0 $pid 2>/dev/null && first_token "$t0" cold
-  until grep -q -E "Compiled every bucket|tokens failed" "$OUT/background.log"; do
-    sleep 0.5
-    kill -0 $pid 2>/dev/null || break
-  done
+  wait_every_bucket "$OUT/background.log"
   echo "   at $(awk "BEGIN {printf \"%.1f\", $(date +%s.%N) - $t0}") s:"
   grep -E "Serving steps|Steps of up|Compiled every|failed|Out of device memory" \
     "$OUT/background.log" | cut -c1-150
@@ -1123,7 +1124,7 @@ for arg in "$@"; do
   limit=${arg#*:}
   [ "$limit" = "$arg" ] && limit=600
   echo "== $stage (limit ${limit} s, at $(( $(date +%s) - start )) s)"
-  export -f "stage_$stage" first_token start_server stop_server
+  export -f "stage_$stage" first_token start_server stop_server wait_every_bucket
   export OUT MODEL SHAPES SERVE_PROMPTS STARTUP_PROFILE KV_EVENTS_RATES
   timeout --kill-after=10 "$limit" bash -c "stage_$stage"
   rc=$?
