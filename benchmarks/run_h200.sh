@@ -503,9 +503,9 @@ stage_spec() {  # speculative decoding: verify cost k = 0..7 at batch 1/8/64, n-
     python3 -m benchmarks.step_log_summary "$log" --skip 1 2>&1 | tail -4
   done
   if [ -d /tmp/spec_profile/eagle3_b1 ]; then  # EAGLE-3's batch-1 steps: where a step's time goes
-    python3 -m benchmarks.trace_summary /tmp/spec_profile/eagle3_b1 --steps 17 --top 24 \
-      > "$OUT/spec_eagle3_b1_kernels.txt" 2>&1
-    echo "-- EAGLE-3, batch 1"; head -34 "$OUT/spec_eagle3_b1_kernels.txt"
+    python3 -m benchmarks.trace_summary /tmp/spec_profile/eagle3_b1 --steps 17 --top 12 \
+      --by-module > "$OUT/spec_eagle3_b1_kernels.txt" 2>&1  # the chain apart from the verify
+    echo "-- EAGLE-3, batch 1"; head -48 "$OUT/spec_eagle3_b1_kernels.txt"
   fi
 }
 

@@ -2,9 +2,12 @@
 
 For each device stream: the span from its first kernel to its last, the time kernels ran
 (busy) and the idle gaps between them, and the kernels grouped by name (digits dropped, so
-``fusion.12`` and ``fusion.31`` are one row), largest total first.
+``fusion.12`` and ``fusion.31`` are one row), largest total first. ``--by-module`` first
+splits each stream's kernels by the XLA program that launched them (the ``hlo_module`` the
+profiler records with each kernel: ``jit_step``, ``jit_drafting_chain``, ...), so that a
+drafter's chain and the verify step it feeds read apart in one trace.
 
-    python -m benchmarks.trace_summary TRACE_DIR_OR_FILE [--top 25] [--steps N]
+    python -m benchmarks.trace_summary TRACE_DIR_OR_FILE [--top 25] [--steps N] [--by-module]
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def main() -> None:
     parser.add_argument("trace", type=Path)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--steps", type=int, default=1, help="steps in the trace (per-step us)")
+    parser.add_argument("--by-module", action="store_true", help="kernels by XLA program first")
     args = parser.parse_args()
     events = load(args.trace)
     process = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
@@ -60,15 +64,35 @@ def main() -> None:
             f"busy {busy / args.steps:.0f} us/step ({busy / span:.0%}), "
             f"idle {(span - busy) / args.steps:.0f} us/step"
         )
-        groups: dict[str, list[float]] = collections.defaultdict(list)
+        if not args.by_module:
+            print_kernels(evs, args.steps, args.top, "  ")
+            continue
+        modules: dict[str, list[dict]] = collections.defaultdict(list)
         for e in evs:
-            groups[re.sub(r"[\d_.]+$", "", re.sub(r"\.\d+", "", e["name"]))].append(e["dur"])
-        rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))[: args.top]
-        for name, durs in rows:
+            modules[e.get("args", {}).get("hlo_module", "(no module)")].append(e)
+        for module, module_evs in sorted(modules.items(), key=lambda kv: -total(kv[1])):
             print(
-                f"  {sum(durs) / args.steps:9.1f} us/step  {len(durs) / args.steps:7.1f} x  "
-                f"{sum(durs) / len(durs):8.2f} us avg  {name[:90]}"
+                f"  {module}: {total(module_evs) / args.steps:.1f} us/step, "
+                f"{len(module_evs) / args.steps:.1f} kernels/step"
             )
+            print_kernels(module_evs, args.steps, args.top, "    ")
+
+
+def total(evs: list[dict]) -> float:
+    return sum(e["dur"] for e in evs)
+
+
+def print_kernels(evs: list[dict], steps: int, top: int, indent: str) -> None:
+    """The kernels of ``evs`` grouped by name (digits dropped), largest total first."""
+    groups: dict[str, list[float]] = collections.defaultdict(list)
+    for e in evs:
+        groups[re.sub(r"[\d_.]+$", "", re.sub(r"\.\d+", "", e["name"]))].append(e["dur"])
+    rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]
+    for name, durs in rows:
+        print(
+            f"{indent}{sum(durs) / steps:9.1f} us/step  {len(durs) / steps:7.1f} x  "
+            f"{sum(durs) / len(durs):8.2f} us avg  {name[:90]}"
+        )
 
 
 if __name__ == "__main__":
