@@ -125,10 +125,16 @@
 #                each line of $XLA_FLAG_SETS (default: command buffers off, graphs of any size,
 #                more op kinds in graphs), device and wall ms -> $OUT/xla_flags_N.{log,json}
 #                (#36 item 6; a model start per line, about 4 minutes)
-#   host_launch  the host's time to launch a decode step (launch_ms: model step and sampler from
-#                an idle device) at batch 1 and 64, context 1,024, with each attention path of
-#                $LAUNCH_ATTENTION (default "auto triton reference": JAXSERVE_ATTENTION) ->
-#                $OUT/host_launch_<path>.{log,json} (a model start each, about 3 minutes)
+#   host_launch  the host's time to launch a decode step: the model step alone at batch 1 with a
+#                new input buffer, the same one and the previous step held
+#                (benchmarks/probes/launch_reuse.py), under XLA's default options and each line
+#                of $LAUNCH_XLA_FLAG_SETS (default: no custom calls in the command buffers, no
+#                command buffers); then launch_ms (model step and sampler from an idle device) at
+#                batch 1 and 64, context 1,024, with each attention path of $LAUNCH_ATTENTION
+#                (default "auto triton reference": JAXSERVE_ATTENTION) ->
+#                $OUT/launch_reuse_N.{log,json}, $OUT/host_launch_<path>.{log,json} (a model
+#                start each, about 6 minutes; LAUNCH_ATTENTION="" leaves the paths out, $LAUNCH_ARGS
+#                adds the probe's flags: --smoke on the CPU)
 #   step_kernels what a compiled step launches (benchmarks/probes/step_kernels.py): the Llama-3-8B
 #                decode step of 16 tokens in bf16, fp8 and with 8 LoRA slots (the kernel count
 #                only for those two), and Qwen3-Embedding-0.6B's 16,384-token
@@ -477,12 +483,22 @@ stage_xla_flags() {  # the batch-1 and 64 decode step under XLA's command-buffer
 --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL}"
 }
 
-stage_host_launch() {  # the host's time to launch a decode step, by attention path
+stage_host_launch() {  # the host's time to launch a decode step, by buffer reuse and attention path
   # (a step's launch was 2.97 ms at batch 1 on an H100, 5.08 with command buffers off; a
-  # verify step, which nothing overlaps, spends it in full: does a kernel's custom call
-  # break XLA's graphs?)
+  # verify step, which nothing overlaps, spends it in full. XLA records a command buffer again
+  # when a buffer it uses moved: does a new input buffer each step cost the launch? Do the
+  # kernels' custom calls in the graphs?)
+  local flags i=0
+  while IFS= read -r flags; do
+    i=$((i + 1))
+    XLA_FLAGS="$flags" python3 -m benchmarks.probes.launch_reuse ${LAUNCH_ARGS:-} \
+      --out "$OUT/launch_reuse_$i.json" > "$OUT/launch_reuse_$i.log" 2>&1
+    echo "-- XLA_FLAGS='$flags': $(grep fresh_ms "$OUT/launch_reuse_$i.log" || tail -1 "$OUT/launch_reuse_$i.log")"
+  done <<< "${LAUNCH_XLA_FLAG_SETS:-
+--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN
+--xla_gpu_enable_command_buffer=}"
   local path
-  for path in ${LAUNCH_ATTENTION:-auto triton reference}; do
+  for path in ${LAUNCH_ATTENTION-auto triton reference}; do
     echo "-- JAXSERVE_ATTENTION=$path"
     JAXSERVE_ATTENTION=$path python3 -m benchmarks.decode_roofline --iters 10 --batches 1,64 \
       --contexts 1024 --output-json "$OUT/host_launch_$path.json" > "$OUT/host_launch_$path.log" 2>&1

@@ -684,6 +684,17 @@ def test_dispatch_block_probe_smoke(tmp_path, monkeypatch, capsys) -> None:
     assert "case           idle ms   busy ms" in capsys.readouterr().out
 
 
+def test_launch_reuse_probe_smoke(tmp_path, monkeypatch, capsys) -> None:
+    """The model step's host launch with a new input buffer, the same one, and the previous
+    step held: each case a positive time, the row printed and written."""
+    out = tmp_path / "launch_reuse.json"
+    run_script("benchmarks.probes.launch_reuse", ["--smoke", "--out", str(out)], monkeypatch)
+    row = json.loads(out.read_text())
+    assert row["batch"] == 1 and row["device"]
+    assert all(row[case] > 0 for case in ("fresh_ms", "same_input_ms", "held_ms"))
+    assert "fresh_ms=" in capsys.readouterr().out
+
+
 def test_fp8_compile_probe_names_the_gemms_and_the_fp8_moves() -> None:
     """The compiled step's GEMM custom calls by target, and the instructions that transpose or
     copy an fp8 array (a weight moved to the layout cuBLASLt's fp8 GEMM wants)."""
