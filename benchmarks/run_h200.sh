@@ -507,6 +507,7 @@ stage_host_launch() {  # the host's time to launch a decode step, by buffer reus
 }
 
 stage_spec() {  # speculative decoding: verify cost k = 0..7 at batch 1/8/64, n-gram end to end
+  rm -rf /tmp/spec_profile  # a warm machine keeps an earlier call's trace there
   python3 -m benchmarks.spec_decode --iters 20 --output-json "$OUT/spec_decode.json" \
     --profile-dir /tmp/spec_profile ${SPEC_PARTS:+--parts "$SPEC_PARTS"} --step-log-dir "$OUT" \
     ${SPEC_ARGS:-} > "$OUT/spec_decode.log" 2>&1

@@ -21,8 +21,8 @@ from pathlib import Path
 
 
 def load(path: Path) -> list[dict]:
-    if path.is_dir():
-        path = next(path.rglob("perfetto_trace.json.gz"))
+    if path.is_dir():  # the newest trace below it (a profile dir collects one per run)
+        path = max(path.rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
     with gzip.open(path) as f:
         data = json.load(f)
     return data["traceEvents"] if isinstance(data, dict) else data

@@ -136,6 +136,26 @@ def test_eagle3_reads_the_targets_states_from_its_steps(plain) -> None:
     assert layer.fused is not None and layer.wq is None and layer.w_gate is None
 
 
+def test_a_steps_forward_pass_runs_with_the_last_steps_states_let_go(plain) -> None:
+    """The drafter reads the last step's states before the next step: the runner lets them go
+    before that step's forward pass (so that its states can take their memory and XLA's
+    command buffers see the same addresses), keeps the new step's after it, and the tokens
+    and the head's reads of them (no target run again) are as before."""
+    llm = make_llm(METHODS["eagle3"], enable_prefix_caching=False)
+    runner = llm.engine.runner
+    forward, held = runner.forward, []
+
+    def watched(*args, **kwargs):
+        held.append(runner.last_states)
+        return forward(*args, **kwargs)
+
+    runner.forward = watched
+    assert [token_ids(llm, [p])[0] for p in PROMPTS[:2]] == plain[:2]  # each in one step
+    assert len(held) > 2 and all(states is None for states in held)
+    assert runner.last_states is not None  # the last step's, for the next call
+    assert llm.engine.proposer.recomputed_tokens == 0
+
+
 def test_a_warmed_up_eagle3_drafter_runs_nothing_new_while_serving(plain) -> None:
     """With warm-up on (after the runner's, its cache allocated): the head's programs, the
     target run again over the runner's cache and the gathers from each step bucket's states

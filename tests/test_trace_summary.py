@@ -24,7 +24,7 @@ def write_trace(path: Path) -> Path:
             "args": {"hlo_module": "jit_drafting_chain"},
         },
     ]
-    path.mkdir()
+    path.mkdir(parents=True)
     with gzip.open(path / "perfetto_trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
     return path
@@ -54,3 +54,18 @@ def test_by_module_splits_the_kernels_by_the_program_that_launched_them(tmp_path
     chain = lines.index("jit_drafting_chain: 10.0 us/step, 0.5 kernels/step")
     assert step < chain  # the larger program first
     assert lines[step + 1].endswith("fusion") and lines[chain + 1].endswith("gemm_fusion_dot")
+
+
+def test_a_directory_of_several_traces_is_read_by_its_newest(tmp_path):
+    """A profile directory a warm machine kept from an earlier run: the newest trace counts."""
+    import os
+
+    old = write_trace(tmp_path / "t" / "old")
+    new = write_trace(tmp_path / "t" / "new")
+    with gzip.open(new / "perfetto_trace.json.gz", "rt") as f:
+        data = json.load(f)
+    data["traceEvents"] = data["traceEvents"][:3]  # one kernel: 10 us
+    with gzip.open(new / "perfetto_trace.json.gz", "wt") as f:
+        json.dump(data, f)
+    os.utime(old / "perfetto_trace.json.gz", (1, 1))
+    assert "1 events, span 10 us/step" in summary(tmp_path / "t")
