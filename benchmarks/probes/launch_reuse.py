@@ -16,6 +16,9 @@ device, the median of ``--iters`` calls:
   same_input   the one input buffer, put once, every call (its address never moves)
   held         fresh, with the previous step's input and output still held during the call
                (as the engine holds a step in flight while it launches the next)
+  pipelined    the engine's own loop (``ModelRunner.dispatch`` and ``sample`` of step n + 1
+               while step n runs, then n collected; ``benchmarks.common.time_pipelined``'s
+               loop): the host's time of the dispatch and the sampler's launch
 
     python -m benchmarks.probes.launch_reuse [--batch 1] [--context 1024] [--out FILE]
     python -m benchmarks.probes.launch_reuse --smoke        # the tiny fixture, on the CPU
@@ -57,6 +60,23 @@ def median_launch(call: Callable[[], Any], iters: int, hold: bool = False) -> fl
     return statistics.median(times)
 
 
+def pipelined_launch(runner: ModelRunner, sched: Any, iters: int) -> float:
+    """Median host seconds of dispatching and sampling a step while the previous one runs, as
+    the engine's asynchronous loop does."""
+    previous = runner.dispatch(sched)
+    runner.sample(previous, None)
+    times = []
+    for _ in range(iters + 2):
+        start = time.perf_counter()
+        step = runner.dispatch(sched, previous)
+        runner.sample(step, None)
+        times.append(time.perf_counter() - start)
+        runner.collect(previous)
+        previous = step
+    runner.collect(previous)
+    return statistics.median(times[2:])
+
+
 def launches(runner: ModelRunner, batch: int, context: int, iters: int) -> dict[str, float]:
     sched = decode_batch(runner, batch, context, np.random.default_rng(0))
     host_batch, _ = runner.inputs.build_batch(sched)
@@ -75,6 +95,7 @@ def launches(runner: ModelRunner, batch: int, context: int, iters: int) -> dict[
         return hidden
 
     return {
+        "pipelined_ms": 1e3 * pipelined_launch(runner, sched, iters),
         "fresh_ms": 1e3 * median_launch(fresh, iters),
         "same_input_ms": 1e3 * median_launch(same_input, iters),
         "held_ms": 1e3 * median_launch(fresh, iters, hold=True),
