@@ -95,15 +95,23 @@ def time_device(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> tupl
 
 def time_pipelined(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> float:
     """Median seconds per step with step n + 1 dispatched before step n is read back."""
+    return pipelined_times(runner, sched, iters)[0]
+
+
+def pipelined_times(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> tuple[float, float]:
+    """Medians of the engine's asynchronous loop (step n + 1 dispatched and sampled before
+    step n is read back): seconds per step, and the host's seconds of the dispatch and the
+    sampler's launch alone."""
     previous = runner.dispatch(sched)
     runner.sample(previous, None)
-    times = []
+    periods, launches = [], []
     for _ in range(iters + 2):
         start = time.perf_counter()
-        step = runner.dispatch(sched)
+        step = runner.dispatch(sched, previous)
         runner.sample(step, None)
+        launches.append(time.perf_counter() - start)
         runner.collect(previous)
-        times.append(time.perf_counter() - start)
+        periods.append(time.perf_counter() - start)
         previous = step
     runner.collect(previous)
-    return statistics.median(times[2:])
+    return statistics.median(periods[2:]), statistics.median(launches[2:])

@@ -17,8 +17,8 @@ device, the median of ``--iters`` calls:
   held         fresh, with the previous step's input and output still held during the call
                (as the engine holds a step in flight while it launches the next)
   pipelined    the engine's own loop (``ModelRunner.dispatch`` and ``sample`` of step n + 1
-               while step n runs, then n collected; ``benchmarks.common.time_pipelined``'s
-               loop): the host's time of the dispatch and the sampler's launch
+               while step n runs, then n collected: ``benchmarks.common.pipelined_times``):
+               the host's time of the dispatch and the sampler's launch
 
     python -m benchmarks.probes.launch_reuse [--batch 1] [--context 1024] [--out FILE]
     python -m benchmarks.probes.launch_reuse --smoke        # the tiny fixture, on the CPU
@@ -36,7 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from benchmarks.common import ROOT, decode_batch
+from benchmarks.common import ROOT, decode_batch, pipelined_times
 from jaxserve.config import builtin_config_dir
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.families.registry import load_model_config
@@ -60,23 +60,6 @@ def median_launch(call: Callable[[], Any], iters: int, hold: bool = False) -> fl
     return statistics.median(times)
 
 
-def pipelined_launch(runner: ModelRunner, sched: Any, iters: int) -> float:
-    """Median host seconds of dispatching and sampling a step while the previous one runs, as
-    the engine's asynchronous loop does."""
-    previous = runner.dispatch(sched)
-    runner.sample(previous, None)
-    times = []
-    for _ in range(iters + 2):
-        start = time.perf_counter()
-        step = runner.dispatch(sched, previous)
-        runner.sample(step, None)
-        times.append(time.perf_counter() - start)
-        runner.collect(previous)
-        previous = step
-    runner.collect(previous)
-    return statistics.median(times[2:])
-
-
 def launches(runner: ModelRunner, batch: int, context: int, iters: int) -> dict[str, float]:
     sched = decode_batch(runner, batch, context, np.random.default_rng(0))
     host_batch, _ = runner.inputs.build_batch(sched)
@@ -95,7 +78,7 @@ def launches(runner: ModelRunner, batch: int, context: int, iters: int) -> dict[
         return hidden
 
     return {
-        "pipelined_ms": 1e3 * pipelined_launch(runner, sched, iters),
+        "pipelined_ms": 1e3 * pipelined_times(runner, sched, iters)[1],
         "fresh_ms": 1e3 * median_launch(fresh, iters),
         "same_input_ms": 1e3 * median_launch(same_input, iters),
         "held_ms": 1e3 * median_launch(fresh, iters, hold=True),
