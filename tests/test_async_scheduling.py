@@ -155,3 +155,42 @@ def test_shutdown_waits_for_the_step_in_flight() -> None:
     assert engine._in_flight is not None
     engine.shutdown()
     assert engine._in_flight is None
+
+
+def test_staged_inputs_keep_their_addresses_and_the_outputs(pair, monkeypatch) -> None:
+    """``JAXSERVE_STAGED_INPUTS=1``: the model step reads its packed inputs and the previous
+    step's sampled ids from one buffer per packed length, refreshed in place each step (XLA
+    records a step's command buffers again when a buffer moves), with the same tokens."""
+    sync, overlap = pair
+    programs = overlap.engine.runner.programs
+    monkeypatch.setattr(programs, "staged_inputs", True)
+    stage, addresses = programs.stage, []
+
+    def recording(packed, previous_ids):
+        staged = stage(packed, previous_ids)
+        addresses.append((packed.shape[0], tuple(a.unsafe_buffer_pointer() for a in staged)))
+        return staged
+
+    monkeypatch.setattr(programs, "stage", recording)
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True),
+    ]
+    prompts = [ids(PROMPTS[0]), ids(PROMPTS[1])]
+    assert run(overlap, prompts, params) == run(sync, prompts, params)
+    by_length: dict[int, set] = {}
+    for length, pointers in addresses:
+        by_length.setdefault(length, set()).add(pointers)
+    assert len(addresses) >= 12  # a prompt step, then a step a token
+    assert all(len(pointers) == 1 for pointers in by_length.values()), by_length
+
+
+def test_staged_inputs_are_off_unless_asked(monkeypatch) -> None:
+    from jaxserve.runner.step_programs import STAGED_INPUTS_ENV, staged_inputs
+
+    monkeypatch.delenv(STAGED_INPUTS_ENV, raising=False)
+    assert not staged_inputs()
+    monkeypatch.setenv(STAGED_INPUTS_ENV, "1")
+    assert staged_inputs()
+    monkeypatch.setenv(STAGED_INPUTS_ENV, "0")
+    assert not staged_inputs()

@@ -19,6 +19,11 @@ device, the median of ``--iters`` calls:
   pipelined    the engine's own loop (``ModelRunner.dispatch`` and ``sample`` of step n + 1
                while step n runs, then n collected: ``benchmarks.common.pipelined_times``):
                the host's time of the dispatch and the sampler's launch
+  pipelined_staged   the same with the step's inputs staged (``JAXSERVE_STAGED_INPUTS=1``:
+               copied on the device into buffers that keep their addresses)
+  staged       fresh, the input then staged (the copy program's launch included)
+  queued_same  same_input, each call made while the previous one still runs (its output
+               held until then): do a running step's temporaries move the next one's?
 
     python -m benchmarks.probes.launch_reuse [--batch 1] [--context 1024] [--out FILE]
     python -m benchmarks.probes.launch_reuse --smoke        # the tiny fixture, on the CPU
@@ -60,6 +65,20 @@ def median_launch(call: Callable[[], Any], iters: int, hold: bool = False) -> fl
     return statistics.median(times)
 
 
+def median_queued(call: Callable[[], Any], iters: int) -> float:
+    """Median host seconds of ``call()`` made while the previous call still runs."""
+    previous = call()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        out = call()
+        times.append(time.perf_counter() - start)
+        jax.block_until_ready(previous)
+        previous = out
+    jax.block_until_ready(previous)
+    return statistics.median(times)
+
+
 def launches(runner: ModelRunner, batch: int, context: int, iters: int) -> dict[str, float]:
     sched = decode_batch(runner, batch, context, np.random.default_rng(0))
     host_batch, _ = runner.inputs.build_batch(sched)
@@ -77,12 +96,27 @@ def launches(runner: ModelRunner, batch: int, context: int, iters: int) -> dict[
         )
         return hidden
 
-    return {
+    def staged() -> Any:
+        staged_input, previous = programs.stage(programs.put(packed), programs.no_previous_ids)
+        runner.kv_cache, hidden, *_ = programs.step_fn(
+            programs.weights, runner.kv_cache, staged_input, previous, layout
+        )
+        return hidden
+
+    row = {
         "pipelined_ms": 1e3 * pipelined_times(runner, sched, iters)[1],
         "fresh_ms": 1e3 * median_launch(fresh, iters),
         "same_input_ms": 1e3 * median_launch(same_input, iters),
         "held_ms": 1e3 * median_launch(fresh, iters, hold=True),
+        "staged_ms": 1e3 * median_launch(staged, iters),
+        "queued_same_ms": 1e3 * median_queued(same_input, iters),
     }
+    staged_before, programs.staged_inputs = programs.staged_inputs, True
+    try:
+        row["pipelined_staged_ms"] = 1e3 * pipelined_times(runner, sched, iters)[1]
+    finally:
+        programs.staged_inputs = staged_before
+    return row
 
 
 def main() -> None:

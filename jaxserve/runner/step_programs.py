@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -56,6 +57,25 @@ from jaxserve.runner.weight_update import committed
 _LOG = logging.getLogger("jaxserve.runner.warmup")
 
 BACKGROUND_SLOTS = 4  # compiles at a time once the KV cache is allocated
+
+STAGED_INPUTS_ENV = "JAXSERVE_STAGED_INPUTS"
+"""``1``: the model step reads its inputs from buffers that keep their addresses from step to
+step (``StepPrograms.stage``); ``0`` (the default): from the step's own new buffers."""
+
+
+def staged_inputs() -> bool:
+    """Whether ``STAGED_INPUTS_ENV`` asks for the model step's inputs to be staged."""
+    return os.environ.get(STAGED_INPUTS_ENV, "0").strip() == "1"
+
+
+def stage_inputs(
+    held: tuple[jax.Array, jax.Array], packed: jax.Array, previous_ids: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The step's inputs copied into ``held`` (donated: the result lives where ``held`` did)."""
+    del held  # kept (``keep_unused``) for its memory, which the copies take
+    return packed, previous_ids
+
+
 BACKGROUND_RETRIES = 3  # compiles alone after running out of device memory
 
 # The programs of a token bucket besides its model step (``StepPrograms.uncompiled``' kinds):
@@ -198,6 +218,14 @@ class StepPrograms:
         # Drafts left on the device, laid out as a step reads them (``draft_feed``)
         feed = functools.partial(flat_drafts, size=buckets.max_seq_bucket)
         self._draft_feed = jax.jit(feed, out_shardings=self.no_previous_ids.sharding)
+        # XLA records a step's command buffers (CUDA graphs) again wherever a buffer they read
+        # moved since the last recording: a batch-1 step launched in 0.90 ms from one input
+        # buffer and 1.48 ms from a new one each call on an H100
+        # (benchmarks/probes/launch_reuse.py). Staged, the step reads its inputs from one
+        # buffer per packed length, which a copy program refreshes in place (donated).
+        self.staged_inputs = staged_inputs()
+        self._stage_fn = jax.jit(stage_inputs, donate_argnums=0, keep_unused=True)
+        self._staged: dict[int, tuple[jax.Array, jax.Array]] = {}
         self.set_weights(weights)
 
     def return_aux_states(self, aux_layers: tuple[int, ...]) -> None:
@@ -256,7 +284,11 @@ class StepPrograms:
         if self.lora is not None and lora_slots is None:
             lora_slots = np.zeros(batch.num_tokens, np.int32)
         packed, layout = pack_step(batch, source, lora_slots)
-        args = (self.put(packed), self.no_previous_ids if previous_ids is None else previous_ids)
+        device_packed = self.put(packed)
+        previous = self.no_previous_ids if previous_ids is None else previous_ids
+        args = (
+            self.stage(device_packed, previous) if self.staged_inputs else (device_packed, previous)
+        )
         extra = self._lora_args()
         lora = self._lora_positional_args()
         step = self.compiled_steps.get(batch.num_tokens)
@@ -265,7 +297,23 @@ class StepPrograms:
         else:
             out = step(self.weights, kv_cache, *args, *lora, **extra)
         kv_cache, hidden, *aux = out  # aux: [T, A * H] with ``return_aux_states``
-        return kv_cache, Forward(hidden, args[0], layout, aux[0] if aux else None)
+        # The logits and pooling programs read the step's own buffer: the staged one is
+        # refreshed (donated) by the next step.
+        return kv_cache, Forward(hidden, device_packed, layout, aux[0] if aux else None)
+
+    def stage(self, packed: jax.Array, previous_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``packed`` and ``previous_ids`` copied (on the device, in stream order) into the
+        buffers of their packed length, which keep their addresses from step to step; the
+        previous step of that length read them, and may still be reading them."""
+        held = self._staged.pop(packed.shape[0], None)
+        if held is None:  # the first step of this length: its buffers
+            held = (
+                self.put(np.zeros(packed.shape, packed.dtype)),
+                self.put(np.zeros(previous_ids.shape, previous_ids.dtype)),
+            )
+        staged = self._stage_fn(held, packed, previous_ids)
+        self._staged[packed.shape[0]] = staged
+        return staged
 
     def _lora_args(self) -> dict[str, Any]:
         """The model step's adapter stacks, as they are now (none without LoRA), by keyword
