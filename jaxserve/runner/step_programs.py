@@ -301,15 +301,27 @@ class StepPrograms:
         # refreshed (donated) by the next step.
         return kv_cache, Forward(hidden, device_packed, layout, aux[0] if aux else None)
 
+    def warm_stage(self, num_tokens: int) -> None:
+        """With staged inputs: compile the copy that stages a step of ``num_tokens`` tokens
+        and make its buffers (a padding step's inputs); else nothing."""
+        if self.staged_inputs:
+            packed, _ = self._padding_packed(num_tokens)
+            self.stage(self.put(packed), self.no_previous_ids)
+
     def stage(self, packed: jax.Array, previous_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``packed`` and ``previous_ids`` copied (on the device, in stream order) into the
         buffers of their packed length, which keep their addresses from step to step; the
         previous step of that length read them, and may still be reading them."""
         held = self._staged.pop(packed.shape[0], None)
-        if held is None:  # the first step of this length: its buffers
-            held = (
-                self.put(np.zeros(packed.shape, packed.dtype)),
-                self.put(np.zeros(previous_ids.shape, previous_ids.dtype)),
+        if held is None:  # the first step of this length: its buffers, committed as the
+            # copy's outputs are (else the second call would compile it again)
+            held = committed(
+                self.put(
+                    (
+                        np.zeros(packed.shape, packed.dtype),
+                        np.zeros(previous_ids.shape, previous_ids.dtype),
+                    )
+                )
             )
         staged = self._stage_fn(held, packed, previous_ids)
         self._staged[packed.shape[0]] = staged
