@@ -163,7 +163,7 @@ def test_staged_inputs_keep_their_addresses_and_the_outputs(pair, monkeypatch) -
     records a step's command buffers again when a buffer moves), with the same tokens."""
     sync, overlap = pair
     programs = overlap.engine.runner.programs
-    monkeypatch.setattr(programs, "staged_inputs", True)
+    monkeypatch.setattr(programs.staging, "enabled", True)
     stage, addresses = programs.stage, []
 
     def recording(packed, previous_ids):
@@ -186,7 +186,7 @@ def test_staged_inputs_keep_their_addresses_and_the_outputs(pair, monkeypatch) -
 
 
 def test_staged_inputs_are_off_unless_asked(monkeypatch) -> None:
-    from jaxserve.runner.step_programs import STAGED_INPUTS_ENV, staged_inputs
+    from jaxserve.runner.staging import STAGED_INPUTS_ENV, staged_inputs
 
     monkeypatch.delenv(STAGED_INPUTS_ENV, raising=False)
     assert not staged_inputs()

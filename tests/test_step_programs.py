@@ -87,18 +87,18 @@ def test_warm_up_compiles_the_staging_copy_of_each_bucket_when_inputs_are_staged
     model_dir = fixture_dir("llama")
     model_config = load_model_config(str(model_dir))
     programs = make_programs(model_config)
-    programs.staged_inputs = True
+    programs.staging.enabled = True
     programs.ready_tokens = 0
     with programs.precision(), concurrent.futures.ThreadPoolExecutor(2) as pool:
         warmup.compile_buckets(programs, pool, [16], time.perf_counter(), lambda: None, True)
-    assert programs._stage_fn._cache_size() == 1
-    (length,) = programs._staged
-    held = [a.unsafe_buffer_pointer() for a in programs._staged[length]]
+    assert programs.staging._copy._cache_size() == 1
+    (length,) = programs.staging._held
+    held = [a.unsafe_buffer_pointer() for a in programs.staging._held[length]]
 
     config = EngineConfig(model=str(model_dir), dtype="float32")
     programs.set_weights(model_weights(model_config, config, jnp.float32, None, None)[0])
     kv_cache = make_kv_cache_for(model_config, NUM_BLOCKS, BLOCK_SIZE, jnp.float32)
     with programs.precision():
         kv_cache = warmup.run_smallest_step(programs, kv_cache)
-    assert programs._stage_fn._cache_size() == 1  # nothing compiled at the step
-    assert [a.unsafe_buffer_pointer() for a in programs._staged[length]] == held
+    assert programs.staging._copy._cache_size() == 1  # nothing compiled at the step
+    assert [a.unsafe_buffer_pointer() for a in programs.staging._held[length]] == held

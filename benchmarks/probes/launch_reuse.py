@@ -111,11 +111,11 @@ def launches(runner: ModelRunner, batch: int, context: int, iters: int) -> dict[
         "staged_ms": 1e3 * median_launch(staged, iters),
         "queued_same_ms": 1e3 * median_queued(same_input, iters),
     }
-    staged_before, programs.staged_inputs = programs.staged_inputs, True
+    staged_before, programs.staging.enabled = programs.staging.enabled, True
     try:
         row["pipelined_staged_ms"] = 1e3 * pipelined_times(runner, sched, iters)[1]
     finally:
-        programs.staged_inputs = staged_before
+        programs.staging.enabled = staged_before
     return row
 
 

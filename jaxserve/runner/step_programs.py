@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -50,6 +49,7 @@ from jaxserve.runner.programs import (
     pool_step,
 )
 from jaxserve.runner.sampling import TOKEN_MASK_LEAF, SamplerFlags, SamplingInputs
+from jaxserve.runner.staging import Staging
 from jaxserve.runner.step import DeviceDrafts
 from jaxserve.runner.weight_update import committed
 
@@ -57,24 +57,6 @@ from jaxserve.runner.weight_update import committed
 _LOG = logging.getLogger("jaxserve.runner.warmup")
 
 BACKGROUND_SLOTS = 4  # compiles at a time once the KV cache is allocated
-
-STAGED_INPUTS_ENV = "JAXSERVE_STAGED_INPUTS"
-"""``1``: the model step reads its inputs from buffers that keep their addresses from step to
-step (``StepPrograms.stage``); ``0`` (the default): from the step's own new buffers."""
-
-
-def staged_inputs() -> bool:
-    """Whether ``STAGED_INPUTS_ENV`` asks for the model step's inputs to be staged."""
-    return os.environ.get(STAGED_INPUTS_ENV, "0").strip() == "1"
-
-
-def stage_inputs(
-    held: tuple[jax.Array, jax.Array], packed: jax.Array, previous_ids: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """The step's inputs copied into ``held`` (donated: the result lives where ``held`` did)."""
-    del held  # kept (``keep_unused``) for its memory, which the copies take
-    return packed, previous_ids
-
 
 BACKGROUND_RETRIES = 3  # compiles alone after running out of device memory
 
@@ -218,14 +200,9 @@ class StepPrograms:
         # Drafts left on the device, laid out as a step reads them (``draft_feed``)
         feed = functools.partial(flat_drafts, size=buckets.max_seq_bucket)
         self._draft_feed = jax.jit(feed, out_shardings=self.no_previous_ids.sharding)
-        # XLA records a step's command buffers (CUDA graphs) again wherever a buffer they read
-        # moved since the last recording: a batch-1 step launched in 0.90 ms from one input
-        # buffer and 1.48 ms from a new one each call on an H100
-        # (benchmarks/probes/launch_reuse.py). Staged, the step reads its inputs from one
-        # buffer per packed length, which a copy program refreshes in place (donated).
-        self.staged_inputs = staged_inputs()
-        self._stage_fn = jax.jit(stage_inputs, donate_argnums=0, keep_unused=True)
-        self._staged: dict[int, tuple[jax.Array, jax.Array]] = {}
+        # The model step's inputs, staged (JAXSERVE_STAGED_INPUTS=1): read from buffers of
+        # fixed addresses, one pair per packed length (``staging.py``).
+        self.staging = Staging(self.put)
         self.set_weights(weights)
 
     def return_aux_states(self, aux_layers: tuple[int, ...]) -> None:
@@ -287,7 +264,9 @@ class StepPrograms:
         device_packed = self.put(packed)
         previous = self.no_previous_ids if previous_ids is None else previous_ids
         args = (
-            self.stage(device_packed, previous) if self.staged_inputs else (device_packed, previous)
+            self.stage(device_packed, previous)
+            if self.staging.enabled
+            else (device_packed, previous)
         )
         extra = self._lora_args()
         lora = self._lora_positional_args()
@@ -304,28 +283,14 @@ class StepPrograms:
     def warm_stage(self, num_tokens: int) -> None:
         """With staged inputs: compile the copy that stages a step of ``num_tokens`` tokens
         and make its buffers (a padding step's inputs); else nothing."""
-        if self.staged_inputs:
+        if self.staging.enabled:
             packed, _ = self._padding_packed(num_tokens)
             self.stage(self.put(packed), self.no_previous_ids)
 
     def stage(self, packed: jax.Array, previous_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``packed`` and ``previous_ids`` copied (on the device, in stream order) into the
-        buffers of their packed length, which keep their addresses from step to step; the
-        previous step of that length read them, and may still be reading them."""
-        held = self._staged.pop(packed.shape[0], None)
-        if held is None:  # the first step of this length: its buffers, committed as the
-            # copy's outputs are (else the second call would compile it again)
-            held = committed(
-                self.put(
-                    (
-                        np.zeros(packed.shape, packed.dtype),
-                        np.zeros(previous_ids.shape, previous_ids.dtype),
-                    )
-                )
-            )
-        staged = self._stage_fn(held, packed, previous_ids)
-        self._staged[packed.shape[0]] = staged
-        return staged
+        """The step's inputs in the buffers of their packed length (``Staging.stage``)."""
+        staged_packed, staged_ids = self.staging.stage(packed.shape[0], (packed, previous_ids))
+        return staged_packed, staged_ids
 
     def _lora_args(self) -> dict[str, Any]:
         """The model step's adapter stacks, as they are now (none without LoRA), by keyword
