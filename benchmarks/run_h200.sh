@@ -529,7 +529,7 @@ stage_staged() {  # staged step inputs (JAXSERVE_STAGED_INPUTS), off | on: the l
         echo "-- staged=$on: $(grep -v -E 'INFO|WARN' "$OUT/staged_latency_$on.log" | tail -2)"
       else
         mkdir -p "$OUT/staged_spec_$on"
-        JAXSERVE_STAGED_INPUTS=$on python3 -m benchmarks.spec_decode --iters 20 --parts eagle3_8b \
+        JAXSERVE_STAGED_INPUTS=$on python3 -m benchmarks.spec_decode --iters 20 --parts eagle3_8b --batches 1,8 \
           --output-json "$OUT/staged_spec_$on.json" --step-log-dir "$OUT/staged_spec_$on" \
           > "$OUT/staged_spec_$on.log" 2>&1
         grep "^eagle3" "$OUT/staged_spec_$on.log" | sed "s/^/   staged=$on /"
