@@ -135,12 +135,6 @@
 #                $OUT/launch_reuse_N.{log,json}, $OUT/host_launch_<path>.{log,json} (a model
 #                start each, about 6 minutes; LAUNCH_ATTENTION="" leaves the paths out, $LAUNCH_ARGS
 #                adds the probe's flags: --smoke on the CPU)
-#   staged       staged step inputs (JAXSERVE_STAGED_INPUTS=1: the model step reads its inputs from
-#                buffers that keep their addresses) against off, in one call: launch_reuse's cases,
-#                then each part of $STAGED_PARTS (default "latency spec"): batch-1 TPOT at
-#                1000 in / 256 out, EAGLE-3's batch-1 and 8 steps with their step logs ->
-#                $OUT/staged_launch.{log,json}, $OUT/staged_latency_{0,1}.*, $OUT/staged_spec_{0,1}*
-#                (about 10 minutes; "latency" alone about 4)
 #   step_kernels what a compiled step launches (benchmarks/probes/step_kernels.py): the Llama-3-8B
 #                decode step of 16 tokens in bf16, fp8 and with 8 LoRA slots (the kernel count
 #                only for those two), and Qwen3-Embedding-0.6B's 16,384-token
@@ -509,38 +503,6 @@ stage_host_launch() {  # the host's time to launch a decode step, by buffer reus
     JAXSERVE_ATTENTION=$path python3 -m benchmarks.decode_roofline --iters 10 --batches 1,64 \
       --contexts 1024 --output-json "$OUT/host_launch_$path.json" > "$OUT/host_launch_$path.log" 2>&1
     grep -E "^row " "$OUT/host_launch_$path.log" || tail -3 "$OUT/host_launch_$path.log"
-  done
-}
-
-stage_staged() {  # staged step inputs (JAXSERVE_STAGED_INPUTS), off | on: the launch, then
-  # batch-1 TPOT (1000 in / 256 out) and EAGLE-3's batch-1 step ($STAGED_PARTS, say "latency")
-  python3 -m benchmarks.probes.launch_reuse ${LAUNCH_ARGS:-} --out "$OUT/staged_launch.json" \
-    > "$OUT/staged_launch.log" 2>&1
-  grep fresh_ms "$OUT/staged_launch.log" || tail -3 "$OUT/staged_launch.log"
-  local on part
-  for part in ${STAGED_PARTS:-latency spec}; do
-    for on in 0 1; do
-      if [ "$part" = latency ]; then
-        JAXSERVE_STAGED_INPUTS=$on python3 -m jaxserve.cli bench latency --model $MODEL \
-          --load-format dummy --max-model-len 2048 --max-num-batched-tokens 2048 \
-          --batch-sizes 1 --input-len 1000 --output-len 256 --num-iters-warmup 3 \
-          --num-iters ${STAGED_ITERS:-10} --output-json "$OUT/staged_latency_$on.json" \
-          > "$OUT/staged_latency_$on.log" 2>&1
-        echo "-- staged=$on: $(grep -v -E 'INFO|WARN' "$OUT/staged_latency_$on.log" | tail -2)"
-      else
-        mkdir -p "$OUT/staged_spec_$on"
-        JAXSERVE_STAGED_INPUTS=$on python3 -m benchmarks.spec_decode --iters 20 --parts eagle3_8b --batches 1,8 \
-          --output-json "$OUT/staged_spec_$on.json" --step-log-dir "$OUT/staged_spec_$on" \
-          > "$OUT/staged_spec_$on.log" 2>&1
-        grep "^eagle3" "$OUT/staged_spec_$on.log" | sed "s/^/   staged=$on /"
-        local log
-        for log in "$OUT/staged_spec_$on"/eagle3_b1_*steps.jsonl; do
-          [ -f "$log" ] || continue
-          echo "-- staged=$on, $(basename "$log" _steps.jsonl), step log"
-          python3 -m benchmarks.step_log_summary "$log" --skip 1 2>&1 | tail -4
-        done
-      fi
-    done
   done
 }
 

@@ -683,34 +683,3 @@ def test_a_draft_checkpoint_stored_quantized_is_read_as_stored(plain, tmp_path) 
         assert isinstance(llm.engine.proposer.weights.layers[0].w_down, QArray)
     with pytest.raises(QuantizationError, match="does not match the checkpoint's"):
         make_llm({"method": "draft_model", "model": str(draft), "quantization": "awq"})
-
-
-def test_staged_inputs_keep_the_tokens_and_each_chains_buffers_in_place(
-    plain, method, monkeypatch
-) -> None:
-    """``JAXSERVE_STAGED_INPUTS=1``: the verify step and the drafter's chain read their inputs
-    from buffers that keep their addresses call after call (``staging.py``), with the same
-    greedy tokens; the drafter plans the buffers' memory."""
-    from jaxserve.runner.drafting import STAGED_CHAIN_BYTES
-    from jaxserve.runner.staging import STAGED_INPUTS_ENV
-
-    monkeypatch.setenv(STAGED_INPUTS_ENV, "1")
-    llm = make_llm(METHODS[method])
-    proposer = llm.engine.proposer
-    assert llm.engine.runner.programs.staging.enabled and proposer.staging.enabled
-    stage, addresses = proposer.staging.stage, []
-
-    def recording(key, arrays):
-        staged = stage(key, arrays)
-        addresses.append((key, tuple(a.unsafe_buffer_pointer() for a in staged)))
-        return staged
-
-    monkeypatch.setattr(proposer.staging, "stage", recording)
-    assert token_ids(llm, PROMPTS[:2]) == plain[:2]
-    by_key: dict = {}
-    for key, pointers in addresses:
-        by_key.setdefault(key, set()).add(pointers)
-    assert len(addresses) > len(by_key) >= 1  # the chains ran from staged buffers, again
-    assert all(len(pointers) == 1 for pointers in by_key.values()), by_key
-    buckets = len(proposer.buckets.token_buckets)
-    assert proposer.kept_bytes() >= buckets * STAGED_CHAIN_BYTES

@@ -79,26 +79,3 @@ def test_step_programs_compile_a_bucket_and_run_it_without_a_runner() -> None:
     assert programs.step_fn._cache_size() == 0
     assert programs.sample_fn._cache_size() == 0
     assert programs.logits_fn._cache_size() == 0
-
-
-def test_warm_up_compiles_the_staging_copy_of_each_bucket_when_inputs_are_staged() -> None:
-    """``JAXSERVE_STAGED_INPUTS=1``: warm-up compiles each bucket's staging copy and makes its
-    buffers, so the first step of a bucket compiles nothing and the step runs from them."""
-    model_dir = fixture_dir("llama")
-    model_config = load_model_config(str(model_dir))
-    programs = make_programs(model_config)
-    programs.staging.enabled = True
-    programs.ready_tokens = 0
-    with programs.precision(), concurrent.futures.ThreadPoolExecutor(2) as pool:
-        warmup.compile_buckets(programs, pool, [16], time.perf_counter(), lambda: None, True)
-    assert programs.staging._copy._cache_size() == 1
-    (length,) = programs.staging._held
-    held = [a.unsafe_buffer_pointer() for a in programs.staging._held[length]]
-
-    config = EngineConfig(model=str(model_dir), dtype="float32")
-    programs.set_weights(model_weights(model_config, config, jnp.float32, None, None)[0])
-    kv_cache = make_kv_cache_for(model_config, NUM_BLOCKS, BLOCK_SIZE, jnp.float32)
-    with programs.precision():
-        kv_cache = warmup.run_smallest_step(programs, kv_cache)
-    assert programs.staging._copy._cache_size() == 1  # nothing compiled at the step
-    assert [a.unsafe_buffer_pointer() for a in programs.staging._held[length]] == held

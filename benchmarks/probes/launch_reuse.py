@@ -19,11 +19,15 @@ device, the median of ``--iters`` calls:
   pipelined    the engine's own loop (``ModelRunner.dispatch`` and ``sample`` of step n + 1
                while step n runs, then n collected: ``benchmarks.common.pipelined_times``):
                the host's time of the dispatch and the sampler's launch
-  pipelined_staged   the same with the step's inputs staged (``JAXSERVE_STAGED_INPUTS=1``:
-               copied on the device into buffers that keep their addresses)
-  staged       fresh, the input then staged (the copy program's launch included)
   queued_same  same_input, each call made while the previous one still runs (its output
-               held until then): do a running step's temporaries move the next one's?
+               held until then): do a running step's buffers move the next one's?
+
+Tried and dropped (2026-12-07, an H100): the step's inputs copied on the device into buffers of
+fixed addresses by a small program that donates the last call's (so the graphs would keep their
+addresses). The copy cost more than it saved: from an idle device 1.72 ms against fresh's 1.26,
+in the engine's loop 3.90 ms against 2.87 (each copy donates buffers the running step may still
+read; where the time goes was not traced); batch-1 TPOT unchanged (5.98 ms), EAGLE-3's batch-1
+step 10.54 against 9.44 ms.
 
     python -m benchmarks.probes.launch_reuse [--batch 1] [--context 1024] [--out FILE]
     python -m benchmarks.probes.launch_reuse --smoke        # the tiny fixture, on the CPU
@@ -96,27 +100,13 @@ def launches(runner: ModelRunner, batch: int, context: int, iters: int) -> dict[
         )
         return hidden
 
-    def staged() -> Any:
-        staged_input, previous = programs.stage(programs.put(packed), programs.no_previous_ids)
-        runner.kv_cache, hidden, *_ = programs.step_fn(
-            programs.weights, runner.kv_cache, staged_input, previous, layout
-        )
-        return hidden
-
-    row = {
+    return {
         "pipelined_ms": 1e3 * pipelined_times(runner, sched, iters)[1],
         "fresh_ms": 1e3 * median_launch(fresh, iters),
         "same_input_ms": 1e3 * median_launch(same_input, iters),
         "held_ms": 1e3 * median_launch(fresh, iters, hold=True),
-        "staged_ms": 1e3 * median_launch(staged, iters),
         "queued_same_ms": 1e3 * median_queued(same_input, iters),
     }
-    staged_before, programs.staging.enabled = programs.staging.enabled, True
-    try:
-        row["pipelined_staged_ms"] = 1e3 * pipelined_times(runner, sched, iters)[1]
-    finally:
-        programs.staging.enabled = staged_before
-    return row
 
 
 def main() -> None:

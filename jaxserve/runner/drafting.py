@@ -51,7 +51,6 @@ from jaxserve.runner.buckets import MIN_TOKEN_BUCKET, Buckets
 from jaxserve.runner.packing import Layout, pack, unpack
 from jaxserve.runner.parallel.sharding import TensorParallel, prepare_tp
 from jaxserve.runner.programs import compiler_options, holds_fp8
-from jaxserve.runner.staging import Staging
 from jaxserve.runner.step import DeviceDrafts
 from jaxserve.runner.warmup import check_program_memory
 from jaxserve.units import cdiv
@@ -306,11 +305,6 @@ class ChainArgs(NamedTuple):
     layout: Layout
 
 
-STAGED_CHAIN_BYTES = 8 << 20
-"""The most bytes of a chain call's inputs that are staged (``Staging``): the small calls, whose
-launch is a share of their time (Llama-3-8B's three aux states of 256 rows: 6 MiB)."""
-
-
 class PagedDrafter:
     """What every drafter with a paged cache of its own does the same way: its token buckets
     and ``PagePool`` (``max_seqs`` sequences of ``max_model_len + k`` tokens), a sequence's
@@ -340,9 +334,6 @@ class PagedDrafter:
         pages_per_seq = self.buckets.pages_per_seq
         self.pool = PagePool(max_seqs * pages_per_seq, engine.block_size, pages_per_seq)
         self.computed: dict[str, int] = {}  # seq id -> tokens the drafter's cache holds
-        # A call's inputs, staged (JAXSERVE_STAGED_INPUTS=1) where they are small: the chain
-        # is launched on every decode step, and it reads new buffers each call otherwise.
-        self.staging = Staging(self.put)
 
     @property
     def pad_slot(self) -> int:
@@ -406,9 +397,8 @@ class PagedDrafter:
         raise NotImplementedError
 
     def kept_bytes(self) -> int:
-        """Per device, what the runner keeps for the drafter beyond its own step: the staged
-        inputs' buffers, at most ``STAGED_CHAIN_BYTES`` a token bucket."""
-        return len(self.buckets.token_buckets) * STAGED_CHAIN_BYTES if self.staging.enabled else 0
+        """Per device, what the runner keeps for the drafter beyond its own step (none)."""
+        return 0
 
     def free(self, seq_id: str) -> None:
         self.pool.release(seq_id)
@@ -494,13 +484,8 @@ class PagedDrafter:
         raise NotImplementedError
 
     def _call_chain(self, args: ChainArgs) -> tuple[Any, jax.Array]:
-        """(pages, drafts) of the compiled chain on ``args``, its inputs after the weights and
-        pages staged where they are on and small (``Staging``)."""
-        weights, pages, *inputs = args.args
-        if self.staging.enabled and sum(a.nbytes for a in inputs) <= STAGED_CHAIN_BYTES:
-            key = tuple(a.shape for a in inputs)
-            inputs = list(self.staging.stage(key, tuple(inputs)))
-        return self._chain(weights, pages, *inputs, layout=args.layout)
+        """(pages, drafts) of the compiled chain on ``args``."""
+        return self._chain(*args.args, layout=args.layout)
 
 
 def compile_ahead(lowerings: list[Callable[[], Any]], compiled_out: list | None = None) -> int:

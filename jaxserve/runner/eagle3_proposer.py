@@ -200,10 +200,9 @@ class TargetStatesDrafter(PagedDrafter):
     def kept_bytes(self) -> int:
         """The states of the runner's largest step kept for the drafter, and a call's rows
         gathered from them (its largest bucket): two ``[T, state_dim]`` arrays (at 8,192
-        tokens of Llama-3-8B's three aux layers, 201 MB each), and the staged inputs' buffers."""
+        tokens of Llama-3-8B's three aux layers, 201 MB each)."""
         rows = max(self.runner.buckets.token_buckets[-1], self.buckets.token_buckets[-1])
-        states = 2 * rows * self.state_dim * jnp.dtype(self.runner.dtype).itemsize
-        return states + super().kept_bytes()
+        return 2 * rows * self.state_dim * jnp.dtype(self.runner.dtype).itemsize
 
     def warmup(self, headroom_bytes: int | None = None) -> int:
         """The drafting programs of every token bucket, the target's run again over its cache

@@ -49,7 +49,6 @@ from jaxserve.runner.programs import (
     pool_step,
 )
 from jaxserve.runner.sampling import TOKEN_MASK_LEAF, SamplerFlags, SamplingInputs
-from jaxserve.runner.staging import Staging
 from jaxserve.runner.step import DeviceDrafts
 from jaxserve.runner.weight_update import committed
 
@@ -57,7 +56,6 @@ from jaxserve.runner.weight_update import committed
 _LOG = logging.getLogger("jaxserve.runner.warmup")
 
 BACKGROUND_SLOTS = 4  # compiles at a time once the KV cache is allocated
-
 BACKGROUND_RETRIES = 3  # compiles alone after running out of device memory
 
 # The programs of a token bucket besides its model step (``StepPrograms.uncompiled``' kinds):
@@ -200,9 +198,6 @@ class StepPrograms:
         # Drafts left on the device, laid out as a step reads them (``draft_feed``)
         feed = functools.partial(flat_drafts, size=buckets.max_seq_bucket)
         self._draft_feed = jax.jit(feed, out_shardings=self.no_previous_ids.sharding)
-        # The model step's inputs, staged (JAXSERVE_STAGED_INPUTS=1): read from buffers of
-        # fixed addresses, one pair per packed length (``staging.py``).
-        self.staging = Staging(self.put)
         self.set_weights(weights)
 
     def return_aux_states(self, aux_layers: tuple[int, ...]) -> None:
@@ -261,13 +256,7 @@ class StepPrograms:
         if self.lora is not None and lora_slots is None:
             lora_slots = np.zeros(batch.num_tokens, np.int32)
         packed, layout = pack_step(batch, source, lora_slots)
-        device_packed = self.put(packed)
-        previous = self.no_previous_ids if previous_ids is None else previous_ids
-        args = (
-            self.stage(device_packed, previous)
-            if self.staging.enabled
-            else (device_packed, previous)
-        )
+        args = (self.put(packed), self.no_previous_ids if previous_ids is None else previous_ids)
         extra = self._lora_args()
         lora = self._lora_positional_args()
         step = self.compiled_steps.get(batch.num_tokens)
@@ -276,21 +265,7 @@ class StepPrograms:
         else:
             out = step(self.weights, kv_cache, *args, *lora, **extra)
         kv_cache, hidden, *aux = out  # aux: [T, A * H] with ``return_aux_states``
-        # The logits and pooling programs read the step's own buffer: the staged one is
-        # refreshed (donated) by the next step.
-        return kv_cache, Forward(hidden, device_packed, layout, aux[0] if aux else None)
-
-    def warm_stage(self, num_tokens: int) -> None:
-        """With staged inputs: compile the copy that stages a step of ``num_tokens`` tokens
-        and make its buffers (a padding step's inputs); else nothing."""
-        if self.staging.enabled:
-            packed, _ = self._padding_packed(num_tokens)
-            self.stage(self.put(packed), self.no_previous_ids)
-
-    def stage(self, packed: jax.Array, previous_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The step's inputs in the buffers of their packed length (``Staging.stage``)."""
-        staged_packed, staged_ids = self.staging.stage(packed.shape[0], (packed, previous_ids))
-        return staged_packed, staged_ids
+        return kv_cache, Forward(hidden, args[0], layout, aux[0] if aux else None)
 
     def _lora_args(self) -> dict[str, Any]:
         """The model step's adapter stacks, as they are now (none without LoRA), by keyword

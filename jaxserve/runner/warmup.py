@@ -436,7 +436,6 @@ def _compile_steps(
     for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
         check()
         programs.compiled_steps[futures[future]] = future.result()
-        programs.warm_stage(futures[future])
         _LOG.info(
             "Compiled model step for %d tokens (%d/%d) at %.1f s",
             futures[future],
