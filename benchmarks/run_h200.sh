@@ -42,7 +42,9 @@
 #                and EAGLE-3 at the published Llama-3.1-8B head shape (random weights) on the
 #                Llama-3-8B target: each propose call's ms and the step time, with the drafts
 #                left on the device and brought to the host first (about 4.5 minutes);
-#                $SPEC_PARTS picks parts, $SPEC_ARGS adds flags (e.g. "--eagle3-quantization fp8")
+#                $SPEC_PARTS picks parts, $SPEC_ARGS adds flags (e.g. "--eagle3-quantization fp8");
+#                EAGLE-3's traced batch-1 steps: the kernels by program and the host's events ->
+#                $OUT/spec_eagle3_b1_{kernels,host}.txt
 #   cublas       a few roofline cells with XLA's Triton GEMMs off (cuBLAS for every matmul)
 #   quant        bf16 vs fp8 weights (W8A8) vs fp8 weights + fp8 KV cache (when the build has
 #                EngineConfig.kv_cache_dtype; $QUANT_MODES picks, e.g. "bf16 fp8"): decode
@@ -523,6 +525,10 @@ stage_spec() {  # speculative decoding: verify cost k = 0..7 at batch 1/8/64, n-
     python3 -m benchmarks.trace_summary /tmp/spec_profile/eagle3_b1 --steps 17 --top 12 \
       --by-module > "$OUT/spec_eagle3_b1_kernels.txt" 2>&1  # the chain apart from the verify
     echo "-- EAGLE-3, batch 1"; head -48 "$OUT/spec_eagle3_b1_kernels.txt"
+    # the host's side of the same steps: where a verify step's launch spends its time
+    python3 -m benchmarks.trace_summary /tmp/spec_profile/eagle3_b1 --steps 17 --top 30 \
+      --host > "$OUT/spec_eagle3_b1_host.txt" 2>&1
+    echo "-- EAGLE-3, batch 1, host"; head -34 "$OUT/spec_eagle3_b1_host.txt"
   fi
 }
 

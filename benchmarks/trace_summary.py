@@ -7,7 +7,14 @@ splits each stream's kernels by the XLA program that launched them (the ``hlo_mo
 profiler records with each kernel: ``jit_step``, ``jit_drafting_chain``, ...), so that a
 drafter's chain and the verify step it feeds read apart in one trace.
 
+``--host`` summarises the host's threads instead: per thread, its events grouped by name
+(XLA's and PJRT's annotations: ``PjitFunction(step)``, ``Wait for usage holds``, a command
+buffer's recording, ...), each name's inclusive time per step, largest first; the threads
+with the most event time first (``--threads`` of them). A host call that waits for the device
+(a launch that blocks) shows there as the wait's own event.
+
     python -m benchmarks.trace_summary TRACE_DIR_OR_FILE [--top 25] [--steps N] [--by-module]
+    python -m benchmarks.trace_summary TRACE_DIR_OR_FILE --host [--threads 3] [--steps N]
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--steps", type=int, default=1, help="steps in the trace (per-step us)")
     parser.add_argument("--by-module", action="store_true", help="kernels by XLA program first")
+    parser.add_argument("--host", action="store_true", help="the host's threads, not the device")
+    parser.add_argument("--threads", type=int, default=3, help="with --host: how many threads")
     args = parser.parse_args()
     events = load(args.trace)
     process = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
@@ -46,9 +55,11 @@ def main() -> None:
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
             continue
-        name = process.get(e["pid"], "")
-        if "GPU" in name or "/device:" in name and "CPU" not in name:
+        if is_device(process.get(e["pid"], "")) != args.host:
             streams[(e["pid"], e.get("tid"))].append(e)
+    if args.host:
+        print_host(streams, process, thread, args)
+        return
     for key, evs in sorted(streams.items(), key=lambda kv: -len(kv[1])):
         evs.sort(key=lambda e: e["ts"])
         span = evs[-1]["ts"] + evs[-1]["dur"] - evs[0]["ts"]
@@ -76,6 +87,22 @@ def main() -> None:
                 f"{len(module_evs) / args.steps:.1f} kernels/step"
             )
             print_kernels(module_evs, args.steps, args.top, "    ")
+
+
+def is_device(process_name: str) -> bool:
+    return "GPU" in process_name or "/device:" in process_name and "CPU" not in process_name
+
+
+def print_host(
+    threads: dict[tuple, list[dict]], process: dict, thread: dict, args: argparse.Namespace
+) -> None:
+    """Each of the busiest host threads' events by name: inclusive time per step (a parent's
+    time holds its children's), count per step and mean, largest total first."""
+    busiest = sorted(threads.items(), key=lambda kv: -total(kv[1]))[: args.threads]
+    for key, evs in busiest:
+        label = f"{process.get(key[0], key[0])} / {thread.get(key, key[1])}"
+        print(f"\n{label}: {len(evs)} events")
+        print_kernels(evs, args.steps, args.top, "  ")
 
 
 def total(evs: list[dict]) -> float:

@@ -1,4 +1,5 @@
-"""benchmarks/trace_summary.py on a synthetic device trace: kernels by name, and by program."""
+"""benchmarks/trace_summary.py on a synthetic trace: kernels by name and by program, and the
+host's threads by event."""
 
 import gzip
 import json
@@ -23,6 +24,12 @@ def write_trace(path: Path) -> Path:
             "dur": 20,
             "args": {"hlo_module": "jit_drafting_chain"},
         },
+        # the host: the launch of the step, and a wait inside it
+        {"name": "process_name", "ph": "M", "pid": 2, "args": {"name": "/host:CPU"}},
+        {"name": "thread_name", "ph": "M", "pid": 2, "tid": 1, "args": {"name": "python"}},
+        {"name": "PjitFunction(step)", "ph": "X", "pid": 2, "tid": 1, "ts": 0, "dur": 100},
+        {"name": "Wait for usage holds", "ph": "X", "pid": 2, "tid": 1, "ts": 5, "dur": 40},
+        {"name": "PjitFunction(step)", "ph": "X", "pid": 2, "tid": 1, "ts": 200, "dur": 60},
     ]
     path.mkdir(parents=True)
     with gzip.open(path / "perfetto_trace.json.gz", "wt") as f:
@@ -69,3 +76,17 @@ def test_a_directory_of_several_traces_is_read_by_its_newest(tmp_path):
         json.dump(data, f)
     os.utime(old / "perfetto_trace.json.gz", (1, 1))
     assert "1 events, span 10 us/step" in summary(tmp_path / "t")
+
+
+def test_host_threads_are_summarised_by_event_apart_from_the_device(tmp_path):
+    """``--host``: the host's events by name (inclusive time per step), not the kernels; and
+    the device's summary counts no host event."""
+    trace = write_trace(tmp_path / "t")
+    out = summary(trace, "--host", "--steps", "2")
+    assert "/host:CPU / python: 3 events" in out
+    lines = [line.strip() for line in out.splitlines() if line.strip()]
+    launch = lines.index("80.0 us/step      1.0 x     80.00 us avg  PjitFunction(step)")
+    wait = lines.index("20.0 us/step      0.5 x     40.00 us avg  Wait for usage holds")
+    assert launch < wait  # the larger total first
+    assert "fusion" not in out and "Stream" not in out
+    assert "PjitFunction" not in summary(trace)
