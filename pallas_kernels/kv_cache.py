@@ -22,6 +22,13 @@ FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 Scale = jax.Array | float | None  # f32[] per-tensor scale; None: 1.0
 
 
+def stacked_scales(*scales: Scale) -> jax.Array:  # f32[len(scales)]
+    """Per-tensor scales as one kernel operand, 1.0 for None (an fp8 cache's K and V, or an
+    MLA cache's latent and rope parts)."""
+    values = (1.0 if scale is None else scale for scale in scales)
+    return jnp.stack([jnp.asarray(value, jnp.float32).reshape(()) for value in values])
+
+
 def is_quantized(dtype) -> bool:
     """Whether a cache of this dtype stores scaled values (fp8)."""
     return jnp.dtype(dtype) in FP8_DTYPES

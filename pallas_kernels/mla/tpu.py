@@ -55,7 +55,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.kv_cache import FP8_DTYPES, Scale
+from pallas_kernels.kv_cache import FP8_DTYPES, Scale, stacked_scales
 from pallas_kernels.ragged_paged_attention.mosaic_gpu import max_tiles_for, plan_tiles
 
 MASK_VALUE = -1e30  # finite, so fully masked rows never produce inf - inf
@@ -454,14 +454,8 @@ def ragged_paged_mla_attention(
         # The one KV head dropped: a page is [page_size, D], rows on sublanes, D on lanes.
         ckv_pages.reshape(num_pages, page_size, ckv_pages.shape[-1]),
         kpe_pages.reshape(num_pages, page_size, kpe_pages.shape[-1]),
-        _scales(ckv_scale, kpe_scale),
+        stacked_scales(ckv_scale, kpe_scale),
     )
-
-
-def _scales(ckv_scale: Scale, kpe_scale: Scale) -> jax.Array:  # f32[2]
-    """The kernel's scales operand (1.0 for None)."""
-    values = (1.0 if scale is None else scale for scale in (ckv_scale, kpe_scale))
-    return jnp.stack([jnp.asarray(value, jnp.float32).reshape(()) for value in values])
 
 
 def vmem_bytes(

@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.kv_cache import FP8_DTYPES, Scale
+from pallas_kernels.kv_cache import FP8_DTYPES, Scale, stacked_scales
 from pallas_kernels.ragged_paged_attention.mosaic_gpu import max_tiles_for, plan_tiles
 from pallas_kernels.ragged_paged_attention.splits import merge_splits
 from pallas_kernels.ragged_paged_attention.triton import default_num_splits, num_sms
@@ -307,7 +307,7 @@ def ragged_paged_mla_attention(
         with_padding=not is_split,
     )
     is_scaled = ckv_scale is not None or kpe_scale is not None
-    scales = _scales(ckv_scale, kpe_scale)
+    scales = stacked_scales(ckv_scale, kpe_scale)
     body = functools.partial(
         _mla_kernel,
         block_h=launch.block_h,
@@ -334,12 +334,6 @@ def ragged_paged_mla_attention(
     else:
         out = outs[0]
     return out[..., : q_latent.shape[-1]]
-
-
-def _scales(ckv_scale: Scale, kpe_scale: Scale) -> jax.Array:  # f32[2]
-    """The kernel's scales operand (1.0 for None)."""
-    values = (1.0 if scale is None else scale for scale in (ckv_scale, kpe_scale))
-    return jnp.stack([jnp.asarray(value, jnp.float32) for value in values])
 
 
 def _unsplit(body, *refs):

@@ -81,7 +81,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.env_choice import env_choice
-from pallas_kernels.kv_cache import FP8_DTYPES
+from pallas_kernels.kv_cache import FP8_DTYPES, stacked_scales
 from pallas_kernels.ragged_paged_attention.splits import (
     MASK_VALUE,
     SMALL_LAUNCH_ROWS,
@@ -852,9 +852,7 @@ def scales_operand(k_scale, v_scale, sinks: jax.Array | None) -> jax.Array:
     """The kernel's small f32 GMEM operand: ``[k_scale, v_scale]`` (1.0 for None), then, for a
     launch that takes them, the sink logits: f32[2] or f32[2 + Hq]. The Triton kernel's scales
     operand is the first form."""
-    scales = jnp.stack(
-        [jnp.asarray(1.0 if x is None else x, jnp.float32).reshape(()) for x in (k_scale, v_scale)]
-    )  # f32[2]
+    scales = stacked_scales(k_scale, v_scale)  # f32[2]
     if sinks is not None:
         scales = jnp.concatenate([scales, sinks.astype(jnp.float32)])  # f32[2 + Hq]
     return scales
