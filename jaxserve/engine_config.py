@@ -340,6 +340,15 @@ def _limit_source(model_config: ModelConfig) -> str:
     return text
 
 
+def sample_rows(max_num_seqs: int, spec: SpeculativeConfig | None) -> int:
+    """The most sampler rows a step of ``max_num_seqs`` sequences takes (``EngineConfig
+    .max_sample_rows``): with ``spec``, the drafting sequences' drafts too."""
+    if spec is None:
+        return max_num_seqs
+    drafting = min(max_num_seqs, spec.max_batch_size)
+    return max(max_num_seqs, drafting * (1 + spec.num_speculative_tokens))
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     # A local Hugging Face directory, or a model id (org/name) in the Hugging Face cache; ""
@@ -530,6 +539,15 @@ class EngineConfig:
         or the device's default); before that, ``BASE_MAX_NUM_SEQS`` (256), for code that only
         sizes something by it."""
         return self.max_num_seqs if self.max_num_seqs is not None else BASE_MAX_NUM_SEQS
+
+    @property
+    def max_sample_rows(self) -> int:
+        """The most sampler rows a step takes: one per running sequence, and with speculative
+        decoding one more per drafted token of the sequences that draft (at most
+        ``disable_by_batch_size`` of them, ``num_speculative_tokens`` each). The steps' sequence
+        rows, the sampler and the pending-token feed are sized by it, so that with few
+        sequences (``--max-num-seqs 1``, say) every draft still has a row to be verified in."""
+        return sample_rows(self.resolved_max_num_seqs, self.speculative_config)
 
     @property
     def resolved_max_cpu_loras(self) -> int:

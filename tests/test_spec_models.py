@@ -390,7 +390,10 @@ def test_a_model_drafters_memory_comes_out_of_the_kv_cache(plain, method) -> Non
     runner, proposer = llm.engine.runner, llm.engine.proposer
     capacity = runner.capacity
     assert capacity.drafter_bytes == proposer.device_bytes(runner.weights) > 0
-    assert capacity.kv_budget_bytes == alone.kv_budget_bytes - capacity.drafter_bytes
+    # and the sampler's rows for the drafts (8 sequences, 3 drafts each: 32 rows, not 8)
+    sampler_rows = capacity.activation_bytes - alone.activation_bytes
+    assert sampler_rows > 0
+    assert capacity.kv_budget_bytes == alone.kv_budget_bytes - capacity.drafter_bytes - sampler_rows
     block = capacity.kv_bytes_per_token * capacity.block_size
     assert llm.engine.kv.num_blocks == capacity.num_blocks == capacity.kv_budget_bytes // block
     assert capacity.num_blocks < alone.num_blocks
@@ -440,7 +443,9 @@ def test_capacity_plans_the_drafter_the_engine_measures(method, dtype, capsys) -
     assert out["num_blocks"] == engine.kv.num_blocks
     plain = capacity_json(capsys, *flags, "--dtype", dtype, "--device-memory", str(memory))
     assert plain["drafter_bytes"] == 0
-    assert out["kv_budget_bytes"] == plain["kv_budget_bytes"] - measured
+    assert out["activation_bytes"] > plain["activation_bytes"]  # the drafts' sampler rows
+    sampler_rows = out["activation_bytes"] - plain["activation_bytes"]
+    assert out["kv_budget_bytes"] == plain["kv_budget_bytes"] - measured - sampler_rows
 
 
 def test_capacity_plans_a_head_without_weights_with_an_embedding_of_its_own(
@@ -683,3 +688,21 @@ def test_a_draft_checkpoint_stored_quantized_is_read_as_stored(plain, tmp_path) 
         assert isinstance(llm.engine.proposer.weights.layers[0].w_down, QArray)
     with pytest.raises(QuantizationError, match="does not match the checkpoint's"):
         make_llm({"method": "draft_model", "model": str(draft), "quantization": "awq"})
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 2])
+def test_a_step_has_rows_for_every_draft_however_few_sequences_are_served(
+    plain, method, max_num_seqs
+) -> None:
+    """With ``max_num_seqs`` 1 or 2 a sequence's drafts still each get a sampler row: the
+    steps' rows are sized for the drafts (``EngineConfig.max_sample_rows``). Sized by the
+    sequences alone, one sequence verified no draft at all and two verified one each."""
+    llm = make_llm(METHODS[method], max_num_seqs=max_num_seqs)
+    engine = llm.engine
+    assert engine.config.max_sample_rows == max_num_seqs * (1 + K)
+    assert engine.scheduler.max_sample_rows >= max_num_seqs * (1 + K)
+    assert token_ids(llm, PROMPTS[:1]) == plain[:1]
+    stats = engine.spec_stats
+    # every draft of k tokens verified (but where max_tokens cuts one short)
+    assert stats.num_drafts > 0 and stats.num_draft_tokens > (K - 1) * stats.num_drafts
+    assert engine.num_steps < GREEDY.max_tokens  # fewer steps than tokens: drafts accepted

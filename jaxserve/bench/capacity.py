@@ -25,6 +25,7 @@ from jaxserve.engine_config import (
     default_model_dir,
     dtype_name,
     kv_cache_dtype_name,
+    sample_rows,
     weight_dtype,
 )
 from jaxserve.flag_names import command_flags, in_flag_terms
@@ -308,7 +309,9 @@ def _plan_for(
     kv_dtype: str,
     max_num_seqs: int,
 ) -> Capacity:
-    """``plan_capacity`` of the flags, with ``max_num_seqs`` sequences a step."""
+    """``plan_capacity`` of the flags, with ``max_num_seqs`` sequences a step (and their
+    drafts' sampler rows with ``--speculative-config``, as the engine sizes them)."""
+    spec = SpeculativeConfig.of(args.speculative_config) if args.speculative_config else None
     return plan_capacity(
         config,
         max_model_len=max_model_len,
@@ -320,7 +323,7 @@ def _plan_for(
         block_size=args.block_size,
         tensor_parallel_size=args.tensor_parallel_size,
         max_num_batched_tokens=token_buckets_for(args.max_num_batched_tokens)[-1],
-        max_num_seqs=next_power_of_2(max_num_seqs),
+        max_num_seqs=next_power_of_2(sample_rows(max_num_seqs, spec)),
         expert_parallel=args.enable_expert_parallel,
         reference_attention=_plans_attention_reference(args, config, dtype),
         mla_path=_planned_mla_path(args, config, dtype, kv_dtype),

@@ -284,7 +284,7 @@ class EngineCore:
             self.kv = self._make_kv_cache(runner)
             self.scheduler = self._make_scheduler(runner)
             if self.proposer is not None:  # a step's sequences and drafts share sampler rows
-                self.scheduler.max_sample_rows = next_power_of_2(config.resolved_max_num_seqs)
+                self.scheduler.max_sample_rows = next_power_of_2(config.max_sample_rows)
             self.output_processor = OutputProcessor(
                 self.tokenizer, self.eos_token_ids, self.max_model_len
             )

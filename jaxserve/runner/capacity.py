@@ -688,7 +688,7 @@ def engine_capacity(
         block_size=config.block_size,
         tensor_parallel_size=config.tensor_parallel_size,
         max_num_batched_tokens=token_buckets_for(config.max_num_batched_tokens)[-1],
-        max_num_seqs=next_power_of_2(config.resolved_max_num_seqs),
+        max_num_seqs=next_power_of_2(config.max_sample_rows),  # the sampler's rows
         num_blocks_override=config.num_gpu_blocks_override,
         expert_parallel=config.enable_expert_parallel,
         reference_attention=reference,

@@ -90,7 +90,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.buckets = Buckets.of(
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.resolved_max_num_seqs,
+            max_num_seqs=config.max_sample_rows,  # a step's rows: its sequences and drafts
             max_model_len=max_model_len,
             block_size=config.block_size,
         )
