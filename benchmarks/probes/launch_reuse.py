@@ -9,7 +9,7 @@ sits at another address than at the last recording (``CommandBufferThunk``'s
 output; if those addresses move from step to step, every launch records the graphs again.
 
 Each case times the host's call of the model step alone (the sampler left out), from an idle
-device, the median of ``--iters`` calls:
+device, the median of ``--iters`` calls, except where it says otherwise:
 
   fresh        as the runner runs it: the host batch put on the device in the call (a new
                buffer), the previous step's output released before the call
