@@ -33,6 +33,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import time
 import warnings
 
 import jax
@@ -166,6 +167,23 @@ def label(config) -> str:
     return ",".join(f"{k}={v}" for k, v in fields if v != default[k]) or "default"
 
 
+# The reference's einsums by XLA's heuristic, untimed: its autotuner timed their candidates at
+# every cell's shapes for minutes on an H100 (2026-12-07: the first cell had not printed after
+# 200 s) and the reference is only the baseline the kernels are checked and compared against.
+REFERENCE_OPTIONS = {"xla_gpu_autotune_level": 0}
+
+
+def timed(what: str, fn, args, iters: int) -> float:
+    """Microseconds per call of the jitted ``fn(*args)`` (``best_time``), after a progress
+    line with its compile time (a cut-off run still shows where its time went)."""
+    start = time.perf_counter()
+    compiled = fn.lower(*args).compile()
+    compile_s = time.perf_counter() - start
+    us = best_time(compiled, *args, iters=iters) * 1e6
+    print(f"   {what}: compiled in {compile_s:.1f} s, {us:.1f} us", flush=True)
+    return us
+
+
 def time_kernel(
     cell: Cell, args, kernel, configs: list, *, sm_scale: float, interpret: bool, iters: int
 ) -> dict:
@@ -174,7 +192,7 @@ def time_kernel(
     for config in configs:
         fn = functools.partial(kernel, sm_scale=sm_scale, config=config, interpret=interpret)
         try:
-            timings[label(config)] = best_time(jax.jit(fn), *args, iters=iters) * 1e6
+            timings[label(config)] = timed(f"{cell} {label(config)}", jax.jit(fn), args, iters)
         except Exception as error:  # a blocking that does not compile (registers, smem)
             print(f"   {cell} {label(config)}: {type(error).__name__}: {str(error)[:120]}")
     return timings
@@ -202,9 +220,12 @@ def time_cell(cell: Cell, shape: Shape, args, *, kernels: list[str], interpret: 
     }
     row["reference_us"] = None  # unless it runs: its temporaries may not fit
     if reference_gb(cell, shape) <= reference_max_gb:
-        ref = jax.jit(functools.partial(reference.ragged_paged_mla_attention, sm_scale=sm_scale))
+        ref = jax.jit(
+            functools.partial(reference.ragged_paged_mla_attention, sm_scale=sm_scale),
+            compiler_options=REFERENCE_OPTIONS if jax.default_backend() == "gpu" else None,
+        )
         try:
-            row["reference_us"] = best_time(ref, *args, iters=iters) * 1e6
+            row["reference_us"] = timed(f"{cell} reference", ref, args, iters)
         except Exception as error:  # out of memory
             print(f"   {cell} reference: {type(error).__name__}: {str(error)[:120]}")
     timing = functools.partial(
@@ -220,8 +241,8 @@ def time_cell(cell: Cell, shape: Shape, args, *, kernels: list[str], interpret: 
         row["configs_us"] = timings
     skip = mosaic_skip_reason(args, interpret) if "mosaic" in kernels else "not asked for"
     if skip is None:
-        configs = [mla_mosaic.MlaMosaicConfig()] + (MOSAIC_SWEEP if sweep else [])
-        timings = timing(mla_mosaic.ragged_paged_mla_attention, configs)
+        mosaic_configs = [mla_mosaic.MlaMosaicConfig()] + (MOSAIC_SWEEP if sweep else [])
+        timings = timing(mla_mosaic.ragged_paged_mla_attention, mosaic_configs)
         row["mosaic_us"] = timings.get("default")
         if timings:
             best = min(timings.items(), key=lambda kv: kv[1])
