@@ -186,6 +186,23 @@ def test_shared_memory_and_shapes_are_checked() -> None:
         MlaMosaicConfig(latent_chunk=96)
 
 
+def test_kv_splits_count_one_program_an_sm(monkeypatch) -> None:
+    """The kernel's shared memory holds one program an SM: a decode of 64 sequences at 128
+    heads (128 programs) fills the H100's / H200's 132 SMs unsplit (split in two it ran 13%
+    slower); 32 sequences (64 programs) split in two; one sequence splits its 4,096 tokens 32
+    ways (2 head blocks, 64 programs; two KV steps a split)."""
+    monkeypatch.setattr(mosaic_gpu, "num_sms", lambda: 132)
+
+    def launch(num_seqs: int) -> tuple[int, int]:
+        args = abstract_inputs((1,) * num_seqs, (4096,) * num_seqs, 128)
+        found = mosaic_gpu._launch_for(args[0], args[2], args[5], MlaMosaicConfig())
+        return found.max_tiles * found.num_head_blocks, found.num_splits
+
+    assert launch(64) == (128, 1)
+    assert launch(32) == (64, 2)
+    assert launch(1) == (2, 32)
+
+
 def test_dispatch_takes_the_mosaic_kernel_only_when_asked(monkeypatch) -> None:
     """``auto`` keeps the Triton kernel on GPUs (the reference here); ``mosaic`` takes the
     Mosaic GPU kernel where it runs (interpret mode off a GPU, given the threads), else what

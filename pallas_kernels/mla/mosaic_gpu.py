@@ -493,8 +493,15 @@ def _launch_for(q_latent, ckv_pages, page_indices, config: MlaMosaicConfig) -> _
     block_q = 1 if num_tokens <= num_slots else ROWS // block_h
     num_head_blocks = num_heads // block_h
     max_tiles = max_tiles_for(num_tokens, num_slots, block_q)
+    # One program an SM: its shared memory (225 KB at DeepSeek's latent) holds no second.
+    # Counted as two, a 64-sequence decode split in two and ran 243 us against one split's 211
+    # (H100, 4,096 cached tokens, benchmarks/mla.py --sweep, 2026-12-07).
     num_splits = config.num_splits or default_num_splits(
-        max_tiles * num_head_blocks, pages_per_seq * page_size, config.block_kv, num_sms()
+        max_tiles * num_head_blocks,
+        pages_per_seq * page_size,
+        config.block_kv,
+        num_sms(),
+        programs_per_sm=1,
     )
     return _Launch(block_h, block_q, num_head_blocks, max_tiles, num_splits)
 

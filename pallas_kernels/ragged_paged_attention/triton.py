@@ -127,10 +127,13 @@ def default_block_kv(head_dim: int) -> int:
     return 64 if major.isdigit() and int(major) >= 9 else 32
 
 
-def default_num_splits(programs: int, max_kv: int, block_kv: int, sms: int) -> int:
-    """Split the KV length while the programs would fill fewer than two waves of the GPU."""
+def default_num_splits(
+    programs: int, max_kv: int, block_kv: int, sms: int, programs_per_sm: int = 2
+) -> int:
+    """Split the KV length while the split programs still fit one wave of the GPU, at
+    ``programs_per_sm`` resident on each SM (two by this kernel's shared memory)."""
     splits = 1
-    while programs * splits * 2 <= 2 * sms and max_kv >= 4 * splits * block_kv:
+    while programs * splits * 2 <= programs_per_sm * sms and max_kv >= 4 * splits * block_kv:
         splits *= 2
     return splits
 
