@@ -104,8 +104,14 @@
 #                --grouped-matmuls-only --fp8-experts) -> $OUT/moe_fp8_{qwen3,dsv3}.json
 #   mla_mosaic   the Mosaic GPU MLA kernel (pallas_kernels/mla/mosaic_gpu.py, two consumer
 #                warpgroups each holding half the [64, 512] accumulator): its native tests under
-#                a timeout (a hang is the failure to expect), then benchmarks/mla.py with the
-#                Triton and Mosaic GPU kernels side by side -> $OUT/mla_mosaic.{log,json}
+#                a timeout (a hang is the failure to expect; MLA_TESTS=0 skips them), then
+#                benchmarks/mla.py with the Triton and Mosaic GPU kernels side by side at their
+#                default blockings ($MLA_KERNELS; MLA_SWEEP=1 adds the blocking sweeps, several
+#                minutes more; $MLA_CELLS: --batches/--contexts flags) -> $OUT/mla_mosaic.{log,json}
+#   mla_step     the deepseek_v3 stage's 5-layer model, decode at batch 1 and 64 x 4,096 context,
+#                with its latent attention on the reference, the Triton and the Mosaic GPU kernel
+#                (JAXSERVE_MLA=off, on, mosaic; each a process under $MLA_STEP_S seconds, default
+#                170) -> $OUT/deepseek_v3_step_{off,on,mosaic}.{log,json}
 #   load         loading a 15 GB safetensors checkpoint (Llama-3-8B shape, bf16, 4 shards) from the
 #                page cache (benchmarks/load_speed.py): load_weights' GB/s (target >= 5) beside the
 #                loader before it, read / read + device_put alone, threads and staging swept;
@@ -879,12 +885,16 @@ stage_skinny_step() {
   done
 }
 
-stage_deepseek_v3() {
+deepseek_v3_layers() {  # DIR N: the shipped DeepSeek-V3 config cut to its first N layers
   python3 -c 'import json, pathlib, sys
 config = json.loads(pathlib.Path("jaxserve/assets/configs/deepseek-v3/config.json").read_text())
 out = pathlib.Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
-(out / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 5}))' \
-    "$OUT/deepseek-v3-5l"
+(out / "config.json").write_text(json.dumps(config | {"num_hidden_layers": int(sys.argv[2])}))' \
+    "$1" "$2"
+}
+
+stage_deepseek_v3() {
+  deepseek_v3_layers "$OUT/deepseek-v3-5l" 5
   python3 -m benchmarks.moe --engine jaxserve --model "$OUT/deepseek-v3-5l" --mgpu-batches "" \
     --max-num-batched-tokens 1024 --max-model-len 2048 --output-json "$OUT/deepseek_v3.json" \
     > "$OUT/deepseek_v3.log" 2>&1
@@ -896,11 +906,7 @@ stage_mla() {
   python3 -m benchmarks.mla --sweep --out "$OUT/mla.json" > "$OUT/mla.log" 2>&1
   sed -n '/^| step/,$p' "$OUT/mla.log"
   grep -E "Error|error" "$OUT/mla.log" | head -5
-  python3 -c 'import json, pathlib, sys
-config = json.loads(pathlib.Path("jaxserve/assets/configs/deepseek-v3/config.json").read_text())
-out = pathlib.Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
-(out / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 5}))' \
-    "$OUT/deepseek-v3-5l"
+  deepseek_v3_layers "$OUT/deepseek-v3-5l" 5
   local mode
   for mode in off auto; do
     echo "-- the 5-layer model, JAXSERVE_MLA=$mode"
@@ -922,14 +928,33 @@ stage_moe_fp8() {  # fp8 routed experts: native tests, the grouped matmul agains
 }
 
 stage_mla_mosaic() {  # the Mosaic GPU MLA kernel: native tests, then beside the Triton kernel
-  # MLA_TESTS=0: the timings alone (the native tests passed on an H100, 2026-12-05)
   [ "${MLA_TESTS:-1}" = 0 ] || timeout 300 python3 -m pytest -q -m gpu tests/test_mla_mosaic_gpu.py 2>&1 | tail -3
-  # $MLA_KERNELS: the kernels timed (triton,mosaic); MLA_SWEEP=0: their default blockings only
-  python3 -m benchmarks.mla --kernels "${MLA_KERNELS:-triton,mosaic}" \
-    $([ "${MLA_SWEEP:-1}" = 0 ] || echo --sweep) --out "$OUT/mla_mosaic.json" \
+  # A line a compile and timing (benchmarks/mla.py): a run cut off at its limit still says
+  # where it got to.
+  python3 -m benchmarks.mla --kernels "${MLA_KERNELS:-triton,mosaic}" ${MLA_CELLS:-} \
+    $([ "${MLA_SWEEP:-0}" = 1 ] && echo --sweep) --out "$OUT/mla_mosaic.json" \
     > "$OUT/mla_mosaic.log" 2>&1
   sed -n '/^| step/,$p' "$OUT/mla_mosaic.log"
   grep -E "Error|error" "$OUT/mla_mosaic.log" | head -5
+}
+
+stage_mla_step() {  # the 5-layer DeepSeek-V3 decode step on each latent attention path
+  deepseek_v3_layers "$OUT/deepseek-v3-5l" 5
+  local mode
+  for mode in off on mosaic; do
+    echo "-- the 5-layer model, JAXSERVE_MLA=$mode"
+    JAXSERVE_MLA=$mode timeout "${MLA_STEP_S:-170}" python3 -m benchmarks.moe --engine jaxserve \
+      --model "$OUT/deepseek-v3-5l" --batches 1,64 --context 4096 --max-model-len 8192 \
+      --mgpu-batches "" --prefill-tokens "" --max-num-batched-tokens 1024 --num-prompts 64 \
+      --output-json "$OUT/deepseek_v3_step_$mode.json" > "$OUT/deepseek_v3_step_$mode.log" 2>&1
+    grep -E "Attention:" "$OUT/deepseek_v3_step_$mode.log" | head -1
+    # the decode rows from the JSON, written after each part (the timeout cuts the experts'
+    # and throughput parts that follow)
+    python3 -c 'import json, sys
+for r in json.load(open(sys.argv[1])).get("decode", []):
+    print("batch %(batch)d x %(context)d: device %(device_ms).2f ms, wall %(wall_ms).2f ms" % r)' \
+      "$OUT/deepseek_v3_step_$mode.json" 2>/dev/null || echo "   no decode rows"
+  done
 }
 
 stage_load() {
@@ -1147,7 +1172,7 @@ for arg in "$@"; do
   limit=${arg#*:}
   [ "$limit" = "$arg" ] && limit=600
   echo "== $stage (limit ${limit} s, at $(( $(date +%s) - start )) s)"
-  export -f "stage_$stage" first_token start_server stop_server wait_every_bucket
+  export -f "stage_$stage" first_token start_server stop_server wait_every_bucket deepseek_v3_layers
   export OUT MODEL SHAPES SERVE_PROMPTS STARTUP_PROFILE KV_EVENTS_RATES
   timeout --kill-after=10 "$limit" bash -c "stage_$stage"
   rc=$?
