@@ -130,8 +130,8 @@ def default_block_kv(head_dim: int) -> int:
 def default_num_splits(
     programs: int, max_kv: int, block_kv: int, sms: int, programs_per_sm: int = 2
 ) -> int:
-    """Split the KV length while the split programs still fit one wave of the GPU, at
-    ``programs_per_sm`` resident on each SM (two by this kernel's shared memory)."""
+    """Split the KV length while the split programs fit one wave of ``programs_per_sm``
+    programs on each SM (the default, 2: two waves of one program an SM)."""
     splits = 1
     while programs * splits * 2 <= programs_per_sm * sms and max_kv >= 4 * splits * block_kv:
         splits *= 2
