@@ -43,6 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.kv_cache import stacked_scales
 from pallas_kernels.ragged_paged_attention.reference import DEFAULT_MASK_VALUE
 
 # NOTE: the running max and sum are kept broadcast over a full 128-lane row, the layout Mosaic
@@ -283,9 +284,7 @@ def ragged_paged_attention(
     scalars = _scalar_operands(
         kv_lens, page_indices, cu_q_lens, num_seqs, num_q_blocks, tokens_per_block
     )
-    scales = jnp.stack(
-        [jnp.asarray(1.0 if x is None else x, jnp.float32).reshape(()) for x in (k_scale, v_scale)]
-    )  # f32[2]
+    scales = stacked_scales(k_scale, v_scale)  # f32[2]
     kernel = functools.partial(
         _attention_kernel,
         sm_scale=sm_scale,
