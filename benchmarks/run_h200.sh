@@ -103,15 +103,18 @@
 #                and one device's slice of DeepSeek-V3's at -tp 8 (benchmarks/moe.py
 #                --grouped-matmuls-only --fp8-experts) -> $OUT/moe_fp8_{qwen3,dsv3}.json
 #   mla_mosaic   the Mosaic GPU MLA kernel (pallas_kernels/mla/mosaic_gpu.py, two consumer
-#                warpgroups each holding half the [64, 512] accumulator): its native tests under
-#                a timeout (a hang is the failure to expect; MLA_TESTS=0 skips them), then
-#                benchmarks/mla.py with the Triton and Mosaic GPU kernels side by side at their
+#                warpgroups each holding half the [64, 512] accumulator): benchmarks/mla.py with the Triton and Mosaic GPU kernels side by side at their
 #                default blockings ($MLA_KERNELS; MLA_SWEEP=1 adds the blocking sweeps, several
 #                minutes more; $MLA_CELLS: --batches/--contexts flags) -> $OUT/mla_mosaic.{log,json}
 #   mla_step     the deepseek_v3 stage's 5-layer model, decode at batch 1 and 64 x 4,096 context,
 #                with its latent attention on the reference, the Triton and the Mosaic GPU kernel
 #                (JAXSERVE_MLA=off, on, mosaic; each a process under $MLA_STEP_S seconds, default
 #                170) -> $OUT/deepseek_v3_step_{off,on,mosaic}.{log,json}
+#   mla_native   the MLA kernels' native test cases (tests/test_mla_{mosaic_gpu,kernel}.py), each
+#                in a process of its own under $MLA_CASE_S seconds (default 45), $MLA_REPEATS
+#                times on fresh inputs (default 2), with the phase a stalled case was in
+#                (benchmarks/probes/native_cases.py; $MLA_NATIVE_KERNELS: mosaic,triton)
+#                -> $OUT/mla_native_{mosaic,triton}.json; about 5 minutes: mla_native:330
 #   load         loading a 15 GB safetensors checkpoint (Llama-3-8B shape, bf16, 4 shards) from the
 #                page cache (benchmarks/load_speed.py): load_weights' GB/s (target >= 5) beside the
 #                loader before it, read / read + device_put alone, threads and staging swept;
@@ -927,8 +930,7 @@ stage_moe_fp8() {  # fp8 routed experts: native tests, the grouped matmul agains
     --output-json "$OUT/moe_fp8_dsv3.json" 2>&1 | grep -v -E "INFO|WARN" | tail -12
 }
 
-stage_mla_mosaic() {  # the Mosaic GPU MLA kernel: native tests, then beside the Triton kernel
-  [ "${MLA_TESTS:-1}" = 0 ] || timeout 300 python3 -m pytest -q -m gpu tests/test_mla_mosaic_gpu.py 2>&1 | tail -3
+stage_mla_mosaic() {  # the Mosaic GPU MLA kernel beside the Triton kernel
   # A line a compile and timing (benchmarks/mla.py): a run cut off at its limit still says
   # where it got to.
   python3 -m benchmarks.mla --kernels "${MLA_KERNELS:-triton,mosaic}" ${MLA_CELLS:-} \
@@ -936,6 +938,16 @@ stage_mla_mosaic() {  # the Mosaic GPU MLA kernel: native tests, then beside the
     > "$OUT/mla_mosaic.log" 2>&1
   sed -n '/^| step/,$p' "$OUT/mla_mosaic.log"
   grep -E "Error|error" "$OUT/mla_mosaic.log" | head -5
+}
+
+stage_mla_native() {  # each native case in a process of its own: a stall names its case
+  local kernel
+  for kernel in $(echo "${MLA_NATIVE_KERNELS:-mosaic,triton}" | tr , ' '); do
+    echo "-- $kernel"
+    python3 -m benchmarks.probes.native_cases --kernel "$kernel" \
+      --case-timeout "${MLA_CASE_S:-45}" --repeats "${MLA_REPEATS:-2}" \
+      --out "$OUT/mla_native_$kernel.json" 2>&1 | sed -n '/^| case/,$p'
+  done
 }
 
 stage_mla_step() {  # the 5-layer DeepSeek-V3 decode step on each latent attention path

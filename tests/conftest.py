@@ -306,6 +306,16 @@ def verify_triton_modules(monkeypatch):
     monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
 
 
+def reference_compiled_plainly(fn: Callable, *args):
+    """``fn(*args)`` jitted and compiled by XLA's heuristics (``xla_gpu_autotune_level`` 0):
+    the references the kernels are checked against are einsums over gathered pages, and on an
+    H100 the autotuner timed their GEMMs' candidates at DeepSeek-V3's shapes for minutes a case
+    (a native run of 300 s ended in the fifth case, 2026-12-07)."""
+    import jax
+
+    return jax.jit(fn).lower(*args).compile({"xla_gpu_autotune_level": 0})(*args)
+
+
 def run_with_devices(script: str, num_devices: int, *args: str, timeout: int = 600) -> str:
     """``script`` (Python source) in a process of its own on ``num_devices`` virtual CPU
     devices (JAX fixes the count when it starts); its standard output, once it exited 0."""

@@ -28,7 +28,7 @@ from jaxserve.models.layers import LayerWeights
 from pallas_kernels.kv_cache import quantize_kv
 from pallas_kernels.mla import dispatch, reference
 from pallas_kernels.mla.triton import MlaConfig, ragged_paged_mla_attention, unsupported_reason
-from tests.conftest import run_with_devices
+from tests.conftest import reference_compiled_plainly, run_with_devices
 from tests.test_kernel_gpu import _poisoned_run
 
 DEPRECATED = "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
@@ -302,7 +302,9 @@ def test_native_matches_reference(case: Case) -> None:
     seed = int(np.random.default_rng().integers(2**31))
     args = make_inputs(np.random.default_rng(seed), case)
     kwargs = attention_kwargs(case)
-    ref = jax.jit(lambda *a: reference.ragged_paged_mla_attention(*a, **kwargs))(*args)
+    ref = reference_compiled_plainly(
+        lambda *a: reference.ragged_paged_mla_attention(*a, **kwargs), *args
+    )
     out = _poisoned_run(
         lambda *a: ragged_paged_mla_attention(*a, **kwargs, config=case.config),
         args,

@@ -26,7 +26,7 @@ import pytest
 
 from pallas_kernels.mla import dispatch, mosaic_gpu, reference
 from pallas_kernels.mla.mosaic_gpu import MlaMosaicConfig
-from tests.conftest import run_with_devices
+from tests.conftest import reference_compiled_plainly, run_with_devices
 from tests.test_kernel_gpu import _poisoned_run
 from tests.test_mla_kernel import Case as TritonCase
 from tests.test_mla_kernel import make_inputs
@@ -277,7 +277,9 @@ def test_native_matches_reference(case: Case) -> None:
     """Natively on the GPU, NaN left in the allocator and aliased to the output first."""
     seed = int(np.random.default_rng().integers(2**31))
     args, kwargs = case.inputs(seed), case.kwargs()
-    ref = jax.jit(lambda *a: reference.ragged_paged_mla_attention(*a, **kwargs))(*args)
+    ref = reference_compiled_plainly(
+        lambda *a: reference.ragged_paged_mla_attention(*a, **kwargs), *args
+    )
     out = _poisoned_run(
         lambda *a: mosaic_gpu.ragged_paged_mla_attention(*a, **kwargs, config=case.config),
         args,
