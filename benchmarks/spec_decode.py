@@ -16,7 +16,9 @@ end-to-end batch-1 speed-up with n-gram drafting (docs/speculative_decoding.md).
    acceptance length, and that the tokens are the same.
 4. EAGLE-3 drafting at the published Llama-3.1-8B head shape on the Llama-3-8B target: each
    propose call waited for (host work and the chain), its host part alone, and the step time
-   as the engine runs it (the drafts left on the device for the verify step).
+   as the engine runs it: the drafts left on the device for the verify step ("device"),
+   drafted on the device behind each verify step before the host reads it back ("ahead",
+   ``JAXSERVE_DRAFT_AHEAD``), and brought to the host first ("host").
 5. Under load: offline throughput at batch 256 (Llama-3-8B shape, random prompts) with n-gram
    speculation on and off, each measured twice on its own engine (new prompts each run, the
    same in both arms): speculation must not make a full batch slower (above
@@ -334,7 +336,7 @@ def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
             ]
             llm.generate(prompts, params, use_tqdm=False)  # compiles what warm-up did not
             timed.calls.clear()
-            for drafts in ("device", "host"):
+            for drafts in ("device", "ahead", "host"):
                 row = eagle3_batch(llm, timed, prompts, params, drafts, args)
                 quantization = args.eagle3_quantization
                 rows.append(
@@ -342,7 +344,7 @@ def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
                      "floor_ms": floor_ms, **row}
                 )  # fmt: skip
                 print(f"eagle3 {rows[-1]}", flush=True)
-            llm.engine.device_drafts = True
+            llm.engine.device_drafts, llm.engine.proposer.drafts_ahead = True, False
             if args.profile_dir and batch == 1:  # a traced run apart from the timed one
                 with jax.profiler.trace(
                     str(Path(args.profile_dir) / "eagle3_b1"), create_perfetto_trace=True
@@ -354,10 +356,15 @@ def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
 
 
 def eagle3_batch(llm, timed: TimedProposer, prompts, params, drafts: str, args) -> dict:
-    """One batch with the drafts left on the device or brought to the host (``drafts``): a run
-    whose calls are waited for (their time), then the timed run as the engine runs it (the
-    step time; with ``--step-log-dir`` its step log ``eagle3_b{batch}_{drafts}_steps.jsonl``)."""
-    llm.engine.device_drafts = drafts == "device"
+    """One batch with the drafts left on the device, drafted ahead of the host behind each
+    verify step (``JAXSERVE_DRAFT_AHEAD``: the engine calls ``propose`` only where a step
+    cannot take them), or brought to the host first (``drafts``): a run whose calls are
+    waited for (their time; in the "ahead" mode it also compiles the calls drafted ahead,
+    which warm-up left out), then the timed run as the engine runs it (the step time; with
+    ``--step-log-dir`` its step log ``eagle3_b{batch}_{drafts}_steps.jsonl``)."""
+    llm.engine.device_drafts = drafts != "host"
+    llm.engine.proposer.drafts_ahead = drafts == "ahead"
+    taken = llm.engine.proposer.ahead_taken
     timed.block = True
     llm.generate(prompts, params, use_tqdm=False)
     propose_ms = timed.median_ms()
@@ -379,6 +386,7 @@ def eagle3_batch(llm, timed: TimedProposer, prompts, params, drafts: str, args) 
         "propose_ms": propose_ms,  # host work and the chain on the device
         "propose_host_ms": timed.median_ms(),  # as the engine ran it (device: the host's part)
         "ms_per_step": 1e3 * wall / max(1, llm.engine.num_steps - steps),
+        "ahead_taken": llm.engine.proposer.ahead_taken - taken,  # steps that took them
     }
 
 
@@ -530,14 +538,16 @@ def main() -> None:
             )
     print("\nEAGLE-3 drafting (Llama-3.1-8B head shape, random weights) on the Llama-3-8B target:")
     for r in report["eagle3_8b"]:
+        host = r["propose_host_ms"]  # None: every timed step took a call drafted ahead
         propose = (
             "no drafting (above the engine's drafting batch)"
             if r["propose_ms"] is None
             else f"propose {r['propose_ms']:.3f} ms (k={r['k']}; byte floor {r['floor_ms']:.3f} "
-            f"ms; the host's part {r['propose_host_ms']:.3f} ms)"
+            f"ms{'' if host is None else f'; the host part {host:.3f} ms'})"
         )
-        print(f"   batch {r['batch']}, drafts on the {r['drafts']}: {propose}, "
-              f"{r['ms_per_step']:.2f} ms a step")  # fmt: skip
+        ahead = f", {r['ahead_taken']} steps took drafts made ahead" if r["ahead_taken"] else ""
+        print(f"   batch {r['batch']}, drafts {r['drafts']}: {propose}, "
+              f"{r['ms_per_step']:.2f} ms a step{ahead}")  # fmt: skip
     if "under_load" in report:
         load = report["under_load"]
         runs = load["tokens_per_s"]

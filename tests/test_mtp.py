@@ -183,3 +183,24 @@ def test_capacity_plans_the_mtp_drafter_the_engine_measures(capsys) -> None:
     measured = engine.proposer.device_bytes(engine.runner.weights)
     assert out["drafter_bytes"] == measured == engine.runner.capacity.drafter_bytes > 0
     assert out["num_blocks"] == engine.kv.num_blocks
+
+
+def test_mtp_drafts_ahead_of_the_host_with_the_same_tokens_and_acceptance(
+    plain, monkeypatch
+) -> None:
+    """``JAXSERVE_DRAFT_AHEAD=1`` (``TargetStatesDrafter.draft_ahead``): the MTP layers' next
+    call queued behind each verify step; the tokens, drafts and accepted tokens are those of
+    drafting after the host reads the step, and steps take the calls drafted ahead."""
+    from jaxserve.runner.eagle3_proposer import DRAFT_AHEAD_ENV
+
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "pause_when_unpaid": False}
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv(DRAFT_AHEAD_ENV, flag)
+        llm = make_llm(spec, max_num_seqs=1)  # one sequence a step: every step can draft ahead
+        stats = llm.engine.spec_stats
+        runs[flag] = (token_ids(llm), stats.num_drafts, stats.num_accepted_tokens)
+        taken = llm.engine.proposer.ahead_taken
+        assert taken > 0 if flag == "1" else taken == 0
+    assert runs["0"] == runs["1"]
+    assert runs["1"][0] == plain

@@ -706,3 +706,84 @@ def test_a_step_has_rows_for_every_draft_however_few_sequences_are_served(
     # every draft of k tokens verified (but where max_tokens cuts one short)
     assert stats.num_drafts > 0 and stats.num_draft_tokens > (K - 1) * stats.num_drafts
     assert engine.num_steps < GREEDY.max_tokens  # fewer steps than tokens: drafts accepted
+
+
+def test_a_call_drafted_ahead_of_the_host_gives_the_drafts_the_host_would_run(
+    plain, monkeypatch
+) -> None:
+    """``JAXSERVE_DRAFT_AHEAD=1``: behind each verify step whose drafts stayed on the device,
+    the EAGLE-3 drafter queues the next step's call on the device before the host reads the
+    step back (the catch-up over the verified rows, each row's next token the sampled one,
+    the chain from the last accepted row). The next step takes those drafts, and they are the
+    ones the host's own call would make once it knew the accepted tokens; a step that also
+    prefills (a sequence without drafts) drafts nothing ahead. The tokens are the same."""
+    from jaxserve.runner.eagle3_proposer import DRAFT_AHEAD_ENV, TargetStatesDrafter
+
+    monkeypatch.setenv(DRAFT_AHEAD_ENV, "1")
+    llm = make_llm(METHODS["eagle3"], enable_prefix_caching=False)
+    proposer = llm.engine.proposer
+    pairs = []
+    take_ahead, propose = proposer.take_ahead, proposer.propose
+
+    def checked_take_ahead(ahead, seqs, k):
+        taken = take_ahead(ahead, seqs, k)
+        if taken is not None:  # the host's own call, for the same sequences, after
+            pairs.append((taken.on_host(), propose(seqs, k, on_device=False)))
+        return taken
+
+    monkeypatch.setattr(proposer, "take_ahead", checked_take_ahead)
+    params = SamplingParams(temperature=0, max_tokens=64 - PROMPT_LEN, ignore_eos=True)
+    assert token_ids(llm, PROMPTS[:2], params) == [
+        token_ids(make_llm(), [p], params)[0] for p in PROMPTS[:2]
+    ]
+    assert isinstance(proposer, TargetStatesDrafter)
+    assert proposer.ahead_taken > 0 and len(pairs) == proposer.ahead_taken
+    for ahead, own in pairs:
+        assert ahead == own
+    # A mixed batch with chunked prefill: the same tokens, drafts ahead only where every
+    # sequence of the step verified drafts, taken also where some of them finished since.
+    calls, taken = proposer.ahead_calls, proposer.ahead_taken
+    assert token_ids(llm, [*PROMPTS, PROMPTS[0][:3], PROMPTS[1][:9]]) == plain
+    assert proposer.ahead_calls > calls and proposer.ahead_taken > taken
+    for ahead, own in pairs:
+        assert ahead == own
+
+
+def test_drafting_ahead_keeps_the_acceptance_of_drafting_after(monkeypatch) -> None:
+    """One prompt at a time: the same steps, drafts and accepted tokens with the calls drafted
+    ahead as without, and every call but a sequence's last (its step ends it) taken."""
+    from jaxserve.runner.eagle3_proposer import DRAFT_AHEAD_ENV
+
+    params = SamplingParams(temperature=0, max_tokens=64 - PROMPT_LEN, ignore_eos=True)
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv(DRAFT_AHEAD_ENV, flag)
+        llm = make_llm(METHODS["eagle3"], enable_prefix_caching=False)
+        tokens = [token_ids(llm, [p], params)[0] for p in PROMPTS[:3]]
+        stats = llm.engine.spec_stats
+        runs[flag] = (tokens, llm.engine.num_steps, stats.num_drafts, stats.num_accepted_tokens)
+        proposer = llm.engine.proposer
+        if flag == "1":
+            assert proposer.ahead_calls - proposer.ahead_taken <= len(PROMPTS[:3])
+            assert proposer.ahead_taken > 0
+        else:
+            assert proposer.ahead_calls == 0
+        llm.shutdown()
+    assert runs["0"] == runs["1"]
+
+
+def test_a_warmed_up_drafter_drafting_ahead_compiles_nothing_new_while_serving(
+    plain, monkeypatch
+) -> None:
+    """Warm-up compiles the call drafted ahead for each of the drafter's token buckets (its
+    sampled ids and drafts' feed have the step's fixed shape): serving compiles no more."""
+    from jaxserve.runner.eagle3_proposer import DRAFT_AHEAD_ENV
+
+    monkeypatch.setenv(DRAFT_AHEAD_ENV, "1")
+    llm = make_llm(METHODS["eagle3"], warmup=True, enable_prefix_caching=False)
+    proposer = llm.engine.proposer
+    ahead_cache = proposer._ahead._cache_size()
+    assert ahead_cache == len(proposer.buckets.token_buckets)
+    assert token_ids(llm, PROMPTS[:1]) == plain[:1]
+    assert proposer.ahead_taken > 0
+    assert proposer._ahead._cache_size() == ahead_cache

@@ -314,6 +314,9 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, InFlight] | None = None
         self._num_sync_requests = 0
         self.device_drafts = os.environ.get(DEVICE_DRAFTS_ENV, "1").strip() != "0"
+        # The next step's drafts, drafted on the device behind the last verify step
+        # (``draft_ahead``): taken by the next step's ``_propose`` when they still apply.
+        self._ahead: Any = None
         self.step_log = StepLog.from_env()  # JAXSERVE_STEP_LOG: each step's host spans
         freeze_startup_heap()
 
@@ -366,12 +369,15 @@ class EngineCore:
             )
         return count
 
-    def _propose(self) -> tuple[dict[str, list[int]] | None, DeviceDrafts | None]:
+    def _propose(
+        self, ahead: Any = None
+    ) -> tuple[dict[str, list[int]] | None, DeviceDrafts | None]:
         """This step's drafts (speculative decoding), or None: off, or more sequences run
         than ``disable_by_batch_size``. Only sequences that decode, every token known. A model
         drafter's stay on the device (second: their values, the first holding their places)
         unless the host needs them before the step: a grammar checks them, or penalties
-        count them."""
+        count them. ``ahead``: the drafts queued behind the last step (``_draft_ahead``),
+        taken where they are the ones these sequences need."""
         spec = self.config.speculative_config
         running = self.scheduler.running
         if self.proposer is None or spec is None or not running:
@@ -387,6 +393,11 @@ class EngineCore:
             and self._num_sync_requests == 0
             and not self.structured_outputs.num_matchers
         )
+        take_ahead = getattr(self.proposer, "take_ahead", None)
+        if ahead is not None and on_device and take_ahead is not None:
+            taken = take_ahead(ahead, decoding, spec.num_speculative_tokens)
+            if taken is not None:
+                return taken.placeholders(), taken
         drafts = self.proposer.propose(decoding, spec.num_speculative_tokens, on_device)
         if isinstance(drafts, DeviceDrafts):
             return drafts.placeholders(), drafts
@@ -813,7 +824,8 @@ class EngineCore:
         # Until warm-up's background compile is done, steps stay within the compiled buckets.
         budget = min(self.config.max_num_batched_tokens, self.runner.ready_tokens)
         self.scheduler.max_num_batched_tokens = budget
-        drafts, device_drafts = self._propose() if drafting else (None, None)
+        ahead, self._ahead = self._ahead, None  # drafted behind the last step: this step's
+        drafts, device_drafts = self._propose(ahead) if drafting else (None, None)
         self._span("propose")
         sched = self.scheduler.schedule(drafts)
         sched.device_drafts = device_drafts
@@ -866,12 +878,22 @@ class EngineCore:
         step = self.runner.dispatch(sched, previous)
         if not constrained:
             self.runner.sample(step, None)
+            if not overlap and sched.device_drafts is not None:
+                self._draft_ahead(sched, step)
         if overlap or constrained:
             return step, None
         self._span("dispatch")
         result = self.runner.collect(step)
         self._span("wait")
         return step, result
+
+    def _draft_ahead(self, sched: SchedulerOutput, step: InFlight) -> None:
+        """Queue the next step's drafts behind this verify step, before the host reads it back
+        (``JAXSERVE_DRAFT_AHEAD=1``, a drafter over the target's states: ``draft_ahead``), so
+        that the drafter runs while the host processes this step and schedules the next."""
+        draft_ahead = getattr(self.proposer, "draft_ahead", None)
+        if draft_ahead is not None and getattr(self.proposer, "drafts_ahead", False):
+            self._ahead = draft_ahead(sched, step.sampled_ids)
 
     def _span(self, name: str) -> None:
         """The engine thread's time since the last mark, added to this step's span ``name``

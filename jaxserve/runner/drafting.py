@@ -208,12 +208,13 @@ def catch_up_batch(
 
 def decode_batch(batch: Batch, tokens: jax.Array, j: int, page_size: int, pad_slot: int) -> Batch:
     """On the device: the j-th chained step after ``batch`` (j >= 1), one token a sequence,
-    ``tokens[s]`` at position kv_lens[s] + j - 1 in the sequence's pages; padded to at least
-    ``MIN_TOKEN_BUCKET`` rows."""
+    ``tokens[s]`` at position j after its logits row's (``logits_indices``: the catch-up's
+    last row, at kv_lens[s] - 1; a call drafted ahead picks an earlier one) in the sequence's
+    pages; padded to at least ``MIN_TOKEN_BUCKET`` rows."""
     s_pad = batch.kv_lens.shape[0]
     t_pad = max(s_pad, MIN_TOKEN_BUCKET)
     live = jnp.arange(s_pad) < batch.num_seqs[0]
-    pos = jnp.where(live, batch.kv_lens + j - 1, 0)
+    pos = jnp.where(live, batch.positions[batch.logits_indices] + j, 0)
     page = jnp.take_along_axis(batch.page_indices, (pos // page_size)[:, None], axis=1)[:, 0]
     slot = jnp.where(live, page * page_size + pos % page_size, pad_slot)
     pad = t_pad - s_pad

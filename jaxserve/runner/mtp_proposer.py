@@ -120,7 +120,7 @@ class MtpProposer(TargetStatesDrafter):
             attention_fn=step_attention(tp),  # one lowering for every layer and step
             experts_fn=None if tp is None else tp.experts_fn,
         )
-        self._chain = self.jit_chain(chain, self.draft_kv, self.draft_weights)
+        self.jit_chains(chain)
 
     def describe(self) -> str:
         size = sum(x.nbytes for layer in self.draft_weights for x in _own_leaves(layer))
