@@ -191,7 +191,7 @@ def test_mtp_drafts_ahead_of_the_host_with_the_same_tokens_and_acceptance(
     """``JAXSERVE_DRAFT_AHEAD=1`` (``TargetStatesDrafter.draft_ahead``): the MTP layers' next
     call queued behind each verify step; the tokens, drafts and accepted tokens are those of
     drafting after the host reads the step, and steps take the calls drafted ahead."""
-    from jaxserve.runner.eagle3_proposer import DRAFT_AHEAD_ENV
+    from jaxserve.runner.drafting import DRAFT_AHEAD_ENV
 
     spec = {"method": "mtp", "num_speculative_tokens": 3, "pause_when_unpaid": False}
     runs = {}

@@ -709,18 +709,19 @@ def test_a_step_has_rows_for_every_draft_however_few_sequences_are_served(
 
 
 def test_a_call_drafted_ahead_of_the_host_gives_the_drafts_the_host_would_run(
-    plain, monkeypatch
+    plain, method, monkeypatch
 ) -> None:
     """``JAXSERVE_DRAFT_AHEAD=1``: behind each verify step whose drafts stayed on the device,
-    the EAGLE-3 drafter queues the next step's call on the device before the host reads the
-    step back (the catch-up over the verified rows, each row's next token the sampled one,
-    the chain from the last accepted row). The next step takes those drafts, and they are the
-    ones the host's own call would make once it knew the accepted tokens; a step that also
-    prefills (a sequence without drafts) drafts nothing ahead. The tokens are the same."""
-    from jaxserve.runner.eagle3_proposer import DRAFT_AHEAD_ENV, TargetStatesDrafter
+    the drafter (a draft model, an EAGLE-3 head) queues the next step's call on the device
+    before the host reads the step back (the catch-up over the verified rows, each row's
+    token the sampled one, the chain from the last accepted row). The next step takes those
+    drafts, and they are the ones the host's own call would make once it knew the accepted
+    tokens; a step that also prefills (a sequence without drafts) drafts nothing ahead. The
+    tokens are the same."""
+    from jaxserve.runner.drafting import DRAFT_AHEAD_ENV, PagedDrafter
 
     monkeypatch.setenv(DRAFT_AHEAD_ENV, "1")
-    llm = make_llm(METHODS["eagle3"], enable_prefix_caching=False)
+    llm = make_llm(METHODS[method], enable_prefix_caching=False)
     proposer = llm.engine.proposer
     pairs = []
     take_ahead, propose = proposer.take_ahead, proposer.propose
@@ -736,7 +737,7 @@ def test_a_call_drafted_ahead_of_the_host_gives_the_drafts_the_host_would_run(
     assert token_ids(llm, PROMPTS[:2], params) == [
         token_ids(make_llm(), [p], params)[0] for p in PROMPTS[:2]
     ]
-    assert isinstance(proposer, TargetStatesDrafter)
+    assert isinstance(proposer, PagedDrafter)
     assert proposer.ahead_taken > 0 and len(pairs) == proposer.ahead_taken
     for ahead, own in pairs:
         assert ahead == own
@@ -749,16 +750,16 @@ def test_a_call_drafted_ahead_of_the_host_gives_the_drafts_the_host_would_run(
         assert ahead == own
 
 
-def test_drafting_ahead_keeps_the_acceptance_of_drafting_after(monkeypatch) -> None:
+def test_drafting_ahead_keeps_the_acceptance_of_drafting_after(method, monkeypatch) -> None:
     """One prompt at a time: the same steps, drafts and accepted tokens with the calls drafted
     ahead as without, and every call but a sequence's last (its step ends it) taken."""
-    from jaxserve.runner.eagle3_proposer import DRAFT_AHEAD_ENV
+    from jaxserve.runner.drafting import DRAFT_AHEAD_ENV
 
     params = SamplingParams(temperature=0, max_tokens=64 - PROMPT_LEN, ignore_eos=True)
     runs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv(DRAFT_AHEAD_ENV, flag)
-        llm = make_llm(METHODS["eagle3"], enable_prefix_caching=False)
+        llm = make_llm(METHODS[method], enable_prefix_caching=False)
         tokens = [token_ids(llm, [p], params)[0] for p in PROMPTS[:3]]
         stats = llm.engine.spec_stats
         runs[flag] = (tokens, llm.engine.num_steps, stats.num_drafts, stats.num_accepted_tokens)
@@ -773,14 +774,14 @@ def test_drafting_ahead_keeps_the_acceptance_of_drafting_after(monkeypatch) -> N
 
 
 def test_a_warmed_up_drafter_drafting_ahead_compiles_nothing_new_while_serving(
-    plain, monkeypatch
+    plain, method, monkeypatch
 ) -> None:
     """Warm-up compiles the call drafted ahead for each of the drafter's token buckets (its
     sampled ids and drafts' feed have the step's fixed shape): serving compiles no more."""
-    from jaxserve.runner.eagle3_proposer import DRAFT_AHEAD_ENV
+    from jaxserve.runner.drafting import DRAFT_AHEAD_ENV
 
     monkeypatch.setenv(DRAFT_AHEAD_ENV, "1")
-    llm = make_llm(METHODS["eagle3"], warmup=True, enable_prefix_caching=False)
+    llm = make_llm(METHODS[method], warmup=True, enable_prefix_caching=False)
     proposer = llm.engine.proposer
     ahead_cache = proposer._ahead._cache_size()
     assert ahead_cache == len(proposer.buckets.token_buckets)

@@ -290,30 +290,33 @@ AHEAD = textwrap.dedent("""
     EVAL = json.loads((SPEC / "eval.json").read_text())
     PROMPTS = [s[: EVAL["prompt_len"]] for s in EVAL["sequences"][:2]]
     GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    spec = {"method": "eagle3", "model": str(SPEC / "eagle3"),
-            "num_speculative_tokens": EVAL["num_speculative_tokens"]}
     runs = {}
-    for flag in ("0", "1"):
-        os.environ["JAXSERVE_DRAFT_AHEAD"] = flag
-        llm = jaxserve.LLM(str(default_model_dir()), tensor_parallel_size=2,
-                           speculative_config=spec, max_model_len=128, max_num_seqs=1,
-                           block_size=16, num_gpu_blocks_override=64, dtype="float32",
-                           warmup=flag == "1")
-        outs = [llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0]
-                for p in PROMPTS]
-        s = llm.engine.spec_stats
-        runs[flag] = [[list(o.outputs[0].token_ids) for o in outs], s.num_drafts,
-                      s.num_accepted_tokens, llm.engine.proposer.ahead_taken]
-        llm.shutdown()
+    for method in ("draft_model", "eagle3"):
+        spec = {"method": method, "model": str(SPEC / ("draft" if method == "draft_model"
+                else "eagle3")), "num_speculative_tokens": EVAL["num_speculative_tokens"]}
+        for flag in ("0", "1"):
+            os.environ["JAXSERVE_DRAFT_AHEAD"] = flag
+            llm = jaxserve.LLM(str(default_model_dir()), tensor_parallel_size=2,
+                               speculative_config=spec, max_model_len=128, max_num_seqs=1,
+                               block_size=16, num_gpu_blocks_override=64, dtype="float32",
+                               warmup=flag == "1")
+            outs = [llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0]
+                    for p in PROMPTS]
+            s = llm.engine.spec_stats
+            runs[method + flag] = [[list(o.outputs[0].token_ids) for o in outs], s.num_drafts,
+                                   s.num_accepted_tokens, llm.engine.proposer.ahead_taken]
+            llm.shutdown()
     print(json.dumps(runs))
 """)
 
 
-def test_eagle3_drafts_ahead_of_the_host_under_tensor_parallelism() -> None:
+def test_model_drafters_draft_ahead_of_the_host_under_tensor_parallelism() -> None:
     """``JAXSERVE_DRAFT_AHEAD=1`` at tensor_parallel_size=2 (warm-up on: the calls drafted
-    ahead compile there, on the mesh): the tokens, drafts and accepted tokens of drafting
-    after the host reads each step, and steps take the calls drafted ahead."""
-    runs = json.loads(run_with_devices(AHEAD, 2, timeout=300).strip().splitlines()[-1])
-    off, on = runs["0"], runs["1"]
-    assert on[3] > 0 and off[3] == 0, runs
-    assert on[:3] == off[:3], runs
+    ahead compile there, on the mesh), a draft model and an EAGLE-3 head: the tokens, drafts
+    and accepted tokens of drafting after the host reads each step, and steps take the calls
+    drafted ahead."""
+    runs = json.loads(run_with_devices(AHEAD, 2, timeout=400).strip().splitlines()[-1])
+    for method in ("draft_model", "eagle3"):
+        off, on = runs[method + "0"], runs[method + "1"]
+        assert on[3] > 0 and off[3] == 0, (method, runs)
+        assert on[:3] == off[:3], (method, runs)

@@ -237,6 +237,7 @@ def _draft_model_proposer(config: SpeculativeConfig, target: DrafterTarget) -> P
         config.num_speculative_tokens,
         dtype,
         tp,
+        runner,
     )
     _LOG.info("Speculative draft model %s: %s", config.model, proposer.describe())
     return proposer

@@ -51,11 +51,13 @@ from jaxserve.runner.drafting import (
     ChainArgs,
     PagedDrafter,
     TokenSource,
+    ahead_batch,
     catch_up_batch,
     decode_batch,
     drafter_parallel,
 )
 from jaxserve.runner.model_weights import as_served
+from jaxserve.runner.packing import Layout
 from jaxserve.runner.parallel.sharding import TensorParallel
 from jaxserve.runner.programs import step_attention
 from jaxserve.runner.sleep import free
@@ -148,9 +150,10 @@ class DraftModelProposer(PagedDrafter):
         k: int,
         dtype: jnp.dtype,
         tp: TensorParallel | None = None,  # load_draft's: the draft's layout on the mesh
+        runner: Any = None,  # the ModelRunner: its step programs feed a call drafted ahead
     ) -> None:
         super().__init__(engine, max_model_len, max_seqs, k, tp)
-        self.config, self.weights = config, weights
+        self.config, self.weights, self.runner = config, weights, runner
         page, num_pages = engine.block_size, self.pool.num_pages
         # committed, as the pages each call gives back are (``weight_update.committed``)
         self.kv: Any = committed(
@@ -168,6 +171,15 @@ class DraftModelProposer(PagedDrafter):
             experts_fn=None if tp is None else tp.experts_fn,
         )
         self._chain = self.jit_chain(chain, self.kv, self.weights)
+
+        def ahead(weights, pages, batch, sample_rows, first_sample, first_draft, num_drafts,
+                  sampled, drafts):  # fmt: skip
+            batch = ahead_batch(
+                batch, sample_rows, first_sample, first_draft, num_drafts, sampled, drafts, k
+            )
+            return chain(weights, pages, batch)
+
+        self._ahead = self.jit_chain(ahead, self.kv, self.weights)
 
     def arrays(self) -> Any:
         return self.weights, self.kv
@@ -204,3 +216,21 @@ class DraftModelProposer(PagedDrafter):
     def _device_run(self, call: list[CatchUp], bucket: int | None = None) -> jax.Array:
         self.kv, drafts = self._call_chain(self._chain_args(call, bucket))
         return drafts
+
+    def _call_ahead(
+        self, parts: list[CatchUp], chain: tuple, sampled: jax.Array, feed: jax.Array
+    ) -> jax.Array:
+        inputs = self.put_packed({"chain": chain})
+        self.kv, ids = self._ahead(
+            self.weights, self.kv, inputs.buffer, sampled, feed, layout=inputs.layout
+        )
+        return ids
+
+    def _warm_ahead(self, bucket: int) -> None:
+        args, layout = self._ahead_padding_args(bucket)
+        self.kv, _ = self._ahead(*args, layout=layout)
+
+    def _ahead_padding_args(self, bucket: int) -> tuple[tuple[Any, ...], Layout]:
+        inputs = self.put_packed({"chain": self._ahead_padding_chain(bucket)})
+        ids = self.runner.programs.no_previous_ids
+        return (self.weights, self.kv, inputs.buffer, ids, ids), inputs.layout

@@ -37,6 +37,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -51,13 +52,18 @@ from jaxserve.runner.buckets import MIN_TOKEN_BUCKET, Buckets
 from jaxserve.runner.packing import Layout, pack, unpack
 from jaxserve.runner.parallel.sharding import TensorParallel, prepare_tp
 from jaxserve.runner.programs import compiler_options, holds_fp8
-from jaxserve.runner.step import DeviceDrafts
+from jaxserve.runner.step import DeviceDrafts, SchedulerOutput
 from jaxserve.runner.warmup import check_program_memory
 from jaxserve.units import cdiv
 
 _LOG = logging.getLogger(__name__)
 
 COMPILE_AHEAD_WORKERS = 8
+
+# "1": a model drafter drafts the next step's tokens right behind each verify step, on the
+# device, before the host reads the step back (``PagedDrafter.draft_ahead``); off by default
+# until timed on a GPU (benchmarks/spec_decode.py times both).
+DRAFT_AHEAD_ENV = "JAXSERVE_DRAFT_AHEAD"
 
 
 class TokenSource(Protocol):
@@ -291,6 +297,43 @@ def drafts_of(calls: list[list[CatchUp]], run: Callable[[list[CatchUp]], np.ndar
     return drafts
 
 
+def ahead_batch(
+    batch: Batch,  # the verify step's rows again (``PagedDrafter.draft_ahead``)
+    sample_rows: jax.Array,  # i32[T]  each row's row of the verify step's sampled ids
+    first_sample: jax.Array,  # i32[S]  each sequence's first row of them
+    first_draft: jax.Array,  # i32[S]  its first draft's index in the drafts' feed
+    num_drafts: jax.Array,  # i32[S]  the drafts it verified
+    sampled: jax.Array,  # i32[S_max]  the verify step's sampled ids (on the device)
+    drafts: jax.Array,  # i32[S_max]  the drafts it verified (``draft_feed``'s layout)
+    k: int,  # drafts a sequence verifies at most
+) -> Batch:
+    """On the device, the catch-up of a call drafted ahead of the host: each row's token
+    (``input_ids``) is the one the verify step sampled at that row (a draft model's: the token
+    at the row's position; a drafter over the target's states: the token after it), and each
+    sequence's chain starts from the row of its last accepted draft (``logits_indices``): the
+    drafts that equal the sampled tokens, in order, as the host's ``accepted_run`` counts
+    them."""
+    j = jnp.arange(k)[None, :]  # [1, k]
+    got = sampled[jnp.clip(first_sample[:, None] + j, 0, sampled.shape[0] - 1)]
+    drafted = drafts[jnp.clip(first_draft[:, None] + j, 0, drafts.shape[0] - 1)]
+    matches = (got == drafted) & (j < num_drafts[:, None])
+    accepted = jnp.cumprod(matches.astype(jnp.int32), axis=1).sum(axis=1)  # i32[S]
+    live = jnp.arange(batch.kv_lens.shape[0]) < batch.num_seqs[0]
+    last = jnp.where(live, batch.cu_q_lens[:-1] + accepted, batch.logits_indices)
+    return dataclasses.replace(
+        batch, input_ids=sampled[sample_rows], logits_indices=last.astype(jnp.int32)
+    )
+
+
+@dataclasses.dataclass
+class AheadDrafts:
+    """A call drafted ahead of the host (``PagedDrafter.draft_ahead``): its drafts on the
+    device, and for each sequence the verify step's (first position, drafts verified)."""
+
+    drafts: DeviceDrafts
+    expected: dict[str, tuple[int, int]]
+
+
 class PackedInputs(NamedTuple):
     """A call's inputs on the device, packed (``PagedDrafter.put_packed``)."""
 
@@ -316,6 +359,7 @@ class PagedDrafter:
     (``drafter_parallel``), None on one device."""
 
     _chain: jax.stages.Wrapped
+    _ahead: jax.stages.Wrapped  # the chain of a call drafted ahead (``draft_ahead``)
 
     def __init__(
         self,
@@ -335,6 +379,10 @@ class PagedDrafter:
         pages_per_seq = self.buckets.pages_per_seq
         self.pool = PagePool(max_seqs * pages_per_seq, engine.block_size, pages_per_seq)
         self.computed: dict[str, int] = {}  # seq id -> tokens the drafter's cache holds
+        # Calls drafted ahead of the host (``draft_ahead``): on (JAXSERVE_DRAFT_AHEAD=1, a
+        # subclass with a runner), made, and taken by a step (``take_ahead``).
+        self.drafts_ahead = os.environ.get(DRAFT_AHEAD_ENV, "0").strip() == "1"
+        self.ahead_calls = self.ahead_taken = 0
 
     @property
     def pad_slot(self) -> int:
@@ -415,7 +463,17 @@ class PagedDrafter:
         check_program_memory("The drafter's", compiled, headroom_bytes)
         for bucket in self.buckets.token_buckets:
             self._run([], bucket)
-        return len(self.buckets.token_buckets)
+        if self.ahead_on:  # each bucket's call drafted ahead, once
+            for bucket in self.buckets.token_buckets:
+                self._warm_ahead(bucket)
+        return len(self.buckets.token_buckets) * (2 if self.ahead_on else 1)
+
+    @property
+    def ahead_on(self) -> bool:
+        """Whether calls are drafted ahead (``draft_ahead``): asked for, with a runner whose
+        step programs feed drafts to its steps."""
+        runner = getattr(self, "runner", None)
+        return self.drafts_ahead and getattr(runner, "programs", None) is not None
 
     def drafts_shapes(self) -> list[tuple[int, int]]:
         """The shapes of a call's drafts (i32[S, k]: S the sequence rows of its token bucket),
@@ -426,7 +484,11 @@ class PagedDrafter:
     def _lowerings(self) -> list[Callable[[], Any]]:
         """What warm-up compiles ahead: for each program, a thunk that lowers it against the
         arguments of its warm-up call (``compile_ahead``)."""
-        return [functools.partial(self._lower_chain, b) for b in self.buckets.token_buckets]
+        buckets = self.buckets.token_buckets
+        thunks: list[Callable[[], Any]] = [functools.partial(self._lower_chain, b) for b in buckets]
+        if self.ahead_on:
+            thunks += [functools.partial(self._lower_ahead, b) for b in buckets]
+        return thunks
 
     def _lower_chain(self, bucket: int) -> Any:
         args = self._chain_args([], bucket)
@@ -451,6 +513,115 @@ class PagedDrafter:
             self.computed[part.seq_id] = part.start + len(part.tokens)
         self._end_call()
         return drafts
+
+    def draft_ahead(self, sched: SchedulerOutput, sampled_ids: jax.Array) -> AheadDrafts | None:
+        """The next step's drafts, queued on the device right behind a verify step that took
+        its drafts there (``sched.device_drafts``), before the host reads it back: the call
+        the next ``propose`` would run once the host knew the accepted tokens. Its catch-up
+        covers every row the step verified: each sequence's d + 1 rows (its last token and
+        drafts), from the verify step's first position (``AHEAD_OFFSET`` after it: a draft
+        model has the last token in its cache already), each row's token the one the step
+        sampled there, and the chain starts from the row of the last accepted draft
+        (``ahead_batch``). Rows past the accepted ones write K/V at positions the chain and
+        the next catch-up write over, never read. None where it does not apply: a sequence
+        of the step verified no drafts (a prompt's chunk), the pages or one call do not fit,
+        a subclass's own rule (``_ahead_applies``)."""
+        drafts = sched.device_drafts
+        if drafts is None or not self.ahead_on:
+            return None
+        programs = self.runner.programs  # type: ignore[attr-defined]
+        parts, expected = [], {}
+        offset = self.AHEAD_OFFSET
+        for item in sched.scheduled:
+            seq_id, d = item.seq.seq_id, len(item.draft_token_ids)
+            if not d or seq_id not in drafts.rows or not self._ahead_applies(item.start, seq_id, d):
+                return None
+            total = item.start + offset + d + 1 + self.k  # the chain's last position, all accepted
+            if total > self.buckets.pages_per_seq * self.pool.page_size:
+                return None
+            if not self.pool.ensure(seq_id, total):
+                return None
+            parts.append(CatchUp(seq_id, [0] * (d + 1), item.start + offset, final=True))
+            expected[seq_id] = (item.start, d)
+        calls = plan_calls(parts, self.buckets.token_buckets[-1], self.buckets.max_seq_bucket)
+        if len(calls) != 1 or len(calls[0]) != len(parts):
+            return None
+        batch = catch_up_batch(parts, self.pool, self.buckets)
+        num_rows, num_seqs = batch.input_ids.shape[0], batch.kv_lens.shape[0]
+        sample_rows = np.zeros(num_rows, np.int32)
+        first_sample = np.zeros(num_seqs, np.int32)
+        first_draft = np.zeros(num_seqs, np.int32)
+        num_drafts = np.zeros(num_seqs, np.int32)
+        width, row = drafts.ids.shape[1], 0
+        for s, (part, first) in enumerate(zip(parts, sched.sample_rows(), strict=True)):
+            n = len(part.tokens)
+            sample_rows[row : row + n] = np.arange(first, first + n)
+            first_sample[s], num_drafts[s] = first, n - 1
+            first_draft[s] = drafts.rows[part.seq_id] * width
+            row += n
+        chain = (batch, sample_rows, first_sample, first_draft, num_drafts)
+        ids = self._call_ahead(parts, chain, sampled_ids, programs.draft_feed(drafts.ids))
+        self.ahead_calls += 1
+        rows = {part.seq_id: s for s, part in enumerate(parts)}
+        return AheadDrafts(DeviceDrafts(ids, rows, self.k), expected)
+
+    def take_ahead(
+        self, ahead: AheadDrafts, seqs: Sequence[TokenSource], k: int
+    ) -> DeviceDrafts | None:
+        """``ahead``'s drafts for the sequences that decode now (``seqs``), when it drafted
+        for each of them (those that finished since are left out) and each gained 1 to d + 1
+        tokens (its accepted drafts and the target's token) since; else None (the caller
+        proposes as usual: the catch-up from ``computed`` writes over what the call ahead
+        wrote). The drafter's cache then holds each one's tokens as after a call of its own
+        (``computed``)."""
+        if not seqs or any(seq.seq_id not in ahead.expected for seq in seqs):
+            return None
+        for seq in seqs:
+            start, d = ahead.expected[seq.seq_id]
+            if not 2 <= seq.num_tokens - start <= d + 2:
+                return None
+        for seq in seqs:
+            self.computed[seq.seq_id] = seq.num_tokens - 1 + self.AHEAD_OFFSET
+        self.ahead_taken += 1
+        rows = {seq.seq_id: ahead.drafts.rows[seq.seq_id] for seq in seqs}
+        return DeviceDrafts(ahead.drafts.ids, rows, min(k, self.k))
+
+    # Where a call drafted ahead starts its catch-up, after the verify step's first position:
+    # 1 for a draft model (the step's first token is in its cache), 0 for a drafter over the
+    # target's states (its catch-up ends a position before the last known token).
+    AHEAD_OFFSET = 1
+
+    def _ahead_applies(self, start: int, seq_id: str, num_drafts: int) -> bool:
+        """A subclass's own condition for drafting ahead for a sequence whose verified rows
+        start at ``start``."""
+        return True
+
+    def _call_ahead(
+        self, parts: list[CatchUp], chain: tuple, sampled: jax.Array, feed: jax.Array
+    ) -> jax.Array:
+        """Run the call drafted ahead (``chain``: ``ahead_batch``'s inputs, the batch first)
+        on the verify step's sampled ids and its drafts' feed; its drafts i32[S, k]."""
+        raise NotImplementedError
+
+    def _lower_ahead(self, bucket: int) -> Any:
+        args, layout = self._ahead_padding_args(bucket)
+        return self._ahead.lower(*args, layout=layout)
+
+    def _warm_ahead(self, bucket: int) -> None:
+        """Run a padding call drafted ahead of ``bucket`` rows (warm-up)."""
+        raise NotImplementedError
+
+    def _ahead_padding_args(self, bucket: int) -> tuple[tuple[Any, ...], Layout]:
+        """A padding call drafted ahead (``_ahead``) of ``bucket`` rows: its arguments (the
+        verify step's sampled ids and its drafts' feed shaped and laid out as the step's
+        pending ids, ``no_previous_ids``) and its packed inputs' layout."""
+        raise NotImplementedError
+
+    def _ahead_padding_chain(self, bucket: int) -> tuple:
+        """``ahead_batch``'s inputs of a padding call of ``bucket`` rows."""
+        batch = catch_up_batch([], self.pool, self.buckets, bucket)
+        rows, seqs = np.zeros(bucket, np.int32), np.zeros(batch.kv_lens.shape[0], np.int32)
+        return (batch, rows, seqs, seqs, seqs)
 
     def _take_pages(self, seqs: Sequence[TokenSource], seq: TokenSource) -> bool:
         """Pages for the sequence's tokens and drafts; False: no room (it drafts nothing)."""

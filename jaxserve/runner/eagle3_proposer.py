@@ -70,27 +70,21 @@ from jaxserve.runner.drafting import (
     PackedInputs,
     PagedDrafter,
     TokenSource,
+    ahead_batch,
     catch_up_batch,
     chain_from_states,
     drafter_parallel,
-    plan_calls,
     put_on,
 )
 from jaxserve.runner.packing import Layout, unpack
 from jaxserve.runner.parallel.sharding import TensorParallel, eagle3_shardings
 from jaxserve.runner.programs import step_attention
 from jaxserve.runner.sleep import free
-from jaxserve.runner.step import DeviceDrafts, SchedulerOutput
 from jaxserve.runner.weight_update import committed
 
 _LOG = logging.getLogger(__name__)
 
 HeadKV = tuple[jax.Array, jax.Array]
-
-# "1": a drafter over the target's states drafts the next step's tokens right behind each
-# verify step, on the device, before the host reads the step back (``draft_ahead``); off by
-# default until timed on a GPU (benchmarks/spec_decode.py times both).
-DRAFT_AHEAD_ENV = "JAXSERVE_DRAFT_AHEAD"
 
 
 def eagle3_chain(
@@ -144,30 +138,6 @@ def _take_rows(states: jax.Array, buffer: jax.Array, layout: Layout) -> jax.Arra
     return states[unpack(buffer, layout)["rows"]]
 
 
-def ahead_inputs(
-    batch: Batch,  # the verify step's rows again: each sequence's last token and its drafts
-    sample_rows: jax.Array,  # i32[T]  each row's row of the verify step's sampled ids
-    first_sample: jax.Array,  # i32[S]  each sequence's first row of them
-    first_draft: jax.Array,  # i32[S]  its first draft's index in the drafts' feed
-    num_drafts: jax.Array,  # i32[S]  the drafts it verified
-    sampled: jax.Array,  # i32[S_max]  the verify step's sampled ids (on the device)
-    drafts: jax.Array,  # i32[S_max]  the drafts it verified (``draft_feed``'s layout)
-    k: int,  # drafts a sequence verifies at most
-) -> tuple[Batch, jax.Array]:  # (the batch, each row's next token)
-    """On the device, the call that drafts ahead of the host (``draft_ahead``): each row's next
-    token is the token the verify step sampled at that row, and each sequence's chain starts
-    from the row of its last accepted draft (``logits_indices``): the drafts that equal the
-    sampled tokens, in order, as the host's ``accepted_run`` counts them."""
-    j = jnp.arange(k)[None, :]  # [1, k]
-    got = sampled[jnp.clip(first_sample[:, None] + j, 0, sampled.shape[0] - 1)]
-    drafted = drafts[jnp.clip(first_draft[:, None] + j, 0, drafts.shape[0] - 1)]
-    matches = (got == drafted) & (j < num_drafts[:, None])
-    accepted = jnp.cumprod(matches.astype(jnp.int32), axis=1).sum(axis=1)  # i32[S]
-    live = jnp.arange(batch.kv_lens.shape[0]) < batch.num_seqs[0]
-    last = jnp.where(live, batch.cu_q_lens[:-1] + accepted, batch.logits_indices)
-    return dataclasses.replace(batch, logits_indices=last.astype(jnp.int32)), sampled[sample_rows]
-
-
 class TargetStatesDrafter(PagedDrafter):
     """A drafter over the target's states (module docstring): from the runner's last step
     when it computed every position a call needs, else from the target run again over the
@@ -199,24 +169,22 @@ class TargetStatesDrafter(PagedDrafter):
         self._next: dict[str, tuple[int, list[int]]] = {}  # seq id -> (start, tokens from it)
         self._blocks: dict[str, list[int]] = {}  # seq id -> the target's pages, this call
         self.recomputed_tokens = 0  # positions the target ran again for (module docstring)
-        self.drafts_ahead = os.environ.get(DRAFT_AHEAD_ENV, "0").strip() == "1"
-        self.ahead_calls = 0  # calls drafted ahead of the host (``draft_ahead``)
-        self.ahead_taken = 0  # of which a step took the drafts (``take_ahead``)
         runner.keep_target_states(aux_layers)
         self._take, self._recompute = self._jit_target_programs()
 
     def jit_chains(self, chain: Callable[..., Any]) -> None:
-        """``_chain`` (``jit_chain``) and ``_ahead``: the same chain after ``ahead_inputs``,
-        its inputs packed as (batch, sample rows, first sample, first draft, drafts a
-        sequence) and its arguments (states, the verify step's sampled ids, its drafts)."""
+        """``_chain`` (``jit_chain``) and ``_ahead``: the same chain on ``ahead_batch``'s
+        catch-up (its inputs packed: the batch, sample rows, first samples, first drafts,
+        drafts a sequence; its arguments: the rows' states, the verify step's sampled ids,
+        its drafts' feed), each row's next token the one sampled there."""
         self._chain = self.jit_chain(chain, self.draft_kv, self.draft_weights)
 
         def ahead(weights, pages, batch, sample_rows, first_sample, first_draft, num_drafts,
                   states, sampled, drafts):  # fmt: skip
-            batch, next_ids = ahead_inputs(
+            batch = ahead_batch(
                 batch, sample_rows, first_sample, first_draft, num_drafts, sampled, drafts, self.k
             )
-            return chain(weights, pages, batch, next_ids, states)
+            return chain(weights, pages, batch, batch.input_ids, states)
 
         self._ahead = self.jit_chain(ahead, self.draft_kv, self.draft_weights)
 
@@ -270,11 +238,6 @@ class TargetStatesDrafter(PagedDrafter):
             for inputs in padding:
                 self._take(states, inputs.buffer, layout=inputs.layout)
             del states
-        if self.drafts_ahead:  # each bucket's call drafted ahead, once
-            for bucket in self.buckets.token_buckets:
-                args, layout = self._ahead_padding_args(bucket)
-                self.draft_kv, _ = self._ahead(*args, layout=layout)
-            count += len(self.buckets.token_buckets)
         self.recomputed_tokens = 0
         return count
 
@@ -290,21 +253,43 @@ class TargetStatesDrafter(PagedDrafter):
             thunks += [functools.partial(self._lower_again, b) for b in self.buckets.token_buckets]
         steps, calls = self.runner.buckets.token_buckets, self.buckets.token_buckets
         thunks += [functools.partial(self._lower_gather, n, b) for n in steps for b in calls]
-        if self.drafts_ahead:
-            thunks += [functools.partial(self._lower_ahead, b) for b in calls]
         return thunks
 
-    def _lower_ahead(self, bucket: int) -> Any:
+    # A call drafted ahead (``PagedDrafter.draft_ahead``) starts at the verify step's first
+    # position: this drafter's catch-up ends a position before the last known token.
+    AHEAD_OFFSET = 0
+
+    def _ahead_applies(self, start: int, seq_id: str, num_drafts: int) -> bool:
+        """The verify step's states hold the sequence's verified rows."""
+        last = self.runner.last_states
+        return last is not None and last.rows_for(seq_id, start, start + num_drafts + 1) is not None
+
+    def _call_ahead(
+        self, parts: list[CatchUp], chain: tuple, sampled: jax.Array, feed: jax.Array
+    ) -> jax.Array:
+        """The call drafted ahead over the verify step's states of the parts' rows."""
+        last = self.runner.last_states
+        assert last is not None
+        state_rows = np.zeros(chain[0].input_ids.shape[0], np.int32)
+        row = 0
+        for part in parts:
+            found = last.rows_for(part.seq_id, part.start, part.start + len(part.tokens))
+            assert found is not None
+            state_rows[row : row + len(found)] = found
+            row += len(found)
+        inputs = self.put_packed({"chain": chain, "rows": state_rows})
+        states = self._take(last.states, inputs.buffer, layout=inputs.layout)
+        args = (self.draft_weights, self.draft_kv, inputs.buffer, states, sampled, feed)
+        self.draft_kv, ids = self._ahead(*args, layout=inputs.layout)
+        return ids
+
+    def _warm_ahead(self, bucket: int) -> None:
         args, layout = self._ahead_padding_args(bucket)
-        return self._ahead.lower(*args, layout=layout)
+        self.draft_kv, _ = self._ahead(*args, layout=layout)
 
     def _ahead_padding_args(self, bucket: int) -> tuple[tuple[Any, ...], Layout]:
-        """A padding call drafted ahead (``_ahead``) of ``bucket`` rows; the verify step's
-        sampled ids and its drafts' feed have the shape and layout of the step's pending
-        ids (``no_previous_ids``)."""
-        batch = catch_up_batch([], self.pool, self.buckets, bucket)
-        rows, seqs = np.zeros(bucket, np.int32), np.zeros(batch.kv_lens.shape[0], np.int32)
-        inputs = self.put_packed({"chain": (batch, rows, seqs, seqs, seqs), "rows": rows})
+        rows = np.zeros(bucket, np.int32)
+        inputs = self.put_packed({"chain": self._ahead_padding_chain(bucket), "rows": rows})
         ids = self.runner.programs.no_previous_ids
         states = self._padding_states(bucket)
         return (self.draft_weights, self.draft_kv, inputs.buffer, states, ids, ids), inputs.layout
@@ -325,87 +310,6 @@ class TargetStatesDrafter(PagedDrafter):
         compile again at its first call while serving."""
         states = put_on(self.runner.tp, np.zeros((rows, self.state_dim), self.runner.dtype))
         return committed(states)
-
-    def draft_ahead(self, sched: SchedulerOutput, sampled_ids: jax.Array) -> AheadDrafts | None:
-        """The next step's drafts, queued on the device right behind a verify step that took
-        its drafts there (``sched.device_drafts``), before the host reads it back: the
-        catch-up over each sequence's verified rows (its last token and drafts, their states
-        from the step), each row's next token the step's sampled one, and the chain from the
-        row of the last accepted draft (``ahead_inputs``), as the next ``propose`` would run
-        once the host knew them. Rows past the accepted ones write K/V that the chain and the
-        next catch-up write over, never read. None where it does not apply: a sequence of the
-        step verified no drafts, the step's states do not hold its rows, the pages or one
-        call do not fit."""
-        drafts, last = sched.device_drafts, self.runner.last_states
-        programs = getattr(self.runner, "programs", None)
-        if drafts is None or last is None or programs is None:
-            return None
-        parts, expected = [], {}
-        for item in sched.scheduled:
-            seq_id, d = item.seq.seq_id, len(item.draft_token_ids)
-            if not d or seq_id not in drafts.rows:
-                return None
-            if last.rows_for(seq_id, item.start, item.start + d + 1) is None:
-                return None
-            # the chain writes up to position start + d + k (all accepted, k drafts on)
-            total = item.start + d + 1 + self.k
-            if total > self.buckets.pages_per_seq * self.pool.page_size:
-                return None
-            if not self.pool.ensure(seq_id, total):
-                return None
-            parts.append(CatchUp(seq_id, [0] * (d + 1), item.start, final=True))
-            expected[seq_id] = (item.start, d)
-        calls = plan_calls(parts, self.buckets.token_buckets[-1], self.buckets.max_seq_bucket)
-        if len(calls) != 1 or len(calls[0]) != len(parts):
-            return None
-        batch = catch_up_batch(parts, self.pool, self.buckets)
-        num_rows, num_seqs = batch.input_ids.shape[0], batch.kv_lens.shape[0]
-        state_rows = np.zeros(num_rows, np.int32)
-        sample_rows = np.zeros(num_rows, np.int32)
-        first_sample = np.zeros(num_seqs, np.int32)
-        first_draft = np.zeros(num_seqs, np.int32)
-        num_drafts = np.zeros(num_seqs, np.int32)
-        width, row = drafts.ids.shape[1], 0
-        for s, (part, first) in enumerate(zip(parts, sched.sample_rows(), strict=True)):
-            found = last.rows_for(part.seq_id, part.start, part.start + len(part.tokens))
-            assert found is not None
-            n = len(part.tokens)
-            state_rows[row : row + n] = found
-            sample_rows[row : row + n] = np.arange(first, first + n)
-            first_sample[s], num_drafts[s] = first, n - 1
-            first_draft[s] = drafts.rows[part.seq_id] * width
-            row += n
-        chain = (batch, sample_rows, first_sample, first_draft, num_drafts)
-        inputs = self.put_packed({"chain": chain, "rows": state_rows})
-        states = self._take(last.states, inputs.buffer, layout=inputs.layout)
-        feed = programs.draft_feed(drafts.ids)
-        self.draft_kv, ids = self._ahead(
-            self.draft_weights, self.draft_kv, inputs.buffer, states, sampled_ids, feed,
-            layout=inputs.layout,
-        )  # fmt: skip
-        self.ahead_calls += 1
-        rows = {part.seq_id: s for s, part in enumerate(parts)}
-        return AheadDrafts(DeviceDrafts(ids, rows, self.k), expected)
-
-    def take_ahead(
-        self, ahead: AheadDrafts, seqs: Sequence[TokenSource], k: int
-    ) -> DeviceDrafts | None:
-        """``ahead``'s drafts for the sequences that decode now (``seqs``), when it drafted
-        for each of them (those that finished since are left out) and each gained 1 to d + 1
-        tokens (its accepted drafts and the target's token) since; else None (the caller
-        proposes as usual: the catch-up from ``computed`` writes over what the call ahead
-        wrote). The drafter's cache holds each one's tokens up to its last (``computed``)."""
-        if not seqs or any(seq.seq_id not in ahead.expected for seq in seqs):
-            return None
-        for seq in seqs:
-            start, d = ahead.expected[seq.seq_id]
-            if not 2 <= seq.num_tokens - start <= d + 2:
-                return None
-        for seq in seqs:
-            self.computed[seq.seq_id] = seq.num_tokens - 1
-        self.ahead_taken += 1
-        rows = {seq.seq_id: ahead.drafts.rows[seq.seq_id] for seq in seqs}
-        return DeviceDrafts(ahead.drafts.ids, rows, min(k, self.k))
 
     def _end_call(self) -> None:
         self._next.clear()
@@ -504,15 +408,6 @@ class TargetStatesDrafter(PagedDrafter):
         # host arrays until the call, as catch_up_batch's
         again = dataclasses.replace(batch, page_indices=pages, slot_mapping=slots)  # type: ignore[arg-type]
         return runner.weights, runner.kv_cache, put_on(runner.tp, again)
-
-
-@dataclasses.dataclass
-class AheadDrafts:
-    """A call drafted ahead of the host (``TargetStatesDrafter.draft_ahead``): its drafts on
-    the device, and for each sequence the verify step's (first position, drafts verified)."""
-
-    drafts: DeviceDrafts
-    expected: dict[str, tuple[int, int]]
 
 
 class Eagle3Proposer(TargetStatesDrafter):
