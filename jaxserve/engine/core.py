@@ -879,7 +879,9 @@ class EngineCore:
         if not constrained:
             self.runner.sample(step, None)
             if not overlap and sched.device_drafts is not None:
+                self._span("dispatch")
                 self._draft_ahead(sched, step)
+                self._span("propose")  # (the step log: drafting's host time)
         if overlap or constrained:
             return step, None
         self._span("dispatch")
