@@ -130,7 +130,7 @@ def test_holds_fp8_finds_fp8_arrays_at_any_depth() -> None:
 
 
 def test_an_fp8_eagle3_heads_chain_is_jitted_with_them(monkeypatch) -> None:
-    """``speculative_config`` quantization fp8: the drafter's chain asks for the fp8 options
+    """``speculative_config`` quantization fp8: the drafter's chains ask for the fp8 options
     (CPU options stand in for the GPU's) and drafts under them; an unquantized head asks for
     none."""
     from pathlib import Path
@@ -163,7 +163,8 @@ def test_an_fp8_eagle3_heads_chain_is_jitted_with_them(monkeypatch) -> None:
         assert len(out[0].outputs[0].token_ids) == 6
         assert llm.engine.spec_stats.num_draft_tokens > 0  # the chain ran
         llm.shutdown()
-    assert asked == [False, True]
+    # each drafter's two programs: its chain, and the chain of a call drafted ahead
+    assert asked == [False, False, True, True]
 
 
 def test_the_probes_runner_carries_no_set_of_its_own(monkeypatch) -> None:

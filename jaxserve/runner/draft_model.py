@@ -172,12 +172,8 @@ class DraftModelProposer(PagedDrafter):
         )
         self._chain = self.jit_chain(chain, self.kv, self.weights)
 
-        def ahead(weights, pages, batch, sample_rows, first_sample, first_draft, num_drafts,
-                  sampled, drafts):  # fmt: skip
-            batch = ahead_batch(
-                batch, sample_rows, first_sample, first_draft, num_drafts, sampled, drafts, k
-            )
-            return chain(weights, pages, batch)
+        def ahead(weights, pages, batch, *feeds):  # feeds: ahead_batch's, after the batch
+            return chain(weights, pages, ahead_batch(batch, *feeds, k=k))
 
         self._ahead = self.jit_chain(ahead, self.kv, self.weights)
 

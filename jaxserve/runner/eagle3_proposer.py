@@ -179,11 +179,9 @@ class TargetStatesDrafter(PagedDrafter):
         its drafts' feed), each row's next token the one sampled there."""
         self._chain = self.jit_chain(chain, self.draft_kv, self.draft_weights)
 
-        def ahead(weights, pages, batch, sample_rows, first_sample, first_draft, num_drafts,
-                  states, sampled, drafts):  # fmt: skip
-            batch = ahead_batch(
-                batch, sample_rows, first_sample, first_draft, num_drafts, sampled, drafts, self.k
-            )
+        def ahead(weights, pages, batch, *rest):  # rest: the packed rows, states, ids
+            *rows, states, sampled, drafts = rest  # rows: sample rows, first samples, ...
+            batch = ahead_batch(batch, *rows, sampled, drafts, k=self.k)
             return chain(weights, pages, batch, batch.input_ids, states)
 
         self._ahead = self.jit_chain(ahead, self.draft_kv, self.draft_weights)
