@@ -41,9 +41,11 @@
 #                bf16), the n-gram drafter's host time, the demo model's batch-1 n-gram speed-up,
 #                and EAGLE-3 at the published Llama-3.1-8B head shape (random weights) on the
 #                Llama-3-8B target: each propose call's ms and the step time, with the drafts
-#                left on the device and brought to the host first (about 4.5 minutes);
+#                left on the device, made ahead of the host behind each verify step
+#                (JAXSERVE_DRAFT_AHEAD) and brought to the host first (about 5.5 minutes);
 #                $SPEC_PARTS picks parts, $SPEC_ARGS adds flags (e.g. "--eagle3-quantization fp8");
-#                EAGLE-3's traced batch-1 steps: the kernels by program and the host's events ->
+#                EAGLE-3's traced batch-1 steps (drafts made ahead): the kernels by program and
+#                the host's events ->
 #                $OUT/spec_eagle3_b1_{kernels,host}.txt
 #   cublas       a few roofline cells with XLA's Triton GEMMs off (cuBLAS for every matmul)
 #   quant        bf16 vs fp8 weights (W8A8) vs fp8 weights + fp8 KV cache (when the build has

@@ -344,13 +344,15 @@ def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
                      "floor_ms": floor_ms, **row}
                 )  # fmt: skip
                 print(f"eagle3 {rows[-1]}", flush=True)
-            llm.engine.device_drafts, llm.engine.proposer.drafts_ahead = True, False
-            if args.profile_dir and batch == 1:  # a traced run apart from the timed one
+            # a traced run apart from the timed ones, the drafts made ahead of the host
+            llm.engine.device_drafts, llm.engine.proposer.drafts_ahead = True, True
+            if args.profile_dir and batch == 1:
                 with jax.profiler.trace(
                     str(Path(args.profile_dir) / "eagle3_b1"), create_perfetto_trace=True
                 ):
                     traced = dataclasses.replace(params, max_tokens=PROFILE_TOKENS + 1)
                     llm.generate(prompts, traced, use_tqdm=False)
+            llm.engine.proposer.drafts_ahead = False
         llm.shutdown()
     return rows
 
