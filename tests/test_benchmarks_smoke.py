@@ -752,3 +752,21 @@ def test_kernel_registers_reads_ptxas_report() -> None:
     assert "| fp8 | 128 | 128 | read | no | 16 | 255 | 36 | 68 |" in kernel_registers.table(
         [{**row, **kernel_registers.parse_ptxas(report)}]  # type: ignore[dict-item]
     )
+
+
+def test_native_cases_probe_names_each_case_and_its_phases(tmp_path, monkeypatch, capsys) -> None:
+    """``benchmarks.probes.native_cases`` in interpret mode: a case per process, a JSON line
+    per phase, and a case past its time limit reported with the phase it was in."""
+    out = tmp_path / "cases.json"
+    args = ["--kernel", "mosaic", "--interpret", "--cases", "decode_b3_page16"]
+    args += ["--repeats", "2", "--out", str(out)]
+    run_script("benchmarks.probes.native_cases", args, monkeypatch)
+    (row,) = json.loads(out.read_text())
+    assert row["ended"] == "exited" and row["repeats_done"] == 2 and row["errors"] == []
+    phases = [p["phase"] for p in row["phases"]]
+    assert phases[:6] == ["inputs", "reference", "compile", "run", "compare", "done"]
+    assert "| decode_b3_page16 | exited |" in capsys.readouterr().out
+    from benchmarks.probes import native_cases  # (after runpy ran it as __main__)
+
+    cut = native_cases.run_case("mosaic", "decode_b3_page16", 1, 0.5, interpret=True)
+    assert cut["ended"] == "killed after 0 s" and cut["repeats_done"] == 0

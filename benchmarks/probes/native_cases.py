@@ -5,21 +5,24 @@ limit and a line per phase, so that a case which stalls says where.
 case on each of three runs (``v3_decode_b1_32k`` twice, ``latent256_heads32_stages3`` once,
 which passed alone in a later run) and a run killed at its limit printed nothing of where:
 ``-q`` dots carry no name and no phase. Here each case runs in a child process that prints a
-JSON line as it enters each phase (``inputs``, ``reference``, ``compile``, ``run``,
-``compare``) with the seconds the previous one took; the parent kills a child past
-``--case-timeout`` and reports the phase it was in, then goes on with the next case.
+JSON line as it enters each phase (``inputs``, ``reference``, ``compile``, ``run``: the
+kernel on NaN-poisoned memory as the tests run it, ``compare``) with the seconds the previous
+one took; the parent kills a child past ``--case-timeout`` and reports the phase it was in,
+then goes on with the next case.
 ``--repeats`` runs each case's compiled kernel several times on fresh inputs (a stall that
 comes and goes shows as a repeat that never ends).
 
     python3 -m benchmarks.probes.native_cases --kernel mosaic --case-timeout 60 --repeats 5
 
-Prints a table last; ``--out`` keeps the rows as JSON.
+Prints a table last; ``--out`` keeps the rows as JSON. ``--interpret`` runs the kernels in their
+interpreters (on the CPU: the small cases; CI checks the harness so).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -29,8 +32,7 @@ CHILD = """
 import json, sys, time
 import jax, numpy as np
 from tests.conftest import reference_compiled_plainly
-from tests.test_kernel_gpu import _poisoned_run
-kernel, name, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3])
+kernel, name, repeats, interpret = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
 if kernel == "mosaic":
     from tests.test_mla_mosaic_gpu import _gpu_cases, compare
     from pallas_kernels.mla import mosaic_gpu as impl
@@ -58,9 +60,20 @@ for repeat in range(repeats):
     ref = reference_compiled_plainly(
         lambda *a: reference.ragged_paged_mla_attention(*a, **kwargs), *args)
     ref.block_until_ready()
-    phase("compile_and_run")
-    fn = lambda *a: impl.ragged_paged_mla_attention(*a, **kwargs, config=case.config)
-    out = _poisoned_run(fn, args, ref.shape, ref.dtype)
+    phase("compile")
+    mode = {}
+    if interpret:  # Mosaic GPU's interpreter (NPROC threads) or Pallas Triton's
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+        mode = {"interpret": plgpu.InterpretGPUParams() if kernel == "mosaic" else True}
+    fn = lambda *a: impl.ragged_paged_mla_attention(*a, **kwargs, config=case.config, **mode)
+    scrub = jax.numpy.full((1 << 26,), jax.numpy.nan, jax.numpy.float32)  # as _poisoned_run
+    scrub.block_until_ready()
+    del scrub
+    donor = jax.numpy.full(ref.shape, jax.numpy.nan, ref.dtype)
+    call = jax.jit(lambda donor, *a: fn(*a), donate_argnums=0)
+    compiled = call.lower(donor, *args).compile()
+    phase("run")
+    out = compiled(donor, *args)
     out.block_until_ready()
     phase("compare")
     if kernel == "mosaic":
@@ -83,14 +96,18 @@ def case_names(kernel: str) -> list[str]:
     ).stdout.split()
 
 
-def run_case(kernel: str, name: str, repeats: int, timeout_s: float) -> dict:
+def run_case(
+    kernel: str, name: str, repeats: int, timeout_s: float, interpret: bool = False
+) -> dict:
     """The case's phases as its child printed them, and how it ended."""
     start = time.perf_counter()
+    env = {**os.environ, "NPROC": "4"} if interpret else None  # Mosaic GPU's interpreter's
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, kernel, name, str(repeats)],
+        [sys.executable, "-c", CHILD, kernel, name, str(repeats), "1" if interpret else "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env=env,
     )
     try:
         out, _ = child.communicate(timeout=timeout_s)
@@ -122,11 +139,14 @@ def main() -> None:
     parser.add_argument("--case-timeout", type=float, default=60.0)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--interpret", action="store_true", help="the kernels' interpreters (CPU, small cases)"
+    )
     args = parser.parse_args()
     names = args.cases.split(",") if args.cases else case_names(args.kernel)
     rows = []
     for name in names:
-        row = run_case(args.kernel, name, args.repeats, args.case_timeout)
+        row = run_case(args.kernel, name, args.repeats, args.case_timeout, args.interpret)
         print(
             f"{name}: {row['ended']} in {row['wall_s']} s, last phase {row['last_phase']}, "
             f"{row['repeats_done']}/{args.repeats} done, errors {len(row['errors'])}",
