@@ -788,3 +788,40 @@ def test_a_warmed_up_drafter_drafting_ahead_compiles_nothing_new_while_serving(
     assert token_ids(llm, PROMPTS[:1]) == plain[:1]
     assert proposer.ahead_taken > 0
     assert proposer._ahead._cache_size() == ahead_cache
+
+
+def test_the_call_drafted_ahead_is_queued_before_the_host_reads_its_verify_step(
+    plain, monkeypatch
+) -> None:
+    """The order on the host: each verify step is dispatched, then the next step's call is
+    drafted ahead behind it, then the host waits for the verify step's tokens; the next step
+    then verifies those drafts without calling ``propose``."""
+    from jaxserve.runner.drafting import DRAFT_AHEAD_ENV
+
+    monkeypatch.setenv(DRAFT_AHEAD_ENV, "1")
+    llm = make_llm(METHODS["eagle3"], enable_prefix_caching=False)
+    engine, proposer, events = llm.engine, llm.engine.proposer, []
+    dispatch, collect = engine.runner.dispatch, engine.runner.collect
+    draft_ahead, propose = proposer.draft_ahead, proposer.propose
+
+    def recorded(name, fn):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            events.append((name, out))
+            return out
+
+        return call
+
+    monkeypatch.setattr(engine.runner, "dispatch", recorded("dispatch", dispatch))
+    monkeypatch.setattr(engine.runner, "collect", recorded("collect", collect))
+    monkeypatch.setattr(proposer, "draft_ahead", recorded("ahead", draft_ahead))
+    monkeypatch.setattr(proposer, "propose", recorded("propose", propose))
+    params = SamplingParams(temperature=0, max_tokens=64 - PROMPT_LEN, ignore_eos=True)
+    assert token_ids(llm, PROMPTS[:1], params) == [token_ids(make_llm(), PROMPTS[:1], params)[0]]
+    names = [name for name, _ in events]
+    made = [i for i, (name, out) in enumerate(events) if name == "ahead" and out is not None]
+    assert made
+    for i in made:  # dispatch, drafted ahead, then the read back; next, no propose call
+        assert names[i - 1] == "dispatch" and names[i + 1] == "collect", names[i - 1 : i + 2]
+        assert names[i + 2 : i + 3] in ([], ["dispatch"]), names[i : i + 3]
+    assert names.count("propose") < len(made)
