@@ -790,6 +790,22 @@ def test_a_warmed_up_drafter_drafting_ahead_compiles_nothing_new_while_serving(
     assert proposer._ahead._cache_size() == ahead_cache
 
 
+def test_the_start_up_log_says_when_drafts_are_made_ahead(method, monkeypatch, caplog) -> None:
+    """The speculative decoding line names drafts made ahead when they are on, not else."""
+    from jaxserve.runner.drafting import DRAFT_AHEAD_ENV
+
+    for flag in ("0", "1"):
+        monkeypatch.setenv(DRAFT_AHEAD_ENV, flag)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="jaxserve.engine.core"):
+            make_llm(METHODS[method]).shutdown()
+        line = next(
+            r.getMessage() for r in caplog.records if "Speculative decoding:" in r.getMessage()
+        )
+        said = "the next step's drafts made behind it on the device (JAXSERVE_DRAFT_AHEAD)"
+        assert (said in line) == (flag == "1"), line
+
+
 def test_the_call_drafted_ahead_is_queued_before_the_host_reads_its_verify_step(
     plain, monkeypatch
 ) -> None:

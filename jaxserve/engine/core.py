@@ -340,13 +340,17 @@ class EngineCore:
         if device_bytes is not None and reserve is not None:
             read = getattr(self.runner, "weights", None)  # the target's, which it may read
             reserve(device_bytes(read), spec.drafter)
+        ahead = getattr(proposer, "ahead_on", False)
         _LOG.info(
             "Speculative decoding: %s; drafts while at most %d sequences run (above: none)%s; "
-            "a step with drafts is read back before the next is scheduled "
+            "a step with drafts is read back before the next is scheduled%s "
             "(docs/speculative_decoding.md)",
             spec.describe(),
             spec.max_batch_size,
             ", and pauses while it does not pay" if spec.pause_when_unpaid else "",
+            ", the next step's drafts made behind it on the device (JAXSERVE_DRAFT_AHEAD)"
+            if ahead
+            else "",
         )
         return proposer
 
