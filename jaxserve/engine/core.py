@@ -895,10 +895,10 @@ class EngineCore:
 
     def _draft_ahead(self, sched: SchedulerOutput, step: InFlight) -> None:
         """Queue the next step's drafts behind this verify step, before the host reads it back
-        (``JAXSERVE_DRAFT_AHEAD=1``, a drafter over the target's states: ``draft_ahead``), so
-        that the drafter runs while the host processes this step and schedules the next."""
+        (a model drafter's ``draft_ahead``, None unless ``JAXSERVE_DRAFT_AHEAD=1``), so that
+        the drafter runs while the host processes this step and schedules the next."""
         draft_ahead = getattr(self.proposer, "draft_ahead", None)
-        if draft_ahead is not None and getattr(self.proposer, "drafts_ahead", False):
+        if draft_ahead is not None:
             self._ahead = draft_ahead(sched, step.sampled_ids)
 
     def _span(self, name: str) -> None:

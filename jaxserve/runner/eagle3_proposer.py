@@ -267,14 +267,8 @@ class TargetStatesDrafter(PagedDrafter):
     ) -> jax.Array:
         """The call drafted ahead over the verify step's states of the parts' rows."""
         last = self.runner.last_states
-        assert last is not None
-        state_rows = np.zeros(chain[0].input_ids.shape[0], np.int32)
-        row = 0
-        for part in parts:
-            found = last.rows_for(part.seq_id, part.start, part.start + len(part.tokens))
-            assert found is not None
-            state_rows[row : row + len(found)] = found
-            row += len(found)
+        state_rows = self._state_rows(parts, chain[0].input_ids.shape[0])
+        assert last is not None and state_rows is not None  # (``_ahead_applies``)
         inputs = self.put_packed({"chain": chain, "rows": state_rows})
         states = self._take(last.states, inputs.buffer, layout=inputs.layout)
         args = (self.draft_weights, self.draft_kv, inputs.buffer, states, sampled, feed)
