@@ -42,9 +42,11 @@
 #                and EAGLE-3 at the published Llama-3.1-8B head shape (random weights) on the
 #                Llama-3-8B target: each propose call's ms and the step time, with the drafts
 #                left on the device, made ahead of the host behind each verify step
-#                (JAXSERVE_DRAFT_AHEAD) and brought to the host first (about 5.5 minutes);
-#                $SPEC_PARTS picks parts, $SPEC_ARGS adds flags (e.g. "--eagle3-quantization fp8");
-#                EAGLE-3's traced batch-1 steps (drafts made ahead): the kernels by program and
+#                (JAXSERVE_DRAFT_AHEAD), with the next verify step dispatched before the last is
+#                read back too (JAXSERVE_ASYNC_VERIFY) and brought to the host first (about 6
+#                minutes); $SPEC_PARTS picks parts, $SPEC_ARGS adds flags (e.g.
+#                "--eagle3-quantization fp8"); EAGLE-3's traced batch-1 steps (verify steps
+#                dispatched ahead): the kernels by program and
 #                the host's events ->
 #                $OUT/spec_eagle3_b1_{kernels,host}.txt
 #   cublas       a few roofline cells with XLA's Triton GEMMs off (cuBLAS for every matmul)

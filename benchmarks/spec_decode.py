@@ -18,7 +18,8 @@ end-to-end batch-1 speed-up with n-gram drafting (docs/speculative_decoding.md).
    propose call waited for (host work and the chain), its host part alone, and the step time
    as the engine runs it: the drafts left on the device for the verify step ("device"),
    drafted on the device behind each verify step before the host reads it back ("ahead",
-   ``JAXSERVE_DRAFT_AHEAD``), and brought to the host first ("host").
+   ``JAXSERVE_DRAFT_AHEAD``), with the next verify step also dispatched before the last is
+   read back ("async", ``JAXSERVE_ASYNC_VERIFY``), and brought to the host first ("host").
 5. Under load: offline throughput at batch 256 (Llama-3-8B shape, random prompts) with n-gram
    speculation on and off, each measured twice on its own engine (new prompts each run, the
    same in both arms): speculation must not make a full batch slower (above
@@ -336,7 +337,7 @@ def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
             ]
             llm.generate(prompts, params, use_tqdm=False)  # compiles what warm-up did not
             timed.calls.clear()
-            for drafts in ("device", "ahead", "host"):
+            for drafts in ("device", "ahead", "async", "host"):
                 row = eagle3_batch(llm, timed, prompts, params, drafts, args)
                 quantization = args.eagle3_quantization
                 rows.append(
@@ -344,15 +345,16 @@ def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
                      "floor_ms": floor_ms, **row}
                 )  # fmt: skip
                 print(f"eagle3 {rows[-1]}", flush=True)
-            # a traced run apart from the timed ones, the drafts made ahead of the host
+            # a traced run apart from the timed ones, verify steps dispatched ahead of the host
             llm.engine.device_drafts, llm.engine.proposer.drafts_ahead = True, True
+            llm.engine.async_verify = True
             if args.profile_dir and batch == 1:
                 with jax.profiler.trace(
                     str(Path(args.profile_dir) / "eagle3_b1"), create_perfetto_trace=True
                 ):
                     traced = dataclasses.replace(params, max_tokens=PROFILE_TOKENS + 1)
                     llm.generate(prompts, traced, use_tqdm=False)
-            llm.engine.proposer.drafts_ahead = False
+            llm.engine.proposer.drafts_ahead = llm.engine.async_verify = False
         llm.shutdown()
     return rows
 
@@ -365,13 +367,14 @@ def eagle3_batch(llm, timed: TimedProposer, prompts, params, drafts: str, args) 
     which warm-up left out), then the timed run as the engine runs it (the step time; with
     ``--step-log-dir`` its step log ``eagle3_b{batch}_{drafts}_steps.jsonl``)."""
     llm.engine.device_drafts = drafts != "host"
-    llm.engine.proposer.drafts_ahead = drafts == "ahead"
+    llm.engine.proposer.drafts_ahead = drafts in ("ahead", "async")
+    llm.engine.async_verify = drafts == "async"
     taken = llm.engine.proposer.ahead_taken
     timed.block = True
     llm.generate(prompts, params, use_tqdm=False)
     propose_ms = timed.median_ms()
     timed.block = False
-    steps = llm.engine.num_steps
+    steps, verified_ahead = llm.engine.num_steps, llm.engine.num_verified_ahead
     log = None
     if args.step_log_dir:  # the timed run's host spans (propose, dispatch, wait, ...)
         name = f"eagle3_b{len(prompts)}_{drafts}_steps.jsonl"
@@ -389,6 +392,8 @@ def eagle3_batch(llm, timed: TimedProposer, prompts, params, drafts: str, args) 
         "propose_host_ms": timed.median_ms(),  # as the engine ran it (device: the host's part)
         "ms_per_step": 1e3 * wall / max(1, llm.engine.num_steps - steps),
         "ahead_taken": llm.engine.proposer.ahead_taken - taken,  # steps that took them
+        # steps dispatched before the last one was read back (the "async" mode)
+        "verified_ahead": llm.engine.num_verified_ahead - verified_ahead,
     }
 
 
@@ -548,6 +553,8 @@ def main() -> None:
             f"ms{'' if host is None else f'; the host part {host:.3f} ms'})"
         )
         ahead = f", {r['ahead_taken']} steps took drafts made ahead" if r["ahead_taken"] else ""
+        if r.get("verified_ahead"):
+            ahead += f", {r['verified_ahead']} dispatched before the last was read back"
         print(f"   batch {r['batch']}, drafts {r['drafts']}: {propose}, "
               f"{r['ms_per_step']:.2f} ms a step{ahead}")  # fmt: skip
     if "under_load" in report:

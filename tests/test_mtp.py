@@ -204,3 +204,19 @@ def test_mtp_drafts_ahead_of_the_host_with_the_same_tokens_and_acceptance(
         assert taken > 0 if flag == "1" else taken == 0
     assert runs["0"] == runs["1"]
     assert runs["1"][0] == plain
+
+
+def test_mtp_verify_steps_scheduled_ahead_give_the_same_tokens(plain, monkeypatch) -> None:
+    """``JAXSERVE_ASYNC_VERIFY=1`` with the MTP layers drafting ahead: the next verify step is
+    dispatched before the last one is read back (the MTP call behind it moved on the device
+    with it), and the tokens are the plain ones."""
+    from jaxserve.runner.drafting import DRAFT_AHEAD_ENV
+    from jaxserve.runner.verify_ahead import ASYNC_VERIFY_ENV
+
+    monkeypatch.setenv(DRAFT_AHEAD_ENV, "1")
+    monkeypatch.setenv(ASYNC_VERIFY_ENV, "1")
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "pause_when_unpaid": False}
+    llm = make_llm(spec, max_num_seqs=1)
+    assert token_ids(llm) == plain
+    assert llm.engine.num_verified_ahead > 0
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks

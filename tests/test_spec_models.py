@@ -18,6 +18,7 @@ import jaxserve
 from jaxserve import SamplingParams
 from jaxserve.config import ConfigError
 from jaxserve.engine_config import default_model_dir
+from jaxserve.runner.step import PENDING_TOKEN
 
 SPEC = Path(__file__).parent / "fixtures" / "spec"
 LLAMA = Path(__file__).parent / "fixtures" / "models" / "llama"
@@ -841,3 +842,193 @@ def test_the_call_drafted_ahead_is_queued_before_the_host_reads_its_verify_step(
         assert names[i - 1] == "dispatch" and names[i + 1] == "collect", names[i - 1 : i + 2]
         assert names[i + 2 : i + 3] in ([], ["dispatch"]), names[i : i + 3]
     assert names.count("propose") < len(made)
+
+
+# -- verify steps scheduled before the last one is read back (JAXSERVE_ASYNC_VERIFY) ----------
+
+
+def verifying_ahead(monkeypatch, spec: dict, on: bool = True, **overrides) -> jaxserve.LLM:
+    """An engine whose drafter makes its drafts ahead on the device and, with ``on``, whose
+    next verify step is scheduled before the last one is read back (``runner/verify_ahead.py``)."""
+    from jaxserve.runner.drafting import DRAFT_AHEAD_ENV
+    from jaxserve.runner.verify_ahead import ASYNC_VERIFY_ENV
+
+    monkeypatch.setenv(DRAFT_AHEAD_ENV, "1")
+    monkeypatch.setenv(ASYNC_VERIFY_ENV, "1" if on else "0")
+    return make_llm(spec, **{"enable_prefix_caching": False, **overrides})
+
+
+def test_verify_steps_scheduled_ahead_give_the_same_tokens_and_acceptance(
+    plain, method, monkeypatch
+) -> None:
+    """``JAXSERVE_ASYNC_VERIFY=1``: while every sequence decodes, the next verify step is
+    dispatched before the last one is read back, counted as if all its drafts were accepted
+    and moved on the device by the rejected ones. A mixed batch with chunked prefill gives the
+    plain tokens; one prompt at a time gives the tokens of reading each verify step back first
+    with most steps verified ahead, and about its acceptance: the same drafts but near
+    ``max_tokens``, where the host, counting the drafts in flight as accepted, leaves fewer
+    positions to draft (a step more, at most, a sequence)."""
+    llm = verifying_ahead(monkeypatch, METHODS[method])
+    assert token_ids(llm, [*PROMPTS, PROMPTS[0][:3], PROMPTS[1][:9]]) == plain
+    assert llm.engine.num_verified_ahead > 0
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
+    params = SamplingParams(temperature=0, max_tokens=64 - PROMPT_LEN, ignore_eos=True)
+    prompts = PROMPTS[:3]
+    runs = {}
+    for on in (False, True):
+        llm = verifying_ahead(monkeypatch, METHODS[method], on)
+        tokens = [token_ids(llm, [p], params)[0] for p in prompts]
+        engine, stats = llm.engine, llm.engine.spec_stats
+        runs[on] = (tokens, engine.num_steps, stats.num_drafts, stats.num_accepted_tokens)
+        if on:
+            assert engine.num_verified_ahead > engine.num_steps // 2
+        else:
+            assert engine.num_verified_ahead == 0
+        # every generated token: an accepted draft or the target's own, one a step a sequence
+        decode_steps = engine.num_steps - len(prompts)  # (each prompt prefills in one step)
+        assert sum(map(len, tokens)) == stats.num_accepted_tokens + decode_steps + len(prompts)
+        llm.shutdown()
+    (tokens, steps, drafts, accepted), ahead = runs[False], runs[True]
+    assert ahead[0] == tokens
+    assert steps <= ahead[1] <= steps + len(prompts)
+    assert drafts - len(prompts) <= ahead[2] <= drafts + len(prompts)
+    assert accepted - 2 * len(prompts) <= ahead[3] <= accepted
+
+
+def test_seeded_sampling_is_the_same_with_verify_steps_scheduled_ahead(method, monkeypatch) -> None:
+    """Seeded sampled requests (temperature, top-p): each token's random draw is keyed by its
+    true position, which the device moves with the step, so the tokens are those of reading
+    each verify step back first."""
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=i + 1, max_tokens=30, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    runs = {}
+    for on in (False, True):
+        llm = verifying_ahead(monkeypatch, METHODS[method], on)
+        runs[on] = token_ids(llm, PROMPTS, params)
+        assert bool(llm.engine.num_verified_ahead) == on
+        llm.shutdown()
+    assert runs[False] == runs[True]
+
+
+def test_stops_cut_runs_verified_ahead_where_they_would_without_speculation(
+    method, monkeypatch
+) -> None:
+    """A stop string, the end-of-sequence token and ``max_tokens`` end a sequence inside a
+    verified run exactly where they would without speculation, while its next verify step is
+    already in flight (its tokens are dropped); a request with ``min_tokens`` (whose
+    end-of-sequence hold needs every token on the host) takes the steps read back first."""
+    llm = verifying_ahead(monkeypatch, METHODS[method], max_model_len=256)
+    text = (
+        llm.generate([{"prompt_token_ids": PROMPTS[1]}], GREEDY, use_tqdm=False)[0].outputs[0].text
+    )
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # a string met mid-way
+    cases = [
+        SamplingParams(temperature=0, max_tokens=40, stop=[stop]),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=60),
+        SamplingParams(temperature=0, max_tokens=30, min_tokens=20),
+    ]
+    want = []
+    for params in cases:
+        out = (
+            make_llm(None, max_model_len=256)
+            .generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)[0]
+            .outputs[0]
+        )
+        want.append((list(out.token_ids), out.text, out.finish_reason))
+    got = []
+    for params in cases:
+        out = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)[0].outputs[0]
+        got.append((list(out.token_ids), out.text, out.finish_reason))
+    assert got == want
+    assert want[0][2] == "stop" and want[1][2] == "length"
+    assert llm.engine.num_verified_ahead > 0
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
+
+
+def test_the_next_verify_step_is_dispatched_before_the_last_is_read(plain, monkeypatch) -> None:
+    """The order on the host: a verify step is dispatched, then the next one, and only then
+    is the first read back (the host's work for a step overlaps the device's)."""
+    llm = verifying_ahead(monkeypatch, METHODS["eagle3"])
+    engine, events = llm.engine, []
+    dispatch, collect = engine.runner.dispatch, engine.runner.collect
+
+    def recorded(name, fn):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            events.append((name, out if name == "dispatch" else args[0]))
+            return out
+
+        return call
+
+    monkeypatch.setattr(engine.runner, "dispatch", recorded("dispatch", dispatch))
+    monkeypatch.setattr(engine.runner, "collect", recorded("collect", collect))
+    assert token_ids(llm, PROMPTS[:1]) == plain[:1]
+    late = 0  # steps read back after the next one was dispatched
+    last_dispatched = None
+    for name, step in events:
+        if name == "dispatch":
+            last_dispatched = step
+        elif step is not last_dispatched:
+            late += 1
+    assert late >= engine.num_verified_ahead > 0
+
+
+def test_requests_arriving_and_aborted_while_verify_steps_run_ahead(plain, monkeypatch) -> None:
+    """A request that arrives while verify steps run ahead (the next step reads the last back
+    first, then prefills it) and one aborted with a step in flight: the others' tokens are the
+    plain ones, the aborted one holds no token in flight, every block comes back."""
+    llm = verifying_ahead(monkeypatch, METHODS["eagle3"])
+    engine = llm.engine
+    final: dict = {}
+
+    def run_until(predicate) -> None:
+        while engine.has_work() and not predicate():
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out.outputs[0]
+
+    engine.add_request("a", PROMPTS[0], GREEDY, final_only=True)
+    engine.add_request("b", PROMPTS[2], GREEDY, final_only=True)
+    run_until(lambda: engine.num_verified_ahead > 2)
+    assert engine._in_flight is not None
+    engine.add_request("c", PROMPTS[1], GREEDY, final_only=True)
+    before = engine.num_verified_ahead
+    run_until(lambda: engine.num_verified_ahead > before + 2)
+    assert engine._in_flight is not None
+    engine.abort_request("b")
+    run_until(lambda: False)
+    assert list(final["a"].token_ids) == plain[0]
+    assert list(final["c"].token_ids) == plain[1]
+    assert final["b"].finish_reason == "abort"
+    assert PENDING_TOKEN not in final["b"].token_ids
+    assert list(final["b"].token_ids) == plain[2][: len(final["b"].token_ids)]
+    assert engine.kv.pool.num_free == engine.kv.num_blocks
+
+
+def test_verified_ahead_the_prefix_cache_holds_only_accepted_tokens(plain, monkeypatch) -> None:
+    """With prefix caching on: a prompt made of another's prompt and output hits the blocks
+    its steps filled, verified ahead, and gives the same tokens as without the cache."""
+    llm = verifying_ahead(monkeypatch, METHODS["eagle3"], enable_prefix_caching=True)
+    first = token_ids(llm, PROMPTS[:1])[0]
+    assert first == plain[0] and llm.engine.num_verified_ahead > 0
+    follow = PROMPTS[0] + first[:20]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = token_ids(make_llm(None, enable_prefix_caching=False), [follow], params)
+    outs = llm.generate([{"prompt_token_ids": follow}], params, use_tqdm=False)
+    assert [list(outs[0].outputs[0].token_ids)] == want
+    assert outs[0].num_cached_tokens >= 16
+
+
+def test_the_start_up_log_says_when_verify_steps_are_scheduled_ahead(monkeypatch, caplog) -> None:
+    said = "the next verify step is scheduled before the last is read back (JAXSERVE_ASYNC_VERIFY)"
+    for on in (False, True):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="jaxserve.engine.core"):
+            verifying_ahead(monkeypatch, METHODS["eagle3"], on).shutdown()
+        line = next(
+            r.getMessage() for r in caplog.records if "Speculative decoding:" in r.getMessage()
+        )
+        assert (said in line) == on, line

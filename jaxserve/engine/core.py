@@ -73,6 +73,7 @@ from jaxserve.pooling_params import PoolingParams
 from jaxserve.runner.batch_size import resolve_batch_size
 from jaxserve.runner.buckets import next_power_of_2
 from jaxserve.runner.step import DeviceDrafts, RunnerOutput, ScheduledSeq, SchedulerOutput
+from jaxserve.runner.verify_ahead import ASYNC_VERIFY_ENV
 from jaxserve.sampling_params import SamplingParams, SamplingParamsError
 
 if TYPE_CHECKING:
@@ -317,6 +318,7 @@ class EngineCore:
         # The next step's drafts, drafted on the device behind the last verify step
         # (``draft_ahead``): taken by the next step's ``_propose`` when they still apply.
         self._ahead: Any = None
+        self.num_verified_ahead = 0  # verify steps dispatched while the last one was in flight
         self.step_log = StepLog.from_env()  # JAXSERVE_STEP_LOG: each step's host spans
         freeze_startup_heap()
 
@@ -324,6 +326,9 @@ class EngineCore:
         """The drafter of ``speculative_config`` (None: off); a method not built yet, or a
         pooling runner, is refused here, before warm-up."""
         spec = self.config.speculative_config
+        # The next verify step scheduled and dispatched before the last one is read back
+        # (JAXSERVE_ASYNC_VERIFY=1, with drafts made ahead: ``_verifies_ahead``).
+        self.async_verify = os.environ.get(ASYNC_VERIFY_ENV, "0").strip() == "1"
         self.spec_stats = SpecDecodeStats()
         self.draft_payoff = DraftPayoff()
         self._num_asked = 0  # sequences the last step asked the drafter for
@@ -341,13 +346,17 @@ class EngineCore:
             read = getattr(self.runner, "weights", None)  # the target's, which it may read
             reserve(device_bytes(read), spec.drafter)
         ahead = getattr(proposer, "ahead_on", False)
+        async_verify = ahead and self.async_verify and self.config.async_scheduling
         _LOG.info(
             "Speculative decoding: %s; drafts while at most %d sequences run (above: none)%s; "
-            "a step with drafts is read back before the next is scheduled%s "
-            "(docs/speculative_decoding.md)",
+            "%s%s (docs/speculative_decoding.md)",
             spec.describe(),
             spec.max_batch_size,
             ", and pauses while it does not pay" if spec.pause_when_unpaid else "",
+            "while every sequence decodes, the next verify step is scheduled before the last "
+            "is read back (JAXSERVE_ASYNC_VERIFY)"
+            if async_verify
+            else "a step with drafts is read back before the next is scheduled",
             ", the next step's drafts made behind it on the device (JAXSERVE_DRAFT_AHEAD)"
             if ahead
             else "",
@@ -406,6 +415,53 @@ class EngineCore:
         if isinstance(drafts, DeviceDrafts):
             return drafts.placeholders(), drafts
         return self.structured_outputs.cut_drafts(drafts), None
+
+    def _propose_in_flight(
+        self, ahead: Any
+    ) -> tuple[dict[str, list[int]] | None, DeviceDrafts | None]:
+        """A verify step scheduled while the last one is in flight (``_verifies_ahead``): the
+        drafts the drafter made behind it (``ahead``) for every decoding sequence, or
+        (None, None)."""
+        spec = self.config.speculative_config
+        take = getattr(self.proposer, "take_in_flight", None)
+        if ahead is None or spec is None or take is None:
+            return None, None
+        decoding = [s for s in self.scheduler.running if s.num_computed_tokens == s.num_tokens - 1]
+        self._num_asked = len(decoding)
+        if len(decoding) != len(self.scheduler.running):
+            return None, None
+        taken = take(ahead, decoding, spec.num_speculative_tokens)
+        return (None, None) if taken is None else (taken.placeholders(), taken)
+
+    def _verifies_ahead(self) -> bool:
+        """Whether this verify step may be scheduled before the last one is read back, and
+        be kept in flight itself (JAXSERVE_ASYNC_VERIFY=1; ``runner/verify_ahead.py``): a
+        drafter that makes its drafts on the device behind each verify step, one device,
+        every running sequence decoding (nothing waits to start, no prompt in chunks), none
+        that the host must see each token of (penalties, a grammar, ``min_tokens``), a model
+        without sliding windows (the host's counts run ahead by the drafts in flight), and
+        blocks enough that no sequence is preempted."""
+        if not (self.async_verify and self.async_scheduling and self.device_drafts):
+            return False
+        if not getattr(self.proposer, "ahead_on", False) or self.runner.multihost:
+            return False
+        if getattr(self.runner, "tp", None) is not None or self.kv.sliding_window is not None:
+            return False
+        if self._num_sync_requests or self.structured_outputs.num_matchers:
+            return False
+        running = self.scheduler.running
+        if not running or self.scheduler.num_waiting:
+            return False
+        if any(s.params.min_tokens or s.num_computed_tokens != s.num_tokens - 1 for s in running):
+            return False
+        spec = self.config.speculative_config
+        assert spec is not None
+        per_seq = self.kv.blocks_needed(2 * (spec.num_speculative_tokens + 1)) + 1
+        return self.kv.pool.num_free >= len(running) * per_seq
+
+    def _verify_in_flight(self) -> bool:
+        """A verify step is in flight (its tokens counted as if every draft were accepted)."""
+        return self._in_flight is not None and self._in_flight[0].has_drafts
 
     def _read_model(self, served: ServedModel, model_dir: Any) -> EngineConfig:
         """``model_config`` (an encoder's or a decoder's) and ``max_model_len``; the engine
@@ -820,16 +876,10 @@ class EngineCore:
         if self.is_sleeping:  # nothing runs until it wakes
             return outputs
         # A step that may draft (speculative decoding, few sequences running) needs every token
-        # known to draft from, and its own read back before the next step is scheduled.
+        # known to draft from, and its own read back before the next step is scheduled, unless
+        # it verifies ahead (``_verifies_ahead``).
         drafting = self.proposer is not None and self._may_draft()
-        overlap = self.async_scheduling and self._num_sync_requests == 0 and not drafting
-        if not overlap:
-            outputs += self._read_in_flight()
-        # Until warm-up's background compile is done, steps stay within the compiled buckets.
-        budget = min(self.config.max_num_batched_tokens, self.runner.ready_tokens)
-        self.scheduler.max_num_batched_tokens = budget
-        ahead, self._ahead = self._ahead, None  # drafted behind the last step: this step's
-        drafts, device_drafts = self._propose(ahead) if drafting else (None, None)
+        overlap, drafts, device_drafts = self._overlap_and_drafts(drafting, outputs)
         self._span("propose")
         sched = self.scheduler.schedule(drafts)
         sched.device_drafts = device_drafts
@@ -849,15 +899,16 @@ class EngineCore:
         self.scheduler.update_from_output(sched)
         self.num_steps += 1
         if overlap:
-            for item in sched.scheduled:  # its token is read back after the next dispatch
-                if item.completes_sequence and seq_of(item).request.pooling is None:
-                    seq_of(item).add_pending()
+            self._count_in_flight(sched)
         collected = self._collect_in_flight()  # nothing is in flight unless overlap
         # The masks once the grammars have taken the previous step's tokens, filled while
         # the engine turns those tokens into outputs.
         masks = self.structured_outputs.start_masks(sched) if constrained else None
         if collected is not None:
-            outputs += self._process(*collected)
+            accepted_before = self.spec_stats.num_accepted_tokens
+            outputs += self._process(*collected, followed=True)
+            if collected[0].has_drafts:
+                self._weigh_drafts(accepted_before)
         if masks is not None:
             self.runner.sample(step, masks.result())
             if not overlap:
@@ -872,6 +923,48 @@ class EngineCore:
             self.step_log.end(sched)
         return outputs
 
+    def _overlap_and_drafts(
+        self, drafting: bool, outputs: list[RequestOutput]
+    ) -> tuple[bool, dict[str, list[int]] | None, DeviceDrafts | None]:
+        """(whether this step overlaps the step in flight, its drafts, their values on the
+        device). A step that does not overlap reads the step in flight first (its outputs to
+        ``outputs``). Also the scheduler's budget and its rule for drafts with tokens in
+        flight, for this step."""
+        # A verify step may be scheduled before the last one is read back (``_verifies_ahead``)
+        ahead_verify = drafting and self._verifies_ahead()
+        overlap = (
+            self.async_scheduling
+            and self._num_sync_requests == 0
+            and (ahead_verify or not (drafting or self._verify_in_flight()))
+        )
+        if not overlap:
+            outputs += self._read_in_flight()
+        # Until warm-up's background compile is done, steps stay within the compiled buckets.
+        budget = min(self.config.max_num_batched_tokens, self.runner.ready_tokens)
+        self.scheduler.max_num_batched_tokens = budget
+        ahead, self._ahead = self._ahead, None  # drafted behind the last step: this step's
+        drafts, device_drafts = None, None
+        if ahead_verify and self._in_flight is not None:
+            drafts, device_drafts = self._propose_in_flight(ahead)
+            if device_drafts is None:  # not for each of them: the last step is read first
+                outputs += self._read_in_flight()
+                ahead_verify = overlap = False
+            else:
+                self.num_verified_ahead += 1
+        if drafting and device_drafts is None:
+            drafts, device_drafts = self._propose(ahead)
+        self.scheduler.drafts_with_pending = ahead_verify
+        return overlap, drafts, device_drafts
+
+    def _count_in_flight(self, sched: SchedulerOutput) -> None:
+        """The step's tokens counted in its sequences before it is read back, one for each
+        row a sequence samples (a verify step's: as if every draft were accepted)."""
+        for item in sched.scheduled:
+            if item.completes_sequence and seq_of(item).request.pooling is None:
+                for _ in range(item.num_sampled):
+                    seq_of(item).add_pending()
+        sched.tokens_in_flight = True
+
     def _run_step(
         self, sched: SchedulerOutput, overlap: bool, constrained: bool
     ) -> tuple[InFlight, RunnerOutput | None]:
@@ -882,7 +975,7 @@ class EngineCore:
         step = self.runner.dispatch(sched, previous)
         if not constrained:
             self.runner.sample(step, None)
-            if not overlap and sched.device_drafts is not None:
+            if sched.device_drafts is not None:
                 self._span("dispatch")
                 self._draft_ahead(sched, step)
                 self._span("propose")  # (the step log: drafting's host time)
@@ -899,7 +992,7 @@ class EngineCore:
         the drafter runs while the host processes this step and schedules the next."""
         draft_ahead = getattr(self.proposer, "draft_ahead", None)
         if draft_ahead is not None:
-            self._ahead = draft_ahead(sched, step.sampled_ids)
+            self._ahead = draft_ahead(sched, step.sampled_ids, step.shift)
 
     def _span(self, name: str) -> None:
         """The engine thread's time since the last mark, added to this step's span ``name``
@@ -960,6 +1053,8 @@ class EngineCore:
         self._span("process")  # the host's work before it blocks
         result = self.runner.collect(step)
         self._span("wait")
+        if sched.device_drafts is not None:  # what the step verified, now on the host
+            sched.device_drafts.fill(sched.scheduled)
         return sched, result, self.structured_outputs.accept_step(sched, result)
 
     def _read_in_flight(self) -> list[RequestOutput]:
@@ -968,7 +1063,11 @@ class EngineCore:
         return [] if collected is None else self._process(*collected)
 
     def _process(
-        self, sched: SchedulerOutput, result: RunnerOutput, accepted: Accepted | None = None
+        self,
+        sched: SchedulerOutput,
+        result: RunnerOutput,
+        accepted: Accepted | None = None,
+        followed: bool = False,  # another step was dispatched after it (asynchronous)
     ) -> list[RequestOutput]:
         if accepted is None:
             accepted = self.structured_outputs.accept_step(sched, result)
@@ -976,13 +1075,7 @@ class EngineCore:
             self._verified(sched, result)
         now = time.time()
         touched: dict[str, list[Sequence]] = {}
-        outputs = []
-        for item in sched.scheduled:  # their part of the step failed: they fail, alone
-            error = result.failed.get(item.seq.seq_id)
-            request = seq_of(item).request
-            if error is not None and request.request_id in self.requests:
-                _LOG.error("request %s failed on the device: %s", request.request_id, error)
-                outputs.append(self._end_request(request, error))
+        outputs = self._failed_on_device(sched, result) if result.failed else []
         if self.pooler is not None:  # a pooling engine runs pooling requests only
             return outputs + self._process_pooled(sched, result)
         # NOTE: the loops below run once a sequence (and a token) a step, at every batch size:
@@ -1008,6 +1101,8 @@ class EngineCore:
                     seq.drop_pending()  # a token sampled past the end is discarded
                     self.scheduler.finish(seq)
                     break
+            if sched.tokens_in_flight and item.draft_token_ids and not seq.is_finished:
+                self._resolved_in_flight(seq, item.num_sampled - count, followed)
             if seq.index == 0 and len(request.seqs) > 1 and seq.num_resolved_outputs == 1:
                 self.scheduler.release_parked(seq)  # its siblings share the prompt now
             metrics = request.metrics
@@ -1015,6 +1110,23 @@ class EngineCore:
                 metrics.first_token_time = metrics.first_token_time or now
                 metrics.last_token_time = now
             touched.setdefault(request.request_id, []).append(seq)
+        return outputs + self._outputs_of(touched)
+
+    def _failed_on_device(self, sched: SchedulerOutput, result: RunnerOutput) -> list:
+        """The requests whose part of the step failed on the device: they fail, alone."""
+        outputs = []
+        for item in sched.scheduled:
+            error = result.failed.get(item.seq.seq_id)
+            request = seq_of(item).request
+            if error is not None and request.request_id in self.requests:
+                _LOG.error("request %s failed on the device: %s", request.request_id, error)
+                outputs.append(self._end_request(request, error))
+        return outputs
+
+    def _outputs_of(self, touched: dict[str, list[Sequence]]) -> list[RequestOutput]:
+        """The outputs of the requests a step gave tokens (or prompt logprobs); a finished
+        request retires."""
+        outputs = []
         for request_id, seqs in touched.items():
             if request_id not in self.requests:  # aborted while this step was on the device
                 continue
@@ -1054,12 +1166,25 @@ class EngineCore:
         run = accepted_run(drafts, result.token_ids, row)
         return min(len(run), accepted.cut.get(item.seq.seq_id, len(run)))
 
+    def _resolved_in_flight(self, seq: Sequence, num_rejected: int, followed: bool) -> None:
+        """A verify step whose tokens were counted while it was in flight (as if every draft
+        were accepted) was read back: its rejected drafts' places go, a later step's states
+        (``followed``) are counted from the true positions, and the drafter's cache holds the
+        sequence's tokens (``verify_ahead``)."""
+        seq.drop_pending(num_rejected)
+        if followed and num_rejected:
+            self.runner.shift_states(seq.seq_id, -num_rejected)
+        caught_up = getattr(self.proposer, "caught_up", None)
+        if caught_up is not None:
+            caught_up(seq.seq_id, seq.num_known_tokens)
+
     def _verified(self, sched: SchedulerOutput, result: RunnerOutput) -> None:
         """A verify step's bookkeeping: counters, and each sequence's rejected drafts taken
         back from its computed tokens (their KV is overwritten by the steps that follow)."""
         for item, row in zip(sched.scheduled, sched.sample_rows(), strict=True):
             drafts = item.draft_token_ids
-            if drafts and item.seq.seq_id not in result.failed:
+            # (a sequence that ended while this step was in flight: its part of it is void)
+            if drafts and item.seq.seq_id not in result.failed and not seq_of(item).is_finished:
                 num_accepted = len(accepted_run(drafts, result.token_ids, row)) - 1
                 self.spec_stats.add(len(drafts), num_accepted)
                 self.scheduler.reject_drafts(seq_of(item), len(drafts) - num_accepted)

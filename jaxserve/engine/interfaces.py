@@ -93,6 +93,9 @@ class Runner(Protocol):
     def sample(self, step: InFlight, token_mask: np.ndarray | None) -> None: ...
     def collect(self, step: InFlight) -> RunnerOutput: ...
     def execute(self, output: SchedulerOutput) -> RunnerOutput: ...  # all three, unconstrained
+    # The kept states' rows of a sequence start ``delta`` positions further (a verify step
+    # scheduled before the one ahead of it was read back: ``runner/verify_ahead.py``).
+    def shift_states(self, seq_id: str, delta: int) -> None: ...
     # New weights, served from the next step (``runner/weight_update.py``): a pytree laid out
     # as ``weights`` or named as Hugging Face or flax.nnx name them (``layout``), or a
     # checkpoint of this model, safetensors or converted (orbax) (returns the load's seconds).

@@ -106,11 +106,17 @@ class Sequence:
         else:
             self.output_token_ids.append(token)
 
-    def drop_pending(self) -> None:
-        """Forget tokens still in flight (the sequence finished or was aborted)."""
-        if self.num_pending:
-            del self.output_token_ids[-self.num_pending :]
-            self.num_pending = 0
+    def drop_pending(self, count: int | None = None) -> None:
+        """Forget tokens still in flight (the sequence finished or was aborted); ``count``:
+        only the oldest ``count`` of them (a verify step read back gave fewer tokens than it
+        was counted for: its rejected drafts, while a later step is in flight)."""
+        if count is None:
+            count = self.num_pending
+        count = min(count, self.num_pending)
+        if count > 0:
+            first = self.num_resolved_outputs
+            del self.output_token_ids[first : first + count]
+            self.num_pending -= count
 
     @property
     def last_token_id(self) -> int:

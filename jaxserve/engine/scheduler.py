@@ -62,6 +62,10 @@ class Scheduler:
         # The sampler's rows in a step (the runner's largest sequence bucket): a step's
         # sequences and drafted tokens together fit them.
         self.max_sample_rows = max_num_seqs
+        # A decoding sequence with tokens in flight verifies drafts too: its verify step is
+        # scheduled before the last one is read back (``runner/verify_ahead.py``), counted as
+        # if every draft in flight were accepted. Set by the engine for each step.
+        self.drafts_with_pending = False
         # Told to the runner with the next step that runs: their runner state goes.
         self._preempted_ids: list[str] = []
         self._finished_ids: list[str] = []
@@ -205,7 +209,9 @@ class Scheduler:
         could use: ``max_tokens`` and ``max_model_len`` (the token after the last draft is
         sampled too)."""
         seq = seq_of(item)
-        if item.num_new_tokens != 1 or not item.completes_sequence or seq.num_pending:
+        if item.num_new_tokens != 1 or not item.completes_sequence:
+            return item
+        if seq.num_pending and not self.drafts_with_pending:
             return item
         room = self.max_model_len - seq.num_tokens - 1
         max_tokens = seq.params.max_tokens
@@ -219,8 +225,11 @@ class Scheduler:
 
     def reject_drafts(self, seq: Sequence, num_rejected: int) -> None:
         """A verify step's rejected drafts: their KV is not the sequence's (slots past
-        ``num_computed_tokens`` are written again by the steps that follow)."""
-        seq.num_computed_tokens -= num_rejected
+        ``num_computed_tokens`` are written again by the steps that follow). A sequence no
+        longer running (finished, or preempted while a later step was in flight: its count
+        starts again from zero) keeps its count."""
+        if seq.status == SeqStatus.RUNNING:
+            seq.num_computed_tokens -= num_rejected
 
     def _acquire_adapter(self, seq: Sequence) -> bool:
         """A device slot for the sequence's adapter (``seq.lora_slot``); False when none is

@@ -173,7 +173,8 @@ class DraftModelProposer(PagedDrafter):
         self._chain = self.jit_chain(chain, self.kv, self.weights)
 
         def ahead(weights, pages, batch, *feeds):  # feeds: ahead_batch's, after the batch
-            return chain(weights, pages, ahead_batch(batch, *feeds, k=k))
+            batch = ahead_batch(batch, *feeds, k=k, page_size=self.pool.page_size)
+            return chain(weights, pages, batch)
 
         self._ahead = self.jit_chain(ahead, self.kv, self.weights)
 
@@ -214,11 +215,16 @@ class DraftModelProposer(PagedDrafter):
         return drafts
 
     def _call_ahead(
-        self, parts: list[CatchUp], chain: tuple, sampled: jax.Array, feed: jax.Array
+        self,
+        parts: list[CatchUp],
+        chain: tuple,
+        sampled: jax.Array,
+        feed: jax.Array,
+        shift: jax.Array,
     ) -> jax.Array:
         inputs = self.put_packed({"chain": chain})
         self.kv, ids = self._ahead(
-            self.weights, self.kv, inputs.buffer, sampled, feed, layout=inputs.layout
+            self.weights, self.kv, inputs.buffer, sampled, feed, shift, layout=inputs.layout
         )
         return ids
 
@@ -229,4 +235,4 @@ class DraftModelProposer(PagedDrafter):
     def _ahead_padding_args(self, bucket: int) -> tuple[tuple[Any, ...], Layout]:
         inputs = self.put_packed({"chain": self._ahead_padding_chain(bucket)})
         ids = self.runner.programs.no_previous_ids
-        return (self.weights, self.kv, inputs.buffer, ids, ids), inputs.layout
+        return (self.weights, self.kv, inputs.buffer, ids, ids, ids), inputs.layout

@@ -53,6 +53,7 @@ from jaxserve.runner.packing import Layout, pack, unpack
 from jaxserve.runner.parallel.sharding import TensorParallel, prepare_tp
 from jaxserve.runner.programs import compiler_options, holds_fp8
 from jaxserve.runner.step import DeviceDrafts, SchedulerOutput
+from jaxserve.runner.verify_ahead import accepted_drafts, shift_batch
 from jaxserve.runner.warmup import check_program_memory
 from jaxserve.units import cdiv
 
@@ -305,24 +306,24 @@ def ahead_batch(
     num_drafts: jax.Array,  # i32[S]  the drafts it verified
     sampled: jax.Array,  # i32[S_max]  the verify step's sampled ids (on the device)
     drafts: jax.Array,  # i32[S_max]  the drafts it verified (``draft_feed``'s layout)
+    shift: jax.Array,  # i32[S_max]  each sequence's shift (``verify_ahead``; zeros: none)
     k: int,  # drafts a sequence verifies at most
+    page_size: int,  # the drafter's pages'
 ) -> Batch:
     """On the device, the catch-up of a call drafted ahead of the host: each row's token
     (``input_ids``) is the one the verify step sampled at that row (a draft model's: the token
     at the row's position; a drafter over the target's states: the token after it), and each
     sequence's chain starts from the row of its last accepted draft (``logits_indices``): the
     drafts that equal the sampled tokens, in order, as the host's ``accepted_run`` counts
-    them."""
-    j = jnp.arange(k)[None, :]  # [1, k]
-    got = sampled[jnp.clip(first_sample[:, None] + j, 0, sampled.shape[0] - 1)]
-    drafted = drafts[jnp.clip(first_draft[:, None] + j, 0, drafts.shape[0] - 1)]
-    matches = (got == drafted) & (j < num_drafts[:, None])
-    accepted = jnp.cumprod(matches.astype(jnp.int32), axis=1).sum(axis=1)  # i32[S]
+    them. A verify step scheduled before the one ahead of it was read back moved on the device
+    (``verify_ahead``): its catch-up moves by the same ``shift``."""
+    accepted = accepted_drafts(sampled, drafts, first_sample, first_draft, num_drafts, k)
     live = jnp.arange(batch.kv_lens.shape[0]) < batch.num_seqs[0]
     last = jnp.where(live, batch.cu_q_lens[:-1] + accepted, batch.logits_indices)
-    return dataclasses.replace(
+    batch = dataclasses.replace(
         batch, input_ids=sampled[sample_rows], logits_indices=last.astype(jnp.int32)
     )
+    return shift_batch(batch, shift, page_size)
 
 
 @dataclasses.dataclass
@@ -514,7 +515,9 @@ class PagedDrafter:
         self._end_call()
         return drafts
 
-    def draft_ahead(self, sched: SchedulerOutput, sampled_ids: jax.Array) -> AheadDrafts | None:
+    def draft_ahead(
+        self, sched: SchedulerOutput, sampled_ids: jax.Array, shift: jax.Array | None = None
+    ) -> AheadDrafts | None:
         """The next step's drafts, queued on the device right behind a verify step that took
         its drafts there (``sched.device_drafts``), before the host reads it back: the call
         the next ``propose`` would run once the host knew the accepted tokens. Its catch-up
@@ -525,7 +528,9 @@ class PagedDrafter:
         (``ahead_batch``). Rows past the accepted ones write K/V at positions the chain and
         the next catch-up write over, never read. None where it does not apply: a sequence
         of the step verified no drafts (a prompt's chunk), the pages or one call do not fit,
-        a subclass's own rule (``_ahead_applies``)."""
+        a subclass's own rule (``_ahead_applies``). ``shift``: the verify step's, where it was
+        scheduled before the step ahead of it was read back (``verify_ahead``; i32[S_max] on
+        the device); the call's catch-up moves with it."""
         drafts = sched.device_drafts
         if drafts is None or not self.ahead_on:
             return None
@@ -560,7 +565,9 @@ class PagedDrafter:
             first_draft[s] = drafts.rows[part.seq_id] * width
             row += n
         chain = (batch, sample_rows, first_sample, first_draft, num_drafts)
-        ids = self._call_ahead(parts, chain, sampled_ids, programs.draft_feed(drafts.ids))
+        feed = programs.draft_feed(drafts.ids)
+        shift = programs.no_previous_ids if shift is None else shift  # (zeros: no shift)
+        ids = self._call_ahead(parts, chain, sampled_ids, feed, shift)
         self.ahead_calls += 1
         rows = {part.seq_id: s for s, part in enumerate(parts)}
         return AheadDrafts(DeviceDrafts(ids, rows, self.k), expected)
@@ -586,6 +593,27 @@ class PagedDrafter:
         rows = {seq.seq_id: ahead.drafts.rows[seq.seq_id] for seq in seqs}
         return DeviceDrafts(ahead.drafts.ids, rows, min(k, self.k))
 
+    def take_in_flight(
+        self, ahead: AheadDrafts, seqs: Sequence[TokenSource], k: int
+    ) -> DeviceDrafts | None:
+        """``ahead``'s drafts for the next verify step scheduled before the step they were
+        drafted behind is read back (``verify_ahead``): for each of ``seqs`` when it drafted for
+        each of them, else None. What the host cannot check yet (how many tokens each gained)
+        the device corrects; the drafter's ``computed`` follows on the read back
+        (``caught_up``)."""
+        if not seqs or any(seq.seq_id not in ahead.expected for seq in seqs):
+            return None
+        self.ahead_taken += 1
+        rows = {seq.seq_id: ahead.drafts.rows[seq.seq_id] for seq in seqs}
+        return DeviceDrafts(ahead.drafts.ids, rows, min(k, self.k))
+
+    def caught_up(self, seq_id: str, num_tokens: int) -> None:
+        """A verify step of the sequence's, scheduled ahead (``take_in_flight``), was read back
+        and it has ``num_tokens`` known tokens: the drafter's cache holds them, as after
+        ``take_ahead``."""
+        if seq_id in self.pool.tables:
+            self.computed[seq_id] = num_tokens - 1 + self.AHEAD_OFFSET
+
     # Where a call drafted ahead starts its catch-up, after the verify step's first position:
     # 1 for a draft model (the step's first token is in its cache), 0 for a drafter over the
     # target's states (its catch-up ends a position before the last known token).
@@ -597,10 +625,15 @@ class PagedDrafter:
         return True
 
     def _call_ahead(
-        self, parts: list[CatchUp], chain: tuple, sampled: jax.Array, feed: jax.Array
+        self,
+        parts: list[CatchUp],
+        chain: tuple,
+        sampled: jax.Array,
+        feed: jax.Array,
+        shift: jax.Array,
     ) -> jax.Array:
         """Run the call drafted ahead (``chain``: ``ahead_batch``'s inputs, the batch first)
-        on the verify step's sampled ids and its drafts' feed; its drafts i32[S, k]."""
+        on the verify step's sampled ids, its drafts' feed and its shift; its drafts i32[S, k]."""
         raise NotImplementedError
 
     def _lower_ahead(self, bucket: int) -> Any:
@@ -613,8 +646,8 @@ class PagedDrafter:
 
     def _ahead_padding_args(self, bucket: int) -> tuple[tuple[Any, ...], Layout]:
         """A padding call drafted ahead (``_ahead``) of ``bucket`` rows: its arguments (the
-        verify step's sampled ids and its drafts' feed shaped and laid out as the step's
-        pending ids, ``no_previous_ids``) and its packed inputs' layout."""
+        verify step's sampled ids, its drafts' feed and its shift, each shaped and laid out as
+        the step's pending ids, ``no_previous_ids``) and its packed inputs' layout."""
         raise NotImplementedError
 
     def _ahead_padding_chain(self, bucket: int) -> tuple:

@@ -179,9 +179,10 @@ class TargetStatesDrafter(PagedDrafter):
         its drafts' feed), each row's next token the one sampled there."""
         self._chain = self.jit_chain(chain, self.draft_kv, self.draft_weights)
 
-        def ahead(weights, pages, batch, *rest):  # rest: the packed rows, states, ids
-            *rows, states, sampled, drafts = rest  # rows: sample rows, first samples, ...
-            batch = ahead_batch(batch, *rows, sampled, drafts, k=self.k)
+        def ahead(weights, pages, batch, *rest):  # rest: the packed rows, states, ids, shift
+            *rows, states, sampled, drafts, shift = rest  # rows: sample rows, first samples, ...
+            page_size = self.pool.page_size
+            batch = ahead_batch(batch, *rows, sampled, drafts, shift, k=self.k, page_size=page_size)
             return chain(weights, pages, batch, batch.input_ids, states)
 
         self._ahead = self.jit_chain(ahead, self.draft_kv, self.draft_weights)
@@ -263,7 +264,12 @@ class TargetStatesDrafter(PagedDrafter):
         return last is not None and last.rows_for(seq_id, start, start + num_drafts + 1) is not None
 
     def _call_ahead(
-        self, parts: list[CatchUp], chain: tuple, sampled: jax.Array, feed: jax.Array
+        self,
+        parts: list[CatchUp],
+        chain: tuple,
+        sampled: jax.Array,
+        feed: jax.Array,
+        shift: jax.Array,
     ) -> jax.Array:
         """The call drafted ahead over the verify step's states of the parts' rows."""
         last = self.runner.last_states
@@ -271,7 +277,7 @@ class TargetStatesDrafter(PagedDrafter):
         assert last is not None and state_rows is not None  # (``_ahead_applies``)
         inputs = self.put_packed({"chain": chain, "rows": state_rows})
         states = self._take(last.states, inputs.buffer, layout=inputs.layout)
-        args = (self.draft_weights, self.draft_kv, inputs.buffer, states, sampled, feed)
+        args = (self.draft_weights, self.draft_kv, inputs.buffer, states, sampled, feed, shift)
         self.draft_kv, ids = self._ahead(*args, layout=inputs.layout)
         return ids
 
@@ -284,7 +290,8 @@ class TargetStatesDrafter(PagedDrafter):
         inputs = self.put_packed({"chain": self._ahead_padding_chain(bucket), "rows": rows})
         ids = self.runner.programs.no_previous_ids
         states = self._padding_states(bucket)
-        return (self.draft_weights, self.draft_kv, inputs.buffer, states, ids, ids), inputs.layout
+        args = (self.draft_weights, self.draft_kv, inputs.buffer, states, ids, ids, ids)
+        return args, inputs.layout
 
     def _lower_again(self, bucket: int) -> Any:
         batch = catch_up_batch([], self.pool, self.buckets, bucket)

@@ -284,6 +284,9 @@ class EncoderRunner:
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         return self.collect(self.dispatch(output))
 
+    def shift_states(self, seq_id: str, delta: int) -> None:
+        """Nothing: an encoder keeps no states for a drafter (it never generates)."""
+
     # -- weights, sleep, shutdown ------------------------------------------------------------
 
     def update_weights(self, weights: Any, layout: str = "auto") -> None:

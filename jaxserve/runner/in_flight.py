@@ -25,6 +25,9 @@ class DeferredSampler:
     forward: Forward  # the forward pass's output, on the device
     inputs: SamplingInputs  # on the host; token_mask [S, W] allows every token
     flags: SamplerFlags
+    # A verify step scheduled ahead (``verify_ahead``): each sampler row's sequence (-1:
+    # none) and each sequence's shift on the device, added to the rows' positions.
+    shifted: tuple[np.ndarray, jax.Array] | None = None
 
 
 @dataclasses.dataclass
@@ -44,6 +47,14 @@ class InFlight:
     num_rows: int | None = None
     # An encoder's sequence classifier (a cross-encoder): f32[S_pad, L] logits on the device.
     classified: jax.Array | None = None
+    # A step that verified drafts left on the device: seq_id -> (its first sampled row, the
+    # drafts it verified, its first draft's index in ``drafts_feed``), and that feed; what
+    # the next verify step, scheduled before this one is read back, is corrected from
+    # (``verify_ahead``).
+    verified: dict[str, tuple[int, int, int]] | None = None
+    drafts_feed: jax.Array | None = None
+    # Such a next step's shift of each of its sequences (i32[S_max] on the device), or None.
+    shift: jax.Array | None = None
 
     @property
     def sampled_ids(self) -> Any:  # i32[S_max] on the device

@@ -61,8 +61,9 @@ from jaxserve.runner.sleep import (
     to_device,
     to_host,
 )
-from jaxserve.runner.step import RunnerOutput, SchedulerOutput
-from jaxserve.runner.step_programs import KVCacheShapes, StepPrograms
+from jaxserve.runner.step import PENDING_TOKEN, DeviceDrafts, RunnerOutput, SchedulerOutput
+from jaxserve.runner.step_programs import Advance, KVCacheShapes, StepPrograms
+from jaxserve.runner.verify_ahead import META_ROWS
 from jaxserve.runner.weight_update import (
     checked_weights,
     committed,
@@ -473,6 +474,7 @@ class ModelRunner:
             )
         # The step's pending tokens: (source row in ``previous``'s sampled ids or -1, those ids).
         feed = self._feed(output, host_batch, previous)
+        advance = self._advance(output, host_batch, previous, feed)
         lora_slots = self.inputs.lora_token_slots(host_batch, rows)
         # The drafter took the last step's states before this step (its ``propose``): let
         # them go before the forward pass, so that this step's states can take their memory.
@@ -480,7 +482,7 @@ class ModelRunner:
         # and states kept alive across the launch put each step's output at a new address
         # (a batch-1 launch 2.59 against 1.48 ms on an H100; benchmarks/probes/launch_reuse.py).
         self.last_states = None
-        forward, prompt_out = self.forward(host_batch, next_ids, feed, lora_slots)
+        forward, prompt_out = self.forward(host_batch, next_ids, feed, lora_slots, advance)
         if self.keeps_states:
             self.last_states = self._states_of(output, forward)
         first_rows = output.sample_rows()
@@ -488,8 +490,67 @@ class ModelRunner:
             item.seq.seq_id: r for item, r in zip(output.scheduled, first_rows, strict=True)
         }
         step = InFlight(None, prompt_out, spans, sampled_row, num_rows=len(seqs))
-        step.deferred = DeferredSampler(forward, inputs, flags)
+        shifted = None
+        if advance is not None:
+            assert advance.shift is not None
+            step.shift = advance.shift
+            shifted = (self._row_sequences(output, len(sample_rows)), advance.shift)
+        step.deferred = DeferredSampler(forward, inputs, flags, shifted)
+        if device_drafts is not None and feed is not None:  # what a step scheduled ahead reads
+            step.drafts_feed = feed[1]
+            step.verified = self._verified_rows(output, device_drafts, first_rows)
         return step
+
+    @staticmethod
+    def _verified_rows(
+        output: SchedulerOutput, drafts: DeviceDrafts, first_rows: list[int]
+    ) -> dict[str, tuple[int, int, int]]:
+        """seq_id -> (its first sampled row, the drafts it verifies, its first draft's index in
+        the drafts' feed) of each sequence of ``output`` that verifies drafts on the device."""
+        width = drafts.ids.shape[1]
+        return {
+            item.seq.seq_id: (r, len(item.draft_token_ids), drafts.rows[item.seq.seq_id] * width)
+            for item, r in zip(output.scheduled, first_rows, strict=True)
+            if item.draft_token_ids and item.seq.seq_id in drafts.rows
+        }
+
+    def _advance(
+        self,
+        output: SchedulerOutput,
+        host_batch: Batch,
+        previous: InFlight | None,
+        feed: tuple[np.ndarray, jax.Array] | None,
+    ) -> Advance | None:
+        """For a verify step scheduled before ``previous`` (a verify step too) was read back:
+        what corrects it on the device (``verify_ahead``); else None. A sequence of both
+        steps moves by its accepted drafts less those it verified in ``previous``, and its
+        first input is the token ``previous`` sampled after them. A token in flight that
+        neither this nor ``feed`` gives the step is an error."""
+        verified = previous.verified if previous is not None else None
+        if not verified or output.device_drafts is None or previous is None:
+            if feed is not None and output.device_drafts is not None:
+                unfed = (np.asarray(host_batch.input_ids) == PENDING_TOKEN) & (feed[0] < 0)
+                if unfed.any():  # a verify step's token in flight, not through verify_ahead
+                    raise RuntimeError("a pending input token without the step that samples it")
+            return None
+        assert previous.drafts_feed is not None
+        meta = np.zeros((META_ROWS, host_batch.kv_lens.shape[0]), np.int32)
+        for i, item in enumerate(output.scheduled):
+            entry = verified.get(item.seq.seq_id)
+            if entry is not None:  # (this step may verify fewer drafts, or none)
+                meta[:, i] = (*entry, 1)
+        if not meta[META_ROWS - 1].any():
+            return None
+        k = max(n for _, n, _ in verified.values())
+        return Advance(previous.sampled_ids, previous.drafts_feed, meta, k)
+
+    @staticmethod
+    def _row_sequences(output: SchedulerOutput, num_rows: int) -> np.ndarray:
+        """Each sampler row's scheduled sequence (i32[num_rows], -1 past them)."""
+        row_seq = np.full(num_rows, -1, np.int32)
+        for i, (item, first) in enumerate(zip(output.scheduled, output.sample_rows(), strict=True)):
+            row_seq[first : first + item.num_sampled] = i
+        return row_seq
 
     def warm_draft_feed(self, shapes: list[tuple[int, int]]) -> int:
         """Compile the verify step's read of drafts left on the device (``DeviceDrafts``),
@@ -508,6 +569,15 @@ class ModelRunner:
         previous_rows = previous.sampled_row if previous is not None else None
         pending = self.inputs.pending_sources(output, host_batch, previous_rows)
         return (pending, previous.sampled_ids) if pending is not None and previous else None
+
+    def shift_states(self, seq_id: str, delta: int) -> None:
+        """The kept states' rows of ``seq_id`` start ``delta`` positions further: the step was
+        scheduled before the verify step ahead of it was read back, counted as if every draft
+        were accepted, and moved on the device by its rejected ones (``verify_ahead``)."""
+        states = self.last_states
+        if states is not None and seq_id in states.rows:
+            row, start, count = states.rows[seq_id]
+            states.rows[seq_id] = (row, start + delta, count)
 
     @staticmethod
     def _states_of(output: SchedulerOutput, forward: Forward) -> TargetStates:
@@ -549,7 +619,7 @@ class ModelRunner:
             token_mask = step_broadcast.share_token_mask(shared)
         with self.programs.precision():
             step.out = self.programs.sample(
-                deferred.forward, deferred.inputs, deferred.flags, token_mask
+                deferred.forward, deferred.inputs, deferred.flags, token_mask, deferred.shifted
             )
 
     def collect(self, step: InFlight) -> RunnerOutput:
@@ -562,15 +632,17 @@ class ModelRunner:
         next_ids: np.ndarray | None,
         feed: tuple[np.ndarray, jax.Array] | None = None,
         lora_slots: np.ndarray | None = None,
+        advance: Advance | None = None,
     ) -> tuple[Forward, tuple[jax.Array, ...] | None]:
         """Model step and (when asked) prompt logprobs on the device: (the step's output,
         prompt logprobs). ``feed``: (source, previous sampled ids) of the step's pending tokens;
-        ``lora_slots``: each token's adapter slot (i32[T])."""
+        ``lora_slots``: each token's adapter slot (i32[T]); ``advance``: a verify step
+        scheduled ahead, corrected on the device first (``verify_ahead``)."""
         source, previous_ids = feed if feed is not None else (None, None)
         programs = self.programs
         with programs.precision():  # also keys the jit caches: warm-up runs under it too
             self.kv_cache, forward = programs.run_step(
-                self.kv_cache, host_batch, source, previous_ids, lora_slots
+                self.kv_cache, host_batch, source, previous_ids, lora_slots, advance
             )
             prompt_out = None
             if next_ids is not None:

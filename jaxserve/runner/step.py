@@ -132,6 +132,10 @@ class SchedulerOutput:
     # The drafts' values on the device (set by the engine), their places in ``scheduled``
     # held by ``PENDING_TOKEN``; None: every draft is on the host.
     device_drafts: DeviceDrafts | None = None
+    # Set by the engine when the step's sampled tokens were counted in its sequences before
+    # it was read back (asynchronous scheduling: ``Sequence.add_pending``, one for each row
+    # a sequence samples, as if every draft were accepted).
+    tokens_in_flight: bool = False
 
     @property
     def is_empty(self) -> bool:

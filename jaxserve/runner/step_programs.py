@@ -50,6 +50,7 @@ from jaxserve.runner.programs import (
 )
 from jaxserve.runner.sampling import TOKEN_MASK_LEAF, SamplerFlags, SamplingInputs
 from jaxserve.runner.step import DeviceDrafts
+from jaxserve.runner.verify_ahead import advance_step, shift_rows
 from jaxserve.runner.weight_update import committed
 
 # The warm-up's lines, under one name: users filter them as one story.
@@ -64,6 +65,23 @@ PROGRAMS = ("logits", "prompt_logprobs", "samplers")
 POOLING_PROGRAMS = ("pooling",)
 
 KVCacheShapes = list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]
+
+# A verify step scheduled before the last was read back, moved on the device (``verify_ahead``):
+# its model inputs, and its sampler's positions.
+_advance = jax.jit(advance_step, static_argnames=("layout", "k", "page_size"))
+_shift_rows = jax.jit(shift_rows, static_argnames=("layout", "leaf"))
+
+
+@dataclasses.dataclass
+class Advance:
+    """What a verify step scheduled before the last one was read back needs to be corrected on
+    the device (``verify_ahead.advance_step``), and its result."""
+
+    sampled: jax.Array  # i32[S_max]  the last step's sampled ids
+    drafts: jax.Array  # i32[S_max]  the drafts it verified (its drafts' feed)
+    meta: np.ndarray  # i32[META_ROWS, S_pad]  per sequence of this step
+    k: int  # drafts a sequence verifies at most
+    shift: jax.Array | None = None  # i32[S_max]  each sequence's, once ``run_step`` ran
 
 
 def pack_step(
@@ -251,12 +269,25 @@ class StepPrograms:
         source: np.ndarray | None = None,  # i32[T]  see ``pack_step``
         previous_ids: jax.Array | None = None,  # i32[S_max]  the previous step's sampled ids
         lora_slots: np.ndarray | None = None,  # i32[T]  each token's adapter slot (LoRA on)
+        advance: Advance | None = None,  # a verify step scheduled ahead (``verify_ahead``)
     ) -> tuple[Any, Forward]:
-        """(kv_cache, the step's output) of one model step."""
+        """(kv_cache, the step's output) of one model step; with ``advance``, its inputs are
+        corrected on the device first, and ``advance.shift`` is set."""
         if self.lora is not None and lora_slots is None:
             lora_slots = np.zeros(batch.num_tokens, np.int32)
         packed, layout = pack_step(batch, source, lora_slots)
-        args = (self.put(packed), self.no_previous_ids if previous_ids is None else previous_ids)
+        buffer = self.put(packed)
+        if advance is not None:
+            buffer, advance.shift = _advance(
+                buffer,
+                advance.sampled,
+                advance.drafts,
+                self.put(advance.meta),
+                layout=layout,
+                k=advance.k,
+                page_size=self.inputs.block_size,
+            )
+        args = (buffer, self.no_previous_ids if previous_ids is None else previous_ids)
         extra = self._lora_args()
         lora = self._lora_positional_args()
         step = self.compiled_steps.get(batch.num_tokens)
@@ -284,10 +315,12 @@ class StepPrograms:
         inputs: SamplingInputs,
         flags: SamplerFlags,
         token_mask: np.ndarray | None = None,  # i32[<= S, W]  with ``flags.use_mask``
+        shifted: tuple[np.ndarray, jax.Array] | None = None,  # (row -> sequence, shift)
     ) -> StepSamples:
         """The logits of the step's last rows, then the sampler variant ``flags``; the leading
         rows of ``inputs.token_mask`` are ``token_mask``'s where one is given (copied once,
-        into the packed inputs)."""
+        into the packed inputs). ``shifted``: each row's sequence (i32[R], -1: none) and each
+        sequence's shift on the device (``verify_ahead``), added to the rows' positions."""
         num_tokens = forward.hidden.shape[0]
         logits_fn = self.compiled_logits.get(num_tokens)
         if logits_fn is None:
@@ -296,10 +329,15 @@ class StepPrograms:
         packed, layout = pack(inputs)
         if token_mask is not None:
             write_rows(packed, layout, TOKEN_MASK_LEAF, token_mask)
+        buffer = self.put(packed)
+        if shifted is not None:
+            row_seq, shift = shifted
+            leaf = [f.name for f in dataclasses.fields(SamplingInputs)].index("positions")
+            buffer = _shift_rows(buffer, self.put(row_seq), shift, layout=layout, leaf=leaf)
         compiled = self.compiled_samplers.get((self.buckets.seq_bucket(num_tokens), flags))
         if compiled is None:
-            return self.sample_fn(logits, self.put(packed), layout=layout, flags=flags)
-        return compiled(logits, self.put(packed))
+            return self.sample_fn(logits, buffer, layout=layout, flags=flags)
+        return compiled(logits, buffer)
 
     def pool(self, forward: Forward) -> jax.Array:
         """f32[S, 3, H]: per sequence of the step, the sum of its hidden states, its first
