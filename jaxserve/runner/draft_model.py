@@ -51,6 +51,7 @@ from jaxserve.runner.drafting import (
     ChainArgs,
     PagedDrafter,
     TokenSource,
+    VerifiedIds,
     ahead_batch,
     catch_up_batch,
     decode_batch,
@@ -214,19 +215,12 @@ class DraftModelProposer(PagedDrafter):
         self.kv, drafts = self._call_chain(self._chain_args(call, bucket))
         return drafts
 
-    def _call_ahead(
-        self,
-        parts: list[CatchUp],
-        chain: tuple,
-        sampled: jax.Array,
-        feed: jax.Array,
-        shift: jax.Array,
-    ) -> jax.Array:
+    def _call_ahead(self, parts: list[CatchUp], chain: tuple, ids: VerifiedIds) -> jax.Array:
         inputs = self.put_packed({"chain": chain})
-        self.kv, ids = self._ahead(
-            self.weights, self.kv, inputs.buffer, sampled, feed, shift, layout=inputs.layout
+        self.kv, drafts = self._ahead(
+            self.weights, self.kv, inputs.buffer, *ids, layout=inputs.layout
         )
-        return ids
+        return drafts
 
     def _warm_ahead(self, bucket: int) -> None:
         args, layout = self._ahead_padding_args(bucket)

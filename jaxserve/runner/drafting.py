@@ -326,6 +326,16 @@ def ahead_batch(
     return shift_batch(batch, shift, page_size)
 
 
+class VerifiedIds(NamedTuple):
+    """What a call drafted ahead reads of its verify step, on the device, each i32[S_max]
+    (laid out as the step's pending ids, ``no_previous_ids``): the ids it sampled, the drafts
+    it verified (``draft_feed``) and each sequence's shift (``verify_ahead``; zeros: none)."""
+
+    sampled: jax.Array
+    drafts: jax.Array
+    shift: jax.Array
+
+
 @dataclasses.dataclass
 class AheadDrafts:
     """A call drafted ahead of the host (``PagedDrafter.draft_ahead``): its drafts on the
@@ -567,7 +577,7 @@ class PagedDrafter:
         chain = (batch, sample_rows, first_sample, first_draft, num_drafts)
         feed = programs.draft_feed(drafts.ids)
         shift = programs.no_previous_ids if shift is None else shift  # (zeros: no shift)
-        ids = self._call_ahead(parts, chain, sampled_ids, feed, shift)
+        ids = self._call_ahead(parts, chain, VerifiedIds(sampled_ids, feed, shift))
         self.ahead_calls += 1
         rows = {part.seq_id: s for s, part in enumerate(parts)}
         return AheadDrafts(DeviceDrafts(ids, rows, self.k), expected)
@@ -624,16 +634,9 @@ class PagedDrafter:
         start at ``start``."""
         return True
 
-    def _call_ahead(
-        self,
-        parts: list[CatchUp],
-        chain: tuple,
-        sampled: jax.Array,
-        feed: jax.Array,
-        shift: jax.Array,
-    ) -> jax.Array:
+    def _call_ahead(self, parts: list[CatchUp], chain: tuple, ids: VerifiedIds) -> jax.Array:
         """Run the call drafted ahead (``chain``: ``ahead_batch``'s inputs, the batch first)
-        on the verify step's sampled ids, its drafts' feed and its shift; its drafts i32[S, k]."""
+        on the verify step's ``ids``; its drafts i32[S, k]."""
         raise NotImplementedError
 
     def _lower_ahead(self, bucket: int) -> Any:

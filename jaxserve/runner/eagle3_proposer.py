@@ -70,6 +70,7 @@ from jaxserve.runner.drafting import (
     PackedInputs,
     PagedDrafter,
     TokenSource,
+    VerifiedIds,
     ahead_batch,
     catch_up_batch,
     chain_from_states,
@@ -263,23 +264,16 @@ class TargetStatesDrafter(PagedDrafter):
         last = self.runner.last_states
         return last is not None and last.rows_for(seq_id, start, start + num_drafts + 1) is not None
 
-    def _call_ahead(
-        self,
-        parts: list[CatchUp],
-        chain: tuple,
-        sampled: jax.Array,
-        feed: jax.Array,
-        shift: jax.Array,
-    ) -> jax.Array:
+    def _call_ahead(self, parts: list[CatchUp], chain: tuple, ids: VerifiedIds) -> jax.Array:
         """The call drafted ahead over the verify step's states of the parts' rows."""
         last = self.runner.last_states
         state_rows = self._state_rows(parts, chain[0].input_ids.shape[0])
         assert last is not None and state_rows is not None  # (``_ahead_applies``)
         inputs = self.put_packed({"chain": chain, "rows": state_rows})
         states = self._take(last.states, inputs.buffer, layout=inputs.layout)
-        args = (self.draft_weights, self.draft_kv, inputs.buffer, states, sampled, feed, shift)
-        self.draft_kv, ids = self._ahead(*args, layout=inputs.layout)
-        return ids
+        args = (self.draft_weights, self.draft_kv, inputs.buffer, states, *ids)
+        self.draft_kv, drafts = self._ahead(*args, layout=inputs.layout)
+        return drafts
 
     def _warm_ahead(self, bucket: int) -> None:
         args, layout = self._ahead_padding_args(bucket)

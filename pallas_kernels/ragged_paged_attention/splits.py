@@ -81,6 +81,39 @@ def split_range(
     return lo, hi
 
 
+# Up to this many splits the merge is written out split by split (one fusion, no max); its terms
+# grow as the square of the count: at 32 splits (the MLA kernel's batch-1 decode at 32K context,
+# one program an SM) 6,458 lines of HLO that took 4.8 s to compile on the CPU and more than 45
+# on an H100 (its native test was stopped there, 2026-12-07), at 64 splits 23 s on the CPU.
+# More splits take the max over the split axis (``_merge_over_axis``), linear in the count.
+UNROLLED_MERGE_MAX_SPLITS = 8
+
+
+def _merge_over_axis(
+    o_parts: jax.Array,  # f32[NS, T, Hq, D]
+    lse_parts: jax.Array,  # f32[NS, T, Hq, C]
+    sinks: jax.Array | None,
+    live_splits: jax.Array | None,
+) -> jax.Array:  # f32[T, Hq, D]
+    """``merge_splits``' weighting as reductions over the split axis: each split's share
+    ``2^(lse_s - m) / sum_t 2^(lse_t - m)`` with ``m`` the largest log-sum-exp (and the sink's)."""
+    lse = lse_parts[..., :1]  # [NS, T, Hq, 1]
+    if live_splits is not None:  # parts from ``live_splits`` on were never written
+        live = (jnp.arange(lse.shape[0]) < jnp.maximum(live_splits, 1))[:, None, None, None]
+        lse = jnp.where(live, lse, MASK_VALUE)
+        o_parts = jnp.where(live, o_parts, 0.0)
+    top = jnp.max(lse, axis=0)  # [T, Hq, 1]
+    sink = None
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(1, -1, 1) * LOG2E  # [1, Hq, 1]
+        top = jnp.maximum(top, sink)
+    terms = jnp.exp2(lse - top)  # [NS, T, Hq, 1]
+    total = jnp.sum(terms, axis=0)
+    if sink is not None:
+        total = total + jnp.exp2(sink - top)
+    return jnp.sum(terms / total * o_parts, axis=0)
+
+
 def merge_splits(
     o_parts: jax.Array,  # f32[NS, T, Hq, D]
     lse_parts: jax.Array,  # f32[NS, T, Hq, C]  log2-domain, its C columns all equal
@@ -103,6 +136,10 @@ def merge_splits(
     never written either (their programs returned at once): whatever they hold weighs nothing.
     """
     num_splits, num_tokens = o_parts.shape[:2]
+    if num_splits > UNROLLED_MERGE_MAX_SPLITS:
+        out = _merge_over_axis(o_parts, lse_parts, sinks, live_splits)
+        is_valid = jnp.arange(num_tokens, dtype=jnp.int32) < cu_q_lens[num_seqs[0]]
+        return jnp.where(is_valid[:, None, None], out, 0.0).astype(out_dtype)
 
     def written(s: int, x: jax.Array, empty: float) -> jax.Array:  # split s's x, if written
         return x if live_splits is None or s == 0 else jnp.where(s < live_splits, x, empty)
