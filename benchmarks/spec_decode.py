@@ -347,7 +347,7 @@ def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
                 print(f"eagle3 {rows[-1]}", flush=True)
             # a traced run apart from the timed ones, verify steps dispatched ahead of the host
             llm.engine.device_drafts, llm.engine.proposer.drafts_ahead = True, True
-            llm.engine.async_verify = True
+            llm.engine.async_verify, llm.engine.proposer.ahead_always = True, False
             if args.profile_dir and batch == 1:
                 with jax.profiler.trace(
                     str(Path(args.profile_dir) / "eagle3_b1"), create_perfetto_trace=True
@@ -368,6 +368,7 @@ def eagle3_batch(llm, timed: TimedProposer, prompts, params, drafts: str, args) 
     ``--step-log-dir`` its step log ``eagle3_b{batch}_{drafts}_steps.jsonl``)."""
     llm.engine.device_drafts = drafts != "host"
     llm.engine.proposer.drafts_ahead = drafts in ("ahead", "async")
+    llm.engine.proposer.ahead_always = drafts == "ahead"  # behind steps read back first too
     llm.engine.async_verify = drafts == "async"
     taken = llm.engine.proposer.ahead_taken
     timed.block = True

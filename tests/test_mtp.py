@@ -192,7 +192,9 @@ def test_mtp_drafts_ahead_of_the_host_with_the_same_tokens_and_acceptance(
     call queued behind each verify step; the tokens, drafts and accepted tokens are those of
     drafting after the host reads the step, and steps take the calls drafted ahead."""
     from jaxserve.runner.drafting import DRAFT_AHEAD_ENV
+    from jaxserve.runner.verify_ahead import ASYNC_VERIFY_ENV
 
+    monkeypatch.setenv(ASYNC_VERIFY_ENV, "0")  # every verify step read back before the next
     spec = {"method": "mtp", "num_speculative_tokens": 3, "pause_when_unpaid": False}
     runs = {}
     for flag in ("0", "1"):
@@ -207,14 +209,14 @@ def test_mtp_drafts_ahead_of_the_host_with_the_same_tokens_and_acceptance(
 
 
 def test_mtp_verify_steps_scheduled_ahead_give_the_same_tokens(plain, monkeypatch) -> None:
-    """``JAXSERVE_ASYNC_VERIFY=1`` with the MTP layers drafting ahead: the next verify step is
-    dispatched before the last one is read back (the MTP call behind it moved on the device
-    with it), and the tokens are the plain ones."""
+    """The default (``JAXSERVE_ASYNC_VERIFY``): the next verify step is dispatched before the
+    last one is read back, the MTP layers' call made behind the last (moved on the device with
+    it), and the tokens are the plain ones."""
     from jaxserve.runner.drafting import DRAFT_AHEAD_ENV
     from jaxserve.runner.verify_ahead import ASYNC_VERIFY_ENV
 
-    monkeypatch.setenv(DRAFT_AHEAD_ENV, "1")
-    monkeypatch.setenv(ASYNC_VERIFY_ENV, "1")
+    monkeypatch.delenv(DRAFT_AHEAD_ENV, raising=False)
+    monkeypatch.delenv(ASYNC_VERIFY_ENV, raising=False)
     spec = {"method": "mtp", "num_speculative_tokens": 3, "pause_when_unpaid": False}
     llm = make_llm(spec, max_num_seqs=1)
     assert token_ids(llm) == plain

@@ -720,8 +720,10 @@ def test_a_call_drafted_ahead_of_the_host_gives_the_drafts_the_host_would_run(
     tokens; a step that also prefills (a sequence without drafts) drafts nothing ahead. The
     tokens are the same."""
     from jaxserve.runner.drafting import DRAFT_AHEAD_ENV, PagedDrafter
+    from jaxserve.runner.verify_ahead import ASYNC_VERIFY_ENV
 
     monkeypatch.setenv(DRAFT_AHEAD_ENV, "1")
+    monkeypatch.setenv(ASYNC_VERIFY_ENV, "0")  # every verify step read back before the next
     llm = make_llm(METHODS[method], enable_prefix_caching=False)
     proposer = llm.engine.proposer
     pairs = []
@@ -755,7 +757,9 @@ def test_drafting_ahead_keeps_the_acceptance_of_drafting_after(method, monkeypat
     """One prompt at a time: the same steps, drafts and accepted tokens with the calls drafted
     ahead as without, and every call but a sequence's last (its step ends it) taken."""
     from jaxserve.runner.drafting import DRAFT_AHEAD_ENV
+    from jaxserve.runner.verify_ahead import ASYNC_VERIFY_ENV
 
+    monkeypatch.setenv(ASYNC_VERIFY_ENV, "0")  # every verify step read back before the next
     params = SamplingParams(temperature=0, max_tokens=64 - PROMPT_LEN, ignore_eos=True)
     runs = {}
     for flag in ("0", "1"):
@@ -814,8 +818,10 @@ def test_the_call_drafted_ahead_is_queued_before_the_host_reads_its_verify_step(
     drafted ahead behind it, then the host waits for the verify step's tokens; the next step
     then verifies those drafts without calling ``propose``."""
     from jaxserve.runner.drafting import DRAFT_AHEAD_ENV
+    from jaxserve.runner.verify_ahead import ASYNC_VERIFY_ENV
 
     monkeypatch.setenv(DRAFT_AHEAD_ENV, "1")
+    monkeypatch.setenv(ASYNC_VERIFY_ENV, "0")  # every verify step read back before the next
     llm = make_llm(METHODS["eagle3"], enable_prefix_caching=False)
     engine, proposer, events = llm.engine, llm.engine.proposer, []
     dispatch, collect = engine.runner.dispatch, engine.runner.collect
@@ -848,26 +854,30 @@ def test_the_call_drafted_ahead_is_queued_before_the_host_reads_its_verify_step(
 
 
 def verifying_ahead(monkeypatch, spec: dict, on: bool = True, **overrides) -> jaxserve.LLM:
-    """An engine whose drafter makes its drafts ahead on the device and, with ``on``, whose
-    next verify step is scheduled before the last one is read back (``runner/verify_ahead.py``)."""
+    """An engine whose next verify step is scheduled before the last one is read back, its
+    drafts made behind the last on the device (``runner/verify_ahead.py``: the default); not
+    ``on``: every verify step read back first (``JAXSERVE_ASYNC_VERIFY=0``)."""
     from jaxserve.runner.drafting import DRAFT_AHEAD_ENV
     from jaxserve.runner.verify_ahead import ASYNC_VERIFY_ENV
 
-    monkeypatch.setenv(DRAFT_AHEAD_ENV, "1")
-    monkeypatch.setenv(ASYNC_VERIFY_ENV, "1" if on else "0")
+    monkeypatch.delenv(DRAFT_AHEAD_ENV, raising=False)
+    if on:
+        monkeypatch.delenv(ASYNC_VERIFY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(ASYNC_VERIFY_ENV, "0")
     return make_llm(spec, **{"enable_prefix_caching": False, **overrides})
 
 
 def test_verify_steps_scheduled_ahead_give_the_same_tokens_and_acceptance(
     plain, method, monkeypatch
 ) -> None:
-    """``JAXSERVE_ASYNC_VERIFY=1``: while every sequence decodes, the next verify step is
-    dispatched before the last one is read back, counted as if all its drafts were accepted
-    and moved on the device by the rejected ones. A mixed batch with chunked prefill gives the
-    plain tokens; one prompt at a time gives the tokens of reading each verify step back first
-    with most steps verified ahead, and about its acceptance: the same drafts but near
-    ``max_tokens``, where the host, counting the drafts in flight as accepted, leaves fewer
-    positions to draft (a step more, at most, a sequence)."""
+    """The default (``JAXSERVE_ASYNC_VERIFY=0`` turns it off): while every sequence decodes,
+    the next verify step is dispatched before the last one is read back, counted as if all
+    its drafts were accepted and moved on the device by the rejected ones. A mixed batch with
+    chunked prefill gives the plain tokens; one prompt at a time gives the tokens of reading
+    each verify step back first with most steps verified ahead, and about its acceptance: the
+    same drafts but near ``max_tokens``, where the host, counting the drafts in flight as
+    accepted, leaves fewer positions to draft (a step more, at most, a sequence)."""
     llm = verifying_ahead(monkeypatch, METHODS[method])
     assert token_ids(llm, [*PROMPTS, PROMPTS[0][:3], PROMPTS[1][:9]]) == plain
     assert llm.engine.num_verified_ahead > 0
@@ -1023,7 +1033,10 @@ def test_verified_ahead_the_prefix_cache_holds_only_accepted_tokens(plain, monke
 
 
 def test_the_start_up_log_says_when_verify_steps_are_scheduled_ahead(monkeypatch, caplog) -> None:
-    said = "the next verify step is scheduled before the last is read back (JAXSERVE_ASYNC_VERIFY)"
+    said = (
+        "the next verify step is scheduled before the last is read back, its drafts made "
+        "behind the last on the device (JAXSERVE_ASYNC_VERIFY)"
+    )
     for on in (False, True):
         caplog.clear()
         with caplog.at_level("INFO", logger="jaxserve.engine.core"):

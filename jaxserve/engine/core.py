@@ -70,10 +70,10 @@ from jaxserve.models.scoring import (
     token_difference_head,
 )
 from jaxserve.pooling_params import PoolingParams
+from jaxserve.runner import verify_ahead
 from jaxserve.runner.batch_size import resolve_batch_size
 from jaxserve.runner.buckets import next_power_of_2
 from jaxserve.runner.step import DeviceDrafts, RunnerOutput, ScheduledSeq, SchedulerOutput
-from jaxserve.runner.verify_ahead import ASYNC_VERIFY_ENV
 from jaxserve.sampling_params import SamplingParams, SamplingParamsError
 
 if TYPE_CHECKING:
@@ -327,8 +327,8 @@ class EngineCore:
         pooling runner, is refused here, before warm-up."""
         spec = self.config.speculative_config
         # The next verify step scheduled and dispatched before the last one is read back
-        # (JAXSERVE_ASYNC_VERIFY=1, with drafts made ahead: ``_verifies_ahead``).
-        self.async_verify = os.environ.get(ASYNC_VERIFY_ENV, "0").strip() == "1"
+        # (on unless JAXSERVE_ASYNC_VERIFY=0, with drafts made ahead: ``_verifies_ahead``).
+        self.async_verify = verify_ahead.enabled()
         self.spec_stats = SpecDecodeStats()
         self.draft_payoff = DraftPayoff()
         self._num_asked = 0  # sequences the last step asked the drafter for
@@ -354,11 +354,11 @@ class EngineCore:
             spec.max_batch_size,
             ", and pauses while it does not pay" if spec.pause_when_unpaid else "",
             "while every sequence decodes, the next verify step is scheduled before the last "
-            "is read back (JAXSERVE_ASYNC_VERIFY)"
+            "is read back, its drafts made behind the last on the device (JAXSERVE_ASYNC_VERIFY)"
             if async_verify
             else "a step with drafts is read back before the next is scheduled",
             ", the next step's drafts made behind it on the device (JAXSERVE_DRAFT_AHEAD)"
-            if ahead
+            if ahead and getattr(proposer, "ahead_always", False)
             else "",
         )
         return proposer
@@ -975,7 +975,8 @@ class EngineCore:
         step = self.runner.dispatch(sched, previous)
         if not constrained:
             self.runner.sample(step, None)
-            if sched.device_drafts is not None:
+            always = getattr(self.proposer, "ahead_always", False)
+            if sched.device_drafts is not None and (overlap or always):
                 self._span("dispatch")
                 self._draft_ahead(sched, step)
                 self._span("propose")  # (the step log: drafting's host time)
@@ -988,8 +989,9 @@ class EngineCore:
 
     def _draft_ahead(self, sched: SchedulerOutput, step: InFlight) -> None:
         """Queue the next step's drafts behind this verify step, before the host reads it back
-        (a model drafter's ``draft_ahead``, None unless ``JAXSERVE_DRAFT_AHEAD=1``), so that
-        the drafter runs while the host processes this step and schedules the next."""
+        (a model drafter's ``draft_ahead``; behind a step kept in flight, or behind every one
+        with ``JAXSERVE_DRAFT_AHEAD=1``), so that the drafter runs while the host processes
+        this step and schedules the next."""
         draft_ahead = getattr(self.proposer, "draft_ahead", None)
         if draft_ahead is not None:
             self._ahead = draft_ahead(sched, step.sampled_ids, step.shift)

@@ -48,6 +48,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.models.batch import Batch
 from jaxserve.models.quant_scheme import QuantScheme
+from jaxserve.runner import verify_ahead
 from jaxserve.runner.buckets import MIN_TOKEN_BUCKET, Buckets
 from jaxserve.runner.packing import Layout, pack, unpack
 from jaxserve.runner.parallel.sharding import TensorParallel, prepare_tp
@@ -61,9 +62,11 @@ _LOG = logging.getLogger(__name__)
 
 COMPILE_AHEAD_WORKERS = 8
 
-# "1": a model drafter drafts the next step's tokens right behind each verify step, on the
-# device, before the host reads the step back (``PagedDrafter.draft_ahead``); off by default
-# until timed on a GPU (benchmarks/spec_decode.py times both).
+# "1": a model drafter drafts the next step's tokens right behind every verify step, on the
+# device, before the host reads the step back (``PagedDrafter.draft_ahead``). By default only
+# behind the verify steps the engine keeps in flight, whose next step is scheduled before they
+# are read back (``verify_ahead``): behind a step read back at once it was slower (an H100,
+# 2026-12-07: EAGLE-3 at batch 1 10.85 against 10.14 ms a step; benchmarks/spec_decode.py).
 DRAFT_AHEAD_ENV = "JAXSERVE_DRAFT_AHEAD"
 
 
@@ -390,9 +393,11 @@ class PagedDrafter:
         pages_per_seq = self.buckets.pages_per_seq
         self.pool = PagePool(max_seqs * pages_per_seq, engine.block_size, pages_per_seq)
         self.computed: dict[str, int] = {}  # seq id -> tokens the drafter's cache holds
-        # Calls drafted ahead of the host (``draft_ahead``): on (JAXSERVE_DRAFT_AHEAD=1, a
-        # subclass with a runner), made, and taken by a step (``take_ahead``).
-        self.drafts_ahead = os.environ.get(DRAFT_AHEAD_ENV, "0").strip() == "1"
+        # Calls drafted ahead of the host (``draft_ahead``): on (a subclass with a runner;
+        # behind every verify step with JAXSERVE_DRAFT_AHEAD=1, ``ahead_always``; else behind
+        # those verified ahead, on one device), made, and taken by a step (``take_ahead``).
+        self.ahead_always = os.environ.get(DRAFT_AHEAD_ENV, "0").strip() == "1"
+        self.drafts_ahead = self.ahead_always or (verify_ahead.enabled() and tp is None)
         self.ahead_calls = self.ahead_taken = 0
 
     @property

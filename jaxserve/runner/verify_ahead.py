@@ -1,5 +1,6 @@
 """The next verify step dispatched before the host reads the last one back (speculative decoding
-with asynchronous scheduling, ``JAXSERVE_ASYNC_VERIFY=1``; docs/speculative_decoding.md).
+with asynchronous scheduling and a model drafter; ``JAXSERVE_ASYNC_VERIFY=0`` turns it off;
+docs/speculative_decoding.md).
 
 A verify step n gives each sequence 1 to k + 1 tokens: its accepted drafts and the target's
 next token. The host learns how many only when it reads step n back. To queue step n + 1
@@ -18,6 +19,7 @@ Pure device functions; ``StepPrograms`` jits them.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +27,13 @@ import jax.numpy as jnp
 from jaxserve.models.batch import Batch
 from jaxserve.runner.packing import Layout, unpack
 
+
+def enabled() -> bool:
+    """``JAXSERVE_ASYNC_VERIFY``: on unless "0"."""
+    return os.environ.get(ASYNC_VERIFY_ENV, "1").strip() != "0"
+
+
+# "0" turns it off; on by default (with asynchronous scheduling, a model drafter, one device).
 ASYNC_VERIFY_ENV = "JAXSERVE_ASYNC_VERIFY"
 
 # Rows of the per-sequence metadata ``advance_step`` reads (i32[META_ROWS, S]): each sequence's
