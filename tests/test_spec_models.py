@@ -1045,3 +1045,25 @@ def test_the_start_up_log_says_when_verify_steps_are_scheduled_ahead(monkeypatch
             r.getMessage() for r in caplog.records if "Speculative decoding:" in r.getMessage()
         )
         assert (said in line) == on, line
+
+
+def test_a_warmed_up_engine_verifying_ahead_compiles_nothing_new_while_serving(
+    plain, monkeypatch
+) -> None:
+    """Warm-up compiles the corrections of a verify step scheduled ahead (the model inputs of
+    each drafting step's token bucket, the sampler rows of each of its variants): serving
+    verifies ahead and compiles none of them again."""
+    from jaxserve.runner import step_programs
+
+    llm = verifying_ahead(monkeypatch, METHODS["eagle3"], warmup=True)
+    programs = (step_programs._advance, step_programs._shift_rows)
+    before = [p._cache_size() for p in programs]
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=40, ignore_eos=True),
+    ]
+    assert token_ids(llm, PROMPTS[:1]) == plain[:1]
+    for p in params:
+        token_ids(llm, PROMPTS[1:3], p)
+    assert llm.engine.num_verified_ahead > 0
+    assert [p._cache_size() for p in programs] == before

@@ -375,6 +375,7 @@ class EngineCore:
             warm_feed = getattr(self.runner, "warm_draft_feed", None)
             if warm_feed is not None:  # the verify step's read of drafts left on the device
                 programs += warm_feed(self.proposer.drafts_shapes())  # type: ignore[union-attr]
+            programs += self._warm_verify_ahead()
             _LOG.info(
                 "Compiled the drafter's %d programs in %.1f s",
                 programs,
@@ -415,6 +416,19 @@ class EngineCore:
         if isinstance(drafts, DeviceDrafts):
             return drafts.placeholders(), drafts
         return self.structured_outputs.cut_drafts(drafts), None
+
+    def _warm_verify_ahead(self) -> int:
+        """What corrects a verify step scheduled ahead (``_verifies_ahead``), compiled for the
+        largest drafting step, when it may run here; the programs' count."""
+        spec, warm = self.config.speculative_config, getattr(self.runner, "warm_verify_ahead", None)
+        scheduling = self.config.async_scheduling and not self.runner.multihost  # (as later)
+        if spec is None or warm is None or not (self.async_verify and scheduling):
+            return 0
+        if not getattr(self.proposer, "ahead_on", False) or getattr(self.runner, "tp", None):
+            return 0
+        k = spec.num_speculative_tokens
+        max_tokens = min(self.config.max_num_batched_tokens, spec.max_batch_size * (k + 1))
+        return warm(max_tokens, k)
 
     def _propose_in_flight(
         self, ahead: Any

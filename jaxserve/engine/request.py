@@ -47,8 +47,9 @@ class Sequence:
     request: Request
     index: int  # the sample index (CompletionOutput.index)
     seed: int  # 32-bit seed of the sampling key
-    # Generated tokens; the last one or two may be PENDING_TOKEN (asynchronous scheduling:
-    # sampled by a dispatched step, not read back yet). Written only by the methods below.
+    # Generated tokens; the last few may be PENDING_TOKEN (asynchronous scheduling: sampled by
+    # a dispatched step, not read back yet; one a step, or a verify step's drafts and one more,
+    # counted as if all were accepted). Written only by the methods below.
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_pending: int = 0  # trailing PENDING_TOKEN entries of output_token_ids
     num_computed_tokens: int = 0

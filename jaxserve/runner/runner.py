@@ -552,6 +552,11 @@ class ModelRunner:
             row_seq[first : first + item.num_sampled] = i
         return row_seq
 
+    def warm_verify_ahead(self, max_tokens: int, k: int) -> int:
+        """Compile what corrects a verify step scheduled ahead on the device, for steps of up to
+        ``max_tokens`` tokens with up to ``k`` drafts a sequence; returns how many programs."""
+        return 0 if self.multihost else self.programs.warm_verify_ahead(max_tokens, k)
+
     def warm_draft_feed(self, shapes: list[tuple[int, int]]) -> int:
         """Compile the verify step's read of drafts left on the device (``DeviceDrafts``),
         for each shape of a drafter's drafts; returns how many programs."""

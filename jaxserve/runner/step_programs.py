@@ -50,7 +50,7 @@ from jaxserve.runner.programs import (
 )
 from jaxserve.runner.sampling import TOKEN_MASK_LEAF, SamplerFlags, SamplingInputs
 from jaxserve.runner.step import DeviceDrafts
-from jaxserve.runner.verify_ahead import advance_step, shift_rows
+from jaxserve.runner.verify_ahead import META_ROWS, advance_step, shift_rows
 from jaxserve.runner.weight_update import committed
 
 # The warm-up's lines, under one name: users filter them as one story.
@@ -70,6 +70,7 @@ KVCacheShapes = list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]
 # its model inputs, and its sampler's positions.
 _advance = jax.jit(advance_step, static_argnames=("layout", "k", "page_size"))
 _shift_rows = jax.jit(shift_rows, static_argnames=("layout", "leaf"))
+POSITIONS_LEAF = [f.name for f in dataclasses.fields(SamplingInputs)].index("positions")
 
 
 @dataclasses.dataclass
@@ -248,6 +249,43 @@ class StepPrograms:
             self._draft_feed(committed(self.put(np.zeros(shape, np.int32))))
         return len(shapes)
 
+    def warm_verify_ahead(self, max_tokens: int, k: int) -> int:
+        """Compile the corrections of a verify step scheduled ahead (``verify_ahead``) for the
+        token buckets of up to ``max_tokens`` (a drafting step's most: the sequences that draft
+        and their drafts), and the sampler rows' shift for every sampler variant of their
+        sequence buckets; returns how many programs."""
+        with self.precision():  # (it keys the jit caches: the calls run under it)
+            return self._warm_verify_ahead(max_tokens, k)
+
+    def _warm_verify_ahead(self, max_tokens: int, k: int) -> int:
+        ids, leaf = self.no_previous_ids, POSITIONS_LEAF
+        count, warmed = 0, set()
+        for bucket in self.buckets.token_buckets:
+            if bucket > self.buckets.token_bucket(max_tokens):
+                break
+            packed, layout = self._padding_packed(bucket)
+            rows = self.buckets.seq_bucket(bucket)
+            meta = self.put(np.zeros((META_ROWS, rows), np.int32))
+            _advance(
+                self.put(packed),
+                ids,
+                ids,
+                meta,
+                layout=layout,
+                k=k,
+                page_size=self.inputs.block_size,
+            )
+            count += 1
+            for flags in self.inputs.sampler_variants:
+                if (rows, flags) in warmed:
+                    continue
+                warmed.add((rows, flags))
+                packed, layout = pack(self.inputs.padding_step(bucket, flags)[1])
+                row_seq = self.put(np.full(rows, -1, np.int32))
+                _shift_rows(self.put(packed), row_seq, ids, layout=layout, leaf=leaf)
+                count += 1
+        return count
+
     def draft_feed(self, ids: jax.Array) -> jax.Array:
         """The drafts (i32[S, W], on the device) as a step's pending tokens' ids: i32[S_max],
         row s's draft j at s * W + j (``InputBuilder.draft_sources``)."""
@@ -332,8 +370,9 @@ class StepPrograms:
         buffer = self.put(packed)
         if shifted is not None:
             row_seq, shift = shifted
-            leaf = [f.name for f in dataclasses.fields(SamplingInputs)].index("positions")
-            buffer = _shift_rows(buffer, self.put(row_seq), shift, layout=layout, leaf=leaf)
+            buffer = _shift_rows(
+                buffer, self.put(row_seq), shift, layout=layout, leaf=POSITIONS_LEAF
+            )
         compiled = self.compiled_samplers.get((self.buckets.seq_bucket(num_tokens), flags))
         if compiled is None:
             return self.sample_fn(logits, buffer, layout=layout, flags=flags)
