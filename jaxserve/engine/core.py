@@ -449,7 +449,7 @@ class EngineCore:
 
     def _verifies_ahead(self) -> bool:
         """Whether this verify step may be scheduled before the last one is read back, and
-        be kept in flight itself (JAXSERVE_ASYNC_VERIFY=1; ``runner/verify_ahead.py``): a
+        be kept in flight itself (unless JAXSERVE_ASYNC_VERIFY=0; ``runner/verify_ahead.py``): a
         drafter that makes its drafts on the device behind each verify step, one device,
         every running sequence decoding (nothing waits to start, no prompt in chunks), none
         that the host must see each token of (penalties, a grammar, ``min_tokens``), a model
