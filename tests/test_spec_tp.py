@@ -33,8 +33,11 @@ MTP = SPEC / "deepseek_v3_mtp"
 
 # One LLM per (method, TP size); each prints a line of what the test checks.
 SCRIPT = textwrap.dedent("""
-    import json
+    import json, os
     from pathlib import Path
+    # TP=1 against TP=2 in one mode: verify steps are read back before the next is scheduled
+    # (dispatching the next ahead is off under tensor parallelism, on by default on one device)
+    os.environ["JAXSERVE_ASYNC_VERIFY"] = "0"
     import jaxserve
     from jaxserve import SamplingParams
     from jaxserve.engine_config import default_model_dir
@@ -154,7 +157,8 @@ def test_a_draft_whose_heads_do_not_split_is_refused_naming_it(tmp_path) -> None
 # their first blocks, so the drafter runs the target again over them). The drafts of every call
 # are recorded from the proposer.
 MTP_SCRIPT = textwrap.dedent("""
-    import json, sys
+    import json, os, sys
+    os.environ["JAXSERVE_ASYNC_VERIFY"] = "0"  # TP=1 against TP=2 in one mode (as SCRIPT)
     import jaxserve
     from jaxserve import SamplingParams
     PROMPTS = [
