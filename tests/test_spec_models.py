@@ -940,14 +940,16 @@ def test_stops_cut_runs_verified_ahead_where_they_would_without_speculation(
         SamplingParams(temperature=0, max_tokens=60),
         SamplingParams(temperature=0, max_tokens=30, min_tokens=20),
     ]
-    want = []
+    want, without = [], make_llm(None, max_model_len=256)
     for params in cases:
-        out = (
-            make_llm(None, max_model_len=256)
-            .generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)[0]
-            .outputs[0]
+        out = without.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)
+        want.append(
+            (
+                list(out[0].outputs[0].token_ids),
+                out[0].outputs[0].text,
+                out[0].outputs[0].finish_reason,
+            )
         )
-        want.append((list(out.token_ids), out.text, out.finish_reason))
     got = []
     for params in cases:
         out = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)[0].outputs[0]
