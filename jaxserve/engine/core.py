@@ -474,8 +474,9 @@ class EngineCore:
         return self.kv.pool.num_free >= len(running) * per_seq
 
     def _verify_in_flight(self) -> bool:
-        """A verify step is in flight (its tokens counted as if every draft were accepted)."""
-        return self._in_flight is not None and self._in_flight[0].has_drafts
+        """A verify step is in flight (its tokens counted as if every draft were accepted: its
+        drafts were on the device; a step with drafts on the host is read back at once)."""
+        return self._in_flight is not None and self._in_flight[0].device_drafts is not None
 
     def _read_model(self, served: ServedModel, model_dir: Any) -> EngineConfig:
         """``model_config`` (an encoder's or a decoder's) and ``max_model_len``; the engine
