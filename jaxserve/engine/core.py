@@ -440,10 +440,8 @@ class EngineCore:
         take = getattr(self.proposer, "take_in_flight", None)
         if ahead is None or spec is None or take is None:
             return None, None
-        decoding = [s for s in self.scheduler.running if s.num_computed_tokens == s.num_tokens - 1]
+        decoding = self.scheduler.running  # every one decodes (``_verifies_ahead``)
         self._num_asked = len(decoding)
-        if len(decoding) != len(self.scheduler.running):
-            return None, None
         taken = take(ahead, decoding, spec.num_speculative_tokens)
         return (None, None) if taken is None else (taken.placeholders(), taken)
 
@@ -1009,7 +1007,7 @@ class EngineCore:
         this step and schedules the next."""
         draft_ahead = getattr(self.proposer, "draft_ahead", None)
         if draft_ahead is not None:
-            self._ahead = draft_ahead(sched, step.sampled_ids, step.shift)
+            self._ahead = draft_ahead(sched, step.sampled_ids, step.shift, step.drafts_feed)
 
     def _span(self, name: str) -> None:
         """The engine thread's time since the last mark, added to this step's span ``name``

@@ -531,7 +531,11 @@ class PagedDrafter:
         return drafts
 
     def draft_ahead(
-        self, sched: SchedulerOutput, sampled_ids: jax.Array, shift: jax.Array | None = None
+        self,
+        sched: SchedulerOutput,
+        sampled_ids: jax.Array,
+        shift: jax.Array | None = None,
+        feed: jax.Array | None = None,
     ) -> AheadDrafts | None:
         """The next step's drafts, queued on the device right behind a verify step that took
         its drafts there (``sched.device_drafts``), before the host reads it back: the call
@@ -543,9 +547,8 @@ class PagedDrafter:
         (``ahead_batch``). Rows past the accepted ones write K/V at positions the chain and
         the next catch-up write over, never read. None where it does not apply: a sequence
         of the step verified no drafts (a prompt's chunk), the pages or one call do not fit,
-        a subclass's own rule (``_ahead_applies``). ``shift``: the verify step's, where it was
-        scheduled before the step ahead of it was read back (``verify_ahead``; i32[S_max] on
-        the device); the call's catch-up moves with it."""
+        a subclass's own rule (``_ahead_applies``). ``shift``: the verify step's (``verify_ahead``;
+        the catch-up moves with it); ``feed``: its drafts as it read them (``draft_feed``)."""
         drafts = sched.device_drafts
         if drafts is None or not self.ahead_on:
             return None
@@ -580,7 +583,7 @@ class PagedDrafter:
             first_draft[s] = drafts.rows[part.seq_id] * width
             row += n
         chain = (batch, sample_rows, first_sample, first_draft, num_drafts)
-        feed = programs.draft_feed(drafts.ids)
+        feed = programs.draft_feed(drafts.ids) if feed is None else feed
         shift = programs.no_previous_ids if shift is None else shift  # (zeros: no shift)
         ids = self._call_ahead(parts, chain, VerifiedIds(sampled_ids, feed, shift))
         self.ahead_calls += 1
@@ -604,9 +607,7 @@ class PagedDrafter:
                 return None
         for seq in seqs:
             self.computed[seq.seq_id] = seq.num_tokens - 1 + self.AHEAD_OFFSET
-        self.ahead_taken += 1
-        rows = {seq.seq_id: ahead.drafts.rows[seq.seq_id] for seq in seqs}
-        return DeviceDrafts(ahead.drafts.ids, rows, min(k, self.k))
+        return self.take_in_flight(ahead, seqs, k)
 
     def take_in_flight(
         self, ahead: AheadDrafts, seqs: Sequence[TokenSource], k: int
