@@ -318,6 +318,7 @@ def eagle3_drafting(args: argparse.Namespace) -> list[dict]:
             load_format="dummy",
             max_model_len=args.context + 256,
             max_num_seqs=max(int(b) for b in args.batches.split(",")),
+            **({"max_num_batched_tokens": n} if (n := args.eagle3_batched_tokens) else {}),
             # (a random head's drafts never pay: drafting must not pause, every step is timed)
             speculative_config={
                 "method": "eagle3", "model": str(head), "num_speculative_tokens": args.e2e_k,
@@ -469,6 +470,12 @@ def main() -> None:
         default=None,
         choices=("fp8", "int8"),
         help="eagle3_8b: the head's speculative_config quantization (default: bf16)",
+    )
+    parser.add_argument(
+        "--eagle3-batched-tokens",
+        type=int,
+        default=None,
+        help="eagle3_8b: the engine's max_num_batched_tokens (fewer step buckets to compile)",
     )
     parser.add_argument("--repeats", type=int, default=12, help="of the prompt's sentence")
     parser.add_argument("--ngram-batches", default="1,8,64,256")
