@@ -1007,7 +1007,7 @@ class EngineCore:
         this step and schedules the next."""
         draft_ahead = getattr(self.proposer, "draft_ahead", None)
         if draft_ahead is not None:
-            self._ahead = draft_ahead(sched, step.sampled_ids, step.shift, step.drafts_feed)
+            self._ahead = draft_ahead(sched, step)
 
     def _span(self, name: str) -> None:
         """The engine thread's time since the last mark, added to this step's span ``name``

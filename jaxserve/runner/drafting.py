@@ -50,6 +50,7 @@ from jaxserve.models.batch import Batch
 from jaxserve.models.quant_scheme import QuantScheme
 from jaxserve.runner import verify_ahead
 from jaxserve.runner.buckets import MIN_TOKEN_BUCKET, Buckets
+from jaxserve.runner.in_flight import InFlight
 from jaxserve.runner.packing import Layout, pack, unpack
 from jaxserve.runner.parallel.sharding import TensorParallel, prepare_tp
 from jaxserve.runner.programs import compiler_options, holds_fp8
@@ -530,13 +531,7 @@ class PagedDrafter:
         self._end_call()
         return drafts
 
-    def draft_ahead(
-        self,
-        sched: SchedulerOutput,
-        sampled_ids: jax.Array,
-        shift: jax.Array | None = None,
-        feed: jax.Array | None = None,
-    ) -> AheadDrafts | None:
+    def draft_ahead(self, sched: SchedulerOutput, step: InFlight) -> AheadDrafts | None:
         """The next step's drafts, queued on the device right behind a verify step that took
         its drafts there (``sched.device_drafts``), before the host reads it back: the call
         the next ``propose`` would run once the host knew the accepted tokens. Its catch-up
@@ -547,17 +542,18 @@ class PagedDrafter:
         (``ahead_batch``). Rows past the accepted ones write K/V at positions the chain and
         the next catch-up write over, never read. None where it does not apply: a sequence
         of the step verified no drafts (a prompt's chunk), the pages or one call do not fit,
-        a subclass's own rule (``_ahead_applies``). ``shift``: the verify step's (``verify_ahead``;
-        the catch-up moves with it); ``feed``: its drafts as it read them (``draft_feed``)."""
+        a subclass's own rule (``_ahead_applies``). ``step``: the verify step in flight, its
+        rows (``InFlight.verified``), drafts feed and shift (``verify_ahead``; the catch-up
+        moves with it)."""
         drafts = sched.device_drafts
-        if drafts is None or not self.ahead_on:
+        if drafts is None or not self.ahead_on or step.verified is None or step.drafts_feed is None:
             return None
         programs = self.runner.programs  # type: ignore[attr-defined]
         parts, expected = [], {}
         offset = self.AHEAD_OFFSET
         for item in sched.scheduled:
             seq_id, d = item.seq.seq_id, len(item.draft_token_ids)
-            if not d or seq_id not in drafts.rows or not self._ahead_applies(item.start, seq_id, d):
+            if seq_id not in step.verified or not self._ahead_applies(item.start, seq_id, d):
                 return None
             total = item.start + offset + d + 1 + self.k  # the chain's last position, all accepted
             if total > self.buckets.pages_per_seq * self.pool.page_size:
@@ -575,17 +571,15 @@ class PagedDrafter:
         first_sample = np.zeros(num_seqs, np.int32)
         first_draft = np.zeros(num_seqs, np.int32)
         num_drafts = np.zeros(num_seqs, np.int32)
-        width, row = drafts.ids.shape[1], 0
-        for s, (part, first) in enumerate(zip(parts, sched.sample_rows(), strict=True)):
+        row = 0
+        for s, part in enumerate(parts):
+            first_sample[s], num_drafts[s], first_draft[s] = step.verified[part.seq_id]
             n = len(part.tokens)
-            sample_rows[row : row + n] = np.arange(first, first + n)
-            first_sample[s], num_drafts[s] = first, n - 1
-            first_draft[s] = drafts.rows[part.seq_id] * width
+            sample_rows[row : row + n] = np.arange(first_sample[s], first_sample[s] + n)
             row += n
         chain = (batch, sample_rows, first_sample, first_draft, num_drafts)
-        feed = programs.draft_feed(drafts.ids) if feed is None else feed
-        shift = programs.no_previous_ids if shift is None else shift  # (zeros: no shift)
-        ids = self._call_ahead(parts, chain, VerifiedIds(sampled_ids, feed, shift))
+        shift = programs.no_previous_ids if step.shift is None else step.shift  # zeros: none
+        ids = self._call_ahead(parts, chain, VerifiedIds(step.sampled_ids, step.drafts_feed, shift))
         self.ahead_calls += 1
         rows = {part.seq_id: s for s, part in enumerate(parts)}
         return AheadDrafts(DeviceDrafts(ids, rows, self.k), expected)
