@@ -206,9 +206,10 @@ def test_fixture_serves_with_llm_defaults_within_its_plan(long_fixture) -> None:
 
 
 def test_kernel_path_plans_its_output_and_names_the_path(capsys) -> None:
-    """A named NVIDIA device plans the Pallas Triton MLA kernel: at DeepSeek-V3's shapes per
-    device at -tp 16 (8 heads, latent 512) a 2,048-token step fills the GPU unsplit, so one
-    call holds its bf16 output, 2,048 x 8 x 512 x 2 bytes; the first line names the path."""
+    """A named Hopper device (the H200) plans the Pallas Mosaic GPU MLA kernel (``auto``'s path
+    there) and names it; the Triton kernel's plan: at DeepSeek-V3's shapes per device at -tp
+    16 (8 heads, latent 512) a 2,048-token step fills the GPU unsplit, so one call holds its
+    bf16 output, 2,048 x 8 x 512 x 2 bytes, as the Mosaic GPU kernel's does."""
     config = load_model_config(builtin_config_dir("deepseek-v3"))
     got = cap.mla_attention_bytes(config, 2048, 32768, 16, 16, 2, path="triton")
     assert got == 2048 * 8 * 512 * 2
@@ -224,4 +225,5 @@ def test_kernel_path_plans_its_output_and_names_the_path(capsys) -> None:
     assert run_capacity(parser.parse_args([*args, "--max-model-len", "32K"])) == 0
     text = capsys.readouterr().out
     assert "(of which 0.02 GiB for multi-head latent attention's temporaries on the Pallas " \
-        "Triton kernel path, per step" in text  # fmt: skip
+        "Mosaic GPU kernel path, per step" in text  # fmt: skip
+    assert cap.mla_attention_bytes(config, 2048, 32768, 16, 16, 2, path="mosaic") == got

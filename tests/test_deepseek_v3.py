@@ -329,8 +329,8 @@ def test_capacity_matches_the_engines_latent_cache(capsys) -> None:
     assert cache_bytes == out["num_blocks"] * block_size * out["kv_bytes_per_token"]
     line = describe_attention(runner.model_config, jnp.float32, block_size, 1)
     assert line == (
-        "Attention: pure-jnp reference (multi-head latent attention: the MLA kernel is Pallas "
-        "Triton; this is the cpu backend)"
+        "Attention: pure-jnp reference (multi-head latent attention: the MLA kernels are for "
+        "GPUs and TPUs; this is the cpu backend)"
     )
 
 

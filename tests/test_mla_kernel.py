@@ -193,7 +193,7 @@ def test_dispatch_follows_the_environment(monkeypatch) -> None:
     args = make_inputs(np.random.default_rng(0), case)[:4]
     assert dispatch.choose(*args) == (
         "reference",
-        "the MLA kernel is Pallas Triton; this is the cpu backend",
+        "the MLA kernels are for GPUs and TPUs; this is the cpu backend",
     )
     monkeypatch.setenv("JAXSERVE_MLA", "on")
     assert dispatch.choose(*args)[0] == "interpret"

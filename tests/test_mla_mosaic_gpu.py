@@ -203,13 +203,36 @@ def test_kv_splits_count_one_program_an_sm(monkeypatch) -> None:
     assert launch(1) == (2, 32)
 
 
-def test_dispatch_takes_the_mosaic_kernel_only_when_asked(monkeypatch) -> None:
-    """``auto`` keeps the Triton kernel on GPUs (the reference here); ``mosaic`` takes the
-    Mosaic GPU kernel where it runs (interpret mode off a GPU, given the threads), else what
-    ``on`` takes, with the reason."""
+def test_auto_takes_the_mosaic_kernel_on_hopper_and_the_triton_kernel_elsewhere(
+    monkeypatch,
+) -> None:
+    """``auto`` on a GPU: the Mosaic GPU kernel on Hopper (a GPU named from a host without one
+    counts as Hopper: ``--device-memory H200``), the Triton kernel where the GPU is not Hopper
+    or the Mosaic GPU kernel does not take the shapes (an fp8 cache), each with its reason;
+    the reference on the CPU."""
     args = abstract_inputs((1,), (64,), 16)[:4]
     assert dispatch.choose(*args)[0] == "reference"
-    assert dispatch.choose(*args, backend="gpu") == ("triton", "JAXSERVE_MLA=auto on an NVIDIA GPU")
+    assert dispatch.choose(*args, backend="gpu") == ("mosaic", "JAXSERVE_MLA=auto on a Hopper GPU")
+    assert dispatch.path_for(16, 512, 64, jnp.bfloat16, jnp.bfloat16, 8, "gpu") == (
+        "mosaic",
+        "JAXSERVE_MLA=auto on a Hopper GPU, 16 heads a device under a shard_map",
+    )
+    fp8 = [jax.ShapeDtypeStruct(a.shape, jnp.float8_e4m3fn) for a in args[2:]]
+    path, why = dispatch.choose(*args[:2], *fp8, backend="gpu")
+    assert path == "triton" and why.startswith("JAXSERVE_MLA=auto on an NVIDIA GPU; the Mosaic")
+    assert "fp8" in why or "float8" in why
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda: False)
+    assert dispatch.choose(*args, backend="gpu") == (
+        "triton",
+        "JAXSERVE_MLA=auto on an NVIDIA GPU; the Mosaic GPU MLA kernel does not run this model "
+        "(it needs a Hopper GPU (wgmma, compute capability 9.x))",
+    )
+
+
+def test_dispatch_takes_the_mosaic_kernel_when_asked(monkeypatch) -> None:
+    """``mosaic`` takes the Mosaic GPU kernel where it runs (interpret mode off a GPU, given the
+    threads), else what ``on`` takes, with the reason."""
+    args = abstract_inputs((1,), (64,), 16)[:4]
     monkeypatch.setenv("JAXSERVE_MLA", "mosaic")
     assert dispatch.choose(*args, backend="gpu") == ("mosaic", "JAXSERVE_MLA=mosaic")
     assert dispatch.path_for(16, 512, 64, jnp.bfloat16, jnp.bfloat16, 8, "gpu")[0] == "mosaic"

@@ -3,15 +3,17 @@ TPU) or the reference.
 
 ``ragged_paged_mla_attention`` has the reference's signature (``models/mla.py`` calls it) and
 picks, at trace time, from ``JAXSERVE_MLA`` and the backend:
-  auto      (the default) the Pallas Triton kernel (``triton``) on an NVIDIA GPU when the
-            shapes and dtypes are the kernel's (bf16 or fp16 queries over a cache of their
-            dtype or fp8; latent dims multiples of 16, rope dims of 8) and the call runs on one
-            device: the process has one, or the call is inside a ``shard_map`` (tensor
-            parallelism: ``runner/parallel/sharding.py`` gives each device its query heads and
-            the whole latent cache); on a TPU the Pallas Mosaic TPU kernel (``tpu``) where
-            ``tpu.unsupported_reason`` takes the shapes (bf16 or f32 queries over a cache of
-            their dtype or fp8; latent widths multiples of 128, page sizes of 16), on the same
-            one-device condition; the pure-jnp reference (``reference``) anywhere else;
+  auto      (the default) on an NVIDIA GPU, when the call runs on one device (the process
+            has one, or the call is inside a ``shard_map``: under tensor parallelism
+            ``runner/parallel/sharding.py`` gives each device its query heads and the whole
+            latent cache): on Hopper the Pallas Mosaic GPU kernel (``mosaic``) where it takes
+            the shapes (below), else the Pallas Triton kernel (``triton``) where the shapes and
+            dtypes are its (bf16 or fp16 queries over a cache of their dtype or fp8; latent
+            dims multiples of 16, rope dims of 8), with the reason; on a TPU the Pallas Mosaic
+            TPU kernel (``tpu``) where ``tpu.unsupported_reason`` takes the shapes (bf16 or f32
+            queries over a cache of their dtype or fp8; latent widths multiples of 128, page
+            sizes of 16), on the same one-device condition; the pure-jnp reference
+            (``reference``) anywhere else;
   on        the kernel wherever it takes the shapes: natively on a GPU (outside a
             ``shard_map`` with several devices XLA runs it whole on every device), the TPU
             kernel on a TPU, in Pallas interpret mode on another backend;
@@ -23,12 +25,15 @@ picks, at trace time, from ``JAXSERVE_MLA`` and the backend:
             natively on a Hopper GPU, in Mosaic GPU interpret mode on another backend (whose
             XLA CPU client needs 4 threads, ``NPROC`` or CPUs, for the kernel's 3 warpgroups);
             elsewhere what ``on`` takes (the Triton kernel, or the reference).
-``auto`` still takes the Triton kernel on every GPU: it moves to the Mosaic GPU kernel on
-Hopper once that kernel is measured on the H200 (``benchmarks/mla.py --kernels
-triton,mosaic``). ``JAXSERVE_ATTENTION=reference`` (``attention_env``) takes the reference here
-too, unless ``JAXSERVE_MLA`` asks for a kernel. ``choose`` says which path a model's shapes take
-and why; ``path_for`` the same for a model's dimensions (capacity planning, for this backend or
-a named device's); ``describe`` writes the start-up log's attention line for a model with MLA.
+``auto`` takes the Mosaic GPU kernel on Hopper since each of its native cases passes
+(``benchmarks/probes/native_cases.py``, an H100, 2026-12-07) and it is the faster kernel in
+every cell measured: one DeepSeek-V3 layer's decode at 64 x 4,096 in 207.6 against the Triton
+kernel's 481.8 us, 749.4 against 1,610.0 at 256 x 4,096; the 5-layer step 3.25 against 3.36
+ms at batch 1, 15.04 against 16.31 at 64 (``benchmarks/mla.py``, an H100, 2026-12-07).
+``JAXSERVE_ATTENTION=reference`` (``attention_env``) takes the reference here too, unless
+``JAXSERVE_MLA`` asks for a kernel. ``choose`` says which path a model's shapes take and why;
+``path_for`` the same for a model's dimensions (capacity planning, for this backend or a named
+device's); ``describe`` writes the start-up log's attention line for a model with MLA.
 """
 
 from __future__ import annotations
@@ -90,7 +95,10 @@ def choose(
         if requested_attention() == "reference":
             return "reference", f"{ATTENTION_ENV}=reference"
         if backend not in ("gpu", "tpu"):
-            return "reference", f"the MLA kernel is Pallas Triton; this is the {backend} backend"
+            return (
+                "reference",
+                f"the MLA kernels are for GPUs and TPUs; this is the {backend} backend",
+            )
         if devices_per_model() > 1 and not per_device:
             return "reference", (
                 f"{devices_per_model()} devices a model and the call is not split over the "
@@ -98,12 +106,12 @@ def choose(
             )
     if backend == "tpu" and value in ("auto", "on"):
         return _choose_tpu(q_latent, q_pe, ckv_pages, kpe_pages, value, per_device)
+    if value == "auto" and backend == "gpu":
+        return _choose_auto_gpu(q_latent, q_pe, ckv_pages, kpe_pages, per_device)
     reason = triton.unsupported_reason(q_latent, q_pe, ckv_pages, kpe_pages)
     if reason is not None:
         return "reference", f"the Pallas Triton MLA kernel does not run this model ({reason})"
     where = f", {q_latent.shape[1]} heads a device under a shard_map" if per_device else ""
-    if value == "auto":
-        return "triton", f"{MLA_ENV}=auto on an NVIDIA GPU{where}"
     if value == "interpret" or backend != "gpu":
         return (
             "interpret",
@@ -130,6 +138,24 @@ def _choose_mosaic(q_latent, q_pe, ckv_pages, kpe_pages, per_device: bool, backe
         )
     path, why = _choose_on(q_latent, q_pe, ckv_pages, kpe_pages, per_device, backend)
     return path, f"the Mosaic GPU MLA kernel does not run this model ({reason}); {why}"
+
+
+def _choose_auto_gpu(q_latent, q_pe, ckv_pages, kpe_pages, per_device: bool):
+    """``auto`` on an NVIDIA GPU: the Mosaic GPU kernel on Hopper where it takes the shapes,
+    else the Triton kernel where it does, with the reason, else the reference."""
+    where = f", {q_latent.shape[1]} heads a device under a shard_map" if per_device else ""
+    mosaic = mosaic_gpu.unsupported_reason(q_latent, q_pe, ckv_pages, kpe_pages)
+    if mosaic is None and not _is_hopper():
+        mosaic = "it needs a Hopper GPU (wgmma, compute capability 9.x)"
+    if mosaic is None:
+        return "mosaic", f"{MLA_ENV}=auto on a Hopper GPU{where}"
+    reason = triton.unsupported_reason(q_latent, q_pe, ckv_pages, kpe_pages)
+    if reason is not None:
+        return "reference", (
+            f"neither MLA kernel runs this model (Mosaic GPU: {mosaic}; Pallas Triton: {reason})"
+        )
+    why = f"{MLA_ENV}=auto on an NVIDIA GPU{where}; the Mosaic GPU MLA kernel does not run "
+    return "triton", f"{why}this model ({mosaic})"
 
 
 def _choose_tpu(q_latent, q_pe, ckv_pages, kpe_pages, value: str, per_device: bool):
@@ -195,9 +221,10 @@ def describe(
     kv_dtype: Any,  # the cache's
     tensor_parallel_size: int = 1,
 ) -> str:
-    """The start-up log's attention line for a model with MLA, e.g. ``Attention: Pallas Triton
-    MLA kernel (JAXSERVE_MLA=auto on an NVIDIA GPU)`` or ``Attention: pure-jnp reference
-    (multi-head latent attention: the MLA kernel is Pallas Triton; this is the cpu backend)``."""
+    """The start-up log's attention line for a model with MLA, e.g. ``Attention: Pallas Mosaic
+    GPU MLA kernel (multi-head latent attention: JAXSERVE_MLA=auto on a Hopper GPU)`` or
+    ``Attention: pure-jnp reference (multi-head latent attention: the MLA kernels are for GPUs
+    and TPUs; this is the cpu backend)``."""
     path, why = path_for(num_heads, latent, rope_dim, dtype, kv_dtype, tensor_parallel_size)
     return f"Attention: {MLA_KERNEL_NAMES[path]} (multi-head latent attention: {why})"
 
