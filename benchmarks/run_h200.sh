@@ -957,7 +957,7 @@ stage_mla_native() {  # each native case in a process of its own: a stall names 
 stage_mla_step() {  # the 5-layer DeepSeek-V3 decode step on each latent attention path
   deepseek_v3_layers "$OUT/deepseek-v3-5l" 5
   local mode
-  for mode in off on mosaic; do
+  for mode in ${MLA_STEP_MODES:-off on mosaic}; do  # e.g. "auto on": auto's path against Triton's
     echo "-- the 5-layer model, JAXSERVE_MLA=$mode"
     JAXSERVE_MLA=$mode timeout "${MLA_STEP_S:-170}" python3 -m benchmarks.moe --engine jaxserve \
       --model "$OUT/deepseek-v3-5l" --batches 1,64 --context 4096 --max-model-len 8192 \
