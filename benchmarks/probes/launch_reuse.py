@@ -27,7 +27,10 @@ fixed addresses by a small program that donates the last call's (so the graphs w
 addresses). The copy cost more than it saved: from an idle device 1.72 ms against fresh's 1.26,
 in the engine's loop 3.90 ms against 2.87 (each copy donates buffers the running step may still
 read; where the time goes was not traced); batch-1 TPOT unchanged (5.98 ms), EAGLE-3's batch-1
-step 10.54 against 9.44 ms.
+step 10.54 against 9.44 ms. Also tried (2026-12-07, an H100): XLA's virtual-address remapping
+(``XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP`` or ``SKIP_PROFILED``, with
+``XLA_PYTHON_CLIENT_ALLOCATOR=vmm`` or not): slower in every case (pipelined 2.56-6.51 ms
+against the default's 1.98 in the same call; benchmarks/reports/2026-12-07-session-twenty-one).
 
     python -m benchmarks.probes.launch_reuse [--batch 1] [--context 1024] [--out FILE]
     python -m benchmarks.probes.launch_reuse --smoke        # the tiny fixture, on the CPU
