@@ -696,6 +696,20 @@ def test_launch_reuse_probe_smoke(tmp_path, monkeypatch, capsys) -> None:
     assert "fresh_ms=" in capsys.readouterr().out
 
 
+def test_swiglu_pass_probe_lists_each_forms_kernels_and_times_them(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """64 rows on the CPU: every form compiled, its kernels listed and timed; the pass's cost
+    (GEMM + SwiGLU against the GEMM alone) printed last."""
+    out = tmp_path / "swiglu.json"
+    run_script("benchmarks.probes.swiglu_pass", ["--tokens", "64", "--out", str(out)], monkeypatch)
+    rows = json.loads(out.read_text())
+    assert set(rows) == {"halves", "interleaved", "two_gemms", "gemm_alone", "mlp"}
+    assert all(row["ms"] > 0 and row["kernels"] for row in rows.values())
+    assert any("[64,3072]" in kernel for kernel in rows["halves"]["kernels"])
+    assert "SwiGLU's pass after the gate/up GEMM:" in capsys.readouterr().out
+
+
 def test_fp8_compile_probe_names_the_gemms_and_the_fp8_moves() -> None:
     """The compiled step's GEMM custom calls by target, and the instructions that transpose or
     copy an fp8 array (a weight moved to the layout cuBLASLt's fp8 GEMM wants)."""
