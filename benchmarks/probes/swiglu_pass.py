@@ -8,7 +8,8 @@ that shape, the MLP's gate/up half in three forms (the fused [H, 2I] weight with
 sliced, as the models hold it; the weight interleaved [H, I, 2]; two GEMMs), and the whole MLP
 with the down projection, and lists the fusions XLA made of each: where SwiGLU lands. On a GPU
 it also times the gate/up GEMM alone against GEMM + SwiGLU (the most an epilogue could save)
-and the MLP.
+and the MLP, then the Mosaic GPU kernel that applies SwiGLU in its epilogue
+(``pallas_kernels/swiglu_matmul``) at a few tile configs.
 
     python -m benchmarks.probes.swiglu_pass                        # on a GPU
     .venv-deviceless/bin/python -m benchmarks.probes.swiglu_pass --deviceless h200   # no GPU
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import re
 from typing import Any
@@ -81,6 +83,33 @@ def kernels(hlo: str) -> list[str]:
     return found
 
 
+KERNEL_CONFIGS = [  # (block_m, block_n, block_k, num_stages) of the epilogue kernel
+    (128, 64, 64, 4),
+    (128, 64, 128, 3),
+    (64, 128, 64, 4),
+    (64, 64, 64, 6),
+]
+
+
+def time_kernel(tokens: int) -> list[dict]:
+    """The Mosaic GPU kernel (``pallas_kernels/swiglu_matmul``) at each of ``KERNEL_CONFIGS``
+    on the ``halves`` form's inputs: ms, and its largest difference from the reference."""
+    from pallas_kernels.swiglu_matmul import mosaic_gpu, reference
+
+    keys = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.normal(keys[0], (tokens, HIDDEN), jnp.bfloat16)
+    w = jax.random.normal(keys[1], (HIDDEN, 2 * INTER), jnp.bfloat16) / HIDDEN**0.5
+    want = jax.jit(reference.swiglu_matmul)(x, w).astype(jnp.float32)
+    rows = []
+    for tiles in KERNEL_CONFIGS:
+        config = mosaic_gpu.SwigluMatmulConfig(*tiles)
+        kernel = jax.jit(functools.partial(mosaic_gpu.swiglu_matmul, config=config))
+        error = float(jnp.abs(kernel(x, w).astype(jnp.float32) - want).max())
+        rows.append({"config": tiles, "ms": 1e3 * best_time(kernel, x, w), "max_error": error})
+        print(f"kernel {tiles}: {rows[-1]['ms']:.3f} ms, max error {error:.4f}", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--deviceless", default=None, help="h100 or h200: compile without a GPU")
@@ -113,6 +142,8 @@ def main() -> None:
     if not args.deviceless:
         saved = rows["halves"]["ms"] - rows["gemm_alone"]["ms"]
         print(f"SwiGLU's pass after the gate/up GEMM: {saved:.3f} ms (the most an epilogue saves)")
+        if jax.default_backend() == "gpu":
+            rows["kernel"] = time_kernel(args.tokens)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

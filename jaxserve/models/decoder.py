@@ -45,6 +45,7 @@ from jaxserve.models.layers import (
 from jaxserve.models.quant import linear
 from pallas_kernels.kv_cache import write_kv
 from pallas_kernels.ragged_paged_attention import dispatch
+from pallas_kernels.swiglu_matmul import dispatch as swiglu_dispatch
 
 AttentionFn = Callable[..., jax.Array]
 
@@ -210,8 +211,15 @@ def mlp_block(
     row_tile: int | None = None,  # batch-invariant mode's GEMM rows (quant.linear)
 ) -> jax.Array:  # [T, H] -> [T, H]
     assert lw.w_down is not None
-    if lw.fused is not None and lw.fused.w_gate_up is not None:  # one GEMM for gate and up
-        gate_up = linear(x, lw.fused.w_gate_up, "TH,HI->TI", row_tile=row_tile)
+    fused = lw.fused.w_gate_up if lw.fused is not None else None
+    plain = isinstance(fused, jax.Array) and lora is None and row_tile is None
+    if isinstance(fused, jax.Array) and plain and act is jax.nn.silu:
+        mode = swiglu_dispatch.takes(x, fused)
+        if mode is not None:  # SwiGLU in the GEMM's epilogue (JAXSERVE_SWIGLU_MATMUL)
+            h = swiglu_dispatch.swiglu_matmul(x, fused, mode)
+            return linear(h, lw.w_down, "TI,IH->TH")
+    if fused is not None:  # one GEMM for gate and up
+        gate_up = linear(x, fused, "TH,HI->TI", row_tile=row_tile)
         gate, up = jnp.split(gate_up, 2, axis=1)
     else:
         assert lw.w_gate is not None and lw.w_up is not None

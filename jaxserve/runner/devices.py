@@ -42,6 +42,7 @@ from pallas_kernels.lora import dispatch as lora_dispatch
 from pallas_kernels.mla import dispatch as mla_dispatch
 from pallas_kernels.ragged_paged_attention.dispatch import KERNEL_NAMES, choose_kernel
 from pallas_kernels.skinny_matmul import dispatch as skinny_dispatch
+from pallas_kernels.swiglu_matmul import dispatch as swiglu_dispatch
 
 _LOG = logging.getLogger(__name__)
 _PROBE_LOGGER = "jax._src.xla_bridge"
@@ -305,6 +306,7 @@ def startup_lines(
         describe_attention(model_config, dtype, config.block_size, tp, kv_dtype),
         skinny_dispatch.describe(),
         *([fp8_dispatch.describe()] if _per_channel_fp8(quant) else []),
+        *([swiglu_dispatch.describe()] if _swiglu_kernel_may_run(model_config, quant) else []),
         *([describe_fp8_compile()] if _fp8_on_gpu(quant) else []),
         describe_samplers(config),
         *([experts] if experts else []),
@@ -312,6 +314,13 @@ def startup_lines(
         *([lora_dispatch.describe(config.max_loras)] if config.enable_lora else []),
     ]
     return lines + ([quant.describe()] if quant is not None else [])
+
+
+def _swiglu_kernel_may_run(model_config: ModelConfig, quant: QuantScheme | None) -> bool:
+    """A dense SwiGLU MLP over unquantized weights, with the SwiGLU kernel asked for: the
+    start-up log names its path (``JAXSERVE_SWIGLU_MATMUL``; nothing while it is off)."""
+    asked = swiglu_dispatch.requested() != "off"
+    return asked and model_config.hidden_act == "silu" and quant is None
 
 
 def _fp8_on_gpu(quant: QuantScheme | None) -> bool:

@@ -1,0 +1,80 @@
+"""When the MLP's gate/up GEMM applies SwiGLU in its epilogue (``mosaic_gpu``), read at trace
+time.
+
+``choose`` says, from ``JAXSERVE_SWIGLU_MATMUL`` and the device, how this process's dense MLPs
+multiply by their fused gate/up weight: ``off`` (XLA's GEMM, then SwiGLU as a pass of its own;
+the default until the kernel is timed against that on the H200), ``auto`` (the Mosaic GPU
+kernel on a process of one Hopper GPU, for steps of at least ``MIN_TOKENS`` tokens), ``on`` (the
+kernel wherever: natively on a GPU, in Pallas interpret mode elsewhere, for tests). Several
+devices a model keep XLA's path (the fused weight's columns split over them). ``takes``
+answers for one call's shapes (static: the step's bucket), ``describe`` writes the start-up log
+line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from pallas_kernels.env_choice import devices_per_model, env_choice
+from pallas_kernels.swiglu_matmul import mosaic_gpu
+
+SWIGLU_ENV = "JAXSERVE_SWIGLU_MATMUL"
+SWIGLU_CHOICES = ("off", "auto", "on")
+MIN_TOKENS = 128  # ``auto``: the steps whose pass costs more than a launch (prefill, pooling)
+
+
+def requested() -> str:
+    """``JAXSERVE_SWIGLU_MATMUL`` (default ``off``), validated."""
+    return env_choice(SWIGLU_ENV, SWIGLU_CHOICES, "off")
+
+
+def choose() -> tuple[str, str]:
+    """``("mosaic_gpu" | "interpret" | "xla", why)``: how dense MLPs meet their gate/up weight
+    in this process."""
+    value, backend = requested(), jax.default_backend()
+    if value == "off":
+        return "xla", f"{SWIGLU_ENV}=off"
+    if devices_per_model() > 1:
+        return "xla", f"{devices_per_model()} devices a model: the kernel is not partitioned"
+    if value == "on":
+        if backend == "gpu":
+            return "mosaic_gpu", f"{SWIGLU_ENV}=on"
+        return "interpret", f"{SWIGLU_ENV}=on, Pallas interpret mode on the {backend} backend"
+    if backend != "gpu":
+        return "xla", f"the kernel is Mosaic GPU; this is the {backend} backend"
+    capability = str(getattr(jax.devices()[0], "compute_capability", "0"))
+    if not capability.startswith("9"):
+        return "xla", f"compute capability {capability}: the kernel's wgmma is Hopper's (9.x)"
+    return "mosaic_gpu", f"{SWIGLU_ENV}=auto"
+
+
+def takes(x: Any, w: Any) -> str | None:
+    """The kernel's mode (``"mosaic_gpu"`` or ``"interpret"``) for ``x [T, K] @ w [K, 2N]``,
+    or None for XLA's GEMM and pass: where ``choose`` says so, the shapes do not fit, or
+    (``auto``) the step has fewer than ``MIN_TOKENS`` tokens."""
+    path, _ = choose()
+    if path == "xla":
+        return None
+    if requested() == "auto" and x.shape[0] < MIN_TOKENS:
+        return None
+    if mosaic_gpu.unsupported_reason(x, w, mosaic_gpu.SwigluMatmulConfig()) is not None:
+        return None
+    return path
+
+
+def swiglu_matmul(x: jax.Array, w: jax.Array, mode: str) -> jax.Array:
+    """``silu(x @ w_gate) * (x @ w_up)`` on the kernel, in ``mode`` (``takes``'s answer)."""
+    return mosaic_gpu.swiglu_matmul(x, w, interpret=mode == "interpret")
+
+
+def describe() -> str:
+    """The start-up log line, e.g. ``SwiGLU: XLA's gate/up GEMM, then a pass of its own
+    (JAXSERVE_SWIGLU_MATMUL=off)``."""
+    path, why = choose()
+    if path == "xla":
+        return f"SwiGLU: XLA's gate/up GEMM, then a pass of its own ({why})"
+    mode = "Pallas Mosaic GPU kernel" + (" in interpret mode" if path == "interpret" else "")
+    steps = f"steps of at least {MIN_TOKENS} tokens" if requested() == "auto" else "every step"
+    return f"SwiGLU: in the gate/up GEMM's epilogue on the {mode}, {steps} it fits ({why})"

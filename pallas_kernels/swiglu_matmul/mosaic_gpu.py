@@ -1,0 +1,156 @@
+"""The MLP's gate/up GEMM with SwiGLU in its epilogue, as a Pallas Mosaic GPU kernel (Hopper).
+
+A prefill or embedding step multiplies every token row by the fused ``[K, 2N]`` gate/up weight,
+then SwiGLU reads that ``[M, 2N]`` product back and writes ``[M, N]``. XLA fuses SwiGLU into no
+GEMM (``benchmarks/probes/swiglu_pass.py``: in no weight layout, with its Triton GEMMs or
+cuBLAS), so the pass costs its bytes: on an H100, 95 us of each layer of a 16,384-token
+Qwen3-Embedding-0.6B step (2.76 ms of the step). Here each program owns a ``[block_m,
+block_n]`` tile of the output and accumulates both of its products at once: per K step, TMA
+brings the x tile and the matching gate and up tiles (columns ``j`` and ``N + j`` of the fused
+weight, as the models hold it) into shared memory, ``num_stages`` steps in flight
+(``plgpu.emit_pipeline``), and two wgmmas add into two float32 accumulators. The epilogue
+applies ``silu(gate) * up`` in float32 and stores the tile in x's dtype: the ``[M, 2N]``
+product is never written.
+
+One warpgroup a program, a program a tile (no persistence, no warp specialization): the first
+form, to be timed against XLA's GEMM + pass on the H200 before any model takes it
+(``dispatch``). M, N and K must be multiples of the tiles ``plan`` picks;
+``unsupported_reason`` says why a call does not fit, and the caller keeps XLA's path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+DTYPES = (jnp.bfloat16, jnp.float16)
+SMEM_BYTES = 227 * 1024  # shared memory one block may use on H100 / H200
+
+
+@dataclasses.dataclass(frozen=True)
+class SwigluMatmulConfig:
+    """Static tiles of one call. ``block_n``: the output's columns a program (each of its two
+    float32 accumulators is ``[block_m, block_n]``: at 128 x 64 they take 128 registers a
+    thread of the warpgroup)."""
+
+    block_m: int = 128  # 64 or 128 (wgmma's M is 64 a warpgroup instruction)
+    block_n: int = 64  # 16 to 128, a multiple of 16
+    block_k: int = 64  # 32, 64 or 128
+    num_stages: int = 4
+
+    def __post_init__(self):
+        if self.block_m not in (64, 128):
+            raise ValueError(f"{self.block_m=} must be 64 or 128")
+        if self.block_n % 16 or not 16 <= self.block_n <= 128:
+            raise ValueError(f"{self.block_n=} must be a multiple of 16 in [16, 128]")
+        if self.block_k not in (32, 64, 128):
+            raise ValueError(f"{self.block_k=} must be 32, 64 or 128")
+        if not 1 <= self.num_stages <= 8:
+            raise ValueError(f"{self.num_stages=} must be in [1, 8]")
+
+
+def plan(n: int, k: int, config: SwigluMatmulConfig) -> SwigluMatmulConfig:
+    """``config`` with ``block_n`` and ``block_k`` halved until they divide N and K (down to 16
+    and 32; ``unsupported_reason`` refuses what is left over)."""
+    block_n, block_k = config.block_n, config.block_k
+    while n % block_n and block_n > 16:
+        block_n //= 2
+    while k % block_k and block_k > 32:
+        block_k //= 2
+    return dataclasses.replace(config, block_n=block_n, block_k=block_k)
+
+
+def smem_bytes(config: SwigluMatmulConfig, itemsize: int) -> int:
+    """Shared memory of one program: the pipeline's stages (an x tile, a gate and an up tile),
+    then the output tile."""
+    stage = (config.block_m + 2 * config.block_n) * config.block_k * itemsize
+    return config.num_stages * stage + config.block_m * config.block_n * itemsize
+
+
+def unsupported_reason(x: Any, w: Any, config: SwigluMatmulConfig) -> str | None:
+    """Why the kernel does not take ``x [M, K] @ w [K, 2N]`` (shapes and dtypes only), or None."""
+    if x.ndim != 2 or w.ndim != 2:
+        return f"x {x.shape} and w {w.shape} must be 2-D"
+    (m, k), (k_w, n2) = x.shape, w.shape
+    if k_w != k or n2 % 2:
+        return f"x {x.shape} and w {w.shape} ([K, 2N]) disagree on K or have an odd width"
+    if x.dtype != w.dtype or x.dtype not in DTYPES:
+        return f"x {x.dtype} and w {w.dtype}: the kernel takes bfloat16 or float16, both alike"
+    tiles = plan(n2 // 2, k, config)
+    if m % tiles.block_m:
+        return f"{m} rows: the kernel takes a multiple of block_m={tiles.block_m}"
+    if (n2 // 2) % tiles.block_n or k % tiles.block_k:
+        return f"N={n2 // 2}, K={k}: N must be a multiple of 16 and K of 32"
+    return None
+
+
+def _kernel(x_ref, w_ref, o_ref, o_smem, *, tiles: SwigluMatmulConfig, n_blocks: int):
+    """One ``[block_m, block_n]`` output tile: both products over K, then SwiGLU."""
+    i, j = lax.axis_index("m"), lax.axis_index("n")
+    block_m, block_n, block_k = tiles.block_m, tiles.block_n, tiles.block_k
+
+    def scope(gate_acc, up_acc):
+        def step(_, x_smem, gate_smem, up_smem):
+            plgpu.wgmma(gate_acc, x_smem, gate_smem)
+            plgpu.wgmma(up_acc, x_smem, up_smem)
+            plgpu.wgmma_wait(0)  # the stage's buffers are free for the next TMA when it returns
+
+        plgpu.emit_pipeline(
+            step,
+            grid=(x_ref.shape[1] // block_k,),
+            in_specs=[
+                plgpu.BlockSpec((block_m, block_k), lambda s: (i, s)),
+                plgpu.BlockSpec((block_k, block_n), lambda s: (s, j)),  # gate: columns j
+                plgpu.BlockSpec((block_k, block_n), lambda s: (s, n_blocks + j)),  # up: N + j
+            ],
+            max_concurrent_steps=tiles.num_stages,
+        )(x_ref, w_ref, w_ref)
+        return gate_acc[...], up_acc[...]
+
+    acc = plgpu.ACC((block_m, block_n), jnp.float32)
+    gate, up = pl.run_scoped(scope, acc, acc)
+    o_smem[...] = (gate * jax.nn.sigmoid(gate) * up).astype(o_smem.dtype)
+    plgpu.commit_smem()
+    rows, columns = pl.ds(i * block_m, block_m), pl.ds(j * block_n, block_n)
+    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[rows, columns])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def swiglu_matmul(
+    x: jax.Array,  # [M, K]  bf16 | f16
+    w: jax.Array,  # [K, 2N]  x's dtype: gate's N columns, then up's
+    *,
+    config: SwigluMatmulConfig = SwigluMatmulConfig(),
+    interpret: bool = False,
+) -> jax.Array:  # [M, N] x's dtype
+    """``silu(x @ w[:, :N]) * (x @ w[:, N:])`` on the Mosaic GPU kernel; see the module
+    docstring (``reference`` has the semantics)."""
+    reason = unsupported_reason(x, w, config)
+    if reason is not None:
+        raise ValueError(f"swiglu_matmul: {reason}")
+    (m, k), n = x.shape, w.shape[1] // 2
+    tiles = plan(n, k, config)
+    smem = smem_bytes(tiles, x.dtype.itemsize)
+    if smem > SMEM_BYTES:
+        raise ValueError(
+            f"swiglu_matmul: {tiles} needs {smem:,} bytes of shared memory; the limit is "
+            f"{SMEM_BYTES:,}: lower num_stages or block_k"
+        )
+    return plgpu.kernel(
+        functools.partial(_kernel, tiles=tiles, n_blocks=n // tiles.block_n),
+        out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
+        scratch_types=[plgpu.SMEM((tiles.block_m, tiles.block_n), x.dtype)],
+        grid=(m // tiles.block_m, n // tiles.block_n),
+        grid_names=("m", "n"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        kernel_name="swiglu_matmul",
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )(x, w)

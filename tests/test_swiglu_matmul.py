@@ -1,0 +1,238 @@
+"""The gate/up GEMM with SwiGLU in its epilogue (``pallas_kernels/swiglu_matmul``): the Mosaic
+GPU kernel in Pallas interpret mode against its reference on fresh random inputs (tiles that
+fit the shapes and tiles halved to fit them), what it refuses, its switch
+(``JAXSERVE_SWIGLU_MATMUL``), and a dense MLP and a served model through it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxserve
+from jaxserve.models import decoder
+from jaxserve.models.layers import FusedProjections, LayerWeights
+from jaxserve.runner.devices import startup_lines
+from pallas_kernels.swiglu_matmul import dispatch, reference
+from pallas_kernels.swiglu_matmul import mosaic_gpu as sm
+from tests.conftest import fixture_dir
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    m: int
+    k: int
+    n: int
+    dtype: str = "bfloat16"
+    config: sm.SwigluMatmulConfig = sm.SwigluMatmulConfig()
+
+
+CASES = [
+    Case("default_tiles", 128, 128, 192),
+    Case("n96_halves_block_n_to_32", 128, 64, 96),  # the test fixtures' intermediate size
+    Case("f16_small_tiles_k96", 256, 96, 128, "float16", sm.SwigluMatmulConfig(64, 32, 32, 2)),
+    Case("block_k_128_two_stages", 128, 256, 64, config=sm.SwigluMatmulConfig(128, 64, 128, 2)),
+]
+
+
+def assert_close(out: jax.Array, want: jax.Array, message: str = "") -> None:
+    """The kernel's output against the reference's: the same float32 values rounded once, so
+    within a bf16 ulp of the largest."""
+    got, ref = np.asarray(out, np.float32), np.asarray(want, np.float32)
+    atol = 2**-7 * np.abs(ref).max()
+    np.testing.assert_allclose(got, ref, rtol=2**-7, atol=atol, err_msg=message)
+
+
+def inputs(case: Case, seed: int) -> tuple[jax.Array, jax.Array]:
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((case.m, case.k)), case.dtype)
+    w = jnp.asarray(rng.standard_normal((case.k, 2 * case.n)) / np.sqrt(case.k), case.dtype)
+    return x, w
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_interpret_matches_reference(case: Case) -> None:
+    """Both products in float32, SwiGLU, one rounding: the reference's values to an ulp."""
+    x, w = inputs(case, seed=hash(case.name) % 1000)
+    out = sm.swiglu_matmul(x, w, config=case.config, interpret=True)
+    want = reference.swiglu_matmul(x, w)
+    assert out.shape == (case.m, case.n) and out.dtype == x.dtype
+    assert_close(out, want)
+    # against XLA's path (the product rounded before SwiGLU): close, not equal
+    gate_up = x @ w
+    xla = jax.nn.silu(gate_up[:, : case.n]) * gate_up[:, case.n :]
+    got, ref = np.asarray(out, np.float32), np.asarray(want, np.float32)
+    assert np.abs(got - np.asarray(xla, np.float32)).max() < 0.05 * np.abs(ref).max()
+
+
+def test_plan_halves_the_tiles_to_fit_and_the_kernel_refuses_the_rest() -> None:
+    config = sm.SwigluMatmulConfig()
+    assert sm.plan(96, 64, config) == sm.SwigluMatmulConfig(128, 32, 64, 4)
+    assert sm.plan(3072, 1024, config) == config
+    bf16 = jnp.bfloat16
+
+    def reason(m: int, k: int, n2: int, dtype=bf16, w_dtype=bf16) -> str | None:
+        x, w = jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n2), w_dtype)
+        return sm.unsupported_reason(x, w, config)
+
+    assert reason(128, 64, 192) is None
+    assert "multiple of block_m=128" in (reason(64, 64, 192) or "")
+    assert "odd width" in (reason(128, 64, 191) or "")
+    assert "N must be a multiple of 16" in (reason(128, 64, 2 * 40) or "")
+    assert "K of 32" in (reason(128, 48, 192) or "")
+    assert "bfloat16 or float16" in (reason(128, 64, 192, jnp.float32, jnp.float32) or "")
+    assert "both alike" in (reason(128, 64, 192, bf16, jnp.float16) or "")
+    x, w = inputs(Case("bad", 64, 64, 96), 0)
+    with pytest.raises(ValueError, match="swiglu_matmul: 64 rows"):
+        sm.swiglu_matmul(x, w, interpret=True)
+    x, w = inputs(Case("big", 128, 128, 128), 0)
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        sm.swiglu_matmul(x, w, config=sm.SwigluMatmulConfig(128, 128, 128, 8), interpret=True)
+    with pytest.raises(ValueError, match="block_m"):
+        sm.SwigluMatmulConfig(block_m=32)
+
+
+def as_hopper(monkeypatch, capability: str = "9.0") -> None:
+    """The dispatch's view of the process: one NVIDIA GPU of ``capability``."""
+    gpu = types.SimpleNamespace(compute_capability=capability)
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(dispatch.jax, "devices", lambda *a, **k: [gpu])
+
+
+def test_the_switch_is_off_by_default_and_names_its_path(monkeypatch) -> None:
+    x, w = (
+        jax.ShapeDtypeStruct((128, 64), jnp.bfloat16),
+        jax.ShapeDtypeStruct((64, 192), jnp.bfloat16),
+    )
+    assert dispatch.choose() == ("xla", "JAXSERVE_SWIGLU_MATMUL=off")
+    assert dispatch.takes(x, w) is None
+    assert dispatch.describe() == (
+        "SwiGLU: XLA's gate/up GEMM, then a pass of its own (JAXSERVE_SWIGLU_MATMUL=off)"
+    )
+    monkeypatch.setenv("JAXSERVE_SWIGLU_MATMUL", "on")
+    assert dispatch.takes(x, w) == "interpret"  # the CPU
+    small = jax.ShapeDtypeStruct((16, 64), jnp.bfloat16)
+    assert dispatch.takes(small, w) is None  # a decode bucket: fewer rows than a tile
+    monkeypatch.setenv("JAXSERVE_SWIGLU_MATMUL", "auto")
+    assert dispatch.choose() == ("xla", "the kernel is Mosaic GPU; this is the cpu backend")
+    as_hopper(monkeypatch)
+    big = jax.ShapeDtypeStruct((256, 64), jnp.bfloat16)
+    assert dispatch.takes(big, w) == "mosaic_gpu" and dispatch.takes(small, w) is None
+    assert dispatch.describe() == (
+        "SwiGLU: in the gate/up GEMM's epilogue on the Pallas Mosaic GPU kernel, steps of at "
+        "least 128 tokens it fits (JAXSERVE_SWIGLU_MATMUL=auto)"
+    )
+    as_hopper(monkeypatch, "8.0")
+    assert dispatch.choose()[1].startswith("compute capability 8.0")
+    monkeypatch.setenv("JAXSERVE_SWIGLU_MATMUL", "fast")
+    with pytest.raises(ValueError, match="JAXSERVE_SWIGLU_MATMUL"):
+        dispatch.choose()
+
+
+def test_a_dense_mlp_takes_the_kernel_where_it_fits(monkeypatch) -> None:
+    """A SwiGLU MLP of fused gate/up weights: on the kernel with the switch on (the product
+    close to XLA's path), on XLA's path for another activation, with adapters, or few rows."""
+    rng = np.random.default_rng(3)
+    hidden, inter = 64, 96
+
+    def weight(*shape: int) -> jax.Array:
+        return jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[0]), jnp.bfloat16)
+
+    lw = LayerWeights(
+        attn_norm=weight(hidden), wo=weight(4, 16, hidden), mlp_norm=weight(hidden),
+        w_down=weight(inter, hidden),
+        fused=FusedProjections(weight(hidden, 6, 16), weight(hidden, 2 * inter)),
+    )  # fmt: skip
+    x = jnp.asarray(rng.standard_normal((128, hidden)), jnp.bfloat16)
+    calls = []
+    kernel = dispatch.swiglu_matmul
+    monkeypatch.setattr(dispatch, "swiglu_matmul", lambda *a: calls.append(a[2]) or kernel(*a))
+    plain = np.asarray(decoder.mlp_block(lw, x), np.float32)
+    assert not calls
+    monkeypatch.setenv("JAXSERVE_SWIGLU_MATMUL", "on")
+    fused = np.asarray(decoder.mlp_block(lw, x), np.float32)
+    assert calls == ["interpret"]
+    assert np.abs(fused - plain).max() < 0.05 * np.abs(plain).max()
+    gelu = decoder._ACTIVATIONS["gelu_pytorch_tanh"]
+    decoder.mlp_block(lw, x, gelu)
+    decoder.mlp_block(lw, x[:16])
+    assert calls == ["interpret"]
+
+
+def test_a_served_model_takes_the_kernel_on_its_prompt_steps(monkeypatch) -> None:
+    """The bf16 Llama fixture with the switch on: its 128-token prompt step runs the kernel in
+    interpret mode (the decode steps' 16 rows do not fit a tile), the greedy tokens are those
+    of XLA's path, and the start-up log names the path."""
+    prompt = {"prompt_token_ids": list(np.random.default_rng(0).integers(3, 200, 120))}
+    params = jaxserve.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    settings = dict(dtype="bfloat16", max_model_len=256, max_num_batched_tokens=128, warmup=False)
+    model = str(fixture_dir("llama"))
+    want = jaxserve.LLM(model, **settings).generate(prompt, params, use_tqdm=False)
+    monkeypatch.setenv("JAXSERVE_SWIGLU_MATMUL", "on")
+    calls = []
+    kernel = dispatch.swiglu_matmul
+    monkeypatch.setattr(
+        dispatch, "swiglu_matmul", lambda *a: calls.append(a[0].shape) or kernel(*a)
+    )
+    llm = jaxserve.LLM(model, **settings)
+    got = llm.generate(prompt, params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert calls and all(shape[0] == 128 for shape in calls)
+    runner = llm.engine.runner
+    lines = startup_lines(runner.model_config, llm.engine.config, jnp.bfloat16, 256)
+    assert (
+        "SwiGLU: in the gate/up GEMM's epilogue on the Pallas Mosaic GPU kernel in interpret "
+        "mode, every step it fits (JAXSERVE_SWIGLU_MATMUL=on, Pallas interpret mode on the cpu "
+        "backend)" in lines
+    )
+
+
+def shipped_mlps() -> set[tuple[int, int]]:
+    """(hidden, intermediate) of every shipped config whose dense MLP is SwiGLU."""
+    shapes = set()
+    root = Path(__file__).resolve().parent.parent / "jaxserve/assets/configs"
+    for path in sorted(root.glob("*/config.json")):
+        config = json.loads(path.read_text())
+        config = config.get("text_config", config)
+        act = config.get("hidden_act") or config.get("hidden_activation") or "silu"
+        if config.get("hidden_size") and config.get("intermediate_size") and act == "silu":
+            shapes.add((config["hidden_size"], config["intermediate_size"]))
+    return shapes
+
+
+def _is_gpu() -> bool:
+    return jax.devices()[0].platform == "gpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _is_gpu(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_native_matches_reference(case: Case) -> None:
+    seed = int(np.random.default_rng().integers(2**31))
+    x, w = inputs(case, seed)
+    want = jax.jit(reference.swiglu_matmul)(x, w)
+    assert_close(sm.swiglu_matmul(x, w, config=case.config), want, f"{seed=}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _is_gpu(), reason="needs an NVIDIA GPU")
+def test_native_matches_reference_at_every_shipped_mlp() -> None:
+    """A 256-token step through each shipped SwiGLU MLP's gate/up weight the kernel takes."""
+    seed = int(np.random.default_rng().integers(2**31))
+    taken = 0
+    for hidden, inter in sorted(shipped_mlps()):
+        case = Case("shipped", 256, hidden, inter)
+        x, w = inputs(case, seed)
+        if sm.unsupported_reason(x, w, case.config) is not None:
+            continue
+        taken += 1
+        want = jax.jit(reference.swiglu_matmul)(x, w)
+        assert_close(sm.swiglu_matmul(x, w), want, f"{seed=} {hidden=} {inter=}")
+    assert taken
