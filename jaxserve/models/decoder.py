@@ -212,8 +212,7 @@ def mlp_block(
 ) -> jax.Array:  # [T, H] -> [T, H]
     assert lw.w_down is not None
     fused = lw.fused.w_gate_up if lw.fused is not None else None
-    plain = isinstance(fused, jax.Array) and lora is None and row_tile is None
-    if isinstance(fused, jax.Array) and plain and act is jax.nn.silu:
+    if isinstance(fused, jax.Array) and lora is None and row_tile is None and act is jax.nn.silu:
         mode = swiglu_dispatch.takes(x, fused)
         if mode is not None:  # SwiGLU in the GEMM's epilogue (JAXSERVE_SWIGLU_MATMUL)
             h = swiglu_dispatch.swiglu_matmul(x, fused, mode)
