@@ -545,8 +545,8 @@ class PagedDrafter:
         a subclass's own rule (``_ahead_applies``). ``step``: the verify step in flight, its
         rows (``InFlight.verified``), drafts feed and shift (``verify_ahead``; the catch-up
         moves with it)."""
-        drafts = sched.device_drafts
-        if drafts is None or not self.ahead_on or step.verified is None or step.drafts_feed is None:
+        # (``verified`` and ``drafts_feed`` are set together, for a step with device drafts)
+        if not self.ahead_on or step.verified is None or step.drafts_feed is None:
             return None
         programs = self.runner.programs  # type: ignore[attr-defined]
         parts, expected = [], {}

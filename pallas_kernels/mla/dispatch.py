@@ -111,7 +111,7 @@ def choose(
     reason = triton.unsupported_reason(q_latent, q_pe, ckv_pages, kpe_pages)
     if reason is not None:
         return "reference", f"the Pallas Triton MLA kernel does not run this model ({reason})"
-    where = f", {q_latent.shape[1]} heads a device under a shard_map" if per_device else ""
+    where = _where(q_latent, per_device)
     if value == "interpret" or backend != "gpu":
         return (
             "interpret",
@@ -120,13 +120,27 @@ def choose(
     return "triton", f"{MLA_ENV}=on{where}"
 
 
+def _where(q_latent: Any, per_device: bool) -> str:
+    """The reason's note of a call under a ``shard_map``: the heads a device holds."""
+    return f", {q_latent.shape[1]} heads a device under a shard_map" if per_device else ""
+
+
+def _mosaic_gpu_reason(q_latent, q_pe, ckv_pages, kpe_pages) -> str | None:
+    """Why the Mosaic GPU kernel cannot run these shapes natively on this GPU, or None."""
+    reason = mosaic_gpu.unsupported_reason(q_latent, q_pe, ckv_pages, kpe_pages)
+    if reason is None and not _is_hopper():
+        return "it needs a Hopper GPU (wgmma, compute capability 9.x)"
+    return reason
+
+
 def _choose_mosaic(q_latent, q_pe, ckv_pages, kpe_pages, per_device: bool, backend: str):
     """``JAXSERVE_MLA=mosaic``: the Mosaic GPU kernel natively on Hopper, in interpret mode on
     another backend; where it cannot run, the path ``on`` takes, with the reason."""
-    where = f", {q_latent.shape[1]} heads a device under a shard_map" if per_device else ""
-    reason = mosaic_gpu.unsupported_reason(q_latent, q_pe, ckv_pages, kpe_pages)
-    if reason is None and backend == "gpu" and not _is_hopper():
-        reason = "it needs a Hopper GPU (wgmma, compute capability 9.x)"
+    where = _where(q_latent, per_device)
+    if backend == "gpu":
+        reason = _mosaic_gpu_reason(q_latent, q_pe, ckv_pages, kpe_pages)
+    else:
+        reason = mosaic_gpu.unsupported_reason(q_latent, q_pe, ckv_pages, kpe_pages)
     if reason is None and backend != "gpu":
         reason = mosaic_gpu.interpreter_unsupported_reason()
     if reason is None:
@@ -143,10 +157,8 @@ def _choose_mosaic(q_latent, q_pe, ckv_pages, kpe_pages, per_device: bool, backe
 def _choose_auto_gpu(q_latent, q_pe, ckv_pages, kpe_pages, per_device: bool):
     """``auto`` on an NVIDIA GPU: the Mosaic GPU kernel on Hopper where it takes the shapes,
     else the Triton kernel where it does, with the reason, else the reference."""
-    where = f", {q_latent.shape[1]} heads a device under a shard_map" if per_device else ""
-    mosaic = mosaic_gpu.unsupported_reason(q_latent, q_pe, ckv_pages, kpe_pages)
-    if mosaic is None and not _is_hopper():
-        mosaic = "it needs a Hopper GPU (wgmma, compute capability 9.x)"
+    where = _where(q_latent, per_device)
+    mosaic = _mosaic_gpu_reason(q_latent, q_pe, ckv_pages, kpe_pages)
     if mosaic is None:
         return "mosaic", f"{MLA_ENV}=auto on a Hopper GPU{where}"
     reason = triton.unsupported_reason(q_latent, q_pe, ckv_pages, kpe_pages)
@@ -163,7 +175,7 @@ def _choose_tpu(q_latent, q_pe, ckv_pages, kpe_pages, value: str, per_device: bo
     reason = tpu.unsupported_reason(q_latent, q_pe, ckv_pages, kpe_pages)
     if reason is not None:
         return "reference", f"the Pallas Mosaic TPU MLA kernel does not run this model ({reason})"
-    where = f", {q_latent.shape[1]} heads a device under a shard_map" if per_device else ""
+    where = _where(q_latent, per_device)
     return "tpu", f"{MLA_ENV}={value} on a TPU{where}"
 
 
@@ -172,7 +184,7 @@ def _choose_on(q_latent, q_pe, ckv_pages, kpe_pages, per_device: bool, backend: 
     reason = triton.unsupported_reason(q_latent, q_pe, ckv_pages, kpe_pages)
     if reason is not None:
         return "reference", f"the Pallas Triton MLA kernel does not run this model ({reason})"
-    where = f", {q_latent.shape[1]} heads a device under a shard_map" if per_device else ""
+    where = _where(q_latent, per_device)
     if backend != "gpu":
         return "interpret", f"Pallas interpret mode on the {backend} backend{where}"
     return "triton", f"the Pallas Triton MLA kernel{where}"
