@@ -368,6 +368,15 @@ def _skinny_matmul(
 WEIGHT_FORMATS = ("fp8", "int8")
 
 
+def channel_scale(xp: Any, amax: Any, limit: float) -> tuple[Any, Any]:
+    """Each channel's scale (``amax / limit``) and its reciprocal, the values being quantized as
+    ``w * reciprocal``. XLA compiles a division by a constant, or by a broadcast, into a product
+    with the reciprocal; written so here, the host (loading) and the device (dummy weights) round
+    every scale and value alike."""
+    scale = xp.maximum(amax, 1e-12) * (1.0 / limit)
+    return scale, 1.0 / scale
+
+
 def quantize(
     w: Any,  # [out, in], numpy (on the host) or a jax.Array (on the device)
     weight_format: str,
@@ -380,12 +389,12 @@ def quantize(
     w32 = w.astype(xp.float32)
     amax = xp.max(xp.abs(w32), axis=1)
     if weight_format == "fp8":
-        scale = xp.maximum(amax, 1e-12) / FP8_MAX
+        scale, inv = channel_scale(xp, amax, FP8_MAX)
         fp8 = ml_dtypes.float8_e4m3fn if xp is np else FP8
-        q = xp.clip(w32 / scale[:, None], -FP8_MAX, FP8_MAX).astype(fp8)
+        q = xp.clip(w32 * inv[:, None], -FP8_MAX, FP8_MAX).astype(fp8)
     elif weight_format == "int8":
-        scale = xp.maximum(amax, 1e-12) / INT8_MAX
-        q = xp.clip(xp.round(w32 / scale[:, None]), -INT8_MAX, INT8_MAX).astype(xp.int8)
+        scale, inv = channel_scale(xp, amax, INT8_MAX)
+        q = xp.clip(xp.round(w32 * inv[:, None]), -INT8_MAX, INT8_MAX).astype(xp.int8)
     else:
         raise ValueError(f"weight_format={weight_format!r} must be one of {WEIGHT_FORMATS}")
     return QArray(
@@ -407,12 +416,12 @@ def quantize_experts(
     w32 = w.astype(xp.float32)
     amax = xp.max(xp.abs(w32), axis=1)  # [E, out]
     if weight_format == "fp8":
-        scale = xp.maximum(amax, 1e-12) / FP8_MAX
+        scale, inv = channel_scale(xp, amax, FP8_MAX)
         fp8 = ml_dtypes.float8_e4m3fn if xp is np else FP8
-        q = xp.clip(w32 / scale[:, None, :], -FP8_MAX, FP8_MAX).astype(fp8)
+        q = xp.clip(w32 * inv[:, None, :], -FP8_MAX, FP8_MAX).astype(fp8)
     elif weight_format == "int8":
-        scale = xp.maximum(amax, 1e-12) / INT8_MAX
-        q = xp.clip(xp.round(w32 / scale[:, None, :]), -INT8_MAX, INT8_MAX).astype(xp.int8)
+        scale, inv = channel_scale(xp, amax, INT8_MAX)
+        q = xp.clip(xp.round(w32 * inv[:, None, :]), -INT8_MAX, INT8_MAX).astype(xp.int8)
     else:
         raise ValueError(f"weight_format={weight_format!r} must be one of {WEIGHT_FORMATS}")
     return QArray(
