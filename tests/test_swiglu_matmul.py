@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import jaxserve
 from jaxserve.models import decoder
@@ -39,6 +40,10 @@ CASES = [
     Case("n96_halves_block_n_to_32", 128, 64, 96),  # the test fixtures' intermediate size
     Case("f16_small_tiles_k96", 256, 96, 128, "float16", sm.SwigluMatmulConfig(64, 32, 32, 2)),
     Case("block_k_128_two_stages", 128, 256, 64, config=sm.SwigluMatmulConfig(128, 64, 128, 2)),
+    # The persistent, warp-specialized form: 12 tiles of 2 x 64 rows over 2 programs (block_n
+    # halved to 32 for N = 96), and the probe's tiles of 2 x 128 rows.
+    Case("persistent_12_tiles", 512, 64, 96, config=sm.SwigluMatmulConfig(64, 32, 32, 2, True)),
+    Case("persistent_128_rows", 256, 128, 64, config=sm.SwigluMatmulConfig(128, 64, 64, 3, True)),
 ]
 
 
@@ -58,10 +63,14 @@ def inputs(case: Case, seed: int) -> tuple[jax.Array, jax.Array]:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_interpret_matches_reference(case: Case) -> None:
-    """Both products in float32, SwiGLU, one rounding: the reference's values to an ulp."""
-    x, w = inputs(case, seed=hash(case.name) % 1000)
-    out = sm.swiglu_matmul(x, w, config=case.config, interpret=True)
+def test_interpret_matches_reference(case: Case, capfd) -> None:
+    """Both products in float32, SwiGLU, one rounding: the reference's values to an ulp; the
+    race detector finds no shared-memory access unordered with another (the persistent form's
+    memory and compute warpgroups, its epilogue's store against the next tile's)."""
+    x, w = inputs(case, seed=int(np.random.default_rng().integers(1000)))
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    out = sm.swiglu_matmul(x, w, config=case.config, interpret=params)
+    assert "RACE DETECTED" not in capfd.readouterr().out
     want = reference.swiglu_matmul(x, w)
     assert out.shape == (case.m, case.n) and out.dtype == x.dtype
     assert_close(out, want)
@@ -83,7 +92,12 @@ def test_plan_halves_the_tiles_to_fit_and_the_kernel_refuses_the_rest() -> None:
         return sm.unsupported_reason(x, w, config)
 
     assert reason(128, 64, 192) is None
-    assert "multiple of block_m=128" in (reason(64, 64, 192) or "")
+    assert "multiple of 128 (its tile's rows)" in (reason(64, 64, 192) or "")
+    persistent = dataclasses.replace(config, warp_specialized=True)
+    assert persistent.rows == 256 and config.rows == 128
+    x_128 = jax.ShapeDtypeStruct((128, 64), bf16)
+    w_192 = jax.ShapeDtypeStruct((64, 192), bf16)
+    assert "multiple of 256" in (sm.unsupported_reason(x_128, w_192, persistent) or "")
     assert "odd width" in (reason(128, 64, 191) or "")
     assert "N must be a multiple of 16" in (reason(128, 64, 2 * 40) or "")
     assert "K of 32" in (reason(128, 48, 192) or "")
@@ -95,6 +109,9 @@ def test_plan_halves_the_tiles_to_fit_and_the_kernel_refuses_the_rest() -> None:
     x, w = inputs(Case("big", 128, 128, 128), 0)
     with pytest.raises(ValueError, match="bytes of shared memory"):
         sm.swiglu_matmul(x, w, config=sm.SwigluMatmulConfig(128, 128, 128, 8), interpret=True)
+    with pytest.raises(ValueError, match="bytes of shared memory"):  # 5 stages of 384 rows
+        x, w = inputs(Case("tall", 256, 128, 128), 0)
+        sm.swiglu_matmul(x, w, config=dataclasses.replace(persistent, num_stages=5), interpret=True)
     with pytest.raises(ValueError, match="block_m"):
         sm.SwigluMatmulConfig(block_m=32)
 

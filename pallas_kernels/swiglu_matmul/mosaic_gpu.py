@@ -12,10 +12,16 @@ weight, as the models hold it) into shared memory, ``num_stages`` steps in fligh
 applies ``silu(gate) * up`` in float32 and stores the tile in x's dtype: the ``[M, 2N]``
 product is never written.
 
-One warpgroup a program, a program a tile (no persistence, no warp specialization): the first
-form, to be timed against XLA's GEMM + pass on the H200 before any model takes it
-(``dispatch``). M, N and K must be multiples of the tiles ``plan`` picks;
-``unsupported_reason`` says why a call does not fit, and the caller keeps XLA's path.
+Two forms (``SwigluMatmulConfig.warp_specialized``):
+- one warpgroup a program, a program a tile: the simple form;
+- persistent and warp-specialized, as fast Hopper GEMMs are: one program an SM walks the tiles,
+  a memory warpgroup keeps ``num_stages`` K steps of TMA copies in flight
+  (``plgpu.emit_pipeline_warp_specialized``) while two compute warpgroups each multiply
+  ``block_m`` rows of a ``[2 block_m, block_n]`` tile (the gate and up tiles shared), and a
+  tile's epilogue and store overlap the next tile's copies.
+Both are timed against XLA's GEMM + pass (``benchmarks/probes/swiglu_pass.py``) before any
+model takes them by default (``dispatch``). M, N and K must be multiples of the tiles ``plan``
+picks; ``unsupported_reason`` says why a call does not fit, and the caller keeps XLA's path.
 """
 
 from __future__ import annotations
@@ -30,20 +36,24 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.fp8_matmul.mosaic_gpu import num_sms
+
 DTYPES = (jnp.bfloat16, jnp.float16)
 SMEM_BYTES = 227 * 1024  # shared memory one block may use on H100 / H200
+INTERPRET_PROGRAMS = 2  # the persistent form's programs in interpret mode (a CPU has no SMs)
 
 
 @dataclasses.dataclass(frozen=True)
 class SwigluMatmulConfig:
     """Static tiles of one call. ``block_n``: the output's columns a program (each of its two
     float32 accumulators is ``[block_m, block_n]``: at 128 x 64 they take 128 registers a
-    thread of the warpgroup)."""
+    thread of the warpgroup). Warp-specialized, a program's tile has ``rows`` = 2 block_m."""
 
     block_m: int = 128  # 64 or 128 (wgmma's M is 64 a warpgroup instruction)
     block_n: int = 64  # 16 to 128, a multiple of 16
     block_k: int = 64  # 32, 64 or 128
     num_stages: int = 4
+    warp_specialized: bool = False  # the persistent form: 2 compute warpgroups of block_m rows
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -54,6 +64,11 @@ class SwigluMatmulConfig:
             raise ValueError(f"{self.block_k=} must be 32, 64 or 128")
         if not 1 <= self.num_stages <= 8:
             raise ValueError(f"{self.num_stages=} must be in [1, 8]")
+
+    @property
+    def rows(self) -> int:
+        """A program's rows a tile: block_m, or block_m for each of two compute warpgroups."""
+        return self.block_m * (2 if self.warp_specialized else 1)
 
 
 def plan(n: int, k: int, config: SwigluMatmulConfig) -> SwigluMatmulConfig:
@@ -69,9 +84,9 @@ def plan(n: int, k: int, config: SwigluMatmulConfig) -> SwigluMatmulConfig:
 
 def smem_bytes(config: SwigluMatmulConfig, itemsize: int) -> int:
     """Shared memory of one program: the pipeline's stages (an x tile, a gate and an up tile),
-    then the output tile."""
-    stage = (config.block_m + 2 * config.block_n) * config.block_k * itemsize
-    return config.num_stages * stage + config.block_m * config.block_n * itemsize
+    then the output tile (a warpgroup's block_m rows each)."""
+    stage = (config.rows + 2 * config.block_n) * config.block_k * itemsize
+    return config.num_stages * stage + config.rows * config.block_n * itemsize
 
 
 def unsupported_reason(x: Any, w: Any, config: SwigluMatmulConfig) -> str | None:
@@ -84,8 +99,8 @@ def unsupported_reason(x: Any, w: Any, config: SwigluMatmulConfig) -> str | None
     if x.dtype != w.dtype or x.dtype not in DTYPES:
         return f"x {x.dtype} and w {w.dtype}: the kernel takes bfloat16 or float16, both alike"
     tiles = plan(n2 // 2, k, config)
-    if m % tiles.block_m:
-        return f"{m} rows: the kernel takes a multiple of block_m={tiles.block_m}"
+    if m % tiles.rows:
+        return f"{m} rows: the kernel takes a multiple of {tiles.rows} (its tile's rows)"
     if (n2 // 2) % tiles.block_n or k % tiles.block_k:
         return f"N={n2 // 2}, K={k}: N must be a multiple of 16 and K of 32"
     return None
@@ -123,13 +138,95 @@ def _kernel(x_ref, w_ref, o_ref, o_smem, *, tiles: SwigluMatmulConfig, n_blocks:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _warp_specialized(tiles: SwigluMatmulConfig, k: int, body=None, context=None) -> Any:
+    """The K loop of one tile: the memory warpgroup's TMA copies of the x rows and the gate and
+    up tiles, ``num_stages`` steps ahead of the two compute warpgroups' ``body``."""
+
+    def ignore(*_, **__):  # (the allocations do not depend on the body or the context)
+        return None
+
+    return plgpu.emit_pipeline_warp_specialized(
+        body or ignore,
+        grid=(k // tiles.block_k,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((tiles.rows, tiles.block_k), lambda s: (0, s)),
+            plgpu.BlockSpec((tiles.block_k, tiles.block_n), lambda s: (s, 0)),  # gate
+            plgpu.BlockSpec((tiles.block_k, tiles.block_n), lambda s: (s, 0)),  # up
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=tiles.num_stages,
+        compute_context=context or ignore,
+    )
+
+
+def _tile_body(o_ref, o_smem, rows, columns, tiles: SwigluMatmulConfig) -> tuple[Any, Any]:
+    """(the pipeline's step, its compute context) for one compute warpgroup's ``rows`` of the
+    tile: both products over K into two float32 accumulators, then SwiGLU stored through the
+    warpgroup's output buffer once the last tile's store has read it."""
+    wg = lax.axis_index("wg")
+
+    def step(_, x_smem, gate_smem, up_smem, accs):
+        mine = x_smem.at[pl.ds(wg * tiles.block_m, tiles.block_m)]
+        plgpu.wgmma(accs[0], mine, gate_smem)
+        plgpu.wgmma(accs[1], mine, up_smem)
+        plgpu.wgmma_wait(0)  # the stage is released to the memory warpgroup on return
+        return accs
+
+    def context(run):
+        def accumulate(gate_acc, up_acc):
+            run((gate_acc, up_acc))
+            gate, up = gate_acc[...], up_acc[...]
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store
+            o_smem[wg] = (gate * jax.nn.sigmoid(gate) * up).astype(o_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[rows, columns])
+
+        acc = plgpu.ACC((tiles.block_m, tiles.block_n), jnp.float32)
+        pl.run_scoped(accumulate, acc, acc)
+
+    return step, context
+
+
+def _persistent_kernel(x_ref, w_ref, o_ref, *, tiles: SwigluMatmulConfig):
+    """One program an SM: its share of the ``[rows, block_n]`` output tiles, row-block major
+    (the programs in flight share a few row blocks of x and all of w, in L2)."""
+    (m, k), n = x_ref.shape, o_ref.shape[1]
+    block_n, n_blocks = tiles.block_n, n // tiles.block_n
+    wg = lax.axis_index("wg")
+
+    def scope(allocations, o_smem):
+        @plgpu.nd_loop(((m // tiles.rows) * n_blocks,), collective_axes="sm")
+        def _tile(loop: plgpu.NDLoopInfo):
+            (index,) = loop.index
+            i, j = index // n_blocks, index % n_blocks
+            rows = pl.ds(i * tiles.rows + wg * tiles.block_m, tiles.block_m)
+            step, context = _tile_body(o_ref, o_smem, rows, pl.ds(j * block_n, block_n), tiles)
+            _warp_specialized(tiles, k, step, context)(
+                x_ref.at[pl.ds(i * tiles.rows, tiles.rows)],
+                w_ref.at[:, pl.ds(j * block_n, block_n)],
+                w_ref.at[:, pl.ds(n + j * block_n, block_n)],
+                allocations=allocations,
+            )
+
+    first = (x_ref.at[pl.ds(0, tiles.rows)], w_ref.at[:, pl.ds(0, block_n)])
+    pl.run_scoped(
+        scope,
+        _warp_specialized(tiles, k).get_allocations(*first, first[1]),
+        plgpu.SMEM((2, tiles.block_m, block_n), o_ref.dtype),
+        collective_axes="wg",
+    )
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def swiglu_matmul(
     x: jax.Array,  # [M, K]  bf16 | f16
     w: jax.Array,  # [K, 2N]  x's dtype: gate's N columns, then up's
     *,
     config: SwigluMatmulConfig = SwigluMatmulConfig(),
-    interpret: bool = False,
+    interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> jax.Array:  # [M, N] x's dtype
     """``silu(x @ w[:, :N]) * (x @ w[:, N:])`` on the Mosaic GPU kernel; see the module
     docstring (``reference`` has the semantics)."""
@@ -144,13 +241,27 @@ def swiglu_matmul(
             f"swiglu_matmul: {tiles} needs {smem:,} bytes of shared memory; the limit is "
             f"{SMEM_BYTES:,}: lower num_stages or block_k"
         )
+    common: dict[str, Any] = dict(
+        out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        kernel_name="swiglu_matmul",
+        interpret=plgpu.InterpretGPUParams() if interpret is True else interpret,
+    )
+    if tiles.warp_specialized:
+        num_tiles = (m // tiles.rows) * (n // tiles.block_n)
+        num_programs = min(num_tiles, INTERPRET_PROGRAMS if interpret else num_sms())
+        return plgpu.kernel(
+            functools.partial(_persistent_kernel, tiles=tiles),
+            grid=(num_programs,),
+            grid_names=("sm",),
+            num_threads=3,
+            thread_name="wg",
+            **common,
+        )(x, w)
     return plgpu.kernel(
         functools.partial(_kernel, tiles=tiles, n_blocks=n // tiles.block_n),
-        out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
         scratch_types=[plgpu.SMEM((tiles.block_m, tiles.block_n), x.dtype)],
         grid=(m // tiles.block_m, n // tiles.block_n),
         grid_names=("m", "n"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        kernel_name="swiglu_matmul",
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
+        **common,
     )(x, w)
