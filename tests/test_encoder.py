@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from jaxserve.models.encoder.config import (
     is_encoder,
     load_encoder_config,
 )
-from jaxserve.models.encoder.forward import EncoderBatch, forward
+from jaxserve.models.encoder.forward import EncoderBatch, forward, gelu_erf
 from jaxserve.models.encoder.weights import dummy_encoder_weights, load_encoder_weights
 from jaxserve.models.families.registry import model_config_from_dict
 from jaxserve.models.loading.checkpoint_reader import WeightsError
@@ -418,3 +419,19 @@ def test_cudnn_packed_encoder_embeds_as_the_reference(monkeypatch):
         embeddings[choice] = np.array([o.outputs.embedding for o in llm.embed(texts)])
         llm.shutdown()
     np.testing.assert_allclose(embeddings["packed"], embeddings["xla"], atol=3e-2)
+
+
+def test_exact_gelu_is_x_phi_x() -> None:
+    """BERT's "gelu" as x / 2 (1 + erf(x / sqrt 2)) in float32: within float32 rounding of
+    x Phi(x) in float32, and within half a bf16 ulp (plus the float32 error) on bf16 inputs,
+    no further from it than ``jax.nn.gelu``'s exact form."""
+    x = np.random.default_rng().standard_normal(20_000).astype(np.float32) * 4
+    want = np.array([v / 2 * math.erfc(-v / math.sqrt(2)) for v in x.astype(np.float64)])
+    np.testing.assert_allclose(np.asarray(gelu_erf(jnp.asarray(x))), want, rtol=1e-5, atol=2e-6)
+    xb = jnp.asarray(x, jnp.bfloat16)
+    wanted = [v / 2 * math.erfc(-v / math.sqrt(2)) for v in np.asarray(xb, np.float64)]
+    want = np.array(wanted)
+    got = np.asarray(gelu_erf(xb), np.float64)
+    assert np.all(np.abs(got - want) <= 2**-8 * np.abs(want) + 2e-6)  # half an ulp: <= 2^-8
+    old = np.asarray(jax.nn.gelu(xb, approximate=False), np.float64)
+    assert np.abs(got - want).max() <= np.abs(old - want).max()

@@ -27,8 +27,19 @@ from jaxserve.models.encoder.weights import EncoderLayerWeights, EncoderWeights,
 # (q [T, N, D], k [T, N, D], v [T, N, D], segment_ids i32[T], sm_scale) -> [T, N, D]
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, float], jax.Array]
 
+
+def gelu_erf(x: jax.Array) -> jax.Array:
+    """Exact GELU, ``x Phi(x)``, as ``x / 2 (1 + erf(x / sqrt 2))`` in float32, the form PyTorch
+    computes for BERT's "gelu". ``jax.nn.gelu``'s exact form goes through ``erfc``, which XLA
+    writes as both of its branches and an exponential, after rounding ``x / sqrt 2`` to the
+    input's dtype: on an H100 that pass took 198 us a layer of a 16,384-token BGE-large step,
+    against about 80 us for its bytes."""
+    x32 = x.astype(jnp.float32)
+    return (0.5 * x32 * (1.0 + jax.lax.erf(x32 * float(1 / np.sqrt(2))))).astype(x.dtype)
+
+
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "gelu": functools.partial(jax.nn.gelu, approximate=False),  # erf, as Hugging Face's BERT
+    "gelu": gelu_erf,  # as Hugging Face's BERT
     "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
     "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
     "relu": jax.nn.relu,
