@@ -710,6 +710,19 @@ def test_swiglu_pass_probe_lists_each_forms_kernels_and_times_them(
     assert "SwiGLU's pass after the gate/up GEMM:" in capsys.readouterr().out
 
 
+def test_gelu_pass_probe_times_both_gelus_against_a_copy(tmp_path, monkeypatch, capsys) -> None:
+    """A [256, 128] pass on the CPU: each GELU and the copy timed, the two GELUs within a bf16
+    ulp of each other."""
+    out = tmp_path / "gelu.json"
+    args = ["--rows", "256", "--width", "128", "--out", str(out)]
+    run_script("benchmarks.probes.gelu_pass", args, monkeypatch)
+    result = json.loads(out.read_text())
+    assert set(result["forms"]) == {"jax.nn.gelu", "gelu_erf", "copy"}
+    assert all(row["us"] > 0 for row in result["forms"].values())
+    assert result["max_difference"] <= 2**-6 * 12  # an ulp at the largest |x| (about 12)
+    assert "of a copy's speed" in capsys.readouterr().out
+
+
 def test_fp8_compile_probe_names_the_gemms_and_the_fp8_moves() -> None:
     """The compiled step's GEMM custom calls by target, and the instructions that transpose or
     copy an fp8 array (a weight moved to the layout cuBLASLt's fp8 GEMM wants)."""
