@@ -153,6 +153,19 @@ def test_the_switch_is_off_by_default_and_names_its_path(monkeypatch) -> None:
         dispatch.choose()
 
 
+def test_the_dispatch_takes_the_persistent_form_where_its_tiles_fill() -> None:
+    """Rows in tiles of 2 x 128: the persistent form; 128 rows: the simple form; fewer: none."""
+    w = jax.ShapeDtypeStruct((64, 192), jnp.bfloat16)
+
+    def rows(m: int):
+        return dispatch.config_for(jax.ShapeDtypeStruct((m, 64), jnp.bfloat16), w)
+
+    persistent = rows(512)
+    assert persistent is not None and persistent.warp_specialized and persistent.rows == 256
+    assert rows(384) == sm.SwigluMatmulConfig()  # 128 rows a tile
+    assert rows(64) is None
+
+
 def test_a_dense_mlp_takes_the_kernel_where_it_fits(monkeypatch) -> None:
     """A SwiGLU MLP of fused gate/up weights: on the kernel with the switch on (the product
     close to XLA's path), on XLA's path for another activation, with adapters, or few rows."""
@@ -241,15 +254,17 @@ def test_native_matches_reference(case: Case) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _is_gpu(), reason="needs an NVIDIA GPU")
 def test_native_matches_reference_at_every_shipped_mlp() -> None:
-    """A 256-token step through each shipped SwiGLU MLP's gate/up weight the kernel takes."""
+    """A 256-token step through each shipped SwiGLU MLP's gate/up weight the kernel takes, in
+    each form the dispatch picks from."""
     seed = int(np.random.default_rng().integers(2**31))
     taken = 0
     for hidden, inter in sorted(shipped_mlps()):
-        case = Case("shipped", 256, hidden, inter)
-        x, w = inputs(case, seed)
-        if sm.unsupported_reason(x, w, case.config) is not None:
-            continue
-        taken += 1
+        x, w = inputs(Case("shipped", 256, hidden, inter), seed)
         want = jax.jit(reference.swiglu_matmul)(x, w)
-        assert_close(sm.swiglu_matmul(x, w), want, f"{seed=} {hidden=} {inter=}")
+        for config in dispatch.CONFIGS:
+            if sm.unsupported_reason(x, w, config) is not None:
+                continue
+            taken += 1
+            got = sm.swiglu_matmul(x, w, config=config)
+            assert_close(got, want, f"{seed=} {hidden=} {inter=} {config=}")
     assert taken

@@ -23,6 +23,12 @@ from pallas_kernels.swiglu_matmul import mosaic_gpu
 SWIGLU_ENV = "JAXSERVE_SWIGLU_MATMUL"
 SWIGLU_CHOICES = ("off", "auto", "on")
 MIN_TOKENS = 128  # ``auto``: the steps whose pass costs more than a launch (prefill, pooling)
+# The persistent, warp-specialized form where the rows fill its tiles of 2 x 128, else the
+# simple form (``mosaic_gpu``'s module docstring)
+CONFIGS = (
+    mosaic_gpu.SwigluMatmulConfig(warp_specialized=True),
+    mosaic_gpu.SwigluMatmulConfig(),
+)
 
 
 def requested() -> str:
@@ -59,14 +65,22 @@ def takes(x: Any, w: Any) -> str | None:
         return None
     if requested() == "auto" and x.shape[0] < MIN_TOKENS:
         return None
-    if mosaic_gpu.unsupported_reason(x, w, mosaic_gpu.SwigluMatmulConfig()) is not None:
+    if config_for(x, w) is None:
         return None
     return path
 
 
+def config_for(x: Any, w: Any) -> mosaic_gpu.SwigluMatmulConfig | None:
+    """The first of ``CONFIGS`` that takes these shapes, or None."""
+    fits = (c for c in CONFIGS if mosaic_gpu.unsupported_reason(x, w, c) is None)
+    return next(fits, None)
+
+
 def swiglu_matmul(x: jax.Array, w: jax.Array, mode: str) -> jax.Array:
     """``silu(x @ w_gate) * (x @ w_up)`` on the kernel, in ``mode`` (``takes``'s answer)."""
-    return mosaic_gpu.swiglu_matmul(x, w, interpret=mode == "interpret")
+    config = config_for(x, w)
+    assert config is not None, "takes() answered for these shapes"
+    return mosaic_gpu.swiglu_matmul(x, w, config=config, interpret=mode == "interpret")
 
 
 def describe() -> str:
