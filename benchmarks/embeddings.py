@@ -17,7 +17,9 @@ embeddings are gathers, and a pooling runner multiplies by no LM head) + attenti
 (QK^T and PV: 4 x L^2 x heads x head_dim per layer and text for the encoder's bidirectional
 attention, half that for the decoder's causal attention, which the kernel skips). The share of
 the roofline is FLOPs / seconds / 989e12 (H200 dense bf16). The timed run follows an untimed
-one of one step's texts; the start (weights, warm-up compile) is reported apart.
+one of its steps' shapes (one full step's texts and the last, partial step's: a shape's first
+run took 190-240 ms on an H100, 2026-12-07, a start-up cost, not throughput); the start
+(weights, warm-up compile) is reported apart.
 
     python -m benchmarks.embeddings --out X.json            # on the H200
     python -m benchmarks.embeddings --num-texts 64 --text-len 32 --max-num-batched-tokens 256 \\
@@ -93,7 +95,8 @@ def run_model(name: str, model: Path, args: argparse.Namespace) -> dict[str, Any
     low = 1000 if raw["vocab_size"] > 2000 else 5  # clear of the special tokens
     texts = rng.integers(low, raw["vocab_size"], (args.num_texts, args.text_len)).tolist()
     per_step = max(1, args.max_num_batched_tokens // args.text_len)
-    llm.embed(texts[:per_step], use_tqdm=False)  # untimed: the first step's own costs
+    # untimed: each of the timed run's step shapes run once (a full step, the partial last)
+    llm.embed(texts[: per_step + args.num_texts % per_step], use_tqdm=False)
     steps_before = llm.engine.num_steps
     t0 = time.perf_counter()
     outputs = llm.embed(texts, use_tqdm=False)

@@ -189,6 +189,28 @@ def test_normalize_false_returns_the_pooled_vector(last_llm) -> None:
     np.testing.assert_allclose(out[0].outputs.embedding, g["pooled"][1], atol=TOLERANCE)
 
 
+def test_each_embedding_is_made_as_its_request_finishes(last_llm, monkeypatch) -> None:
+    """``LLM.embed`` turns each finished request into its output (the list of floats) while the
+    engine still steps the rest, not all of them after the last step; in the prompts' order."""
+    from jaxserve.engine import llm as llm_module
+
+    made_at = []
+    make = llm_module._embedding_output
+
+    def recording(out):
+        made_at.append(last_llm.engine.num_steps)
+        return make(out)
+
+    monkeypatch.setattr(llm_module, "_embedding_output", recording)
+    prompts = [[5 + i, 6, 7, 8, 9, 10, 11, 12] for i in range(12)]  # 8 tokens: 2 a step
+    before = last_llm.engine.num_steps
+    outputs = last_llm.embed(prompts, use_tqdm=False)
+    assert len(made_at) == 12 and last_llm.engine.num_steps - before >= 6
+    assert min(made_at) < max(made_at)  # the first ones before the last step ran
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    assert all(isinstance(o.outputs.embedding, list) for o in outputs)
+
+
 def test_a_pooling_engine_refuses_generation_and_bad_dimensions(last_llm) -> None:
     from jaxserve.engine.request_checks import RequestError
 
