@@ -35,12 +35,16 @@ import jax.numpy as jnp
 
 from benchmarks.common import best_time
 
-HIDDEN, INTER = 1024, 3072  # the Qwen3-Embedding-0.6B shape
+SHAPES = {  # (hidden, intermediate)
+    "qwen3-embedding-0.6b": (1024, 3072),
+    "llama-3-8b": (4096, 14336),
+}
 
 
 def halves(x, w):  # the models' form: one [H, 2I] weight, gate and up its halves
     gu = x @ w
-    return jax.nn.silu(gu[:, :INTER]) * gu[:, INTER:]
+    inter = w.shape[1] // 2
+    return jax.nn.silu(gu[:, :inter]) * gu[:, inter:]
 
 
 def interleaved(x, w):  # [H, I, 2]: gate and up side by side per column
@@ -60,13 +64,17 @@ def mlp(x, w, wd):
     return halves(x, w) @ wd
 
 
-FORMS = {  # name -> (function, its arguments' shapes past the [tokens, H] input)
-    "halves": (halves, ((HIDDEN, 2 * INTER),)),
-    "interleaved": (interleaved, ((HIDDEN, INTER, 2),)),
-    "two_gemms": (two_gemms, ((HIDDEN, INTER), (HIDDEN, INTER))),
-    "gemm_alone": (gemm_alone, ((HIDDEN, 2 * INTER),)),
-    "mlp": (mlp, ((HIDDEN, 2 * INTER), (INTER, HIDDEN))),
-}
+def forms(hidden: int, inter: int) -> dict[str, tuple[Any, tuple]]:
+    """name -> (function, its arguments' shapes past the [tokens, H] input)"""
+    return {
+        "halves": (halves, ((hidden, 2 * inter),)),
+        "interleaved": (interleaved, ((hidden, inter, 2),)),
+        "two_gemms": (two_gemms, ((hidden, inter), (hidden, inter))),
+        "gemm_alone": (gemm_alone, ((hidden, 2 * inter),)),
+        "mlp": (mlp, ((hidden, 2 * inter), (inter, hidden))),
+    }
+
+
 KERNEL = re.compile(
     r"= (.+?) (?:fusion|custom-call)\(.*?(?:kind=(\w+)|custom_call_target=\"([^\"]+)\")"
 )
@@ -94,14 +102,14 @@ KERNEL_CONFIGS = [  # (block_m, block_n, block_k, num_stages, warp_specialized) 
 ]
 
 
-def time_kernel(tokens: int) -> list[dict]:
+def time_kernel(tokens: int, hidden: int, inter: int) -> list[dict]:
     """The Mosaic GPU kernel (``pallas_kernels/swiglu_matmul``) at each of ``KERNEL_CONFIGS``
     on the ``halves`` form's inputs: ms, and its largest difference from the reference."""
     from pallas_kernels.swiglu_matmul import mosaic_gpu, reference
 
     keys = jax.random.split(jax.random.key(0), 2)
-    x = jax.random.normal(keys[0], (tokens, HIDDEN), jnp.bfloat16)
-    w = jax.random.normal(keys[1], (HIDDEN, 2 * INTER), jnp.bfloat16) / HIDDEN**0.5
+    x = jax.random.normal(keys[0], (tokens, hidden), jnp.bfloat16)
+    w = jax.random.normal(keys[1], (hidden, 2 * inter), jnp.bfloat16) / hidden**0.5
     want = jax.jit(reference.swiglu_matmul)(x, w).astype(jnp.float32)
     rows = []
     for tiles in KERNEL_CONFIGS:
@@ -114,7 +122,7 @@ def time_kernel(tokens: int) -> list[dict]:
             rows.append({"config": tiles, "error": f"{type(exc).__name__}: {exc}"[:400]})
             print(f"kernel {tiles}: {rows[-1]['error']}", flush=True)
             continue
-        tflops = 2 * tokens * HIDDEN * 2 * INTER / ms / 1e9
+        tflops = 2 * tokens * hidden * 2 * inter / ms / 1e9
         rows.append({"config": tiles, "ms": ms, "tflops": tflops, "max_error": error})
         print(
             f"kernel {tiles}: {ms:.3f} ms ({tflops:.0f} TFLOP/s), max error {error:.4f}", flush=True
@@ -126,6 +134,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--deviceless", default=None, help="h100 or h200: compile without a GPU")
     parser.add_argument("--tokens", type=int, default=16384, help="the step's rows")
+    parser.add_argument("--shape", default="qwen3-embedding-0.6b", choices=sorted(SHAPES))
     parser.add_argument("--out", default=None, help="results JSON")
     args = parser.parse_args()
     device_ctx: Any = contextlib.nullcontext(None)
@@ -136,8 +145,8 @@ def main() -> None:
     rows = {}
     with device_ctx as device:
         sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
-        for name, (fn, weights) in FORMS.items():
-            shapes = ((args.tokens, HIDDEN), *weights)
+        for name, (fn, weights) in forms(*SHAPES[args.shape]).items():
+            shapes = ((args.tokens, SHAPES[args.shape][0]), *weights)
             specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in shapes]
             compiled = jax.jit(fn).lower(*specs).compile()
             rows[name] = {"kernels": kernels(compiled.as_text())}
@@ -155,7 +164,7 @@ def main() -> None:
         saved = rows["halves"]["ms"] - rows["gemm_alone"]["ms"]
         print(f"SwiGLU's pass after the gate/up GEMM: {saved:.3f} ms (the most an epilogue saves)")
         if jax.default_backend() == "gpu":
-            rows["kernel"] = time_kernel(args.tokens)
+            rows["kernel"] = time_kernel(args.tokens, *SHAPES[args.shape])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
