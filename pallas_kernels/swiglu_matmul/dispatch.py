@@ -3,7 +3,8 @@ time.
 
 ``choose`` says, from ``JAXSERVE_SWIGLU_MATMUL`` and the device, how this process's dense MLPs
 multiply by their fused gate/up weight: ``off`` (XLA's GEMM, then SwiGLU as a pass of its own;
-the default until the kernel is timed against that on the H200), ``auto`` (the Mosaic GPU
+the default until the kernel is timed at a generation model's prefill shape too: at the
+Qwen3-Embedding-0.6B MLP it wins, ``mosaic_gpu``'s docstring), ``auto`` (the Mosaic GPU
 kernel on a process of one Hopper GPU, for steps of at least ``MIN_TOKENS`` tokens), ``on`` (the
 kernel wherever: natively on a GPU, in Pallas interpret mode elsewhere, for tests). Several
 devices a model keep XLA's path (the fused weight's columns split over them). ``takes``

@@ -19,9 +19,11 @@ Two forms (``SwigluMatmulConfig.warp_specialized``):
   (``plgpu.emit_pipeline_warp_specialized``) while two compute warpgroups each multiply
   ``block_m`` rows of a ``[2 block_m, block_n]`` tile (the gate and up tiles shared), and a
   tile's epilogue and store overlap the next tile's copies.
-Both are timed against XLA's GEMM + pass (``benchmarks/probes/swiglu_pass.py``) before any
-model takes them by default (``dispatch``). M, N and K must be multiples of the tiles ``plan``
-picks; ``unsupported_reason`` says why a call does not fit, and the caller keeps XLA's path.
+On an H100 (2026-12-07, ``benchmarks/probes/swiglu_pass.py``) at the Qwen3-Embedding-0.6B
+MLP's 16,384-token step the persistent form took 0.300 ms (687 TFLOP/s) against XLA's GEMM and
+pass 0.372 ms, the simple form 0.42-0.64 ms: ``dispatch`` takes the persistent form where the
+rows fill its tiles. M, N and K must be multiples of the tiles ``plan`` picks;
+``unsupported_reason`` says why a call does not fit, and the caller keeps XLA's path.
 """
 
 from __future__ import annotations
