@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 from pathlib import Path
 
@@ -224,6 +225,79 @@ def test_a_served_model_takes_the_kernel_on_its_prompt_steps(monkeypatch) -> Non
     )
 
 
+GELU_CASES = [  # (name, m, k, n, config): an encoder's intermediate GEMM, bias and GELU
+    ("gelu_12_tiles_block_n_halved", 512, 64, 96, sm.SwigluMatmulConfig(64, 32, 32, 2, True)),
+    ("gelu_default_tiles", 256, 128, 256, sm.GELU_CONFIG),
+]
+
+
+def gelu_inputs(m: int, k: int, n: int, seed: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
+    return x, w, jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
+
+
+@pytest.mark.parametrize(("name", "m", "k", "n", "config"), GELU_CASES, ids=lambda v: str(v))
+def test_gelu_interpret_matches_reference(name, m, k, n, config, capfd) -> None:
+    """gelu(x @ w + b): the product and bias in float32, GELU, one rounding (the bias tile
+    copied by each compute warpgroup as its K loop starts); no race the detector finds."""
+    x, w, b = gelu_inputs(m, k, n, int(np.random.default_rng().integers(1000)))
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    out = sm.gelu_matmul(x, w, b, config=config, interpret=params)
+    assert "RACE DETECTED" not in capfd.readouterr().out
+    assert out.shape == (m, n) and out.dtype == x.dtype
+    assert_close(out, reference.gelu_matmul(x, w, b), name)
+
+
+def test_the_epilogues_normal_cdf_is_within_3e_7() -> None:
+    """Phi through Abramowitz and Stegun's erfc (Mosaic GPU has no layout rule for erf)."""
+    h = np.linspace(-12, 12, 40_001)
+    want = np.array([0.5 * math.erfc(-v / math.sqrt(2)) for v in h])
+    got = np.asarray(sm.normal_cdf(jnp.asarray(h, jnp.float32)), np.float64)
+    assert np.abs(got - want).max() < 3e-7
+
+
+def test_gelu_matmul_refuses_what_it_does_not_take() -> None:
+    x, w, b = gelu_inputs(256, 64, 128, 0)
+    with pytest.raises(ValueError, match="one bfloat16 value a column"):
+        sm.gelu_matmul(x, w, b[:64], interpret=True)
+    with pytest.raises(ValueError, match="persistent form only"):
+        sm.gelu_matmul(x, w, b, config=sm.SwigluMatmulConfig(), interpret=True)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        sm.gelu_matmul(x[:128], w, b, interpret=True)
+
+
+def test_an_encoder_takes_the_gelu_kernel_when_asked(monkeypatch) -> None:
+    """``JAXSERVE_GELU_MATMUL``: off by default; ``on`` runs an exact-GELU encoder's
+    intermediate GEMM on the kernel (interpret mode here), close to XLA's GEMM and pass; other
+    activations and steps the tiles do not fill keep XLA's path; the log line names it."""
+    from jaxserve.models.encoder import forward
+
+    x, w, b = gelu_inputs(256, 64, 128, 1)
+    lw = types.SimpleNamespace(w_in=w, b_in=b)
+    gelu, relu = types.SimpleNamespace(hidden_act="gelu"), types.SimpleNamespace(hidden_act="relu")
+    calls = []
+    kernel = dispatch.gelu_matmul
+    monkeypatch.setattr(dispatch, "gelu_matmul", lambda *a: calls.append(a[3]) or kernel(*a))
+    plain = np.asarray(forward.intermediate(lw, x, gelu), np.float32)
+    assert not calls and dispatch.describe(dispatch.GELU_ENV).endswith(
+        "XLA's intermediate GEMM (bias and exact GELU), then a pass of its own "
+        "(JAXSERVE_GELU_MATMUL=off)"
+    )
+    monkeypatch.setenv("JAXSERVE_GELU_MATMUL", "on")
+    fused = np.asarray(forward.intermediate(lw, x, gelu), np.float32)
+    assert calls == ["interpret"]
+    assert np.abs(fused - plain).max() < 0.05 * np.abs(plain).max()
+    forward.intermediate(lw, x, relu)
+    forward.intermediate(lw, x[:128], gelu)
+    assert calls == ["interpret"]
+    assert dispatch.describe(dispatch.GELU_ENV).startswith(
+        "GELU: in the intermediate GEMM (bias and exact GELU)'s epilogue on the Pallas Mosaic "
+        "GPU kernel in interpret mode"
+    )
+
+
 def shipped_mlps() -> set[tuple[int, int]]:
     """(hidden, intermediate) of every shipped config whose dense MLP is SwiGLU."""
     shapes = set()
@@ -268,3 +342,23 @@ def test_native_matches_reference_at_every_shipped_mlp() -> None:
             got = sm.swiglu_matmul(x, w, config=config)
             assert_close(got, want, f"{seed=} {hidden=} {inter=} {config=}")
     assert taken
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _is_gpu(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize(("name", "m", "k", "n", "config"), GELU_CASES, ids=lambda v: str(v))
+def test_gelu_native_matches_reference(name, m, k, n, config) -> None:
+    seed = int(np.random.default_rng().integers(2**31))
+    x, w, b = gelu_inputs(m, k, n, seed)
+    want = jax.jit(reference.gelu_matmul)(x, w, b)
+    assert_close(sm.gelu_matmul(x, w, b, config=config), want, f"{name} {seed=}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _is_gpu(), reason="needs an NVIDIA GPU")
+def test_gelu_native_at_bge_larges_shape() -> None:
+    """A 256-token step through BGE-large's intermediate GEMM (1,024 -> 4,096) and bias."""
+    seed = int(np.random.default_rng().integers(2**31))
+    x, w, b = gelu_inputs(256, 1024, 4096, seed)
+    want = jax.jit(reference.gelu_matmul)(x, w, b)
+    assert_close(sm.gelu_matmul(x, w, b), want, f"{seed=}")

@@ -22,7 +22,12 @@ from pallas_kernels.env_choice import devices_per_model, env_choice
 from pallas_kernels.swiglu_matmul import mosaic_gpu
 
 SWIGLU_ENV = "JAXSERVE_SWIGLU_MATMUL"
+GELU_ENV = "JAXSERVE_GELU_MATMUL"  # an encoder's intermediate GEMM, its bias and exact GELU
 SWIGLU_CHOICES = ("off", "auto", "on")
+_NAMES = {  # switch -> (the activation, the GEMM it rides on)
+    SWIGLU_ENV: ("SwiGLU", "gate/up GEMM"),
+    GELU_ENV: ("GELU", "intermediate GEMM (bias and exact GELU)"),
+}
 MIN_TOKENS = 128  # ``auto``: the steps whose pass costs more than a launch (prefill, pooling)
 # The persistent, warp-specialized form where the rows fill its tiles of 2 x 128, else the
 # simple form (``mosaic_gpu``'s module docstring)
@@ -32,29 +37,29 @@ CONFIGS = (
 )
 
 
-def requested() -> str:
-    """``JAXSERVE_SWIGLU_MATMUL`` (default ``off``), validated."""
-    return env_choice(SWIGLU_ENV, SWIGLU_CHOICES, "off")
+def requested(env: str = SWIGLU_ENV) -> str:
+    """``JAXSERVE_SWIGLU_MATMUL`` or ``JAXSERVE_GELU_MATMUL`` (default ``off``), validated."""
+    return env_choice(env, SWIGLU_CHOICES, "off")
 
 
-def choose() -> tuple[str, str]:
+def choose(env: str = SWIGLU_ENV) -> tuple[str, str]:
     """``("mosaic_gpu" | "interpret" | "xla", why)``: how dense MLPs meet their gate/up weight
-    in this process."""
-    value, backend = requested(), jax.default_backend()
+    (``env``: how encoders meet their intermediate weight) in this process."""
+    value, backend = requested(env), jax.default_backend()
     if value == "off":
-        return "xla", f"{SWIGLU_ENV}=off"
+        return "xla", f"{env}=off"
     if devices_per_model() > 1:
         return "xla", f"{devices_per_model()} devices a model: the kernel is not partitioned"
     if value == "on":
         if backend == "gpu":
-            return "mosaic_gpu", f"{SWIGLU_ENV}=on"
-        return "interpret", f"{SWIGLU_ENV}=on, Pallas interpret mode on the {backend} backend"
+            return "mosaic_gpu", f"{env}=on"
+        return "interpret", f"{env}=on, Pallas interpret mode on the {backend} backend"
     if backend != "gpu":
         return "xla", f"the kernel is Mosaic GPU; this is the {backend} backend"
     capability = str(getattr(jax.devices()[0], "compute_capability", "0"))
     if not capability.startswith("9"):
         return "xla", f"compute capability {capability}: the kernel's wgmma is Hopper's (9.x)"
-    return "mosaic_gpu", f"{SWIGLU_ENV}=auto"
+    return "mosaic_gpu", f"{env}=auto"
 
 
 def takes(x: Any, w: Any) -> str | None:
@@ -84,12 +89,30 @@ def swiglu_matmul(x: jax.Array, w: jax.Array, mode: str) -> jax.Array:
     return mosaic_gpu.swiglu_matmul(x, w, config=config, interpret=mode == "interpret")
 
 
-def describe() -> str:
+def describe(env: str = SWIGLU_ENV) -> str:
     """The start-up log line, e.g. ``SwiGLU: XLA's gate/up GEMM, then a pass of its own
     (JAXSERVE_SWIGLU_MATMUL=off)``."""
-    path, why = choose()
+    (name, gemm), (path, why) = _NAMES[env], choose(env)
     if path == "xla":
-        return f"SwiGLU: XLA's gate/up GEMM, then a pass of its own ({why})"
+        return f"{name}: XLA's {gemm}, then a pass of its own ({why})"
     mode = "Pallas Mosaic GPU kernel" + (" in interpret mode" if path == "interpret" else "")
-    steps = f"steps of at least {MIN_TOKENS} tokens" if requested() == "auto" else "every step"
-    return f"SwiGLU: in the gate/up GEMM's epilogue on the {mode}, {steps} it fits ({why})"
+    auto = requested(env) == "auto"
+    steps = f"steps of at least {MIN_TOKENS} tokens" if auto else "every step"
+    return f"{name}: in the {gemm}'s epilogue on the {mode}, {steps} it fits ({why})"
+
+
+def gelu_takes(x: Any, w: Any, b: Any) -> str | None:
+    """``takes`` for an encoder's ``gelu(x [T, H] @ w [H, I] + b)`` (``JAXSERVE_GELU_MATMUL``):
+    the kernel's mode, or None for XLA's GEMM and GELU pass."""
+    path, _ = choose(GELU_ENV)
+    if path == "xla" or (requested(GELU_ENV) == "auto" and x.shape[0] < MIN_TOKENS):
+        return None
+    config = mosaic_gpu.GELU_CONFIG
+    if mosaic_gpu.unsupported_reason(x, w, config, views=1) is not None or b.dtype != x.dtype:
+        return None
+    return path
+
+
+def gelu_matmul(x: jax.Array, w: jax.Array, b: jax.Array, mode: str) -> jax.Array:
+    """``gelu(x @ w + b)`` (exact GELU) on the kernel, in ``mode`` (``gelu_takes``'s answer)."""
+    return mosaic_gpu.gelu_matmul(x, w, b, interpret=mode == "interpret")

@@ -22,7 +22,14 @@ Two forms (``SwigluMatmulConfig.warp_specialized``):
 On an H100 (2026-12-07, ``benchmarks/probes/swiglu_pass.py``) at the Qwen3-Embedding-0.6B
 MLP's 16,384-token step the persistent form took 0.300 ms (687 TFLOP/s) against XLA's GEMM and
 pass 0.372 ms, the simple form 0.42-0.64 ms: ``dispatch`` takes the persistent form where the
-rows fill its tiles. M, N and K must be multiples of the tiles ``plan`` picks;
+rows fill its tiles.
+
+``gelu_matmul`` runs the persistent form with one weight tile a K step and the epilogue
+``gelu(acc + b)`` (Phi through Abramowitz and Stegun's erfc: Mosaic GPU infers no layout for
+``erf``), for an encoder's intermediate projection, where XLA writes the product and runs GELU
+as a pass (110 us a layer of a 16,384-token BGE-large step on an H100). Not yet timed.
+
+M, N and K must be multiples of the tiles ``plan`` picks;
 ``unsupported_reason`` says why a call does not fit, and the caller keeps XLA's path.
 """
 
@@ -84,27 +91,38 @@ def plan(n: int, k: int, config: SwigluMatmulConfig) -> SwigluMatmulConfig:
     return dataclasses.replace(config, block_n=block_n, block_k=block_k)
 
 
-def smem_bytes(config: SwigluMatmulConfig, itemsize: int) -> int:
-    """Shared memory of one program: the pipeline's stages (an x tile, a gate and an up tile),
-    then the output tile (a warpgroup's block_m rows each)."""
-    stage = (config.rows + 2 * config.block_n) * config.block_k * itemsize
+def smem_bytes(config: SwigluMatmulConfig, itemsize: int, views: int = 2) -> int:
+    """Shared memory of one program: the pipeline's stages (an x tile and ``views`` weight
+    tiles: gate and up, or one), then the output tile (a warpgroup's block_m rows each)."""
+    stage = (config.rows + views * config.block_n) * config.block_k * itemsize
     return config.num_stages * stage + config.rows * config.block_n * itemsize
 
 
-def unsupported_reason(x: Any, w: Any, config: SwigluMatmulConfig) -> str | None:
-    """Why the kernel does not take ``x [M, K] @ w [K, 2N]`` (shapes and dtypes only), or None."""
+def _check_smem(name: str, tiles: SwigluMatmulConfig, itemsize: int, views: int) -> None:
+    smem = smem_bytes(tiles, itemsize, views)
+    if smem > SMEM_BYTES:
+        raise ValueError(
+            f"{name}: {tiles} needs {smem:,} bytes of shared memory; the limit is "
+            f"{SMEM_BYTES:,}: lower num_stages or block_k"
+        )
+
+
+def unsupported_reason(x: Any, w: Any, config: SwigluMatmulConfig, views: int = 2) -> str | None:
+    """Why the kernel does not take ``x [M, K] @ w [K, views N]`` (shapes and dtypes only; the
+    gate and up halves, or ``gelu_matmul``'s one weight), or None."""
     if x.ndim != 2 or w.ndim != 2:
         return f"x {x.shape} and w {w.shape} must be 2-D"
-    (m, k), (k_w, n2) = x.shape, w.shape
-    if k_w != k or n2 % 2:
+    (m, k), (k_w, width) = x.shape, w.shape
+    if k_w != k or width % views:
         return f"x {x.shape} and w {w.shape} ([K, 2N]) disagree on K or have an odd width"
     if x.dtype != w.dtype or x.dtype not in DTYPES:
         return f"x {x.dtype} and w {w.dtype}: the kernel takes bfloat16 or float16, both alike"
-    tiles = plan(n2 // 2, k, config)
+    n = width // views
+    tiles = plan(n, k, config)
     if m % tiles.rows:
         return f"{m} rows: the kernel takes a multiple of {tiles.rows} (its tile's rows)"
-    if (n2 // 2) % tiles.block_n or k % tiles.block_k:
-        return f"N={n2 // 2}, K={k}: N must be a multiple of 16 and K of 32"
+    if n % tiles.block_n or k % tiles.block_k:
+        return f"N={n}, K={k}: N must be a multiple of 16 and K of 32"
     return None
 
 
@@ -140,22 +158,23 @@ def _kernel(x_ref, w_ref, o_ref, o_smem, *, tiles: SwigluMatmulConfig, n_blocks:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _warp_specialized(tiles: SwigluMatmulConfig, k: int, body=None, context=None) -> Any:
-    """The K loop of one tile: the memory warpgroup's TMA copies of the x rows and the gate and
-    up tiles, ``num_stages`` steps ahead of the two compute warpgroups' ``body``."""
+def _warp_specialized(
+    tiles: SwigluMatmulConfig, k: int, views: int, body=None, context=None
+) -> Any:
+    """The K loop of one tile: the memory warpgroup's TMA copies of the x rows and of the
+    tile's ``views`` weight tiles (gate and up; or the one), ``num_stages`` steps ahead of the
+    two compute warpgroups' ``body``."""
 
     def ignore(*_, **__):  # (the allocations do not depend on the body or the context)
         return None
 
+    weight = plgpu.BlockSpec((tiles.block_k, tiles.block_n), lambda s: (s, 0))
     return plgpu.emit_pipeline_warp_specialized(
         body or ignore,
         grid=(k // tiles.block_k,),
         memory_registers=40,
-        in_specs=[
-            plgpu.BlockSpec((tiles.rows, tiles.block_k), lambda s: (0, s)),
-            plgpu.BlockSpec((tiles.block_k, tiles.block_n), lambda s: (s, 0)),  # gate
-            plgpu.BlockSpec((tiles.block_k, tiles.block_n), lambda s: (s, 0)),  # up
-        ],
+        in_specs=[plgpu.BlockSpec((tiles.rows, tiles.block_k), lambda s: (0, s))]
+        + [weight] * views,
         wg_axis="wg",
         num_compute_wgs=2,
         max_concurrent_steps=tiles.num_stages,
@@ -163,40 +182,59 @@ def _warp_specialized(tiles: SwigluMatmulConfig, k: int, body=None, context=None
     )
 
 
-def _tile_body(o_ref, o_smem, rows, columns, tiles: SwigluMatmulConfig) -> tuple[Any, Any]:
+@dataclasses.dataclass(frozen=True)
+class _Epilogue:
+    """What a tile's compute warpgroup does around its products: ``start`` before the K loop
+    (a bias tile's copy in flight), ``apply`` on the float32 products once they are done."""
+
+    views: int  # the weight tiles a tile multiplies by: 2 (gate, up) or 1
+    apply: Any  # (columns, *products) -> [block_m, block_n] float32
+    start: Any = None  # (columns) -> None
+
+
+def _tile_body(o_ref, o_smem, rows, columns, tiles: SwigluMatmulConfig, epilogue: _Epilogue):
     """(the pipeline's step, its compute context) for one compute warpgroup's ``rows`` of the
-    tile: both products over K into two float32 accumulators, then SwiGLU stored through the
-    warpgroup's output buffer once the last tile's store has read it."""
+    tile: its products over K into float32 accumulators, then the epilogue's values stored
+    through the warpgroup's output buffer once the last tile's store has read it."""
     wg = lax.axis_index("wg")
 
-    def step(_, x_smem, gate_smem, up_smem, accs):
+    def step(_, x_smem, *rest):
+        *w_smems, accs = rest
         mine = x_smem.at[pl.ds(wg * tiles.block_m, tiles.block_m)]
-        plgpu.wgmma(accs[0], mine, gate_smem)
-        plgpu.wgmma(accs[1], mine, up_smem)
+        for acc, w_smem in zip(accs, w_smems, strict=True):
+            plgpu.wgmma(acc, mine, w_smem)
         plgpu.wgmma_wait(0)  # the stage is released to the memory warpgroup on return
         return accs
 
     def context(run):
-        def accumulate(gate_acc, up_acc):
-            run((gate_acc, up_acc))
-            gate, up = gate_acc[...], up_acc[...]
+        def accumulate(*accs):
+            if epilogue.start is not None:
+                epilogue.start(columns)
+            run(accs)
+            values = epilogue.apply(columns, *(acc[...] for acc in accs))
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store
-            o_smem[wg] = (gate * jax.nn.sigmoid(gate) * up).astype(o_smem.dtype)
+            o_smem[wg] = values.astype(o_smem.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[rows, columns])
 
         acc = plgpu.ACC((tiles.block_m, tiles.block_n), jnp.float32)
-        pl.run_scoped(accumulate, acc, acc)
+        pl.run_scoped(accumulate, *[acc] * epilogue.views)
 
     return step, context
 
 
-def _persistent_kernel(x_ref, w_ref, o_ref, *, tiles: SwigluMatmulConfig):
+def _persistent_kernel(x_ref, w_ref, o_ref, *scratch, tiles: SwigluMatmulConfig, epilogue):
     """One program an SM: its share of the ``[rows, block_n]`` output tiles, row-block major
-    (the programs in flight share a few row blocks of x and all of w, in L2)."""
+    (the programs in flight share a few row blocks of x and all of w, in L2). Weight view v
+    of output tile j is the weight's columns ``v N + j block_n`` on (gate, then up)."""
     (m, k), n = x_ref.shape, o_ref.shape[1]
     block_n, n_blocks = tiles.block_n, n // tiles.block_n
     wg = lax.axis_index("wg")
+    if scratch:  # the epilogue's own scratch (a bias tile's buffers), bound by the caller
+        epilogue = epilogue(*scratch)
+
+    def views(j):
+        return [w_ref.at[:, pl.ds(v * n + j * block_n, block_n)] for v in range(epilogue.views)]
 
     def scope(allocations, o_smem):
         @plgpu.nd_loop(((m // tiles.rows) * n_blocks,), collective_axes="sm")
@@ -204,22 +242,27 @@ def _persistent_kernel(x_ref, w_ref, o_ref, *, tiles: SwigluMatmulConfig):
             (index,) = loop.index
             i, j = index // n_blocks, index % n_blocks
             rows = pl.ds(i * tiles.rows + wg * tiles.block_m, tiles.block_m)
-            step, context = _tile_body(o_ref, o_smem, rows, pl.ds(j * block_n, block_n), tiles)
-            _warp_specialized(tiles, k, step, context)(
-                x_ref.at[pl.ds(i * tiles.rows, tiles.rows)],
-                w_ref.at[:, pl.ds(j * block_n, block_n)],
-                w_ref.at[:, pl.ds(n + j * block_n, block_n)],
-                allocations=allocations,
+            columns = pl.ds(j * block_n, block_n)
+            step, context = _tile_body(o_ref, o_smem, rows, columns, tiles, epilogue)
+            _warp_specialized(tiles, k, epilogue.views, step, context)(
+                x_ref.at[pl.ds(i * tiles.rows, tiles.rows)], *views(j), allocations=allocations
             )
 
-    first = (x_ref.at[pl.ds(0, tiles.rows)], w_ref.at[:, pl.ds(0, block_n)])
+    pipeline = _warp_specialized(tiles, k, epilogue.views)
     pl.run_scoped(
         scope,
-        _warp_specialized(tiles, k).get_allocations(*first, first[1]),
+        pipeline.get_allocations(x_ref.at[pl.ds(0, tiles.rows)], *views(0)),
         plgpu.SMEM((2, tiles.block_m, block_n), o_ref.dtype),
         collective_axes="wg",
     )
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _swiglu(_, gate, up):
+    return gate * jax.nn.sigmoid(gate) * up
+
+
+SWIGLU = _Epilogue(views=2, apply=_swiglu)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -237,12 +280,7 @@ def swiglu_matmul(
         raise ValueError(f"swiglu_matmul: {reason}")
     (m, k), n = x.shape, w.shape[1] // 2
     tiles = plan(n, k, config)
-    smem = smem_bytes(tiles, x.dtype.itemsize)
-    if smem > SMEM_BYTES:
-        raise ValueError(
-            f"swiglu_matmul: {tiles} needs {smem:,} bytes of shared memory; the limit is "
-            f"{SMEM_BYTES:,}: lower num_stages or block_k"
-        )
+    _check_smem("swiglu_matmul", tiles, x.dtype.itemsize, views=2)
     common: dict[str, Any] = dict(
         out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -253,7 +291,7 @@ def swiglu_matmul(
         num_tiles = (m // tiles.rows) * (n // tiles.block_n)
         num_programs = min(num_tiles, INTERPRET_PROGRAMS if interpret else num_sms())
         return plgpu.kernel(
-            functools.partial(_persistent_kernel, tiles=tiles),
+            functools.partial(_persistent_kernel, tiles=tiles, epilogue=SWIGLU),
             grid=(num_programs,),
             grid_names=("sm",),
             num_threads=3,
@@ -267,3 +305,82 @@ def swiglu_matmul(
         grid_names=("m", "n"),
         **common,
     )(x, w)
+
+
+INV_SQRT2 = 0.7071067811865476
+# Abramowitz and Stegun 7.1.26: erfc(z) = t (a1 + t (a2 + ... + t a5)) exp(-z^2), t = 1 / (1 + p z)
+# for z >= 0, within 1.5e-7 of erf (Mosaic GPU infers no layout for erf itself, JAX 0.11.2)
+_ERFC_P = 0.3275911
+_ERFC_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+
+
+def normal_cdf(h: jax.Array) -> jax.Array:
+    """Phi(h) = 1 - erfc(h / sqrt 2) / 2 for h >= 0 (erfc(|h| / sqrt 2) / 2 below), float32."""
+    z = jnp.abs(h) * INV_SQRT2
+    t = 1.0 / (1.0 + _ERFC_P * z)
+    poly = _ERFC_A[-1]
+    for a in reversed(_ERFC_A[:-1]):
+        poly = a + t * poly
+    tail = 0.5 * t * poly * jnp.exp(-z * z)  # Phi(-|h|)
+    return jnp.where(h >= 0, 1.0 - tail, tail)
+
+
+def _bias_gelu_kernel(x_ref, w_ref, b_ref, o_ref, b_smem, barriers, *, tiles: SwigluMatmulConfig):
+    """``_persistent_kernel`` with one weight view and the epilogue ``gelu(acc + b)``: each
+    compute warpgroup copies its tile's bias columns into its buffer as the K loop starts and
+    waits for them before the epilogue."""
+    wg = lax.axis_index("wg")
+
+    def start(columns):
+        plgpu.copy_gmem_to_smem(b_ref.at[columns], b_smem.at[wg], barriers.at[wg])
+
+    def apply(_, acc):
+        plgpu.barrier_wait(barriers.at[wg])
+        h = acc + b_smem[wg].astype(jnp.float32)[None, :]
+        return h * normal_cdf(h)  # exact GELU, h Phi(h)
+
+    epilogue = _Epilogue(views=1, apply=apply, start=start)
+    _persistent_kernel(x_ref, w_ref, o_ref, tiles=tiles, epilogue=epilogue)
+
+
+GELU_CONFIG = SwigluMatmulConfig(block_n=128, num_stages=3, warp_specialized=True)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def gelu_matmul(
+    x: jax.Array,  # [M, K]  bf16 | f16
+    w: jax.Array,  # [K, N]  x's dtype
+    b: jax.Array,  # [N]  x's dtype
+    *,
+    config: SwigluMatmulConfig = GELU_CONFIG,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+) -> jax.Array:  # [M, N] x's dtype
+    """``gelu(x @ w + b)`` (exact GELU, through erf, in float32; one rounding) on the persistent
+    kernel: an encoder's intermediate projection with its bias and activation in the epilogue,
+    where XLA writes the product and runs GELU as a pass of its own (``reference``)."""
+    reason = unsupported_reason(x, w, config, views=1)
+    if reason is None and (b.shape != (w.shape[1],) or b.dtype != x.dtype):
+        reason = f"b {b.shape} {b.dtype}: one {x.dtype} value a column of w {w.shape}"
+    if reason is None and not config.warp_specialized:
+        reason = "it runs on the persistent form only (warp_specialized=True)"
+    if reason is not None:
+        raise ValueError(f"gelu_matmul: {reason}")
+    (m, k), n = x.shape, w.shape[1]
+    tiles = plan(n, k, config)
+    _check_smem("gelu_matmul", tiles, x.dtype.itemsize, views=1)
+    num_tiles = (m // tiles.rows) * (n // tiles.block_n)
+    return plgpu.kernel(
+        functools.partial(_bias_gelu_kernel, tiles=tiles),
+        out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
+        scratch_types=[
+            plgpu.SMEM((2, tiles.block_n), x.dtype),
+            plgpu.Barrier(num_barriers=2),
+        ],
+        grid=(min(num_tiles, INTERPRET_PROGRAMS if interpret else num_sms()),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        kernel_name="gelu_matmul",
+        interpret=plgpu.InterpretGPUParams() if interpret is True else interpret,
+    )(x, w, b)

@@ -12,3 +12,9 @@ def swiglu_matmul(x: jax.Array, w: jax.Array) -> jax.Array:  # [M, K], [K, 2N] -
     n = w.shape[1] // 2
     gate_up = jnp.dot(x, w, preferred_element_type=jnp.float32)
     return (jax.nn.silu(gate_up[:, :n]) * gate_up[:, n:]).astype(x.dtype)
+
+
+def gelu_matmul(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:  # [M, K], [K, N], [N]
+    """The product and its bias in float32, exact GELU (erf) on them, one rounding."""
+    h = jnp.dot(x, w, preferred_element_type=jnp.float32) + b.astype(jnp.float32)
+    return (0.5 * h * (1.0 + jax.lax.erf(h * 0.7071067811865476))).astype(x.dtype)

@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxserve.models.encoder.config import EncoderConfig
 from jaxserve.models.encoder.weights import EncoderLayerWeights, EncoderWeights, LayerNorm
+from pallas_kernels.swiglu_matmul import dispatch as mlp_dispatch
 
 # (q [T, N, D], k [T, N, D], v [T, N, D], segment_ids i32[T], sm_scale) -> [T, N, D]
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, float], jax.Array]
@@ -145,6 +146,17 @@ def embed(weights: EncoderWeights, batch: EncoderBatch, config: EncoderConfig) -
     return layer_norm(x, weights.embed_norm, config.layer_norm_eps)
 
 
+def intermediate(lw: EncoderLayerWeights, x: jax.Array, config: EncoderConfig) -> jax.Array:
+    """``act(x @ w_in + b_in)`` [T, I]: for exact GELU, on the GEMM kernel with the bias and
+    GELU in its epilogue where ``JAXSERVE_GELU_MATMUL`` asks for it and the shapes fit
+    (``pallas_kernels/swiglu_matmul``), else XLA's GEMM and a pass."""
+    if config.hidden_act == "gelu":
+        mode = mlp_dispatch.gelu_takes(x, lw.w_in, lw.b_in)
+        if mode is not None:
+            return mlp_dispatch.gelu_matmul(x, lw.w_in, lw.b_in, mode)
+    return _ACTIVATIONS[config.hidden_act](jnp.einsum("TH,HI->TI", x, lw.w_in) + lw.b_in)
+
+
 def encoder_layer(
     lw: EncoderLayerWeights,
     x: jax.Array,  # [T, H]
@@ -158,7 +170,7 @@ def encoder_layer(
     attn = attention_fn(q, k, v, segments, config.head_dim**-0.5)
     attn = jnp.einsum("TND,NDH->TH", attn, lw.wo) + lw.bo
     x = layer_norm(attn + x, lw.attn_norm, config.layer_norm_eps)
-    h = _ACTIVATIONS[config.hidden_act](jnp.einsum("TH,HI->TI", x, lw.w_in) + lw.b_in)
+    h = intermediate(lw, x, config)
     h = jnp.einsum("TI,IH->TH", h, lw.w_out) + lw.b_out
     return layer_norm(h + x, lw.mlp_norm, config.layer_norm_eps)
 
