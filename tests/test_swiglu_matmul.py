@@ -298,6 +298,19 @@ def test_an_encoder_takes_the_gelu_kernel_when_asked(monkeypatch) -> None:
     )
 
 
+def test_an_encoder_runner_names_the_gelu_path_when_asked(monkeypatch, caplog) -> None:
+    """The BERT fixture's start-up log: no GELU line while the switch is off, the kernel's path
+    once it is on."""
+    bert = str(Path(__file__).parent / "fixtures" / "encoders" / "bert_embed")
+    settings = dict(runner="pooling", max_model_len=64, max_num_batched_tokens=64, warmup=False)
+    caplog.set_level("INFO", logger="jaxserve.runner.encoder_runner")
+    jaxserve.LLM(bert, **settings).shutdown()
+    assert not [r for r in caplog.messages if r.startswith("GELU:")]
+    monkeypatch.setenv("JAXSERVE_GELU_MATMUL", "on")
+    jaxserve.LLM(bert, **settings).shutdown()
+    assert [r for r in caplog.messages if r.startswith("GELU: in the intermediate GEMM")]
+
+
 def shipped_mlps() -> set[tuple[int, int]]:
     """(hidden, intermediate) of every shipped config whose dense MLP is SwiGLU."""
     shapes = set()

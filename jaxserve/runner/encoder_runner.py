@@ -66,7 +66,6 @@ from jaxserve.runner.segment_attention import (
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from pallas_kernels.env_choice import env_choice
 from pallas_kernels.swiglu_matmul import dispatch as mlp_dispatch
-from pallas_kernels.swiglu_matmul.dispatch import GELU_ENV
 
 _LOG = logging.getLogger(__name__)
 
@@ -211,8 +210,9 @@ class EncoderRunner:
         """``encoder_step`` jitted, its attention as ``encoder_attention`` says (logged)."""
         implementation, why = encoder_attention(self.dtype)
         _LOG.info("Encoder attention: %s (%s)", ATTENTION_NAMES[implementation], why)
-        if encoder_config.hidden_act == "gelu" and mlp_dispatch.requested(GELU_ENV) != "off":
-            _LOG.info("%s", mlp_dispatch.describe(GELU_ENV))
+        gelu = mlp_dispatch.GELU_ENV
+        if encoder_config.hidden_act == "gelu" and mlp_dispatch.requested(gelu) != "off":
+            _LOG.info("%s", mlp_dispatch.describe(gelu))
         step = functools.partial(
             encoder_step, config=encoder_config, tile=self.tile, attention_impl=implementation
         )

@@ -33,8 +33,8 @@ def gelu_erf(x: jax.Array) -> jax.Array:
     """Exact GELU, ``x Phi(x)``, as ``x / 2 (1 + erf(x / sqrt 2))`` in float32, the form PyTorch
     computes for BERT's "gelu". ``jax.nn.gelu``'s exact form goes through ``erfc``, which XLA
     writes as both of its branches and an exponential, after rounding ``x / sqrt 2`` to the
-    input's dtype: on an H100 that pass took 198 us a layer of a 16,384-token BGE-large step,
-    against about 80 us for its bytes."""
+    input's dtype: on an H100 (2026-12-07) that pass took 208 us on a 16,384-token BGE-large
+    step's [16384, 4096] product, this one 110 us, a copy of its bytes 100 us."""
     x32 = x.astype(jnp.float32)
     return (0.5 * x32 * (1.0 + jax.lax.erf(x32 * float(1 / np.sqrt(2))))).astype(x.dtype)
 
