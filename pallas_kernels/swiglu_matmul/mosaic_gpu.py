@@ -114,7 +114,8 @@ def unsupported_reason(x: Any, w: Any, config: SwigluMatmulConfig, views: int = 
         return f"x {x.shape} and w {w.shape} must be 2-D"
     (m, k), (k_w, width) = x.shape, w.shape
     if k_w != k or width % views:
-        return f"x {x.shape} and w {w.shape} ([K, 2N]) disagree on K or have an odd width"
+        shape = "[K, 2N]" if views == 2 else "[K, N]"
+        return f"x {x.shape} and w {w.shape} ({shape}) disagree on K or have an odd width"
     if x.dtype != w.dtype or x.dtype not in DTYPES:
         return f"x {x.dtype} and w {w.dtype}: the kernel takes bfloat16 or float16, both alike"
     n = width // views
