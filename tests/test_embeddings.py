@@ -211,6 +211,57 @@ def test_each_embedding_is_made_as_its_request_finishes(last_llm, monkeypatch) -
     assert all(isinstance(o.outputs.embedding, list) for o in outputs)
 
 
+def test_embed_queues_prompts_as_the_steps_need_them(last_llm, monkeypatch) -> None:
+    """``LLM.embed`` queues ``POOLING_QUEUED_AHEAD`` steps' token budgets of prompts before its
+    first step and the rest between steps (beside the device), with the collector off while it
+    runs; the outputs come in the prompts' order all the same."""
+    import gc
+
+    from jaxserve.engine import llm as llm_module
+
+    engine = last_llm.engine
+    queued, queued_at_step, collecting = [], [], []
+    add, step = engine.add_pooling_request, engine.step
+
+    def counting_add(request_id, *args, **kwargs):
+        add(request_id, *args, **kwargs)
+        queued.append(request_id)
+
+    def recording_step():
+        queued_at_step.append(len(queued))
+        collecting.append(gc.isenabled())
+        return step()
+
+    monkeypatch.setattr(engine, "add_pooling_request", counting_add)
+    monkeypatch.setattr(engine, "step", recording_step)
+    prompts = [[5 + i, 6, 7, 8, 9, 10, 11, 12] for i in range(40)]  # 8 tokens: 2 a step
+    outputs = last_llm.embed(prompts, use_tqdm=False)
+    ahead = llm_module.POOLING_QUEUED_AHEAD * engine.config.max_num_batched_tokens // 8
+    assert queued_at_step[0] == ahead < len(prompts)
+    assert queued_at_step == sorted(queued_at_step) and queued_at_step[-1] == len(prompts)
+    assert all(q - ahead <= 2 * i for i, q in enumerate(queued_at_step))  # never far ahead
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    assert not any(collecting) and gc.isenabled()
+
+
+def test_a_late_bad_prompt_raises_and_aborts_the_queued_ones(last_llm) -> None:
+    """A prompt that cannot run raises when its turn to be queued comes (after earlier steps
+    ran); the requests queued before it are aborted, and the engine serves the next call."""
+    from jaxserve.engine.request_checks import RequestError
+
+    engine = last_llm.engine
+    good = [[5 + i, 6, 7, 8, 9, 10, 11, 12] for i in range(30)]
+    before = engine.num_steps
+    with pytest.raises(RequestError, match="maximum context length is 256"):
+        last_llm.embed(good + [[5] * 257] + good, use_tqdm=False)
+    assert engine.num_steps > before  # the first prompts ran before the bad one's turn
+    assert 0 < engine.num_unfinished() < len(good)  # queued ahead, their aborts sent
+    while engine.has_work():  # the next step takes the aborts
+        engine.step()
+    assert engine.num_unfinished() == 0
+    assert len(last_llm.embed(good[:3], use_tqdm=False)) == 3
+
+
 def test_a_pooling_engine_refuses_generation_and_bad_dimensions(last_llm) -> None:
     from jaxserve.engine.request_checks import RequestError
 
