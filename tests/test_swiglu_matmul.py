@@ -250,6 +250,15 @@ def test_gelu_interpret_matches_reference(name, m, k, n, config, capfd) -> None:
     assert_close(out, reference.gelu_matmul(x, w, b), name)
 
 
+def test_each_warpgroups_bias_row_starts_128_byte_aligned() -> None:
+    """A tensor copy lands on 128-byte boundaries of shared memory: the second warpgroup's row
+    of a 32-column bf16 tile is padded to 64 columns (its copy at 64 bytes stopped the GPU)."""
+    assert sm.bias_row(32, 2) == 64 and sm.bias_row(128, 2) == 128 and sm.bias_row(96, 2) == 128
+    for block_n in (32, 64, 96, 128, 256):
+        assert sm.bias_row(block_n, 2) * 2 % sm.TMA_SMEM_ALIGNMENT == 0
+        assert sm.bias_row(block_n, 2) >= block_n
+
+
 def test_the_epilogues_normal_cdf_is_within_3e_7() -> None:
     """Phi through Abramowitz and Stegun's erfc (Mosaic GPU has no layout rule for erf)."""
     h = np.linspace(-12, 12, 40_001)

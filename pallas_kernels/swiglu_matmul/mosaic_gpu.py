@@ -332,12 +332,14 @@ def _bias_gelu_kernel(x_ref, w_ref, b_ref, o_ref, b_smem, barriers, *, tiles: Sw
     waits for them before the epilogue."""
     wg = lax.axis_index("wg")
 
+    mine = b_smem.at[wg, pl.ds(0, tiles.block_n)]  # its buffer's row (padded: bias_row)
+
     def start(columns):
-        plgpu.copy_gmem_to_smem(b_ref.at[columns], b_smem.at[wg], barriers.at[wg])
+        plgpu.copy_gmem_to_smem(b_ref.at[columns], mine, barriers.at[wg])
 
     def apply(_, acc):
         plgpu.barrier_wait(barriers.at[wg])
-        h = acc + b_smem[wg].astype(jnp.float32)[None, :]
+        h = acc + mine[...].astype(jnp.float32)[None, :]
         return h * normal_cdf(h)  # exact GELU, h Phi(h)
 
     epilogue = _Epilogue(views=1, apply=apply, start=start)
@@ -345,6 +347,15 @@ def _bias_gelu_kernel(x_ref, w_ref, b_ref, o_ref, b_smem, barriers, *, tiles: Sw
 
 
 GELU_CONFIG = SwigluMatmulConfig(block_n=128, num_stages=3, warp_specialized=True)
+TMA_SMEM_ALIGNMENT = 128  # bytes: where a tensor copy may land in shared memory
+
+
+def bias_row(block_n: int, itemsize: int) -> int:
+    """The elements of a warpgroup's row of the bias buffer: ``block_n`` rounded up to 128
+    bytes, so the second warpgroup's copy lands aligned (at 64 bytes, a tile of 32 bf16 columns
+    stopped the GPU with a misaligned address)."""
+    per_line = TMA_SMEM_ALIGNMENT // itemsize
+    return -(-block_n // per_line) * per_line
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -374,7 +385,7 @@ def gelu_matmul(
         functools.partial(_bias_gelu_kernel, tiles=tiles),
         out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
         scratch_types=[
-            plgpu.SMEM((2, tiles.block_n), x.dtype),
+            plgpu.SMEM((2, bias_row(tiles.block_n, x.dtype.itemsize)), x.dtype),
             plgpu.Barrier(num_barriers=2),
         ],
         grid=(min(num_tiles, INTERPRET_PROGRAMS if interpret else num_sms()),),
