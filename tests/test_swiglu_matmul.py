@@ -124,13 +124,18 @@ def as_hopper(monkeypatch, capability: str = "9.0") -> None:
     monkeypatch.setattr(dispatch.jax, "devices", lambda *a, **k: [gpu])
 
 
-def test_the_switch_is_off_by_default_and_names_its_path(monkeypatch) -> None:
+def test_the_switch_is_auto_by_default_and_names_its_path(monkeypatch) -> None:
+    """``auto`` (the default) takes the kernel on one Hopper GPU for steps of at least 128
+    rows over a hidden size of at most 2,048 (where it beat XLA's GEMM and pass), XLA's path
+    elsewhere; ``off`` never, ``on`` wherever its tiles fit."""
     x, w = (
         jax.ShapeDtypeStruct((128, 64), jnp.bfloat16),
         jax.ShapeDtypeStruct((64, 192), jnp.bfloat16),
     )
-    assert dispatch.choose() == ("xla", "JAXSERVE_SWIGLU_MATMUL=off")
+    assert dispatch.requested() == "auto"
+    assert dispatch.choose() == ("xla", "the kernel is Mosaic GPU; this is the cpu backend")
     assert dispatch.takes(x, w) is None
+    monkeypatch.setenv("JAXSERVE_SWIGLU_MATMUL", "off")
     assert dispatch.describe() == (
         "SwiGLU: XLA's gate/up GEMM, then a pass of its own (JAXSERVE_SWIGLU_MATMUL=off)"
     )
@@ -138,14 +143,27 @@ def test_the_switch_is_off_by_default_and_names_its_path(monkeypatch) -> None:
     assert dispatch.takes(x, w) == "interpret"  # the CPU
     small = jax.ShapeDtypeStruct((16, 64), jnp.bfloat16)
     assert dispatch.takes(small, w) is None  # a decode bucket: fewer rows than a tile
-    monkeypatch.setenv("JAXSERVE_SWIGLU_MATMUL", "auto")
-    assert dispatch.choose() == ("xla", "the kernel is Mosaic GPU; this is the cpu backend")
+    monkeypatch.delenv("JAXSERVE_SWIGLU_MATMUL")
     as_hopper(monkeypatch)
     big = jax.ShapeDtypeStruct((256, 64), jnp.bfloat16)
     assert dispatch.takes(big, w) == "mosaic_gpu" and dispatch.takes(small, w) is None
+    wide, wide_w = (  # Llama-3-8B's hidden size: the kernel lost to XLA's GEMM and pass there
+        jax.ShapeDtypeStruct((256, 4096), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4096, 256), jnp.bfloat16),
+    )
+    assert dispatch.config_for(wide, wide_w) is not None and dispatch.takes(wide, wide_w) is None
+    at_limit, at_limit_w = (
+        jax.ShapeDtypeStruct((256, 2048), jnp.bfloat16),
+        jax.ShapeDtypeStruct((2048, 256), jnp.bfloat16),
+    )
+    assert dispatch.takes(at_limit, at_limit_w) == "mosaic_gpu"
+    monkeypatch.setenv("JAXSERVE_SWIGLU_MATMUL", "on")
+    assert dispatch.takes(wide, wide_w) == "mosaic_gpu"
+    monkeypatch.delenv("JAXSERVE_SWIGLU_MATMUL")
     assert dispatch.describe() == (
         "SwiGLU: in the gate/up GEMM's epilogue on the Pallas Mosaic GPU kernel, steps of at "
-        "least 128 tokens it fits (JAXSERVE_SWIGLU_MATMUL=auto)"
+        "least 128 tokens and a hidden size of at most 2048 where its tiles fit "
+        "(JAXSERVE_SWIGLU_MATMUL=auto)"
     )
     as_hopper(monkeypatch, "8.0")
     assert dispatch.choose()[1].startswith("compute capability 8.0")
@@ -220,8 +238,8 @@ def test_a_served_model_takes_the_kernel_on_its_prompt_steps(monkeypatch) -> Non
     lines = startup_lines(runner.model_config, llm.engine.config, jnp.bfloat16, 256)
     assert (
         "SwiGLU: in the gate/up GEMM's epilogue on the Pallas Mosaic GPU kernel in interpret "
-        "mode, every step it fits (JAXSERVE_SWIGLU_MATMUL=on, Pallas interpret mode on the cpu "
-        "backend)" in lines
+        "mode, every step where its tiles fit (JAXSERVE_SWIGLU_MATMUL=on, Pallas interpret mode "
+        "on the cpu backend)" in lines
     )
 
 
@@ -278,9 +296,10 @@ def test_gelu_matmul_refuses_what_it_does_not_take() -> None:
 
 
 def test_an_encoder_takes_the_gelu_kernel_when_asked(monkeypatch) -> None:
-    """``JAXSERVE_GELU_MATMUL``: off by default; ``on`` runs an exact-GELU encoder's
-    intermediate GEMM on the kernel (interpret mode here), close to XLA's GEMM and pass; other
-    activations and steps the tiles do not fill keep XLA's path; the log line names it."""
+    """``JAXSERVE_GELU_MATMUL``: XLA's path on the CPU by default; ``on`` runs an exact-GELU
+    encoder's intermediate GEMM on the kernel (interpret mode here), close to XLA's GEMM and
+    pass; other activations and steps the tiles do not fill keep XLA's path; the log line
+    names it."""
     from jaxserve.models.encoder import forward
 
     x, w, b = gelu_inputs(256, 64, 128, 1)
@@ -292,7 +311,7 @@ def test_an_encoder_takes_the_gelu_kernel_when_asked(monkeypatch) -> None:
     plain = np.asarray(forward.intermediate(lw, x, gelu), np.float32)
     assert not calls and dispatch.describe(dispatch.GELU_ENV).endswith(
         "XLA's intermediate GEMM (bias and exact GELU), then a pass of its own "
-        "(JAXSERVE_GELU_MATMUL=off)"
+        "(the kernel is Mosaic GPU; this is the cpu backend)"
     )
     monkeypatch.setenv("JAXSERVE_GELU_MATMUL", "on")
     fused = np.asarray(forward.intermediate(lw, x, gelu), np.float32)
@@ -308,13 +327,17 @@ def test_an_encoder_takes_the_gelu_kernel_when_asked(monkeypatch) -> None:
 
 
 def test_an_encoder_runner_names_the_gelu_path_when_asked(monkeypatch, caplog) -> None:
-    """The BERT fixture's start-up log: no GELU line while the switch is off, the kernel's path
-    once it is on."""
+    """The BERT fixture's start-up log: no GELU line while the switch is off, XLA's path by
+    default on the CPU, the kernel's path once it is on."""
     bert = str(Path(__file__).parent / "fixtures" / "encoders" / "bert_embed")
     settings = dict(runner="pooling", max_model_len=64, max_num_batched_tokens=64, warmup=False)
     caplog.set_level("INFO", logger="jaxserve.runner.encoder_runner")
+    monkeypatch.setenv("JAXSERVE_GELU_MATMUL", "off")
     jaxserve.LLM(bert, **settings).shutdown()
     assert not [r for r in caplog.messages if r.startswith("GELU:")]
+    monkeypatch.delenv("JAXSERVE_GELU_MATMUL")
+    jaxserve.LLM(bert, **settings).shutdown()
+    assert [r for r in caplog.messages if r.startswith("GELU: XLA's intermediate GEMM")]
     monkeypatch.setenv("JAXSERVE_GELU_MATMUL", "on")
     jaxserve.LLM(bert, **settings).shutdown()
     assert [r for r in caplog.messages if r.startswith("GELU: in the intermediate GEMM")]

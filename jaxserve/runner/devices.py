@@ -317,8 +317,8 @@ def startup_lines(
 
 
 def _swiglu_kernel_may_run(model_config: ModelConfig, quant: QuantScheme | None) -> bool:
-    """A dense SwiGLU MLP over unquantized weights, with the SwiGLU kernel asked for: the
-    start-up log names its path (``JAXSERVE_SWIGLU_MATMUL``; nothing while it is off)."""
+    """A dense SwiGLU MLP over unquantized weights, with the SwiGLU kernel not switched off:
+    the start-up log names its path (``JAXSERVE_SWIGLU_MATMUL``)."""
     asked = swiglu_dispatch.requested() != "off"
     return asked and model_config.hidden_act == "silu" and quant is None
 

@@ -2,14 +2,21 @@
 time.
 
 ``choose`` says, from ``JAXSERVE_SWIGLU_MATMUL`` and the device, how this process's dense MLPs
-multiply by their fused gate/up weight: ``off`` (XLA's GEMM, then SwiGLU as a pass of its own;
-the default until the kernel is timed at a generation model's prefill shape too: at the
-Qwen3-Embedding-0.6B MLP it wins, ``mosaic_gpu``'s docstring), ``auto`` (the Mosaic GPU
-kernel on a process of one Hopper GPU, for steps of at least ``MIN_TOKENS`` tokens), ``on`` (the
+multiply by their fused gate/up weight: ``auto`` (the default: the Mosaic GPU kernel on a
+process of one Hopper GPU, for steps of at least ``MIN_TOKENS`` tokens over a hidden size of at
+most ``AUTO_MAX_K``), ``off`` (XLA's GEMM, then SwiGLU as a pass of its own), ``on`` (the
 kernel wherever: natively on a GPU, in Pallas interpret mode elsewhere, for tests). Several
 devices a model keep XLA's path (the fused weight's columns split over them). ``takes``
 answers for one call's shapes (static: the step's bucket), ``describe`` writes the start-up log
-line.
+line. ``JAXSERVE_GELU_MATMUL`` does the same for an encoder's intermediate GEMM.
+
+Measured on an H100 (benchmarks/RESULTS.md, 2026-12-07): at the Qwen3-Embedding-0.6B MLP (K =
+1,024, 16,384 rows) the kernel takes 0.300 ms against XLA's GEMM and pass 0.370 (0.040 against
+0.054 at 128 rows); at Llama-3-8B's (K = 4,096, 2,048 rows) 0.726 against 0.680: there the pass
+is 9% of XLA's GEMM (0.057 of 0.623 ms) and the kernel runs at 86% of XLA's GEMM speed. The
+pass's share of the GEMM falls as 1 / K (it reads and writes the product once; the GEMM does
+2 K FLOPs an element), about 0.35 x 1,024 / K, so ``auto`` takes the kernel up to K = 2,048.
+BGE-large's GELU (K = 1,024): 0.278 ms against 0.297.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ _NAMES = {  # switch -> (the activation, the GEMM it rides on)
     GELU_ENV: ("GELU", "intermediate GEMM (bias and exact GELU)"),
 }
 MIN_TOKENS = 128  # ``auto``: the steps whose pass costs more than a launch (prefill, pooling)
+AUTO_MAX_K = 2048  # ``auto``: the hidden sizes where the pass costs a sixth of the GEMM or more
 # The persistent, warp-specialized form where the rows fill its tiles of 2 x 128, else the
 # simple form (``mosaic_gpu``'s module docstring)
 CONFIGS = (
@@ -38,8 +46,8 @@ CONFIGS = (
 
 
 def requested(env: str = SWIGLU_ENV) -> str:
-    """``JAXSERVE_SWIGLU_MATMUL`` or ``JAXSERVE_GELU_MATMUL`` (default ``off``), validated."""
-    return env_choice(env, SWIGLU_CHOICES, "off")
+    """``JAXSERVE_SWIGLU_MATMUL`` or ``JAXSERVE_GELU_MATMUL`` (default ``auto``), validated."""
+    return env_choice(env, SWIGLU_CHOICES, "auto")
 
 
 def choose(env: str = SWIGLU_ENV) -> tuple[str, str]:
@@ -65,15 +73,21 @@ def choose(env: str = SWIGLU_ENV) -> tuple[str, str]:
 def takes(x: Any, w: Any) -> str | None:
     """The kernel's mode (``"mosaic_gpu"`` or ``"interpret"``) for ``x [T, K] @ w [K, 2N]``,
     or None for XLA's GEMM and pass: where ``choose`` says so, the shapes do not fit, or
-    (``auto``) the step has fewer than ``MIN_TOKENS`` tokens."""
+    (``auto``) outside ``auto_fits``."""
     path, _ = choose()
     if path == "xla":
         return None
-    if requested() == "auto" and x.shape[0] < MIN_TOKENS:
+    if requested() == "auto" and not auto_fits(x):
         return None
     if config_for(x, w) is None:
         return None
     return path
+
+
+def auto_fits(x: Any) -> bool:
+    """``auto``'s rule for ``x [T, K]``: at least ``MIN_TOKENS`` rows, K at most
+    ``AUTO_MAX_K``."""
+    return x.shape[0] >= MIN_TOKENS and x.shape[1] <= AUTO_MAX_K
 
 
 def config_for(x: Any, w: Any) -> mosaic_gpu.SwigluMatmulConfig | None:
@@ -97,15 +111,19 @@ def describe(env: str = SWIGLU_ENV) -> str:
         return f"{name}: XLA's {gemm}, then a pass of its own ({why})"
     mode = "Pallas Mosaic GPU kernel" + (" in interpret mode" if path == "interpret" else "")
     auto = requested(env) == "auto"
-    steps = f"steps of at least {MIN_TOKENS} tokens" if auto else "every step"
-    return f"{name}: in the {gemm}'s epilogue on the {mode}, {steps} it fits ({why})"
+    steps = (
+        f"steps of at least {MIN_TOKENS} tokens and a hidden size of at most {AUTO_MAX_K}"
+        if auto
+        else "every step"
+    )
+    return f"{name}: in the {gemm}'s epilogue on the {mode}, {steps} where its tiles fit ({why})"
 
 
 def gelu_takes(x: Any, w: Any, b: Any) -> str | None:
     """``takes`` for an encoder's ``gelu(x [T, H] @ w [H, I] + b)`` (``JAXSERVE_GELU_MATMUL``):
     the kernel's mode, or None for XLA's GEMM and GELU pass."""
     path, _ = choose(GELU_ENV)
-    if path == "xla" or (requested(GELU_ENV) == "auto" and x.shape[0] < MIN_TOKENS):
+    if path == "xla" or (requested(GELU_ENV) == "auto" and not auto_fits(x)):
         return None
     config = mosaic_gpu.GELU_CONFIG
     if mosaic_gpu.unsupported_reason(x, w, config, views=1) is not None or b.dtype != x.dtype:
