@@ -58,6 +58,7 @@ from jaxserve.runner.buckets import Buckets, next_power_of_2
 from jaxserve.runner.capacity import Capacity, GiB
 from jaxserve.runner.devices import quiet_backend_probe, resolve_dtype
 from jaxserve.runner.in_flight import InFlight
+from jaxserve.runner.programs import compiler_options
 from jaxserve.runner.segment_attention import (
     packed_segment_attention,
     segment_attention_form,
@@ -216,7 +217,7 @@ class EncoderRunner:
         step = functools.partial(
             encoder_step, config=encoder_config, tile=self.tile, attention_impl=implementation
         )
-        return jax.jit(step)
+        return jax.jit(step, compiler_options=compiler_options(False, pooling=True))
 
     def _load(self, model_dir: Path, load_format: str) -> EncoderWeights:
         if load_format == "dummy":

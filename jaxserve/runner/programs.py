@@ -133,7 +133,7 @@ def jitted_model_step(
         step,
         static_argnums=(4,),
         donate_argnames=("kv_cache",),
-        compiler_options=compiler_options(batch_invariant, fp8_weights),
+        compiler_options=compiler_options(batch_invariant, fp8_weights, whole_prompts is not None),
         **shardings,
     )
 
@@ -215,12 +215,41 @@ def fp8_xla_options_name() -> str:
     return name
 
 
-def compiler_options(batch_invariant: bool, fp8_weights: bool = False) -> dict[str, Any]:
+def compiler_options(
+    batch_invariant: bool, fp8_weights: bool = False, pooling: bool = False
+) -> dict[str, Any]:
     """XLA's options for a program with GEMMs: batch-invariant mode's, else, for fp8 weights
-    on a GPU, the set ``$JAXSERVE_FP8_XLA_OPTIONS`` names; none otherwise."""
-    if batch_invariant or not fp8_weights or jax.default_backend() != "gpu":
+    on a GPU, the set ``$JAXSERVE_FP8_XLA_OPTIONS`` names, for a pooling step without cache
+    (``pooling``: a decoder's whole prompts, an encoder's step) the set
+    ``$JAXSERVE_POOLING_XLA_OPTIONS`` names; none otherwise."""
+    if batch_invariant or jax.default_backend() != "gpu":
         return invariant_compiler_options(batch_invariant)
-    return dict(FP8_XLA_OPTION_SETS[fp8_xla_options_name()])
+    if fp8_weights:
+        return dict(FP8_XLA_OPTION_SETS[fp8_xla_options_name()])
+    if pooling:
+        return dict(FP8_XLA_OPTION_SETS[pooling_xla_options_name()])
+    return {}
+
+
+# XLA's options for the pooling steps on a GPU. With Triton GEMMs among the autotuner's
+# candidates, a GEMM that takes a producer or consumer into a Triton fusion and then times
+# slower than cuBLAS goes back to cuBLAS with those ops split out: in the 16,384-token Qwen3
+# embedding step compiled on an H100, each residual add ran as a pass of its own (cuBLAS's
+# beta 0) and one norm's weight as another, where a compile without Triton GEMMs adds the
+# residual in the GEMM (beta 1) and norms in one pass (a deviceless H100 compile).
+POOLING_XLA_OPTIONS_ENV = "JAXSERVE_POOLING_XLA_OPTIONS"
+POOLING_XLA_OPTIONS_DEFAULT = "default"
+
+
+def pooling_xla_options_name() -> str:
+    """The option set the pooling steps take (``$JAXSERVE_POOLING_XLA_OPTIONS``, one of
+    ``FP8_XLA_OPTION_SETS``'s names)."""
+    name = os.environ.get(POOLING_XLA_OPTIONS_ENV, "").strip() or POOLING_XLA_OPTIONS_DEFAULT
+    if name not in FP8_XLA_OPTION_SETS:
+        raise ValueError(
+            f"{POOLING_XLA_OPTIONS_ENV}={name!r} must be one of {', '.join(FP8_XLA_OPTION_SETS)}"
+        )
+    return name
 
 
 def holds_fp8(tree: Any) -> bool:
