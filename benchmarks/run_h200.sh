@@ -214,6 +214,10 @@
 #                $EMBED_ENCODER_ATTENTION say otherwise; each model's step log and 4 traced
 #                steps; then the decoder over the paged KV cache, the same call's baseline;
 #                about 6 minutes) -> $OUT/embeddings.{log,json}, embeddings_paged.{log,json}
+#   pooling_xla  the embedding runs (Qwen3-0.6B shape, then BGE-large) under XLA's default
+#                options and with cuBLAS for every GEMM (JAXSERVE_POOLING_XLA_OPTIONS=cublas:
+#                residual adds inside the GEMMs, norms one pass each, in a deviceless compile),
+#                untraced -> $OUT/emb_{qwen3,bge}_{default,cublas}.{log,json} (about 4-5 minutes)
 #   kv_events    the cost of publishing KV-cache events: the launch stage's serving sweep (dummy
 #                Llama-3-8B, every bucket compiled first) without and with --kv-events-config
 #                (zmq, replay socket on), a subscriber draining the stream
@@ -1026,6 +1030,19 @@ stage_embed_flags() {  # issue 40: the embedding steps under XLA option sets
 --xla_gpu_triton_gemm_any=true
 --xla_gpu_unsupported_force_triton_gemm=true
 --xla_gpu_experimental_enable_fusion_block_level_rewriter=true}"
+}
+
+stage_pooling_xla() {  # the pooling steps' XLA options: default against cuBLAS-only GEMMs
+  local model opt
+  for model in qwen3 bge; do
+    for opt in default cublas; do
+      JAXSERVE_POOLING_XLA_OPTIONS=$opt JAXSERVE_POOLING_ATTENTION=whole \
+        JAXSERVE_ENCODER_ATTENTION=packed python3 -m benchmarks.embeddings --models "$model" \
+        --out "$OUT/emb_${model}_$opt.json" --max-num-batched-tokens 16384 \
+        > "$OUT/emb_${model}_$opt.log" 2>&1
+      echo "$opt: $(grep -E "^$model:" "$OUT/emb_${model}_$opt.log" || tail -3 "$OUT/emb_${model}_$opt.log")"
+    done
+  done
 }
 
 stage_embeddings() {  # issue 40's table: texts/s and the share of the compute roofline

@@ -1,7 +1,9 @@
 """The fp8 programs' XLA options (issue 36, item 5): ``$JAXSERVE_FP8_XLA_OPTIONS`` names one of
 ``FP8_XLA_OPTION_SETS`` (the autotuner's default, untimed GEMMs, cuBLAS, or both), the model step
 of fp8 weights compiles under it on a GPU, every other program and backend keeps its own, a
-name outside the sets is an error naming the variable, and the start-up log says which runs."""
+name outside the sets is an error naming the variable, and the start-up log says which runs.
+``$JAXSERVE_POOLING_XLA_OPTIONS`` does the same for the pooling steps that read no cache (a
+decoder's whole prompts, an encoder's step)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ from jaxserve.runner.programs import (
     FP8_XLA_OPTION_SETS,
     FP8_XLA_OPTIONS_ENV,
     INVARIANT_GPU_OPTIONS,
+    POOLING_XLA_OPTIONS_ENV,
     compiler_options,
     describe_fp8_compile,
 )
-from tests.conftest import fixture_dir
+from tests.conftest import FIXTURES, fixture_dir
 
 
 @pytest.fixture
@@ -71,7 +74,7 @@ def test_an_fp8_engines_model_step_is_jitted_with_them(monkeypatch) -> None:
     and a bf16 engine asks for none."""
     asked = []
 
-    def cpu_options(batch_invariant: bool, fp8_weights: bool = False) -> dict:
+    def cpu_options(batch_invariant: bool, fp8_weights: bool = False, pooling: bool = False):
         asked.append(fp8_weights)
         return {"xla_cpu_enable_fast_math": False} if fp8_weights else {}
 
@@ -140,7 +143,7 @@ def test_an_fp8_eagle3_heads_chain_is_jitted_with_them(monkeypatch) -> None:
 
     asked = []
 
-    def cpu_options(batch_invariant: bool, fp8_weights: bool = False) -> dict:
+    def cpu_options(batch_invariant: bool, fp8_weights: bool = False, pooling: bool = False):
         asked.append(fp8_weights)
         return {"xla_cpu_enable_fast_math": False} if fp8_weights else {}
 
@@ -192,3 +195,52 @@ def test_the_probes_runner_carries_no_set_of_its_own(monkeypatch) -> None:
         fp8_compile.measure("fp8", args, ["default"])
     assert seen == ["default"]
     assert fp8_compile.os.environ[FP8_XLA_OPTIONS_ENV] == "cublas"
+
+
+@pytest.mark.parametrize("name", sorted(FP8_XLA_OPTION_SETS))
+def test_each_set_reaches_pooling_steps_on_a_gpu_only(monkeypatch, on_a_gpu, name) -> None:
+    """XLA's own options by default (the cuBLAS set is to be timed on the GPU first); a set
+    named reaches the pooling steps, and neither generation steps nor fp8 ones."""
+    monkeypatch.delenv(POOLING_XLA_OPTIONS_ENV, raising=False)
+    assert compiler_options(False, pooling=True) == {}
+    monkeypatch.setenv(POOLING_XLA_OPTIONS_ENV, name)
+    assert compiler_options(False, pooling=True) == FP8_XLA_OPTION_SETS[name]
+    assert compiler_options(False) == {}
+    monkeypatch.setenv(FP8_XLA_OPTIONS_ENV, "default")
+    assert compiler_options(False, fp8_weights=True, pooling=True) == {}  # fp8's set
+    assert compiler_options(True, pooling=True) == INVARIANT_GPU_OPTIONS
+
+
+def test_an_unknown_pooling_set_names_the_variable(monkeypatch, on_a_gpu) -> None:
+    monkeypatch.setenv(POOLING_XLA_OPTIONS_ENV, "fast")
+    with pytest.raises(ValueError, match=r"JAXSERVE_POOLING_XLA_OPTIONS='fast' must be one of "):
+        compiler_options(False, pooling=True)
+
+
+def test_pooling_steps_without_cache_are_jitted_with_them(monkeypatch) -> None:
+    """A decoder's pooling runner over whole prompts and an encoder's runner ask for the
+    pooling options (CPU options stand in for the GPU's); the paged pooling path asks for
+    none."""
+    from jaxserve.runner import encoder_runner
+
+    asked = []
+
+    def cpu_options(batch_invariant: bool, fp8_weights: bool = False, pooling: bool = False):
+        asked.append(pooling)
+        return {"xla_cpu_enable_fast_math": False} if pooling else {}
+
+    monkeypatch.setattr(programs, "compiler_options", cpu_options)
+    monkeypatch.setattr(encoder_runner, "compiler_options", cpu_options)
+    embed = dict(
+        runner="pooling", max_model_len=64, max_num_batched_tokens=64, warmup=False,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    qwen3 = str(FIXTURES.parent / "embeddings" / "qwen3_last")
+    bert = str(FIXTURES.parent / "encoders" / "bert_embed")
+    for model, attention in ((qwen3, "whole"), (qwen3, "paged"), (bert, None)):
+        if attention is not None:
+            monkeypatch.setenv("JAXSERVE_POOLING_ATTENTION", attention)
+        llm = jaxserve.LLM(model, **embed)
+        assert len(llm.embed([[5, 6, 7, 8]], use_tqdm=False)[0].outputs.embedding) > 0
+        llm.shutdown()
+    assert asked == [True, False, True]
