@@ -435,3 +435,27 @@ def test_exact_gelu_is_x_phi_x() -> None:
     assert np.all(np.abs(got - want) <= 2**-8 * np.abs(want) + 2e-6)  # half an ulp: <= 2^-8
     old = np.asarray(jax.nn.gelu(xb, approximate=False), np.float64)
     assert np.abs(got - want).max() <= np.abs(old - want).max()
+
+
+@pytest.mark.parametrize("every_bucket", [False, True])
+def test_warm_up_runs_the_smallest_bucket_or_on_a_gpu_each(monkeypatch, every_bucket):
+    """The encoder's warm-up compiles every bucket, then runs the smallest once, or where a
+    program's first run costs (a GPU: stood in for here) each bucket once."""
+    import jaxserve
+    from jaxserve.runner import encoder_runner, warmup
+
+    monkeypatch.setattr(warmup, "runs_every_bucket", lambda: every_bucket)
+    asked = []
+    padding = encoder_runner.EncoderRunner.padding_batch
+
+    def recording(self, num_tokens):
+        asked.append(num_tokens)
+        return padding(self, num_tokens)
+
+    monkeypatch.setattr(encoder_runner.EncoderRunner, "padding_batch", recording)
+    bert = str(Path(__file__).parent / "fixtures" / "encoders" / "bert_embed")
+    llm = jaxserve.LLM(bert, runner="pooling", max_model_len=64, max_num_batched_tokens=64)
+    buckets = list(llm.engine.runner.buckets.token_buckets)
+    llm.shutdown()
+    runs = buckets if every_bucket else buckets[:1]
+    assert len(buckets) > 1 and asked == buckets + runs  # one lowering each, then the runs

@@ -79,3 +79,36 @@ def test_step_programs_compile_a_bucket_and_run_it_without_a_runner() -> None:
     assert programs.step_fn._cache_size() == 0
     assert programs.sample_fn._cache_size() == 0
     assert programs.logits_fn._cache_size() == 0
+
+
+def test_first_steps_run_every_compiled_bucket_once_where_first_runs_pay(monkeypatch) -> None:
+    """``warmup.run_first_steps``: the smallest bucket's step as before and, where a program's
+    first run costs (a GPU: stood in for here), one padding step of each other compiled bucket
+    through the greedy sampler, all on the compiled programs; off the GPU the smallest alone."""
+    model_dir = fixture_dir("llama")
+    model_config = load_model_config(str(model_dir))
+    programs = make_programs(model_config)
+    with programs.precision(), concurrent.futures.ThreadPoolExecutor(2) as pool:
+        warmup.compile_buckets(programs, pool, [16, 32], time.perf_counter(), lambda: None)
+    config = EngineConfig(model=str(model_dir), dtype="float32")
+    programs.set_weights(model_weights(model_config, config, jnp.float32, None, None)[0])
+    kv_cache = make_kv_cache_for(model_config, NUM_BLOCKS, BLOCK_SIZE, jnp.float32)
+    ran = []
+    run_step = programs.run_step
+    monkeypatch.setattr(
+        programs,
+        "run_step",
+        lambda kv, batch, *a: ran.append(batch.num_tokens) or run_step(kv, batch, *a),
+    )
+    with programs.precision():
+        kv_cache = warmup.run_first_steps(programs, kv_cache)
+        assert ran == [16, 16]  # the CPU: the smallest bucket and its pending-token feed
+        monkeypatch.setattr(warmup, "runs_every_bucket", lambda: True)
+        ran.clear()
+        kv_cache = warmup.run_first_steps(programs, kv_cache)
+    assert ran == [16, 16, 32]
+    assert len(kv_cache) == model_config.num_layers
+    assert programs.step_fn._cache_size() == 0 and programs.sample_fn._cache_size() == 0
+    assert warmup.runs_every_bucket() and not jax.default_backend() == "gpu"
+    monkeypatch.undo()
+    assert not warmup.runs_every_bucket()

@@ -419,7 +419,8 @@ class ModelRunner:
 
     def _prepare_to_serve(self) -> None:
         """Warm-up's step between its compiles: the loaded weights in place of their shapes,
-        the KV cache allocated, one step of the smallest bucket run."""
+        the KV cache allocated, one step of the smallest bucket run (on a GPU, of every
+        bucket compiled so far: ``warmup.run_first_steps``)."""
         waited = time.perf_counter()
         self.wait_for_weights()
         if self.loading.shapes is not None:
@@ -431,7 +432,7 @@ class ModelRunner:
         warmup.log_kv_cache_allocated(
             self.capacity.kv_budget_bytes, time.perf_counter() - allocated
         )
-        self.kv_cache = warmup.run_smallest_step(self.programs, self.kv_cache)
+        self.kv_cache = warmup.run_first_steps(self.programs, self.kv_cache)
 
     # -- one step --------------------------------------------------------------------------
 
