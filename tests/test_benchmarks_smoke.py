@@ -797,3 +797,12 @@ def test_native_cases_probe_names_each_case_and_its_phases(tmp_path, monkeypatch
 
     cut = native_cases.run_case("mosaic", "decode_b3_page16", 1, 0.5, interpret=True)
     assert cut["ended"] == "killed after 0 s" and cut["repeats_done"] == 0
+
+
+def test_qk_norm_rope_probe_times_xlas_passes_and_the_kernel(tmp_path, monkeypatch) -> None:
+    """``--smoke``: 32 tokens, the kernel in interpret mode; both forms timed and equal."""
+    out = tmp_path / "qk.json"
+    run_script("benchmarks.probes.qk_norm_rope", ["--smoke", "--out", str(out)], monkeypatch)
+    forms = json.loads(out.read_text())["forms"]
+    assert set(forms) == {"xla", "kernel block_t=16"}
+    assert all(row["us"] > 0 and row["max_difference"] == 0 for row in forms.values())

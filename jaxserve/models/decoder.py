@@ -44,6 +44,8 @@ from jaxserve.models.layers import (
 )
 from jaxserve.models.quant import linear
 from pallas_kernels.kv_cache import write_kv
+from pallas_kernels.qk_norm_rope import dispatch as qk_dispatch
+from pallas_kernels.qk_norm_rope import triton as qk_triton
 from pallas_kernels.ragged_paged_attention import dispatch
 from pallas_kernels.swiglu_matmul import dispatch as swiglu_dispatch
 
@@ -123,24 +125,11 @@ def attention_block(
     lora: lora_ops.LayerLora | None = None,  # the layer's adapter slots (--enable-lora)
     row_tile: int | None = None,  # batch-invariant mode's GEMM rows (quant.linear)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    q, k, v = qkv_projections(lw, x, config, lora, row_tile)
-    if lw.bq is not None:  # q/k/v biases (Qwen2): the config has all three or none
-        q = q + lw.bq
-    if lw.bk is not None:
-        k = k + lw.bk
-    if lw.bv is not None:
-        v = v + lw.bv
-    if lw.q_norm is not None and lw.k_norm is not None and row_tile is None:
-        eps, gemma = config.rms_norm_eps, config.is_gemma  # per-head RMSNorm (Qwen3, Gemma 3)
-        q = normed_rotary(q, lw.q_norm, eps, gemma, rotary)
-        k = normed_rotary(k, lw.k_norm, eps, gemma, rotary)
+    on_kernel = _kernel_normed_qkv(lw, x, config, rotary, lora, row_tile)
+    if on_kernel is not None:
+        q, k, v = on_kernel
     else:
-        if lw.q_norm is not None:  # batch-invariant mode's row tiles
-            q = rms_norm(q, lw.q_norm, config.rms_norm_eps, config.is_gemma, row_tile)
-        if lw.k_norm is not None:
-            k = rms_norm(k, lw.k_norm, config.rms_norm_eps, config.is_gemma, row_tile)
-        q = rope.apply_rotary(q, *rotary)
-        k = rope.apply_rotary(k, *rotary)
+        q, k, v = _normed_qkv(lw, x, config, rotary, lora, row_tile)
     if isinstance(attention_fn, WholePromptAttention):  # no cache: the pages pass through
         out = attention_fn.attend(q, k, v, batch.cu_q_lens, sm_scale=config.sm_scale)
         return _output_projection(lw, out, lora, row_tile), k_pages, v_pages
@@ -164,6 +153,70 @@ def attention_block(
         **sinks,
     )  # [T, N, D]
     return _output_projection(lw, out, lora, row_tile), k_pages, v_pages
+
+
+def _normed_qkv(
+    lw: LayerWeights,
+    x: jax.Array,  # [T, H]
+    config: ModelConfig,
+    rotary: tuple[jax.Array, jax.Array],
+    lora: lora_ops.LayerLora | None,
+    row_tile: int | None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q, k and v, each with its bias; q and k normed (Qwen3, Gemma 3) and turned."""
+    q, k, v = qkv_projections(lw, x, config, lora, row_tile)
+    if lw.bq is not None:  # q/k/v biases (Qwen2): the config has all three or none
+        q = q + lw.bq
+    if lw.bk is not None:
+        k = k + lw.bk
+    if lw.bv is not None:
+        v = v + lw.bv
+    if lw.q_norm is not None and lw.k_norm is not None and row_tile is None:
+        eps, gemma = config.rms_norm_eps, config.is_gemma  # per-head RMSNorm (Qwen3, Gemma 3)
+        q = normed_rotary(q, lw.q_norm, eps, gemma, rotary)
+        k = normed_rotary(k, lw.k_norm, eps, gemma, rotary)
+    else:
+        if lw.q_norm is not None:  # batch-invariant mode's row tiles
+            q = rms_norm(q, lw.q_norm, config.rms_norm_eps, config.is_gemma, row_tile)
+        if lw.k_norm is not None:
+            k = rms_norm(k, lw.k_norm, config.rms_norm_eps, config.is_gemma, row_tile)
+        q = rope.apply_rotary(q, *rotary)
+        k = rope.apply_rotary(k, *rotary)
+    return q, k, v
+
+
+def _kernel_normed_qkv(
+    lw: LayerWeights,
+    x: jax.Array,  # [T, H]
+    config: ModelConfig,
+    rotary: tuple[jax.Array, jax.Array],  # (cos, sin), each [T, 1, D]
+    lora: lora_ops.LayerLora | None,
+    row_tile: int | None,
+) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+    """``_normed_qkv`` with q's and k's per-head norm and rotation each in one pass over the
+    fused q/k/v product (``pallas_kernels/qk_norm_rope``), where ``JAXSERVE_QK_NORM_ROPE`` asks
+    for it and the step fits; None elsewhere (no fused product, biases, adapters, batch-invariant
+    row tiles, no per-head norms)."""
+    if lw.fused is None or lw.q_norm is None or lw.k_norm is None or lw.bq is not None:
+        return None
+    if lora is not None or row_tile is not None:
+        return None
+    n, kv = config.num_q_heads, config.num_kv_heads
+    shape = jax.ShapeDtypeStruct((x.shape[0], n + 2 * kv, config.head_dim), x.dtype)
+    mode = qk_dispatch.takes(shape, 0, n)
+    if mode is None or qk_dispatch.takes(shape, n, kv) is None:
+        return None
+    qkv = linear(x, lw.fused.wqkv, "TH,HXD->TXD")
+    cos, sin = rotary[0][:, 0], rotary[1][:, 0]  # [T, D]
+    norm = functools.partial(
+        qk_triton.normed_rope,
+        eps=config.rms_norm_eps,
+        unit_offset=config.is_gemma,
+        interpret=mode == "interpret",
+    )
+    q = norm(qkv, lw.q_norm, cos, sin, first=0, heads=n)
+    k = norm(qkv, lw.k_norm, cos, sin, first=n, heads=kv)
+    return q, k, qkv[:, n + kv :]
 
 
 def normed_rotary(

@@ -40,6 +40,7 @@ from pallas_kernels.fp8_matmul import dispatch as fp8_dispatch
 from pallas_kernels.grouped_matmul.dispatch import GROUPED_MATMUL_NAMES, choose_grouped_matmul
 from pallas_kernels.lora import dispatch as lora_dispatch
 from pallas_kernels.mla import dispatch as mla_dispatch
+from pallas_kernels.qk_norm_rope import dispatch as qk_dispatch
 from pallas_kernels.ragged_paged_attention.dispatch import KERNEL_NAMES, choose_kernel
 from pallas_kernels.skinny_matmul import dispatch as skinny_dispatch
 from pallas_kernels.swiglu_matmul import dispatch as swiglu_dispatch
@@ -307,6 +308,7 @@ def startup_lines(
         skinny_dispatch.describe(),
         *([fp8_dispatch.describe()] if _per_channel_fp8(quant) else []),
         *([swiglu_dispatch.describe()] if _swiglu_kernel_may_run(model_config, quant) else []),
+        *([qk_dispatch.describe()] if model_config.qk_norm else []),
         *([describe_fp8_compile()] if _fp8_on_gpu(quant) else []),
         describe_samplers(config),
         *([experts] if experts else []),
