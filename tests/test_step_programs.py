@@ -109,6 +109,5 @@ def test_first_steps_run_every_compiled_bucket_once_where_first_runs_pay(monkeyp
     assert ran == [16, 16, 32]
     assert len(kv_cache) == model_config.num_layers
     assert programs.step_fn._cache_size() == 0 and programs.sample_fn._cache_size() == 0
-    assert warmup.runs_every_bucket() and not jax.default_backend() == "gpu"
     monkeypatch.undo()
     assert not warmup.runs_every_bucket()

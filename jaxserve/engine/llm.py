@@ -318,15 +318,8 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} pooling_params for {len(prompts)} prompts"
                 )
-
-        def queue() -> Iterator[tuple[str, int]]:
-            for prompt, params in zip(prompts, params_list, strict=True):
-                text, token_ids = self._to_token_ids(prompt)
-                request_id = str(next(self._ids))
-                self.engine.add_pooling_request(request_id, token_ids, params, prompt=text)
-                yield request_id, len(token_ids)
-
-        return self._run_pooling(queue(), len(prompts), use_tqdm, _embedding_output)
+        queue = self._queue_prompts(prompts, params_list)
+        return self._run_pooling(queue, len(prompts), use_tqdm, _embedding_output)
 
     def score(
         self,
@@ -392,14 +385,7 @@ class LLM:
             raise ValueError(core.scoring.classify_refusal)
         params = PoolingParams(task="classify", use_activation=use_activation)
         prompts = self._prompt_list(prompts)
-
-        def queue() -> Iterator[tuple[str, int]]:
-            for prompt in prompts:
-                text, token_ids = self._to_token_ids(prompt)
-                request_id = str(next(self._ids))
-                core.add_pooling_request(request_id, token_ids, params, prompt=text)
-                yield request_id, len(token_ids)
-
+        queue = self._queue_prompts(prompts, [params] * len(prompts))
         return [
             ClassificationRequestOutput(
                 out.request_id,
@@ -407,7 +393,7 @@ class LLM:
                 out.prompt_token_ids,
                 out.finished,
             )
-            for out in self._run_pooling(queue(), len(prompts), use_tqdm)
+            for out in self._run_pooling(queue, len(prompts), use_tqdm)
         ]
 
     @property
@@ -421,6 +407,17 @@ class LLM:
         ):
             return [prompts]  # type: ignore[list-item]
         return list(prompts)  # type: ignore[arg-type]
+
+    def _queue_prompts(
+        self, prompts: list[PromptType], params_list: list[PoolingParams]
+    ) -> Iterator[tuple[str, int]]:
+        """Queue each prompt as a pooling request with its params as it is read, yielding its
+        id and prompt length (``_run_pooling``'s queue)."""
+        for prompt, params in zip(prompts, params_list, strict=True):
+            text, token_ids = self._to_token_ids(prompt)
+            request_id = str(next(self._ids))
+            self.engine.add_pooling_request(request_id, token_ids, params, prompt=text)
+            yield request_id, len(token_ids)
 
     def _run_pooling(
         self,

@@ -207,11 +207,14 @@ FP8_XLA_OPTIONS_DEFAULT = "autotune0"
 def fp8_xla_options_name() -> str:
     """The option set the fp8 programs take (``$JAXSERVE_FP8_XLA_OPTIONS``); a ValueError
     names the variable and the sets when it names none of them."""
-    name = os.environ.get(FP8_XLA_OPTIONS_ENV, "").strip() or FP8_XLA_OPTIONS_DEFAULT
+    return _option_set_name(FP8_XLA_OPTIONS_ENV, FP8_XLA_OPTIONS_DEFAULT)
+
+
+def _option_set_name(env: str, default: str) -> str:
+    """The name of one of ``FP8_XLA_OPTION_SETS`` that ``$env`` gives (``default`` unset)."""
+    name = os.environ.get(env, "").strip() or default
     if name not in FP8_XLA_OPTION_SETS:
-        raise ValueError(
-            f"{FP8_XLA_OPTIONS_ENV}={name!r} must be one of {', '.join(FP8_XLA_OPTION_SETS)}"
-        )
+        raise ValueError(f"{env}={name!r} must be one of {', '.join(FP8_XLA_OPTION_SETS)}")
     return name
 
 
@@ -244,12 +247,7 @@ POOLING_XLA_OPTIONS_DEFAULT = "default"
 def pooling_xla_options_name() -> str:
     """The option set the pooling steps take (``$JAXSERVE_POOLING_XLA_OPTIONS``, one of
     ``FP8_XLA_OPTION_SETS``'s names)."""
-    name = os.environ.get(POOLING_XLA_OPTIONS_ENV, "").strip() or POOLING_XLA_OPTIONS_DEFAULT
-    if name not in FP8_XLA_OPTION_SETS:
-        raise ValueError(
-            f"{POOLING_XLA_OPTIONS_ENV}={name!r} must be one of {', '.join(FP8_XLA_OPTION_SETS)}"
-        )
-    return name
+    return _option_set_name(POOLING_XLA_OPTIONS_ENV, POOLING_XLA_OPTIONS_DEFAULT)
 
 
 def holds_fp8(tree: Any) -> bool:
