@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jax
+import numpy as np
 
 from jaxserve.engine.request import Request, Sequence
 from jaxserve.runner.step import ScheduledSeq, SchedulerOutput
@@ -66,10 +67,9 @@ def time_device(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> tupl
     """Seconds per step of model + sampler dispatched back to back, and the host seconds of
     one such dispatch (the calls' return, not the device's work: XLA's kernel launches)."""
     host_batch, rows = runner.inputs.build_batch(sched)
-    flags = runner.inputs.sampler_flags(rows, host_batch.kv_lens)
-    inputs = runner.inputs.sampling_inputs(
-        [i.seq for i in sched.scheduled], rows, host_batch.kv_lens, flags
-    )
+    kv_lens = np.asarray(host_batch.kv_lens)  # host arrays until forward, as the runner's
+    flags = runner.inputs.sampler_flags(rows, kv_lens)
+    inputs = runner.inputs.sampling_inputs([i.seq for i in sched.scheduled], rows, kv_lens, flags)
 
     programs = runner.programs
 
