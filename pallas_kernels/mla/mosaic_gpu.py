@@ -270,31 +270,43 @@ def _producer(r: _Refs, st: _Static, t: _Tile) -> None:
         plgpu.copy_gmem_to_smem(r.ql.at[token, heads], r.ql_s.at[rows], r.q_bar)
         plgpu.copy_gmem_to_smem(r.qpe.at[token, heads], r.qpe_s.at[rows], r.q_bar)
     for i in range(st.num_stages):
-        pl.when(i < t.num_steps)(functools.partial(_issue, r, st, t, i, i))
+        pl.when(i < t.num_steps)(lambda i=i: _issue(r, st, t, i, i, _pages_of(r, st, t, i)))
 
-    def refill(i, carry):
+    def refill(i, pages):
+        # Step i's pages were read from the page table during the previous wait; step i + 1's
+        # are read now, so their loads overlap the wait for the next free slot.
         slot = lax.rem(i, st.num_stages)
         plgpu.barrier_wait(r.free_bar.at[slot])
-        _issue(r, st, t, i, slot)
-        return carry
+        _issue(r, st, t, i, slot, pages)
+        return _pages_of(r, st, t, i + 1)
 
-    lax.fori_loop(st.num_stages, t.num_steps, refill, None)
+    first = _pages_of(r, st, t, st.num_stages)
+    lax.fori_loop(st.num_stages, t.num_steps, refill, first)
 
 
-def _issue(r: _Refs, st: _Static, t: _Tile, i, slot) -> None:
-    """TMA copies of KV step ``i`` (of this split) into ``slot``: a copy per page it spans; a
-    page past the sequence is an out-of-range index, which TMA fills with zeros."""
+def _pages_of(r: _Refs, st: _Static, t: _Tile, i) -> tuple:
+    """The page of each copy of KV step ``i`` (of this split): a page past the sequence (or a
+    step past the split) is an out-of-range index, which TMA fills with zeros."""
+    block = t.s_lo + i
+    rows_per_copy = min(st.page_size, st.block_kv)
+    num_seq_pages = (t.kv_len + st.page_size - 1) // st.page_size
+    pages_per_seq = r.pages.shape[1]
+    pages = []
+    for c in range(st.block_kv // rows_per_copy):
+        page_slot = (block * st.block_kv + c * rows_per_copy) // st.page_size
+        page = r.pages[t.seq, jnp.clip(page_slot, 0, pages_per_seq - 1)]
+        pages.append(jnp.where(page_slot < num_seq_pages, page, st.num_pages))
+    return tuple(pages)
+
+
+def _issue(r: _Refs, st: _Static, t: _Tile, i, slot, pages: tuple) -> None:
+    """TMA copies of KV step ``i`` (of this split) into ``slot``: a copy per page it spans."""
     block = t.s_lo + i
     rows_per_copy = min(st.page_size, st.block_kv)
     first_row: Any = 0  # within the page: a page of several steps is read a step at a time
     if st.page_size > st.block_kv:
         first_row = lax.rem(block, st.page_size // st.block_kv) * st.block_kv
-    num_seq_pages = (t.kv_len + st.page_size - 1) // st.page_size
-    pages_per_seq = r.pages.shape[1]
-    for c in range(st.block_kv // rows_per_copy):
-        page_slot = (block * st.block_kv + c * rows_per_copy) // st.page_size
-        page = r.pages[t.seq, jnp.minimum(page_slot, pages_per_seq - 1)]
-        page = jnp.where(page_slot < num_seq_pages, page, st.num_pages)
+    for c, page in enumerate(pages):
         src, dst = pl.ds(first_row, rows_per_copy), pl.ds(c * rows_per_copy, rows_per_copy)
         plgpu.copy_gmem_to_smem(r.ckv.at[page, src, 0], r.ckv_s.at[slot, dst], r.kv_bar.at[slot])
         plgpu.copy_gmem_to_smem(r.kpe.at[page, src, 0], r.kpe_s.at[slot, dst], r.kv_bar.at[slot])
