@@ -285,6 +285,14 @@ def test_the_epilogues_normal_cdf_is_within_3e_7() -> None:
     assert np.abs(got - want).max() < 3e-7
 
 
+def test_the_epilogues_gelu_is_h_phi_h_within_3e_7_of_h() -> None:
+    """The fused form (``h - h tail`` or ``h tail``, the constants folded) is h Phi(h)."""
+    h = np.linspace(-12, 12, 40_001)
+    want = np.array([v * 0.5 * math.erfc(-v / math.sqrt(2)) for v in h])
+    got = np.asarray(sm.exact_gelu(jnp.asarray(h, jnp.float32)), np.float64)
+    assert np.all(np.abs(got - want) <= 3e-7 * np.maximum(np.abs(h), 1.0))
+
+
 def test_gelu_matmul_refuses_what_it_does_not_take() -> None:
     x, w, b = gelu_inputs(256, 64, 128, 0)
     with pytest.raises(ValueError, match="one bfloat16 value a column"):
