@@ -66,6 +66,7 @@ from jaxserve.runner.segment_attention import (
 )
 from jaxserve.runner.step import RunnerOutput, SchedulerOutput
 from pallas_kernels.env_choice import env_choice
+from pallas_kernels.layer_norm import dispatch as norm_dispatch
 from pallas_kernels.swiglu_matmul import dispatch as mlp_dispatch
 
 _LOG = logging.getLogger(__name__)
@@ -214,6 +215,8 @@ class EncoderRunner:
         gelu = mlp_dispatch.GELU_ENV
         if encoder_config.hidden_act == "gelu" and mlp_dispatch.requested(gelu) != "off":
             _LOG.info("%s", mlp_dispatch.describe(gelu))
+        if norm_dispatch.requested() != "off":
+            _LOG.info("%s", norm_dispatch.describe())
         step = functools.partial(
             encoder_step, config=encoder_config, tile=self.tile, attention_impl=implementation
         )

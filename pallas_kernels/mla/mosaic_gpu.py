@@ -270,7 +270,7 @@ def _producer(r: _Refs, st: _Static, t: _Tile) -> None:
         plgpu.copy_gmem_to_smem(r.ql.at[token, heads], r.ql_s.at[rows], r.q_bar)
         plgpu.copy_gmem_to_smem(r.qpe.at[token, heads], r.qpe_s.at[rows], r.q_bar)
     for i in range(st.num_stages):
-        pl.when(i < t.num_steps)(lambda i=i: _issue(r, st, t, i, i, _pages_of(r, st, t, i)))
+        pl.when(i < t.num_steps)(functools.partial(_issue_first, r, st, t, i))
 
     def refill(i, pages):
         # Step i's pages were read from the page table during the previous wait; step i + 1's
@@ -282,6 +282,11 @@ def _producer(r: _Refs, st: _Static, t: _Tile) -> None:
 
     first = _pages_of(r, st, t, st.num_stages)
     lax.fori_loop(st.num_stages, t.num_steps, refill, first)
+
+
+def _issue_first(r: _Refs, st: _Static, t: _Tile, i: int) -> None:
+    """Step ``i`` of the first ``num_stages`` into slot ``i``, its pages read now."""
+    _issue(r, st, t, i, i, _pages_of(r, st, t, i))
 
 
 def _pages_of(r: _Refs, st: _Static, t: _Tile, i) -> tuple:

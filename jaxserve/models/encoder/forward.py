@@ -23,6 +23,8 @@ import numpy as np
 
 from jaxserve.models.encoder.config import EncoderConfig
 from jaxserve.models.encoder.weights import EncoderLayerWeights, EncoderWeights, LayerNorm
+from pallas_kernels.layer_norm import dispatch as norm_dispatch
+from pallas_kernels.layer_norm import triton as norm_triton
 from pallas_kernels.swiglu_matmul import dispatch as mlp_dispatch
 
 # (q [T, N, D], k [T, N, D], v [T, N, D], segment_ids i32[T], sm_scale) -> [T, N, D]
@@ -137,6 +139,17 @@ def layer_norm(x: jax.Array, norm: LayerNorm, eps: float) -> jax.Array:  # [T, H
     return (y * norm.scale.astype(jnp.float32) + norm.bias.astype(jnp.float32)).astype(x.dtype)
 
 
+def add_layer_norm(x: jax.Array, residual: jax.Array, norm: LayerNorm, eps: float) -> jax.Array:
+    """``layer_norm(x + residual)``: on the one-pass kernel where ``JAXSERVE_LAYER_NORM`` asks
+    for it and the shapes fit (``pallas_kernels/layer_norm``), else XLA's add and norm."""
+    mode = norm_dispatch.takes(x, residual)
+    if mode is None:
+        return layer_norm(x + residual, norm, eps)
+    return norm_triton.add_layer_norm(
+        x, residual, norm.scale, norm.bias, eps=eps, interpret=mode == "interpret"
+    )
+
+
 def embed(weights: EncoderWeights, batch: EncoderBatch, config: EncoderConfig) -> jax.Array:
     """Word + position + token-type embeddings, then LayerNorm: [T, H]. Positions are
     ``batch.positions + config.position_offset`` (XLM-R's start after its padding id)."""
@@ -169,10 +182,10 @@ def encoder_layer(
     v = jnp.einsum("TH,HND->TND", x, lw.wv) + lw.bv
     attn = attention_fn(q, k, v, segments, config.head_dim**-0.5)
     attn = jnp.einsum("TND,NDH->TH", attn, lw.wo) + lw.bo
-    x = layer_norm(attn + x, lw.attn_norm, config.layer_norm_eps)
+    x = add_layer_norm(attn, x, lw.attn_norm, config.layer_norm_eps)
     h = intermediate(lw, x, config)
     h = jnp.einsum("TI,IH->TH", h, lw.w_out) + lw.b_out
-    return layer_norm(h + x, lw.mlp_norm, config.layer_norm_eps)
+    return add_layer_norm(h, x, lw.mlp_norm, config.layer_norm_eps)
 
 
 def forward(
