@@ -199,12 +199,15 @@ def test_the_probes_runner_carries_no_set_of_its_own(monkeypatch) -> None:
 
 @pytest.mark.parametrize("name", sorted(FP8_XLA_OPTION_SETS))
 def test_each_set_reaches_pooling_steps_on_a_gpu_only(monkeypatch, on_a_gpu, name) -> None:
-    """XLA's own options by default (the cuBLAS set is to be timed on the GPU first); a set
-    named reaches the pooling steps, and neither generation steps nor fp8 ones."""
+    """By default cuBLAS's GEMMs for a decoder's whole prompts and XLA's own options for an
+    encoder (timed on an H100); a set named reaches both, and neither generation steps nor
+    fp8 ones."""
     monkeypatch.delenv(POOLING_XLA_OPTIONS_ENV, raising=False)
-    assert compiler_options(False, pooling=True) == {}
+    assert compiler_options(False, pooling=True) == FP8_XLA_OPTION_SETS["cublas"]
+    assert compiler_options(False, pooling=True, encoder=True) == {}
     monkeypatch.setenv(POOLING_XLA_OPTIONS_ENV, name)
     assert compiler_options(False, pooling=True) == FP8_XLA_OPTION_SETS[name]
+    assert compiler_options(False, pooling=True, encoder=True) == FP8_XLA_OPTION_SETS[name]
     assert compiler_options(False) == {}
     monkeypatch.setenv(FP8_XLA_OPTIONS_ENV, "default")
     assert compiler_options(False, fp8_weights=True, pooling=True) == {}  # fp8's set
@@ -245,7 +248,9 @@ def test_pooling_steps_without_cache_are_jitted_with_them(monkeypatch) -> None:
 
     asked = []
 
-    def cpu_options(batch_invariant: bool, fp8_weights: bool = False, pooling: bool = False):
+    def cpu_options(
+        batch_invariant: bool, fp8_weights: bool = False, pooling: bool = False, encoder=False
+    ):
         asked.append(pooling)
         return {"xla_cpu_enable_fast_math": False} if pooling else {}
 

@@ -76,9 +76,18 @@ def test_the_kernel_refuses_what_it_does_not_take() -> None:
         )
 
 
-def test_the_switch_is_off_by_default_and_names_its_path(monkeypatch) -> None:
+def test_the_switch_is_auto_by_default_and_names_its_path(monkeypatch) -> None:
+    """``auto`` (the default): XLA's passes on the CPU, the kernel on one GPU for steps of at
+    least 1,024 tokens; ``off`` never; ``on`` wherever the shapes fit."""
     qkv = jax.ShapeDtypeStruct((2048, 32, 128), jnp.bfloat16)
-    assert dispatch.requested() == "off" and dispatch.takes(qkv, 0, 16) is None
+    monkeypatch.delenv("JAXSERVE_QK_NORM_ROPE", raising=False)
+    assert dispatch.requested() == "auto" and dispatch.takes(qkv, 0, 16) is None  # the CPU
+    assert dispatch.describe() == (
+        "Per-head norm and rotary: XLA's reduction and pass (the kernel is Pallas Triton; "
+        "this is the cpu backend)"
+    )
+    monkeypatch.setenv("JAXSERVE_QK_NORM_ROPE", "off")
+    assert dispatch.takes(qkv, 0, 16) is None
     assert dispatch.describe() == (
         "Per-head norm and rotary: XLA's reduction and pass (JAXSERVE_QK_NORM_ROPE=off)"
     )

@@ -93,7 +93,7 @@ ENCODER_GPU_XLA_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
 def encoder_compiler_options() -> dict[str, Any]:
     """The encoder step's XLA options: the pooling steps' set (``programs.compiler_options``)
     and, on a GPU, no merged GEMMs (``ENCODER_GPU_XLA_OPTIONS``)."""
-    options = compiler_options(False, pooling=True)
+    options = compiler_options(False, pooling=True, encoder=True)
     if jax.default_backend() == "gpu":
         options.update(ENCODER_GPU_XLA_OPTIONS)
     return options

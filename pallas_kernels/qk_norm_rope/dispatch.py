@@ -1,9 +1,11 @@
 """When a step norms and turns q and k on the kernel (``triton``), read at trace time.
 
-``JAXSERVE_QK_NORM_ROPE``: ``off`` (the default until the kernel is timed on a GPU: XLA's
-reduction and pass per tensor, ``decoder.normed_rotary``), ``auto`` (the kernel on a process
-of one GPU, for steps of at least ``MIN_TOKENS`` tokens), ``on`` (the kernel wherever its
-shapes fit: natively on a GPU, in Pallas interpret mode elsewhere, for tests). ``takes``
+``JAXSERVE_QK_NORM_ROPE``: ``auto`` (the default: the kernel on a process of one GPU, for steps
+of at least ``MIN_TOKENS`` tokens), ``off`` (XLA's reduction and pass per tensor,
+``decoder.normed_rotary``), ``on`` (the kernel wherever its shapes fit: natively on a GPU, in
+Pallas interpret mode elsewhere, for tests). Timed on an H100 (2026-12-07) with the cuBLAS
+option set of the pooling steps: the 16,384-token Qwen3-0.6B embedding step 1.8 ms shorter
+(45.9% -> 48.6% of the bf16 peak), its native tests passing. ``takes``
 answers for one call's shapes, ``describe`` writes the start-up log line.
 """
 
@@ -20,7 +22,7 @@ MIN_TOKENS = 1024  # ``auto``: prompt-sized steps, where the second read of q an
 
 
 def requested() -> str:
-    return env_choice(ENV, CHOICES, "off")
+    return env_choice(ENV, CHOICES, "auto")
 
 
 def choose() -> tuple[str, str]:
