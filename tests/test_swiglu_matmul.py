@@ -45,6 +45,11 @@ CASES = [
     # halved to 32 for N = 96), and the probe's tiles of 2 x 128 rows.
     Case("persistent_12_tiles", 512, 64, 96, config=sm.SwigluMatmulConfig(64, 32, 32, 2, True)),
     Case("persistent_128_rows", 256, 128, 64, config=sm.SwigluMatmulConfig(128, 64, 64, 3, True)),
+    # The ping-pong schedule: 6 pairs of 64-row tiles over 2 programs (N = 128 in 4 tiles of
+    # 32), each pair's K loop 4 steps a member through a ring of 3 stages.
+    Case(
+        "pingpong_6_pairs", 192, 128, 128, config=sm.SwigluMatmulConfig(64, 32, 32, 3, True, True)
+    ),
 ]
 
 
@@ -185,6 +190,34 @@ def test_the_dispatch_takes_the_persistent_form_where_its_tiles_fill() -> None:
     assert rows(64) is None
 
 
+def test_the_epilogue_schedule_switch_picks_the_pingpong_tiles(monkeypatch) -> None:
+    """``JAXSERVE_EPILOGUE_SCHEDULE``: cooperative by default; ``pingpong`` takes the ping-pong
+    tiles where they fit (an even number of column tiles), the cooperative forms elsewhere."""
+    x = jax.ShapeDtypeStruct((16384, 1024), jnp.bfloat16)
+    qwen3_w = jax.ShapeDtypeStruct((1024, 2 * 3072), jnp.bfloat16)
+    bge_w, bge_b = jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16), jnp.zeros(4096, jnp.bfloat16)
+    monkeypatch.delenv("JAXSERVE_EPILOGUE_SCHEDULE", raising=False)
+    assert dispatch.schedule() == "cooperative" and dispatch.gelu_config() == sm.GELU_CONFIG
+    assert dispatch.config_for(x, qwen3_w) == dispatch.CONFIGS[0]
+    monkeypatch.setenv("JAXSERVE_EPILOGUE_SCHEDULE", "pingpong")
+    assert dispatch.config_for(x, qwen3_w) == sm.SWIGLU_PINGPONG_CONFIG
+    assert dispatch.gelu_config() == sm.GELU_PINGPONG_CONFIG
+    monkeypatch.setenv("JAXSERVE_GELU_MATMUL", "on")
+    assert dispatch.gelu_takes(x, bge_w, bge_b) == "interpret"
+    odd_w = jax.ShapeDtypeStruct((1024, 3 * 128), jnp.bfloat16)  # 3 column tiles of 128
+    assert "even number" in (sm.unsupported_reason(x, odd_w, sm.GELU_PINGPONG_CONFIG, 1) or "")
+    assert dispatch.gelu_takes(x, odd_w, jnp.zeros(384, jnp.bfloat16)) is None
+    odd_qwen3 = jax.ShapeDtypeStruct((1024, 2 * 3 * 64), jnp.bfloat16)
+    assert dispatch.config_for(x, odd_qwen3) == dispatch.CONFIGS[0]  # the cooperative form
+    for config in (sm.GELU_PINGPONG_CONFIG, sm.SWIGLU_PINGPONG_CONFIG):
+        assert sm.smem_bytes(config, 2, views=1 if config.block_n == 128 else 2) <= sm.SMEM_BYTES
+    with pytest.raises(ValueError, match="schedule of the persistent form"):
+        sm.SwigluMatmulConfig(pingpong=True)
+    monkeypatch.setenv("JAXSERVE_EPILOGUE_SCHEDULE", "staggered")
+    with pytest.raises(ValueError, match="JAXSERVE_EPILOGUE_SCHEDULE"):
+        dispatch.configs()
+
+
 def test_a_dense_mlp_takes_the_kernel_where_it_fits(monkeypatch) -> None:
     """A SwiGLU MLP of fused gate/up weights: on the kernel with the switch on (the product
     close to XLA's path), on XLA's path for another activation, with adapters, or few rows."""
@@ -246,6 +279,7 @@ def test_a_served_model_takes_the_kernel_on_its_prompt_steps(monkeypatch) -> Non
 GELU_CASES = [  # (name, m, k, n, config): an encoder's intermediate GEMM, bias and GELU
     ("gelu_12_tiles_block_n_halved", 512, 64, 96, sm.SwigluMatmulConfig(64, 32, 32, 2, True)),
     ("gelu_default_tiles", 256, 128, 256, sm.GELU_CONFIG),
+    ("gelu_pingpong", 192, 96, 256, sm.SwigluMatmulConfig(64, 64, 32, 4, True, True)),
 ]
 
 
@@ -388,7 +422,7 @@ def test_native_matches_reference_at_every_shipped_mlp() -> None:
     for hidden, inter in sorted(shipped_mlps()):
         x, w = inputs(Case("shipped", 256, hidden, inter), seed)
         want = jax.jit(reference.swiglu_matmul)(x, w)
-        for config in dispatch.CONFIGS:
+        for config in (sm.SWIGLU_PINGPONG_CONFIG, *dispatch.CONFIGS):
             if sm.unsupported_reason(x, w, config) is not None:
                 continue
             taken += 1
@@ -415,3 +449,5 @@ def test_gelu_native_at_bge_larges_shape() -> None:
     x, w, b = gelu_inputs(256, 1024, 4096, seed)
     want = jax.jit(reference.gelu_matmul)(x, w, b)
     assert_close(sm.gelu_matmul(x, w, b), want, f"{seed=}")
+    pingpong = sm.gelu_matmul(x, w, b, config=sm.GELU_PINGPONG_CONFIG)
+    assert_close(pingpong, want, f"ping-pong {seed=}")

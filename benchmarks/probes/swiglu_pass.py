@@ -91,7 +91,7 @@ def kernels(hlo: str) -> list[str]:
     return found
 
 
-KERNEL_CONFIGS = [  # (block_m, block_n, block_k, num_stages, warp_specialized) of the kernel
+KERNEL_CONFIGS = [  # (block_m, block_n, block_k, num_stages, warp_specialized[, pingpong])
     (128, 64, 64, 4, False),
     (128, 64, 128, 3, False),
     (64, 128, 64, 4, False),
@@ -99,6 +99,8 @@ KERNEL_CONFIGS = [  # (block_m, block_n, block_k, num_stages, warp_specialized) 
     (128, 64, 64, 4, True),  # the persistent form: tiles of 2 x 128 rows
     (128, 64, 64, 3, True),
     (64, 128, 64, 3, True),
+    (128, 64, 64, 6, True, True),  # the ping-pong schedule: a warpgroup's own tile, in turn
+    (128, 64, 64, 4, True, True),
 ]
 
 

@@ -43,6 +43,30 @@ CONFIGS = (
     mosaic_gpu.SwigluMatmulConfig(warp_specialized=True),
     mosaic_gpu.SwigluMatmulConfig(),
 )
+# ``JAXSERVE_EPILOGUE_SCHEDULE``: how the persistent form's two compute warpgroups share the
+# work: ``cooperative`` (the default until the other is timed: both on each tile, their
+# epilogues together while the tensor cores wait) or ``pingpong`` (each its own tile in turn,
+# one's epilogue beside the other's products).
+SCHEDULE_ENV = "JAXSERVE_EPILOGUE_SCHEDULE"
+SCHEDULES = ("cooperative", "pingpong")
+
+
+def schedule() -> str:
+    return env_choice(SCHEDULE_ENV, SCHEDULES, "cooperative")
+
+
+def configs() -> tuple[mosaic_gpu.SwigluMatmulConfig, ...]:
+    """The SwiGLU kernel's configs in order of preference, for this process's schedule."""
+    if schedule() == "pingpong":
+        return (mosaic_gpu.SWIGLU_PINGPONG_CONFIG, *CONFIGS)
+    return CONFIGS
+
+
+def gelu_config() -> mosaic_gpu.SwigluMatmulConfig:
+    """The GELU kernel's config for this process's schedule."""
+    if schedule() == "pingpong":
+        return mosaic_gpu.GELU_PINGPONG_CONFIG
+    return mosaic_gpu.GELU_CONFIG
 
 
 def requested(env: str = SWIGLU_ENV) -> str:
@@ -91,8 +115,8 @@ def auto_fits(x: Any) -> bool:
 
 
 def config_for(x: Any, w: Any) -> mosaic_gpu.SwigluMatmulConfig | None:
-    """The first of ``CONFIGS`` that takes these shapes, or None."""
-    fits = (c for c in CONFIGS if mosaic_gpu.unsupported_reason(x, w, c) is None)
+    """The first of ``configs()`` that takes these shapes, or None."""
+    fits = (c for c in configs() if mosaic_gpu.unsupported_reason(x, w, c) is None)
     return next(fits, None)
 
 
@@ -125,7 +149,7 @@ def gelu_takes(x: Any, w: Any, b: Any) -> str | None:
     path, _ = choose(GELU_ENV)
     if path == "xla" or (requested(GELU_ENV) == "auto" and not auto_fits(x)):
         return None
-    config = mosaic_gpu.GELU_CONFIG
+    config = gelu_config()
     if mosaic_gpu.unsupported_reason(x, w, config, views=1) is not None or b.dtype != x.dtype:
         return None
     return path
@@ -133,4 +157,4 @@ def gelu_takes(x: Any, w: Any, b: Any) -> str | None:
 
 def gelu_matmul(x: jax.Array, w: jax.Array, b: jax.Array, mode: str) -> jax.Array:
     """``gelu(x @ w + b)`` (exact GELU) on the kernel, in ``mode`` (``gelu_takes``'s answer)."""
-    return mosaic_gpu.gelu_matmul(x, w, b, interpret=mode == "interpret")
+    return mosaic_gpu.gelu_matmul(x, w, b, config=gelu_config(), interpret=mode == "interpret")

@@ -19,6 +19,11 @@ Two forms (``SwigluMatmulConfig.warp_specialized``):
   (``plgpu.emit_pipeline_warp_specialized``) while two compute warpgroups each multiply
   ``block_m`` rows of a ``[2 block_m, block_n]`` tile (the gate and up tiles shared), and a
   tile's epilogue and store overlap the next tile's copies.
+  Its ping-pong schedule (``pingpong=True``) gives each compute warpgroup whole tiles of its
+  own instead: the program walks pairs of column-adjacent tiles, one K loop over the pair's
+  first member then its second, and warpgroup w multiplies member w's steps and lets the
+  others pass; so one warpgroup's epilogue runs while the other's products do, as far as the
+  ring's stages let the memory warpgroup run ahead (CUTLASS's "ping-pong" Hopper GEMMs).
 On an H100 (2026-12-07, ``benchmarks/probes/swiglu_pass.py``) at the Qwen3-Embedding-0.6B
 MLP's 16,384-token step the persistent form took 0.300 ms (687 TFLOP/s) against XLA's GEMM and
 pass 0.372 ms, the simple form 0.42-0.64 ms: ``dispatch`` takes the persistent form where the
@@ -67,6 +72,10 @@ class SwigluMatmulConfig:
     block_k: int = 64  # 32, 64 or 128
     num_stages: int = 4
     warp_specialized: bool = False  # the persistent form: 2 compute warpgroups of block_m rows
+    # The persistent form's schedule: the two compute warpgroups share each tile (False), or
+    # take the tiles of a pair in turn, each a [block_m, block_n] tile of its own, so that one's
+    # epilogue runs while the other's products do (True: "ping-pong").
+    pingpong: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -77,11 +86,13 @@ class SwigluMatmulConfig:
             raise ValueError(f"{self.block_k=} must be 32, 64 or 128")
         if not 1 <= self.num_stages <= 8:
             raise ValueError(f"{self.num_stages=} must be in [1, 8]")
+        if self.pingpong and not self.warp_specialized:
+            raise ValueError("pingpong=True is a schedule of the persistent form only")
 
     @property
     def rows(self) -> int:
-        """A program's rows a tile: block_m, or block_m for each of two compute warpgroups."""
-        return self.block_m * (2 if self.warp_specialized else 1)
+        """A tile's rows: block_m, or block_m for each of two compute warpgroups sharing it."""
+        return self.block_m * (2 if self.warp_specialized and not self.pingpong else 1)
 
 
 def plan(n: int, k: int, config: SwigluMatmulConfig) -> SwigluMatmulConfig:
@@ -99,7 +110,8 @@ def smem_bytes(config: SwigluMatmulConfig, itemsize: int, views: int = 2) -> int
     """Shared memory of one program: the pipeline's stages (an x tile and ``views`` weight
     tiles: gate and up, or one), then the output tile (a warpgroup's block_m rows each)."""
     stage = (config.rows + views * config.block_n) * config.block_k * itemsize
-    return config.num_stages * stage + config.rows * config.block_n * itemsize
+    out_rows = config.block_m * (2 if config.warp_specialized else 1)  # a buffer a warpgroup
+    return config.num_stages * stage + out_rows * config.block_n * itemsize
 
 
 def _check_smem(name: str, tiles: SwigluMatmulConfig, itemsize: int, views: int) -> None:
@@ -128,6 +140,8 @@ def unsupported_reason(x: Any, w: Any, config: SwigluMatmulConfig, views: int = 
         return f"{m} rows: the kernel takes a multiple of {tiles.rows} (its tile's rows)"
     if n % tiles.block_n or k % tiles.block_k:
         return f"N={n}, K={k}: N must be a multiple of 16 and K of 32"
+    if tiles.pingpong and (n // tiles.block_n) % 2:
+        return f"N={n}: the ping-pong schedule takes an even number of {tiles.block_n}-column tiles"
     return None
 
 
@@ -173,13 +187,20 @@ def _warp_specialized(
     def ignore(*_, **__):  # (the allocations do not depend on the body or the context)
         return None
 
-    weight = plgpu.BlockSpec((tiles.block_k, tiles.block_n), lambda s: (s, 0))
+    k_steps = k // tiles.block_k
+    if tiles.pingpong:  # the pair's first tile's K steps, then its second's
+        grid: tuple[int, ...] = (2, k_steps)
+        x_spec = plgpu.BlockSpec((tiles.rows, tiles.block_k), lambda _, s: (0, s))
+        weight = plgpu.BlockSpec((tiles.block_k, tiles.block_n), lambda member, s: (s, member))
+    else:
+        grid = (k_steps,)
+        x_spec = plgpu.BlockSpec((tiles.rows, tiles.block_k), lambda s: (0, s))
+        weight = plgpu.BlockSpec((tiles.block_k, tiles.block_n), lambda s: (s, 0))
     return plgpu.emit_pipeline_warp_specialized(
         body or ignore,
-        grid=(k // tiles.block_k,),
+        grid=grid,
         memory_registers=40,
-        in_specs=[plgpu.BlockSpec((tiles.rows, tiles.block_k), lambda s: (0, s))]
-        + [weight] * views,
+        in_specs=[x_spec] + [weight] * views,
         wg_axis="wg",
         num_compute_wgs=2,
         max_concurrent_steps=tiles.num_stages,
@@ -263,6 +284,90 @@ def _persistent_kernel(x_ref, w_ref, o_ref, *scratch, tiles: SwigluMatmulConfig,
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _pair_body(
+    o_ref, o_smem, rows, first, k_steps: int, tiles: SwigluMatmulConfig, epilogue: _Epilogue
+):
+    """(the pipeline's step, its compute context) for a tile pair: compute warpgroup w
+    multiplies the K steps of member w (columns ``first + w block_n``) and lets the other's
+    pass, so its epilogue (after its last K step) runs while the other warpgroup's products do,
+    as far as the ring's stages let the memory warpgroup run ahead."""
+    wg = lax.axis_index("wg")
+    columns = pl.ds(first + wg * tiles.block_n, tiles.block_n)
+
+    def finish(accs):
+        values = epilogue.apply(columns, *(acc[...] for acc in accs))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last pair's store
+        o_smem[wg] = values.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[rows, columns])
+
+    def step(indices, x_smem, *rest):
+        *w_smems, accs = rest
+        member, s = indices
+
+        @pl.when(member == wg)
+        def _():
+            if epilogue.start is not None:
+                pl.when(s == 0)(lambda: epilogue.start(columns))
+            for acc, w_smem in zip(accs, w_smems, strict=True):
+                plgpu.wgmma(acc, x_smem, w_smem)
+            plgpu.wgmma_wait(0)  # the stage is released to the memory warpgroup on return
+            pl.when(s == k_steps - 1)(lambda: finish(accs))
+
+        return accs
+
+    def context(run):
+        def accumulate(*accs):
+            run(accs)
+
+        acc = plgpu.ACC((tiles.block_m, tiles.block_n), jnp.float32)
+        pl.run_scoped(accumulate, *[acc] * epilogue.views)
+
+    return step, context
+
+
+def _pingpong_kernel(x_ref, w_ref, o_ref, *scratch, tiles: SwigluMatmulConfig, epilogue):
+    """``_persistent_kernel`` with the ping-pong schedule: one program an SM walks its share of
+    the tile pairs (two column-adjacent ``[block_m, block_n]`` tiles of one row block, row-block
+    major), one K loop over both members, each compute warpgroup a member's products and
+    epilogue."""
+    (m, k), n = x_ref.shape, o_ref.shape[1]
+    block_n, n_blocks = tiles.block_n, n // tiles.block_n
+    if scratch:  # the epilogue's own scratch (a bias tile's buffers), bound by the caller
+        epilogue = epilogue(*scratch)
+
+    def views(j):  # the pair's two column tiles of each weight view
+        width = 2 * block_n
+        return [w_ref.at[:, pl.ds(v * n + j * block_n, width)] for v in range(epilogue.views)]
+
+    def scope(allocations, o_smem):
+        @plgpu.nd_loop(((m // tiles.block_m) * n_blocks // 2,), collective_axes="sm")
+        def _pair(loop: plgpu.NDLoopInfo):
+            (index,) = loop.index
+            i, j = (2 * index) // n_blocks, (2 * index) % n_blocks
+            rows = pl.ds(i * tiles.block_m, tiles.block_m)
+            body = _pair_body(o_ref, o_smem, rows, j * block_n, k // tiles.block_k, tiles, epilogue)
+            _warp_specialized(tiles, k, epilogue.views, *body)(
+                x_ref.at[rows], *views(j), allocations=allocations
+            )
+
+    pipeline = _warp_specialized(tiles, k, epilogue.views)
+    pl.run_scoped(
+        scope,
+        pipeline.get_allocations(x_ref.at[pl.ds(0, tiles.block_m)], *views(0)),
+        plgpu.SMEM((2, tiles.block_m, block_n), o_ref.dtype),
+        collective_axes="wg",
+    )
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _num_programs(m: int, n: int, tiles: SwigluMatmulConfig, interpret: Any) -> int:
+    """The persistent form's programs: one an SM (two in interpret mode), at most a tile (or a
+    tile pair) each."""
+    work = (m // tiles.rows) * (n // tiles.block_n) // (2 if tiles.pingpong else 1)
+    return min(work, INTERPRET_PROGRAMS if interpret else num_sms())
+
+
 def _swiglu(_, gate, up):
     """silu(gate) * up, float32: the sigmoid as 1 / (1 + 2^(-gate log2 e)), a reciprocal and a
     power of two, both approximate (``approx_math``): 8 instructions an element where
@@ -298,11 +403,10 @@ def swiglu_matmul(
         interpret=plgpu.InterpretGPUParams() if interpret is True else interpret,
     )
     if tiles.warp_specialized:
-        num_tiles = (m // tiles.rows) * (n // tiles.block_n)
-        num_programs = min(num_tiles, INTERPRET_PROGRAMS if interpret else num_sms())
+        form = _pingpong_kernel if tiles.pingpong else _persistent_kernel
         return plgpu.kernel(
-            functools.partial(_persistent_kernel, tiles=tiles, epilogue=SWIGLU),
-            grid=(num_programs,),
+            functools.partial(form, tiles=tiles, epilogue=SWIGLU),
+            grid=(_num_programs(m, n, tiles, interpret),),
             grid_names=("sm",),
             num_threads=3,
             thread_name="wg",
@@ -366,10 +470,16 @@ def _bias_gelu_kernel(x_ref, w_ref, b_ref, o_ref, b_smem, barriers, *, tiles: Sw
         return exact_gelu(h)
 
     epilogue = _Epilogue(views=1, apply=apply, start=start)
-    _persistent_kernel(x_ref, w_ref, o_ref, tiles=tiles, epilogue=epilogue)
+    form = _pingpong_kernel if tiles.pingpong else _persistent_kernel
+    form(x_ref, w_ref, o_ref, tiles=tiles, epilogue=epilogue)
 
 
 GELU_CONFIG = SwigluMatmulConfig(block_n=128, num_stages=3, warp_specialized=True)
+# The ping-pong schedule's tiles: a warpgroup's own 128 x 128 tile (128 x 64 for SwiGLU's two
+# products), the deepest ring that fits beside the two output buffers (224 KB of 227). No
+# spills in a deviceless H200 compile (168 registers, 2026-12-07); not yet timed.
+GELU_PINGPONG_CONFIG = SwigluMatmulConfig(128, 128, 64, 5, warp_specialized=True, pingpong=True)
+SWIGLU_PINGPONG_CONFIG = SwigluMatmulConfig(128, 64, 64, 6, warp_specialized=True, pingpong=True)
 TMA_SMEM_ALIGNMENT = 128  # bytes: where a tensor copy may land in shared memory
 
 
@@ -403,7 +513,6 @@ def gelu_matmul(
     (m, k), n = x.shape, w.shape[1]
     tiles = plan(n, k, config)
     _check_smem("gelu_matmul", tiles, x.dtype.itemsize, views=1)
-    num_tiles = (m // tiles.rows) * (n // tiles.block_n)
     return plgpu.kernel(
         functools.partial(_bias_gelu_kernel, tiles=tiles),
         out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
@@ -411,7 +520,7 @@ def gelu_matmul(
             plgpu.SMEM((2, bias_row(tiles.block_n, x.dtype.itemsize)), x.dtype),
             plgpu.Barrier(num_barriers=2),
         ],
-        grid=(min(num_tiles, INTERPRET_PROGRAMS if interpret else num_sms()),),
+        grid=(_num_programs(m, n, tiles, interpret),),
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
