@@ -71,9 +71,14 @@ def test_rows_a_program_and_the_refusals() -> None:
         triton.add_layer_norm(y, y, y[0], y[0], eps=1e-5, interpret=True)
 
 
-def test_the_switch_is_off_by_default(monkeypatch) -> None:
+def test_the_switch_is_auto_by_default(monkeypatch) -> None:
+    """``auto`` (the default): XLA's fusion on the CPU, the kernel on one GPU; ``off`` never;
+    ``on`` wherever the shapes fit."""
     x = jax.ShapeDtypeStruct((2048, 1024), jnp.bfloat16)
-    assert dispatch.requested() == "off" and dispatch.takes(x, x) is None
+    monkeypatch.delenv("JAXSERVE_LAYER_NORM", raising=False)
+    assert dispatch.requested() == "auto" and dispatch.takes(x, x) is None  # the CPU
+    monkeypatch.setenv("JAXSERVE_LAYER_NORM", "off")
+    assert dispatch.takes(x, x) is None
     assert dispatch.describe() == (
         "Residual add and LayerNorm: XLA's fusions (JAXSERVE_LAYER_NORM=off)"
     )

@@ -1,9 +1,11 @@
 """When an encoder's residual add and LayerNorm run on the kernel (``triton``), read at trace
 time.
 
-``JAXSERVE_LAYER_NORM``: ``off`` (the default until the kernel is timed on a GPU: XLA's add
-and normalizing fusion), ``auto`` (the kernel on a process of one GPU), ``on`` (the kernel
-wherever its shapes fit: natively on a GPU, in Pallas interpret mode elsewhere, for tests).
+``JAXSERVE_LAYER_NORM``: ``auto`` (the default: the kernel on a process of one GPU), ``off``
+(XLA's normalizing fusion, the add inside it), ``on`` (the kernel wherever its shapes fit:
+natively on a GPU, in Pallas interpret mode elsewhere, for tests). Timed on an H100
+(2026-12-07, BGE-large's 16,384-token step): 35.8 us a norm against XLA's 39, the share 44.9%
+-> 45.2% (44.8% -> 45.1% with cuBLAS's options), its native tests passing.
 ``takes`` answers for one call's shapes, ``describe`` writes the start-up log line.
 """
 
@@ -19,7 +21,7 @@ CHOICES = ("off", "auto", "on")
 
 
 def requested() -> str:
-    return env_choice(ENV, CHOICES, "off")
+    return env_choice(ENV, CHOICES, "auto")
 
 
 def choose() -> tuple[str, str]:
