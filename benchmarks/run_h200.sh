@@ -218,6 +218,11 @@
 #                options and with cuBLAS for every GEMM (JAXSERVE_POOLING_XLA_OPTIONS=cublas:
 #                residual adds inside the GEMMs, norms one pass each, in a deviceless compile),
 #                untraced -> $OUT/emb_{qwen3,bge}_{default,cublas}.{log,json} (about 4-5 minutes)
+#   epilogues    issue 40's open choices, untraced (about 9 minutes): the epilogue kernels' native
+#                tests (the ping-pong form's included), then the embedding runs: BGE-large with
+#                XLA's dot merger as before (q and k GEMMs joined) and off (the default), BGE-large
+#                and Qwen3-0.6B under each JAXSERVE_EPILOGUE_SCHEDULE, then the GELU probe
+#                (benchmarks/probes/gelu_pass.py) -> $OUT/emb_*.{log,json}, gelu_pass.json
 #   kv_events    the cost of publishing KV-cache events: the launch stage's serving sweep (dummy
 #                Llama-3-8B, every bucket compiled first) without and with --kv-events-config
 #                (zmq, replay socket on), a subscriber draining the stream
@@ -1045,6 +1050,27 @@ stage_pooling_xla() {  # the pooling steps' XLA options: default against cuBLAS-
   done
 }
 
+embed_run() {  # label model merger(keep|off) schedule: one untraced embedding run
+  local keep=""
+  [ "$3" = keep ] && keep="import jaxserve.runner.encoder_runner as e; e.ENCODER_GPU_XLA_OPTIONS.clear()"
+  JAXSERVE_EPILOGUE_SCHEDULE=$4 JAXSERVE_POOLING_ATTENTION=whole JAXSERVE_ENCODER_ATTENTION=packed \
+    python3 -c "$keep
+import runpy, sys
+sys.argv = ['embeddings', '--models', '$2', '--out', '$OUT/emb_$1.json', '--max-num-batched-tokens', '16384']
+runpy.run_module('benchmarks.embeddings', run_name='__main__')" > "$OUT/emb_$1.log" 2>&1
+  echo "$1: $( (grep -E "^$2:" "$OUT/emb_$1.log" || tail -2 "$OUT/emb_$1.log") | cut -c1-110)"
+}
+
+stage_epilogues() {  # issue 40: the dot merger and the epilogue kernels' schedules, run by run
+  python3 -m pytest -q -m gpu tests/test_swiglu_matmul.py 2>&1 | tail -2
+  embed_run bge_merged bge keep cooperative
+  embed_run bge bge off cooperative
+  embed_run bge_pingpong bge off pingpong
+  embed_run qwen3 qwen3 off cooperative
+  embed_run qwen3_pingpong qwen3 off pingpong
+  python3 -m benchmarks.probes.gelu_pass --out "$OUT/gelu_pass.json" 2>&1 | tail -8
+}
+
 stage_embeddings() {  # issue 40's table: texts/s and the share of the compute roofline
   # cuDNN's attention: the encoder's, and whole prompts of the decoder's pooling runner
   python3 -m pytest -q -m gpu tests/test_encoder.py tests/test_pooling_attention.py -k cudnn \
@@ -1205,7 +1231,8 @@ for arg in "$@"; do
   limit=${arg#*:}
   [ "$limit" = "$arg" ] && limit=600
   echo "== $stage (limit ${limit} s, at $(( $(date +%s) - start )) s)"
-  export -f "stage_$stage" first_token start_server stop_server wait_every_bucket deepseek_v3_layers
+  export -f "stage_$stage" first_token start_server stop_server wait_every_bucket deepseek_v3_layers \
+    embed_run
   export OUT MODEL SHAPES SERVE_PROMPTS STARTUP_PROFILE KV_EVENTS_RATES
   timeout --kill-after=10 "$limit" bash -c "stage_$stage"
   rc=$?
