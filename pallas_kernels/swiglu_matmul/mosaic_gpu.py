@@ -237,11 +237,7 @@ def _tile_body(o_ref, o_smem, rows, columns, tiles: SwigluMatmulConfig, epilogue
             if epilogue.start is not None:
                 epilogue.start(columns)
             run(accs)
-            values = epilogue.apply(columns, *(acc[...] for acc in accs))
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store
-            o_smem[wg] = values.astype(o_smem.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[rows, columns])
+            _store(o_ref, o_smem, rows, columns, epilogue, accs)
 
         acc = plgpu.ACC((tiles.block_m, tiles.block_n), jnp.float32)
         pl.run_scoped(accumulate, *[acc] * epilogue.views)
@@ -249,39 +245,15 @@ def _tile_body(o_ref, o_smem, rows, columns, tiles: SwigluMatmulConfig, epilogue
     return step, context
 
 
-def _persistent_kernel(x_ref, w_ref, o_ref, *scratch, tiles: SwigluMatmulConfig, epilogue):
-    """One program an SM: its share of the ``[rows, block_n]`` output tiles, row-block major
-    (the programs in flight share a few row blocks of x and all of w, in L2). Weight view v
-    of output tile j is the weight's columns ``v N + j block_n`` on (gate, then up)."""
-    (m, k), n = x_ref.shape, o_ref.shape[1]
-    block_n, n_blocks = tiles.block_n, n // tiles.block_n
+def _store(o_ref, o_smem, rows, columns, epilogue: _Epilogue, accs) -> None:
+    """A compute warpgroup's epilogue: its values from the float32 products, stored through its
+    output buffer once the last tile's store has read it."""
     wg = lax.axis_index("wg")
-    if scratch:  # the epilogue's own scratch (a bias tile's buffers), bound by the caller
-        epilogue = epilogue(*scratch)
-
-    def views(j):
-        return [w_ref.at[:, pl.ds(v * n + j * block_n, block_n)] for v in range(epilogue.views)]
-
-    def scope(allocations, o_smem):
-        @plgpu.nd_loop(((m // tiles.rows) * n_blocks,), collective_axes="sm")
-        def _tile(loop: plgpu.NDLoopInfo):
-            (index,) = loop.index
-            i, j = index // n_blocks, index % n_blocks
-            rows = pl.ds(i * tiles.rows + wg * tiles.block_m, tiles.block_m)
-            columns = pl.ds(j * block_n, block_n)
-            step, context = _tile_body(o_ref, o_smem, rows, columns, tiles, epilogue)
-            _warp_specialized(tiles, k, epilogue.views, step, context)(
-                x_ref.at[pl.ds(i * tiles.rows, tiles.rows)], *views(j), allocations=allocations
-            )
-
-    pipeline = _warp_specialized(tiles, k, epilogue.views)
-    pl.run_scoped(
-        scope,
-        pipeline.get_allocations(x_ref.at[pl.ds(0, tiles.rows)], *views(0)),
-        plgpu.SMEM((2, tiles.block_m, block_n), o_ref.dtype),
-        collective_axes="wg",
-    )
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    values = epilogue.apply(columns, *(acc[...] for acc in accs))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store
+    o_smem[wg] = values.astype(o_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[rows, columns])
 
 
 def _pair_body(
@@ -294,13 +266,6 @@ def _pair_body(
     wg = lax.axis_index("wg")
     columns = pl.ds(first + wg * tiles.block_n, tiles.block_n)
 
-    def finish(accs):
-        values = epilogue.apply(columns, *(acc[...] for acc in accs))
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last pair's store
-        o_smem[wg] = values.astype(o_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[rows, columns])
-
     def step(indices, x_smem, *rest):
         *w_smems, accs = rest
         member, s = indices
@@ -312,7 +277,7 @@ def _pair_body(
             for acc, w_smem in zip(accs, w_smems, strict=True):
                 plgpu.wgmma(acc, x_smem, w_smem)
             plgpu.wgmma_wait(0)  # the stage is released to the memory warpgroup on return
-            pl.when(s == k_steps - 1)(lambda: finish(accs))
+            pl.when(s == k_steps - 1)(lambda: _store(o_ref, o_smem, rows, columns, epilogue, accs))
 
         return accs
 
@@ -326,35 +291,44 @@ def _pair_body(
     return step, context
 
 
-def _pingpong_kernel(x_ref, w_ref, o_ref, *scratch, tiles: SwigluMatmulConfig, epilogue):
-    """``_persistent_kernel`` with the ping-pong schedule: one program an SM walks its share of
-    the tile pairs (two column-adjacent ``[block_m, block_n]`` tiles of one row block, row-block
-    major), one K loop over both members, each compute warpgroup a member's products and
-    epilogue."""
+def _persistent_kernel(x_ref, w_ref, o_ref, *scratch, tiles: SwigluMatmulConfig, epilogue):
+    """One program an SM: its share of the ``[rows, block_n]`` output tiles (cooperative), or of
+    the pairs of column-adjacent ``[block_m, block_n]`` tiles of one row block (ping-pong), in
+    row-block-major order (the programs in flight share a few row blocks of x and all of w, in
+    L2). Weight view v of output tile j is the weight's columns ``v N + j block_n`` on (gate,
+    then up)."""
     (m, k), n = x_ref.shape, o_ref.shape[1]
     block_n, n_blocks = tiles.block_n, n // tiles.block_n
+    group = 2 if tiles.pingpong else 1  # column tiles a unit of work
+    wg = lax.axis_index("wg")
     if scratch:  # the epilogue's own scratch (a bias tile's buffers), bound by the caller
         epilogue = epilogue(*scratch)
 
-    def views(j):  # the pair's two column tiles of each weight view
-        width = 2 * block_n
+    def views(j):
+        width = group * block_n
         return [w_ref.at[:, pl.ds(v * n + j * block_n, width)] for v in range(epilogue.views)]
 
     def scope(allocations, o_smem):
-        @plgpu.nd_loop(((m // tiles.block_m) * n_blocks // 2,), collective_axes="sm")
-        def _pair(loop: plgpu.NDLoopInfo):
+        @plgpu.nd_loop(((m // tiles.rows) * n_blocks // group,), collective_axes="sm")
+        def _unit(loop: plgpu.NDLoopInfo):
             (index,) = loop.index
-            i, j = (2 * index) // n_blocks, (2 * index) % n_blocks
-            rows = pl.ds(i * tiles.block_m, tiles.block_m)
-            body = _pair_body(o_ref, o_smem, rows, j * block_n, k // tiles.block_k, tiles, epilogue)
+            i, j = (group * index) // n_blocks, (group * index) % n_blocks
+            x_rows = pl.ds(i * tiles.rows, tiles.rows)
+            if tiles.pingpong:
+                k_steps = k // tiles.block_k
+                body = _pair_body(o_ref, o_smem, x_rows, j * block_n, k_steps, tiles, epilogue)
+            else:
+                rows = pl.ds(i * tiles.rows + wg * tiles.block_m, tiles.block_m)
+                columns = pl.ds(j * block_n, block_n)
+                body = _tile_body(o_ref, o_smem, rows, columns, tiles, epilogue)
             _warp_specialized(tiles, k, epilogue.views, *body)(
-                x_ref.at[rows], *views(j), allocations=allocations
+                x_ref.at[x_rows], *views(j), allocations=allocations
             )
 
     pipeline = _warp_specialized(tiles, k, epilogue.views)
     pl.run_scoped(
         scope,
-        pipeline.get_allocations(x_ref.at[pl.ds(0, tiles.block_m)], *views(0)),
+        pipeline.get_allocations(x_ref.at[pl.ds(0, tiles.rows)], *views(0)),
         plgpu.SMEM((2, tiles.block_m, block_n), o_ref.dtype),
         collective_axes="wg",
     )
@@ -403,9 +377,8 @@ def swiglu_matmul(
         interpret=plgpu.InterpretGPUParams() if interpret is True else interpret,
     )
     if tiles.warp_specialized:
-        form = _pingpong_kernel if tiles.pingpong else _persistent_kernel
         return plgpu.kernel(
-            functools.partial(form, tiles=tiles, epilogue=SWIGLU),
+            functools.partial(_persistent_kernel, tiles=tiles, epilogue=SWIGLU),
             grid=(_num_programs(m, n, tiles, interpret),),
             grid_names=("sm",),
             num_threads=3,
@@ -470,8 +443,7 @@ def _bias_gelu_kernel(x_ref, w_ref, b_ref, o_ref, b_smem, barriers, *, tiles: Sw
         return exact_gelu(h)
 
     epilogue = _Epilogue(views=1, apply=apply, start=start)
-    form = _pingpong_kernel if tiles.pingpong else _persistent_kernel
-    form(x_ref, w_ref, o_ref, tiles=tiles, epilogue=epilogue)
+    _persistent_kernel(x_ref, w_ref, o_ref, tiles=tiles, epilogue=epilogue)
 
 
 GELU_CONFIG = SwigluMatmulConfig(block_n=128, num_stages=3, warp_specialized=True)
