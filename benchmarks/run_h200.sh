@@ -1052,7 +1052,7 @@ stage_pooling_xla() {  # the pooling steps' XLA options: default against cuBLAS-
 
 embed_run() {  # label model merger(keep|off) schedule: one untraced embedding run
   local keep=""
-  [ "$3" = keep ] && keep="import jaxserve.runner.encoder_runner as e; e.ENCODER_GPU_XLA_OPTIONS.clear()"
+  [ "$3" = keep ] && keep="import jaxserve.runner.programs as p; p.ENCODER_GPU_XLA_OPTIONS.clear()"
   JAXSERVE_EPILOGUE_SCHEDULE=$4 JAXSERVE_POOLING_ATTENTION=whole JAXSERVE_ENCODER_ATTENTION=packed \
     python3 -c "$keep
 import runpy, sys

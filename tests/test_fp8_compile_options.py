@@ -204,10 +204,14 @@ def test_each_set_reaches_pooling_steps_on_a_gpu_only(monkeypatch, on_a_gpu, nam
     fp8 ones."""
     monkeypatch.delenv(POOLING_XLA_OPTIONS_ENV, raising=False)
     assert compiler_options(False, pooling=True) == FP8_XLA_OPTION_SETS["cublas"]
-    assert compiler_options(False, pooling=True, encoder=True) == {}
+    merger_off = programs.ENCODER_GPU_XLA_OPTIONS
+    assert compiler_options(False, pooling=True, encoder=True) == merger_off
     monkeypatch.setenv(POOLING_XLA_OPTIONS_ENV, name)
     assert compiler_options(False, pooling=True) == FP8_XLA_OPTION_SETS[name]
-    assert compiler_options(False, pooling=True, encoder=True) == FP8_XLA_OPTION_SETS[name]
+    assert compiler_options(False, pooling=True, encoder=True) == {
+        **FP8_XLA_OPTION_SETS[name],
+        **merger_off,
+    }
     assert compiler_options(False) == {}
     monkeypatch.setenv(FP8_XLA_OPTIONS_ENV, "default")
     assert compiler_options(False, fp8_weights=True, pooling=True) == {}  # fp8's set
@@ -217,21 +221,15 @@ def test_each_set_reaches_pooling_steps_on_a_gpu_only(monkeypatch, on_a_gpu, nam
 def test_the_encoder_step_keeps_its_gemms_apart_on_a_gpu(monkeypatch, on_a_gpu) -> None:
     """XLA's dot merger joined a BERT layer's q and k GEMMs, leaving their biases to passes of
     their own: the encoder step turns it off on a GPU, over the pooling set; not elsewhere."""
-    from jaxserve.runner import encoder_runner
-
-    monkeypatch.setattr(encoder_runner.jax, "default_backend", lambda: "gpu")
     monkeypatch.delenv(POOLING_XLA_OPTIONS_ENV, raising=False)
     merger_off = {"xla_gpu_dot_merger_threshold_mb": 0}
-    assert encoder_runner.encoder_compiler_options() == merger_off
+    assert compiler_options(False, pooling=True, encoder=True) == merger_off
     monkeypatch.setenv(POOLING_XLA_OPTIONS_ENV, "cublas")
-    assert encoder_runner.encoder_compiler_options() == {
-        **FP8_XLA_OPTION_SETS["cublas"],
-        **merger_off,
-    }
-    assert compiler_options(False, pooling=True) == FP8_XLA_OPTION_SETS["cublas"]  # not the set's
-    monkeypatch.setattr(encoder_runner.jax, "default_backend", lambda: "cpu")
+    cublas = FP8_XLA_OPTION_SETS["cublas"]
+    assert compiler_options(False, pooling=True, encoder=True) == {**cublas, **merger_off}
+    assert compiler_options(False, pooling=True) == cublas  # a decoder's: not the merger's
     monkeypatch.setattr(programs.jax, "default_backend", lambda: "cpu")
-    assert encoder_runner.encoder_compiler_options() == {}
+    assert compiler_options(False, pooling=True, encoder=True) == {}
 
 
 def test_an_unknown_pooling_set_names_the_variable(monkeypatch, on_a_gpu) -> None:

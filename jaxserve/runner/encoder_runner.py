@@ -82,23 +82,6 @@ ATTENTION_NAMES = {
 }
 
 
-# XLA's dot merger joins GEMMs of one input below a size (32 MB): a BERT layer's q and k
-# projections (2 MB each at BGE-large) became one GEMM whose biases could not ride in its
-# epilogue, so each was added in a pass of its own (2 x 21.5 us a layer of the H100's 16,384-token
-# BGE-large step, 2026-12-07; a deviceless H100 compile with the merger off keeps the three
-# GEMMs, each with its bias inside).
-ENCODER_GPU_XLA_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
-
-
-def encoder_compiler_options() -> dict[str, Any]:
-    """The encoder step's XLA options: the pooling steps' set (``programs.compiler_options``)
-    and, on a GPU, no merged GEMMs (``ENCODER_GPU_XLA_OPTIONS``)."""
-    options = compiler_options(False, pooling=True, encoder=True)
-    if jax.default_backend() == "gpu":
-        options.update(ENCODER_GPU_XLA_OPTIONS)
-    return options
-
-
 def encoder_attention(dtype: Any) -> tuple[str, str]:
     """``("packed" | "cudnn" | "xla", why)``: how the encoder's attention runs in this process
     for activations of ``dtype`` (``JAXSERVE_ENCODER_ATTENTION``: auto, the default, packed,
@@ -237,7 +220,8 @@ class EncoderRunner:
         step = functools.partial(
             encoder_step, config=encoder_config, tile=self.tile, attention_impl=implementation
         )
-        return jax.jit(step, compiler_options=encoder_compiler_options())
+        options = compiler_options(False, pooling=True, encoder=True)
+        return jax.jit(step, compiler_options=options)
 
     def _load(self, model_dir: Path, load_format: str) -> EncoderWeights:
         if load_format == "dummy":

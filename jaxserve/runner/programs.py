@@ -224,13 +224,15 @@ def compiler_options(
     """XLA's options for a program with GEMMs: batch-invariant mode's, else, for fp8 weights
     on a GPU, the set ``$JAXSERVE_FP8_XLA_OPTIONS`` names, for a pooling step without cache
     (``pooling``: a decoder's whole prompts, or an ``encoder``'s step) the set
-    ``$JAXSERVE_POOLING_XLA_OPTIONS`` names (each has its default); none otherwise."""
+    ``$JAXSERVE_POOLING_XLA_OPTIONS`` names (each has its default), an encoder's with XLA's
+    dot merger off (``ENCODER_GPU_XLA_OPTIONS``); none otherwise."""
     if batch_invariant or jax.default_backend() != "gpu":
         return invariant_compiler_options(batch_invariant)
     if fp8_weights:
         return dict(FP8_XLA_OPTION_SETS[fp8_xla_options_name()])
     if pooling:
-        return dict(FP8_XLA_OPTION_SETS[pooling_xla_options_name(encoder)])
+        options = dict(FP8_XLA_OPTION_SETS[pooling_xla_options_name(encoder)])
+        return options | (ENCODER_GPU_XLA_OPTIONS if encoder else {})
     return {}
 
 
@@ -244,6 +246,12 @@ def compiler_options(
 # cuBLAS's and the per-head norm kernel; BGE-large 44.9% against 44.8% with cuBLAS's (its
 # biases then went into the GEMMs through a broadcast pass each), so the encoder keeps XLA's.
 POOLING_XLA_OPTIONS_ENV = "JAXSERVE_POOLING_XLA_OPTIONS"
+# XLA's dot merger joins GEMMs of one input below a size (32 MB): a BERT layer's q and k
+# projections (2 MB each at BGE-large) became one GEMM whose biases could not ride in its
+# epilogue, so each was added in a pass of its own (2 x 21.5 us a layer of the H100's
+# 16,384-token BGE-large step, 2026-12-07; a deviceless H100 compile with the merger off keeps
+# the three GEMMs, each with its bias inside). An encoder's step turns it off.
+ENCODER_GPU_XLA_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
 POOLING_XLA_OPTIONS_DEFAULT = "cublas"  # a decoder's whole prompts
 ENCODER_XLA_OPTIONS_DEFAULT = "default"
 
